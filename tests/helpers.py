@@ -1,0 +1,77 @@
+"""Run the real product from tests: run_train.sh, torchrun'd scripts, and read what users read."""
+
+from __future__ import annotations
+
+import glob
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+RUN_TRAIN = REPO / "run_train.sh"
+
+# Small, fast settings shared by the end-to-end tests (a 2-layer slice of the debug model).
+TINY = [
+    "--training.seq_len", "64", "--training.local_batch_size", "2",
+    "--training.mixed_precision_param", "float32", "--metrics.log_freq", "1",
+    "--lr_scheduler.warmup_steps", "2", "--data.dataset", "synthetic",
+]
+
+
+def test_env(extra: dict | None = None) -> dict:
+    env = dict(os.environ)
+    env.setdefault("HF_DATASETS_OFFLINE", "1")
+    env.setdefault("HF_HUB_OFFLINE", "1")
+    env["PYTHONPATH"] = str(REPO) + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
+    env.update(extra or {})
+    return env
+
+
+def run_train(dump: Path | str, *overrides: str, nproc: int = 2, env: dict | None = None,
+              config: str | None = None, timeout: float = 300, check: bool = True,
+              log_rank: str = "0") -> subprocess.CompletedProcess:
+    """`NGPU=nproc ./run_train.sh --job.dump_folder dump <overrides>`; returns the completed run."""
+    extra = {"NGPU": str(nproc), "LOG_RANK": log_rank, **(env or {})}
+    if config:
+        extra["CONFIG_FILE"] = config
+    proc = subprocess.run([str(RUN_TRAIN), "--job.dump_folder", str(dump), *overrides],
+                          env=test_env(extra), capture_output=True, text=True, timeout=timeout)
+    if check and proc.returncode != 0:
+        raise AssertionError(f"run_train.sh exited {proc.returncode}\n--- stdout\n"
+                             f"{proc.stdout[-4000:]}\n--- stderr\n{proc.stderr[-4000:]}")
+    return proc
+
+
+def torchrun(script: Path | str, *args: str, nproc: int = 2, timeout: float = 300,
+             env: dict | None = None) -> subprocess.CompletedProcess:
+    """Run a Python script under real torchrun (c10d rendezvous on a free localhost port)."""
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "1",
+           "--nproc_per_node", str(nproc), "--rdzv_backend", "c10d",
+           "--rdzv_endpoint", "localhost:0", str(script), *args]
+    proc = subprocess.run(cmd, env=test_env(env), capture_output=True, text=True, timeout=timeout)
+    if proc.returncode != 0:
+        raise AssertionError(f"torchrun {script} exited {proc.returncode}\n--- stdout\n"
+                             f"{proc.stdout[-4000:]}\n--- stderr\n{proc.stderr[-6000:]}")
+    return proc
+
+
+def scalars(dump: Path | str, tag: str, tb_folder: str = "tb") -> dict[int, float]:
+    """{step: value} of one TensorBoard tag across every run folder under the dump folder
+    (later runs, e.g. a resume, overwrite earlier values of the same step)."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    out: dict[int, float] = {}
+    runs = sorted({os.path.dirname(p) for p in
+                   glob.glob(os.path.join(str(dump), tb_folder, "**", "events.out.tfevents.*"),
+                             recursive=True)}, key=os.path.getmtime)
+    for run in runs:
+        acc = EventAccumulator(run, size_guidance={"scalars": 0})
+        acc.Reload()
+        if tag in acc.Tags()["scalars"]:
+            out.update({e.step: e.value for e in acc.Scalars(tag)})
+    return out
+
+
+def losses(dump: Path | str) -> dict[int, float]:
+    return scalars(dump, "loss_metrics/global_avg_loss")

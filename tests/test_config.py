@@ -1,0 +1,104 @@
+"""Config loading, overrides, validation messages and the saved effective config."""
+
+import sys
+
+import pytest
+
+from trainer.config import JobConfig, load_config, parse_cli
+from trainer.errors import ConfigError
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:
+    import tomli as tomllib
+
+
+def write(tmp_path, text):
+    p = tmp_path / "c.toml"
+    p.write_text(text)
+    return str(p)
+
+
+def test_precedence_cli_over_toml_over_defaults(tmp_path):
+    path = write(tmp_path, "[training]\nsteps = 7\nseq_len = 32\n")
+    cfg = load_config(["--job.config_file", path, "--training.seq_len=64"])
+    assert cfg.training.steps == 7          # TOML over default
+    assert cfg.training.seq_len == 64       # CLI over TOML
+    assert cfg.training.local_batch_size == JobConfig().training.local_batch_size  # default
+
+
+def test_cli_forms_and_types():
+    cfg = load_config(["--checkpoint.enable", "--optimizer.lr", "1e-3", "--metrics.enable_tensorboard=false",
+                       "--data.dataset", "json", "--data.data_files", "a.jsonl,b.jsonl", "--optimizer.weight_decay=0"])
+    assert cfg.checkpoint.enable is True
+    assert cfg.optimizer.lr == 1e-3
+    assert cfg.metrics.enable_tensorboard is False
+    assert cfg.data.data_files == ["a.jsonl", "b.jsonl"]
+    assert cfg.optimizer.weight_decay == 0.0 and isinstance(cfg.optimizer.weight_decay, float)
+    assert parse_cli(["--a.b", "--c.d", "x"]) == {"a.b": None, "c.d": "x"}
+
+
+@pytest.mark.parametrize("args, toml, needle", [
+    (["--training.setps", "3"], None, "unknown key 'training.setps' (did you mean 'training.steps'?)"),
+    (["--trainig.steps", "3"], None, "did you mean 'training'?"),
+    (["--training.steps", "many"], None, "training.steps must be an int, got 'many'"),
+    (["--checkpoint.enable", "yes"], None, "checkpoint.enable must be true or false"),
+    (["--training.mixed_precision_param", "fp16"], None,
+     "training.mixed_precision_param = 'fp16' is not valid; choose one of 'bfloat16', 'float32'"),
+    (["--training.steps", "0"], None, "training.steps = 0 is out of range; it must be >= 1"),
+    (["--model.flavor", "8b"], None, "did you mean '8B'?"),
+    (["--training.global_batch_size", "0"], None, "training.global_batch_size = 0"),
+    (["oops"], None, "unexpected argument 'oops'"),
+    ([], "[training]\nsteps = \"ten\"\n", "training.steps must be an int, got str 'ten'"),
+    ([], "[training]\nstep = 3\n", "did you mean 'training.steps'?"),
+    ([], "[traning]\nsteps = 3\n", "unknown section [traning] (did you mean 'training'?)"),
+    ([], "[training]\nsteps = 3\nseq_len = \n", "TOML syntax error"),
+    ([], "[training]\nsteps = 3\nseq_len = \n", "line 3"),
+    ([], "[training]\nlocal_batch_size = true\n", "training.local_batch_size must be an int, got bool"),
+])
+def test_errors_name_the_key(tmp_path, args, toml, needle):
+    if toml is not None:
+        args = ["--job.config_file", write(tmp_path, toml), *args]
+    with pytest.raises(ConfigError) as e:
+        load_config(args)
+    assert needle in e.value.one_line()
+    assert "\n" not in e.value.one_line() and e.value.one_line().startswith("config error: ")
+
+
+def test_missing_config_file():
+    with pytest.raises(ConfigError, match="no such file"):
+        load_config(["--job.config_file", "/nonexistent/x.toml"])
+
+
+@pytest.mark.parametrize("world, overrides, needle", [
+    (2, ["--parallelism.data_parallel_shard_degree", "4"], "multiply to 4, but the world size is 2"),
+    (4, ["--parallelism.data_parallel_replicate_degree", "3"], "world size 4"),
+    (2, ["--training.local_batch_size", "3", "--training.global_batch_size", "8"],
+     "training.global_batch_size = 8 is not divisible by training.local_batch_size (3) * dp size (2) = 6"),
+])
+def test_world_size_dependent_errors(world, overrides, needle):
+    cfg = load_config(overrides)
+    with pytest.raises(ConfigError) as e:
+        cfg.validate(world)
+    assert needle in str(e.value)
+
+
+def test_effective_config_round_trips(tmp_path):
+    cfg = load_config(["--training.steps", "5", "--job.description", 'a "quoted" \\ text',
+                       "--data.dataset", "json", "--data.data_files", "x.json"])
+    path = tmp_path / "out" / "config.toml"
+    cfg.save(str(path))
+    data = tomllib.loads(path.read_text())
+    again = load_config(["--job.config_file", str(path)])
+    assert again.job.config_file == str(path)
+    again.job.config_file = cfg.job.config_file
+    assert again == cfg
+    assert data["training"]["steps"] == 5
+
+
+def test_shipped_configs_are_valid():
+    from tests.helpers import REPO
+
+    for path in sorted((REPO / "configs").glob("*.toml")):
+        cfg = load_config(["--job.config_file", str(path)])
+        cfg.validate(2 if path.name == "debug_model.toml" else 8)

@@ -1,0 +1,159 @@
+"""Distributed Checkpoint (DCP) save and resume.
+
+A checkpoint is `{dump_folder}/{folder}/step-N`, holding the sharded model and optimizer state
+(through `torch.distributed.checkpoint.state_dict`, so it reshards across world sizes and
+FSDP/HSDP layouts on load), the lr scheduler, the train state (step, tokens seen), the RNG states
+and the dataloader position.
+
+A save is atomic: every rank writes into `step-N.partial`; once DCP has written the metadata and
+all ranks have passed a barrier, rank 0 renames it to `step-N`. Only `step-N` folders are ever
+loaded, so a crash mid-save leaves the previous checkpoint as the latest.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import time
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.state_dict import (get_model_state_dict,
+                                                     get_optimizer_state_dict,
+                                                     set_model_state_dict,
+                                                     set_optimizer_state_dict)
+from torch.distributed.checkpoint.stateful import Stateful
+
+from trainer.errors import ConfigError
+
+STEP_DIR = re.compile(r"^step-(\d+)$")
+# Testing hook: crash rank 0 after the data of this step's save is written, before the commit.
+CRASH_ENV = "TRAINER_TEST_CRASH_BEFORE_COMMIT"
+
+
+@dataclass
+class TrainState(Stateful):
+    step: int = 0
+    tokens_seen: int = 0
+
+    def state_dict(self) -> dict:
+        return {"step": self.step, "tokens_seen": self.tokens_seen}
+
+    def load_state_dict(self, sd: dict) -> None:
+        self.step, self.tokens_seen = int(sd["step"]), int(sd["tokens_seen"])
+
+
+class ModelAndOptimizer(Stateful):
+    """Model and optimizer state as sharded DTensors, keyed by parameter FQNs."""
+
+    def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer):
+        self.model, self.optimizer = model, optimizer
+
+    def state_dict(self) -> dict:
+        return {"model": get_model_state_dict(self.model),
+                "optimizer": get_optimizer_state_dict(self.model, self.optimizer)}
+
+    def load_state_dict(self, sd: dict) -> None:
+        set_model_state_dict(self.model, sd["model"])
+        set_optimizer_state_dict(self.model, self.optimizer, optim_state_dict=sd["optimizer"])
+
+
+class _Adapter(Stateful):
+    """Wrap an object with state_dict/load_state_dict (scheduler, dataloader) for DCP."""
+
+    def __init__(self, obj):
+        self.obj = obj
+
+    def state_dict(self) -> dict:
+        return self.obj.state_dict()
+
+    def load_state_dict(self, sd: dict) -> None:
+        self.obj.load_state_dict(sd)
+
+
+class RNGState(Stateful):
+    """The RNG states. Every rank is seeded identically, so one copy serves all world sizes."""
+
+    def state_dict(self) -> dict:
+        sd = {"cpu": torch.get_rng_state()}
+        if torch.cuda.is_available():
+            sd["cuda"] = torch.cuda.get_rng_state()
+        return sd
+
+    def load_state_dict(self, sd: dict) -> None:
+        torch.set_rng_state(sd["cpu"])
+        if "cuda" in sd and torch.cuda.is_available():
+            torch.cuda.set_rng_state(sd["cuda"])
+
+
+class Checkpointer:
+    def __init__(self, cfg, *, model, optimizer, scheduler, dataloader, train_state: TrainState,
+                 log=print):
+        self.cfg = cfg.checkpoint
+        self.root = os.path.join(cfg.job.dump_folder, self.cfg.folder)
+        self.train_state, self.log = train_state, log
+        self.states = {"model_optim": ModelAndOptimizer(model, optimizer),
+                       "lr_scheduler": _Adapter(scheduler), "dataloader": _Adapter(dataloader),
+                       "train_state": train_state, "rng": RNGState()}
+
+    # ----------------------------------------------------------------------------- listing
+    def committed_steps(self) -> list[int]:
+        if not os.path.isdir(self.root):
+            return []
+        steps = (STEP_DIR.match(name) for name in os.listdir(self.root))
+        return sorted(int(m.group(1)) for m in steps if m)
+
+    def _path(self, step: int) -> str:
+        return os.path.join(self.root, f"step-{step}")
+
+    # ----------------------------------------------------------------------------- load
+    def load(self) -> bool:
+        """Resume from `load_step` or the latest committed checkpoint; False if there is none."""
+        if not self.cfg.enable:
+            return False
+        steps = self.committed_steps()
+        step = self.cfg.load_step
+        if step == -1:
+            if not steps:
+                return False
+            step = steps[-1]
+        elif step not in steps:
+            raise ConfigError(f"checkpoint.load_step = {step}: no checkpoint {self._path(step)}; "
+                              f"available steps: {steps or 'none'}")
+        t0 = time.monotonic()
+        dcp.load(self.states, checkpoint_id=self._path(step))
+        self.log(f"resumed from {self._path(step)} (step {self.train_state.step}) in "
+                 f"{time.monotonic() - t0:.2f}s")
+        return True
+
+    # ----------------------------------------------------------------------------- save
+    def maybe_save(self, step: int, *, last: bool) -> None:
+        if self.cfg.enable and (step % self.cfg.interval == 0 or last):
+            self.save(step)
+
+    def save(self, step: int) -> None:
+        t0 = time.monotonic()
+        final, partial = self._path(step), self._path(step) + ".partial"
+        rank0 = dist.get_rank() == 0
+        if rank0:
+            shutil.rmtree(partial, ignore_errors=True)  # left over from an interrupted save
+        dist.barrier()
+        dcp.save(self.states, checkpoint_id=partial)
+        if os.environ.get(CRASH_ENV) == str(step) and rank0:
+            os._exit(17)
+        dist.barrier()  # every rank's data and DCP's metadata are on disk
+        if rank0:
+            shutil.rmtree(final, ignore_errors=True)
+            os.replace(partial, final)
+            self._prune()
+        dist.barrier()
+        self.log(f"saved checkpoint {final} in {time.monotonic() - t0:.2f}s")
+
+    def _prune(self) -> None:
+        k = self.cfg.keep_latest_k
+        if k > 0:
+            for old in self.committed_steps()[:-k]:
+                shutil.rmtree(self._path(old), ignore_errors=True)

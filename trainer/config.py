@@ -1,0 +1,380 @@
+"""The job configuration: one typed dataclass per TOML section, loaded from TOML + CLI overrides.
+
+Precedence is CLI > TOML > defaults. Every problem the config alone can reveal (unknown keys,
+wrong types, out-of-range values, impossible combinations, including those that depend on the
+world size) raises `ConfigError` here, before any process group exists that could hang.
+
+    python -m trainer.config --check --world-size 4 --job.config_file configs/debug_model.toml
+    python -m trainer.config --help      # the reference of every key
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import os
+import sys
+import typing
+from dataclasses import dataclass, field
+from typing import Any
+
+from trainer.config_base import check_field, opt
+from trainer.data.config import DataConfig
+from trainer.errors import ConfigError, UserError
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover
+    import tomli as tomllib
+
+DTYPES = ("bfloat16", "float32")
+
+
+@dataclass
+class Job:
+    config_file: str = opt("", "TOML file this config was loaded from (set with --job.config_file)")
+    dump_folder: str = opt("./outputs", "Folder for the effective config, checkpoints and TensorBoard")
+    description: str = opt("", "Free-text description of the run")
+    seed: int = opt(0, "Seed for weight init, data order and every RNG", min=0)
+
+
+@dataclass
+class Model:
+    name: str = opt("llama3", "Model family", choices=("llama3",))
+    flavor: str = opt("debugmodel", "Model size: debugmodel, 1B, 8B, 70B")
+    vocab_size: int = opt(0, "Model vocab; 0 = the tokenizer's, padded to vocab_size_multiple_of", min=0)
+    vocab_size_multiple_of: int = opt(64, "Pad the model vocab up to a multiple of this", min=1)
+
+    def validate(self) -> None:
+        from trainer.model import FLAVORS  # local: keeps `--help` light
+
+        if self.flavor not in FLAVORS:
+            raise ConfigError(f"model.flavor = {self.flavor!r} is not valid; choose one of "
+                              f"{', '.join(repr(f) for f in FLAVORS)}{_did_you_mean(self.flavor, FLAVORS)}")
+
+
+@dataclass
+class Optimizer:
+    name: str = opt("AdamW", "Optimizer", choices=("AdamW", "Adam"))
+    lr: float = opt(8e-4, "Peak learning rate", min=0.0)
+    beta1: float = opt(0.9, "Adam beta1", min=0.0, max=1.0)
+    beta2: float = opt(0.95, "Adam beta2", min=0.0, max=1.0)
+    eps: float = opt(1e-8, "Adam epsilon", min=0.0)
+    weight_decay: float = opt(0.1, "Decoupled weight decay", min=0.0)
+    implementation: str = opt("foreach", "Kernel: for-loop, foreach or fused",
+                              choices=("for-loop", "foreach", "fused"))
+
+
+@dataclass
+class LRScheduler:
+    warmup_steps: int = opt(200, "Linear warmup steps from ~0 to optimizer.lr", min=0)
+    decay_type: str = opt("linear", "Decay after warmup down to min_lr_factor * lr",
+                          choices=("linear", "cosine"))
+    min_lr_factor: float = opt(0.0, "Final lr as a fraction of optimizer.lr", min=0.0, max=1.0)
+
+
+@dataclass
+class Training:
+    local_batch_size: int = opt(8, "Sequences per microbatch per data-parallel rank", min=1)
+    global_batch_size: int = opt(-1, "Sequences per optimizer step; -1 = local_batch_size * dp size")
+    seq_len: int = opt(2048, "Tokens per sequence", min=1)
+    steps: int = opt(10000, "Optimizer steps to train for", min=1)
+    max_norm: float = opt(1.0, "Gradient clipping max global norm; 0 = no clipping", min=0.0)
+    mixed_precision_param: str = opt("bfloat16", "Dtype of the unsharded compute params",
+                                     choices=DTYPES)
+    mixed_precision_reduce: str = opt("float32", "Dtype of gradient reduction", choices=DTYPES)
+    gradient_accumulation_sync: str = opt(
+        "last", "Microbatch grad sync: last (least comm), every (least memory), hsdp_reduce_scatter",
+        choices=("last", "every", "hsdp_reduce_scatter"))
+
+    def validate(self) -> None:
+        if self.global_batch_size != -1 and self.global_batch_size < 1:
+            raise ConfigError(f"training.global_batch_size = {self.global_batch_size} is out of "
+                              "range; it must be >= 1, or -1 for local_batch_size * dp size")
+
+
+@dataclass
+class Parallelism:
+    data_parallel_shard_degree: int = opt(-1, "FSDP shard group size; -1 = the rest of the world")
+    data_parallel_replicate_degree: int = opt(1, "HSDP replica groups (e.g. nodes)", min=1)
+    fsdp_reshard_after_forward: str = opt(
+        "default", "Free unsharded params after forward: default, always, never",
+        choices=("default", "always", "never"))
+
+
+@dataclass
+class Checkpoint:
+    enable: bool = opt(False, "Save Distributed Checkpoints and resume from them")
+    folder: str = opt("checkpoint", "Checkpoint folder, relative to job.dump_folder")
+    interval: int = opt(500, "Save every this many steps (and at the last step)", min=1)
+    keep_latest_k: int = opt(10, "Keep the newest k checkpoints; 0 = keep all", min=0)
+    load_step: int = opt(-1, "Resume from this step instead of the latest; -1 = latest", min=-1)
+
+
+@dataclass
+class Metrics:
+    log_freq: int = opt(10, "Log metrics every this many steps", min=1)
+    enable_tensorboard: bool = opt(True, "Write TensorBoard events on rank 0")
+    save_tb_folder: str = opt("tb", "TensorBoard folder, relative to job.dump_folder")
+    peak_tflops: float = opt(0.0, "Peak bf16 TFLOPS per device for MFU; 0 = from the device table",
+                             min=0.0)
+    disable_color: bool = opt(False, "Plain console output without ANSI colors")
+
+
+@dataclass
+class Profiling:
+    enable_profiling: bool = opt(False, "Record torch.profiler traces")
+    save_traces_folder: str = opt("profile_traces", "Trace folder, relative to job.dump_folder")
+    profile_freq: int = opt(10, "Trace one step every this many steps", min=1)
+    enable_memory_snapshot: bool = opt(False, "On CUDA, dump a memory snapshot (allocator history)")
+    save_memory_snapshot_folder: str = opt("memory_snapshot", "Snapshot folder, in dump_folder")
+
+
+@dataclass
+class Comm:
+    init_timeout_seconds: int = opt(300, "Timeout of process-group setup and the first step", min=1)
+    train_timeout_seconds: int = opt(100, "Timeout of each collective during training", min=1)
+
+
+@dataclass
+class JobConfig:
+    job: Job = field(default_factory=Job)
+    model: Model = field(default_factory=Model)
+    optimizer: Optimizer = field(default_factory=Optimizer)
+    lr_scheduler: LRScheduler = field(default_factory=LRScheduler)
+    training: Training = field(default_factory=Training)
+    parallelism: Parallelism = field(default_factory=Parallelism)
+    checkpoint: Checkpoint = field(default_factory=Checkpoint)
+    metrics: Metrics = field(default_factory=Metrics)
+    profiling: Profiling = field(default_factory=Profiling)
+    comm: Comm = field(default_factory=Comm)
+    data: DataConfig = field(default_factory=DataConfig)
+
+    def validate(self, world_size: int | None = None) -> None:
+        """Check every section, then the rules that span sections and the world size."""
+        for section in sections(self):
+            obj = getattr(self, section)
+            for f in dataclasses.fields(obj):
+                check_field(section, f, getattr(obj, f.name))
+            if hasattr(obj, "validate"):
+                obj.validate()
+        if world_size is not None:
+            self.resolve(world_size)
+
+    def resolve(self, world_size: int):
+        """Resolve -1 degrees and the global batch for `world_size`; returns (ParallelDims, accum)."""
+        from trainer.parallel_dims import ParallelDims
+
+        pd = ParallelDims.from_config(self.parallelism, world_size)
+        return pd, accumulation_steps(self.training, pd.dp_size)
+
+    def to_toml(self) -> str:
+        out = []
+        for section in sections(self):
+            out.append(f"[{section}]")
+            obj = getattr(self, section)
+            out += [f"{f.name} = {_toml_value(getattr(obj, f.name))}" for f in dataclasses.fields(obj)]
+            out.append("")
+        return "\n".join(out)
+
+    def save(self, path: str) -> None:
+        os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+        tmp = f"{path}.tmp.{os.getpid()}"
+        with open(tmp, "w") as fh:
+            fh.write(self.to_toml())
+        os.replace(tmp, path)
+
+
+def accumulation_steps(training: Training, dp_size: int) -> int:
+    """Microbatches per step = global_batch_size / (local_batch_size * dp size)."""
+    per_pass = training.local_batch_size * dp_size
+    gbs = per_pass if training.global_batch_size == -1 else training.global_batch_size
+    if gbs % per_pass:
+        raise ConfigError(
+            f"training.global_batch_size = {gbs} is not divisible by training.local_batch_size "
+            f"({training.local_batch_size}) * dp size ({dp_size}) = {per_pass}; use a multiple "
+            f"of {per_pass}")
+    return gbs // per_pass
+
+
+def sections(cfg: JobConfig) -> list[str]:
+    return [f.name for f in dataclasses.fields(cfg)]
+
+
+# --------------------------------------------------------------------------- loading
+
+
+def load_config(argv: list[str]) -> JobConfig:
+    """Build the config from `--job.config_file` (if given) and `--section.key value` overrides."""
+    overrides = parse_cli(argv)
+    cfg = JobConfig()
+    path = overrides.get("job.config_file")
+    if path:
+        _apply_toml(cfg, _read_toml(path))
+    for key, raw in overrides.items():
+        section, name, f = _lookup(cfg, key)
+        setattr(getattr(cfg, section), name, _from_cli(key, raw, _field_type(cfg, section, name)))
+    cfg.validate()
+    return cfg
+
+
+def parse_cli(argv: list[str]) -> dict[str, str | None]:
+    """`--a.b v`, `--a.b=v` and bare `--a.b` (boolean true) into {'a.b': 'v'}."""
+    out: dict[str, str | None] = {}
+    i = 0
+    while i < len(argv):
+        arg = argv[i]
+        if not arg.startswith("--") or "." not in arg.split("=", 1)[0]:
+            raise ConfigError(f"unexpected argument {arg!r}; overrides look like "
+                              "--section.key value or --section.key=value")
+        if "=" in arg:
+            key, value = arg[2:].split("=", 1)
+        elif i + 1 < len(argv) and not argv[i + 1].startswith("--"):
+            key, value = arg[2:], argv[i + 1]
+            i += 1
+        else:
+            key, value = arg[2:], None
+        out[key] = value
+        i += 1
+    return out
+
+
+def _read_toml(path: str) -> dict:
+    try:
+        with open(path, "rb") as fh:
+            return tomllib.load(fh)
+    except FileNotFoundError:
+        raise ConfigError(f"job.config_file: no such file {path!r}") from None
+    except tomllib.TOMLDecodeError as e:
+        raise ConfigError(f"TOML syntax error in {path}: {e}") from None
+
+
+def _apply_toml(cfg: JobConfig, data: dict) -> None:
+    for section, table in data.items():
+        if section not in sections(cfg):
+            raise ConfigError(f"unknown section [{section}]{_did_you_mean(section, sections(cfg))}; "
+                              f"valid sections: {', '.join(sections(cfg))}")
+        if not isinstance(table, dict):
+            raise ConfigError(f"{section} must be a [{section}] table, got {table!r}")
+        for name, value in table.items():
+            key = f"{section}.{name}"
+            _lookup(cfg, key)
+            setattr(getattr(cfg, section), name, _coerce(key, value, _field_type(cfg, section, name)))
+
+
+def _lookup(cfg: JobConfig, key: str):
+    section, _, name = key.partition(".")
+    if section not in sections(cfg):
+        raise ConfigError(f"unknown section in {key!r}{_did_you_mean(section, sections(cfg))}; "
+                          f"valid sections: {', '.join(sections(cfg))}")
+    names = {f.name: f for f in dataclasses.fields(getattr(cfg, section))}
+    if name not in names:
+        all_keys = [f"{s}.{f.name}" for s in sections(cfg) for f in dataclasses.fields(getattr(cfg, s))]
+        hint = _did_you_mean(key, all_keys) or f"; valid keys in [{section}]: {', '.join(names)}"
+        raise ConfigError(f"unknown key {key!r}{hint}")
+    return section, name, names[name]
+
+
+def _did_you_mean(word: str, options) -> str:
+    by_lower = {o.lower(): o for o in options}
+    close = difflib.get_close_matches(word.lower(), list(by_lower), n=1, cutoff=0.6)
+    return f" (did you mean {by_lower[close[0]]!r}?)" if close else ""
+
+
+def _field_type(cfg: JobConfig, section: str, name: str):
+    return typing.get_type_hints(type(getattr(cfg, section)))[name]
+
+
+def _type_name(tp) -> str:
+    return getattr(tp, "__name__", None) if typing.get_origin(tp) is None else str(tp)
+
+
+def _coerce(key: str, value: Any, tp) -> Any:
+    """Check a TOML value against the field type (ints are accepted for floats)."""
+    origin = typing.get_origin(tp)
+    if origin is list:
+        (item_tp,) = typing.get_args(tp)
+        if not isinstance(value, list):
+            raise ConfigError(f"{key} must be a list of {item_tp.__name__}, got {value!r}")
+        return [_coerce(key, v, item_tp) for v in value]
+    ok = (isinstance(value, tp) and not (tp is int and isinstance(value, bool))) or (
+        tp is float and isinstance(value, int) and not isinstance(value, bool))
+    if not ok:
+        raise ConfigError(f"{key} must be {_article(tp)} {_type_name(tp)}, got "
+                          f"{type(value).__name__} {value!r}")
+    return float(value) if tp is float else value
+
+
+def _from_cli(key: str, raw: str | None, tp) -> Any:
+    """Parse a CLI string into the field's type."""
+    if typing.get_origin(tp) is list:
+        (item_tp,) = typing.get_args(tp)
+        items = [] if not raw else [s.strip() for s in raw.split(",")]
+        return [_from_cli(key, s, item_tp) for s in items]
+    if tp is bool:
+        if raw is None or raw.lower() == "true":
+            return True
+        if raw.lower() == "false":
+            return False
+        raise ConfigError(f"{key} must be true or false, got {raw!r}")
+    if raw is None:
+        raise ConfigError(f"{key} needs a value ({_type_name(tp)})")
+    if tp is str:
+        return raw
+    try:
+        return tp(raw)
+    except ValueError:
+        raise ConfigError(f"{key} must be {_article(tp)} {_type_name(tp)}, got {raw!r}") from None
+
+
+def _article(tp) -> str:
+    return "an" if _type_name(tp)[0] in "aeiou" else "a"
+
+
+def _toml_value(v: Any) -> str:
+    if isinstance(v, bool):
+        return "true" if v else "false"
+    if isinstance(v, (int, float)):
+        return repr(v)
+    if isinstance(v, list):
+        return "[" + ", ".join(_toml_value(x) for x in v) + "]"
+    return '"' + str(v).replace("\\", "\\\\").replace('"', '\\"') + '"'
+
+
+def reference() -> str:
+    """The config reference: every key with its type, default and doc."""
+    cfg, lines = JobConfig(), []
+    for section in sections(cfg):
+        lines.append(f"[{section}]")
+        obj = getattr(cfg, section)
+        hints = typing.get_type_hints(type(obj))
+        for f in dataclasses.fields(obj):
+            lines.append(f"  {f.name} ({_type_name(hints[f.name])}, default "
+                         f"{_toml_value(getattr(obj, f.name))}): {f.metadata.get('help', '')}")
+    return "\n".join(lines)
+
+
+def main(argv: list[str]) -> int:
+    """`--help` prints the reference; `--check --world-size N ...` validates a launch up front."""
+    if "--help" in argv or "-h" in argv:
+        print(reference())
+        return 0
+    world_size = None
+    args = list(argv)
+    if "--check" in args:
+        args.remove("--check")
+    if "--world-size" in args:
+        i = args.index("--world-size")
+        world_size = int(args[i + 1])
+        del args[i:i + 2]
+    try:
+        cfg = load_config(args)
+        cfg.validate(world_size)
+    except UserError as e:
+        print(e.one_line(), file=sys.stderr)
+        return e.exit_code
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

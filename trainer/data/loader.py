@@ -1,0 +1,95 @@
+"""Loaders with a global sample order: rank slicing, microbatches and resumable state.
+
+Global batch s is samples [s*G, (s+1)*G); dp rank r takes the contiguous slice of G/dp samples
+starting at s*G + r*G/dp and delivers it as G/(dp*B) consecutive microbatches of B samples. The
+state is the global count of samples consumed at the last step boundary, which is the same on
+every rank, so a checkpoint resumes exactly on any dp size or FSDP/HSDP layout. Subclasses only
+say how to turn global sample indices into token windows (`_windows`).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from trainer.errors import DataError
+
+
+class GlobalOrderLoader:
+    """Base class: subclasses set `kind`, `vocab_size`, `tokenizer_path`, `fingerprint`,
+    `n_windows` (0 = unbounded) and implement `_windows(indices) -> int array [n, seq_len+1]`."""
+
+    kind = "abstract"
+    vocab_size: int
+    tokenizer_path: str = ""
+    fingerprint: str = ""
+    n_windows: int = 0
+
+    def __init__(self, *, seq_len: int, local_batch_size: int, global_batch_size: int,
+                 dp_rank: int, dp_size: int, seed: int):
+        assert dp_size >= 1 and 0 <= dp_rank < dp_size, (dp_rank, dp_size)
+        assert global_batch_size % (local_batch_size * dp_size) == 0, \
+            (global_batch_size, local_batch_size, dp_size)
+        self.seq_len, self.seed = seq_len, seed
+        self.local_batch_size, self.global_batch_size = local_batch_size, global_batch_size
+        self.dp_rank, self.dp_size = dp_rank, dp_size
+        self.per_rank = global_batch_size // dp_size
+        self.accum_steps = self.per_rank // local_batch_size
+        self.consumed = 0  # global samples consumed at the last step boundary
+        self.micro = 0  # microbatches this rank delivered within the current step
+
+    # -- the interface the training loop calls -------------------------------------------
+    def next_microbatch(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """The next B samples of this rank's slice: (inputs, labels), int64 [B, seq_len]."""
+        start = self.consumed + self.dp_rank * self.per_rank + self.micro * self.local_batch_size
+        indices = np.arange(start, start + self.local_batch_size, dtype=np.int64)
+        windows = torch.from_numpy(np.ascontiguousarray(self._windows(indices), dtype=np.int64))
+        self.micro += 1
+        if self.micro == self.accum_steps:
+            self.micro = 0
+            self.consumed += self.global_batch_size
+        return windows[:, :-1].contiguous(), windows[:, 1:].contiguous()
+
+    def sample_indices(self, step: int) -> list[int]:
+        """Global sample indices this rank sees in optimizer step `step` counted from now
+        (for tests and debugging; does not advance the loader)."""
+        start = self.consumed + step * self.global_batch_size + self.dp_rank * self.per_rank
+        return list(range(start, start + self.per_rank))
+
+    def state_dict(self) -> dict:
+        """Plain-python state; identical on every rank. Only valid at a step boundary."""
+        if self.micro != 0:
+            raise RuntimeError(f"loader state taken mid-step ({self.micro} of "
+                               f"{self.accum_steps} microbatches delivered)")
+        epoch = self.consumed // self.n_windows if self.n_windows else 0
+        return {"kind": self.kind, "samples_consumed": self.consumed, "seed": self.seed,
+                "epoch": epoch, "seq_len": self.seq_len, "windows_per_epoch": self.n_windows,
+                "fingerprint": self.fingerprint}
+
+    def load_state_dict(self, sd: dict) -> None:
+        """Resume at the saved global sample count; refuse states from another data setup."""
+        where = self._where()
+        if not isinstance(sd, dict) or sd.get("kind") != self.kind:
+            got = sd.get("kind") if isinstance(sd, dict) else type(sd).__name__
+            raise DataError(f"checkpoint data state is for a {got!r} loader but {where} is a "
+                            f"{self.kind!r} loader; resume with the data config it was saved with")
+        for key, mine in (("fingerprint", self.fingerprint), ("seq_len", self.seq_len),
+                          ("seed", self.seed), ("windows_per_epoch", self.n_windows)):
+            if sd.get(key) != mine:
+                raise DataError(f"checkpoint data state has {key}={sd.get(key)!r} but {where} "
+                                f"has {key}={mine!r}; the saved sample order cannot be continued"
+                                " (resume with the same store, seq_len, seed and val_fraction)")
+        consumed = sd.get("samples_consumed")
+        if not isinstance(consumed, int) or consumed < 0:
+            raise DataError(f"checkpoint data state has a bad samples_consumed={consumed!r}")
+        self.consumed, self.micro = consumed, 0
+
+    def describe(self) -> str:
+        raise NotImplementedError
+
+    # -- for subclasses -------------------------------------------------------------------
+    def _windows(self, indices: np.ndarray) -> np.ndarray:
+        raise NotImplementedError
+
+    def _where(self) -> str:
+        return self.tokenizer_path or self.kind

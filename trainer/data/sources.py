@@ -1,0 +1,140 @@
+"""Document sources: the embedded stdlib corpus and Hugging Face datasets (hub or local files).
+
+Every source is an iterator of document strings, optionally restricted to one part of N (a
+dp rank when streaming, a worker when preparing a store). Parts are disjoint and their union
+is the whole source, so N workers together tokenize every document exactly once.
+"""
+
+from __future__ import annotations
+
+import glob
+import hashlib
+import os
+import random
+import sys
+import sysconfig
+from pathlib import Path
+from typing import Iterator
+
+from trainer.data.config import LOCAL_BUILDERS, DataConfig
+from trainer.errors import DataError
+
+
+# -- the embedded default: the .py files of this machine's standard library --------------------
+def stdlib_root() -> Path:
+    return Path(sysconfig.get_paths()["stdlib"])
+
+
+def stdlib_files() -> list[Path]:
+    """All stdlib .py files (tests included; site-packages excluded), in a fixed shuffled order.
+
+    The order is shuffled with a fixed seed so that the tail of the store, held out for
+    validation, is a random sample of modules rather than the last directories alphabetically."""
+    root = stdlib_root()
+    if not root.is_dir():
+        raise DataError(f"Python standard library not found at {root} (data.dataset = 'stdlib')")
+    files = sorted(p for p in root.rglob("*.py")
+                   if "site-packages" not in p.relative_to(root).parts and p.is_file())
+    random.Random(0).shuffle(files)
+    return files
+
+
+def stdlib_fingerprint(files: list[Path]) -> str:
+    """Identifies this Python's stdlib corpus (version, names, sizes) without reading it."""
+    h = hashlib.sha256(sys.version.encode())
+    root = stdlib_root()
+    for p in files:
+        h.update(f"{p.relative_to(root)}:{p.stat().st_size}\n".encode())
+    return h.hexdigest()
+
+
+def _read_text(path: Path) -> str:
+    # a few test modules are deliberately in other encodings; keep them, replaced
+    return path.read_text(encoding="utf-8", errors="replace")
+
+
+# -- Hugging Face datasets -----------------------------------------------------------------
+def resolve_data_files(cfg: DataConfig) -> list[str]:
+    """Expand data.data_files globs; a pattern that matches nothing is a missing path."""
+    out: list[str] = []
+    for pattern in cfg.data_files:
+        expanded = os.path.expanduser(pattern)
+        matches = sorted(glob.glob(expanded, recursive=True))
+        if not matches:
+            raise DataError(f"data file not found: {pattern} (data.data_files)")
+        out.extend(m for m in matches if os.path.isfile(m))
+    return out
+
+
+def open_hf_stream(cfg: DataConfig, split: str):
+    """A streaming `datasets.IterableDataset` for a hub name or a local builder + files."""
+    import datasets
+
+    name = cfg.dataset
+    kwargs: dict = {"split": split, "streaming": True}
+    if name in LOCAL_BUILDERS:
+        kwargs["data_files"] = resolve_data_files(cfg)
+        where = ", ".join(cfg.data_files)
+    else:
+        where = name
+        if cfg.data_files:
+            kwargs["data_files"] = cfg.data_files
+    args = [name] + ([cfg.dataset_config] if cfg.dataset_config else [])
+    try:
+        return datasets.load_dataset(*args, **kwargs)
+    except FileNotFoundError as e:
+        raise DataError(f"dataset not found: {where} ({e})") from None
+    except (ConnectionError, ValueError, OSError) as e:
+        msg = str(e).splitlines()[0] if str(e) else type(e).__name__
+        raise DataError(f"cannot open dataset {where} split {split!r}: {msg}") from None
+
+
+def hf_documents(cfg: DataConfig, split: str, part: int = 0, n_parts: int = 1,
+                 ds=None) -> Iterator[str]:
+    """Texts of one part of a HF dataset (split_dataset_by_node: by files when the number of
+    files divides evenly, else every n-th example)."""
+    from datasets.distributed import split_dataset_by_node
+
+    ds = ds if ds is not None else open_hf_stream(cfg, split)
+    if n_parts > 1:
+        ds = split_dataset_by_node(ds, rank=part, world_size=n_parts)
+    for example in ds:
+        yield text_of(example, cfg)
+
+
+def text_of(example: dict, cfg: DataConfig) -> str:
+    """The configured text column of an example, with an error that names the column."""
+    try:
+        text = example[cfg.text_field]
+    except KeyError:
+        cols = ", ".join(sorted(example))
+        raise DataError(f"dataset {cfg.dataset} has no column {cfg.text_field!r} "
+                        f"(data.text_field); columns are: {cols}") from None
+    return text if isinstance(text, str) else ("" if text is None else str(text))
+
+
+# -- one entry point for prepare and train_tokenizer ----------------------------------------
+def documents(cfg: DataConfig, part: int = 0, n_parts: int = 1) -> Iterator[str]:
+    """Documents of the configured source (stdlib or HF `cfg.split`), part `part` of n_parts."""
+    if cfg.dataset == "stdlib":
+        for path in stdlib_files()[part::n_parts]:
+            yield _read_text(path)
+    elif cfg.dataset == "synthetic":
+        raise DataError("data.dataset = 'synthetic' has no documents to tokenize")
+    else:
+        yield from hf_documents(cfg, cfg.split, part, n_parts)
+
+
+def source_record(cfg: DataConfig) -> dict:
+    """What the manifest records about the source (enough to tell two sources apart)."""
+    if cfg.dataset == "stdlib":
+        files = stdlib_files()
+        return {"dataset": "stdlib", "root": str(stdlib_root()), "files": len(files),
+                "fingerprint": stdlib_fingerprint(files)}
+    rec = {"dataset": cfg.dataset, "dataset_config": cfg.dataset_config, "split": cfg.split,
+           "text_field": cfg.text_field}
+    if cfg.data_files:
+        files = resolve_data_files(cfg) if cfg.dataset in LOCAL_BUILDERS else cfg.data_files
+        rec["data_files"] = [os.path.abspath(f) if os.path.exists(f) else f for f in files]
+        rec["sizes"] = [os.path.getsize(f) if os.path.exists(f) else -1 for f in files]
+    return rec

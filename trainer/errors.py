@@ -1,0 +1,30 @@
+"""User-facing errors.
+
+A user error (bad config, bad data) is reported as one line, ``<kind> error: <message>``, and a
+non-zero exit code; anything else is a bug and keeps its traceback.
+"""
+
+
+class UserError(Exception):
+    """An error caused by the user's input, reported as one line without a traceback."""
+
+    kind = "user"
+    exit_code = 2
+
+    def __str__(self) -> str:  # the message alone; the kind prefix is added by `one_line`
+        return super().__str__()
+
+    def one_line(self) -> str:
+        return f"{self.kind} error: {self}".replace("\n", " ")
+
+
+class ConfigError(UserError):
+    """Unknown keys, wrong types, out-of-range values, impossible combinations."""
+
+    kind = "config"
+
+
+class DataError(UserError):
+    """Missing or corrupt data, tokenizer mismatches, corpora too small for the request."""
+
+    kind = "data"

@@ -1,0 +1,226 @@
+"""A Llama-3-style decoder: RMSNorm, RoPE, grouped-query attention, SwiGLU, untied output head.
+
+The model is built on the meta device and materialised after sharding. `init_weights(seed)`
+fills every parameter as if the whole tensor were generated on one process from a generator
+seeded by (seed, parameter name), then keeps the local shard: runs on 1 and N ranks, FSDP or
+HSDP, start from the same weights.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import zlib
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+@dataclass(frozen=True)
+class ModelArgs:
+    dim: int
+    n_layers: int
+    n_heads: int
+    n_kv_heads: int
+    vocab_size: int
+    multiple_of: int = 256
+    ffn_dim_multiplier: float | None = None
+    norm_eps: float = 1e-5
+    rope_theta: float = 500000.0
+    max_seq_len: int = 2048
+
+    @property
+    def head_dim(self) -> int:
+        return self.dim // self.n_heads
+
+    @property
+    def hidden_dim(self) -> int:
+        """SwiGLU width: 2/3 of 4*dim, scaled by ffn_dim_multiplier, rounded up to multiple_of."""
+        hidden = int(2 * 4 * self.dim / 3)
+        if self.ffn_dim_multiplier is not None:
+            hidden = int(self.ffn_dim_multiplier * hidden)
+        return self.multiple_of * math.ceil(hidden / self.multiple_of)
+
+    def num_params(self, embeddings: bool = True) -> int:
+        kv_dim = self.n_kv_heads * self.head_dim
+        attn = self.dim * (2 * self.dim + 2 * kv_dim)
+        ffn = 3 * self.dim * self.hidden_dim
+        per_layer = attn + ffn + 2 * self.dim
+        total = self.n_layers * per_layer + self.dim + self.vocab_size * self.dim  # + output head
+        return total + (self.vocab_size * self.dim if embeddings else 0)
+
+    def validate(self) -> None:
+        from trainer.errors import ConfigError
+
+        if self.dim % self.n_heads or self.n_heads % self.n_kv_heads or self.head_dim % 2:
+            raise ConfigError(f"model shape: dim {self.dim} must divide into n_heads "
+                              f"{self.n_heads} (even head_dim), and n_heads into n_kv_heads "
+                              f"{self.n_kv_heads}")
+
+
+FLAVORS: dict[str, ModelArgs] = {
+    "debugmodel": ModelArgs(dim=256, n_layers=6, n_heads=8, n_kv_heads=4, vocab_size=8192,
+                            multiple_of=64),
+    # Llama-3.2-1B (with an untied output head), Llama-3.1-8B and -70B.
+    "1B": ModelArgs(dim=2048, n_layers=16, n_heads=32, n_kv_heads=8, vocab_size=128256,
+                    multiple_of=256, ffn_dim_multiplier=1.5),
+    "8B": ModelArgs(dim=4096, n_layers=32, n_heads=32, n_kv_heads=8, vocab_size=128256,
+                    multiple_of=1024, ffn_dim_multiplier=1.3),
+    "70B": ModelArgs(dim=8192, n_layers=80, n_heads=64, n_kv_heads=8, vocab_size=128256,
+                     multiple_of=4096, ffn_dim_multiplier=1.3),
+}
+
+
+def model_args(flavor: str, *, vocab_size: int | None = None, max_seq_len: int | None = None):
+    args = FLAVORS[flavor]
+    changes = {k: v for k, v in (("vocab_size", vocab_size), ("max_seq_len", max_seq_len)) if v}
+    return dataclasses.replace(args, **changes)
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.empty(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        xf = x.float()
+        normed = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return normed.type_as(x) * self.weight
+
+
+def rope_tables(head_dim: int, seq_len: int, theta: float, device=None):
+    """cos/sin of the rotation angles, [seq_len, head_dim // 2], in float32."""
+    inv_freq = 1.0 / theta ** (torch.arange(0, head_dim, 2, device=device).float() / head_dim)
+    angles = torch.outer(torch.arange(seq_len, device=device).float(), inv_freq)
+    return angles.cos(), angles.sin()
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate consecutive pairs of x [b, s, h, d] (real-valued form, so Inductor compiles it)."""
+    xf = x.float().unflatten(-1, (-1, 2))
+    x0, x1 = xf[..., 0], xf[..., 1]
+    cos, sin = cos[None, :, None, :], sin[None, :, None, :]
+    out = torch.stack((x0 * cos - x1 * sin, x0 * sin + x1 * cos), dim=-1)
+    return out.flatten(-2).type_as(x)
+
+
+class Attention(nn.Module):
+    def __init__(self, args: ModelArgs):
+        super().__init__()
+        self.n_heads, self.n_kv_heads, self.head_dim = args.n_heads, args.n_kv_heads, args.head_dim
+        self.wq = nn.Linear(args.dim, args.n_heads * self.head_dim, bias=False)
+        self.wk = nn.Linear(args.dim, args.n_kv_heads * self.head_dim, bias=False)
+        self.wv = nn.Linear(args.dim, args.n_kv_heads * self.head_dim, bias=False)
+        self.wo = nn.Linear(args.n_heads * self.head_dim, args.dim, bias=False)
+
+    def forward(self, x, cos, sin):
+        b, s, _ = x.shape
+        q = self.wq(x).view(b, s, self.n_heads, self.head_dim)
+        k = self.wk(x).view(b, s, self.n_kv_heads, self.head_dim)
+        v = self.wv(x).view(b, s, self.n_kv_heads, self.head_dim)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        groups = self.n_heads // self.n_kv_heads
+        if groups > 1:  # GQA: each kv head serves `groups` query heads
+            k, v = k.repeat_interleave(groups, dim=2), v.repeat_interleave(groups, dim=2)
+        out = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2),
+                                             v.transpose(1, 2), is_causal=True)
+        return self.wo(out.transpose(1, 2).reshape(b, s, -1))
+
+
+class FeedForward(nn.Module):
+    def __init__(self, dim: int, hidden_dim: int):
+        super().__init__()
+        self.w1 = nn.Linear(dim, hidden_dim, bias=False)
+        self.w2 = nn.Linear(hidden_dim, dim, bias=False)
+        self.w3 = nn.Linear(dim, hidden_dim, bias=False)
+
+    def forward(self, x):
+        return self.w2(F.silu(self.w1(x)) * self.w3(x))
+
+
+class TransformerBlock(nn.Module):
+    def __init__(self, layer_id: int, args: ModelArgs):
+        super().__init__()
+        self.layer_id = layer_id
+        self.attention_norm = RMSNorm(args.dim, args.norm_eps)
+        self.attention = Attention(args)
+        self.ffn_norm = RMSNorm(args.dim, args.norm_eps)
+        self.feed_forward = FeedForward(args.dim, args.hidden_dim)
+
+    def forward(self, x, cos, sin):
+        h = x + self.attention(self.attention_norm(x), cos, sin)
+        return h + self.feed_forward(self.ffn_norm(h))
+
+
+class Transformer(nn.Module):
+    def __init__(self, args: ModelArgs):
+        super().__init__()
+        self.args = args
+        self.tok_embeddings = nn.Embedding(args.vocab_size, args.dim)
+        self.layers = nn.ModuleDict({str(i): TransformerBlock(i, args) for i in range(args.n_layers)})
+        self.norm = RMSNorm(args.dim, args.norm_eps)
+        self.output = nn.Linear(args.dim, args.vocab_size, bias=False)
+        cos, sin = rope_tables(args.head_dim, args.max_seq_len, args.rope_theta)
+        self.register_buffer("rope_cos", cos, persistent=False)
+        self.register_buffer("rope_sin", sin, persistent=False)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        seq = tokens.shape[1]
+        cos, sin = self.rope_cos[:seq], self.rope_sin[:seq]
+        h = self.tok_embeddings(tokens)
+        for layer in self.layers.values():
+            h = layer(h, cos, sin)
+        return self.output(self.norm(h))
+
+    @torch.no_grad()
+    def init_weights(self, seed: int) -> None:
+        """Deterministic, sharding-independent init (see the module docstring)."""
+        a = self.args
+        cos, sin = rope_tables(a.head_dim, a.max_seq_len, a.rope_theta, device=self.rope_cos.device)
+        self.rope_cos.copy_(cos)
+        self.rope_sin.copy_(sin)
+        for name, param in self.named_parameters():
+            _fill(param, name, seed, _init_std(name, a))
+
+
+def _init_std(name: str, args: ModelArgs) -> float | None:
+    """Per-parameter init: None = ones (norms); otherwise a truncated normal's std."""
+    if name.endswith("norm.weight"):
+        return None
+    if name.startswith("tok_embeddings"):
+        return 1.0
+    if name.startswith("output"):
+        return args.dim ** -0.5
+    if name.endswith(("wo.weight", "w2.weight", "w3.weight")):  # depth-scaled residual outputs
+        layer_id = int(name.split(".")[1])
+        return 0.02 / math.sqrt(2 * (layer_id + 1))
+    return 0.02
+
+
+def _fill(param: torch.Tensor, name: str, seed: int, std: float | None) -> None:
+    """Fill the full logical tensor from (seed, name), then keep this rank's shard of it."""
+    from torch.distributed.tensor import DTensor, distribute_tensor
+
+    is_dt = isinstance(param, DTensor)
+    local = param.to_local() if is_dt else param
+    full = torch.empty(param.shape, dtype=param.dtype, device=local.device)
+    if std is None:
+        full.fill_(1.0)
+    else:
+        gen = torch.Generator(device=local.device)
+        gen.manual_seed(seed * 1_000_003 + zlib.crc32(name.encode()))
+        nn.init.trunc_normal_(full, mean=0.0, std=std, a=-3 * std, b=3 * std, generator=gen)
+    if is_dt:
+        full = distribute_tensor(full, param.device_mesh, param.placements,
+                                 src_data_rank=None).to_local()
+    local.copy_(full)
+
+
+def build_model(args: ModelArgs) -> Transformer:
+    """Build on the meta device: no memory is allocated until `to_empty` after sharding."""
+    args.validate()
+    with torch.device("meta"):
+        return Transformer(args)

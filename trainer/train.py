@@ -1,0 +1,211 @@
+"""The training loop. Run under torchrun (see run_train.sh):
+
+    python -m trainer.train --job.config_file configs/debug_model.toml [--section.key value ...]
+
+Config -> process group -> ParallelDims mesh -> Llama on meta -> FSDP2/HSDP -> optimizer ->
+data -> resume from the latest checkpoint -> for each step: microbatches with gradient
+accumulation, clip, optimizer and scheduler step, log, save.
+"""
+
+from __future__ import annotations
+
+import datetime
+import math
+import os
+import sys
+import time
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from trainer.checkpoint import Checkpointer, TrainState
+from trainer.config import JobConfig, load_config
+from trainer.data import build_dataloader, check_model_vocab, padded_vocab_size
+from trainer.errors import UserError
+from trainer.metrics import MetricsProcessor
+from trainer.model import build_model, model_args
+from trainer.optim import build_lr_scheduler, build_optimizer
+from trainer.parallelize import parallelize, set_gradient_sync
+
+IGNORE_INDEX = -100
+
+
+def log0(msg: str) -> None:
+    if int(os.environ.get("RANK", "0")) == 0:
+        print(msg, flush=True)
+
+
+def init_distributed(cfg: JobConfig) -> torch.device:
+    """nccl with the device from LOCAL_RANK on CUDA, gloo on CPU; seeds every RNG."""
+    if torch.cuda.is_available():
+        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+        torch.cuda.set_device(device)
+        backend = "nccl"
+    else:
+        device, backend = torch.device("cpu"), "gloo"
+    timeout = datetime.timedelta(seconds=cfg.comm.init_timeout_seconds)
+    if "RANK" not in os.environ:  # plain `python -m trainer.train`: a world of one
+        os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1",
+                          MASTER_PORT=str(_free_port()))
+    dist.init_process_group(backend, timeout=timeout)
+    torch.manual_seed(cfg.job.seed)
+    return device
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def agree_on_user_errors(fn, *args, **kwargs):
+    """Run a rank-local setup step; if it fails with a user error on any rank, every rank
+    raises the first such error (so no rank is left waiting in a collective)."""
+    error = None
+    try:
+        result = fn(*args, **kwargs)
+    except UserError as e:
+        error, result = e, None
+    errors = [None] * dist.get_world_size()
+    dist.all_gather_object(errors, None if error is None else (type(error), str(error)))
+    first = next((e for e in errors if e is not None), None)
+    if first is not None:
+        raise first[0](first[1])
+    return result
+
+
+def train_step(model, optimizer, scheduler, loader, *, accum: int, sync_mode: str, dp_group,
+               max_norm: float, metrics: MetricsProcessor):
+    """One optimizer step over `accum` microbatches; returns (rank's mean loss, grad norm).
+
+    Each microbatch's loss is its summed token loss divided by the GLOBAL token count of the
+    step, and gradients are summed over the dp ranks: the result equals one large batch on any
+    world size and any number of microbatches.
+    """
+    with metrics.data_timer():
+        batches = [loader.next_microbatch() for _ in range(accum)]
+    device = next(model.parameters()).device
+    local_tokens = sum(int((labels != IGNORE_INDEX).sum()) for _, labels in batches)
+    global_tokens = torch.tensor(float(local_tokens), device=device)
+    dist.all_reduce(global_tokens, group=dp_group)
+    loss_sum = torch.zeros((), device=device)
+    for i, (inputs, labels) in enumerate(batches):
+        set_gradient_sync(model, sync_mode, is_last=i == accum - 1)
+        logits = model(inputs.to(device))
+        loss = F.cross_entropy(logits.flatten(0, 1).float(), labels.to(device).flatten(),
+                               ignore_index=IGNORE_INDEX, reduction="sum") / global_tokens
+        loss.backward()
+        loss_sum += loss.detach()
+    grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm or math.inf,
+                                               foreach=True)
+    optimizer.step()
+    scheduler.step()
+    optimizer.zero_grad(set_to_none=True)
+    metrics.count_tokens(local_tokens)
+    rank_loss = loss_sum * global_tokens / max(local_tokens, 1)
+    return rank_loss, grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm
+
+
+def reduce_loss(rank_loss: torch.Tensor, dp_group) -> tuple[float, float]:
+    """(mean, max) of the per-rank losses over the dp ranks."""
+    both = torch.stack([rank_loss, -rank_loss]).detach().clone()
+    avg = both[0].clone()
+    dist.all_reduce(avg, group=dp_group)
+    dist.all_reduce(both, op=dist.ReduceOp.MAX, group=dp_group)
+    return avg.item() / dist.get_world_size(dp_group), both[0].item()
+
+
+def train(cfg: JobConfig) -> None:
+    world_size = int(os.environ.get("WORLD_SIZE", "1"))
+    parallel_dims, accum = cfg.resolve(world_size)  # config errors before any process group
+    device = init_distributed(cfg)
+    if dist.get_rank() == 0:
+        cfg.save(os.path.join(cfg.job.dump_folder, "config.toml"))
+    parallel_dims.build_mesh(device.type)
+    dp_mesh = parallel_dims.dp_mesh
+    dp_group = dp_mesh.get_group()
+    gbs = cfg.training.local_batch_size * parallel_dims.dp_size * accum
+
+    loader = agree_on_user_errors(
+        build_dataloader, cfg.data, seq_len=cfg.training.seq_len,
+        local_batch_size=cfg.training.local_batch_size, global_batch_size=gbs,
+        dp_rank=dp_mesh.get_local_rank(), dp_size=dp_mesh.size(), seed=cfg.job.seed)
+    vocab = cfg.model.vocab_size or padded_vocab_size(loader.vocab_size,
+                                                      cfg.model.vocab_size_multiple_of)
+    agree_on_user_errors(check_model_vocab, vocab, loader)
+    args = model_args(cfg.model.flavor, vocab_size=vocab, max_seq_len=cfg.training.seq_len)
+
+    model = parallelize(build_model(args), parallel_dims, cfg, device=device)
+    optimizer = build_optimizer(model, cfg.optimizer)
+    scheduler = build_lr_scheduler(optimizer, cfg.lr_scheduler, cfg.training.steps)
+    state = TrainState()
+    metrics = MetricsProcessor(cfg, model_args=args, seq_len=cfg.training.seq_len, device=device,
+                               rank=dist.get_rank(), parallel_desc=parallel_dims.describe(),
+                               accumulation_steps=accum, num_params=args.num_params())
+    try:
+        metrics.log_startup()
+        log0(f"data: {loader.describe()}")
+        checkpointer = Checkpointer(cfg, model=model, optimizer=optimizer, scheduler=scheduler,
+                                    dataloader=loader, train_state=state, log=log0)
+        agree_on_user_errors(checkpointer.committed_steps)
+        checkpointer.load()
+        run_loop(cfg, model, optimizer, scheduler, loader, checkpointer, metrics, state,
+                 accum=accum, dp_group=dp_group)
+    finally:
+        metrics.close()
+
+
+def run_loop(cfg, model, optimizer, scheduler, loader, checkpointer, metrics, state, *, accum,
+             dp_group) -> None:
+    first = True
+    if state.step >= cfg.training.steps:
+        log0(f"nothing to do: already at step {state.step} of {cfg.training.steps}")
+    while state.step < cfg.training.steps:
+        state.step += 1
+        metrics.step_timer()
+        rank_loss, grad_norm = train_step(
+            model, optimizer, scheduler, loader, accum=accum,
+            sync_mode=cfg.training.gradient_accumulation_sync, dp_group=dp_group,
+            max_norm=cfg.training.max_norm, metrics=metrics)
+        state.tokens_seen += cfg.training.seq_len * loader.global_batch_size
+        last = state.step == cfg.training.steps
+        if state.step % cfg.metrics.log_freq == 0 or last or first:
+            avg, mx = reduce_loss(rank_loss, dp_group)
+            metrics.log(state.step, global_avg_loss=avg, global_max_loss=mx,
+                        grad_norm=float(grad_norm), lr=scheduler.get_last_lr()[0],
+                        tokens_seen=state.tokens_seen)
+        checkpointer.maybe_save(state.step, last=last)
+        if first:  # setup and the first step may be slow; later collectives get a tighter bound
+            dist.distributed_c10d._set_pg_timeout(
+                datetime.timedelta(seconds=cfg.comm.train_timeout_seconds))
+            first = False
+    log0(f"training done at step {state.step}")
+
+
+def main(argv: list[str]) -> int:
+    """Entry point: user errors are one line on rank 0 and exit code 2; bugs keep tracebacks."""
+    code = 0
+    try:
+        train(load_config(argv))
+    except UserError as e:
+        if int(os.environ.get("RANK", "0")) == 0:
+            print(e.one_line(), file=sys.stderr, flush=True)
+        code = e.exit_code
+    finally:
+        if dist.is_initialized():
+            if code == 0:
+                dist.barrier()
+            dist.destroy_process_group()
+    return code
+
+
+if __name__ == "__main__":
+    rc = main(sys.argv[1:])
+    sys.stdout.flush()
+    sys.stderr.flush()
+    # A bare interpreter exit can abort in gloo's worker threads ("terminate called without
+    # an active exception"); skip the interpreter teardown once everything is flushed.
+    os._exit(rc)
