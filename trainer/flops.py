@@ -107,8 +107,8 @@ def resolve_peak(configured_tflops: float, device: torch.device) -> Peak:
     and ISA, so we never guess one. On CPU, MFU is reported only against a configured peak.
     """
     if configured_tflops > 0:
-        where = "CPU, no device table" if device.type == "cpu" else "overrides the device table"
-        return Peak(configured_tflops, f"config [metrics] peak_tflops ({where})")
+        where = "CPU has no device table" if device.type == "cpu" else "overrides the device table"
+        return Peak(configured_tflops, f"the config ([metrics] peak_tflops; {where})")
     if device.type != "cuda":
         return Peak(None, f"none configured: MFU not reported (no peak table for {device.type}; "
                           "set [metrics] peak_tflops)")
@@ -118,4 +118,4 @@ def resolve_peak(configured_tflops: float, device: torch.device) -> Peak:
         return Peak(None, f"none configured: MFU not reported ({name!r} is not in the peak "
                           "table; set [metrics] peak_tflops)")
     tflops, row = hit
-    return Peak(tflops, f"device table: {row} bf16 dense, datasheet ({name})")
+    return Peak(tflops, f"the device table ({row}, dense bf16 datasheet figure; device {name!r})")

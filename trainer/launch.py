@@ -12,6 +12,7 @@ rank, host and exit code (the worker's own traceback is above it).
 from __future__ import annotations
 
 import logging
+import socket
 import sys
 
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
@@ -40,7 +41,7 @@ def main(argv: list[str]) -> int:
             if failure.exitcode < 0:
                 how = f"signal {failure.signal_name()}"
             print(f"error: training failed: rank {rank} (local rank {failure.local_rank} on "
-                  f"{failure.hostname}) ended with {how}; its output is above",
+                  f"{socket.gethostname()}) ended with {how}; its output is above",
                   file=sys.stderr, flush=True)
         return code
     return 0

@@ -45,6 +45,7 @@ from trainer.model import ModelArgs
 __all__ = ["MetricsProcessor", "flops_per_token"]
 
 GIB = 2**30
+DEBUG_RANK_LOSS_ENV = "TRAINER_DEBUG_RANK_LOSS"
 _clock = time.perf_counter  # module-level so tests can drive time deterministically
 
 
@@ -207,7 +208,8 @@ class MetricsProcessor:
             return
         a, c = self.model_args, self.colors
         attn_half = attention_flops_per_token(a, self.seq_len, causal_half=True)
-        peak = (f"{self.peak.tflops:g} TFLOPS per device" if self.peak.tflops else "none")
+        peak = (f"MFU peak: {self.peak.tflops:g} TFLOPS bf16 per device, from {self.peak.source}"
+                if self.peak.tflops else f"MFU peak: {self.peak.source}")
         lines = [
             f"model: {_human(self.num_params)} params ({_human(a.num_params(embeddings=False))} "
             f"non-embedding), {a.n_layers} layers, dim {a.dim}, {a.n_heads} heads "
@@ -216,7 +218,7 @@ class MetricsProcessor:
             f"(6*N_matmul + 12*L*H*hd*S; causal attention counted in full, "
             f"{self.flops_per_token - attn_half:.4g} if halved)",
             f"mesh: {self.parallel_desc}; gradient accumulation steps: {self.accumulation_steps}",
-            f"MFU peak: {peak} [{self.peak.source}]",
+            peak,
         ]
         if self.peak.tflops and self.cfg.training.mixed_precision_param != "bfloat16":
             lines.append(f"note: MFU is against the bf16 peak; this run computes in "
@@ -246,12 +248,17 @@ class MetricsProcessor:
         self._tokens += int(n)
 
     def log(self, step: int, *, global_avg_loss: float, global_max_loss: float,
-            grad_norm: float, lr: float, tokens_seen: int) -> dict[str, float]:
+            grad_norm: float, lr: float, tokens_seen: int,
+            local_loss: float | None = None) -> dict[str, float]:
         """Close the interval; rank 0 writes TensorBoard (flushed) and prints one line.
 
         Every rank calls this (it resets its counters); it does no collective. Returns the
-        figures by tag, which tests and callers can use.
+        figures by tag, which tests and callers can use. With TRAINER_DEBUG_RANK_LOSS=1, every
+        rank also prints its own `local_loss` (to check the dp reduction, or find a rank whose
+        data or weights diverge; show the ranks with LOG_RANK=0,1,...).
         """
+        if local_loss is not None and os.environ.get(DEBUG_RANK_LOSS_ENV):
+            print(f"rank {self.rank} step {step} local_loss {float(local_loss)!r}", flush=True)
         m = {
             "loss_metrics/global_avg_loss": float(global_avg_loss),
             "loss_metrics/global_max_loss": float(global_max_loss),

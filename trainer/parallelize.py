@@ -35,11 +35,6 @@ def apply_fsdp(model: Transformer, mesh, *, param_dtype: str, reduce_dtype: str,
     fully_shard(model.tok_embeddings, mesh=mesh, mp_policy=mp, reshard_after_forward=blocks)
     fully_shard([model.norm, model.output], mesh=mesh, mp_policy=mp, reshard_after_forward=head)
     fully_shard(model, mesh=mesh, mp_policy=mp, reshard_after_forward=blocks)
-    # The loss is already normalised by the global token count, so gradients are summed over
-    # the dp ranks rather than averaged.
-    for module in model.modules():
-        if isinstance(module, FSDPModule):
-            module.set_gradient_divide_factor(1.0)
 
 
 def parallelize(model: Transformer, parallel_dims, cfg, *, device: torch.device) -> Transformer:

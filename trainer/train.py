@@ -82,7 +82,9 @@ def train_step(model, optimizer, scheduler, loader, *, accum: int, sync_mode: st
     """One optimizer step over `accum` microbatches; returns (rank's mean loss, grad norm).
 
     Each microbatch's loss is its summed token loss divided by the GLOBAL token count of the
-    step, and gradients are summed over the dp ranks: the result equals one large batch on any
+    step. FSDP averages gradients over the dp ranks (dividing by the dp size: a custom
+    divide factor needs PREMUL_SUM, which gloo lacks), so the backward loss is scaled by the dp
+    size to make the reduced gradient a plain sum: the result equals one large batch on any
     world size and any number of microbatches.
     """
     with metrics.data_timer():
@@ -91,13 +93,14 @@ def train_step(model, optimizer, scheduler, loader, *, accum: int, sync_mode: st
     local_tokens = sum(int((labels != IGNORE_INDEX).sum()) for _, labels in batches)
     global_tokens = torch.tensor(float(local_tokens), device=device)
     dist.all_reduce(global_tokens, group=dp_group)
+    dp_size = dist.get_world_size(dp_group)
     loss_sum = torch.zeros((), device=device)
     for i, (inputs, labels) in enumerate(batches):
         set_gradient_sync(model, sync_mode, is_last=i == accum - 1)
         logits = model(inputs.to(device))
         loss = F.cross_entropy(logits.flatten(0, 1).float(), labels.to(device).flatten(),
                                ignore_index=IGNORE_INDEX, reduction="sum") / global_tokens
-        loss.backward()
+        (loss * dp_size).backward()
         loss_sum += loss.detach()
     grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm or math.inf,
                                                foreach=True)

@@ -1,0 +1,100 @@
+"""The embedded default, built at first use: a BPE tokenizer trained on this Python's stdlib
+and a token store prepared from it, cached under `[data] cache_dir`.
+
+    <cache_dir>/stdlib/py3.11.7-<corpus fingerprint>/
+        .lock                      flock: one process builds, the others wait
+        tokenizer-bpe<vocab>.model trained once per vocab size (written atomically)
+        store-<tokenizer sha12>/   the store, renamed into place when finished
+        store-<tokenizer sha12>.partial/   while being prepared (resumed if interrupted)
+
+All ranks of a job call build_dataloader at once; the lock makes one of them build while the
+others wait, and atomic renames mean nobody ever sees a half-written tokenizer or store, even
+when a builder is killed. The corpus fingerprint changes with the Python version or stdlib
+contents, so a different interpreter gets its own cache entry.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import os
+import platform
+import sys
+from dataclasses import replace
+from pathlib import Path
+
+from trainer.data.config import DataConfig
+from trainer.data.progress import Progress
+from trainer.data.sources import documents, stdlib_files, stdlib_fingerprint
+from trainer.data.store import MANIFEST
+from trainer.data.tokenizer import file_sha256, train_bpe
+from trainer.errors import DataError
+
+STDLIB_TOKENIZER_CHARS = 10_000_000  # ~1/3 of the corpus; trains in ~2 s on 2 cores
+
+
+@contextlib.contextmanager
+def file_lock(path: Path, waiting_message: str):
+    """Exclusive flock on `path`, saying so when another process holds it."""
+    with open(path, "a+") as f:
+        try:
+            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            print(waiting_message, file=sys.stderr, flush=True)
+            fcntl.flock(f, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
+
+
+def stdlib_cache_dir(cfg: DataConfig) -> Path:
+    fingerprint = stdlib_fingerprint(stdlib_files())[:12]
+    base = (Path(os.path.expanduser(cfg.cache_dir)) / "stdlib"
+            / f"py{platform.python_version()}-{fingerprint}")
+    try:
+        base.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise DataError(f"cannot create cache directory {base} (data.cache_dir): "
+                        f"{e.strerror}") from None
+    return base
+
+
+def ensure_stdlib(cfg: DataConfig, workers: int | None = None,
+                  show_progress: bool = True) -> tuple[str, str]:
+    """(tokenizer path, store path) of the stdlib default, building what is missing."""
+    base = stdlib_cache_dir(cfg)
+    with file_lock(base / ".lock", f"waiting for another process to build the stdlib "
+                                   f"tokenizer/store in {base}"):
+        tok_path = cfg.tokenizer_path or str(base / f"tokenizer-bpe{cfg.vocab_size}.model")
+        if cfg.tokenizer_path:
+            if not os.path.isfile(tok_path):
+                raise DataError(f"tokenizer not found: {tok_path} (data.tokenizer_path)")
+        elif not os.path.isfile(tok_path):
+            _train_stdlib_tokenizer(cfg, tok_path, show_progress)
+        store = cfg.store_path or str(base / f"store-{file_sha256(tok_path)[:12]}")
+        if not os.path.isfile(os.path.join(store, MANIFEST)):
+            _prepare_stdlib_store(cfg, tok_path, store, workers or cfg.prepare_workers,
+                                  show_progress)
+    return tok_path, store
+
+
+def _train_stdlib_tokenizer(cfg: DataConfig, out: str, show_progress: bool) -> None:
+    progress = Progress(f"training stdlib tokenizer {out}", show_progress)
+    train_bpe(documents(cfg), cfg.vocab_size, out, max_chars=STDLIB_TOKENIZER_CHARS,
+              on_doc=lambda d, c: progress.update(f"read {d:,} files, {c / 1e6:.1f}M chars"))
+    progress.done(f"BPE vocab {cfg.vocab_size} trained")
+
+
+def _prepare_stdlib_store(cfg: DataConfig, tok_path: str, store: str, workers: int,
+                          show_progress: bool) -> None:
+    """Prepare into <store>.partial, then rename: a store path exists only when finished."""
+    from trainer.data.prepare import prepare_store
+
+    partial = store.rstrip("/") + ".partial"
+    prepare_store(replace(cfg, store_path=partial), tok_path, partial, workers=workers,
+                  show_progress=show_progress)
+    if os.path.exists(store):  # an explicit, unfinished data.store_path: replace it
+        import shutil
+        shutil.rmtree(store)
+    os.rename(partial, store)
