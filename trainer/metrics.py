@@ -57,7 +57,8 @@ def memory_metrics(device: torch.device) -> dict[str, float]:
     if device.type == "cuda":
         stats = torch.cuda.memory_stats(device)
         total = torch.cuda.get_device_properties(device).total_memory
-        active, reserved = stats.get("active_bytes.all.peak", 0), stats.get("reserved_bytes.all.peak", 0)
+        active = stats.get("active_bytes.all.peak", 0)
+        reserved = stats.get("reserved_bytes.all.peak", 0)
         return {
             "memory/max_active(GiB)": active / GIB,
             "memory/max_active(%)": 100 * active / total,
@@ -67,8 +68,8 @@ def memory_metrics(device: torch.device) -> dict[str, float]:
             "memory/num_ooms": stats.get("num_ooms", 0),
         }
     # ru_maxrss is in KiB on Linux, bytes on macOS.
-    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * (1 if sys.platform == "darwin" else 1024)
-    return {"memory/max_rss(GiB)": rss / GIB}
+    rss_units = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return {"memory/max_rss(GiB)": rss_units * (1 if sys.platform == "darwin" else 1024) / GIB}
 
 
 def reset_memory_peaks(device: torch.device) -> None:
@@ -118,13 +119,18 @@ def format_line(step: int, m: dict[str, float], c: Colors) -> str:
         f"lr: {m['lr']:.2e}",
         f"{c.yellow}{memory}",
         f"{c.blue}tps: {m['throughput(tps)']:,.0f}",
-        f"{c.cyan}tflops: {m['tflops']:,.2f}",
+        f"{c.cyan}tflops: {_num(m['tflops'])}",
     ]
     if "mfu(%)" in m:
-        parts.append(f"{c.magenta}mfu: {m['mfu(%)']:.2f}%")
-    parts.append(f"{c.reset}step: {m['time_metrics/end_to_end(s)']:.3f}s "
+        parts.append(f"{c.magenta}mfu: {_num(m['mfu(%)'])}%")
+    parts.append(f"{c.reset}time: {m['time_metrics/end_to_end(s)']:.3f}s/step "
                  f"(data {m['time_metrics/data_loading(%)']:.1f}%){c.reset}")
     return "  ".join(parts)
+
+
+def _num(x: float) -> str:
+    """Two decimals as on a GPU (412.35), but significant digits for CPU-sized values."""
+    return f"{x:,.2f}" if abs(x) >= 1 else f"{x:.3g}"
 
 
 def _human(n: float) -> str:
@@ -148,14 +154,15 @@ def _run_folder(root: str) -> str:
     return path
 
 
-def _hparams(cfg) -> dict:
+def _flat_config(cfg) -> dict:
     """The config flattened to `section.key` scalars, the form the hparams plugin accepts."""
     out = {}
     for section in dataclasses.fields(cfg):
         obj = getattr(cfg, section.name)
         for f in dataclasses.fields(obj):
             v = getattr(obj, f.name)
-            out[f"{section.name}.{f.name}"] = v if isinstance(v, (bool, int, float, str)) else str(v)
+            scalar = isinstance(v, (bool, int, float, str))
+            out[f"{section.name}.{f.name}"] = v if scalar else str(v)
     return out
 
 
@@ -164,11 +171,13 @@ def _open_writer(cfg, extra_hparams: dict):
     from torch.utils.tensorboard import SummaryWriter
     from torch.utils.tensorboard.summary import hparams
 
-    writer = SummaryWriter(_run_folder(os.path.join(cfg.job.dump_folder, cfg.metrics.save_tb_folder)))
+    root = os.path.join(cfg.job.dump_folder, cfg.metrics.save_tb_folder)
+    writer = SummaryWriter(_run_folder(root))
     writer.add_text("config", "```toml\n" + cfg.to_toml() + "\n```", global_step=0)
     # add_hparams would create a sub-run; writing the summaries directly keeps one run folder,
     # and the plugin reads the metric from the run's own loss scalars.
-    summaries = hparams({**_hparams(cfg), **extra_hparams}, {"loss_metrics/global_avg_loss": 0.0})
+    summaries = hparams({**_flat_config(cfg), **extra_hparams},
+                        {"loss_metrics/global_avg_loss": 0.0})
     for summary in summaries:
         writer.file_writer.add_summary(summary)
     return writer

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import os
 import time
+import warnings
 
 import torch
 from torch.profiler import ProfilerActivity, ProfilerAction, profile
@@ -51,6 +52,8 @@ class StepProfiler:
     # ------------------------------------------------------------------ context manager
     def __enter__(self) -> "StepProfiler":
         if self.trace:
+            # Saving only the traced step (not everything since the start) is the point.
+            warnings.filterwarnings("ignore", message=".*Profiler clears events at the end")
             activities = [ProfilerActivity.CPU]
             if torch.cuda.is_available():
                 activities.append(ProfilerActivity.CUDA)
