@@ -24,13 +24,17 @@ if [ -z "${NGPU:-}" ]; then
   fi
   [ "$NGPU" -gt 0 ] || NGPU=2
 fi
-LOG_RANK="${LOG_RANK:-0}"
+export LOG_RANK="${LOG_RANK:-0}"   # read by trainer.train: other ranks' stdout is discarded
 export PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}"
+# CPU threads per rank: the cores shared out between the ranks (torchrun would force 1).
+if [ -z "${OMP_NUM_THREADS:-}" ]; then
+  cores=$(nproc 2>/dev/null || echo 1)
+  export OMP_NUM_THREADS=$(( cores / NGPU > 0 ? cores / NGPU : 1 ))
+fi
 
 # Check the config for this world size first: a mistake is one line, before any process starts.
 "$PYTHON" -m trainer.config --check --world-size "$NGPU" --job.config_file "$CONFIG_FILE" "$@"
 
 exec "$PYTHON" -m trainer.launch --nnodes 1 --nproc_per_node "$NGPU" \
   --rdzv_backend c10d --rdzv_endpoint localhost:0 \
-  --local-ranks-filter "$LOG_RANK" --role rank --tee 3 \
   -m trainer.train --job.config_file "$CONFIG_FILE" "$@"

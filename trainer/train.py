@@ -36,6 +36,14 @@ def log0(msg: str) -> None:
         print(msg, flush=True)
 
 
+def filter_output() -> None:
+    """Keep stdout only on the ranks listed in LOG_RANK (e.g. "0" or "0,1"; default all).
+    stderr is never filtered, so a crash on any rank shows its traceback."""
+    wanted = os.environ.get("LOG_RANK")
+    if wanted and os.environ.get("RANK", "0") not in {r.strip() for r in wanted.split(",")}:
+        sys.stdout = open(os.devnull, "w")
+
+
 def init_distributed(cfg: JobConfig) -> torch.device:
     """nccl with the device from LOCAL_RANK on CUDA, gloo on CPU; seeds every RNG."""
     if torch.cuda.is_available():
@@ -191,6 +199,7 @@ def run_loop(cfg, model, optimizer, scheduler, loader, checkpointer, metrics, st
 def main(argv: list[str]) -> int:
     """Entry point: user errors are one line on rank 0 and exit code 2; bugs keep tracebacks."""
     code = 0
+    filter_output()
     try:
         train(load_config(argv))
     except UserError as e:

@@ -16,10 +16,12 @@ from __future__ import annotations
 import argparse
 import itertools
 import json
-import multiprocessing as mp
 import os
 import queue as queue_mod
 import shutil
+import subprocess
+import sys
+import threading
 import time
 import traceback
 from dataclasses import asdict
@@ -141,47 +143,75 @@ def _take_batch(stream):
             return
 
 
-def _worker_main(job: dict, q) -> None:
-    """Entry point of a worker process: report progress and errors through the queue."""
-    try:
-        _work(job, lambda d, t: q.put(("progress", job["w"], d, t)))
-        q.put(("done", job["w"], 0, 0))
-    except BaseException as e:  # the parent re-raises; a DataError stays a one-line error
-        q.put(("error", job["w"], isinstance(e, DataError), str(e) or traceback.format_exc()))
-
-
 # -- the coordinator ----------------------------------------------------------------------------
+def worker_process_main() -> None:
+    """Entry point of a worker process: the job comes as JSON on stdin, progress and the
+    outcome go back as JSON lines on stdout."""
+    job = json.loads(sys.stdin.read())
+
+    def send(*msg) -> None:
+        sys.stdout.write(json.dumps(msg) + "\n")
+        sys.stdout.flush()
+
+    try:
+        _work(job, lambda d, t: send("progress", d, t))
+        send("done", 0, 0)
+    except BaseException as e:  # the parent re-raises; a DataError stays a one-line error
+        send("error", isinstance(e, DataError), str(e) or traceback.format_exc())
+        if not isinstance(e, Exception):
+            raise
+
+
 def _run_workers(jobs: list[dict], on_progress: Callable[[int, int], None]) -> None:
-    if len(jobs) == 1:  # in-process: no spawn cost, and Ctrl-C / errors propagate directly
+    """Run the jobs in separate interpreters (not multiprocessing: its spawn re-imports the
+    caller's __main__, and fork is unsafe in a threaded trainer process)."""
+    if len(jobs) == 1:  # in-process: no start-up cost, and Ctrl-C / errors propagate directly
         _work(jobs[0], on_progress)
         return
-    ctx = mp.get_context("spawn")  # the caller may be a threaded trainer process: no fork
-    q = ctx.Queue()
-    procs = [ctx.Process(target=_worker_main, args=(job, q), daemon=True) for job in jobs]
-    for p in procs:
-        p.start()
-    finished: set[int] = set()
+    root = str(Path(__file__).resolve().parents[2])
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(
+        p for p in (root, os.environ.get("PYTHONPATH", "")) if p)}
+    cmd = [sys.executable, "-c", "from trainer.data.prepare import worker_process_main as m; m()"]
+    procs = [subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+                              env=env) for _ in jobs]
+    lines: queue_mod.Queue = queue_mod.Queue()
+    for w, (p, job) in enumerate(zip(procs, jobs)):
+        p.stdin.write(json.dumps(job))
+        p.stdin.close()
+        threading.Thread(target=_pump, args=(w, p.stdout, lines), daemon=True).start()
     try:
-        while len(finished) < len(procs):
-            try:
-                kind, w, a, b = q.get(timeout=0.5)
-            except queue_mod.Empty:
-                dead = [i for i, p in enumerate(procs) if i not in finished and p.exitcode]
-                if dead:
-                    raise RuntimeError(f"prepare worker {dead[0]} died "
-                                       f"(exit code {procs[dead[0]].exitcode})") from None
-                continue
-            if kind == "progress":
-                on_progress(a, b)
-            elif kind == "done":
-                finished.add(w)
-            else:
-                raise DataError(b) if a else RuntimeError(f"prepare worker {w} failed:\n{b}")
+        _collect(procs, lines, on_progress)
     finally:
         for p in procs:
-            if p.is_alive():
-                p.terminate()
-            p.join()
+            if p.poll() is None:
+                p.kill()
+            p.wait()
+
+
+def _pump(w: int, stream, lines: queue_mod.Queue) -> None:
+    for line in stream:
+        lines.put((w, line))
+    lines.put((w, None))
+
+
+def _collect(procs: list, lines: queue_mod.Queue, on_progress: Callable[[int, int], None]):
+    """Forward progress; raise the first error; insist every worker reported 'done'."""
+    done: set[int] = set()
+    closed = 0
+    while closed < len(procs):
+        w, line = lines.get()
+        if line is None:
+            closed += 1
+            if w not in done:
+                raise RuntimeError(f"prepare worker {w} died (exit code {procs[w].wait()})")
+            continue
+        kind, a, b = json.loads(line)
+        if kind == "progress":
+            on_progress(a, b)
+        elif kind == "done":
+            done.add(w)
+        else:
+            raise DataError(b) if a else RuntimeError(f"prepare worker {w} failed:\n{b}")
 
 
 def _start_or_resume(out: Path, plan: dict, overwrite: bool) -> str:
