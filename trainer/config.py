@@ -36,6 +36,16 @@ class Job:
     dump_folder: str = opt("./outputs", "Folder for the effective config, checkpoints and TensorBoard")
     description: str = opt("", "Free-text description of the run")
     seed: int = opt(0, "Seed for weight init, data order and every RNG", min=0)
+    stop_signals: list[str] = opt(["SIGTERM", "SIGUSR1", "SIGINT"],
+                                  "Signals that make every rank save at the next step and exit 3")
+
+    def validate(self) -> None:
+        from trainer.preemption import valid_signal_names
+
+        for name in self.stop_signals:
+            if name not in valid_signal_names():
+                raise ConfigError(f"job.stop_signals has {name!r}; valid signals: "
+                                  f"{', '.join(valid_signal_names())}")
 
 
 @dataclass

@@ -1,26 +1,69 @@
-"""torchrun with a readable failure report.
+"""torchrun with a readable failure report and signals passed on to the workers.
 
     python -m trainer.launch [torchrun options] -m trainer.train [trainer overrides]
 
-This is `torch.distributed.run` (the code behind `torchrun`) with one difference: when a worker
-fails, torchrun raises ChildFailedError and prints a long report plus its own traceback. A
-worker that stopped on a user error has already printed its one line (`config error: ...`), so
-we exit with its code silently; for any other failure we print one short summary naming the
-rank, host and exit code (the worker's own traceback is above it).
+This is `torch.distributed.run` (the code behind `torchrun`) with two differences:
+
+- Failures: when a worker fails, torchrun raises ChildFailedError and prints a long report plus
+  its own traceback. A worker that stopped on a user error has already printed its one line
+  (`config error: ...`), and one stopped by a signal has saved and said so, so we exit with
+  its code silently; for any other failure we print one short summary naming the rank, host
+  and exit code (the worker's own traceback is above it).
+- Signals: SLURM delivers SIGUSR1/SIGTERM to the launcher (srun's task), not to the workers.
+  torchrun would die of SIGUSR1, or SIGTERM its workers and SIGKILL them 30 s later, possibly
+  mid-save. We forward SIGTERM, SIGINT, SIGHUP, SIGUSR1 and SIGUSR2 to the workers and keep
+  waiting: they save at the next step and exit with code 3. A second SIGINT or SIGTERM makes
+  torchrun tear the workers down at once.
 """
 
 from __future__ import annotations
 
+import glob
 import logging
+import os
+import signal
 import socket
 import sys
 
+from torch.distributed.elastic.multiprocessing.api import SignalException
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 from torch.distributed.run import config_from_args, elastic_launch, parse_args
 
 USER_ERROR_EXIT_CODE = 2
 PREEMPTED_EXIT_CODE = 3  # a clean, checkpointed stop on a signal (see trainer.train)
 QUIET_CODES = (USER_ERROR_EXIT_CODE, PREEMPTED_EXIT_CODE)
+
+
+FORWARDED = ("SIGTERM", "SIGINT", "SIGHUP", "SIGUSR1", "SIGUSR2")
+
+
+def _children() -> list[int]:
+    pids: list[int] = []
+    for path in glob.glob("/proc/self/task/*/children"):
+        with open(path) as fh:
+            pids += [int(p) for p in fh.read().split()]
+    return pids
+
+
+def _forward(signum, frame) -> None:
+    _received[signum] = _received.get(signum, 0) + 1
+    if signum in (signal.SIGINT, signal.SIGTERM) and _received[signum] > 1:
+        raise SignalException(f"second {signal.Signals(signum).name}: stopping now", signum)
+    for pid in _children():
+        try:
+            os.kill(pid, signum)
+        except ProcessLookupError:
+            pass
+
+
+_received: dict[int, int] = {}
+
+
+def install_forwarding() -> None:
+    """Our handlers for the forwarded signals; torchrun keeps its own for the rest."""
+    os.environ["TORCHELASTIC_SIGNALS_TO_HANDLE"] = "SIGQUIT"
+    for name in FORWARDED:
+        signal.signal(getattr(signal, name), _forward)
 
 
 def _first_failure(err: ChildFailedError):
@@ -31,6 +74,7 @@ def _first_failure(err: ChildFailedError):
 def main(argv: list[str]) -> int:
     args = parse_args(argv)
     config, cmd, cmd_args = config_from_args(args)
+    install_forwarding()
     try:
         elastic_launch(config=config, entrypoint=cmd)(*cmd_args)
     except ChildFailedError as err:

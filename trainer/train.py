@@ -27,6 +27,8 @@ from trainer.metrics import MetricsProcessor
 from trainer.model import build_model, model_args
 from trainer.optim import build_lr_scheduler, build_optimizer
 from trainer.parallelize import parallelize, set_gradient_sync
+from trainer.preemption import PREEMPTED_EXIT_CODE, Preempted, StopSignals
+from trainer.profiling import StepProfiler
 
 IGNORE_INDEX = -100
 
@@ -163,17 +165,21 @@ def train(cfg: JobConfig) -> None:
                                     dataloader=loader, train_state=state, log=log0)
         agree_on_user_errors(checkpointer.committed_steps)
         checkpointer.load()
-        run_loop(cfg, model, optimizer, scheduler, loader, checkpointer, metrics, state,
-                 accum=accum, dp_group=dp_group)
+        with StepProfiler(cfg, rank=dist.get_rank(), device=device,
+                          start_step=state.step) as profiler:
+            run_loop(cfg, model, optimizer, scheduler, loader, checkpointer, metrics, profiler,
+                     state, accum=accum, dp_group=dp_group, device=device)
     finally:
         metrics.close()
 
 
-def run_loop(cfg, model, optimizer, scheduler, loader, checkpointer, metrics, state, *, accum,
-             dp_group) -> None:
-    first = True
+def run_loop(cfg, model, optimizer, scheduler, loader, checkpointer, metrics, profiler, state,
+             *, accum, dp_group, device) -> None:
+    """Train until `training.steps`, or until a stop signal (then save and raise Preempted)."""
+    stop = StopSignals(cfg.job.stop_signals)
     if state.step >= cfg.training.steps:
         log0(f"nothing to do: already at step {state.step} of {cfg.training.steps}")
+    first_step = state.step + 1
     while state.step < cfg.training.steps:
         state.step += 1
         metrics.step_timer()
@@ -183,17 +189,28 @@ def run_loop(cfg, model, optimizer, scheduler, loader, checkpointer, metrics, st
             max_norm=cfg.training.max_norm, metrics=metrics)
         state.tokens_seen += cfg.training.seq_len * loader.global_batch_size
         last = state.step == cfg.training.steps
-        if state.step % cfg.metrics.log_freq == 0 or last or first:
+        if state.step % cfg.metrics.log_freq == 0 or last or state.step == first_step:
             avg, mx = reduce_loss(rank_loss, dp_group)
             metrics.log(state.step, global_avg_loss=avg, global_max_loss=mx,
                         grad_norm=float(grad_norm), lr=scheduler.get_last_lr()[0],
-                        tokens_seen=state.tokens_seen)
+                        tokens_seen=state.tokens_seen, local_loss=rank_loss.item())
+        profiler.step()
+        if not last and stop.agreed(device):
+            log0(f"stop signal ({stop.received or 'on another rank'}): saving at step "
+                 f"{state.step} and exiting")
+            checkpointer.save(state.step) if cfg.checkpoint.enable else None
+            raise Preempted(f"stopped at step {state.step} on a signal")
         checkpointer.maybe_save(state.step, last=last)
-        if first:  # setup and the first step may be slow; later collectives get a tighter bound
-            dist.distributed_c10d._set_pg_timeout(
-                datetime.timedelta(seconds=cfg.comm.train_timeout_seconds))
-            first = False
+        if state.step == first_step:  # setup and step 1 may be slow; then a tighter bound
+            set_collective_timeout(cfg.comm.train_timeout_seconds)
     log0(f"training done at step {state.step}")
+
+
+def set_collective_timeout(seconds: int) -> None:
+    """Apply the training timeout to every process group (the default one and the mesh's)."""
+    timeout = datetime.timedelta(seconds=seconds)
+    for group in list(dist.distributed_c10d._world.pg_names):
+        dist.distributed_c10d._set_pg_timeout(timeout, group)
 
 
 def main(argv: list[str]) -> int:
@@ -206,9 +223,12 @@ def main(argv: list[str]) -> int:
         if int(os.environ.get("RANK", "0")) == 0:
             print(e.one_line(), file=sys.stderr, flush=True)
         code = e.exit_code
+    except Preempted as e:
+        log0(str(e))
+        code = e.exit_code
     finally:
         if dist.is_initialized():
-            if code == 0:
+            if code in (0, PREEMPTED_EXIT_CODE):
                 dist.barrier()
             dist.destroy_process_group()
     return code

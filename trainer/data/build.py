@@ -1,13 +1,21 @@
 """`build_dataloader`: pick the loader for a `[data]` config and check its inputs up front.
 
 Every user error (missing path, empty corpus, foreign store, corrupt shard, seq_len too long)
-is raised here as a one-line `DataError`, before the first training step.
+is raised here as a one-line `DataError`, before the first training step:
+- "synthetic": SyntheticLoader (global order, no files);
+- "stdlib" or any dataset with data.store_path: StoreLoader over a token store (global order;
+  the stdlib store is built and cached at first use, see cache.py);
+- a HF dataset without a store: StreamingLoader (per-rank order).
 """
 
 from __future__ import annotations
 
+import os
+
 from trainer.data.config import DataConfig
 from trainer.errors import DataError
+
+_VALIDATION_SEED_OFFSET = 1_000_003
 
 
 def build_dataloader(cfg: DataConfig, *, seq_len: int, local_batch_size: int,
@@ -21,10 +29,60 @@ def build_dataloader(cfg: DataConfig, *, seq_len: int, local_batch_size: int,
               global_batch_size=global_batch_size, dp_rank=dp_rank, dp_size=dp_size, seed=seed)
     if cfg.dataset == "synthetic":
         from trainer.data.synthetic import SyntheticLoader
-        # validation draws from a disjoint seed stream, so it never repeats training samples
-        return SyntheticLoader(vocab_size=cfg.vocab_size, **{
-            **kw, "seed": seed if split == "train" else seed + 1_000_003})
-    raise DataError(f"data.dataset = {cfg.dataset!r} is not supported yet")
+
+        if split == "validation":  # a disjoint seed stream: never a training sample
+            kw["seed"] = seed + _VALIDATION_SEED_OFFSET
+        return SyntheticLoader(vocab_size=cfg.vocab_size, **kw)
+    if cfg.store_path or cfg.dataset == "stdlib":
+        from trainer.data.loader import StoreLoader
+
+        store, tokenizer_path = open_store(cfg)
+        return StoreLoader(store, split=split, val_fraction=cfg.val_fraction,
+                           shuffle=cfg.shuffle, tokenizer_path=tokenizer_path, **kw)
+    return _streaming_loader(cfg, split, kw)
+
+
+def open_store(cfg: DataConfig):
+    """The checked store and the tokenizer path that goes with it."""
+    from trainer.data.store import Store
+    from trainer.data.tokenizer import file_sha256
+
+    if cfg.dataset == "stdlib" and not cfg.store_path:
+        from trainer.data.cache import ensure_stdlib
+
+        tokenizer_path, store_path = ensure_stdlib(cfg)
+        return Store(store_path, cfg.verify_store), tokenizer_path
+    store = Store(cfg.store_path, cfg.verify_store)
+    if not cfg.tokenizer_path:
+        return store, store.tokenizer_file
+    tokenizer_path = os.path.expanduser(cfg.tokenizer_path)
+    if not os.path.isfile(tokenizer_path):
+        raise DataError(f"tokenizer not found: {tokenizer_path} (data.tokenizer_path)")
+    sha = file_sha256(tokenizer_path)
+    if sha != store.tokenizer_sha256:
+        raise DataError(
+            f"store {store.path} was prepared with a different tokenizer (sha256 "
+            f"{store.tokenizer_sha256[:12]}) than data.tokenizer_path = {tokenizer_path} "
+            f"(sha256 {sha[:12]}); re-prepare the store with this tokenizer, or leave "
+            "data.tokenizer_path empty to use the store's own tokenizer.model")
+    return store, tokenizer_path
+
+
+def _streaming_loader(cfg: DataConfig, split: str, kw: dict):
+    from trainer.data.streaming import StreamingLoader
+    from trainer.data.tokenizer import Tokenizer
+
+    if not cfg.tokenizer_path:
+        raise DataError(f"data.tokenizer_path is empty: streaming {cfg.dataset} needs a "
+                        "sentencepiece model (train one with python -m "
+                        "trainer.data.train_tokenizer), or set data.store_path to a store")
+    if split == "validation" and not cfg.val_split:
+        raise DataError(f"no validation data for streamed {cfg.dataset}: set data.val_split "
+                        "(a HF split such as 'validation') or prepare a store and set "
+                        "data.store_path (validation is then a held-out slice)")
+    hf_split = cfg.split if split == "train" else cfg.val_split
+    tok = Tokenizer(os.path.expanduser(cfg.tokenizer_path))
+    return StreamingLoader(cfg, tok, hf_split, **kw)
 
 
 def padded_vocab_size(vocab_size: int, multiple: int) -> int:
@@ -39,4 +97,4 @@ def check_model_vocab(model_vocab_size: int, loader) -> None:
         where = loader.tokenizer_path or f"the {loader.kind} data"
         raise DataError(f"model vocab_size {model_vocab_size} is smaller than the tokenizer "
                         f"vocab {loader.vocab_size} of {where}; set the model's vocab_size >= "
-                        f"{loader.vocab_size}")
+                        f"{loader.vocab_size} (padding up to a multiple is fine)")

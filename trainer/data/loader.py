@@ -93,3 +93,46 @@ class GlobalOrderLoader:
 
     def _where(self) -> str:
         return self.tokenizer_path or self.kind
+
+
+class StoreLoader(GlobalOrderLoader):
+    """Windows of seq_len+1 tokens from a token store, visited in the global order.
+
+    The store's token stream is split once, independent of seq_len: the train split is the
+    first (1 - val_fraction) of the tokens, validation the tail, so no validation token is ever
+    trained on. Each split is cut into non-overlapping windows; sample i of the split is window
+    permute(i mod n_windows) of epoch i // n_windows (trainer/data/order.py)."""
+
+    kind = "store"
+
+    def __init__(self, store, *, split: str, val_fraction: float, shuffle: bool,
+                 tokenizer_path: str, **kw):
+        super().__init__(**kw)
+        from trainer.data.order import window_of_sample
+
+        self._window_of_sample = window_of_sample
+        self.store, self.split, self.shuffle = store, split, shuffle
+        self.vocab_size, self.tokenizer_path = store.vocab_size, tokenizer_path
+        total = store.total_tokens
+        held_out = int(total * val_fraction)
+        self.lo, self.hi = (0, total - held_out) if split == "train" else (total - held_out, total)
+        self.n_windows = (self.hi - self.lo) // (self.seq_len + 1)
+        if self.n_windows == 0:
+            raise DataError(
+                f"seq_len {self.seq_len} is longer than the corpus can fill: the {split} split "
+                f"of store {store.path} has {self.hi - self.lo:,} tokens (val_fraction "
+                f"{val_fraction} of {total:,}), fewer than one window of {self.seq_len + 1}; "
+                "use a shorter seq_len or a bigger corpus")
+        self.fingerprint = f"{store.fingerprint}:{split}"
+
+    def _windows(self, indices: np.ndarray) -> np.ndarray:
+        windows = self._window_of_sample(indices, self.n_windows, self.seed, self.shuffle)
+        return self.store.read(self.lo + windows * (self.seq_len + 1), self.seq_len + 1)
+
+    def _where(self) -> str:
+        return str(self.store.path)
+
+    def describe(self) -> str:
+        return (f"{self.store.describe()}, {self.split} split: {self.n_windows:,} windows of "
+                f"{self.seq_len + 1} tokens; tokenizer {self.tokenizer_path} (vocab "
+                f"{self.vocab_size}); dp rank {self.dp_rank}/{self.dp_size}")

@@ -113,20 +113,19 @@ def _work(job: dict, report: Callable[[int, int], None]) -> None:
         pending, pending_tokens, pending_docs = [], 0, 0
 
     stream = itertools.islice(documents(cfg, w, job["n"]), docs_end, None)
-    while True:
-        batch = list(_take_batch(stream))
-        if not batch:
-            break
-        texts = [t for t in batch if t]
-        ids = tok.encode_docs(texts, cfg.add_bos, cfg.add_eos) if texts else []
-        arrays = [np.asarray(x, dtype=np.int64) for x in ids]
-        pending.extend(arrays)
-        n_tokens = sum(len(a) for a in arrays)
-        pending_tokens, pending_docs, docs_end = (pending_tokens + n_tokens,
-                                                  pending_docs + len(batch), docs_end + len(batch))
+    while batch := list(_take_batch(stream)):
+        nonempty = [t for t in batch if t]
+        ids = iter(tok.encode_docs(nonempty, cfg.add_bos, cfg.add_eos) if nonempty else [])
+        n_tokens = 0
+        for text in batch:  # shards end on document boundaries, possibly mid-batch
+            if text:
+                pending.append(np.asarray(next(ids), dtype=np.int64))
+                pending_tokens += len(pending[-1])
+                n_tokens += len(pending[-1])
+            pending_docs, docs_end = pending_docs + 1, docs_end + 1
+            if pending_tokens >= job["shard_tokens"]:
+                flush()
         report(len(batch), n_tokens)
-        if pending_tokens >= job["shard_tokens"]:
-            flush()
     if pending_tokens:
         flush()
     journal["done"] = True

@@ -33,8 +33,11 @@ def stdlib_files() -> list[Path]:
     root = stdlib_root()
     if not root.is_dir():
         raise DataError(f"Python standard library not found at {root} (data.dataset = 'stdlib')")
-    files = sorted(p for p in root.rglob("*.py")
-                   if "site-packages" not in p.relative_to(root).parts and p.is_file())
+    files = []
+    for dirpath, dirnames, filenames in os.walk(root):
+        dirnames[:] = sorted(d for d in dirnames if d not in ("site-packages", "__pycache__"))
+        files += [Path(dirpath, f) for f in sorted(filenames) if f.endswith(".py")]
+    files.sort()
     random.Random(0).shuffle(files)
     return files
 

@@ -1,0 +1,43 @@
+"""Stop cleanly on a signal: every rank agrees at a step boundary, saves, and exits.
+
+SLURM sends SIGUSR1 ahead of a preemption or time limit (`--signal=USR1@<s>`), schedulers send
+SIGTERM, and a user presses Ctrl-C (SIGINT). A handler only records the signal; at the end of
+each step the ranks all-reduce the flag, so they all stop after the same step even when the
+signal reached only some of them, then save a checkpoint and exit with PREEMPTED_EXIT_CODE
+(which the SLURM script turns into a requeue).
+"""
+
+from __future__ import annotations
+
+import signal
+
+import torch
+import torch.distributed as dist
+
+PREEMPTED_EXIT_CODE = 3
+
+
+class Preempted(Exception):
+    """Raised after the checkpoint of a signalled stop is saved."""
+
+    exit_code = PREEMPTED_EXIT_CODE
+
+
+class StopSignals:
+    def __init__(self, names: list[str]):
+        self.received: str | None = None
+        for name in names:
+            signal.signal(getattr(signal, name), self._handler)
+
+    def _handler(self, signum, frame) -> None:
+        self.received = signal.Signals(signum).name
+
+    def agreed(self, device: torch.device) -> bool:
+        """True on every rank if any rank has received a stop signal (one tiny all-reduce)."""
+        flag = torch.tensor([1.0 if self.received else 0.0], device=device)
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        return bool(flag.item())
+
+
+def valid_signal_names() -> list[str]:
+    return ["SIGTERM", "SIGUSR1", "SIGUSR2", "SIGINT", "SIGHUP"]
