@@ -19,6 +19,11 @@ TINY = [
 ]
 
 
+# fp32, a fixed global batch of 8 sequences, constant lr after warmup (so a run that stops at
+# step 4 has the same schedule as one that goes on to 8).
+BASE_FP32 = [*TINY, "--training.global_batch_size", "8", "--lr_scheduler.min_lr_factor", "1.0"]
+
+
 def test_env(extra: dict | None = None) -> dict:
     env = dict(os.environ)
     env.setdefault("HF_DATASETS_OFFLINE", "1")

@@ -83,7 +83,7 @@ def test_mfu_tflops_and_throughput_agree(run):
 
 def test_console_has_one_line_per_logged_step(run):
     _, stdout = run
-    lines = re.findall(r"\[rank0\]:step:\s+(\d+)\s+loss:", stdout)
+    lines = re.findall(r"^step:\s+(\d+)\s+loss:", stdout, re.M)
     assert [int(s) for s in lines] == LOGGED
     assert "\033[" not in stdout  # captured output is not a terminal: no color codes
     for first_line in ("model: ", "FLOPs/token: ", "mesh: ", "gradient accumulation steps: "):

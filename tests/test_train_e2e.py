@@ -4,11 +4,8 @@ import re
 
 import pytest
 
-from tests.helpers import TINY, losses, run_train
-
-# fp32, a fixed global batch of 8 sequences, constant lr after warmup (so a run that stops at
-# step 4 has the same schedule as one that goes on to 8).
-BASE = [*TINY, "--training.global_batch_size", "8", "--lr_scheduler.min_lr_factor", "1.0"]
+from tests.helpers import BASE_FP32 as BASE
+from tests.helpers import losses, run_train
 
 
 def test_parity_one_process_fsdp2_hsdp4(tmp_path):
@@ -38,6 +35,15 @@ def test_resume_is_bitwise_and_survives_a_larger_world(tmp_path):
     assert "resumed from" in out and "step-4" in out
     resumed = losses(tmp_path / "resumed")
     assert [resumed[s] for s in range(1, 9)] == [straight[s] for s in range(1, 9)]  # bitwise
+
+    # The same with asynchronous saves: the background writer saw the state of step 4, not a
+    # later one (the state is staged before training goes on).
+    async_ = [*common, "--checkpoint.async_mode", "async"]
+    run_train(tmp_path / "async", *async_, "--training.steps", "4")
+    out = run_train(tmp_path / "async", *async_, "--training.steps", "8").stdout
+    assert "writing in the background" in out and "resumed from" in out
+    resumed = losses(tmp_path / "async")
+    assert [resumed[s] for s in range(5, 9)] == [straight[s] for s in range(5, 9)]
 
     # A checkpoint written by 2 ranks (FSDP) continues on 4 ranks (HSDP 2x2).
     (tmp_path / "wide").mkdir()

@@ -8,6 +8,11 @@ and the dataloader position.
 A save is atomic: every rank writes into `step-N.partial`; once DCP has written the metadata and
 all ranks have passed a barrier, rank 0 renames it to `step-N`. Only `step-N` folders are ever
 loaded, so a crash mid-save leaves the previous checkpoint as the latest.
+
+With `async_mode = "async"`, the state is staged to CPU memory and written by a background
+thread while training goes on; the commit (the rename) happens at the next save or at the end
+of the run, whichever comes first. The background writes use a gloo process group of their own:
+on the default group their collectives would interleave with training's and hang.
 """
 
 from __future__ import annotations
@@ -98,6 +103,10 @@ class Checkpointer:
         self.states = {"model_optim": ModelAndOptimizer(model, optimizer),
                        "lr_scheduler": _Adapter(scheduler), "dataloader": _Adapter(dataloader),
                        "train_state": train_state, "rng": RNGState()}
+        self.async_group = None
+        if self.cfg.enable and self.cfg.async_mode == "async":
+            self.async_group = dist.new_group(backend="gloo")  # collective: every rank, once
+        self.pending = None  # (step, future, start time) of an async save not yet committed
 
     # ----------------------------------------------------------------------------- listing
     def committed_steps(self) -> list[int]:
@@ -135,19 +144,40 @@ class Checkpointer:
             self.save(step)
 
     def save(self, step: int) -> None:
+        """Write `step-N.partial` (in the background when async), then commit it as `step-N`."""
+        self.wait()  # at most one save in flight; commit the previous one first
         t0 = time.monotonic()
-        final, partial = self._path(step), self._path(step) + ".partial"
-        rank0 = dist.get_rank() == 0
-        if rank0:
+        partial = self._path(step) + ".partial"
+        if dist.get_rank() == 0:
             shutil.rmtree(partial, ignore_errors=True)  # left over from an interrupted save
         dist.barrier()
-        dcp.save(self.states, checkpoint_id=partial)
+        if self.async_group is None:
+            dcp.save(self.states, checkpoint_id=partial)
+            self._commit(step, t0)
+        else:
+            future = dcp.async_save(self.states, checkpoint_id=partial,
+                                    process_group=self.async_group)
+            self.log(f"checkpoint step-{step}: staged in {time.monotonic() - t0:.2f}s, "
+                     "writing in the background")
+            self.pending = (step, future, t0)
+
+    def wait(self) -> None:
+        """Finish and commit an async save in flight (call before exiting)."""
+        if self.pending is not None:
+            step, future, t0 = self.pending
+            self.pending = None
+            future.result()
+            self._commit(step, t0)
+
+    def _commit(self, step: int, t0: float) -> None:
+        final = self._path(step)
+        rank0 = dist.get_rank() == 0
         if os.environ.get(CRASH_ENV) == str(step) and rank0:
             os._exit(17)
         dist.barrier()  # every rank's data and DCP's metadata are on disk
         if rank0:
             shutil.rmtree(final, ignore_errors=True)
-            os.replace(partial, final)
+            os.replace(final + ".partial", final)
             self._prune()
         dist.barrier()
         self.log(f"saved checkpoint {final} in {time.monotonic() - t0:.2f}s")

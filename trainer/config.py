@@ -113,12 +113,33 @@ class Parallelism:
 
 
 @dataclass
+class ActivationCheckpoint:
+    mode: str = opt("none", "Recompute activations in backward: none, full (every block), selective",
+                    choices=("none", "full", "selective"))
+    selective_ac_option: str = opt(
+        "2", "selective: 'op' (keep matmul/attention outputs, recompute the rest) or k (every k-th block)")
+
+    def validate(self) -> None:
+        opt_ = self.selective_ac_option
+        if opt_ != "op" and not (opt_.isdigit() and int(opt_) >= 1):
+            raise ConfigError(f"activation_checkpoint.selective_ac_option = {opt_!r} is not valid; "
+                              "use 'op' or a positive integer k (checkpoint every k-th block)")
+
+
+@dataclass
+class Compile:
+    enable: bool = opt(False, "torch.compile each transformer block (after AC, before FSDP)")
+
+
+@dataclass
 class Checkpoint:
     enable: bool = opt(False, "Save Distributed Checkpoints and resume from them")
     folder: str = opt("checkpoint", "Checkpoint folder, relative to job.dump_folder")
     interval: int = opt(500, "Save every this many steps (and at the last step)", min=1)
     keep_latest_k: int = opt(10, "Keep the newest k checkpoints; 0 = keep all", min=0)
     load_step: int = opt(-1, "Resume from this step instead of the latest; -1 = latest", min=-1)
+    async_mode: str = opt("disabled", "disabled, or async: write in a background thread while training",
+                          choices=("disabled", "async"))
 
 
 @dataclass
@@ -154,6 +175,8 @@ class JobConfig:
     lr_scheduler: LRScheduler = field(default_factory=LRScheduler)
     training: Training = field(default_factory=Training)
     parallelism: Parallelism = field(default_factory=Parallelism)
+    activation_checkpoint: ActivationCheckpoint = field(default_factory=ActivationCheckpoint)
+    compile: Compile = field(default_factory=Compile)
     checkpoint: Checkpoint = field(default_factory=Checkpoint)
     metrics: Metrics = field(default_factory=Metrics)
     profiling: Profiling = field(default_factory=Profiling)

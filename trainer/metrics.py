@@ -267,7 +267,9 @@ class MetricsProcessor:
         data or weights diverge; show the ranks with LOG_RANK=0,1,...).
         """
         if local_loss is not None and os.environ.get(DEBUG_RANK_LOSS_ENV):
-            print(f"rank {self.rank} step {step} local_loss {float(local_loss)!r}", flush=True)
+            # One write per line: ranks share the pipe, and print() writes the newline apart.
+            sys.stdout.write(f"rank {self.rank} step {step} local_loss {float(local_loss)!r}\n")
+            sys.stdout.flush()
         m = {
             "loss_metrics/global_avg_loss": float(global_avg_loss),
             "loss_metrics/global_max_loss": float(global_max_loss),

@@ -1,19 +1,80 @@
-"""Apply data parallelism to a meta-device model, then materialise and initialise it.
+"""Apply activation checkpointing, compile and data parallelism to a meta-device model, then
+materialise and initialise it.
 
-Order matters and is fixed here: `fully_shard` bottom-up (each transformer block, then the
-embedding, then the final norm + output head, then the root), so that every group all-gathers
-and frees its own parameters; then `to_empty` on the device and the deterministic init. The
-optimizer is created afterwards, over the sharded (DTensor) parameters.
+The order is fixed here, and it matters:
+1. Activation checkpointing wraps each block's forward, so recomputation covers the whole block.
+2. torch.compile compiles that (checkpointed) forward: the compiled graph includes the
+   recompute policy, and FSDP's hooks stay outside the graph.
+3. `fully_shard` bottom-up (each block, then the embedding, then the final norm + output head,
+   then the root), so every group all-gathers and frees its own parameters around the
+   compiled, checkpointed block.
+4. `to_empty` on the device and the deterministic init. The optimizer is created afterwards,
+   over the sharded (DTensor) parameters.
+Both 1 and 2 replace the block's `forward` in place rather than wrapping the module, so
+parameter names (and with them checkpoints and the seeded init) are the same in every mode.
 """
 
 from __future__ import annotations
 
+import functools
+
 import torch
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+from torch.utils.checkpoint import (CheckpointPolicy, checkpoint,
+                                    create_selective_checkpoint_contexts)
 
 from trainer.model import Transformer
 
 DTYPE = {"bfloat16": torch.bfloat16, "float32": torch.float32}
+
+
+# Outputs worth keeping under op-level selective AC: the matmuls and attention, whose
+# recomputation costs FLOPs; everything else (norms, activations, RoPE) is cheap to recompute.
+_SAVE_OPS = {
+    torch.ops.aten.mm.default,
+    torch.ops.aten._scaled_dot_product_efficient_attention.default,
+    torch.ops.aten._scaled_dot_product_flash_attention.default,
+    torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default,
+}
+if hasattr(torch.ops.aten, "_scaled_dot_product_cudnn_attention"):
+    _SAVE_OPS.add(torch.ops.aten._scaled_dot_product_cudnn_attention.default)
+
+
+def _save_matmuls(ctx, op, *args, **kwargs):
+    return CheckpointPolicy.MUST_SAVE if op in _SAVE_OPS else CheckpointPolicy.PREFER_RECOMPUTE
+
+
+def _op_level_context():
+    return create_selective_checkpoint_contexts(_save_matmuls)
+
+
+def _checkpoint_forward(block: torch.nn.Module, context_fn=None) -> None:
+    inner = block.forward
+    kwargs = {"context_fn": context_fn} if context_fn else {}
+
+    @functools.wraps(inner)
+    def forward(*args):
+        return checkpoint(inner, *args, use_reentrant=False, preserve_rng_state=False, **kwargs)
+
+    block.forward = forward
+
+
+def apply_ac(model: Transformer, mode: str, option: str) -> None:
+    """full: recompute every block; selective 'op': keep matmul/attention outputs only;
+    selective k: recompute every k-th block in full (1 = every block)."""
+    for i, block in enumerate(model.layers.values()):
+        if mode == "full":
+            _checkpoint_forward(block)
+        elif option == "op":
+            _checkpoint_forward(block, _op_level_context)
+        elif i % int(option) == 0:
+            _checkpoint_forward(block)
+
+
+def apply_compile(model: Transformer) -> None:
+    """Compile each block's forward (identical blocks share the compiled code)."""
+    for block in model.layers.values():
+        block.forward = torch.compile(block.forward)
 
 
 def reshard_policy(policy: str) -> tuple[bool, bool]:
@@ -38,7 +99,12 @@ def apply_fsdp(model: Transformer, mesh, *, param_dtype: str, reduce_dtype: str,
 
 
 def parallelize(model: Transformer, parallel_dims, cfg, *, device: torch.device) -> Transformer:
-    """Shard `model` (built on meta) per `cfg` (a JobConfig), then materialise and initialise it."""
+    """AC, compile and shard `model` (built on meta) per `cfg` (a JobConfig), then materialise
+    and initialise it."""
+    if cfg.activation_checkpoint.mode != "none":
+        apply_ac(model, cfg.activation_checkpoint.mode, cfg.activation_checkpoint.selective_ac_option)
+    if cfg.compile.enable:
+        apply_compile(model)
     apply_fsdp(model, parallel_dims.fsdp_mesh,
                param_dtype=cfg.training.mixed_precision_param,
                reduce_dtype=cfg.training.mixed_precision_reduce,

@@ -198,11 +198,14 @@ def run_loop(cfg, model, optimizer, scheduler, loader, checkpointer, metrics, pr
         if not last and stop.agreed(device):
             log0(f"stop signal ({stop.received or 'on another rank'}): saving at step "
                  f"{state.step} and exiting")
-            checkpointer.save(state.step) if cfg.checkpoint.enable else None
+            if cfg.checkpoint.enable:
+                checkpointer.save(state.step)
+                checkpointer.wait()
             raise Preempted(f"stopped at step {state.step} on a signal")
         checkpointer.maybe_save(state.step, last=last)
         if state.step == first_step:  # setup and step 1 may be slow; then a tighter bound
             set_collective_timeout(cfg.comm.train_timeout_seconds)
+    checkpointer.wait()
     log0(f"training done at step {state.step}")
 
 

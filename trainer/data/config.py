@@ -18,6 +18,7 @@ from trainer.config_base import opt
 from trainer.errors import ConfigError
 
 LOCAL_BUILDERS = ("json", "parquet", "text", "csv")
+MIN_TRAIN_VOCAB = 320  # a trained BPE needs 256 byte-fallback pieces + specials + some merges
 
 
 @dataclass
@@ -34,8 +35,8 @@ class DataConfig:
                               "or a BPE model trained and cached for the stdlib default")
     vocab_size: int = opt(8192, "Vocab of the tokenizer trained for 'stdlib', and of 'synthetic'",
                           min=16, max=1 << 31)
-    store_path: str = opt("", "Prepared token store directory; '' = stream (HF), or the "
-                          "cached store (stdlib)")
+    store_path: str = opt("", "Prepared token store directory (it records its own source and "
+                          "tokenizer); '' = stream (HF), or the cached store (stdlib)")
     cache_dir: str = opt("~/.cache/trainer", "Where the stdlib default's tokenizer and store live")
     val_fraction: float = opt(0.01, "Fraction of the store's tokens (its tail) held out for "
                               "split='validation'", min=0.0, max=0.5)
@@ -61,6 +62,11 @@ class DataConfig:
         if self.dataset == "synthetic" and (self.tokenizer_path or self.store_path):
             raise ConfigError("data.dataset = 'synthetic' uses no tokenizer or store; leave "
                               "data.tokenizer_path and data.store_path empty")
+        if self.dataset == "stdlib" and not self.tokenizer_path and \
+                self.vocab_size < MIN_TRAIN_VOCAB:
+            raise ConfigError(f"data.vocab_size = {self.vocab_size} is too small to train the "
+                              f"stdlib tokenizer (byte fallback needs 256 ids); use >= "
+                              f"{MIN_TRAIN_VOCAB}")
         if not self.dataset:
             raise ConfigError("data.dataset is empty; use 'stdlib', 'synthetic', a HF dataset "
                               "name, or json/parquet/text/csv with data_files")

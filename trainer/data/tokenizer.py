@@ -13,9 +13,8 @@ import os
 from pathlib import Path
 from typing import Callable, Iterable, Iterator
 
+from trainer.data.config import MIN_TRAIN_VOCAB
 from trainer.errors import ConfigError, DataError
-
-MIN_TRAIN_VOCAB = 320  # 256 byte-fallback pieces + specials + a few merges
 
 
 def file_sha256(path: str | Path) -> str:

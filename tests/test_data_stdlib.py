@@ -1,0 +1,62 @@
+"""The embedded default: the stdlib corpus, tokenizer and store built at first use, with
+several ranks building at once into one cache (one builds, the others wait)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+from tests.test_data_fixtures import *  # noqa: F401,F403
+from tests.test_data_fixtures import DataConfig, build
+from trainer.data.sources import stdlib_files
+
+REPO = Path(__file__).resolve().parents[1]
+VOCAB = 2048  # smaller than the default to keep the test quick; same code path
+
+RANK = """
+import hashlib, sys
+from trainer.data import DataConfig, build_dataloader
+rank = int(sys.argv[2])
+cfg = DataConfig(cache_dir=sys.argv[1], vocab_size={vocab})
+loader = build_dataloader(cfg, seq_len=128, local_batch_size=2, global_batch_size=4,
+                          dp_rank=rank, dp_size=2, seed=0)
+x, y = loader.next_microbatch()
+print(loader.tokenizer_path, loader.state_dict()["fingerprint"],
+      hashlib.sha256(x.numpy().tobytes()).hexdigest()[:12])
+""".format(vocab=VOCAB)
+
+
+def test_stdlib_corpus_is_the_local_standard_library():
+    files = stdlib_files()
+    assert len(files) > 500 and all(f.suffix == ".py" for f in files)
+    assert not any("site-packages" in f.parts for f in files)
+    assert stdlib_files() == files  # a fixed order
+
+
+def test_concurrent_first_use_builds_once(tmp_path):
+    cache = tmp_path / "cache"
+    env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
+    procs = [subprocess.Popen([sys.executable, "-c", RANK, str(cache), str(r % 2)], env=env,
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+             for r in range(3)]
+    results = [p.communicate(timeout=300) + (p.returncode,) for p in procs]
+    for out, err, rc in results:
+        assert rc == 0, err
+    stderr = "".join(err for _, err, _ in results)
+    assert stderr.count("training stdlib tokenizer") == 1, stderr
+    assert stderr.count("waiting for another process") == 2, stderr
+    outs = [out.split() for out, _, _ in results]
+    assert outs[0][:2] == outs[1][:2] == outs[2][:2]  # one tokenizer, one store
+    assert outs[0][2] == outs[2][2] != outs[1][2]  # ranks 0, 1, 0: the rank's own slice
+    leftovers = [p for p in cache.rglob("*") if ".partial" in p.name or ".tmp" in p.name]
+    assert not leftovers
+    # later runs reuse the cache: the same tokenizer, store and samples
+    loader = build(DataConfig(cache_dir=str(cache), vocab_size=VOCAB), seq_len=128,
+                   local_batch_size=2, global_batch_size=4, dp_size=2)
+    assert loader.tokenizer_path == outs[0][0] and loader.vocab_size == VOCAB
+    assert "stdlib" in loader.describe() and loader.store.total_tokens > 1_000_000
+    manifest = loader.store.manifest  # prepared by 2 worker processes, every file once
+    assert manifest["total_docs"] == len(stdlib_files()) and manifest["workers"] == 2
+    assert {s["file"][:10] for s in manifest["shards"]} == {"shard_w000", "shard_w001"}

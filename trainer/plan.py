@@ -1,0 +1,260 @@
+"""A memory plan before launch: what one device will hold, and whether it fits.
+
+    python -m trainer.plan --config configs/debug_model.toml --ngpu 8 [--nnodes 2] [--gpu h100]
+        [--mfu 0.4] [--section.key value ...]
+
+Everything is computed from the config and the model's shapes (built on the meta device), for
+the rank holding the biggest shard (rank 0: FSDP2 gives it ceil(rows / shard) rows of every
+tensor and pads the other ranks' storage to the same size). Bytes are per device.
+
+The device's peak is the largest of four moments of a step; each is the resident state
+(sharded fp32 parameters, AdamW states, buffers and inputs) plus what is live then:
+- start of backward (the loss and the output head): every saved activation, the loss region,
+  the head's unsharded params, grads and reduce-scatter buffer, and the prefetched last block;
+- top block backward: saved activations, one block recomputed under AC, one block's FSDP buffers;
+- end of backward (the embedding): every sharded gradient, the embedding's FSDP buffers;
+- optimizer step: every sharded gradient and the optimizer's temporaries.
+Sharded gradients are None from `zero_grad(set_to_none=True)` until each group's backward, so
+they are counted only from the end of backward on. The formulas assume the eager model in
+trainer/model.py with a flash/memory-efficient SDPA (no [seq, seq] score matrix) and the loss
+of trainer/train.py; `torch.compile` usually saves less than eager, so compiled runs need at
+most this much. Each formula's assumptions are in its function's docstring;
+tests/test_plan.py checks them against tensors measured on CPU ranks.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import sys
+from dataclasses import dataclass
+
+from trainer.config import JobConfig, load_config
+from trainer.errors import ConfigError, UserError
+from trainer.flops import flops_per_token, table_peak_tflops
+from trainer.model import ModelArgs, build_model, model_args
+
+GIB = 2**30
+BYTES = {"float32": 4, "bfloat16": 2}
+FP32, INT64 = 4, 8
+
+
+@dataclass(frozen=True)
+class Gpu:
+    name: str  # as torch.cuda.get_device_name() reports it: looked up in trainer.flops' table
+    memory_gib: float  # total memory as nvidia-smi reports it (approximate; --gpu-mem-gib)
+
+
+GPUS = {
+    "h100": Gpu("NVIDIA H100 80GB HBM3", 81559 / 1024),
+    "h100-pcie": Gpu("NVIDIA H100 PCIe", 81559 / 1024),
+    "h200": Gpu("NVIDIA H200", 143771 / 1024),
+    "a100": Gpu("NVIDIA A100-SXM4-80GB", 81920 / 1024),
+    "a100-40gb": Gpu("NVIDIA A100-SXM4-40GB", 40960 / 1024),
+    "l40s": Gpu("NVIDIA L40S", 46068 / 1024),
+    "b200": Gpu("NVIDIA B200", 179.0),
+}
+CONTEXT_GIB = 1.5  # CUDA context, cuBLAS and NCCL workspaces: outside the caching allocator
+FRAGMENTATION = 0.07  # caching-allocator rounding and fragmentation, as a share of the plan
+
+
+# --------------------------------------------------------------------------- shapes
+
+
+def resolve_vocab(cfg: JobConfig) -> tuple[int, str]:
+    """The model vocab train.py will use, and where it comes from.
+
+    `[model] vocab_size` if set; for the stdlib and synthetic sources the tokenizer's vocab is
+    `[data] vocab_size`, padded as train.py pads it; any other tokenizer is only known once
+    loaded, so the flavor's own vocab stands in (set `[model] vocab_size` to be exact).
+    """
+    if cfg.model.vocab_size:
+        return cfg.model.vocab_size, "[model] vocab_size"
+    if cfg.data.dataset in ("stdlib", "synthetic"):
+        mult = cfg.model.vocab_size_multiple_of
+        return -(-cfg.data.vocab_size // mult) * mult, (
+            f"[data] vocab_size of the {cfg.data.dataset} tokenizer, padded to a multiple of {mult}")
+    from trainer.model import FLAVORS
+
+    return FLAVORS[cfg.model.flavor].vocab_size, (
+        f"the {cfg.model.flavor} flavor's (the tokenizer is not loaded; set [model] vocab_size)")
+
+
+def fsdp_groups(args: ModelArgs) -> dict[str, list[tuple[int, ...]]]:
+    """Parameter shapes per FSDP group, as trainer.parallelize.apply_fsdp forms the groups:
+    one per block, the embedding, and the final norm + output head. Built on meta: free."""
+    groups: dict[str, list[tuple[int, ...]]] = {}
+    for name, p in build_model(args).named_parameters():
+        key = ".".join(name.split(".")[:2]) if name.startswith("layers.") else (
+            "embedding" if name.startswith("tok_embeddings") else "head")
+        groups.setdefault(key, []).append(tuple(p.shape))
+    return groups
+
+
+def shard_numel(shape: tuple[int, ...], shard: int) -> int:
+    """Elements of rank 0's shard: FSDP2 splits dim 0 like torch.chunk, ceil(rows / shard)."""
+    return math.ceil(shape[0] / shard) * math.prod(shape[1:])
+
+
+def gathered_numel(shapes, shard: int) -> int:
+    """Elements of a group's all-gather output: every tensor padded to shard * ceil(rows/shard)."""
+    return sum(shard * shard_numel(s, shard) for s in shapes)
+
+
+# --------------------------------------------------------------------------- activations
+
+
+def block_saved(a: ModelArgs, p: int) -> int:
+    """Bytes one block saves for backward per token, no AC (eager trainer.model).
+
+    RMSNorm x2: the fp32 upcast and the normed output in the compute dtype, (4 + p) * dim each
+    (in fp32 the upcast is the input itself: still 8 * dim). Attention: the normed input of
+    wq/wk/wv (p * dim); SDPA's q, k, v (k and v repeated to n_heads for GQA), output (wo's input
+    is a view of it) at p * n_heads * head_dim each; the logsumexp, fp32 per head. RoPE saves
+    only the cos/sin tables. FFN: the normed input (p * dim) and four hidden-sized tensors
+    (w1 and w3 outputs, silu output, their product: w2's input).
+    """
+    q = a.n_heads * a.head_dim
+    return 2 * (4 + p) * a.dim + 2 * p * a.dim + 4 * p * q + FP32 * a.n_heads + 4 * p * a.hidden_dim
+
+
+def block_saved_op_sac(a: ModelArgs, p: int) -> int:
+    """Per token under op-level selective AC (trainer.parallelize keeps every mm and SDPA
+    output): the block input, the outputs of wq, wk, wv, wo, w1, w3, w2 and SDPA's output and
+    logsumexp. Everything else is recomputed in backward."""
+    q, kv = a.n_heads * a.head_dim, a.n_kv_heads * a.head_dim
+    mm_out = q + 2 * kv + a.dim + 2 * a.hidden_dim + a.dim
+    return p * a.dim + p * mm_out + p * q + FP32 * a.n_heads
+
+
+def checkpointed_blocks(cfg: JobConfig, n_layers: int) -> int:
+    """Blocks recomputed in full: all (full), those with index % k == 0 (selective k), none."""
+    ac = cfg.activation_checkpoint
+    if ac.mode == "full":
+        return n_layers
+    if ac.mode == "selective" and ac.selective_ac_option != "op":
+        return math.ceil(n_layers / int(ac.selective_ac_option))
+    return 0
+
+
+def blocks_activations(cfg: JobConfig, a: ModelArgs, p: int, tokens: int,
+                       mode: str | None = None) -> int:
+    """Saved activations of all blocks for one microbatch under an AC mode (default: config's).
+    A checkpointed block keeps only its input (p * dim per token)."""
+    mode = mode or cfg.activation_checkpoint.mode
+    if mode == "none":
+        return a.n_layers * block_saved(a, p) * tokens
+    if mode == "full":
+        return a.n_layers * p * a.dim * tokens
+    if cfg.activation_checkpoint.selective_ac_option == "op":
+        return a.n_layers * block_saved_op_sac(a, p) * tokens
+    ckpt = checkpointed_blocks(cfg, a.n_layers)
+    return (ckpt * p * a.dim + (a.n_layers - ckpt) * block_saved(a, p)) * tokens
+
+
+def head_saved(a: ModelArgs, p: int) -> int:
+    """Per token: the final RMSNorm ((4 + p) * dim) and the output head's input (p * dim)."""
+    return (4 + 2 * p) * a.dim
+
+
+def loss_region(a: ModelArgs, p: int, tokens: int) -> tuple[int, int]:
+    """(held logits, peak of the loss region) for one microbatch.
+
+    train.py keeps `logits` ([batch, seq, vocab] in the compute dtype) alive until the next
+    microbatch, through the whole backward. Its loss upcasts them to fp32 for cross-entropy,
+    whose log-softmax saves an fp32 output; its backward holds that output, the incoming fp32
+    gradient and the fp32 gradient it produces at once: p + 12 bytes per logit at the peak.
+    """
+    held = p * a.vocab_size * tokens
+    return held, held + 3 * FP32 * a.vocab_size * tokens
+
+
+# --------------------------------------------------------------------------- the plan
+
+
+def memory_plan(cfg: JobConfig, world_size: int) -> dict[str, int]:
+    """Bytes per device by category, for rank 0 (the largest shard), and the peak `total`.
+
+    Resident: `parameters`, `gradients` (fp32, sharded over dp_shard; replicated over
+    dp_replicate under HSDP), `optimizer_state` (AdamW's exp_avg and exp_avg_sq like the
+    parameters, plus one fp32 step scalar per tensor), `buffers_and_inputs` (the fp32 RoPE
+    tables and the int64 inputs and labels). Per microbatch: `activations` (the configured AC
+    mode; `activations_no_ac` and `activations_full_ac` for comparison; both include the final
+    norm and head input), `ac_recompute` (one block's full activations while it is recomputed),
+    `logits_loss`. Transient: `fsdp_*` (see `fsdp_buffers`), `grad_accumulation` (unsharded
+    grads kept between microbatches when sync is 'last' with accumulation: FSDP2 keeps them in
+    the reduce dtype), `optimizer_step_temp` (foreach AdamW computes sqrt(exp_avg_sq) for all
+    tensors at once: one fp32 copy of the shard; for-loop: two of the largest tensor; fused:
+    none). `peak_*`: the device total at each moment in the module docstring; `total` the max.
+    """
+    pd, accum = cfg.resolve(world_size)
+    vocab, _ = resolve_vocab(cfg)
+    a = model_args(cfg.model.flavor, vocab_size=vocab, max_seq_len=cfg.training.seq_len)
+    groups, shard = fsdp_groups(a), pd.dp_shard
+    p, r = BYTES[cfg.training.mixed_precision_param], BYTES[cfg.training.mixed_precision_reduce]
+    tokens = cfg.training.local_batch_size * cfg.training.seq_len
+    shapes = [s for g in groups.values() for s in g]
+    b = {"parameters": FP32 * sum(shard_numel(s, shard) for s in shapes)}
+    b["gradients"] = b["parameters"]
+    b["optimizer_state"] = 2 * b["parameters"] + FP32 * len(shapes)
+    b["buffers_and_inputs"] = 2 * FP32 * a.max_seq_len * (a.head_dim // 2) + 2 * INT64 * tokens
+
+    b["activations_no_ac"] = blocks_activations(cfg, a, p, tokens, "none") + head_saved(a, p) * tokens
+    b["activations_full_ac"] = blocks_activations(cfg, a, p, tokens, "full") + head_saved(a, p) * tokens
+    b["activations"] = blocks_activations(cfg, a, p, tokens) + head_saved(a, p) * tokens
+    recompute = cfg.activation_checkpoint.mode != "none"
+    b["ac_recompute"] = block_saved(a, p) * tokens if recompute else 0
+    held_logits, b["logits_loss"] = loss_region(a, p, tokens)
+    b.update(fsdp_buffers(cfg, groups, shard, p, r))
+    sync_last = cfg.training.gradient_accumulation_sync == "last"
+    b["grad_accumulation"] = (max(p, r) * gathered_numel(shapes, shard)
+                              if accum > 1 and sync_last else 0)
+    impl = cfg.optimizer.implementation
+    largest = max(FP32 * shard_numel(s, shard) for s in shapes)
+    b["optimizer_step_temp"] = {"foreach": b["parameters"], "for-loop": 2 * largest}.get(impl, 0)
+
+    resident = b["parameters"] + b["optimizer_state"] + b["buffers_and_inputs"]
+    in_backward = resident + b["grad_accumulation"]
+    blocks_act = b["activations"] - head_saved(a, p) * tokens
+    b["peak_start_of_backward"] = (in_backward + b["activations"] + b["logits_loss"]
+                                   + b["fsdp_head"])
+    b["peak_block_backward"] = (in_backward + blocks_act + b["ac_recompute"] + held_logits
+                                + b["fsdp_block"])
+    b["peak_end_of_backward"] = in_backward + b["gradients"] + held_logits + b["fsdp_embedding"]
+    b["peak_optimizer_step"] = resident + b["gradients"] + b["optimizer_step_temp"]
+    b["total"] = max(v for k, v in b.items() if k.startswith("peak_"))
+    return b
+
+
+def fsdp_buffers(cfg: JobConfig, groups, shard: int, p: int, r: int) -> dict[str, int]:
+    """Unsharded parameters, gradients and reduce-scatter buffers live in each backward phase.
+
+    A group being backpropagated holds its all-gathered params (p bytes, padded), its unsharded
+    grads (p) and the flat reduce-scatter input (r: FSDP2 copies the grads into a buffer of the
+    reduce dtype even when it equals p); the next group's params are prefetched (p), and on
+    CUDA the previous group's reduce-scatter may still be in flight (r). The head is kept
+    unsharded after forward under 'default' and 'never' and re-gathered under 'always': in its
+    backward it is there in every policy. Under 'never' every group stays unsharded from its
+    forward to its backward. The embedding's backward also materialises its weight gradient
+    in fp32 when computing in bf16 (CPU kernels accumulate in fp32; counted to stay safe).
+    """
+    g = {k: gathered_numel(v, shard) for k, v in groups.items()}
+    block = max(n for k, n in g.items() if k.startswith("layers."))
+    head, emb = g["head"], g["embedding"]
+    kept = 0
+    if cfg.parallelism.fsdp_reshard_after_forward == "never":
+        kept = p * (sum(n for k, n in g.items() if k.startswith("layers.")) + emb)
+    emb_temp = FP32 * emb if p < FP32 else 0
+    return {
+        "fsdp_head": (2 * p + r) * head + p * block + kept,
+        "fsdp_block": (3 * p + 2 * r) * block + kept,
+        "fsdp_embedding": (2 * p + r) * emb + emb_temp + r * block + kept,
+    }
+
+
+def throughput(cfg: JobConfig, peak_tflops: float, mfu: float) -> tuple[float, float]:
+    """(model FLOPs per token, tokens/s per device) at the assumed MFU of the bf16 peak."""
+    vocab, _ = resolve_vocab(cfg)
+    a = model_args(cfg.model.flavor, vocab_size=vocab, max_seq_len=cfg.training.seq_len)
+    fpt = flops_per_token(a, cfg.training.seq_len)
+    return fpt, mfu * peak_tflops * 1e12 / fpt
