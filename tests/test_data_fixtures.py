@@ -17,6 +17,14 @@ import torch
 from trainer.data import DataConfig, build_dataloader
 
 N_FILES = 4  # jsonl files, so split_dataset_by_node splits by file for 2 and 4 ranks
+_BUILT: dict = {}  # fixtures imported into several modules are per module; share the builds
+
+
+def once(key: str, make):
+    """Build a session-wide artefact once, whichever test module asks first."""
+    if key not in _BUILT:
+        _BUILT[key] = make()
+    return _BUILT[key]
 
 
 @pytest.fixture(scope="session", autouse=True)
@@ -45,29 +53,31 @@ def stdlib_texts(n: int = 120) -> list[str]:
 @pytest.fixture(scope="session")
 def corpus_dir(tmp_path_factory):
     """N_FILES jsonl files with a 'text' and an 'id' column."""
-    d = tmp_path_factory.mktemp("corpus")
-    texts = stdlib_texts()
-    for k in range(N_FILES):
-        with open(d / f"part{k}.jsonl", "w") as f:
-            for i, text in enumerate(texts[k::N_FILES]):
-                f.write(json.dumps({"text": text, "id": f"{k}-{i}"}) + "\n")
-    return d
+    def make():
+        d = tmp_path_factory.mktemp("corpus")
+        texts = stdlib_texts()
+        for k in range(N_FILES):
+            with open(d / f"part{k}.jsonl", "w") as f:
+                for i, text in enumerate(texts[k::N_FILES]):
+                    f.write(json.dumps({"text": text, "id": f"{k}-{i}"}) + "\n")
+        return d
+    return once("corpus", make)
 
 
 @pytest.fixture(scope="session")
 def tokenizer_path(tmp_path_factory):
     from trainer.data.tokenizer import train_bpe
 
-    out = tmp_path_factory.mktemp("tok") / "tiny.model"
-    return train_bpe(stdlib_texts(), 512, out, num_threads=1)
+    return once("tokenizer", lambda: train_bpe(
+        stdlib_texts(), 512, tmp_path_factory.mktemp("tok") / "tiny.model", num_threads=1))
 
 
 @pytest.fixture(scope="session")
 def json_cfg(corpus_dir, tokenizer_path, tmp_path_factory) -> DataConfig:
     """Streams the jsonl corpus (no store)."""
-    return DataConfig(dataset="json", data_files=[str(corpus_dir / "*.jsonl")],
-                      tokenizer_path=tokenizer_path,
-                      cache_dir=str(tmp_path_factory.mktemp("cache")))
+    return once("json_cfg", lambda: DataConfig(
+        dataset="json", data_files=[str(corpus_dir / "*.jsonl")], tokenizer_path=tokenizer_path,
+        cache_dir=str(tmp_path_factory.mktemp("cache"))))
 
 
 @pytest.fixture(scope="session")
@@ -75,10 +85,12 @@ def store_path(json_cfg, tmp_path_factory) -> str:
     """A store of the jsonl corpus with small shards, so windows cross shard boundaries."""
     from trainer.data.prepare import prepare_store
 
-    out = str(tmp_path_factory.mktemp("stores") / "tiny")
-    prepare_store(json_cfg, json_cfg.tokenizer_path, out, workers=1, shard_tokens=30_000,
-                  show_progress=False)
-    return out
+    def make():
+        out = str(tmp_path_factory.mktemp("stores") / "tiny")
+        prepare_store(json_cfg, json_cfg.tokenizer_path, out, workers=1, shard_tokens=30_000,
+                      show_progress=False)
+        return out
+    return once("store", make)
 
 
 @pytest.fixture(scope="session")

@@ -216,11 +216,14 @@ def memory_plan(cfg: JobConfig, world_size: int) -> dict[str, int]:
     resident = b["parameters"] + b["optimizer_state"] + b["buffers_and_inputs"]
     in_backward = resident + b["grad_accumulation"]
     blocks_act = b["activations"] - head_saved(a, p) * tokens
-    b["peak_start_of_backward"] = (in_backward + b["activations"] + b["logits_loss"]
-                                   + b["fsdp_head"])
+    b["peak_loss"] = in_backward + b["activations"] + b["logits_loss"] + b["fsdp_loss"]
+    b["peak_head_backward"] = (in_backward + b["activations"] + 2 * held_logits
+                               + b["fsdp_head"])
     b["peak_block_backward"] = (in_backward + blocks_act + b["ac_recompute"] + held_logits
                                 + b["fsdp_block"])
-    b["peak_end_of_backward"] = in_backward + b["gradients"] + held_logits + b["fsdp_embedding"]
+    emb_grad = FP32 * sum(shard_numel(s, shard) for s in groups["embedding"])
+    b["peak_end_of_backward"] = (in_backward + b["gradients"] - emb_grad + held_logits
+                                 + b["fsdp_embedding"])
     b["peak_optimizer_step"] = resident + b["gradients"] + b["optimizer_step_temp"]
     b["total"] = max(v for k, v in b.items() if k.startswith("peak_"))
     return b
@@ -244,8 +247,10 @@ def fsdp_buffers(cfg: JobConfig, groups, shard: int, p: int, r: int) -> dict[str
     kept = 0
     if cfg.parallelism.fsdp_reshard_after_forward == "never":
         kept = p * (sum(n for k, n in g.items() if k.startswith("layers.")) + emb)
+    head_kept = p * head if cfg.parallelism.fsdp_reshard_after_forward != "always" else 0
     emb_temp = FP32 * emb if p < FP32 else 0
     return {
+        "fsdp_loss": head_kept + kept,
         "fsdp_head": (2 * p + r) * head + p * block + kept,
         "fsdp_block": (3 * p + 2 * r) * block + kept,
         "fsdp_embedding": (2 * p + r) * emb + emb_temp + r * block + kept,
