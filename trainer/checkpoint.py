@@ -119,19 +119,23 @@ class Checkpointer:
         return os.path.join(self.root, f"step-{step}")
 
     # ----------------------------------------------------------------------------- load
-    def load(self) -> bool:
-        """Resume from `load_step` or the latest committed checkpoint; False if there is none."""
+    def step_to_load(self) -> int | None:
+        """`load_step`, or the latest committed step; None when there is nothing to resume."""
         if not self.cfg.enable:
-            return False
+            return None
         steps = self.committed_steps()
         step = self.cfg.load_step
         if step == -1:
-            if not steps:
-                return False
-            step = steps[-1]
-        elif step not in steps:
+            return steps[-1] if steps else None
+        if step not in steps:
             raise ConfigError(f"checkpoint.load_step = {step}: no checkpoint {self._path(step)}; "
                               f"available steps: {steps or 'none'}")
+        return step
+
+    def load(self, step: int | None) -> bool:
+        """Resume from checkpoint `step` (from `step_to_load`); False if None."""
+        if step is None:
+            return False
         t0 = time.monotonic()
         dcp.load(self.states, checkpoint_id=self._path(step))
         self.log(f"resumed from {self._path(step)} (step {self.train_state.step}) in "

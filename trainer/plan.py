@@ -7,13 +7,16 @@ Everything is computed from the config and the model's shapes (built on the meta
 the rank holding the biggest shard (rank 0: FSDP2 gives it ceil(rows / shard) rows of every
 tensor and pads the other ranks' storage to the same size). Bytes are per device.
 
-The device's peak is the largest of four moments of a step; each is the resident state
+The device's peak is the largest of five moments of a step; each is the resident state
 (sharded fp32 parameters, AdamW states, buffers and inputs) plus what is live then:
-- start of backward (the loss and the output head): every saved activation, the loss region,
-  the head's unsharded params, grads and reduce-scatter buffer, and the prefetched last block;
-- top block backward: saved activations, one block recomputed under AC, one block's FSDP buffers;
-- end of backward (the embedding): every sharded gradient, the embedding's FSDP buffers;
-- optimizer step: every sharded gradient and the optimizer's temporaries.
+- the loss's backward: every saved activation and the loss region (fp32 log-probabilities and
+  their gradients) at its widest, with the head's params kept unsharded from forward;
+- the output head's backward: activations, the logits and their gradient, the head's unsharded
+  params, grads and reduce-scatter buffer, and the prefetched last block;
+- the top block's backward: saved activations, one block recomputed under AC, one block's
+  FSDP buffers;
+- the end of backward (the embedding): the sharded gradients, the embedding's FSDP buffers;
+- the optimizer step: every sharded gradient and the optimizer's temporaries.
 Sharded gradients are None from `zero_grad(set_to_none=True)` until each group's backward, so
 they are counted only from the end of backward on. The formulas assume the eager model in
 trainer/model.py with a flash/memory-efficient SDPA (no [seq, seq] score matrix) and the loss
@@ -263,3 +266,116 @@ def throughput(cfg: JobConfig, peak_tflops: float, mfu: float) -> tuple[float, f
     a = model_args(cfg.model.flavor, vocab_size=vocab, max_seq_len=cfg.training.seq_len)
     fpt = flops_per_token(a, cfg.training.seq_len)
     return fpt, mfu * peak_tflops * 1e12 / fpt
+
+
+# --------------------------------------------------------------------------- report
+
+ROWS = [  # (key, label) in print order; None = a heading
+    (None, "resident (sharded)"),
+    ("parameters", "parameters (fp32)"),
+    ("gradients", "gradients (fp32)"),
+    ("optimizer_state", "optimizer state (2 fp32 states + step)"),
+    ("buffers_and_inputs", "RoPE buffers + input/label tokens"),
+    (None, "per microbatch"),
+    ("activations_no_ac", "activations, no AC"),
+    ("activations_full_ac", "activations, full AC"),
+    ("activations", "activations, as configured ({ac})"),
+    ("ac_recompute", "one block recomputed in backward"),
+    ("logits_loss", "logits + loss at its widest ({loss})"),
+    (None, "FSDP buffers ({mp}; reshard {reshard})"),
+    ("fsdp_loss", "kept unsharded at the loss"),
+    ("fsdp_head", "head backward (+ prefetched block)"),
+    ("fsdp_block", "block backward (+ prefetch, rs in flight)"),
+    ("fsdp_embedding", "embedding backward"),
+    ("grad_accumulation", "unsharded grads kept for accumulation"),
+    ("optimizer_step_temp", "optimizer step temporaries ({impl})"),
+    (None, "device total at each moment"),
+    ("peak_loss", "loss backward"),
+    ("peak_head_backward", "output head backward"),
+    ("peak_block_backward", "top block backward"),
+    ("peak_end_of_backward", "end of backward (embedding)"),
+    ("peak_optimizer_step", "optimizer step"),
+]
+
+
+def describe(cfg: JobConfig, world_size: int, ngpu: int, nnodes: int) -> list[str]:
+    """The header: model, vocab source, mesh, microbatch and dtypes."""
+    pd, accum = cfg.resolve(world_size)
+    vocab, source = resolve_vocab(cfg)
+    a = model_args(cfg.model.flavor, vocab_size=vocab, max_seq_len=cfg.training.seq_len)
+    t = cfg.training
+    return [
+        f"model: {cfg.model.flavor}, {a.num_params() / 1e9:.3f}B params, vocab {vocab} "
+        f"(from {source})",
+        f"mesh: {pd.describe()} = {ngpu} GPU(s) x {nnodes} node(s); parameters sharded "
+        f"{pd.dp_shard} ways",
+        f"microbatch: {t.local_batch_size} x {t.seq_len} tokens, {accum} microbatch(es) per step "
+        f"(sync '{t.gradient_accumulation_sync}')",
+    ]
+
+
+def report(cfg: JobConfig, b: dict[str, int], gpu: Gpu, mem_gib: float, mfu: float) -> list[str]:
+    """The breakdown table, the verdict and the throughput at the assumed MFU."""
+    t, ac = cfg.training, cfg.activation_checkpoint
+    fill = {"ac": ac.mode + (f" {ac.selective_ac_option}" if ac.mode == "selective" else ""),
+            "loss": f"fp32 upcast of [{t.local_batch_size}, {t.seq_len}, vocab]",
+            "mp": f"{t.mixed_precision_param} params, {t.mixed_precision_reduce} reduce",
+            "reshard": cfg.parallelism.fsdp_reshard_after_forward,
+            "impl": cfg.optimizer.implementation}
+    lines = []
+    for key, label in ROWS:
+        label = label.format(**fill)
+        lines.append(f"  {label}" if key is None else f"    {label:<48} {b[key] / GIB:10.3f} GiB")
+    phase = max((k for k in b if k.startswith("peak_")), key=b.get)
+    reserve = CONTEXT_GIB * GIB + FRAGMENTATION * b["total"]
+    need, have = b["total"] + reserve, mem_gib * GIB
+    verdict = "FITS" if need <= have else "DOES NOT FIT"
+    lines += [
+        f"  peak: {b['total'] / GIB:.3f} GiB (at the {dict(ROWS)[phase]}) + reserve "
+        f"{reserve / GIB:.2f} GiB (CUDA context {CONTEXT_GIB} GiB + {FRAGMENTATION:.0%} "
+        f"fragmentation) = {need / GIB:.2f} GiB of {have / GIB:.1f} GiB",
+        f"verdict: {verdict} on {gpu.name} ({(have - need) / GIB:+.2f} GiB headroom)",
+    ]
+    peak = table_peak_tflops(gpu.name)
+    if peak:
+        fpt, tps = throughput(cfg, peak[0], mfu)
+        step_s = t.local_batch_size * t.seq_len * cfg.resolve(1)[1] / tps
+        lines.append(f"throughput at {mfu:.0%} MFU of {peak[0]:g} TFLOPS bf16 ({peak[1]}): "
+                     f"{tps:,.0f} tokens/s per device ({fpt:.4g} FLOPs/token; ~{step_s:.3f} s "
+                     f"per microbatch)")
+    return lines
+
+
+def parse_args(argv: list[str]):
+    """Our flags; every other argument is a config override (`--section.key value`)."""
+    ap = argparse.ArgumentParser(prog="python -m trainer.plan", allow_abbrev=False,
+                                 description="Per-device memory plan and a fits/does-not-fit "
+                                             "verdict; other arguments are config overrides.")
+    ap.add_argument("--config", required=True, help="TOML config file")
+    ap.add_argument("--ngpu", type=int, required=True, help="GPUs per node")
+    ap.add_argument("--nnodes", type=int, default=1, help="nodes (world = ngpu * nnodes)")
+    ap.add_argument("--gpu", default="h100", choices=sorted(GPUS), help="GPU model")
+    ap.add_argument("--gpu-mem-gib", type=float, default=0.0, help="override the GPU's memory")
+    ap.add_argument("--mfu", type=float, default=0.40, help="assumed MFU for tokens/s")
+    return ap.parse_known_args(argv)
+
+
+def main(argv: list[str]) -> int:
+    args, overrides = parse_args(argv)
+    try:
+        if args.ngpu < 1 or args.nnodes < 1:
+            raise ConfigError(f"--ngpu ({args.ngpu}) and --nnodes ({args.nnodes}) must be >= 1")
+        cfg = load_config(["--job.config_file", args.config, *overrides])
+        world = args.ngpu * args.nnodes
+        header = describe(cfg, world, args.ngpu, args.nnodes)
+        b = memory_plan(cfg, world)
+    except UserError as e:
+        print(e.one_line(), file=sys.stderr)
+        return e.exit_code
+    gpu = GPUS[args.gpu]
+    print("\n".join(header + report(cfg, b, gpu, args.gpu_mem_gib or gpu.memory_gib, args.mfu)))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

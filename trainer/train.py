@@ -163,8 +163,7 @@ def train(cfg: JobConfig) -> None:
         log0(f"data: {loader.describe()}")
         checkpointer = Checkpointer(cfg, model=model, optimizer=optimizer, scheduler=scheduler,
                                     dataloader=loader, train_state=state, log=log0)
-        agree_on_user_errors(checkpointer.committed_steps)
-        checkpointer.load()
+        checkpointer.load(agree_on_user_errors(checkpointer.step_to_load))
         with StepProfiler(cfg, rank=dist.get_rank(), device=device,
                           start_step=state.step) as profiler:
             run_loop(cfg, model, optimizer, scheduler, loader, checkpointer, metrics, profiler,
