@@ -24,7 +24,7 @@ TINY = [
 BASE_FP32 = [*TINY, "--training.global_batch_size", "8", "--lr_scheduler.min_lr_factor", "1.0"]
 
 
-def test_env(extra: dict | None = None) -> dict:
+def subprocess_env(extra: dict | None = None) -> dict:
     env = dict(os.environ)
     env.setdefault("HF_DATASETS_OFFLINE", "1")
     env.setdefault("HF_HUB_OFFLINE", "1")
@@ -41,7 +41,7 @@ def run_train(dump: Path | str, *overrides: str, nproc: int = 2, env: dict | Non
     if config:
         extra["CONFIG_FILE"] = config
     proc = subprocess.run([str(RUN_TRAIN), "--job.dump_folder", str(dump), *overrides],
-                          env=test_env(extra), capture_output=True, text=True, timeout=timeout)
+                          env=subprocess_env(extra), capture_output=True, text=True, timeout=timeout)
     if check and proc.returncode != 0:
         raise AssertionError(f"run_train.sh exited {proc.returncode}\n--- stdout\n"
                              f"{proc.stdout[-4000:]}\n--- stderr\n{proc.stderr[-4000:]}")
@@ -54,7 +54,7 @@ def torchrun(script: Path | str, *args: str, nproc: int = 2, timeout: float = 30
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "1",
            "--nproc_per_node", str(nproc), "--rdzv_backend", "c10d",
            "--rdzv_endpoint", "localhost:0", str(script), *args]
-    proc = subprocess.run(cmd, env=test_env(env), capture_output=True, text=True, timeout=timeout)
+    proc = subprocess.run(cmd, env=subprocess_env(env), capture_output=True, text=True, timeout=timeout)
     if proc.returncode != 0:
         raise AssertionError(f"torchrun {script} exited {proc.returncode}\n--- stdout\n"
                              f"{proc.stdout[-4000:]}\n--- stderr\n{proc.stderr[-6000:]}")

@@ -314,18 +314,20 @@ def describe(cfg: JobConfig, world_size: int, ngpu: int, nnodes: int) -> list[st
     ]
 
 
-def report(cfg: JobConfig, b: dict[str, int], gpu: Gpu, mem_gib: float, mfu: float) -> list[str]:
+def report(cfg: JobConfig, b: dict[str, int], accum: int, gpu: Gpu, mem_gib: float,
+           mfu: float) -> list[str]:
     """The breakdown table, the verdict and the throughput at the assumed MFU."""
     t, ac = cfg.training, cfg.activation_checkpoint
+    unit, scale = ("GiB", GIB) if b["total"] >= GIB else ("MiB", 2**20)
     fill = {"ac": ac.mode + (f" {ac.selective_ac_option}" if ac.mode == "selective" else ""),
-            "loss": f"fp32 upcast of [{t.local_batch_size}, {t.seq_len}, vocab]",
+            "loss": f"fp32 [{t.local_batch_size}, {t.seq_len}, vocab]",
             "mp": f"{t.mixed_precision_param} params, {t.mixed_precision_reduce} reduce",
             "reshard": cfg.parallelism.fsdp_reshard_after_forward,
             "impl": cfg.optimizer.implementation}
     lines = []
     for key, label in ROWS:
         label = label.format(**fill)
-        lines.append(f"  {label}" if key is None else f"    {label:<48} {b[key] / GIB:10.3f} GiB")
+        lines.append(f"  {label}" if key is None else f"    {label:<50} {b[key] / scale:10.3f} {unit}")
     phase = max((k for k in b if k.startswith("peak_")), key=b.get)
     reserve = CONTEXT_GIB * GIB + FRAGMENTATION * b["total"]
     need, have = b["total"] + reserve, mem_gib * GIB
@@ -339,10 +341,10 @@ def report(cfg: JobConfig, b: dict[str, int], gpu: Gpu, mem_gib: float, mfu: flo
     peak = table_peak_tflops(gpu.name)
     if peak:
         fpt, tps = throughput(cfg, peak[0], mfu)
-        step_s = t.local_batch_size * t.seq_len * cfg.resolve(1)[1] / tps
+        step_s = t.local_batch_size * t.seq_len * accum / tps
         lines.append(f"throughput at {mfu:.0%} MFU of {peak[0]:g} TFLOPS bf16 ({peak[1]}): "
-                     f"{tps:,.0f} tokens/s per device ({fpt:.4g} FLOPs/token; ~{step_s:.3f} s "
-                     f"per microbatch)")
+                     f"{tps:,.0f} tokens/s per device ({fpt:.4g} FLOPs/token; "
+                     f"{step_s:.3g} s per optimizer step)")
     return lines
 
 
@@ -369,11 +371,12 @@ def main(argv: list[str]) -> int:
         world = args.ngpu * args.nnodes
         header = describe(cfg, world, args.ngpu, args.nnodes)
         b = memory_plan(cfg, world)
+        accum = cfg.resolve(world)[1]
     except UserError as e:
         print(e.one_line(), file=sys.stderr)
         return e.exit_code
     gpu = GPUS[args.gpu]
-    print("\n".join(header + report(cfg, b, gpu, args.gpu_mem_gib or gpu.memory_gib, args.mfu)))
+    print("\n".join(header + report(cfg, b, accum, gpu, args.gpu_mem_gib or gpu.memory_gib, args.mfu)))
     return 0
 
 

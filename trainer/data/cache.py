@@ -6,6 +6,7 @@ and a token store prepared from it, cached under `[data] cache_dir`.
         tokenizer-bpe<vocab>.model trained once per vocab size (written atomically)
         store-<tokenizer sha12>/   the store, renamed into place when finished
         store-<tokenizer sha12>.partial/   while being prepared (resumed if interrupted)
+        .store-<tokenizer sha12>.partial.lock   prepare's own lock (see prepare.py)
 
 All ranks of a job call build_dataloader at once; the lock makes one of them build while the
 others wait, and atomic renames mean nobody ever sees a half-written tokenizer or store, even
@@ -36,7 +37,11 @@ STDLIB_TOKENIZER_CHARS = 10_000_000  # ~1/3 of the corpus; trains in ~2 s on 2 c
 @contextlib.contextmanager
 def file_lock(path: Path, waiting_message: str):
     """Exclusive flock on `path`, saying so when another process holds it."""
-    with open(path, "a+") as f:
+    try:
+        f = open(path, "a+")
+    except OSError as e:
+        raise DataError(f"cannot create lock file {path} (data.cache_dir): {e.strerror}") from None
+    with f:
         try:
             fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:

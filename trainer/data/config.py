@@ -41,9 +41,9 @@ class DataConfig:
     val_fraction: float = opt(0.01, "Fraction of the store's tokens (its tail) held out for "
                               "split='validation'", min=0.0, max=0.5)
     shuffle: bool = opt(True, "Visit windows in a seeded permutation per epoch (False: in order)")
-    verify_store: str = opt("checksums", "Store check at start: 'checksums' reads every shard; "
-                            "'sizes' only compares file sizes (for multi-TB stores)",
-                            choices=("checksums", "sizes"))
+    verify_store: str = opt("auto", "Store check at start: 'checksums' reads every shard, "
+                            "'sizes' only compares file sizes, 'auto' = checksums up to 8 GiB",
+                            choices=("auto", "checksums", "sizes"))
     prepare_workers: int = opt(2, "Worker processes used when the stdlib store is prepared at "
                                "first use (the prepare CLI has its own --workers)", min=1)
     add_bos: bool = opt(True, "Prepend the tokenizer's BOS to every document")

@@ -12,6 +12,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from trainer.data.order import window_of_sample
 from trainer.errors import DataError
 
 
@@ -108,9 +109,6 @@ class StoreLoader(GlobalOrderLoader):
     def __init__(self, store, *, split: str, val_fraction: float, shuffle: bool,
                  tokenizer_path: str, **kw):
         super().__init__(**kw)
-        from trainer.data.order import window_of_sample
-
-        self._window_of_sample = window_of_sample
         self.store, self.split, self.shuffle = store, split, shuffle
         self.vocab_size, self.tokenizer_path = store.vocab_size, tokenizer_path
         total = store.total_tokens
@@ -126,7 +124,7 @@ class StoreLoader(GlobalOrderLoader):
         self.fingerprint = f"{store.fingerprint}:{split}"
 
     def _windows(self, indices: np.ndarray) -> np.ndarray:
-        windows = self._window_of_sample(indices, self.n_windows, self.seed, self.shuffle)
+        windows = window_of_sample(indices, self.n_windows, self.seed, self.shuffle)
         return self.store.read(self.lo + windows * (self.seq_len + 1), self.seq_len + 1)
 
     def _where(self) -> str:

@@ -236,20 +236,14 @@ def prepare_store(cfg: DataConfig, tokenizer_path: str, store_path: str, workers
                   shard_tokens: int = DEFAULT_SHARD_TOKENS, overwrite: bool = False,
                   show_progress: bool = True,
                   on_progress: Callable[[int, int], None] | None = None) -> dict:
-    """Prepare (or reuse, or resume) the store at store_path; returns its manifest."""
+    """Prepare (or reuse, or resume) the store at store_path; returns its manifest.
+    A lock next to the store makes concurrent prepares of one path wait for each other."""
+    from trainer.data.cache import file_lock
+
     out = Path(os.path.expanduser(store_path))
     tok = Tokenizer(tokenizer_path)
     plan = _plan(cfg, tok, workers, shard_tokens)
-    state = _start_or_resume(out, plan, overwrite)
     progress = Progress(f"prepare {out}", show_progress)
-    if state == "reuse":
-        progress.done("finished store found, reused")
-        return read_manifest(out)
-    (out / "progress").mkdir(parents=True, exist_ok=True)
-    if state == "new":
-        shutil.copyfile(tok.path, out / f".{TOKENIZER_FILE}.tmp")
-        os.replace(out / f".{TOKENIZER_FILE}.tmp", out / TOKENIZER_FILE)
-        write_json_atomic(out / PLAN, plan)
     counts = {"docs": 0, "tokens": 0}
 
     def report(docs: int, tokens: int) -> None:
@@ -260,10 +254,21 @@ def prepare_store(cfg: DataConfig, tokenizer_path: str, store_path: str, workers
         if on_progress:
             on_progress(docs, tokens)
 
-    jobs = [{"cfg": asdict(cfg), "out": str(out), "w": w, "n": workers, "dtype": plan["dtype"],
-             "shard_tokens": shard_tokens} for w in range(workers)]
-    _run_workers(jobs, report)
-    manifest = _finish(out, plan, workers)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    with file_lock(out.parent / f".{out.name}.lock", f"waiting for another prepare of {out}"):
+        state = _start_or_resume(out, plan, overwrite)
+        if state == "reuse":
+            progress.done("finished store found, reused")
+            return read_manifest(out)
+        (out / "progress").mkdir(parents=True, exist_ok=True)
+        if state == "new":
+            shutil.copyfile(tok.path, out / f".{TOKENIZER_FILE}.tmp")
+            os.replace(out / f".{TOKENIZER_FILE}.tmp", out / TOKENIZER_FILE)
+            write_json_atomic(out / PLAN, plan)
+        jobs = [{"cfg": asdict(cfg), "out": str(out), "w": w, "n": workers,
+                 "dtype": plan["dtype"], "shard_tokens": shard_tokens} for w in range(workers)]
+        _run_workers(jobs, report)
+        manifest = _finish(out, plan, workers)
     progress.done(f"{manifest['total_docs']:,} docs, {manifest['total_tokens']:,} tokens "
                   f"({rate(counts['tokens'], progress.elapsed())} tok/s this run)"
                   + (" (resumed)" if state == "resume" else ""))

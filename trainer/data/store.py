@@ -23,6 +23,7 @@ from trainer.errors import DataError
 FORMAT, VERSION = "trainer-token-store", 1
 MANIFEST, PLAN, TOKENIZER_FILE = "manifest.json", "plan.json", "tokenizer.model"
 PREPARE_HINT = "python -m trainer.data.prepare"
+AUTO_CHECKSUM_BYTES = 8 << 30
 
 
 def token_dtype(vocab_size: int) -> str:
@@ -66,13 +67,17 @@ def read_manifest(path: Path) -> dict:
 class Store:
     """A finished store, checked and memory-mapped."""
 
-    def __init__(self, path: str | Path, verify: str = "checksums"):
+    def __init__(self, path: str | Path, verify: str = "auto"):
         self.path = Path(os.path.expanduser(str(path)))
         self.manifest = read_manifest(self.path)
         tok = self.manifest["tokenizer"]
         self.tokenizer_sha256, self.vocab_size = tok["sha256"], int(tok["vocab_size"])
         self.tokenizer_file = str(self.path / TOKENIZER_FILE)
         self.dtype = np.dtype(self.manifest["dtype"])
+        if verify == "auto":  # reading a multi-TB store on every rank at start is too slow
+            total_bytes = sum(s["tokens"] for s in self.manifest["shards"]) * self.dtype.itemsize
+            verify = "checksums" if total_bytes <= AUTO_CHECKSUM_BYTES else "sizes"
+        self.verified = verify
         self.maps, sizes = [], []
         for shard in self.manifest["shards"]:
             self._check_shard(shard, verify)
@@ -124,4 +129,4 @@ class Store:
     def describe(self) -> str:
         src = self.manifest.get("source", {}).get("dataset", "?")
         return (f"token store {self.path} ({src}, {self.total_tokens:,} tokens, "
-                f"{len(self.maps)} shards, {self.manifest['dtype']})")
+                f"{len(self.maps)} shards, {self.manifest['dtype']}, {self.verified} verified)")

@@ -1,0 +1,26 @@
+"""The README's first command: `./run_train.sh` with no arguments, as a newcomer runs it."""
+
+import subprocess
+
+from tests.helpers import RUN_TRAIN, losses, subprocess_env
+
+
+def test_default_run_trains_and_checkpoints(tmp_path):
+    home = tmp_path / "home"
+    home.mkdir()
+    env = subprocess_env({"HOME": str(home)})  # the stdlib tokenizer/store cache goes to ~/.cache
+    env.pop("NGPU", None)
+    env.pop("CONFIG_FILE", None)
+    proc = subprocess.run([str(RUN_TRAIN)], cwd=tmp_path, env=env, capture_output=True,
+                          text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    dump = tmp_path / "outputs" / "debug_model"
+    assert (dump / "config.toml").exists()
+    ckpts = sorted(p.name for p in (dump / "checkpoint").iterdir())
+    assert ckpts == ["step-100", "step-50"]
+    assert (dump / "checkpoint" / "step-100" / ".metadata").exists()
+    curve = losses(dump)
+    assert sorted(curve)[:2] == [1, 10] and max(curve) == 100
+    assert curve[100] < curve[1] - 2.0, curve  # the loss falls visibly
+    assert "mesh: FSDP mesh (dp_replicate=1, dp_shard=2)" in proc.stdout
+    assert "training done at step 100" in proc.stdout

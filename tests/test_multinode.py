@@ -1,0 +1,184 @@
+"""Two torchrun "nodes" on localhost: HSDP across them, and a rank killed mid-run.
+
+Each node is its own `python -m trainer.launch --nnodes 2 --nproc_per_node 2` process (the
+launcher SLURM starts once per node); they meet through a c10d rendezvous on 127.0.0.1, as real
+nodes meet on the first node of an allocation.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import time
+import uuid
+from pathlib import Path
+
+import pytest
+
+from tests.helpers import REPO, TINY, losses, run_train
+from tests.helpers import subprocess_env as env_for
+
+PROBE = REPO / "tests" / "scripts" / "multinode_probe.py"
+# fp32, a global batch of 8 sequences (2 per rank on 4 ranks), constant lr after warmup.
+BASE = [*TINY, "--training.global_batch_size", "8", "--lr_scheduler.min_lr_factor", "1.0"]
+HSDP = ["--parallelism.data_parallel_replicate_degree", "2"]
+# What run_train.sh launches: the trainer on the default config.
+TRAIN = ["-m", "trainer.train", "--job.config_file", str(REPO / "configs" / "debug_model.toml")]
+THREADS = {"OMP_NUM_THREADS": "1", "LOG_RANK": "0"}  # as run_train.sh gives 4 ranks on 2 cores
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Node:
+    """One launcher process: a "node" of `nproc` ranks; output goes to a log file."""
+
+    def __init__(self, proc: subprocess.Popen, log: Path):
+        self.proc, self.log = proc, log
+
+    @property
+    def output(self) -> str:
+        return self.log.read_text()
+
+    def workers(self) -> dict[int, int]:
+        """{global rank: pid} of this launcher's worker processes."""
+        out = {}
+        for path in Path(f"/proc/{self.proc.pid}/task").glob("*/children"):
+            for pid in map(int, path.read_text().split()):
+                try:
+                    env = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+                except OSError:
+                    continue
+                ranks = [e[5:] for e in env if e.startswith(b"RANK=")]
+                if ranks:
+                    out[int(ranks[0])] = pid
+        return out
+
+
+def launch_nodes(tmp: Path, *target: str, nnodes: int = 2, nproc: int = 2,
+                 env: dict | None = None) -> list[Node]:
+    """Start `nnodes` launchers that rendezvous on 127.0.0.1 and run `target` (torchrun's
+    trailing arguments: a script or `-m module`, then its arguments)."""
+    endpoint, run_id = f"127.0.0.1:{_free_port()}", f"test-{uuid.uuid4().hex[:8]}"
+    nodes = []
+    for i in range(nnodes):
+        log = tmp / f"node{i}.log"
+        cmd = [sys.executable, "-m", "trainer.launch", "--nnodes", str(nnodes),
+               "--nproc_per_node", str(nproc), "--rdzv_backend", "c10d",
+               "--rdzv_endpoint", endpoint, "--rdzv_id", run_id, *target]
+        with open(log, "w") as fh:
+            proc = subprocess.Popen(cmd, env=env_for({**THREADS, **(env or {})}), stdout=fh,
+                                    stderr=subprocess.STDOUT, cwd=REPO)
+        nodes.append(Node(proc, log))
+    return nodes
+
+
+def wait_all(nodes: list[Node], timeout: float = 240) -> list[int]:
+    deadline = time.monotonic() + timeout
+    codes = []
+    for node in nodes:
+        try:
+            codes.append(node.proc.wait(timeout=max(deadline - time.monotonic(), 1)))
+        except subprocess.TimeoutExpired:
+            for n in nodes:
+                n.proc.kill()
+            raise AssertionError("launchers did not finish:\n" +
+                                 "\n".join(n.output[-3000:] for n in nodes)) from None
+    return codes
+
+
+def train_two_nodes(tmp: Path, dump: Path, *overrides: str) -> list[Node]:
+    nodes = launch_nodes(tmp, *TRAIN, "--job.dump_folder", str(dump), *overrides)
+    codes = wait_all(nodes)
+    assert codes == [0, 0], "\n".join(n.output[-4000:] for n in nodes)
+    return nodes
+
+
+def test_two_nodes_hsdp_replicates_across_nodes_and_matches_one_node(tmp_path):
+    # Which ranks share a node, and which groups span nodes.
+    (tmp_path / "probe").mkdir()
+    nodes = launch_nodes(tmp_path, str(PROBE), "2", str(tmp_path / "probe"))
+    assert wait_all(nodes, timeout=120) == [0, 0], "\n".join(n.output for n in nodes)
+    info = {i["rank"]: i for i in (json.loads(p.read_text())
+                                   for p in (tmp_path / "probe").glob("rank*.json"))}
+    assert sorted(info) == [0, 1, 2, 3]
+    launchers = {n.proc.pid for n in nodes}
+    node_of = {r: i["launcher_pid"] for r, i in info.items()}
+    assert set(node_of.values()) == launchers  # two real launcher processes, 2 ranks each
+    assert node_of[0] == node_of[1] != node_of[2] == node_of[3]
+    assert [info[r]["node_rank"] for r in range(4)] == [0, 0, 1, 1]
+    for r, i in info.items():
+        # replicate groups {0,2}, {1,3}: one rank on each node; shard groups stay in a node
+        assert i["replicate_group"] == [r % 2, r % 2 + 2]
+        assert {node_of[m] for m in i["replicate_group"]} == launchers
+        assert i["shard_group"] == [r - r % 2, r - r % 2 + 1]
+        assert len({node_of[m] for m in i["shard_group"]}) == 1
+        assert i["replicate_sum"] == sum(i["replicate_group"])  # they talk across nodes
+        assert i["shard_sum"] == sum(i["shard_group"])
+        assert i["dp_rank"] == r
+
+    # Training on the two nodes gives the fp32 losses of one node with 4 ranks, exactly.
+    steps = ["--training.steps", "4"]
+    nodes = train_two_nodes(tmp_path, tmp_path / "two_nodes", *BASE, *HSDP, *steps)
+    assert "mesh: HSDP mesh (dp_replicate=2, dp_shard=2), dp=4, world=4" in nodes[0].output
+    run_train(tmp_path / "one_node", *BASE, *HSDP, *steps, nproc=4)
+    two, one = losses(tmp_path / "two_nodes"), losses(tmp_path / "one_node")
+    assert sorted(one) == [1, 2, 3, 4]
+    assert two == one
+
+
+def test_a_killed_rank_stops_every_node_and_the_rerun_resumes(tmp_path):
+    timeout = 5
+    dump = tmp_path / "dump"
+    common = [*BASE, *HSDP, "--checkpoint.enable", "true", "--checkpoint.interval", "2",
+              "--checkpoint.keep_latest_k", "0", "--comm.train_timeout_seconds", str(timeout)]
+    nodes = launch_nodes(tmp_path, *TRAIN, "--job.dump_folder", str(dump), *common,
+                         "--training.steps", "40")
+    ckpt = dump / "checkpoint"
+    deadline = time.monotonic() + 180
+    while not (ckpt / "step-4").exists():  # mid-run: two checkpoints are committed
+        assert time.monotonic() < deadline and all(n.proc.poll() is None for n in nodes), \
+            "\n".join(n.output[-3000:] for n in nodes)
+        time.sleep(0.1)
+    workers = {**nodes[0].workers(), **nodes[1].workers()}
+    assert sorted(workers) == [0, 1, 2, 3]
+    victim = 3 if 3 in nodes[1].workers() else 1  # a rank on the second node
+    t0 = time.monotonic()
+    os.kill(workers[victim], signal.SIGKILL)
+
+    codes = wait_all(nodes, timeout=4 * timeout + 30)
+    gone = time.monotonic() - t0
+    for pid in workers.values():
+        assert not Path(f"/proc/{pid}").exists() or "zombie" in _state(pid), pid
+    print(f"all processes gone {gone:.1f}s after the SIGKILL (train timeout {timeout}s)")
+    assert gone < timeout + 5, "\n".join(n.output[-4000:] for n in nodes)
+    assert all(code != 0 for code in codes), codes
+    summary = [ln for ln in nodes[1].output.splitlines() if ln.startswith("error: training failed")]
+    assert summary == [f"error: training failed: rank {victim} (local rank {victim % 2} on "
+                       f"{socket.gethostname()}) ended with signal SIGKILL; its output is above"]
+
+    # The rerun (one node, 4 ranks: a checkpoint reshards across layouts) resumes from the last
+    # committed checkpoint; an interrupted save (step-N.partial) is ignored.
+    committed = sorted(int(m.group(1)) for p in ckpt.iterdir()
+                       if (m := re.fullmatch(r"step-(\d+)", p.name)))
+    last = committed[-1]
+    assert last >= 4
+    out = run_train(dump, *common, "--training.steps", str(last + 2), nproc=4).stdout
+    assert f"resumed from {ckpt}/step-{last} (step {last})" in out, out
+    assert f"training done at step {last + 2}" in out
+    assert sorted(losses(dump))[-1] == last + 2
+
+
+def _state(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/status").read_text()
+    except OSError:
+        return "zombie"
