@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import resource
 import sys
 import tempfile
 import time
@@ -40,11 +41,20 @@ def bench_loader(cfg: DataConfig, args) -> float:
     return tokens / (time.perf_counter() - start)
 
 
-def bench_prepare(cfg: DataConfig, tokenizer: str, out: str, workers: int) -> tuple[float, int]:
-    """Tokens/s of a fresh `prepare` of the stdlib corpus, worker start-up included."""
-    start = time.perf_counter()
+def cpu_seconds() -> float:
+    """CPU time of this process and its finished children (the prepare workers)."""
+    me = resource.getrusage(resource.RUSAGE_SELF)
+    kids = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return me.ru_utime + me.ru_stime + kids.ru_utime + kids.ru_stime
+
+
+def bench_prepare(cfg: DataConfig, tokenizer: str, out: str, workers: int):
+    """Tokens/s of a fresh `prepare` of the stdlib corpus, worker start-up included, and
+    tokens per CPU-second (independent of other load on the machine)."""
+    start, cpu = time.perf_counter(), cpu_seconds()
     manifest = prepare_store(cfg, tokenizer, out, workers=workers, show_progress=False)
-    return manifest["total_tokens"] / (time.perf_counter() - start), manifest["total_tokens"]
+    wall, cpu = time.perf_counter() - start, cpu_seconds() - cpu
+    return manifest["total_tokens"] / wall, manifest["total_tokens"] / cpu, manifest["total_tokens"]
 
 
 def main() -> None:
@@ -62,10 +72,11 @@ def main() -> None:
         tokenizer, _ = ensure_stdlib(cfg, workers=args.workers, show_progress=False)
         print(f"stdlib tokenizer + store ready (first use, if not cached) in "
               f"{time.perf_counter() - start:.1f}s")
-        rate, total = bench_prepare(replace(cfg, store_path=""), tokenizer,
-                                    os.path.join(tmp, "store"), args.workers)
+        rate, per_cpu, total = bench_prepare(replace(cfg, store_path=""), tokenizer,
+                                             os.path.join(tmp, "store"), args.workers)
         print(f"prepare: {total:,} tokens with {args.workers} workers: {rate / 1e6:.2f}M tok/s "
-              f"(goal >= 1M)")
+              f"(goal >= 1M); {per_cpu / 1e6:.2f}M tok per CPU-second; load average "
+              f"{os.getloadavg()[0]:.1f} on {os.cpu_count()} cores")
         rate = bench_loader(cfg, args)
         print(f"loader: {rate / 1e6:.1f}M tok/s per rank (seq_len {args.seq_len}, local batch "
               f"{args.local_batch_size}, dp rank {args.dp_size - 1}/{args.dp_size}; goal >= 5M)")

@@ -10,6 +10,7 @@ accumulation, clip, optimizer and scheduler step, log, save.
 from __future__ import annotations
 
 import datetime
+import hashlib
 import math
 import os
 import sys
@@ -31,6 +32,8 @@ from trainer.preemption import PREEMPTED_EXIT_CODE, Preempted, StopSignals
 from trainer.profiling import StepProfiler
 
 IGNORE_INDEX = -100
+# Debugging/testing hook: print a hash of every sample each rank trains on, per step.
+DEBUG_DATA_ENV = "TRAINER_DEBUG_DATA_HASHES"
 
 
 def log0(msg: str) -> None:
@@ -99,6 +102,8 @@ def train_step(model, optimizer, scheduler, loader, *, accum: int, sync_mode: st
     """
     with metrics.data_timer():
         batches = [loader.next_microbatch() for _ in range(accum)]
+    if os.environ.get(DEBUG_DATA_ENV):
+        print_sample_hashes(batches, dp_group)
     device = next(model.parameters()).device
     local_tokens = sum(int((labels != IGNORE_INDEX).sum()) for _, labels in batches)
     global_tokens = torch.tensor(float(local_tokens), device=device)
@@ -120,6 +125,14 @@ def train_step(model, optimizer, scheduler, loader, *, accum: int, sync_mode: st
     metrics.count_tokens(local_tokens)
     rank_loss = loss_sum * global_tokens / max(local_tokens, 1)
     return rank_loss, grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm
+
+
+def print_sample_hashes(batches, dp_group) -> None:
+    """One line per rank and step: its dp rank and a short hash of each sample, in order."""
+    hashes = [hashlib.sha1(torch.cat([x[i], y[i, -1:]]).numpy().tobytes()).hexdigest()[:12]
+              for x, y in batches for i in range(x.shape[0])]
+    sys.stdout.write(f"data dp_rank {dist.get_rank(dp_group)} samples {','.join(hashes)}\n")
+    sys.stdout.flush()
 
 
 def reduce_loss(rank_loss: torch.Tensor, dp_group) -> tuple[float, float]:
