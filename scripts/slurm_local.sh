@@ -143,11 +143,17 @@ up() {
   for n in "${NODE_ARR[@]}"; do mkdir -p "$D/spool/$n"; done
   start_munge
   log "munge OK"
-  local p
-  for p in $(seq "$PORT" $((PORT + N))); do
-    if (exec 3<>"/dev/tcp/127.0.0.1/$p") 2>/dev/null; then
-      die "port $p on 127.0.0.1 is taken (another slurm?); set SLURM_LOCAL_PORT"
-    fi
+  # N + 1 free ports from PORT on; without SLURM_LOCAL_PORT, look further if they are taken
+  local p tries=0
+  while :; do
+    for p in $(seq "$PORT" $((PORT + N))); do
+      (exec 3<>"/dev/tcp/127.0.0.1/$p") 2>/dev/null && break
+      p=""
+    done
+    [ -z "$p" ] && break
+    [ -z "${SLURM_LOCAL_PORT:-}" ] && [ $((tries += 1)) -lt 50 ] \
+      || die "port $p on 127.0.0.1 is taken (another slurm?); set SLURM_LOCAL_PORT"
+    PORT=$((PORT + 10))
   done
   write_conf
   slurmctld -c -f "$SLURM_CONF"                      # daemonizes; pid -> $D/slurmctld.pid
@@ -159,17 +165,20 @@ up() {
   log "up: $N idle nodes ($NODES), SLURM_CONF=$SLURM_CONF"
 }
 
-stop_pidfile() {  # stop_pidfile FILE: TERM, then KILL after 10 s
-  local f=$1 pid
-  [ -s "$f" ] || { rm -f "$f"; return 0; }
-  pid=$(cat "$f")
-  if kill -0 "$pid" 2>/dev/null; then
-    kill -TERM "$pid"
-    for _ in $(seq 100); do kill -0 "$pid" 2>/dev/null || break; sleep 0.1; done
-    kill -0 "$pid" 2>/dev/null && kill -KILL "$pid"
-    log "stopped $(basename "$f" .pid) (pid $pid)"
-  fi
-  rm -f "$f"
+stop_pidfiles() {  # stop_pidfiles FILE...: TERM them all, KILL what is left after 10 s
+  local f pid pids=() names=()
+  for f in "$@"; do
+    [ -s "$f" ] && pid=$(cat "$f") && kill -0 "$pid" 2>/dev/null && kill -TERM "$pid" \
+      && pids+=("$pid") && names+=("$(basename "$f" .pid) (pid $pid)")
+    rm -f "$f"
+  done
+  for _ in $(seq 100); do
+    local left=0
+    for pid in "${pids[@]}"; do kill -0 "$pid" 2>/dev/null && left=1; done
+    [ "$left" = 0 ] && break; sleep 0.1
+  done
+  for pid in "${pids[@]}"; do kill -0 "$pid" 2>/dev/null && kill -KILL "$pid"; done
+  [ ${#names[@]} -eq 0 ] || log "stopped ${names[*]}"
 }
 
 down() {
@@ -184,10 +193,10 @@ down() {
       [ -z "$(squeue -h 2>/dev/null)" ] || scancel --full --signal=KILL $ids 2>/dev/null || true
     fi
   fi
-  local f
-  for f in "$D"/slurmd-*.pid; do [ -e "$f" ] && stop_pidfile "$f"; done
-  stop_pidfile "$D/slurmctld.pid"
-  stop_pidfile "$D/munged.pid"   # only present when `up` started munged
+  local f slurmds=()
+  for f in "$D"/slurmd-*.pid; do [ -e "$f" ] && slurmds+=("$f"); done
+  stop_pidfiles "${slurmds[@]}" "$D/slurmctld.pid"
+  stop_pidfiles "$D/munged.pid"   # only present when `up` started munged
   log "down"
 }
 

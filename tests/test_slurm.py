@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 
 from tests.helpers import REPO, TINY, losses
-from tests.helpers import test_env as env_for
+from tests.helpers import subprocess_env as env_for
 
 SCRIPT = REPO / "scripts" / "multinode_trainer.slurm"
 LOCAL = REPO / "scripts" / "slurm_local.sh"

@@ -6,6 +6,7 @@ import pytest
 
 from tests.helpers import BASE_FP32 as BASE
 from tests.helpers import losses, run_train
+from tests.test_data_fixtures import corpus_dir, json_cfg, tokenizer_path  # noqa: F401
 
 
 def test_parity_one_process_fsdp2_hsdp4(tmp_path):
@@ -101,3 +102,18 @@ def test_elastic_resume_hsdp4_to_fsdp2_sees_exactly_the_next_samples(tmp_path):
     ref, got = losses(tmp_path / "straight"), losses(tmp_path / "elastic")
     for step in range(5, 9):
         assert got[step] == pytest.approx(ref[step], rel=1e-4), step
+
+
+def test_streamed_source_resumes_only_on_the_same_dp_size(tmp_path, json_cfg):
+    """A streamed HF source (local jsonl) keeps per-rank positions: it resumes on the same dp
+    size, and on another it stops with a data error that says to prepare a store."""
+    data = ["--data.dataset", "json", "--data.data_files", json_cfg.data_files[0],
+            "--data.tokenizer_path", json_cfg.tokenizer_path]
+    common = [*BASE, *data, "--checkpoint.enable", "true", "--checkpoint.interval", "2"]
+    run_train(tmp_path, *common, "--training.steps", "2")
+    same = run_train(tmp_path, *common, "--training.steps", "3").stdout
+    assert re.search(r"resumed from \S*step-2", same)
+    other = run_train(tmp_path, *common, "--training.steps", "4", nproc=1, check=False)
+    assert other.returncode == 2
+    assert other.stderr.strip().startswith("data error:"), other.stderr
+    assert "dp size 2" in other.stderr and "trainer.data.prepare" in other.stderr

@@ -26,6 +26,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.state_dict import (get_model_state_dict,
                                                      get_optimizer_state_dict,
                                                      set_model_state_dict,
@@ -137,7 +138,15 @@ class Checkpointer:
         if step is None:
             return False
         t0 = time.monotonic()
-        dcp.load(self.states, checkpoint_id=self._path(step))
+        path = self._path(step)
+        states = dict(self.states)
+        data = states.pop("dataloader")
+        dcp.load(states, checkpoint_id=path)
+        # A streamed source keeps per-rank state: on another dp size some ranks' keys are
+        # missing, and the loader itself explains what to do (strict loading would fail first
+        # with DCP's own message).
+        dcp.load({"dataloader": data}, checkpoint_id=path,
+                 planner=DefaultLoadPlanner(allow_partial_load=True))
         self.log(f"resumed from {self._path(step)} (step {self.train_state.step}) in "
                  f"{time.monotonic() - t0:.2f}s")
         return True

@@ -9,6 +9,8 @@ say how to turn global sample indices into token windows (`_windows`).
 
 from __future__ import annotations
 
+import numbers
+
 import numpy as np
 import torch
 
@@ -81,9 +83,9 @@ class GlobalOrderLoader:
                                 f"has {key}={mine!r}; the saved sample order cannot be continued"
                                 " (resume with the same store, seq_len, seed and val_fraction)")
         consumed = sd.get("samples_consumed")
-        if not isinstance(consumed, int) or consumed < 0:
+        if not isinstance(consumed, numbers.Integral) or consumed < 0:
             raise DataError(f"checkpoint data state has a bad samples_consumed={consumed!r}")
-        self.consumed, self.micro = consumed, 0
+        self.consumed, self.micro = int(consumed), 0
 
     def describe(self) -> str:
         raise NotImplementedError

@@ -8,6 +8,7 @@ prepare a store with `python -m trainer.data.prepare`.
 
 from __future__ import annotations
 
+import base64
 import copy
 
 import numpy as np
@@ -28,6 +29,8 @@ class StreamingLoader:
                  local_batch_size: int, global_batch_size: int, dp_rank: int, dp_size: int,
                  seed: int):
         assert global_batch_size % (local_batch_size * dp_size) == 0
+        self.global_batch_size, self.per_rank = global_batch_size, global_batch_size // dp_size
+        self.accum_steps = self.per_rank // local_batch_size
         self.cfg, self.tok, self.hf_split = cfg, tokenizer, hf_split
         self.seq_len, self.local_batch_size, self.seed = seq_len, local_batch_size, seed
         self.dp_rank, self.dp_size = dp_rank, dp_size
@@ -39,16 +42,16 @@ class StreamingLoader:
             from datasets.distributed import split_dataset_by_node
             ds = split_dataset_by_node(ds, rank=dp_rank, world_size=dp_size)
         self.ds = ds
-        self._restart(epoch=0, hf_state=None, buffer=[], samples=0)
+        self._restart(epoch=0, hf_state=None, buffer="", samples=0)
         self._fill(seq_len + 1)  # an empty corpus or a missing column fails now, not mid-run
 
-    def _restart(self, epoch: int, hf_state, buffer: list, samples: int) -> None:
+    def _restart(self, epoch: int, hf_state, buffer: str, samples: int) -> None:
         self.epoch, self.samples = epoch, samples
         self.ds.set_epoch(epoch)
         if hf_state is not None:
             self.ds.load_state_dict(copy.deepcopy(hf_state))
         self.it = iter(self.ds)
-        self.buffer = np.asarray(buffer, dtype=np.int64)
+        self.buffer = np.frombuffer(base64.b64decode(buffer), dtype="<i8").astype(np.int64)
         self.epoch_tokens = len(self.buffer) if hf_state is None else 1
 
     def _fill(self, need: int) -> None:
@@ -69,7 +72,7 @@ class StreamingLoader:
                     raise DataError(f"empty corpus: {self.source} (split {self.hf_split!r}) "
                                     f"has no text in column {self.cfg.text_field!r} for dp rank "
                                     f"{self.dp_rank} of {self.dp_size}")
-                self._restart(self.epoch + 1, None, [], self.samples)
+                self._restart(self.epoch + 1, None, "", self.samples)
                 continue
             for ids in self.tok.encode_docs(texts, self.cfg.add_bos, self.cfg.add_eos):
                 parts.append(np.asarray(ids, dtype=np.int64))
@@ -86,12 +89,14 @@ class StreamingLoader:
         return batch[:, :-1].contiguous(), batch[:, 1:].contiguous()
 
     def state_dict(self) -> dict:
-        """dp_size plus this rank's own state under 'dp_rank_<r>' (plain python values)."""
+        """dp_size plus this rank's own state under 'dp_rank_<r>' (plain python values; the
+        key is unique per rank so DCP does not deduplicate it away). The packed tokens not yet
+        consumed are one base64 string rather than a list that DCP would flatten per item."""
+        buffer = base64.b64encode(self.buffer.astype("<i8").tobytes()).decode("ascii")
+        mine = {"hf_state": copy.deepcopy(self.ds.state_dict()), "epoch": self.epoch,
+                "samples": self.samples, "buffer": buffer}
         return {"kind": self.kind, "dp_size": self.dp_size, "fingerprint": self.fingerprint,
-                "seq_len": self.seq_len,
-                f"dp_rank_{self.dp_rank}": {"hf_state": copy.deepcopy(self.ds.state_dict()),
-                                            "epoch": self.epoch, "samples": self.samples,
-                                            "buffer": self.buffer.tolist()}}
+                "seq_len": self.seq_len, f"dp_rank_{self.dp_rank}": mine}
 
     def load_state_dict(self, sd: dict) -> None:
         if not isinstance(sd, dict) or sd.get("kind") != self.kind:

@@ -1,0 +1,176 @@
+"""The trainer at world size 1 against a plain PyTorch loop: same model, batch and optimizer.
+
+    python benchmarks/bench_baseline.py [--steps 20] [--warmup 3] [--dtype float32] \
+        [-- --training.seq_len 256 ...]
+
+Both run in this one process, step by step in ABBA order (trainer, plain, plain, trainer, ...)
+so that drift in a shared machine's speed (other jobs, clocks, thermal) hits both alike; the
+figure is the median of the per-pair ratios trainer / plain (goal: <= 1.10).
+
+- trainer: the real `parallelize` (FSDP2 over a 1-rank gloo mesh, the config's AC and
+  compile), `build_optimizer`, `build_lr_scheduler`, and `trainer.train.train_step` (token
+  count all-reduce, gradient-sync setting, loss scaling, clip, step, zero_grad).
+- plain: `Transformer(args)` on the CPU, `init_weights(seed)` (the same weights), the same
+  AdamW and schedule, `cross_entropy(..., reduction="sum") / tokens`, `clip_grad_norm_`.
+
+Both take the same fixed batch, so data loading is excluded from both. In float32 (default)
+the two compute the same thing: their losses are printed and must agree to ~1e-6. With
+`--dtype bfloat16` the trainer uses FSDP's mixed precision (bf16 compute, fp32 master weights)
+and the plain loop `torch.autocast` to bf16, the nearest plain equivalent (losses differ
+slightly: autocast keeps some ops in fp32).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import statistics
+import sys
+import time
+
+from common import REPO, append_result, spread
+
+import torch
+import torch.nn.functional as F
+
+from trainer.config import load_config
+from trainer.model import Transformer, build_model, model_args
+from trainer.optim import build_lr_scheduler, build_optimizer
+from trainer.parallelize import parallelize
+from trainer.train import init_distributed, train_step
+
+
+class _NoMetrics:
+    """What train_step asks of the metrics processor, doing nothing."""
+
+    def data_timer(self):
+        return contextlib.nullcontext()
+
+    def count_tokens(self, n: int) -> None:
+        pass
+
+
+class _FixedBatch:
+    """A loader that returns the same microbatch every time."""
+
+    def __init__(self, inputs: torch.Tensor, labels: torch.Tensor):
+        self.batch = (inputs, labels)
+
+    def next_microbatch(self):
+        return self.batch
+
+
+def build_trainer_step(cfg, args, batch):
+    """The trainer's pieces at world size 1; returns step() -> loss."""
+    pd, _ = cfg.resolve(1)
+    device = init_distributed(cfg)
+    pd.build_mesh(device.type)
+    model = parallelize(build_model(args), pd, cfg, device=device)
+    opt = build_optimizer(model, cfg.optimizer)
+    sched = build_lr_scheduler(opt, cfg.lr_scheduler, cfg.training.steps)
+    loader, metrics, group = _FixedBatch(*batch), _NoMetrics(), pd.dp_mesh.get_group()
+
+    def step() -> float:
+        loss, _ = train_step(model, opt, sched, loader, accum=1, dp_group=group,
+                             sync_mode=cfg.training.gradient_accumulation_sync,
+                             max_norm=cfg.training.max_norm, metrics=metrics)
+        return float(loss)
+
+    return step
+
+
+def build_plain_step(cfg, args, batch):
+    """A single-process loop on the same model, weights, batch and optimizer."""
+    with torch.device("cpu"):
+        model = Transformer(args)
+    model.init_weights(cfg.job.seed)
+    opt = build_optimizer(model, cfg.optimizer)
+    sched = build_lr_scheduler(opt, cfg.lr_scheduler, cfg.training.steps)
+    inputs, labels = batch
+    bf16 = cfg.training.mixed_precision_param == "bfloat16"
+
+    def step() -> float:
+        ctx = torch.autocast("cpu", dtype=torch.bfloat16) if bf16 else contextlib.nullcontext()
+        with ctx:
+            logits = model(inputs)
+        loss = F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(),
+                               reduction="sum") / labels.numel()
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.training.max_norm, foreach=True)
+        opt.step()
+        sched.step()
+        opt.zero_grad(set_to_none=True)
+        return float(loss)
+
+    return step
+
+
+def timed(step) -> tuple[float, float]:
+    t0 = time.perf_counter()
+    loss = step()
+    return time.perf_counter() - t0, loss
+
+
+def run_pairs(steps: dict, n: int, warmup: int) -> dict[str, list]:
+    """ABBA-ordered timings; the first `warmup` pairs are dropped."""
+    times = {k: [] for k in steps}
+    losses = {k: [] for k in steps}
+    for i in range(warmup + n):
+        order = ["trainer", "plain"] if i % 2 == 0 else ["plain", "trainer"]
+        for name in order:
+            dt, loss = timed(steps[name])
+            losses[name].append(loss)
+            if i >= warmup:
+                times[name].append(dt)
+    return {"times": times, "losses": losses}
+
+
+def main(argv: list[str]) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], allow_abbrev=False)
+    ap.add_argument("--config", default=str(REPO / "configs" / "debug_model.toml"))
+    ap.add_argument("--steps", type=int, default=20, help="timed pairs")
+    ap.add_argument("--warmup", type=int, default=3, help="untimed pairs first")
+    ap.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))
+    ap.add_argument("--no-record", action="store_true")
+    ap.add_argument("overrides", nargs=argparse.REMAINDER)
+    a = ap.parse_args(argv)
+    overrides = [x for x in a.overrides if x != "--"]
+    cfg = load_config(["--job.config_file", a.config, "--data.dataset", "synthetic",
+                       "--training.global_batch_size", "-1",
+                       "--training.mixed_precision_param", a.dtype, *overrides])
+    args = model_args(cfg.model.flavor, vocab_size=cfg.model.vocab_size or cfg.data.vocab_size,
+                      max_seq_len=cfg.training.seq_len)
+    gen = torch.Generator().manual_seed(0)
+    shape = (cfg.training.local_batch_size, cfg.training.seq_len)
+    batch = tuple(torch.randint(0, args.vocab_size, shape, generator=gen) for _ in range(2))
+    steps = {"trainer": build_trainer_step(cfg, args, batch),
+             "plain": build_plain_step(cfg, args, batch)}
+    r = run_pairs(steps, a.steps, a.warmup)
+    t, p = r["times"]["trainer"], r["times"]["plain"]
+    ratios = [x / y for x, y in zip(t, p)]
+    loss_diff = max(abs(x - y) for x, y in zip(r["losses"]["trainer"], r["losses"]["plain"]))
+    rs, ts, ps = spread(ratios), spread(t), spread(p)
+    print(f"model: {cfg.model.flavor}, batch {shape[0]} x {shape[1]}, {a.dtype}, "
+          f"{torch.get_num_threads()} threads; {a.steps} pairs after {a.warmup} warm-up (ABBA)")
+    print(f"trainer (FSDP, world 1): median {ts['median']:.4f} s/step (p10 {ts['p10']:.4f}, "
+          f"p90 {ts['p90']:.4f})")
+    print(f"plain PyTorch loop:      median {ps['median']:.4f} s/step (p10 {ps['p10']:.4f}, "
+          f"p90 {ps['p90']:.4f})")
+    print(f"ratio trainer/plain: median of pairs {rs['median']:.3f}x (p10 {rs['p10']:.3f}, "
+          f"p90 {rs['p90']:.3f}); ratio of medians {ts['median'] / ps['median']:.3f}x; "
+          f"goal <= 1.10x")
+    print(f"max |loss difference| over {len(r['losses']['plain'])} steps: {loss_diff:.2e}")
+    if not a.no_record:
+        append_result({"bench": "baseline", "config": cfg.job.config_file, "dtype": a.dtype,
+                       "overrides": overrides, "steps": a.steps, "warmup": a.warmup,
+                       "threads": torch.get_num_threads(), "trainer_step_s": ts,
+                       "plain_step_s": ps, "ratio": rs, "max_loss_diff": loss_diff})
+    return 0
+
+
+if __name__ == "__main__":
+    rc = main(sys.argv[1:])
+    sys.stdout.flush()
+    import os
+
+    os._exit(rc)  # skip interpreter teardown: gloo threads can abort it (ENGINEERING.md)
