@@ -18,7 +18,8 @@ import typing
 from dataclasses import dataclass, field
 from typing import Any
 
-from trainer.config_base import check_field, opt
+from trainer.config_base import (check_field, coerce, did_you_mean, from_cli, opt, parse_cli,
+                                  toml_value, type_name)
 from trainer.data.config import DataConfig
 from trainer.errors import ConfigError, UserError
 
@@ -60,7 +61,7 @@ class Model:
 
         if self.flavor not in FLAVORS:
             raise ConfigError(f"model.flavor = {self.flavor!r} is not valid; choose one of "
-                              f"{', '.join(repr(f) for f in FLAVORS)}{_did_you_mean(self.flavor, FLAVORS)}")
+                              f"{', '.join(repr(f) for f in FLAVORS)}{did_you_mean(self.flavor, FLAVORS)}")
 
 
 @dataclass
@@ -206,7 +207,7 @@ class JobConfig:
         for section in sections(self):
             out.append(f"[{section}]")
             obj = getattr(self, section)
-            out += [f"{f.name} = {_toml_value(getattr(obj, f.name))}" for f in dataclasses.fields(obj)]
+            out += [f"{f.name} = {toml_value(getattr(obj, f.name))}" for f in dataclasses.fields(obj)]
             out.append("")
         return "\n".join(out)
 
@@ -246,30 +247,9 @@ def load_config(argv: list[str]) -> JobConfig:
         _apply_toml(cfg, _read_toml(path))
     for key, raw in overrides.items():
         section, name, f = _lookup(cfg, key)
-        setattr(getattr(cfg, section), name, _from_cli(key, raw, _field_type(cfg, section, name)))
+        setattr(getattr(cfg, section), name, from_cli(key, raw, _field_type(cfg, section, name)))
     cfg.validate()
     return cfg
-
-
-def parse_cli(argv: list[str]) -> dict[str, str | None]:
-    """`--a.b v`, `--a.b=v` and bare `--a.b` (boolean true) into {'a.b': 'v'}."""
-    out: dict[str, str | None] = {}
-    i = 0
-    while i < len(argv):
-        arg = argv[i]
-        if not arg.startswith("--") or "." not in arg.split("=", 1)[0]:
-            raise ConfigError(f"unexpected argument {arg!r}; overrides look like "
-                              "--section.key value or --section.key=value")
-        if "=" in arg:
-            key, value = arg[2:].split("=", 1)
-        elif i + 1 < len(argv) and not argv[i + 1].startswith("--"):
-            key, value = arg[2:], argv[i + 1]
-            i += 1
-        else:
-            key, value = arg[2:], None
-        out[key] = value
-        i += 1
-    return out
 
 
 def _read_toml(path: str) -> dict:
@@ -285,93 +265,31 @@ def _read_toml(path: str) -> dict:
 def _apply_toml(cfg: JobConfig, data: dict) -> None:
     for section, table in data.items():
         if section not in sections(cfg):
-            raise ConfigError(f"unknown section [{section}]{_did_you_mean(section, sections(cfg))}; "
+            raise ConfigError(f"unknown section [{section}]{did_you_mean(section, sections(cfg))}; "
                               f"valid sections: {', '.join(sections(cfg))}")
         if not isinstance(table, dict):
             raise ConfigError(f"{section} must be a [{section}] table, got {table!r}")
         for name, value in table.items():
             key = f"{section}.{name}"
             _lookup(cfg, key)
-            setattr(getattr(cfg, section), name, _coerce(key, value, _field_type(cfg, section, name)))
+            setattr(getattr(cfg, section), name, coerce(key, value, _field_type(cfg, section, name)))
 
 
 def _lookup(cfg: JobConfig, key: str):
     section, _, name = key.partition(".")
     if section not in sections(cfg):
-        raise ConfigError(f"unknown section in {key!r}{_did_you_mean(section, sections(cfg))}; "
+        raise ConfigError(f"unknown section in {key!r}{did_you_mean(section, sections(cfg))}; "
                           f"valid sections: {', '.join(sections(cfg))}")
     names = {f.name: f for f in dataclasses.fields(getattr(cfg, section))}
     if name not in names:
         all_keys = [f"{s}.{f.name}" for s in sections(cfg) for f in dataclasses.fields(getattr(cfg, s))]
-        hint = _did_you_mean(key, all_keys) or f"; valid keys in [{section}]: {', '.join(names)}"
+        hint = did_you_mean(key, all_keys) or f"; valid keys in [{section}]: {', '.join(names)}"
         raise ConfigError(f"unknown key {key!r}{hint}")
     return section, name, names[name]
 
 
-def _did_you_mean(word: str, options) -> str:
-    by_lower = {o.lower(): o for o in options}
-    close = difflib.get_close_matches(word.lower(), list(by_lower), n=1, cutoff=0.6)
-    return f" (did you mean {by_lower[close[0]]!r}?)" if close else ""
-
-
 def _field_type(cfg: JobConfig, section: str, name: str):
     return typing.get_type_hints(type(getattr(cfg, section)))[name]
-
-
-def _type_name(tp) -> str:
-    return getattr(tp, "__name__", None) if typing.get_origin(tp) is None else str(tp)
-
-
-def _coerce(key: str, value: Any, tp) -> Any:
-    """Check a TOML value against the field type (ints are accepted for floats)."""
-    origin = typing.get_origin(tp)
-    if origin is list:
-        (item_tp,) = typing.get_args(tp)
-        if not isinstance(value, list):
-            raise ConfigError(f"{key} must be a list of {item_tp.__name__}, got {value!r}")
-        return [_coerce(key, v, item_tp) for v in value]
-    ok = (isinstance(value, tp) and not (tp is int and isinstance(value, bool))) or (
-        tp is float and isinstance(value, int) and not isinstance(value, bool))
-    if not ok:
-        raise ConfigError(f"{key} must be {_article(tp)} {_type_name(tp)}, got "
-                          f"{type(value).__name__} {value!r}")
-    return float(value) if tp is float else value
-
-
-def _from_cli(key: str, raw: str | None, tp) -> Any:
-    """Parse a CLI string into the field's type."""
-    if typing.get_origin(tp) is list:
-        (item_tp,) = typing.get_args(tp)
-        items = [] if not raw else [s.strip() for s in raw.split(",")]
-        return [_from_cli(key, s, item_tp) for s in items]
-    if tp is bool:
-        if raw is None or raw.lower() == "true":
-            return True
-        if raw.lower() == "false":
-            return False
-        raise ConfigError(f"{key} must be true or false, got {raw!r}")
-    if raw is None:
-        raise ConfigError(f"{key} needs a value ({_type_name(tp)})")
-    if tp is str:
-        return raw
-    try:
-        return tp(raw)
-    except ValueError:
-        raise ConfigError(f"{key} must be {_article(tp)} {_type_name(tp)}, got {raw!r}") from None
-
-
-def _article(tp) -> str:
-    return "an" if _type_name(tp)[0] in "aeiou" else "a"
-
-
-def _toml_value(v: Any) -> str:
-    if isinstance(v, bool):
-        return "true" if v else "false"
-    if isinstance(v, (int, float)):
-        return repr(v)
-    if isinstance(v, list):
-        return "[" + ", ".join(_toml_value(x) for x in v) + "]"
-    return '"' + str(v).replace("\\", "\\\\").replace('"', '\\"') + '"'
 
 
 def reference() -> str:
@@ -382,8 +300,8 @@ def reference() -> str:
         obj = getattr(cfg, section)
         hints = typing.get_type_hints(type(obj))
         for f in dataclasses.fields(obj):
-            lines.append(f"  {f.name} ({_type_name(hints[f.name])}, default "
-                         f"{_toml_value(getattr(obj, f.name))}): {f.metadata.get('help', '')}")
+            lines.append(f"  {f.name} ({type_name(hints[f.name])}, default "
+                         f"{toml_value(getattr(obj, f.name))}): {f.metadata.get('help', '')}")
     return "\n".join(lines)
 
 

@@ -4,11 +4,15 @@ Each TOML section is a dataclass whose fields are declared with `opt(default, he
 the default and the one-line doc live next to each other, and simple constraints (choices,
 bounds) are checked generically with messages that name the key. Section-specific rules go in
 the section's `validate()` method, which raises `ConfigError` naming `section.key`.
+
+Also here: the value conversions shared by TOML loading and CLI overrides.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import difflib
+import typing
 from typing import Any
 
 from trainer.errors import ConfigError
@@ -34,3 +38,86 @@ def check_field(section: str, f: dataclasses.Field, value: Any) -> None:
         raise ConfigError(f"{key} = {value!r} is out of range; it must be >= {lo}")
     if hi is not None and value > hi:
         raise ConfigError(f"{key} = {value!r} is out of range; it must be <= {hi}")
+
+
+def parse_cli(argv: list[str]) -> dict[str, str | None]:
+    """`--a.b v`, `--a.b=v` and bare `--a.b` (boolean true) into {'a.b': 'v'}."""
+    out: dict[str, str | None] = {}
+    i = 0
+    while i < len(argv):
+        arg = argv[i]
+        if not arg.startswith("--") or "." not in arg.split("=", 1)[0]:
+            raise ConfigError(f"unexpected argument {arg!r}; overrides look like "
+                              "--section.key value or --section.key=value")
+        if "=" in arg:
+            key, value = arg[2:].split("=", 1)
+        elif i + 1 < len(argv) and not argv[i + 1].startswith("--"):
+            key, value = arg[2:], argv[i + 1]
+            i += 1
+        else:
+            key, value = arg[2:], None
+        out[key] = value
+        i += 1
+    return out
+
+
+def did_you_mean(word: str, options) -> str:
+    by_lower = {o.lower(): o for o in options}
+    close = difflib.get_close_matches(word.lower(), list(by_lower), n=1, cutoff=0.6)
+    return f" (did you mean {by_lower[close[0]]!r}?)" if close else ""
+
+
+def type_name(tp) -> str:
+    return getattr(tp, "__name__", None) if typing.get_origin(tp) is None else str(tp)
+
+
+def coerce(key: str, value: Any, tp) -> Any:
+    """Check a TOML value against the field type (ints are accepted for floats)."""
+    origin = typing.get_origin(tp)
+    if origin is list:
+        (item_tp,) = typing.get_args(tp)
+        if not isinstance(value, list):
+            raise ConfigError(f"{key} must be a list of {item_tp.__name__}, got {value!r}")
+        return [coerce(key, v, item_tp) for v in value]
+    ok = (isinstance(value, tp) and not (tp is int and isinstance(value, bool))) or (
+        tp is float and isinstance(value, int) and not isinstance(value, bool))
+    if not ok:
+        raise ConfigError(f"{key} must be {_article(tp)} {type_name(tp)}, got "
+                          f"{type(value).__name__} {value!r}")
+    return float(value) if tp is float else value
+
+
+def from_cli(key: str, raw: str | None, tp) -> Any:
+    """Parse a CLI string into the field's type."""
+    if typing.get_origin(tp) is list:
+        (item_tp,) = typing.get_args(tp)
+        items = [] if not raw else [s.strip() for s in raw.split(",")]
+        return [from_cli(key, s, item_tp) for s in items]
+    if tp is bool:
+        if raw is None or raw.lower() == "true":
+            return True
+        if raw.lower() == "false":
+            return False
+        raise ConfigError(f"{key} must be true or false, got {raw!r}")
+    if raw is None:
+        raise ConfigError(f"{key} needs a value ({type_name(tp)})")
+    if tp is str:
+        return raw
+    try:
+        return tp(raw)
+    except ValueError:
+        raise ConfigError(f"{key} must be {_article(tp)} {type_name(tp)}, got {raw!r}") from None
+
+
+def _article(tp) -> str:
+    return "an" if type_name(tp)[0] in "aeiou" else "a"
+
+
+def toml_value(v: Any) -> str:
+    if isinstance(v, bool):
+        return "true" if v else "false"
+    if isinstance(v, (int, float)):
+        return repr(v)
+    if isinstance(v, list):
+        return "[" + ", ".join(toml_value(x) for x in v) + "]"
+    return '"' + str(v).replace("\\", "\\\\").replace('"', '\\"') + '"'
