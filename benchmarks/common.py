@@ -28,7 +28,8 @@ def env(extra: dict | None = None) -> dict:
     out = dict(os.environ)
     out.setdefault("HF_DATASETS_OFFLINE", "1")
     out.setdefault("HF_HUB_OFFLINE", "1")
-    out["PYTHONPATH"] = str(REPO) + (os.pathsep + out["PYTHONPATH"] if out.get("PYTHONPATH") else "")
+    rest = os.pathsep + out["PYTHONPATH"] if out.get("PYTHONPATH") else ""
+    out["PYTHONPATH"] = str(REPO) + rest
     out.update(extra or {})
     return out
 
@@ -82,16 +83,18 @@ def device_name() -> str:
     model = platform.processor() or "CPU"
     try:
         with open("/proc/cpuinfo") as fh:
-            model = next(line.split(":", 1)[1].strip() for line in fh if line.startswith("model name"))
+            model = next(line.split(":", 1)[1].strip() for line in fh
+                         if line.startswith("model name"))
     except (OSError, StopIteration):
         pass
     return f"{model} ({len(os.sched_getaffinity(0))} cores)"
 
 
 def git_revision() -> str:
-    """HEAD's hash, with '+dirty' when tracked files differ from it (figures of uncommitted code)."""
+    """HEAD's hash, '+dirty' when tracked files differ from it (figures of uncommitted code)."""
     def git(*args: str) -> str:
-        return subprocess.run(["git", *args], cwd=REPO, capture_output=True, text=True).stdout.strip()
+        proc = subprocess.run(["git", *args], cwd=REPO, capture_output=True, text=True)
+        return proc.stdout.strip()
 
     rev = git("rev-parse", "HEAD") or "unknown"
     return rev + ("+dirty" if git("status", "--porcelain", "--untracked-files=no") else "")

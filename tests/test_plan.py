@@ -99,8 +99,9 @@ def test_activations_match_saved_tensors(mode, option, dtype):
     tracker.track_external(model)
     with tracker:
         logits = model(inputs)
-        loss = F.cross_entropy(logits.flatten(0, 1).float(), inputs.flatten())  # noqa: F841
+        loss = F.cross_entropy(logits.flatten(0, 1).float(), inputs.flatten())
         snap = tracker.get_tracker_snapshot("current")[torch.device("cpu")]
+    assert loss.grad_fn is not None  # the graph, and what it saved, was alive when measured
     measured = next(v for k, v in snap.items() if getattr(k, "value", "") == "Activation")
     expected = (blocks_activations(cfg, args, p, tokens) + head_saved(args, p) * tokens
                 + (p + 4) * args.vocab_size * tokens)

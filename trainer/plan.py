@@ -76,7 +76,8 @@ def resolve_vocab(cfg: JobConfig) -> tuple[int, str]:
     if cfg.data.dataset in ("stdlib", "synthetic"):
         mult = cfg.model.vocab_size_multiple_of
         return -(-cfg.data.vocab_size // mult) * mult, (
-            f"[data] vocab_size of the {cfg.data.dataset} tokenizer, padded to a multiple of {mult}")
+            f"[data] vocab_size of the {cfg.data.dataset} tokenizer, padded to a multiple of "
+            f"{mult}")
     from trainer.model import FLAVORS
 
     return FLAVORS[cfg.model.flavor].vocab_size, (
@@ -202,23 +203,23 @@ def memory_plan(cfg: JobConfig, world_size: int) -> dict[str, int]:
     b["optimizer_state"] = 2 * b["parameters"] + FP32 * len(shapes)
     b["buffers_and_inputs"] = 2 * FP32 * a.max_seq_len * (a.head_dim // 2) + 2 * INT64 * tokens
 
-    b["activations_no_ac"] = blocks_activations(cfg, a, p, tokens, "none") + head_saved(a, p) * tokens
-    b["activations_full_ac"] = blocks_activations(cfg, a, p, tokens, "full") + head_saved(a, p) * tokens
-    b["activations"] = blocks_activations(cfg, a, p, tokens) + head_saved(a, p) * tokens
+    head_act = head_saved(a, p) * tokens
+    b["activations_no_ac"] = blocks_activations(cfg, a, p, tokens, "none") + head_act
+    b["activations_full_ac"] = blocks_activations(cfg, a, p, tokens, "full") + head_act
+    b["activations"] = blocks_activations(cfg, a, p, tokens) + head_act
     recompute = cfg.activation_checkpoint.mode != "none"
     b["ac_recompute"] = block_saved(a, p) * tokens if recompute else 0
     held_logits, b["logits_loss"] = loss_region(a, p, tokens)
     b.update(fsdp_buffers(cfg, groups, shard, p, r))
     sync_last = cfg.training.gradient_accumulation_sync == "last"
-    b["grad_accumulation"] = (max(p, r) * gathered_numel(shapes, shard)
-                              if accum > 1 and sync_last else 0)
+    b["grad_accumulation"] = r * gathered_numel(shapes, shard) if accum > 1 and sync_last else 0
     impl = cfg.optimizer.implementation
     largest = max(FP32 * shard_numel(s, shard) for s in shapes)
     b["optimizer_step_temp"] = {"foreach": b["parameters"], "for-loop": 2 * largest}.get(impl, 0)
 
     resident = b["parameters"] + b["optimizer_state"] + b["buffers_and_inputs"]
     in_backward = resident + b["grad_accumulation"]
-    blocks_act = b["activations"] - head_saved(a, p) * tokens
+    blocks_act = b["activations"] - head_act
     b["peak_loss"] = in_backward + b["activations"] + b["logits_loss"] + b["fsdp_loss"]
     b["peak_head_backward"] = (in_backward + b["activations"] + 2 * held_logits
                                + b["fsdp_head"])
@@ -241,7 +242,8 @@ def fsdp_buffers(cfg: JobConfig, groups, shard: int, p: int, r: int) -> dict[str
     CUDA the previous group's reduce-scatter may still be in flight (r). The head is kept
     unsharded after forward under 'default' and 'never' and re-gathered under 'always': in its
     backward it is there in every policy. Under 'never' every group stays unsharded from its
-    forward to its backward. The embedding's backward also materialises its weight gradient
+    forward to its backward (counted until the embedding's backward, when the blocks have
+    been resharded after theirs). The embedding's backward also materialises its weight gradient
     in fp32 when computing in bf16 (CPU kernels accumulate in fp32; counted to stay safe).
     """
     g = {k: gathered_numel(v, shard) for k, v in groups.items()}
@@ -256,7 +258,7 @@ def fsdp_buffers(cfg: JobConfig, groups, shard: int, p: int, r: int) -> dict[str
         "fsdp_loss": head_kept + kept,
         "fsdp_head": (2 * p + r) * head + p * block + kept,
         "fsdp_block": (3 * p + 2 * r) * block + kept,
-        "fsdp_embedding": (2 * p + r) * emb + emb_temp + r * block + kept,
+        "fsdp_embedding": (2 * p + r) * emb + emb_temp + r * block,
     }
 
 
@@ -327,7 +329,8 @@ def report(cfg: JobConfig, b: dict[str, int], accum: int, gpu: Gpu, mem_gib: flo
     lines = []
     for key, label in ROWS:
         label = label.format(**fill)
-        lines.append(f"  {label}" if key is None else f"    {label:<50} {b[key] / scale:10.3f} {unit}")
+        value = "" if key is None else f" {b[key] / scale:10.3f} {unit}"
+        lines.append(f"  {label}" if key is None else f"    {label:<50}{value}")
     phase = max((k for k in b if k.startswith("peak_")), key=b.get)
     reserve = CONTEXT_GIB * GIB + FRAGMENTATION * b["total"]
     need, have = b["total"] + reserve, mem_gib * GIB
@@ -376,7 +379,8 @@ def main(argv: list[str]) -> int:
         print(e.one_line(), file=sys.stderr)
         return e.exit_code
     gpu = GPUS[args.gpu]
-    print("\n".join(header + report(cfg, b, accum, gpu, args.gpu_mem_gib or gpu.memory_gib, args.mfu)))
+    mem_gib = args.gpu_mem_gib or gpu.memory_gib
+    print("\n".join(header + report(cfg, b, accum, gpu, mem_gib, args.mfu)))
     return 0
 
 

@@ -1,8 +1,8 @@
-"""Under torchrun: one training step of the real trainer pieces, with its memory measured.
+"""Under torchrun: two training steps of the real trainer pieces, the second one measured.
 
 Builds the model with the trainer's own `parallelize` and AdamW, runs two steps (forward, the
-trainer's loss, backward, clip, optimizer step), the second under torch's `FSDPMemTracker`, and writes one
-JSON per rank with:
+trainer's loss, backward, clip, optimizer step), the second under torch's `FSDPMemTracker`,
+and writes one JSON per rank with:
 - `local`: bytes of this rank's shards as tensors see them (`p.to_local()`, `p.grad.to_local()`,
   each optimizer state tensor's local shard);
 - `storage`: bytes of the distinct storages behind them (FSDP2 pads uneven shards, so the

@@ -1,0 +1,72 @@
+#!/usr/bin/env bash
+# One command on a GPU machine: for each shape, the memory plan's verdict, then
+# bench_train.py with compile off and on (nccl, bf16, synthetic data: no tokenizer or
+# `datasets` needed); each run appends to benchmarks/results.jsonl; a table at the end.
+#
+#   benchmarks/gpu_suite.sh              # debug, 1b and 8b
+#   benchmarks/gpu_suite.sh 1b           # one shape; STEPS=50 WARMUP=15 to change the run
+#
+# 8b is the 8B model on ONE GPU: fp32 master weights, grads and AdamW state alone are
+# ~90 GiB, so the plan says it does not fit an 80 GB H100 at all; on an H200 it needs full
+# AC and the fused AdamW. Shapes the plan rejects are skipped, with the plan's verdict shown.
+set -uo pipefail
+cd "$(dirname "${BASH_SOURCE[0]}")/.."
+PYTHON="${PYTHON:-python3}"
+STEPS="${STEPS:-30}"
+WARMUP="${WARMUP:-10}"
+CONFIG=configs/debug_model.toml
+COMMON="--data.dataset synthetic --training.global_batch_size -1 --training.mixed_precision_param bfloat16"
+VOCAB="--model.vocab_size 128256"
+
+declare -A SHAPE=(
+  [debug]=""
+  [1b]="--model.flavor 1B $VOCAB --training.seq_len 4096 --training.local_batch_size 2"
+  [8b]="--model.flavor 8B $VOCAB --training.seq_len 4096 --training.local_batch_size 1 --activation_checkpoint.mode full --optimizer.implementation fused"
+)
+
+gpu_kind() {  # the plan's --gpu name for this machine's GPU
+  local name
+  name=$(nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null | head -1)
+  case "$name" in
+    *H200*) echo h200 ;; *H100*PCIe*) echo h100-pcie ;; *H100*) echo h100 ;;
+    *A100*80GB*) echo a100 ;; *A100*) echo a100-40gb ;; *L40S*) echo l40s ;; *B200*) echo b200 ;;
+    *) echo h100 ;;
+  esac
+}
+
+GPU=$(gpu_kind)
+START=$(date +%Y-%m-%dT%H:%M:%S)
+shapes=("$@")
+[ ${#shapes[@]} -gt 0 ] || shapes=(debug 1b 8b)
+for shape in "${shapes[@]}"; do
+  [ -n "${SHAPE[$shape]+x}" ] || { echo "unknown shape $shape (debug, 1b, 8b)"; exit 2; }
+  echo "=== $shape: memory plan on $GPU"
+  # shellcheck disable=SC2086
+  plan=$("$PYTHON" -m trainer.plan --config "$CONFIG" --ngpu 1 --gpu "$GPU" $COMMON ${SHAPE[$shape]})
+  echo "$plan" | grep -E "^(model|peak|verdict|throughput)|peak:"
+  if echo "$plan" | grep -q "DOES NOT FIT"; then
+    echo "=== $shape: skipped (the plan says it does not fit)"; continue
+  fi
+  for compile in false true; do
+    echo "=== $shape: compile=$compile"
+    # shellcheck disable=SC2086
+    "$PYTHON" benchmarks/bench_train.py --config "$CONFIG" --ngpu 1 --steps "$STEPS" \
+      --warmup "$WARMUP" --label "$shape-compile-$compile" -- $COMMON ${SHAPE[$shape]} \
+      --compile.enable "$compile" || echo "=== $shape compile=$compile FAILED (rc $?)"
+  done
+done
+
+"$PYTHON" - "$START" <<'EOF'
+import json, sys
+print(f"\n{'run':<22}{'tok/s/dev':>12}{'MFU %':>8}{'step s':>9}{'p90 s':>8}"
+      f"{'active GiB':>12}{'plan GiB':>10}{'plan err':>10}")
+for line in open("benchmarks/results.jsonl"):
+    r = json.loads(line)
+    if r.get("bench") != "train" or r["time"][:19] < sys.argv[1]:
+        continue
+    mem = r["peak_memory_gib"].get("max_active(GiB)", float("nan"))
+    mfu = r["mfu_pct"] if r["mfu_pct"] is not None else float("nan")
+    print(f"{r['label']:<22}{r['tokens_per_s_per_device']:>12,.0f}{mfu:>8.1f}"
+          f"{r['step_time_s']['median']:>9.3f}{r['step_time_s']['p90']:>8.3f}{mem:>12.2f}"
+          f"{r['plan_peak_gib']:>10.2f}{r.get('plan_error_pct', float('nan')):>+9.1f}%")
+EOF
