@@ -179,7 +179,10 @@ class Checkpointer:
         if self.pending is not None:
             step, future, t0 = self.pending
             self.pending = None
+            waited = time.monotonic()
             future.result()
+            self.log(f"checkpoint step-{step}: background write finished; training waited "
+                     f"{time.monotonic() - waited:.2f}s for it")
             self._commit(step, t0)
 
     def _commit(self, step: int, t0: float) -> None:

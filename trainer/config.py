@@ -29,6 +29,7 @@ else:  # pragma: no cover
     import tomli as tomllib
 
 DTYPES = ("bfloat16", "float32")
+STOP_SIGNALS = ("SIGTERM", "SIGUSR1", "SIGUSR2", "SIGINT", "SIGHUP")
 
 
 @dataclass
@@ -41,12 +42,10 @@ class Job:
                                   "Signals that make every rank save at the next step and exit 3")
 
     def validate(self) -> None:
-        from trainer.preemption import valid_signal_names
-
         for name in self.stop_signals:
-            if name not in valid_signal_names():
+            if name not in STOP_SIGNALS:
                 raise ConfigError(f"job.stop_signals has {name!r}; valid signals: "
-                                  f"{', '.join(valid_signal_names())}")
+                                  f"{', '.join(STOP_SIGNALS)}")
 
 
 @dataclass
@@ -57,7 +56,7 @@ class Model:
     vocab_size_multiple_of: int = opt(64, "Pad the model vocab up to a multiple of this", min=1)
 
     def validate(self) -> None:
-        from trainer.model import FLAVORS  # local: keeps `--help` light
+        from trainer.model_args import FLAVORS
 
         if self.flavor not in FLAVORS:
             raise ConfigError(f"model.flavor = {self.flavor!r} is not valid; choose one of "

@@ -8,75 +8,14 @@ HSDP, start from the same weights.
 
 from __future__ import annotations
 
-import dataclasses
 import math
 import zlib
-from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-
-@dataclass(frozen=True)
-class ModelArgs:
-    dim: int
-    n_layers: int
-    n_heads: int
-    n_kv_heads: int
-    vocab_size: int
-    multiple_of: int = 256
-    ffn_dim_multiplier: float | None = None
-    norm_eps: float = 1e-5
-    rope_theta: float = 500000.0
-    max_seq_len: int = 2048
-
-    @property
-    def head_dim(self) -> int:
-        return self.dim // self.n_heads
-
-    @property
-    def hidden_dim(self) -> int:
-        """SwiGLU width: 2/3 of 4*dim, scaled by ffn_dim_multiplier, rounded up to multiple_of."""
-        hidden = int(2 * 4 * self.dim / 3)
-        if self.ffn_dim_multiplier is not None:
-            hidden = int(self.ffn_dim_multiplier * hidden)
-        return self.multiple_of * math.ceil(hidden / self.multiple_of)
-
-    def num_params(self, embeddings: bool = True) -> int:
-        kv_dim = self.n_kv_heads * self.head_dim
-        attn = self.dim * (2 * self.dim + 2 * kv_dim)
-        ffn = 3 * self.dim * self.hidden_dim
-        per_layer = attn + ffn + 2 * self.dim
-        total = self.n_layers * per_layer + self.dim + self.vocab_size * self.dim  # + output head
-        return total + (self.vocab_size * self.dim if embeddings else 0)
-
-    def validate(self) -> None:
-        from trainer.errors import ConfigError
-
-        if self.dim % self.n_heads or self.n_heads % self.n_kv_heads or self.head_dim % 2:
-            raise ConfigError(f"model shape: dim {self.dim} must divide into n_heads "
-                              f"{self.n_heads} (even head_dim), and n_heads into n_kv_heads "
-                              f"{self.n_kv_heads}")
-
-
-FLAVORS: dict[str, ModelArgs] = {
-    "debugmodel": ModelArgs(dim=256, n_layers=6, n_heads=8, n_kv_heads=4, vocab_size=8192,
-                            multiple_of=64),
-    # Llama-3.2-1B (with an untied output head), Llama-3.1-8B and -70B.
-    "1B": ModelArgs(dim=2048, n_layers=16, n_heads=32, n_kv_heads=8, vocab_size=128256,
-                    multiple_of=256, ffn_dim_multiplier=1.5),
-    "8B": ModelArgs(dim=4096, n_layers=32, n_heads=32, n_kv_heads=8, vocab_size=128256,
-                    multiple_of=1024, ffn_dim_multiplier=1.3),
-    "70B": ModelArgs(dim=8192, n_layers=80, n_heads=64, n_kv_heads=8, vocab_size=128256,
-                     multiple_of=4096, ffn_dim_multiplier=1.3),
-}
-
-
-def model_args(flavor: str, *, vocab_size: int | None = None, max_seq_len: int | None = None):
-    args = FLAVORS[flavor]
-    changes = {k: v for k, v in (("vocab_size", vocab_size), ("max_seq_len", max_seq_len)) if v}
-    return dataclasses.replace(args, **changes)
+from trainer.model_args import FLAVORS, ModelArgs, model_args  # noqa: F401  (re-exported)
 
 
 class RMSNorm(nn.Module):

@@ -20,8 +20,8 @@ The device's peak is the largest of five moments of a step; each is the resident
 Sharded gradients are None from `zero_grad(set_to_none=True)` until each group's backward, so
 they are counted only from the end of backward on. The formulas assume the eager model in
 trainer/model.py with a flash/memory-efficient SDPA (no [seq, seq] score matrix) and the loss
-of trainer/train.py; `torch.compile` usually saves less than eager, so compiled runs need at
-most this much. Each formula's assumptions are in its function's docstring;
+of trainer/train.py; compiled blocks usually save less (Inductor fuses the elementwise ops),
+so for `[compile] enable` the plan is an upper bound in practice. Each formula's assumptions are in its function's docstring;
 tests/test_plan.py checks them against tensors measured on CPU ranks.
 """
 
@@ -35,7 +35,7 @@ from dataclasses import dataclass
 from trainer.config import JobConfig, load_config
 from trainer.errors import ConfigError, UserError
 from trainer.flops import flops_per_token, table_peak_tflops
-from trainer.model import ModelArgs, build_model, model_args
+from trainer.model import FLAVORS, ModelArgs, build_model, model_args
 
 GIB = 2**30
 BYTES = {"float32": 4, "bfloat16": 2}
@@ -78,8 +78,6 @@ def resolve_vocab(cfg: JobConfig) -> tuple[int, str]:
         return -(-cfg.data.vocab_size // mult) * mult, (
             f"[data] vocab_size of the {cfg.data.dataset} tokenizer, padded to a multiple of "
             f"{mult}")
-    from trainer.model import FLAVORS
-
     return FLAVORS[cfg.model.flavor].vocab_size, (
         f"the {cfg.model.flavor} flavor's (the tokenizer is not loaded; set [model] vocab_size)")
 
@@ -309,8 +307,8 @@ def describe(cfg: JobConfig, world_size: int, ngpu: int, nnodes: int) -> list[st
     return [
         f"model: {cfg.model.flavor}, {a.num_params() / 1e9:.3f}B params, vocab {vocab} "
         f"(from {source})",
-        f"mesh: {pd.describe()} = {ngpu} GPU(s) x {nnodes} node(s); parameters sharded "
-        f"{pd.dp_shard} ways",
+        f"mesh: {pd.describe()} = {ngpu} GPU(s) x {nnodes} node(s); parameters sharded over "
+        f"{pd.dp_shard} rank(s)",
         f"microbatch: {t.local_batch_size} x {t.seq_len} tokens, {accum} microbatch(es) per step "
         f"(sync '{t.gradient_accumulation_sync}')",
     ]

@@ -37,7 +37,3 @@ class StopSignals:
         flag = torch.tensor([1.0 if self.received else 0.0], device=device)
         dist.all_reduce(flag, op=dist.ReduceOp.MAX)
         return bool(flag.item())
-
-
-def valid_signal_names() -> list[str]:
-    return ["SIGTERM", "SIGUSR1", "SIGUSR2", "SIGINT", "SIGHUP"]

@@ -115,6 +115,7 @@ def train_step(model, optimizer, scheduler, loader, *, accum: int, sync_mode: st
         logits = model(inputs.to(device))
         loss = F.cross_entropy(logits.flatten(0, 1).float(), labels.to(device).flatten(),
                                ignore_index=IGNORE_INDEX, reduction="sum") / global_tokens
+        del logits  # the backward needs only the fp32 log-softmax: free [batch, seq, vocab]
         (loss * dp_size).backward()
         loss_sum += loss.detach()
     grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm or math.inf,
