@@ -8,8 +8,8 @@
 #   scripts/slurm_local.sh env  [STATE_DIR]   # print `export SLURM_CONF=...` for sbatch/squeue
 #   scripts/slurm_local.sh down [STATE_DIR]   # cancel jobs, stop what `up` started (by PID)
 #
-# `up` is idempotent: when the cluster of STATE_DIR already runs with all nodes idle it returns at
-# once. Each start is clean (slurmctld -c: no jobs survive a restart). The config lives in
+# `up` is idempotent: when the cluster of STATE_DIR already runs with all nodes up it returns at
+# once (its jobs keep running). Each start is clean (slurmctld -c: no jobs survive a restart). The config lives in
 # STATE_DIR/slurm.conf and nothing is written under /etc/slurm: clients find it through
 # SLURM_CONF (exported by `env`; jobs inherit it).
 #
@@ -25,6 +25,7 @@
 #   SLURM_LOCAL_EDIT_HOSTS=1  `install` adds "127.0.0.1 <name>" to /etc/hosts for names that
 #                       do not resolve (CI sets it; otherwise a missing name is an error)
 set -euo pipefail
+export PATH="$PATH:/usr/sbin:/sbin"   # slurmctld, slurmd, munged
 
 CMD=${1:-}
 D=${2:-${SLURM_LOCAL_DIR:-/tmp/trainer-slurm}}
@@ -42,7 +43,8 @@ die() { echo "slurm_local: $*" >&2; exit 1; }
 alive() { [ -s "$1" ] && kill -0 "$(cat "$1")" 2>/dev/null; }
 export SLURM_CONF="$D/slurm.conf"
 
-idle_nodes() { sinfo -h -t idle -o '%D' 2>/dev/null | awk '{s += $1} END {print s + 0}'; }
+count_nodes() { sinfo -h -t "$1" -o '%D' 2>/dev/null | awk '{s += $1} END {print s + 0}'; }
+idle_nodes() { count_nodes idle; }
 
 install() {
   [ "$(id -u)" = 0 ] || die "must run as root (slurmd runs jobs as any user)"
@@ -64,6 +66,7 @@ install() {
   for n in "${NODE_ARR[@]}"; do
     getent hosts "$n" >/dev/null && continue
     [ "${SLURM_LOCAL_EDIT_HOSTS:-0}" = 1 ] || die "node name '$n' does not resolve; set SLURM_LOCAL_EDIT_HOSTS=1 (adds it to /etc/hosts as 127.0.0.1) or SLURM_LOCAL_NODES"
+    [ -z "$(tail -c1 /etc/hosts 2>/dev/null)" ] || echo >>/etc/hosts   # end the last line
     echo "127.0.0.1 $n" >>/etc/hosts
     log "added '127.0.0.1 $n' to /etc/hosts"
   done
@@ -134,8 +137,8 @@ EOF
 }
 
 up() {
-  if alive "$D/slurmctld.pid" && [ "$(idle_nodes)" = "$N" ]; then
-    log "already up ($N idle nodes, SLURM_CONF=$SLURM_CONF)"; return 0
+  if alive "$D/slurmctld.pid" && [ "$(count_nodes idle,alloc,mix,comp)" = "$N" ]; then
+    log "already up ($N nodes, SLURM_CONF=$SLURM_CONF)"; return 0   # running jobs live on
   fi
   install
   [ -e "$D/slurmctld.pid" ] && down >/dev/null   # a half-started cluster: start over

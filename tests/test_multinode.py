@@ -18,8 +18,6 @@ import time
 import uuid
 from pathlib import Path
 
-import pytest
-
 from tests.helpers import REPO, TINY, losses, run_train
 from tests.helpers import subprocess_env as env_for
 

@@ -139,7 +139,9 @@ def test_usr1_saves_requeues_and_resumes_to_the_same_losses(cluster, straight, t
     text = log.read_text()
     assert (info["JobState"], info["ExitCode"], info["Restarts"]) == ("COMPLETED", "0:0", "1"), \
         cluster.explain(log)
-    stopped = int(re.search(r"stop signal \(SIGUSR1\): saving at step (\d+)", text).group(1))
+    m = re.search(r"stop signal \(SIGUSR1\): saving at step (\d+)", text)
+    assert m, cluster.explain(log)
+    stopped = int(m.group(1))
     assert 1 <= stopped < STEPS
     assert f"saved checkpoint {dump}/checkpoint/step-{stopped} in" in text
     assert f"requeueing job {job}" in text and f"job {job} attempt 2:" in text
@@ -150,5 +152,5 @@ def test_usr1_saves_requeues_and_resumes_to_the_same_losses(cluster, straight, t
     stamps = {key: datetime.datetime.strptime(re.search(
         rf"^\[multinode_trainer (\S+)\] {key}", text, re.M).group(1), "%H:%M:%S")
         for key in ("stopped on a signal", f"job {job} attempt 2")}
-    delay = (stamps[f"job {job} attempt 2"] - stamps["stopped on a signal"]).total_seconds()
+    delay = (stamps[f"job {job} attempt 2"] - stamps["stopped on a signal"]).seconds
     print(f"stopped at step {stopped}; requeued job restarted {delay:.0f}s later")

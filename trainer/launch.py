@@ -25,9 +25,21 @@ import signal
 import socket
 import sys
 
-from torch.distributed.elastic.multiprocessing.api import SignalException
-from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
-from torch.distributed.run import config_from_args, elastic_launch, parse_args
+# The agents' own C++ warnings (e.g. a TCPStore peer gone at shutdown after a failed or stopped
+# worker group) are noise in the launcher; c10 reads the level once, when torch loads, so set it
+# for this process only and give the workers the user's setting back.
+_user_level = os.environ.get("TORCH_CPP_LOG_LEVEL")
+os.environ["TORCH_CPP_LOG_LEVEL"] = "ERROR"
+import torch  # noqa: E402,F401
+
+if _user_level is None:
+    del os.environ["TORCH_CPP_LOG_LEVEL"]
+else:
+    os.environ["TORCH_CPP_LOG_LEVEL"] = _user_level
+
+from torch.distributed.elastic.multiprocessing.api import SignalException  # noqa: E402
+from torch.distributed.elastic.multiprocessing.errors import ChildFailedError  # noqa: E402
+from torch.distributed.run import config_from_args, elastic_launch, parse_args  # noqa: E402
 
 USER_ERROR_EXIT_CODE = 2
 PREEMPTED_EXIT_CODE = 3  # a clean, checkpointed stop on a signal (see trainer.train)
@@ -74,6 +86,9 @@ def _first_failure(err: ChildFailedError):
 def main(argv: list[str]) -> int:
     args = parse_args(argv)
     config, cmd, cmd_args = config_from_args(args)
+    # launch_agent exports config.signals_to_handle as TORCHELASTIC_SIGNALS_TO_HANDLE (default
+    # SIGTERM,SIGINT,SIGHUP,SIGQUIT), which would replace our handlers when the workers start.
+    config.signals_to_handle = "SIGQUIT"
     install_forwarding()
     try:
         elastic_launch(config=config, entrypoint=cmd)(*cmd_args)
@@ -96,4 +111,6 @@ if __name__ == "__main__":
     # above says the same in one line.
     logging.getLogger("torch.distributed.elastic.multiprocessing.api").setLevel(logging.CRITICAL)
     logging.getLogger("torch.distributed.elastic.agent.server.api").setLevel(logging.CRITICAL)
+    logging.getLogger("torch.distributed.elastic.rendezvous.dynamic_rendezvous").setLevel(
+        logging.ERROR)
     sys.exit(main(sys.argv[1:]))

@@ -14,6 +14,8 @@ import signal
 import torch
 import torch.distributed as dist
 
+from trainer.config import STOP_SIGNALS
+
 PREEMPTED_EXIT_CODE = 3
 
 
@@ -24,10 +26,21 @@ class Preempted(Exception):
 
 
 class StopSignals:
-    def __init__(self, names: list[str]):
+    def __init__(self, names: list[str], early: list[int] = ()):
+        """Handle `names` from now on; `early` are signals recorded before this existed."""
         self.received: str | None = None
         for name in names:
             signal.signal(getattr(signal, name), self._handler)
+        for signum in dict.fromkeys(early):
+            if signal.Signals(signum).name in names:
+                self.received = self.received or signal.Signals(signum).name
+            else:  # not a stop signal here: its default action, late
+                signal.signal(signum, signal.SIG_DFL)
+                signal.raise_signal(signum)
+        for name in STOP_SIGNALS:  # the early recorder's other signals: default again
+            if name not in names and signal.getsignal(getattr(signal, name)) not in (
+                    signal.SIG_DFL, signal.SIG_IGN, signal.default_int_handler):
+                signal.signal(getattr(signal, name), signal.SIG_DFL)
 
     def _handler(self, signum, frame) -> None:
         self.received = signal.Signals(signum).name

@@ -9,8 +9,18 @@ accumulation, clip, optimizer and scheduler step, log, save.
 
 from __future__ import annotations
 
-import datetime
-import hashlib
+import signal
+
+EARLY_SIGNALS: list[int] = []
+if __name__ == "__main__":
+    # A rank can be signalled as soon as it exists (the launcher forwards SLURM's SIGUSR1 at
+    # once), while it still imports torch or loads a checkpoint: record the signals until
+    # run_loop's StopSignals takes over, instead of dying of them.
+    for _name in ("SIGTERM", "SIGUSR1", "SIGINT", "SIGUSR2", "SIGHUP"):
+        signal.signal(getattr(signal, _name), lambda signum, frame: EARLY_SIGNALS.append(signum))
+
+import datetime  # noqa: E402
+import hashlib  # noqa: E402
 import math
 import os
 import sys
@@ -189,7 +199,7 @@ def train(cfg: JobConfig) -> None:
 def run_loop(cfg, model, optimizer, scheduler, loader, checkpointer, metrics, profiler, state,
              *, accum, dp_group, device) -> None:
     """Train until `training.steps`, or until a stop signal (then save and raise Preempted)."""
-    stop = StopSignals(cfg.job.stop_signals)
+    stop = StopSignals(cfg.job.stop_signals, early=EARLY_SIGNALS)
     if state.step >= cfg.training.steps:
         log0(f"nothing to do: already at step {state.step} of {cfg.training.steps}")
     first_step = state.step + 1
@@ -231,10 +241,11 @@ def set_collective_timeout(seconds: int) -> None:
 
 def main(argv: list[str]) -> int:
     """Entry point: user errors are one line on rank 0 and exit code 2; bugs keep tracebacks."""
-    code = 0
+    code = 1  # an unexpected exception: no final barrier (a peer may be gone)
     filter_output()
     try:
         train(load_config(argv))
+        code = 0
     except UserError as e:
         if int(os.environ.get("RANK", "0")) == 0:
             print(e.one_line(), file=sys.stderr, flush=True)
