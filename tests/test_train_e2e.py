@@ -46,6 +46,13 @@ def test_resume_is_bitwise_and_survives_a_larger_world(tmp_path):
     resumed = losses(tmp_path / "async")
     assert [resumed[s] for s in range(5, 9)] == [straight[s] for s in range(5, 9)]
 
+    # An async save is committed as soon as every rank's write is done, not at the next save:
+    # a crash between two saves must find the earlier one.
+    out = run_train(tmp_path / "async_commit", *async_, "--training.steps", "6",
+                    "--checkpoint.interval", "3").stdout
+    committed = out.index("saved checkpoint " + str(tmp_path / "async_commit/checkpoint/step-3"))
+    assert committed < out.index("step:     6"), out
+
     # A checkpoint written by 2 ranks (FSDP) continues on 4 ranks (HSDP 2x2).
     (tmp_path / "wide").mkdir()
     run_train(tmp_path / "wide", *common, "--training.steps", "4")

@@ -152,9 +152,16 @@ class Checkpointer:
         return True
 
     # ----------------------------------------------------------------------------- save
-    def maybe_save(self, step: int, *, last: bool) -> None:
+    def maybe_save(self, step: int, *, last: bool) -> bool:
+        """Save on interval steps and the last step; True if a save was started."""
         if self.cfg.enable and (step % self.cfg.interval == 0 or last):
             self.save(step)
+            return True
+        return False
+
+    def write_finished(self) -> bool:
+        """This rank's background write (if any) is done; the loop commits once all are."""
+        return self.pending is None or self.pending[1].done()
 
     def save(self, step: int) -> None:
         """Write `step-N.partial` (in the background when async), then commit it as `step-N`."""
@@ -181,8 +188,9 @@ class Checkpointer:
             self.pending = None
             waited = time.monotonic()
             future.result()
-            self.log(f"checkpoint step-{step}: background write finished; training waited "
-                     f"{time.monotonic() - waited:.2f}s for it")
+            if time.monotonic() - waited > 0.01:
+                self.log(f"checkpoint step-{step}: training waited "
+                         f"{time.monotonic() - waited:.2f}s for the background write")
             self._commit(step, t0)
 
     def _commit(self, step: int, t0: float) -> None:
@@ -194,12 +202,15 @@ class Checkpointer:
         if rank0:
             shutil.rmtree(final, ignore_errors=True)
             os.replace(final + ".partial", final)
-            self._prune()
+            self._prune(keep=step)
         dist.barrier()
         self.log(f"saved checkpoint {final} in {time.monotonic() - t0:.2f}s")
 
-    def _prune(self) -> None:
+    def _prune(self, keep: int) -> None:
+        """Keep the newest k steps, and always `keep` (just committed; after a rewind with
+        load_step, older than abandoned later steps)."""
         k = self.cfg.keep_latest_k
         if k > 0:
             for old in self.committed_steps()[:-k]:
-                shutil.rmtree(self._path(old), ignore_errors=True)
+                if old != keep:
+                    shutil.rmtree(self._path(old), ignore_errors=True)

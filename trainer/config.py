@@ -37,7 +37,7 @@ class Job:
     config_file: str = opt("", "TOML file this config was loaded from (set with --job.config_file)")
     dump_folder: str = opt("./outputs", "Folder for the effective config, checkpoints and TensorBoard")
     description: str = opt("", "Free-text description of the run")
-    seed: int = opt(0, "Seed for weight init, data order and every RNG", min=0)
+    seed: int = opt(0, "Seed for weight init, data order and every RNG", min=0, max=2**32 - 1)
     stop_signals: list[str] = opt(["SIGTERM", "SIGUSR1", "SIGINT"],
                                   "Signals that make every rank save at the next step and exit 3")
 
@@ -67,12 +67,18 @@ class Model:
 class Optimizer:
     name: str = opt("AdamW", "Optimizer", choices=("AdamW", "Adam"))
     lr: float = opt(8e-4, "Peak learning rate", min=0.0)
-    beta1: float = opt(0.9, "Adam beta1", min=0.0, max=1.0)
-    beta2: float = opt(0.95, "Adam beta2", min=0.0, max=1.0)
+    beta1: float = opt(0.9, "Adam beta1, in [0, 1)", min=0.0, max=1.0)
+    beta2: float = opt(0.95, "Adam beta2, in [0, 1)", min=0.0, max=1.0)
     eps: float = opt(1e-8, "Adam epsilon", min=0.0)
     weight_decay: float = opt(0.1, "Decoupled weight decay", min=0.0)
     implementation: str = opt("foreach", "Kernel: for-loop, foreach or fused",
                               choices=("for-loop", "foreach", "fused"))
+
+    def validate(self) -> None:
+        for key in ("beta1", "beta2"):
+            if getattr(self, key) >= 1.0:
+                raise ConfigError(f"optimizer.{key} = {getattr(self, key)} is out of range; it "
+                                  "must be < 1 (e.g. 0.9 or 0.95)")
 
 
 @dataclass
@@ -121,7 +127,7 @@ class ActivationCheckpoint:
 
     def validate(self) -> None:
         opt_ = self.selective_ac_option
-        if opt_ != "op" and not (opt_.isdigit() and int(opt_) >= 1):
+        if opt_ != "op" and not (opt_.isascii() and opt_.isdigit() and int(opt_) >= 1):
             raise ConfigError(f"activation_checkpoint.selective_ac_option = {opt_!r} is not valid; "
                               "use 'op' or a positive integer k (checkpoint every k-th block)")
 
@@ -140,6 +146,13 @@ class Checkpoint:
     load_step: int = opt(-1, "Resume from this step instead of the latest; -1 = latest", min=-1)
     async_mode: str = opt("disabled", "disabled, or async: write in a background thread while training",
                           choices=("disabled", "async"))
+
+    def validate(self) -> None:
+        if self.load_step != -1 and not self.enable:
+            raise ConfigError(f"checkpoint.load_step = {self.load_step} needs checkpoint.enable = "
+                              "true (loading is part of checkpointing)")
+        if not self.folder:
+            raise ConfigError("checkpoint.folder is empty; name a folder (e.g. 'checkpoint')")
 
 
 @dataclass
@@ -163,8 +176,10 @@ class Profiling:
 
 @dataclass
 class Comm:
-    init_timeout_seconds: int = opt(300, "Timeout of process-group setup and the first step", min=1)
-    train_timeout_seconds: int = opt(100, "Timeout of each collective during training", min=1)
+    init_timeout_seconds: int = opt(300, "Timeout of process-group setup and the first step", min=1,
+                                    max=7 * 24 * 3600)
+    train_timeout_seconds: int = opt(100, "Timeout of each collective during training", min=1,
+                                     max=7 * 24 * 3600)
 
 
 @dataclass

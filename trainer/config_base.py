@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import math
 import typing
 from typing import Any
 
@@ -31,6 +32,8 @@ def check_field(section: str, f: dataclasses.Field, value: Any) -> None:
     """Check the generic constraints declared with `opt` for one field value."""
     key = f"{section}.{f.name}"
     choices, lo, hi = f.metadata.get("choices"), f.metadata.get("min"), f.metadata.get("max")
+    if isinstance(value, float) and not math.isfinite(value):
+        raise ConfigError(f"{key} = {value!r} is not a finite number")
     if choices is not None and value not in choices:
         valid = ", ".join(repr(c) for c in choices)
         raise ConfigError(f"{key} = {value!r} is not valid; choose one of {valid}")

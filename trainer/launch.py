@@ -12,8 +12,8 @@ This is `torch.distributed.run` (the code behind `torchrun`) with two difference
 - Signals: SLURM delivers SIGUSR1/SIGTERM to the launcher (srun's task), not to the workers.
   torchrun would die of SIGUSR1, or SIGTERM its workers and SIGKILL them 30 s later, possibly
   mid-save. We forward SIGTERM, SIGINT, SIGHUP, SIGUSR1 and SIGUSR2 to the workers and keep
-  waiting: they save at the next step and exit with code 3. A second SIGINT or SIGTERM makes
-  torchrun tear the workers down at once.
+  waiting: they save at the next step and exit with code 3. A second SIGINT or SIGTERM kills
+  the workers at once.
 """
 
 from __future__ import annotations
@@ -60,7 +60,12 @@ def _children() -> list[int]:
 def _forward(signum, frame) -> None:
     _received[signum] = _received.get(signum, 0) + 1
     if signum in (signal.SIGINT, signal.SIGTERM) and _received[signum] > 1:
+        _signal_children(signal.SIGKILL)  # the ranks would only record it: stop them now
         raise SignalException(f"second {signal.Signals(signum).name}: stopping now", signum)
+    _signal_children(signum)
+
+
+def _signal_children(signum: int) -> None:
     for pid in _children():
         try:
             os.kill(pid, signum)
@@ -92,6 +97,10 @@ def main(argv: list[str]) -> int:
     install_forwarding()
     try:
         elastic_launch(config=config, entrypoint=cmd)(*cmd_args)
+    except SignalException as err:  # a second SIGINT/SIGTERM: torchrun tore the workers down
+        print(f"error: training stopped at once on {signal.Signals(err.sigval).name}",
+              file=sys.stderr, flush=True)
+        return 128 + int(err.sigval)
     except ChildFailedError as err:
         rank, failure = _first_failure(err)
         code = failure.exitcode if failure.exitcode and failure.exitcode > 0 else 1

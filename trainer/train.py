@@ -33,7 +33,7 @@ import torch.nn.functional as F
 from trainer.checkpoint import Checkpointer, TrainState
 from trainer.config import JobConfig, load_config
 from trainer.data import build_dataloader, check_model_vocab, padded_vocab_size
-from trainer.errors import UserError
+from trainer.errors import ConfigError, UserError
 from trainer.metrics import MetricsProcessor
 from trainer.model import build_model, model_args
 from trainer.optim import build_lr_scheduler, build_optimizer
@@ -84,25 +84,31 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def agree_on_user_errors(fn, *args, **kwargs):
+def agree_on_user_errors(fn, *args, same_result: bool = False, **kwargs):
     """Run a rank-local setup step; if it fails with a user error on any rank, every rank
-    raises the first such error (so no rank is left waiting in a collective)."""
-    error = None
+    raises the first such error (so no rank is left waiting in a collective). With
+    `same_result`, ranks that computed different results also stop, with a config error."""
+    error, result = None, None
     try:
         result = fn(*args, **kwargs)
     except UserError as e:
-        error, result = e, None
-    errors = [None] * dist.get_world_size()
-    dist.all_gather_object(errors, None if error is None else (type(error), str(error)))
-    first = next((e for e in errors if e is not None), None)
+        error = e
+    outcomes = [None] * dist.get_world_size()
+    dist.all_gather_object(outcomes, (None if error is None else (type(error), str(error)),
+                                      result if same_result else None))
+    first = next((err for err, _ in outcomes if err is not None), None)
     if first is not None:
         raise first[0](first[1])
+    if same_result and any(res != outcomes[0][1] for _, res in outcomes):
+        seen = {rank: res for rank, (_, res) in enumerate(outcomes)}
+        raise ConfigError(f"ranks disagree on {fn.__name__}: {seen}; the dump folder must be "
+                          "on storage that every node shares")
     return result
 
 
 def train_step(model, optimizer, scheduler, loader, *, accum: int, sync_mode: str, dp_group,
                max_norm: float, metrics: MetricsProcessor):
-    """One optimizer step over `accum` microbatches; returns (rank's mean loss, grad norm).
+    """One optimizer step over `accum` microbatches; returns (rank's mean loss, grad norm, lr).
 
     Each microbatch's loss is its summed token loss divided by the GLOBAL token count of the
     step. FSDP averages gradients over the dp ranks (dividing by the dp size: a custom
@@ -130,12 +136,14 @@ def train_step(model, optimizer, scheduler, loader, *, accum: int, sync_mode: st
         loss_sum += loss.detach()
     grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm or math.inf,
                                                foreach=True)
+    lr = scheduler.get_last_lr()[0]  # the lr this step uses (the scheduler steps after it)
     optimizer.step()
     scheduler.step()
     optimizer.zero_grad(set_to_none=True)
     metrics.count_tokens(local_tokens)
     rank_loss = loss_sum * global_tokens / max(local_tokens, 1)
-    return rank_loss, grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm
+    grad_norm = grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm
+    return rank_loss, grad_norm, lr
 
 
 def print_sample_hashes(batches, dp_group) -> None:
@@ -187,7 +195,7 @@ def train(cfg: JobConfig) -> None:
         log0(f"data: {loader.describe()}")
         checkpointer = Checkpointer(cfg, model=model, optimizer=optimizer, scheduler=scheduler,
                                     dataloader=loader, train_state=state, log=log0)
-        checkpointer.load(agree_on_user_errors(checkpointer.step_to_load))
+        checkpointer.load(agree_on_user_errors(checkpointer.step_to_load, same_result=True))
         with StepProfiler(cfg, rank=dist.get_rank(), device=device,
                           start_step=state.step) as profiler:
             run_loop(cfg, model, optimizer, scheduler, loader, checkpointer, metrics, profiler,
@@ -206,7 +214,7 @@ def run_loop(cfg, model, optimizer, scheduler, loader, checkpointer, metrics, pr
     while state.step < cfg.training.steps:
         state.step += 1
         metrics.step_timer()
-        rank_loss, grad_norm = train_step(
+        rank_loss, grad_norm, lr = train_step(
             model, optimizer, scheduler, loader, accum=accum,
             sync_mode=cfg.training.gradient_accumulation_sync, dp_group=dp_group,
             max_norm=cfg.training.max_norm, metrics=metrics)
@@ -215,21 +223,39 @@ def run_loop(cfg, model, optimizer, scheduler, loader, checkpointer, metrics, pr
         if state.step % cfg.metrics.log_freq == 0 or last or state.step == first_step:
             avg, mx = reduce_loss(rank_loss, dp_group)
             metrics.log(state.step, global_avg_loss=avg, global_max_loss=mx,
-                        grad_norm=float(grad_norm), lr=scheduler.get_last_lr()[0],
+                        grad_norm=float(grad_norm), lr=lr,
                         tokens_seen=state.tokens_seen, local_loss=rank_loss.item())
         profiler.step()
-        if not last and stop.agreed(device):
-            log0(f"stop signal ({stop.received or 'on another rank'}): saving at step "
-                 f"{state.step} and exiting")
-            if cfg.checkpoint.enable:
-                checkpointer.save(state.step)
-                checkpointer.wait()
-            raise Preempted(f"stopped at step {state.step} on a signal")
-        checkpointer.maybe_save(state.step, last=last)
+        saved = checkpointer.maybe_save(state.step, last=last)
+        stop_now, async_done = agree_at_step_end(stop, checkpointer, device)
+        if async_done:  # every rank's background write of an async save has finished
+            checkpointer.wait()
+        if stop_now and not last:
+            stop_and_save(cfg, checkpointer, state.step, stop, saved)
         if state.step == first_step:  # setup and step 1 may be slow; then a tighter bound
             set_collective_timeout(cfg.comm.train_timeout_seconds)
     checkpointer.wait()
     log0(f"training done at step {state.step}")
+
+
+def agree_at_step_end(stop: StopSignals, checkpointer: Checkpointer, device) -> tuple[bool, bool]:
+    """One tiny all-reduce per step: (any rank got a stop signal, every rank's async save in
+    flight has finished writing, so it can be committed now rather than at the next save)."""
+    flags = torch.tensor([1.0 if stop.received else 0.0,
+                          0.0 if checkpointer.write_finished() else 1.0], device=device)
+    dist.all_reduce(flags, op=dist.ReduceOp.MAX)
+    stop_now, not_done = flags.tolist()
+    return stop_now > 0, checkpointer.pending is not None and not_done == 0
+
+
+def stop_and_save(cfg, checkpointer: Checkpointer, step: int, stop: StopSignals, saved: bool):
+    """Save at this step boundary (unless the periodic save just did) and raise Preempted."""
+    what = "saving" if cfg.checkpoint.enable else "checkpointing is off, not saving"
+    log0(f"stop signal ({stop.received or 'on another rank'}) at step {step}: {what}, exiting")
+    if cfg.checkpoint.enable and not saved:
+        checkpointer.save(step)
+    checkpointer.wait()
+    raise Preempted(f"stopped at step {step} on a signal")
 
 
 def set_collective_timeout(seconds: int) -> None:
