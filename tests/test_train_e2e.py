@@ -77,6 +77,13 @@ def test_interrupted_save_leaves_the_previous_checkpoint(tmp_path):
     assert re.search(r"resumed from \S*step-2 \(step 2\)", out), out
     assert sorted(p.name for p in ckpt.iterdir()) == ["step-2", "step-4", "step-6"]
 
+    # Resuming with a model of another shape is a config error naming the parameter.
+    other = run_train(tmp_path, *common, "--model.vocab_size", "8256", "--training.steps", "8",
+                      check=False)
+    assert other.returncode == 2
+    assert other.stderr.strip().splitlines() == [other.stderr.strip()], other.stderr
+    assert other.stderr.startswith("config error: checkpoint ") and "tok_embeddings" in other.stderr
+
 
 def global_batches(stdout: str) -> list[list[str]]:
     """Per step, the sample hashes of the whole global batch in dp-rank order, from the

@@ -95,6 +95,11 @@ class RNGState(Stateful):
             torch.cuda.set_rng_state(sd["cuda"])
 
 
+def _lenient() -> DefaultLoadPlanner:
+    """Keys missing from the checkpoint keep their current values (the caller checks)."""
+    return DefaultLoadPlanner(allow_partial_load=True)
+
+
 class Checkpointer:
     def __init__(self, cfg, *, model, optimizer, scheduler, dataloader, train_state: TrainState,
                  log=print):
@@ -139,17 +144,32 @@ class Checkpointer:
             return False
         t0 = time.monotonic()
         path = self._path(step)
+        self._check_model_shapes(path)
         states = dict(self.states)
-        data = states.pop("dataloader")
+        data, rng = states.pop("dataloader"), states.pop("rng")
+        # The data position first: a changed data setup is then reported by the loader itself
+        # (one line). It loads leniently because a streamed source keeps per-rank state, whose
+        # keys differ on another dp size; the loader explains that case too.
+        dcp.load({"dataloader": data}, checkpoint_id=path, planner=_lenient())
         dcp.load(states, checkpoint_id=path)
-        # A streamed source keeps per-rank state: on another dp size some ranks' keys are
-        # missing, and the loader itself explains what to do (strict loading would fail first
-        # with DCP's own message).
-        dcp.load({"dataloader": data}, checkpoint_id=path,
-                 planner=DefaultLoadPlanner(allow_partial_load=True))
+        # Leniently too: a CPU checkpoint has no CUDA RNG state to give a GPU run.
+        dcp.load({"rng": rng}, checkpoint_id=path, planner=_lenient())
         self.log(f"resumed from {self._path(step)} (step {self.train_state.step}) in "
                  f"{time.monotonic() - t0:.2f}s")
         return True
+
+    def _check_model_shapes(self, path: str) -> None:
+        """A checkpoint of another model shape is a config error, not a DCP traceback."""
+        saved = dcp.FileSystemReader(path).read_metadata().state_dict_metadata
+        for name, param in self.states["model_optim"].model.named_parameters():
+            meta = saved.get(f"model_optim.model.{name}")
+            shape = tuple(meta.size) if meta is not None and hasattr(meta, "size") else None
+            if shape != tuple(param.shape):
+                raise ConfigError(
+                    f"checkpoint {path} does not fit this model: {name} has shape {shape} "
+                    f"there and {tuple(param.shape)} here; resume with the model.flavor, "
+                    "model.vocab_size and tokenizer it was saved with, or use another "
+                    "checkpoint.folder")
 
     # ----------------------------------------------------------------------------- save
     def maybe_save(self, step: int, *, last: bool) -> bool:
