@@ -123,7 +123,8 @@ class StoreLoader(GlobalOrderLoader):
                 f"of store {store.path} has {self.hi - self.lo:,} tokens (val_fraction "
                 f"{val_fraction} of {total:,}), fewer than one window of {self.seq_len + 1}; "
                 "use a shorter seq_len or a bigger corpus")
-        self.fingerprint = f"{store.fingerprint}:{split}"
+        # The order depends on shuffle too: a resume with it toggled would repeat and skip windows.
+        self.fingerprint = f"{store.fingerprint}:{split}:shuffle={shuffle}"
 
     def _windows(self, indices: np.ndarray) -> np.ndarray:
         windows = window_of_sample(indices, self.n_windows, self.seed, self.shuffle)
