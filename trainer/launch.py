@@ -61,7 +61,8 @@ def _forward(signum, frame) -> None:
     _received[signum] = _received.get(signum, 0) + 1
     if signum in (signal.SIGINT, signal.SIGTERM) and _received[signum] > 1:
         _signal_children(signal.SIGKILL)  # the ranks would only record it: stop them now
-        raise SignalException(f"second {signal.Signals(signum).name}: stopping now", signum)
+        raise SignalException(f"second {signal.Signals(signum).name}: stopping now",
+                              signal.Signals(signum))
     _signal_children(signum)
 
 
