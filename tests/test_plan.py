@@ -128,7 +128,8 @@ def test_cli_config_errors_are_one_line(capsys):
     code, out, err = run_cli(capsys, "--ngpu", "2", "--training.seq_lenx", "3")
     assert code == 2 and err.strip().count("\n") == 0
     assert err.startswith("config error: unknown key 'training.seq_lenx'")
-    code, _, err = run_cli(capsys, "--ngpu", "3")  # global batch 8 does not split 3 ways
+    code, _, err = run_cli(capsys, "--ngpu", "3",  # global batch 8 does not split 3 ways
+                           "--training.global_batch_size", "8")
     assert code == 2 and err.startswith("config error: training.global_batch_size")
 
 

@@ -139,7 +139,7 @@ def test_usr1_saves_requeues_and_resumes_to_the_same_losses(cluster, straight, t
     text = log.read_text()
     assert (info["JobState"], info["ExitCode"], info["Restarts"]) == ("COMPLETED", "0:0", "1"), \
         cluster.explain(log)
-    m = re.search(r"stop signal \(SIGUSR1\): saving at step (\d+)", text)
+    m = re.search(r"stop signal \(SIGUSR1\) at step (\d+): saving", text)
     assert m, cluster.explain(log)
     stopped = int(m.group(1))
     assert 1 <= stopped < STEPS
