@@ -11,12 +11,10 @@ world size) raises `ConfigError` here, before any process group exists that coul
 from __future__ import annotations
 
 import dataclasses
-import difflib
 import os
 import sys
 import typing
 from dataclasses import dataclass, field
-from typing import Any
 
 from trainer.config_base import (check_field, coerce, did_you_mean, from_cli, opt, parse_cli,
                                   toml_value, type_name)

@@ -11,9 +11,6 @@ class UserError(Exception):
     kind = "user"
     exit_code = 2
 
-    def __str__(self) -> str:  # the message alone; the kind prefix is added by `one_line`
-        return super().__str__()
-
     def one_line(self) -> str:
         return f"{self.kind} error: {self}".replace("\n", " ")
 

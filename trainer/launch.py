@@ -84,11 +84,6 @@ def install_forwarding() -> None:
         signal.signal(getattr(signal, name), _forward)
 
 
-def _first_failure(err: ChildFailedError):
-    rank, failure = err.get_first_failure()
-    return rank, failure
-
-
 def main(argv: list[str]) -> int:
     args = parse_args(argv)
     config, cmd, cmd_args = config_from_args(args)
@@ -103,7 +98,7 @@ def main(argv: list[str]) -> int:
               file=sys.stderr, flush=True)
         return 128 + int(err.sigval)
     except ChildFailedError as err:
-        rank, failure = _first_failure(err)
+        rank, failure = err.get_first_failure()
         code = failure.exitcode if failure.exitcode and failure.exitcode > 0 else 1
         if code not in QUIET_CODES:
             how = f"exit code {failure.exitcode}"

@@ -24,7 +24,6 @@ import hashlib  # noqa: E402
 import math
 import os
 import sys
-import time
 
 import torch
 import torch.distributed as dist
