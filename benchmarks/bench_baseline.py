@@ -34,6 +34,7 @@ import torch
 import torch.nn.functional as F
 
 from trainer.config import load_config
+from trainer.device import resolve_compute_dtype
 from trainer.model import Transformer, build_model, model_args
 from trainer.optim import build_lr_scheduler, build_optimizer
 from trainer.parallelize import parallelize
@@ -60,20 +61,27 @@ class _FixedBatch:
         return self.batch
 
 
+def precision(cfg, device):
+    """The compute dtype the trainer would use here (training.mixed_precision_param may be auto)."""
+    return resolve_compute_dtype(cfg.training.mixed_precision_param,
+                                 cfg.training.mixed_precision_reduce, device)
+
+
 def build_trainer_step(cfg, args, batch):
     """The trainer's pieces at world size 1; returns step() -> loss."""
     pd, _ = cfg.resolve(1)
     device = init_distributed(cfg)
     pd.build_mesh(device.type)
-    model = parallelize(build_model(args), pd, cfg, device=device)
+    model = parallelize(build_model(args), pd, cfg, device=device,
+                        param_dtype=precision(cfg, device).param)
     opt = build_optimizer(model, cfg.optimizer)
     sched = build_lr_scheduler(opt, cfg.lr_scheduler, cfg.training.steps)
     loader, metrics, group = _FixedBatch(*batch), _NoMetrics(), pd.dp_mesh.get_group()
 
     def step() -> float:
-        loss, _ = train_step(model, opt, sched, loader, accum=1, dp_group=group,
+        loss = train_step(model, opt, sched, loader, accum=1, dp_group=group,
                              sync_mode=cfg.training.gradient_accumulation_sync,
-                             max_norm=cfg.training.max_norm, metrics=metrics)
+                             max_norm=cfg.training.max_norm, metrics=metrics)[0]
         return float(loss)
 
     return step
@@ -87,7 +95,7 @@ def build_plain_step(cfg, args, batch):
     opt = build_optimizer(model, cfg.optimizer)
     sched = build_lr_scheduler(opt, cfg.lr_scheduler, cfg.training.steps)
     inputs, labels = batch
-    bf16 = cfg.training.mixed_precision_param == "bfloat16"
+    bf16 = precision(cfg, torch.device("cpu")).param == "bfloat16"
 
     def step() -> float:
         ctx = torch.autocast("cpu", dtype=torch.bfloat16) if bf16 else contextlib.nullcontext()

@@ -11,8 +11,12 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 RUN_TRAIN = REPO / "run_train.sh"
 
+# Multi-rank tests ask for CPU ranks explicitly, so they run the same on a machine with GPUs
+# (where "auto" would put NGPU ranks on fewer GPUs than that).
+CPU = ["--training.device", "cpu"]
+
 # Small, fast settings shared by the end-to-end tests (a 2-layer slice of the debug model).
-TINY = [
+TINY = [*CPU,
     "--training.seq_len", "64", "--training.local_batch_size", "2",
     "--training.mixed_precision_param", "float32", "--metrics.log_freq", "1",
     "--lr_scheduler.warmup_steps", "2", "--data.dataset", "synthetic",
@@ -26,21 +30,31 @@ BASE_FP32 = [*TINY, "--training.global_batch_size", "8", "--lr_scheduler.min_lr_
 
 def subprocess_env(extra: dict | None = None) -> dict:
     env = dict(os.environ)
+    env.setdefault("PYTHON", sys.executable)  # run_train.sh's interpreter: the one running tests
     env.setdefault("HF_DATASETS_OFFLINE", "1")
     env.setdefault("HF_HUB_OFFLINE", "1")
     env["PYTHONPATH"] = str(REPO) + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
-    env.update(extra or {})
+    for key, value in (extra or {}).items():  # None removes a variable
+        if value is None:
+            env.pop(key, None)
+        else:
+            env[key] = value
     return env
 
 
-def run_train(dump: Path | str, *overrides: str, nproc: int = 2, env: dict | None = None,
+def run_train(dump: Path | str, *overrides: str, nproc: int | None = 2, env: dict | None = None,
               config: str | None = None, timeout: float = 300, check: bool = True,
-              log_rank: str = "0") -> subprocess.CompletedProcess:
-    """`NGPU=nproc ./run_train.sh --job.dump_folder dump <overrides>`; returns the completed run."""
-    extra = {"NGPU": str(nproc), "LOG_RANK": log_rank, **(env or {})}
+              log_rank: str = "0", device: str | None = "cpu") -> subprocess.CompletedProcess:
+    """`NGPU=nproc ./run_train.sh --training.device cpu --job.dump_folder dump <overrides>`;
+    returns the completed run. `nproc=None` leaves NGPU unset; `device=None` leaves the
+    config's device (auto)."""
+    extra = {"LOG_RANK": log_rank, **(env or {})}
+    if nproc is not None:
+        extra["NGPU"] = str(nproc)
     if config:
         extra["CONFIG_FILE"] = config
-    proc = subprocess.run([str(RUN_TRAIN), "--job.dump_folder", str(dump), *overrides],
+    first = ["--training.device", device] if device else []
+    proc = subprocess.run([str(RUN_TRAIN), *first, "--job.dump_folder", str(dump), *overrides],
                           env=subprocess_env(extra), capture_output=True, text=True, timeout=timeout)
     if check and proc.returncode != 0:
         raise AssertionError(f"run_train.sh exited {proc.returncode}\n--- stdout\n"

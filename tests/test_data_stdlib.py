@@ -3,16 +3,14 @@ several ranks building at once into one cache (one builds, the others wait)."""
 
 from __future__ import annotations
 
-import os
 import subprocess
 import sys
-from pathlib import Path
 
+from tests.helpers import subprocess_env
 from tests.test_data_fixtures import *  # noqa: F401,F403
 from tests.test_data_fixtures import DataConfig, build
 from trainer.data.sources import stdlib_files
 
-REPO = Path(__file__).resolve().parents[1]
 VOCAB = 2048  # smaller than the default to keep the test quick; same code path
 
 RANK = """
@@ -37,7 +35,7 @@ def test_stdlib_corpus_is_the_local_standard_library():
 
 def test_concurrent_first_use_builds_once(tmp_path):
     cache = tmp_path / "cache"
-    env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
+    env = subprocess_env({"OMP_NUM_THREADS": "1"})
     procs = [subprocess.Popen([sys.executable, "-c", RANK, str(cache), str(r % 2)], env=env,
                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
              for r in range(3)]

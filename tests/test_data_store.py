@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 
+from tests.helpers import subprocess_env
 from tests.test_data_fixtures import *  # noqa: F401,F403
 from tests.test_data_fixtures import build, stdlib_texts
 from trainer.data import check_model_vocab, padded_vocab_size
@@ -20,7 +21,6 @@ from trainer.data.store import Store
 from trainer.data.tokenizer import train_bpe
 from trainer.errors import DataError
 
-REPO = Path(__file__).resolve().parents[1]
 
 
 def one_line(excinfo) -> str:
@@ -183,7 +183,7 @@ def test_seq_len_longer_than_the_corpus(store_cfg, store_path):
 
 
 def test_prepare_cli_reports_one_line(tmp_path):
-    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    env = subprocess_env()
     r = subprocess.run([sys.executable, "-m", "trainer.data.prepare", "--dataset", "json",
                         "--data_files", str(tmp_path / "x.jsonl"), "--tokenizer_path",
                         str(tmp_path / "t.model"), "--store_path", str(tmp_path / "s")],

@@ -3,19 +3,18 @@
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
+from tests.helpers import subprocess_env
 from tests.test_data_fixtures import *  # noqa: F401,F403
 from tests.test_data_fixtures import stdlib_texts
 from trainer.data.tokenizer import Tokenizer, train_bpe
 from trainer.errors import ConfigError, DataError
 
-REPO = Path(__file__).resolve().parents[1]
 
 
 def test_trained_tokenizer_round_trips(tokenizer_path):
@@ -57,7 +56,7 @@ def test_train_tokenizer_cli(tmp_path):
         for text in stdlib_texts(20):
             f.write(json.dumps({"body": text}) + "\n")
     out = tmp_path / "cli.model"
-    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    env = subprocess_env()
     r = subprocess.run([sys.executable, "-m", "trainer.data.train_tokenizer", "--dataset", "json",
                         "--data_files", str(data), "--text_field", "body", "--vocab_size", "400",
                         "--output", str(out), "--threads", "1"],

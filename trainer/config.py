@@ -5,6 +5,7 @@ wrong types, out-of-range values, impossible combinations, including those that 
 world size) raises `ConfigError` here, before any process group exists that could hang.
 
     python -m trainer.config --check --world-size 4 --job.config_file configs/debug_model.toml
+    python -m trainer.config --check --nnodes 1 --nproc-per-node "$NGPU" ...   # prints ranks/node
     python -m trainer.config --help      # the reference of every key
 """
 
@@ -27,6 +28,7 @@ else:  # pragma: no cover
     import tomli as tomllib
 
 DTYPES = ("bfloat16", "float32")
+DEVICES = ("auto", "cpu", "cuda")
 STOP_SIGNALS = ("SIGTERM", "SIGUSR1", "SIGUSR2", "SIGINT", "SIGHUP")
 
 
@@ -94,8 +96,12 @@ class Training:
     seq_len: int = opt(2048, "Tokens per sequence", min=1)
     steps: int = opt(10000, "Optimizer steps to train for", min=1)
     max_norm: float = opt(1.0, "Gradient clipping max global norm; 0 = no clipping", min=0.0)
-    mixed_precision_param: str = opt("bfloat16", "Dtype of the unsharded compute params",
-                                     choices=DTYPES)
+    device: str = opt("auto", "Compute device: auto (CUDA if visible, else CPU), cpu or cuda; "
+                      "run_train.sh starts NGPU ranks, default every GPU, else 2 on CPU",
+                      choices=DEVICES)
+    mixed_precision_param: str = opt(
+        "auto", "Dtype of the unsharded compute params: auto = bfloat16 on CUDA and on CPUs with "
+        "native bf16 (AMX, AVX512-BF16), float32 elsewhere", choices=("auto", *DTYPES))
     mixed_precision_reduce: str = opt("float32", "Dtype of gradient reduction", choices=DTYPES)
     gradient_accumulation_sync: str = opt(
         "last", "Microbatch grad sync: last (least comm), every (least memory), hsdp_reduce_scatter",
@@ -317,25 +323,61 @@ def reference() -> str:
     return "\n".join(lines)
 
 
+def _take(args: list[str], flag: str) -> str | None:
+    """Remove `flag VALUE` from args and return VALUE (None when absent)."""
+    if flag not in args:
+        return None
+    i = args.index(flag)
+    if i + 1 >= len(args):
+        raise ConfigError(f"{flag} needs a value")
+    value = args[i + 1]
+    del args[i:i + 2]
+    return value
+
+
+def check_launch(args: list[str]) -> int | None:
+    """Validate a launch before any process starts; returns the ranks per node, if asked.
+
+    `--world-size N`: the config must fit N ranks. `--nnodes N --nproc-per-node K` (K empty =
+    the default for `training.device`: every visible GPU, else 2 CPU ranks): also checks that K
+    ranks fit this node's GPUs, and returns K.
+    """
+    world_size = _take(args, "--world-size")
+    nnodes = _take(args, "--nnodes")
+    nproc = _take(args, "--nproc-per-node")
+    cfg = load_config(args)
+    ranks = None
+    if nproc is not None or nnodes is not None:
+        from trainer.device import local_ranks, visible_gpus
+
+        ranks = local_ranks(cfg.training.device, nproc, *visible_gpus())
+        world_size = _positive("--nnodes", nnodes or "1") * ranks
+    elif world_size is not None:
+        world_size = _positive("--world-size", world_size)
+    cfg.validate(world_size)
+    return ranks
+
+
+def _positive(flag: str, value: str) -> int:
+    if not (value.isascii() and value.isdigit() and int(value) >= 1):
+        raise ConfigError(f"{flag} = {value!r} is not a positive integer")
+    return int(value)
+
+
 def main(argv: list[str]) -> int:
-    """`--help` prints the reference; `--check --world-size N ...` validates a launch up front."""
+    """`--help` prints the reference; `--check ...` validates a launch up front (check_launch)
+    and prints the ranks per node when `--nproc-per-node` is given."""
     if "--help" in argv or "-h" in argv:
         print(reference())
         return 0
-    world_size = None
-    args = list(argv)
-    if "--check" in args:
-        args.remove("--check")
-    if "--world-size" in args:
-        i = args.index("--world-size")
-        world_size = int(args[i + 1])
-        del args[i:i + 2]
+    args = [a for a in argv if a != "--check"]
     try:
-        cfg = load_config(args)
-        cfg.validate(world_size)
+        ranks = check_launch(args)
     except UserError as e:
         print(e.one_line(), file=sys.stderr)
         return e.exit_code
+    if ranks is not None:
+        print(ranks)
     return 0
 
 

@@ -39,6 +39,7 @@ import time
 
 import torch
 
+from trainer.device import Precision, resolve_compute_dtype
 from trainer.flops import attention_flops_per_token, flops_per_token, resolve_peak
 from trainer.model import ModelArgs
 
@@ -190,9 +191,12 @@ class MetricsProcessor:
     """Times steps, counts tokens, and on log steps writes TensorBoard and prints (rank 0)."""
 
     def __init__(self, cfg, *, model_args: ModelArgs, seq_len: int, device: torch.device,
-                 rank: int, parallel_desc: str, accumulation_steps: int, num_params: int):
+                 rank: int, parallel_desc: str, accumulation_steps: int, num_params: int,
+                 precision: Precision | None = None):
         self.cfg, self.model_args, self.seq_len = cfg, model_args, seq_len
         self.device, self.rank = device, rank
+        self.precision = precision or resolve_compute_dtype(
+            cfg.training.mixed_precision_param, cfg.training.mixed_precision_reduce, device)
         self.parallel_desc, self.accumulation_steps, self.num_params = (
             parallel_desc, accumulation_steps, num_params)
         self.flops_per_token = flops_per_token(model_args, seq_len)
@@ -206,6 +210,8 @@ class MetricsProcessor:
                 "derived.num_params": num_params,
                 "derived.accumulation_steps": accumulation_steps,
                 "derived.parallel": parallel_desc,
+                "derived.device": str(device),
+                "derived.compute_dtype": self.precision.param,
             })
         self._interval_start: float | None = None
         self._steps = self._tokens = 0
@@ -227,11 +233,14 @@ class MetricsProcessor:
             f"(6*N_matmul + 12*L*H*hd*S; causal attention counted in full, "
             f"{self.flops_per_token - attn_half:.4g} if halved)",
             f"mesh: {self.parallel_desc}; gradient accumulation steps: {self.accumulation_steps}",
+            f"device: {self.device.type} ({'nccl' if self.device.type == 'cuda' else 'gloo'}"
+            f"{', ' + torch.cuda.get_device_name(self.device) if self.device.type == 'cuda' else ''}"
+            f"); {self.precision.describe()}",
             peak,
         ]
-        if self.peak.tflops and self.cfg.training.mixed_precision_param != "bfloat16":
+        if self.peak.tflops and self.precision.param != "bfloat16":
             lines.append(f"note: MFU is against the bf16 peak; this run computes in "
-                         f"{self.cfg.training.mixed_precision_param}")
+                         f"{self.precision.param}")
         if self.writer is not None:
             lines.append(f"tensorboard: {self.writer.log_dir}")
         for line in lines:

@@ -98,15 +98,16 @@ def apply_fsdp(model: Transformer, mesh, *, param_dtype: str, reduce_dtype: str,
     fully_shard(model, mesh=mesh, mp_policy=mp, reshard_after_forward=blocks)
 
 
-def parallelize(model: Transformer, parallel_dims, cfg, *, device: torch.device) -> Transformer:
+def parallelize(model: Transformer, parallel_dims, cfg, *, device: torch.device,
+                param_dtype: str) -> Transformer:
     """AC, compile and shard `model` (built on meta) per `cfg` (a JobConfig), then materialise
-    and initialise it."""
+    and initialise it. `param_dtype` is the resolved compute dtype (trainer.device)."""
     if cfg.activation_checkpoint.mode != "none":
         apply_ac(model, cfg.activation_checkpoint.mode, cfg.activation_checkpoint.selective_ac_option)
     if cfg.compile.enable:
         apply_compile(model)
     apply_fsdp(model, parallel_dims.fsdp_mesh,
-               param_dtype=cfg.training.mixed_precision_param,
+               param_dtype=param_dtype,
                reduce_dtype=cfg.training.mixed_precision_reduce,
                reshard_after_forward=cfg.parallelism.fsdp_reshard_after_forward)
     model.to_empty(device=device)

@@ -38,7 +38,7 @@ from trainer.flops import flops_per_token, table_peak_tflops
 from trainer.model import FLAVORS, ModelArgs, build_model, model_args
 
 GIB = 2**30
-BYTES = {"float32": 4, "bfloat16": 2}
+BYTES = {"float32": 4, "bfloat16": 2, "auto": 2}  # the plan is for GPUs: auto = bfloat16 there
 FP32, INT64 = 4, 8
 
 
@@ -321,7 +321,8 @@ def report(cfg: JobConfig, b: dict[str, int], accum: int, gpu: Gpu, mem_gib: flo
     unit, scale = ("GiB", GIB) if b["total"] >= GIB else ("MiB", 2**20)
     fill = {"ac": ac.mode + (f" {ac.selective_ac_option}" if ac.mode == "selective" else ""),
             "loss": f"fp32 [{t.local_batch_size}, {t.seq_len}, vocab]",
-            "mp": f"{t.mixed_precision_param} params, {t.mixed_precision_reduce} reduce",
+            "mp": f"{t.mixed_precision_param.replace('auto', 'bfloat16 (auto)')} params, "
+                  f"{t.mixed_precision_reduce} reduce",
             "reshard": cfg.parallelism.fsdp_reshard_after_forward,
             "impl": cfg.optimizer.implementation}
     lines = []

@@ -31,6 +31,7 @@ import torch.nn.functional as F
 
 from trainer.checkpoint import Checkpointer, TrainState
 from trainer.config import JobConfig, load_config
+from trainer.device import Precision, resolve_compute_dtype, resolve_device
 from trainer.data import build_dataloader, check_model_vocab, padded_vocab_size
 from trainer.errors import ConfigError, UserError
 from trainer.metrics import MetricsProcessor
@@ -59,13 +60,11 @@ def filter_output() -> None:
 
 
 def init_distributed(cfg: JobConfig) -> torch.device:
-    """nccl with the device from LOCAL_RANK on CUDA, gloo on CPU; seeds every RNG."""
-    if torch.cuda.is_available():
-        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+    """nccl on cuda:LOCAL_RANK, gloo on CPU (per `training.device`); seeds every RNG."""
+    device = resolve_device(cfg.training.device)
+    backend = "nccl" if device.type == "cuda" else "gloo"
+    if device.type == "cuda":
         torch.cuda.set_device(device)
-        backend = "nccl"
-    else:
-        device, backend = torch.device("cpu"), "gloo"
     timeout = datetime.timedelta(seconds=cfg.comm.init_timeout_seconds)
     if "RANK" not in os.environ:  # plain `python -m trainer.train`: a world of one
         os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1",
@@ -103,6 +102,23 @@ def agree_on_user_errors(fn, *args, same_result: bool = False, **kwargs):
         raise ConfigError(f"ranks disagree on {fn.__name__}: {seen}; the dump folder must be "
                           "on storage that every node shares")
     return result
+
+
+def choose_precision(cfg: JobConfig, device: torch.device) -> Precision:
+    """The compute dtype `training.mixed_precision_param` stands for here; every rank agrees
+    (bf16 only if every rank's CPU computes it natively)."""
+
+    def native_everywhere(native: bool) -> bool:
+        flag = torch.tensor([1 if native else 0], dtype=torch.int32, device=device)
+        dist.all_reduce(flag, op=dist.ReduceOp.MIN)
+        return bool(flag.item())
+
+    precision = resolve_compute_dtype(cfg.training.mixed_precision_param,
+                                      cfg.training.mixed_precision_reduce, device,
+                                      native_everywhere=native_everywhere)
+    if precision.warning and dist.get_rank() == 0:
+        print(precision.warning, file=sys.stderr, flush=True)
+    return precision
 
 
 def train_step(model, optimizer, scheduler, loader, *, accum: int, sync_mode: str, dp_group,
@@ -168,6 +184,7 @@ def train(cfg: JobConfig) -> None:
     device = init_distributed(cfg)
     if dist.get_rank() == 0:
         cfg.save(os.path.join(cfg.job.dump_folder, "config.toml"))
+    precision = choose_precision(cfg, device)
     parallel_dims.build_mesh(device.type)
     dp_mesh = parallel_dims.dp_mesh
     dp_group = dp_mesh.get_group()
@@ -182,12 +199,14 @@ def train(cfg: JobConfig) -> None:
     agree_on_user_errors(check_model_vocab, vocab, loader)
     args = model_args(cfg.model.flavor, vocab_size=vocab, max_seq_len=cfg.training.seq_len)
 
-    model = parallelize(build_model(args), parallel_dims, cfg, device=device)
+    model = parallelize(build_model(args), parallel_dims, cfg, device=device,
+                        param_dtype=precision.param)
     optimizer = build_optimizer(model, cfg.optimizer)
     scheduler = build_lr_scheduler(optimizer, cfg.lr_scheduler, cfg.training.steps)
     state = TrainState()
     metrics = MetricsProcessor(cfg, model_args=args, seq_len=cfg.training.seq_len, device=device,
                                rank=dist.get_rank(), parallel_desc=parallel_dims.describe(),
+                               precision=precision,
                                accumulation_steps=accum, num_params=args.num_params())
     try:
         metrics.log_startup()

@@ -16,6 +16,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from trainer.config import load_config
+from trainer.device import resolve_compute_dtype
 from trainer.data import build_dataloader
 from trainer.model import build_model, model_args
 from trainer.optim import build_optimizer
@@ -33,7 +34,10 @@ loader = build_dataloader(cfg.data, seq_len=cfg.training.seq_len,
                           local_batch_size=cfg.training.local_batch_size, global_batch_size=gbs,
                           dp_rank=dp.get_local_rank(), dp_size=dp.size(), seed=cfg.job.seed)
 args = model_args(cfg.model.flavor, vocab_size=8192, max_seq_len=cfg.training.seq_len)
-model = parallelize(build_model(args), pd, cfg, device=torch.device("cpu"))
+model = parallelize(build_model(args), pd, cfg, device=torch.device("cpu"),
+                    param_dtype=resolve_compute_dtype(
+                        cfg.training.mixed_precision_param, cfg.training.mixed_precision_reduce,
+                        torch.device("cpu")).param)
 opt = build_optimizer(model, cfg.optimizer)
 
 calls: list[tuple[str, str]] = []

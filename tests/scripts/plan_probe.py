@@ -23,6 +23,7 @@ import torch.nn.functional as F
 from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
 
 from trainer.config import load_config
+from trainer.device import resolve_compute_dtype
 from trainer.model import build_model, model_args
 from trainer.optim import build_optimizer
 from trainer.parallelize import parallelize
@@ -53,7 +54,10 @@ def main(out_dir: str, argv: list[str]) -> None:
     pd.build_mesh("cpu")
     args = model_args(cfg.model.flavor, vocab_size=cfg.model.vocab_size or None,
                       max_seq_len=cfg.training.seq_len)
-    model = parallelize(build_model(args), pd, cfg, device=torch.device("cpu"))
+    model = parallelize(build_model(args), pd, cfg, device=torch.device("cpu"),
+                    param_dtype=resolve_compute_dtype(
+                        cfg.training.mixed_precision_param, cfg.training.mixed_precision_reduce,
+                        torch.device("cpu")).param)
     opt = build_optimizer(model, cfg.optimizer)
     gen = torch.Generator().manual_seed(dist.get_rank())
     shape = (cfg.training.local_batch_size, cfg.training.seq_len)
