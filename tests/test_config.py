@@ -44,7 +44,8 @@ def test_cli_forms_and_types():
     (["--training.steps", "many"], None, "training.steps must be an int, got 'many'"),
     (["--checkpoint.enable", "yes"], None, "checkpoint.enable must be true or false"),
     (["--training.mixed_precision_param", "fp16"], None,
-     "training.mixed_precision_param = 'fp16' is not valid; choose one of 'bfloat16', 'float32'"),
+     "training.mixed_precision_param = 'fp16' is not valid; choose one of 'auto', 'bfloat16', "
+     "'float32'"),
     (["--training.steps", "0"], None, "training.steps = 0 is out of range; it must be >= 1"),
     (["--model.flavor", "8b"], None, "did you mean '8B'?"),
     (["--training.global_batch_size", "0"], None, "training.global_batch_size = 0"),

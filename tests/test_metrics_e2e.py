@@ -40,7 +40,7 @@ def run(tmp_path_factory):
 
 def test_every_tag_finite_at_the_logged_steps(run):
     dump, _ = run
-    tags = TAGS + (CUDA_TAGS if torch.cuda.is_available() else CPU_TAGS)
+    tags = TAGS + CPU_TAGS  # the run is on CPU ranks (run_train's default device), GPU or not
     for tag in tags:
         values = scalars(dump, tag)
         assert sorted(values) == LOGGED, (tag, values)
@@ -88,3 +88,21 @@ def test_console_has_one_line_per_logged_step(run):
     assert "\033[" not in stdout  # captured output is not a terminal: no color codes
     for first_line in ("model: ", "FLOPs/token: ", "mesh: ", "gradient accumulation steps: "):
         assert first_line in stdout
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_one_gpu_run_uses_nccl_bf16_cuda_memory_and_the_device_table(tmp_path):
+    """The CUDA path for real: nccl, auto = bf16, the allocator's memory tags, and MFU against
+    the device table's peak (no peak_tflops given)."""
+    proc = run_train(tmp_path, *TINY[2:], "--training.mixed_precision_param", "auto",
+                     "--training.steps", "3", "--checkpoint.enable", "false", nproc=1,
+                     device="cuda")
+    assert "device: cuda (nccl" in proc.stdout
+    assert "compute dtype: bfloat16 (auto: CUDA)" in proc.stdout
+    for tag in TAGS + CUDA_TAGS:
+        if tag == "mfu(%)" and "from the device table" not in proc.stdout:
+            continue  # a GPU missing from the table: MFU is not reported
+        values = scalars(tmp_path, tag)
+        assert sorted(values) == [1, 2, 3], (tag, values)
+        assert all(math.isfinite(v) for v in values.values()), (tag, values)
+    assert 0 < scalars(tmp_path, "memory/max_active(GiB)")[3]

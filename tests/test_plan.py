@@ -24,7 +24,9 @@ from trainer.plan import blocks_activations, head_saved, main, memory_plan
 PROBE = REPO / "tests" / "scripts" / "plan_probe.py"
 # Vocab 8195 is odd: the embedding and output rows split 4098 / 4097 over 2 shards, so the
 # uneven-shard rule (rank 0 holds ceil(rows / shard), FSDP2 pads the others) is exercised.
+# bf16 compute, as on the GPUs the plan is for ("auto" would be float32 on some CPUs).
 SMALL = ["--data.dataset", "synthetic", "--model.vocab_size", "8195",
+         "--training.mixed_precision_param", "bfloat16",
          "--training.global_batch_size", "-1", "--training.local_batch_size", "2"]
 
 
