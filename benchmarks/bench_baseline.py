@@ -71,7 +71,7 @@ def build_trainer_step(cfg, args, batch):
     loader, metrics, group = _FixedBatch(*batch), _NoMetrics(), pd.dp_mesh.get_group()
 
     def step() -> float:
-        loss, _ = train_step(model, opt, sched, loader, accum=1, dp_group=group,
+        loss, *_ = train_step(model, opt, sched, loader, accum=1, dp_group=group,
                              sync_mode=cfg.training.gradient_accumulation_sync,
                              max_norm=cfg.training.max_norm, metrics=metrics)
         return float(loss)
