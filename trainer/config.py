@@ -106,11 +106,34 @@ class Training:
     gradient_accumulation_sync: str = opt(
         "last", "Microbatch grad sync: last (least comm), every (least memory), hsdp_reduce_scatter",
         choices=("last", "every", "hsdp_reduce_scatter"))
+    max_skipped_steps: int = opt(
+        5, "Consecutive steps with a non-finite loss or grad norm to skip before the run stops "
+        "(exit 4); 0 = stop at the first", min=0)
+    spike_window: int = opt(50, "Steps in the rolling window of the loss spike detector; "
+                            "0 = off", min=0)
+    spike_threshold: float = opt(6.0, "A loss more than this many standard deviations above "
+                                 "the window's mean counts as a spike", min=0.0)
 
     def validate(self) -> None:
         if self.global_batch_size != -1 and self.global_batch_size < 1:
             raise ConfigError(f"training.global_batch_size = {self.global_batch_size} is out of "
                               "range; it must be >= 1, or -1 for local_batch_size * dp size")
+
+
+@dataclass
+class Validation:
+    enable: bool = opt(False, "Evaluate the held-out split every freq steps and at the last step")
+    freq: int = opt(500, "Evaluate every this many steps", min=1)
+    steps: int = opt(10, "Validation batches of global_batch_size samples per evaluation", min=1)
+    local_batch_size: int = opt(8, "Validation sequences per forward pass per dp rank", min=1)
+    global_batch_size: int = opt(
+        -1, "Samples per validation batch; -1 = local_batch_size * dp size. Fix it to "
+        "evaluate the same samples on every world size", min=-1)
+
+    def validate(self) -> None:
+        if self.global_batch_size == 0:
+            raise ConfigError("validation.global_batch_size = 0 is out of range; it must be "
+                              ">= 1, or -1 for validation.local_batch_size * dp size")
 
 
 @dataclass
@@ -193,6 +216,7 @@ class JobConfig:
     optimizer: Optimizer = field(default_factory=Optimizer)
     lr_scheduler: LRScheduler = field(default_factory=LRScheduler)
     training: Training = field(default_factory=Training)
+    validation: Validation = field(default_factory=Validation)
     parallelism: Parallelism = field(default_factory=Parallelism)
     activation_checkpoint: ActivationCheckpoint = field(default_factory=ActivationCheckpoint)
     compile: Compile = field(default_factory=Compile)

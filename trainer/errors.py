@@ -25,3 +25,10 @@ class DataError(UserError):
     """Missing or corrupt data, tokenizer mismatches, corpora too small for the request."""
 
     kind = "data"
+
+
+class TrainingError(UserError):
+    """The run cannot go on: e.g. non-finite losses for more steps than the user allows."""
+
+    kind = "training"
+    exit_code = 4

@@ -297,6 +297,13 @@ class MetricsProcessor:
             print(format_line(step, m, self.colors), flush=True)
         return m
 
+    def log_scalars(self, step: int, values: dict[str, float]) -> None:
+        """Rank 0: write extra TensorBoard scalars (validation, skipped steps, spikes) now."""
+        if self.writer is not None:
+            for tag, value in values.items():
+                self.writer.add_scalar(tag, float(value), step)
+            self.writer.flush()
+
     def _interval_metrics(self) -> dict[str, float]:
         """Throughput, FLOPS, MFU and timings over the steps since the last log; then reset."""
         now = _clock()

@@ -34,12 +34,14 @@ from trainer.config import JobConfig, load_config
 from trainer.device import Precision, resolve_compute_dtype, resolve_device
 from trainer.data import build_dataloader, check_model_vocab, padded_vocab_size
 from trainer.errors import ConfigError, UserError
+from trainer.guard import LossGuard, flag_nonfinite_loss, injected_nan
 from trainer.metrics import MetricsProcessor
 from trainer.model import build_model, model_args
 from trainer.optim import build_lr_scheduler, build_optimizer
 from trainer.parallelize import parallelize, set_gradient_sync
 from trainer.preemption import PREEMPTED_EXIT_CODE, Preempted, StopSignals
 from trainer.profiling import StepProfiler
+from trainer.validate import Validator, log_validation
 
 IGNORE_INDEX = -100
 # Debugging/testing hook: print a hash of every sample each rank trains on, per step.
@@ -122,8 +124,10 @@ def choose_precision(cfg: JobConfig, device: torch.device) -> Precision:
 
 
 def train_step(model, optimizer, scheduler, loader, *, accum: int, sync_mode: str, dp_group,
-               max_norm: float, metrics: MetricsProcessor):
-    """One optimizer step over `accum` microbatches; returns (rank's mean loss, grad norm, lr).
+               max_norm: float, metrics: MetricsProcessor, step: int = 0):
+    """One optimizer step over `accum` microbatches; returns (rank's mean loss, grad norm, lr,
+    stepped). `stepped` is False, on every rank alike, when the loss of any rank or the grad
+    norm was not finite: the optimizer step is then skipped (trainer/guard.py).
 
     Each microbatch's loss is its summed token loss divided by the GLOBAL token count of the
     step. FSDP averages gradients over the dp ranks (dividing by the dp size: a custom
@@ -149,16 +153,20 @@ def train_step(model, optimizer, scheduler, loader, *, accum: int, sync_mode: st
         del logits  # the backward needs only the fp32 log-softmax: free [batch, seq, vocab]
         (loss * dp_size).backward()
         loss_sum += loss.detach()
+    loss_sum = loss_sum + injected_nan(step)  # testing hook; 0.0 unless asked
+    flag_nonfinite_loss(model, loss_sum)  # a rank's bad loss makes the global norm NaN
     grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm or math.inf,
                                                foreach=True)
+    grad_norm = grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm
     lr = scheduler.get_last_lr()[0]  # the lr this step uses (the scheduler steps after it)
-    optimizer.step()
+    stepped = bool(torch.isfinite(grad_norm))  # the same on every rank: a reduced value
+    if stepped:
+        optimizer.step()
     scheduler.step()
     optimizer.zero_grad(set_to_none=True)
     metrics.count_tokens(local_tokens)
     rank_loss = loss_sum * global_tokens / max(local_tokens, 1)
-    grad_norm = grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm
-    return rank_loss, grad_norm, lr
+    return rank_loss, grad_norm, lr, stepped
 
 
 def print_sample_hashes(batches, dp_group) -> None:
@@ -197,6 +205,11 @@ def train(cfg: JobConfig) -> None:
     vocab = cfg.model.vocab_size or padded_vocab_size(loader.vocab_size,
                                                       cfg.model.vocab_size_multiple_of)
     agree_on_user_errors(check_model_vocab, vocab, loader)
+    validator = None
+    if cfg.validation.enable:
+        validator = agree_on_user_errors(
+            Validator, cfg, train_loader=loader, dp_rank=dp_mesh.get_local_rank(),
+            dp_size=dp_mesh.size(), dp_group=dp_group, device=device, log=log0)
     args = model_args(cfg.model.flavor, vocab_size=vocab, max_seq_len=cfg.training.seq_len)
 
     model = parallelize(build_model(args), parallel_dims, cfg, device=device,
@@ -211,31 +224,35 @@ def train(cfg: JobConfig) -> None:
     try:
         metrics.log_startup()
         log0(f"data: {loader.describe()}")
+        if validator is not None:
+            log0(validator.describe())
         checkpointer = Checkpointer(cfg, model=model, optimizer=optimizer, scheduler=scheduler,
                                     dataloader=loader, train_state=state, log=log0)
         checkpointer.load(agree_on_user_errors(checkpointer.step_to_load, same_result=True))
         with StepProfiler(cfg, rank=dist.get_rank(), device=device,
                           start_step=state.step) as profiler:
             run_loop(cfg, model, optimizer, scheduler, loader, checkpointer, metrics, profiler,
-                     state, accum=accum, dp_group=dp_group, device=device)
+                     state, accum=accum, dp_group=dp_group, device=device, validator=validator)
     finally:
         metrics.close()
 
 
 def run_loop(cfg, model, optimizer, scheduler, loader, checkpointer, metrics, profiler, state,
-             *, accum, dp_group, device) -> None:
-    """Train until `training.steps`, or until a stop signal (then save and raise Preempted)."""
+             *, accum, dp_group, device, validator=None) -> None:
+    """Train until `training.steps`, or until a stop signal (then save and raise Preempted),
+    or until too many non-finite steps in a row (TrainingError)."""
     stop = StopSignals(cfg.job.stop_signals, early=EARLY_SIGNALS)
+    guard = LossGuard(cfg.training, log=log0, metrics=metrics)
     if state.step >= cfg.training.steps:
         log0(f"nothing to do: already at step {state.step} of {cfg.training.steps}")
     first_step = state.step + 1
     while state.step < cfg.training.steps:
         state.step += 1
         metrics.step_timer()
-        rank_loss, grad_norm, lr = train_step(
+        rank_loss, grad_norm, lr, stepped = train_step(
             model, optimizer, scheduler, loader, accum=accum,
             sync_mode=cfg.training.gradient_accumulation_sync, dp_group=dp_group,
-            max_norm=cfg.training.max_norm, metrics=metrics)
+            max_norm=cfg.training.max_norm, metrics=metrics, step=state.step)
         state.tokens_seen += cfg.training.seq_len * loader.global_batch_size
         last = state.step == cfg.training.steps
         if state.step % cfg.metrics.log_freq == 0 or last or state.step == first_step:
@@ -243,9 +260,15 @@ def run_loop(cfg, model, optimizer, scheduler, loader, checkpointer, metrics, pr
             metrics.log(state.step, global_avg_loss=avg, global_max_loss=mx,
                         grad_norm=float(grad_norm), lr=lr,
                         tokens_seen=state.tokens_seen, local_loss=rank_loss.item())
+        if not stepped:
+            skipped_step(guard, checkpointer, state.step, rank_loss, grad_norm, dp_group)
+        if validator is not None and validator.due(state.step, last):
+            log_validation(state.step, validator.run(model), validator.seconds, metrics, log0)
         profiler.step()
-        saved = checkpointer.maybe_save(state.step, last=last)
-        stop_now, async_done = agree_at_step_end(stop, checkpointer, device)
+        saved = stepped and checkpointer.maybe_save(state.step, last=last)
+        stop_now, async_done, avg_loss = agree_at_step_end(stop, checkpointer, device, rank_loss)
+        if stepped:
+            guard.good_step(state.step, avg_loss)
         if async_done:  # every rank's background write of an async save has finished
             checkpointer.wait()
         if stop_now and not last:
@@ -256,14 +279,35 @@ def run_loop(cfg, model, optimizer, scheduler, loader, checkpointer, metrics, pr
     log0(f"training done at step {state.step}")
 
 
-def agree_at_step_end(stop: StopSignals, checkpointer: Checkpointer, device) -> tuple[bool, bool]:
+def agree_at_step_end(stop: StopSignals, checkpointer: Checkpointer, device,
+                      rank_loss: torch.Tensor) -> tuple[bool, bool, float]:
     """One tiny all-reduce per step: (any rank got a stop signal, every rank's async save in
-    flight has finished writing, so it can be committed now rather than at the next save)."""
-    flags = torch.tensor([1.0 if stop.received else 0.0,
-                          0.0 if checkpointer.write_finished() else 1.0], device=device)
-    dist.all_reduce(flags, op=dist.ReduceOp.MAX)
-    stop_now, not_done = flags.tolist()
-    return stop_now > 0, checkpointer.pending is not None and not_done == 0
+    flight has finished writing, so it can be committed now rather than at the next save, the
+    mean of the ranks' losses for the spike detector; the world is the dp group)."""
+    flags = torch.stack([torch.tensor(1.0 if stop.received else 0.0, device=device),
+                         torch.tensor(0.0 if checkpointer.write_finished() else 1.0,
+                                      device=device),
+                         rank_loss.detach().float().reshape(())])
+    dist.all_reduce(flags)  # SUM: counts of ranks for the flags
+    stop_now, not_done, loss_sum = flags.tolist()
+    return (stop_now > 0, checkpointer.pending is not None and not_done == 0,
+            loss_sum / dist.get_world_size())
+
+
+def skipped_step(guard: LossGuard, checkpointer: Checkpointer, step: int, rank_loss, grad_norm,
+                 dp_group) -> None:
+    """Every rank alike (the decision came from the reduced grad norm): log the skip; when
+    there were too many in a row, commit any save in flight and stop with TrainingError."""
+    avg, _ = reduce_loss(rank_loss, dp_group)
+    steps = checkpointer.committed_steps() if checkpointer.cfg.enable else []
+    if checkpointer.pending is not None:  # an async save from a good step: the newest one
+        steps.append(checkpointer.pending[0])
+    last_checkpoint = f"step-{max(steps)}" if steps else "none"
+    try:
+        guard.skipped_step(step, avg, float(grad_norm), last_checkpoint)
+    except UserError:
+        checkpointer.wait()
+        raise
 
 
 def stop_and_save(cfg, checkpointer: Checkpointer, step: int, stop: StopSignals, saved: bool):

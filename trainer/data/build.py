@@ -15,8 +15,6 @@ import os
 from trainer.data.config import DataConfig
 from trainer.errors import DataError
 
-_VALIDATION_SEED_OFFSET = 1_000_003
-
 
 def build_dataloader(cfg: DataConfig, *, seq_len: int, local_batch_size: int,
                      global_batch_size: int, dp_rank: int, dp_size: int, seed: int,
@@ -30,9 +28,8 @@ def build_dataloader(cfg: DataConfig, *, seq_len: int, local_batch_size: int,
     if cfg.dataset == "synthetic":
         from trainer.data.synthetic import SyntheticLoader
 
-        if split == "validation":  # a disjoint seed stream: never a training sample
-            kw["seed"] = seed + _VALIDATION_SEED_OFFSET
-        return SyntheticLoader(vocab_size=cfg.vocab_size, **kw)
+        # Validation: the same chain (the same distribution), samples from a disjoint stream.
+        return SyntheticLoader(vocab_size=cfg.vocab_size, split=split, **kw)
     if cfg.store_path or cfg.dataset == "stdlib":
         from trainer.data.loader import StoreLoader
 

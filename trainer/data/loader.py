@@ -53,6 +53,13 @@ class GlobalOrderLoader:
             self.consumed += self.global_batch_size
         return windows[:, :-1].contiguous(), windows[:, 1:].contiguous()
 
+    def samples(self, indices) -> tuple[torch.Tensor, torch.Tensor]:
+        """(inputs, labels) of arbitrary global sample indices; does not move the loader
+        (validation reads its fixed set of samples this way)."""
+        windows = self._windows(np.asarray(indices, dtype=np.int64))
+        windows = torch.from_numpy(np.ascontiguousarray(windows, dtype=np.int64))
+        return windows[:, :-1].contiguous(), windows[:, 1:].contiguous()
+
     def sample_indices(self, step: int) -> list[int]:
         """Global sample indices this rank sees in optimizer step `step` counted from now
         (for tests and debugging; does not advance the loader)."""

@@ -18,15 +18,18 @@ ACTIVE_TOKENS = 512  # tokens the chain visits (capped at the vocab)
 SUCCESSORS = 4  # each token has this many possible next tokens
 PERIOD = (8, 33)  # pattern length range [low, high)
 _SALT = 0x5EED
+_VALIDATION_STREAM = 0xE7A1
 
 
 class SyntheticLoader(GlobalOrderLoader):
     kind = "synthetic"
 
-    def __init__(self, *, vocab_size: int, **kw):
+    def __init__(self, *, vocab_size: int, split: str = "train", **kw):
         super().__init__(**kw)
         self.vocab_size = vocab_size
         self.fingerprint = f"synthetic-v1-vocab{vocab_size}"
+        # Validation samples come from their own seed stream over the same Markov chain.
+        self._stream = [] if split == "train" else [_VALIDATION_STREAM]
         rng = np.random.default_rng([_SALT, self.seed])
         n_active = min(ACTIVE_TOKENS, vocab_size)
         self.active = rng.permutation(vocab_size)[:n_active].astype(np.int64)
@@ -36,7 +39,7 @@ class SyntheticLoader(GlobalOrderLoader):
         return np.stack([self._sample(int(i)) for i in indices])
 
     def _sample(self, index: int) -> np.ndarray:
-        rng = np.random.default_rng([_SALT, self.seed, index])
+        rng = np.random.default_rng([_SALT, self.seed, *self._stream, index])
         period = int(rng.integers(*PERIOD))
         choices = rng.integers(0, SUCCESSORS, size=period)
         state = int(rng.integers(0, len(self.active)))

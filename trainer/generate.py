@@ -1,0 +1,219 @@
+"""Generate text from a training checkpoint, on one process (CPU or one GPU).
+
+    python -m trainer.generate --checkpoint outputs/debug_model/checkpoint/step-100 \\
+        --prompt "def " --max_new_tokens 64 [--temperature 0] [--top_k 50] [--seed 0]
+
+The model shape and the tokenizer come from the run's saved `config.toml` (found next to the
+checkpoint folder, or given with --config). The DCP checkpoint, saved sharded on any number of
+ranks, loads into one unsharded model (only the model weights are read). Tokens past the
+tokenizer's vocab (the model vocab's padding) are never generated.
+
+Decoding: `--temperature 0` (the default) is greedy: deterministic, and each new token is the
+argmax of a full forward over the sequence so far. A KV cache (attention keys and values of the
+earlier positions) makes each new token cost one position instead of the whole sequence;
+`--no_cache` runs the full forward every time (the reference the cache is tested against).
+With a temperature > 0, tokens are sampled from the top-k logits with a generator seeded by
+--seed. For a `synthetic` run (no tokenizer) the prompt and output are token ids.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import warnings
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from trainer.errors import ConfigError, UserError
+
+
+def find_config(checkpoint: Path) -> Path:
+    """The run's config.toml: in the first parent of the checkpoint folder that has one."""
+    for parent in list(checkpoint.resolve().parents)[:4]:
+        if (parent / "config.toml").is_file():
+            return parent / "config.toml"
+    raise ConfigError(f"no config.toml of the run found above {checkpoint}; pass --config "
+                      "{dump_folder}/config.toml")
+
+
+def load_tokenizer(data_cfg):
+    """The run's tokenizer (None for synthetic data), without re-checking the store."""
+    from trainer.data.tokenizer import Tokenizer
+
+    if data_cfg.dataset == "synthetic":
+        return None
+    if data_cfg.tokenizer_path:
+        return Tokenizer(os.path.expanduser(data_cfg.tokenizer_path))
+    if data_cfg.store_path:
+        from trainer.data.store import TOKENIZER_FILE
+        return Tokenizer(Path(os.path.expanduser(data_cfg.store_path)) / TOKENIZER_FILE)
+    from trainer.data.cache import ensure_stdlib  # the stdlib default: cached at training
+    return Tokenizer(ensure_stdlib(data_cfg, show_progress=False)[0])
+
+
+def load_model(checkpoint: Path, cfg, *, token_vocab: int, max_len: int, device):
+    """An unsharded fp32 Transformer with the checkpoint's weights, in eval mode."""
+    import torch.distributed.checkpoint as dcp
+
+    from trainer.data import padded_vocab_size
+    from trainer.model import build_model, model_args, rope_tables
+
+    vocab = cfg.model.vocab_size or padded_vocab_size(token_vocab, cfg.model.vocab_size_multiple_of)
+    args = model_args(cfg.model.flavor, vocab_size=vocab,
+                      max_seq_len=max(cfg.training.seq_len, max_len))
+    model = build_model(args).to_empty(device=device)
+    cos, sin = rope_tables(args.head_dim, args.max_seq_len, args.rope_theta, device=device)
+    model.rope_cos.copy_(cos)
+    model.rope_sin.copy_(sin)
+    if not (checkpoint / ".metadata").is_file():
+        raise ConfigError(f"--checkpoint {checkpoint} is not a checkpoint (no .metadata); use "
+                          "a committed {dump_folder}/checkpoint/step-N folder")
+    saved = dcp.FileSystemReader(str(checkpoint)).read_metadata().state_dict_metadata
+    weights = model.state_dict()
+    for name, tensor in weights.items():
+        meta = saved.get(f"model_optim.model.{name}")
+        if meta is None or tuple(getattr(meta, "size", ())) != tuple(tensor.shape):
+            raise ConfigError(f"checkpoint {checkpoint} does not fit the model of its "
+                              f"config.toml: {name} differs; pass the run's --config")
+    with warnings.catch_warnings():  # "assuming the intent is to load in a single process"
+        warnings.filterwarnings("ignore", message=".*single process")
+        dcp.load({"model_optim": {"model": weights}}, checkpoint_id=str(checkpoint))
+    return model.eval()
+
+
+class KVCache:
+    """Keys and values of every layer for positions [0, length), preallocated."""
+
+    def __init__(self, model, batch: int, max_len: int):
+        a = model.args
+        shape = (batch, max_len, a.n_kv_heads, a.head_dim)
+        p = next(model.parameters())
+        self.k = [torch.zeros(shape, dtype=p.dtype, device=p.device) for _ in model.layers]
+        self.v = [torch.zeros(shape, dtype=p.dtype, device=p.device) for _ in model.layers]
+        self.length = 0
+
+
+def forward_cached(model, tokens: torch.Tensor, cache: KVCache) -> torch.Tensor:
+    """Logits of `tokens` [b, s] placed after the cache's positions; appends to the cache.
+    The same computation as Transformer.forward, with the earlier keys/values reused."""
+    from trainer.model import apply_rope
+
+    start, seq = cache.length, tokens.shape[1]
+    end = start + seq
+    cos, sin = model.rope_cos[start:end], model.rope_sin[start:end]
+    # Query at position start+i sees keys at positions <= start+i.
+    mask = (torch.arange(end, device=tokens.device)[None, :]
+            <= torch.arange(start, end, device=tokens.device)[:, None])
+    h = model.tok_embeddings(tokens)
+    for i, layer in enumerate(model.layers.values()):
+        attn, x = layer.attention, layer.attention_norm(h)
+        b = x.shape[0]
+        q = attn.wq(x).view(b, seq, attn.n_heads, attn.head_dim)
+        k = attn.wk(x).view(b, seq, attn.n_kv_heads, attn.head_dim)
+        v = attn.wv(x).view(b, seq, attn.n_kv_heads, attn.head_dim)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        cache.k[i][:, start:end], cache.v[i][:, start:end] = k, v
+        keys, values = cache.k[i][:, :end], cache.v[i][:, :end]
+        groups = attn.n_heads // attn.n_kv_heads
+        if groups > 1:
+            keys = keys.repeat_interleave(groups, dim=2)
+            values = values.repeat_interleave(groups, dim=2)
+        out = F.scaled_dot_product_attention(q.transpose(1, 2), keys.transpose(1, 2),
+                                             values.transpose(1, 2), attn_mask=mask)
+        h = h + attn.wo(out.transpose(1, 2).reshape(b, seq, -1))
+        h = h + layer.feed_forward(layer.ffn_norm(h))
+    cache.length = end
+    return model.output(model.norm(h))
+
+
+def pick(logits: torch.Tensor, *, token_vocab: int, temperature: float, top_k: int,
+         generator: torch.Generator | None) -> int:
+    """The next token from the last position's logits [vocab]: argmax, or a top-k sample."""
+    logits = logits[:token_vocab].float()
+    if temperature <= 0:
+        return int(torch.argmax(logits))
+    logits = logits / temperature
+    if 0 < top_k < logits.numel():
+        kth = torch.topk(logits, top_k).values[-1]
+        logits = logits.masked_fill(logits < kth, -float("inf"))
+    probs = torch.softmax(logits, dim=-1)
+    return int(torch.multinomial(probs.cpu(), 1, generator=generator))
+
+
+@torch.no_grad()
+def generate(model, prompt: list[int], *, max_new_tokens: int, token_vocab: int,
+             temperature: float = 0.0, top_k: int = 0, seed: int = 0, use_cache: bool = True,
+             eos_id: int = -1) -> list[int]:
+    """The new token ids after `prompt` (stops early at `eos_id`)."""
+    device = next(model.parameters()).device
+    generator = torch.Generator().manual_seed(seed) if temperature > 0 else None
+    ids, new = list(prompt), []
+    cache = KVCache(model, 1, len(prompt) + max_new_tokens) if use_cache else None
+    pending = ids
+    for _ in range(max_new_tokens):
+        tokens = torch.tensor([pending if use_cache else ids], device=device)
+        logits = forward_cached(model, tokens, cache) if use_cache else model(tokens)
+        token = pick(logits[0, -1], token_vocab=token_vocab, temperature=temperature,
+                     top_k=top_k, generator=generator)
+        ids.append(token)
+        new.append(token)
+        pending = [token]
+        if token == eos_id:
+            break
+    return new
+
+
+def parse_args(argv: list[str]) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="python -m trainer.generate",
+                                description="Generate text from a training checkpoint.")
+    p.add_argument("--checkpoint", required=True, help="{dump_folder}/checkpoint/step-N")
+    p.add_argument("--config", default="", help="the run's config.toml (default: found above "
+                   "the checkpoint)")
+    p.add_argument("--prompt", default="", help="text (token ids for a synthetic run)")
+    p.add_argument("--max_new_tokens", type=int, default=64)
+    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
+    p.add_argument("--top_k", type=int, default=50, help="sample among the k most likely; 0 = all")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--no_cache", action="store_true", help="full forward for every token")
+    p.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"))
+    return p.parse_args(argv)
+
+
+def main(argv: list[str]) -> int:
+    from trainer.config import load_config
+
+    a = parse_args(argv)
+    try:
+        if a.max_new_tokens < 1 or a.temperature < 0 or a.top_k < 0:
+            raise ConfigError("--max_new_tokens must be >= 1, --temperature and --top_k >= 0")
+        checkpoint = Path(a.checkpoint)
+        cfg = load_config(["--job.config_file", str(a.config or find_config(checkpoint))])
+        tok = load_tokenizer(cfg.data)
+        if tok is None:
+            prompt = [int(t) for t in a.prompt.split()] or [0]
+            token_vocab, eos = cfg.data.vocab_size, -1
+        else:
+            prompt = tok.encode_docs([a.prompt], add_bos=cfg.data.add_bos, add_eos=False)[0]
+            token_vocab, eos = tok.vocab_size, tok.eos_id
+        if not prompt:
+            raise ConfigError("--prompt is empty and the tokenizer adds no BOS; give a prompt")
+        auto = "cuda" if torch.cuda.is_available() else "cpu"
+        device = torch.device(auto if a.device == "auto" else a.device)
+        model = load_model(checkpoint, cfg, token_vocab=token_vocab,
+                           max_len=len(prompt) + a.max_new_tokens, device=device)
+    except (UserError, ValueError) as e:
+        print(e.one_line() if isinstance(e, UserError) else f"config error: {e}",
+              file=sys.stderr)
+        return 2
+    new = generate(model, prompt, max_new_tokens=a.max_new_tokens, token_vocab=token_vocab,
+                   temperature=a.temperature, top_k=a.top_k, seed=a.seed,
+                   use_cache=not a.no_cache, eos_id=eos)
+    print(" ".join(map(str, prompt + new)) if tok is None else tok.decode(prompt + new))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
