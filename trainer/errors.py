@@ -25,3 +25,9 @@ class DataError(UserError):
     """Missing or corrupt data, tokenizer mismatches, corpora too small for the request."""
 
     kind = "data"
+
+
+class CheckpointError(UserError):
+    """A checkpoint that is missing, incomplete or does not fit what is asked of it."""
+
+    kind = "checkpoint"
