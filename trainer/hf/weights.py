@@ -74,6 +74,7 @@ class HFFolder:
 
     def __init__(self, folder: str):
         self.folder = folder
+        self._open: dict[str, object] = {}
         cfg_path = os.path.join(folder, "config.json")
         if not os.path.isfile(cfg_path):
             raise ConfigError(f"checkpoint.initial_load_path = {folder!r} is not a Hugging Face "
