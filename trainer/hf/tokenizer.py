@@ -72,10 +72,10 @@ def export_tokenizer(tokenizer_path: str, out_dir: str, *, model_max_length: int
     """Write tokenizer.json and tokenizer_config.json; returns the special tokens' ids."""
     from tokenizers import Tokenizer
 
-    if tokenizer_path.endswith(".json"):
-        shutil.copyfile(tokenizer_path, os.path.join(out_dir, "tokenizer.json"))
-        from trainer.data.tokenizer import hf_special_tokens
+    from trainer.data.tokenizer import hf_special_tokens, is_hf_tokenizer
 
+    if is_hf_tokenizer(tokenizer_path):
+        shutil.copyfile(tokenizer_path, os.path.join(out_dir, "tokenizer.json"))
         tok = Tokenizer.from_file(tokenizer_path)
         special = hf_special_tokens(tokenizer_path, tok)
     else:
