@@ -155,8 +155,8 @@ def _init_std(name: str, args: ModelArgs) -> float | None:
     """Per-parameter init: None = ones (norms); otherwise a truncated normal's std."""
     if name.endswith("norm.weight"):
         return None
-    if name.startswith("tok_embeddings"):  # tied, it is also the head: scale it like one
-        return args.dim ** -0.5 if args.tie_word_embeddings else 1.0
+    if name.startswith("tok_embeddings"):  # tied, it is also the head: small, as HF inits it
+        return 0.02 if args.tie_word_embeddings else 1.0
     if name.startswith("output"):
         return args.dim ** -0.5
     if name.endswith(("wo.weight", "w2.weight", "w3.weight")):  # depth-scaled residual outputs
