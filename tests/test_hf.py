@@ -4,14 +4,11 @@ the Llama-3.2 features (tied embeddings, llama3 RoPE scaling) and the exported t
 
 from __future__ import annotations
 
-import subprocess
-import sys
-
 import pytest
 import torch
 import torch.nn.functional as F
 
-from tests.helpers import BASE_FP32, TINY, losses, run_train, subprocess_env
+from tests.helpers import BASE_FP32, TINY, losses, run_train
 from tests.test_data_fixtures import corpus_dir, json_cfg, stdlib_texts, tokenizer_path  # noqa: F401
 
 transformers = pytest.importorskip("transformers")
@@ -19,10 +16,10 @@ VOCAB = 512
 
 
 def convert(ckpt, out, *extra) -> None:
-    proc = subprocess.run([sys.executable, "-m", "trainer.convert", "to-hf", str(ckpt), str(out),
-                           *extra], env=subprocess_env(), capture_output=True, text=True,
-                          timeout=120)
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    """The CLI, `python -m trainer.convert to-hf CKPT OUT ...`, called in this process."""
+    from trainer.convert import main
+
+    assert main(["to-hf", str(ckpt), str(out), *extra]) == 0
 
 
 def trainer_model(flavor: str, state: dict, seq_len: int):
@@ -175,11 +172,20 @@ def test_import_on_hsdp_2x2_and_round_trip_is_bitwise(tmp_path, llama32):
             assert torch.equal(exported[key], tensor), key
 
 
-def test_import_shape_mismatch_is_one_config_error(tmp_path, llama32):
+def test_import_shape_mismatch_is_one_config_error(llama32):
+    """(What run_train prints as its one line; tested here on the model, without torchrun.)"""
+    from trainer.config import load_config
+    from trainer.errors import ConfigError
+    from trainer.hf.load import load_initial
+    from trainer.model import build_model, model_args
+
     folder, _ = llama32
-    proc = run_train(tmp_path, *IMPORT, "--checkpoint.initial_load_path", str(folder),
-                     "--model.vocab_size", "1024", nproc=1, check=False)
-    assert proc.returncode == 2
-    errors = [line for line in proc.stderr.splitlines() if "error" in line.lower()]
-    assert len(errors) == 1 and errors[0].startswith("config error:"), proc.stderr[-2000:]
-    assert "[512, 256] there and [1024, 256] here" in errors[0]
+    cfg = load_config(["--model.flavor", "debugmodel-3.2", "--checkpoint.initial_load_in_hf",
+                       "--checkpoint.initial_load_path", str(folder)])
+    model = build_model(model_args("debugmodel-3.2", vocab_size=1024, max_seq_len=64))
+    model.to_empty(device="cpu")
+    with pytest.raises(ConfigError) as err:
+        load_initial(model, cfg)
+    line = err.value.one_line()
+    assert line.startswith("config error: ") and "\n" not in line
+    assert "model.embed_tokens.weight has shape [512, 256] there and [1024, 256] here" in line
