@@ -36,7 +36,7 @@ def saved_shapes(checkpoint_dir: str) -> dict[str, tuple[int, ...]]:
 
     if not os.path.isfile(os.path.join(checkpoint_dir, ".metadata")):
         raise CheckpointError(f"{checkpoint_dir} is not a committed DCP checkpoint (no "
-                              ".metadata); give a {{dump_folder}}/checkpoint/step-N folder")
+                              ".metadata); give a {dump_folder}/checkpoint/step-N folder")
     meta = dcp.FileSystemReader(checkpoint_dir).read_metadata().state_dict_metadata
     return {k[len(PREFIX):]: tuple(m.size) for k, m in meta.items() if k.startswith(PREFIX)}
 
@@ -60,8 +60,8 @@ def to_hf(checkpoint_dir: str, out_dir: str, *, dtype: str, max_shard_gib: float
     from trainer.hf.mapping import param_shapes
     from trainer.model_args import model_args
 
-    cfg = read_run_config(checkpoint_dir, config_path)
     saved = saved_shapes(checkpoint_dir)
+    cfg = read_run_config(checkpoint_dir, config_path)
     vocab = saved.get("tok_embeddings.weight", (0,))[0]
     args = model_args(cfg.model.flavor, vocab_size=vocab, max_seq_len=cfg.training.seq_len)
     expected = param_shapes(args)
@@ -88,7 +88,7 @@ def main(argv: list[str]) -> int:
                    "CHECKPOINT_DIR)")
     a = parser.parse_args(argv)
     try:
-        to_hf(a.checkpoint_dir.rstrip("/"), a.out_dir, dtype=a.dtype,
+        to_hf(os.path.abspath(a.checkpoint_dir), a.out_dir, dtype=a.dtype,
               max_shard_gib=a.max_shard_size, config_path=a.config)
     except UserError as e:
         print(e.one_line(), file=sys.stderr)
