@@ -51,7 +51,7 @@ class Job:
 @dataclass
 class Model:
     name: str = opt("llama3", "Model family", choices=("llama3",))
-    flavor: str = opt("debugmodel", "Model size: debugmodel, 1B, 8B, 70B")
+    flavor: str = opt("debugmodel", "Model size: debugmodel, debugmodel-3.2, 1B, llama3.2-1B, llama3.2-3B, 8B, 70B")
     vocab_size: int = opt(0, "Model vocab; 0 = the tokenizer's, padded to vocab_size_multiple_of", min=0)
     vocab_size_multiple_of: int = opt(64, "Pad the model vocab up to a multiple of this", min=1)
 
@@ -173,6 +173,12 @@ class Checkpoint:
     load_step: int = opt(-1, "Resume from this step instead of the latest; -1 = latest", min=-1)
     async_mode: str = opt("disabled", "disabled, or async: write in a background thread while training",
                           choices=("disabled", "async"))
+    initial_load_path: str = opt("", "A fresh run (no checkpoint of its own) starts from this model: "
+                                 "a Hugging Face folder or a DCP step-N folder")
+    initial_load_in_hf: bool = opt(False, "initial_load_path is a Hugging Face Llama folder "
+                                   "(safetensors), not a DCP checkpoint")
+    last_save_in_hf: bool = opt(False, "Also write the final model as a Hugging Face folder in "
+                                "{dump_folder}/hf")
 
     def validate(self) -> None:
         if self.load_step != -1 and not self.enable:
@@ -180,6 +186,9 @@ class Checkpoint:
                               "true (loading is part of checkpointing)")
         if not self.folder:
             raise ConfigError("checkpoint.folder is empty; name a folder (e.g. 'checkpoint')")
+        if self.initial_load_in_hf and not self.initial_load_path:
+            raise ConfigError("checkpoint.initial_load_in_hf = true needs "
+                              "checkpoint.initial_load_path (a Hugging Face model folder)")
 
 
 @dataclass

@@ -32,3 +32,9 @@ class TrainingError(UserError):
 
     kind = "training"
     exit_code = 4
+
+
+class CheckpointError(UserError):
+    """A checkpoint that is missing, incomplete or does not fit what is asked of it."""
+
+    kind = "checkpoint"

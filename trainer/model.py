@@ -1,4 +1,9 @@
-"""A Llama-3-style decoder: RMSNorm, RoPE, grouped-query attention, SwiGLU, untied output head.
+"""A Llama-3-style decoder: RMSNorm, RoPE (optionally with Llama-3.1's scaling), grouped-query
+attention, SwiGLU, an output head of its own or tied to the token embedding.
+
+RoPE rotates consecutive (interleaved) pairs of each head's channels, as Meta's reference code
+does; Hugging Face's Llama rotates the two halves instead, so the q/k projections are permuted
+on conversion (trainer/hf.py).
 
 The model is built on the meta device and materialised after sharding. `init_weights(seed)`
 fills every parameter as if the whole tensor were generated on one process from a generator
@@ -30,11 +35,27 @@ class RMSNorm(nn.Module):
         return normed.type_as(x) * self.weight
 
 
-def rope_tables(head_dim: int, seq_len: int, theta: float, device=None):
+def rope_tables(head_dim: int, seq_len: int, theta: float, device=None, scaling=None):
     """cos/sin of the rotation angles, [seq_len, head_dim // 2], in float32."""
     inv_freq = 1.0 / theta ** (torch.arange(0, head_dim, 2, device=device).float() / head_dim)
+    if scaling is not None:
+        inv_freq = scale_frequencies(inv_freq, scaling)
     angles = torch.outer(torch.arange(seq_len, device=device).float(), inv_freq)
     return angles.cos(), angles.sin()
+
+
+def scale_frequencies(inv_freq: torch.Tensor, s) -> torch.Tensor:
+    """Llama-3.1 RoPE scaling (`s` a RopeScaling): long wavelengths slowed down by s.factor,
+    short ones kept, a linear blend (in 1/wavelength) in between."""
+    wavelen = 2 * math.pi / inv_freq
+    low_freq_wavelen = s.original_max_position_embeddings / s.low_freq_factor
+    high_freq_wavelen = s.original_max_position_embeddings / s.high_freq_factor
+    smooth = (s.original_max_position_embeddings / wavelen - s.low_freq_factor) / (
+        s.high_freq_factor - s.low_freq_factor)
+    blended = (1 - smooth) * inv_freq / s.factor + smooth * inv_freq
+    scaled = torch.where(wavelen > low_freq_wavelen, inv_freq / s.factor, inv_freq)
+    between = (wavelen >= high_freq_wavelen) & (wavelen <= low_freq_wavelen)
+    return torch.where(between, blended, scaled)
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -101,8 +122,11 @@ class Transformer(nn.Module):
         self.tok_embeddings = nn.Embedding(args.vocab_size, args.dim)
         self.layers = nn.ModuleDict({str(i): TransformerBlock(i, args) for i in range(args.n_layers)})
         self.norm = RMSNorm(args.dim, args.norm_eps)
-        self.output = nn.Linear(args.dim, args.vocab_size, bias=False)
-        cos, sin = rope_tables(args.head_dim, args.max_seq_len, args.rope_theta)
+        # Tied: no parameter of its own; the head multiplies by tok_embeddings.weight.
+        self.output = (None if args.tie_word_embeddings
+                       else nn.Linear(args.dim, args.vocab_size, bias=False))
+        cos, sin = rope_tables(args.head_dim, args.max_seq_len, args.rope_theta,
+                               scaling=args.rope_scaling)
         self.register_buffer("rope_cos", cos, persistent=False)
         self.register_buffer("rope_sin", sin, persistent=False)
 
@@ -112,13 +136,15 @@ class Transformer(nn.Module):
         h = self.tok_embeddings(tokens)
         for layer in self.layers.values():
             h = layer(h, cos, sin)
-        return self.output(self.norm(h))
+        h = self.norm(h)
+        return self.output(h) if self.output is not None else F.linear(h, self.tok_embeddings.weight)
 
     @torch.no_grad()
     def init_weights(self, seed: int) -> None:
         """Deterministic, sharding-independent init (see the module docstring)."""
         a = self.args
-        cos, sin = rope_tables(a.head_dim, a.max_seq_len, a.rope_theta, device=self.rope_cos.device)
+        cos, sin = rope_tables(a.head_dim, a.max_seq_len, a.rope_theta, device=self.rope_cos.device,
+                               scaling=a.rope_scaling)
         self.rope_cos.copy_(cos)
         self.rope_sin.copy_(sin)
         for name, param in self.named_parameters():
@@ -129,8 +155,8 @@ def _init_std(name: str, args: ModelArgs) -> float | None:
     """Per-parameter init: None = ones (norms); otherwise a truncated normal's std."""
     if name.endswith("norm.weight"):
         return None
-    if name.startswith("tok_embeddings"):
-        return 1.0
+    if name.startswith("tok_embeddings"):  # tied, it is also the head: small, as HF inits it
+        return 0.02 if args.tie_word_embeddings else 1.0
     if name.startswith("output"):
         return args.dim ** -0.5
     if name.endswith(("wo.weight", "w2.weight", "w3.weight")):  # depth-scaled residual outputs

@@ -12,6 +12,21 @@ from dataclasses import dataclass
 
 
 @dataclass(frozen=True)
+class RopeScaling:
+    """Llama-3.1/3.2 RoPE scaling (Hugging Face `rope_scaling` of type "llama3"): frequencies
+    with wavelengths above original_max_position_embeddings / low_freq_factor are divided by
+    `factor`, those below ... / high_freq_factor are kept, and the band between is blended."""
+
+    factor: float = 32.0
+    low_freq_factor: float = 1.0
+    high_freq_factor: float = 4.0
+    original_max_position_embeddings: int = 8192
+
+
+LLAMA3_ROPE_SCALING = RopeScaling()  # as released with Llama-3.2 1B/3B
+
+
+@dataclass(frozen=True)
 class ModelArgs:
     dim: int
     n_layers: int
@@ -23,6 +38,8 @@ class ModelArgs:
     norm_eps: float = 1e-5
     rope_theta: float = 500000.0
     max_seq_len: int = 2048
+    rope_scaling: RopeScaling | None = None
+    tie_word_embeddings: bool = False  # the output head reuses the token embedding
 
     @property
     def head_dim(self) -> int:
@@ -41,7 +58,8 @@ class ModelArgs:
         attn = self.dim * (2 * self.dim + 2 * kv_dim)
         ffn = 3 * self.dim * self.hidden_dim
         per_layer = attn + ffn + 2 * self.dim
-        total = self.n_layers * per_layer + self.dim + self.vocab_size * self.dim  # + output head
+        head = 0 if self.tie_word_embeddings else self.vocab_size * self.dim
+        total = self.n_layers * per_layer + self.dim + head
         return total + (self.vocab_size * self.dim if embeddings else 0)
 
     def validate(self) -> None:
@@ -56,7 +74,20 @@ class ModelArgs:
 FLAVORS: dict[str, ModelArgs] = {
     "debugmodel": ModelArgs(dim=256, n_layers=6, n_heads=8, n_kv_heads=4, vocab_size=8192,
                             multiple_of=64),
-    # Llama-3.2-1B (with an untied output head), Llama-3.1-8B and -70B.
+    # The debug shape with Llama-3.2's tied embeddings and RoPE scaling (tests, smoke runs).
+    "debugmodel-3.2": ModelArgs(dim=256, n_layers=6, n_heads=8, n_kv_heads=4, vocab_size=8192,
+                                multiple_of=64, rope_scaling=LLAMA3_ROPE_SCALING,
+                                tie_word_embeddings=True),
+    # Llama-3.2-1B and -3B as released (tied embeddings, llama3 RoPE scaling): they load the
+    # public Hugging Face weights (checkpoint.initial_load_path).
+    "llama3.2-1B": ModelArgs(dim=2048, n_layers=16, n_heads=32, n_kv_heads=8, vocab_size=128256,
+                             multiple_of=256, ffn_dim_multiplier=1.5,
+                             rope_scaling=LLAMA3_ROPE_SCALING, tie_word_embeddings=True),
+    "llama3.2-3B": ModelArgs(dim=3072, n_layers=28, n_heads=24, n_kv_heads=8, vocab_size=128256,
+                             multiple_of=256, ffn_dim_multiplier=1.0,
+                             rope_scaling=LLAMA3_ROPE_SCALING, tie_word_embeddings=True),
+    # The Llama-3.2-1B shape with an untied output head and no RoPE scaling, Llama-3.1-8B and
+    # -70B (without RoPE scaling: pretraining at <= 8k context does not need it).
     "1B": ModelArgs(dim=2048, n_layers=16, n_heads=32, n_kv_heads=8, vocab_size=128256,
                     multiple_of=256, ffn_dim_multiplier=1.5),
     "8B": ModelArgs(dim=4096, n_layers=32, n_heads=32, n_kv_heads=8, vocab_size=128256,

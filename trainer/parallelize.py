@@ -93,8 +93,14 @@ def apply_fsdp(model: Transformer, mesh, *, param_dtype: str, reduce_dtype: str,
     blocks, head = reshard_policy(reshard_after_forward)
     for block in model.layers.values():
         fully_shard(block, mesh=mesh, mp_policy=mp, reshard_after_forward=blocks)
-    fully_shard(model.tok_embeddings, mesh=mesh, mp_policy=mp, reshard_after_forward=blocks)
-    fully_shard([model.norm, model.output], mesh=mesh, mp_policy=mp, reshard_after_forward=head)
+    if model.output is None:
+        # Tied embeddings: the embedding is used first and last, so it stays in the root's
+        # group, unsharded for the whole forward (a group of its own would be resharded).
+        fully_shard(model.norm, mesh=mesh, mp_policy=mp, reshard_after_forward=head)
+    else:
+        fully_shard(model.tok_embeddings, mesh=mesh, mp_policy=mp, reshard_after_forward=blocks)
+        fully_shard([model.norm, model.output], mesh=mesh, mp_policy=mp,
+                    reshard_after_forward=head)
     fully_shard(model, mesh=mesh, mp_policy=mp, reshard_after_forward=blocks)
 
 

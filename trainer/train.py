@@ -35,6 +35,7 @@ from trainer.device import Precision, resolve_compute_dtype, resolve_device
 from trainer.data import build_dataloader, check_model_vocab, padded_vocab_size
 from trainer.errors import ConfigError, UserError
 from trainer.guard import LossGuard, flag_nonfinite_loss, injected_nan
+from trainer.hf.load import load_initial, save_last_hf
 from trainer.metrics import MetricsProcessor
 from trainer.model import build_model, model_args
 from trainer.optim import build_lr_scheduler, build_optimizer
@@ -228,11 +229,15 @@ def train(cfg: JobConfig) -> None:
             log0(validator.describe())
         checkpointer = Checkpointer(cfg, model=model, optimizer=optimizer, scheduler=scheduler,
                                     dataloader=loader, train_state=state, log=log0)
-        checkpointer.load(agree_on_user_errors(checkpointer.step_to_load, same_result=True))
+        if not checkpointer.load(agree_on_user_errors(checkpointer.step_to_load,
+                                                      same_result=True)):
+            agree_on_user_errors(load_initial, model, cfg, log=log0)  # initial_load_path
         with StepProfiler(cfg, rank=dist.get_rank(), device=device,
                           start_step=state.step) as profiler:
             run_loop(cfg, model, optimizer, scheduler, loader, checkpointer, metrics, profiler,
                      state, accum=accum, dp_group=dp_group, device=device, validator=validator)
+        if cfg.checkpoint.last_save_in_hf:
+            save_last_hf(model, cfg, log=log0)
     finally:
         metrics.close()
 

@@ -67,18 +67,18 @@ def open_store(cfg: DataConfig):
 
 def _streaming_loader(cfg: DataConfig, split: str, kw: dict):
     from trainer.data.streaming import StreamingLoader
-    from trainer.data.tokenizer import Tokenizer
+    from trainer.data.tokenizer import load_tokenizer
 
     if not cfg.tokenizer_path:
         raise DataError(f"data.tokenizer_path is empty: streaming {cfg.dataset} needs a "
                         "sentencepiece model (train one with python -m "
-                        "trainer.data.train_tokenizer), or set data.store_path to a store")
+                        "trainer.data.train_tokenizer) or a tokenizer.json, or set data.store_path to a store")
     if split == "validation" and not cfg.val_split:
         raise DataError(f"no validation data for streamed {cfg.dataset}: set data.val_split "
                         "(a HF split such as 'validation') or prepare a store and set "
                         "data.store_path (validation is then a held-out slice)")
     hf_split = cfg.split if split == "train" else cfg.val_split
-    tok = Tokenizer(os.path.expanduser(cfg.tokenizer_path))
+    tok = load_tokenizer(os.path.expanduser(cfg.tokenizer_path))
     return StreamingLoader(cfg, tok, hf_split, **kw)
 
 

@@ -31,8 +31,8 @@ class DataConfig:
     val_split: str = opt("", "HF split streamed for validation when there is no store "
                          "(e.g. 'validation'); '' = hold out val_fraction of the store")
     text_field: str = opt("text", "Column holding the document text")
-    tokenizer_path: str = opt("", "SentencePiece .model file; '' = the store's own tokenizer, "
-                              "or a BPE model trained and cached for the stdlib default")
+    tokenizer_path: str = opt("", "SentencePiece .model or Hugging Face tokenizer.json; '' = the "
+                              "store's own, or a BPE model trained and cached for stdlib")
     vocab_size: int = opt(8192, "Vocab of the tokenizer trained for 'stdlib', and of 'synthetic'",
                           min=16, max=1 << 31)
     store_path: str = opt("", "Prepared token store directory (it records its own source and "

@@ -35,7 +35,7 @@ from trainer.data.progress import Progress, rate
 from trainer.data.sources import documents, source_record
 from trainer.data.store import (FORMAT, MANIFEST, PLAN, TOKENIZER_FILE, VERSION, file_blake2b,
                                 read_manifest, token_dtype)
-from trainer.data.tokenizer import Tokenizer
+from trainer.data.tokenizer import HFTokenizer, Tokenizer, load_tokenizer
 from trainer.errors import DataError
 
 DEFAULT_SHARD_TOKENS = 1 << 25  # 64 MiB per uint16 shard: resume granularity vs. file count
@@ -48,7 +48,7 @@ def write_json_atomic(path: Path, obj: dict) -> None:
     os.replace(tmp, path)
 
 
-def _plan(cfg: DataConfig, tok: Tokenizer, workers: int, shard_tokens: int) -> dict:
+def _plan(cfg: DataConfig, tok: Tokenizer | HFTokenizer, workers: int, shard_tokens: int) -> dict:
     """Everything that decides the store's content; a store is resumed only if this matches."""
     return {"format": FORMAT, "version": VERSION, "source": source_record(cfg),
             "tokenizer": {"sha256": tok.sha256, "vocab_size": tok.vocab_size,
@@ -93,7 +93,7 @@ def _work(job: dict, report: Callable[[int, int], None]) -> None:
     journal["dtype"] = job["dtype"]
     if journal["done"]:
         return
-    tok = Tokenizer(out / TOKENIZER_FILE)
+    tok = load_tokenizer(out / TOKENIZER_FILE)
     docs_end = journal["docs_end"]
     pending: list[np.ndarray] = []
     pending_tokens = pending_docs = 0
@@ -241,7 +241,7 @@ def prepare_store(cfg: DataConfig, tokenizer_path: str, store_path: str, workers
     from trainer.data.cache import file_lock
 
     out = Path(os.path.expanduser(store_path))
-    tok = Tokenizer(tokenizer_path)
+    tok = load_tokenizer(tokenizer_path)
     plan = _plan(cfg, tok, workers, shard_tokens)
     progress = Progress(f"prepare {out}", show_progress)
     counts = {"docs": 0, "tokens": 0}

@@ -1,4 +1,5 @@
-"""SentencePiece tokenizer: load a model, expose its special ids, and train a BPE model.
+"""Tokenizers: a SentencePiece model or a Hugging Face `tokenizer.json` (e.g. Llama-3's own,
+through the `tokenizers` library), loaded with `load_tokenizer`; and training a BPE model.
 
 Trained models keep text exactly (identity normalisation, no dummy prefix, whitespace kept,
 newline as its own piece, byte fallback for anything unseen), so decode(encode(x)) == x for
@@ -65,6 +66,80 @@ class Tokenizer:
 
     def decode(self, ids: list[int]) -> str:
         return self.sp.decode([i for i in ids if i not in (self.bos_id, self.eos_id)])
+
+
+def is_hf_tokenizer(path: str | Path) -> bool:
+    """A Hugging Face tokenizer.json (JSON text), not a sentencepiece model (protobuf)? By
+    content, since a store keeps its copy under one name whatever the kind."""
+    with open(path, "rb") as fh:
+        return fh.read(64).lstrip()[:1] == b"{"
+
+
+def load_tokenizer(path: str | Path):
+    """The tokenizer in `path`: a sentencepiece model or a Hugging Face tokenizer.json."""
+    if not os.path.isfile(path):
+        raise DataError(f"tokenizer not found: {path} (data.tokenizer_path)")
+    return HFTokenizer(path) if is_hf_tokenizer(path) else Tokenizer(path)
+
+
+# Special tokens of common tokenizer.json files without a tokenizer_config.json next to them.
+_KNOWN_BOS = ("<|begin_of_text|>", "<s>", "<bos>", "<|startoftext|>")
+_KNOWN_EOS = ("<|end_of_text|>", "</s>", "<eos>", "<|endoftext|>")
+
+
+def hf_special_tokens(path: str | Path, tok) -> dict[str, str]:
+    """bos/eos/unk/pad token strings of a tokenizer.json: from the tokenizer_config.json next
+    to it when there is one, else the first known BOS/EOS name in its vocab."""
+    cfg_path = Path(path).with_name("tokenizer_config.json")
+    out: dict[str, str] = {}
+    if cfg_path.is_file():
+        import json
+
+        cfg = json.loads(cfg_path.read_text())
+        for key in ("bos_token", "eos_token", "unk_token", "pad_token"):
+            value = cfg.get(key)
+            value = value.get("content") if isinstance(value, dict) else value
+            if isinstance(value, str) and tok.token_to_id(value) is not None:
+                out[key] = value
+    for key, names in (("bos_token", _KNOWN_BOS), ("eos_token", _KNOWN_EOS)):
+        if key not in out:
+            found = [n for n in names if tok.token_to_id(n) is not None]
+            if found:
+                out[key] = found[0]
+    return out
+
+
+class HFTokenizer:
+    """A Hugging Face tokenizer.json with the interface of `Tokenizer`. BOS/EOS are added here
+    (per data.add_bos/add_eos), never by the file's own post-processor."""
+
+    def __init__(self, path: str | Path):
+        from tokenizers import Tokenizer as Backend
+
+        self.path = str(path)
+        try:
+            self.tok = Backend.from_file(self.path)
+        except Exception as e:  # the library raises a bare Exception on a malformed file
+            raise DataError(f"cannot load tokenizer.json {self.path}: {e}") from None
+        self.vocab_size = self.tok.get_vocab_size(with_added_tokens=True)
+        special = hf_special_tokens(self.path, self.tok)
+        ids = {k: self.tok.token_to_id(v) for k, v in special.items()}
+        self.bos_id, self.eos_id = ids.get("bos_token", -1), ids.get("eos_token", -1)
+        self.pad_id = ids.get("pad_token", self.eos_id)
+        self._sha256: str | None = None
+
+    sha256 = Tokenizer.sha256
+
+    def encode_docs(self, texts: list[str], add_bos: bool = True, add_eos: bool = True,
+                    num_threads: int = 1) -> list[list[int]]:
+        encs = self.tok.encode_batch(texts, add_special_tokens=False)
+        head = [self.bos_id] if add_bos and self.bos_id >= 0 else []
+        tail = [self.eos_id] if add_eos and self.eos_id >= 0 else []
+        return [head + e.ids + tail for e in encs]
+
+    def decode(self, ids: list[int]) -> str:
+        return self.tok.decode([i for i in ids if i not in (self.bos_id, self.eos_id)],
+                               skip_special_tokens=False)
 
 
 def _sentences(docs: Iterable[str], max_chars: int,

@@ -1,0 +1,50 @@
+"""Write a Hugging Face LlamaForCausalLM folder: weights, config.json, generation_config.json
+and the run's tokenizer."""
+
+from __future__ import annotations
+
+import os
+
+from trainer.hf.mapping import hf_config, param_shapes
+from trainer.hf.tokenizer import export_tokenizer
+from trainer.hf.weights import write_json, write_weights
+
+DEFAULT_MAX_SHARD_BYTES = 5 * 1024**3  # as Hugging Face's own save_pretrained
+
+
+def run_tokenizer_path(data) -> str | None:
+    """The tokenizer file a run with this `[data]` config trained with (None: synthetic)."""
+    if data.dataset == "synthetic":
+        return None
+    if data.tokenizer_path:
+        return os.path.expanduser(data.tokenizer_path)
+    if data.store_path:
+        from trainer.data.store import TOKENIZER_FILE
+
+        return os.path.join(os.path.expanduser(data.store_path), TOKENIZER_FILE)
+    from trainer.data.cache import stdlib_cache_dir
+
+    return str(stdlib_cache_dir(data) / f"tokenizer-bpe{data.vocab_size}.model")
+
+
+def write_hf_folder(out_dir: str, args, fetch, cfg, *, dtype: str,
+                    max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES, log=print) -> None:
+    """`fetch(names)` gives our full tensors by parameter name (see weights.write_weights);
+    `cfg` is the run's JobConfig (for the tokenizer and the sequence length)."""
+    os.makedirs(out_dir, exist_ok=True)
+    files = write_weights(out_dir, args, param_shapes(args), fetch, dtype=dtype,
+                          max_shard_bytes=max_shard_bytes)
+    ids = {}
+    tok_path = run_tokenizer_path(cfg.data)
+    if tok_path is None:
+        log("no tokenizer to export: the run trained on synthetic tokens")
+    elif not os.path.isfile(tok_path):
+        log(f"tokenizer {tok_path} not found: exported without a tokenizer")
+    else:
+        ids = export_tokenizer(tok_path, out_dir, model_max_length=cfg.training.seq_len)
+    bos, eos = ids.get("bos_token"), ids.get("eos_token")
+    write_json(os.path.join(out_dir, "config.json"),
+               hf_config(args, dtype=dtype, bos_id=bos, eos_id=eos))
+    write_json(os.path.join(out_dir, "generation_config.json"),
+               {"bos_token_id": bos, "eos_token_id": eos})
+    log(f"wrote {', '.join(files)} and config.json to {out_dir}")

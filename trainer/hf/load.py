@@ -1,0 +1,101 @@
+"""Import: start a run from Hugging Face Llama weights (`checkpoint.initial_load_path` with
+`initial_load_in_hf = true`), or from the model of another run's DCP checkpoint. Export at the
+end of a run: `checkpoint.last_save_in_hf = true` writes `{dump_folder}/hf/`.
+
+Every rank reads each full tensor from the safetensors files (memory-mapped, one at a time) and
+keeps its own shard of it, so any FSDP/HSDP layout loads the same weights without collectives.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+
+import torch
+import torch.distributed as dist
+
+from trainer.errors import ConfigError
+from trainer.hf.mapping import check_hf_config, from_hf, hf_name, param_shapes
+from trainer.hf.weights import HFFolder
+
+
+def load_initial(model, cfg, *, log=print) -> bool:
+    """Load `cfg.checkpoint.initial_load_path` into the (sharded, initialised) model, for a
+    run that has no checkpoint of its own to resume; False when none is configured."""
+    path = cfg.checkpoint.initial_load_path
+    if not path:
+        return False
+    t0 = time.monotonic()
+    path = os.path.expanduser(path)
+    if not os.path.isdir(path):
+        raise ConfigError(f"checkpoint.initial_load_path = {path!r}: no such folder")
+    if cfg.checkpoint.initial_load_in_hf:
+        load_hf(model, path, flavor=cfg.model.flavor)
+    else:
+        load_dcp_model(model, path)
+    log(f"initialised the model from {path} in {time.monotonic() - t0:.2f}s")
+    return True
+
+
+def load_hf(model, folder: str, *, flavor: str) -> None:
+    """Copy a Hugging Face Llama folder's weights into `model` (plain or FSDP-sharded)."""
+    hf = HFFolder(folder)
+    args = model.args
+    check_hf_config(hf.config, args, folder, flavor)
+    params = dict(model.named_parameters())
+    for name, shape in param_shapes(args).items():  # every shape first: one error, no half-load
+        theirs = hf.shape(hf_name(name))
+        if theirs != shape:
+            raise ConfigError(
+                f"{folder} does not fit model.flavor = {flavor!r}: {hf_name(name)} has shape "
+                f"{list(theirs) if theirs else 'none (missing)'} there and {list(shape)} here "
+                f"({name}); choose the flavor and model.vocab_size the checkpoint was made with")
+    for name, param in params.items():
+        full = from_hf(name, hf.tensor(hf_name(name)), args)
+        copy_full(param, full)
+
+
+@torch.no_grad()
+def copy_full(param: torch.Tensor, full: torch.Tensor) -> None:
+    """Set a parameter (a DTensor shard or a plain tensor) from the full tensor."""
+    from torch.distributed.tensor import DTensor, distribute_tensor
+
+    local = param.to_local() if isinstance(param, DTensor) else param
+    full = full.to(device=local.device, dtype=local.dtype)
+    if isinstance(param, DTensor):  # each rank cuts its own shard: no communication
+        full = distribute_tensor(full, param.device_mesh, param.placements,
+                                 src_data_rank=None).to_local()
+    local.copy_(full)
+
+
+def load_dcp_model(model, path: str) -> None:
+    """The model (not the optimizer or data position) of a DCP `step-N` folder."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
+
+    meta = os.path.join(path, ".metadata")
+    if not os.path.isfile(meta):
+        raise ConfigError(f"checkpoint.initial_load_path = {path!r} is not a DCP checkpoint "
+                          "(no .metadata); set checkpoint.initial_load_in_hf = true for a "
+                          "Hugging Face folder")
+    sd = {"model": get_model_state_dict(model)}
+    dcp.load({"model_optim": sd}, checkpoint_id=path)
+    set_model_state_dict(model, sd["model"])
+
+
+def save_last_hf(model, cfg, *, log=print) -> None:
+    """Write the trained model as a Hugging Face folder under `{dump_folder}/hf/` (rank 0
+    gathers the full weights; every rank takes part in the gather)."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+    from trainer.hf.export import write_hf_folder
+
+    t0 = time.monotonic()
+    full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True,
+                                                                cpu_offload=True))
+    out = os.path.join(cfg.job.dump_folder, "hf")
+    if dist.get_rank() == 0:
+        write_hf_folder(out, model.args, lambda names: {n: full.pop(n) for n in names}, cfg,
+                        dtype="float32", log=log)
+    dist.barrier()
+    log(f"saved a Hugging Face model in {out} in {time.monotonic() - t0:.2f}s")

@@ -1,0 +1,152 @@
+"""Parameter names and layouts between this trainer's Llama and Hugging Face's LlamaForCausalLM.
+
+Names: `layers.3.attention.wq.weight` <-> `model.layers.3.self_attn.q_proj.weight`, etc.
+Layout: our RoPE rotates consecutive channel pairs (2j, 2j+1) of each head, Hugging Face's
+rotates (j, j + head_dim/2). The rows of wq and wk are therefore reordered per head on the way
+out (`to_hf`) and back (`from_hf`); the attention scores, and so the model, are unchanged.
+"""
+
+from __future__ import annotations
+
+import re
+
+import torch
+
+from trainer.errors import ConfigError
+from trainer.model_args import ModelArgs
+
+_LAYER = {
+    "attention.wq.weight": "self_attn.q_proj.weight",
+    "attention.wk.weight": "self_attn.k_proj.weight",
+    "attention.wv.weight": "self_attn.v_proj.weight",
+    "attention.wo.weight": "self_attn.o_proj.weight",
+    "feed_forward.w1.weight": "mlp.gate_proj.weight",
+    "feed_forward.w2.weight": "mlp.down_proj.weight",
+    "feed_forward.w3.weight": "mlp.up_proj.weight",
+    "attention_norm.weight": "input_layernorm.weight",
+    "ffn_norm.weight": "post_attention_layernorm.weight",
+}
+_TOP = {"tok_embeddings.weight": "model.embed_tokens.weight", "norm.weight": "model.norm.weight",
+        "output.weight": "lm_head.weight"}
+_LAYER_RE = re.compile(r"^layers\.(\d+)\.(.+)$")
+
+
+def hf_name(name: str) -> str:
+    """Our parameter name -> the Hugging Face state-dict key."""
+    if name in _TOP:
+        return _TOP[name]
+    m = _LAYER_RE.match(name)
+    if m is None or m.group(2) not in _LAYER:
+        raise KeyError(f"no Hugging Face name for parameter {name!r}")
+    return f"model.layers.{m.group(1)}.{_LAYER[m.group(2)]}"
+
+
+def _heads(name: str, args: ModelArgs) -> int | None:
+    """Number of heads whose rows are permuted in this parameter, or None."""
+    if name.endswith("attention.wq.weight"):
+        return args.n_heads
+    if name.endswith("attention.wk.weight"):
+        return args.n_kv_heads
+    return None
+
+
+def to_hf(name: str, tensor: torch.Tensor, args: ModelArgs) -> torch.Tensor:
+    """Our layout -> Hugging Face's: per head, rows (0, 2, 4, ..., 1, 3, 5, ...)."""
+    heads = _heads(name, args)
+    if heads is None:
+        return tensor
+    d = args.head_dim
+    return tensor.reshape(heads, d // 2, 2, -1).transpose(1, 2).reshape(heads * d, -1)
+
+
+def from_hf(name: str, tensor: torch.Tensor, args: ModelArgs) -> torch.Tensor:
+    """Hugging Face's layout -> ours (the inverse of `to_hf`)."""
+    heads = _heads(name, args)
+    if heads is None:
+        return tensor
+    d = args.head_dim
+    return tensor.reshape(heads, 2, d // 2, -1).transpose(1, 2).reshape(heads * d, -1)
+
+
+def param_shapes(args: ModelArgs) -> dict[str, tuple[int, ...]]:
+    """Our parameter names and shapes, in model order, without building the model."""
+    q, kv, h = args.n_heads * args.head_dim, args.n_kv_heads * args.head_dim, args.hidden_dim
+    shapes = {"tok_embeddings.weight": (args.vocab_size, args.dim)}
+    for i in range(args.n_layers):
+        for key, shape in (("attention_norm.weight", (args.dim,)),
+                           ("attention.wq.weight", (q, args.dim)),
+                           ("attention.wk.weight", (kv, args.dim)),
+                           ("attention.wv.weight", (kv, args.dim)),
+                           ("attention.wo.weight", (args.dim, q)),
+                           ("ffn_norm.weight", (args.dim,)),
+                           ("feed_forward.w1.weight", (h, args.dim)),
+                           ("feed_forward.w2.weight", (args.dim, h)),
+                           ("feed_forward.w3.weight", (h, args.dim))):
+            shapes[f"layers.{i}.{key}"] = shape
+    shapes["norm.weight"] = (args.dim,)
+    if not args.tie_word_embeddings:
+        shapes["output.weight"] = (args.vocab_size, args.dim)
+    return shapes
+
+
+def hf_config(args: ModelArgs, *, dtype: str, bos_id: int | None, eos_id: int | None) -> dict:
+    """config.json of a LlamaForCausalLM with these args (the legacy `rope_scaling` key, which
+    transformers 4.x, 5.x and vLLM all read)."""
+    cfg = {
+        "architectures": ["LlamaForCausalLM"], "model_type": "llama",
+        "hidden_size": args.dim, "intermediate_size": args.hidden_dim,
+        "num_hidden_layers": args.n_layers, "num_attention_heads": args.n_heads,
+        "num_key_value_heads": args.n_kv_heads, "head_dim": args.head_dim,
+        "vocab_size": args.vocab_size, "rms_norm_eps": args.norm_eps,
+        "rope_theta": args.rope_theta, "rope_scaling": None,
+        "max_position_embeddings": args.max_seq_len,
+        "tie_word_embeddings": args.tie_word_embeddings, "hidden_act": "silu",
+        "attention_bias": False, "mlp_bias": False, "attention_dropout": 0.0,
+        "initializer_range": 0.02, "pretraining_tp": 1, "use_cache": True,
+        "bos_token_id": bos_id, "eos_token_id": eos_id, "torch_dtype": dtype,
+    }
+    s = args.rope_scaling
+    if s is not None:
+        cfg["rope_scaling"] = {"rope_type": "llama3", "factor": s.factor,
+                               "low_freq_factor": s.low_freq_factor,
+                               "high_freq_factor": s.high_freq_factor,
+                               "original_max_position_embeddings":
+                                   s.original_max_position_embeddings}
+        cfg["max_position_embeddings"] = max(args.max_seq_len,
+                                             s.original_max_position_embeddings * 16)
+    return cfg
+
+
+def check_hf_config(cfg: dict, args: ModelArgs, folder: str, flavor: str) -> None:
+    """Settings that change the model without changing a tensor shape must agree too."""
+    scaling = cfg.get("rope_scaling") or cfg.get("rope_parameters") or {}
+    theirs = {
+        "tie_word_embeddings": bool(cfg.get("tie_word_embeddings", False)),
+        "rope_theta": float(cfg.get("rope_theta", scaling.get("rope_theta", 10000.0))),
+        "rms_norm_eps": float(cfg.get("rms_norm_eps", 1e-6)),
+        "rope_scaling": _scaling_tuple(scaling),
+        "hidden_act": cfg.get("hidden_act", "silu"),
+    }
+    s = args.rope_scaling
+    ours = {
+        "tie_word_embeddings": args.tie_word_embeddings, "rope_theta": float(args.rope_theta),
+        "rms_norm_eps": float(args.norm_eps), "hidden_act": "silu",
+        "rope_scaling": None if s is None else (
+            "llama3", float(s.factor), float(s.low_freq_factor), float(s.high_freq_factor),
+            int(s.original_max_position_embeddings)),
+    }
+    for key, value in theirs.items():
+        if value != ours[key]:
+            raise ConfigError(f"{folder}/config.json does not fit model.flavor = {flavor!r}: "
+                              f"{key} is {value} there and {ours[key]} here; choose the flavor "
+                              "the checkpoint was made with")
+
+
+def _scaling_tuple(s: dict):
+    kind = s.get("rope_type", s.get("type", "default"))
+    if kind == "default":
+        return None
+    if kind != "llama3":
+        return (kind,)
+    return ("llama3", float(s["factor"]), float(s["low_freq_factor"]),
+            float(s["high_freq_factor"]), int(s["original_max_position_embeddings"]))

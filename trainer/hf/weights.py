@@ -1,0 +1,110 @@
+"""Safetensors files of a Hugging Face model folder: written shard by shard (so at most one
+shard of converted tensors is in memory), read tensor by tensor."""
+
+from __future__ import annotations
+
+import json
+import os
+from typing import Callable
+
+import torch
+
+from trainer.errors import ConfigError
+from trainer.hf.mapping import hf_name, to_hf
+from trainer.model_args import ModelArgs
+
+SINGLE, INDEX = "model.safetensors", "model.safetensors.index.json"
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+
+
+def plan_shards(shapes: dict[str, tuple[int, ...]], itemsize: int,
+                max_shard_bytes: int) -> list[list[str]]:
+    """Consecutive parameter names grouped into shards of at most max_shard_bytes (a tensor
+    larger than the limit gets a shard of its own)."""
+    shards, current, size = [], [], 0
+    for name, shape in shapes.items():
+        nbytes = itemsize * int(torch.Size(shape).numel())
+        if current and size + nbytes > max_shard_bytes:
+            shards.append(current)
+            current, size = [], 0
+        current.append(name)
+        size += nbytes
+    if current:
+        shards.append(current)
+    return shards
+
+
+def write_weights(out_dir: str, args: ModelArgs, shapes: dict[str, tuple[int, ...]],
+                  fetch: Callable[[list[str]], dict[str, torch.Tensor]], *, dtype: str,
+                  max_shard_bytes: int) -> list[str]:
+    """Write `model.safetensors`, or numbered shards and their index when the weights exceed
+    max_shard_bytes. `fetch(names)` returns our full tensors for those parameter names; they
+    are converted (names, q/k layout, dtype) one by one. Returns the files written."""
+    from safetensors.torch import save_file
+
+    target = DTYPES[dtype]
+    shards = plan_shards(shapes, target.itemsize, max_shard_bytes)
+    files = [SINGLE] if len(shards) == 1 else [
+        f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))]
+    weight_map, total = {}, 0
+    for names, fname in zip(shards, files):
+        tensors = fetch(names)
+        out = {}
+        for name in names:
+            t = to_hf(name, tensors.pop(name), args).to(target).contiguous()
+            out[hf_name(name)] = t
+            weight_map[hf_name(name)] = fname
+            total += t.numel() * t.element_size()
+        save_file(out, os.path.join(out_dir, fname), metadata={"format": "pt"})
+        del out
+    if len(files) > 1:
+        write_json(os.path.join(out_dir, INDEX),
+                   {"metadata": {"total_size": total}, "weight_map": weight_map})
+    return files
+
+
+def write_json(path: str, obj: dict) -> None:
+    with open(path, "w") as fh:
+        json.dump(obj, fh, indent=2)
+        fh.write("\n")
+
+
+class HFFolder:
+    """A Hugging Face model folder opened for reading: config.json and where each tensor is."""
+
+    def __init__(self, folder: str):
+        self.folder = folder
+        self._open: dict[str, object] = {}
+        cfg_path = os.path.join(folder, "config.json")
+        if not os.path.isfile(cfg_path):
+            raise ConfigError(f"checkpoint.initial_load_path = {folder!r} is not a Hugging Face "
+                              "model folder (no config.json)")
+        with open(cfg_path) as fh:
+            self.config = json.load(fh)
+        index = os.path.join(folder, INDEX)
+        if os.path.isfile(index):
+            with open(index) as fh:
+                self.weight_map = json.load(fh)["weight_map"]
+        elif os.path.isfile(os.path.join(folder, SINGLE)):
+            self.weight_map = {k: SINGLE for k in self._keys(SINGLE)}
+        else:
+            raise ConfigError(f"checkpoint.initial_load_path = {folder!r} has no {SINGLE} or "
+                              f"{INDEX} (only safetensors weights are read)")
+        self._open: dict[str, object] = {}
+
+    def _file(self, fname: str):
+        from safetensors import safe_open
+
+        if fname not in self._open:
+            self._open[fname] = safe_open(os.path.join(self.folder, fname), framework="pt")
+        return self._open[fname]
+
+    def _keys(self, fname: str) -> list[str]:
+        return list(self._file(fname).keys())
+
+    def shape(self, key: str) -> tuple[int, ...] | None:
+        fname = self.weight_map.get(key)
+        return None if fname is None else tuple(self._file(fname).get_slice(key).get_shape())
+
+    def tensor(self, key: str) -> torch.Tensor:
+        return self._file(self.weight_map[key]).get_tensor(key)
