@@ -144,6 +144,12 @@ class Checkpoint:
     load_step: int = opt(-1, "Resume from this step instead of the latest; -1 = latest", min=-1)
     async_mode: str = opt("disabled", "disabled, or async: write in a background thread while training",
                           choices=("disabled", "async"))
+    verify: str = opt("auto", "Check at load: 'checksums' reads every file of the checkpoint, "
+                      "'sizes' compares sizes with its manifest, 'auto' = checksums up to 8 GiB",
+                      choices=("auto", "checksums", "sizes"))
+    on_save_error: str = opt("stop", "A save the storage refuses (disk full, permissions, I/O "
+                             "error): 'stop' the run with one line, or 'continue' training",
+                             choices=("stop", "continue"))
 
     def validate(self) -> None:
         if self.load_step != -1 and not self.enable:

@@ -25,3 +25,9 @@ class DataError(UserError):
     """Missing or corrupt data, tokenizer mismatches, corpora too small for the request."""
 
     kind = "data"
+
+
+class CheckpointError(UserError):
+    """A checkpoint that cannot be loaded as asked (damaged), or a save the storage refused."""
+
+    kind = "checkpoint"
