@@ -247,7 +247,7 @@ class Checkpointer:
             try:
                 dcp.save(states, checkpoint_id=partial, storage_writer=writer)
             except (CheckpointException, OSError) as e:
-                error = integrity.describe_save_error(e)
+                error = integrity.describe_save_error(e, partial)
             self._commit(step, t0, error)
         else:
             future = dcp.async_save(states, checkpoint_id=partial, storage_writer=writer,
@@ -265,7 +265,7 @@ class Checkpointer:
             try:
                 future.result()
             except (CheckpointException, OSError) as e:
-                error = integrity.describe_save_error(e)
+                error = integrity.describe_save_error(e, self._path(step) + ".partial")
             if time.monotonic() - waited > 0.01:
                 self.log(f"checkpoint step-{step}: training waited "
                          f"{time.monotonic() - waited:.2f}s for the background write")

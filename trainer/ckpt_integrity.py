@@ -92,8 +92,10 @@ class _FailingWriter(dcp.FileSystemWriter):
         raise OSError(self.err, os.strerror(self.err), target)
 
 
-def describe_save_error(exc: BaseException) -> str:
-    """The OS error behind a failed DCP save (DCP wraps each rank's error), as one phrase."""
+def describe_save_error(exc: BaseException, folder: str) -> str:
+    """The OS error behind a failed DCP save (DCP wraps each rank's error), as one phrase.
+    torch.save's zip writer turns a failed write into a RuntimeError: then a small probe write
+    into `folder` names the storage's own error (no space, permission, I/O)."""
     errors = [exc]
     for wrapped in getattr(exc, "failures", {}).values():
         errors.append(wrapped[0] if isinstance(wrapped, tuple) else wrapped)
@@ -101,7 +103,19 @@ def describe_save_error(exc: BaseException) -> str:
     if os_error is not None:
         return str(os_error)
     inner = errors[1] if len(errors) > 1 else exc
-    return f"{type(inner).__name__}: {inner}".splitlines()[0]
+    what = f"{type(inner).__name__}: {str(inner).strip()}".splitlines()[0]
+    probe = os.path.join(folder, ".write-probe")
+    try:
+        with open(probe, "wb") as fh:
+            fh.write(b"\0" * (1 << 20))
+            fh.flush()
+            os.fsync(fh.fileno())
+    except OSError as e:
+        return f"{e} ({what})"
+    finally:
+        if os.path.exists(probe):
+            os.remove(probe)
+    return what
 
 
 # ------------------------------------------------------------------------------------- load
