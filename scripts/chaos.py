@@ -160,23 +160,38 @@ def committed(ckpt: Path) -> list[int]:
     return sorted(int(p.name[5:]) for p in ckpt.glob("step-*") if re.fullmatch(r"step-\d+", p.name))
 
 
-def saving(ckpt: Path) -> int:
-    """The step of a save in progress (its `step-N.partial` folder exists), else 0."""
-    return max((int(p.name[5:-8]) for p in ckpt.glob("step-*.partial")), default=0)
+def partials(ckpt: Path) -> set[tuple[str, int]]:
+    out = set()
+    for p in ckpt.glob("step-*.partial"):
+        try:
+            out.add((p.name, p.stat().st_ino))
+        except OSError:
+            pass
+    return out
 
 
-def inject(launch: Launch, fault: Fault, ckpt: Path, rng: random.Random, steps: int) -> Record:
-    """Wait for the fault's moment (or the run's end), then send the signal."""
+def saving(ckpt: Path, launch: "Launch", stale: set) -> int:
+    """The step of a save this launch has in progress (a `step-N.partial` folder it made,
+    not one left by an earlier killed launch), else 0."""
+    reached = max(launch.steps, default=0)
+    steps = [int(name[5:-8]) for name, ino in partials(ckpt) - stale]
+    return max((s for s in steps if s <= reached), default=0)
+
+
+def inject(launch: Launch, fault: Fault, ckpt: Path, rng: random.Random, steps: int,
+           stale: set) -> Record:
+    """Wait for the fault's moment (or the run's end), then send the signal. `stale`: the
+    partial folders that were there before the launch."""
     rec = Record(fault)
     start = None
     while launch.running():
         if start is None and launch.steps:
             start = launch.steps[0] - 1  # the step this launch resumed from
-        moment = (saving(ckpt) if fault.during_save else
+        moment = (saving(ckpt, launch, stale) if fault.during_save else
                   start is not None and launch.steps[-1] >= min(start + fault.offset, steps - 1))
         if moment and launch.ranks():
             time.sleep(fault.delay)
-            in_save = saving(ckpt)
+            in_save = saving(ckpt, launch, stale)
             if fault.during_save and not in_save:
                 continue  # that save committed meanwhile: wait for the next one
             rec.injected = _signal(launch, fault.kind, rng)
@@ -240,6 +255,7 @@ def run_chaos(workdir: Path, *, faults: int, min_during_save: int, steps: int, i
     rng, ckpt, records = random.Random(seed + 1), dump / "checkpoint", []
     plan = schedule(seed, faults, min_during_save)
     while True:
+        stale = partials(ckpt)
         launch = Launch(train_args(dump, steps, interval, nproc), nproc)
         if records:
             _note_resume(records[-1], launch, interval)
@@ -248,7 +264,7 @@ def run_chaos(workdir: Path, *, faults: int, min_during_save: int, steps: int, i
             code = launch.finish(timeout=600)
             assert code == 0, f"the last launch failed ({code}):\n{launch.text()[-3000:]}"
             break
-        rec = inject(launch, fault, ckpt, rng, steps)
+        rec = inject(launch, fault, ckpt, rng, steps, stale)
         if not rec.injected:  # the run ended before its moment came
             assert rec.exit_code == 0, launch.text()[-3000:]
             break
