@@ -64,6 +64,7 @@ class Record:
     resumed: int | None = None  # the step the next launch resumed from
     redone: int = 0
     exit_code: int | None = None
+    seconds: tuple = ()       # (launch to signal, signal to every process gone)
 
 
 def schedule(seed: int, faults: int, min_during_save: int) -> list[Fault]:
@@ -83,6 +84,7 @@ class Launch:
     def __init__(self, args: list[str], nproc: int):
         env = dict(os.environ, NGPU=str(nproc), LOG_RANK="0", HF_DATASETS_OFFLINE="1",
                    PYTHONPATH=str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+        self.t0 = time.monotonic()
         self.proc = subprocess.Popen([str(REPO / "run_train.sh"), *args], env=env, text=True,
                                      stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                                      start_new_session=True)
@@ -199,7 +201,9 @@ def inject(launch: Launch, fault: Fault, ckpt: Path, rng: random.Random, steps: 
                 rec.in_save, rec.last_step = bool(in_save), in_save  # the save's step was reached
                 break
         time.sleep(0.01)
+    signalled = time.monotonic()
     rec.exit_code = launch.finish()
+    rec.seconds = (round(signalled - launch.t0, 1), round(time.monotonic() - signalled, 1))
     rec.last_step = max(rec.last_step, *launch.steps, 0)
     rec.committed = max(committed(ckpt), default=0)
     return rec
@@ -271,7 +275,7 @@ def run_chaos(workdir: Path, *, faults: int, min_during_save: int, steps: int, i
         records.append(rec)
         log(f"fault {len(records)}: {fault.kind} {'during a save' if rec.in_save else ''} "
             f"at step {rec.last_step} (exit {rec.exit_code}; newest committed: "
-            f"step-{rec.committed})")
+            f"step-{rec.committed}; {rec.seconds[0]}s to the fault, {rec.seconds[1]}s to exit)")
     return _figures(records, ref, dump, steps, interval, time.monotonic() - t0)
 
 
