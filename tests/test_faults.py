@@ -162,7 +162,7 @@ def test_chaos_short(reference, tmp_path):
 def test_chaos_long(tmp_path, request):
     if "chaos_long" not in (request.config.getoption("-m") or ""):
         pytest.skip("long chaos run: select it with -m chaos_long")
-    fig = run_chaos(tmp_path / uuid.uuid4().hex[:6], faults=10, min_during_save=3, steps=16,
+    fig = run_chaos(tmp_path / uuid.uuid4().hex[:6], faults=10, min_during_save=3, steps=24,
                     interval=2, seed=0)
     print(report(fig, 2))
     assert ok(fig, 10, 3), report(fig, 2)
