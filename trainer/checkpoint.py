@@ -219,6 +219,11 @@ class Checkpointer:
                     f"there and {tuple(param.shape)} here; resume with the model.flavor, "
                     "model.vocab_size and tokenizer it was saved with, or use another "
                     "checkpoint.folder")
+        saved_print = integrity.saved_fingerprint(path)  # also catches parameters we lack
+        if saved_print not in (None, self.fingerprint):
+            raise ConfigError(f"checkpoint {path} does not fit this model: it holds another set "
+                              "of parameters (model fingerprint differs); resume with the "
+                              "model.flavor it was saved with, or use another checkpoint.folder")
 
     # ----------------------------------------------------------------------------- save
     def maybe_save(self, step: int, *, last: bool) -> bool:

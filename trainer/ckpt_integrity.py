@@ -119,6 +119,15 @@ def describe_save_error(exc: BaseException, folder: str) -> str:
 
 
 # ------------------------------------------------------------------------------------- load
+def saved_fingerprint(folder: str) -> str | None:
+    """The model fingerprint a verified checkpoint's manifest records (None: no manifest)."""
+    try:
+        with open(os.path.join(folder, MANIFEST)) as fh:
+            return json.load(fh).get("model_fingerprint")
+    except FileNotFoundError:
+        return None
+
+
 def check_share(folder: str, step: int, verify: str, rank: int, world: int) -> str | None:
     """None if this rank's share of checkpoint `folder` is intact, LEGACY for a checkpoint
     without a manifest that looks whole, else what is wrong (one phrase)."""
