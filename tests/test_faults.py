@@ -71,38 +71,53 @@ def test_truncated_shard_is_skipped_and_load_step_of_it_is_an_error(reference, t
     assert len(aside) == 1 and aside[0].startswith("step-4."), aside  # kept, not deleted
 
 
-def test_checkpoint_without_manifest(reference, tmp_path):
-    """A checkpoint from before manifests loads (with a note); a new one that lost its
-    manifest, or whose metadata is damaged, does not."""
-    dump = copy_of(reference, tmp_path)
-    step4 = dump / "checkpoint/step-4"
-    (step4 / "manifest.json").unlink()
-    assert check_share(str(step4), 4, "auto", 0, 1) == "manifest.json is missing"
-    meta = step4 / ".metadata"
-    good = meta.read_bytes()
-    meta.write_bytes(good[:100])
-    assert check_share(str(step4), 4, "auto", 0, 1).startswith("unreadable .metadata")
-    old = pickle.loads(good)  # as written before this change: no integrity marker
+def make_legacy(step_dir):
+    """Rewrite a checkpoint as written before manifests: no manifest.json, no marker entry."""
+    (step_dir / "manifest.json").unlink()
+    meta = step_dir / ".metadata"
+    old = pickle.loads(meta.read_bytes())
     del old.state_dict_metadata["integrity.version"]
     old.storage_data = {k: v for k, v in old.storage_data.items() if k.fqn != "integrity.version"}
     meta.write_bytes(pickle.dumps(old))
-    assert check_share(str(step4), 4, "auto", 0, 1) == LEGACY
-    out = run_train(dump, *args(dump)).stdout
-    assert re.search(r"checkpoint \S*step-4 has no manifest.json", out), out
-    assert "nothing to do: already at step 4" in out
 
 
-def test_rewind_moves_later_steps_aside_at_the_first_save(reference, tmp_path):
+def test_damage_found_by_each_check(reference, tmp_path):
+    """Rank-local checks on real checkpoint files (the runs above and below agree on them)."""
+    step4 = copy_of(reference, tmp_path) / "checkpoint/step-4"
+    assert check_share(str(step4), 4, "checksums", 0, 2) is None
+    assert check_share(str(step4), 2, "sizes", 0, 1) == "manifest.json is for step 4"
+    shard = sorted(step4.glob("*.distcp"))[0]
+    data = bytearray(shard.read_bytes())
+    data[1000] ^= 0xFF  # same size, one flipped byte
+    shard.write_bytes(bytes(data))
+    assert check_share(str(step4), 4, "sizes", 0, 1) is None
+    assert check_share(str(step4), 4, "auto", 0, 1) == f"{shard.name} does not match its checksum"
+    shares = [check_share(str(step4), 4, "checksums", r, 3) for r in range(3)]
+    assert sum(s is not None for s in shares) == 1  # the file is one rank's share
+    (step4 / "manifest.json").unlink()
+    assert check_share(str(step4), 4, "auto", 0, 1) == "manifest.json is missing"
+    (step4 / ".metadata").write_bytes(b"garbage")
+    assert check_share(str(step4), 4, "auto", 0, 1).startswith("unreadable .metadata")
+
+
+def test_rewind_from_an_old_checkpoint_moves_later_steps_aside(reference, tmp_path):
+    """load_step = 2 (a checkpoint from before manifests: it loads, with a note) below the
+    latest step-4: the first save moves step-4 aside, and pruning leaves it alone."""
     dump = copy_of(reference, tmp_path)
     ckpt = dump / "checkpoint"
+    make_legacy(ckpt / "step-2")
+    assert check_share(str(ckpt / "step-2"), 2, "auto", 0, 1) == LEGACY
     out = run_train(dump, *args(dump, "--checkpoint.load_step", "2", "--training.steps", "3",
                                 "--checkpoint.keep_latest_k", "1")).stdout
+    assert re.search(r"checkpoint \S*step-2 has no manifest.json", out), out
+    assert re.search(r"resumed from \S*step-2 \(step 2\)", out), out
     moved = [line for line in out.splitlines() if "moved the later checkpoint" in line]
     assert len(moved) == 1 and "step-4" in moved[0], out
     assert out.index("step:     3") < out.index(moved[0])  # at the first save, not at load
     names = sorted(p.name for p in ckpt.iterdir())
     assert names[0] == "step-3" and names[1].startswith("step-4.abandoned-"), names
     assert len(names) == 2  # keep_latest_k = 1 pruned step-2, not the abandoned step-4
+    assert losses(dump)[3] == losses(reference)[3]
 
 
 def mount_tmpfs(path, size):
