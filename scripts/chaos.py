@@ -28,7 +28,7 @@ import sys
 import threading
 import time
 import warnings
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
@@ -317,9 +317,11 @@ def _figures(records, ref: Path, dump: Path, steps: int, interval: int, seconds:
 
 
 def report(fig: dict, interval: int) -> str:
+    kinds = ", ".join(f"{v} {k}" for k, v in fig["kinds"].items())
     return "\n".join([
-        f"faults injected: {fig['faults']} ({', '.join(f'{v} {k}' for k, v in fig['kinds'].items())})",
-        f"faults survived: {fig['survived']} (the next launch resumed from the newest committed step)",
+        f"faults injected: {fig['faults']} ({kinds})",
+        f"faults survived: {fig['survived']} (the next launch resumed from the newest committed "
+        "step)",
         f"during a save:   {fig['during_save']}",
         f"steps redone:    {fig['redone_total']} in all, per fault {fig['redone']} "
         f"(interval {interval}: {'all within' if fig['max_redone_ok'] else 'SOME BEYOND'})",
