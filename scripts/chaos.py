@@ -35,9 +35,11 @@ REPO = Path(__file__).resolve().parents[1]
 KINDS = ("rank-SIGKILL", "launcher-SIGTERM", "launcher-SIGUSR1")
 
 
-def train_args(dump: Path, steps: int, interval: int, nproc: int) -> list[str]:
+def train_args(dump: Path, steps: int, interval: int, nproc: int,
+               async_mode: str = "disabled") -> list[str]:
     """The debug model in tiny fp32 settings on synthetic data (bitwise reproducible)."""
-    return ["--job.dump_folder", str(dump), "--training.steps", str(steps),
+    extra = [] if async_mode == "disabled" else ["--checkpoint.async_mode", async_mode]
+    return [*extra, "--job.dump_folder", str(dump), "--training.steps", str(steps),
             "--training.seq_len", "64", "--training.local_batch_size", "2",
             "--training.global_batch_size", str(2 * nproc),
             "--training.mixed_precision_param", "float32", "--metrics.log_freq", "1",
@@ -246,7 +248,8 @@ def tb_losses(dump: Path) -> dict[int, float]:
 
 
 def run_chaos(workdir: Path, *, faults: int, min_during_save: int, steps: int, interval: int,
-              nproc: int = 2, seed: int = 0, reference: Path | None = None, log=print) -> dict:
+              nproc: int = 2, seed: int = 0, reference: Path | None = None,
+              async_mode: str = "disabled", log=print) -> dict:
     """Run the schedule; `reference`: the dump folder of an uninterrupted run of
     train_args(..., steps, interval, nproc) made earlier (else one is made first)."""
     workdir.mkdir(parents=True, exist_ok=True)
@@ -260,7 +263,7 @@ def run_chaos(workdir: Path, *, faults: int, min_during_save: int, steps: int, i
     plan = schedule(seed, faults, min_during_save)
     while True:
         stale = partials(ckpt)
-        launch = Launch(train_args(dump, steps, interval, nproc), nproc)
+        launch = Launch(train_args(dump, steps, interval, nproc, async_mode), nproc)
         if records:
             _note_resume(records[-1], launch, interval)
         fault = plan[len(records)] if len(records) < len(plan) else None
@@ -346,10 +349,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--interval", type=int, default=2)
     p.add_argument("--nproc", type=int, default=2)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--async-mode", default="disabled", choices=("disabled", "async"),
+                   help="checkpoint.async_mode of the faulted runs (the reference saves sync)")
     p.add_argument("--workdir", type=Path, default=Path("outputs/chaos"))
     a = p.parse_args(argv)
     fig = run_chaos(a.workdir, faults=a.faults, min_during_save=a.min_during_save,
-                    steps=a.steps, interval=a.interval, nproc=a.nproc, seed=a.seed)
+                    steps=a.steps, interval=a.interval, nproc=a.nproc, seed=a.seed,
+                    async_mode=a.async_mode)
     print(report(fig, a.interval))
     return 0 if ok(fig, a.faults, a.min_during_save) else 1
 
