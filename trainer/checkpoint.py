@@ -5,9 +5,19 @@ A checkpoint is `{dump_folder}/{folder}/step-N`, holding the sharded model and o
 FSDP/HSDP layouts on load), the lr scheduler, the train state (step, tokens seen), the RNG states
 and the dataloader position.
 
-A save is atomic: every rank writes into `step-N.partial`; once DCP has written the metadata and
-all ranks have passed a barrier, rank 0 renames it to `step-N`. Only `step-N` folders are ever
-loaded, so a crash mid-save leaves the previous checkpoint as the latest.
+A save is atomic: every rank writes into `step-N.partial`; once DCP has written the metadata,
+the ranks hash their share of the files and rank 0 writes `manifest.json` (see
+ckpt_integrity.py), then renames the folder to `step-N`. Only `step-N` folders are ever loaded,
+so a crash mid-save leaves the previous checkpoint as the latest. A save the storage refuses
+(disk full, permissions, I/O error, on any rank) is agreed on by all ranks before anything is
+committed: the partial folder is removed and the run stops with one line, or warns and goes on
+(`on_save_error = "continue"`).
+
+Resume takes the newest checkpoint whose files match its manifest; a damaged one is named in
+one line and skipped (an explicit `load_step` of a damaged one is a checkpoint error). After a
+resume from an older step (`load_step`, or past a damaged one), the first save moves the later
+`step-M` folders aside as `step-M.abandoned-<time>`, so no later resume or pruning mistakes
+them for this run's checkpoints.
 
 With `async_mode = "async"`, the state is staged to CPU memory and written by a background
 thread while training goes on; the commit (the rename) happens at the next save or at the end
@@ -31,9 +41,11 @@ from torch.distributed.checkpoint.state_dict import (get_model_state_dict,
                                                      get_optimizer_state_dict,
                                                      set_model_state_dict,
                                                      set_optimizer_state_dict)
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.stateful import Stateful
 
-from trainer.errors import ConfigError
+from trainer import ckpt_integrity as integrity
+from trainer.errors import CheckpointError, ConfigError
 
 STEP_DIR = re.compile(r"^step-(\d+)$")
 # Testing hook: crash rank 0 after the data of this step's save is written, before the commit.
@@ -109,10 +121,13 @@ class Checkpointer:
         self.states = {"model_optim": ModelAndOptimizer(model, optimizer),
                        "lr_scheduler": _Adapter(scheduler), "dataloader": _Adapter(dataloader),
                        "train_state": train_state, "rng": RNGState()}
+        self.fingerprint = integrity.model_fingerprint(model)
         self.async_group = None
         if self.cfg.enable and self.cfg.async_mode == "async":
             self.async_group = dist.new_group(backend="gloo")  # collective: every rank, once
         self.pending = None  # (step, future, start time) of an async save not yet committed
+        # Later steps than this one belong to an abandoned branch: moved aside at the first save.
+        self.branch_point: int | None = 0
 
     # ----------------------------------------------------------------------------- listing
     def committed_steps(self) -> list[int]:
@@ -126,17 +141,50 @@ class Checkpointer:
 
     # ----------------------------------------------------------------------------- load
     def step_to_load(self) -> int | None:
-        """`load_step`, or the latest committed step; None when there is nothing to resume."""
+        """`load_step`, or the newest intact committed step; None when there is nothing to
+        resume. Collective: the ranks verify the files together and agree."""
         if not self.cfg.enable:
             return None
         steps = self.committed_steps()
         step = self.cfg.load_step
-        if step == -1:
-            return steps[-1] if steps else None
-        if step not in steps:
+        if step != -1 and step not in steps:
             raise ConfigError(f"checkpoint.load_step = {step}: no checkpoint {self._path(step)}; "
                               f"available steps: {steps or 'none'}")
-        return step
+        damaged = []
+        for candidate in ([step] if step != -1 else steps[::-1]):
+            problem = self._verify(candidate)
+            if problem is None:
+                if damaged:
+                    self.log(f"damaged checkpoint {', '.join(damaged)} skipped: resuming "
+                             f"from the newest intact one, step-{candidate}")
+                return candidate
+            if step != -1:
+                raise CheckpointError(f"{self._path(step)} is damaged ({problem}); resume from "
+                                      f"another step (available: {steps}) or with load_step = -1")
+            damaged.append(f"{self._path(candidate)} ({problem})")
+        if damaged:
+            raise CheckpointError(f"no intact checkpoint in {self.root}: "
+                                  f"{'; '.join(damaged)}; move them aside to start afresh")
+        return None
+
+    def _verify(self, step: int) -> str | None:
+        """What is wrong with checkpoint `step` on any rank (each checks its share), or None."""
+        rank, world = dist.get_rank(), dist.get_world_size()
+        local = integrity.check_share(self._path(step), step, self.cfg.verify, rank, world)
+        seen = [None] * world
+        dist.all_gather_object(seen, (step, local))
+        if any(s != step for s, _ in seen):
+            raise ConfigError(f"ranks see different checkpoints in {self.root}: "
+                              f"{[s for s, _ in seen]}; the dump folder must be on storage that "
+                              "every node shares")
+        problems = [p for _, p in seen if p not in (None, integrity.LEGACY)]
+        if problems:
+            return problems[0]
+        if any(p == integrity.LEGACY for _, p in seen):
+            self.log(f"checkpoint {self._path(step)} has no {integrity.MANIFEST} (written "
+                     "before integrity checks): loading it with its sizes checked against "
+                     ".metadata only")
+        return None
 
     def load(self, step: int | None) -> bool:
         """Resume from checkpoint `step` (from `step_to_load`); False if None."""
@@ -154,6 +202,7 @@ class Checkpointer:
         dcp.load(states, checkpoint_id=path)
         # Leniently too: a CPU checkpoint has no CUDA RNG state to give a GPU run.
         dcp.load({"rng": rng}, checkpoint_id=path, planner=_lenient())
+        self.branch_point = step
         self.log(f"resumed from {self._path(step)} (step {self.train_state.step}) in "
                  f"{time.monotonic() - t0:.2f}s")
         return True
@@ -170,6 +219,11 @@ class Checkpointer:
                     f"there and {tuple(param.shape)} here; resume with the model.flavor, "
                     "model.vocab_size and tokenizer it was saved with, or use another "
                     "checkpoint.folder")
+        saved_print = integrity.saved_fingerprint(path)  # also catches parameters we lack
+        if saved_print not in (None, self.fingerprint):
+            raise ConfigError(f"checkpoint {path} does not fit this model: it holds another set "
+                              "of parameters (model fingerprint differs); resume with the "
+                              "model.flavor it was saved with, or use another checkpoint.folder")
 
     # ----------------------------------------------------------------------------- save
     def maybe_save(self, step: int, *, last: bool) -> bool:
@@ -191,11 +245,17 @@ class Checkpointer:
         if dist.get_rank() == 0:
             shutil.rmtree(partial, ignore_errors=True)  # left over from an interrupted save
         dist.barrier()
+        states = {**self.states, **integrity.marker()}
+        writer = integrity.storage_writer(partial, step, dist.get_rank())
         if self.async_group is None:
-            dcp.save(self.states, checkpoint_id=partial)
-            self._commit(step, t0)
+            error = None
+            try:
+                dcp.save(states, checkpoint_id=partial, storage_writer=writer)
+            except (CheckpointException, OSError) as e:
+                error = integrity.describe_save_error(e, partial)
+            self._commit(step, t0, error)
         else:
-            future = dcp.async_save(self.states, checkpoint_id=partial,
+            future = dcp.async_save(states, checkpoint_id=partial, storage_writer=writer,
                                     process_group=self.async_group)
             self.log(f"checkpoint step-{step}: staged in {time.monotonic() - t0:.2f}s, "
                      "writing in the background")
@@ -206,29 +266,74 @@ class Checkpointer:
         if self.pending is not None:
             step, future, t0 = self.pending
             self.pending = None
-            waited = time.monotonic()
-            future.result()
+            waited, error = time.monotonic(), None
+            try:
+                future.result()
+            except (CheckpointException, OSError) as e:
+                error = integrity.describe_save_error(e, self._path(step) + ".partial")
             if time.monotonic() - waited > 0.01:
                 self.log(f"checkpoint step-{step}: training waited "
                          f"{time.monotonic() - waited:.2f}s for the background write")
-            self._commit(step, t0)
+            self._commit(step, t0, error)
 
-    def _commit(self, step: int, t0: float) -> None:
-        final = self._path(step)
-        rank0 = dist.get_rank() == 0
-        if os.environ.get(CRASH_ENV) == str(step) and rank0:
+    def _commit(self, step: int, t0: float, error: str | None) -> None:
+        """Agree that every rank's write succeeded, record the manifest, rename; or give up."""
+        partial, rank, world = self._path(step) + ".partial", dist.get_rank(), dist.get_world_size()
+        if os.environ.get(CRASH_ENV) == str(step) and rank == 0:
             os._exit(17)
-        dist.barrier()  # every rank's data and DCP's metadata are on disk
-        if rank0:
-            shutil.rmtree(final, ignore_errors=True)
-            os.replace(final + ".partial", final)
-            self._prune(keep=step)
+        files = {}
+        if error is None:
+            try:
+                files = integrity.hash_share(partial, rank, world)
+            except OSError as e:
+                error = str(e)
+        seen = [None] * world
+        dist.all_gather_object(seen, (error, files))  # also: every rank's data is on disk
+        outcome = [next((err for err, _ in seen if err), None)]
+        if outcome[0] is None and rank == 0:
+            try:
+                integrity.write_manifest(partial, step, self.fingerprint,
+                                         {k: v for _, f in seen for k, v in f.items()})
+                self._move_aside_abandoned(step)
+                os.replace(partial, self._path(step))
+                self._prune(keep=step)
+            except OSError as e:
+                outcome = [str(e)]
+        dist.broadcast_object_list(outcome, src=0)
+        if outcome[0] is not None:
+            self._save_failed(step, partial, outcome[0])
+        else:
+            self.branch_point = None  # the abandoned branch (if any) is aside now
+            self.log(f"saved checkpoint {self._path(step)} in {time.monotonic() - t0:.2f}s")
+
+    def _save_failed(self, step: int, partial: str, error: str) -> None:
+        if dist.get_rank() == 0:
+            shutil.rmtree(partial, ignore_errors=True)  # frees the space a partial write took
         dist.barrier()
-        self.log(f"saved checkpoint {final} in {time.monotonic() - t0:.2f}s")
+        steps = self.committed_steps()
+        latest = self._path(steps[-1]) if steps else "none"
+        if self.cfg.on_save_error == "stop":
+            raise CheckpointError(f"saving {partial} failed: {error}; the latest checkpoint is "
+                                  f"{latest} (checkpoint.on_save_error = 'continue' trains on)")
+        self.log(f"warning: checkpoint step-{step} not saved ({error}); training goes on "
+                 f"(checkpoint.on_save_error = 'continue'); the latest checkpoint is {latest}")
+
+    def _move_aside_abandoned(self, step: int) -> None:
+        """At this run's first commit, rename `step-M` folders later than the step it resumed
+        from (and any `step-{step}`): they belong to the branch a rewind abandoned."""
+        if self.branch_point is None:
+            return
+        later = [s for s in self.committed_steps() if s > self.branch_point or s == step]
+        if later:
+            stamp = time.strftime("%Y%m%d-%H%M%S")
+            for s in later:
+                os.replace(self._path(s), f"{self._path(s)}.abandoned-{stamp}")
+            self.log(f"this run resumed from step {self.branch_point}: moved the later "
+                     f"checkpoint(s) {', '.join(f'step-{s}' for s in later)} aside as "
+                     f"step-N.abandoned-{stamp} (never resumed from nor pruned)")
 
     def _prune(self, keep: int) -> None:
-        """Keep the newest k steps, and always `keep` (just committed; after a rewind with
-        load_step, older than abandoned later steps)."""
+        """Keep the newest k steps, and always `keep` (just committed)."""
         k = self.cfg.keep_latest_k
         if k > 0:
             for old in self.committed_steps()[:-k]:

@@ -179,6 +179,12 @@ class Checkpoint:
                                    "(safetensors), not a DCP checkpoint")
     last_save_in_hf: bool = opt(False, "Also write the final model as a Hugging Face folder in "
                                 "{dump_folder}/hf")
+    verify: str = opt("auto", "Check at load: 'checksums' reads every file of the checkpoint, "
+                      "'sizes' compares sizes with its manifest, 'auto' = checksums up to 8 GiB",
+                      choices=("auto", "checksums", "sizes"))
+    on_save_error: str = opt("stop", "A save the storage refuses (disk full, permissions, I/O "
+                             "error): 'stop' the run with one line, or 'continue' training",
+                             choices=("stop", "continue"))
 
     def validate(self) -> None:
         if self.load_step != -1 and not self.enable:

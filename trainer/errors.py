@@ -35,6 +35,7 @@ class TrainingError(UserError):
 
 
 class CheckpointError(UserError):
-    """A checkpoint that is missing, incomplete or does not fit what is asked of it."""
+    """A checkpoint that cannot be loaded as asked (missing, damaged, not fitting), or a save
+    the storage refused."""
 
     kind = "checkpoint"

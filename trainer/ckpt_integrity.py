@@ -1,0 +1,191 @@
+"""Checkpoint integrity: a manifest of what a committed checkpoint holds, checked before loading.
+
+Before `step-N.partial` is renamed to `step-N`, every rank hashes its share of the folder's files
+(file i goes to rank i % world) and rank 0 writes `manifest.json`: the step, a fingerprint of the
+model's parameter shapes, and each file's size and blake2b checksum. At load the ranks again
+split the files: sizes are always compared, checksums as `checkpoint.verify` says ('auto' =
+checksums when the checkpoint is at most AUTO_CHECKSUM_BYTES, like the token store's rule).
+
+A checkpoint written before manifests existed has none and no MARKER_KEY entry in its DCP
+metadata; it is checked against the extents its `.metadata` records (every referenced file
+exists and is long enough) and loads with a note. A new checkpoint whose manifest is gone is
+damaged.
+
+Every function here is rank-local and returns a problem string instead of raising, so the
+callers can agree across ranks with one collective (see Checkpointer).
+"""
+
+from __future__ import annotations
+
+import errno
+import hashlib
+import json
+import os
+
+import torch.distributed.checkpoint as dcp
+
+from trainer.data.store import file_blake2b
+
+MANIFEST = "manifest.json"
+FORMAT = "trainer-checkpoint"
+VERSION = 1
+# A tiny entry saved in every checkpoint's DCP state (never loaded): its presence in
+# `.metadata` says the checkpoint was written with a manifest.
+MARKER_KEY = "integrity"
+AUTO_CHECKSUM_BYTES = 8 << 30
+# Testing hook: "STEP:ERRNO[:RANK]" makes the storage writer of step STEP's save raise that OS
+# error (on RANK, default 0), as a full or broken file system would, sync or async.
+SAVE_ERROR_ENV = "TRAINER_TEST_SAVE_ERROR"
+LEGACY = "legacy"  # the note returned for a checkpoint without a manifest
+
+
+def marker() -> dict:
+    return {MARKER_KEY: {"version": VERSION}}
+
+
+def model_fingerprint(model) -> str:
+    """A short hash of every parameter's name and shape (what a checkpoint must fit)."""
+    text = ";".join(f"{name}:{tuple(p.shape)}" for name, p in model.named_parameters())
+    return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+
+def _my_share(names: list[str], rank: int, world: int) -> list[str]:
+    return [name for i, name in enumerate(sorted(names)) if i % world == rank]
+
+
+# ------------------------------------------------------------------------------------- save
+def hash_share(folder: str, rank: int, world: int) -> dict[str, dict]:
+    """{file: {bytes, blake2b}} of this rank's share of the folder's files (raises OSError)."""
+    names = [n for n in os.listdir(folder) if n != MANIFEST]
+    return {name: {"bytes": os.path.getsize(os.path.join(folder, name)),
+                   "blake2b": file_blake2b(os.path.join(folder, name))}
+            for name in _my_share(names, rank, world)}
+
+
+def write_manifest(folder: str, step: int, fingerprint: str, files: dict[str, dict]) -> None:
+    """Write `manifest.json` durably (temp file, fsync, rename); raises OSError."""
+    manifest = {"format": FORMAT, "version": VERSION, "step": step,
+                "model_fingerprint": fingerprint, "files": dict(sorted(files.items()))}
+    tmp = os.path.join(folder, MANIFEST + ".tmp")
+    with open(tmp, "w") as fh:
+        json.dump(manifest, fh, indent=1)
+        fh.flush()
+        os.fsync(fh.fileno())
+    os.replace(tmp, os.path.join(folder, MANIFEST))
+
+
+def storage_writer(path: str, step: int, rank: int):
+    """DCP's file system writer, or (under SAVE_ERROR_ENV) one that fails like a broken disk."""
+    spec = os.environ.get(SAVE_ERROR_ENV, "").split(":")
+    if len(spec) >= 2 and spec[0] == str(step) and int(spec[2] if len(spec) > 2 else 0) == rank:
+        return _FailingWriter(path, int(spec[1]))
+    return dcp.FileSystemWriter(path)
+
+
+class _FailingWriter(dcp.FileSystemWriter):
+    def __init__(self, path: str, err: int):
+        super().__init__(path)
+        self.err = err
+
+    def write_data(self, plan, planner):
+        target = os.path.join(str(self.path), "__injected.distcp")
+        raise OSError(self.err, os.strerror(self.err), target)
+
+
+def describe_save_error(exc: BaseException, folder: str) -> str:
+    """The OS error behind a failed DCP save (DCP wraps each rank's error), as one phrase.
+    torch.save's zip writer turns a failed write into a RuntimeError: then a small probe write
+    into `folder` names the storage's own error (no space, permission, I/O)."""
+    errors = [exc]
+    for wrapped in getattr(exc, "failures", {}).values():
+        errors.append(wrapped[0] if isinstance(wrapped, tuple) else wrapped)
+    os_error = next((e for e in errors if isinstance(e, OSError)), None)
+    if os_error is not None:
+        return str(os_error)
+    inner = errors[1] if len(errors) > 1 else exc
+    what = f"{type(inner).__name__}: {str(inner).strip()}".splitlines()[0]
+    probe = os.path.join(folder, ".write-probe")
+    try:
+        with open(probe, "wb") as fh:
+            fh.write(b"\0" * (1 << 20))
+            fh.flush()
+            os.fsync(fh.fileno())
+    except OSError as e:
+        return f"{e} ({what})"
+    finally:
+        if os.path.exists(probe):
+            os.remove(probe)
+    return what
+
+
+# ------------------------------------------------------------------------------------- load
+def saved_fingerprint(folder: str) -> str | None:
+    """The model fingerprint a verified checkpoint's manifest records (None: no manifest)."""
+    try:
+        with open(os.path.join(folder, MANIFEST)) as fh:
+            return json.load(fh).get("model_fingerprint")
+    except FileNotFoundError:
+        return None
+
+
+def check_share(folder: str, step: int, verify: str, rank: int, world: int) -> str | None:
+    """None if this rank's share of checkpoint `folder` is intact, LEGACY for a checkpoint
+    without a manifest that looks whole, else what is wrong (one phrase)."""
+    manifest_path = os.path.join(folder, MANIFEST)
+    if not os.path.exists(manifest_path):
+        return _check_legacy(folder, rank, world)
+    try:
+        with open(manifest_path) as fh:
+            manifest = json.load(fh)
+        files = manifest["files"]
+        assert manifest["format"] == FORMAT and isinstance(files, dict)
+    except Exception as e:  # noqa: BLE001 - any unreadable manifest is damage
+        return f"unreadable {MANIFEST} ({type(e).__name__})"
+    if manifest.get("step") != step:
+        return f"{MANIFEST} is for step {manifest.get('step')}"
+    if verify == "auto":
+        total = sum(int(f["bytes"]) for f in files.values())
+        verify = "checksums" if total <= AUTO_CHECKSUM_BYTES else "sizes"
+    for name in _my_share(list(files), rank, world):
+        problem = _check_file(os.path.join(folder, name), files[name], verify)
+        if problem:
+            return problem
+    return None
+
+
+def _check_file(path: str, want: dict, verify: str) -> str | None:
+    name = os.path.basename(path)
+    try:
+        size = os.path.getsize(path)
+        if size != want["bytes"]:
+            return f"{name} has {size} bytes, the manifest says {want['bytes']}"
+        if verify == "checksums" and file_blake2b(path) != want["blake2b"]:
+            return f"{name} does not match its checksum"
+    except OSError as e:
+        return f"{name}: {e.strerror or e}" if e.errno != errno.ENOENT else f"{name} is missing"
+    return None
+
+
+def _check_legacy(folder: str, rank: int, world: int) -> str | None:
+    """No manifest: damaged if the metadata is unreadable, says a manifest was written, or
+    points past the end of a file; else LEGACY."""
+    try:
+        meta = dcp.FileSystemReader(folder).read_metadata()
+    except FileNotFoundError:
+        return "missing .metadata"
+    except Exception as e:  # noqa: BLE001 - unpickling a damaged file fails in many ways
+        return f"unreadable .metadata ({type(e).__name__})"
+    if any(key.split(".")[0] == MARKER_KEY for key in meta.state_dict_metadata):
+        return f"{MANIFEST} is missing"
+    extents: dict[str, int] = {}
+    for info in (meta.storage_data or {}).values():
+        end = int(info.offset) + int(info.length)
+        extents[info.relative_path] = max(end, extents.get(info.relative_path, 0))
+    for name in _my_share(list(extents), rank, world):
+        try:
+            size = os.path.getsize(os.path.join(folder, name))
+        except OSError:
+            return f"{name} is missing"
+        if size < extents[name]:
+            return f"{name} has {size} bytes, .metadata needs {extents[name]}"
+    return LEGACY
