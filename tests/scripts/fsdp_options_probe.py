@@ -1,7 +1,8 @@
 """Under torchrun: the FSDP2 options on the trainer's own pieces, instrumented.
 
-1. One training step with the config's `fsdp_reshard_after_forward`, recording every
-   all-gather FSDP issues (the number of ranks of its group) in forward and in backward.
+1. Five training steps with `fsdp_reshard_after_forward = 2` and with `default`, on the same
+   batches; the first hpZ step records every all-gather FSDP issues (the number of ranks of
+   its group) in forward and in backward.
 2. The same model built with `fsdp_offload = "cpu"` (FSDP2's CPUOffloadPolicy, unpinned:
    pinning needs CUDA) next to one without: their model and optimizer state dicts must have
    the same keys, global shapes, placements and meshes; a DCP checkpoint of each (after one
@@ -49,34 +50,45 @@ def batch(cfg, seed: int):
                          generator=gen)
 
 
-def step(model, opt, tokens) -> None:
+def step(model, opt, tokens, phase=None) -> torch.Tensor:
+    """One optimizer step on this rank's batch; returns its loss. `phase[0]` is set to
+    'forward' and 'backward' while they run (for the collective counter)."""
+    phase = phase if phase is not None else [None]
+    phase[0] = "forward"
     logits = model(tokens[:, :-1])
-    F.cross_entropy(logits.flatten(0, 1), tokens[:, 1:].flatten()).backward()
+    loss = F.cross_entropy(logits.flatten(0, 1), tokens[:, 1:].flatten())
+    phase[0] = "backward"
+    loss.backward()
+    phase[0] = None
     opt.step()
     opt.zero_grad(set_to_none=True)
+    return loss.detach()
 
 
-# --------------------------------------------------------------------------- 1. collectives
-cfg, model, opt = build()
-phase = ["init"]
+# --------------------------------------------------------------------------- 1. hpZ
+RESHARD = "--parallelism.fsdp_reshard_after_forward"
+STEPS = 5
+cfg, model, opt = build(RESHARD, "2")
+phase: list = [None]
 gathers: list[tuple[str, int]] = []
 originals = {n: getattr(dist, n) for n in dir(dist) if n.startswith("all_gather")}
 for name, orig in originals.items():
 
     def wrapper(*a, __orig=orig, **k):
-        gathers.append((phase[0], dist.get_world_size(k.get("group"))))
+        if phase[0] is not None:
+            gathers.append((phase[0], dist.get_world_size(k.get("group"))))
         return __orig(*a, **k)
 
     setattr(dist, name, wrapper)
-tokens = batch(cfg, 0)
-phase[0] = "forward"
-logits = model(tokens[:, :-1])
-loss = F.cross_entropy(logits.flatten(0, 1), tokens[:, 1:].flatten())
-phase[0] = "backward"
-loss.backward()
-phase[0] = "done"
+step_losses = {"2": [step(model, opt, batch(cfg, 0), phase)]}
 for name, orig in originals.items():
     setattr(dist, name, orig)
+step_losses["2"] += [step(model, opt, batch(cfg, i)) for i in range(1, STEPS)]
+cfg, model, opt = build(RESHARD, "default")
+step_losses["default"] = [step(model, opt, batch(cfg, i)) for i in range(STEPS)]
+loss_diff = (torch.stack(step_losses["2"]) - torch.stack(step_losses["default"])).abs().max()
+dist.all_reduce(loss_diff, op=dist.ReduceOp.MAX)  # every rank's losses, not just rank 0's
+
 
 # --------------------------------------------------------------------------- 2. offload
 def flat_state(model, opt) -> dict:
@@ -123,7 +135,9 @@ def equal(a: str, b: str) -> bool:
 
 if dist.get_rank() == 0:
     with open(os.path.join(out_dir, "probe.json"), "w") as fh:
-        json.dump({"gathers": gathers, "layouts": layouts, "devices": devices,
+        json.dump({"gathers": gathers, "loss_max_abs_diff": loss_diff.item(),
+                   "losses": {k: [x.item() for x in v] for k, v in step_losses.items()},
+                   "layouts": layouts, "devices": devices,
                    "same_after_step": equal("none", "cpu"),
                    "states_differ": not equal("none", "cpu 2"),
                    "loaded_none_into_cpu": equal("none->cpu", "none"),
