@@ -141,8 +141,43 @@ class Parallelism:
     data_parallel_shard_degree: int = opt(-1, "FSDP shard group size; -1 = the rest of the world")
     data_parallel_replicate_degree: int = opt(1, "HSDP replica groups (e.g. nodes)", min=1)
     fsdp_reshard_after_forward: str = opt(
-        "default", "Free unsharded params after forward: default, always, never",
-        choices=("default", "always", "never"))
+        "default", "Free unsharded params after forward: default, always, never, or N: keep them "
+        "sharded over groups of N ranks (N > 1 divides dp_shard; ZeRO++ hpZ)", int_as_str=True)
+    fsdp_offload: str = opt("none", "none, or cpu: sharded params, grads and optimizer state in "
+                            "pinned host memory, optimizer step on the CPU (CUDA only)",
+                            choices=("none", "cpu"))
+
+    def validate(self) -> None:
+        value = self.fsdp_reshard_after_forward
+        if value not in RESHARD_POLICIES and not _is_int(value):
+            raise ConfigError(f"{RESHARD_KEY} = {value!r} is not valid; choose one of "
+                              f"{', '.join(repr(c) for c in RESHARD_POLICIES)}, or an integer N > 1 "
+                              "that divides data_parallel_shard_degree"
+                              f"{did_you_mean(value, RESHARD_POLICIES)}")
+
+    def check_reshard(self, dp_shard: int, world_size: int) -> None:
+        """An integer policy must be a divisor N > 1 of the resolved shard degree."""
+        value = self.fsdp_reshard_after_forward
+        if value in RESHARD_POLICIES:
+            return
+        n = int(value)
+        if n > 1 and dp_shard % n == 0:
+            return
+        divisors = [d for d in range(2, dp_shard + 1) if dp_shard % d == 0]
+        ints = (f"an integer that divides dp_shard = {dp_shard} and is > 1: "
+                f"{', '.join(map(str, divisors))}" if divisors
+                else f"no integer (dp_shard = {dp_shard} leaves nothing to group)")
+        raise ConfigError(f"{RESHARD_KEY} = {value!r} is not valid for world size {world_size} "
+                          f"(dp_shard = {dp_shard}); valid: "
+                          f"{', '.join(repr(c) for c in RESHARD_POLICIES)}, or {ints}")
+
+
+RESHARD_KEY = "parallelism.fsdp_reshard_after_forward"
+RESHARD_POLICIES = ("default", "always", "never")
+
+
+def _is_int(value: str) -> bool:
+    return value.isascii() and value.lstrip("-").isdigit()
 
 
 @dataclass
@@ -249,6 +284,8 @@ class JobConfig:
                 check_field(section, f, getattr(obj, f.name))
             if hasattr(obj, "validate"):
                 obj.validate()
+        if self.parallelism.fsdp_offload == "cpu" and self.training.device == "cpu":
+            raise ConfigError(OFFLOAD_NEEDS_CUDA.format(where="training.device = 'cpu'"))
         if world_size is not None:
             self.resolve(world_size)
 
@@ -257,6 +294,7 @@ class JobConfig:
         from trainer.parallel_dims import ParallelDims
 
         pd = ParallelDims.from_config(self.parallelism, world_size)
+        self.parallelism.check_reshard(pd.dp_shard, world_size)
         return pd, accumulation_steps(self.training, pd.dp_size)
 
     def to_toml(self) -> str:
@@ -274,6 +312,11 @@ class JobConfig:
         with open(tmp, "w") as fh:
             fh.write(self.to_toml())
         os.replace(tmp, path)
+
+
+OFFLOAD_NEEDS_CUDA = ("parallelism.fsdp_offload = 'cpu' needs a CUDA run, but {where}: offload "
+                      "moves sharded state from GPU to host memory; a CPU run keeps it there "
+                      "already (set fsdp_offload = 'none')")
 
 
 def accumulation_steps(training: Training, dp_size: int) -> int:
@@ -328,8 +371,9 @@ def _apply_toml(cfg: JobConfig, data: dict) -> None:
             raise ConfigError(f"{section} must be a [{section}] table, got {table!r}")
         for name, value in table.items():
             key = f"{section}.{name}"
-            _lookup(cfg, key)
-            setattr(getattr(cfg, section), name, coerce(key, value, _field_type(cfg, section, name)))
+            f = _lookup(cfg, key)[2]
+            setattr(getattr(cfg, section), name, coerce(key, value, _field_type(cfg, section, name),
+                                                        f.metadata.get("int_as_str", False)))
 
 
 def _lookup(cfg: JobConfig, key: str):
@@ -389,7 +433,10 @@ def check_launch(args: list[str]) -> int | None:
     if nproc is not None or nnodes is not None:
         from trainer.device import local_ranks, visible_gpus
 
-        ranks = local_ranks(cfg.training.device, nproc, *visible_gpus())
+        gpus, seen = visible_gpus()
+        ranks = local_ranks(cfg.training.device, nproc, gpus, seen)
+        if cfg.parallelism.fsdp_offload == "cpu" and gpus == 0:  # device auto: a CPU run
+            raise ConfigError(OFFLOAD_NEEDS_CUDA.format(where=f"no GPU is visible ({seen})"))
         world_size = _positive("--nnodes", nnodes or "1") * ranks
     elif world_size is not None:
         world_size = _positive("--world-size", world_size)

@@ -20,9 +20,11 @@ from trainer.errors import ConfigError
 
 
 def opt(default: Any, help: str, *, choices: tuple | None = None, min: float | None = None,
-        max: float | None = None) -> Any:
-    """Declare a config field: its default, its one-line doc and optional simple constraints."""
-    meta = {"help": help, "choices": choices, "min": min, "max": max}
+        max: float | None = None, int_as_str: bool = False) -> Any:
+    """Declare a config field: its default, its one-line doc and optional simple constraints.
+    `int_as_str`: a str field whose value may also be an integer (TOML `key = 2` reads as
+    "2"); the section's `validate` checks the value."""
+    meta = {"help": help, "choices": choices, "min": min, "max": max, "int_as_str": int_as_str}
     if isinstance(default, list):
         return dataclasses.field(default_factory=lambda: list(default), metadata=meta)
     return dataclasses.field(default=default, metadata=meta)
@@ -74,8 +76,11 @@ def type_name(tp) -> str:
     return getattr(tp, "__name__", None) if typing.get_origin(tp) is None else str(tp)
 
 
-def coerce(key: str, value: Any, tp) -> Any:
-    """Check a TOML value against the field type (ints are accepted for floats)."""
+def coerce(key: str, value: Any, tp, int_as_str: bool = False) -> Any:
+    """Check a TOML value against the field type (ints are accepted for floats, and for str
+    fields declared with `int_as_str`)."""
+    if int_as_str and tp is str and isinstance(value, int) and not isinstance(value, bool):
+        return str(value)
     origin = typing.get_origin(tp)
     if origin is list:
         (item_tp,) = typing.get_args(tp)

@@ -50,7 +50,7 @@ def flag_nonfinite_loss(model: torch.nn.Module, loss: torch.Tensor) -> None:
             continue
         local = grad.to_local() if hasattr(grad, "to_local") else grad
         if local.numel():
-            local.view(-1)[:1].add_(loss.detach().to(local.dtype) * 0)
+            local.view(-1)[:1].add_(loss.detach().to(local.device, local.dtype) * 0)  # offload: CPU
             return
 
 

@@ -54,7 +54,11 @@ _clock = time.perf_counter  # module-level so tests can drive time deterministic
 
 
 def memory_metrics(device: torch.device) -> dict[str, float]:
-    """This rank's memory tags: allocator peaks on CUDA, peak RSS elsewhere."""
+    """This rank's memory tags: allocator peaks on CUDA, and the host's peak RSS everywhere
+    (with fsdp_offload the sharded state lives there)."""
+    # ru_maxrss is in KiB on Linux, bytes on macOS.
+    rss_units = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    rss = {"memory/max_rss(GiB)": rss_units * (1 if sys.platform == "darwin" else 1024) / GIB}
     if device.type == "cuda":
         stats = torch.cuda.memory_stats(device)
         total = torch.cuda.get_device_properties(device).total_memory
@@ -67,10 +71,9 @@ def memory_metrics(device: torch.device) -> dict[str, float]:
             "memory/max_reserved(%)": 100 * reserved / total,
             "memory/num_alloc_retries": stats.get("num_alloc_retries", 0),
             "memory/num_ooms": stats.get("num_ooms", 0),
+            **rss,
         }
-    # ru_maxrss is in KiB on Linux, bytes on macOS.
-    rss_units = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    return {"memory/max_rss(GiB)": rss_units * (1 if sys.platform == "darwin" else 1024) / GIB}
+    return rss
 
 
 def reset_memory_peaks(device: torch.device) -> None:

@@ -171,11 +171,14 @@ def _fill(param: torch.Tensor, name: str, seed: int, std: float | None) -> None:
 
     is_dt = isinstance(param, DTensor)
     local = param.to_local() if is_dt else param
-    full = torch.empty(param.shape, dtype=param.dtype, device=local.device)
+    # Drawn on the mesh's device: a CPU-offloaded shard on a CUDA mesh gets the same values
+    # as a shard on the GPU (CPU and CUDA generators differ).
+    where = param.device_mesh.device_type if is_dt else local.device
+    full = torch.empty(param.shape, dtype=param.dtype, device=where)
     if std is None:
         full.fill_(1.0)
     else:
-        gen = torch.Generator(device=local.device)
+        gen = torch.Generator(device=where)
         gen.manual_seed(seed * 1_000_003 + zlib.crc32(name.encode()))
         nn.init.trunc_normal_(full, mean=0.0, std=std, a=-3 * std, b=3 * std, generator=gen)
     if is_dt:

@@ -19,7 +19,8 @@ from __future__ import annotations
 import functools
 
 import torch
-from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+from torch.distributed.fsdp import (CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy,
+                                    OffloadPolicy, fully_shard)
 from torch.utils.checkpoint import (CheckpointPolicy, checkpoint,
                                     create_selective_checkpoint_contexts)
 
@@ -77,37 +78,51 @@ def apply_compile(model: Transformer) -> None:
         block.forward = torch.compile(block.forward)
 
 
-def reshard_policy(policy: str) -> tuple[bool, bool]:
-    """(blocks, head): whether each group frees its unsharded params after forward.
+def reshard_policy(policy: str) -> tuple[bool | int, bool]:
+    """(blocks, head): what each group does with its unsharded params after forward.
 
     `default` reshards the blocks and embedding (memory) but keeps the norm + output head
     unsharded: its backward runs right after the forward, so re-gathering it would be waste.
+    An integer N (ZeRO++ hpZ) reshards the blocks and embedding to groups of N ranks: each
+    rank keeps 1/N of the params in the compute dtype until backward, whose all-gather then
+    spans only N ranks (e.g. within a node); the head is kept as under `default`.
     """
-    return {"default": (True, False), "always": (True, True), "never": (False, False)}[policy]
+    fixed = {"default": (True, False), "always": (True, True), "never": (False, False)}
+    return fixed[policy] if policy in fixed else (int(policy), False)
 
 
 def apply_fsdp(model: Transformer, mesh, *, param_dtype: str, reduce_dtype: str,
-               reshard_after_forward: str) -> None:
-    """FSDP over a 1-D `dp_shard` mesh, or HSDP over the 2-D `(dp_replicate, dp_shard)` mesh."""
+               reshard_after_forward: str, offload: OffloadPolicy | None = None) -> None:
+    """FSDP over a 1-D `dp_shard` mesh, or HSDP over the 2-D `(dp_replicate, dp_shard)` mesh.
+    `offload`: e.g. CPUOffloadPolicy (sharded params, grads and optimizer state in host
+    memory; the parameters must then be materialised on the CPU)."""
     mp = MixedPrecisionPolicy(param_dtype=DTYPE[param_dtype], reduce_dtype=DTYPE[reduce_dtype])
+    shard = functools.partial(fully_shard, mesh=mesh, mp_policy=mp,
+                              offload_policy=offload or OffloadPolicy())
     blocks, head = reshard_policy(reshard_after_forward)
     for block in model.layers.values():
-        fully_shard(block, mesh=mesh, mp_policy=mp, reshard_after_forward=blocks)
+        shard(block, reshard_after_forward=blocks)
     if model.output is None:
         # Tied embeddings: the embedding is used first and last, so it stays in the root's
         # group, unsharded for the whole forward (a group of its own would be resharded).
-        fully_shard(model.norm, mesh=mesh, mp_policy=mp, reshard_after_forward=head)
+        shard(model.norm, reshard_after_forward=head)
     else:
-        fully_shard(model.tok_embeddings, mesh=mesh, mp_policy=mp, reshard_after_forward=blocks)
-        fully_shard([model.norm, model.output], mesh=mesh, mp_policy=mp,
-                    reshard_after_forward=head)
-    fully_shard(model, mesh=mesh, mp_policy=mp, reshard_after_forward=blocks)
+        shard(model.tok_embeddings, reshard_after_forward=blocks)
+        shard([model.norm, model.output], reshard_after_forward=head)
+    shard(model, reshard_after_forward=blocks)
 
 
 def parallelize(model: Transformer, parallel_dims, cfg, *, device: torch.device,
                 param_dtype: str) -> Transformer:
     """AC, compile and shard `model` (built on meta) per `cfg` (a JobConfig), then materialise
-    and initialise it. `param_dtype` is the resolved compute dtype (trainer.device)."""
+    and initialise it. `param_dtype` is the resolved compute dtype (trainer.device).
+
+    With `fsdp_offload = "cpu"` the sharded parameters live on the CPU (FSDP2 requires them
+    materialised there; it pins them at its lazy init) while the RoPE buffers, which no FSDP
+    group manages, are moved to the compute device by hand. The init draws its random values
+    on the mesh's device either way (trainer.model), so offload starts from the same weights.
+    """
+    offload = cfg.parallelism.fsdp_offload == "cpu"
     if cfg.activation_checkpoint.mode != "none":
         apply_ac(model, cfg.activation_checkpoint.mode, cfg.activation_checkpoint.selective_ac_option)
     if cfg.compile.enable:
@@ -115,8 +130,15 @@ def parallelize(model: Transformer, parallel_dims, cfg, *, device: torch.device,
     apply_fsdp(model, parallel_dims.fsdp_mesh,
                param_dtype=param_dtype,
                reduce_dtype=cfg.training.mixed_precision_reduce,
-               reshard_after_forward=cfg.parallelism.fsdp_reshard_after_forward)
-    model.to_empty(device=device)
+               reshard_after_forward=cfg.parallelism.fsdp_reshard_after_forward,
+               # Pinned host memory (fast, overlapped copies) exists only with CUDA; a CPU
+               # run rejects offload (trainer.config), tests use it unpinned on CPU meshes.
+               offload=CPUOffloadPolicy(pin_memory=device.type == "cuda") if offload else None)
+    model.to_empty(device="cpu" if offload else device)
+    if offload:
+        for module in model.modules():
+            for name, buf in list(module.named_buffers(recurse=False)):
+                setattr(module, name, buf.to(device))
     model.init_weights(cfg.job.seed)
     return model
 

@@ -1,7 +1,7 @@
 """A memory plan before launch: what one device will hold, and whether it fits.
 
     python -m trainer.plan --config configs/debug_model.toml --ngpu 8 [--nnodes 2] [--gpu h100]
-        [--mfu 0.4] [--section.key value ...]
+        [--mfu 0.4] [--host-gib 2048] [--section.key value ...]
 
 Everything is computed from the config and the model's shapes (built on the meta device), for
 the rank holding the biggest shard (rank 0: FSDP2 gives it ceil(rows / shard) rows of every
@@ -23,6 +23,9 @@ trainer/model.py with a flash/memory-efficient SDPA (no [seq, seq] score matrix)
 of trainer/train.py; compiled blocks usually save less (Inductor fuses the elementwise ops),
 so for `[compile] enable` the plan is an upper bound in practice. Each formula's assumptions are in its function's docstring;
 tests/test_plan.py checks them against tensors measured on CPU ranks.
+
+With `parallelism.fsdp_offload = "cpu"` the sharded state moves to host memory, which the
+plan checks too (trainer/plan_host.py): per rank, times the ranks of a node.
 """
 
 from __future__ import annotations
@@ -36,6 +39,8 @@ from trainer.config import JobConfig, load_config
 from trainer.errors import ConfigError, UserError
 from trainer.flops import flops_per_token, table_peak_tflops
 from trainer.model import FLAVORS, ModelArgs, build_model, model_args
+from trainer.plan_host import (HOST_ROWS, host_memory, host_ram_gib, host_report,
+                               offload_staging)
 
 GIB = 2**30
 BYTES = {"float32": 4, "bfloat16": 2, "auto": 2}  # the plan is for GPUs: auto = bfloat16 there
@@ -214,8 +219,14 @@ def memory_plan(cfg: JobConfig, world_size: int) -> dict[str, int]:
     impl = cfg.optimizer.implementation
     largest = max(FP32 * shard_numel(s, shard) for s in shapes)
     b["optimizer_step_temp"] = {"foreach": b["parameters"], "for-loop": 2 * largest}.get(impl, 0)
+    # With fsdp_offload the sharded state (params, grads, optimizer) is in host memory
+    # (trainer/plan_host.py); the device holds the staging copies of `offload_staging`.
+    on_device = 0 if cfg.parallelism.fsdp_offload == "cpu" else 1
+    b["offload_staging"] = (1 - on_device) * offload_staging(
+        {k: sum(shard_numel(s, shard) for s in g) for k, g in groups.items()}, p, r)
 
-    resident = b["parameters"] + b["optimizer_state"] + b["buffers_and_inputs"]
+    resident = (on_device * (b["parameters"] + b["optimizer_state"]) + b["buffers_and_inputs"]
+                + b["offload_staging"])
     in_backward = resident + b["grad_accumulation"]
     blocks_act = b["activations"] - head_act
     b["peak_loss"] = in_backward + b["activations"] + b["logits_loss"] + b["fsdp_loss"]
@@ -224,10 +235,11 @@ def memory_plan(cfg: JobConfig, world_size: int) -> dict[str, int]:
     b["peak_block_backward"] = (in_backward + blocks_act + b["ac_recompute"] + held_logits
                                 + b["fsdp_block"])
     emb_grad = FP32 * sum(shard_numel(s, shard) for s in groups["embedding"])
-    b["peak_end_of_backward"] = (in_backward + b["gradients"] - emb_grad + held_logits
-                                 + b["fsdp_embedding"])
-    b["peak_optimizer_step"] = resident + b["gradients"] + b["optimizer_step_temp"]
+    b["peak_end_of_backward"] = (in_backward + on_device * (b["gradients"] - emb_grad)
+                                 + held_logits + b["fsdp_embedding"])
+    b["peak_optimizer_step"] = resident + on_device * (b["gradients"] + b["optimizer_step_temp"])
     b["total"] = max(v for k, v in b.items() if k.startswith("peak_"))
+    b.update(host_memory(cfg, b, [FP32 * shard_numel(s, shard) for s in shapes]))
     return b
 
 
@@ -241,16 +253,19 @@ def fsdp_buffers(cfg: JobConfig, groups, shard: int, p: int, r: int) -> dict[str
     unsharded after forward under 'default' and 'never' and re-gathered under 'always': in its
     backward it is there in every policy. Under 'never' every group stays unsharded from its
     forward to its backward (counted until the embedding's backward, when the blocks have
-    been resharded after theirs). The embedding's backward also materialises its weight gradient
+    been resharded after theirs). An integer N keeps 1/N of those params per rank over the
+    same span (FSDP2's post-forward shards over groups of N ranks). The embedding's backward also materialises its weight gradient
     in fp32 when computing in bf16 (CPU kernels accumulate in fp32; counted to stay safe).
     """
     g = {k: gathered_numel(v, shard) for k, v in groups.items()}
     block = max(n for k, n in g.items() if k.startswith("layers."))
     head, emb = g["head"], g["embedding"]
-    kept = 0
-    if cfg.parallelism.fsdp_reshard_after_forward == "never":
+    policy, kept = cfg.parallelism.fsdp_reshard_after_forward, 0
+    if policy == "never":
         kept = p * (sum(n for k, n in g.items() if k.startswith("layers.")) + emb)
-    head_kept = p * head if cfg.parallelism.fsdp_reshard_after_forward != "always" else 0
+    elif policy.isdigit():  # hpZ: each rank keeps 1/N of every block and the embedding
+        kept = p * (sum(n for k, n in g.items() if k.startswith("layers.")) + emb) // int(policy)
+    head_kept = p * head if policy != "always" else 0
     emb_temp = FP32 * emb if p < FP32 else 0
     return {
         "fsdp_loss": head_kept + kept,
@@ -271,7 +286,7 @@ def throughput(cfg: JobConfig, peak_tflops: float, mfu: float) -> tuple[float, f
 # --------------------------------------------------------------------------- report
 
 ROWS = [  # (key, label) in print order; None = a heading
-    (None, "resident (sharded)"),
+    (None, "resident (sharded; in host memory with offload: see below)"),
     ("parameters", "parameters (fp32)"),
     ("gradients", "gradients (fp32)"),
     ("optimizer_state", "optimizer state (2 fp32 states + step)"),
@@ -289,6 +304,7 @@ ROWS = [  # (key, label) in print order; None = a heading
     ("fsdp_embedding", "embedding backward"),
     ("grad_accumulation", "unsharded grads kept for accumulation"),
     ("optimizer_step_temp", "optimizer step temporaries ({impl})"),
+    ("offload_staging", "offload: host-to-device shard copies, one grad shard"),
     (None, "device total at each moment"),
     ("peak_loss", "loss backward"),
     ("peak_head_backward", "output head backward"),
@@ -315,8 +331,9 @@ def describe(cfg: JobConfig, world_size: int, ngpu: int, nnodes: int) -> list[st
 
 
 def report(cfg: JobConfig, b: dict[str, int], accum: int, gpu: Gpu, mem_gib: float,
-           mfu: float) -> list[str]:
-    """The breakdown table, the verdict and the throughput at the assumed MFU."""
+           mfu: float, host: tuple[int, float, str] = (1, math.inf, "unlimited")) -> list[str]:
+    """The breakdown table, the verdict and the throughput at the assumed MFU. `host`:
+    (ranks per node, GiB of host RAM per node, where that figure comes from)."""
     t, ac = cfg.training, cfg.activation_checkpoint
     unit, scale = ("GiB", GIB) if b["total"] >= GIB else ("MiB", 2**20)
     fill = {"ac": ac.mode + (f" {ac.selective_ac_option}" if ac.mode == "selective" else ""),
@@ -324,21 +341,25 @@ def report(cfg: JobConfig, b: dict[str, int], accum: int, gpu: Gpu, mem_gib: flo
             "mp": f"{t.mixed_precision_param.replace('auto', 'bfloat16 (auto)')} params, "
                   f"{t.mixed_precision_reduce} reduce",
             "reshard": cfg.parallelism.fsdp_reshard_after_forward,
-            "impl": cfg.optimizer.implementation}
+            "impl": cfg.optimizer.implementation,
+            "offload": f"fsdp_offload {cfg.parallelism.fsdp_offload}"}
     lines = []
-    for key, label in ROWS:
+    for key, label in ROWS + HOST_ROWS:
         label = label.format(**fill)
         value = "" if key is None else f" {b[key] / scale:10.3f} {unit}"
         lines.append(f"  {label}" if key is None else f"    {label:<50}{value}")
     phase = max((k for k in b if k.startswith("peak_")), key=b.get)
     reserve = CONTEXT_GIB * GIB + FRAGMENTATION * b["total"]
     need, have = b["total"] + reserve, mem_gib * GIB
-    verdict = "FITS" if need <= have else "DOES NOT FIT"
+    host_lines, host_fits = host_report(b, *host)
+    verdict = "FITS" if need <= have and host_fits else "DOES NOT FIT"
     lines += [
         f"  peak: {b['total'] / GIB:.3f} GiB (at the {dict(ROWS)[phase]}) + reserve "
         f"{reserve / GIB:.2f} GiB (CUDA context {CONTEXT_GIB} GiB + {FRAGMENTATION:.0%} "
         f"fragmentation) = {need / GIB:.2f} GiB of {have / GIB:.1f} GiB",
-        f"verdict: {verdict} on {gpu.name} ({(have - need) / GIB:+.2f} GiB headroom)",
+        *host_lines,
+        f"verdict: {verdict} on {gpu.name} ({(have - need) / GIB:+.2f} GiB device headroom"
+        f"{'' if host_fits else '; not enough host memory'})",
     ]
     peak = table_peak_tflops(gpu.name)
     if peak:
@@ -361,6 +382,8 @@ def parse_args(argv: list[str]):
     ap.add_argument("--gpu", default="h100", choices=sorted(GPUS), help="GPU model")
     ap.add_argument("--gpu-mem-gib", type=float, default=0.0, help="override the GPU's memory")
     ap.add_argument("--mfu", type=float, default=0.40, help="assumed MFU for tokens/s")
+    ap.add_argument("--host-gib", type=float, default=0.0,
+                    help="host RAM per node (default: this machine's MemTotal)")
     return ap.parse_known_args(argv)
 
 
@@ -379,7 +402,8 @@ def main(argv: list[str]) -> int:
         return e.exit_code
     gpu = GPUS[args.gpu]
     mem_gib = args.gpu_mem_gib or gpu.memory_gib
-    print("\n".join(header + report(cfg, b, accum, gpu, mem_gib, args.mfu)))
+    host = (args.ngpu, *host_ram_gib(args.host_gib))
+    print("\n".join(header + report(cfg, b, accum, gpu, mem_gib, args.mfu, host)))
     return 0
 
 

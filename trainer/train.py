@@ -30,7 +30,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from trainer.checkpoint import Checkpointer, TrainState
-from trainer.config import JobConfig, load_config
+from trainer.config import OFFLOAD_NEEDS_CUDA, JobConfig, load_config
 from trainer.device import Precision, resolve_compute_dtype, resolve_device
 from trainer.data import build_dataloader, check_model_vocab, padded_vocab_size
 from trainer.errors import ConfigError, UserError
@@ -65,7 +65,11 @@ def filter_output() -> None:
 def init_distributed(cfg: JobConfig) -> torch.device:
     """nccl on cuda:LOCAL_RANK, gloo on CPU (per `training.device`); seeds every RNG."""
     device = resolve_device(cfg.training.device)
+    if cfg.parallelism.fsdp_offload == "cpu" and device.type != "cuda":
+        raise ConfigError(OFFLOAD_NEEDS_CUDA.format(where=f"this rank computes on {device}"))
     backend = "nccl" if device.type == "cuda" else "gloo"
+    if cfg.parallelism.fsdp_offload == "cpu":  # clipping reduces the CPU-resident grads' norm
+        backend = "cuda:nccl,cpu:gloo"
     if device.type == "cuda":
         torch.cuda.set_device(device)
     timeout = datetime.timedelta(seconds=cfg.comm.init_timeout_seconds)
@@ -125,7 +129,7 @@ def choose_precision(cfg: JobConfig, device: torch.device) -> Precision:
 
 
 def train_step(model, optimizer, scheduler, loader, *, accum: int, sync_mode: str, dp_group,
-               max_norm: float, metrics: MetricsProcessor, step: int = 0):
+               max_norm: float, metrics: MetricsProcessor, step: int = 0, device=None):
     """One optimizer step over `accum` microbatches; returns (rank's mean loss, grad norm, lr,
     stepped). `stepped` is False, on every rank alike, when the loss of any rank or the grad
     norm was not finite: the optimizer step is then skipped (trainer/guard.py).
@@ -140,7 +144,7 @@ def train_step(model, optimizer, scheduler, loader, *, accum: int, sync_mode: st
         batches = [loader.next_microbatch() for _ in range(accum)]
     if os.environ.get(DEBUG_DATA_ENV):
         print_sample_hashes(batches, dp_group)
-    device = next(model.parameters()).device
+    device = device or next(model.parameters()).device  # params are on the CPU with offload
     local_tokens = sum(int((labels != IGNORE_INDEX).sum()) for _, labels in batches)
     global_tokens = torch.tensor(float(local_tokens), device=device)
     dist.all_reduce(global_tokens, group=dp_group)
@@ -257,7 +261,7 @@ def run_loop(cfg, model, optimizer, scheduler, loader, checkpointer, metrics, pr
         rank_loss, grad_norm, lr, stepped = train_step(
             model, optimizer, scheduler, loader, accum=accum,
             sync_mode=cfg.training.gradient_accumulation_sync, dp_group=dp_group,
-            max_norm=cfg.training.max_norm, metrics=metrics, step=state.step)
+            max_norm=cfg.training.max_norm, metrics=metrics, step=state.step, device=device)
         state.tokens_seen += cfg.training.seq_len * loader.global_batch_size
         last = state.step == cfg.training.steps
         if state.step % cfg.metrics.log_freq == 0 or last or state.step == first_step:
