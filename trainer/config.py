@@ -71,8 +71,9 @@ class Optimizer:
     beta2: float = opt(0.95, "Adam beta2, in [0, 1)", min=0.0, max=1.0)
     eps: float = opt(1e-8, "Adam epsilon", min=0.0)
     weight_decay: float = opt(0.1, "Decoupled weight decay", min=0.0)
-    implementation: str = opt("foreach", "Kernel: for-loop, foreach or fused",
-                              choices=("for-loop", "foreach", "fused"))
+    implementation: str = opt("auto", "Kernel: auto (fused on CUDA, foreach on CPU), "
+                              "for-loop, foreach or fused",
+                              choices=("auto", "for-loop", "foreach", "fused"))
 
     def validate(self) -> None:
         for key in ("beta1", "beta2"):
@@ -103,6 +104,10 @@ class Training:
         "auto", "Dtype of the unsharded compute params: auto = bfloat16 on CUDA and on CPUs with "
         "native bf16 (AMX, AVX512-BF16), float32 elsewhere", choices=("auto", *DTYPES))
     mixed_precision_reduce: str = opt("float32", "Dtype of gradient reduction", choices=DTYPES)
+    loss: str = opt("chunked", "Output projection + cross-entropy: chunked (loss_chunk_size "
+                    "tokens at a time, no full [tokens, vocab] logits) or eager (full logits)",
+                    choices=("chunked", "eager"))
+    loss_chunk_size: int = opt(1024, "Tokens per chunk of the chunked loss", min=1)
     gradient_accumulation_sync: str = opt(
         "last", "Microbatch grad sync: last (least comm), every (least memory), hsdp_reduce_scatter",
         choices=("last", "every", "hsdp_reduce_scatter"))

@@ -27,7 +27,6 @@ import sys
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 
 from trainer.checkpoint import Checkpointer, TrainState
 from trainer.config import JobConfig, load_config
@@ -36,6 +35,7 @@ from trainer.data import build_dataloader, check_model_vocab, padded_vocab_size
 from trainer.errors import ConfigError, UserError
 from trainer.guard import LossGuard, flag_nonfinite_loss, injected_nan
 from trainer.hf.load import load_initial, save_last_hf
+from trainer.loss import IGNORE_INDEX, LossFn, build_loss
 from trainer.metrics import MetricsProcessor
 from trainer.model import build_model, model_args
 from trainer.optim import build_lr_scheduler, build_optimizer
@@ -44,7 +44,6 @@ from trainer.preemption import PREEMPTED_EXIT_CODE, Preempted, StopSignals
 from trainer.profiling import StepProfiler
 from trainer.validate import Validator, log_validation
 
-IGNORE_INDEX = -100
 # Debugging/testing hook: print a hash of every sample each rank trains on, per step.
 DEBUG_DATA_ENV = "TRAINER_DEBUG_DATA_HASHES"
 
@@ -125,7 +124,7 @@ def choose_precision(cfg: JobConfig, device: torch.device) -> Precision:
 
 
 def train_step(model, optimizer, scheduler, loader, *, accum: int, sync_mode: str, dp_group,
-               max_norm: float, metrics: MetricsProcessor, step: int = 0):
+               max_norm: float, metrics: MetricsProcessor, loss_fn: LossFn, step: int = 0):
     """One optimizer step over `accum` microbatches; returns (rank's mean loss, grad norm, lr,
     stepped). `stepped` is False, on every rank alike, when the loss of any rank or the grad
     norm was not finite: the optimizer step is then skipped (trainer/guard.py).
@@ -148,10 +147,8 @@ def train_step(model, optimizer, scheduler, loader, *, accum: int, sync_mode: st
     loss_sum = torch.zeros((), device=device)
     for i, (inputs, labels) in enumerate(batches):
         set_gradient_sync(model, sync_mode, is_last=i == accum - 1)
-        logits = model(inputs.to(device))
-        loss = F.cross_entropy(logits.flatten(0, 1).float(), labels.to(device).flatten(),
-                               ignore_index=IGNORE_INDEX, reduction="sum") / global_tokens
-        del logits  # the backward needs only the fp32 log-softmax: free [batch, seq, vocab]
+        # The model's head computes the summed token loss (trainer/loss.py): no logits here.
+        loss = model(inputs.to(device), labels=labels.to(device), loss_fn=loss_fn) / global_tokens
         (loss * dp_size).backward()
         loss_sum += loss.detach()
     loss_sum = loss_sum + injected_nan(step)  # testing hook; 0.0 unless asked
@@ -248,6 +245,9 @@ def run_loop(cfg, model, optimizer, scheduler, loader, checkpointer, metrics, pr
     or until too many non-finite steps in a row (TrainingError)."""
     stop = StopSignals(cfg.job.stop_signals, early=EARLY_SIGNALS)
     guard = LossGuard(cfg.training, log=log0, metrics=metrics)
+    # Compiling the loss's chunks pays on GPUs; on CPU it would only add compile time.
+    loss_fn = build_loss(cfg.training.loss, cfg.training.loss_chunk_size,
+                         compile_chunks=cfg.compile.enable and device.type == "cuda")
     if state.step >= cfg.training.steps:
         log0(f"nothing to do: already at step {state.step} of {cfg.training.steps}")
     first_step = state.step + 1
@@ -257,7 +257,7 @@ def run_loop(cfg, model, optimizer, scheduler, loader, checkpointer, metrics, pr
         rank_loss, grad_norm, lr, stepped = train_step(
             model, optimizer, scheduler, loader, accum=accum,
             sync_mode=cfg.training.gradient_accumulation_sync, dp_group=dp_group,
-            max_norm=cfg.training.max_norm, metrics=metrics, step=state.step)
+            max_norm=cfg.training.max_norm, metrics=metrics, loss_fn=loss_fn, step=state.step)
         state.tokens_seen += cfg.training.seq_len * loader.global_batch_size
         last = state.step == cfg.training.steps
         if state.step % cfg.metrics.log_freq == 0 or last or state.step == first_step:
