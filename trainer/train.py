@@ -37,6 +37,8 @@ from trainer.guard import LossGuard, flag_nonfinite_loss, injected_nan
 from trainer.hf.load import load_initial, save_last_hf
 from trainer.loss import IGNORE_INDEX, LossFn, build_loss
 from trainer.metrics import MetricsProcessor
+from trainer.oom import (OOM_EXIT_CODE, OutOfMemory, claim_report, inject_oom, out_of_memory,
+                         peer_ran_out_of_memory)
 from trainer.model import build_model, model_args
 from trainer.optim import build_lr_scheduler, build_optimizer
 from trainer.parallelize import parallelize, set_gradient_sync
@@ -149,6 +151,8 @@ def train_step(model, optimizer, scheduler, loader, *, accum: int, sync_mode: st
         set_gradient_sync(model, sync_mode, is_last=i == accum - 1)
         # The model's head computes the summed token loss (trainer/loss.py): no logits here.
         loss = model(inputs.to(device), labels=labels.to(device), loss_fn=loss_fn) / global_tokens
+        if i == 0:
+            inject_oom(step)  # testing hook; nothing unless asked
         (loss * dp_size).backward()
         loss_sum += loss.detach()
     loss_sum = loss_sum + injected_nan(step)  # testing hook; 0.0 unless asked
@@ -254,10 +258,14 @@ def run_loop(cfg, model, optimizer, scheduler, loader, checkpointer, metrics, pr
     while state.step < cfg.training.steps:
         state.step += 1
         metrics.step_timer()
-        rank_loss, grad_norm, lr, stepped = train_step(
-            model, optimizer, scheduler, loader, accum=accum,
-            sync_mode=cfg.training.gradient_accumulation_sync, dp_group=dp_group,
-            max_norm=cfg.training.max_norm, metrics=metrics, loss_fn=loss_fn, step=state.step)
+        try:
+            rank_loss, grad_norm, lr, stepped = train_step(
+                model, optimizer, scheduler, loader, accum=accum,
+                sync_mode=cfg.training.gradient_accumulation_sync, dp_group=dp_group,
+                max_norm=cfg.training.max_norm, metrics=metrics, loss_fn=loss_fn,
+                step=state.step)
+        except torch.OutOfMemoryError:  # rank-local: one line, see trainer/oom.py
+            raise out_of_memory(cfg, state.step, device) from None
         state.tokens_seen += cfg.training.seq_len * loader.global_batch_size
         last = state.step == cfg.training.steps
         if state.step % cfg.metrics.log_freq == 0 or last or state.step == first_step:
@@ -339,6 +347,10 @@ def main(argv: list[str]) -> int:
     try:
         train(load_config(argv))
         code = 0
+    except OutOfMemory as e:  # this rank's alone: printed by the first rank to report one
+        if claim_report():
+            print(e.one_line(), file=sys.stderr, flush=True)
+        code = e.exit_code
     except UserError as e:
         if int(os.environ.get("RANK", "0")) == 0:
             print(e.one_line(), file=sys.stderr, flush=True)
@@ -346,8 +358,12 @@ def main(argv: list[str]) -> int:
     except Preempted as e:
         log0(str(e))
         code = e.exit_code
+    except Exception:
+        if not peer_ran_out_of_memory():
+            raise
+        code = OOM_EXIT_CODE  # our collective failed because that peer left: it has reported
     finally:
-        if dist.is_initialized():
+        if dist.is_initialized() and code != OOM_EXIT_CODE:  # peers may be mid-collective
             if code in (0, PREEMPTED_EXIT_CODE):
                 dist.barrier()
             dist.destroy_process_group()
