@@ -21,6 +21,7 @@ from trainer.config_base import (check_field, coerce, did_you_mean, from_cli, op
                                   toml_value, type_name)
 from trainer.data.config import DataConfig
 from trainer.errors import ConfigError, UserError
+from trainer.float8 import Float8, check_config as check_float8
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -234,6 +235,7 @@ class JobConfig:
     parallelism: Parallelism = field(default_factory=Parallelism)
     activation_checkpoint: ActivationCheckpoint = field(default_factory=ActivationCheckpoint)
     compile: Compile = field(default_factory=Compile)
+    float8: Float8 = field(default_factory=Float8)
     checkpoint: Checkpoint = field(default_factory=Checkpoint)
     metrics: Metrics = field(default_factory=Metrics)
     profiling: Profiling = field(default_factory=Profiling)
@@ -248,6 +250,7 @@ class JobConfig:
                 check_field(section, f, getattr(obj, f.name))
             if hasattr(obj, "validate"):
                 obj.validate()
+        check_float8(self.float8, self.training.device)
         if world_size is not None:
             self.resolve(world_size)
 

@@ -23,6 +23,7 @@ from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.utils.checkpoint import (CheckpointPolicy, checkpoint,
                                     create_selective_checkpoint_contexts)
 
+from trainer.float8 import apply_float8
 from trainer.model import Transformer
 
 DTYPE = {"bfloat16": torch.bfloat16, "float32": torch.float32}
@@ -108,6 +109,8 @@ def parallelize(model: Transformer, parallel_dims, cfg, *, device: torch.device,
                 param_dtype: str) -> Transformer:
     """AC, compile and shard `model` (built on meta) per `cfg` (a JobConfig), then materialise
     and initialise it. `param_dtype` is the resolved compute dtype (trainer.device)."""
+    if cfg.float8.enable:  # before AC and compile wrap the blocks (trainer/float8.py)
+        apply_float8(model, cfg.float8)
     if cfg.activation_checkpoint.mode != "none":
         apply_ac(model, cfg.activation_checkpoint.mode, cfg.activation_checkpoint.selective_ac_option)
     if cfg.compile.enable:

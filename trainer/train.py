@@ -33,6 +33,7 @@ from trainer.config import JobConfig, load_config
 from trainer.device import Precision, resolve_compute_dtype, resolve_device
 from trainer.data import build_dataloader, check_model_vocab, padded_vocab_size
 from trainer.errors import ConfigError, UserError
+from trainer.float8 import after_optimizer_step, check_device as check_float8_device
 from trainer.guard import LossGuard, flag_nonfinite_loss, injected_nan
 from trainer.hf.load import load_initial, save_last_hf
 from trainer.loss import IGNORE_INDEX, LossFn, build_loss
@@ -195,6 +196,7 @@ def train(cfg: JobConfig) -> None:
     if dist.get_rank() == 0:
         cfg.save(os.path.join(cfg.job.dump_folder, "config.toml"))
     precision = choose_precision(cfg, device)
+    agree_on_user_errors(check_float8_device, cfg.float8, device)
     parallel_dims.build_mesh(device.type)
     dp_mesh = parallel_dims.dp_mesh
     dp_group = dp_mesh.get_group()
@@ -266,6 +268,8 @@ def run_loop(cfg, model, optimizer, scheduler, loader, checkpointer, metrics, pr
                 step=state.step)
         except torch.OutOfMemoryError:  # rank-local: one line, see trainer/oom.py
             raise out_of_memory(cfg, state.step, device) from None
+        if stepped:
+            after_optimizer_step(model, cfg.float8)
         state.tokens_seen += cfg.training.seq_len * loader.global_batch_size
         last = state.step == cfg.training.steps
         if state.step % cfg.metrics.log_freq == 0 or last or state.step == first_step:
