@@ -38,6 +38,7 @@ from trainer.device import resolve_compute_dtype
 from trainer.model import Transformer, build_model, model_args
 from trainer.optim import build_lr_scheduler, build_optimizer
 from trainer.parallelize import parallelize
+from trainer.loss import build_loss
 from trainer.train import init_distributed, train_step
 
 
@@ -77,11 +78,13 @@ def build_trainer_step(cfg, args, batch):
     opt = build_optimizer(model, cfg.optimizer)
     sched = build_lr_scheduler(opt, cfg.lr_scheduler, cfg.training.steps)
     loader, metrics, group = _FixedBatch(*batch), _NoMetrics(), pd.dp_mesh.get_group()
+    loss_fn = build_loss(cfg.training.loss, cfg.training.loss_chunk_size)
 
     def step() -> float:
         loss = train_step(model, opt, sched, loader, accum=1, dp_group=group,
                              sync_mode=cfg.training.gradient_accumulation_sync,
-                             max_norm=cfg.training.max_norm, metrics=metrics)[0]
+                             max_norm=cfg.training.max_norm, metrics=metrics,
+                             loss_fn=loss_fn)[0]
         return float(loss)
 
     return step

@@ -17,10 +17,16 @@ WARMUP="${WARMUP:-10}"
 CONFIG=configs/debug_model.toml
 COMMON="--data.dataset synthetic --training.global_batch_size -1 --training.mixed_precision_param bfloat16"
 VOCAB="--model.vocab_size 128256"
+# 1b: the production settings of configs/llama3_1b.toml (compile, fused AdamW, chunked loss,
+# bf16), overriding only what one GPU and a short benchmark force: one microbatch per step
+# (global batch -1), no checkpoint writes, synthetic tokens; the local batch is the plan's
+# largest that fits this GPU (LOCAL_BATCH=N to choose).
+CONFIG_1B=configs/llama3_1b.toml
+COMMON_1B="--data.dataset synthetic --training.global_batch_size -1 --checkpoint.enable false"
 
 declare -A SHAPE=(
   [debug]=""
-  [1b]="--model.flavor 1B $VOCAB --training.seq_len 4096 --training.local_batch_size 2"
+  [1b]=""
   [8b]="--model.flavor 8B $VOCAB --training.seq_len 4096 --training.local_batch_size 1 --activation_checkpoint.mode full --optimizer.implementation fused"
 )
 
@@ -40,6 +46,16 @@ shapes=("$@")
 [ ${#shapes[@]} -gt 0 ] || shapes=(debug 1b 8b)
 for shape in "${shapes[@]}"; do
   [ -n "${SHAPE[$shape]+x}" ] || { echo "unknown shape $shape (debug, 1b, 8b)"; exit 2; }
+  if [ "$shape" = 1b ]; then
+    batch="${LOCAL_BATCH:-$("$PYTHON" -m trainer.plan --config "$CONFIG_1B" --ngpu 1 --gpu "$GPU" \
+      $COMMON_1B | sed -n 's/^largest local_batch_size that fits: \([0-9]*\).*/\1/p')}"
+    echo "=== 1b: production config, local batch $batch"
+    # shellcheck disable=SC2086
+    "$PYTHON" benchmarks/bench_train.py --config "$CONFIG_1B" --ngpu 1 --steps "$STEPS" \
+      --warmup "$WARMUP" --label "1b-prod-b$batch" -- $COMMON_1B \
+      --training.local_batch_size "$batch" || echo "=== 1b FAILED (rc $?)"
+    continue
+  fi
   echo "=== $shape: memory plan on $GPU"
   # shellcheck disable=SC2086
   plan=$("$PYTHON" -m trainer.plan --config "$CONFIG" --ngpu 1 --gpu "$GPU" $COMMON ${SHAPE[$shape]})

@@ -21,6 +21,7 @@ from trainer.config_base import (check_field, coerce, did_you_mean, from_cli, op
                                   toml_value, type_name)
 from trainer.data.config import DataConfig
 from trainer.errors import ConfigError, UserError
+from trainer.float8 import Float8, check_config as check_float8
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -71,8 +72,9 @@ class Optimizer:
     beta2: float = opt(0.95, "Adam beta2, in [0, 1)", min=0.0, max=1.0)
     eps: float = opt(1e-8, "Adam epsilon", min=0.0)
     weight_decay: float = opt(0.1, "Decoupled weight decay", min=0.0)
-    implementation: str = opt("foreach", "Kernel: for-loop, foreach or fused",
-                              choices=("for-loop", "foreach", "fused"))
+    implementation: str = opt("auto", "Kernel: auto (fused on CUDA, foreach on CPU), "
+                              "for-loop, foreach or fused",
+                              choices=("auto", "for-loop", "foreach", "fused"))
 
     def validate(self) -> None:
         for key in ("beta1", "beta2"):
@@ -103,6 +105,10 @@ class Training:
         "auto", "Dtype of the unsharded compute params: auto = bfloat16 on CUDA and on CPUs with "
         "native bf16 (AMX, AVX512-BF16), float32 elsewhere", choices=("auto", *DTYPES))
     mixed_precision_reduce: str = opt("float32", "Dtype of gradient reduction", choices=DTYPES)
+    loss: str = opt("chunked", "Output projection + cross-entropy: chunked (loss_chunk_size "
+                    "tokens at a time, no full [tokens, vocab] logits) or eager (full logits)",
+                    choices=("chunked", "eager"))
+    loss_chunk_size: int = opt(1024, "Tokens per chunk of the chunked loss", min=1)
     gradient_accumulation_sync: str = opt(
         "last", "Microbatch grad sync: last (least comm), every (least memory), hsdp_reduce_scatter",
         choices=("last", "every", "hsdp_reduce_scatter"))
@@ -270,6 +276,7 @@ class JobConfig:
     parallelism: Parallelism = field(default_factory=Parallelism)
     activation_checkpoint: ActivationCheckpoint = field(default_factory=ActivationCheckpoint)
     compile: Compile = field(default_factory=Compile)
+    float8: Float8 = field(default_factory=Float8)
     checkpoint: Checkpoint = field(default_factory=Checkpoint)
     metrics: Metrics = field(default_factory=Metrics)
     profiling: Profiling = field(default_factory=Profiling)
@@ -286,6 +293,7 @@ class JobConfig:
                 obj.validate()
         if self.parallelism.fsdp_offload == "cpu" and self.training.device == "cpu":
             raise ConfigError(OFFLOAD_NEEDS_CUDA.format(where="training.device = 'cpu'"))
+        check_float8(self.float8, self.training.device)
         if world_size is not None:
             self.resolve(world_size)
 

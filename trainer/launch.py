@@ -44,7 +44,9 @@ from torch.distributed.run import config_from_args, elastic_launch, parse_args  
 USER_ERROR_EXIT_CODE = 2
 PREEMPTED_EXIT_CODE = 3  # a clean, checkpointed stop on a signal (see trainer.train)
 TRAINING_ERROR_EXIT_CODE = 4  # too many non-finite steps: one `training error:` line printed
-QUIET_CODES = (USER_ERROR_EXIT_CODE, PREEMPTED_EXIT_CODE, TRAINING_ERROR_EXIT_CODE)
+OUT_OF_MEMORY_EXIT_CODE = 5  # a CUDA OOM in a step: one `training error:` line (trainer.oom)
+QUIET_CODES = (USER_ERROR_EXIT_CODE, PREEMPTED_EXIT_CODE, TRAINING_ERROR_EXIT_CODE,
+               OUT_OF_MEMORY_EXIT_CODE)
 
 
 FORWARDED = ("SIGTERM", "SIGINT", "SIGHUP", "SIGUSR1", "SIGUSR2")

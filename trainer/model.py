@@ -115,6 +115,15 @@ class TransformerBlock(nn.Module):
         return h + self.feed_forward(self.ffn_norm(h))
 
 
+class Head(nn.Linear):
+    """The output projection. Given labels and a loss (trainer.loss), it returns the summed
+    token loss instead of the logits: the loss then runs inside this module's forward, where
+    FSDP holds its unsharded weight, so the [tokens, vocab] logits need not leave the loss."""
+
+    def forward(self, h: torch.Tensor, labels: torch.Tensor | None = None, loss_fn=None):
+        return super().forward(h) if labels is None else loss_fn(h, self.weight, labels)
+
+
 class Transformer(nn.Module):
     def __init__(self, args: ModelArgs):
         super().__init__()
@@ -124,20 +133,27 @@ class Transformer(nn.Module):
         self.norm = RMSNorm(args.dim, args.norm_eps)
         # Tied: no parameter of its own; the head multiplies by tok_embeddings.weight.
         self.output = (None if args.tie_word_embeddings
-                       else nn.Linear(args.dim, args.vocab_size, bias=False))
+                       else Head(args.dim, args.vocab_size, bias=False))
         cos, sin = rope_tables(args.head_dim, args.max_seq_len, args.rope_theta,
                                scaling=args.rope_scaling)
         self.register_buffer("rope_cos", cos, persistent=False)
         self.register_buffer("rope_sin", sin, persistent=False)
 
-    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+    def forward(self, tokens: torch.Tensor, labels: torch.Tensor | None = None,
+                loss_fn=None) -> torch.Tensor:
+        """Logits [batch, seq, vocab]; or, with labels and a trainer.loss function, the
+        summed token loss (fp32 scalar), computed without returning the logits."""
         seq = tokens.shape[1]
         cos, sin = self.rope_cos[:seq], self.rope_sin[:seq]
         h = self.tok_embeddings(tokens)
         for layer in self.layers.values():
             h = layer(h, cos, sin)
         h = self.norm(h)
-        return self.output(h) if self.output is not None else F.linear(h, self.tok_embeddings.weight)
+        if self.output is not None:
+            return self.output(h, labels, loss_fn)
+        # Tied: the embedding is in the root's FSDP group, unsharded until the root's forward ends.
+        weight = self.tok_embeddings.weight
+        return F.linear(h, weight) if labels is None else loss_fn(h, weight, labels)
 
     @torch.no_grad()
     def init_weights(self, seed: int) -> None:

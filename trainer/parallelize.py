@@ -24,6 +24,7 @@ from torch.distributed.fsdp import (CPUOffloadPolicy, FSDPModule, MixedPrecision
 from torch.utils.checkpoint import (CheckpointPolicy, checkpoint,
                                     create_selective_checkpoint_contexts)
 
+from trainer.float8 import apply_float8
 from trainer.model import Transformer
 
 DTYPE = {"bfloat16": torch.bfloat16, "float32": torch.float32}
@@ -123,6 +124,8 @@ def parallelize(model: Transformer, parallel_dims, cfg, *, device: torch.device,
     on the mesh's device either way (trainer.model), so offload starts from the same weights.
     """
     offload = cfg.parallelism.fsdp_offload == "cpu"
+    if cfg.float8.enable:  # before AC and compile wrap the blocks (trainer/float8.py)
+        apply_float8(model, cfg.float8)
     if cfg.activation_checkpoint.mode != "none":
         apply_ac(model, cfg.activation_checkpoint.mode, cfg.activation_checkpoint.selective_ac_option)
     if cfg.compile.enable:

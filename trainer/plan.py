@@ -9,9 +9,10 @@ tensor and pads the other ranks' storage to the same size). Bytes are per device
 
 The device's peak is the largest of five moments of a step; each is the resident state
 (sharded fp32 parameters, AdamW states, buffers and inputs) plus what is live then:
-- the loss's backward: every saved activation and the loss region (fp32 log-probabilities and
-  their gradients) at its widest, with the head's params kept unsharded from forward;
-- the output head's backward: activations, the logits and their gradient, the head's unsharded
+- the loss: every saved activation and the loss region at its widest (eager: the fp32
+  log-probabilities and their gradients; chunked: one chunk, dh and the fp32 dW; see
+  `loss_region`), with the head's params kept unsharded from forward;
+- the output head's backward: activations, the loss's gradients for it, the head's unsharded
   params, grads and reduce-scatter buffer, and the prefetched last block;
 - the top block's backward: saved activations, one block recomputed under AC, one block's
   FSDP buffers;
@@ -20,7 +21,7 @@ The device's peak is the largest of five moments of a step; each is the resident
 Sharded gradients are None from `zero_grad(set_to_none=True)` until each group's backward, so
 they are counted only from the end of backward on. The formulas assume the eager model in
 trainer/model.py with a flash/memory-efficient SDPA (no [seq, seq] score matrix) and the loss
-of trainer/train.py; compiled blocks usually save less (Inductor fuses the elementwise ops),
+of trainer/loss.py; compiled blocks usually save less (Inductor fuses the elementwise ops),
 so for `[compile] enable` the plan is an upper bound in practice. Each formula's assumptions are in its function's docstring;
 tests/test_plan.py checks them against tensors measured on CPU ranks.
 
@@ -31,6 +32,8 @@ plan checks too (trainer/plan_host.py): per rank, times the ranks of a node.
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import functools
 import math
 import sys
 from dataclasses import dataclass
@@ -41,6 +44,7 @@ from trainer.flops import flops_per_token, table_peak_tflops
 from trainer.model import FLAVORS, ModelArgs, build_model, model_args
 from trainer.plan_host import (HOST_ROWS, host_memory, host_ram_gib, host_report,
                                offload_staging)
+from trainer.optim import implementation
 
 GIB = 2**30
 BYTES = {"float32": 4, "bfloat16": 2, "auto": 2}  # the plan is for GPUs: auto = bfloat16 there
@@ -87,6 +91,7 @@ def resolve_vocab(cfg: JobConfig) -> tuple[int, str]:
         f"the {cfg.model.flavor} flavor's (the tokenizer is not loaded; set [model] vocab_size)")
 
 
+@functools.lru_cache(maxsize=8)
 def fsdp_groups(args: ModelArgs) -> dict[str, list[tuple[int, ...]]]:
     """Parameter shapes per FSDP group, as trainer.parallelize.apply_fsdp forms the groups:
     one per block, the embedding, and the final norm + output head. Built on meta: free."""
@@ -164,16 +169,30 @@ def head_saved(a: ModelArgs, p: int) -> int:
     return (4 + 2 * p) * a.dim
 
 
-def loss_region(a: ModelArgs, p: int, tokens: int) -> tuple[int, int]:
-    """(held logits, peak of the loss region) for one microbatch.
+def loss_region(cfg: JobConfig, a: ModelArgs, p: int, tokens: int) -> dict[str, int]:
+    """What the loss (trainer/loss.py) holds for one microbatch: `at_loss`, at its widest;
+    `at_head`, in the head's backward; `after`, through the rest of the backward.
 
-    train.py keeps `logits` ([batch, seq, vocab] in the compute dtype) alive until the next
-    microbatch, through the whole backward. Its loss upcasts them to fp32 for cross-entropy,
-    whose log-softmax saves an fp32 output; its backward holds that output, the incoming fp32
-    gradient and the fp32 gradient it produces at once: p + 12 bytes per logit at the peak.
+    eager: the [batch, seq, vocab] logits in the compute dtype are counted as held through the
+    whole backward; cross-entropy upcasts them to fp32, its log-softmax saves an fp32 output,
+    and its backward holds that output, the incoming and the produced fp32 gradient at once:
+    p + 12 bytes per logit at the peak, 2p in the head's backward.
+    chunked: dh (p per token and dim) and the fp32 dW ([vocab, dim]) live from the loss's
+    forward to the head's backward, which casts dW to the compute dtype (p * vocab * dim more,
+    none in fp32). One chunk of c tokens holds its logits in the compute dtype and in fp32,
+    then the fp32 softmax and its cast (both (4 + p) * c * vocab in bf16, 4 * c * vocab in
+    fp32), then the cast and dW's product in the compute dtype (bf16 only). Nothing is held
+    after the head's backward.
     """
-    held = p * a.vocab_size * tokens
-    return held, held + 3 * FP32 * a.vocab_size * tokens
+    v = a.vocab_size
+    if cfg.training.loss == "eager":
+        held = p * v * tokens
+        return {"at_loss": held + 3 * FP32 * v * tokens, "at_head": 2 * held, "after": held}
+    c = min(cfg.training.loss_chunk_size, tokens)
+    grads = p * tokens * a.dim + FP32 * v * a.dim
+    cast = p * v * a.dim if p < FP32 else 0
+    chunk = max((FP32 + p) * c * v, p * c * v + cast) if p < FP32 else FP32 * c * v
+    return {"at_loss": grads + chunk, "at_head": grads + cast, "after": 0}
 
 
 # --------------------------------------------------------------------------- the plan
@@ -212,11 +231,12 @@ def memory_plan(cfg: JobConfig, world_size: int) -> dict[str, int]:
     b["activations"] = blocks_activations(cfg, a, p, tokens) + head_act
     recompute = cfg.activation_checkpoint.mode != "none"
     b["ac_recompute"] = block_saved(a, p) * tokens if recompute else 0
-    held_logits, b["logits_loss"] = loss_region(a, p, tokens)
+    loss = loss_region(cfg, a, p, tokens)
+    b["logits_loss"], held_logits = loss["at_loss"], loss["after"]
     b.update(fsdp_buffers(cfg, groups, shard, p, r))
     sync_last = cfg.training.gradient_accumulation_sync == "last"
     b["grad_accumulation"] = r * gathered_numel(shapes, shard) if accum > 1 and sync_last else 0
-    impl = cfg.optimizer.implementation
+    impl = implementation(cfg.optimizer.implementation, "cuda")  # the plan is for GPUs
     largest = max(FP32 * shard_numel(s, shard) for s in shapes)
     b["optimizer_step_temp"] = {"foreach": b["parameters"], "for-loop": 2 * largest}.get(impl, 0)
     # With fsdp_offload the sharded state (params, grads, optimizer) is in host memory
@@ -230,7 +250,7 @@ def memory_plan(cfg: JobConfig, world_size: int) -> dict[str, int]:
     in_backward = resident + b["grad_accumulation"]
     blocks_act = b["activations"] - head_act
     b["peak_loss"] = in_backward + b["activations"] + b["logits_loss"] + b["fsdp_loss"]
-    b["peak_head_backward"] = (in_backward + b["activations"] + 2 * held_logits
+    b["peak_head_backward"] = (in_backward + b["activations"] + loss["at_head"]
                                + b["fsdp_head"])
     b["peak_block_backward"] = (in_backward + blocks_act + b["ac_recompute"] + held_logits
                                 + b["fsdp_block"])
@@ -273,6 +293,34 @@ def fsdp_buffers(cfg: JobConfig, groups, shard: int, p: int, r: int) -> dict[str
         "fsdp_block": (3 * p + 2 * r) * block + kept,
         "fsdp_embedding": (2 * p + r) * emb + emb_temp + r * block,
     }
+
+
+def device_need(total: int) -> int:
+    """Bytes of device memory a plan peak needs: + the CUDA context and fragmentation."""
+    return int(total + CONTEXT_GIB * GIB + FRAGMENTATION * total)
+
+
+def largest_local_batch(cfg: JobConfig, world_size: int, mem_gib: float,
+                        limit: int = 1024) -> int:
+    """The largest `training.local_batch_size` whose plan fits `mem_gib` (0 if none does).
+    With a fixed `global_batch_size`, only local batches that divide it are candidates."""
+
+    def fits(batch: int) -> bool | None:  # None: not a valid local batch for this config
+        trial = dataclasses.replace(cfg, training=dataclasses.replace(
+            cfg.training, local_batch_size=batch))
+        try:
+            return device_need(memory_plan(trial, world_size)["total"]) <= mem_gib * GIB
+        except ConfigError:
+            return None
+
+    lo, hi = 0, 1  # the plan grows with the batch: double, then bisect
+    while hi <= limit and fits(hi) is not False:
+        lo, hi = hi, hi * 2
+    hi = min(hi, limit + 1)
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        lo, hi = (mid, hi) if fits(mid) is not False else (lo, mid)
+    return next((b for b in range(lo, 0, -1) if fits(b)), 0)
 
 
 def throughput(cfg: JobConfig, peak_tflops: float, mfu: float) -> tuple[float, float]:
@@ -337,11 +385,12 @@ def report(cfg: JobConfig, b: dict[str, int], accum: int, gpu: Gpu, mem_gib: flo
     t, ac = cfg.training, cfg.activation_checkpoint
     unit, scale = ("GiB", GIB) if b["total"] >= GIB else ("MiB", 2**20)
     fill = {"ac": ac.mode + (f" {ac.selective_ac_option}" if ac.mode == "selective" else ""),
-            "loss": f"fp32 [{t.local_batch_size}, {t.seq_len}, vocab]",
+            "loss": (f"eager, fp32 [{t.local_batch_size}, {t.seq_len}, vocab]"
+                     if t.loss == "eager" else f"chunked, {t.loss_chunk_size} tokens at a time"),
             "mp": f"{t.mixed_precision_param.replace('auto', 'bfloat16 (auto)')} params, "
                   f"{t.mixed_precision_reduce} reduce",
             "reshard": cfg.parallelism.fsdp_reshard_after_forward,
-            "impl": cfg.optimizer.implementation,
+            "impl": implementation(cfg.optimizer.implementation, "cuda"),
             "offload": f"fsdp_offload {cfg.parallelism.fsdp_offload}"}
     lines = []
     for key, label in ROWS + HOST_ROWS:
@@ -349,8 +398,8 @@ def report(cfg: JobConfig, b: dict[str, int], accum: int, gpu: Gpu, mem_gib: flo
         value = "" if key is None else f" {b[key] / scale:10.3f} {unit}"
         lines.append(f"  {label}" if key is None else f"    {label:<50}{value}")
     phase = max((k for k in b if k.startswith("peak_")), key=b.get)
-    reserve = CONTEXT_GIB * GIB + FRAGMENTATION * b["total"]
-    need, have = b["total"] + reserve, mem_gib * GIB
+    need, have = device_need(b["total"]), mem_gib * GIB
+    reserve = need - b["total"]
     host_lines, host_fits = host_report(b, *host)
     verdict = "FITS" if need <= have and host_fits else "DOES NOT FIT"
     lines += [
@@ -403,7 +452,12 @@ def main(argv: list[str]) -> int:
     gpu = GPUS[args.gpu]
     mem_gib = args.gpu_mem_gib or gpu.memory_gib
     host = (args.ngpu, *host_ram_gib(args.host_gib))
-    print("\n".join(header + report(cfg, b, accum, gpu, mem_gib, args.mfu, host)))
+    best = largest_local_batch(cfg, world, mem_gib)
+    fixed = cfg.training.global_batch_size != -1
+    print("\n".join(header + report(cfg, b, accum, gpu, mem_gib, args.mfu, host) + [
+        f"largest local_batch_size that fits: {best}"
+        + (f" (of those dividing global_batch_size {cfg.training.global_batch_size})"
+           if fixed else "")]))
     return 0
 
 

@@ -27,16 +27,19 @@ import sys
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 
 from trainer.checkpoint import Checkpointer, TrainState
 from trainer.config import OFFLOAD_NEEDS_CUDA, JobConfig, load_config
 from trainer.device import Precision, resolve_compute_dtype, resolve_device
 from trainer.data import build_dataloader, check_model_vocab, padded_vocab_size
 from trainer.errors import ConfigError, UserError
+from trainer.float8 import after_optimizer_step, check_device as check_float8_device
 from trainer.guard import LossGuard, flag_nonfinite_loss, injected_nan
 from trainer.hf.load import load_initial, save_last_hf
+from trainer.loss import IGNORE_INDEX, LossFn, build_loss
 from trainer.metrics import MetricsProcessor
+from trainer.oom import (OOM_EXIT_CODE, OutOfMemory, claim_report, inject_oom, out_of_memory,
+                         peer_ran_out_of_memory)
 from trainer.model import build_model, model_args
 from trainer.optim import build_lr_scheduler, build_optimizer
 from trainer.parallelize import parallelize, set_gradient_sync
@@ -44,7 +47,6 @@ from trainer.preemption import PREEMPTED_EXIT_CODE, Preempted, StopSignals
 from trainer.profiling import StepProfiler
 from trainer.validate import Validator, log_validation
 
-IGNORE_INDEX = -100
 # Debugging/testing hook: print a hash of every sample each rank trains on, per step.
 DEBUG_DATA_ENV = "TRAINER_DEBUG_DATA_HASHES"
 
@@ -129,7 +131,8 @@ def choose_precision(cfg: JobConfig, device: torch.device) -> Precision:
 
 
 def train_step(model, optimizer, scheduler, loader, *, accum: int, sync_mode: str, dp_group,
-               max_norm: float, metrics: MetricsProcessor, step: int = 0, device=None):
+               max_norm: float, metrics: MetricsProcessor, loss_fn: LossFn, step: int = 0,
+               device=None):
     """One optimizer step over `accum` microbatches; returns (rank's mean loss, grad norm, lr,
     stepped). `stepped` is False, on every rank alike, when the loss of any rank or the grad
     norm was not finite: the optimizer step is then skipped (trainer/guard.py).
@@ -152,10 +155,10 @@ def train_step(model, optimizer, scheduler, loader, *, accum: int, sync_mode: st
     loss_sum = torch.zeros((), device=device)
     for i, (inputs, labels) in enumerate(batches):
         set_gradient_sync(model, sync_mode, is_last=i == accum - 1)
-        logits = model(inputs.to(device))
-        loss = F.cross_entropy(logits.flatten(0, 1).float(), labels.to(device).flatten(),
-                               ignore_index=IGNORE_INDEX, reduction="sum") / global_tokens
-        del logits  # the backward needs only the fp32 log-softmax: free [batch, seq, vocab]
+        # The model's head computes the summed token loss (trainer/loss.py): no logits here.
+        loss = model(inputs.to(device), labels=labels.to(device), loss_fn=loss_fn) / global_tokens
+        if i == 0:
+            inject_oom(step)  # testing hook; nothing unless asked
         (loss * dp_size).backward()
         loss_sum += loss.detach()
     loss_sum = loss_sum + injected_nan(step)  # testing hook; 0.0 unless asked
@@ -198,6 +201,7 @@ def train(cfg: JobConfig) -> None:
     if dist.get_rank() == 0:
         cfg.save(os.path.join(cfg.job.dump_folder, "config.toml"))
     precision = choose_precision(cfg, device)
+    agree_on_user_errors(check_float8_device, cfg.float8, device)
     parallel_dims.build_mesh(device.type)
     dp_mesh = parallel_dims.dp_mesh
     dp_group = dp_mesh.get_group()
@@ -252,16 +256,25 @@ def run_loop(cfg, model, optimizer, scheduler, loader, checkpointer, metrics, pr
     or until too many non-finite steps in a row (TrainingError)."""
     stop = StopSignals(cfg.job.stop_signals, early=EARLY_SIGNALS)
     guard = LossGuard(cfg.training, log=log0, metrics=metrics)
+    # Compiling the loss's chunks pays on GPUs; on CPU it would only add compile time.
+    loss_fn = build_loss(cfg.training.loss, cfg.training.loss_chunk_size,
+                         compile_chunks=cfg.compile.enable and device.type == "cuda")
     if state.step >= cfg.training.steps:
         log0(f"nothing to do: already at step {state.step} of {cfg.training.steps}")
     first_step = state.step + 1
     while state.step < cfg.training.steps:
         state.step += 1
         metrics.step_timer()
-        rank_loss, grad_norm, lr, stepped = train_step(
-            model, optimizer, scheduler, loader, accum=accum,
-            sync_mode=cfg.training.gradient_accumulation_sync, dp_group=dp_group,
-            max_norm=cfg.training.max_norm, metrics=metrics, step=state.step, device=device)
+        try:
+            rank_loss, grad_norm, lr, stepped = train_step(
+                model, optimizer, scheduler, loader, accum=accum,
+                sync_mode=cfg.training.gradient_accumulation_sync, dp_group=dp_group,
+                max_norm=cfg.training.max_norm, metrics=metrics, loss_fn=loss_fn,
+                step=state.step, device=device)
+        except torch.OutOfMemoryError:  # rank-local: one line, see trainer/oom.py
+            raise out_of_memory(cfg, state.step, device) from None
+        if stepped:
+            after_optimizer_step(model, cfg.float8)
         state.tokens_seen += cfg.training.seq_len * loader.global_batch_size
         last = state.step == cfg.training.steps
         if state.step % cfg.metrics.log_freq == 0 or last or state.step == first_step:
@@ -343,6 +356,10 @@ def main(argv: list[str]) -> int:
     try:
         train(load_config(argv))
         code = 0
+    except OutOfMemory as e:  # this rank's alone: printed by the first rank to report one
+        if claim_report():
+            print(e.one_line(), file=sys.stderr, flush=True)
+        code = e.exit_code
     except UserError as e:
         if int(os.environ.get("RANK", "0")) == 0:
             print(e.one_line(), file=sys.stderr, flush=True)
@@ -350,8 +367,12 @@ def main(argv: list[str]) -> int:
     except Preempted as e:
         log0(str(e))
         code = e.exit_code
+    except Exception:
+        if not peer_ran_out_of_memory():
+            raise
+        code = OOM_EXIT_CODE  # our collective failed because that peer left: it has reported
     finally:
-        if dist.is_initialized():
+        if dist.is_initialized() and code != OOM_EXIT_CODE:  # peers may be mid-collective
             if code in (0, PREEMPTED_EXIT_CODE):
                 dist.barrier()
             dist.destroy_process_group()

@@ -19,11 +19,11 @@ import sys
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
 
 from trainer.config import load_config
 from trainer.device import resolve_compute_dtype
+from trainer.loss import build_loss
 from trainer.model import build_model, model_args
 from trainer.optim import build_optimizer
 from trainer.parallelize import parallelize
@@ -64,12 +64,13 @@ def main(out_dir: str, argv: list[str]) -> None:
     inputs = torch.randint(0, args.vocab_size, shape, generator=gen)
     labels = torch.randint(0, args.vocab_size, shape, generator=gen)
 
+    loss_fn = build_loss(cfg.training.loss, cfg.training.loss_chunk_size)
+
     def step(tracker=None):
-        logits = model(inputs)
-        loss = F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(), reduction="sum")
+        loss = model(inputs, labels=labels, loss_fn=loss_fn)  # the trainer's loss (train.py)
         after_forward = snapshot(tracker) if tracker else None
         (loss * pd.dp_size / (inputs.numel() * pd.dp_size)).backward()
-        del logits, loss
+        del loss
         backward_peak = snapshot(tracker, "peak") if tracker else None
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0, foreach=True)
         opt.step()

@@ -1,0 +1,25 @@
+"""A CUDA out-of-memory in a step ends the run with one line and exit code 5, on every rank
+count that hits it, without the other rank hanging. CPU ranks raise torch.OutOfMemoryError
+through the TRAINER_TEST_OOM hook (trainer/oom.py) after a step's forward."""
+
+import re
+import time
+
+import pytest
+
+from tests.helpers import TINY, run_train
+
+
+@pytest.mark.parametrize("ranks", ["1", "0,1"])  # a peer waits in a collective / both fail
+def test_out_of_memory_is_one_line(tmp_path, ranks):
+    start = time.monotonic()
+    proc = run_train(tmp_path, *TINY, "--training.steps", "4", check=False,
+                     env={"TRAINER_TEST_OOM": f"{ranks}:2:1.6"}, timeout=120)
+    assert proc.returncode == 5, proc.stderr
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1, proc.stderr
+    assert re.fullmatch(r"training error: CUDA out of memory at step 2 on rank [01] \(.*\); the "
+                        r"memory plan fits local_batch_size <= \d+ here \(now 2\); see "
+                        r"python -m trainer\.plan .*--ngpu 2 .*--gpu-mem-gib 1\.6", lines[0])
+    assert "step:     1" in proc.stdout and "step:     2" not in proc.stdout
+    assert time.monotonic() - start < 60  # no rank waited for a collective timeout
