@@ -29,6 +29,7 @@ BASE_TAGS = {
 CUDA_MEMORY_TAGS = {
     "memory/max_active(GiB)", "memory/max_active(%)", "memory/max_reserved(GiB)",
     "memory/max_reserved(%)", "memory/num_alloc_retries", "memory/num_ooms",
+    "memory/max_rss(GiB)",  # host memory too: with fsdp_offload the sharded state lives there
 }
 
 
