@@ -45,3 +45,18 @@ def test_generate_prints_text_deterministic_and_exact(val_run):  # noqa: F811
     sample = [gen.generate(model, prompt, max_new_tokens=24, token_vocab=tok.vocab_size,
                            temperature=1.0, top_k=50, seed=s) for s in (0, 0, 1)]
     assert sample[0] == sample[1] != sample[2]
+
+
+def test_kv_cache_is_exact_for_a_tied_flavor():
+    """Tied flavors (no output module: the head is the embedding) decode the same with the
+    KV cache as with a full forward per token."""
+    from trainer.generate import generate
+    from trainer.model import build_model, model_args
+
+    model = build_model(model_args("debugmodel-3.2", vocab_size=512, max_seq_len=64))
+    model.to_empty(device="cpu")
+    model.init_weights(0)
+    model.eval()
+    kw = dict(max_new_tokens=12, token_vocab=512)
+    assert generate(model, [1, 5, 9], use_cache=True, **kw) == \
+        generate(model, [1, 5, 9], use_cache=False, **kw)

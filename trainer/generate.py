@@ -126,7 +126,9 @@ def forward_cached(model, tokens: torch.Tensor, cache: KVCache) -> torch.Tensor:
         h = h + attn.wo(out.transpose(1, 2).reshape(b, seq, -1))
         h = h + layer.feed_forward(layer.ffn_norm(h))
     cache.length = end
-    return model.output(model.norm(h))
+    h = model.norm(h)
+    # Tied flavors (llama3.2-*) have no output module: the head is the embedding matrix.
+    return model.output(h) if model.output is not None else F.linear(h, model.tok_embeddings.weight)
 
 
 def pick(logits: torch.Tensor, *, token_vocab: int, temperature: float, top_k: int,
