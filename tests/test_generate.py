@@ -60,3 +60,28 @@ def test_kv_cache_is_exact_for_a_tied_flavor():
     kw = dict(max_new_tokens=12, token_vocab=512)
     assert generate(model, [1, 5, 9], use_cache=True, **kw) == \
         generate(model, [1, 5, 9], use_cache=False, **kw)
+
+
+def test_load_model_keeps_the_flavors_rope_scaling(tmp_path):
+    """A scaled-RoPE flavor (Llama-3.2) loaded for generation computes the logits of the model
+    that was trained: its RoPE tables carry the flavor's scaling."""
+    import torch.distributed.checkpoint as dcp
+
+    from trainer.config import load_config
+    from trainer.model import build_model, model_args, rope_tables
+
+    args = model_args("debugmodel-3.2", vocab_size=512, max_seq_len=64)
+    trained = build_model(args)
+    trained.to_empty(device="cpu")
+    trained.init_weights(0)
+    dcp.save({"model_optim": {"model": trained.state_dict()}},
+             checkpoint_id=str(tmp_path / "step-1"), no_dist=True)
+    cfg = load_config(["--model.flavor", "debugmodel-3.2", "--model.vocab_size", "512",
+                       "--training.seq_len", "64"])
+    loaded = gen.load_model(tmp_path / "step-1", cfg, token_vocab=512, max_len=64,
+                            device=torch.device("cpu"))
+    unscaled, _ = rope_tables(args.head_dim, 64, args.rope_theta)
+    assert not torch.equal(loaded.rope_cos, unscaled)  # the scaling changes these tables
+    tokens = torch.tensor([[1, 5, 9, 42, 7]])
+    with torch.no_grad():
+        assert torch.equal(loaded(tokens), trained.eval()(tokens))

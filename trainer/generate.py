@@ -59,15 +59,13 @@ def load_model(checkpoint: Path, cfg, *, token_vocab: int, max_len: int, device)
     import torch.distributed.checkpoint as dcp
 
     from trainer.data import padded_vocab_size
-    from trainer.model import build_model, model_args, rope_tables
+    from trainer.model import build_model, model_args
 
     vocab = cfg.model.vocab_size or padded_vocab_size(token_vocab, cfg.model.vocab_size_multiple_of)
     args = model_args(cfg.model.flavor, vocab_size=vocab,
                       max_seq_len=max(cfg.training.seq_len, max_len))
     model = build_model(args).to_empty(device=device)
-    cos, sin = rope_tables(args.head_dim, args.max_seq_len, args.rope_theta, device=device)
-    model.rope_cos.copy_(cos)
-    model.rope_sin.copy_(sin)
+    model.init_rope()  # with the flavor's RoPE scaling, as in training
     if not (checkpoint / ".metadata").is_file():
         raise ConfigError(f"--checkpoint {checkpoint} is not a checkpoint (no .metadata); use "
                           "a committed {dump_folder}/checkpoint/step-N folder")

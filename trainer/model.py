@@ -134,10 +134,10 @@ class Transformer(nn.Module):
         # Tied: no parameter of its own; the head multiplies by tok_embeddings.weight.
         self.output = (None if args.tie_word_embeddings
                        else Head(args.dim, args.vocab_size, bias=False))
-        cos, sin = rope_tables(args.head_dim, args.max_seq_len, args.rope_theta,
-                               scaling=args.rope_scaling)
-        self.register_buffer("rope_cos", cos, persistent=False)
-        self.register_buffer("rope_sin", sin, persistent=False)
+        # Filled by init_rope (init_weights calls it) once the model has a real device.
+        table = (args.max_seq_len, args.head_dim // 2)
+        self.register_buffer("rope_cos", torch.empty(table), persistent=False)
+        self.register_buffer("rope_sin", torch.empty(table), persistent=False)
 
     def forward(self, tokens: torch.Tensor, labels: torch.Tensor | None = None,
                 loss_fn=None) -> torch.Tensor:
@@ -156,13 +156,19 @@ class Transformer(nn.Module):
         return F.linear(h, weight) if labels is None else loss_fn(h, weight, labels)
 
     @torch.no_grad()
-    def init_weights(self, seed: int) -> None:
-        """Deterministic, sharding-independent init (see the module docstring)."""
+    def init_rope(self) -> None:
+        """Compute the RoPE tables (non-persistent buffers: needed after `to_empty`)."""
         a = self.args
         cos, sin = rope_tables(a.head_dim, a.max_seq_len, a.rope_theta, device=self.rope_cos.device,
                                scaling=a.rope_scaling)
         self.rope_cos.copy_(cos)
         self.rope_sin.copy_(sin)
+
+    @torch.no_grad()
+    def init_weights(self, seed: int) -> None:
+        """Deterministic, sharding-independent init (see the module docstring)."""
+        a = self.args
+        self.init_rope()
         for name, param in self.named_parameters():
             _fill(param, name, seed, _init_std(name, a))
 
