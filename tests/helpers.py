@@ -15,8 +15,9 @@ RUN_TRAIN = REPO / "run_train.sh"
 # (where "auto" would put NGPU ranks on fewer GPUs than that).
 CPU = ["--training.device", "cpu"]
 
-# Small, fast settings shared by the end-to-end tests (a 2-layer slice of the debug model).
-TINY = [*CPU,
+# Small, fast settings shared by the end-to-end tests (debugmodel-tiny: a 2-layer, dim-64
+# slice of the debug model; a test that needs the debug shape names its flavor after these).
+TINY = [*CPU, "--model.flavor", "debugmodel-tiny",
     "--training.seq_len", "64", "--training.local_batch_size", "2",
     "--training.mixed_precision_param", "float32", "--metrics.log_freq", "1",
     "--lr_scheduler.warmup_steps", "2", "--data.dataset", "synthetic",

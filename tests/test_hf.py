@@ -4,6 +4,8 @@ the Llama-3.2 features (tied embeddings, llama3 RoPE scaling) and the exported t
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -52,7 +54,8 @@ def test_trained_debug_model_exports_to_transformers(tmp_path, json_cfg):  # noq
     from trainer.data.tokenizer import Tokenizer
 
     dump = tmp_path / "run"
-    run_train(dump, *TINY, "--training.steps", "3", "--checkpoint.enable",
+    run_train(dump, *TINY, "--model.flavor", "debugmodel", "--training.steps", "3",
+              "--checkpoint.enable",
               "--data.dataset", "json", "--data.data_files", json_cfg.data_files[0],
               "--data.tokenizer_path", json_cfg.tokenizer_path, "--model.vocab_size", str(VOCAB))
     ckpt, out = dump / "checkpoint" / "step-3", tmp_path / "hf"
@@ -78,20 +81,21 @@ def test_trained_debug_model_exports_to_transformers(tmp_path, json_cfg):  # noq
 
 
 def test_random_llama32_1b_exports_to_transformers(tmp_path):
-    """The released Llama-3.2-1B shape (tied, llama3 RoPE scaling), random weights."""
+    """The released Llama-3.2-1B shape (tied, llama3 RoPE scaling), random weights; 2 of its
+    16 layers (every tensor shape of the 1B model at a quarter of its 1.2B parameters)."""
     from transformers import LlamaForCausalLM
 
     from trainer.hf.export import write_hf_folder
     from trainer.config import JobConfig
     from trainer.model import build_model, model_args, rope_tables
 
-    args = model_args("llama3.2-1B", max_seq_len=32)
+    args = dataclasses.replace(model_args("llama3.2-1B", max_seq_len=32), n_layers=2)
     model = build_model(args)
     model.to_empty(device="cpu")
     model.rope_cos[:], model.rope_sin[:] = rope_tables(args.head_dim, 32, args.rope_theta,
                                                        scaling=args.rope_scaling)
     gen = torch.Generator().manual_seed(0)
-    with torch.no_grad():  # a fast random fill (the seeded init is slow on 1.2B weights),
+    with torch.no_grad():  # a fast random fill (the seeded init is slow on 0.4B weights),
         for name, p in model.named_parameters():  # of bf16 values: a bf16 export is lossless
             p.uniform_(-0.04, 0.04, generator=gen).add_(name.endswith("norm.weight"))
             p.copy_(p.bfloat16())

@@ -1,6 +1,8 @@
 """End to end through ./run_train.sh: parity across layouts, exact resume, atomic saves."""
 
 import re
+import shutil
+from pathlib import Path
 
 import pytest
 
@@ -9,58 +11,79 @@ from tests.helpers import losses, run_train
 from tests.test_data_fixtures import corpus_dir, json_cfg, tokenizer_path  # noqa: F401
 
 
-def test_parity_one_process_fsdp2_hsdp4(tmp_path):
-    runs = {
-        "single": run_train(tmp_path / "single", *BASE, "--training.steps", "3", nproc=1),
-        "fsdp2": run_train(tmp_path / "fsdp2", *BASE, "--training.steps", "3", nproc=2),
-        "hsdp2x2": run_train(tmp_path / "hsdp2x2", *BASE, "--training.steps", "3",
-                             "--parallelism.data_parallel_replicate_degree", "2", nproc=4),
-    }
-    assert "HSDP mesh (dp_replicate=2, dp_shard=2)" in runs["hsdp2x2"].stdout
+# The reference run several tests compare with: 2 ranks (FSDP), 8 steps on the stdlib corpus,
+# a checkpoint every 4 steps, each rank printing the hashes of its samples.
+HASHES = {"TRAINER_DEBUG_DATA_HASHES": "1"}
+
+
+def common(cache) -> list[str]:
+    return [*BASE, "--data.dataset", "stdlib", "--data.cache_dir", str(cache),
+            "--checkpoint.enable", "true", "--checkpoint.interval", "4"]
+
+
+@pytest.fixture(scope="module")
+def straight(tmp_path_factory):
+    """(dump, stdout, cache dir) of the uninterrupted reference run."""
+    root = tmp_path_factory.mktemp("e2e")
+    out = run_train(root / "straight", *common(root / "cache"), "--training.steps", "8",
+                    env=HASHES, log_rank="0,1").stdout
+    return root / "straight", out, root / "cache"
+
+
+def stopped_at_4(run: Path, dest: Path) -> Path:
+    """A copy of an 8-step run (checkpoints at 4 and 8) as if it had stopped right after saving step 4: the later
+    checkpoint and every TensorBoard event are removed, so what is logged next is the rerun's."""
+    shutil.copytree(run, dest)
+    shutil.rmtree(dest / "checkpoint" / "step-8")
+    shutil.rmtree(dest / "tb")
+    return dest
+
+
+def test_parity_one_process_fsdp2_hsdp4(tmp_path, straight):
+    cmn, steps = common(straight[2]), ["--training.steps", "3"]
+    single = run_train(tmp_path / "single", *cmn, *steps, nproc=1)
+    hsdp = run_train(tmp_path / "hsdp2x2", *cmn, *steps,
+                     "--parallelism.data_parallel_replicate_degree", "2", nproc=4)
+    assert "gradient accumulation steps: 4" in single.stdout  # 8 samples, 2 per microbatch
+    assert "HSDP mesh (dp_replicate=2, dp_shard=2)" in hsdp.stdout
     ref = losses(tmp_path / "single")
     assert sorted(ref) == [1, 2, 3]
-    for name in ("fsdp2", "hsdp2x2"):
-        got = losses(tmp_path / name)
+    for name, got in (("fsdp2", losses(straight[0])), ("hsdp2x2", losses(tmp_path / "hsdp2x2"))):
         assert got[1] == ref[1], (name, got[1], ref[1])  # same init, same data: equal step 1
         for step in (2, 3):
             assert got[step] == pytest.approx(ref[step], rel=1e-4), (name, step)
 
 
-def test_resume_is_bitwise_and_survives_a_larger_world(tmp_path):
-    common = [*BASE, "--checkpoint.enable", "true", "--checkpoint.interval", "4"]
-    run_train(tmp_path / "straight", *common, "--training.steps", "8")
-    straight = losses(tmp_path / "straight")
+def test_resume_is_bitwise_and_survives_a_larger_world(tmp_path, straight):
+    ref, cmn = losses(straight[0]), common(straight[2])
+    assert sorted(ref) == list(range(1, 9))
+    resumed = stopped_at_4(straight[0], tmp_path / "resumed")
+    out = run_train(resumed, *cmn, "--training.steps", "8").stdout
+    assert re.search(r"resumed from \S*step-4 \(step 4\)", out), out
+    assert losses(resumed) == {s: ref[s] for s in range(5, 9)}  # bitwise
 
-    run_train(tmp_path / "resumed", *common, "--training.steps", "4")
-    out = run_train(tmp_path / "resumed", *common, "--training.steps", "8").stdout
-    assert "resumed from" in out and "step-4" in out
-    resumed = losses(tmp_path / "resumed")
-    assert [resumed[s] for s in range(1, 9)] == [straight[s] for s in range(1, 9)]  # bitwise
-
-    # The same with asynchronous saves: the background writer saw the state of step 4, not a
-    # later one (the state is staged before training goes on).
-    async_ = [*common, "--checkpoint.async_mode", "async"]
-    run_train(tmp_path / "async", *async_, "--training.steps", "4")
+    # Asynchronous saves: the background writer of step 4 saw the state of step 4 while
+    # training went on (the state is staged first), and the save is committed as soon as every
+    # rank's write is done, not at the next save: a crash between two saves finds step 4.
+    async_ = [*cmn, "--checkpoint.async_mode", "async"]
     out = run_train(tmp_path / "async", *async_, "--training.steps", "8").stdout
-    assert "writing in the background" in out and "resumed from" in out
-    resumed = losses(tmp_path / "async")
-    assert [resumed[s] for s in range(5, 9)] == [straight[s] for s in range(5, 9)]
-
-    # An async save is committed as soon as every rank's write is done, not at the next save:
-    # a crash between two saves must find the earlier one.
-    out = run_train(tmp_path / "async_commit", *async_, "--training.steps", "6",
-                    "--checkpoint.interval", "3").stdout
-    committed = out.index("saved checkpoint " + str(tmp_path / "async_commit/checkpoint/step-3"))
-    assert committed < out.index("step:     6"), out
+    assert "writing in the background" in out
+    committed = out.index("saved checkpoint " + str(tmp_path / "async/checkpoint/step-4"))
+    assert committed < out.index("step:     8"), out
+    assert losses(tmp_path / "async") == ref
+    again = stopped_at_4(tmp_path / "async", tmp_path / "async_resumed")
+    out = run_train(again, *async_, "--training.steps", "8").stdout
+    assert "resumed from" in out
+    assert losses(again) == {s: ref[s] for s in range(5, 9)}
 
     # A checkpoint written by 2 ranks (FSDP) continues on 4 ranks (HSDP 2x2).
-    (tmp_path / "wide").mkdir()
-    run_train(tmp_path / "wide", *common, "--training.steps", "4")
-    run_train(tmp_path / "wide", *common, "--training.steps", "8",
+    wide = stopped_at_4(straight[0], tmp_path / "wide")
+    run_train(wide, *cmn, "--training.steps", "8",
               "--parallelism.data_parallel_replicate_degree", "2", nproc=4)
-    wide = losses(tmp_path / "wide")
+    got = losses(wide)
+    assert sorted(got) == [5, 6, 7, 8]
     for step in range(5, 9):
-        assert wide[step] == pytest.approx(straight[step], rel=1e-4), step
+        assert got[step] == pytest.approx(ref[step], rel=1e-4), step
 
 
 def test_interrupted_save_leaves_the_previous_checkpoint(tmp_path):
@@ -96,24 +119,20 @@ def global_batches(stdout: str) -> list[list[str]]:
     return [sum((per_rank[r][s] for r in sorted(per_rank)), []) for s in range(steps)]
 
 
-def test_elastic_resume_hsdp4_to_fsdp2_sees_exactly_the_next_samples(tmp_path):
+def test_elastic_resume_hsdp4_to_fsdp2_sees_exactly_the_next_samples(tmp_path, straight):
     """The data issue's elastic resume on the real corpus: 4 ranks (HSDP 2x2) for 4 steps,
     stop, resume on 2 ranks (FSDP) to step 8 == an uninterrupted 8-step run on 2 ranks."""
-    common = [*BASE, "--data.dataset", "stdlib", "--data.cache_dir", str(tmp_path / "cache"),
-              "--checkpoint.enable", "true", "--checkpoint.interval", "4"]
-    env = {"TRAINER_DEBUG_DATA_HASHES": "1"}
-    straight = run_train(tmp_path / "straight", *common, "--training.steps", "8", env=env,
-                         log_rank="0,1").stdout
-    first = run_train(tmp_path / "elastic", *common, "--training.steps", "4",
-                      "--parallelism.data_parallel_replicate_degree", "2", nproc=4, env=env,
+    cmn = common(straight[2])
+    first = run_train(tmp_path, *cmn, "--training.steps", "4",
+                      "--parallelism.data_parallel_replicate_degree", "2", nproc=4, env=HASHES,
                       log_rank="0,1,2,3").stdout
-    second = run_train(tmp_path / "elastic", *common, "--training.steps", "8", env=env,
+    second = run_train(tmp_path, *cmn, "--training.steps", "8", env=HASHES,
                        log_rank="0,1").stdout
-    want = global_batches(straight)
+    want = global_batches(straight[1])
     assert len(want) == 8 and len({h for batch in want for h in batch}) == 64  # no repeats
     assert global_batches(first) == want[:4]
     assert global_batches(second) == want[4:]
-    ref, got = losses(tmp_path / "straight"), losses(tmp_path / "elastic")
+    ref, got = losses(straight[0]), losses(tmp_path)
     for step in range(5, 9):
         assert got[step] == pytest.approx(ref[step], rel=1e-4), step
 

@@ -52,7 +52,7 @@ class Job:
 @dataclass
 class Model:
     name: str = opt("llama3", "Model family", choices=("llama3",))
-    flavor: str = opt("debugmodel", "Model size: debugmodel, debugmodel-3.2, 1B, llama3.2-1B, llama3.2-3B, 8B, 70B")
+    flavor: str = opt("debugmodel", "Model size: debugmodel, debugmodel-tiny, debugmodel-3.2, 1B, llama3.2-1B, llama3.2-3B, 8B, 70B")
     vocab_size: int = opt(0, "Model vocab; 0 = the tokenizer's, padded to vocab_size_multiple_of", min=0)
     vocab_size_multiple_of: int = opt(64, "Pad the model vocab up to a multiple of this", min=1)
 
