@@ -13,6 +13,7 @@ from tests.helpers import REPO, torchrun
 
 PROBE = REPO / "tests/scripts/accum_probe.py"
 HSDP = ["--parallelism.data_parallel_replicate_degree", "2", "--data.dataset", "synthetic",
+        "--model.flavor", "debugmodel-tiny",
         "--training.seq_len", "32", "--training.global_batch_size", "16"]
 # Adam's first update is ~lr * sign(g): an eps above the rounding noise of near-zero gradients
 # keeps the parameter comparison meaningful (the gradients are compared directly too).

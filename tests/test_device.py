@@ -7,6 +7,8 @@ The rank count and the GPU check happen before any process starts (run_train.sh 
 
 from __future__ import annotations
 
+import re
+import shutil
 import subprocess
 import sys
 import time
@@ -168,8 +170,9 @@ def test_bf16_layout_parity_accumulation_and_resume(tmp_path):
     (2 microbatches) and HSDP 2x2 (1 microbatch) give the same step-1 loss, then stay close
     (reduction order differs); a resume is bitwise. The warning line: emulated bf16 only."""
     steps = ["--training.steps", "2"]
+    ckpt = ["--checkpoint.enable", "true", "--checkpoint.interval", "1"]
     runs = {"single": run_train(tmp_path / "single", *BF16, *steps, nproc=1),
-            "fsdp2": run_train(tmp_path / "fsdp2", *BF16, *steps),
+            "fsdp2": run_train(tmp_path / "fsdp2", *BF16, *ckpt, *steps),
             "hsdp": run_train(tmp_path / "hsdp", *BF16, *steps,
                               "--parallelism.data_parallel_replicate_degree", "2", nproc=4)}
     assert "gradient accumulation steps: 4" in runs["single"].stdout
@@ -184,8 +187,11 @@ def test_bf16_layout_parity_accumulation_and_resume(tmp_path):
         assert got[1] == ref[1], (name, got, ref)
         assert got[2] == pytest.approx(ref[2], rel=1e-3), (name, got, ref)
 
-    ckpt = ["--checkpoint.enable", "true", "--checkpoint.interval", "1"]
-    run_train(tmp_path / "resumed", *BF16, *ckpt, "--training.steps", "1")
-    out = run_train(tmp_path / "resumed", *BF16, *ckpt, *steps).stdout
-    assert "resumed from" in out
-    assert losses(tmp_path / "resumed") == losses(tmp_path / "fsdp2")  # bitwise
+    # Resume the FSDP run as if it had stopped after saving step 1: step 2 again, bitwise.
+    resumed = tmp_path / "resumed"
+    shutil.copytree(tmp_path / "fsdp2", resumed)
+    shutil.rmtree(resumed / "checkpoint" / "step-2")
+    shutil.rmtree(resumed / "tb")
+    out = run_train(resumed, *BF16, *ckpt, *steps).stdout
+    assert re.search(r"resumed from \S*step-1 \(step 1\)", out), out
+    assert losses(resumed) == {2: losses(tmp_path / "fsdp2")[2]}  # bitwise

@@ -67,7 +67,11 @@ def plan_advice(cfg, mem_gib: float) -> str:
 
     world = int(os.environ.get("WORLD_SIZE", "1"))
     nnodes = max(1, world // int(os.environ.get("LOCAL_WORLD_SIZE", str(world))))
-    cmd = (f"python -m trainer.plan --config {shlex.quote(cfg.job.config_file or '...')} "
+    # The run's effective config (saved at startup, CLI overrides included), so the command
+    # plans the model that ran out of memory.
+    saved = os.path.join(cfg.job.dump_folder, "config.toml")
+    config = saved if os.path.isfile(saved) else (cfg.job.config_file or "...")
+    cmd = (f"python -m trainer.plan --config {shlex.quote(config)} "
            f"--ngpu {world // nnodes} --nnodes {nnodes} --gpu-mem-gib {mem_gib:g}")
     if not mem_gib:
         return f"see {cmd}"
