@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import glob
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -91,6 +92,15 @@ def scalars(dump: Path | str, tag: str, tb_folder: str = "tb") -> dict[int, floa
         if tag in acc.Tags()["scalars"]:
             out.update({e.step: e.value for e in acc.Scalars(tag)})
     return out
+
+
+def stopped_after_save(run: Path, dest: Path, dropped_step: int) -> Path:
+    """A copy of a finished run as if it had stopped before saving `dropped_step`: that
+    checkpoint and every TensorBoard event are removed, so what is logged next is the rerun's."""
+    shutil.copytree(run, dest)
+    shutil.rmtree(dest / "checkpoint" / f"step-{dropped_step}")
+    shutil.rmtree(dest / "tb")
+    return dest
 
 
 def losses(dump: Path | str) -> dict[int, float]:

@@ -8,7 +8,6 @@ The rank count and the GPU check happen before any process starts (run_train.sh 
 from __future__ import annotations
 
 import re
-import shutil
 import subprocess
 import sys
 import time
@@ -16,7 +15,7 @@ import time
 import pytest
 import torch
 
-from tests.helpers import REPO, TINY, losses, run_train, subprocess_env
+from tests.helpers import REPO, TINY, losses, run_train, stopped_after_save, subprocess_env
 from trainer.device import (Precision, cpu_native_bf16, local_ranks, resolve_compute_dtype,
                             visible_gpus)
 from trainer.errors import ConfigError
@@ -188,10 +187,7 @@ def test_bf16_layout_parity_accumulation_and_resume(tmp_path):
         assert got[2] == pytest.approx(ref[2], rel=1e-3), (name, got, ref)
 
     # Resume the FSDP run as if it had stopped after saving step 1: step 2 again, bitwise.
-    resumed = tmp_path / "resumed"
-    shutil.copytree(tmp_path / "fsdp2", resumed)
-    shutil.rmtree(resumed / "checkpoint" / "step-2")
-    shutil.rmtree(resumed / "tb")
+    resumed = stopped_after_save(tmp_path / "fsdp2", tmp_path / "resumed", 2)
     out = run_train(resumed, *BF16, *ckpt, *steps).stdout
     assert re.search(r"resumed from \S*step-1 \(step 1\)", out), out
     assert losses(resumed) == {2: losses(tmp_path / "fsdp2")[2]}  # bitwise

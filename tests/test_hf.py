@@ -87,13 +87,12 @@ def test_random_llama32_1b_exports_to_transformers(tmp_path):
 
     from trainer.hf.export import write_hf_folder
     from trainer.config import JobConfig
-    from trainer.model import build_model, model_args, rope_tables
+    from trainer.model import build_model, model_args
 
     args = dataclasses.replace(model_args("llama3.2-1B", max_seq_len=32), n_layers=2)
     model = build_model(args)
     model.to_empty(device="cpu")
-    model.rope_cos[:], model.rope_sin[:] = rope_tables(args.head_dim, 32, args.rope_theta,
-                                                       scaling=args.rope_scaling)
+    model.init_rope()
     gen = torch.Generator().manual_seed(0)
     with torch.no_grad():  # a fast random fill (the seeded init is slow on 0.4B weights),
         for name, p in model.named_parameters():  # of bf16 values: a bf16 export is lossless

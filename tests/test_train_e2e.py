@@ -1,13 +1,12 @@
 """End to end through ./run_train.sh: parity across layouts, exact resume, atomic saves."""
 
 import re
-import shutil
 from pathlib import Path
 
 import pytest
 
 from tests.helpers import BASE_FP32 as BASE
-from tests.helpers import losses, run_train
+from tests.helpers import losses, run_train, stopped_after_save
 from tests.test_data_fixtures import corpus_dir, json_cfg, tokenizer_path  # noqa: F401
 
 
@@ -31,12 +30,8 @@ def straight(tmp_path_factory):
 
 
 def stopped_at_4(run: Path, dest: Path) -> Path:
-    """A copy of an 8-step run (checkpoints at 4 and 8) as if it had stopped right after saving step 4: the later
-    checkpoint and every TensorBoard event are removed, so what is logged next is the rerun's."""
-    shutil.copytree(run, dest)
-    shutil.rmtree(dest / "checkpoint" / "step-8")
-    shutil.rmtree(dest / "tb")
-    return dest
+    """A copy of an 8-step run (checkpoints at 4 and 8) as if it had stopped after step 4."""
+    return stopped_after_save(run, dest, 8)
 
 
 def test_parity_one_process_fsdp2_hsdp4(tmp_path, straight):
