@@ -5,7 +5,9 @@
 Two measurements, each repeated (median reported), after one untimed launch that warms the
 data cache and the OS's file cache (what a user's second launch sees):
 - headline: `run_train.sh --training.steps 1` from launch until rank 0's step-1 console line
-  arrives, and until the launcher exits;
+  arrives, and until the launcher exits; CPU ranks forked from the launcher (the default) and,
+  interleaved with it, started as fresh processes (TRAINER_FORK_RANKS=0), with the CPU seconds
+  of the whole process tree;
 - breakdown: the same two commands run_train.sh runs (config check, then trainer.launch), but
   with this file as the worker: it wraps trainer.train's setup functions with timers and then
   runs trainer.train.main unchanged. Process start times come from /proc (10 ms resolution).
@@ -63,24 +65,26 @@ def worker(argv: list[str]) -> None:
     os._exit(rc)  # as trainer.train does: gloo threads can abort interpreter teardown
 
 
-def headline(overrides: list[str], ngpu: int) -> dict[str, float]:
-    """run_train.sh from launch to the step-1 line, and to exit."""
+def headline(overrides: list[str], ngpu: int, fork: bool = True) -> dict[str, float]:
+    """run_train.sh from launch to the step-1 line, and to exit; CPU seconds of all processes."""
     from common import REPO, env
 
     with tempfile.TemporaryDirectory(prefix="bench_startup_") as dump:
-        t0 = time.time()
+        cpu0, t0 = os.times(), time.time()
         proc = subprocess.Popen([str(REPO / "run_train.sh"), "--job.dump_folder", dump,
                                  "--training.steps", "1", *overrides],
-                                env=env({"NGPU": str(ngpu), "LOG_RANK": "0"}),
+                                env=env({"NGPU": str(ngpu), "LOG_RANK": "0",
+                                         "TRAINER_FORK_RANKS": "1" if fork else "0"}),
                                 stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
         first = None
         for line in proc.stdout:
             if first is None and line.lstrip().startswith("step:"):
                 first = time.time() - t0
-        rc, end = proc.wait(), time.time() - t0
+        rc, end, cpu1 = proc.wait(), time.time() - t0, os.times()
     if rc != 0 or first is None:
         raise SystemExit(f"run_train.sh exited {rc} (step line seen: {first is not None})")
-    return {"to_first_step": first, "to_exit": end}
+    cpu = (cpu1.children_user + cpu1.children_system) - (cpu0.children_user + cpu0.children_system)
+    return {"to_first_step": first, "to_exit": end, "cpu_s": cpu}
 
 
 def breakdown(overrides: list[str], ngpu: int) -> dict[str, float]:
@@ -136,21 +140,25 @@ def main(argv: list[str]) -> int:
     a = ap.parse_args(argv)
     overrides = ["--checkpoint.enable", "false", *[x for x in a.overrides if x != "--"]]
     headline(overrides, a.ngpu)  # warm-up: data cache, file cache
-    heads, parts = [], []
-    for _ in range(a.repeats):  # alternate the two kinds of run
+    heads, fresh, parts = [], [], []
+    for _ in range(a.repeats):  # alternate the kinds of run
         heads.append(headline(overrides, a.ngpu))
+        fresh.append(headline(overrides, a.ngpu, fork=False))
         parts.append(breakdown(overrides, a.ngpu))
-    h, b = median_of(heads), median_of(parts)
-    print(f"run_train.sh, debug model, {a.ngpu} ranks, median of {a.repeats} (after a warm-up "
-          f"launch): launch -> step 1 line {h['to_first_step']:.2f} s (goal <= 15 s); "
-          f"-> exit {h['to_exit']:.2f} s; runs: "
-          + ", ".join(f"{r['to_first_step']:.2f}" for r in heads))
-    print("breakdown (instrumented worker, medians):")
+    h, f, b = median_of(heads), median_of(fresh), median_of(parts)
+    for name, m, runs in (("forked ranks (default)", h, heads),
+                          ("fresh processes (TRAINER_FORK_RANKS=0)", f, fresh)):
+        print(f"run_train.sh, {a.ngpu} ranks, {name}, median of {a.repeats} (after a warm-up "
+              f"launch): launch -> step 1 line {m['to_first_step']:.2f} s (goal <= 15 s); "
+              f"-> exit {m['to_exit']:.2f} s; CPU {m['cpu_s']:.1f} s; runs: "
+              + ", ".join(f"{r['to_first_step']:.2f}" for r in runs))
+    print("breakdown (instrumented worker script, so fresh processes; medians):")
     for stage, s in b.items():
         print(f"  {stage:<34} {s:6.2f} s")
     if not a.no_record:
         append_result({"bench": "startup", "ngpu": a.ngpu, "overrides": overrides,
-                       "repeats": a.repeats, "headline_s": h, "runs": heads, "breakdown_s": b})
+                       "repeats": a.repeats, "headline_s": h, "runs": heads,
+                       "fresh_processes_s": f, "fresh_runs": fresh, "breakdown_s": b})
     return 0
 
 

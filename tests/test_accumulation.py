@@ -1,7 +1,8 @@
 """Gradient accumulation and mixed precision, on the real FSDP2/HSDP stack (4 gloo ranks).
 
-The probe script runs one optimizer step of the trainer's own pieces and records FSDP's
-collectives per microbatch, so these tests see what is communicated, not just the result.
+The probe script runs one optimizer step of the trainer's own pieces per case and records FSDP's
+collectives per microbatch, so these tests see what is communicated, not just the result. All
+cases run in one torchrun launch (one process group, a fresh model per case).
 """
 
 import json
@@ -18,33 +19,41 @@ HSDP = ["--parallelism.data_parallel_replicate_degree", "2", "--data.dataset", "
 # Adam's first update is ~lr * sign(g): an eps above the rounding noise of near-zero gradients
 # keeps the parameter comparison meaningful (the gradients are compared directly too).
 FP32 = ["--training.mixed_precision_param", "float32", "--optimizer.eps", "1e-4"]
+MODES = ["last", "every", "hsdp_reduce_scatter"]
+CASES = {
+    "one": [*FP32, "--training.local_batch_size", "4"],
+    **{mode: [*FP32, "--training.local_batch_size", "1",
+              "--training.gradient_accumulation_sync", mode] for mode in MODES},
+    "bf16": ["--training.local_batch_size", "2", "--training.mixed_precision_param", "bfloat16",
+             "--training.mixed_precision_reduce", "float32"],
+}
 
 
-def probe(tmp_path, name, *overrides):
-    out = tmp_path / name
-    out.mkdir()
-    torchrun(PROBE, str(out), *HSDP, *overrides, nproc=4)
-    info = json.loads((out / "probe.json").read_text())
-    info["grads"] = torch.load(out / "grads.pt")
-    return info, torch.load(out / "params.pt")
+@pytest.fixture(scope="module")
+def probes(tmp_path_factory):
+    """{case: (probe info with its grads, full parameters after the step)}."""
+    out = tmp_path_factory.mktemp("accum")
+    argv = []
+    for name, overrides in CASES.items():
+        argv += [*(["--"] if argv else []), name, *HSDP, *overrides]
+    torchrun(PROBE, str(out), *argv, nproc=4)
+    result = {}
+    for name in CASES:
+        info = json.loads((out / name / "probe.json").read_text())
+        info["grads"] = torch.load(out / name / "grads.pt")
+        result[name] = info, torch.load(out / name / "params.pt")
+    return result
 
 
 def kinds(calls):
     return sorted({name for name, _ in calls})
 
 
-@pytest.fixture(scope="module")
-def one_microbatch(tmp_path_factory):
-    return probe(tmp_path_factory.mktemp("accum"), "one", *FP32,
-                 "--training.local_batch_size", "4")
-
-
-@pytest.mark.parametrize("mode", ["last", "every", "hsdp_reduce_scatter"])
-def test_four_microbatches_equal_one_big_batch(tmp_path, one_microbatch, mode):
-    info_one, params_one = one_microbatch
+@pytest.mark.parametrize("mode", MODES)
+def test_four_microbatches_equal_one_big_batch(probes, mode):
+    info_one, params_one = probes["one"]
     assert info_one["accum"] == 1
-    info, params = probe(tmp_path, mode, *FP32, "--training.local_batch_size", "1",
-                         "--training.gradient_accumulation_sync", mode)
+    info, params = probes[mode]
     assert info["accum"] == 4
     assert params.keys() == params_one.keys()
     for name, grad in info["grads"].items():
@@ -69,10 +78,8 @@ def test_four_microbatches_equal_one_big_batch(tmp_path, one_microbatch, mode):
         assert "all_reduce" in kinds(last)
 
 
-def test_bf16_compute_with_fp32_reduction(tmp_path):
-    info, params = probe(tmp_path, "bf16", "--training.local_batch_size", "2",
-                         "--training.mixed_precision_param", "bfloat16",
-                         "--training.mixed_precision_reduce", "float32")
+def test_bf16_compute_with_fp32_reduction(probes):
+    info, params = probes["bf16"]
     assert info["forward_dtypes"] == ["torch.bfloat16"]       # unsharded compute params
     reduce_dtypes = {d for calls in info["per_micro"] for _, d in calls}
     assert reduce_dtypes == {"torch.float32"}                 # gradient reduction

@@ -47,16 +47,20 @@ class Node:
         return self.log.read_text()
 
     def workers(self) -> dict[int, int]:
-        """{global rank: pid} of this launcher's worker processes."""
+        """{global rank: pid} of this launcher's worker processes: a forked CPU rank is named
+        trainer-rank<N>; a fresh process has RANK in its environment."""
         out = {}
         for path in Path(f"/proc/{self.proc.pid}/task").glob("*/children"):
             for pid in map(int, path.read_text().split()):
                 try:
+                    name = Path(f"/proc/{pid}/comm").read_text().strip()
                     env = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
                 except OSError:
                     continue
                 ranks = [e[5:] for e in env if e.startswith(b"RANK=")]
-                if ranks:
+                if name.startswith("trainer-rank"):
+                    out[int(name[len("trainer-rank"):])] = pid
+                elif ranks:
                     out[int(ranks[0])] = pid
         return out
 

@@ -36,11 +36,22 @@ def test_invalid_combinations(replicate, shard, world, needles):
         assert needle in str(e.value)
 
 
-@pytest.mark.parametrize("replicate, shard", [(1, 4), (2, 2), (4, 1)])
-def test_mesh_on_four_ranks(tmp_path, replicate, shard):
-    torchrun(REPO / "tests/scripts/mesh_probe.py", str(replicate), str(shard), str(tmp_path),
+LAYOUTS = [(1, 4), (2, 2), (4, 1)]
+
+
+@pytest.fixture(scope="module")
+def meshes(tmp_path_factory):
+    """The folder of every layout's per-rank JSON: all layouts built in one 4-rank launch."""
+    out = tmp_path_factory.mktemp("mesh")
+    torchrun(REPO / "tests/scripts/mesh_probe.py", str(out), *(f"{r}x{s}" for r, s in LAYOUTS),
              nproc=4)
-    infos = sorted((json.loads(p.read_text()) for p in tmp_path.glob("rank*.json")),
+    return out
+
+
+@pytest.mark.parametrize("replicate, shard", LAYOUTS)
+def test_mesh_on_four_ranks(meshes, replicate, shard):
+    infos = sorted((json.loads(p.read_text())
+                    for p in (meshes / f"{replicate}x{shard}").glob("rank*.json")),
                    key=lambda i: i["rank"])
     assert len(infos) == 4
     for info in infos:

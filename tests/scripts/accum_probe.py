@@ -1,10 +1,11 @@
-"""Under torchrun: one optimizer step of the real trainer pieces, instrumented.
+"""Under torchrun: one optimizer step of the real trainer pieces, instrumented, per case.
 
-Records every reduce-scatter / all-reduce FSDP issues (name, dtype) per microbatch, whether the
+For each case (a name and its config overrides, cases separated by `--`), in one process group:
+records every reduce-scatter / all-reduce FSDP issues (name, dtype) per microbatch, whether the
 sharded grads exist after each microbatch, the dtype of the unsharded params inside forward,
-and writes the full parameters after the step (rank 0) for comparison across runs.
+and writes the full parameters and gradients (rank 0) to OUT_DIR/NAME for comparison.
 
-    torchrun ... accum_probe.py OUT_DIR [--section.key value ...]
+    torchrun ... accum_probe.py OUT_DIR NAME [--section.key value ...] [-- NAME ...]
 """
 
 import json
@@ -22,63 +23,86 @@ from trainer.model import build_model, model_args
 from trainer.optim import build_optimizer
 from trainer.parallelize import parallelize, set_gradient_sync
 
-out_dir, argv = sys.argv[1], sys.argv[2:]
-cfg = load_config(argv)
-pd, accum = cfg.resolve(int(os.environ["WORLD_SIZE"]))
-dist.init_process_group("gloo")
-torch.manual_seed(cfg.job.seed)
-pd.build_mesh("cpu")
-dp = pd.dp_mesh
-gbs = cfg.training.local_batch_size * pd.dp_size * accum
-loader = build_dataloader(cfg.data, seq_len=cfg.training.seq_len,
-                          local_batch_size=cfg.training.local_batch_size, global_batch_size=gbs,
-                          dp_rank=dp.get_local_rank(), dp_size=dp.size(), seed=cfg.job.seed)
-args = model_args(cfg.model.flavor, vocab_size=8192, max_seq_len=cfg.training.seq_len)
-model = parallelize(build_model(args), pd, cfg, device=torch.device("cpu"),
-                    param_dtype=resolve_compute_dtype(
-                        cfg.training.mixed_precision_param, cfg.training.mixed_precision_reduce,
-                        torch.device("cpu")).param)
-opt = build_optimizer(model, cfg.optimizer)
+CALLS: list[tuple[str, str]] = []
 
-calls: list[tuple[str, str]] = []
-for name in [n for n in dir(dist) if n.startswith(("reduce_scatter", "all_reduce"))]:
-    orig = getattr(dist, name)
 
-    def wrapper(*a, __orig=orig, __name=name, **k):
-        t = next((x for x in list(a) + list(k.values()) if isinstance(x, torch.Tensor)), None)
-        calls.append((__name, str(t.dtype) if t is not None else "?"))
-        return __orig(*a, **k)
+def record_collectives() -> None:
+    """Wrap torch.distributed's reduce-scatter / all-reduce functions to log (name, dtype)."""
+    for name in [n for n in dir(dist) if n.startswith(("reduce_scatter", "all_reduce"))]:
+        orig = getattr(dist, name)
 
-    setattr(dist, name, wrapper)
+        def wrapper(*a, __orig=orig, __name=name, **k):
+            t = next((x for x in list(a) + list(k.values()) if isinstance(x, torch.Tensor)), None)
+            CALLS.append((__name, str(t.dtype) if t is not None else "?"))
+            return __orig(*a, **k)
 
-forward_dtypes = set()
-model.layers["0"].attention.wq.register_forward_pre_hook(
-    lambda m, _: forward_dtypes.add(str(m.weight.dtype)))
+        setattr(dist, name, wrapper)
 
-per_micro, grads_present = [], []
-total_tokens = gbs * cfg.training.seq_len
-for i in range(accum):
-    inputs, labels = loader.next_microbatch()
-    set_gradient_sync(model, cfg.training.gradient_accumulation_sync, is_last=i == accum - 1)
-    n0 = len(calls)
-    logits = model(inputs)
-    loss = F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(), reduction="sum")
-    (loss * pd.dp_size / total_tokens).backward()
-    per_micro.append(calls[n0:])
-    grads_present.append(all(p.grad is not None for p in model.parameters()))
-grads = {n: p.grad.full_tensor() for n, p in model.named_parameters()}
-opt.step()
 
-full = {n: p.full_tensor() for n, p in model.named_parameters()}
-grad_dtypes = sorted({str(p.grad.dtype) for p in model.parameters()})
-if dist.get_rank() == 0:
-    torch.save(full, os.path.join(out_dir, "params.pt"))
-    torch.save(grads, os.path.join(out_dir, "grads.pt"))
-    with open(os.path.join(out_dir, "probe.json"), "w") as fh:
-        json.dump({"per_micro": per_micro, "grads_present": grads_present,
-                   "forward_dtypes": sorted(forward_dtypes), "grad_dtypes": grad_dtypes,
-                   "accum": accum}, fh)
-dist.barrier()
-dist.destroy_process_group()
-sys.stdout.flush()
-os._exit(0)
+def probe(out_dir: str, argv: list[str]) -> None:
+    cfg = load_config(argv)
+    pd, accum = cfg.resolve(int(os.environ["WORLD_SIZE"]))
+    torch.manual_seed(cfg.job.seed)
+    pd.build_mesh("cpu")
+    dp = pd.dp_mesh
+    gbs = cfg.training.local_batch_size * pd.dp_size * accum
+    loader = build_dataloader(cfg.data, seq_len=cfg.training.seq_len,
+                              local_batch_size=cfg.training.local_batch_size,
+                              global_batch_size=gbs, dp_rank=dp.get_local_rank(),
+                              dp_size=dp.size(), seed=cfg.job.seed)
+    args = model_args(cfg.model.flavor, vocab_size=8192, max_seq_len=cfg.training.seq_len)
+    precision = resolve_compute_dtype(cfg.training.mixed_precision_param,
+                                      cfg.training.mixed_precision_reduce, torch.device("cpu"))
+    model = parallelize(build_model(args), pd, cfg, device=torch.device("cpu"),
+                        param_dtype=precision.param)
+    opt = build_optimizer(model, cfg.optimizer)
+
+    forward_dtypes = set()
+    model.layers["0"].attention.wq.register_forward_pre_hook(
+        lambda m, _: forward_dtypes.add(str(m.weight.dtype)))
+    per_micro, grads_present = [], []
+    total_tokens = gbs * cfg.training.seq_len
+    for i in range(accum):
+        inputs, labels = loader.next_microbatch()
+        set_gradient_sync(model, cfg.training.gradient_accumulation_sync, is_last=i == accum - 1)
+        n0 = len(CALLS)
+        logits = model(inputs)
+        loss = F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(), reduction="sum")
+        (loss * pd.dp_size / total_tokens).backward()
+        per_micro.append(CALLS[n0:])
+        grads_present.append(all(p.grad is not None for p in model.parameters()))
+    grads = {n: p.grad.full_tensor() for n, p in model.named_parameters()}
+    opt.step()
+
+    full = {n: p.full_tensor() for n, p in model.named_parameters()}
+    grad_dtypes = sorted({str(p.grad.dtype) for p in model.parameters()})
+    if dist.get_rank() == 0:
+        os.makedirs(out_dir)
+        torch.save(full, os.path.join(out_dir, "params.pt"))
+        torch.save(grads, os.path.join(out_dir, "grads.pt"))
+        with open(os.path.join(out_dir, "probe.json"), "w") as fh:
+            json.dump({"per_micro": per_micro, "grads_present": grads_present,
+                       "forward_dtypes": sorted(forward_dtypes), "grad_dtypes": grad_dtypes,
+                       "accum": accum}, fh)
+    dist.barrier()
+
+
+def cases(argv: list[str]) -> list[tuple[str, list[str]]]:
+    out, current = [], []
+    for arg in [*argv, "--"]:
+        if arg == "--":
+            out.append((current[0], current[1:]))
+            current = []
+        else:
+            current.append(arg)
+    return out
+
+
+if __name__ == "__main__":
+    dist.init_process_group("gloo")
+    record_collectives()
+    for name, overrides in cases(sys.argv[2:]):
+        probe(os.path.join(sys.argv[1], name), overrides)
+    dist.destroy_process_group()
+    sys.stdout.flush()
+    os._exit(0)
