@@ -86,7 +86,9 @@ def test_interrupted_save_leaves_the_previous_checkpoint(tmp_path):
               "--checkpoint.keep_latest_k", "0", "--training.steps", "6"]
     crashed = run_train(tmp_path, *common, env={"TRAINER_TEST_CRASH_BEFORE_COMMIT": "4"},
                         check=False)
-    assert crashed.returncode != 0
+    assert crashed.returncode == 17  # the hook's os._exit(17) on rank 0, reported in one line
+    assert re.search(r"^error: training failed: rank 0 \(local rank 0 on \S+\) ended with exit "
+                     r"code 17; its output is above$", crashed.stderr, re.M), crashed.stderr
     ckpt = tmp_path / "checkpoint"
     assert sorted(p.name for p in ckpt.iterdir()) == ["step-2", "step-4.partial"]
     assert (ckpt / "step-4.partial" / ".metadata").exists()  # the data was all written

@@ -19,7 +19,8 @@ This is `torch.distributed.run` (the code behind `torchrun`) with two difference
   trainer (torchrun's function-entrypoint path, start method "fork"), instead of each rank
   importing them anew: ~4 s less per launch on 2 ranks, ~5 s on 4 (benchmarks/RESULTS.md).
   They inherit this process's C++ log level (TORCH_CPP_LOG_LEVEL, else ERROR). CUDA ranks, and
-  any other target, start as fresh processes, as under torchrun.
+  any other target, start as fresh processes, as under torchrun; so do CPU ranks with
+  TRAINER_FORK_RANKS=0.
 """
 
 from __future__ import annotations
@@ -55,6 +56,7 @@ QUIET_CODES = (USER_ERROR_EXIT_CODE, PREEMPTED_EXIT_CODE, TRAINING_ERROR_EXIT_CO
                OUT_OF_MEMORY_EXIT_CODE)
 
 
+FORK_ENV = "TRAINER_FORK_RANKS"  # 0: start CPU ranks as fresh processes too
 FAILED_RANK_GRACE_S = 2.0  # see forked_rank
 FORWARDED = ("SIGTERM", "SIGINT", "SIGHUP", "SIGUSR1", "SIGUSR2")
 
@@ -96,9 +98,10 @@ def install_forwarding() -> None:
 
 def forkable_trainer_args(cmd_args: list[str]) -> list[str] | None:
     """The trainer's arguments when the ranks may be forked from this launcher: the target is
-    `-m trainer.train` and its config puts the ranks on CPU. (A CUDA rank starts as a fresh
-    process, as torchrun starts any script; this launcher never touches CUDA either way.)"""
-    if cmd_args[:3] != ["-u", "-m", "trainer.train"]:
+    `-m trainer.train`, its config puts the ranks on CPU, and TRAINER_FORK_RANKS is not 0. (A
+    CUDA rank starts as a fresh process, as torchrun starts any script; this launcher never
+    touches CUDA either way.)"""
+    if cmd_args[:3] != ["-u", "-m", "trainer.train"] or os.environ.get(FORK_ENV, "1") == "0":
         return None
     from trainer.config import load_config
     from trainer.device import visible_gpus
