@@ -120,13 +120,20 @@ def test_ranks_check_the_device_too(tmp_path):
         assert "sees no CUDA device" in line
 
 
-def test_cpu_ranks_on_a_gpu_machine(tmp_path):
-    """`--training.device cpu` with NGPU unset: 2 CPU ranks (gloo) even where GPUs are seen."""
-    proc = run_sh(tmp_path, *TINY, "--training.steps", "1", "--checkpoint.enable", "false",
+def test_cpu_ranks_on_a_gpu_machine_and_the_auto_dtype(tmp_path):
+    """`--training.device cpu` with NGPU unset: 2 CPU ranks (gloo) even where GPUs are seen.
+    `mixed_precision_param = "auto"` says what it chose and why; the saved config keeps auto."""
+    proc = run_sh(tmp_path, *TINY, "--training.mixed_precision_param", "auto",
+                  "--training.steps", "1", "--checkpoint.enable", "false",
                   env=fake_gpu_machine(tmp_path, 1), timeout=120)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "mesh: FSDP mesh (dp_replicate=1, dp_shard=2)" in proc.stdout
     assert "device: cpu (gloo)" in proc.stdout
+    want = ("compute dtype: bfloat16 (auto: this CPU computes bf16 natively" if NATIVE_BF16 else
+            "compute dtype: float32 (auto: this CPU has no native bf16")
+    assert want in proc.stdout, proc.stdout
+    assert 'mixed_precision_param = "auto"' in (tmp_path / "out" / "config.toml").read_text()
+    assert "warning:" not in proc.stderr
 
 
 # --------------------------------------------------------------------------- compute dtype
@@ -146,16 +153,6 @@ def test_auto_is_bf16_only_where_native(monkeypatch, native):
     assert resolve_compute_dtype("float32", "float32", cpu).param == "float32"
     # Ranks agree: one rank without native bf16 makes every rank compute in float32.
     assert resolve_compute_dtype("auto", "float32", cpu, lambda n: False).param == "float32"
-
-
-def test_auto_dtype_is_announced_and_the_config_keeps_auto(tmp_path):
-    proc = run_train(tmp_path, *TINY, "--training.mixed_precision_param", "auto",
-                     "--training.steps", "1", "--checkpoint.enable", "false")
-    want = ("compute dtype: bfloat16 (auto: this CPU computes bf16 natively" if NATIVE_BF16 else
-            "compute dtype: float32 (auto: this CPU has no native bf16")
-    assert want in proc.stdout, proc.stdout
-    assert 'mixed_precision_param = "auto"' in (tmp_path / "config.toml").read_text()
-    assert "warning:" not in proc.stderr
 
 
 # bf16 runs are kept tiny: on CPUs without native bf16 (AVX2) each matmul is emulated.

@@ -22,7 +22,7 @@ from trainer.parallelize import apply_ac
 from trainer.plan import blocks_activations, head_saved, main, memory_plan
 
 PROBE = REPO / "tests" / "scripts" / "plan_probe.py"
-# Vocab 8195 is odd: the embedding and output rows split 4098 / 4097 over 2 shards, so the
+# Vocab 8195 is odd: the embedding and output rows split 2049 x 3 / 2048 over 4 shards, so the
 # uneven-shard rule (rank 0 holds ceil(rows / shard), FSDP2 pads the others) is exercised.
 # bf16 compute, as on the GPUs the plan is for ("auto" would be float32 on some CPUs).
 SMALL = ["--data.dataset", "synthetic", "--model.vocab_size", "8195",
@@ -30,12 +30,28 @@ SMALL = ["--data.dataset", "synthetic", "--model.vocab_size", "8195",
          "--training.global_batch_size", "-1", "--training.local_batch_size", "2"]
 
 
-def probe(tmp_path, nproc: int, *overrides: str):
-    """Run the probe on `nproc` ranks; return (plan, [per-rank measurements])."""
-    argv = [*SMALL, *overrides]
-    torchrun(PROBE, str(tmp_path), *argv, nproc=nproc, timeout=180)
-    ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(nproc)]
-    return memory_plan(load_config(argv), nproc), ranks
+NPROC = 4
+CASES = {
+    "fsdp": ["--training.seq_len", "64", "--training.loss", "eager"],
+    # The chunked loss (the default), 128 tokens in chunks of 48, 48 and 32.
+    "hsdp": ["--training.seq_len", "64", "--training.loss_chunk_size", "48",
+             "--parallelism.data_parallel_replicate_degree", "2"],
+}
+
+
+@pytest.fixture(scope="module")
+def probes(tmp_path_factory):
+    """{case: (plan, [per-rank measurements])}: both cases in one 4-rank launch."""
+    out = tmp_path_factory.mktemp("plan")
+    argv = []
+    for name, overrides in CASES.items():
+        argv += [*(["--"] if argv else []), name, *SMALL, *overrides]
+    torchrun(PROBE, str(out), *argv, nproc=NPROC, timeout=240)
+    result = {}
+    for name, overrides in CASES.items():
+        ranks = [json.loads((out / name / f"rank{r}.json").read_text()) for r in range(NPROC)]
+        result[name] = memory_plan(load_config([*SMALL, *overrides]), NPROC), ranks
+    return result
 
 
 def check_resident(plan: dict, ranks: list[dict]) -> None:
@@ -61,18 +77,15 @@ def check_peak(plan: dict, ranks: list[dict]) -> None:
         assert 0.99 * measured <= plan["total"] <= 1.10 * measured, (plan["total"], measured)
 
 
-def test_fsdp_two_ranks(tmp_path):
-    plan, ranks = probe(tmp_path, 2, "--training.seq_len", "64", "--training.loss", "eager")
-    assert ranks[1]["params"]["local"] < plan["parameters"]  # the uneven shard is shorter
+def test_fsdp_four_ranks(probes):
+    plan, ranks = probes["fsdp"]
+    assert ranks[-1]["params"]["local"] < plan["parameters"]  # the uneven shard is shorter
     check_resident(plan, ranks)
     check_peak(plan, ranks)
 
 
-def test_hsdp_two_by_two(tmp_path):
-    # The chunked loss (the default), 256 tokens in chunks of 96, 96 and 64.
-    plan, ranks = probe(tmp_path, 4, "--training.seq_len", "128",
-                        "--training.loss_chunk_size", "96",
-                        "--parallelism.data_parallel_replicate_degree", "2")
+def test_hsdp_two_by_two(probes):
+    plan, ranks = probes["hsdp"]
     check_resident(plan, ranks)
     check_peak(plan, ranks)
 

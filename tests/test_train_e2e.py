@@ -1,6 +1,7 @@
 """End to end through ./run_train.sh: parity across layouts, exact resume, atomic saves."""
 
 import re
+import shutil
 from pathlib import Path
 
 import pytest
@@ -10,9 +11,11 @@ from tests.helpers import losses, run_train, stopped_after_save
 from tests.test_data_fixtures import corpus_dir, json_cfg, tokenizer_path  # noqa: F401
 
 
-# The reference run several tests compare with: 2 ranks (FSDP), 8 steps on the stdlib corpus,
-# a checkpoint every 4 steps, each rank printing the hashes of its samples.
+# The reference runs the tests compare with, each rank printing the hashes of its samples:
+# `straight`, 2 ranks (FSDP) for 8 steps on the stdlib corpus with a checkpoint every 4 steps
+# written in the background (async), and `hsdp4`, 4 ranks (HSDP 2x2) for the first 4 of them.
 HASHES = {"TRAINER_DEBUG_DATA_HASHES": "1"}
+ASYNC = ["--checkpoint.async_mode", "async"]
 
 
 def common(cache) -> list[str]:
@@ -24,9 +27,19 @@ def common(cache) -> list[str]:
 def straight(tmp_path_factory):
     """(dump, stdout, cache dir) of the uninterrupted reference run."""
     root = tmp_path_factory.mktemp("e2e")
-    out = run_train(root / "straight", *common(root / "cache"), "--training.steps", "8",
+    out = run_train(root / "straight", *common(root / "cache"), *ASYNC, "--training.steps", "8",
                     env=HASHES, log_rank="0,1").stdout
     return root / "straight", out, root / "cache"
+
+
+@pytest.fixture(scope="module")
+def hsdp4(straight, tmp_path_factory):
+    """(dump, stdout) of 4 steps on 4 ranks (HSDP 2x2), same data and batch, saved at step 4."""
+    dump = tmp_path_factory.mktemp("hsdp4") / "run"
+    out = run_train(dump, *common(straight[2]), "--training.steps", "4",
+                    "--parallelism.data_parallel_replicate_degree", "2", nproc=4, env=HASHES,
+                    log_rank="0,1,2,3").stdout
+    return dump, out
 
 
 def stopped_at_4(run: Path, dest: Path) -> Path:
@@ -34,16 +47,16 @@ def stopped_at_4(run: Path, dest: Path) -> Path:
     return stopped_after_save(run, dest, 8)
 
 
-def test_parity_one_process_fsdp2_hsdp4(tmp_path, straight):
-    cmn, steps = common(straight[2]), ["--training.steps", "3"]
-    single = run_train(tmp_path / "single", *cmn, *steps, nproc=1)
-    hsdp = run_train(tmp_path / "hsdp2x2", *cmn, *steps,
-                     "--parallelism.data_parallel_replicate_degree", "2", nproc=4)
+def test_parity_one_process_fsdp2_hsdp4(tmp_path, straight, hsdp4):
+    """One process (4 microbatches, started as a fresh process: TRAINER_FORK_RANKS=0), FSDP 2
+    and HSDP 2x2 (forked ranks): the same step-1 loss, then equal to rounding."""
+    single = run_train(tmp_path / "single", *common(straight[2]), "--training.steps", "3",
+                       nproc=1, env={"TRAINER_FORK_RANKS": "0"})
     assert "gradient accumulation steps: 4" in single.stdout  # 8 samples, 2 per microbatch
-    assert "HSDP mesh (dp_replicate=2, dp_shard=2)" in hsdp.stdout
+    assert "HSDP mesh (dp_replicate=2, dp_shard=2)" in hsdp4[1]
     ref = losses(tmp_path / "single")
     assert sorted(ref) == [1, 2, 3]
-    for name, got in (("fsdp2", losses(straight[0])), ("hsdp2x2", losses(tmp_path / "hsdp2x2"))):
+    for name, got in (("fsdp2", losses(straight[0])), ("hsdp2x2", losses(hsdp4[0]))):
         assert got[1] == ref[1], (name, got[1], ref[1])  # same init, same data: equal step 1
         for step in (2, 3):
             assert got[step] == pytest.approx(ref[step], rel=1e-4), (name, step)
@@ -52,24 +65,18 @@ def test_parity_one_process_fsdp2_hsdp4(tmp_path, straight):
 def test_resume_is_bitwise_and_survives_a_larger_world(tmp_path, straight):
     ref, cmn = losses(straight[0]), common(straight[2])
     assert sorted(ref) == list(range(1, 9))
-    resumed = stopped_at_4(straight[0], tmp_path / "resumed")
-    out = run_train(resumed, *cmn, "--training.steps", "8").stdout
-    assert re.search(r"resumed from \S*step-4 \(step 4\)", out), out
-    assert losses(resumed) == {s: ref[s] for s in range(5, 9)}  # bitwise
-
     # Asynchronous saves: the background writer of step 4 saw the state of step 4 while
     # training went on (the state is staged first), and the save is committed as soon as every
     # rank's write is done, not at the next save: a crash between two saves finds step 4.
-    async_ = [*cmn, "--checkpoint.async_mode", "async"]
-    out = run_train(tmp_path / "async", *async_, "--training.steps", "8").stdout
+    out = straight[1]
     assert "writing in the background" in out
-    committed = out.index("saved checkpoint " + str(tmp_path / "async/checkpoint/step-4"))
+    committed = out.index("saved checkpoint " + str(straight[0] / "checkpoint" / "step-4"))
     assert committed < out.index("step:     8"), out
-    assert losses(tmp_path / "async") == ref
-    again = stopped_at_4(tmp_path / "async", tmp_path / "async_resumed")
-    out = run_train(again, *async_, "--training.steps", "8").stdout
-    assert "resumed from" in out
-    assert losses(again) == {s: ref[s] for s in range(5, 9)}
+
+    resumed = stopped_at_4(straight[0], tmp_path / "resumed")
+    out = run_train(resumed, *cmn, *ASYNC, "--training.steps", "8").stdout
+    assert re.search(r"resumed from \S*step-4 \(step 4\)", out), out
+    assert losses(resumed) == {s: ref[s] for s in range(5, 9)}  # bitwise
 
     # A checkpoint written by 2 ranks (FSDP) continues on 4 ranks (HSDP 2x2).
     wide = stopped_at_4(straight[0], tmp_path / "wide")
@@ -116,20 +123,18 @@ def global_batches(stdout: str) -> list[list[str]]:
     return [sum((per_rank[r][s] for r in sorted(per_rank)), []) for s in range(steps)]
 
 
-def test_elastic_resume_hsdp4_to_fsdp2_sees_exactly_the_next_samples(tmp_path, straight):
+def test_elastic_resume_hsdp4_to_fsdp2_sees_exactly_the_next_samples(tmp_path, straight, hsdp4):
     """The data issue's elastic resume on the real corpus: 4 ranks (HSDP 2x2) for 4 steps,
     stop, resume on 2 ranks (FSDP) to step 8 == an uninterrupted 8-step run on 2 ranks."""
-    cmn = common(straight[2])
-    first = run_train(tmp_path, *cmn, "--training.steps", "4",
-                      "--parallelism.data_parallel_replicate_degree", "2", nproc=4, env=HASHES,
-                      log_rank="0,1,2,3").stdout
-    second = run_train(tmp_path, *cmn, "--training.steps", "8", env=HASHES,
+    dump = tmp_path / "run"
+    shutil.copytree(hsdp4[0], dump)
+    second = run_train(dump, *common(straight[2]), "--training.steps", "8", env=HASHES,
                        log_rank="0,1").stdout
     want = global_batches(straight[1])
     assert len(want) == 8 and len({h for batch in want for h in batch}) == 64  # no repeats
-    assert global_batches(first) == want[:4]
+    assert global_batches(hsdp4[1]) == want[:4]
     assert global_batches(second) == want[4:]
-    ref, got = losses(straight[0]), losses(tmp_path)
+    ref, got = losses(straight[0]), losses(dump)
     for step in range(5, 9):
         assert got[step] == pytest.approx(ref[step], rel=1e-4), step
 

@@ -10,7 +10,10 @@ and writes one JSON per rank with:
 - `tracker`: the tracker's bytes by category after forward, at the peak up to the end of
   backward, and at the step's peak (optimizer step included).
 
-    torchrun ... plan_probe.py OUT_DIR [--section.key value ...]
+    torchrun ... plan_probe.py OUT_DIR NAME [--section.key value ...] [-- NAME ...]
+
+Each case (a name and its overrides, cases separated by `--`) runs in the same process group
+and writes OUT_DIR/NAME/rank<r>.json.
 """
 
 import json
@@ -50,7 +53,6 @@ def snapshot(tracker, kind: str = "current") -> dict:
 def main(out_dir: str, argv: list[str]) -> None:
     cfg = load_config(argv)
     pd, _ = cfg.resolve(int(os.environ["WORLD_SIZE"]))
-    dist.init_process_group("gloo")
     pd.build_mesh("cpu")
     args = model_args(cfg.model.flavor, vocab_size=cfg.model.vocab_size or None,
                       max_seq_len=cfg.training.seq_len)
@@ -89,14 +91,28 @@ def main(out_dir: str, argv: list[str]) -> None:
               "grads": sizes([p.grad for p in params]), "optimizer": sizes(states),
               "tracker": {"after_forward": after_forward, "backward_peak": backward_peak,
                           "step_peak": step_peak}}
+    os.makedirs(out_dir, exist_ok=True)
     with open(os.path.join(out_dir, f"rank{dist.get_rank()}.json"), "w") as fh:
         json.dump(result, fh)
     dist.barrier()
-    dist.destroy_process_group()
+
+
+def cases(argv: list[str]) -> list[tuple[str, list[str]]]:
+    out, current = [], []
+    for arg in [*argv, "--"]:
+        if arg == "--":
+            out.append((current[0], current[1:]))
+            current = []
+        else:
+            current.append(arg)
+    return out
 
 
 if __name__ == "__main__":
-    main(sys.argv[1], sys.argv[2:])
+    dist.init_process_group("gloo")
+    for name, overrides in cases(sys.argv[2:]):
+        main(os.path.join(sys.argv[1], name), overrides)
+    dist.destroy_process_group()
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(0)  # skip interpreter teardown: gloo threads can abort it (ENGINEERING.md)
