@@ -122,9 +122,12 @@ def forked_rank(argv: list[str]) -> None:
     from trainer import train
 
     _name_process(f"trainer-rank{os.environ.get('RANK', '?')}")
+    def record(signum, frame) -> None:
+        train.EARLY_SIGNALS.append(signum)
+
     for name in FORWARDED:  # ours were inherited: record signals until the trainer's own
-        signal.signal(getattr(signal, name), lambda signum, frame: train.EARLY_SIGNALS.append(signum))
-    if os.environ.get("OMP_NUM_THREADS"):  # the rank's share of the cores, as a new process reads it
+        signal.signal(getattr(signal, name), record)
+    if os.environ.get("OMP_NUM_THREADS"):  # the rank's share of the cores, read at start
         torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
     try:
         code = train.main(argv)
