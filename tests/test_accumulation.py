@@ -36,7 +36,7 @@ def probes(tmp_path_factory):
     argv = []
     for name, overrides in CASES.items():
         argv += [*(["--"] if argv else []), name, *HSDP, *overrides]
-    torchrun(PROBE, str(out), *argv, nproc=4)
+    torchrun(PROBE, str(out), *argv, nproc=4, fork=True)
     result = {}
     for name in CASES:
         info = json.loads((out / name / "probe.json").read_text())

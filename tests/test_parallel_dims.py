@@ -44,7 +44,7 @@ def meshes(tmp_path_factory):
     """The folder of every layout's per-rank JSON: all layouts built in one 4-rank launch."""
     out = tmp_path_factory.mktemp("mesh")
     torchrun(REPO / "tests/scripts/mesh_probe.py", str(out), *(f"{r}x{s}" for r, s in LAYOUTS),
-             nproc=4)
+             nproc=4, fork=True)
     return out
 
 

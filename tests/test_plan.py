@@ -46,7 +46,7 @@ def probes(tmp_path_factory):
     argv = []
     for name, overrides in CASES.items():
         argv += [*(["--"] if argv else []), name, *SMALL, *overrides]
-    torchrun(PROBE, str(out), *argv, nproc=NPROC, timeout=240)
+    torchrun(PROBE, str(out), *argv, nproc=NPROC, timeout=240, fork=True)
     result = {}
     for name, overrides in CASES.items():
         ranks = [json.loads((out / name / f"rank{r}.json").read_text()) for r in range(NPROC)]

@@ -98,11 +98,15 @@ def cases(argv: list[str]) -> list[tuple[str, list[str]]]:
     return out
 
 
-if __name__ == "__main__":
+def main(argv: list[str]) -> None:
     dist.init_process_group("gloo")
     record_collectives()
-    for name, overrides in cases(sys.argv[2:]):
-        probe(os.path.join(sys.argv[1], name), overrides)
+    for name, overrides in cases(argv[1:]):
+        probe(os.path.join(argv[0], name), overrides)
     dist.destroy_process_group()
+
+
+if __name__ == "__main__":  # under torchrun; tests/scripts/forkrun.py calls main() instead
+    main(sys.argv[1:])
     sys.stdout.flush()
-    os._exit(0)
+    os._exit(0)  # skip interpreter teardown: gloo threads can abort it (ENGINEERING.md)

@@ -9,26 +9,32 @@ import torch.distributed as dist
 
 from trainer.parallel_dims import ParallelDims
 
-out, layouts = sys.argv[1], sys.argv[2:]
-dist.init_process_group("gloo")
-for layout in layouts:
-    replicate, shard = map(int, layout.split("x"))
-    pd = ParallelDims(replicate, shard, dist.get_world_size())
-    mesh = pd.build_mesh("cpu")
-    info = {
-        "rank": dist.get_rank(),
-        "dim_names": list(mesh.mesh_dim_names),
-        "shape": list(mesh.shape),
-        "dp_size": pd.dp_mesh.size(),
-        "dp_rank": pd.dp_mesh.get_local_rank(),
-        "replicate_group": dist.get_process_group_ranks(mesh["dp_replicate"].get_group()),
-        "shard_group": dist.get_process_group_ranks(mesh["dp_shard"].get_group()),
-        "fsdp_mesh_ndim": pd.fsdp_mesh.ndim,
-    }
-    os.makedirs(os.path.join(out, layout), exist_ok=True)
-    with open(os.path.join(out, layout, f"rank{dist.get_rank()}.json"), "w") as fh:
-        json.dump(info, fh)
-dist.barrier()
-dist.destroy_process_group()
-sys.stdout.flush()
-os._exit(0)
+
+def main(argv: list[str]) -> None:
+    out, layouts = argv[0], argv[1:]
+    dist.init_process_group("gloo")
+    for layout in layouts:
+        replicate, shard = map(int, layout.split("x"))
+        pd = ParallelDims(replicate, shard, dist.get_world_size())
+        mesh = pd.build_mesh("cpu")
+        info = {
+            "rank": dist.get_rank(),
+            "dim_names": list(mesh.mesh_dim_names),
+            "shape": list(mesh.shape),
+            "dp_size": pd.dp_mesh.size(),
+            "dp_rank": pd.dp_mesh.get_local_rank(),
+            "replicate_group": dist.get_process_group_ranks(mesh["dp_replicate"].get_group()),
+            "shard_group": dist.get_process_group_ranks(mesh["dp_shard"].get_group()),
+            "fsdp_mesh_ndim": pd.fsdp_mesh.ndim,
+        }
+        os.makedirs(os.path.join(out, layout), exist_ok=True)
+        with open(os.path.join(out, layout, f"rank{dist.get_rank()}.json"), "w") as fh:
+            json.dump(info, fh)
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":  # under torchrun; tests/scripts/forkrun.py calls main() instead
+    main(sys.argv[1:])
+    sys.stdout.flush()
+    os._exit(0)

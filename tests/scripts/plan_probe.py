@@ -50,7 +50,7 @@ def snapshot(tracker, kind: str = "current") -> dict:
     return {getattr(k, "value", str(k)): v for k, v in snap.items()}
 
 
-def main(out_dir: str, argv: list[str]) -> None:
+def probe(out_dir: str, argv: list[str]) -> None:
     cfg = load_config(argv)
     pd, _ = cfg.resolve(int(os.environ["WORLD_SIZE"]))
     pd.build_mesh("cpu")
@@ -108,11 +108,15 @@ def cases(argv: list[str]) -> list[tuple[str, list[str]]]:
     return out
 
 
-if __name__ == "__main__":
+def main(argv: list[str]) -> None:
     dist.init_process_group("gloo")
-    for name, overrides in cases(sys.argv[2:]):
-        main(os.path.join(sys.argv[1], name), overrides)
+    for name, overrides in cases(argv[1:]):
+        probe(os.path.join(argv[0], name), overrides)
     dist.destroy_process_group()
+
+
+if __name__ == "__main__":  # under torchrun; tests/scripts/forkrun.py calls main() instead
+    main(sys.argv[1:])
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(0)  # skip interpreter teardown: gloo threads can abort it (ENGINEERING.md)

@@ -1,0 +1,38 @@
+"""torchrun for the probe scripts, with the ranks forked from a launcher that has imported torch
+and the trainer once, as `trainer.launch` starts CPU training ranks (each rank skips ~4 s of
+imports). The script defines `main(argv)`; every rank runs it, under the same elastic agent,
+c10d rendezvous and environment (RANK, WORLD_SIZE, ...) as under torchrun.
+
+    python tests/scripts/forkrun.py NPROC SCRIPT [ARGS ...]
+"""
+
+import os
+import runpy
+import sys
+import time
+import traceback
+
+os.environ.setdefault("OMP_NUM_THREADS", "1")  # as torchrun sets it for several local ranks
+
+import torch  # noqa: E402,F401
+import torch._dynamo  # noqa: E402,F401  (DTensor imports it at its first use)
+import trainer.train  # noqa: E402,F401  (every trainer module a probe may use)
+from torch.distributed.launcher.api import LaunchConfig, elastic_launch  # noqa: E402
+
+
+def rank(script: str, argv: list[str]) -> None:
+    try:
+        runpy.run_path(script, run_name="forked_probe")["main"](argv)
+    except Exception:  # its traceback here; its peers fail on the lost connection a bit later,
+        traceback.print_exc()  # so wait: the agent reports the first rank it sees failed
+        sys.stderr.flush()
+        time.sleep(2)
+        raise
+
+
+if __name__ == "__main__":
+    nproc, script, argv = int(sys.argv[1]), sys.argv[2], sys.argv[3:]
+    config = LaunchConfig(min_nodes=1, max_nodes=1, nproc_per_node=nproc, run_id="probe",
+                          rdzv_backend="c10d", rdzv_endpoint="localhost:0", max_restarts=0,
+                          monitor_interval=0.1, start_method="fork")
+    elastic_launch(config, rank)(script, argv)
