@@ -65,5 +65,6 @@ def test_no_grad_and_all_ignored():
 def test_fsdp_head_tied_and_untied(tmp_path):
     """On 2 FSDP ranks with the head resharded after forward, the trainer's model returns the
     same loss and the same sharded gradients with either loss, tied or untied."""
-    out = torchrun(REPO / "tests" / "scripts" / "loss_probe.py", nproc=2, timeout=120)
+    out = torchrun(REPO / "tests" / "scripts" / "loss_probe.py", nproc=2, timeout=120,
+                   fork=True)
     assert out.stdout.count("loss probe ok") == 8, out.stdout

@@ -48,11 +48,15 @@ def check(flavor: str) -> None:
         print(f"loss probe ok {flavor} {it}", flush=True)
 
 
-if __name__ == "__main__":
+def main(argv: list[str]) -> None:
     dist.init_process_group("gloo")
     check("debugmodel")
     check("debugmodel-3.2")
     dist.barrier()
     dist.destroy_process_group()
+
+
+if __name__ == "__main__":  # under torchrun; tests/scripts/forkrun.py calls main() instead
+    main(sys.argv[1:])
     sys.stdout.flush()
     os._exit(0)  # skip interpreter teardown: gloo threads can abort it (ENGINEERING.md)
