@@ -83,6 +83,26 @@ def torchrun(script: Path | str, *args: str, nproc: int = 2, timeout: float = 30
     return proc
 
 
+def probe_cases_argv(cases: dict[str, list[str]], *common: str) -> list[str]:
+    """Probe arguments for several cases in one launch: `NAME common overrides -- NAME ...`."""
+    argv: list[str] = []
+    for name, overrides in cases.items():
+        argv += [*(["--"] if argv else []), name, *common, *overrides]
+    return argv
+
+
+def run_probe_cases(argv: list[str], probe) -> None:
+    """In a probe script: `argv` = OUT_DIR then cases as probe_cases_argv writes them; calls
+    probe(OUT_DIR/NAME, overrides) for each case, in order."""
+    out_dir, current = argv[0], []
+    for arg in [*argv[1:], "--"]:
+        if arg == "--":
+            probe(os.path.join(out_dir, current[0]), current[1:])
+            current = []
+        else:
+            current.append(arg)
+
+
 def scalars(dump: Path | str, tag: str, tb_folder: str = "tb") -> dict[int, float]:
     """{step: value} of one TensorBoard tag across every run folder under the dump folder
     (later runs, e.g. a resume, overwrite earlier values of the same step)."""

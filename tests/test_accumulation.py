@@ -10,7 +10,7 @@ import json
 import pytest
 import torch
 
-from tests.helpers import REPO, torchrun
+from tests.helpers import REPO, probe_cases_argv, torchrun
 
 PROBE = REPO / "tests/scripts/accum_probe.py"
 HSDP = ["--parallelism.data_parallel_replicate_degree", "2", "--data.dataset", "synthetic",
@@ -33,9 +33,7 @@ CASES = {
 def probes(tmp_path_factory):
     """{case: (probe info with its grads, full parameters after the step)}."""
     out = tmp_path_factory.mktemp("accum")
-    argv = []
-    for name, overrides in CASES.items():
-        argv += [*(["--"] if argv else []), name, *HSDP, *overrides]
+    argv = probe_cases_argv(CASES, *HSDP)
     torchrun(PROBE, str(out), *argv, nproc=4, fork=True)
     result = {}
     for name in CASES:

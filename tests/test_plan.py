@@ -15,7 +15,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from tests.helpers import REPO, torchrun
+from tests.helpers import REPO, probe_cases_argv, torchrun
 from trainer.config import load_config
 from trainer.model import ModelArgs, build_model
 from trainer.parallelize import apply_ac
@@ -43,9 +43,7 @@ CASES = {
 def probes(tmp_path_factory):
     """{case: (plan, [per-rank measurements])}: both cases in one 4-rank launch."""
     out = tmp_path_factory.mktemp("plan")
-    argv = []
-    for name, overrides in CASES.items():
-        argv += [*(["--"] if argv else []), name, *SMALL, *overrides]
+    argv = probe_cases_argv(CASES, *SMALL)
     torchrun(PROBE, str(out), *argv, nproc=NPROC, timeout=240, fork=True)
     result = {}
     for name, overrides in CASES.items():

@@ -17,16 +17,17 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")  # as torchrun sets it for several
 import torch  # noqa: E402,F401
 import torch._dynamo  # noqa: E402,F401  (DTensor imports it at its first use)
 import trainer.train  # noqa: E402,F401  (every trainer module a probe may use)
+from trainer.launch import FAILED_RANK_GRACE_S  # noqa: E402
 from torch.distributed.launcher.api import LaunchConfig, elastic_launch  # noqa: E402
 
 
 def rank(script: str, argv: list[str]) -> None:
     try:
         runpy.run_path(script, run_name="forked_probe")["main"](argv)
-    except Exception:  # its traceback here; its peers fail on the lost connection a bit later,
-        traceback.print_exc()  # so wait: the agent reports the first rank it sees failed
+    except Exception:  # its traceback, then wait as trainer.launch.forked_rank does: its
+        traceback.print_exc()  # peers fail on the lost connection a moment later
         sys.stderr.flush()
-        time.sleep(2)
+        time.sleep(FAILED_RANK_GRACE_S)
         raise
 
 

@@ -24,6 +24,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
 
+from tests.helpers import run_probe_cases
 from trainer.config import load_config
 from trainer.device import resolve_compute_dtype
 from trainer.loss import build_loss
@@ -97,21 +98,9 @@ def probe(out_dir: str, argv: list[str]) -> None:
     dist.barrier()
 
 
-def cases(argv: list[str]) -> list[tuple[str, list[str]]]:
-    out, current = [], []
-    for arg in [*argv, "--"]:
-        if arg == "--":
-            out.append((current[0], current[1:]))
-            current = []
-        else:
-            current.append(arg)
-    return out
-
-
 def main(argv: list[str]) -> None:
     dist.init_process_group("gloo")
-    for name, overrides in cases(argv[1:]):
-        probe(os.path.join(argv[0], name), overrides)
+    run_probe_cases(argv, probe)
     dist.destroy_process_group()
 
 
