@@ -133,13 +133,13 @@ class Validation:
     steps: int = opt(10, "Validation batches of global_batch_size samples per evaluation", min=1)
     local_batch_size: int = opt(8, "Validation sequences per forward pass per dp rank", min=1)
     global_batch_size: int = opt(
-        -1, "Samples per validation batch; -1 = local_batch_size * dp size. Fix it to "
-        "evaluate the same samples on every world size", min=-1)
+        -1, "Samples per validation batch; -1 = validation.local_batch_size. The evaluated set "
+        "(steps x this) never depends on the world size", min=-1)
 
     def validate(self) -> None:
         if self.global_batch_size == 0:
             raise ConfigError("validation.global_batch_size = 0 is out of range; it must be "
-                              ">= 1, or -1 for validation.local_batch_size * dp size")
+                              ">= 1, or -1 for validation.local_batch_size")
 
 
 @dataclass
@@ -411,6 +411,15 @@ def reference() -> str:
         for f in dataclasses.fields(obj):
             lines.append(f"  {f.name} ({type_name(hints[f.name])}, default "
                          f"{toml_value(getattr(obj, f.name))}): {f.metadata.get('help', '')}")
+            args = typing.get_args(hints[f.name])
+            if args and dataclasses.is_dataclass(args[0]):  # [[section.key]] tables
+                table = args[0]
+                for sub, tp in typing.get_type_hints(table).items():
+                    g = table.__dataclass_fields__[sub]
+                    default = g.default if g.default is not dataclasses.MISSING \
+                        else g.default_factory()
+                    lines.append(f"    {sub} ({type_name(tp)}, default {toml_value(default)}): "
+                                 f"{g.metadata.get('help', '')}")
     return "\n".join(lines)
 
 

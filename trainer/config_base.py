@@ -73,7 +73,11 @@ def did_you_mean(word: str, options) -> str:
 
 
 def type_name(tp) -> str:
-    return getattr(tp, "__name__", None) if typing.get_origin(tp) is None else str(tp)
+    """int, list[str], list[MixSource]: short names for messages and the reference."""
+    origin = typing.get_origin(tp)
+    if origin is None:
+        return getattr(tp, "__name__", str(tp))
+    return f"{origin.__name__}[{', '.join(type_name(a) for a in typing.get_args(tp))}]"
 
 
 def coerce(key: str, value: Any, tp, int_as_str: bool = False) -> Any:
@@ -84,6 +88,11 @@ def coerce(key: str, value: Any, tp, int_as_str: bool = False) -> Any:
     origin = typing.get_origin(tp)
     if origin is list:
         (item_tp,) = typing.get_args(tp)
+        if dataclasses.is_dataclass(item_tp):
+            if not isinstance(value, list):
+                raise ConfigError(f"{key} must be a list of tables ([[{key}]] in TOML), got "
+                                  f"{value!r}")
+            return [coerce_table(f"{key}[{i}]", v, item_tp) for i, v in enumerate(value)]
         if not isinstance(value, list):
             raise ConfigError(f"{key} must be a list of {item_tp.__name__}, got {value!r}")
         return [coerce(key, v, item_tp) for v in value]
@@ -95,8 +104,36 @@ def coerce(key: str, value: Any, tp, int_as_str: bool = False) -> Any:
     return float(value) if tp is float else value
 
 
+def coerce_table(key: str, value: Any, tp) -> Any:
+    """A TOML table (dict) into the dataclass `tp`: unknown keys, wrong types and the fields'
+    declared constraints fail with the key named, e.g. data.mix[1].weight."""
+    if not isinstance(value, dict):
+        raise ConfigError(f"{key} must be a table with keys "
+                          f"{', '.join(f.name for f in dataclasses.fields(tp))}, got {value!r}")
+    fields = {f.name: f for f in dataclasses.fields(tp)}
+    hints = typing.get_type_hints(tp)
+    kwargs = {}
+    for name, v in value.items():
+        if name not in fields:
+            raise ConfigError(f"unknown key {key}.{name}{did_you_mean(name, fields)}; valid "
+                              f"keys: {', '.join(fields)}")
+        kwargs[name] = coerce(f"{key}.{name}", v, hints[name])
+        check_field(key, fields[name], kwargs[name])
+    return tp(**kwargs)
+
+
 def from_cli(key: str, raw: str | None, tp) -> Any:
-    """Parse a CLI string into the field's type."""
+    """Parse a CLI string into the field's type. A list of tables is a TOML inline array:
+    --data.mix '[{name = "web", store_path = "/s/web", weight = 0.7}, ...]'."""
+    if typing.get_origin(tp) is list and dataclasses.is_dataclass(typing.get_args(tp)[0]):
+        import tomllib
+
+        try:
+            value = tomllib.loads(f"value = {raw or '[]'}")["value"]
+        except tomllib.TOMLDecodeError as e:
+            raise ConfigError(f"{key} must be a TOML inline array of tables, e.g. "
+                              f"'[{{name = \"a\", ...}}]'; got {raw!r} ({e})") from None
+        return coerce(key, value, tp)
     if typing.get_origin(tp) is list:
         (item_tp,) = typing.get_args(tp)
         items = [] if not raw else [s.strip() for s in raw.split(",")]
@@ -128,4 +165,7 @@ def toml_value(v: Any) -> str:
         return repr(v)
     if isinstance(v, list):
         return "[" + ", ".join(toml_value(x) for x in v) + "]"
+    if dataclasses.is_dataclass(v):  # an inline table
+        return "{" + ", ".join(f"{f.name} = {toml_value(getattr(v, f.name))}"
+                               for f in dataclasses.fields(v)) + "}"
     return '"' + str(v).replace("\\", "\\\\").replace('"', '\\"') + '"'

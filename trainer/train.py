@@ -143,10 +143,12 @@ def train_step(model, optimizer, scheduler, loader, *, accum: int, sync_mode: st
     size to make the reduced gradient a plain sum: the result equals one large batch on any
     world size and any number of microbatches.
     """
+    debug_ids = loader.sample_ids(loader.sample_indices(0)) if os.environ.get(DEBUG_DATA_ENV) \
+        else None
     with metrics.data_timer():
         batches = [loader.next_microbatch() for _ in range(accum)]
-    if os.environ.get(DEBUG_DATA_ENV):
-        print_sample_hashes(batches, dp_group)
+    if debug_ids is not None:
+        print_sample_hashes(batches, dp_group, debug_ids)
     device = device or next(model.parameters()).device  # params are on the CPU with offload
     local_tokens = sum(int((labels != IGNORE_INDEX).sum()) for _, labels in batches)
     global_tokens = torch.tensor(float(local_tokens), device=device)
@@ -177,11 +179,14 @@ def train_step(model, optimizer, scheduler, loader, *, accum: int, sync_mode: st
     return rank_loss, grad_norm, lr, stepped
 
 
-def print_sample_hashes(batches, dp_group) -> None:
-    """One line per rank and step: its dp rank and a short hash of each sample, in order."""
+def print_sample_hashes(batches, dp_group, ids: list[str]) -> None:
+    """One line per rank and step: its dp rank, a short hash of each sample, in order, and
+    where each comes from when the loader knows (a blend: source/epoch/window)."""
     hashes = [hashlib.sha1(torch.cat([x[i], y[i, -1:]]).numpy().tobytes()).hexdigest()[:12]
               for x, y in batches for i in range(x.shape[0])]
-    sys.stdout.write(f"data dp_rank {dist.get_rank(dp_group)} samples {','.join(hashes)}\n")
+    where = f" ids {','.join(ids)}" if any(ids) else ""
+    sys.stdout.write(f"data dp_rank {dist.get_rank(dp_group)} samples {','.join(hashes)}"
+                     f"{where}\n")
     sys.stdout.flush()
 
 
@@ -240,6 +245,8 @@ def train(cfg: JobConfig) -> None:
         if not checkpointer.load(agree_on_user_errors(checkpointer.step_to_load,
                                                       same_result=True)):
             agree_on_user_errors(load_initial, model, cfg, log=log0)  # initial_load_path
+        for event in loader.pop_events():  # e.g. a blend resumed with other weights
+            log0(f"data: resuming after step {state.step}: {event}")
         with StepProfiler(cfg, rank=dist.get_rank(), device=device,
                           start_step=state.step) as profiler:
             run_loop(cfg, model, optimizer, scheduler, loader, checkpointer, metrics, profiler,
@@ -277,11 +284,14 @@ def run_loop(cfg, model, optimizer, scheduler, loader, checkpointer, metrics, pr
             after_optimizer_step(model, cfg.float8)
         state.tokens_seen += cfg.training.seq_len * loader.global_batch_size
         last = state.step == cfg.training.steps
+        for event in loader.pop_events():  # e.g. a blend's source starting a new epoch
+            log0(f"data: step {state.step}: {event}")
         if state.step % cfg.metrics.log_freq == 0 or last or state.step == first_step:
             avg, mx = reduce_loss(rank_loss, dp_group)
             metrics.log(state.step, global_avg_loss=avg, global_max_loss=mx,
                         grad_norm=float(grad_norm), lr=lr,
                         tokens_seen=state.tokens_seen, local_loss=rank_loss.item())
+            metrics.log_scalars(state.step, loader.metrics())
         if not stepped:
             skipped_step(guard, checkpointer, state.step, rank_loss, grad_norm, dp_group)
         if validator is not None and validator.due(state.step, last):

@@ -5,7 +5,8 @@ is raised here as a one-line `DataError`, before the first training step:
 - "synthetic": SyntheticLoader (global order, no files);
 - "stdlib" or any dataset with data.store_path: StoreLoader over a token store (global order;
   the stdlib store is built and cached at first use, see cache.py);
-- a HF dataset without a store: StreamingLoader (per-rank order).
+- a HF dataset without a store: StreamingLoader (per-rank order);
+- `data.mix`: MixLoader, a blend of token stores (global order, stages; mix_loader.py).
 """
 
 from __future__ import annotations
@@ -25,6 +26,10 @@ def build_dataloader(cfg: DataConfig, *, seq_len: int, local_batch_size: int,
     cfg.validate()
     kw = dict(seq_len=seq_len, local_batch_size=local_batch_size,
               global_batch_size=global_batch_size, dp_rank=dp_rank, dp_size=dp_size, seed=seed)
+    if cfg.mix:
+        if split != "train":
+            raise ValueError("a blend's validation reads each source apart: mix_sources()")
+        return _mix_loader(cfg, kw)
     if cfg.dataset == "synthetic":
         from trainer.data.synthetic import SyntheticLoader
 
@@ -42,7 +47,6 @@ def build_dataloader(cfg: DataConfig, *, seq_len: int, local_batch_size: int,
 def open_store(cfg: DataConfig):
     """The checked store and the tokenizer path that goes with it."""
     from trainer.data.store import Store
-    from trainer.data.tokenizer import file_sha256
 
     if cfg.dataset == "stdlib" and not cfg.store_path:
         from trainer.data.cache import ensure_stdlib
@@ -52,17 +56,78 @@ def open_store(cfg: DataConfig):
     store = Store(cfg.store_path, cfg.verify_store)
     if not cfg.tokenizer_path:
         return store, store.tokenizer_file
+    return store, _matching_tokenizer(cfg, store, "")
+
+
+def open_mix_stores(cfg: DataConfig) -> tuple[dict, str]:
+    """({name: Store} of the blend's sources, the tokenizer path they share). Each problem
+    is one DataError naming the source."""
+    from trainer.data.store import Store
+
+    stores = {}
+    for src in cfg.mix:
+        try:
+            stores[src.name] = Store(src.store_path, cfg.verify_store)
+        except DataError as e:
+            raise DataError(f"data.mix source {src.name!r}: {e}") from None
+    first = next(iter(stores))
+    for name, store in stores.items():
+        if store.tokenizer_sha256 != stores[first].tokenizer_sha256:
+            raise DataError(
+                f"data.mix sources {first!r} and {name!r} were prepared with different "
+                f"tokenizers ({stores[first].tokenizer_file}, sha256 "
+                f"{stores[first].tokenizer_sha256[:12]}; {store.tokenizer_file}, sha256 "
+                f"{store.tokenizer_sha256[:12]}); a blend needs one tokenizer: re-prepare one "
+                "of them with the other's tokenizer.model")
+    if not cfg.tokenizer_path:
+        return stores, stores[first].tokenizer_file
+    tokenizer_path = _matching_tokenizer(cfg, stores[first], f"data.mix source {first!r}: ")
+    return stores, tokenizer_path
+
+
+def mix_sources(cfg: DataConfig, stores: dict, *, split: str, seeds: dict[str, int] | None = None,
+                **kw) -> dict:
+    """{name: StoreLoader} over the `split` of each source's store."""
+    from trainer.data.loader import StoreLoader
+
+    out = {}
+    for name, store in stores.items():
+        seed = seeds[name] if seeds else kw["seed"]
+        try:
+            out[name] = StoreLoader(store, split=split, val_fraction=cfg.val_fraction,
+                                    shuffle=cfg.shuffle, tokenizer_path="",
+                                    **{**kw, "seed": seed})
+        except DataError as e:
+            raise DataError(f"data.mix source {name!r}: {e}") from None
+    return out
+
+
+def _mix_loader(cfg: DataConfig, kw: dict):
+    from trainer.data.mix_loader import MixLoader, source_seed
+
+    stores, tokenizer_path = open_mix_stores(cfg)
+    # Each source's own order only needs the window maths: one sample per "batch", one rank.
+    one = {**kw, "local_batch_size": 1, "global_batch_size": 1, "dp_rank": 0, "dp_size": 1}
+    seeds = {name: source_seed(kw["seed"], name) for name in stores}
+    sources = mix_sources(cfg, stores, split="train", seeds=seeds, **one)
+    return MixLoader(sources, cfg.mix_weights_by_name(), tokenizer_path, **kw)
+
+
+def _matching_tokenizer(cfg: DataConfig, store, what: str) -> str:
+    """data.tokenizer_path, checked against the tokenizer the store was made with."""
+    from trainer.data.tokenizer import file_sha256
+
     tokenizer_path = os.path.expanduser(cfg.tokenizer_path)
     if not os.path.isfile(tokenizer_path):
         raise DataError(f"tokenizer not found: {tokenizer_path} (data.tokenizer_path)")
     sha = file_sha256(tokenizer_path)
     if sha != store.tokenizer_sha256:
         raise DataError(
-            f"store {store.path} was prepared with a different tokenizer (sha256 "
+            f"{what}store {store.path} was prepared with a different tokenizer (sha256 "
             f"{store.tokenizer_sha256[:12]}) than data.tokenizer_path = {tokenizer_path} "
             f"(sha256 {sha[:12]}); re-prepare the store with this tokenizer, or leave "
             "data.tokenizer_path empty to use the store's own tokenizer.model")
-    return store, tokenizer_path
+    return tokenizer_path
 
 
 def _streaming_loader(cfg: DataConfig, split: str, kw: dict):

@@ -16,15 +16,13 @@ contents, so a different interpreter gets its own cache entry.
 
 from __future__ import annotations
 
-import contextlib
-import fcntl
 import os
 import platform
-import sys
 from dataclasses import replace
 from pathlib import Path
 
 from trainer.data.config import DataConfig
+from trainer.data.lock import file_lock
 from trainer.data.progress import Progress
 from trainer.data.sources import documents, stdlib_files, stdlib_fingerprint
 from trainer.data.store import MANIFEST
@@ -32,25 +30,6 @@ from trainer.data.tokenizer import file_sha256, train_bpe
 from trainer.errors import DataError
 
 STDLIB_TOKENIZER_CHARS = 10_000_000  # ~1/3 of the corpus; trains in ~2 s on 2 cores
-
-
-@contextlib.contextmanager
-def file_lock(path: Path, waiting_message: str):
-    """Exclusive flock on `path`, saying so when another process holds it."""
-    try:
-        f = open(path, "a+")
-    except OSError as e:
-        raise DataError(f"cannot create lock file {path} (data.cache_dir): {e.strerror}") from None
-    with f:
-        try:
-            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            print(waiting_message, file=sys.stderr, flush=True)
-            fcntl.flock(f, fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(f, fcntl.LOCK_UN)
 
 
 def stdlib_cache_dir(cfg: DataConfig) -> Path:
@@ -86,7 +65,9 @@ def ensure_stdlib(cfg: DataConfig, workers: int | None = None,
 
 def _train_stdlib_tokenizer(cfg: DataConfig, out: str, show_progress: bool) -> None:
     progress = Progress(f"training stdlib tokenizer {out}", show_progress)
-    train_bpe(documents(cfg), cfg.vocab_size, out, max_chars=STDLIB_TOKENIZER_CHARS,
+    # The cached tokenizer serves every stdlib store: trained on the whole corpus, whatever
+    # modules this store selects (data.data_files).
+    train_bpe(documents(replace(cfg, data_files=[])), cfg.vocab_size, out, max_chars=STDLIB_TOKENIZER_CHARS,
               on_doc=lambda d, c: progress.update(f"read {d:,} files, {c / 1e6:.1f}M chars"))
     progress.done(f"BPE vocab {cfg.vocab_size} trained")
 
@@ -94,7 +75,7 @@ def _train_stdlib_tokenizer(cfg: DataConfig, out: str, show_progress: bool) -> N
 def _prepare_stdlib_store(cfg: DataConfig, tok_path: str, store: str, workers: int,
                           show_progress: bool) -> None:
     """Prepare into <store>.partial, then rename: a store path exists only when finished."""
-    from trainer.data.prepare import prepare_store
+    from trainer.data.writer import prepare_store
 
     partial = store.rstrip("/") + ".partial"
     prepare_store(replace(cfg, store_path=partial), tok_path, partial, workers=workers,

@@ -9,8 +9,8 @@ import sys
 import tomllib
 import typing
 
-from trainer.config_base import check_field
-from trainer.data.config import DataConfig
+from trainer.config_base import check_field, coerce, from_cli
+from trainer.data.config import DataConfig, MixSource
 from trainer.errors import ConfigError, UserError
 
 _FIELDS = {f.name: f for f in dataclasses.fields(DataConfig)}
@@ -24,6 +24,8 @@ def add_data_args(parser: argparse.ArgumentParser) -> None:
         if kind is bool:
             parser.add_argument(f"--{name}", action=argparse.BooleanOptionalAction, default=None,
                                 help=f.metadata["help"])
+        elif kind is list[MixSource]:  # a TOML inline array of tables, as for the trainer
+            parser.add_argument(f"--{name}", default=None, help=f.metadata["help"])
         elif kind in (list[str], list[int]):
             parser.add_argument(f"--{name}", nargs="*", default=None, help=f.metadata["help"],
                                 type=kind.__args__[0])
@@ -40,12 +42,16 @@ def data_config_from_args(args: argparse.Namespace) -> DataConfig:
                 values.update(tomllib.load(f).get("data", {}))
         except (OSError, tomllib.TOMLDecodeError) as e:
             raise ConfigError(f"cannot read config {args.config}: {e}") from None
-    for name in _FIELDS:
-        if getattr(args, name, None) is not None:
-            values[name] = getattr(args, name)
     unknown = sorted(set(values) - set(_FIELDS))
     if unknown:
         raise ConfigError(f"unknown key data.{unknown[0]} in {args.config}")
+    values = {k: coerce(f"data.{k}", v, _TYPES[k], _FIELDS[k].metadata.get("int_as_str", False))
+              for k, v in values.items()}
+    for name in _FIELDS:
+        if getattr(args, name, None) is not None:
+            value = getattr(args, name)
+            values[name] = from_cli(f"data.{name}", value, _TYPES[name]) \
+                if _TYPES[name] is list[MixSource] else value
     cfg = DataConfig(**values)
     for name, f in _FIELDS.items():
         check_field("data", f, getattr(cfg, name))

@@ -50,6 +50,7 @@ class GlobalOrderLoader:
         self.micro += 1
         if self.micro == self.accum_steps:
             self.micro = 0
+            self._step_done(self.consumed, self.consumed + self.global_batch_size)
             self.consumed += self.global_batch_size
         return windows[:, :-1].contiguous(), windows[:, 1:].contiguous()
 
@@ -97,7 +98,21 @@ class GlobalOrderLoader:
     def describe(self) -> str:
         raise NotImplementedError
 
+    def sample_ids(self, indices) -> list[str]:
+        """Where each global sample comes from, for debugging ('' where not known)."""
+        return ["" for _ in indices]
+
+    def metrics(self) -> dict[str, float]:
+        """Scalars for TensorBoard at log steps (e.g. a blend's tokens per source)."""
+        return {}
+
+    def pop_events(self) -> list[str]:
+        """Lines worth a log line since the last call (e.g. a source starting a new epoch)."""
+        return []
+
     # -- for subclasses -------------------------------------------------------------------
+    def _step_done(self, before: int, after: int) -> None:
+        """Called once per optimizer step, on every rank, as `consumed` moves to `after`."""
     def _windows(self, indices: np.ndarray) -> np.ndarray:
         raise NotImplementedError
 

@@ -7,6 +7,7 @@ is the whole source, so N workers together tokenize every document exactly once.
 
 from __future__ import annotations
 
+import fnmatch
 import glob
 import hashlib
 import os
@@ -46,6 +47,24 @@ def stdlib_files() -> list[Path]:
     files.sort()
     random.Random(0).shuffle(files)
     return files
+
+
+def stdlib_selection(patterns: list[str]) -> list[Path]:
+    """The stdlib files whose path under the root matches one of the globs (e.g. 'email/**',
+    'json/*.py'), in the shuffled order of stdlib_files(); all of them without patterns."""
+    files = stdlib_files()
+    if not patterns:
+        return files
+    root = stdlib_root()
+    rel = [p.relative_to(root).as_posix() for p in files]
+    keep = set()
+    for pattern in patterns:
+        hits = {i for i, r in enumerate(rel) if fnmatch.fnmatchcase(r, pattern)}
+        if not hits:
+            raise DataError(f"data.data_files pattern {pattern!r} matches no module of the "
+                            f"standard library under {root} (e.g. 'email/**', 'json/*.py')")
+        keep |= hits
+    return [files[i] for i in sorted(keep)]
 
 
 def stdlib_fingerprint(files: list[Path]) -> str:
@@ -126,7 +145,7 @@ def text_of(example: dict, cfg: DataConfig) -> str:
 def documents(cfg: DataConfig, part: int = 0, n_parts: int = 1) -> Iterator[str]:
     """Documents of the configured source (stdlib or HF `cfg.split`), part `part` of n_parts."""
     if cfg.dataset == "stdlib":
-        for path in stdlib_files()[part::n_parts]:
+        for path in stdlib_selection(cfg.data_files)[part::n_parts]:
             yield _read_text(path)
     elif cfg.dataset == "synthetic":
         raise DataError("data.dataset = 'synthetic' has no documents to tokenize")
@@ -137,9 +156,10 @@ def documents(cfg: DataConfig, part: int = 0, n_parts: int = 1) -> Iterator[str]
 def source_record(cfg: DataConfig) -> dict:
     """What the manifest records about the source (enough to tell two sources apart)."""
     if cfg.dataset == "stdlib":
-        files = stdlib_files()
-        return {"dataset": "stdlib", "root": str(stdlib_root()), "files": len(files),
-                "fingerprint": stdlib_fingerprint(files)}
+        files = stdlib_selection(cfg.data_files)
+        rec = {"dataset": "stdlib", "root": str(stdlib_root()), "files": len(files),
+               "fingerprint": stdlib_fingerprint(files)}
+        return {**rec, "patterns": list(cfg.data_files)} if cfg.data_files else rec
     rec = {"dataset": cfg.dataset, "dataset_config": cfg.dataset_config, "split": cfg.split,
            "text_field": cfg.text_field}
     if cfg.data_files:

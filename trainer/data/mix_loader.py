@@ -1,0 +1,221 @@
+"""A blend of token stores in one global order, with stages that change the blend on resume.
+
+Sample i of the blend (i counts every sample of the run, as for one store):
+- its source is `Blend.index_of(i)` for the weights of the stage that holds i
+  (trainer/data/blend.py: a low-discrepancy assignment, a pure function of seed, weights, i);
+- it is the k-th sample that source receives, k = base_s + (samples of s in [stage start, i));
+- which is window `permute(k mod n_s)` of the source's epoch k // n_s, in the source's own
+  seeded order (trainer/data/order.py; the seed is derived from job.seed and the name).
+
+A stage is (start sample, weights, base: each source's count at the start). A run starts in
+stage 0 at sample 0 with every base 0. Resuming with other weights, or with a source added or
+removed, starts a new stage at the resumed sample: every source continues at the k it had
+reached, so no window of a source is seen twice within its epoch, whatever the stages. The
+checkpoint records each source's consumption (and store fingerprint) and the stages so far;
+a source left out of the config keeps its count in the checkpoint, to continue if it returns.
+
+The state is identical on every rank and holds only global counts, so a blend resumes exactly
+on any dp size or FSDP/HSDP layout, like a single store.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import numbers
+
+import numpy as np
+
+from trainer.data.blend import Blend
+from trainer.data.loader import GlobalOrderLoader, StoreLoader
+from trainer.data.order import window_of_sample
+from trainer.errors import DataError
+
+MIX_HINT = "see README, Blending sources"
+
+
+def source_seed(seed: int, name: str) -> int:
+    """The seed of one source's window order: a function of job.seed and its name alone."""
+    return int(hashlib.sha256(f"{seed}:{name}".encode()).hexdigest()[:16], 16)
+
+
+class MixLoader(GlobalOrderLoader):
+    kind = "mix"
+
+    def __init__(self, sources: dict[str, StoreLoader], weights: dict[str, float],
+                 tokenizer_path: str, **kw):
+        super().__init__(**kw)
+        self.sources, self.tokenizer_path = sources, tokenizer_path
+        self.vocab_size = next(iter(sources.values())).vocab_size
+        self.weights = {n: float(w) for n, w in weights.items()}
+        self.blend = Blend({n: w for n, w in self.weights.items() if w > 0}, self.seed)
+        self.stage = {"start": 0, "weights": dict(self.blend.fractions),
+                      "base": {n: 0 for n in sources}}
+        self.history: list[dict] = []  # earlier stages: {"start", "weights"}
+        self.retired: dict[str, dict] = {}  # checkpointed sources not in this config
+        self._events: list[str] = []
+
+    # -- the order ---------------------------------------------------------------------
+    def consumed_by_source(self, total: int | None = None) -> dict[str, int]:
+        """Samples each configured source has delivered once `total` global samples (default:
+        those consumed so far) are taken."""
+        total = self.consumed if total is None else total
+        start = self.stage["start"]
+        return {n: self.stage["base"][n] + self.blend.count(n, total) - self.blend.count(n, start)
+                for n in self.sources}
+
+    def _locate(self, indices: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """(source position in blend.names, k within that source) of each global index."""
+        indices = np.asarray(indices, dtype=np.int64)
+        start = self.stage["start"]
+        if len(indices) and indices.min() < start:
+            raise ValueError(f"sample {indices.min()} precedes this stage (start {start})")
+        which = self.blend.index_of(indices)
+        k = np.empty(len(indices), dtype=np.int64)
+        contiguous = len(indices) > 0 and np.array_equal(
+            indices, np.arange(indices[0], indices[0] + len(indices)))
+        for s, name in enumerate(self.blend.names):
+            sel = which == s
+            if not sel.any():
+                continue
+            offset = self.stage["base"][name] - self.blend.count(name, start)
+            if contiguous:  # the source's samples in [a, b), in order: consecutive k
+                k[sel] = offset + self.blend.count(name, int(indices[0])) + np.arange(sel.sum())
+            else:
+                k[sel] = [offset + self.blend.count(name, int(i)) for i in indices[sel]]
+        return which, k
+
+    def _windows(self, indices: np.ndarray) -> np.ndarray:
+        which, k = self._locate(indices)
+        out = np.empty((len(indices), self.seq_len + 1), dtype=np.int64)
+        for s, name in enumerate(self.blend.names):
+            sel = which == s
+            if sel.any():
+                out[sel] = self.sources[name]._windows(k[sel])
+        return out
+
+    def sample_ids(self, indices) -> list[str]:
+        """'name/epoch/window' of each global sample."""
+        which, k = self._locate(np.asarray(indices, dtype=np.int64))
+        ids = []
+        for s, kk in zip(which.tolist(), k.tolist()):
+            src = self.sources[self.blend.names[s]]
+            window = int(window_of_sample(np.array([kk]), src.n_windows, src.seed, src.shuffle)[0])
+            ids.append(f"{self.blend.names[s]}/{kk // src.n_windows}/{window}")
+        return ids
+
+    # -- progress: epochs, metrics -----------------------------------------------------
+    def _step_done(self, before: int, after: int) -> None:
+        was, now = self.consumed_by_source(before), self.consumed_by_source(after)
+        for name, src in self.sources.items():
+            n = src.n_windows  # the source's samples k in [was, now) were drawn this step
+            for epoch in range(max(1, -(-was[name] // n)), (now[name] - 1) // n + 1):
+                self._events.append(f"source {name!r} starts epoch {epoch} (all {n:,} of its "
+                                    f"windows seen {epoch} time{'s' if epoch > 1 else ''}; a new "
+                                    "permutation)")
+
+    def pop_events(self) -> list[str]:
+        events, self._events = self._events, []
+        return events
+
+    def metrics(self) -> dict[str, float]:
+        out = {}
+        for name, k in self.consumed_by_source().items():
+            out[f"data_metrics/tokens/{name}"] = float(k * self.seq_len)
+            # the epoch of the source's latest sample (0 before its first)
+            out[f"data_metrics/epoch/{name}"] = float(max(0, k - 1) // self.sources[name].n_windows)
+        return out
+
+    def describe(self) -> str:
+        lines = [f"blend of {len(self.sources)} token stores, windows of {self.seq_len + 1} "
+                 f"tokens; tokenizer {self.tokenizer_path} (vocab {self.vocab_size}); dp rank "
+                 f"{self.dp_rank}/{self.dp_size}"]
+        width = max(len(n) for n in self.sources)
+        for name, src in self.sources.items():
+            share = self.blend.fractions.get(name, 0.0)
+            note = "" if share else "  (weight 0: not trained on, still validated)"
+            lines.append(f"  {name:<{width}}  {share:6.1%}  {src.store.path}: "
+                         f"{src.store.total_tokens:,} tokens, {src.n_windows:,} train windows"
+                         f"{note}")
+        return "\n".join(lines)
+
+    # -- checkpoint ----------------------------------------------------------------------
+    def state_dict(self) -> dict:
+        if self.micro != 0:
+            raise RuntimeError(f"loader state taken mid-step ({self.micro} of "
+                               f"{self.accum_steps} microbatches delivered)")
+        counts = self.consumed_by_source()
+        sources = dict(self.retired)
+        for name, src in self.sources.items():
+            sources[name] = {"fingerprint": src.fingerprint, "windows_per_epoch": src.n_windows,
+                             "samples": counts[name], "epoch": counts[name] // src.n_windows}
+        mix = {"stage": self.stage, "stages": [*self.history, {
+            "start": self.stage["start"], "weights": self.stage["weights"]}], "sources": sources}
+        # One JSON string: DCP loads a leaf whatever its content, while nested keys would only
+        # load where the current config has them (a removed source would be lost).
+        return {"kind": self.kind, "samples_consumed": self.consumed, "seed": self.seed,
+                "seq_len": self.seq_len, "mix": json.dumps(mix, sort_keys=True)}
+
+    def load_state_dict(self, sd: dict) -> None:
+        if not isinstance(sd, dict) or sd.get("kind") != self.kind:
+            got = sd.get("kind") if isinstance(sd, dict) else type(sd).__name__
+            raise DataError(f"checkpoint data state is for a {got!r} loader but data.mix is a "
+                            "blend; a run started on one store cannot continue as a blend "
+                            "(start blends as a data.mix of one source, then add sources)")
+        for key, mine in (("seq_len", self.seq_len), ("seed", self.seed)):
+            if sd.get(key) != mine:
+                raise DataError(f"checkpoint data state has {key}={sd.get(key)!r} but this run "
+                                f"has {key}={mine!r}; the saved sample order cannot be "
+                                "continued (resume with the same seq_len and job.seed)")
+        consumed = sd.get("samples_consumed")
+        if not isinstance(consumed, numbers.Integral) or consumed < 0:
+            raise DataError(f"checkpoint data state has a bad samples_consumed={consumed!r}")
+        saved = json.loads(sd["mix"])
+        self._check_sources(saved["sources"])
+        self.retired = {n: e for n, e in saved["sources"].items() if n not in self.sources}
+        self.consumed, self.micro = int(consumed), 0
+        old = saved["stage"]
+        if _same_weights(old["weights"], self.blend.fractions):
+            samples = {n: e["samples"] for n, e in saved["sources"].items()}
+            self.stage = {"start": old["start"], "weights": dict(self.blend.fractions),
+                          "base": {n: old["base"].get(n, samples.get(n, 0)) for n in self.sources}}
+            self.history = saved["stages"][:-1]
+            return
+        base = {n: saved["sources"].get(n, {}).get("samples", 0) for n in self.sources}
+        self.stage = {"start": self.consumed, "weights": dict(self.blend.fractions), "base": base}
+        self.history = saved["stages"]
+        self._events.append(f"stage {len(self.history)} starts at sample {self.consumed:,}: "
+                            f"{_change(old['weights'], self.blend.fractions, self.retired)}; "
+                            "every source continues where it stopped")
+
+    def _check_sources(self, saved: dict) -> None:
+        for name, entry in saved.items():
+            src = self.sources.get(name)
+            if src is None:
+                continue
+            if entry.get("fingerprint") != src.fingerprint or \
+                    entry.get("windows_per_epoch") != src.n_windows:
+                raise DataError(
+                    f"data.mix source {name!r} reads {src.store.path}, which is not the store "
+                    f"(or split) this checkpoint trained it on; a source's store cannot change "
+                    f"under the same name: give the new store another name ({MIX_HINT})")
+
+
+def _same_weights(a: dict, b: dict) -> bool:
+    return set(a) == set(b) and all(abs(a[n] - b[n]) <= 1e-9 for n in a)
+
+
+def _change(old: dict, new: dict, retired: dict) -> str:
+    """'web 75.0% -> 25.0%, code 25.0% -> 75.0%, math new 10.0%, books dropped'."""
+    parts = []
+    for name in sorted(set(old) | set(new)):
+        a, b = old.get(name), new.get(name)
+        if a is None:
+            parts.append(f"{name} new {b:.1%}" if b else f"{name} new (weight 0)")
+        elif b is None:
+            parts.append(f"{name} {a:.1%} -> {'removed' if name in retired else '0%'}")
+        elif abs(a - b) > 1e-9:
+            parts.append(f"{name} {a:.1%} -> {b:.1%}")
+        else:
+            parts.append(f"{name} {a:.1%}")
+    return ", ".join(parts)
