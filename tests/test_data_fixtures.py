@@ -127,3 +127,34 @@ def batch_hash(batch: torch.Tensor) -> str:
 
 def row_hashes(batch: torch.Tensor) -> list[str]:
     return [batch_hash(row) for row in batch]
+
+
+# Three stores of different sizes cut from the stdlib corpus by module globs, sharing the
+# cached stdlib tokenizer (vocab 8192): ~105k, ~14k and ~61k tokens.
+MIX_PARTS = {"email": ["email/**"], "json": ["json/**"], "http": ["http/**"]}
+
+
+@pytest.fixture(scope="session")
+def mix_stores(tmp_path_factory) -> dict[str, str]:
+    """{name: store path} of the three stdlib-subset stores (prepared once per session)."""
+    from trainer.data.prepare import prepare_one
+
+    def make():
+        root = tmp_path_factory.mktemp("mix")
+        base = DataConfig(cache_dir=str(root / "cache"))
+        out = {}
+        for name, patterns in MIX_PARTS.items():
+            out[name] = prepare_one(replace(base, data_files=patterns,
+                                            store_path=str(root / name)), workers=1)
+        return out
+    return once("mix_stores", make)
+
+
+def mix_cfg(stores: dict[str, str], weights: dict[str, float], **kw) -> DataConfig:
+    """A checked blend config of some of the stores."""
+    from trainer.data.config import MixSource
+
+    cfg = DataConfig(mix=[MixSource(name=n, store_path=stores[n], weight=w)
+                          for n, w in weights.items()], **kw)
+    cfg.validate()
+    return cfg

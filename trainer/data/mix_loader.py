@@ -193,12 +193,16 @@ class MixLoader(GlobalOrderLoader):
             src = self.sources.get(name)
             if src is None:
                 continue
-            if entry.get("fingerprint") != src.fingerprint or \
-                    entry.get("windows_per_epoch") != src.n_windows:
+            if entry.get("fingerprint") != src.fingerprint:
                 raise DataError(
                     f"data.mix source {name!r} reads {src.store.path}, which is not the store "
-                    f"(or split) this checkpoint trained it on; a source's store cannot change "
-                    f"under the same name: give the new store another name ({MIX_HINT})")
+                    f"this checkpoint trained it on; a source's store cannot change under the "
+                    f"same name: give the new store another name ({MIX_HINT})")
+            if entry.get("windows_per_epoch") != src.n_windows:
+                raise DataError(
+                    f"data.mix source {name!r}: its train split has {src.n_windows:,} windows "
+                    f"here but {entry.get('windows_per_epoch')!r} in the checkpoint; resume with "
+                    "the data.val_fraction and data.shuffle it was saved with")
 
 
 def _same_weights(a: dict, b: dict) -> bool:
