@@ -143,8 +143,10 @@ def train_step(model, optimizer, scheduler, loader, *, accum: int, sync_mode: st
     size to make the reduced gradient a plain sum: the result equals one large batch on any
     world size and any number of microbatches.
     """
-    debug_ids = loader.sample_ids(loader.sample_indices(0)) if os.environ.get(DEBUG_DATA_ENV) \
-        else None
+    debug_ids = None
+    if os.environ.get(DEBUG_DATA_ENV):  # where each sample comes from, if the order is global
+        debug_ids = loader.sample_ids(loader.sample_indices(0)) \
+            if hasattr(loader, "sample_indices") else []
     with metrics.data_timer():
         batches = [loader.next_microbatch() for _ in range(accum)]
     if debug_ids is not None:

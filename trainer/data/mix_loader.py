@@ -28,7 +28,8 @@ import numpy as np
 
 from trainer.data.blend import Blend
 from trainer.data.loader import GlobalOrderLoader, StoreLoader
-from trainer.data.order import window_of_sample
+from trainer.data.order import permute_many, window_of_sample
+from trainer.data.store import read_rows
 from trainer.errors import DataError
 
 MIX_HINT = "see README, Blending sources"
@@ -49,50 +50,87 @@ class MixLoader(GlobalOrderLoader):
         self.vocab_size = next(iter(sources.values())).vocab_size
         self.weights = {n: float(w) for n, w in weights.items()}
         self.blend = Blend({n: w for n, w in self.weights.items() if w > 0}, self.seed)
+        blended = [sources[n] for n in self.blend.names]  # tables by blend position
+        self._n = np.array([s.n_windows for s in blended], dtype=np.int64)
+        self._lo = np.array([s.lo for s in blended], dtype=np.int64)
+        self._seeds = [s.seed for s in blended]
+        self._stores = [s.store for s in blended]
+        self._shuffle = blended[0].shuffle
         self.stage = {"start": 0, "weights": dict(self.blend.fractions),
                       "base": {n: 0 for n in sources}}
         self.history: list[dict] = []  # earlier stages: {"start", "weights"}
         self.retired: dict[str, dict] = {}  # checkpointed sources not in this config
         self._events: list[str] = []
+        self._reset_counts()
 
     # -- the order ---------------------------------------------------------------------
+    def _stage_counts(self, i: int) -> np.ndarray:
+        """Samples of each blended source in [stage start, i), by blend position: the closed
+        form (a few exact integer sums); the loop keeps `_at_consumed` instead."""
+        start = self.stage["start"]
+        return np.array([self.blend.count(n, i) - self.blend.count(n, start)
+                         for n in self.blend.names], dtype=np.int64)
+
+    def _reset_counts(self) -> None:
+        self._plan = None  # planned locations belong to the stage they were computed in
+        self._base = np.array([self.stage["base"][n] for n in self.blend.names], dtype=np.int64)
+        self._at_consumed = self._stage_counts(self.consumed)
+
+    def _counts_at(self, i: int) -> np.ndarray:
+        """Stage counts at global index i; cheap for i inside the current step."""
+        if self.consumed <= i <= self.consumed + self.global_batch_size:
+            between = self.blend.index_of(np.arange(self.consumed, i, dtype=np.int64))
+            return self._at_consumed + np.bincount(between, minlength=len(self._n))
+        return self._stage_counts(i)
+
     def consumed_by_source(self, total: int | None = None) -> dict[str, int]:
         """Samples each configured source has delivered once `total` global samples (default:
         those consumed so far) are taken."""
-        total = self.consumed if total is None else total
-        start = self.stage["start"]
-        return {n: self.stage["base"][n] + self.blend.count(n, total) - self.blend.count(n, start)
-                for n in self.sources}
+        counts = self._base + self._counts_at(self.consumed if total is None else total)
+        out = {n: self.stage["base"][n] for n in self.sources}
+        out.update(zip(self.blend.names, counts.tolist()))
+        return out
 
     def _locate(self, indices: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        """(source position in blend.names, k within that source) of each global index."""
+        """(source position in blend.names, k within that source) of sorted global indices."""
         indices = np.asarray(indices, dtype=np.int64)
-        start = self.stage["start"]
-        if len(indices) and indices.min() < start:
-            raise ValueError(f"sample {indices.min()} precedes this stage (start {start})")
-        which = self.blend.index_of(indices)
+        if len(indices) == 0:
+            return indices.copy(), indices.copy()
+        if indices[0] < self.stage["start"] or np.any(np.diff(indices) <= 0):
+            raise ValueError(f"indices must be increasing and in this stage (start "
+                             f"{self.stage['start']}): {indices[:8]}...")
+        lo, hi = int(indices[0]), int(indices[-1]) + 1
+        if hi - lo > 1 << 22:  # scattered indices: the closed form, index by index
+            which = self.blend.index_of(indices)
+            k = np.array([self._base[w] + self._counts_at(i)[w]
+                          for w, i in zip(which.tolist(), indices.tolist())], dtype=np.int64)
+            return which, k
+        which_all = self.blend.index_of(np.arange(lo, hi, dtype=np.int64))
+        offsets = indices - lo
+        which = which_all[offsets]
+        first = self._base + self._counts_at(lo)
         k = np.empty(len(indices), dtype=np.int64)
-        contiguous = len(indices) > 0 and np.array_equal(
-            indices, np.arange(indices[0], indices[0] + len(indices)))
-        for s, name in enumerate(self.blend.names):
+        for s in np.unique(which).tolist():  # k = samples of s before the index, + first
+            before = np.cumsum(which_all == s) - (which_all == s)
             sel = which == s
-            if not sel.any():
-                continue
-            offset = self.stage["base"][name] - self.blend.count(name, start)
-            if contiguous:  # the source's samples in [a, b), in order: consecutive k
-                k[sel] = offset + self.blend.count(name, int(indices[0])) + np.arange(sel.sum())
-            else:
-                k[sel] = [offset + self.blend.count(name, int(i)) for i in indices[sel]]
+            k[sel] = first[s] + before[offsets[sel]]
         return which, k
 
-    def _windows(self, indices: np.ndarray) -> np.ndarray:
+    def _locations(self, indices: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """(source position, token offset of the window in its store): one vectorised
+        permutation for every source."""
         which, k = self._locate(indices)
-        out = np.empty((len(indices), self.seq_len + 1), dtype=np.int64)
-        for s, name in enumerate(self.blend.names):
-            sel = which == s
-            if sel.any():
-                out[sel] = self.sources[name]._windows(k[sel])
-        return out
+        epoch, pos = np.divmod(k, self._n[which])
+        window = permute_many(pos, which, epoch, self._n.tolist(), self._seeds) \
+            if self._shuffle else pos
+        return which, self._lo[which] + window * (self.seq_len + 1)
+
+    def _read(self, which: np.ndarray, starts: np.ndarray) -> np.ndarray:
+        return read_rows(self._stores, which, starts, self.seq_len + 1)
+
+    def _windows(self, indices: np.ndarray) -> np.ndarray:
+        unique, inverse = np.unique(np.asarray(indices, dtype=np.int64), return_inverse=True)
+        return self._read(*self._locations(unique))[inverse]  # _locate wants them increasing
 
     def sample_ids(self, indices) -> list[str]:
         """'name/epoch/window' of each global sample."""
@@ -106,10 +144,15 @@ class MixLoader(GlobalOrderLoader):
 
     # -- progress: epochs, metrics -----------------------------------------------------
     def _step_done(self, before: int, after: int) -> None:
-        was, now = self.consumed_by_source(before), self.consumed_by_source(after)
-        for name, src in self.sources.items():
-            n = src.n_windows  # the source's samples k in [was, now) were drawn this step
-            for epoch in range(max(1, -(-was[name] // n)), (now[name] - 1) // n + 1):
+        if before != self.consumed:  # not called by next_microbatch: recompute
+            self._at_consumed = self._stage_counts(before)
+        was = self._base + self._at_consumed
+        step = self.blend.index_of(np.arange(before, after, dtype=np.int64))
+        self._at_consumed = self._at_consumed + np.bincount(step, minlength=len(self._n))
+        now = self._base + self._at_consumed
+        for s, n in enumerate(self._n.tolist()):  # the source's k in [was, now) came this step
+            name = self.blend.names[s]
+            for epoch in range(max(1, -(-int(was[s]) // n)), (int(now[s]) - 1) // n + 1):
                 self._events.append(f"source {name!r} starts epoch {epoch} (all {n:,} of its "
                                     f"windows seen {epoch} time{'s' if epoch > 1 else ''}; a new "
                                     "permutation)")
@@ -180,10 +223,12 @@ class MixLoader(GlobalOrderLoader):
             self.stage = {"start": old["start"], "weights": dict(self.blend.fractions),
                           "base": {n: old["base"].get(n, samples.get(n, 0)) for n in self.sources}}
             self.history = saved["stages"][:-1]
+            self._reset_counts()
             return
         base = {n: saved["sources"].get(n, {}).get("samples", 0) for n in self.sources}
         self.stage = {"start": self.consumed, "weights": dict(self.blend.fractions), "base": base}
         self.history = saved["stages"]
+        self._reset_counts()
         self._events.append(f"stage {len(self.history)} starts at sample {self.consumed:,}: "
                             f"{_change(old['weights'], self.blend.fractions, self.retired)}; "
                             "every source continues where it stopped")

@@ -118,6 +118,12 @@ class StreamingLoader:
                             f"this rank (streamed {self.source})")
         self._restart(mine["epoch"], mine["hf_state"], mine["buffer"], mine["samples"])
 
+    def metrics(self) -> dict[str, float]:
+        return {}
+
+    def pop_events(self) -> list[str]:
+        return []
+
     def describe(self) -> str:
         return (f"streaming {self.source} (split {self.hf_split!r}, tokenized on the fly, "
                 f"per-rank resume only); tokenizer {self.tokenizer_path} (vocab "
