@@ -166,7 +166,7 @@ def train_step(model, optimizer, scheduler, loader, *, accum: int, sync_mode: st
     grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm or math.inf,
                                                foreach=True)
     grad_norm = grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm
-    lr = scheduler.get_last_lr()[0]  # the lr this step uses (the scheduler steps after it)
+    lr = optimizer.param_groups[0]["lr"]  # the lr this step uses (the scheduler steps after it)
     stepped = bool(torch.isfinite(grad_norm))  # the same on every rank: a reduced value
     if stepped:
         optimizer.step()
