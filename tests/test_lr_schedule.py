@@ -227,18 +227,21 @@ def expected_lrs(T: int, K: int) -> dict[int, float]:
 
 
 def test_resume_extends_or_starts_the_decay(tmp_path):
-    """A 20-step WSD run (warmup 2, decay 16..20, 2 ranks), resumed from its step-10
-    checkpoint (1 rank) twice:
-    - `--training.steps 40`: steps 11..15 keep the original lr, 16..35 are at the peak,
-      36..40 decay;
+    """A 20-step WSD run (warmup 2, decay 16..20, z-loss on, 2 ranks), resumed from its
+    step-10 checkpoint (1 rank) twice:
+    - `--training.steps 40` (and no z-loss): steps 11..15 keep the original lr, 16..35 are at
+      the peak, 36..40 decay; step 11's cross-entropy equals the original's (whose logged loss
+      is the cross-entropy alone, without the z-loss term);
     - the two-stage recipe, `--training.steps 16 --lr_scheduler.decay_steps 6`: the decay
       starts at step 11, whose lr is the new formula's (the optimizer's lr, as logged)."""
     run = tmp_path / "run"
-    run_train(run, *WSD, "--training.steps", "20", nproc=2)
+    run_train(run, *WSD, "--training.steps", "20", "--training.z_loss_weight", "1e-3", nproc=2)
     lr = scalars(run, "lr")
     assert lr == pytest.approx(expected_lrs(20, 5), rel=1e-6)
     assert lr[20] == pytest.approx(0.1 * PEAK, rel=1e-6)  # TensorBoard keeps float32
     assert len({lr[s] for s in range(3, 16)}) == 1  # the stable phase: one value, the peak
+    z = scalars(run, "loss_metrics/z_loss")
+    assert sorted(z) == list(range(1, 21)) and all(0 < v < 1 for v in z.values())
 
     longer = stopped_after_save(run, tmp_path / "longer", 20)
     out = run_train(longer, *WSD, "--training.steps", "40", **ONE_RANK).stdout
@@ -248,6 +251,10 @@ def test_resume_extends_or_starts_the_decay(tmp_path):
     assert all(lr40[s] == lr[s] for s in range(11, 16))  # no jump, nothing used changes
     assert lr40 == pytest.approx({s: v for s, v in expected_lrs(40, 5).items() if s > 10},
                                  rel=1e-6)
+    assert not scalars(longer, "loss_metrics/z_loss")
+    ce = scalars(run, "loss_metrics/global_avg_loss")[11]
+    assert scalars(longer, "loss_metrics/global_avg_loss")[11] == pytest.approx(ce, rel=1e-5)
+    assert z[11] > 100 * 1e-5 * ce  # had the z-loss term been in it, that would have failed
 
     decay = stopped_after_save(run, tmp_path / "decay", 20)
     out = run_train(decay, *WSD, "--training.steps", "16", "--lr_scheduler.decay_steps", "6",

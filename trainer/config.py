@@ -142,6 +142,9 @@ class Training:
                     "tokens at a time, no full [tokens, vocab] logits) or eager (full logits)",
                     choices=("chunked", "eager"))
     loss_chunk_size: int = opt(1024, "Tokens per chunk of the chunked loss", min=1)
+    z_loss_weight: float = opt(0.0, "z-loss (PaLM, OLMo 2): add this * logsumexp(logits)^2 per "
+                               "token to the loss (e.g. 1e-4); logged as loss_metrics/z_loss; "
+                               "0 = off", min=0.0)
     gradient_accumulation_sync: str = opt(
         "last", "Microbatch grad sync: last (least comm), every (least memory), hsdp_reduce_scatter",
         choices=("last", "every", "hsdp_reduce_scatter"))
