@@ -167,6 +167,21 @@ def test_rank_loss_debug_line(tmp_path, clock, capsys, monkeypatch):
     assert capsys.readouterr().out == "rank 1 step 4 local_loss 0.1\n"
 
 
+def test_z_loss_is_its_own_tag_and_console_figure(tmp_path, clock, capsys):
+    mp = make(tmp_path, disable_color=True)
+    mp.step_timer()
+    mp.log(1, global_avg_loss=7.5, global_max_loss=7.5, grad_norm=1, lr=1, tokens_seen=1)
+    mp.step_timer()
+    m = mp.log(2, global_avg_loss=7.25, global_max_loss=7.5, grad_norm=1, lr=1, tokens_seen=1,
+               z_loss=0.0625)
+    mp.close()
+    out = capsys.readouterr().out.splitlines()
+    assert "loss:   7.5000 (max 7.5000)  " in out[-2]
+    assert "loss:   7.2500 (max 7.5000, z 6.25e-02)  " in out[-1]
+    assert m["loss_metrics/z_loss"] == 0.0625 and m["loss_metrics/global_avg_loss"] == 7.25
+    assert values(events(tmp_path), "loss_metrics/z_loss") == {2: 0.0625}
+
+
 def test_close_is_idempotent_and_flushes(tmp_path, clock):
     mp = make(tmp_path)
     run_steps(mp, clock, steps=1, tokens=10, step_s=1.0, data_s=0.0)

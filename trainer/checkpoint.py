@@ -2,8 +2,9 @@
 
 A checkpoint is `{dump_folder}/{folder}/step-N`, holding the sharded model and optimizer state
 (through `torch.distributed.checkpoint.state_dict`, so it reshards across world sizes and
-FSDP/HSDP layouts on load), the lr scheduler, the train state (step, tokens seen), the RNG states
-and the dataloader position.
+FSDP/HSDP layouts on load), the lr scheduler's position (a resume applies its own config's lr
+schedule from the next step on), the train state (step, tokens seen), the RNG states and the
+dataloader position.
 
 A save is atomic: every rank writes into `step-N.partial`; once DCP has written the metadata,
 the ranks hash their share of the files and rank 0 writes `manifest.json` (see
@@ -195,16 +196,23 @@ class Checkpointer:
         self._check_model_shapes(path)
         states = dict(self.states)
         data, rng = states.pop("dataloader"), states.pop("rng")
+        sched = states.pop("lr_scheduler")
         # The data position first: a changed data setup is then reported by the loader itself
         # (one line). It loads leniently because a streamed source keeps per-rank state, whose
         # keys differ on another dp size; the loader explains that case too.
         dcp.load({"dataloader": data}, checkpoint_id=path, planner=_lenient())
         dcp.load(states, checkpoint_id=path)
+        # After the optimizer, whose param groups come back with the saved lr: the schedule
+        # keeps this run's formula and sets the lr of the next step from it (trainer/optim.py).
+        dcp.load({"lr_scheduler": sched}, checkpoint_id=path)
         # Leniently too: a CPU checkpoint has no CUDA RNG state to give a GPU run.
         dcp.load({"rng": rng}, checkpoint_id=path, planner=_lenient())
         self.branch_point = step
         self.log(f"resumed from {self._path(step)} (step {self.train_state.step}) in "
                  f"{time.monotonic() - t0:.2f}s")
+        note = sched.obj.resume_note()
+        if note:
+            self.log(note)
         return True
 
     def _check_model_shapes(self, path: str) -> None:

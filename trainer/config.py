@@ -22,6 +22,7 @@ from trainer.config_base import (check_field, coerce, did_you_mean, from_cli, op
 from trainer.data.config import DataConfig
 from trainer.errors import ConfigError, UserError
 from trainer.float8 import Float8, check_config as check_float8
+from trainer.lr_schedule import DECAY_SHAPES, decay_steps
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -85,10 +86,42 @@ class Optimizer:
 
 @dataclass
 class LRScheduler:
-    warmup_steps: int = opt(200, "Linear warmup steps from ~0 to optimizer.lr", min=0)
-    decay_type: str = opt("linear", "Decay after warmup down to min_lr_factor * lr",
-                          choices=("linear", "cosine"))
+    """The lr of every step: the formula is in trainer/lr_schedule.py (and README)."""
+
+    warmup_steps: int = opt(200, "Linear warmup: step s <= warmup_steps trains at "
+                            "optimizer.lr * s / (warmup_steps + 1)", min=0)
+    decay_steps: int = opt(-1, "Decay over the last decay_steps steps of training.steps, at the "
+                           "peak lr until then (so raising training.steps at a resume in that "
+                           "stable phase changes no lr used); 0 = no decay; -1 = per decay_ratio",
+                           min=-1)
+    decay_ratio: float = opt(-1.0, "Or decay over the last round(decay_ratio * training.steps) "
+                             "steps, in [0, 1]; both -1 = decay over every step after "
+                             "warmup_steps + 1 (training.steps sets the slope)")
+    decay_type: str = opt("linear", "Decay shape down to min_lr_factor * lr: linear, cosine or "
+                          "sqrt (1 - sqrt(progress))", choices=tuple(DECAY_SHAPES))
     min_lr_factor: float = opt(0.0, "Final lr as a fraction of optimizer.lr", min=0.0, max=1.0)
+
+    def validate(self) -> None:
+        if self.decay_ratio != -1 and not 0 <= self.decay_ratio <= 1:
+            raise ConfigError(f"lr_scheduler.decay_ratio = {self.decay_ratio!r} is out of range; "
+                              "it must be in [0, 1], or -1 (off)")
+        if self.decay_ratio != -1 and self.decay_steps != -1:
+            raise ConfigError(f"lr_scheduler.decay_steps = {self.decay_steps} and "
+                              f"lr_scheduler.decay_ratio = {self.decay_ratio!r} are both set; "
+                              "set one of them and leave the other at -1")
+
+    def check_steps(self, steps: int) -> None:
+        """Warmup and decay must fit in training.steps."""
+        if self.decay_steps == -1 and self.decay_ratio == -1:
+            return
+        k = decay_steps(self, steps)
+        what = (f"decay_steps = {k}" if self.decay_steps != -1 else
+                f"decay_ratio = {self.decay_ratio!r} (round({self.decay_ratio!r} * "
+                f"{steps}) = {k} decay steps)")
+        if self.warmup_steps + k > steps:
+            raise ConfigError(f"lr_scheduler.warmup_steps = {self.warmup_steps} plus "
+                              f"lr_scheduler.{what} exceed training.steps = {steps}; "
+                              "warmup and decay must fit: lower them or raise training.steps")
 
 
 @dataclass
@@ -109,6 +142,9 @@ class Training:
                     "tokens at a time, no full [tokens, vocab] logits) or eager (full logits)",
                     choices=("chunked", "eager"))
     loss_chunk_size: int = opt(1024, "Tokens per chunk of the chunked loss", min=1)
+    z_loss_weight: float = opt(0.0, "z-loss (PaLM, OLMo 2): add this * logsumexp(logits)^2 per "
+                               "token to the loss (e.g. 1e-4); logged as loss_metrics/z_loss; "
+                               "0 = off", min=0.0)
     gradient_accumulation_sync: str = opt(
         "last", "Microbatch grad sync: last (least comm), every (least memory), hsdp_reduce_scatter",
         choices=("last", "every", "hsdp_reduce_scatter"))
@@ -294,6 +330,7 @@ class JobConfig:
         if self.parallelism.fsdp_offload == "cpu" and self.training.device == "cpu":
             raise ConfigError(OFFLOAD_NEEDS_CUDA.format(where="training.device = 'cpu'"))
         check_float8(self.float8, self.training.device)
+        self.lr_scheduler.check_steps(self.training.steps)
         if world_size is not None:
             self.resolve(world_size)
 

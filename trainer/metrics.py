@@ -118,7 +118,8 @@ def format_line(step: int, m: dict[str, float], c: Colors) -> str:
     parts = [
         f"{c.red}step: {step:>5}",
         f"{c.green}loss: {m['loss_metrics/global_avg_loss']:8.4f} "
-        f"(max {m['loss_metrics/global_max_loss']:.4f})",
+        f"(max {m['loss_metrics/global_max_loss']:.4f}"
+        + (f", z {m['loss_metrics/z_loss']:.2e})" if "loss_metrics/z_loss" in m else ")"),
         f"{c.reset}grad_norm: {m['grad_norm']:7.4f}",
         f"lr: {m['lr']:.2e}",
         f"{c.yellow}{memory}",
@@ -270,13 +271,15 @@ class MetricsProcessor:
 
     def log(self, step: int, *, global_avg_loss: float, global_max_loss: float,
             grad_norm: float, lr: float, tokens_seen: int,
-            local_loss: float | None = None) -> dict[str, float]:
+            local_loss: float | None = None, z_loss: float | None = None) -> dict[str, float]:
         """Close the interval; rank 0 writes TensorBoard (flushed) and prints one line.
 
         Every rank calls this (it resets its counters); it does no collective. Returns the
         figures by tag, which tests and callers can use. With TRAINER_DEBUG_RANK_LOSS=1, every
         rank also prints its own `local_loss` (to check the dp reduction, or find a rank whose
-        data or weights diverge; show the ranks with LOG_RANK=0,1,...).
+        data or weights diverge; show the ranks with LOG_RANK=0,1,...). `z_loss` (the global
+        mean z-loss term per token, with `training.z_loss_weight`) is logged as
+        `loss_metrics/z_loss`; `global_avg_loss` is the cross-entropy alone.
         """
         if local_loss is not None and os.environ.get(DEBUG_RANK_LOSS_ENV):
             # One write per line: ranks share the pipe, and print() writes the newline apart.
@@ -285,6 +288,7 @@ class MetricsProcessor:
         m = {
             "loss_metrics/global_avg_loss": float(global_avg_loss),
             "loss_metrics/global_max_loss": float(global_max_loss),
+            **({} if z_loss is None else {"loss_metrics/z_loss": float(z_loss)}),
             "grad_norm": float(grad_norm),
             "lr": float(lr),
             "n_tokens_seen": float(tokens_seen),

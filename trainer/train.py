@@ -36,7 +36,7 @@ from trainer.errors import ConfigError, UserError
 from trainer.float8 import after_optimizer_step, check_device as check_float8_device
 from trainer.guard import LossGuard, flag_nonfinite_loss, injected_nan
 from trainer.hf.load import load_initial, save_last_hf
-from trainer.loss import IGNORE_INDEX, LossFn, build_loss
+from trainer.loss import IGNORE_INDEX, Loss, build_loss
 from trainer.metrics import MetricsProcessor
 from trainer.oom import (OOM_EXIT_CODE, OutOfMemory, claim_report, inject_oom, out_of_memory,
                          peer_ran_out_of_memory)
@@ -131,11 +131,13 @@ def choose_precision(cfg: JobConfig, device: torch.device) -> Precision:
 
 
 def train_step(model, optimizer, scheduler, loader, *, accum: int, sync_mode: str, dp_group,
-               max_norm: float, metrics: MetricsProcessor, loss_fn: LossFn, step: int = 0,
+               max_norm: float, metrics: MetricsProcessor, loss_fn: Loss, step: int = 0,
                device=None):
-    """One optimizer step over `accum` microbatches; returns (rank's mean loss, grad norm, lr,
-    stepped). `stepped` is False, on every rank alike, when the loss of any rank or the grad
-    norm was not finite: the optimizer step is then skipped (trainer/guard.py).
+    """One optimizer step over `accum` microbatches; returns (rank's mean cross-entropy, grad
+    norm, lr, stepped, z-loss). `stepped` is False, on every rank alike, when the loss of any
+    rank or the grad norm was not finite: the optimizer step is then skipped (trainer/guard.py).
+    The z-loss is None without one, else this rank's z-loss term / the global token count
+    (summed over the dp ranks: the global mean per token).
 
     Each microbatch's loss is its summed token loss divided by the GLOBAL token count of the
     step. FSDP averages gradients over the dp ranks (dividing by the dp size: a custom
@@ -165,20 +167,24 @@ def train_step(model, optimizer, scheduler, loader, *, accum: int, sync_mode: st
             inject_oom(step)  # testing hook; nothing unless asked
         (loss * dp_size).backward()
         loss_sum += loss.detach()
+    z_loss = loss_fn.take_z_loss()  # the z-loss term summed over this rank's tokens, or None
+    if z_loss is not None:
+        z_loss = z_loss / global_tokens
     loss_sum = loss_sum + injected_nan(step)  # testing hook; 0.0 unless asked
     flag_nonfinite_loss(model, loss_sum)  # a rank's bad loss makes the global norm NaN
     grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm or math.inf,
                                                foreach=True)
     grad_norm = grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm
-    lr = scheduler.get_last_lr()[0]  # the lr this step uses (the scheduler steps after it)
+    lr = optimizer.param_groups[0]["lr"]  # the lr this step uses (the scheduler steps after it)
     stepped = bool(torch.isfinite(grad_norm))  # the same on every rank: a reduced value
     if stepped:
         optimizer.step()
     scheduler.step()
     optimizer.zero_grad(set_to_none=True)
     metrics.count_tokens(local_tokens)
-    rank_loss = loss_sum * global_tokens / max(local_tokens, 1)
-    return rank_loss, grad_norm, lr, stepped
+    cross_entropy = loss_sum if z_loss is None else loss_sum - z_loss
+    rank_loss = cross_entropy * global_tokens / max(local_tokens, 1)
+    return rank_loss, grad_norm, lr, stepped, z_loss
 
 
 def print_sample_hashes(batches, dp_group, ids: list[str]) -> None:
@@ -190,6 +196,15 @@ def print_sample_hashes(batches, dp_group, ids: list[str]) -> None:
     sys.stdout.write(f"data dp_rank {dist.get_rank(dp_group)} samples {','.join(hashes)}"
                      f"{where}\n")
     sys.stdout.flush()
+
+
+def reduce_z_loss(z_loss: torch.Tensor | None, dp_group) -> float | None:
+    """The global mean z-loss per token (the ranks' shares summed), or None without one."""
+    if z_loss is None:
+        return None
+    total = z_loss.detach().clone()
+    dist.all_reduce(total, group=dp_group)
+    return total.item()
 
 
 def reduce_loss(rank_loss: torch.Tensor, dp_group) -> tuple[float, float]:
@@ -267,6 +282,7 @@ def run_loop(cfg, model, optimizer, scheduler, loader, checkpointer, metrics, pr
     guard = LossGuard(cfg.training, log=log0, metrics=metrics)
     # Compiling the loss's chunks pays on GPUs; on CPU it would only add compile time.
     loss_fn = build_loss(cfg.training.loss, cfg.training.loss_chunk_size,
+                         z_loss_weight=cfg.training.z_loss_weight,
                          compile_chunks=cfg.compile.enable and device.type == "cuda")
     if state.step >= cfg.training.steps:
         log0(f"nothing to do: already at step {state.step} of {cfg.training.steps}")
@@ -275,7 +291,7 @@ def run_loop(cfg, model, optimizer, scheduler, loader, checkpointer, metrics, pr
         state.step += 1
         metrics.step_timer()
         try:
-            rank_loss, grad_norm, lr, stepped = train_step(
+            rank_loss, grad_norm, lr, stepped, z_loss = train_step(
                 model, optimizer, scheduler, loader, accum=accum,
                 sync_mode=cfg.training.gradient_accumulation_sync, dp_group=dp_group,
                 max_norm=cfg.training.max_norm, metrics=metrics, loss_fn=loss_fn,
@@ -292,7 +308,8 @@ def run_loop(cfg, model, optimizer, scheduler, loader, checkpointer, metrics, pr
             avg, mx = reduce_loss(rank_loss, dp_group)
             metrics.log(state.step, global_avg_loss=avg, global_max_loss=mx,
                         grad_norm=float(grad_norm), lr=lr,
-                        tokens_seen=state.tokens_seen, local_loss=rank_loss.item())
+                        tokens_seen=state.tokens_seen, local_loss=rank_loss.item(),
+                        z_loss=reduce_z_loss(z_loss, dp_group))
             metrics.log_scalars(state.step, loader.metrics())
         if not stepped:
             skipped_step(guard, checkpointer, state.step, rank_loss, grad_norm, dp_group)
