@@ -153,3 +153,18 @@ def test_validation_is_the_same_on_1_2_and_4_ranks_by_default(mix_stores, tmp_pa
     for nproc in (2, 4):
         for tag, value in got[nproc].items():
             assert value == pytest.approx(got[1][tag], abs=1e-5), (nproc, tag)
+
+
+def test_blend_errors_are_one_line(mix_stores, tmp_path):  # noqa: F811
+    """A missing store (found by the ranks) and an unknown weight (found before launch)."""
+    toml = blend_toml(tmp_path / "blend.toml", {**mix_stores, "json": str(tmp_path / "nope")},
+                      {"email": 1, "json": 1})
+    for extra, start in (([], "data error: data.mix source 'json': token store not found: "),
+                         (["--data.mix_weights", "nope=1"], "config error: data.mix_weights "
+                          "names an unknown source 'nope'; the sources in data.mix are: email, "
+                          "json")):
+        proc = run_train(tmp_path / "run", *BASE_FP32, "--data.dataset", "stdlib",
+                         "--training.steps", "1", *extra, config=toml, check=False, timeout=120)
+        lines = [ln for ln in proc.stderr.splitlines() if ln.strip()]
+        assert proc.returncode == 2 and len(lines) == 1 and lines[0].startswith(start), \
+            proc.stderr[-2000:]
