@@ -54,6 +54,14 @@ class GlobalOrderLoader:
             self.consumed += self.global_batch_size
         return windows[:, :-1].contiguous(), windows[:, 1:].contiguous()
 
+    def skip_global_batch(self) -> None:
+        """Consume the next global batch without delivering it (every rank alike, at a step
+        boundary): the samples of one optimizer step are passed over, e.g. after a rollback."""
+        if self.micro != 0:
+            raise RuntimeError("skip_global_batch mid-step")
+        self._step_done(self.consumed, self.consumed + self.global_batch_size)
+        self.consumed += self.global_batch_size
+
     def samples(self, indices) -> tuple[torch.Tensor, torch.Tensor]:
         """(inputs, labels) of arbitrary global sample indices; does not move the loader
         (validation reads its fixed set of samples this way)."""
