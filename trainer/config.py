@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 
 from trainer.config_base import (check_field, coerce, did_you_mean, from_cli, opt, parse_cli,
                                   toml_value, type_name)
+from trainer.batch_schedule import check_ramp
 from trainer.data.config import DataConfig
 from trainer.errors import ConfigError, UserError
 from trainer.float8 import Float8, check_config as check_float8
@@ -148,6 +149,11 @@ class Training:
     gradient_accumulation_sync: str = opt(
         "last", "Microbatch grad sync: last (least comm), every (least memory), hsdp_reduce_scatter",
         choices=("last", "every", "hsdp_reduce_scatter"))
+    rampup_batch_start: int = opt(0, "Batch-size ramp: the global batch of step 1 (a multiple "
+                                  "of local_batch_size x dp size); 0 = no ramp", min=0)
+    rampup_steps: int = opt(0, "Ramp the global batch linearly to global_batch_size over this "
+                            "many steps", min=0)
+    rampup_tokens: int = opt(0, "... or over this many training tokens", min=0)
     max_skipped_steps: int = opt(
         5, "Consecutive steps with a non-finite loss or grad norm to skip before the run stops "
         "(exit 4); 0 = stop at the first", min=0)
@@ -340,7 +346,10 @@ class JobConfig:
 
         pd = ParallelDims.from_config(self.parallelism, world_size)
         self.parallelism.check_reshard(pd.dp_shard, world_size)
-        return pd, accumulation_steps(self.training, pd.dp_size)
+        accum = accumulation_steps(self.training, pd.dp_size)
+        per_pass = self.training.local_batch_size * pd.dp_size
+        check_ramp(self.training, per_pass, per_pass * accum)
+        return pd, accum
 
     def to_toml(self) -> str:
         out = []

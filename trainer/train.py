@@ -32,7 +32,8 @@ from trainer.checkpoint import Checkpointer, TrainState
 from trainer.config import OFFLOAD_NEEDS_CUDA, JobConfig, load_config
 from trainer.device import Precision, resolve_compute_dtype, resolve_device
 from trainer.data import build_dataloader, check_model_vocab, padded_vocab_size
-from trainer.errors import ConfigError, UserError
+from trainer.batch_schedule import batch_at
+from trainer.errors import ConfigError, DataError, UserError
 from trainer.float8 import after_optimizer_step, check_device as check_float8_device
 from trainer.guard import LossGuard, flag_nonfinite_loss, injected_nan
 from trainer.hf.load import load_initial, save_last_hf
@@ -233,6 +234,10 @@ def train(cfg: JobConfig) -> None:
         build_dataloader, cfg.data, seq_len=cfg.training.seq_len,
         local_batch_size=cfg.training.local_batch_size, global_batch_size=gbs,
         dp_rank=dp_mesh.get_local_rank(), dp_size=dp_mesh.size(), seed=cfg.job.seed)
+    if cfg.training.rampup_batch_start and not hasattr(loader, "set_global_batch_size"):
+        raise DataError("training.rampup_batch_start needs a data source with a global order "
+                        "(a token store, stdlib, synthetic or a blend); a streamed dataset "
+                        "cannot change its batch size: prepare a store")
     vocab = cfg.model.vocab_size or padded_vocab_size(loader.vocab_size,
                                                       cfg.model.vocab_size_multiple_of)
     agree_on_user_errors(check_model_vocab, vocab, loader)
@@ -255,6 +260,8 @@ def train(cfg: JobConfig) -> None:
     try:
         metrics.log_startup()
         log0(f"data: {loader.describe()}")
+        if cfg.training.rampup_batch_start:
+            log0(describe_ramp(cfg.training, loader))
         if validator is not None:
             log0(validator.describe())
         checkpointer = Checkpointer(cfg, model=model, optimizer=optimizer, scheduler=scheduler,
@@ -267,7 +274,7 @@ def train(cfg: JobConfig) -> None:
         with StepProfiler(cfg, rank=dist.get_rank(), device=device,
                           start_step=state.step) as profiler:
             run_loop(cfg, model, optimizer, scheduler, loader, checkpointer, metrics, profiler,
-                     state, accum=accum, dp_group=dp_group, device=device, validator=validator)
+                     state, dp_group=dp_group, device=device, validator=validator)
         if cfg.checkpoint.last_save_in_hf:
             save_last_hf(model, cfg, log=log0)
     finally:
@@ -275,7 +282,7 @@ def train(cfg: JobConfig) -> None:
 
 
 def run_loop(cfg, model, optimizer, scheduler, loader, checkpointer, metrics, profiler, state,
-             *, accum, dp_group, device, validator=None) -> None:
+             *, dp_group, device, validator=None) -> None:
     """Train until `training.steps`, or until a stop signal (then save and raise Preempted),
     or until too many non-finite steps in a row (TrainingError)."""
     stop = StopSignals(cfg.job.stop_signals, early=EARLY_SIGNALS)
@@ -292,7 +299,7 @@ def run_loop(cfg, model, optimizer, scheduler, loader, checkpointer, metrics, pr
         metrics.step_timer()
         try:
             rank_loss, grad_norm, lr, stepped, z_loss = train_step(
-                model, optimizer, scheduler, loader, accum=accum,
+                model, optimizer, scheduler, loader, accum=next_batch(cfg, loader, state.step),
                 sync_mode=cfg.training.gradient_accumulation_sync, dp_group=dp_group,
                 max_norm=cfg.training.max_norm, metrics=metrics, loss_fn=loss_fn,
                 step=state.step, device=device)
@@ -310,7 +317,9 @@ def run_loop(cfg, model, optimizer, scheduler, loader, checkpointer, metrics, pr
                         grad_norm=float(grad_norm), lr=lr,
                         tokens_seen=state.tokens_seen, local_loss=rank_loss.item(),
                         z_loss=reduce_z_loss(z_loss, dp_group))
-            metrics.log_scalars(state.step, loader.metrics())
+            metrics.log_scalars(state.step, {
+                **loader.metrics(), "batch_metrics/global_batch_size": loader.global_batch_size,
+                "batch_metrics/step_tokens": cfg.training.seq_len * loader.global_batch_size})
         if not stepped:
             skipped_step(guard, checkpointer, state.step, rank_loss, grad_norm, dp_group)
         if validator is not None and validator.due(state.step, last):
@@ -328,6 +337,25 @@ def run_loop(cfg, model, optimizer, scheduler, loader, checkpointer, metrics, pr
             set_collective_timeout(cfg.comm.train_timeout_seconds)
     checkpointer.wait()
     log0(f"training done at step {state.step}")
+
+
+def next_batch(cfg, loader, step: int) -> int:
+    """Set the loader's global batch for `step` (a batch-size ramp, trainer/batch_schedule.py);
+    returns its microbatches per rank."""
+    training = cfg.training
+    if training.rampup_batch_start:
+        per_pass = training.local_batch_size * loader.dp_size
+        loader.set_global_batch_size(batch_at(training, step, loader.consumed, per_pass,
+                                              loader.target_global_batch_size))
+    return loader.accum_steps
+
+
+def describe_ramp(training, loader) -> str:
+    over = (f"{training.rampup_steps} steps" if training.rampup_steps
+            else f"{training.rampup_tokens:,} tokens")
+    return (f"batch ramp: global batch {training.rampup_batch_start} -> "
+            f"{loader.target_global_batch_size} sequences over {over}, in steps of "
+            f"{training.local_batch_size * loader.dp_size} (trainer/batch_schedule.py)")
 
 
 def agree_at_step_end(stop: StopSignals, checkpointer: Checkpointer, device,

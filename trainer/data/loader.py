@@ -35,6 +35,7 @@ class GlobalOrderLoader:
             (global_batch_size, local_batch_size, dp_size)
         self.seq_len, self.seed = seq_len, seed
         self.local_batch_size, self.global_batch_size = local_batch_size, global_batch_size
+        self.target_global_batch_size = global_batch_size  # a ramp's steps take fewer
         self.dp_rank, self.dp_size = dp_rank, dp_size
         self.per_rank = global_batch_size // dp_size
         self.accum_steps = self.per_rank // local_batch_size
@@ -53,6 +54,18 @@ class GlobalOrderLoader:
             self._step_done(self.consumed, self.consumed + self.global_batch_size)
             self.consumed += self.global_batch_size
         return windows[:, :-1].contiguous(), windows[:, 1:].contiguous()
+
+    def set_global_batch_size(self, global_batch_size: int) -> None:
+        """The global batch of the next step (a batch-size ramp): at a step boundary, on every
+        rank alike. Sample i stays sample i: only how many the step takes changes."""
+        if self.micro != 0:
+            raise RuntimeError("set_global_batch_size mid-step")
+        per_pass = self.local_batch_size * self.dp_size
+        assert global_batch_size >= per_pass and global_batch_size % per_pass == 0, \
+            (global_batch_size, per_pass)
+        self.global_batch_size = global_batch_size
+        self.per_rank = global_batch_size // self.dp_size
+        self.accum_steps = self.per_rank // self.local_batch_size
 
     def skip_global_batch(self) -> None:
         """Consume the next global batch without delivering it (every rank alike, at a step
