@@ -240,6 +240,11 @@ def test_resume_refusals(mix_stores, blend_cfg, store_cfg):
                       val_fraction=0.05)
     with pytest.raises(DataError, match="data.mix source 'json' reads .* which is not the store"):
         mix_ranks(swapped, 1, local_batch_size=G)[0].load_state_dict(state)
+    unshuffled = mix_cfg(mix_stores, {"email": 0.75, "json": 0.25}, val_fraction=0.05,
+                         shuffle=False)
+    with pytest.raises(DataError, match="the checkpoint walked its windows with shuffle=True, "
+                                        "this run with shuffle=False"):
+        mix_ranks(unshuffled, 1, local_batch_size=G)[0].load_state_dict(state)
     resplit = mix_cfg(mix_stores, {"email": 0.75, "json": 0.25}, val_fraction=0.1)
     with pytest.raises(DataError, match="data.mix source 'email': its train split has"):
         mix_ranks(resplit, 1, local_batch_size=G)[0].load_state_dict(state)

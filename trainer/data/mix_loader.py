@@ -238,7 +238,14 @@ class MixLoader(GlobalOrderLoader):
             src = self.sources.get(name)
             if src is None:
                 continue
-            if entry.get("fingerprint") != src.fingerprint:
+            saved_fp = str(entry.get("fingerprint"))
+            if saved_fp != src.fingerprint and \
+                    saved_fp.split(":")[0] == src.fingerprint.split(":")[0]:
+                raise DataError(f"data.mix source {name!r}: the checkpoint walked its windows "
+                                f"with {saved_fp.split(':')[-1]}, this run with "
+                                f"{src.fingerprint.split(':')[-1]}; resume with the "
+                                "data.shuffle it was saved with")
+            if saved_fp != src.fingerprint:
                 raise DataError(
                     f"data.mix source {name!r} reads {src.store.path}, which is not the store "
                     f"this checkpoint trained it on; a source's store cannot change under the "
