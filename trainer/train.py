@@ -189,13 +189,15 @@ def train_step(model, optimizer, scheduler, loader, *, accum: int, sync_mode: st
 
 
 def print_sample_hashes(batches, dp_group, ids: list[str]) -> None:
-    """One line per rank and step: its dp rank, a short hash of each sample, in order, and
-    where each comes from when the loader knows (a blend: source/epoch/window)."""
+    """One line per rank and step: its dp rank and a short hash of each sample, in order; and
+    where each comes from when the loader knows (a blend: source/epoch/window, a second line)."""
     hashes = [hashlib.sha1(torch.cat([x[i], y[i, -1:]]).numpy().tobytes()).hexdigest()[:12]
               for x, y in batches for i in range(x.shape[0])]
-    where = f" ids {','.join(ids)}" if any(ids) else ""
-    sys.stdout.write(f"data dp_rank {dist.get_rank(dp_group)} samples {','.join(hashes)}"
-                     f"{where}\n")
+    rank = dist.get_rank(dp_group)
+    lines = f"data dp_rank {rank} samples {','.join(hashes)}\n"
+    if any(ids):  # a line of its own: the samples line keeps its format
+        lines += f"data dp_rank {rank} sources {','.join(ids)}\n"
+    sys.stdout.write(lines)
     sys.stdout.flush()
 
 
