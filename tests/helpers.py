@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import glob
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -131,3 +132,15 @@ def stopped_after_save(run: Path, dest: Path, dropped_step: int) -> Path:
 
 def losses(dump: Path | str) -> dict[int, float]:
     return scalars(dump, "loss_metrics/global_avg_loss")
+
+
+def global_batches(stdout: str, what: str = "samples") -> list[list[str]]:
+    """Per step, the whole global batch in dp-rank order from the TRAINER_DEBUG_DATA_HASHES
+    lines of every rank: the sample hashes (`samples`) or a blend's source/epoch/window ids
+    (`sources`); each rank prints one line of each per step."""
+    per_rank: dict[int, list[list[str]]] = {}
+    for dp_rank, items in re.findall(rf"^data dp_rank (\d+) {what} (\S+)$", stdout, re.M):
+        per_rank.setdefault(int(dp_rank), []).append(items.split(","))
+    steps = len(per_rank[0])
+    assert all(len(v) == steps for v in per_rank.values())
+    return [sum((per_rank[r][s] for r in sorted(per_rank)), []) for s in range(steps)]

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.helpers import BASE_FP32, run_train, scalars
+from tests.helpers import BASE_FP32, global_batches, run_train, scalars
 from tests.test_data_fixtures import mix_stores  # noqa: F401
 
 HASHES = {"TRAINER_DEBUG_DATA_HASHES": "1"}
@@ -29,14 +29,7 @@ def blend_toml(path: Path, stores: dict, weights: dict) -> str:
 
 
 def global_ids(stdout: str) -> list[list[str]]:
-    """Per step, the source/epoch/window ids of the global batch in dp-rank order, from the
-    TRAINER_DEBUG_DATA_HASHES lines of every rank."""
-    per_rank: dict[int, list[list[str]]] = {}
-    for rank, ids in re.findall(r"^data dp_rank (\d+) sources (\S+)$", stdout, re.M):
-        per_rank.setdefault(int(rank), []).append(ids.split(","))
-    steps = len(per_rank[0])
-    assert all(len(v) == steps for v in per_rank.values())
-    return [sum((per_rank[r][s] for r in sorted(per_rank)), []) for s in range(steps)]
+    return global_batches(stdout, "sources")
 
 
 def stopped_at(run: Path, dest: Path, step: int) -> Path:

@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 
 from tests.helpers import BASE_FP32 as BASE
-from tests.helpers import losses, run_train, stopped_after_save
+from tests.helpers import global_batches, losses, run_train, stopped_after_save
 from tests.test_data_fixtures import corpus_dir, json_cfg, tokenizer_path  # noqa: F401
 
 
@@ -110,17 +110,6 @@ def test_interrupted_save_leaves_the_previous_checkpoint(tmp_path):
     assert other.returncode == 2
     assert other.stderr.strip().splitlines() == [other.stderr.strip()], other.stderr
     assert other.stderr.startswith("config error: checkpoint ") and "tok_embeddings" in other.stderr
-
-
-def global_batches(stdout: str) -> list[list[str]]:
-    """Per step, the sample hashes of the whole global batch in dp-rank order, from the
-    TRAINER_DEBUG_DATA_HASHES lines of every rank (each rank prints one line per step)."""
-    per_rank: dict[int, list[list[str]]] = {}
-    for dp_rank, hashes in re.findall(r"^data dp_rank (\d+) samples (\S+)$", stdout, re.M):
-        per_rank.setdefault(int(dp_rank), []).append(hashes.split(","))
-    steps = len(per_rank[0])
-    assert all(len(v) == steps for v in per_rank.values())
-    return [sum((per_rank[r][s] for r in sorted(per_rank)), []) for s in range(steps)]
 
 
 def test_elastic_resume_hsdp4_to_fsdp2_sees_exactly_the_next_samples(tmp_path, straight, hsdp4):

@@ -100,21 +100,28 @@ class GlobalOrderLoader:
 
     def load_state_dict(self, sd: dict) -> None:
         """Resume at the saved global sample count; refuse states from another data setup."""
-        where = self._where()
+        self.consumed = self._checked_consumed(
+            sd, (("fingerprint", self.fingerprint), ("seq_len", self.seq_len),
+                 ("seed", self.seed), ("windows_per_epoch", self.n_windows)),
+            f"{self._where()} is a {self.kind!r} loader; resume with the data config it was "
+            "saved with", "resume with the same store, seq_len, seed and val_fraction")
+        self.micro, self._plan = 0, None
+
+    def _checked_consumed(self, sd, checks, other_kind: str, hint: str) -> int:
+        """The saved samples_consumed, once the state is of this kind and `checks` (key,
+        this run's value) all match; a DataError naming the first mismatch otherwise."""
         if not isinstance(sd, dict) or sd.get("kind") != self.kind:
             got = sd.get("kind") if isinstance(sd, dict) else type(sd).__name__
-            raise DataError(f"checkpoint data state is for a {got!r} loader but {where} is a "
-                            f"{self.kind!r} loader; resume with the data config it was saved with")
-        for key, mine in (("fingerprint", self.fingerprint), ("seq_len", self.seq_len),
-                          ("seed", self.seed), ("windows_per_epoch", self.n_windows)):
+            raise DataError(f"checkpoint data state is for a {got!r} loader but {other_kind}")
+        for key, mine in checks:
             if sd.get(key) != mine:
-                raise DataError(f"checkpoint data state has {key}={sd.get(key)!r} but {where} "
-                                f"has {key}={mine!r}; the saved sample order cannot be continued"
-                                " (resume with the same store, seq_len, seed and val_fraction)")
+                raise DataError(f"checkpoint data state has {key}={sd.get(key)!r} but "
+                                f"{self._where()} has {key}={mine!r}; the saved sample order "
+                                f"cannot be continued ({hint})")
         consumed = sd.get("samples_consumed")
         if not isinstance(consumed, numbers.Integral) or consumed < 0:
             raise DataError(f"checkpoint data state has a bad samples_consumed={consumed!r}")
-        self.consumed, self.micro, self._plan = int(consumed), 0, None
+        return int(consumed)
 
     def describe(self) -> str:
         raise NotImplementedError

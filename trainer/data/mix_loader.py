@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import numbers
 
 import numpy as np
 
@@ -199,24 +198,19 @@ class MixLoader(GlobalOrderLoader):
         return {"kind": self.kind, "samples_consumed": self.consumed, "seed": self.seed,
                 "seq_len": self.seq_len, "mix": json.dumps(mix, sort_keys=True)}
 
+    def _where(self) -> str:
+        return "this blend"
+
     def load_state_dict(self, sd: dict) -> None:
-        if not isinstance(sd, dict) or sd.get("kind") != self.kind:
-            got = sd.get("kind") if isinstance(sd, dict) else type(sd).__name__
-            raise DataError(f"checkpoint data state is for a {got!r} loader but data.mix is a "
-                            "blend; a run started on one store cannot continue as a blend "
-                            "(start blends as a data.mix of one source, then add sources)")
-        for key, mine in (("seq_len", self.seq_len), ("seed", self.seed)):
-            if sd.get(key) != mine:
-                raise DataError(f"checkpoint data state has {key}={sd.get(key)!r} but this run "
-                                f"has {key}={mine!r}; the saved sample order cannot be "
-                                "continued (resume with the same seq_len and job.seed)")
-        consumed = sd.get("samples_consumed")
-        if not isinstance(consumed, numbers.Integral) or consumed < 0:
-            raise DataError(f"checkpoint data state has a bad samples_consumed={consumed!r}")
+        consumed = self._checked_consumed(
+            sd, (("seq_len", self.seq_len), ("seed", self.seed)),
+            "data.mix is a blend; a run started on one store cannot continue as a blend "
+            "(start blends as a data.mix of one source, then add sources)",
+            "resume with the same seq_len and job.seed")
         saved = json.loads(sd["mix"])
         self._check_sources(saved["sources"])
         self.retired = {n: e for n, e in saved["sources"].items() if n not in self.sources}
-        self.consumed, self.micro = int(consumed), 0
+        self.consumed, self.micro = consumed, 0
         old = saved["stage"]
         if _same_weights(old["weights"], self.blend.fractions):
             samples = {n: e["samples"] for n, e in saved["sources"].items()}
