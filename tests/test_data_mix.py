@@ -340,3 +340,18 @@ def test_permute_many_equals_permute_per_element():
     want = [permute(np.array([p]), n_of[g], seed_of[g], int(e))[0]
             for p, g, e in zip(pos, group, epoch)]
     assert permute_many(pos, group, epoch, n_of, seed_of).tolist() == want
+
+
+def test_a_batch_ramp_takes_the_next_samples_of_the_global_order(blend_cfg):
+    """Global batches of 2, 4, 6, 8 on 2 ranks read samples [0, 2), [2, 6), ... of the order
+    that a constant batch reads."""
+    ranks = mix_ranks(blend_cfg, 2)
+    got = []
+    for gbs in (2, 4, 6, 8, 8):
+        for r in ranks:
+            r.set_global_batch_size(gbs)
+        got += [i for step in take_ids(ranks, 1) for i in step]
+    want = [i for step in take_ids(mix_ranks(blend_cfg, 1, local_batch_size=G), 4) for i in step]
+    assert got == want[:28]
+    assert ranks[0].consumed_by_source() == {n: sum(i.startswith(n + "/") for i in got)
+                                             for n in ("email", "json")}
