@@ -144,3 +144,117 @@ def global_batches(stdout: str, what: str = "samples") -> list[list[str]]:
     steps = len(per_rank[0])
     assert all(len(v) == steps for v in per_rank.values())
     return [sum((per_rank[r][s] for r in sorted(per_rank)), []) for s in range(steps)]
+
+
+# --------------------------------------------------------------------------- W&B run files
+
+WANDB_SKIP = "wandb is not installed (pip install -e '.[wandb]'; CI installs it with .[dev])"
+
+
+def wandb_or_skip():
+    """The wandb module; skips the test without it, except under CI (CI=true), which installs
+    it and so must not silently skip."""
+    import pytest
+
+    if os.environ.get("CI"):
+        import wandb
+        return wandb
+    return pytest.importorskip("wandb", reason=WANDB_SKIP)
+
+
+def wandb_offline_env(tmp: Path | str) -> dict:
+    """Environment changes (None = unset) for an offline W&B run that reads none of the
+    caller's WANDB_* settings and writes nothing outside `tmp` (wandb-core's debug logs and
+    settings would go to ~/.cache/wandb and ~/.config/wandb)."""
+    env: dict = {key: None for key in os.environ if key.startswith("WANDB_")}
+    env.update(WANDB_MODE="offline", WANDB_CACHE_DIR=os.path.join(str(tmp), "wandb_cache"),
+               WANDB_CONFIG_DIR=os.path.join(str(tmp), "wandb_config"),
+               WANDB_DATA_DIR=os.path.join(str(tmp), "wandb_data"))
+    return env
+
+
+def wandb_launches(root: Path | str) -> list[dict]:
+    """Every W&B launch whose run files are under `root` (e.g. `{dump}/wandb`), by start time:
+    {"id", "config" (nested), "history" (the logged rows, wandb's `_*` keys dropped),
+    "exit_code" (None if the run did not finish), "preempting"}.
+
+    Read from the `run-<id>.wandb` transaction logs that online and offline runs both write:
+    records framed as in LevelDB's log format (wandb's own, stable since 0.10) holding
+    `wandb.proto.wandb_internal_pb2.Record` protobufs. Not through wandb's private reader,
+    which newer versions dropped (`wandb.sdk.internal.datastore`), nor `wandb leet inspect`,
+    which older ones lack."""
+    import json
+
+    out = []
+    for path in glob.glob(os.path.join(str(root), "*run-*", "run-*.wandb")):
+        launch = {"id": None, "config": {}, "history": [], "exit_code": None,
+                  "preempting": False, "start": 0, "path": path}
+        for record in _wandb_records(path):
+            kind = record.WhichOneof("record_type")
+            if kind == "run":
+                launch["id"] = record.run.run_id
+                launch["start"] = record.run.start_time.ToNanoseconds()
+                _config_update(launch["config"], record.run.config)
+            elif kind == "config":
+                _config_update(launch["config"], record.config)
+            elif kind == "history":
+                row = {item.key or "/".join(item.nested_key): json.loads(item.value_json)
+                       for item in record.history.item}
+                launch["history"].append({k: v for k, v in row.items() if not k.startswith("_")})
+            elif kind == "exit":
+                launch["exit_code"] = record.exit.exit_code
+            elif kind == "preempting":
+                launch["preempting"] = True
+        out.append(launch)
+    return sorted(out, key=lambda launch: launch["start"])
+
+
+def _config_update(config: dict, update) -> None:
+    import json
+
+    for item in update.update:
+        key = item.key or "/".join(item.nested_key)
+        if not key.startswith("_"):
+            config[key] = json.loads(item.value_json)
+
+
+def _wandb_records(path: str):
+    """The protobuf records of one .wandb file: a 7-byte file header (":W&B", 0xBEE1, version
+    0), then 32 KiB blocks of chunks, each `crc32 (4) | length (2) | type (1) | data`; a record
+    is one FULL chunk or FIRST, MIDDLE..., LAST; a block's tail under 7 bytes is zeros."""
+    import struct
+    import zlib
+
+    from wandb.proto import wandb_internal_pb2
+
+    block = 32768
+    with open(path, "rb") as fh:
+        data = fh.read()
+    ident, magic, version = struct.unpack("<4sHB", data[:7])
+    assert (ident, magic, version) == (b":W&B", 0xBEE1, 0), (path, ident, magic, version)
+    pos, parts = 7, []
+    while pos + 7 <= len(data):
+        room = block - pos % block
+        if room < 7:
+            pos += room
+            continue
+        crc, length, kind = struct.unpack("<IHB", data[pos:pos + 7])
+        if kind == 0:  # zeros: the unwritten tail of a block or of a run still writing
+            pos += room
+            continue
+        chunk = data[pos + 7:pos + 7 + length]
+        assert zlib.crc32(chunk, zlib.crc32(bytes([kind]))) & 0xFFFFFFFF == crc, (path, pos)
+        pos += 7 + length
+        parts.append(chunk)
+        if kind in (1, 4):  # FULL or LAST
+            record = wandb_internal_pb2.Record()
+            record.ParseFromString(b"".join(parts))
+            parts = []
+            yield record
+
+
+def wandb_series(launches: list[dict], tag: str) -> dict[int, float]:
+    """{step: value} of one tag over the launches, a later launch's row replacing an earlier
+    one of the same step (as `scalars` does for TensorBoard)."""
+    return {row["step"]: row[tag] for launch in launches for row in launch["history"]
+            if tag in row}

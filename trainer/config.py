@@ -24,6 +24,7 @@ from trainer.data.config import DataConfig
 from trainer.errors import ConfigError, UserError
 from trainer.float8 import Float8, check_config as check_float8
 from trainer.lr_schedule import DECAY_SHAPES, decay_steps
+from trainer.wandb_logger import check_config as check_wandb
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -288,6 +289,13 @@ class Metrics:
     peak_tflops: float = opt(0.0, "Peak bf16 TFLOPS per device for MFU; 0 = from the device table",
                              min=0.0)
     disable_color: bool = opt(False, "Plain console output without ANSI colors")
+    enable_wandb: bool = opt(False, "Also log the scalars and the config to Weights & Biases on "
+                             "rank 0 (pip install -e \".[wandb]\"; WANDB_MODE=offline keeps it "
+                             "local); one run per dump folder, continued on resume")
+    wandb_project: str = opt("", "W&B project; '' = $WANDB_PROJECT, else 'trainer'")
+    wandb_entity: str = opt("", "W&B team or user; '' = $WANDB_ENTITY, else your default entity")
+    wandb_run_name: str = opt("", "W&B run name; '' = $WANDB_NAME, else the dump folder's name "
+                              "(job.description becomes the run's notes)")
 
 
 @dataclass
@@ -336,6 +344,7 @@ class JobConfig:
         if self.parallelism.fsdp_offload == "cpu" and self.training.device == "cpu":
             raise ConfigError(OFFLOAD_NEEDS_CUDA.format(where="training.device = 'cpu'"))
         check_float8(self.float8, self.training.device)
+        check_wandb(self.metrics)
         self.lr_scheduler.check_steps(self.training.steps)
         if world_size is not None:
             self.resolve(world_size)

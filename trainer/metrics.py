@@ -1,4 +1,4 @@
-"""What a run reports: throughput, MFU, memory and losses, to TensorBoard and the console.
+"""What a run reports: throughput, MFU, memory and losses, to TensorBoard, W&B and the console.
 
 The loop drives one `MetricsProcessor` per rank:
 
@@ -15,7 +15,7 @@ The loop drives one `MetricsProcessor` per rank:
                 mp.log(step, global_avg_loss=..., global_max_loss=..., grad_norm=..., lr=...,
                        tokens_seen=...)
     finally:
-        mp.close()
+        mp.close()      # or `with mp:`, which gives W&B the exit code of an exception
 
 Figures are averages over the steps since the previous `log` (so a checkpoint save between
 two logs shows up in end-to-end time, as it does for the user). Throughput is per device.
@@ -26,6 +26,10 @@ TensorBoard (rank 0) writes to `{dump_folder}/{save_tb_folder}/<YYYYmmdd-HHMMSS>
 launch (a resumed run gets a new one; TensorBoard overlays them by step), with torchtitan's tag
 names so existing dashboards work. `mfu(%)` is written only when a peak is known (see
 `trainer.flops.resolve_peak`); the config is recorded as text and as hparams.
+
+Weights & Biases (`[metrics] enable_wandb`, rank 0, trainer/wandb_logger.py) gets the same
+scalars at the same steps, and the config as the run config. Each of the two is a "sink" with
+`write(step, scalars)` and `close(exit_code)`; either, both or neither can be on.
 """
 
 from __future__ import annotations
@@ -172,7 +176,8 @@ def _flat_config(cfg) -> dict:
 
 
 def _open_writer(cfg, extra_hparams: dict):
-    """SummaryWriter with the effective config as text and as hparams (for run comparison)."""
+    """SummaryWriter with the effective config as text and as hparams (for run comparison);
+    `extra_hparams` as `derived.<name>`."""
     from torch.utils.tensorboard import SummaryWriter
     from torch.utils.tensorboard.summary import hparams
 
@@ -181,18 +186,58 @@ def _open_writer(cfg, extra_hparams: dict):
     writer.add_text("config", "```toml\n" + cfg.to_toml() + "\n```", global_step=0)
     # add_hparams would create a sub-run; writing the summaries directly keeps one run folder,
     # and the plugin reads the metric from the run's own loss scalars.
-    summaries = hparams({**_flat_config(cfg), **extra_hparams},
-                        {"loss_metrics/global_avg_loss": 0.0})
+    derived = {f"derived.{name}": value for name, value in extra_hparams.items()}
+    summaries = hparams({**_flat_config(cfg), **derived}, {"loss_metrics/global_avg_loss": 0.0})
     for summary in summaries:
         writer.file_writer.add_summary(summary)
     return writer
+
+
+class TensorBoardSink:
+    """Rank 0's SummaryWriter, flushed at every write (cheap at log_freq; a killed job keeps
+    its tail)."""
+
+    def __init__(self, cfg, derived: dict):
+        self.writer = _open_writer(cfg, derived)
+
+    def describe(self) -> str:
+        return f"tensorboard: {self.writer.log_dir}"
+
+    def write(self, step: int, values: dict[str, float]) -> None:
+        for tag, value in values.items():
+            self.writer.add_scalar(tag, value, step)
+        self.writer.flush()
+
+    def close(self, exit_code: int = 0) -> None:
+        self.writer.flush()
+        self.writer.close()
+
+
+def open_sinks(cfg, derived: dict) -> list:
+    """Rank 0's enabled sinks. W&B opens first: its init is the one that may fail (a user
+    error then, which train.py makes every rank raise), and it would leave no TensorBoard
+    folder behind."""
+    wandb = []
+    if cfg.metrics.enable_wandb:
+        from trainer.wandb_logger import WandbLogger  # rank 0 only: other ranks never import it
+
+        wandb.append(WandbLogger(cfg, derived))
+    tensorboard = [TensorBoardSink(cfg, derived)] if cfg.metrics.enable_tensorboard else []
+    return tensorboard + wandb
+
+
+def exit_code_of(exc: BaseException | None) -> int:
+    """The code the process will exit with for `exc` (train.main's mapping): 0 without one,
+    the user error's or Preempted's own code, else 1."""
+    return 0 if exc is None else getattr(exc, "exit_code", 1)
 
 
 # --------------------------------------------------------------------------- processor
 
 
 class MetricsProcessor:
-    """Times steps, counts tokens, and on log steps writes TensorBoard and prints (rank 0)."""
+    """Times steps, counts tokens, and on log steps writes TensorBoard and W&B and prints
+    (rank 0). A context manager: leaving it closes the sinks with the exception's exit code."""
 
     def __init__(self, cfg, *, model_args: ModelArgs, seq_len: int, device: torch.device,
                  rank: int, parallel_desc: str, accumulation_steps: int, num_params: int,
@@ -206,17 +251,15 @@ class MetricsProcessor:
         self.flops_per_token = flops_per_token(model_args, seq_len)
         self.peak = resolve_peak(cfg.metrics.peak_tflops, device)
         self.colors = Colors(use_color(cfg.metrics.disable_color))
-        self.writer = None
-        if rank == 0 and cfg.metrics.enable_tensorboard:
-            self.writer = _open_writer(cfg, {
-                "derived.flops_per_token": self.flops_per_token,
-                "derived.peak_tflops": self.peak.tflops or 0.0,
-                "derived.num_params": num_params,
-                "derived.accumulation_steps": accumulation_steps,
-                "derived.parallel": parallel_desc,
-                "derived.device": str(device),
-                "derived.compute_dtype": self.precision.param,
-            })
+        self.sinks = [] if rank != 0 else open_sinks(cfg, {
+            "flops_per_token": self.flops_per_token,
+            "peak_tflops": self.peak.tflops or 0.0,
+            "num_params": num_params,
+            "accumulation_steps": accumulation_steps,
+            "parallel": parallel_desc,
+            "device": str(device),
+            "compute_dtype": self.precision.param,
+        })
         self._interval_start: float | None = None
         self._steps = self._tokens = 0
         self._data_s = 0.0
@@ -245,8 +288,7 @@ class MetricsProcessor:
         if self.peak.tflops and self.precision.param != "bfloat16":
             lines.append(f"note: MFU is against the bf16 peak; this run computes in "
                          f"{self.precision.param}")
-        if self.writer is not None:
-            lines.append(f"tensorboard: {self.writer.log_dir}")
+        lines += [sink.describe() for sink in self.sinks]
         for line in lines:
             print(f"{c.cyan}{line}{c.reset}", flush=True)
 
@@ -272,7 +314,8 @@ class MetricsProcessor:
     def log(self, step: int, *, global_avg_loss: float, global_max_loss: float,
             grad_norm: float, lr: float, tokens_seen: int,
             local_loss: float | None = None, z_loss: float | None = None) -> dict[str, float]:
-        """Close the interval; rank 0 writes TensorBoard (flushed) and prints one line.
+        """Close the interval; rank 0 writes its sinks (TensorBoard flushed, W&B) and prints
+        one line.
 
         Every rank calls this (it resets its counters); it does no collective. Returns the
         figures by tag, which tests and callers can use. With TRAINER_DEBUG_RANK_LOSS=1, every
@@ -297,19 +340,17 @@ class MetricsProcessor:
         }
         reset_memory_peaks(self.device)
         if self.rank == 0:
-            if self.writer is not None:
-                for tag, value in m.items():
-                    self.writer.add_scalar(tag, value, step)
-                self.writer.flush()  # cheap at log_freq; keeps the tail if the job is killed
+            self._write(step, m)
             print(format_line(step, m, self.colors), flush=True)
         return m
 
     def log_scalars(self, step: int, values: dict[str, float]) -> None:
-        """Rank 0: write extra TensorBoard scalars (validation, skipped steps, spikes) now."""
-        if self.writer is not None:
-            for tag, value in values.items():
-                self.writer.add_scalar(tag, float(value), step)
-            self.writer.flush()
+        """Rank 0: write extra scalars (validation, skipped steps, spikes, data) now."""
+        self._write(step, {tag: float(value) for tag, value in values.items()})
+
+    def _write(self, step: int, values: dict[str, float]) -> None:
+        for sink in self.sinks:
+            sink.write(step, values)
 
     def _interval_metrics(self) -> dict[str, float]:
         """Throughput, FLOPS, MFU and timings over the steps since the last log; then reset."""
@@ -329,10 +370,16 @@ class MetricsProcessor:
         self._interval_start, self._steps, self._tokens, self._data_s = now, 0, 0, 0.0
         return m
 
-    def close(self) -> None:
-        """Flush and close the writer; idempotent, so it can sit in a `finally`."""
-        writer, self.writer = self.writer, None
-        if writer is not None:
-            writer.flush()
-            writer.close()
+    def close(self, exit_code: int = 0) -> None:
+        """Flush and close the sinks (W&B records `exit_code`); idempotent, so it can sit in a
+        `finally`."""
+        sinks, self.sinks = self.sinks, []
+        for sink in sinks:
+            sink.close(exit_code)
+
+    def __enter__(self) -> "MetricsProcessor":
+        return self
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        self.close(exit_code_of(exc))
 

@@ -255,11 +255,12 @@ def train(cfg: JobConfig) -> None:
     optimizer = build_optimizer(model, cfg.optimizer)
     scheduler = build_lr_scheduler(optimizer, cfg.lr_scheduler, cfg.training.steps)
     state = TrainState()
-    metrics = MetricsProcessor(cfg, model_args=args, seq_len=cfg.training.seq_len, device=device,
-                               rank=dist.get_rank(), parallel_desc=parallel_dims.describe(),
-                               precision=precision,
-                               accumulation_steps=accum, num_params=args.num_params())
-    try:
+    # Rank 0 opens TensorBoard and W&B: a W&B run that cannot start stops every rank alike.
+    metrics = agree_on_user_errors(
+        MetricsProcessor, cfg, model_args=args, seq_len=cfg.training.seq_len, device=device,
+        rank=dist.get_rank(), parallel_desc=parallel_dims.describe(), precision=precision,
+        accumulation_steps=accum, num_params=args.num_params())
+    with metrics:  # closed with the run's exit code (W&B records it)
         metrics.log_startup()
         log0(f"data: {loader.describe()}")
         if cfg.training.rampup_batch_start:
@@ -279,8 +280,6 @@ def train(cfg: JobConfig) -> None:
                      state, dp_group=dp_group, device=device, validator=validator)
         if cfg.checkpoint.last_save_in_hf:
             save_last_hf(model, cfg, log=log0)
-    finally:
-        metrics.close()
 
 
 def run_loop(cfg, model, optimizer, scheduler, loader, checkpointer, metrics, profiler, state,
