@@ -20,6 +20,10 @@ resume from an older step (`load_step`, or past a damaged one), the first save m
 `step-M` folders aside as `step-M.abandoned-<time>`, so no later resume or pruning mistakes
 them for this run's checkpoints.
 
+A rollback (`training.on_spike = "rollback"`, trainer/train.py) reloads `latest`, the newest
+checkpoint of this run's branch (never a later step of an abandoned one), and saves that step
+again at once with the rollback recorded in the TrainState: the new folder replaces the old one.
+
 With `async_mode = "async"`, the state is staged to CPU memory and written by a background
 thread while training goes on; the commit (the rename) happens at the next save or at the end
 of the run, whichever comes first. The background writes use a gloo process group of their own:
@@ -32,7 +36,7 @@ import os
 import re
 import shutil
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
@@ -55,14 +59,23 @@ CRASH_ENV = "TRAINER_TEST_CRASH_BEFORE_COMMIT"
 
 @dataclass
 class TrainState(Stateful):
+    """The loop's own state. Checkpoints from before the spike window and rollbacks lack those
+    keys: they load with the defaults (Checkpointer.load reads this part leniently)."""
+
     step: int = 0
     tokens_seen: int = 0
+    loss_window: list[float] = field(default_factory=list)  # the spike detector's (guard.py)
+    rollback_steps: list[int] = field(default_factory=list)  # one per rollback: the step that
+    # passes over a global batch (the one it spiked on)
 
     def state_dict(self) -> dict:
-        return {"step": self.step, "tokens_seen": self.tokens_seen}
+        return {"step": self.step, "tokens_seen": self.tokens_seen,
+                "loss_window": list(self.loss_window), "rollback_steps": list(self.rollback_steps)}
 
     def load_state_dict(self, sd: dict) -> None:
         self.step, self.tokens_seen = int(sd["step"]), int(sd["tokens_seen"])
+        self.loss_window = [float(x) for x in sd.get("loss_window", [])]
+        self.rollback_steps = [int(s) for s in sd.get("rollback_steps", [])]
 
 
 class ModelAndOptimizer(Stateful):
@@ -129,6 +142,10 @@ class Checkpointer:
         self.pending = None  # (step, future, start time) of an async save not yet committed
         # Later steps than this one belong to an abandoned branch: moved aside at the first save.
         self.branch_point: int | None = 0
+        # The newest checkpoint of this run's branch (loaded or committed; the same on every
+        # rank): what a rollback reloads. None before the first.
+        self.latest: int | None = None
+        self.replacing: int | None = None  # a re-save of this step replaces it (save(replace=))
 
     # ----------------------------------------------------------------------------- listing
     def committed_steps(self) -> list[int]:
@@ -187,8 +204,9 @@ class Checkpointer:
                      ".metadata only")
         return None
 
-    def load(self, step: int | None) -> bool:
-        """Resume from checkpoint `step` (from `step_to_load`); False if None."""
+    def load(self, step: int | None, *, quiet: bool = False) -> bool:
+        """Resume from checkpoint `step` (from `step_to_load`; or a rollback's, `quiet`: it
+        prints its own line); False if None."""
         if step is None:
             return False
         t0 = time.monotonic()
@@ -196,18 +214,22 @@ class Checkpointer:
         self._check_model_shapes(path)
         states = dict(self.states)
         data, rng = states.pop("dataloader"), states.pop("rng")
-        sched = states.pop("lr_scheduler")
+        sched, train_state = states.pop("lr_scheduler"), states.pop("train_state")
         # The data position first: a changed data setup is then reported by the loader itself
         # (one line). It loads leniently because a streamed source keeps per-rank state, whose
         # keys differ on another dp size; the loader explains that case too.
         dcp.load({"dataloader": data}, checkpoint_id=path, planner=_lenient())
         dcp.load(states, checkpoint_id=path)
+        # Leniently: older checkpoints have no spike window nor rollbacks (TrainState).
+        dcp.load({"train_state": train_state}, checkpoint_id=path, planner=_lenient())
         # After the optimizer, whose param groups come back with the saved lr: the schedule
         # keeps this run's formula and sets the lr of the next step from it (trainer/optim.py).
         dcp.load({"lr_scheduler": sched}, checkpoint_id=path)
         # Leniently too: a CPU checkpoint has no CUDA RNG state to give a GPU run.
         dcp.load({"rng": rng}, checkpoint_id=path, planner=_lenient())
-        self.branch_point = step
+        self.branch_point = self.latest = step
+        if quiet:
+            return True
         self.log(f"resumed from {self._path(step)} (step {self.train_state.step}) in "
                  f"{time.monotonic() - t0:.2f}s")
         note = sched.obj.resume_note()
@@ -245,9 +267,12 @@ class Checkpointer:
         """This rank's background write (if any) is done; the loop commits once all are."""
         return self.pending is None or self.pending[1].done()
 
-    def save(self, step: int) -> None:
-        """Write `step-N.partial` (in the background when async), then commit it as `step-N`."""
+    def save(self, step: int, *, replace: bool = False) -> None:
+        """Write `step-N.partial` (in the background when async), then commit it as `step-N`.
+        `replace`: a rollback saves the step it reloaded again, with its record added: the new
+        folder replaces the old one (rather than moving it aside as an abandoned branch's)."""
         self.wait()  # at most one save in flight; commit the previous one first
+        self.replacing = step if replace else None
         t0 = time.monotonic()
         partial = self._path(step) + ".partial"
         if dist.get_rank() == 0:
@@ -303,15 +328,17 @@ class Checkpointer:
                 integrity.write_manifest(partial, step, self.fingerprint,
                                          {k: v for _, f in seen for k, v in f.items()})
                 self._move_aside_abandoned(step)
-                os.replace(partial, self._path(step))
+                self._install(partial, step)
                 self._prune(keep=step)
             except OSError as e:
                 outcome = [str(e)]
         dist.broadcast_object_list(outcome, src=0)
+        self.replacing = None
         if outcome[0] is not None:
             self._save_failed(step, partial, outcome[0])
         else:
             self.branch_point = None  # the abandoned branch (if any) is aside now
+            self.latest = step
             self.log(f"saved checkpoint {self._path(step)} in {time.monotonic() - t0:.2f}s")
 
     def _save_failed(self, step: int, partial: str, error: str) -> None:
@@ -331,7 +358,8 @@ class Checkpointer:
         from (and any `step-{step}`): they belong to the branch a rewind abandoned."""
         if self.branch_point is None:
             return
-        later = [s for s in self.committed_steps() if s > self.branch_point or s == step]
+        later = [s for s in self.committed_steps()
+                 if s > self.branch_point or (s == step and s != self.replacing)]
         if later:
             stamp = time.strftime("%Y%m%d-%H%M%S")
             for s in later:
@@ -339,6 +367,24 @@ class Checkpointer:
             self.log(f"this run resumed from step {self.branch_point}: moved the later "
                      f"checkpoint(s) {', '.join(f'step-{s}' for s in later)} aside as "
                      f"step-N.abandoned-{stamp} (never resumed from nor pruned)")
+
+    def _install(self, partial: str, step: int) -> None:
+        """Rename `partial` to `step-N`. A rollback's re-save replaces `step-N`: the old folder
+        is renamed aside, then deleted (a crash between the two renames leaves the same weights
+        in `step-N.superseded`, which no resume reads: rename it back by hand)."""
+        final = self._path(step)
+        if self.replacing != step or not os.path.isdir(final):
+            os.replace(partial, final)
+            return
+        old = f"{final}.superseded"
+        shutil.rmtree(old, ignore_errors=True)
+        os.replace(final, old)
+        try:
+            os.replace(partial, final)
+        except OSError:
+            os.replace(old, final)  # the save failed: the reloaded step stays as it was
+            raise
+        shutil.rmtree(old, ignore_errors=True)
 
     def _prune(self, keep: int) -> None:
         """Keep the newest k steps, and always `keep` (just committed)."""

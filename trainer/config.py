@@ -34,6 +34,7 @@ else:  # pragma: no cover
 DTYPES = ("bfloat16", "float32")
 DEVICES = ("auto", "cpu", "cuda")
 STOP_SIGNALS = ("SIGTERM", "SIGUSR1", "SIGUSR2", "SIGINT", "SIGHUP")
+SPIKE_ACTIONS = ("log", "skip", "rollback")
 
 
 @dataclass
@@ -156,17 +157,36 @@ class Training:
                             "many steps", min=0)
     rampup_tokens: int = opt(0, "... or over this many training tokens", min=0)
     max_skipped_steps: int = opt(
-        5, "Consecutive steps with a non-finite loss or grad norm to skip before the run stops "
-        "(exit 4); 0 = stop at the first", min=0)
+        5, "Consecutive steps to skip (a non-finite loss or grad norm, or a spike with on_spike "
+        "= skip) before the run stops (exit 4); 0 = stop at the first", min=0)
     spike_window: int = opt(50, "Steps in the rolling window of the loss spike detector; "
                             "0 = off", min=0)
     spike_threshold: float = opt(6.0, "A loss more than this many standard deviations above "
                                  "the window's mean counts as a spike", min=0.0)
+    on_spike: str = opt("log", "What a loss spike does: log (print and count it), skip (also "
+                        "skip its optimizer step, as for a non-finite loss), rollback (reload the "
+                        "latest checkpoint, then pass over the spiking step's global batch)",
+                        choices=SPIKE_ACTIONS)
+    max_rollbacks: int = opt(3, "on_spike = rollback: rollbacks allowed (counted in the "
+                             "checkpoints, so across resumes); the next spike stops the run "
+                             "(exit 4); 0 = stop at the first spike", min=0)
+    skip_data_steps: list[int] = opt([], "Steps that pass over the next global batch before "
+                                     "training (a step listed twice passes over two), e.g. to "
+                                     "drop a bad data window at a restart; needs a global data "
+                                     "order (not a streamed dataset)")
 
     def validate(self) -> None:
         if self.global_batch_size != -1 and self.global_batch_size < 1:
             raise ConfigError(f"training.global_batch_size = {self.global_batch_size} is out of "
                               "range; it must be >= 1, or -1 for local_batch_size * dp size")
+        if self.on_spike != "log" and self.spike_window == 0:
+            raise ConfigError(f"training.on_spike = {self.on_spike!r} needs the spike detector, "
+                              "which training.spike_window = 0 turns off; set a window (e.g. 50) "
+                              "or on_spike = 'log'")
+        bad = sorted({s for s in self.skip_data_steps if s < 1})
+        if bad:
+            raise ConfigError(f"training.skip_data_steps has {', '.join(map(str, bad))}; steps "
+                              "count from 1")
 
 
 @dataclass
@@ -345,6 +365,10 @@ class JobConfig:
             raise ConfigError(OFFLOAD_NEEDS_CUDA.format(where="training.device = 'cpu'"))
         check_float8(self.float8, self.training.device)
         check_wandb(self.metrics)
+        if self.training.on_spike == "rollback" and not self.checkpoint.enable:
+            raise ConfigError("training.on_spike = 'rollback' needs checkpoint.enable = true (a "
+                              "rollback reloads the latest checkpoint); without checkpoints use "
+                              "on_spike = 'skip' or 'log'")
         self.lr_scheduler.check_steps(self.training.steps)
         if world_size is not None:
             self.resolve(world_size)

@@ -298,6 +298,10 @@ class MetricsProcessor:
             self._interval_start = _clock()
         self._steps += 1
 
+    def restart_interval(self) -> None:
+        """Drop the interval in progress (after a rollback: its steps are trained again)."""
+        self._interval_start, self._steps, self._tokens, self._data_s = None, 0, 0, 0.0
+
     @contextlib.contextmanager
     def data_timer(self):
         """Wraps the data loading inside a step; its time is reported as data_loading."""

@@ -41,6 +41,10 @@ class LRSchedule(LambdaLR):
     #: lr this run uses)
     resumed: tuple[int, float, float] | None = None
 
+    def state_dict(self) -> dict:
+        """LambdaLR's state without `resumed`, which describes this process, not the run."""
+        return {k: v for k, v in super().state_dict().items() if k != "resumed"}
+
     def load_state_dict(self, state_dict: dict) -> None:
         self.last_epoch = int(state_dict["last_epoch"])
         self._step_count = int(state_dict["_step_count"])

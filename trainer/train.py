@@ -4,7 +4,8 @@
 
 Config -> process group -> ParallelDims mesh -> Llama on meta -> FSDP2/HSDP -> optimizer ->
 data -> resume from the latest checkpoint -> for each step: microbatches with gradient
-accumulation, clip, optimizer and scheduler step, log, save.
+accumulation, clip, optimizer and scheduler step, log, save. A non-finite loss skips the
+optimizer step; a loss spike is logged, skipped or rolled back (trainer/guard.py, `roll_back`).
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ import hashlib  # noqa: E402
 import math
 import os
 import sys
+from typing import NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -35,7 +37,7 @@ from trainer.data import build_dataloader, check_model_vocab, padded_vocab_size
 from trainer.batch_schedule import batch_at
 from trainer.errors import ConfigError, DataError, UserError
 from trainer.float8 import after_optimizer_step, check_device as check_float8_device
-from trainer.guard import LossGuard, flag_nonfinite_loss, injected_nan
+from trainer.guard import LossGuard, Spike, flag_nonfinite_loss, injected_nan, injected_spike
 from trainer.hf.load import load_initial, save_last_hf
 from trainer.loss import IGNORE_INDEX, Loss, build_loss
 from trainer.metrics import MetricsProcessor
@@ -131,14 +133,24 @@ def choose_precision(cfg: JobConfig, device: torch.device) -> Precision:
     return precision
 
 
+class StepResult(NamedTuple):
+    rank_loss: torch.Tensor  # this rank's mean cross-entropy
+    grad_norm: torch.Tensor
+    lr: float
+    stepped: bool  # False, on every rank alike, when the optimizer step was skipped
+    z_loss: torch.Tensor | None
+    spike: Spike | None = None  # what `spike_check` found before the optimizer step
+
+
 def train_step(model, optimizer, scheduler, loader, *, accum: int, sync_mode: str, dp_group,
                max_norm: float, metrics: MetricsProcessor, loss_fn: Loss, step: int = 0,
-               device=None):
-    """One optimizer step over `accum` microbatches; returns (rank's mean cross-entropy, grad
-    norm, lr, stepped, z-loss). `stepped` is False, on every rank alike, when the loss of any
-    rank or the grad norm was not finite: the optimizer step is then skipped (trainer/guard.py).
-    The z-loss is None without one, else this rank's z-loss term / the global token count
-    (summed over the dp ranks: the global mean per token).
+               device=None, spike_check=None) -> StepResult:
+    """One optimizer step over `accum` microbatches. `stepped` is False, on every rank alike,
+    when the loss of any rank or the grad norm was not finite, or when `spike_check(rank_loss)`
+    (training.on_spike != "log": called before the optimizer step when the grad norm is finite)
+    found a spike: the optimizer step is then skipped (trainer/guard.py). The z-loss is None
+    without one, else this rank's z-loss term / the global token count (summed over the dp
+    ranks: the global mean per token).
 
     Each microbatch's loss is its summed token loss divided by the GLOBAL token count of the
     step. FSDP averages gradients over the dp ranks (dividing by the dp size: a custom
@@ -146,6 +158,7 @@ def train_step(model, optimizer, scheduler, loader, *, accum: int, sync_mode: st
     size to make the reduced gradient a plain sum: the result equals one large batch on any
     world size and any number of microbatches.
     """
+    spike_factor = injected_spike(loader)  # testing hook; 1.0 unless asked
     debug_ids = None
     if os.environ.get(DEBUG_DATA_ENV):  # where each sample comes from, if the order is global
         debug_ids = loader.sample_ids(loader.sample_indices(0)) \
@@ -171,21 +184,25 @@ def train_step(model, optimizer, scheduler, loader, *, accum: int, sync_mode: st
     z_loss = loss_fn.take_z_loss()  # the z-loss term summed over this rank's tokens, or None
     if z_loss is not None:
         z_loss = z_loss / global_tokens
+    if spike_factor != 1.0:
+        loss_sum = loss_sum * spike_factor
     loss_sum = loss_sum + injected_nan(step)  # testing hook; 0.0 unless asked
     flag_nonfinite_loss(model, loss_sum)  # a rank's bad loss makes the global norm NaN
     grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm or math.inf,
                                                foreach=True)
     grad_norm = grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm
     lr = optimizer.param_groups[0]["lr"]  # the lr this step uses (the scheduler steps after it)
+    cross_entropy = loss_sum if z_loss is None else loss_sum - z_loss
+    rank_loss = cross_entropy * global_tokens / max(local_tokens, 1)
     stepped = bool(torch.isfinite(grad_norm))  # the same on every rank: a reduced value
+    spike = spike_check(rank_loss) if stepped and spike_check is not None else None
+    stepped = stepped and spike is None
     if stepped:
         optimizer.step()
     scheduler.step()
     optimizer.zero_grad(set_to_none=True)
     metrics.count_tokens(local_tokens)
-    cross_entropy = loss_sum if z_loss is None else loss_sum - z_loss
-    rank_loss = cross_entropy * global_tokens / max(local_tokens, 1)
-    return rank_loss, grad_norm, lr, stepped, z_loss
+    return StepResult(rank_loss, grad_norm, lr, stepped, z_loss, spike)
 
 
 def print_sample_hashes(batches, dp_group, ids: list[str]) -> None:
@@ -243,6 +260,7 @@ def train(cfg: JobConfig) -> None:
     vocab = cfg.model.vocab_size or padded_vocab_size(loader.vocab_size,
                                                       cfg.model.vocab_size_multiple_of)
     agree_on_user_errors(check_model_vocab, vocab, loader)
+    check_data_skips(cfg.training, loader)
     validator = None
     if cfg.validation.enable:
         validator = agree_on_user_errors(
@@ -282,28 +300,45 @@ def train(cfg: JobConfig) -> None:
             save_last_hf(model, cfg, log=log0)
 
 
+def check_data_skips(training, loader) -> None:
+    """Passing over global batches (rollbacks, skip_data_steps) needs a global sample order."""
+    if hasattr(loader, "skip_global_batch"):
+        return
+    for key, used in (("training.on_spike = 'rollback'", training.on_spike == "rollback"),
+                      ("training.skip_data_steps", bool(training.skip_data_steps))):
+        if used:
+            raise DataError(f"{key} passes over global batches, which needs a data source with "
+                            "a global order (a token store, stdlib, synthetic or a blend); a "
+                            "streamed dataset has none: prepare a store (python -m "
+                            "trainer.data.prepare), or use training.on_spike = 'skip'")
+
+
 def run_loop(cfg, model, optimizer, scheduler, loader, checkpointer, metrics, profiler, state,
              *, dp_group, device, validator=None) -> None:
     """Train until `training.steps`, or until a stop signal (then save and raise Preempted),
-    or until too many non-finite steps in a row (TrainingError)."""
+    or until too many skipped steps in a row or spikes beyond the rollbacks (TrainingError)."""
     stop = StopSignals(cfg.job.stop_signals, early=EARLY_SIGNALS)
-    guard = LossGuard(cfg.training, log=log0, metrics=metrics)
+    guard = LossGuard(cfg.training, log=log0, metrics=metrics, state=state)
+    check = None if cfg.training.on_spike == "log" else spike_check(guard, checkpointer, device)
     # Compiling the loss's chunks pays on GPUs; on CPU it would only add compile time.
     loss_fn = build_loss(cfg.training.loss, cfg.training.loss_chunk_size,
                          z_loss_weight=cfg.training.z_loss_weight,
                          compile_chunks=cfg.compile.enable and device.type == "cuda")
     if state.step >= cfg.training.steps:
         log0(f"nothing to do: already at step {state.step} of {cfg.training.steps}")
+    note_past_skips(cfg.training.skip_data_steps, state.step)
     first_step = state.step + 1
     while state.step < cfg.training.steps:
         state.step += 1
         metrics.step_timer()
+        accum = next_batch(cfg, loader, state.step)  # a batch-size ramp sets the step's batch
+        pass_over(loader, state.step, cfg.training.skip_data_steps, state.rollback_steps)
         try:
-            rank_loss, grad_norm, lr, stepped, z_loss = train_step(
-                model, optimizer, scheduler, loader, accum=next_batch(cfg, loader, state.step),
+            rank_loss, grad_norm, lr, stepped, z_loss, spike = train_step(
+                model, optimizer, scheduler, loader, accum=accum,
                 sync_mode=cfg.training.gradient_accumulation_sync, dp_group=dp_group,
                 max_norm=cfg.training.max_norm, metrics=metrics, loss_fn=loss_fn,
-                step=state.step, device=device)
+                step=state.step, device=device, spike_check=check)
         except torch.OutOfMemoryError:  # rank-local: one line, see trainer/oom.py
             raise out_of_memory(cfg, state.step, device) from None
         if stepped:
@@ -321,7 +356,10 @@ def run_loop(cfg, model, optimizer, scheduler, loader, checkpointer, metrics, pr
             metrics.log_scalars(state.step, {
                 **loader.metrics(), "batch_metrics/global_batch_size": loader.global_batch_size,
                 "batch_metrics/step_tokens": cfg.training.seq_len * loader.global_batch_size})
-        if not stepped:
+        if spike is not None:
+            if act_on_spike(spike, guard, checkpointer, state, metrics):
+                continue  # rolled back: the loop goes on from the checkpoint's step
+        elif not stepped:
             skipped_step(guard, checkpointer, state.step, rank_loss, grad_norm, dp_group)
         if validator is not None and validator.due(state.step, last):
             log_validation(state.step, validator.run(model), validator.seconds, metrics, log0)
@@ -379,15 +417,92 @@ def skipped_step(guard: LossGuard, checkpointer: Checkpointer, step: int, rank_l
     """Every rank alike (the decision came from the reduced grad norm): log the skip; when
     there were too many in a row, commit any save in flight and stop with TrainingError."""
     avg, _ = reduce_loss(rank_loss, dp_group)
-    steps = checkpointer.committed_steps() if checkpointer.cfg.enable else []
-    if checkpointer.pending is not None:  # an async save from a good step: the newest one
-        steps.append(checkpointer.pending[0])
-    last_checkpoint = f"step-{max(steps)}" if steps else "none"
     try:
-        guard.skipped_step(step, avg, float(grad_norm), last_checkpoint)
+        guard.skipped_step(step, avg, float(grad_norm), last_checkpoint(checkpointer))
     except UserError:
         checkpointer.wait()
         raise
+
+
+def last_checkpoint(checkpointer: Checkpointer) -> str:
+    steps = checkpointer.committed_steps() if checkpointer.cfg.enable else []
+    if checkpointer.pending is not None:  # an async save from a good step: the newest one
+        steps.append(checkpointer.pending[0])
+    return f"step-{max(steps)}" if steps else "none"
+
+
+def spike_check(guard: LossGuard, checkpointer: Checkpointer, device):
+    """training.on_spike != "log": the check train_step runs before the optimizer step, on the
+    mean of the ranks' losses (one extra one-element all-reduce), so every rank decides alike
+    (trainer/guard.py). A rollback is in question only on a spike: then an async save in
+    flight, the newest checkpoint, is committed first (every rank is here together)."""
+    state = guard.state
+
+    def newest_checkpoint() -> int | None:
+        checkpointer.wait()
+        return checkpointer.latest
+
+    def check(rank_loss: torch.Tensor) -> Spike | None:
+        total = rank_loss.detach().float().reshape(()).clone()
+        dist.all_reduce(total)  # the same value as agree_at_step_end's, one step earlier
+        return guard.before_update(state.step, total.item() / dist.get_world_size(),
+                                   newest_checkpoint)
+
+    return check
+
+
+def act_on_spike(spike: Spike, guard: LossGuard, checkpointer: Checkpointer, state: TrainState,
+                 metrics: MetricsProcessor) -> bool:
+    """Every rank alike: skip the step (a line; too many in a row stop the run), roll back
+    (True: the loop goes on from the checkpoint's step), or stop with TrainingError."""
+    if spike.action == "rollback":
+        roll_back(spike, guard, checkpointer, state, metrics)
+        return True
+    try:
+        if spike.action == "stop":
+            raise guard.rollbacks_exhausted(spike)
+        guard.skipped_spike(spike, last_checkpoint(checkpointer))
+    except UserError:
+        checkpointer.wait()
+        raise
+    return False
+
+
+def roll_back(spike: Spike, guard: LossGuard, checkpointer: Checkpointer, state: TrainState,
+              metrics: MetricsProcessor) -> None:
+    """Reload this run's newest checkpoint (model, optimizer, lr schedule, data position, RNG,
+    train state with its spike window), record that step `spike.step` passes over one global
+    batch, and commit the record at once by saving the same step again (replacing it): a crash
+    from here on resumes with it, and the rollbacks stay counted."""
+    checkpointer.load(spike.checkpoint, quiet=True)
+    state.rollback_steps.append(spike.step)
+    guard.rolled_back(spike)
+    checkpointer.save(spike.checkpoint, replace=True)
+    checkpointer.wait()
+    metrics.restart_interval()  # the steps since the checkpoint are trained again
+
+
+def pass_over(loader, step: int, skip_data_steps: list[int], rollback_steps: list[int]) -> None:
+    """Before step `step` fetches its data, pass over one global batch (of the loader's current
+    size) per entry of `step` in training.skip_data_steps and in the rollbacks' record."""
+    n = skip_data_steps.count(step) + rollback_steps.count(step)
+    if not n:
+        return
+    first = loader.consumed
+    for _ in range(n):
+        loader.skip_global_batch()
+    why = " and ".join(what for what, hit in (
+        ("training.skip_data_steps", step in skip_data_steps),
+        ("a rollback from a spike at this step", step in rollback_steps)) if hit)
+    log0(f"step {step}: passed over {n} global batch{'es' if n > 1 else ''}, samples "
+         f"{first}-{loader.consumed - 1} ({why})")
+
+
+def note_past_skips(skip_data_steps: list[int], resumed_at: int) -> None:
+    past = sorted({s for s in skip_data_steps if s <= resumed_at})
+    if past:
+        log0(f"training.skip_data_steps: step(s) {', '.join(map(str, past))} are not after "
+             f"the resumed step {resumed_at}: nothing is passed over there now")
 
 
 def stop_and_save(cfg, checkpointer: Checkpointer, step: int, stop: StopSignals, saved: bool):
