@@ -39,6 +39,13 @@ def offline(monkeypatch, tmp_path_factory):
             monkeypatch.delenv(key)
         else:
             monkeypatch.setenv(key, value)
+    import wandb
+
+    # wandb keeps one service and its settings per process: a test that used wandb earlier in
+    # this worker (e.g. reading run files) must not leave them to this one.
+    wandb.teardown()
+    yield
+    wandb.teardown()
 
 
 def config(tmp_path, **metrics) -> JobConfig:

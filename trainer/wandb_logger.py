@@ -163,6 +163,10 @@ class WandbLogger:
         if exit_code == PREEMPTED_EXIT_CODE:
             run.mark_preempting()
         run.finish(exit_code=exit_code)
+        # Stop this process's wandb service too: it flushes the run files now. The trainer
+        # ends with os._exit (no atexit handlers), and a second run of the same id in one
+        # process (a relaunch in tests) otherwise found its files not yet written.
+        _import_wandb().teardown()
 
 
 def _import_wandb():
