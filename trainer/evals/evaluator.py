@@ -30,14 +30,14 @@ from trainer.evals.tasks import load_tasks
 
 class Evaluator:
     def __init__(self, cfg, *, tokenizer_path: str, dp_rank: int, dp_size: int, dp_group,
-                 device: torch.device, log=print):
+                 device: torch.device):
         from trainer.data.tokenizer import load_tokenizer
 
         e = cfg.eval
         if not tokenizer_path:
             raise ConfigError(f"eval.enable needs a tokenizer to encode the tasks, and "
                               f"data.dataset = {cfg.data.dataset!r} has none")
-        self.freq, self.batch, self.device, self.log = e.freq, e.local_batch_size, device, log
+        self.freq, self.batch, self.device = e.freq, e.local_batch_size, device
         self.dp_rank, self.dp_size, self.dp_group = dp_rank, dp_size, dp_group
         self.tasks = load_tasks(e)
         tokenizer = load_tokenizer(tokenizer_path)

@@ -87,10 +87,14 @@ def score_batch(model, requests: list[Request], device, pad_id: int = 0) -> torc
         targets[i, :n] = torch.tensor(r.tokens[1:])
         mask[i, n - r.n_cont:n] = True
     logits = model(inputs.to(device))
-    logprobs = F.log_softmax(logits.float(), dim=-1)
+    mask = mask.to(device)
+    # Only the continuation's positions: [their count, vocab], not [batch, width, vocab].
+    logprobs = F.log_softmax(logits[mask].float(), dim=-1)
     del logits
-    picked = logprobs.gather(-1, targets.to(device)[..., None])[..., 0]
-    return (picked.double() * mask.to(device)).sum(1)
+    picked = logprobs.gather(-1, targets.to(device)[mask][:, None])[:, 0].double()
+    rows = torch.arange(len(requests), device=device)[:, None].expand_as(mask)[mask]
+    return torch.zeros(len(requests), dtype=torch.float64, device=device).index_add_(
+        0, rows, picked)
 
 
 def choice_metrics(lls: np.ndarray, examples) -> dict[str, float]:
