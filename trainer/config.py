@@ -22,6 +22,7 @@ from trainer.config_base import (check_field, coerce, did_you_mean, from_cli, op
 from trainer.batch_schedule import check_ramp
 from trainer.data.config import DataConfig
 from trainer.errors import ConfigError, UserError
+from trainer.evals.config import Eval
 from trainer.float8 import Float8, check_config as check_float8
 from trainer.lr_schedule import DECAY_SHAPES, decay_steps
 from trainer.wandb_logger import check_config as check_wandb
@@ -343,6 +344,7 @@ class JobConfig:
     lr_scheduler: LRScheduler = field(default_factory=LRScheduler)
     training: Training = field(default_factory=Training)
     validation: Validation = field(default_factory=Validation)
+    eval: Eval = field(default_factory=Eval)
     parallelism: Parallelism = field(default_factory=Parallelism)
     activation_checkpoint: ActivationCheckpoint = field(default_factory=ActivationCheckpoint)
     compile: Compile = field(default_factory=Compile)
@@ -369,6 +371,10 @@ class JobConfig:
             raise ConfigError("training.on_spike = 'rollback' needs checkpoint.enable = true (a "
                               "rollback reloads the latest checkpoint); without checkpoints use "
                               "on_spike = 'skip' or 'log'")
+        if self.eval.enable and self.data.dataset == "synthetic" and not self.data.mix:
+            raise ConfigError("eval.enable = true needs a tokenizer to encode the tasks, but "
+                              "data.dataset = 'synthetic' has none; train on text (e.g. "
+                              "'stdlib') or turn eval off")
         self.lr_scheduler.check_steps(self.training.steps)
         if world_size is not None:
             self.resolve(world_size)

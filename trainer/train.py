@@ -36,6 +36,7 @@ from trainer.device import Precision, resolve_compute_dtype, resolve_device
 from trainer.data import build_dataloader, check_model_vocab, padded_vocab_size
 from trainer.batch_schedule import batch_at
 from trainer.errors import ConfigError, DataError, UserError
+from trainer.evals.evaluator import Evaluator, log_evals
 from trainer.float8 import after_optimizer_step, check_device as check_float8_device
 from trainer.guard import LossGuard, Spike, flag_nonfinite_loss, injected_nan, injected_spike
 from trainer.hf.load import load_initial, save_last_hf
@@ -266,6 +267,9 @@ def train(cfg: JobConfig) -> None:
         validator = agree_on_user_errors(
             Validator, cfg, train_loader=loader, dp_rank=dp_mesh.get_local_rank(),
             dp_size=dp_mesh.size(), dp_group=dp_group, device=device, log=log0)
+    evaluator = agree_on_user_errors(
+        Evaluator, cfg, tokenizer_path=loader.tokenizer_path, dp_rank=dp_mesh.get_local_rank(),
+        dp_size=dp_mesh.size(), dp_group=dp_group, device=device) if cfg.eval.enable else None
     args = model_args(cfg.model.flavor, vocab_size=vocab, max_seq_len=cfg.training.seq_len)
 
     model = parallelize(build_model(args), parallel_dims, cfg, device=device,
@@ -283,8 +287,9 @@ def train(cfg: JobConfig) -> None:
         log0(f"data: {loader.describe()}")
         if cfg.training.rampup_batch_start:
             log0(describe_ramp(cfg.training, loader))
-        if validator is not None:
-            log0(validator.describe())
+        for check in (validator, evaluator):
+            if check is not None:
+                log0(check.describe())
         checkpointer = Checkpointer(cfg, model=model, optimizer=optimizer, scheduler=scheduler,
                                     dataloader=loader, train_state=state, log=log0)
         if not checkpointer.load(agree_on_user_errors(checkpointer.step_to_load,
@@ -295,7 +300,8 @@ def train(cfg: JobConfig) -> None:
         with StepProfiler(cfg, rank=dist.get_rank(), device=device,
                           start_step=state.step) as profiler:
             run_loop(cfg, model, optimizer, scheduler, loader, checkpointer, metrics, profiler,
-                     state, dp_group=dp_group, device=device, validator=validator)
+                     state, dp_group=dp_group, device=device, validator=validator,
+                     evaluator=evaluator)
         if cfg.checkpoint.last_save_in_hf:
             save_last_hf(model, cfg, log=log0)
 
@@ -314,7 +320,7 @@ def check_data_skips(training, loader) -> None:
 
 
 def run_loop(cfg, model, optimizer, scheduler, loader, checkpointer, metrics, profiler, state,
-             *, dp_group, device, validator=None) -> None:
+             *, dp_group, device, validator=None, evaluator=None) -> None:
     """Train until `training.steps`, or until a stop signal (then save and raise Preempted),
     or until too many skipped steps in a row or spikes beyond the rollbacks (TrainingError)."""
     stop = StopSignals(cfg.job.stop_signals, early=EARLY_SIGNALS)
@@ -363,6 +369,8 @@ def run_loop(cfg, model, optimizer, scheduler, loader, checkpointer, metrics, pr
             skipped_step(guard, checkpointer, state.step, rank_loss, grad_norm, dp_group)
         if validator is not None and validator.due(state.step, last):
             log_validation(state.step, validator.run(model), validator.seconds, metrics, log0)
+        if evaluator is not None and evaluator.due(state.step, last):
+            log_evals(state.step, evaluator.run(model), evaluator.seconds, metrics, log0)
         profiler.step()
         saved = stepped and checkpointer.maybe_save(state.step, last=last)
         stop_now, async_done, avg_loss = agree_at_step_end(stop, checkpointer, device, rank_loss)

@@ -1,0 +1,111 @@
+"""Log-likelihood scoring of multiple-choice examples, as lm-evaluation-harness (0.4.13) does
+for a causal model's non-rolling `loglikelihood`:
+
+- the pair (context, target_delimiter + choice) is tokenized by `encode_pair`: trailing
+  whitespace of the context moves to the continuation; the whole string and the context are
+  encoded apart and the continuation is the whole's tokens after the context's (`_encode_pair`);
+  an empty context is the prefix token (BOS, else EOS), the continuation encoded alone;
+- the scored window is (context + continuation)[-(seq_len + 1):], the model's input its first
+  tokens and the continuation's log-probabilities are summed (left truncation to seq_len);
+- acc: the argmax of the summed log-likelihoods is the gold index; acc_norm: the same with
+  each divided by the choice's length in characters (`len(choice)`, without the delimiter:
+  lm-eval's `completion_len`; its `acc_bytes` divides by `len(choice.encode())`, the same for
+  ASCII text). np.argmax: ties go to the first choice.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+
+@dataclass(frozen=True)
+class Request:
+    """One scored sequence: tokens[:-1] is the model input, the last n_cont of tokens[1:]
+    are the continuation's tokens."""
+
+    tokens: tuple[int, ...]
+    n_cont: int
+
+
+def encode_pair(encode, context: str, continuation: str, *, prefix: list[int],
+                prefix_token: int) -> tuple[list[int], list[int]]:
+    """(context tokens, continuation tokens) as lm-eval's loglikelihood builds them.
+    `encode(list[str]) -> list[list[int]]` adds no special tokens; `prefix` is what the
+    tokenizer would add in front (e.g. [BOS]), `prefix_token` the one an empty context gets."""
+    if context == "":
+        cont = encode([continuation])[0]
+        if cont and cont[0] == prefix_token:
+            return cont[:1], cont[1:]
+        return [prefix_token], cont
+    n_spaces = len(context) - len(context.rstrip())
+    if n_spaces:
+        context, continuation = context[:-n_spaces], context[-n_spaces:] + continuation
+    whole, ctx = encode([context + continuation, context])
+    whole, ctx = prefix + whole, prefix + ctx
+    return ctx, whole[len(ctx):]
+
+
+def make_request(ctx: list[int], cont: list[int], seq_len: int) -> Request:
+    """Left-truncate context + continuation to seq_len + 1 tokens (the model sees seq_len)."""
+    tokens = (ctx + cont)[-(seq_len + 1):]
+    return Request(tuple(tokens), min(len(cont), len(tokens) - 1))
+
+
+def build_requests(task, tokenizer, seq_len: int, add_bos: bool) -> list[Request]:
+    """One request per (example, choice), examples in order, choices in order."""
+    bos, eos = tokenizer.bos_id, tokenizer.eos_id
+    prefix = [bos] if add_bos and bos >= 0 else []
+    prefix_token = bos if bos >= 0 else eos
+
+    def encode(texts: list[str]) -> list[list[int]]:
+        return tokenizer.encode_docs(texts, add_bos=False, add_eos=False)
+
+    out = []
+    for ex in task.examples:
+        for choice in ex.choices:
+            ctx, cont = encode_pair(encode, ex.context, task.target_delimiter + choice,
+                                    prefix=prefix, prefix_token=prefix_token)
+            out.append(make_request(ctx, cont, seq_len))
+    return out
+
+
+@torch.no_grad()
+def score_batch(model, requests: list[Request], device, pad_id: int = 0) -> torch.Tensor:
+    """Summed continuation log-likelihood of each request, float64 [len(requests)]. The batch
+    is right-padded to its longest input (causal attention: padding changes no real logit)."""
+    width = max(len(r.tokens) - 1 for r in requests)
+    inputs = torch.full((len(requests), width), pad_id, dtype=torch.long)
+    targets = torch.zeros((len(requests), width), dtype=torch.long)
+    mask = torch.zeros((len(requests), width), dtype=torch.bool)
+    for i, r in enumerate(requests):
+        n = len(r.tokens) - 1
+        inputs[i, :n] = torch.tensor(r.tokens[:-1])
+        targets[i, :n] = torch.tensor(r.tokens[1:])
+        mask[i, n - r.n_cont:n] = True
+    logits = model(inputs.to(device))
+    mask = mask.to(device)
+    # Only the continuation's positions: [their count, vocab], not [batch, width, vocab].
+    logprobs = F.log_softmax(logits[mask].float(), dim=-1)
+    del logits
+    picked = logprobs.gather(-1, targets.to(device)[mask][:, None])[:, 0].double()
+    rows = torch.arange(len(requests), device=device)[:, None].expand_as(mask)[mask]
+    return torch.zeros(len(requests), dtype=torch.float64, device=device).index_add_(
+        0, rows, picked)
+
+
+def choice_metrics(lls: np.ndarray, examples) -> dict[str, float]:
+    """acc and acc_norm over the examples, given the log-likelihoods of their choices
+    (flat, example by example, as build_requests orders them)."""
+    hits = np.zeros(2)
+    i = 0
+    for ex in examples:
+        ll = np.asarray(lls[i:i + len(ex.choices)], dtype=np.float64)
+        i += len(ex.choices)
+        lengths = np.array([float(len(c)) for c in ex.choices])
+        hits += [np.argmax(ll) == ex.gold, np.argmax(ll / lengths) == ex.gold]
+    acc, acc_norm = hits / max(len(examples), 1)
+    return {"acc": float(acc), "acc_norm": float(acc_norm)}
