@@ -20,7 +20,9 @@ The device's peak is the largest of five moments of a step; each is the resident
 - the optimizer step: every sharded gradient and the optimizer's temporaries.
 Sharded gradients are None from `zero_grad(set_to_none=True)` until each group's backward, so
 they are counted only from the end of backward on. The formulas assume the eager model in
-trainer/model.py with a flash/memory-efficient SDPA (no [seq, seq] score matrix) and the loss
+trainer/model.py with a flash/memory-efficient SDPA or, for block_causal, compiled
+FlexAttention (no [seq, seq] score matrix; `attn_implementation = "sdpa"` adds one
+[batch, 1, seq, seq] mask per microbatch, see trainer.attention.memory_bytes) and the loss
 of trainer/loss.py; compiled blocks usually save less (Inductor fuses the elementwise ops),
 so for `[compile] enable` the plan is an upper bound in practice. Each formula's assumptions are in its function's docstring;
 tests/test_plan.py checks them against tensors measured on CPU ranks.
@@ -38,6 +40,7 @@ import math
 import sys
 from dataclasses import dataclass
 
+from trainer.attention import attention_args, memory_bytes as attention_bytes
 from trainer.config import JobConfig, load_config
 from trainer.errors import ConfigError, UserError
 from trainer.flops import flops_per_token, table_peak_tflops
@@ -91,6 +94,12 @@ def resolve_vocab(cfg: JobConfig) -> tuple[int, str]:
         f"the {cfg.model.flavor} flavor's (the tokenizer is not loaded; set [model] vocab_size)")
 
 
+def plan_args(cfg: JobConfig, vocab: int) -> ModelArgs:
+    """The model a run of `cfg` builds on a GPU (attention resolved for CUDA)."""
+    return model_args(cfg.model.flavor, vocab_size=vocab, max_seq_len=cfg.training.seq_len,
+                      **attention_args(cfg.model, "cuda"))
+
+
 @functools.lru_cache(maxsize=8)
 def fsdp_groups(args: ModelArgs) -> dict[str, list[tuple[int, ...]]]:
     """Parameter shapes per FSDP group, as trainer.parallelize.apply_fsdp forms the groups:
@@ -122,12 +131,17 @@ def block_saved(a: ModelArgs, p: int) -> int:
     RMSNorm x2: the fp32 upcast and the normed output in the compute dtype, (4 + p) * dim each
     (in fp32 the upcast is the input itself: still 8 * dim). Attention: the normed input of
     wq/wk/wv (p * dim); SDPA's q, k, v (k and v repeated to n_heads for GQA), output (wo's input
-    is a view of it) at p * n_heads * head_dim each; the logsumexp, fp32 per head. RoPE saves
-    only the cos/sin tables. FFN: the normed input (p * dim) and four hidden-sized tensors
-    (w1 and w3 outputs, silu output, their product: w2's input).
+    is a view of it) at p * n_heads * head_dim each (FlexAttention, block_causal on CUDA, takes
+    k and v unrepeated: 2 * p * n_kv_heads * head_dim for them; per-document SDPA keeps each
+    document's output and wo's input, their concatenation: one more p * n_heads * head_dim);
+    the logsumexp, fp32 per head.
+    RoPE saves only the cos/sin tables. FFN: the normed input (p * dim) and four hidden-sized
+    tensors (w1 and w3 outputs, silu output, their product: w2's input).
     """
-    q = a.n_heads * a.head_dim
-    return 2 * (4 + p) * a.dim + 2 * p * a.dim + 4 * p * q + FP32 * a.n_heads + 4 * p * a.hidden_dim
+    q, kv = a.n_heads * a.head_dim, a.n_kv_heads * a.head_dim
+    kernel = a.attn_implementation if a.attn_mask_type == "block_causal" else "sdpa"
+    attn = {"flex": 2 * p * (q + kv), "per_document": 5 * p * q}.get(kernel, 4 * p * q)
+    return 2 * (4 + p) * a.dim + 2 * p * a.dim + attn + FP32 * a.n_heads + 4 * p * a.hidden_dim
 
 
 def block_saved_op_sac(a: ModelArgs, p: int) -> int:
@@ -152,16 +166,19 @@ def checkpointed_blocks(cfg: JobConfig, n_layers: int) -> int:
 def blocks_activations(cfg: JobConfig, a: ModelArgs, p: int, tokens: int,
                        mode: str | None = None) -> int:
     """Saved activations of all blocks for one microbatch under an AC mode (default: config's).
-    A checkpointed block keeps only its input (p * dim per token)."""
+    A checkpointed block keeps only its input (p * dim per token). With document positions
+    and p < 4, FSDP casts the per-token fp32 cos/sin to the compute dtype at every block's
+    input, and each block keeps its copy in every AC mode (p * head_dim per token)."""
     mode = mode or cfg.activation_checkpoint.mode
+    rope = a.n_layers * p * a.head_dim * tokens if a.positions == "document" and p < FP32 else 0
     if mode == "none":
-        return a.n_layers * block_saved(a, p) * tokens
+        return a.n_layers * block_saved(a, p) * tokens + rope
     if mode == "full":
-        return a.n_layers * p * a.dim * tokens
+        return a.n_layers * p * a.dim * tokens + rope
     if cfg.activation_checkpoint.selective_ac_option == "op":
-        return a.n_layers * block_saved_op_sac(a, p) * tokens
+        return a.n_layers * block_saved_op_sac(a, p) * tokens + rope
     ckpt = checkpointed_blocks(cfg, a.n_layers)
-    return (ckpt * p * a.dim + (a.n_layers - ckpt) * block_saved(a, p)) * tokens
+    return (ckpt * p * a.dim + (a.n_layers - ckpt) * block_saved(a, p)) * tokens + rope
 
 
 def head_saved(a: ModelArgs, p: int) -> int:
@@ -204,9 +221,10 @@ def memory_plan(cfg: JobConfig, world_size: int) -> dict[str, int]:
     Resident: `parameters`, `gradients` (fp32, sharded over dp_shard; replicated over
     dp_replicate under HSDP), `optimizer_state` (AdamW's exp_avg and exp_avg_sq like the
     parameters, plus one fp32 step scalar per tensor), `buffers_and_inputs` (the fp32 RoPE
-    tables and the int64 inputs and labels). Per microbatch: `activations` (the configured AC
-    mode; `activations_no_ac` and `activations_full_ac` for comparison; both include the final
-    norm and head input), `ac_recompute` (one block's full activations while it is recomputed),
+    tables and the int64 inputs, labels and, for block_causal, document ids). Per microbatch:
+    `activations` (the configured AC mode; `activations_no_ac` and `activations_full_ac` for
+    comparison; all include the final norm and head input, and `attention_inputs`: the
+    block-causal mask and document RoPE tables, trainer.attention.memory_bytes), `ac_recompute` (one block's full activations while it is recomputed),
     `logits_loss`. Transient: `fsdp_*` (see `fsdp_buffers`), `grad_accumulation` (unsharded
     grads kept between microbatches when sync is 'last' with accumulation: FSDP2 keeps them in
     the reduce dtype), `optimizer_step_temp` (foreach AdamW computes sqrt(exp_avg_sq) for all
@@ -215,7 +233,7 @@ def memory_plan(cfg: JobConfig, world_size: int) -> dict[str, int]:
     """
     pd, accum = cfg.resolve(world_size)
     vocab, _ = resolve_vocab(cfg)
-    a = model_args(cfg.model.flavor, vocab_size=vocab, max_seq_len=cfg.training.seq_len)
+    a = plan_args(cfg, vocab)
     groups, shard = fsdp_groups(a), pd.dp_shard
     p, r = BYTES[cfg.training.mixed_precision_param], BYTES[cfg.training.mixed_precision_reduce]
     tokens = cfg.training.local_batch_size * cfg.training.seq_len
@@ -223,12 +241,18 @@ def memory_plan(cfg: JobConfig, world_size: int) -> dict[str, int]:
     b = {"parameters": FP32 * sum(shard_numel(s, shard) for s in shapes)}
     b["gradients"] = b["parameters"]
     b["optimizer_state"] = 2 * b["parameters"] + FP32 * len(shapes)
-    b["buffers_and_inputs"] = 2 * FP32 * a.max_seq_len * (a.head_dim // 2) + 2 * INT64 * tokens
+    documents = a.attn_mask_type != "causal" or a.positions != "sequence"
+    b["buffers_and_inputs"] = (2 * FP32 * a.max_seq_len * (a.head_dim // 2)
+                               + (2 + documents) * INT64 * tokens)  # + the document ids
 
     head_act = head_saved(a, p) * tokens
-    b["activations_no_ac"] = blocks_activations(cfg, a, p, tokens, "none") + head_act
-    b["activations_full_ac"] = blocks_activations(cfg, a, p, tokens, "full") + head_act
-    b["activations"] = blocks_activations(cfg, a, p, tokens) + head_act
+    # the block-causal mask and per-document RoPE tables, once per microbatch (all layers)
+    b["attention_inputs"] = attention_bytes(a, cfg.training.local_batch_size,
+                                            cfg.training.seq_len, p)
+    act = head_act + b["attention_inputs"]
+    b["activations_no_ac"] = blocks_activations(cfg, a, p, tokens, "none") + act
+    b["activations_full_ac"] = blocks_activations(cfg, a, p, tokens, "full") + act
+    b["activations"] = blocks_activations(cfg, a, p, tokens) + act
     recompute = cfg.activation_checkpoint.mode != "none"
     b["ac_recompute"] = block_saved(a, p) * tokens if recompute else 0
     loss = loss_region(cfg, a, p, tokens)
@@ -326,7 +350,7 @@ def largest_local_batch(cfg: JobConfig, world_size: int, mem_gib: float,
 def throughput(cfg: JobConfig, peak_tflops: float, mfu: float) -> tuple[float, float]:
     """(model FLOPs per token, tokens/s per device) at the assumed MFU of the bf16 peak."""
     vocab, _ = resolve_vocab(cfg)
-    a = model_args(cfg.model.flavor, vocab_size=vocab, max_seq_len=cfg.training.seq_len)
+    a = plan_args(cfg, vocab)
     fpt = flops_per_token(a, cfg.training.seq_len)
     return fpt, mfu * peak_tflops * 1e12 / fpt
 
@@ -343,6 +367,7 @@ ROWS = [  # (key, label) in print order; None = a heading
     ("activations_no_ac", "activations, no AC"),
     ("activations_full_ac", "activations, full AC"),
     ("activations", "activations, as configured ({ac})"),
+    ("attention_inputs", "  of which mask + RoPE tables ({attn})"),
     ("ac_recompute", "one block recomputed in backward"),
     ("logits_loss", "logits + loss at its widest ({loss})"),
     (None, "FSDP buffers ({mp}; reshard {reshard})"),
@@ -366,7 +391,7 @@ def describe(cfg: JobConfig, world_size: int, ngpu: int, nnodes: int) -> list[st
     """The header: model, vocab source, mesh, microbatch and dtypes."""
     pd, accum = cfg.resolve(world_size)
     vocab, source = resolve_vocab(cfg)
-    a = model_args(cfg.model.flavor, vocab_size=vocab, max_seq_len=cfg.training.seq_len)
+    a = plan_args(cfg, vocab)
     t = cfg.training
     return [
         f"model: {cfg.model.flavor}, {a.num_params() / 1e9:.3f}B params, vocab {vocab} "
@@ -391,7 +416,8 @@ def report(cfg: JobConfig, b: dict[str, int], accum: int, gpu: Gpu, mem_gib: flo
                   f"{t.mixed_precision_reduce} reduce",
             "reshard": cfg.parallelism.fsdp_reshard_after_forward,
             "impl": implementation(cfg.optimizer.implementation, "cuda"),
-            "offload": f"fsdp_offload {cfg.parallelism.fsdp_offload}"}
+            "offload": f"fsdp_offload {cfg.parallelism.fsdp_offload}",
+            "attn": f"{cfg.model.attn_mask_type}, {cfg.model.positions}"}
     lines = []
     for key, label in ROWS + HOST_ROWS:
         label = label.format(**fill)
