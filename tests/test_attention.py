@@ -228,8 +228,8 @@ def test_a_store_without_delimiters_is_refused(json_cfg, tmp_path):
     from trainer.data.prepare import prepare_store
 
     plain = str(tmp_path / "plain")
-    prepare_store(replace(json_cfg, add_bos=False, add_eos=False, data_files=json_cfg.data_files[:1]),
-                  json_cfg.tokenizer_path, plain, workers=1, show_progress=False)
+    prepare_store(replace(json_cfg, add_bos=False, add_eos=False), json_cfg.tokenizer_path, plain,
+                  workers=1, show_progress=False)
     kw = dict(seq_len=32, local_batch_size=2, global_batch_size=2, dp_rank=0, dp_size=1, seed=0)
     loader = build_dataloader(replace(json_cfg, store_path=plain, tokenizer_path=""), **kw)
     assert loader.delimiters is None and loader.document_ids(torch.zeros(1, 2)) is None
@@ -308,3 +308,27 @@ def test_a_single_document_computes_as_the_causal_model():
             got = tiny("block_causal", "document", impl)(prompt,
                                                          doc_ids=document_ids(prompt, DELIMS))
             assert (got - ref).abs().max() <= 1e-5, impl
+
+
+def test_streamed_and_blended_sources_know_their_documents(json_cfg):
+    """A streamed source frames by data.add_bos / add_eos; a blend's delimiters are its
+    sources' together, and one source without any leaves the blend without documents."""
+    from dataclasses import replace
+    from types import SimpleNamespace
+
+    from tests.test_data_fixtures import build
+    from trainer.data.mix_loader import _blend_delimiters
+
+    assert build(json_cfg).delimiters == Delimiters(1, 2)
+    eos_only = build(replace(json_cfg, add_bos=False, predict_document_start=False),
+                     seq_len=4096, global_batch_size=2)
+    assert eos_only.delimiters == Delimiters(None, 2)
+    x, y = eos_only.next_microbatch()
+    assert (x == EOS).any() and torch.equal(y == IGNORE_INDEX, x == EOS)  # after each EOS
+    none = build(replace(json_cfg, add_bos=False, add_eos=False))
+    assert none.delimiters is None and "framed by neither BOS nor EOS" in none.no_documents
+    src = {"a": SimpleNamespace(delimiters=Delimiters(1, None), no_documents=""),
+           "b": SimpleNamespace(delimiters=Delimiters(None, 2), no_documents="")}
+    assert _blend_delimiters(src) == (Delimiters(1, 2), "")
+    src["c"] = SimpleNamespace(delimiters=None, no_documents="token store c was prepared ...")
+    assert _blend_delimiters(src) == (None, "data.mix source 'c': token store c was prepared ...")

@@ -10,7 +10,6 @@ resume from step 2, HSDP 2x2 (1 microbatch) and one rank (4 microbatches), with
 
 import json
 import re
-import shutil
 
 import pytest
 

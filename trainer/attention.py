@@ -8,18 +8,23 @@
   BOS and after each EOS the store framed them with); the model gets their ids, [B, S], with
   each microbatch and builds ONE mask per microbatch in its forward, shared by every layer:
 
-  | `attn_implementation` | kernel | mask |
-  |---|---|---|
-  | `flex` (auto on CUDA) | FlexAttention, compiled | a BlockMask (128x128 tiles; ~B*(S/128)^2 ints) from a compiled `create_block_mask`; tiles of other documents and above the diagonal are skipped |
-  | `per_document` (auto on CPU) | one causal `scaled_dot_product_attention` per document of each row | none: q, k, v are split by the document lengths (read on the host; a graph break under compile) |
-  | `sdpa` | `scaled_dot_product_attention` with `attn_mask` | an additive [B, 1, S, S] mask in the compute dtype (0 / -inf), converted once, so every layer saves the same tensor |
+  - `flex` (auto on CUDA): compiled FlexAttention over a BlockMask (128x128 tiles, ~B*(S/128)^2
+    ints) from a compiled `create_block_mask`; tiles of other documents and above the diagonal
+    are skipped; GQA in the kernel (k, v not repeated).
+  - `per_document` (auto on CPU): one causal `scaled_dot_product_attention` per document of each
+    row; no mask: q, k, v are split by the document lengths (read on the host; a graph break
+    under compile).
+  - `sdpa`: `scaled_dot_product_attention` with an additive [B, 1, S, S] mask in the compute
+    dtype (0 / -inf), converted once, so every layer saves the same tensor.
 
   FlexAttention has no backward on the CPU. Of the two SDPA paths, per-document calls were
   measured faster on the CPU (benchmarks/RESULTS.md): the masked flash kernel visits every
-  tile (~1.9x the causal kernel's time at seq_len 2048, whatever the documents), while the
-  per-document calls cost at most the causal kernel's time (one document per window) and less
-  with more documents; at seq_len 256 the two are within noise. `sdpa` stays selectable (on
-  CUDA: the memory-efficient kernel with a bias), e.g. as a fallback for `flex`.
+  tile (~1.85x the causal kernel's time at seq_len 2048, whatever the documents), while the
+  per-document calls cost about the causal kernel's time with one document per window (+5%)
+  and less with more (0.3-0.4x at 8-133 documents); in the debug model's step at seq_len 256
+  the two are within noise, at 2048 `sdpa` costs 1.31x the causal step and `per_document`
+  1.00x. `sdpa` stays selectable (on CUDA: the memory-efficient kernel with a bias), e.g. as a
+  fallback for `flex`, and compiles whole.
 
 `[model] positions`: `sequence` (default) rotates token i of the window by position i;
 `document` restarts at 0 at each document start (the first, possibly partial, document of a
