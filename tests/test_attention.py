@@ -237,6 +237,9 @@ def test_a_store_without_delimiters_is_refused(json_cfg, tmp_path):
                                         r"prepared with add_bos = false and add_eos = false"):
         check_documents(Model(attn_mask_type="block_causal"), loader)
     check_documents(Model(), loader)  # causal needs nothing
+    loader.predict_document_start = False
+    with pytest.raises(DataError, match="data.predict_document_start = false needs document"):
+        check_documents(Model(), loader)
 
 
 def test_store_loader_frames_and_masks_as_its_manifest_says(store_cfg):

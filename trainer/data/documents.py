@@ -105,12 +105,15 @@ def describe_documents(loader) -> str:
 
 
 def check_documents(model_cfg, loader) -> None:
-    """Refuse `attn_mask_type = 'block_causal'` (or `positions = 'document'`) on data whose
-    documents cannot be told apart, naming the source and the reason (one line)."""
+    """Refuse `attn_mask_type = 'block_causal'`, `positions = 'document'` or
+    `predict_document_start = false` on data whose documents cannot be told apart, naming the
+    source and the reason (one line)."""
     needs = [f"model.attn_mask_type = {model_cfg.attn_mask_type!r}"
              if model_cfg.attn_mask_type != "causal" else "",
              f"model.positions = {model_cfg.positions!r}"
              if model_cfg.positions != "sequence" else ""]
+    if not getattr(loader, "predict_document_start", True):
+        needs.append("data.predict_document_start = false")
     needs = " and ".join(n for n in needs if n)
     if not needs or getattr(loader, "delimiters", None) is not None:
         return
