@@ -33,6 +33,9 @@ else:  # pragma: no cover
     import tomli as tomllib
 
 DTYPES = ("bfloat16", "float32")
+ATTN_MASK_TYPES = ("causal", "block_causal")
+POSITIONS = ("sequence", "document")
+ATTN_IMPLEMENTATIONS = ("auto", "flex", "sdpa", "per_document")
 DEVICES = ("auto", "cpu", "cuda")
 STOP_SIGNALS = ("SIGTERM", "SIGUSR1", "SIGUSR2", "SIGINT", "SIGHUP")
 SPIKE_ACTIONS = ("log", "skip", "rollback")
@@ -60,6 +63,18 @@ class Model:
     flavor: str = opt("debugmodel", "Model size: debugmodel, debugmodel-tiny, debugmodel-3.2, 1B, llama3.2-1B, llama3.2-3B, 8B, 70B")
     vocab_size: int = opt(0, "Model vocab; 0 = the tokenizer's, padded to vocab_size_multiple_of", min=0)
     vocab_size_multiple_of: int = opt(64, "Pad the model vocab up to a multiple of this", min=1)
+    attn_mask_type: str = opt("causal", "causal: every earlier token of the window; block_causal: "
+                              "only earlier tokens of the same document (documents from the "
+                              "data's BOS/EOS; README: Documents in packed windows)",
+                              choices=ATTN_MASK_TYPES)
+    positions: str = opt("sequence", "RoPE positions: sequence (0..seq_len-1 across the window) "
+                         "or document (restart at 0 at each document; needs block_causal)",
+                         choices=POSITIONS)
+    attn_implementation: str = opt(
+        "auto", "block_causal kernel: auto (flex on CUDA, per_document on CPU), flex "
+        "(FlexAttention, compiled, one BlockMask per microbatch; CUDA only), sdpa (SDPA with "
+        "an additive [batch, 1, seq, seq] mask) or per_document (one causal SDPA per document); "
+        "causal always uses SDPA's causal kernel", choices=ATTN_IMPLEMENTATIONS)
 
     def validate(self) -> None:
         from trainer.model_args import FLAVORS
@@ -67,6 +82,11 @@ class Model:
         if self.flavor not in FLAVORS:
             raise ConfigError(f"model.flavor = {self.flavor!r} is not valid; choose one of "
                               f"{', '.join(repr(f) for f in FLAVORS)}{did_you_mean(self.flavor, FLAVORS)}")
+        if self.positions == "document" and self.attn_mask_type == "causal":
+            raise ConfigError("model.positions = 'document' needs model.attn_mask_type = "
+                              "'block_causal': under a causal mask a token also sees earlier "
+                              "documents, whose restarted positions would put them at wrong "
+                              "relative distances")
 
 
 @dataclass
@@ -375,6 +395,7 @@ class JobConfig:
             raise ConfigError("eval.enable = true needs a tokenizer to encode the tasks, but "
                               "data.dataset = 'synthetic' has none; train on text (e.g. "
                               "'stdlib') or turn eval off")
+        check_attention(self.model, self.data, self.training.device)
         self.lr_scheduler.check_steps(self.training.steps)
         if world_size is not None:
             self.resolve(world_size)
@@ -410,6 +431,19 @@ class JobConfig:
 OFFLOAD_NEEDS_CUDA = ("parallelism.fsdp_offload = 'cpu' needs a CUDA run, but {where}: offload "
                       "moves sharded state from GPU to host memory; a CPU run keeps it there "
                       "already (set fsdp_offload = 'none')")
+
+
+def check_attention(model: Model, data: DataConfig, device: str) -> None:
+    """Document masks need documents and, for flex, a GPU (checked again once the device of
+    'auto' is known: trainer/attention.py)."""
+    if model.attn_mask_type == "block_causal" and data.dataset == "synthetic" and not data.mix:
+        raise ConfigError("model.attn_mask_type = 'block_causal' needs documents, but "
+                          "data.dataset = 'synthetic' has none (each sample is one repeated "
+                          "pattern); use a token store, stdlib or a blend")
+    if model.attn_implementation == "flex" and device == "cpu":
+        raise ConfigError("model.attn_implementation = 'flex' needs CUDA, but training.device "
+                          "= 'cpu': FlexAttention has no backward on the CPU; use 'auto', "
+                          "'per_document' or 'sdpa'")
 
 
 def accumulation_steps(training: Training, dp_size: int) -> int:

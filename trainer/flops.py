@@ -20,6 +20,13 @@ mathematically needs per token (PaLM, appendix B), not what the kernels happen t
   sequences this convention reports a somewhat higher MFU than the executed FLOPs would;
   ``attention_flops_per_token(..., causal_half=True)`` gives the other convention.
 - Activation-checkpointing recomputation is not model FLOPs and is not counted (standard MFU).
+- **block_causal** (`[model] attn_mask_type`) keeps this definition: attention is counted as
+  causal over the whole `seq_len` window, so MFU stays comparable between mask types and with
+  torchtitan. A block-causal step needs less attention work: the products within each
+  document only, sum(len_d^2) / seq_len^2 of the causal figure per window (FlexAttention skips
+  the other tiles; CPU SDPA with a mask computes them all and discards them). At long
+  sequences with many documents per window the reported MFU therefore overstates the
+  executed FLOPs more than under causal; the matmul part (6 * N_matmul) is unchanged.
 """
 
 from __future__ import annotations

@@ -43,6 +43,7 @@ import time
 
 import torch
 
+from trainer.attention import describe as describe_attention
 from trainer.device import Precision, resolve_compute_dtype
 from trainer.flops import attention_flops_per_token, flops_per_token, resolve_peak
 from trainer.model import ModelArgs
@@ -278,7 +279,10 @@ class MetricsProcessor:
             f"({a.n_kv_heads} kv), vocab {a.vocab_size}",
             f"FLOPs/token: {self.flops_per_token:.4g} fwd+bwd at seq_len {self.seq_len} "
             f"(6*N_matmul + 12*L*H*hd*S; causal attention counted in full, "
-            f"{self.flops_per_token - attn_half:.4g} if halved)",
+            f"{self.flops_per_token - attn_half:.4g} if halved"
+            + ("; block_causal counted as causal over the whole window, though its kernels "
+               "skip other documents" if a.attn_mask_type == "block_causal" else "") + ")",
+            describe_attention(a),
             f"mesh: {self.parallel_desc}; gradient accumulation steps: {self.accumulation_steps}",
             f"device: {self.device.type} ({'nccl' if self.device.type == 'cuda' else 'gloo'}"
             f"{', ' + torch.cuda.get_device_name(self.device) if self.device.type == 'cuda' else ''}"

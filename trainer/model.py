@@ -5,6 +5,12 @@ RoPE rotates consecutive (interleaved) pairs of each head's channels, as Meta's 
 does; Hugging Face's Llama rotates the two halves instead, so the q/k projections are permuted
 on conversion (trainer/hf.py).
 
+Attention is causal over the window by default; with `attn_mask_type = "block_causal"` the
+forward takes the microbatch's document ids, builds one mask (and, with `positions =
+"document"`, per-document RoPE tables) before the first block, and every block uses it
+(trainer/attention.py). A single document (generation, the HF export) computes the same
+either way.
+
 The model is built on the meta device and materialised after sharding. `init_weights(seed)`
 fills every parameter as if the whole tensor were generated on one process from a generator
 seeded by (seed, parameter name), then keeps the local shard: runs on 1 and N ranks, FSDP or
@@ -20,6 +26,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from trainer.attention import attend, build_mask, document_positions
 from trainer.model_args import FLAVORS, ModelArgs, model_args  # noqa: F401  (re-exported)
 
 
@@ -59,10 +66,11 @@ def scale_frequencies(inv_freq: torch.Tensor, s) -> torch.Tensor:
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate consecutive pairs of x [b, s, h, d] (real-valued form, so Inductor compiles it)."""
+    """Rotate consecutive pairs of x [b, s, h, d] (real-valued form, so Inductor compiles it);
+    cos/sin are [s, d/2] (every row alike) or [b, s, d/2] (per-token positions)."""
     xf = x.float().unflatten(-1, (-1, 2))
     x0, x1 = xf[..., 0], xf[..., 1]
-    cos, sin = cos[None, :, None, :], sin[None, :, None, :]
+    cos, sin = cos.unsqueeze(-2), sin.unsqueeze(-2)  # broadcast over the heads
     out = torch.stack((x0 * cos - x1 * sin, x0 * sin + x1 * cos), dim=-1)
     return out.flatten(-2).type_as(x)
 
@@ -76,17 +84,14 @@ class Attention(nn.Module):
         self.wv = nn.Linear(args.dim, args.n_kv_heads * self.head_dim, bias=False)
         self.wo = nn.Linear(args.n_heads * self.head_dim, args.dim, bias=False)
 
-    def forward(self, x, cos, sin):
+    def forward(self, x, cos, sin, mask=None):
+        """`mask`: None = causal; else the microbatch's block-causal mask (trainer/attention.py)."""
         b, s, _ = x.shape
         q = self.wq(x).view(b, s, self.n_heads, self.head_dim)
         k = self.wk(x).view(b, s, self.n_kv_heads, self.head_dim)
         v = self.wv(x).view(b, s, self.n_kv_heads, self.head_dim)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        groups = self.n_heads // self.n_kv_heads
-        if groups > 1:  # GQA: each kv head serves `groups` query heads
-            k, v = k.repeat_interleave(groups, dim=2), v.repeat_interleave(groups, dim=2)
-        out = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2),
-                                             v.transpose(1, 2), is_causal=True)
+        out = attend(q, k, v, mask)
         return self.wo(out.transpose(1, 2).reshape(b, s, -1))
 
 
@@ -110,8 +115,8 @@ class TransformerBlock(nn.Module):
         self.ffn_norm = RMSNorm(args.dim, args.norm_eps)
         self.feed_forward = FeedForward(args.dim, args.hidden_dim)
 
-    def forward(self, x, cos, sin):
-        h = x + self.attention(self.attention_norm(x), cos, sin)
+    def forward(self, x, cos, sin, mask=None):
+        h = x + self.attention(self.attention_norm(x), cos, sin, mask)
         return h + self.feed_forward(self.ffn_norm(h))
 
 
@@ -140,20 +145,42 @@ class Transformer(nn.Module):
         self.register_buffer("rope_sin", torch.empty(table), persistent=False)
 
     def forward(self, tokens: torch.Tensor, labels: torch.Tensor | None = None,
-                loss_fn=None) -> torch.Tensor:
+                loss_fn=None, *, doc_ids: torch.Tensor | None = None,
+                positions: torch.Tensor | None = None) -> torch.Tensor:
         """Logits [batch, seq, vocab]; or, with labels and a trainer.loss function, the
-        summed token loss (fp32 scalar), computed without returning the logits."""
-        seq = tokens.shape[1]
-        cos, sin = self.rope_cos[:seq], self.rope_sin[:seq]
+        summed token loss (fp32 scalar), computed without returning the logits.
+
+        `doc_ids` [batch, seq]: the document of each token (the loader's `document_ids`),
+        needed by block_causal attention and document positions, ignored otherwise.
+        `positions` [batch, seq]: explicit RoPE positions (default: per `args.positions`)."""
         h = self.tok_embeddings(tokens)
+        cos, sin, mask = self.attention_inputs(tokens.shape[1], doc_ids, positions, h.dtype)
         for layer in self.layers.values():
-            h = layer(h, cos, sin)
+            h = layer(h, cos, sin, mask)
         h = self.norm(h)
         if self.output is not None:
             return self.output(h, labels, loss_fn)
         # Tied: the embedding is in the root's FSDP group, unsharded until the root's forward ends.
         weight = self.tok_embeddings.weight
         return F.linear(h, weight) if labels is None else loss_fn(h, weight, labels)
+
+    def attention_inputs(self, seq: int, doc_ids, positions, dtype):
+        """(cos, sin, mask) for every layer of one forward: built once per microbatch."""
+        a = self.args
+        if doc_ids is None and (a.attn_mask_type != "causal" or a.positions == "document"):
+            raise ValueError(f"attn_mask_type {a.attn_mask_type!r} with positions "
+                             f"{a.positions!r} needs doc_ids (the loader's document_ids)")
+        if positions is None and a.positions == "document":
+            positions = document_positions(doc_ids)
+        if positions is None:
+            cos, sin = self.rope_cos[:seq], self.rope_sin[:seq]
+        else:
+            cos, sin = self.rope_cos[positions], self.rope_sin[positions]
+        mask = None
+        if a.attn_mask_type == "block_causal":
+            with torch.no_grad():
+                mask = build_mask(doc_ids, a.attn_implementation, dtype)
+        return cos, sin, mask
 
     @torch.no_grad()
     def init_rope(self) -> None:

@@ -40,6 +40,11 @@ class ModelArgs:
     max_seq_len: int = 2048
     rope_scaling: RopeScaling | None = None
     tie_word_embeddings: bool = False  # the output head reuses the token embedding
+    # How tokens attend (trainer/attention.py); no parameter depends on them, so a checkpoint
+    # loads under any of them. attn_implementation is resolved: sdpa, flex or per_document.
+    attn_mask_type: str = "causal"  # or "block_causal"
+    positions: str = "sequence"  # or "document"
+    attn_implementation: str = "sdpa"
 
     @property
     def head_dim(self) -> int:
@@ -69,6 +74,11 @@ class ModelArgs:
             raise ConfigError(f"model shape: dim {self.dim} must divide into n_heads "
                               f"{self.n_heads} (even head_dim), and n_heads into n_kv_heads "
                               f"{self.n_kv_heads}")
+        if (self.attn_mask_type not in ("causal", "block_causal")
+                or self.positions not in ("sequence", "document")
+                or self.attn_implementation not in ("sdpa", "flex", "per_document")):
+            raise ConfigError(f"model attention: mask {self.attn_mask_type!r}, positions "
+                              f"{self.positions!r}, implementation {self.attn_implementation!r}")
 
 
 FLAVORS: dict[str, ModelArgs] = {
@@ -101,7 +111,10 @@ FLAVORS: dict[str, ModelArgs] = {
 }
 
 
-def model_args(flavor: str, *, vocab_size: int | None = None, max_seq_len: int | None = None):
+def model_args(flavor: str, *, vocab_size: int | None = None, max_seq_len: int | None = None,
+               **attention):
+    """The flavor's args with the run's vocab and length, and the attention fields of
+    trainer.attention.attention_args (default: causal, sequence positions)."""
     args = FLAVORS[flavor]
     changes = {k: v for k, v in (("vocab_size", vocab_size), ("max_seq_len", max_seq_len)) if v}
-    return dataclasses.replace(args, **changes)
+    return dataclasses.replace(args, **changes, **attention)

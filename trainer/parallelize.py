@@ -32,6 +32,8 @@ DTYPE = {"bfloat16": torch.bfloat16, "float32": torch.float32}
 
 # Outputs worth keeping under op-level selective AC: the matmuls and attention, whose
 # recomputation costs FLOPs; everything else (norms, activations, RoPE) is cheap to recompute.
+# block_causal attention (trainer/attention.py) is one of these SDPA ops (with a mask), or
+# FlexAttention's higher-order op on CUDA, which selective checkpointing sees as one op too.
 _SAVE_OPS = {
     torch.ops.aten.mm.default,
     torch.ops.aten._scaled_dot_product_efficient_attention.default,
@@ -40,6 +42,8 @@ _SAVE_OPS = {
 }
 if hasattr(torch.ops.aten, "_scaled_dot_product_cudnn_attention"):
     _SAVE_OPS.add(torch.ops.aten._scaled_dot_product_cudnn_attention.default)
+if hasattr(torch.ops.higher_order, "flex_attention"):
+    _SAVE_OPS.add(torch.ops.higher_order.flex_attention)
 
 
 def _save_matmuls(ctx, op, *args, **kwargs):

@@ -20,30 +20,32 @@ The device's peak is the largest of five moments of a step; each is the resident
 - the optimizer step: every sharded gradient and the optimizer's temporaries.
 Sharded gradients are None from `zero_grad(set_to_none=True)` until each group's backward, so
 they are counted only from the end of backward on. The formulas assume the eager model in
-trainer/model.py with a flash/memory-efficient SDPA (no [seq, seq] score matrix) and the loss
+trainer/model.py with a flash/memory-efficient SDPA or, for block_causal, compiled
+FlexAttention (no [seq, seq] score matrix; `attn_implementation = "sdpa"` adds one
+[batch, 1, seq, seq] mask per microbatch, see trainer.attention.memory_bytes) and the loss
 of trainer/loss.py; compiled blocks usually save less (Inductor fuses the elementwise ops),
 so for `[compile] enable` the plan is an upper bound in practice. Each formula's assumptions are in its function's docstring;
 tests/test_plan.py checks them against tensors measured on CPU ranks.
 
 With `parallelism.fsdp_offload = "cpu"` the sharded state moves to host memory, which the
-plan checks too (trainer/plan_host.py): per rank, times the ranks of a node.
+plan checks too (trainer/plan_host.py): per rank, times the ranks of a node. The printed
+report and the command line are trainer/plan_report.py.
 """
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import functools
 import math
 import sys
 from dataclasses import dataclass
 
-from trainer.config import JobConfig, load_config
-from trainer.errors import ConfigError, UserError
-from trainer.flops import flops_per_token, table_peak_tflops
+from trainer.attention import attention_args, memory_bytes as attention_bytes
+from trainer.config import JobConfig
+from trainer.errors import ConfigError
+from trainer.flops import flops_per_token
 from trainer.model import FLAVORS, ModelArgs, build_model, model_args
-from trainer.plan_host import (HOST_ROWS, host_memory, host_ram_gib, host_report,
-                               offload_staging)
+from trainer.plan_host import host_memory, offload_staging
 from trainer.optim import implementation
 
 GIB = 2**30
@@ -91,6 +93,12 @@ def resolve_vocab(cfg: JobConfig) -> tuple[int, str]:
         f"the {cfg.model.flavor} flavor's (the tokenizer is not loaded; set [model] vocab_size)")
 
 
+def plan_args(cfg: JobConfig, vocab: int) -> ModelArgs:
+    """The model a run of `cfg` builds on a GPU (attention resolved for CUDA)."""
+    return model_args(cfg.model.flavor, vocab_size=vocab, max_seq_len=cfg.training.seq_len,
+                      **attention_args(cfg.model, "cuda"))
+
+
 @functools.lru_cache(maxsize=8)
 def fsdp_groups(args: ModelArgs) -> dict[str, list[tuple[int, ...]]]:
     """Parameter shapes per FSDP group, as trainer.parallelize.apply_fsdp forms the groups:
@@ -122,12 +130,17 @@ def block_saved(a: ModelArgs, p: int) -> int:
     RMSNorm x2: the fp32 upcast and the normed output in the compute dtype, (4 + p) * dim each
     (in fp32 the upcast is the input itself: still 8 * dim). Attention: the normed input of
     wq/wk/wv (p * dim); SDPA's q, k, v (k and v repeated to n_heads for GQA), output (wo's input
-    is a view of it) at p * n_heads * head_dim each; the logsumexp, fp32 per head. RoPE saves
-    only the cos/sin tables. FFN: the normed input (p * dim) and four hidden-sized tensors
-    (w1 and w3 outputs, silu output, their product: w2's input).
+    is a view of it) at p * n_heads * head_dim each (FlexAttention, block_causal on CUDA, takes
+    k and v unrepeated: 2 * p * n_kv_heads * head_dim for them; per-document SDPA keeps each
+    document's output and wo's input, their concatenation: one more p * n_heads * head_dim);
+    the logsumexp, fp32 per head.
+    RoPE saves only the cos/sin tables. FFN: the normed input (p * dim) and four hidden-sized
+    tensors (w1 and w3 outputs, silu output, their product: w2's input).
     """
-    q = a.n_heads * a.head_dim
-    return 2 * (4 + p) * a.dim + 2 * p * a.dim + 4 * p * q + FP32 * a.n_heads + 4 * p * a.hidden_dim
+    q, kv = a.n_heads * a.head_dim, a.n_kv_heads * a.head_dim
+    kernel = a.attn_implementation if a.attn_mask_type == "block_causal" else "sdpa"
+    attn = {"flex": 2 * p * (q + kv), "per_document": 5 * p * q}.get(kernel, 4 * p * q)
+    return 2 * (4 + p) * a.dim + 2 * p * a.dim + attn + FP32 * a.n_heads + 4 * p * a.hidden_dim
 
 
 def block_saved_op_sac(a: ModelArgs, p: int) -> int:
@@ -152,16 +165,19 @@ def checkpointed_blocks(cfg: JobConfig, n_layers: int) -> int:
 def blocks_activations(cfg: JobConfig, a: ModelArgs, p: int, tokens: int,
                        mode: str | None = None) -> int:
     """Saved activations of all blocks for one microbatch under an AC mode (default: config's).
-    A checkpointed block keeps only its input (p * dim per token)."""
+    A checkpointed block keeps only its input (p * dim per token). With document positions
+    and p < 4, FSDP casts the per-token fp32 cos/sin to the compute dtype at every block's
+    input, and each block keeps its copy in every AC mode (p * head_dim per token)."""
     mode = mode or cfg.activation_checkpoint.mode
+    rope = a.n_layers * p * a.head_dim * tokens if a.positions == "document" and p < FP32 else 0
     if mode == "none":
-        return a.n_layers * block_saved(a, p) * tokens
+        return a.n_layers * block_saved(a, p) * tokens + rope
     if mode == "full":
-        return a.n_layers * p * a.dim * tokens
+        return a.n_layers * p * a.dim * tokens + rope
     if cfg.activation_checkpoint.selective_ac_option == "op":
-        return a.n_layers * block_saved_op_sac(a, p) * tokens
+        return a.n_layers * block_saved_op_sac(a, p) * tokens + rope
     ckpt = checkpointed_blocks(cfg, a.n_layers)
-    return (ckpt * p * a.dim + (a.n_layers - ckpt) * block_saved(a, p)) * tokens
+    return (ckpt * p * a.dim + (a.n_layers - ckpt) * block_saved(a, p)) * tokens + rope
 
 
 def head_saved(a: ModelArgs, p: int) -> int:
@@ -204,9 +220,10 @@ def memory_plan(cfg: JobConfig, world_size: int) -> dict[str, int]:
     Resident: `parameters`, `gradients` (fp32, sharded over dp_shard; replicated over
     dp_replicate under HSDP), `optimizer_state` (AdamW's exp_avg and exp_avg_sq like the
     parameters, plus one fp32 step scalar per tensor), `buffers_and_inputs` (the fp32 RoPE
-    tables and the int64 inputs and labels). Per microbatch: `activations` (the configured AC
-    mode; `activations_no_ac` and `activations_full_ac` for comparison; both include the final
-    norm and head input), `ac_recompute` (one block's full activations while it is recomputed),
+    tables and the int64 inputs, labels and, for block_causal, document ids). Per microbatch:
+    `activations` (the configured AC mode; `activations_no_ac` and `activations_full_ac` for
+    comparison; all include the final norm and head input, and `attention_inputs`: the
+    block-causal mask and document RoPE tables, trainer.attention.memory_bytes), `ac_recompute` (one block's full activations while it is recomputed),
     `logits_loss`. Transient: `fsdp_*` (see `fsdp_buffers`), `grad_accumulation` (unsharded
     grads kept between microbatches when sync is 'last' with accumulation: FSDP2 keeps them in
     the reduce dtype), `optimizer_step_temp` (foreach AdamW computes sqrt(exp_avg_sq) for all
@@ -215,7 +232,7 @@ def memory_plan(cfg: JobConfig, world_size: int) -> dict[str, int]:
     """
     pd, accum = cfg.resolve(world_size)
     vocab, _ = resolve_vocab(cfg)
-    a = model_args(cfg.model.flavor, vocab_size=vocab, max_seq_len=cfg.training.seq_len)
+    a = plan_args(cfg, vocab)
     groups, shard = fsdp_groups(a), pd.dp_shard
     p, r = BYTES[cfg.training.mixed_precision_param], BYTES[cfg.training.mixed_precision_reduce]
     tokens = cfg.training.local_batch_size * cfg.training.seq_len
@@ -223,12 +240,18 @@ def memory_plan(cfg: JobConfig, world_size: int) -> dict[str, int]:
     b = {"parameters": FP32 * sum(shard_numel(s, shard) for s in shapes)}
     b["gradients"] = b["parameters"]
     b["optimizer_state"] = 2 * b["parameters"] + FP32 * len(shapes)
-    b["buffers_and_inputs"] = 2 * FP32 * a.max_seq_len * (a.head_dim // 2) + 2 * INT64 * tokens
+    documents = a.attn_mask_type != "causal" or a.positions != "sequence"
+    b["buffers_and_inputs"] = (2 * FP32 * a.max_seq_len * (a.head_dim // 2)
+                               + (2 + documents) * INT64 * tokens)  # + the document ids
 
     head_act = head_saved(a, p) * tokens
-    b["activations_no_ac"] = blocks_activations(cfg, a, p, tokens, "none") + head_act
-    b["activations_full_ac"] = blocks_activations(cfg, a, p, tokens, "full") + head_act
-    b["activations"] = blocks_activations(cfg, a, p, tokens) + head_act
+    # the block-causal mask and per-document RoPE tables, once per microbatch (all layers)
+    b["attention_inputs"] = attention_bytes(a, cfg.training.local_batch_size,
+                                            cfg.training.seq_len, p)
+    act = head_act + b["attention_inputs"]
+    b["activations_no_ac"] = blocks_activations(cfg, a, p, tokens, "none") + act
+    b["activations_full_ac"] = blocks_activations(cfg, a, p, tokens, "full") + act
+    b["activations"] = blocks_activations(cfg, a, p, tokens) + act
     recompute = cfg.activation_checkpoint.mode != "none"
     b["ac_recompute"] = block_saved(a, p) * tokens if recompute else 0
     loss = loss_region(cfg, a, p, tokens)
@@ -326,139 +349,16 @@ def largest_local_batch(cfg: JobConfig, world_size: int, mem_gib: float,
 def throughput(cfg: JobConfig, peak_tflops: float, mfu: float) -> tuple[float, float]:
     """(model FLOPs per token, tokens/s per device) at the assumed MFU of the bf16 peak."""
     vocab, _ = resolve_vocab(cfg)
-    a = model_args(cfg.model.flavor, vocab_size=vocab, max_seq_len=cfg.training.seq_len)
+    a = plan_args(cfg, vocab)
     fpt = flops_per_token(a, cfg.training.seq_len)
     return fpt, mfu * peak_tflops * 1e12 / fpt
 
 
-# --------------------------------------------------------------------------- report
-
-ROWS = [  # (key, label) in print order; None = a heading
-    (None, "resident (sharded; in host memory with offload: see below)"),
-    ("parameters", "parameters (fp32)"),
-    ("gradients", "gradients (fp32)"),
-    ("optimizer_state", "optimizer state (2 fp32 states + step)"),
-    ("buffers_and_inputs", "RoPE buffers + input/label tokens"),
-    (None, "per microbatch"),
-    ("activations_no_ac", "activations, no AC"),
-    ("activations_full_ac", "activations, full AC"),
-    ("activations", "activations, as configured ({ac})"),
-    ("ac_recompute", "one block recomputed in backward"),
-    ("logits_loss", "logits + loss at its widest ({loss})"),
-    (None, "FSDP buffers ({mp}; reshard {reshard})"),
-    ("fsdp_loss", "kept unsharded at the loss"),
-    ("fsdp_head", "head backward (+ prefetched block)"),
-    ("fsdp_block", "block backward (+ prefetch, rs in flight)"),
-    ("fsdp_embedding", "embedding backward"),
-    ("grad_accumulation", "unsharded grads kept for accumulation"),
-    ("optimizer_step_temp", "optimizer step temporaries ({impl})"),
-    ("offload_staging", "offload: host-to-device shard copies, one grad shard"),
-    (None, "device total at each moment"),
-    ("peak_loss", "loss backward"),
-    ("peak_head_backward", "output head backward"),
-    ("peak_block_backward", "top block backward"),
-    ("peak_end_of_backward", "end of backward (embedding)"),
-    ("peak_optimizer_step", "optimizer step"),
-]
-
-
-def describe(cfg: JobConfig, world_size: int, ngpu: int, nnodes: int) -> list[str]:
-    """The header: model, vocab source, mesh, microbatch and dtypes."""
-    pd, accum = cfg.resolve(world_size)
-    vocab, source = resolve_vocab(cfg)
-    a = model_args(cfg.model.flavor, vocab_size=vocab, max_seq_len=cfg.training.seq_len)
-    t = cfg.training
-    return [
-        f"model: {cfg.model.flavor}, {a.num_params() / 1e9:.3f}B params, vocab {vocab} "
-        f"(from {source})",
-        f"mesh: {pd.describe()} = {ngpu} GPU(s) x {nnodes} node(s); parameters sharded over "
-        f"{pd.dp_shard} rank(s)",
-        f"microbatch: {t.local_batch_size} x {t.seq_len} tokens, {accum} microbatch(es) per step "
-        f"(sync '{t.gradient_accumulation_sync}')",
-    ]
-
-
-def report(cfg: JobConfig, b: dict[str, int], accum: int, gpu: Gpu, mem_gib: float,
-           mfu: float, host: tuple[int, float, str] = (1, math.inf, "unlimited")) -> list[str]:
-    """The breakdown table, the verdict and the throughput at the assumed MFU. `host`:
-    (ranks per node, GiB of host RAM per node, where that figure comes from)."""
-    t, ac = cfg.training, cfg.activation_checkpoint
-    unit, scale = ("GiB", GIB) if b["total"] >= GIB else ("MiB", 2**20)
-    fill = {"ac": ac.mode + (f" {ac.selective_ac_option}" if ac.mode == "selective" else ""),
-            "loss": (f"eager, fp32 [{t.local_batch_size}, {t.seq_len}, vocab]"
-                     if t.loss == "eager" else f"chunked, {t.loss_chunk_size} tokens at a time"),
-            "mp": f"{t.mixed_precision_param.replace('auto', 'bfloat16 (auto)')} params, "
-                  f"{t.mixed_precision_reduce} reduce",
-            "reshard": cfg.parallelism.fsdp_reshard_after_forward,
-            "impl": implementation(cfg.optimizer.implementation, "cuda"),
-            "offload": f"fsdp_offload {cfg.parallelism.fsdp_offload}"}
-    lines = []
-    for key, label in ROWS + HOST_ROWS:
-        label = label.format(**fill)
-        value = "" if key is None else f" {b[key] / scale:10.3f} {unit}"
-        lines.append(f"  {label}" if key is None else f"    {label:<50}{value}")
-    phase = max((k for k in b if k.startswith("peak_")), key=b.get)
-    need, have = device_need(b["total"]), mem_gib * GIB
-    reserve = need - b["total"]
-    host_lines, host_fits = host_report(b, *host)
-    verdict = "FITS" if need <= have and host_fits else "DOES NOT FIT"
-    lines += [
-        f"  peak: {b['total'] / GIB:.3f} GiB (at the {dict(ROWS)[phase]}) + reserve "
-        f"{reserve / GIB:.2f} GiB (CUDA context {CONTEXT_GIB} GiB + {FRAGMENTATION:.0%} "
-        f"fragmentation) = {need / GIB:.2f} GiB of {have / GIB:.1f} GiB",
-        *host_lines,
-        f"verdict: {verdict} on {gpu.name} ({(have - need) / GIB:+.2f} GiB device headroom"
-        f"{'' if host_fits else '; not enough host memory'})",
-    ]
-    peak = table_peak_tflops(gpu.name)
-    if peak:
-        fpt, tps = throughput(cfg, peak[0], mfu)
-        step_s = t.local_batch_size * t.seq_len * accum / tps
-        lines.append(f"throughput at {mfu:.0%} MFU of {peak[0]:g} TFLOPS bf16 ({peak[1]}): "
-                     f"{tps:,.0f} tokens/s per device ({fpt:.4g} FLOPs/token; "
-                     f"{step_s:.3g} s per optimizer step)")
-    return lines
-
-
-def parse_args(argv: list[str]):
-    """Our flags; every other argument is a config override (`--section.key value`)."""
-    ap = argparse.ArgumentParser(prog="python -m trainer.plan", allow_abbrev=False,
-                                 description="Per-device memory plan and a fits/does-not-fit "
-                                             "verdict; other arguments are config overrides.")
-    ap.add_argument("--config", required=True, help="TOML config file")
-    ap.add_argument("--ngpu", type=int, required=True, help="GPUs per node")
-    ap.add_argument("--nnodes", type=int, default=1, help="nodes (world = ngpu * nnodes)")
-    ap.add_argument("--gpu", default="h100", choices=sorted(GPUS), help="GPU model")
-    ap.add_argument("--gpu-mem-gib", type=float, default=0.0, help="override the GPU's memory")
-    ap.add_argument("--mfu", type=float, default=0.40, help="assumed MFU for tokens/s")
-    ap.add_argument("--host-gib", type=float, default=0.0,
-                    help="host RAM per node (default: this machine's MemTotal)")
-    return ap.parse_known_args(argv)
-
-
 def main(argv: list[str]) -> int:
-    args, overrides = parse_args(argv)
-    try:
-        if args.ngpu < 1 or args.nnodes < 1:
-            raise ConfigError(f"--ngpu ({args.ngpu}) and --nnodes ({args.nnodes}) must be >= 1")
-        cfg = load_config(["--job.config_file", args.config, *overrides])
-        world = args.ngpu * args.nnodes
-        header = describe(cfg, world, args.ngpu, args.nnodes)
-        b = memory_plan(cfg, world)
-        accum = cfg.resolve(world)[1]
-    except UserError as e:
-        print(e.one_line(), file=sys.stderr)
-        return e.exit_code
-    gpu = GPUS[args.gpu]
-    mem_gib = args.gpu_mem_gib or gpu.memory_gib
-    host = (args.ngpu, *host_ram_gib(args.host_gib))
-    best = largest_local_batch(cfg, world, mem_gib)
-    fixed = cfg.training.global_batch_size != -1
-    print("\n".join(header + report(cfg, b, accum, gpu, mem_gib, args.mfu, host) + [
-        f"largest local_batch_size that fits: {best}"
-        + (f" (of those dividing global_batch_size {cfg.training.global_batch_size})"
-           if fixed else "")]))
-    return 0
+    """`python -m trainer.plan ...`: the report and its command line are trainer/plan_report.py."""
+    from trainer.plan_report import main as report_main
+
+    return report_main(argv)
 
 
 if __name__ == "__main__":

@@ -33,7 +33,9 @@ import torch.distributed as dist
 from trainer.checkpoint import Checkpointer, TrainState
 from trainer.config import OFFLOAD_NEEDS_CUDA, JobConfig, load_config
 from trainer.device import Precision, resolve_compute_dtype, resolve_device
+from trainer.attention import attention_args
 from trainer.data import build_dataloader, check_model_vocab, padded_vocab_size
+from trainer.data.documents import check_documents
 from trainer.batch_schedule import batch_at
 from trainer.errors import ConfigError, DataError, UserError
 from trainer.evals.evaluator import Evaluator, log_evals
@@ -176,8 +178,11 @@ def train_step(model, optimizer, scheduler, loader, *, accum: int, sync_mode: st
     loss_sum = torch.zeros((), device=device)
     for i, (inputs, labels) in enumerate(batches):
         set_gradient_sync(model, sync_mode, is_last=i == accum - 1)
+        inputs = inputs.to(device)
         # The model's head computes the summed token loss (trainer/loss.py): no logits here.
-        loss = model(inputs.to(device), labels=labels.to(device), loss_fn=loss_fn) / global_tokens
+        # Document ids (None without documents) let the model mask and position per document.
+        loss = model(inputs, labels=labels.to(device), loss_fn=loss_fn,
+                     doc_ids=loader.document_ids(inputs)) / global_tokens
         if i == 0:
             inject_oom(step)  # testing hook; nothing unless asked
         (loss * dp_size).backward()
@@ -262,6 +267,7 @@ def train(cfg: JobConfig) -> None:
                                                       cfg.model.vocab_size_multiple_of)
     agree_on_user_errors(check_model_vocab, vocab, loader)
     check_data_skips(cfg.training, loader)
+    agree_on_user_errors(check_documents, cfg.model, loader)  # block_causal needs documents
     validator = None
     if cfg.validation.enable:
         validator = agree_on_user_errors(
@@ -270,7 +276,8 @@ def train(cfg: JobConfig) -> None:
     evaluator = agree_on_user_errors(
         Evaluator, cfg, tokenizer_path=loader.tokenizer_path, dp_rank=dp_mesh.get_local_rank(),
         dp_size=dp_mesh.size(), dp_group=dp_group, device=device) if cfg.eval.enable else None
-    args = model_args(cfg.model.flavor, vocab_size=vocab, max_seq_len=cfg.training.seq_len)
+    args = model_args(cfg.model.flavor, vocab_size=vocab, max_seq_len=cfg.training.seq_len,
+                      **attention_args(cfg.model, device.type))
 
     model = parallelize(build_model(args), parallel_dims, cfg, device=device,
                         param_dtype=precision.param)

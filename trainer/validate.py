@@ -104,8 +104,9 @@ class Validator:
             for i, name in enumerate(self.sets):
                 for p in range(self.passes):
                     inputs, labels = self._pass(name, p)
-                    labels = labels.to(self.device)
-                    logits = model(inputs.to(self.device))
+                    labels, inputs = labels.to(self.device), inputs.to(self.device)
+                    # as in training: the document ids drive block_causal masks and positions
+                    logits = model(inputs, doc_ids=self.sets[name].document_ids(inputs))
                     token_loss = F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(),
                                                  ignore_index=IGNORE_INDEX, reduction="none")
                     del logits
@@ -138,13 +139,14 @@ def validation_loaders(cfg, train_loader, *, batch: int, dp_rank: int, dp_size: 
     kw = dict(seq_len=cfg.training.seq_len, local_batch_size=batch,
               global_batch_size=batch * dp_size, dp_rank=dp_rank, dp_size=dp_size,
               seed=cfg.job.seed)
+    docs = {"predict_document_start": cfg.data.predict_document_start}  # labels as in training
     if isinstance(train_loader, MixLoader):
         stores = {name: src.store for name, src in train_loader.sources.items()}
-        return mix_sources(cfg.data, stores, split="validation", **kw)
+        return mix_sources(cfg.data, stores, split="validation", **kw, **docs)
     if isinstance(train_loader, StoreLoader):
         return {"": StoreLoader(train_loader.store, split="validation",
                                 val_fraction=cfg.data.val_fraction, shuffle=cfg.data.shuffle,
-                                tokenizer_path=train_loader.tokenizer_path, **kw)}
+                                tokenizer_path=train_loader.tokenizer_path, **kw, **docs)}
     return {"": build_dataloader(cfg.data, split="validation", **kw)}
 
 

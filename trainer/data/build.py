@@ -25,7 +25,8 @@ def build_dataloader(cfg: DataConfig, *, seq_len: int, local_batch_size: int,
         raise ValueError(f"split must be 'train' or 'validation', got {split!r}")
     cfg.validate()
     kw = dict(seq_len=seq_len, local_batch_size=local_batch_size,
-              global_batch_size=global_batch_size, dp_rank=dp_rank, dp_size=dp_size, seed=seed)
+              global_batch_size=global_batch_size, dp_rank=dp_rank, dp_size=dp_size, seed=seed,
+              predict_document_start=cfg.predict_document_start)
     if cfg.mix:
         if split != "train":
             raise ValueError("a blend's validation reads each source apart: mix_sources()")

@@ -69,6 +69,10 @@ class DataConfig:
                                "first use (the prepare CLI has its own --workers)", min=1)
     add_bos: bool = opt(True, "Prepend the tokenizer's BOS to every document")
     add_eos: bool = opt(True, "Append the tokenizer's EOS to every document (document separator)")
+    predict_document_start: bool = opt(
+        True, "Train the first token of each document as a target, predicted at the previous "
+        "document's last position (the BOS after an EOS; with add_bos = false the first text "
+        "token); false masks those targets out of the loss (Megatron's eod_mask_loss)")
     mix: list[MixSource] = opt([], "A blend of token stores: [[data.mix]] tables with name, "
                                "store_path, weight (README: Blending sources)")
     mix_weights: list[str] = opt([], "Override the mix weights: name=weight,... (e.g. "

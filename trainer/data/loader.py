@@ -14,22 +14,28 @@ import numbers
 import numpy as np
 import torch
 
+from trainer.data.documents import (Delimiters, describe_documents, document_ids, split_window,
+                                    store_delimiters)
 from trainer.data.order import window_of_sample
 from trainer.errors import DataError
 
 
 class GlobalOrderLoader:
     """Base class: subclasses set `kind`, `vocab_size`, `tokenizer_path`, `fingerprint`,
-    `n_windows` (0 = unbounded) and implement `_windows(indices) -> int array [n, seq_len+1]`."""
+    `n_windows` (0 = unbounded) and implement `_windows(indices) -> int array [n, seq_len+1]`.
+    Those with documents set `delimiters` (trainer/data/documents.py), else `no_documents`
+    says why there are none."""
 
     kind = "abstract"
     vocab_size: int
     tokenizer_path: str = ""
     fingerprint: str = ""
     n_windows: int = 0
+    delimiters: Delimiters | None = None
+    no_documents: str = ""
 
     def __init__(self, *, seq_len: int, local_batch_size: int, global_batch_size: int,
-                 dp_rank: int, dp_size: int, seed: int):
+                 dp_rank: int, dp_size: int, seed: int, predict_document_start: bool = True):
         assert dp_size >= 1 and 0 <= dp_rank < dp_size, (dp_rank, dp_size)
         assert global_batch_size % (local_batch_size * dp_size) == 0, \
             (global_batch_size, local_batch_size, dp_size)
@@ -41,6 +47,7 @@ class GlobalOrderLoader:
         self.accum_steps = self.per_rank // local_batch_size
         self.consumed = 0  # global samples consumed at the last step boundary
         self.micro = 0  # microbatches this rank delivered within the current step
+        self.predict_document_start = predict_document_start
 
     # -- the interface the training loop calls -------------------------------------------
     def next_microbatch(self) -> tuple[torch.Tensor, torch.Tensor]:
@@ -53,7 +60,17 @@ class GlobalOrderLoader:
             self.micro = 0
             self._step_done(self.consumed, self.consumed + self.global_batch_size)
             self.consumed += self.global_batch_size
-        return windows[:, :-1].contiguous(), windows[:, 1:].contiguous()
+        return self._split(windows)
+
+    def document_ids(self, inputs: torch.Tensor) -> torch.Tensor | None:
+        """The document id of every input position ([B, S] int64, on the inputs' device), or
+        None for data without documents. The model's block-causal mask and per-document
+        positions come from these (trainer/attention.py)."""
+        return None if self.delimiters is None else document_ids(inputs, self.delimiters)
+
+    def _split(self, windows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(inputs, labels) of [B, seq_len+1] windows (data.predict_document_start applied)."""
+        return split_window(windows, self.delimiters, self.predict_document_start)
 
     def set_global_batch_size(self, global_batch_size: int) -> None:
         """The global batch of the next step (a batch-size ramp): at a step boundary, on every
@@ -79,8 +96,7 @@ class GlobalOrderLoader:
         """(inputs, labels) of arbitrary global sample indices; does not move the loader
         (validation reads its fixed set of samples this way)."""
         windows = self._windows(np.asarray(indices, dtype=np.int64))
-        windows = torch.from_numpy(np.ascontiguousarray(windows, dtype=np.int64))
-        return windows[:, :-1].contiguous(), windows[:, 1:].contiguous()
+        return self._split(torch.from_numpy(np.ascontiguousarray(windows, dtype=np.int64)))
 
     def sample_indices(self, step: int) -> list[int]:
         """Global sample indices this rank sees in optimizer step `step` counted from now
@@ -207,6 +223,8 @@ class StoreLoader(GlobalOrderLoader):
                 "use a shorter seq_len or a bigger corpus")
         # The order depends on shuffle too: a resume with it toggled would repeat and skip windows.
         self.fingerprint = f"{store.fingerprint}:{split}:shuffle={shuffle}"
+        self.delimiters, self.no_documents = store_delimiters(store.manifest,
+                                                              f"token store {store.path}")
 
     def _locations(self, indices: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """(source 0, the token offset of each sample's window in the store)."""
@@ -225,4 +243,5 @@ class StoreLoader(GlobalOrderLoader):
     def describe(self) -> str:
         return (f"{self.store.describe()}, {self.split} split: {self.n_windows:,} windows of "
                 f"{self.seq_len + 1} tokens; tokenizer {self.tokenizer_path} (vocab "
-                f"{self.vocab_size}); dp rank {self.dp_rank}/{self.dp_size}")
+                f"{self.vocab_size}); dp rank {self.dp_rank}/{self.dp_size}"
+                + describe_documents(self))

@@ -26,6 +26,7 @@ import json
 import numpy as np
 
 from trainer.data.blend import Blend
+from trainer.data.documents import describe_documents
 from trainer.data.loader import GlobalOrderLoader, StoreLoader
 from trainer.data.order import permute_many, window_of_sample
 from trainer.data.store import read_rows
@@ -47,6 +48,7 @@ class MixLoader(GlobalOrderLoader):
         super().__init__(**kw)
         self.sources, self.tokenizer_path = sources, tokenizer_path
         self.vocab_size = next(iter(sources.values())).vocab_size
+        self.delimiters, self.no_documents = _blend_delimiters(sources)
         self.weights = {n: float(w) for n, w in weights.items()}
         self.blend = Blend({n: w for n, w in self.weights.items() if w > 0}, self.seed)
         blended = [sources[n] for n in self.blend.names]  # tables by blend position
@@ -171,7 +173,7 @@ class MixLoader(GlobalOrderLoader):
     def describe(self) -> str:
         lines = [f"blend of {len(self.sources)} token stores, windows of {self.seq_len + 1} "
                  f"tokens; tokenizer {self.tokenizer_path} (vocab {self.vocab_size}); dp rank "
-                 f"{self.dp_rank}/{self.dp_size}"]
+                 f"{self.dp_rank}/{self.dp_size}" + describe_documents(self)]
         width = max(len(n) for n in self.sources)
         for name, src in self.sources.items():
             share = self.blend.fractions.get(name, 0.0)
@@ -269,3 +271,14 @@ def _change(old: dict, new: dict, retired: dict) -> str:
         else:
             parts.append(f"{name} {a:.1%}")
     return ", ".join(parts)
+
+
+def _blend_delimiters(sources: dict[str, StoreLoader]):
+    """(delimiters of a blend: those of every source together, why there are none): a source
+    without any makes the whole blend document-less (its windows could not be split)."""
+    found = None
+    for name, src in sources.items():
+        if src.delimiters is None:
+            return None, f"data.mix source {name!r}: {src.no_documents}"
+        found = src.delimiters if found is None else found.union(src.delimiters)
+    return found, ""

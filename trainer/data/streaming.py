@@ -15,6 +15,7 @@ import numpy as np
 import torch
 
 from trainer.data.config import DataConfig
+from trainer.data.documents import delimiters_of, document_ids, split_window
 from trainer.data.sources import open_hf_stream, text_of
 from trainer.data.tokenizer import Tokenizer
 from trainer.errors import DataError
@@ -27,7 +28,7 @@ class StreamingLoader:
 
     def __init__(self, cfg: DataConfig, tokenizer: Tokenizer, hf_split: str, *, seq_len: int,
                  local_batch_size: int, global_batch_size: int, dp_rank: int, dp_size: int,
-                 seed: int):
+                 seed: int, predict_document_start: bool = True):
         assert global_batch_size % (local_batch_size * dp_size) == 0
         self.global_batch_size, self.per_rank = global_batch_size, global_batch_size // dp_size
         self.accum_steps = self.per_rank // local_batch_size
@@ -37,6 +38,13 @@ class StreamingLoader:
         self.vocab_size, self.tokenizer_path = tokenizer.vocab_size, tokenizer.path
         self.source = ", ".join(cfg.data_files) or cfg.dataset
         self.fingerprint = f"{cfg.dataset}:{hf_split}:{','.join(cfg.data_files)}:{tokenizer.sha256}"
+        self.delimiters = delimiters_of(tokenizer.bos_id, tokenizer.eos_id, cfg.add_bos,
+                                        cfg.add_eos)
+        self.no_documents = "" if self.delimiters else (
+            f"streamed {self.source} is framed by neither BOS nor EOS (data.add_bos = "
+            f"{cfg.add_bos}, data.add_eos = {cfg.add_eos}, tokenizer bos {tokenizer.bos_id}, "
+            f"eos {tokenizer.eos_id})")
+        self.predict_document_start = predict_document_start
         ds = open_hf_stream(cfg, hf_split)
         if dp_size > 1:
             from datasets.distributed import split_dataset_by_node
@@ -86,7 +94,11 @@ class StreamingLoader:
         batch = torch.from_numpy(self.buffer[:n].reshape(self.local_batch_size, -1).copy())
         self.buffer = self.buffer[n:]
         self.samples += self.local_batch_size
-        return batch[:, :-1].contiguous(), batch[:, 1:].contiguous()
+        return split_window(batch, self.delimiters, self.predict_document_start)
+
+    def document_ids(self, inputs: torch.Tensor) -> torch.Tensor | None:
+        """As GlobalOrderLoader.document_ids."""
+        return None if self.delimiters is None else document_ids(inputs, self.delimiters)
 
     def state_dict(self) -> dict:
         """dp_size plus this rank's own state under 'dp_rank_<r>' (plain python values; the

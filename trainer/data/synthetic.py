@@ -23,6 +23,8 @@ _VALIDATION_STREAM = 0xE7A1
 
 class SyntheticLoader(GlobalOrderLoader):
     kind = "synthetic"
+    no_documents = ("data.dataset = 'synthetic' has no documents (each sample is one repeated "
+                    "pattern); use a token store, stdlib or a blend")
 
     def __init__(self, *, vocab_size: int, split: str = "train", **kw):
         super().__init__(**kw)
