@@ -18,7 +18,7 @@ from trainer.checkpoint import TrainState
 from trainer.config import JobConfig, load_config
 from trainer.errors import ConfigError, DataError, TrainingError
 from trainer.guard import LossGuard, Spike, spike_action
-from trainer.train import check_data_skips
+from trainer.spikes import check_data_skips
 
 # ------------------------------------------------------------------------------ decision logic
 

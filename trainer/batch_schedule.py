@@ -51,3 +51,22 @@ def batch_at(training, step: int, consumed_samples: int, per_pass: int, target: 
         progress = consumed_samples * training.seq_len / training.rampup_tokens
     grown = int((target - start) * min(1.0, progress)) // per_pass * per_pass
     return start + grown
+
+
+def next_batch(cfg, loader, step: int) -> int:
+    """Set the loader's global batch for `step` (a batch-size ramp, trainer/batch_schedule.py);
+    returns its microbatches per rank."""
+    training = cfg.training
+    if training.rampup_batch_start:
+        per_pass = training.local_batch_size * loader.dp_size
+        loader.set_global_batch_size(batch_at(training, step, loader.consumed, per_pass,
+                                              loader.target_global_batch_size))
+    return loader.accum_steps
+
+
+def describe_ramp(training, loader) -> str:
+    over = (f"{training.rampup_steps} steps" if training.rampup_steps
+            else f"{training.rampup_tokens:,} tokens")
+    return (f"batch ramp: global batch {training.rampup_batch_start} -> "
+            f"{loader.target_global_batch_size} sequences over {over}, in steps of "
+            f"{training.local_batch_size * loader.dp_size} (trainer/batch_schedule.py)")

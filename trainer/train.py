@@ -36,7 +36,9 @@ from trainer.device import Precision, resolve_compute_dtype, resolve_device
 from trainer.attention import attention_args
 from trainer.data import build_dataloader, check_model_vocab, padded_vocab_size
 from trainer.data.documents import check_documents
-from trainer.batch_schedule import batch_at
+from trainer.distributed import (agree_on_user_errors, log0, reduce_loss, reduce_z_loss,
+                                 set_collective_timeout)
+from trainer.batch_schedule import describe_ramp, next_batch
 from trainer.errors import ConfigError, DataError, UserError
 from trainer.evals.evaluator import Evaluator, log_evals
 from trainer.float8 import after_optimizer_step, check_device as check_float8_device
@@ -51,15 +53,12 @@ from trainer.optim import build_lr_scheduler, build_optimizer
 from trainer.parallelize import parallelize, set_gradient_sync
 from trainer.preemption import PREEMPTED_EXIT_CODE, Preempted, StopSignals
 from trainer.profiling import StepProfiler
+from trainer.spikes import (act_on_spike, check_data_skips, note_past_skips, pass_over,
+                            skipped_step, spike_check)
 from trainer.validate import Validator, log_validation
 
 # Debugging/testing hook: print a hash of every sample each rank trains on, per step.
 DEBUG_DATA_ENV = "TRAINER_DEBUG_DATA_HASHES"
-
-
-def log0(msg: str) -> None:
-    if int(os.environ.get("RANK", "0")) == 0:
-        print(msg, flush=True)
 
 
 def filter_output() -> None:
@@ -95,28 +94,6 @@ def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
-
-
-def agree_on_user_errors(fn, *args, same_result: bool = False, **kwargs):
-    """Run a rank-local setup step; if it fails with a user error on any rank, every rank
-    raises the first such error (so no rank is left waiting in a collective). With
-    `same_result`, ranks that computed different results also stop, with a config error."""
-    error, result = None, None
-    try:
-        result = fn(*args, **kwargs)
-    except UserError as e:
-        error = e
-    outcomes = [None] * dist.get_world_size()
-    dist.all_gather_object(outcomes, (None if error is None else (type(error), str(error)),
-                                      result if same_result else None))
-    first = next((err for err, _ in outcomes if err is not None), None)
-    if first is not None:
-        raise first[0](first[1])
-    if same_result and any(res != outcomes[0][1] for _, res in outcomes):
-        seen = {rank: res for rank, (_, res) in enumerate(outcomes)}
-        raise ConfigError(f"ranks disagree on {fn.__name__}: {seen}; the dump folder must be "
-                          "on storage that every node shares")
-    return result
 
 
 def choose_precision(cfg: JobConfig, device: torch.device) -> Precision:
@@ -224,24 +201,6 @@ def print_sample_hashes(batches, dp_group, ids: list[str]) -> None:
     sys.stdout.flush()
 
 
-def reduce_z_loss(z_loss: torch.Tensor | None, dp_group) -> float | None:
-    """The global mean z-loss per token (the ranks' shares summed), or None without one."""
-    if z_loss is None:
-        return None
-    total = z_loss.detach().clone()
-    dist.all_reduce(total, group=dp_group)
-    return total.item()
-
-
-def reduce_loss(rank_loss: torch.Tensor, dp_group) -> tuple[float, float]:
-    """(mean, max) of the per-rank losses over the dp ranks."""
-    both = torch.stack([rank_loss, -rank_loss]).detach().clone()
-    avg = both[0].clone()
-    dist.all_reduce(avg, group=dp_group)
-    dist.all_reduce(both, op=dist.ReduceOp.MAX, group=dp_group)
-    return avg.item() / dist.get_world_size(dp_group), both[0].item()
-
-
 def train(cfg: JobConfig) -> None:
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
     parallel_dims, accum = cfg.resolve(world_size)  # config errors before any process group
@@ -313,19 +272,6 @@ def train(cfg: JobConfig) -> None:
             save_last_hf(model, cfg, log=log0)
 
 
-def check_data_skips(training, loader) -> None:
-    """Passing over global batches (rollbacks, skip_data_steps) needs a global sample order."""
-    if hasattr(loader, "skip_global_batch"):
-        return
-    for key, used in (("training.on_spike = 'rollback'", training.on_spike == "rollback"),
-                      ("training.skip_data_steps", bool(training.skip_data_steps))):
-        if used:
-            raise DataError(f"{key} passes over global batches, which needs a data source with "
-                            "a global order (a token store, stdlib, synthetic or a blend); a "
-                            "streamed dataset has none: prepare a store (python -m "
-                            "trainer.data.prepare), or use training.on_spike = 'skip'")
-
-
 def run_loop(cfg, model, optimizer, scheduler, loader, checkpointer, metrics, profiler, state,
              *, dp_group, device, validator=None, evaluator=None) -> None:
     """Train until `training.steps`, or until a stop signal (then save and raise Preempted),
@@ -393,25 +339,6 @@ def run_loop(cfg, model, optimizer, scheduler, loader, checkpointer, metrics, pr
     log0(f"training done at step {state.step}")
 
 
-def next_batch(cfg, loader, step: int) -> int:
-    """Set the loader's global batch for `step` (a batch-size ramp, trainer/batch_schedule.py);
-    returns its microbatches per rank."""
-    training = cfg.training
-    if training.rampup_batch_start:
-        per_pass = training.local_batch_size * loader.dp_size
-        loader.set_global_batch_size(batch_at(training, step, loader.consumed, per_pass,
-                                              loader.target_global_batch_size))
-    return loader.accum_steps
-
-
-def describe_ramp(training, loader) -> str:
-    over = (f"{training.rampup_steps} steps" if training.rampup_steps
-            else f"{training.rampup_tokens:,} tokens")
-    return (f"batch ramp: global batch {training.rampup_batch_start} -> "
-            f"{loader.target_global_batch_size} sequences over {over}, in steps of "
-            f"{training.local_batch_size * loader.dp_size} (trainer/batch_schedule.py)")
-
-
 def agree_at_step_end(stop: StopSignals, checkpointer: Checkpointer, device,
                       rank_loss: torch.Tensor) -> tuple[bool, bool, float]:
     """One tiny all-reduce per step: (any rank got a stop signal, every rank's async save in
@@ -427,99 +354,6 @@ def agree_at_step_end(stop: StopSignals, checkpointer: Checkpointer, device,
             loss_sum / dist.get_world_size())
 
 
-def skipped_step(guard: LossGuard, checkpointer: Checkpointer, step: int, rank_loss, grad_norm,
-                 dp_group) -> None:
-    """Every rank alike (the decision came from the reduced grad norm): log the skip; when
-    there were too many in a row, commit any save in flight and stop with TrainingError."""
-    avg, _ = reduce_loss(rank_loss, dp_group)
-    try:
-        guard.skipped_step(step, avg, float(grad_norm), last_checkpoint(checkpointer))
-    except UserError:
-        checkpointer.wait()
-        raise
-
-
-def last_checkpoint(checkpointer: Checkpointer) -> str:
-    steps = checkpointer.committed_steps() if checkpointer.cfg.enable else []
-    if checkpointer.pending is not None:  # an async save from a good step: the newest one
-        steps.append(checkpointer.pending[0])
-    return f"step-{max(steps)}" if steps else "none"
-
-
-def spike_check(guard: LossGuard, checkpointer: Checkpointer, device):
-    """training.on_spike != "log": the check train_step runs before the optimizer step, on the
-    mean of the ranks' losses (one extra one-element all-reduce), so every rank decides alike
-    (trainer/guard.py). A rollback is in question only on a spike: then an async save in
-    flight, the newest checkpoint, is committed first (every rank is here together)."""
-    state = guard.state
-
-    def newest_checkpoint() -> int | None:
-        checkpointer.wait()
-        return checkpointer.latest
-
-    def check(rank_loss: torch.Tensor) -> Spike | None:
-        total = rank_loss.detach().float().reshape(()).clone()
-        dist.all_reduce(total)  # the same value as agree_at_step_end's, one step earlier
-        return guard.before_update(state.step, total.item() / dist.get_world_size(),
-                                   newest_checkpoint)
-
-    return check
-
-
-def act_on_spike(spike: Spike, guard: LossGuard, checkpointer: Checkpointer, state: TrainState,
-                 metrics: MetricsProcessor) -> bool:
-    """Every rank alike: skip the step (a line; too many in a row stop the run), roll back
-    (True: the loop goes on from the checkpoint's step), or stop with TrainingError."""
-    if spike.action == "rollback":
-        roll_back(spike, guard, checkpointer, state, metrics)
-        return True
-    try:
-        if spike.action == "stop":
-            raise guard.rollbacks_exhausted(spike)
-        guard.skipped_spike(spike, last_checkpoint(checkpointer))
-    except UserError:
-        checkpointer.wait()
-        raise
-    return False
-
-
-def roll_back(spike: Spike, guard: LossGuard, checkpointer: Checkpointer, state: TrainState,
-              metrics: MetricsProcessor) -> None:
-    """Reload this run's newest checkpoint (model, optimizer, lr schedule, data position, RNG,
-    train state with its spike window), record that step `spike.step` passes over one global
-    batch, and commit the record at once by saving the same step again (replacing it): a crash
-    from here on resumes with it, and the rollbacks stay counted."""
-    checkpointer.load(spike.checkpoint, quiet=True)
-    state.rollback_steps.append(spike.step)
-    guard.rolled_back(spike)
-    checkpointer.save(spike.checkpoint, replace=True)
-    checkpointer.wait()
-    metrics.restart_interval()  # the steps since the checkpoint are trained again
-
-
-def pass_over(loader, step: int, skip_data_steps: list[int], rollback_steps: list[int]) -> None:
-    """Before step `step` fetches its data, pass over one global batch (of the loader's current
-    size) per entry of `step` in training.skip_data_steps and in the rollbacks' record."""
-    n = skip_data_steps.count(step) + rollback_steps.count(step)
-    if not n:
-        return
-    first = loader.consumed
-    for _ in range(n):
-        loader.skip_global_batch()
-    why = " and ".join(what for what, hit in (
-        ("training.skip_data_steps", step in skip_data_steps),
-        ("a rollback from a spike at this step", step in rollback_steps)) if hit)
-    log0(f"step {step}: passed over {n} global batch{'es' if n > 1 else ''}, samples "
-         f"{first}-{loader.consumed - 1} ({why})")
-
-
-def note_past_skips(skip_data_steps: list[int], resumed_at: int) -> None:
-    past = sorted({s for s in skip_data_steps if s <= resumed_at})
-    if past:
-        log0(f"training.skip_data_steps: step(s) {', '.join(map(str, past))} are not after "
-             f"the resumed step {resumed_at}: nothing is passed over there now")
-
-
 def stop_and_save(cfg, checkpointer: Checkpointer, step: int, stop: StopSignals, saved: bool):
     """Save at this step boundary (unless the periodic save just did) and raise Preempted."""
     what = "saving" if cfg.checkpoint.enable else "checkpointing is off, not saving"
@@ -528,13 +362,6 @@ def stop_and_save(cfg, checkpointer: Checkpointer, step: int, stop: StopSignals,
         checkpointer.save(step)
     checkpointer.wait()
     raise Preempted(f"stopped at step {step} on a signal")
-
-
-def set_collective_timeout(seconds: int) -> None:
-    """Apply the training timeout to every process group (the default one and the mesh's)."""
-    timeout = datetime.timedelta(seconds=seconds)
-    for group in list(dist.distributed_c10d._world.pg_names):
-        dist.distributed_c10d._set_pg_timeout(timeout, group)
 
 
 def main(argv: list[str]) -> int:

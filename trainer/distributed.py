@@ -1,0 +1,64 @@
+"""Small collective helpers the training loop shares: rank-0 logging, agreeing on user errors
+before anyone waits in a collective, reducing the logged losses, and the training timeout."""
+
+from __future__ import annotations
+
+import datetime
+import os
+
+import torch
+import torch.distributed as dist
+
+from trainer.errors import ConfigError, UserError
+
+
+def log0(msg: str) -> None:
+    if int(os.environ.get("RANK", "0")) == 0:
+        print(msg, flush=True)
+
+
+def agree_on_user_errors(fn, *args, same_result: bool = False, **kwargs):
+    """Run a rank-local setup step; if it fails with a user error on any rank, every rank
+    raises the first such error (so no rank is left waiting in a collective). With
+    `same_result`, ranks that computed different results also stop, with a config error."""
+    error, result = None, None
+    try:
+        result = fn(*args, **kwargs)
+    except UserError as e:
+        error = e
+    outcomes = [None] * dist.get_world_size()
+    dist.all_gather_object(outcomes, (None if error is None else (type(error), str(error)),
+                                      result if same_result else None))
+    first = next((err for err, _ in outcomes if err is not None), None)
+    if first is not None:
+        raise first[0](first[1])
+    if same_result and any(res != outcomes[0][1] for _, res in outcomes):
+        seen = {rank: res for rank, (_, res) in enumerate(outcomes)}
+        raise ConfigError(f"ranks disagree on {fn.__name__}: {seen}; the dump folder must be "
+                          "on storage that every node shares")
+    return result
+
+
+def reduce_z_loss(z_loss: torch.Tensor | None, dp_group) -> float | None:
+    """The global mean z-loss per token (the ranks' shares summed), or None without one."""
+    if z_loss is None:
+        return None
+    total = z_loss.detach().clone()
+    dist.all_reduce(total, group=dp_group)
+    return total.item()
+
+
+def reduce_loss(rank_loss: torch.Tensor, dp_group) -> tuple[float, float]:
+    """(mean, max) of the per-rank losses over the dp ranks."""
+    both = torch.stack([rank_loss, -rank_loss]).detach().clone()
+    avg = both[0].clone()
+    dist.all_reduce(avg, group=dp_group)
+    dist.all_reduce(both, op=dist.ReduceOp.MAX, group=dp_group)
+    return avg.item() / dist.get_world_size(dp_group), both[0].item()
+
+
+def set_collective_timeout(seconds: int) -> None:
+    """Apply the training timeout to every process group (the default one and the mesh's)."""
+    timeout = datetime.timedelta(seconds=seconds)
+    for group in list(dist.distributed_c10d._world.pg_names):
+        dist.distributed_c10d._set_pg_timeout(timeout, group)
