@@ -204,3 +204,24 @@ def test_hf_task_from_local_files_offline(tmp_path, monkeypatch):
         load_hf_task(bad)
     with pytest.raises(DataError, match="data file not found"):
         load_hf_task(HFTask(name="hs", dataset="json", data_files=[str(tmp_path / "no.json")]))
+
+
+def test_a_block_causal_model_scores_like_the_causal_one():
+    """Eval requests are one document each: a model with block_causal attention and document
+    positions is given one document id per row and scores what the causal model scores
+    (it would refuse a forward without document ids)."""
+    from trainer.model import build_model
+    from trainer.model_args import model_args
+
+    models = {}
+    for mask, positions in (("causal", "sequence"), ("block_causal", "document")):
+        args = model_args("debugmodel-tiny", vocab_size=64, max_seq_len=32, attn_mask_type=mask,
+                          positions=positions, attn_implementation="per_document")
+        models[mask] = build_model(args).to_empty(device="cpu")
+        models[mask].init_weights(seed=0)
+    reqs = [Request((1, 2, 3, 4), 2), Request((5, 6), 1), Request((7, 8, 9, 10, 11), 3)]
+    with pytest.raises(ValueError, match="needs doc_ids"):
+        models["block_causal"](torch.tensor([[1, 2, 3]]))
+    want = score_batch(models["causal"], reqs, torch.device("cpu"))
+    got = score_batch(models["block_causal"], reqs, torch.device("cpu"))
+    assert got.tolist() == pytest.approx(want.tolist(), abs=1e-5)

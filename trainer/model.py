@@ -164,10 +164,16 @@ class Transformer(nn.Module):
         weight = self.tok_embeddings.weight
         return F.linear(h, weight) if labels is None else loss_fn(h, weight, labels)
 
+    @property
+    def uses_documents(self) -> bool:
+        """Whether forward reads `doc_ids` (block_causal attention or document positions):
+        callers skip computing them otherwise."""
+        return self.args.attn_mask_type != "causal" or self.args.positions == "document"
+
     def attention_inputs(self, seq: int, doc_ids, positions, dtype):
         """(cos, sin, mask) for every layer of one forward: built once per microbatch."""
         a = self.args
-        if doc_ids is None and (a.attn_mask_type != "causal" or a.positions == "document"):
+        if doc_ids is None and self.uses_documents:
             raise ValueError(f"attn_mask_type {a.attn_mask_type!r} with positions "
                              f"{a.positions!r} needs doc_ids (the loader's document_ids)")
         if positions is None and a.positions == "document":

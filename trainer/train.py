@@ -153,13 +153,14 @@ def train_step(model, optimizer, scheduler, loader, *, accum: int, sync_mode: st
     dist.all_reduce(global_tokens, group=dp_group)
     dp_size = dist.get_world_size(dp_group)
     loss_sum = torch.zeros((), device=device)
+    documents = model.uses_documents
     for i, (inputs, labels) in enumerate(batches):
         set_gradient_sync(model, sync_mode, is_last=i == accum - 1)
         inputs = inputs.to(device)
         # The model's head computes the summed token loss (trainer/loss.py): no logits here.
         # Document ids (None without documents) let the model mask and position per document.
         loss = model(inputs, labels=labels.to(device), loss_fn=loss_fn,
-                     doc_ids=loader.document_ids(inputs)) / global_tokens
+                     doc_ids=loader.document_ids(inputs) if documents else None) / global_tokens
         if i == 0:
             inject_oom(step)  # testing hook; nothing unless asked
         (loss * dp_size).backward()

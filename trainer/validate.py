@@ -106,7 +106,9 @@ class Validator:
                     inputs, labels = self._pass(name, p)
                     labels, inputs = labels.to(self.device), inputs.to(self.device)
                     # as in training: the document ids drive block_causal masks and positions
-                    logits = model(inputs, doc_ids=self.sets[name].document_ids(inputs))
+                    doc_ids = self.sets[name].document_ids(inputs) \
+                        if model.uses_documents else None
+                    logits = model(inputs, doc_ids=doc_ids)
                     token_loss = F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(),
                                                  ignore_index=IGNORE_INDEX, reduction="none")
                     del logits

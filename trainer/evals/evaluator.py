@@ -24,7 +24,8 @@ import torch
 import torch.distributed as dist
 
 from trainer.errors import ConfigError
-from trainer.evals.scoring import build_requests, choice_metrics, score_batch
+from trainer.evals.scoring import (build_requests, choice_metrics, forward_one_document,
+                                    score_batch)
 from trainer.evals.tasks import load_tasks
 
 
@@ -84,7 +85,8 @@ class Evaluator:
         for p in range(-(-len(blocks) // self.dp_size)):
             k = p * self.dp_size + self.dp_rank
             if k >= len(blocks):  # padding: the same forward count on every rank
-                model(torch.full((1, 1), self.pad_id, dtype=torch.long, device=self.device))
+                forward_one_document(model, torch.full((1, 1), self.pad_id, dtype=torch.long,
+                                                       device=self.device))
                 continue
             idx = blocks[k]
             scores = score_batch(model, [reqs[i] for i in idx], self.device, self.pad_id)

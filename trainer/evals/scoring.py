@@ -73,6 +73,14 @@ def build_requests(task, tokenizer, seq_len: int, add_bos: bool) -> list[Request
     return out
 
 
+def forward_one_document(model, inputs: torch.Tensor) -> torch.Tensor:
+    """Logits of rows that are each one document (a request, or a padding pass): a model
+    with block_causal attention or document positions is told so (document 0 everywhere)."""
+    if getattr(model, "uses_documents", False):
+        return model(inputs, doc_ids=torch.zeros_like(inputs))
+    return model(inputs)
+
+
 @torch.no_grad()
 def score_batch(model, requests: list[Request], device, pad_id: int = 0) -> torch.Tensor:
     """Summed continuation log-likelihood of each request, float64 [len(requests)]. The batch
@@ -86,7 +94,7 @@ def score_batch(model, requests: list[Request], device, pad_id: int = 0) -> torc
         inputs[i, :n] = torch.tensor(r.tokens[:-1])
         targets[i, :n] = torch.tensor(r.tokens[1:])
         mask[i, n - r.n_cont:n] = True
-    logits = model(inputs.to(device))
+    logits = forward_one_document(model, inputs.to(device))
     mask = mask.to(device)
     # Only the continuation's positions: [their count, vocab], not [batch, width, vocab].
     logprobs = F.log_softmax(logits[mask].float(), dim=-1)
