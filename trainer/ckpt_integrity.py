@@ -104,7 +104,8 @@ def describe_save_error(exc: BaseException, folder: str) -> str:
         return str(os_error)
     inner = errors[1] if len(errors) > 1 else exc
     what = f"{type(inner).__name__}: {str(inner).strip()}".splitlines()[0]
-    probe = os.path.join(folder, ".write-probe")
+    # One probe per process: the ranks of a job probe the same shared folder at once.
+    probe = os.path.join(folder, f".write-probe-{os.getpid()}")
     try:
         with open(probe, "wb") as fh:
             fh.write(b"\0" * (1 << 20))
@@ -113,8 +114,10 @@ def describe_save_error(exc: BaseException, folder: str) -> str:
     except OSError as e:
         return f"{e} ({what})"
     finally:
-        if os.path.exists(probe):
+        try:
             os.remove(probe)
+        except FileNotFoundError:  # never created (the open failed)
+            pass
     return what
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import datetime
 import os
+import sys
 
 import torch
 import torch.distributed as dist
@@ -14,7 +15,10 @@ from trainer.errors import ConfigError, UserError
 
 def log0(msg: str) -> None:
     if int(os.environ.get("RANK", "0")) == 0:
-        print(msg, flush=True)
+        # One write per line: ranks share the pipe (LOG_RANK=0,1), and print() writes the
+        # newline apart, so another rank's line could land inside this one.
+        sys.stdout.write(f"{msg}\n")
+        sys.stdout.flush()
 
 
 def agree_on_user_errors(fn, *args, same_result: bool = False, **kwargs):

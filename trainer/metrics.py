@@ -294,7 +294,7 @@ class MetricsProcessor:
                          f"{self.precision.param}")
         lines += [sink.describe() for sink in self.sinks]
         for line in lines:
-            print(f"{c.cyan}{line}{c.reset}", flush=True)
+            _write_line(f"{c.cyan}{line}{c.reset}")
 
     def step_timer(self) -> None:
         """Call at the start of each step; the first call starts the first interval."""
@@ -333,9 +333,7 @@ class MetricsProcessor:
         `loss_metrics/z_loss`; `global_avg_loss` is the cross-entropy alone.
         """
         if local_loss is not None and os.environ.get(DEBUG_RANK_LOSS_ENV):
-            # One write per line: ranks share the pipe, and print() writes the newline apart.
-            sys.stdout.write(f"rank {self.rank} step {step} local_loss {float(local_loss)!r}\n")
-            sys.stdout.flush()
+            _write_line(f"rank {self.rank} step {step} local_loss {float(local_loss)!r}")
         m = {
             "loss_metrics/global_avg_loss": float(global_avg_loss),
             "loss_metrics/global_max_loss": float(global_max_loss),
@@ -349,7 +347,7 @@ class MetricsProcessor:
         reset_memory_peaks(self.device)
         if self.rank == 0:
             self._write(step, m)
-            print(format_line(step, m, self.colors), flush=True)
+            _write_line(format_line(step, m, self.colors))
         return m
 
     def log_scalars(self, step: int, values: dict[str, float]) -> None:
@@ -391,3 +389,8 @@ class MetricsProcessor:
     def __exit__(self, exc_type, exc, tb) -> None:
         self.close(exit_code_of(exc))
 
+
+def _write_line(line: str) -> None:
+    """One write per line (print writes the newline apart): ranks share the pipe."""
+    sys.stdout.write(f"{line}\n")
+    sys.stdout.flush()
