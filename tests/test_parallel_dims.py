@@ -6,7 +6,7 @@ import pytest
 
 from tests.helpers import REPO, torchrun
 from trainer.errors import ConfigError
-from trainer.parallel_dims import ParallelDims
+from trainer.parallel.dims import ParallelDims
 
 
 @pytest.mark.parametrize("replicate, shard, world, expect", [
@@ -36,30 +36,53 @@ def test_invalid_combinations(replicate, shard, world, needles):
         assert needle in str(e.value)
 
 
-LAYOUTS = [(1, 4), (2, 2), (4, 1)]
+@pytest.mark.parametrize("replicate, shard, tp, world, needles", [
+    (1, -1, 3, 4, ["tensor_parallel_degree = 3 does not divide world size 4", "valid: 1, 2, 4"]),
+    (1, 4, 2, 4, ["multiply to 8, but the world size is 4"]),
+    (3, -1, 2, 8, ["do not fit world size 8, 4 dp ranks of tp 2", "valid: a divisor of 4"]),
+])
+def test_invalid_tp_combinations(replicate, shard, tp, world, needles):
+    with pytest.raises(ConfigError) as e:
+        ParallelDims(replicate, shard, world, tp=tp)
+    for needle in needles:
+        assert needle in str(e.value)
+
+
+def test_tp_takes_its_share_of_the_world():
+    pd = ParallelDims(2, -1, 8, tp=2)
+    assert (pd.dp_replicate, pd.dp_shard, pd.tp, pd.dp_size) == (2, 2, 2, 4)
+
+
+LAYOUTS = [(1, 4, 1), (2, 2, 1), (4, 1, 1), (1, 2, 2), (2, 1, 2), (1, 1, 4)]
 
 
 @pytest.fixture(scope="module")
 def meshes(tmp_path_factory):
     """The folder of every layout's per-rank JSON: all layouts built in one 4-rank launch."""
     out = tmp_path_factory.mktemp("mesh")
-    torchrun(REPO / "tests/scripts/mesh_probe.py", str(out), *(f"{r}x{s}" for r, s in LAYOUTS),
-             nproc=4, fork=True)
+    torchrun(REPO / "tests/scripts/mesh_probe.py", str(out),
+             *("x".join(map(str, layout)) for layout in LAYOUTS), nproc=4, fork=True)
     return out
 
 
-@pytest.mark.parametrize("replicate, shard", LAYOUTS)
-def test_mesh_on_four_ranks(meshes, replicate, shard):
+@pytest.mark.parametrize("replicate, shard, tp", LAYOUTS)
+def test_mesh_on_four_ranks(meshes, replicate, shard, tp):
     infos = sorted((json.loads(p.read_text())
-                    for p in (meshes / f"{replicate}x{shard}").glob("rank*.json")),
+                    for p in (meshes / f"{replicate}x{shard}x{tp}").glob("rank*.json")),
                    key=lambda i: i["rank"])
     assert len(infos) == 4
+    dp = replicate * shard
     for info in infos:
         r = info["rank"]
-        assert info["dim_names"] == ["dp_replicate", "dp_shard"]
-        assert info["shape"] == [replicate, shard]
-        assert info["dp_size"] == 4 and info["dp_rank"] == r
-        # Row-major layout: shard groups are contiguous ranks, replicate groups are strided.
-        assert info["shard_group"] == list(range(r // shard * shard, r // shard * shard + shard))
-        assert info["replicate_group"] == list(range(r % shard, 4, shard))
+        assert info["dim_names"] == ["dp_replicate", "dp_shard", "tp"]
+        assert info["shape"] == [replicate, shard, tp]
+        # Row-major, tp innermost: a tp group is contiguous ranks; the dp rank is the rank
+        # without its tp part, so the tp ranks of one dp rank read the same samples.
+        assert info["dp_size"] == dp and info["dp_rank"] == r // tp
+        assert info["tp_group"] == list(range(r // tp * tp, r // tp * tp + tp))
+        assert info["dp_group"] == list(range(r % tp, 4, tp))
+        block = shard * tp  # ranks of one replica
+        first = r // block * block + r % tp
+        assert info["shard_group"] == list(range(first, first + block, tp))
+        assert info["replicate_group"] == list(range(r % block, 4, block))
         assert info["fsdp_mesh_ndim"] == (2 if replicate > 1 else 1)

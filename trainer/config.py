@@ -28,6 +28,8 @@ from trainer.data.config import DataConfig
 from trainer.errors import ConfigError, UserError
 from trainer.evals.config import Eval
 from trainer.float8 import Float8, check_config as check_float8
+from trainer.model_args import model_args
+from trainer.parallel.dims import ParallelDims, check_async_tp, check_tp_shapes
 from trainer.wandb_logger import check_config as check_wandb
 
 if sys.version_info >= (3, 11):
@@ -76,16 +78,21 @@ class JobConfig:
                               "data.dataset = 'synthetic' has none; train on text (e.g. "
                               "'stdlib') or turn eval off")
         check_attention(self.model, self.data, self.training.device)
+        if self.training.device != "auto":  # else checked on each rank once the device is known
+            check_async_tp(self.parallelism, self.compile.enable, self.training.device)
+        elif self.parallelism.enable_async_tensor_parallel:
+            check_async_tp(self.parallelism, self.compile.enable, "cuda")
         self.lr_scheduler.check_steps(self.training.steps)
         if world_size is not None:
             self.resolve(world_size)
 
     def resolve(self, world_size: int):
         """Resolve -1 degrees and the global batch for `world_size`; returns (ParallelDims, accum)."""
-        from trainer.parallel_dims import ParallelDims
-
         pd = ParallelDims.from_config(self.parallelism, world_size)
         self.parallelism.check_reshard(pd.dp_shard, world_size)
+        check_tp_shapes(model_args(self.model.flavor, vocab_size=self.model.vocab_size or None),
+                        pd.tp, self.model.flavor,
+                        "model.vocab_size" if self.model.vocab_size else None)
         accum = accumulation_steps(self.training, pd.dp_size)
         per_pass = self.training.local_batch_size * pd.dp_size
         check_ramp(self.training, per_pass, per_pass * accum)

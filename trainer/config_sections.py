@@ -218,6 +218,15 @@ class Parallelism:
     fsdp_offload: str = opt("none", "none, or cpu: sharded params, grads and optimizer state in "
                             "pinned host memory, optimizer step on the CPU (CUDA only)",
                             choices=("none", "cpu"))
+    tensor_parallel_degree: int = opt(
+        1, "Tensor-parallel group size (innermost mesh dim, e.g. the GPUs of a node); must "
+        "divide the world size, n_heads, n_kv_heads, the FFN width and the vocab", min=1)
+    disable_loss_parallel: bool = opt(
+        False, "With TP: gather the output head's weight and compute the loss over the full "
+        "vocab on every tp rank, instead of over vocab-sharded logits")
+    enable_async_tensor_parallel: bool = opt(
+        False, "With TP: overlap TP communication with the matmuls (CUDA with compile.enable "
+        "only; torch's micro-pipelined async TP)")
 
     def validate(self) -> None:
         value = self.fsdp_reshard_after_forward

@@ -1,5 +1,5 @@
-"""Under torchrun: build the mesh for each REPLICATExSHARD layout given and write what each rank
-sees as JSON (OUT/REPLICATExSHARD/rank<r>.json); one process group, one mesh per layout."""
+"""Under torchrun: build the mesh for each REPLICATExSHARDxTP layout given and write what each rank
+sees as JSON (OUT/REPLICATExSHARDxTP/rank<r>.json); one process group, one mesh per layout."""
 
 import json
 import os
@@ -7,15 +7,15 @@ import sys
 
 import torch.distributed as dist
 
-from trainer.parallel_dims import ParallelDims
+from trainer.parallel.dims import ParallelDims
 
 
 def main(argv: list[str]) -> None:
     out, layouts = argv[0], argv[1:]
     dist.init_process_group("gloo")
     for layout in layouts:
-        replicate, shard = map(int, layout.split("x"))
-        pd = ParallelDims(replicate, shard, dist.get_world_size())
+        replicate, shard, tp = map(int, layout.split("x"))
+        pd = ParallelDims(replicate, shard, dist.get_world_size(), tp=tp)
         mesh = pd.build_mesh("cpu")
         info = {
             "rank": dist.get_rank(),
@@ -25,6 +25,8 @@ def main(argv: list[str]) -> None:
             "dp_rank": pd.dp_mesh.get_local_rank(),
             "replicate_group": dist.get_process_group_ranks(mesh["dp_replicate"].get_group()),
             "shard_group": dist.get_process_group_ranks(mesh["dp_shard"].get_group()),
+            "tp_group": dist.get_process_group_ranks(pd.tp_mesh.get_group()),
+            "dp_group": dist.get_process_group_ranks(pd.dp_mesh.get_group()),
             "fsdp_mesh_ndim": pd.fsdp_mesh.ndim,
         }
         os.makedirs(os.path.join(out, layout), exist_ok=True)

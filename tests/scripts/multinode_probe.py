@@ -12,7 +12,7 @@ import sys
 import torch
 import torch.distributed as dist
 
-from trainer.parallel_dims import ParallelDims
+from trainer.parallel.dims import ParallelDims
 
 replicate, out = int(sys.argv[1]), sys.argv[2]
 dist.init_process_group("gloo")

@@ -27,7 +27,7 @@ def plan_rows(cfg, steps: int, world_size: int) -> tuple[list[dict], int]:
     from trainer.config import accumulation_steps
     from trainer.data.blend import Blend
     from trainer.data.build import mix_sources, open_mix_stores
-    from trainer.parallel_dims import ParallelDims
+    from trainer.parallel.dims import ParallelDims
 
     if not cfg.data.mix:
         raise DataError("data.mix is empty: this command shows a blend ([[data.mix]] tables)")
