@@ -32,9 +32,12 @@ pre-backward hook fires on the loss, the post-backward hook after dh reaches the
 from __future__ import annotations
 
 import functools
+import sys
 
 import torch
 import torch.nn.functional as F
+
+from trainer.parallel.loss_parallel import vocab_parallel_chunk
 
 IGNORE_INDEX = -100
 
@@ -147,10 +150,11 @@ def chunked_loss(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tenso
 class Loss:
     """The loss the model's head computes: called as (hidden, weight, labels), it returns the
     summed fp32 token loss, cross-entropy plus `z_loss_weight` * the summed lse^2. With a
-    z-loss it also keeps that term (weighted, detached) of its calls until `take_z_loss()`."""
+    z-loss it also keeps that term (weighted, detached) of its calls until `take_z_loss()`.
+    `vocab_parallel`: it takes this tp rank's vocab shard of the weight (loss parallel)."""
 
-    def __init__(self, fn, z_loss_weight: float = 0.0):
-        self.fn, self.z_loss_weight = fn, z_loss_weight
+    def __init__(self, fn, z_loss_weight: float = 0.0, vocab_parallel: bool = False):
+        self.fn, self.z_loss_weight, self.vocab_parallel = fn, z_loss_weight, vocab_parallel
         self._z_loss: torch.Tensor | None = None
 
     def __call__(self, hidden: torch.Tensor, weight: torch.Tensor,
@@ -168,10 +172,20 @@ class Loss:
 
 
 def build_loss(kind: str, chunk_size: int, *, z_loss_weight: float = 0.0,
-               compile_chunks: bool = False) -> Loss:
+               compile_chunks: bool = False, vocab_parallel_group=None) -> Loss:
     """The loss `[training] loss` names, with `training.z_loss_weight`. `compile_chunks`
     compiles the chunk's elementwise work (upcast, logsumexp, softmax, one-hot) into fused
-    kernels: for `[compile] enable`."""
+    kernels: for `[compile] enable`.
+
+    `vocab_parallel_group`: the tp process group of loss parallel (trainer/parallel/
+    loss_parallel.py). Its chunks all-reduce softmax statistics over the group (not compiled:
+    a collective inside would break the graph); `eager` is then one chunk of all the tokens,
+    the same [tokens, vocab / tp] logits at once."""
+    if vocab_parallel_group is not None:
+        chunk_fn = functools.partial(vocab_parallel_chunk, group=vocab_parallel_group)
+        size = chunk_size if kind == "chunked" else sys.maxsize
+        return Loss(functools.partial(chunked_loss_and_z, chunk_size=size, chunk_fn=chunk_fn),
+                    z_loss_weight, vocab_parallel=True)
     if kind == "eager":
         return Loss(eager_loss_and_z, z_loss_weight)
     if kind != "chunked":

@@ -242,8 +242,11 @@ class MetricsProcessor:
 
     def __init__(self, cfg, *, model_args: ModelArgs, seq_len: int, device: torch.device,
                  rank: int, parallel_desc: str, accumulation_steps: int, num_params: int,
-                 precision: Precision | None = None):
+                 precision: Precision | None = None, model_parallel: int = 1):
+        """`model_parallel`: devices that compute one dp rank's tokens together (the tp
+        degree): throughput, TFLOPS and MFU are per device, so a rank counts 1/tp of them."""
         self.cfg, self.model_args, self.seq_len = cfg, model_args, seq_len
+        self.model_parallel = model_parallel
         self.device, self.rank = device, rank
         self.precision = precision or resolve_compute_dtype(
             cfg.training.mixed_precision_param, cfg.training.mixed_precision_reduce, device)
@@ -316,8 +319,9 @@ class MetricsProcessor:
             self._data_s += _clock() - t0
 
     def count_tokens(self, n: int) -> None:
-        """Tokens processed by this device in this step (all microbatches)."""
-        self._tokens += int(n)
+        """Tokens of this dp rank in this step (all microbatches); under tensor parallelism
+        each of its `model_parallel` devices does 1/model_parallel of their work."""
+        self._tokens += int(n) / self.model_parallel
 
     def log(self, step: int, *, global_avg_loss: float, global_max_loss: float,
             grad_norm: float, lr: float, tokens_seen: int,

@@ -25,9 +25,11 @@ import zlib
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 from trainer.attention import attend, build_mask, document_positions
 from trainer.model_args import FLAVORS, ModelArgs, model_args  # noqa: F401  (re-exported)
+from trainer.parallel.loss_parallel import vocab_parallel_project
 
 
 class RMSNorm(nn.Module):
@@ -87,9 +89,10 @@ class Attention(nn.Module):
     def forward(self, x, cos, sin, mask=None):
         """`mask`: None = causal; else the microbatch's block-causal mask (trainer/attention.py)."""
         b, s, _ = x.shape
-        q = self.wq(x).view(b, s, self.n_heads, self.head_dim)
-        k = self.wk(x).view(b, s, self.n_kv_heads, self.head_dim)
-        v = self.wv(x).view(b, s, self.n_kv_heads, self.head_dim)
+        # -1 heads: under tensor parallelism each rank holds n_heads / tp of them
+        q = self.wq(x).view(b, s, -1, self.head_dim)
+        k = self.wk(x).view(b, s, -1, self.head_dim)
+        v = self.wv(x).view(b, s, -1, self.head_dim)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         out = attend(q, k, v, mask)
         return self.wo(out.transpose(1, 2).reshape(b, s, -1))
@@ -126,7 +129,15 @@ class Head(nn.Linear):
     FSDP holds its unsharded weight, so the [tokens, vocab] logits need not leave the loss."""
 
     def forward(self, h: torch.Tensor, labels: torch.Tensor | None = None, loss_fn=None):
-        return super().forward(h) if labels is None else loss_fn(h, self.weight, labels)
+        return project(h, self.weight, labels, loss_fn)
+
+
+def project(h: torch.Tensor, weight: torch.Tensor, labels=None, loss_fn=None) -> torch.Tensor:
+    """The output projection by `weight` [vocab, dim]: logits, or with labels the summed token
+    loss. A DTensor weight is vocab-sharded by tensor parallelism (trainer/parallel/tp.py)."""
+    if isinstance(weight, DTensor):
+        return vocab_parallel_project(h, weight, labels, loss_fn)
+    return F.linear(h, weight) if labels is None else loss_fn(h, weight, labels)
 
 
 class Transformer(nn.Module):
@@ -161,8 +172,7 @@ class Transformer(nn.Module):
         if self.output is not None:
             return self.output(h, labels, loss_fn)
         # Tied: the embedding is in the root's FSDP group, unsharded until the root's forward ends.
-        weight = self.tok_embeddings.weight
-        return F.linear(h, weight) if labels is None else loss_fn(h, weight, labels)
+        return project(h, self.tok_embeddings.weight, labels, loss_fn)
 
     @property
     def uses_documents(self) -> bool:

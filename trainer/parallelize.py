@@ -1,11 +1,14 @@
-"""Apply activation checkpointing, compile and data parallelism to a meta-device model, then
-materialise and initialise it.
+"""Apply tensor parallelism, activation checkpointing, compile and data parallelism to a
+meta-device model, then materialise and initialise it.
 
 The order is fixed here, and it matters:
+0. Float8 swaps the blocks' linears, then tensor parallelism (trainer/parallel/tp.py) turns
+   the parameters into DTensors on the `tp` mesh and installs its input/output redistributions
+   as module hooks, which stay outside AC's and compile's wrapped forwards.
 1. Activation checkpointing wraps each block's forward, so recomputation covers the whole block.
 2. torch.compile compiles that (checkpointed) forward: the compiled graph includes the
    recompute policy, and FSDP's hooks stay outside the graph.
-3. `fully_shard` bottom-up (each block, then the embedding, then the final norm + output head,
+3. `fully_shard` (trainer/parallel/fsdp.py) bottom-up (each block, then the embedding, then the final norm + output head,
    then the root), so every group all-gathers and frees its own parameters around the
    compiled, checkpointed block.
 4. `to_empty` on the device and the deterministic init. The optimizer is created afterwards,
@@ -19,15 +22,14 @@ from __future__ import annotations
 import functools
 
 import torch
-from torch.distributed.fsdp import (CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy,
-                                    OffloadPolicy, fully_shard)
+from torch.distributed.fsdp import CPUOffloadPolicy
 from torch.utils.checkpoint import (CheckpointPolicy, checkpoint,
                                     create_selective_checkpoint_contexts)
 
 from trainer.float8 import apply_float8
 from trainer.model import Transformer
-
-DTYPE = {"bfloat16": torch.bfloat16, "float32": torch.float32}
+from trainer.parallel.fsdp import apply_fsdp, set_gradient_sync  # noqa: F401  (re-exported)
+from trainer.parallel.tp import apply_tp
 
 
 # Outputs worth keeping under op-level selective AC: the matmuls and attention, whose
@@ -83,40 +85,6 @@ def apply_compile(model: Transformer) -> None:
         block.forward = torch.compile(block.forward)
 
 
-def reshard_policy(policy: str) -> tuple[bool | int, bool]:
-    """(blocks, head): what each group does with its unsharded params after forward.
-
-    `default` reshards the blocks and embedding (memory) but keeps the norm + output head
-    unsharded: its backward runs right after the forward, so re-gathering it would be waste.
-    An integer N (ZeRO++ hpZ) reshards the blocks and embedding to groups of N ranks: each
-    rank keeps 1/N of the params in the compute dtype until backward, whose all-gather then
-    spans only N ranks (e.g. within a node); the head is kept as under `default`.
-    """
-    fixed = {"default": (True, False), "always": (True, True), "never": (False, False)}
-    return fixed[policy] if policy in fixed else (int(policy), False)
-
-
-def apply_fsdp(model: Transformer, mesh, *, param_dtype: str, reduce_dtype: str,
-               reshard_after_forward: str, offload: OffloadPolicy | None = None) -> None:
-    """FSDP over a 1-D `dp_shard` mesh, or HSDP over the 2-D `(dp_replicate, dp_shard)` mesh.
-    `offload`: e.g. CPUOffloadPolicy (sharded params, grads and optimizer state in host
-    memory; the parameters must then be materialised on the CPU)."""
-    mp = MixedPrecisionPolicy(param_dtype=DTYPE[param_dtype], reduce_dtype=DTYPE[reduce_dtype])
-    shard = functools.partial(fully_shard, mesh=mesh, mp_policy=mp,
-                              offload_policy=offload or OffloadPolicy())
-    blocks, head = reshard_policy(reshard_after_forward)
-    for block in model.layers.values():
-        shard(block, reshard_after_forward=blocks)
-    if model.output is None:
-        # Tied embeddings: the embedding is used first and last, so it stays in the root's
-        # group, unsharded for the whole forward (a group of its own would be resharded).
-        shard(model.norm, reshard_after_forward=head)
-    else:
-        shard(model.tok_embeddings, reshard_after_forward=blocks)
-        shard([model.norm, model.output], reshard_after_forward=head)
-    shard(model, reshard_after_forward=blocks)
-
-
 def parallelize(model: Transformer, parallel_dims, cfg, *, device: torch.device,
                 param_dtype: str) -> Transformer:
     """AC, compile and shard `model` (built on meta) per `cfg` (a JobConfig), then materialise
@@ -130,6 +98,10 @@ def parallelize(model: Transformer, parallel_dims, cfg, *, device: torch.device,
     offload = cfg.parallelism.fsdp_offload == "cpu"
     if cfg.float8.enable:  # before AC and compile wrap the blocks (trainer/float8.py)
         apply_float8(model, cfg.float8)
+    if parallel_dims.tp_enabled:
+        apply_tp(model, parallel_dims.tp_mesh,
+                 float8_tensorwise=cfg.float8.enable and cfg.float8.recipe == "tensorwise",
+                 async_tp=cfg.parallelism.enable_async_tensor_parallel)
     if cfg.activation_checkpoint.mode != "none":
         apply_ac(model, cfg.activation_checkpoint.mode, cfg.activation_checkpoint.selective_ac_option)
     if cfg.compile.enable:
@@ -148,20 +120,3 @@ def parallelize(model: Transformer, parallel_dims, cfg, *, device: torch.device,
                 setattr(module, name, buf.to(device))
     model.init_weights(cfg.job.seed)
     return model
-
-
-def set_gradient_sync(model: FSDPModule, mode: str, is_last: bool) -> None:
-    """Configure the gradient communication of the next microbatch's backward.
-
-    last: no reduce-scatter until the last microbatch (unsharded grads accumulate locally).
-    every: reduce-scatter (and all-reduce across replicas) every microbatch.
-    hsdp_reduce_scatter: reduce-scatter every microbatch, all-reduce across replicas only on
-    the last; without replicas it is the same as `every`.
-    """
-    if mode == "last":
-        model.set_requires_gradient_sync(is_last)
-    elif mode == "every":
-        model.set_requires_gradient_sync(True)
-    else:
-        model.set_requires_gradient_sync(True)
-        model.set_requires_all_reduce(is_last)

@@ -50,6 +50,8 @@ from trainer.oom import (OOM_EXIT_CODE, OutOfMemory, claim_report, inject_oom, o
                          peer_ran_out_of_memory)
 from trainer.model import build_model, model_args
 from trainer.optim import build_lr_scheduler, build_optimizer
+from trainer.parallel.clip import clip_grad_norm_
+from trainer.parallel.dims import check_async_tp, check_tp_shapes, describe_vocab
 from trainer.parallelize import parallelize, set_gradient_sync
 from trainer.preemption import PREEMPTED_EXIT_CODE, Preempted, StopSignals
 from trainer.profiling import StepProfiler
@@ -172,9 +174,7 @@ def train_step(model, optimizer, scheduler, loader, *, accum: int, sync_mode: st
         loss_sum = loss_sum * spike_factor
     loss_sum = loss_sum + injected_nan(step)  # testing hook; 0.0 unless asked
     flag_nonfinite_loss(model, loss_sum)  # a rank's bad loss makes the global norm NaN
-    grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm or math.inf,
-                                               foreach=True)
-    grad_norm = grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm
+    grad_norm = clip_grad_norm_(model.parameters(), max_norm or math.inf)  # over every mesh dim
     lr = optimizer.param_groups[0]["lr"]  # the lr this step uses (the scheduler steps after it)
     cross_entropy = loss_sum if z_loss is None else loss_sum - z_loss
     rank_loss = cross_entropy * global_tokens / max(local_tokens, 1)
@@ -238,6 +238,9 @@ def train(cfg: JobConfig) -> None:
         dp_size=dp_mesh.size(), dp_group=dp_group, device=device) if cfg.eval.enable else None
     args = model_args(cfg.model.flavor, vocab_size=vocab, max_seq_len=cfg.training.seq_len,
                       **attention_args(cfg.model, device.type))
+    agree_on_user_errors(check_tp_shapes, args, parallel_dims.tp, cfg.model.flavor,
+                         describe_vocab(cfg.model, loader.vocab_size, vocab))
+    agree_on_user_errors(check_async_tp, cfg.parallelism, cfg.compile.enable, device.type)
 
     model = parallelize(build_model(args), parallel_dims, cfg, device=device,
                         param_dtype=precision.param)
@@ -248,7 +251,8 @@ def train(cfg: JobConfig) -> None:
     metrics = agree_on_user_errors(
         MetricsProcessor, cfg, model_args=args, seq_len=cfg.training.seq_len, device=device,
         rank=dist.get_rank(), parallel_desc=parallel_dims.describe(), precision=precision,
-        accumulation_steps=accum, num_params=args.num_params())
+        accumulation_steps=accum, num_params=args.num_params(),
+        model_parallel=parallel_dims.tp)
     with metrics:  # closed with the run's exit code (W&B records it)
         metrics.log_startup()
         log0(f"data: {loader.describe()}")
@@ -268,13 +272,13 @@ def train(cfg: JobConfig) -> None:
                           start_step=state.step) as profiler:
             run_loop(cfg, model, optimizer, scheduler, loader, checkpointer, metrics, profiler,
                      state, dp_group=dp_group, device=device, validator=validator,
-                     evaluator=evaluator)
+                     evaluator=evaluator, loss_group=parallel_dims.loss_parallel_group)
         if cfg.checkpoint.last_save_in_hf:
             save_last_hf(model, cfg, log=log0)
 
 
 def run_loop(cfg, model, optimizer, scheduler, loader, checkpointer, metrics, profiler, state,
-             *, dp_group, device, validator=None, evaluator=None) -> None:
+             *, dp_group, device, validator=None, evaluator=None, loss_group=None) -> None:
     """Train until `training.steps`, or until a stop signal (then save and raise Preempted),
     or until too many skipped steps in a row or spikes beyond the rollbacks (TrainingError)."""
     stop = StopSignals(cfg.job.stop_signals, early=EARLY_SIGNALS)
@@ -283,7 +287,8 @@ def run_loop(cfg, model, optimizer, scheduler, loader, checkpointer, metrics, pr
     # Compiling the loss's chunks pays on GPUs; on CPU it would only add compile time.
     loss_fn = build_loss(cfg.training.loss, cfg.training.loss_chunk_size,
                          z_loss_weight=cfg.training.z_loss_weight,
-                         compile_chunks=cfg.compile.enable and device.type == "cuda")
+                         compile_chunks=cfg.compile.enable and device.type == "cuda",
+                         vocab_parallel_group=loss_group)  # loss parallel under TP, or None
     if state.step >= cfg.training.steps:
         log0(f"nothing to do: already at step {state.step} of {cfg.training.steps}")
     note_past_skips(cfg.training.skip_data_steps, state.step)

@@ -103,6 +103,11 @@ class ParallelDims:
     def tp_mesh(self):
         return self.world_mesh["tp"]
 
+    @property
+    def loss_parallel_group(self):
+        """The tp process group the loss is computed over vocab shards in; None without."""
+        return self.tp_mesh.get_group() if self.tp_enabled and self.loss_parallel else None
+
     def describe(self) -> str:
         kind = "HSDP" if self.hsdp else "FSDP"
         if self.dp_shard == 1 and self.hsdp:
@@ -145,3 +150,11 @@ def check_async_tp(parallelism, compile_enabled: bool, device_type: str) -> None
     if not compile_enabled:
         raise ConfigError(f"{key} needs compile.enable = true: async TP is a torch.compile "
                           "(Inductor) pass")
+
+
+def describe_vocab(model_cfg, tokenizer_vocab: int, vocab: int) -> str:
+    """Where the model's vocab comes from, for check_tp_shapes' message."""
+    if model_cfg.vocab_size:
+        return "model.vocab_size"
+    return (f"the tokenizer's {tokenizer_vocab} padded to model.vocab_size_multiple_of = "
+            f"{model_cfg.vocab_size_multiple_of}; a multiple of the tp degree would do")

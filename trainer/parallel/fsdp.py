@@ -1,0 +1,66 @@
+"""FSDP2 (`fully_shard`) over the dp dimensions of the mesh: 1-D `dp_shard` for FSDP, 2-D
+`(dp_replicate, dp_shard)` for HSDP. Under tensor parallelism the parameters are already
+DTensors on the `tp` dimension; FSDP shards each tp shard further over dp (2-D parameters).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, OffloadPolicy, fully_shard
+
+from trainer.model import Transformer
+
+DTYPE = {"bfloat16": torch.bfloat16, "float32": torch.float32}
+
+
+def reshard_policy(policy: str) -> tuple[bool | int, bool]:
+    """(blocks, head): what each group does with its unsharded params after forward.
+
+    `default` reshards the blocks and embedding (memory) but keeps the norm + output head
+    unsharded: its backward runs right after the forward, so re-gathering it would be waste.
+    An integer N (ZeRO++ hpZ) reshards the blocks and embedding to groups of N ranks: each
+    rank keeps 1/N of the params in the compute dtype until backward, whose all-gather then
+    spans only N ranks (e.g. within a node); the head is kept as under `default`.
+    """
+    fixed = {"default": (True, False), "always": (True, True), "never": (False, False)}
+    return fixed[policy] if policy in fixed else (int(policy), False)
+
+
+def apply_fsdp(model: Transformer, mesh, *, param_dtype: str, reduce_dtype: str,
+               reshard_after_forward: str, offload: OffloadPolicy | None = None) -> None:
+    """FSDP over a 1-D `dp_shard` mesh, or HSDP over the 2-D `(dp_replicate, dp_shard)` mesh.
+    `offload`: e.g. CPUOffloadPolicy (sharded params, grads and optimizer state in host
+    memory; the parameters must then be materialised on the CPU)."""
+    mp = MixedPrecisionPolicy(param_dtype=DTYPE[param_dtype], reduce_dtype=DTYPE[reduce_dtype])
+    shard = functools.partial(fully_shard, mesh=mesh, mp_policy=mp,
+                              offload_policy=offload or OffloadPolicy())
+    blocks, head = reshard_policy(reshard_after_forward)
+    for block in model.layers.values():
+        shard(block, reshard_after_forward=blocks)
+    if model.output is None:
+        # Tied embeddings: the embedding is used first and last, so it stays in the root's
+        # group, unsharded for the whole forward (a group of its own would be resharded).
+        shard(model.norm, reshard_after_forward=head)
+    else:
+        shard(model.tok_embeddings, reshard_after_forward=blocks)
+        shard([model.norm, model.output], reshard_after_forward=head)
+    shard(model, reshard_after_forward=blocks)
+
+
+def set_gradient_sync(model: FSDPModule, mode: str, is_last: bool) -> None:
+    """Configure the gradient communication of the next microbatch's backward.
+
+    last: no reduce-scatter until the last microbatch (unsharded grads accumulate locally).
+    every: reduce-scatter (and all-reduce across replicas) every microbatch.
+    hsdp_reduce_scatter: reduce-scatter every microbatch, all-reduce across replicas only on
+    the last; without replicas it is the same as `every`.
+    """
+    if mode == "last":
+        model.set_requires_gradient_sync(is_last)
+    elif mode == "every":
+        model.set_requires_gradient_sync(True)
+    else:
+        model.set_requires_gradient_sync(True)
+        model.set_requires_all_reduce(is_last)

@@ -1,0 +1,102 @@
+"""Tensor parallelism with sequence parallelism (Megatron-LM's layout, as torchtitan applies it)
+over the `tp` dimension of the world mesh.
+
+Per block:
+- attention: `wq`, `wk`, `wv` colwise (each tp rank computes n_heads / tp query heads and
+  n_kv_heads / tp key/value heads, whole heads), `wo` rowwise;
+- feed-forward: `w1`, `w3` colwise (hidden_dim / tp each), `w2` rowwise;
+- `attention_norm`, `ffn_norm`: sequence parallel. Between the matmul regions the residual
+  stream is sharded on the sequence ([b, s / tp, dim] per rank): the norms and residual adds
+  run on 1/tp of the tokens, and instead of an all-reduce after `wo` and `w2` there is a
+  reduce-scatter to the sequence shards, and an all-gather of the normed activations before
+  `wq`/`wk`/`wv` and `w1`/`w3` (the same bytes as the one all-reduce, with 1/tp of the
+  activation memory).
+Around the blocks: the token embedding rowwise (vocab-sharded rows; its partial output is
+reduce-scattered to sequence shards), the final norm sequence parallel, the output head colwise
+(vocab-sharded, trainer/parallel/loss_parallel.py computes the loss from sharded logits). A
+tied embedding serves as the head in the same (vocab-row) layout.
+
+Float8 (tensorwise) uses torchao's float8 TP styles for the block linears, so the all-gathered
+activations travel in float8. Async TP (`enable_async_tensor_parallel`, CUDA with compile)
+turns on Inductor's micro-pipelining of the all-gather/reduce-scatter with the matmuls over
+symmetric memory.
+"""
+
+from __future__ import annotations
+
+import warnings
+
+import torch
+from torch import nn
+from torch.distributed.tensor import Replicate, Shard, distribute_module, distribute_tensor
+from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleInput,
+                                               RowwiseParallel, SequenceParallel,
+                                               parallelize_module)
+
+from trainer.model import Transformer
+
+
+def apply_tp(model: Transformer, tp_mesh, *, float8_tensorwise: bool = False,
+             async_tp: bool = False) -> None:
+    """Shard `model` (on meta, before AC, compile and FSDP) over the 1-D `tp_mesh`."""
+    # The embedding's output is its sequence shard, a view (DTensor.to_local); FSDP warns
+    # that an in-place op on it would skip its hook. The model adds out of place.
+    warnings.filterwarnings("ignore", message=r"FSDP2-wrapped module \(FSDPEmbedding\) "
+                            r"returned a view tensor")
+    parallelize_module(model, tp_mesh, {
+        "tok_embeddings": RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1)),
+        "norm": SequenceParallel(),
+    })
+    if model.output is not None:
+        _shard_head(model.output, tp_mesh)
+    colwise, rowwise, prepare_input = _styles(float8_tensorwise)
+    for block in model.layers.values():
+        parallelize_module(block, tp_mesh, {
+            "attention_norm": SequenceParallel(),
+            # (x, cos, sin, mask): only x is sharded; the RoPE tables and mask are per rank
+            "attention": prepare_input(input_layouts=(Shard(1), None, None, None),
+                                       desired_input_layouts=(Replicate(), None, None, None)),
+            "attention.wq": colwise(),
+            "attention.wk": colwise(),
+            "attention.wv": colwise(),
+            "attention.wo": rowwise(output_layouts=Shard(1)),
+            "ffn_norm": SequenceParallel(),
+            "feed_forward": prepare_input(input_layouts=(Shard(1),),
+                                          desired_input_layouts=(Replicate(),)),
+            "feed_forward.w1": colwise(),
+            "feed_forward.w2": rowwise(output_layouts=Shard(1)),
+            "feed_forward.w3": colwise(),
+        })
+    if async_tp:
+        _enable_async_tp(tp_mesh)
+
+
+def _shard_head(head: nn.Linear, tp_mesh) -> None:
+    """The head's weight as a vocab-sharded (rows, Shard(0)) DTensor; its forward
+    (trainer.model.project) handles the sequence-sharded input and the loss."""
+
+    def partition(name, module, mesh):
+        for pname, param in list(module.named_parameters(recurse=False)):
+            sharded = nn.Parameter(distribute_tensor(param, mesh, [Shard(0)]),
+                                   requires_grad=param.requires_grad)
+            module.register_parameter(pname, sharded)
+
+    distribute_module(head, tp_mesh, partition)
+
+
+def _styles(float8_tensorwise: bool):
+    """(colwise, rowwise, prepare-input) styles: torchao's float8 ones for tensorwise float8."""
+    if not float8_tensorwise:
+        return ColwiseParallel, RowwiseParallel, PrepareModuleInput
+    from torchao.float8.float8_tensor_parallel import (Float8ColwiseParallel,
+                                                       Float8RowwiseParallel,
+                                                       PrepareFloat8ModuleInput)
+    return Float8ColwiseParallel, Float8RowwiseParallel, PrepareFloat8ModuleInput
+
+
+def _enable_async_tp(tp_mesh) -> None:
+    """Inductor's micro-pipelined TP (CUDA and compile only: checked in the config)."""
+    from torch.distributed._symmetric_memory import enable_symm_mem_for_group
+
+    torch._inductor.config._micro_pipeline_tp = True
+    enable_symm_mem_for_group(tp_mesh.get_group().group_name)
