@@ -232,6 +232,9 @@ class Checkpointer:
             return True
         self.log(f"resumed from {self._path(step)} (step {self.train_state.step}) in "
                  f"{time.monotonic() - t0:.2f}s")
+        if os.environ.get(integrity.DIGEST_ENV):
+            model = self.states["model_optim"].model
+            self.log(f"loaded weights digest {integrity.weights_digest(model.named_parameters())}")
         note = sched.obj.resume_note()
         if note:
             self.log(note)

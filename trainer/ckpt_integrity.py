@@ -49,6 +49,22 @@ def model_fingerprint(model) -> str:
     return hashlib.sha256(text.encode()).hexdigest()[:16]
 
 
+# Testing hook: after a resume, print a digest of the loaded weights (a full gather: tests only).
+DIGEST_ENV = "TRAINER_DEBUG_WEIGHT_DIGEST"
+
+
+def weights_digest(named_tensors) -> str:
+    """sha1 of (name, full tensor bytes) in name order; DTensors are gathered (a collective:
+    every rank calls it). The same for a model on any layout and for a checkpoint's tensors
+    loaded on one process (tests: the loaded weights are the saved ones)."""
+    digest = hashlib.sha1()
+    for name, t in sorted(named_tensors, key=lambda item: item[0]):
+        full = t.full_tensor() if hasattr(t, "full_tensor") else t
+        digest.update(name.encode())
+        digest.update(full.detach().float().cpu().contiguous().numpy().tobytes())
+    return digest.hexdigest()[:16]
+
+
 def _my_share(names: list[str], rank: int, world: int) -> list[str]:
     return [name for i, name in enumerate(sorted(names)) if i % world == rank]
 
