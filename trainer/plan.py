@@ -99,15 +99,33 @@ def plan_args(cfg: JobConfig, vocab: int) -> ModelArgs:
                       **attention_args(cfg.model, "cuda"))
 
 
-@functools.lru_cache(maxsize=8)
-def fsdp_groups(args: ModelArgs) -> dict[str, list[tuple[int, ...]]]:
+COLWISE = ("wq", "wk", "wv", "w1", "w3", "output", "tok_embeddings")  # tp splits dim 0
+ROWWISE = ("wo", "w2")  # tp splits dim 1 (the matmul's input features)
+
+
+def tp_local_shape(name: str, shape: tuple[int, ...], tp: int) -> tuple[int, ...]:
+    """One tp rank's part of parameter `name` (Megatron layout): wq/wk/wv/w1/w3 colwise and the
+    output head colwise (rows split), wo/w2 rowwise (columns split), the embedding rowwise
+    (vocab rows split); RMSNorm weights are replicated over tp (sequence parallel)."""
+    module = name.split(".")[-2] if "." in name else name
+    if tp == 1 or module not in COLWISE + ROWWISE:
+        return shape
+    dim = 0 if module in COLWISE else 1
+    return tuple(n // tp if i == dim else n for i, n in enumerate(shape))
+
+
+@functools.lru_cache(maxsize=16)
+def fsdp_groups(args: ModelArgs, tp: int = 1) -> dict[str, list[tuple[int, ...]]]:
     """Parameter shapes per FSDP group, as trainer.parallelize.apply_fsdp forms the groups:
-    one per block, the embedding, and the final norm + output head. Built on meta: free."""
+    one per block, the embedding, and the final norm + output head. Built on meta: free.
+    With tp > 1 each shape is one tp rank's part (`tp_local_shape`): FSDP shards that part
+    over dp_shard (FSDP2's strided sharding of a colwise weight gives rank 0
+    ceil(rows / tp / dp_shard) rows, as `shard_numel` counts on the tp-local shape)."""
     groups: dict[str, list[tuple[int, ...]]] = {}
     for name, p in build_model(args).named_parameters():
         key = ".".join(name.split(".")[:2]) if name.startswith("layers.") else (
             "embedding" if name.startswith("tok_embeddings") else "head")
-        groups.setdefault(key, []).append(tuple(p.shape))
+        groups.setdefault(key, []).append(tp_local_shape(name, tuple(p.shape), tp))
     return groups
 
 
@@ -124,8 +142,10 @@ def gathered_numel(shapes, shard: int) -> int:
 # --------------------------------------------------------------------------- activations
 
 
-def block_saved(a: ModelArgs, p: int) -> int:
-    """Bytes one block saves for backward per token, no AC (eager trainer.model).
+def block_split(a: ModelArgs, p: int, tp: int = 1) -> tuple[int, int]:
+    """Bytes one block saves for backward, no AC (eager trainer.model), as (per token of this
+    rank's sequence shard, per token of the whole microbatch); their sum per token is the
+    block's figure without TP.
 
     RMSNorm x2: the fp32 upcast and the normed output in the compute dtype, (4 + p) * dim each
     (in fp32 the upcast is the input itself: still 8 * dim). Attention: the normed input of
@@ -136,20 +156,47 @@ def block_saved(a: ModelArgs, p: int) -> int:
     the logsumexp, fp32 per head.
     RoPE saves only the cos/sin tables. FFN: the normed input (p * dim) and four hidden-sized
     tensors (w1 and w3 outputs, silu output, their product: w2's input).
+    With tp > 1 (sequence parallel): the norms see 1/tp of the sequence (the first figure);
+    the inputs of wq/wk/wv and w1/w3 are the all-gathered whole sequence (p * dim each); the
+    heads and the FFN width are split, so everything attention and FFN save is 1/tp.
     """
-    q, kv = a.n_heads * a.head_dim, a.n_kv_heads * a.head_dim
+    q, kv = a.n_heads * a.head_dim // tp, a.n_kv_heads * a.head_dim // tp
     kernel = a.attn_implementation if a.attn_mask_type == "block_causal" else "sdpa"
     attn = {"flex": 2 * p * (q + kv), "per_document": 5 * p * q}.get(kernel, 4 * p * q)
-    return 2 * (4 + p) * a.dim + 2 * p * a.dim + attn + FP32 * a.n_heads + 4 * p * a.hidden_dim
+    inner = 2 * p * a.dim + attn + FP32 * a.n_heads // tp + 4 * p * a.hidden_dim // tp
+    return 2 * (4 + p) * a.dim, inner
+
+
+def block_saved(a: ModelArgs, p: int) -> int:
+    """Bytes one block saves for backward per token without TP, no AC (see `block_split`)."""
+    return sum(block_split(a, p))
+
+
+def op_sac_split(a: ModelArgs, p: int, tp: int = 1) -> tuple[int, int]:
+    """Per token under op-level selective AC (trainer.parallelize keeps every mm and SDPA
+    output): the block input, the outputs of wq, wk, wv, wo, w1, w3, w2 and SDPA's output and
+    logsumexp. Everything else is recomputed in backward. As (sequence-shard, whole-sequence)
+    bytes like `block_split`: with tp > 1 the block input is sequence-sharded, the outputs of
+    the colwise matmuls and SDPA are 1/tp, and wo's and w2's are their full [tokens, dim]
+    partial sums (before the reduce-scatter)."""
+    q, kv = a.n_heads * a.head_dim // tp, a.n_kv_heads * a.head_dim // tp
+    mm_out = q + 2 * kv + a.dim + 2 * a.hidden_dim // tp + a.dim
+    return p * a.dim, p * mm_out + p * q + FP32 * a.n_heads // tp
 
 
 def block_saved_op_sac(a: ModelArgs, p: int) -> int:
-    """Per token under op-level selective AC (trainer.parallelize keeps every mm and SDPA
-    output): the block input, the outputs of wq, wk, wv, wo, w1, w3, w2 and SDPA's output and
-    logsumexp. Everything else is recomputed in backward."""
-    q, kv = a.n_heads * a.head_dim, a.n_kv_heads * a.head_dim
-    mm_out = q + 2 * kv + a.dim + 2 * a.hidden_dim + a.dim
-    return p * a.dim + p * mm_out + p * q + FP32 * a.n_heads
+    """Per token under op-level selective AC without TP (see `op_sac_split`)."""
+    return sum(op_sac_split(a, p))
+
+
+def sp_tokens(tokens: int, tp: int) -> int:
+    """Tokens of one rank's sequence shard under sequence parallelism (rank 0: ceil)."""
+    return -(-tokens // tp)
+
+
+def split_bytes(split: tuple[int, int], tokens: int, tp: int) -> int:
+    """Bytes of a (sequence-shard, whole-sequence) per-token pair for one microbatch."""
+    return split[0] * sp_tokens(tokens, tp) + split[1] * tokens
 
 
 def checkpointed_blocks(cfg: JobConfig, n_layers: int) -> int:
@@ -163,21 +210,23 @@ def checkpointed_blocks(cfg: JobConfig, n_layers: int) -> int:
 
 
 def blocks_activations(cfg: JobConfig, a: ModelArgs, p: int, tokens: int,
-                       mode: str | None = None) -> int:
+                       mode: str | None = None, tp: int = 1) -> int:
     """Saved activations of all blocks for one microbatch under an AC mode (default: config's).
-    A checkpointed block keeps only its input (p * dim per token). With document positions
-    and p < 4, FSDP casts the per-token fp32 cos/sin to the compute dtype at every block's
-    input, and each block keeps its copy in every AC mode (p * head_dim per token)."""
+    A checkpointed block keeps only its input (p * dim per token; 1/tp of the sequence under
+    TP). With document positions and p < 4, FSDP casts the per-token fp32 cos/sin to the
+    compute dtype at every block's input, and each block keeps its copy in every AC mode
+    (p * head_dim per token; whole sequence under TP)."""
     mode = mode or cfg.activation_checkpoint.mode
     rope = a.n_layers * p * a.head_dim * tokens if a.positions == "document" and p < FP32 else 0
+    full, ckpt_input = block_split(a, p, tp), p * a.dim * sp_tokens(tokens, tp)
     if mode == "none":
-        return a.n_layers * block_saved(a, p) * tokens + rope
+        return a.n_layers * split_bytes(full, tokens, tp) + rope
     if mode == "full":
-        return a.n_layers * p * a.dim * tokens + rope
+        return a.n_layers * ckpt_input + rope
     if cfg.activation_checkpoint.selective_ac_option == "op":
-        return a.n_layers * block_saved_op_sac(a, p) * tokens + rope
+        return a.n_layers * split_bytes(op_sac_split(a, p, tp), tokens, tp) + rope
     ckpt = checkpointed_blocks(cfg, a.n_layers)
-    return (ckpt * p * a.dim + (a.n_layers - ckpt) * block_saved(a, p)) * tokens + rope
+    return ckpt * ckpt_input + (a.n_layers - ckpt) * split_bytes(full, tokens, tp) + rope
 
 
 def head_saved(a: ModelArgs, p: int) -> int:
@@ -185,7 +234,14 @@ def head_saved(a: ModelArgs, p: int) -> int:
     return (4 + 2 * p) * a.dim
 
 
-def loss_region(cfg: JobConfig, a: ModelArgs, p: int, tokens: int) -> dict[str, int]:
+def head_activations(a: ModelArgs, p: int, tokens: int, tp: int = 1) -> int:
+    """`head_saved` for one microbatch; under TP the final norm sees 1/tp of the sequence and
+    the head's input is the all-gathered whole sequence."""
+    return split_bytes(((4 + p) * a.dim, p * a.dim), tokens, tp)
+
+
+def loss_region(cfg: JobConfig, a: ModelArgs, p: int, tokens: int, tp: int = 1,
+                loss_parallel: bool = True) -> dict[str, int]:
     """What the loss (trainer/loss.py) holds for one microbatch: `at_loss`, at its widest;
     `at_head`, in the head's backward; `after`, through the rest of the backward.
 
@@ -199,16 +255,23 @@ def loss_region(cfg: JobConfig, a: ModelArgs, p: int, tokens: int) -> dict[str, 
     then the fp32 softmax and its cast (both (4 + p) * c * vocab in bf16, 4 * c * vocab in
     fp32), then the cast and dW's product in the compute dtype (bf16 only). Nothing is held
     after the head's backward.
+    With tp > 1 the loss sees every token of the microbatch (the head's input is gathered):
+    under loss parallel each rank's vocab is vocab / tp (logits, chunks and dW all shrink by
+    tp); with `disable_loss_parallel` the head's weight is all-gathered over tp (p * vocab *
+    dim more, held at the loss and in the head's backward) and the loss is over the full vocab.
     """
-    v = a.vocab_size
+    v = a.vocab_size // tp if loss_parallel else a.vocab_size
+    gathered_w = p * a.vocab_size * a.dim if tp > 1 and not loss_parallel else 0
     if cfg.training.loss == "eager":
         held = p * v * tokens
-        return {"at_loss": held + 3 * FP32 * v * tokens, "at_head": 2 * held, "after": held}
+        return {"at_loss": held + 3 * FP32 * v * tokens + gathered_w,
+                "at_head": 2 * held + gathered_w, "after": held}
     c = min(cfg.training.loss_chunk_size, tokens)
     grads = p * tokens * a.dim + FP32 * v * a.dim
     cast = p * v * a.dim if p < FP32 else 0
     chunk = max((FP32 + p) * c * v, p * c * v + cast) if p < FP32 else FP32 * c * v
-    return {"at_loss": grads + chunk, "at_head": grads + cast, "after": 0}
+    return {"at_loss": grads + chunk + gathered_w, "at_head": grads + cast + gathered_w,
+            "after": 0}
 
 
 # --------------------------------------------------------------------------- the plan
@@ -218,7 +281,8 @@ def memory_plan(cfg: JobConfig, world_size: int) -> dict[str, int]:
     """Bytes per device by category, for rank 0 (the largest shard), and the peak `total`.
 
     Resident: `parameters`, `gradients` (fp32, sharded over dp_shard; replicated over
-    dp_replicate under HSDP), `optimizer_state` (AdamW's exp_avg and exp_avg_sq like the
+    dp_replicate under HSDP; with tp > 1 each rank holds the dp_shard shard of its tp part, see
+    `fsdp_groups`: the matmul weights are 1/(tp x dp_shard), the norms 1/dp_shard), `optimizer_state` (AdamW's exp_avg and exp_avg_sq like the
     parameters, plus one fp32 step scalar per tensor), `buffers_and_inputs` (the fp32 RoPE
     tables and the int64 inputs, labels and, for block_causal, document ids). Per microbatch:
     `activations` (the configured AC mode; `activations_no_ac` and `activations_full_ac` for
@@ -233,7 +297,7 @@ def memory_plan(cfg: JobConfig, world_size: int) -> dict[str, int]:
     pd, accum = cfg.resolve(world_size)
     vocab, _ = resolve_vocab(cfg)
     a = plan_args(cfg, vocab)
-    groups, shard = fsdp_groups(a), pd.dp_shard
+    groups, shard, tp = fsdp_groups(a, pd.tp), pd.dp_shard, pd.tp
     p, r = BYTES[cfg.training.mixed_precision_param], BYTES[cfg.training.mixed_precision_reduce]
     tokens = cfg.training.local_batch_size * cfg.training.seq_len
     shapes = [s for g in groups.values() for s in g]
@@ -244,17 +308,17 @@ def memory_plan(cfg: JobConfig, world_size: int) -> dict[str, int]:
     b["buffers_and_inputs"] = (2 * FP32 * a.max_seq_len * (a.head_dim // 2)
                                + (2 + documents) * INT64 * tokens)  # + the document ids
 
-    head_act = head_saved(a, p) * tokens
+    head_act = head_activations(a, p, tokens, tp)
     # the block-causal mask and per-document RoPE tables, once per microbatch (all layers)
     b["attention_inputs"] = attention_bytes(a, cfg.training.local_batch_size,
                                             cfg.training.seq_len, p)
     act = head_act + b["attention_inputs"]
-    b["activations_no_ac"] = blocks_activations(cfg, a, p, tokens, "none") + act
-    b["activations_full_ac"] = blocks_activations(cfg, a, p, tokens, "full") + act
-    b["activations"] = blocks_activations(cfg, a, p, tokens) + act
+    b["activations_no_ac"] = blocks_activations(cfg, a, p, tokens, "none", tp) + act
+    b["activations_full_ac"] = blocks_activations(cfg, a, p, tokens, "full", tp) + act
+    b["activations"] = blocks_activations(cfg, a, p, tokens, tp=tp) + act
     recompute = cfg.activation_checkpoint.mode != "none"
-    b["ac_recompute"] = block_saved(a, p) * tokens if recompute else 0
-    loss = loss_region(cfg, a, p, tokens)
+    b["ac_recompute"] = split_bytes(block_split(a, p, tp), tokens, tp) if recompute else 0
+    loss = loss_region(cfg, a, p, tokens, tp, pd.loss_parallel)
     b["logits_loss"], held_logits = loss["at_loss"], loss["after"]
     b.update(fsdp_buffers(cfg, groups, shard, p, r))
     sync_last = cfg.training.gradient_accumulation_sync == "last"
