@@ -16,7 +16,6 @@ nodes whenever tp x dp_shard > 8).
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import sys
 from pathlib import Path
 
@@ -25,7 +24,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from trainer.config import load_config  # noqa: E402
 from trainer.errors import ConfigError  # noqa: E402
 from trainer.flops import table_peak_tflops  # noqa: E402
-from trainer.plan import GIB, GPUS, device_need, largest_local_batch, memory_plan, throughput  # noqa: E402
+from trainer.plan import (GIB, GPUS, device_need, largest_local_batch, memory_plan,  # noqa: E402
+                          throughput)
 from trainer.plan_comm import comm_volume  # noqa: E402
 
 REPO = Path(__file__).resolve().parent.parent
