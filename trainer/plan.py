@@ -164,7 +164,8 @@ def memory_plan(cfg: JobConfig, world_size: int) -> dict[str, int]:
     `activations` (the configured AC mode; `activations_no_ac` and `activations_full_ac` for
     comparison; all include the final norm and head input, and `attention_inputs`: the
     block-causal mask and document RoPE tables, trainer.attention.memory_bytes), `ac_recompute` (one block's full activations while it is recomputed),
-    `logits_loss`. Transient: `fsdp_*` (see `fsdp_buffers`), `grad_accumulation` (unsharded
+    `logits_loss`. Transient: `fsdp_*` (see `fsdp_buffers`), `tp_buffers` (with TP, two
+    whole-sequence [tokens, dim] tensors around a block's backward collectives), `grad_accumulation` (unsharded
     grads kept between microbatches when sync is 'last' with accumulation: FSDP2 keeps them in
     the reduce dtype), `optimizer_step_temp` (foreach AdamW computes sqrt(exp_avg_sq) for all
     tensors at once: one fp32 copy of the shard; for-loop: two of the largest tensor; fused:
@@ -194,6 +195,9 @@ def memory_plan(cfg: JobConfig, world_size: int) -> dict[str, int]:
     b["activations"] = blocks_activations(cfg, a, p, tokens, tp=tp) + act
     recompute = cfg.activation_checkpoint.mode != "none"
     b["ac_recompute"] = split_bytes(block_split(a, p, tp), tokens, tp) if recompute else 0
+    # TP in a block's backward: the whole-sequence gradient of a colwise matmul's input and a
+    # rowwise matmul's partial sum, [tokens, dim] each, live around their collectives.
+    b["tp_buffers"] = 2 * p * tokens * a.dim if tp > 1 else 0
     loss = loss_region(cfg, a, p, tokens, tp, pd.loss_parallel)
     b["logits_loss"], held_logits = loss["at_loss"], loss["after"]
     b.update(fsdp_buffers(cfg, groups, shard, p, r))
@@ -214,9 +218,9 @@ def memory_plan(cfg: JobConfig, world_size: int) -> dict[str, int]:
     blocks_act = b["activations"] - head_act
     b["peak_loss"] = in_backward + b["activations"] + b["logits_loss"] + b["fsdp_loss"]
     b["peak_head_backward"] = (in_backward + b["activations"] + loss["at_head"]
-                               + b["fsdp_head"])
+                               + b["fsdp_head"] + b["tp_buffers"] // 2)
     b["peak_block_backward"] = (in_backward + blocks_act + b["ac_recompute"] + held_logits
-                                + b["fsdp_block"])
+                                + b["fsdp_block"] + b["tp_buffers"])
     emb_grad = FP32 * sum(shard_numel(s, shard) for s in groups["embedding"])
     b["peak_end_of_backward"] = (in_backward + on_device * (b["gradients"] - emb_grad)
                                  + held_logits + b["fsdp_embedding"])

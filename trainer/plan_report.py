@@ -37,6 +37,7 @@ ROWS = [  # (key, label) in print order; None = a heading
     ("fsdp_head", "head backward (+ prefetched block)"),
     ("fsdp_block", "block backward (+ prefetch, rs in flight)"),
     ("fsdp_embedding", "embedding backward"),
+    ("tp_buffers", "TP: whole-sequence grads around collectives"),
     ("grad_accumulation", "unsharded grads kept for accumulation"),
     ("optimizer_step_temp", "optimizer step temporaries ({impl})"),
     ("offload_staging", "offload: host-to-device shard copies, one grad shard"),
