@@ -1,5 +1,6 @@
-"""The printed memory plan: the breakdown table, the verdict, the throughput at an assumed
-MFU, and the command line of `python -m trainer.plan` (trainer/plan.py computes the plan)."""
+"""The printed memory plan: the breakdown table, the verdict, the communication per step and
+mesh dimension (trainer/plan_comm.py), the throughput at an assumed MFU, and the command line
+of `python -m trainer.plan` (trainer/plan.py computes the plan)."""
 
 from __future__ import annotations
 
