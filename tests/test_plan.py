@@ -10,6 +10,7 @@ plan's reserve) can only be checked on a GPU, with benchmarks/bench_train.py.
 """
 
 import json
+import re
 
 import pytest
 import torch
@@ -19,7 +20,10 @@ from tests.helpers import REPO, probe_cases_argv, torchrun
 from trainer.config import load_config
 from trainer.model import ModelArgs, build_model
 from trainer.parallelize import apply_ac
-from trainer.plan import blocks_activations, head_saved, main, memory_plan
+from trainer.plan import (FP32, GIB, GPUS, block_split, blocks_activations, device_need,
+                          fsdp_groups, head_saved, loss_region, main, memory_plan, plan_args,
+                          shard_numel, split_bytes)
+from trainer.plan_comm import comm_volume
 
 PROBE = REPO / "tests" / "scripts" / "plan_probe.py"
 # Vocab 8195 is odd: the embedding and output rows split 2049 x 3 / 2048 over 4 shards, so the
@@ -155,3 +159,147 @@ def test_hsdp_shards_over_dp_shard_only():
     hsdp = memory_plan(load_config([*base, "--parallelism.data_parallel_replicate_degree", "2"]),
                        8)
     assert hsdp["parameters"] == fsdp["parameters"] and hsdp["total"] == fsdp["total"]
+
+
+# --------------------------------------------------------------------------- tensor parallel
+# Pure arithmetic on the plan (no ranks): the TP runtime is checked by its own tests.
+
+
+BASE_8B = ["--job.config_file", str(REPO / "configs" / "llama3_8b.toml"),
+           "--training.global_batch_size", "-1"]
+TP = "--parallelism.tensor_parallel_degree"
+
+
+def test_tp_shards_matmul_weights_by_tp():
+    """Per rank, TP 8 x dp_shard 8 holds 1/8 of FSDP-only-over-8's matmul weights, embedding
+    and head, exactly; the RMSNorm weights (replicated over tp) are the same."""
+    cfg = load_config(BASE_8B)
+    a = plan_args(cfg, cfg.model.vocab_size)
+    for key, shapes in fsdp_groups(a, 1).items():
+        for full, part in zip(shapes, fsdp_groups(a, 8)[key]):
+            ratio = 1 if len(full) == 1 else 8
+            assert shard_numel(full, 8) == ratio * shard_numel(part, 8), (key, full, part)
+    fsdp = memory_plan(cfg, 8)["parameters"]
+    tp = memory_plan(load_config([*BASE_8B, TP, "8"]), 64)["parameters"]
+    norms = FP32 * (2 * a.n_layers + 1) * (a.dim // 8)
+    assert tp - norms == (fsdp - norms) // 8
+    # ... and about what FSDP alone over all 64 ranks holds (it differs only by the norms).
+    assert abs(tp / memory_plan(cfg, 64)["parameters"] - 1) < 0.001
+
+
+def test_sp_activations_by_hand():
+    """Sequence parallel: under full AC the blocks keep their sequence-sharded inputs, 1/tp;
+    without AC the norms shrink by tp, the gathered inputs of wq/wk/wv and w1/w3 (2 p dim per
+    token) do not, and all attention and FFN tensors shrink by tp."""
+    cfg = load_config([*BASE_8B, "--activation_checkpoint.mode", "full"])
+    a, p, tokens = plan_args(cfg, 128256), 2, 8192
+    assert blocks_activations(cfg, a, p, tokens, tp=4) * 4 == blocks_activations(cfg, a, p,
+                                                                                  tokens)
+    sp1, whole1 = block_split(a, p)
+    sp4, whole4 = block_split(a, p, 4)
+    assert sp4 == sp1 == 2 * (4 + p) * a.dim
+    assert whole4 - 2 * p * a.dim == (whole1 - 2 * p * a.dim) // 4
+    assert split_bytes((sp4, whole4), tokens, 4) == sp4 * tokens // 4 + whole4 * tokens
+    # The 8B shape without AC: 5.2x less per rank at TP 8 (not 8x: the gathered inputs).
+    none = [*BASE_8B, "--activation_checkpoint.mode", "none"]
+    ratio = (memory_plan(load_config(none), 8)["activations"]
+             / memory_plan(load_config([*none, TP, "8"]), 64)["activations"])
+    assert 5.1 < ratio < 5.3, ratio
+
+
+@pytest.mark.parametrize("loss", ["eager", "chunked"])
+def test_loss_parallel_logits_are_one_tp_th(loss):
+    """Loss parallel: every rank's logits (eager) or chunk and fp32 dW (chunked) cover 1/tp of
+    the vocab; disable_loss_parallel holds the full vocab plus the all-gathered head weight."""
+    cfg = load_config([*BASE_8B, "--training.loss", loss])
+    a, p, tokens = plan_args(cfg, 128256), 2, 8192
+    gathered = loss_region(cfg, a, p, tokens, 8, loss_parallel=False)
+    full = loss_region(cfg, a, p, tokens)
+    parallel = loss_region(cfg, a, p, tokens, 8)
+    assert gathered["at_loss"] == full["at_loss"] + p * a.vocab_size * a.dim
+    dh = 0 if loss == "eager" else p * tokens * a.dim  # the head input's gradient: all tokens
+    assert parallel["at_loss"] - dh == (full["at_loss"] - dh) // 8
+
+
+def test_comm_is_zero_on_unused_dims():
+    fsdp = comm_volume(load_config(BASE_8B), 8)
+    assert fsdp["comm_tp"] == 0 and fsdp["comm_dp_replicate"] == 0 and fsdp["comm_dp_shard"] > 0
+    tp_only = comm_volume(load_config([*BASE_8B, TP, "8"]), 8)  # dp_shard = 1
+    assert tp_only["comm_dp_shard"] == 0 and tp_only["comm_tp"] > 0
+
+
+def test_tp_volume_by_hand():
+    """A 2-layer, dim-64 model, tp 2, 2 x 32 tokens, no AC, bf16: X = 2 bytes x 64 tokens x
+    64 = 8192 bytes; each rank sends half of it in each of 8 per layer + 4 (embedding, head)
+    collectives; loss parallel all-reduces 3 fp32 per token; the 5 norm weights' gradients
+    are all-reduced."""
+    cfg = load_config([*SMALL, "--model.flavor", "debugmodel-tiny", "--model.vocab_size", "8192",
+                       "--training.seq_len", "32", "--activation_checkpoint.mode", "none", TP,
+                       "2"])
+    c = comm_volume(cfg, 2)
+    acts = (8 * 2 + 4) * 0.5 * 8192
+    loss = 3 * 2 * 0.5 * 4 * 64
+    norms = 2 * 0.5 * 2 * 5 * 64
+    assert c["comm_tp"] == acts + loss + norms == 83328
+    assert c["comm_dp_shard"] == 0 == c["comm_dp_replicate"]
+    # Full AC replays each block's 4 forward collectives in backward.
+    full = comm_volume(load_config([*SMALL, "--model.flavor", "debugmodel-tiny",
+                                    "--model.vocab_size", "8192", "--training.seq_len", "32",
+                                    "--activation_checkpoint.mode", "full", TP, "2"]), 2)
+    assert full["comm_tp"] - c["comm_tp"] == 2 * 4 * 0.5 * 8192
+
+
+def test_fsdp_volume_by_hand():
+    """FSDP over 4 and HSDP 2 x 2 of the same model, one microbatch, reshard 'default', bf16
+    params and fp32 reduce: forward gathers all groups, backward all but the head, one
+    reduce-scatter; HSDP all-reduces the fp32 gradient shard across the 2 replicas."""
+    cfg = load_config([*SMALL, "--model.flavor", "debugmodel-tiny",
+                       "--training.mixed_precision_reduce", "float32"])
+    a = plan_args(cfg, 8195)
+    groups = fsdp_groups(a)
+    g = {k: sum(4 * shard_numel(s, 4) for s in v) for k, v in groups.items()}  # gathered
+    total = sum(g.values())
+    expected = 0.75 * (2 * total + 2 * (total - g["head"])) + 0.75 * 4 * total
+    assert comm_volume(cfg, 4)["comm_dp_shard"] == pytest.approx(expected)
+    hsdp = load_config([*SMALL, "--model.flavor", "debugmodel-tiny",
+                        "--training.mixed_precision_reduce", "float32",
+                        "--parallelism.data_parallel_replicate_degree", "2"])
+    shard = sum(shard_numel(s, 2) for v in groups.values() for s in v)
+    assert comm_volume(hsdp, 4)["comm_dp_replicate"] == 2 * 0.5 * 4 * shard
+
+
+def test_70b_config_tp8_fits_and_fsdp_only():
+    """configs/llama3_70b.toml on 64 H100s (TP 8 x FSDP 8, 1 x 8192 tokens per GPU) fits
+    80 GiB. FSDP alone over 64 with the same tokens per GPU fits as well (the numbers say so:
+    ~42 vs ~32 GiB) but sends ~9x more over dp_shard, which crosses nodes; on 16 GPUs FSDP
+    alone does not fit and TP 2 x FSDP 8 does."""
+    cfg70 = ["--job.config_file", str(REPO / "configs" / "llama3_70b.toml")]
+    h100 = GPUS["h100"].memory_gib * GIB
+    tp8 = load_config(cfg70)
+    assert tp8.parallelism.tensor_parallel_degree == 8
+    tp_need = device_need(memory_plan(tp8, 64)["total"])
+    assert tp_need <= h100 and 30 * GIB < tp_need < 35 * GIB
+    fsdp = load_config([*cfg70, TP, "1", "--training.local_batch_size", "1"])
+    fsdp_need = device_need(memory_plan(fsdp, 64)["total"])
+    assert tp_need < fsdp_need <= h100 and 40 * GIB < fsdp_need < 45 * GIB
+    ratio = comm_volume(fsdp, 64)["comm_dp_shard"] / comm_volume(tp8, 64)["comm_dp_shard"]
+    assert 8.5 < ratio < 9.5, ratio
+    assert device_need(memory_plan(fsdp, 16)["total"]) > h100
+    tp2 = load_config([*cfg70, TP, "2", "--training.local_batch_size", "2"])
+    assert device_need(memory_plan(tp2, 16)["total"]) <= h100
+
+
+def test_cli_reports_tp_comm_and_per_device_throughput(capsys):
+    """The report names the TP mesh, prints the three volumes, and keeps tokens/s per device:
+    at the same tokens per GPU, TP 8 and FSDP alone need the same time per step."""
+    cfg70 = ["--config", str(REPO / "configs" / "llama3_70b.toml"), "--ngpu", "8", "--nnodes",
+             "8", "--host-gib", "2048"]
+    assert main(cfg70) == 0
+    tp8 = capsys.readouterr().out
+    assert "x TP 8 (sequence parallel, loss parallel)" in tp8 and "verdict: FITS" in tp8
+    assert "tp (sequence-parallel activations" in tp8 and "dp_replicate (HSDP" in tp8
+    assert "per dp rank of 8 devices" in tp8
+    assert main([*cfg70, TP, "1", "--training.local_batch_size", "1"]) == 0
+    fsdp = capsys.readouterr().out
+    step = [re.search(r"([\d.]+) s per optimizer step", out).group(1) for out in (tp8, fsdp)]
+    assert step[0] == step[1] == "79.7"

@@ -27,6 +27,11 @@ mathematically needs per token (PaLM, appendix B), not what the kernels happen t
   the other tiles; CPU SDPA with a mask computes them all and discards them). At long
   sequences with many documents per window the reported MFU therefore overstates the
   executed FLOPs more than under causal; the matmul part (6 * N_matmul) is unchanged.
+- **Per device, also under tensor parallelism.** `flops_per_token` is the whole model's; MFU
+  and tokens/s are per device. With TP a dp rank's tokens are computed by its tp devices
+  (each does ~1/tp of every matmul), so tokens/s per device = a dp rank's tokens/s / tp
+  (`tokens_per_device`), and MFU = that * flops_per_token / peak. Work TP repeats on every tp
+  rank (norms, the loss without loss parallel) is not model FLOPs and is not counted.
 """
 
 from __future__ import annotations
@@ -57,6 +62,11 @@ def attention_flops_per_token(args: ModelArgs, seq_len: int, causal_half: bool =
 def flops_per_token(args: ModelArgs, seq_len: int) -> float:
     """Forward + backward matmul FLOPs per token; causal attention counted in full."""
     return 6.0 * matmul_params(args) + attention_flops_per_token(args, seq_len)
+
+
+def tokens_per_device(dp_rank_tokens_per_s: float, tp: int = 1) -> float:
+    """Tokens/s per device from a dp rank's tokens/s: the rank's tp devices share them."""
+    return dp_rank_tokens_per_s / tp
 
 
 # --------------------------------------------------------------------------- peak FLOPS

@@ -27,6 +27,13 @@ of trainer/loss.py; compiled blocks usually save less (Inductor fuses the elemen
 so for `[compile] enable` the plan is an upper bound in practice. Each formula's assumptions are in its function's docstring;
 tests/test_plan.py checks them against tensors measured on CPU ranks.
 
+With `parallelism.tensor_parallel_degree = tp > 1` (Megatron layout with sequence parallel,
+trainer/parallel/): every matmul weight, the embedding and the head are split over tp and
+each tp part is FSDP-sharded over dp_shard (1/(tp x dp_shard) per rank; RMSNorm weights,
+replicated over tp, 1/dp_shard); the residual stream and the norms hold 1/tp of the sequence,
+attention and the FFN 1/tp of the heads and width, and the loss 1/tp of the vocab
+(trainer/plan_activations.py). What TP and FSDP send per step is trainer/plan_comm.py.
+
 With `parallelism.fsdp_offload = "cpu"` the sharded state moves to host memory, which the
 plan checks too (trainer/plan_host.py): per rank, times the ranks of a node. The printed
 report and the command line are trainer/plan_report.py.
@@ -45,6 +52,10 @@ from trainer.config import JobConfig
 from trainer.errors import ConfigError
 from trainer.flops import flops_per_token
 from trainer.model import FLAVORS, ModelArgs, build_model, model_args
+from trainer.plan_activations import (block_saved, block_saved_op_sac, block_split,  # noqa: F401
+                                     blocks_activations, checkpointed_blocks,
+                                     head_activations, head_saved, loss_region, op_sac_split,
+                                     sp_tokens, split_bytes)
 from trainer.plan_host import host_memory, offload_staging
 from trainer.optim import implementation
 
@@ -99,15 +110,33 @@ def plan_args(cfg: JobConfig, vocab: int) -> ModelArgs:
                       **attention_args(cfg.model, "cuda"))
 
 
-@functools.lru_cache(maxsize=8)
-def fsdp_groups(args: ModelArgs) -> dict[str, list[tuple[int, ...]]]:
+COLWISE = ("wq", "wk", "wv", "w1", "w3", "output", "tok_embeddings")  # tp splits dim 0
+ROWWISE = ("wo", "w2")  # tp splits dim 1 (the matmul's input features)
+
+
+def tp_local_shape(name: str, shape: tuple[int, ...], tp: int) -> tuple[int, ...]:
+    """One tp rank's part of parameter `name` (Megatron layout): wq/wk/wv/w1/w3 colwise and the
+    output head colwise (rows split), wo/w2 rowwise (columns split), the embedding rowwise
+    (vocab rows split); RMSNorm weights are replicated over tp (sequence parallel)."""
+    module = name.split(".")[-2] if "." in name else name
+    if tp == 1 or module not in COLWISE + ROWWISE:
+        return shape
+    dim = 0 if module in COLWISE else 1
+    return tuple(n // tp if i == dim else n for i, n in enumerate(shape))
+
+
+@functools.lru_cache(maxsize=16)
+def fsdp_groups(args: ModelArgs, tp: int = 1) -> dict[str, list[tuple[int, ...]]]:
     """Parameter shapes per FSDP group, as trainer.parallelize.apply_fsdp forms the groups:
-    one per block, the embedding, and the final norm + output head. Built on meta: free."""
+    one per block, the embedding, and the final norm + output head. Built on meta: free.
+    With tp > 1 each shape is one tp rank's part (`tp_local_shape`): FSDP shards that part
+    over dp_shard (FSDP2's strided sharding of a colwise weight gives rank 0
+    ceil(rows / tp / dp_shard) rows, as `shard_numel` counts on the tp-local shape)."""
     groups: dict[str, list[tuple[int, ...]]] = {}
     for name, p in build_model(args).named_parameters():
         key = ".".join(name.split(".")[:2]) if name.startswith("layers.") else (
             "embedding" if name.startswith("tok_embeddings") else "head")
-        groups.setdefault(key, []).append(tuple(p.shape))
+        groups.setdefault(key, []).append(tp_local_shape(name, tuple(p.shape), tp))
     return groups
 
 
@@ -121,96 +150,6 @@ def gathered_numel(shapes, shard: int) -> int:
     return sum(shard * shard_numel(s, shard) for s in shapes)
 
 
-# --------------------------------------------------------------------------- activations
-
-
-def block_saved(a: ModelArgs, p: int) -> int:
-    """Bytes one block saves for backward per token, no AC (eager trainer.model).
-
-    RMSNorm x2: the fp32 upcast and the normed output in the compute dtype, (4 + p) * dim each
-    (in fp32 the upcast is the input itself: still 8 * dim). Attention: the normed input of
-    wq/wk/wv (p * dim); SDPA's q, k, v (k and v repeated to n_heads for GQA), output (wo's input
-    is a view of it) at p * n_heads * head_dim each (FlexAttention, block_causal on CUDA, takes
-    k and v unrepeated: 2 * p * n_kv_heads * head_dim for them; per-document SDPA keeps each
-    document's output and wo's input, their concatenation: one more p * n_heads * head_dim);
-    the logsumexp, fp32 per head.
-    RoPE saves only the cos/sin tables. FFN: the normed input (p * dim) and four hidden-sized
-    tensors (w1 and w3 outputs, silu output, their product: w2's input).
-    """
-    q, kv = a.n_heads * a.head_dim, a.n_kv_heads * a.head_dim
-    kernel = a.attn_implementation if a.attn_mask_type == "block_causal" else "sdpa"
-    attn = {"flex": 2 * p * (q + kv), "per_document": 5 * p * q}.get(kernel, 4 * p * q)
-    return 2 * (4 + p) * a.dim + 2 * p * a.dim + attn + FP32 * a.n_heads + 4 * p * a.hidden_dim
-
-
-def block_saved_op_sac(a: ModelArgs, p: int) -> int:
-    """Per token under op-level selective AC (trainer.parallelize keeps every mm and SDPA
-    output): the block input, the outputs of wq, wk, wv, wo, w1, w3, w2 and SDPA's output and
-    logsumexp. Everything else is recomputed in backward."""
-    q, kv = a.n_heads * a.head_dim, a.n_kv_heads * a.head_dim
-    mm_out = q + 2 * kv + a.dim + 2 * a.hidden_dim + a.dim
-    return p * a.dim + p * mm_out + p * q + FP32 * a.n_heads
-
-
-def checkpointed_blocks(cfg: JobConfig, n_layers: int) -> int:
-    """Blocks recomputed in full: all (full), those with index % k == 0 (selective k), none."""
-    ac = cfg.activation_checkpoint
-    if ac.mode == "full":
-        return n_layers
-    if ac.mode == "selective" and ac.selective_ac_option != "op":
-        return math.ceil(n_layers / int(ac.selective_ac_option))
-    return 0
-
-
-def blocks_activations(cfg: JobConfig, a: ModelArgs, p: int, tokens: int,
-                       mode: str | None = None) -> int:
-    """Saved activations of all blocks for one microbatch under an AC mode (default: config's).
-    A checkpointed block keeps only its input (p * dim per token). With document positions
-    and p < 4, FSDP casts the per-token fp32 cos/sin to the compute dtype at every block's
-    input, and each block keeps its copy in every AC mode (p * head_dim per token)."""
-    mode = mode or cfg.activation_checkpoint.mode
-    rope = a.n_layers * p * a.head_dim * tokens if a.positions == "document" and p < FP32 else 0
-    if mode == "none":
-        return a.n_layers * block_saved(a, p) * tokens + rope
-    if mode == "full":
-        return a.n_layers * p * a.dim * tokens + rope
-    if cfg.activation_checkpoint.selective_ac_option == "op":
-        return a.n_layers * block_saved_op_sac(a, p) * tokens + rope
-    ckpt = checkpointed_blocks(cfg, a.n_layers)
-    return (ckpt * p * a.dim + (a.n_layers - ckpt) * block_saved(a, p)) * tokens + rope
-
-
-def head_saved(a: ModelArgs, p: int) -> int:
-    """Per token: the final RMSNorm ((4 + p) * dim) and the output head's input (p * dim)."""
-    return (4 + 2 * p) * a.dim
-
-
-def loss_region(cfg: JobConfig, a: ModelArgs, p: int, tokens: int) -> dict[str, int]:
-    """What the loss (trainer/loss.py) holds for one microbatch: `at_loss`, at its widest;
-    `at_head`, in the head's backward; `after`, through the rest of the backward.
-
-    eager: the [batch, seq, vocab] logits in the compute dtype are counted as held through the
-    whole backward; cross-entropy upcasts them to fp32, its log-softmax saves an fp32 output,
-    and its backward holds that output, the incoming and the produced fp32 gradient at once:
-    p + 12 bytes per logit at the peak, 2p in the head's backward.
-    chunked: dh (p per token and dim) and the fp32 dW ([vocab, dim]) live from the loss's
-    forward to the head's backward, which casts dW to the compute dtype (p * vocab * dim more,
-    none in fp32). One chunk of c tokens holds its logits in the compute dtype and in fp32,
-    then the fp32 softmax and its cast (both (4 + p) * c * vocab in bf16, 4 * c * vocab in
-    fp32), then the cast and dW's product in the compute dtype (bf16 only). Nothing is held
-    after the head's backward.
-    """
-    v = a.vocab_size
-    if cfg.training.loss == "eager":
-        held = p * v * tokens
-        return {"at_loss": held + 3 * FP32 * v * tokens, "at_head": 2 * held, "after": held}
-    c = min(cfg.training.loss_chunk_size, tokens)
-    grads = p * tokens * a.dim + FP32 * v * a.dim
-    cast = p * v * a.dim if p < FP32 else 0
-    chunk = max((FP32 + p) * c * v, p * c * v + cast) if p < FP32 else FP32 * c * v
-    return {"at_loss": grads + chunk, "at_head": grads + cast, "after": 0}
-
-
 # --------------------------------------------------------------------------- the plan
 
 
@@ -218,13 +157,15 @@ def memory_plan(cfg: JobConfig, world_size: int) -> dict[str, int]:
     """Bytes per device by category, for rank 0 (the largest shard), and the peak `total`.
 
     Resident: `parameters`, `gradients` (fp32, sharded over dp_shard; replicated over
-    dp_replicate under HSDP), `optimizer_state` (AdamW's exp_avg and exp_avg_sq like the
+    dp_replicate under HSDP; with tp > 1 each rank holds the dp_shard shard of its tp part, see
+    `fsdp_groups`: the matmul weights are 1/(tp x dp_shard), the norms 1/dp_shard), `optimizer_state` (AdamW's exp_avg and exp_avg_sq like the
     parameters, plus one fp32 step scalar per tensor), `buffers_and_inputs` (the fp32 RoPE
     tables and the int64 inputs, labels and, for block_causal, document ids). Per microbatch:
     `activations` (the configured AC mode; `activations_no_ac` and `activations_full_ac` for
     comparison; all include the final norm and head input, and `attention_inputs`: the
     block-causal mask and document RoPE tables, trainer.attention.memory_bytes), `ac_recompute` (one block's full activations while it is recomputed),
-    `logits_loss`. Transient: `fsdp_*` (see `fsdp_buffers`), `grad_accumulation` (unsharded
+    `logits_loss`. Transient: `fsdp_*` (see `fsdp_buffers`), `tp_buffers` (with TP, two
+    whole-sequence [tokens, dim] tensors around a block's backward collectives), `grad_accumulation` (unsharded
     grads kept between microbatches when sync is 'last' with accumulation: FSDP2 keeps them in
     the reduce dtype), `optimizer_step_temp` (foreach AdamW computes sqrt(exp_avg_sq) for all
     tensors at once: one fp32 copy of the shard; for-loop: two of the largest tensor; fused:
@@ -233,7 +174,7 @@ def memory_plan(cfg: JobConfig, world_size: int) -> dict[str, int]:
     pd, accum = cfg.resolve(world_size)
     vocab, _ = resolve_vocab(cfg)
     a = plan_args(cfg, vocab)
-    groups, shard = fsdp_groups(a), pd.dp_shard
+    groups, shard, tp = fsdp_groups(a, pd.tp), pd.dp_shard, pd.tp
     p, r = BYTES[cfg.training.mixed_precision_param], BYTES[cfg.training.mixed_precision_reduce]
     tokens = cfg.training.local_batch_size * cfg.training.seq_len
     shapes = [s for g in groups.values() for s in g]
@@ -244,17 +185,20 @@ def memory_plan(cfg: JobConfig, world_size: int) -> dict[str, int]:
     b["buffers_and_inputs"] = (2 * FP32 * a.max_seq_len * (a.head_dim // 2)
                                + (2 + documents) * INT64 * tokens)  # + the document ids
 
-    head_act = head_saved(a, p) * tokens
+    head_act = head_activations(a, p, tokens, tp)
     # the block-causal mask and per-document RoPE tables, once per microbatch (all layers)
     b["attention_inputs"] = attention_bytes(a, cfg.training.local_batch_size,
                                             cfg.training.seq_len, p)
     act = head_act + b["attention_inputs"]
-    b["activations_no_ac"] = blocks_activations(cfg, a, p, tokens, "none") + act
-    b["activations_full_ac"] = blocks_activations(cfg, a, p, tokens, "full") + act
-    b["activations"] = blocks_activations(cfg, a, p, tokens) + act
+    b["activations_no_ac"] = blocks_activations(cfg, a, p, tokens, "none", tp) + act
+    b["activations_full_ac"] = blocks_activations(cfg, a, p, tokens, "full", tp) + act
+    b["activations"] = blocks_activations(cfg, a, p, tokens, tp=tp) + act
     recompute = cfg.activation_checkpoint.mode != "none"
-    b["ac_recompute"] = block_saved(a, p) * tokens if recompute else 0
-    loss = loss_region(cfg, a, p, tokens)
+    b["ac_recompute"] = split_bytes(block_split(a, p, tp), tokens, tp) if recompute else 0
+    # TP in a block's backward: the whole-sequence gradient of a colwise matmul's input and a
+    # rowwise matmul's partial sum, [tokens, dim] each, live around their collectives.
+    b["tp_buffers"] = 2 * p * tokens * a.dim if tp > 1 else 0
+    loss = loss_region(cfg, a, p, tokens, tp, pd.loss_parallel)
     b["logits_loss"], held_logits = loss["at_loss"], loss["after"]
     b.update(fsdp_buffers(cfg, groups, shard, p, r))
     sync_last = cfg.training.gradient_accumulation_sync == "last"
@@ -274,9 +218,9 @@ def memory_plan(cfg: JobConfig, world_size: int) -> dict[str, int]:
     blocks_act = b["activations"] - head_act
     b["peak_loss"] = in_backward + b["activations"] + b["logits_loss"] + b["fsdp_loss"]
     b["peak_head_backward"] = (in_backward + b["activations"] + loss["at_head"]
-                               + b["fsdp_head"])
+                               + b["fsdp_head"] + b["tp_buffers"] // 2)
     b["peak_block_backward"] = (in_backward + blocks_act + b["ac_recompute"] + held_logits
-                                + b["fsdp_block"])
+                                + b["fsdp_block"] + b["tp_buffers"])
     emb_grad = FP32 * sum(shard_numel(s, shard) for s in groups["embedding"])
     b["peak_end_of_backward"] = (in_backward + on_device * (b["gradients"] - emb_grad)
                                  + held_logits + b["fsdp_embedding"])
@@ -347,7 +291,8 @@ def largest_local_batch(cfg: JobConfig, world_size: int, mem_gib: float,
 
 
 def throughput(cfg: JobConfig, peak_tflops: float, mfu: float) -> tuple[float, float]:
-    """(model FLOPs per token, tokens/s per device) at the assumed MFU of the bf16 peak."""
+    """(model FLOPs per token, tokens/s per device) at the assumed MFU of the bf16 peak. Per
+    device also under TP: a dp rank's tp devices together run tp x this (trainer.flops)."""
     vocab, _ = resolve_vocab(cfg)
     a = plan_args(cfg, vocab)
     fpt = flops_per_token(a, cfg.training.seq_len)

@@ -1,5 +1,6 @@
-"""The printed memory plan: the breakdown table, the verdict, the throughput at an assumed
-MFU, and the command line of `python -m trainer.plan` (trainer/plan.py computes the plan)."""
+"""The printed memory plan: the breakdown table, the verdict, the communication per step and
+mesh dimension (trainer/plan_comm.py), the throughput at an assumed MFU, and the command line
+of `python -m trainer.plan` (trainer/plan.py computes the plan)."""
 
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ from trainer.optim import implementation
 from trainer.plan import (CONTEXT_GIB, FRAGMENTATION, GIB, GPUS, Gpu, device_need,
                           largest_local_batch, memory_plan, plan_args, resolve_vocab,
                           throughput)
+from trainer.plan_comm import comm_volume
 from trainer.plan_host import HOST_ROWS, host_ram_gib, host_report
 
 # --------------------------------------------------------------------------- report
@@ -36,6 +38,7 @@ ROWS = [  # (key, label) in print order; None = a heading
     ("fsdp_head", "head backward (+ prefetched block)"),
     ("fsdp_block", "block backward (+ prefetch, rs in flight)"),
     ("fsdp_embedding", "embedding backward"),
+    ("tp_buffers", "TP: whole-sequence grads around collectives"),
     ("grad_accumulation", "unsharded grads kept for accumulation"),
     ("optimizer_step_temp", "optimizer step temporaries ({impl})"),
     ("offload_staging", "offload: host-to-device shard copies, one grad shard"),
@@ -58,7 +61,9 @@ def describe(cfg: JobConfig, world_size: int, ngpu: int, nnodes: int) -> list[st
         f"model: {cfg.model.flavor}, {a.num_params() / 1e9:.3f}B params, vocab {vocab} "
         f"(from {source})",
         f"mesh: {pd.describe()} = {ngpu} GPU(s) x {nnodes} node(s); parameters sharded over "
-        f"{pd.dp_shard} rank(s)",
+        + (f"{pd.dp_shard} rank(s)" if pd.tp == 1 else
+           f"tp {pd.tp} x dp_shard {pd.dp_shard} = {pd.tp * pd.dp_shard} ranks (norms over "
+           f"{pd.dp_shard})"),
         f"microbatch: {t.local_batch_size} x {t.seq_len} tokens, {accum} microbatch(es) per step "
         f"(sync '{t.gradient_accumulation_sync}')",
     ]
@@ -97,14 +102,36 @@ def report(cfg: JobConfig, b: dict[str, int], accum: int, gpu: Gpu, mem_gib: flo
         f"verdict: {verdict} on {gpu.name} ({(have - need) / GIB:+.2f} GiB device headroom"
         f"{'' if host_fits else '; not enough host memory'})",
     ]
+    return lines + comm_report(b) + throughput_report(cfg, gpu, mfu, accum)
+
+
+def comm_report(b: dict) -> list[str]:
+    """Bytes each rank sends per optimizer step over each mesh dimension (trainer/plan_comm.py)."""
+    if "comm_tp" not in b:
+        return []
+    m = b["comm_microbatches"]
+    return [f"communication per optimizer step, bytes each rank sends ({m} microbatch(es); "
+            "formulas: trainer/plan_comm.py)",
+            f"    {'tp (sequence-parallel activations, loss, norms)':<50} "
+            f"{b['comm_tp'] / GIB:10.3f} GiB",
+            f"    {'dp_shard (FSDP all-gathers + reduce-scatters)':<50} "
+            f"{b['comm_dp_shard'] / GIB:10.3f} GiB",
+            f"    {'dp_replicate (HSDP all-reduce)':<50} {b['comm_dp_replicate'] / GIB:10.3f} GiB"]
+
+
+def throughput_report(cfg: JobConfig, gpu: Gpu, mfu: float, accum: int) -> list[str]:
+    """Tokens/s per device at the assumed MFU and the step time. MFU is per device: a dp
+    rank's tokens are computed by its tp devices, so a dp rank runs tp x the per-device rate."""
     peak = table_peak_tflops(gpu.name)
-    if peak:
-        fpt, tps = throughput(cfg, peak[0], mfu)
-        step_s = t.local_batch_size * t.seq_len * accum / tps
-        lines.append(f"throughput at {mfu:.0%} MFU of {peak[0]:g} TFLOPS bf16 ({peak[1]}): "
-                     f"{tps:,.0f} tokens/s per device ({fpt:.4g} FLOPs/token; "
-                     f"{step_s:.3g} s per optimizer step)")
-    return lines
+    if not peak:
+        return []
+    t, tp = cfg.training, cfg.parallelism.tensor_parallel_degree
+    fpt, tps = throughput(cfg, peak[0], mfu)
+    step_s = t.local_batch_size * t.seq_len * accum / (tps * tp)
+    per_dp = f", {tps * tp:,.0f} per dp rank of {tp} devices" if tp > 1 else ""
+    return [f"throughput at {mfu:.0%} MFU of {peak[0]:g} TFLOPS bf16 ({peak[1]}): "
+            f"{tps:,.0f} tokens/s per device{per_dp} ({fpt:.4g} FLOPs/token; "
+            f"{step_s:.3g} s per optimizer step)"]
 
 
 def parse_args(argv: list[str]):
@@ -131,7 +158,7 @@ def main(argv: list[str]) -> int:
         cfg = load_config(["--job.config_file", args.config, *overrides])
         world = args.ngpu * args.nnodes
         header = describe(cfg, world, args.ngpu, args.nnodes)
-        b = memory_plan(cfg, world)
+        b = {**memory_plan(cfg, world), **comm_volume(cfg, world)}
         accum = cfg.resolve(world)[1]
     except UserError as e:
         print(e.one_line(), file=sys.stderr)
