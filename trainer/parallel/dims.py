@@ -112,6 +112,8 @@ class ParallelDims:
         kind = "HSDP" if self.hsdp else "FSDP"
         if self.dp_shard == 1 and self.hsdp:
             kind = "replicate"
+        elif self.dp_size == 1 and self.tp_enabled:
+            kind = "no data parallelism"
         tp = (f" x TP {self.tp} (sequence parallel, loss "
               f"{'parallel' if self.loss_parallel else 'gathered'})" if self.tp_enabled else "")
         return (f"{kind} mesh (dp_replicate={self.dp_replicate}, dp_shard={self.dp_shard})"
