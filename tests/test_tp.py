@@ -153,6 +153,8 @@ def test_loss_parallel_never_holds_the_full_vocabulary():
                                                       "'llama3.2-3B' n_heads = 24"),
     (4, [TP, "4", "--model.vocab_size", "8190"], "does not divide the vocab (model.vocab_size) "
                                                  "= 8190"),
+    (4, [TP, "4", "--training.seq_len", "66"], "training.seq_len = 66 is not a multiple of "
+                                               "parallelism.tensor_parallel_degree = 4"),
     (4, [TP, "2", "--parallelism.data_parallel_shard_degree", "4"], "multiply to 8, but the "
                                                                      "world size is 4"),
     (4, [TP, "2", "--parallelism.enable_async_tensor_parallel", "true"],

@@ -93,6 +93,10 @@ class JobConfig:
         check_tp_shapes(model_args(self.model.flavor, vocab_size=self.model.vocab_size or None),
                         pd.tp, self.model.flavor,
                         "model.vocab_size" if self.model.vocab_size else None)
+        if self.training.seq_len % pd.tp:
+            raise ConfigError(f"training.seq_len = {self.training.seq_len} is not a multiple of "
+                              f"parallelism.tensor_parallel_degree = {pd.tp}: sequence "
+                              "parallelism splits each sequence evenly over the tp ranks")
         accum = accumulation_steps(self.training, pd.dp_size)
         per_pass = self.training.local_batch_size * pd.dp_size
         check_ramp(self.training, per_pass, per_pass * accum)

@@ -141,6 +141,10 @@ def project(h: torch.Tensor, weight: torch.Tensor, labels=None, loss_fn=None) ->
 
 
 class Transformer(nn.Module):
+    # Sequence lengths a forward takes must be multiples of this (tensor parallelism's sequence
+    # sharding sets it to the tp degree: trainer/parallel/tp.py).
+    sequence_multiple = 1
+
     def __init__(self, args: ModelArgs):
         super().__init__()
         self.args = args

@@ -4,7 +4,7 @@ single-process reference, with a tracker of every tensor the loss creates.
 For the untied and the tied debug model (2 layers, fp32), each loss kind (chunked, eager) with
 and without a z-loss, and labels with ignored tokens: the TP model's loss equals the
 reference's (the same weights on one process) within 1e-5, and every gradient, gathered,
-within 1e-5 of its largest element; so do the logits without labels (gathered over tp). A TorchDispatchMode records the shape of every tensor an
+within 1e-5 of its largest element; so do the logits without labels (gathered over tp) and the eval scores of odd-length requests. A TorchDispatchMode records the shape of every tensor an
 op returns during forward and backward: under loss parallel no tensor has a dimension of the
 full vocabulary; the gathered variant (disable_loss_parallel) does (the tracker sees the full
 logits chunk), so the tracker can fail. Prints "tp probe ok ..." per passing case.
@@ -20,6 +20,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
 from trainer.config import load_config
+from trainer.evals.scoring import Request, score_batch
 from trainer.loss import IGNORE_INDEX, build_loss
 from trainer.model import Transformer, build_model, model_args
 from trainer.parallelize import parallelize
@@ -73,6 +74,9 @@ def run(flavor: str, kind: str, z: float, loss_parallel: bool) -> None:
     with torch.no_grad():  # logits without labels (evals, validation): gathered over tp
         logits, ref_logits = model(inputs), ref(inputs)
     assert logits.shape == (2, SEQ, VOCAB) and torch.allclose(logits, ref_logits, atol=1e-5)
+    requests = [Request(tuple(range(3, 3 + n)), 2) for n in (8, 11)]  # widths 7 and 10
+    got, want = score_batch(model, requests, "cpu"), score_batch(ref, requests, "cpu")
+    assert torch.allclose(got, want, atol=1e-4), (got, want)  # evals: padded to even shards
     full_vocab = sorted(s for s in tracker.shapes if VOCAB in s)
     case = f"{flavor} {kind} z={z} loss_parallel={loss_parallel}"
     if loss_parallel:

@@ -84,8 +84,11 @@ def forward_one_document(model, inputs: torch.Tensor) -> torch.Tensor:
 @torch.no_grad()
 def score_batch(model, requests: list[Request], device, pad_id: int = 0) -> torch.Tensor:
     """Summed continuation log-likelihood of each request, float64 [len(requests)]. The batch
-    is right-padded to its longest input (causal attention: padding changes no real logit)."""
-    width = max(len(r.tokens) - 1 for r in requests)
+    is right-padded to its longest input (causal attention: padding changes no real logit),
+    rounded up to the model's `sequence_multiple` (sequence parallelism shards the sequence
+    evenly over the tp ranks)."""
+    multiple = getattr(model, "sequence_multiple", 1)
+    width = -(-max(len(r.tokens) - 1 for r in requests) // multiple) * multiple
     inputs = torch.full((len(requests), width), pad_id, dtype=torch.long)
     targets = torch.zeros((len(requests), width), dtype=torch.long)
     mask = torch.zeros((len(requests), width), dtype=torch.bool)

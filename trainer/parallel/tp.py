@@ -47,6 +47,7 @@ def apply_tp(model: Transformer, tp_mesh, *, float8_tensorwise: bool = False,
         "tok_embeddings": RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1)),
         "norm": SequenceParallel(),
     })
+    model.sequence_multiple = tp_mesh.size()  # sequence parallel: even sequence shards
     if model.output is not None:
         _shard_head(model.output, tp_mesh)
     colwise, rowwise, prepare_input = _styles(float8_tensorwise)
