@@ -7,7 +7,7 @@ reference's (the same weights on one process) within 1e-5, and every gradient, g
 within 1e-5 of its largest element; so do the logits without labels (gathered over tp) and the eval scores of odd-length requests. A TorchDispatchMode records the shape of every tensor an
 op returns during forward and backward: under loss parallel no tensor has a dimension of the
 full vocabulary; the gathered variant (disable_loss_parallel) does (the tracker sees the full
-logits chunk), so the tracker can fail. Prints "tp probe ok ..." per passing case.
+logits chunk), so the tracker can fail. One case compiles the blocks (torch.compile on CPU). Prints "tp probe ok ..." per passing case.
 """
 
 import dataclasses
@@ -44,8 +44,9 @@ class ShapeTracker(TorchDispatchMode):
         return out
 
 
-def run(flavor: str, kind: str, z: float, loss_parallel: bool) -> None:
-    overrides = ["--parallelism.tensor_parallel_degree", "2", "--training.seq_len", str(SEQ)]
+def run(flavor: str, kind: str, z: float, loss_parallel: bool, compile: bool = False) -> None:
+    overrides = ["--parallelism.tensor_parallel_degree", "2", "--training.seq_len", str(SEQ),
+                 "--compile.enable", str(compile).lower()]
     if not loss_parallel:
         overrides += ["--parallelism.disable_loss_parallel", "true"]
     cfg = load_config(overrides)
@@ -78,7 +79,7 @@ def run(flavor: str, kind: str, z: float, loss_parallel: bool) -> None:
     got, want = score_batch(model, requests, "cpu"), score_batch(ref, requests, "cpu")
     assert torch.allclose(got, want, atol=1e-4), (got, want)  # evals: padded to even shards
     full_vocab = sorted(s for s in tracker.shapes if VOCAB in s)
-    case = f"{flavor} {kind} z={z} loss_parallel={loss_parallel}"
+    case = f"{flavor} {kind} z={z} loss_parallel={loss_parallel} compile={compile}"
     if loss_parallel:
         assert not full_vocab, f"{case}: full-vocabulary tensors {full_vocab}"
         assert any(VOCAB // 2 in s for s in tracker.shapes), tracker.shapes  # the shard's
@@ -93,6 +94,9 @@ def main(argv: list[str]) -> None:
         for kind, z in (("chunked", 0.0), ("chunked", 1e-3), ("eager", 1e-3)):
             run(flavor, kind, z, loss_parallel=True)
         run(flavor, "chunked", 1e-3, loss_parallel=False)
+    # compiled blocks (a compiled first block once dropped FSDP's hook on the embedding's
+    # output view: its gradient was wrong)
+    run("debugmodel", "chunked", 0.0, loss_parallel=True, compile=True)
     dist.barrier()
     dist.destroy_process_group()
 

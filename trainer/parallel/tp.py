@@ -24,8 +24,6 @@ symmetric memory.
 
 from __future__ import annotations
 
-import warnings
-
 import torch
 from torch import nn
 from torch.distributed.tensor import Replicate, Shard, distribute_module, distribute_tensor
@@ -39,14 +37,15 @@ from trainer.model import Transformer
 def apply_tp(model: Transformer, tp_mesh, *, float8_tensorwise: bool = False,
              async_tp: bool = False) -> None:
     """Shard `model` (on meta, before AC, compile and FSDP) over the 1-D `tp_mesh`."""
-    # The embedding's output is its sequence shard, a view (DTensor.to_local); FSDP warns
-    # that an in-place op on it would skip its hook. The model adds out of place.
-    warnings.filterwarnings("ignore", message=r"FSDP2-wrapped module \(FSDPEmbedding\) "
-                            r"returned a view tensor")
     parallelize_module(model, tp_mesh, {
         "tok_embeddings": RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1)),
         "norm": SequenceParallel(),
     })
+    # The embedding's output is its sequence shard as a view (DTensor.to_local). FSDP hooks
+    # its backward on that output; a compiled first block replays the view, which drops the
+    # hook (the embedding's gradient came out wrong under compile). A copy, [b, s/tp, dim],
+    # is the block's own input. Registered before fully_shard, it runs before FSDP's hook.
+    model.tok_embeddings.register_forward_hook(lambda module, args, out: out.clone())
     model.sequence_multiple = tp_mesh.size()  # sequence parallel: even sequence shards
     if model.output is not None:
         _shard_head(model.output, tp_mesh)
