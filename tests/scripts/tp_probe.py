@@ -1,7 +1,7 @@
 """Under torchrun (2 ranks, TP 2): the loss-parallel head against the gathered one and a
 single-process reference, with a tracker of every tensor the loss creates.
 
-For the untied and the tied debug model (2 layers, fp32), each loss kind (chunked, eager) with
+The seeded init gives the reference's weights bitwise. For the untied and the tied debug model (2 layers, fp32), each loss kind (chunked, eager) with
 and without a z-loss, and labels with ignored tokens: the TP model's loss equals the
 reference's (the same weights on one process) within 1e-5, and every gradient, gathered,
 within 1e-5 of its largest element; so do the logits without labels (gathered over tp) and the eval scores of odd-length requests. A TorchDispatchMode records the shape of every tensor an
@@ -57,6 +57,8 @@ def run(flavor: str, kind: str, z: float, loss_parallel: bool, compile: bool = F
                         param_dtype="float32")
     ref = Transformer(args)
     ref.init_weights(cfg.job.seed)
+    for (name, p), (_, q) in zip(model.named_parameters(), ref.named_parameters()):
+        assert torch.equal(p.full_tensor(), q), name  # the seeded init ignores the layout
     gen = torch.Generator().manual_seed(0)
     inputs = torch.randint(0, VOCAB, (2, SEQ), generator=gen)
     labels = torch.randint(0, VOCAB, (2, SEQ), generator=gen)
