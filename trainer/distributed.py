@@ -11,6 +11,7 @@ import torch
 import torch.distributed as dist
 
 from trainer.errors import ConfigError, UserError
+from trainer.heartbeat import note_timeout
 
 
 def log0(msg: str) -> None:
@@ -64,5 +65,6 @@ def reduce_loss(rank_loss: torch.Tensor, dp_group) -> tuple[float, float]:
 def set_collective_timeout(seconds: int) -> None:
     """Apply the training timeout to every process group (the default one and the mesh's)."""
     timeout = datetime.timedelta(seconds=seconds)
+    note_timeout(seconds)  # named in a hang's report
     for group in list(dist.distributed_c10d._world.pg_names):
         dist.distributed_c10d._set_pg_timeout(timeout, group)

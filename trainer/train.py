@@ -30,6 +30,7 @@ from typing import NamedTuple
 import torch
 import torch.distributed as dist
 
+from trainer import heartbeat, restarts
 from trainer.checkpoint import Checkpointer, TrainState
 from trainer.config import OFFLOAD_NEEDS_CUDA, JobConfig, load_config
 from trainer.device import Precision, resolve_compute_dtype, resolve_device
@@ -52,9 +53,11 @@ from trainer.model import build_model, model_args
 from trainer.optim import build_lr_scheduler, build_optimizer
 from trainer.parallelize import parallelize, set_gradient_sync
 from trainer.preemption import PREEMPTED_EXIT_CODE, Preempted, StopSignals
+from trainer.heartbeat import HANG_EXIT_CODE
 from trainer.profiling import StepProfiler
 from trainer.spikes import (act_on_spike, check_data_skips, note_past_skips, pass_over,
                             skipped_step, spike_check)
+from trainer.stragglers import StragglerWatch, injected_delay
 from trainer.validate import Validator, log_validation
 
 # Debugging/testing hook: print a hash of every sample each rank trains on, per step.
@@ -138,7 +141,9 @@ def train_step(model, optimizer, scheduler, loader, *, accum: int, sync_mode: st
     size to make the reduced gradient a plain sum: the result equals one large batch on any
     world size and any number of microbatches.
     """
-    spike_factor = injected_spike(loader)  # testing hook; 1.0 unless asked
+    heartbeat.phase("step_start", step)
+    heartbeat.inject_fault(step)  # testing hooks; nothing unless asked
+    spike_factor = injected_spike(loader)  # 1.0 unless asked
     debug_ids = None
     if os.environ.get(DEBUG_DATA_ENV):  # where each sample comes from, if the order is global
         debug_ids = loader.sample_ids(loader.sample_indices(0)) \
@@ -157,12 +162,14 @@ def train_step(model, optimizer, scheduler, loader, *, accum: int, sync_mode: st
     for i, (inputs, labels) in enumerate(batches):
         set_gradient_sync(model, sync_mode, is_last=i == accum - 1)
         inputs = inputs.to(device)
+        heartbeat.phase("forward", step)
         # The model's head computes the summed token loss (trainer/loss.py): no logits here.
         # Document ids (None without documents) let the model mask and position per document.
         loss = model(inputs, labels=labels.to(device), loss_fn=loss_fn,
                      doc_ids=loader.document_ids(inputs) if documents else None) / global_tokens
         if i == 0:
             inject_oom(step)  # testing hook; nothing unless asked
+        heartbeat.phase("backward")
         (loss * dp_size).backward()
         loss_sum += loss.detach()
     z_loss = loss_fn.take_z_loss()  # the z-loss term summed over this rank's tokens, or None
@@ -172,6 +179,7 @@ def train_step(model, optimizer, scheduler, loader, *, accum: int, sync_mode: st
         loss_sum = loss_sum * spike_factor
     loss_sum = loss_sum + injected_nan(step)  # testing hook; 0.0 unless asked
     flag_nonfinite_loss(model, loss_sum)  # a rank's bad loss makes the global norm NaN
+    heartbeat.phase("clip")
     grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm or math.inf,
                                                foreach=True)
     grad_norm = grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm
@@ -183,6 +191,7 @@ def train_step(model, optimizer, scheduler, loader, *, accum: int, sync_mode: st
     stepped = stepped and spike is None
     if stepped:
         optimizer.step()
+    injected_delay()  # testing hook: a slow rank
     scheduler.step()
     optimizer.zero_grad(set_to_none=True)
     metrics.count_tokens(local_tokens)
@@ -205,7 +214,10 @@ def print_sample_hashes(batches, dp_group, ids: list[str]) -> None:
 def train(cfg: JobConfig) -> None:
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
     parallel_dims, accum = cfg.resolve(world_size)  # config errors before any process group
+    restarts.check_restart(cfg.job.dump_folder, cfg.health.max_same_failures)
     device = init_distributed(cfg)
+    heartbeat.note_timeout(cfg.comm.init_timeout_seconds)
+    heartbeat.Heartbeat(cfg.health.heartbeat_seconds).start()
     if dist.get_rank() == 0:
         cfg.save(os.path.join(cfg.job.dump_folder, "config.toml"))
     precision = choose_precision(cfg, device)
@@ -262,6 +274,7 @@ def train(cfg: JobConfig) -> None:
         if not checkpointer.load(agree_on_user_errors(checkpointer.step_to_load,
                                                       same_result=True)):
             agree_on_user_errors(load_initial, model, cfg, log=log0)  # initial_load_path
+        restarts.note_restart(metrics, state.step, log0)
         for event in loader.pop_events():  # e.g. a blend resumed with other weights
             log0(f"data: resuming after step {state.step}: {event}")
         with StepProfiler(cfg, rank=dist.get_rank(), device=device,
@@ -288,9 +301,12 @@ def run_loop(cfg, model, optimizer, scheduler, loader, checkpointer, metrics, pr
         log0(f"nothing to do: already at step {state.step} of {cfg.training.steps}")
     note_past_skips(cfg.training.skip_data_steps, state.step)
     first_step = state.step + 1
+    watch = StragglerWatch(cfg.health.straggler_factor, cfg.health.straggler_steps,
+                           dist.get_rank(), dist.get_world_size(), log0)
     while state.step < cfg.training.steps:
         state.step += 1
         metrics.step_timer()
+        watch.start_step()
         accum = next_batch(cfg, loader, state.step)  # a batch-size ramp sets the step's batch
         pass_over(loader, state.step, cfg.training.skip_data_steps, state.rollback_steps)
         try:
@@ -308,13 +324,15 @@ def run_loop(cfg, model, optimizer, scheduler, loader, checkpointer, metrics, pr
         for event in loader.pop_events():  # e.g. a blend's source starting a new epoch
             log0(f"data: step {state.step}: {event}")
         if state.step % cfg.metrics.log_freq == 0 or last or state.step == first_step:
+            heartbeat.phase("log")
             avg, mx = reduce_loss(rank_loss, dp_group)
             metrics.log(state.step, global_avg_loss=avg, global_max_loss=mx,
                         grad_norm=float(grad_norm), lr=lr,
                         tokens_seen=state.tokens_seen, local_loss=rank_loss.item(),
                         z_loss=reduce_z_loss(z_loss, dp_group))
             metrics.log_scalars(state.step, {
-                **loader.metrics(), "batch_metrics/global_batch_size": loader.global_batch_size,
+                **loader.metrics(), **watch.scalars,
+                "batch_metrics/global_batch_size": loader.global_batch_size,
                 "batch_metrics/step_tokens": cfg.training.seq_len * loader.global_batch_size})
         if spike is not None:
             if act_on_spike(spike, guard, checkpointer, state, metrics):
@@ -326,8 +344,10 @@ def run_loop(cfg, model, optimizer, scheduler, loader, checkpointer, metrics, pr
         if evaluator is not None and evaluator.due(state.step, last):
             log_evals(state.step, evaluator.run(model), evaluator.seconds, metrics, log0)
         profiler.step()
+        heartbeat.phase("checkpoint")
         saved = stepped and checkpointer.maybe_save(state.step, last=last)
-        stop_now, async_done, avg_loss = agree_at_step_end(stop, checkpointer, device, rank_loss)
+        stop_now, async_done, avg_loss = agree_at_step_end(stop, checkpointer, device, rank_loss,
+                                                           watch, state.step)
         if stepped:
             guard.good_step(state.step, avg_loss)
         if async_done:  # every rank's background write of an async save has finished
@@ -341,16 +361,21 @@ def run_loop(cfg, model, optimizer, scheduler, loader, checkpointer, metrics, pr
 
 
 def agree_at_step_end(stop: StopSignals, checkpointer: Checkpointer, device,
-                      rank_loss: torch.Tensor) -> tuple[bool, bool, float]:
+                      rank_loss: torch.Tensor, watch: StragglerWatch,
+                      step: int) -> tuple[bool, bool, float]:
     """One tiny all-reduce per step: (any rank got a stop signal, every rank's async save in
     flight has finished writing, so it can be committed now rather than at the next save, the
-    mean of the ranks' losses for the spike detector; the world is the dp group)."""
-    flags = torch.stack([torch.tensor(1.0 if stop.received else 0.0, device=device),
-                         torch.tensor(0.0 if checkpointer.write_finished() else 1.0,
-                                      device=device),
-                         rank_loss.detach().float().reshape(())])
-    dist.all_reduce(flags)  # SUM: counts of ranks for the flags
-    stop_now, not_done, loss_sum = flags.tolist()
+    mean of the ranks' losses for the spike detector; the world is the dp group). It also
+    gathers every rank's step time for the straggler watch (one slot per rank)."""
+    heartbeat.phase("step_end")
+    flags = torch.cat([torch.stack([torch.tensor(1.0 if stop.received else 0.0, device=device),
+                                    torch.tensor(0.0 if checkpointer.write_finished() else 1.0,
+                                                 device=device),
+                                    rank_loss.detach().float().reshape(())]),
+                       watch.slots(device)])
+    dist.all_reduce(flags)  # SUM: counts of ranks for the flags, each rank's own time slot
+    stop_now, not_done, loss_sum, *times = flags.tolist()
+    watch.update(step, times)
     return (stop_now > 0, checkpointer.pending is not None and not_done == 0,
             loss_sum / dist.get_world_size())
 
@@ -383,12 +408,12 @@ def main(argv: list[str]) -> int:
     except Preempted as e:
         log0(str(e))
         code = e.exit_code
-    except Exception:
-        if not peer_ran_out_of_memory():
+    except Exception as e:  # a peer that ran out of memory, hung or died has been reported
+        code = OOM_EXIT_CODE if peer_ran_out_of_memory() else heartbeat.collective_failure(e)
+        if code is None:
             raise
-        code = OOM_EXIT_CODE  # our collective failed because that peer left: it has reported
     finally:
-        if dist.is_initialized() and code != OOM_EXIT_CODE:  # peers may be mid-collective
+        if dist.is_initialized() and code not in (OOM_EXIT_CODE, HANG_EXIT_CODE):
             if code in (0, PREEMPTED_EXIT_CODE):
                 dist.barrier()
             dist.destroy_process_group()
