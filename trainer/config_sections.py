@@ -346,7 +346,7 @@ class Health:
     max_same_failures: int = opt(3, "With MAX_RESTARTS: stop instead of restarting after this "
                                  "many attempts in a row failed the same way at the same step; "
                                  "0 = never", min=0)
-    straggler_factor: float = opt(1.5, "A rank whose step time exceeds the median's by this "
-                                  "factor is slow", min=1.0)
+    straggler_factor: float = opt(1.5, "A rank whose step time exceeds the other ranks' median "
+                                  "by this factor is slow", min=1.0)
     straggler_steps: int = opt(5, "Name a rank slow for this many steps in a row in one line; "
                                "0 = never", min=0)

@@ -2,7 +2,7 @@
 collective times out.
 
     training error: rank 1 stopped responding at step 3 (FSDP all-gather in forward; no answer
-    for 15 s); its last heartbeat was in backward of step 3, on host node7 (pid 4242)
+    for 15 s); its last heartbeat said step 3, backward; host node7, pid 4242
 
 A collective that a rank never joins (the process stopped, a GPU that no longer answers, a
 network partition) fails on its healthy peers only when the collective timeout fires
@@ -157,8 +157,8 @@ def report_line(stopped: list[int], behind: list[int], entries: dict) -> str:
                 "is current (a slow collective? raise comm.train_timeout_seconds)")
     first = entries.get((stopped or behind)[0])
     last = "" if not first else (
-        f"; its last heartbeat was in {first['phase']} of step {first['step']}, on host "
-        f"{first['host']} (pid {first['pid']})")
+        f"; its last heartbeat said step {first['step']}, {first['phase']}; host "
+        f"{first['host']}, pid {first['pid']}")
     return f"training error: {'; '.join(parts)}{last}"
 
 

@@ -34,6 +34,20 @@ def attempt() -> int:
     return int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
 
 
+def attempt_store(timeout):
+    """Under torchrun, the store the process group meets through, with this attempt's prefix
+    (else None: init_process_group's own). torchrun hands every attempt the same agent store
+    without one, so the ranks of a restart would read the previous attempt's gloo addresses
+    (measured: "connectFullMesh failed ... Connection refused", or a hang)."""
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
+        return None
+    import torch.distributed as dist
+
+    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]),
+                          is_master=False, timeout=timeout)
+    return dist.PrefixStore(f"trainer/attempt_{attempt()}", store)
+
+
 def launch_id() -> str:
     return os.environ.get("TORCHELASTIC_RUN_ID", "none")
 

@@ -6,8 +6,9 @@ rank (each rank fills its own slot of a world-size vector, the SUM gathers them)
 every rank's time costs no extra collective. Every rank then sees the same times and takes the
 same decisions; rank 0 logs `timing/step_time_max`, `timing/slowest_rank`,
 `timing/step_time_median` and `timing/step_time_spread` (max / median) on log steps, and a rank
-slower than the median by `health.straggler_factor` for `health.straggler_steps` steps in a
-row is named in one line (again once it recovers and falls behind anew).
+slower than the median of the other ranks by `health.straggler_factor` for
+`health.straggler_steps` steps in a row is named in one line (again once it has recovered and
+falls behind anew).
 
 What the times can show: collectives inside the step (FSDP's all-gathers and reduce-scatters,
 the clip all-reduce) make the other ranks wait for a slow one, so a rank slow before the step's
@@ -59,10 +60,10 @@ class StragglerWatch:
                         "timing/step_time_median": median,
                         "timing/step_time_spread": times[slowest] / max(median, 1e-9)}
         for r, t in enumerate(times):
-            slow = len(times) > 1 and t > self.factor * median
-            self.slow_for[r] = self.slow_for[r] + 1 if slow else 0
+            others = statistics.median(times[:r] + times[r + 1:]) if len(times) > 1 else t
+            self.slow_for[r] = self.slow_for[r] + 1 if t > self.factor * others else 0
             if self.steps and self.slow_for[r] == self.steps:
-                self.log(f"straggler: rank {r} slower than the median by more than "
-                         f"{self.factor:g}x for {self.steps} steps in a row (step {step}: "
-                         f"{t:.3f}s against a median of {median:.3f}s)")
+                self.log(f"straggler: rank {r} slower than the other ranks' median by more "
+                         f"than {self.factor:g}x for {self.steps} steps in a row (step {step}: "
+                         f"{t:.3f}s against {others:.3f}s)")
         return self.scalars

@@ -86,7 +86,10 @@ def init_distributed(cfg: JobConfig) -> torch.device:
     if "RANK" not in os.environ:  # plain `python -m trainer.train`: a world of one
         os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1",
                           MASTER_PORT=str(_free_port()))
-    dist.init_process_group(backend, timeout=timeout)
+    store = restarts.attempt_store(timeout)  # under torchrun: this attempt's own keys
+    world = {} if store is None else dict(rank=int(os.environ["RANK"]),
+                                          world_size=int(os.environ["WORLD_SIZE"]))
+    dist.init_process_group(backend, timeout=timeout, store=store, **world)
     torch.manual_seed(cfg.job.seed)
     return device
 
@@ -323,7 +326,8 @@ def run_loop(cfg, model, optimizer, scheduler, loader, checkpointer, metrics, pr
         last = state.step == cfg.training.steps
         for event in loader.pop_events():  # e.g. a blend's source starting a new epoch
             log0(f"data: step {state.step}: {event}")
-        if state.step % cfg.metrics.log_freq == 0 or last or state.step == first_step:
+        log_step = state.step % cfg.metrics.log_freq == 0 or last or state.step == first_step
+        if log_step:
             heartbeat.phase("log")
             avg, mx = reduce_loss(rank_loss, dp_group)
             metrics.log(state.step, global_avg_loss=avg, global_max_loss=mx,
@@ -331,8 +335,7 @@ def run_loop(cfg, model, optimizer, scheduler, loader, checkpointer, metrics, pr
                         tokens_seen=state.tokens_seen, local_loss=rank_loss.item(),
                         z_loss=reduce_z_loss(z_loss, dp_group))
             metrics.log_scalars(state.step, {
-                **loader.metrics(), **watch.scalars,
-                "batch_metrics/global_batch_size": loader.global_batch_size,
+                **loader.metrics(), "batch_metrics/global_batch_size": loader.global_batch_size,
                 "batch_metrics/step_tokens": cfg.training.seq_len * loader.global_batch_size})
         if spike is not None:
             if act_on_spike(spike, guard, checkpointer, state, metrics):
@@ -348,6 +351,8 @@ def run_loop(cfg, model, optimizer, scheduler, loader, checkpointer, metrics, pr
         saved = stepped and checkpointer.maybe_save(state.step, last=last)
         stop_now, async_done, avg_loss = agree_at_step_end(stop, checkpointer, device, rank_loss,
                                                            watch, state.step)
+        if log_step:  # every rank's time, gathered by that all-reduce
+            metrics.log_scalars(state.step, watch.scalars)
         if stepped:
             guard.good_step(state.step, avg_loss)
         if async_done:  # every rank's background write of an async save has finished
