@@ -81,4 +81,5 @@ def test_a_slow_rank_is_named_as_the_straggler(tmp_path):
     slowest = scalars(tmp_path, "timing/slowest_rank")
     assert sorted(slowest) == [1, 2, 3, 4, 5] and set(slowest.values()) == {1.0}, slowest
     assert all(v >= 0.4 for v in scalars(tmp_path, "timing/step_time_max").values())
-    assert all(v > 1.5 for v in scalars(tmp_path, "timing/step_time_spread").values())
+    # max / median of all ranks: with two, the median is their mean
+    assert all(v > 1.2 for v in scalars(tmp_path, "timing/step_time_spread").values())

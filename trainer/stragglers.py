@@ -1,7 +1,8 @@
 """Stragglers made visible: every rank's step time, the slowest one named.
 
-Each rank times its step from the step's start until it is ready for the step-end all-reduce
-(train.agree_at_step_end); that all-reduce already runs every step, and carries one float per
+Each rank times its step from the step's start until its optimizer step is done (before the
+loss all-reduce of a log step, which waits for the slowest rank); the step-end all-reduce
+(train.agree_at_step_end) already runs every step, and carries one float per
 rank (each rank fills its own slot of a world-size vector, the SUM gathers them), so knowing
 every rank's time costs no extra collective. Every rank then sees the same times and takes the
 same decisions; rank 0 logs `timing/step_time_max`, `timing/slowest_rank`,
@@ -38,17 +39,22 @@ def injected_delay() -> None:
 class StragglerWatch:
     def __init__(self, factor: float, steps: int, rank: int, world: int, log):
         self.factor, self.steps, self.rank, self.world, self.log = factor, steps, rank, world, log
-        self.t0 = time.perf_counter()
+        self.t0, self.elapsed = time.perf_counter(), 0.0
         self.slow_for = [0] * world  # consecutive slow steps per rank
         self.scalars: dict[str, float] = {}
 
     def start_step(self) -> None:
         self.t0 = time.perf_counter()
 
+    def stop_step(self) -> None:
+        """The step's compute is done (before the loss all-reduce of a log step, which waits
+        for the slowest rank)."""
+        self.elapsed = time.perf_counter() - self.t0
+
     def slots(self, device) -> torch.Tensor:
-        """This rank's step time so far in its slot of a world-size vector (zeros elsewhere)."""
+        """This rank's step time in its slot of a world-size vector (zeros elsewhere)."""
         out = torch.zeros(self.world, dtype=torch.float32, device=device)
-        out[self.rank] = time.perf_counter() - self.t0
+        out[self.rank] = self.elapsed
         return out
 
     def update(self, step: int, times: list[float]) -> dict[str, float]:

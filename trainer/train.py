@@ -320,6 +320,7 @@ def run_loop(cfg, model, optimizer, scheduler, loader, checkpointer, metrics, pr
                 step=state.step, device=device, spike_check=check)
         except torch.OutOfMemoryError:  # rank-local: one line, see trainer/oom.py
             raise out_of_memory(cfg, state.step, device) from None
+        watch.stop_step()
         if stepped:
             after_optimizer_step(model, cfg.float8)
         state.tokens_seen += cfg.training.seq_len * loader.global_batch_size
