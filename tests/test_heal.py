@@ -83,3 +83,16 @@ def test_a_slow_rank_is_named_as_the_straggler(tmp_path):
     assert all(v >= 0.4 for v in scalars(tmp_path, "timing/step_time_max").values())
     # max / median of all ranks: with two, the median is their mean
     assert all(v > 1.2 for v in scalars(tmp_path, "timing/step_time_spread").values())
+
+
+@pytest.mark.chaos_long
+def test_chaos_every_kind(tmp_path, request):
+    """Every fault kind twice (hung ranks and kills healed in-job); ~3 min on 2 cores."""
+    if "chaos_long" not in (request.config.getoption("-m") or ""):
+        pytest.skip("long chaos run: select it with -m chaos_long")
+    from scripts.chaos import KINDS, ok, report, run_chaos
+
+    fig = run_chaos(tmp_path, faults=14, min_during_save=5, steps=32, interval=2, seed=1,
+                    kinds=KINDS, min_each=2)
+    print(report(fig, 2))
+    assert ok(fig, 14, 5, 2), report(fig, 2)

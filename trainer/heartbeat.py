@@ -19,10 +19,11 @@ HANG_EXIT_CODE without tearing down the process group (a peer is gone). The laun
 a stopped rank at once (trainer/launch.py) rather than waiting 30 s for it to obey SIGTERM.
 
 On CUDA the same heartbeat names the rank; nccl's own watchdog aborts the communicator after
-the timeout, and its flight recorder (TORCH_NCCL_TRACE_BUFFER_SIZE > 0, set by run_train.sh
-and the SLURM script) dumps the last collectives of each rank on a timeout to
-TORCH_NCCL_DEBUG_INFO_TEMP_FILE<rank> (default /tmp/nccl_trace_rank_<rank>; the scripts put
-it in `{dump_folder}/nccl_trace/`); read it with `python -m torch.distributed.flight_recorder`.
+the timeout, and its flight recorder (TORCH_NCCL_TRACE_BUFFER_SIZE=2000 and
+TORCH_NCCL_DUMP_ON_TIMEOUT=1, set by run_train.sh and the SLURM script unless already set)
+dumps each rank's last collectives on a timeout to TORCH_NCCL_DEBUG_INFO_TEMP_FILE<rank>
+(default /tmp/nccl_trace_rank_<rank>, on each node); read them with
+`python -m torch.distributed.flight_recorder`. Not run here (no GPU).
 """
 
 from __future__ import annotations
