@@ -175,7 +175,7 @@ def claim_report(what: str) -> bool:
 def collective_failure(exc: BaseException) -> int | None:
     """The exit code after a collective failed with `exc` (one rank prints one line, and
     records the failure for the restart guard), or None if `exc` is no collective's failure."""
-    if not dist.is_initialized():
+    if not dist.is_initialized() or not isinstance(exc, RuntimeError):  # gloo's and nccl's
         return None
     if is_timeout(exc):
         stopped, behind, entries = missing_ranks(_state["beat_s"] or 1.0)
@@ -191,6 +191,15 @@ def collective_failure(exc: BaseException) -> int | None:
         time.sleep(PEER_LOST_GRACE_S)
         return 1
     return None
+
+
+def record_crash(exc: BaseException) -> None:
+    """Any other error (its traceback is printed): recorded for the restart guard."""
+    if dist.is_initialized():
+        text = f"{type(exc).__name__}: {exc}".splitlines()[0][:300]
+        record_failure("error", [dist.get_rank()], _state["step"],
+                       f"training error: rank {dist.get_rank()} failed at step {_state['step']} "
+                       f"({PHASES.get(_state['phase'], _state['phase'])}): {text}")
 
 
 def inject_fault(step: int) -> None:

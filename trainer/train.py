@@ -20,9 +20,7 @@ if __name__ == "__main__":
     for _name in ("SIGTERM", "SIGUSR1", "SIGINT", "SIGUSR2", "SIGHUP"):
         signal.signal(getattr(signal, _name), lambda signum, frame: EARLY_SIGNALS.append(signum))
 
-import datetime  # noqa: E402
-import hashlib  # noqa: E402
-import math
+import math  # noqa: E402
 import os
 import sys
 from typing import NamedTuple
@@ -32,15 +30,16 @@ import torch.distributed as dist
 
 from trainer import heartbeat, restarts
 from trainer.checkpoint import Checkpointer, TrainState
-from trainer.config import OFFLOAD_NEEDS_CUDA, JobConfig, load_config
-from trainer.device import Precision, resolve_compute_dtype, resolve_device
+from trainer.config import JobConfig, load_config
+from trainer.device import Precision, resolve_compute_dtype
 from trainer.attention import attention_args
 from trainer.data import build_dataloader, check_model_vocab, padded_vocab_size
 from trainer.data.documents import check_documents
-from trainer.distributed import (agree_on_user_errors, log0, reduce_loss, reduce_z_loss,
-                                 set_collective_timeout)
+from trainer.distributed import (DEBUG_DATA_ENV, agree_on_user_errors,  # noqa: F401
+                                 init_distributed, log0, print_sample_hashes, reduce_loss,
+                                 reduce_z_loss, set_collective_timeout)
 from trainer.batch_schedule import describe_ramp, next_batch
-from trainer.errors import ConfigError, DataError, UserError
+from trainer.errors import DataError, UserError
 from trainer.evals.evaluator import Evaluator, log_evals
 from trainer.float8 import after_optimizer_step, check_device as check_float8_device
 from trainer.guard import LossGuard, Spike, flag_nonfinite_loss, injected_nan, injected_spike
@@ -60,46 +59,12 @@ from trainer.spikes import (act_on_spike, check_data_skips, note_past_skips, pas
 from trainer.stragglers import StragglerWatch, injected_delay
 from trainer.validate import Validator, log_validation
 
-# Debugging/testing hook: print a hash of every sample each rank trains on, per step.
-DEBUG_DATA_ENV = "TRAINER_DEBUG_DATA_HASHES"
-
-
 def filter_output() -> None:
     """Keep stdout only on the ranks listed in LOG_RANK (e.g. "0" or "0,1"; default all).
     stderr is never filtered, so a crash on any rank shows its traceback."""
     wanted = os.environ.get("LOG_RANK")
     if wanted and os.environ.get("RANK", "0") not in {r.strip() for r in wanted.split(",")}:
         sys.stdout = open(os.devnull, "w")
-
-
-def init_distributed(cfg: JobConfig) -> torch.device:
-    """nccl on cuda:LOCAL_RANK, gloo on CPU (per `training.device`); seeds every RNG."""
-    device = resolve_device(cfg.training.device)
-    if cfg.parallelism.fsdp_offload == "cpu" and device.type != "cuda":
-        raise ConfigError(OFFLOAD_NEEDS_CUDA.format(where=f"this rank computes on {device}"))
-    backend = "nccl" if device.type == "cuda" else "gloo"
-    if cfg.parallelism.fsdp_offload == "cpu":  # clipping reduces the CPU-resident grads' norm
-        backend = "cuda:nccl,cpu:gloo"
-    if device.type == "cuda":
-        torch.cuda.set_device(device)
-    timeout = datetime.timedelta(seconds=cfg.comm.init_timeout_seconds)
-    if "RANK" not in os.environ:  # plain `python -m trainer.train`: a world of one
-        os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1",
-                          MASTER_PORT=str(_free_port()))
-    store = restarts.attempt_store(timeout)  # under torchrun: this attempt's own keys
-    world = {} if store is None else dict(rank=int(os.environ["RANK"]),
-                                          world_size=int(os.environ["WORLD_SIZE"]))
-    dist.init_process_group(backend, timeout=timeout, store=store, **world)
-    torch.manual_seed(cfg.job.seed)
-    return device
-
-
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def choose_precision(cfg: JobConfig, device: torch.device) -> Precision:
@@ -199,19 +164,6 @@ def train_step(model, optimizer, scheduler, loader, *, accum: int, sync_mode: st
     optimizer.zero_grad(set_to_none=True)
     metrics.count_tokens(local_tokens)
     return StepResult(rank_loss, grad_norm, lr, stepped, z_loss, spike)
-
-
-def print_sample_hashes(batches, dp_group, ids: list[str]) -> None:
-    """One line per rank and step: its dp rank and a short hash of each sample, in order; and
-    where each comes from when the loader knows (a blend: source/epoch/window, a second line)."""
-    hashes = [hashlib.sha1(torch.cat([x[i], y[i, -1:]]).numpy().tobytes()).hexdigest()[:12]
-              for x, y in batches for i in range(x.shape[0])]
-    rank = dist.get_rank(dp_group)
-    lines = f"data dp_rank {rank} samples {','.join(hashes)}\n"
-    if any(ids):  # a line of its own: the samples line keeps its format
-        lines += f"data dp_rank {rank} sources {','.join(ids)}\n"
-    sys.stdout.write(lines)
-    sys.stdout.flush()
 
 
 def train(cfg: JobConfig) -> None:
@@ -343,8 +295,10 @@ def run_loop(cfg, model, optimizer, scheduler, loader, checkpointer, metrics, pr
                 continue  # rolled back: the loop goes on from the checkpoint's step
         elif not stepped:
             skipped_step(guard, checkpointer, state.step, rank_loss, grad_norm, dp_group)
+        heartbeat.phase("validation")
         if validator is not None and validator.due(state.step, last):
             log_validation(state.step, validator.run(model), validator.seconds, metrics, log0)
+        heartbeat.phase("eval")
         if evaluator is not None and evaluator.due(state.step, last):
             log_evals(state.step, evaluator.run(model), evaluator.seconds, metrics, log0)
         profiler.step()
@@ -417,6 +371,7 @@ def main(argv: list[str]) -> int:
     except Exception as e:  # a peer that ran out of memory, hung or died has been reported
         code = OOM_EXIT_CODE if peer_ran_out_of_memory() else heartbeat.collective_failure(e)
         if code is None:
+            heartbeat.record_crash(e)  # MAX_RESTARTS stops repeating the same one
             raise
     finally:
         if dist.is_initialized() and code not in (OOM_EXIT_CODE, HANG_EXIT_CODE):
