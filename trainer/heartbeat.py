@@ -10,13 +10,14 @@ network partition) fails on its healthy peers only when the collective timeout f
 no one. So each rank keeps, in memory, the step and phase of the loop it is in (`phase()`:
 free, no I/O), and a daemon thread publishes them every `health.heartbeat_seconds` to the
 torchrun agent's store (the c10d TCPStore the ranks met through: it lives in the launcher, not
-in a rank) with a beat counter. A rank whose collective timed out reads every rank's entry
-twice, `STALE_BEATS` beats apart: a rank whose counter did not move stopped responding (the
-whole process is stopped, dead or cut off); one that still beats but whose loop is behind ours
-(fewer phases entered) did not arrive (its main thread is stuck). The first rank to claim the
-report (an atomic counter in the store) prints the one line; every healthy rank exits with
-HANG_EXIT_CODE without tearing down the process group (a peer is gone). The launcher SIGKILLs
-a stopped rank at once (trainer/launch.py) rather than waiting 30 s for it to obey SIGTERM.
+in a rank) with a beat counter. The first rank whose collective timed out (an atomic counter
+in the store) reads every rank's entry twice, `STALE_BEATS` beats apart: a rank whose counter
+did not move stopped responding (the whole process is stopped, dead or cut off); one that
+still beats but whose loop is behind ours (fewer phases entered) did not arrive (its main
+thread is stuck). That rank prints the one line while the others wait for it; every healthy
+rank exits with HANG_EXIT_CODE without tearing down the process group (a peer is gone). The
+launcher SIGKILLs a stopped rank at once (trainer/launch.py) rather than waiting 30 s for it
+to obey SIGTERM.
 
 On CUDA the same heartbeat names the rank; nccl's own watchdog aborts the communicator after
 the timeout, and its flight recorder (TORCH_NCCL_TRACE_BUFFER_SIZE=2000 and
@@ -178,11 +179,14 @@ def collective_failure(exc: BaseException) -> int | None:
     if not dist.is_initialized() or not isinstance(exc, RuntimeError):  # gloo's and nccl's
         return None
     if is_timeout(exc):
-        stopped, behind, entries = missing_ranks(_state["beat_s"] or 1.0)
-        line = report_line(stopped, behind, entries)
-        if claim_report("hang"):
+        beat = _state["beat_s"] or 1.0
+        if claim_report("hang"):  # one rank reads the heartbeats (2 x world store reads)
+            stopped, behind, entries = missing_ranks(beat)
+            line = report_line(stopped, behind, entries)
             record_failure("hang", stopped + behind, _state["step"], line)
             print(line, file=sys.stderr, flush=True)
+        else:  # the others wait for it: their exit makes the launcher stop every rank
+            time.sleep(STALE_BEATS * beat + 1.0)
         return HANG_EXIT_CODE
     if any(text in str(exc) for text in PEER_LOST):
         if claim_report("lost"):  # the launcher names the rank that ended
