@@ -7,7 +7,8 @@
 #   NGPU=4 ./run_train.sh --parallelism.data_parallel_replicate_degree=2
 #
 # Variables: NGPU (ranks; default: visible CUDA GPUs, else 2 on CPU), CONFIG_FILE (default
-# configs/debug_model.toml), LOG_RANK (ranks whose output is shown, default 0; e.g. 0,1).
+# configs/debug_model.toml), LOG_RANK (ranks whose output is shown, default 0; e.g. 0,1),
+# MAX_RESTARTS (in-job restarts after a rank dies or hangs, default 0: torchrun's --max-restarts).
 # Every argument is a config override: --section.key value or --section.key=value.
 set -euo pipefail
 
@@ -27,6 +28,13 @@ if [ -z "${OMP_NUM_THREADS:-}" ]; then
   export OMP_NUM_THREADS=$(( cores / NGPU > 0 ? cores / NGPU : 1 ))
 fi
 
+# nccl's flight recorder: the last collectives of each rank, dumped when a collective times out
+# (to TORCH_NCCL_DEBUG_INFO_TEMP_FILE<rank>, default /tmp/nccl_trace_rank_<rank>).
+export TORCH_NCCL_TRACE_BUFFER_SIZE="${TORCH_NCCL_TRACE_BUFFER_SIZE:-2000}"
+export TORCH_NCCL_DUMP_ON_TIMEOUT="${TORCH_NCCL_DUMP_ON_TIMEOUT:-1}"
+
+# --rdzv_id: one id per launch, which the restart guard tells launches apart by.
 exec "$PYTHON" -m trainer.launch --nnodes 1 --nproc_per_node "$NGPU" \
+  --max-restarts "${MAX_RESTARTS:-0}" --rdzv_id "local-$$-$(date +%s)" \
   --rdzv_backend c10d --rdzv_endpoint localhost:0 \
   -m trainer.train --job.config_file "$CONFIG_FILE" "$@"

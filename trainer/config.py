@@ -22,8 +22,8 @@ from trainer.config_base import (check_field, coerce, did_you_mean, from_cli, pa
                                   toml_value, type_name)
 from trainer.batch_schedule import check_ramp
 from trainer.config_sections import (  # noqa: F401  (also importable from here)
-    STOP_SIGNALS, ActivationCheckpoint, Checkpoint, Comm, Compile, Job, LRScheduler, Metrics,
-    Model, Optimizer, Parallelism, Profiling, Training, Validation)
+    STOP_SIGNALS, ActivationCheckpoint, Checkpoint, Comm, Compile, Health, Job, LRScheduler,
+    Metrics, Model, Optimizer, Parallelism, Profiling, Training, Validation)
 from trainer.data.config import DataConfig
 from trainer.errors import ConfigError, UserError
 from trainer.evals.config import Eval
@@ -55,6 +55,7 @@ class JobConfig:
     metrics: Metrics = field(default_factory=Metrics)
     profiling: Profiling = field(default_factory=Profiling)
     comm: Comm = field(default_factory=Comm)
+    health: Health = field(default_factory=Health)
     data: DataConfig = field(default_factory=DataConfig)
 
     def validate(self, world_size: int | None = None) -> None:

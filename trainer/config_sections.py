@@ -345,3 +345,17 @@ class Comm:
                                     max=7 * 24 * 3600)
     train_timeout_seconds: int = opt(100, "Timeout of each collective during training", min=1,
                                      max=7 * 24 * 3600)
+
+
+@dataclass
+class Health:
+    heartbeat_seconds: float = opt(1.0, "Each rank publishes its step and phase this often; a "
+                                   "timed-out collective names the ranks whose heartbeat stopped "
+                                   "(0 = off)", min=0.0, max=3600.0)
+    max_same_failures: int = opt(3, "With MAX_RESTARTS: stop instead of restarting after this "
+                                 "many attempts in a row failed the same way at the same step; "
+                                 "0 = never", min=0)
+    straggler_factor: float = opt(1.5, "A rank whose step time exceeds the other ranks' median "
+                                  "by this factor is slow", min=1.0)
+    straggler_steps: int = opt(5, "Name a rank slow for this many steps in a row in one line; "
+                               "0 = never", min=0)

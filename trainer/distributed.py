@@ -1,16 +1,25 @@
-"""Small collective helpers the training loop shares: rank-0 logging, agreeing on user errors
-before anyone waits in a collective, reducing the logged losses, and the training timeout."""
+"""Small collective helpers the training loop shares: the process group, rank-0 logging,
+agreeing on user errors before anyone waits in a collective, reducing the logged losses, the
+training timeout, and the per-sample data hashes of TRAINER_DEBUG_DATA_HASHES."""
 
 from __future__ import annotations
 
 import datetime
+import hashlib
 import os
 import sys
 
 import torch
 import torch.distributed as dist
 
+from trainer import restarts
+from trainer.config import OFFLOAD_NEEDS_CUDA
+from trainer.device import resolve_device
 from trainer.errors import ConfigError, UserError
+from trainer.heartbeat import note_timeout
+
+# Debugging/testing hook: print a hash of every sample each rank trains on, per step.
+DEBUG_DATA_ENV = "TRAINER_DEBUG_DATA_HASHES"
 
 
 def log0(msg: str) -> None:
@@ -64,5 +73,49 @@ def reduce_loss(rank_loss: torch.Tensor, dp_group) -> tuple[float, float]:
 def set_collective_timeout(seconds: int) -> None:
     """Apply the training timeout to every process group (the default one and the mesh's)."""
     timeout = datetime.timedelta(seconds=seconds)
+    note_timeout(seconds)  # named in a hang's report
     for group in list(dist.distributed_c10d._world.pg_names):
         dist.distributed_c10d._set_pg_timeout(timeout, group)
+
+
+def init_distributed(cfg) -> torch.device:
+    """nccl on cuda:LOCAL_RANK, gloo on CPU (per `training.device`); seeds every RNG."""
+    device = resolve_device(cfg.training.device)
+    if cfg.parallelism.fsdp_offload == "cpu" and device.type != "cuda":
+        raise ConfigError(OFFLOAD_NEEDS_CUDA.format(where=f"this rank computes on {device}"))
+    backend = "nccl" if device.type == "cuda" else "gloo"
+    if cfg.parallelism.fsdp_offload == "cpu":  # clipping reduces the CPU-resident grads' norm
+        backend = "cuda:nccl,cpu:gloo"
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    timeout = datetime.timedelta(seconds=cfg.comm.init_timeout_seconds)
+    if "RANK" not in os.environ:  # plain `python -m trainer.train`: a world of one
+        os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1",
+                          MASTER_PORT=str(_free_port()))
+    store = restarts.attempt_store(timeout)  # under torchrun: this attempt's own keys
+    world = {} if store is None else dict(rank=int(os.environ["RANK"]),
+                                          world_size=int(os.environ["WORLD_SIZE"]))
+    dist.init_process_group(backend, timeout=timeout, store=store, **world)
+    torch.manual_seed(cfg.job.seed)
+    return device
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def print_sample_hashes(batches, dp_group, ids: list[str]) -> None:
+    """One line per rank and step: its dp rank and a short hash of each sample, in order; and
+    where each comes from when the loader knows (a blend: source/epoch/window, a second line)."""
+    hashes = [hashlib.sha1(torch.cat([x[i], y[i, -1:]]).numpy().tobytes()).hexdigest()[:12]
+              for x, y in batches for i in range(x.shape[0])]
+    rank = dist.get_rank(dp_group)
+    lines = f"data dp_rank {rank} samples {','.join(hashes)}\n"
+    if any(ids):  # a line of its own: the samples line keeps its format
+        lines += f"data dp_rank {rank} sources {','.join(ids)}\n"
+    sys.stdout.write(lines)
+    sys.stdout.flush()

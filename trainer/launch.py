@@ -52,8 +52,12 @@ USER_ERROR_EXIT_CODE = 2
 PREEMPTED_EXIT_CODE = 3  # a clean, checkpointed stop on a signal (see trainer.train)
 TRAINING_ERROR_EXIT_CODE = 4  # too many non-finite steps: one `training error:` line printed
 OUT_OF_MEMORY_EXIT_CODE = 5  # a CUDA OOM in a step: one `training error:` line (trainer.oom)
-QUIET_CODES = (USER_ERROR_EXIT_CODE, PREEMPTED_EXIT_CODE, TRAINING_ERROR_EXIT_CODE,
-               OUT_OF_MEMORY_EXIT_CODE)
+HANG_EXIT_CODE = 6  # a collective timed out: one line naming the silent ranks (trainer.heartbeat)
+GAVE_UP_EXIT_CODE = 7  # the same failure at the same step, restart after restart (trainer.restarts)
+# No restart cures these (MAX_RESTARTS): the job ends at once.
+FINAL_CODES = (USER_ERROR_EXIT_CODE, PREEMPTED_EXIT_CODE, TRAINING_ERROR_EXIT_CODE,
+               OUT_OF_MEMORY_EXIT_CODE, GAVE_UP_EXIT_CODE)
+QUIET_CODES = (*FINAL_CODES, HANG_EXIT_CODE)
 
 
 FORK_ENV = "TRAINER_FORK_RANKS"  # 0: start CPU ranks as fresh processes too
@@ -145,8 +149,73 @@ def forked_rank(argv: list[str]) -> None:
         raise
     sys.stdout.flush()
     sys.stderr.flush()
+    if code == HANG_EXIT_CODE:  # a collective of gloo's threads may still wait on the silent
+        os._exit(code)  # peer, and multiprocessing would join them before exiting
     if code:
         raise SystemExit(code)
+
+
+def guard_restarts() -> None:
+    """Two changes to torchrun's agent. Restarts (`--max-restarts`, MAX_RESTARTS): a worker
+    group that failed with a code of FINAL_CODES is not restarted, and each restart is one
+    line. Stopping workers: a worker that is stopped (SIGSTOP, a debugger, a frozen container)
+    cannot act on the agent's SIGTERM, and the agent would wait 30 s before its SIGKILL: it
+    gets the SIGKILL at once."""
+    from torch.distributed.elastic.agent.server.api import WorkerState
+    from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
+    from torch.distributed.elastic.multiprocessing.api import PContext
+
+    monitor, close = LocalElasticAgent._monitor_workers, PContext.close
+
+    def _monitor(self, worker_group):
+        result = monitor(self, worker_group)
+        if result.state in (WorkerState.FAILED, WorkerState.UNHEALTHY) and \
+                self._remaining_restarts > 0:
+            failures = sorted(result.failures.items(), key=lambda kv: kv[1].timestamp)
+            if any(f.exitcode in FINAL_CODES for _, f in failures):
+                self._remaining_restarts = 0
+            elif failures:
+                spec = worker_group.spec
+                print(f"restart {spec.max_restarts - self._remaining_restarts + 1} of "
+                      f"{spec.max_restarts}: {_describe(*failures[0])}; every rank restarts "
+                      "from the latest checkpoint", file=sys.stderr, flush=True)
+        return result
+
+    def _close(self, death_sig=None, timeout: int = 30) -> None:
+        _kill_stopped_children()
+        close(self, death_sig, timeout)
+
+    LocalElasticAgent._monitor_workers, PContext.close = _monitor, _close
+    # Forked ranks: after one fails, torch.multiprocessing SIGTERMs the others and joins them
+    # for 30 s before its SIGKILL.
+    from torch.multiprocessing.spawn import ProcessContext
+
+    join = getattr(ProcessContext, "_join_procs_with_timeout", None)
+    if join is not None:
+        def _join(self, timeout: float) -> None:
+            _kill_stopped_children()
+            join(self, timeout)
+
+        ProcessContext._join_procs_with_timeout = _join
+
+
+def _describe(rank: int, failure) -> str:
+    how = f"exit code {failure.exitcode}"
+    if failure.exitcode < 0:
+        how = f"signal {failure.signal_name()}"
+    return (f"rank {rank} (local rank {failure.local_rank} on {socket.gethostname()}) ended "
+            f"with {how}")
+
+
+def _kill_stopped_children() -> None:
+    for pid in _children():
+        try:
+            with open(f"/proc/{pid}/stat") as fh:
+                state = fh.read().rsplit(")", 1)[1].split()[0]
+            if state in ("T", "t"):
+                os.kill(pid, signal.SIGKILL)
+        except (OSError, IndexError):
+            pass
 
 
 def _name_process(name: str) -> None:
@@ -174,6 +243,7 @@ def main(argv: list[str]) -> int:
     # SIGTERM,SIGINT,SIGHUP,SIGQUIT), which would replace our handlers when the workers start.
     config.signals_to_handle = "SIGQUIT"
     install_forwarding()
+    guard_restarts()
     try:
         elastic_launch(config=config, entrypoint=cmd)(*cmd_args)
     except SignalException as err:  # a second SIGINT/SIGTERM: torchrun tore the workers down
@@ -184,11 +254,7 @@ def main(argv: list[str]) -> int:
         rank, failure = err.get_first_failure()
         code = failure.exitcode if failure.exitcode and failure.exitcode > 0 else 1
         if code not in QUIET_CODES:
-            how = f"exit code {failure.exitcode}"
-            if failure.exitcode < 0:
-                how = f"signal {failure.signal_name()}"
-            print(f"error: training failed: rank {rank} (local rank {failure.local_rank} on "
-                  f"{socket.gethostname()}) ended with {how}; its output is above",
+            print(f"error: training failed: {_describe(rank, failure)}; its output is above",
                   file=sys.stderr, flush=True)
         return code
     return 0

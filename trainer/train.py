@@ -20,9 +20,7 @@ if __name__ == "__main__":
     for _name in ("SIGTERM", "SIGUSR1", "SIGINT", "SIGUSR2", "SIGHUP"):
         signal.signal(getattr(signal, _name), lambda signum, frame: EARLY_SIGNALS.append(signum))
 
-import datetime  # noqa: E402
-import hashlib  # noqa: E402
-import math
+import math  # noqa: E402
 import os
 import sys
 from typing import NamedTuple
@@ -30,16 +28,18 @@ from typing import NamedTuple
 import torch
 import torch.distributed as dist
 
+from trainer import heartbeat, restarts
 from trainer.checkpoint import Checkpointer, TrainState
-from trainer.config import OFFLOAD_NEEDS_CUDA, JobConfig, load_config
-from trainer.device import Precision, resolve_compute_dtype, resolve_device
+from trainer.config import JobConfig, load_config
+from trainer.device import Precision, resolve_compute_dtype
 from trainer.attention import attention_args
 from trainer.data import build_dataloader, check_model_vocab, padded_vocab_size
 from trainer.data.documents import check_documents
-from trainer.distributed import (agree_on_user_errors, log0, reduce_loss, reduce_z_loss,
-                                 set_collective_timeout)
+from trainer.distributed import (DEBUG_DATA_ENV, agree_on_user_errors,  # noqa: F401
+                                 init_distributed, log0, print_sample_hashes, reduce_loss,
+                                 reduce_z_loss, set_collective_timeout)
 from trainer.batch_schedule import describe_ramp, next_batch
-from trainer.errors import ConfigError, DataError, UserError
+from trainer.errors import DataError, UserError
 from trainer.evals.evaluator import Evaluator, log_evals
 from trainer.float8 import after_optimizer_step, check_device as check_float8_device
 from trainer.guard import LossGuard, Spike, flag_nonfinite_loss, injected_nan, injected_spike
@@ -54,13 +54,12 @@ from trainer.parallel.clip import clip_grad_norm_
 from trainer.parallel.dims import check_async_tp, check_tp_shapes, describe_vocab
 from trainer.parallelize import parallelize, set_gradient_sync
 from trainer.preemption import PREEMPTED_EXIT_CODE, Preempted, StopSignals
+from trainer.heartbeat import HANG_EXIT_CODE
 from trainer.profiling import StepProfiler
 from trainer.spikes import (act_on_spike, check_data_skips, note_past_skips, pass_over,
                             skipped_step, spike_check)
+from trainer.stragglers import StragglerWatch, injected_delay
 from trainer.validate import Validator, log_validation
-
-# Debugging/testing hook: print a hash of every sample each rank trains on, per step.
-DEBUG_DATA_ENV = "TRAINER_DEBUG_DATA_HASHES"
 
 
 def filter_output() -> None:
@@ -69,33 +68,6 @@ def filter_output() -> None:
     wanted = os.environ.get("LOG_RANK")
     if wanted and os.environ.get("RANK", "0") not in {r.strip() for r in wanted.split(",")}:
         sys.stdout = open(os.devnull, "w")
-
-
-def init_distributed(cfg: JobConfig) -> torch.device:
-    """nccl on cuda:LOCAL_RANK, gloo on CPU (per `training.device`); seeds every RNG."""
-    device = resolve_device(cfg.training.device)
-    if cfg.parallelism.fsdp_offload == "cpu" and device.type != "cuda":
-        raise ConfigError(OFFLOAD_NEEDS_CUDA.format(where=f"this rank computes on {device}"))
-    backend = "nccl" if device.type == "cuda" else "gloo"
-    if cfg.parallelism.fsdp_offload == "cpu":  # clipping reduces the CPU-resident grads' norm
-        backend = "cuda:nccl,cpu:gloo"
-    if device.type == "cuda":
-        torch.cuda.set_device(device)
-    timeout = datetime.timedelta(seconds=cfg.comm.init_timeout_seconds)
-    if "RANK" not in os.environ:  # plain `python -m trainer.train`: a world of one
-        os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1",
-                          MASTER_PORT=str(_free_port()))
-    dist.init_process_group(backend, timeout=timeout)
-    torch.manual_seed(cfg.job.seed)
-    return device
-
-
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def choose_precision(cfg: JobConfig, device: torch.device) -> Precision:
@@ -140,7 +112,9 @@ def train_step(model, optimizer, scheduler, loader, *, accum: int, sync_mode: st
     size to make the reduced gradient a plain sum: the result equals one large batch on any
     world size and any number of microbatches.
     """
-    spike_factor = injected_spike(loader)  # testing hook; 1.0 unless asked
+    heartbeat.phase("step_start", step)
+    heartbeat.inject_fault(step)  # testing hooks; nothing unless asked
+    spike_factor = injected_spike(loader)  # 1.0 unless asked
     debug_ids = None
     if os.environ.get(DEBUG_DATA_ENV):  # where each sample comes from, if the order is global
         debug_ids = loader.sample_ids(loader.sample_indices(0)) \
@@ -159,12 +133,14 @@ def train_step(model, optimizer, scheduler, loader, *, accum: int, sync_mode: st
     for i, (inputs, labels) in enumerate(batches):
         set_gradient_sync(model, sync_mode, is_last=i == accum - 1)
         inputs = inputs.to(device)
+        heartbeat.phase("forward", step)
         # The model's head computes the summed token loss (trainer/loss.py): no logits here.
         # Document ids (None without documents) let the model mask and position per document.
         loss = model(inputs, labels=labels.to(device), loss_fn=loss_fn,
                      doc_ids=loader.document_ids(inputs) if documents else None) / global_tokens
         if i == 0:
             inject_oom(step)  # testing hook; nothing unless asked
+        heartbeat.phase("backward")
         (loss * dp_size).backward()
         loss_sum += loss.detach()
     z_loss = loss_fn.take_z_loss()  # the z-loss term summed over this rank's tokens, or None
@@ -174,6 +150,7 @@ def train_step(model, optimizer, scheduler, loader, *, accum: int, sync_mode: st
         loss_sum = loss_sum * spike_factor
     loss_sum = loss_sum + injected_nan(step)  # testing hook; 0.0 unless asked
     flag_nonfinite_loss(model, loss_sum)  # a rank's bad loss makes the global norm NaN
+    heartbeat.phase("clip")
     grad_norm = clip_grad_norm_(model.parameters(), max_norm or math.inf)  # over every mesh dim
     lr = optimizer.param_groups[0]["lr"]  # the lr this step uses (the scheduler steps after it)
     cross_entropy = loss_sum if z_loss is None else loss_sum - z_loss
@@ -183,29 +160,20 @@ def train_step(model, optimizer, scheduler, loader, *, accum: int, sync_mode: st
     stepped = stepped and spike is None
     if stepped:
         optimizer.step()
+    injected_delay()  # testing hook: a slow rank
     scheduler.step()
     optimizer.zero_grad(set_to_none=True)
     metrics.count_tokens(local_tokens)
     return StepResult(rank_loss, grad_norm, lr, stepped, z_loss, spike)
 
 
-def print_sample_hashes(batches, dp_group, ids: list[str]) -> None:
-    """One line per rank and step: its dp rank and a short hash of each sample, in order; and
-    where each comes from when the loader knows (a blend: source/epoch/window, a second line)."""
-    hashes = [hashlib.sha1(torch.cat([x[i], y[i, -1:]]).numpy().tobytes()).hexdigest()[:12]
-              for x, y in batches for i in range(x.shape[0])]
-    rank = dist.get_rank(dp_group)
-    lines = f"data dp_rank {rank} samples {','.join(hashes)}\n"
-    if any(ids):  # a line of its own: the samples line keeps its format
-        lines += f"data dp_rank {rank} sources {','.join(ids)}\n"
-    sys.stdout.write(lines)
-    sys.stdout.flush()
-
-
 def train(cfg: JobConfig) -> None:
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
     parallel_dims, accum = cfg.resolve(world_size)  # config errors before any process group
+    restarts.check_restart(cfg.job.dump_folder, cfg.health.max_same_failures)
     device = init_distributed(cfg)
+    heartbeat.note_timeout(cfg.comm.init_timeout_seconds)
+    heartbeat.Heartbeat(cfg.health.heartbeat_seconds).start()
     if dist.get_rank() == 0:
         cfg.save(os.path.join(cfg.job.dump_folder, "config.toml"))
     precision = choose_precision(cfg, device)
@@ -266,6 +234,7 @@ def train(cfg: JobConfig) -> None:
         if not checkpointer.load(agree_on_user_errors(checkpointer.step_to_load,
                                                       same_result=True)):
             agree_on_user_errors(load_initial, model, cfg, log=log0)  # initial_load_path
+        restarts.note_restart(metrics, state.step, log0)
         for event in loader.pop_events():  # e.g. a blend resumed with other weights
             log0(f"data: resuming after step {state.step}: {event}")
         with StepProfiler(cfg, rank=dist.get_rank(), device=device,
@@ -293,9 +262,12 @@ def run_loop(cfg, model, optimizer, scheduler, loader, checkpointer, metrics, pr
         log0(f"nothing to do: already at step {state.step} of {cfg.training.steps}")
     note_past_skips(cfg.training.skip_data_steps, state.step)
     first_step = state.step + 1
+    watch = StragglerWatch(cfg.health.straggler_factor, cfg.health.straggler_steps,
+                           dist.get_rank(), dist.get_world_size(), log0)
     while state.step < cfg.training.steps:
         state.step += 1
         metrics.step_timer()
+        watch.start_step()
         accum = next_batch(cfg, loader, state.step)  # a batch-size ramp sets the step's batch
         pass_over(loader, state.step, cfg.training.skip_data_steps, state.rollback_steps)
         try:
@@ -306,13 +278,16 @@ def run_loop(cfg, model, optimizer, scheduler, loader, checkpointer, metrics, pr
                 step=state.step, device=device, spike_check=check)
         except torch.OutOfMemoryError:  # rank-local: one line, see trainer/oom.py
             raise out_of_memory(cfg, state.step, device) from None
+        watch.stop_step()
         if stepped:
             after_optimizer_step(model, cfg.float8)
         state.tokens_seen += cfg.training.seq_len * loader.global_batch_size
         last = state.step == cfg.training.steps
         for event in loader.pop_events():  # e.g. a blend's source starting a new epoch
             log0(f"data: step {state.step}: {event}")
-        if state.step % cfg.metrics.log_freq == 0 or last or state.step == first_step:
+        log_step = state.step % cfg.metrics.log_freq == 0 or last or state.step == first_step
+        if log_step:
+            heartbeat.phase("log")
             avg, mx = reduce_loss(rank_loss, dp_group)
             metrics.log(state.step, global_avg_loss=avg, global_max_loss=mx,
                         grad_norm=float(grad_norm), lr=lr,
@@ -326,13 +301,19 @@ def run_loop(cfg, model, optimizer, scheduler, loader, checkpointer, metrics, pr
                 continue  # rolled back: the loop goes on from the checkpoint's step
         elif not stepped:
             skipped_step(guard, checkpointer, state.step, rank_loss, grad_norm, dp_group)
+        heartbeat.phase("validation")
         if validator is not None and validator.due(state.step, last):
             log_validation(state.step, validator.run(model), validator.seconds, metrics, log0)
+        heartbeat.phase("eval")
         if evaluator is not None and evaluator.due(state.step, last):
             log_evals(state.step, evaluator.run(model), evaluator.seconds, metrics, log0)
         profiler.step()
+        heartbeat.phase("checkpoint")
         saved = stepped and checkpointer.maybe_save(state.step, last=last)
-        stop_now, async_done, avg_loss = agree_at_step_end(stop, checkpointer, device, rank_loss)
+        stop_now, async_done, avg_loss = agree_at_step_end(stop, checkpointer, device, rank_loss,
+                                                           watch, state.step)
+        if log_step:  # every rank's time, gathered by that all-reduce
+            metrics.log_scalars(state.step, watch.scalars)
         if stepped:
             guard.good_step(state.step, avg_loss)
         if async_done:  # every rank's background write of an async save has finished
@@ -346,16 +327,21 @@ def run_loop(cfg, model, optimizer, scheduler, loader, checkpointer, metrics, pr
 
 
 def agree_at_step_end(stop: StopSignals, checkpointer: Checkpointer, device,
-                      rank_loss: torch.Tensor) -> tuple[bool, bool, float]:
+                      rank_loss: torch.Tensor, watch: StragglerWatch,
+                      step: int) -> tuple[bool, bool, float]:
     """One tiny all-reduce per step: (any rank got a stop signal, every rank's async save in
     flight has finished writing, so it can be committed now rather than at the next save, the
-    mean of the ranks' losses for the spike detector; the world is the dp group)."""
-    flags = torch.stack([torch.tensor(1.0 if stop.received else 0.0, device=device),
-                         torch.tensor(0.0 if checkpointer.write_finished() else 1.0,
-                                      device=device),
-                         rank_loss.detach().float().reshape(())])
-    dist.all_reduce(flags)  # SUM: counts of ranks for the flags
-    stop_now, not_done, loss_sum = flags.tolist()
+    mean of the ranks' losses for the spike detector; the world is the dp group). It also
+    gathers every rank's step time for the straggler watch (one slot per rank)."""
+    heartbeat.phase("step_end")
+    flags = torch.cat([torch.stack([torch.tensor(1.0 if stop.received else 0.0, device=device),
+                                    torch.tensor(0.0 if checkpointer.write_finished() else 1.0,
+                                                 device=device),
+                                    rank_loss.detach().float().reshape(())]),
+                       watch.slots(device)])
+    dist.all_reduce(flags)  # SUM: counts of ranks for the flags, each rank's own time slot
+    stop_now, not_done, loss_sum, *times = flags.tolist()
+    watch.update(step, times)
     return (stop_now > 0, checkpointer.pending is not None and not_done == 0,
             loss_sum / dist.get_world_size())
 
@@ -388,12 +374,13 @@ def main(argv: list[str]) -> int:
     except Preempted as e:
         log0(str(e))
         code = e.exit_code
-    except Exception:
-        if not peer_ran_out_of_memory():
+    except Exception as e:  # a peer that ran out of memory, hung or died has been reported
+        code = OOM_EXIT_CODE if peer_ran_out_of_memory() else heartbeat.collective_failure(e)
+        if code is None:
+            heartbeat.record_crash(e)  # MAX_RESTARTS stops repeating the same one
             raise
-        code = OOM_EXIT_CODE  # our collective failed because that peer left: it has reported
     finally:
-        if dist.is_initialized() and code != OOM_EXIT_CODE:  # peers may be mid-collective
+        if dist.is_initialized() and code not in (OOM_EXIT_CODE, HANG_EXIT_CODE):
             if code in (0, PREEMPTED_EXIT_CODE):
                 dist.barrier()
             dist.destroy_process_group()

@@ -1,0 +1,88 @@
+"""What a chaos run (scripts/chaos.py) ends with: the figures, the report and the verdict, read
+from the final DCP checkpoints and the TensorBoard losses of both runs."""
+
+from __future__ import annotations
+
+import sys
+import warnings
+from pathlib import Path
+
+from scripts.chaos_faults import HEALING
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def load_dcp_tensors(path: Path) -> dict:
+    """Every tensor of a DCP checkpoint, loaded on this one process (no process group)."""
+    import torch
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    meta = dcp.FileSystemReader(str(path)).read_metadata()
+    sd = {k: torch.empty(m.size, dtype=m.properties.dtype)
+          for k, m in meta.state_dict_metadata.items() if isinstance(m, TensorStorageMetadata)}
+    with warnings.catch_warnings():  # "assuming the intent is to load in a single process": yes
+        warnings.simplefilter("ignore")
+        dcp.load(sd, checkpoint_id=str(path), no_dist=True)
+    return sd
+
+
+def tb_losses(dump: Path) -> dict[int, float]:
+    sys.path.insert(0, str(REPO))
+    from tests.helpers import losses
+
+    return losses(dump)
+
+
+def _figures(records, ref: Path, dump: Path, steps: int, interval: int, seconds: float,
+             kinds) -> dict:
+    final_ref, final = ref / "checkpoint" / f"step-{steps}", dump / "checkpoint" / f"step-{steps}"
+    a, b = load_dcp_tensors(final_ref), load_dcp_tensors(final)
+    differing = sorted(k for k in a if k not in b or not bool((a[k] == b[k]).all())
+                       or a[k].dtype != b[k].dtype)
+    ref_losses, got_losses = tb_losses(ref), tb_losses(dump)
+    loss_diffs = [s for s in range(1, steps + 1) if got_losses.get(s) != ref_losses.get(s)]
+    survived = [r for r in records if r.resumed == r.expected]
+    bound = [r.redone <= (interval if r.fault.kind != "ckpt-damage" else 2 * interval + 1)
+             for r in records]
+    return {
+        "faults": len(records),
+        "survived": len(survived),
+        "during_save": sum(r.in_save for r in records),
+        "kinds": {k: sum(r.fault.kind == k for r in records) for k in kinds},
+        "healed_in_job": sum(r.fault.kind in HEALING and r.exit_code is None for r in records),
+        "launches": 1 + sum(r.exit_code is not None for r in records),
+        "redone": [r.redone for r in records],
+        "redone_total": sum(r.redone for r in records),
+        "max_redone_ok": all(bound),
+        "tensors": len(a),
+        "tensors_differing": differing,
+        "loss_steps_differing": loss_diffs,
+        "data_lost": len(records) - len(survived) + len(differing) + len(loss_diffs),
+        "seconds": round(seconds, 1),
+    }
+
+
+def report(fig: dict, interval: int) -> str:
+    kinds = ", ".join(f"{v} {k}" for k, v in fig["kinds"].items())
+    return "\n".join([
+        f"faults injected: {fig['faults']} ({kinds})",
+        f"faults survived: {fig['survived']} (the next launch or attempt resumed from the newest "
+        "committed step, intact; every slow rank named)",
+        f"healed in-job:   {fig['healed_in_job']} (MAX_RESTARTS); launches: {fig['launches']}",
+        f"during a save:   {fig['during_save']}",
+        f"steps redone:    {fig['redone_total']} in all, per fault {fig['redone']} "
+        f"(interval {interval}, a damaged checkpoint's own steps aside: "
+        f"{'all within' if fig['max_redone_ok'] else 'SOME BEYOND'})",
+        f"final state:     {fig['tensors'] - len(fig['tensors_differing'])}/{fig['tensors']} DCP "
+        f"tensors bitwise equal to the uninterrupted run; losses differ at steps "
+        f"{fig['loss_steps_differing'] or 'none'}",
+        f"data lost:       {fig['data_lost'] or 'none'}",
+        f"wall time:       {fig['seconds']}s",
+    ])
+
+
+def ok(fig: dict, faults: int, min_during_save: int, min_each: int = 0) -> bool:
+    return (fig["faults"] >= faults and fig["during_save"] >= min_during_save
+            and all(n >= min_each for n in fig["kinds"].values())
+            and fig["survived"] == fig["faults"] and fig["max_redone_ok"] and fig["data_lost"] == 0)

@@ -1,0 +1,75 @@
+"""Stragglers made visible: every rank's step time, the slowest one named.
+
+Each rank times its step from the step's start until its optimizer step is done (before the
+loss all-reduce of a log step, which waits for the slowest rank); the step-end all-reduce
+(train.agree_at_step_end) already runs every step, and carries one float per
+rank (each rank fills its own slot of a world-size vector, the SUM gathers them), so knowing
+every rank's time costs no extra collective. Every rank then sees the same times and takes the
+same decisions; rank 0 logs `timing/step_time_max`, `timing/slowest_rank`,
+`timing/step_time_median` and `timing/step_time_spread` (max / median) on log steps, and a rank
+slower than the median of the other ranks by `health.straggler_factor` for
+`health.straggler_steps` steps in a row is named in one line (again once it has recovered and
+falls behind anew).
+
+What the times can show: collectives inside the step (FSDP's all-gathers and reduce-scatters,
+the clip all-reduce) make the other ranks wait for a slow one, so a rank slow before the step's
+last collective raises every rank's time; the rank that arrives last at the step end is the one
+slow in its own work after that (optimizer step, host-side work). With a `TRAINER_TEST_SLOW_RANK`
+of "RANK:SECONDS" that rank sleeps that long after its optimizer step (testing hook).
+"""
+
+from __future__ import annotations
+
+import os
+import statistics
+import time
+
+import torch
+
+SLOW_ENV = "TRAINER_TEST_SLOW_RANK"
+
+
+def injected_delay() -> None:
+    """Testing hook: sleep on the rank SLOW_ENV names."""
+    spec = os.environ.get(SLOW_ENV, "").split(":")
+    if len(spec) == 2 and spec[0] == os.environ.get("RANK", "0"):
+        time.sleep(float(spec[1]))
+
+
+class StragglerWatch:
+    def __init__(self, factor: float, steps: int, rank: int, world: int, log):
+        self.factor, self.steps, self.rank, self.world, self.log = factor, steps, rank, world, log
+        self.t0, self.elapsed = time.perf_counter(), 0.0
+        self.slow_for = [0] * world  # consecutive slow steps per rank
+        self.scalars: dict[str, float] = {}
+
+    def start_step(self) -> None:
+        self.t0 = time.perf_counter()
+
+    def stop_step(self) -> None:
+        """The step's compute is done (before the loss all-reduce of a log step, which waits
+        for the slowest rank)."""
+        self.elapsed = time.perf_counter() - self.t0
+
+    def slots(self, device) -> torch.Tensor:
+        """This rank's step time in its slot of a world-size vector (zeros elsewhere)."""
+        out = torch.zeros(self.world, dtype=torch.float32, device=device)
+        out[self.rank] = self.elapsed
+        return out
+
+    def update(self, step: int, times: list[float]) -> dict[str, float]:
+        """Every rank's step time (summed slots): the scalars, and the one-line report."""
+        median = statistics.median(times)
+        slowest = max(range(len(times)), key=lambda r: times[r])
+        self.scalars = {"timing/step_time_max": times[slowest],
+                        "timing/slowest_rank": float(slowest),
+                        "timing/step_time_median": median,
+                        "timing/step_time_spread": times[slowest] / max(median, 1e-9)}
+        for r, t in enumerate(times):
+            others = statistics.median(times[:r] + times[r + 1:]) if len(times) > 1 else t
+            self.slow_for[r] = self.slow_for[r] + 1 if t > self.factor * others else 0
+            if self.steps and self.slow_for[r] == self.steps:
+                self.log(f"straggler: rank {r} slower than the other ranks' median by more "
+                         f"than {self.factor:g}x for {self.steps} steps in a row (step {step}: "
+                         f"{t:.3f}s against {others:.3f}s)")
+        return self.scalars
