@@ -5,6 +5,7 @@
 #
 #   benchmarks/gpu_suite.sh              # debug, 1b and 8b
 #   benchmarks/gpu_suite.sh 1b           # one shape; STEPS=50 WARMUP=15 to change the run
+# With 2+ GPUs it also runs the debug model at FSDP 2 and TP 2 (eager, compiled, async TP).
 #
 # 8b is the 8B model on ONE GPU: fp32 master weights, grads and AdamW state alone are
 # ~90 GiB, so the plan says it does not fit an 80 GB H100 at all; on an H200 it needs full
@@ -71,6 +72,23 @@ for shape in "${shapes[@]}"; do
       --compile.enable "$compile" || echo "=== $shape compile=$compile FAILED (rc $?)"
   done
 done
+
+# Tensor parallelism needs 2+ GPUs (nccl refuses two ranks on one GPU): the debug model at
+# FSDP 2, TP 2, TP 2 with compile and TP 2 with compile + async TP, same global batch.
+NGPUS=$(nvidia-smi -L 2>/dev/null | wc -l)
+if [ "$NGPUS" -ge 2 ]; then
+  for tp in "fsdp2:" "tp2:--parallelism.tensor_parallel_degree 2" \
+            "tp2-compile:--parallelism.tensor_parallel_degree 2 --compile.enable true" \
+            "tp2-async:--parallelism.tensor_parallel_degree 2 --compile.enable true --parallelism.enable_async_tensor_parallel true"; do
+    echo "=== ${tp%%:*}: debug model on 2 GPUs"
+    # shellcheck disable=SC2086
+    "$PYTHON" benchmarks/bench_train.py --config "$CONFIG" --ngpu 2 --steps "$STEPS" \
+      --warmup "$WARMUP" --label "debug-${tp%%:*}" -- $COMMON --training.global_batch_size 8 \
+      ${tp#*:} || echo "=== ${tp%%:*} FAILED (rc $?)"
+  done
+else
+  echo "=== tensor parallelism: skipped (needs 2 GPUs; this machine has $NGPUS)"
+fi
 
 "$PYTHON" - "$START" <<'EOF'
 import json, sys
