@@ -315,7 +315,7 @@ def run_chaos(workdir: Path, *, faults: int, min_during_save: int, steps: int, i
             launch = Launch(train_args(dump, steps, interval, nproc, async_mode), nproc, env,
                             restarts)
             if records:
-                _note_resume(records[-1], launch)
+                _note_resume(records[-1], launch, damaged)
         if fault is None:
             code = launch.finish(timeout=1800)
             assert code == 0, f"the last launch failed ({code}):\n{launch.text()[-3000:]}"
@@ -345,7 +345,7 @@ def _outcome(rec: Record) -> str:
     return "the launch goes on"
 
 
-def _note_resume(rec: Record, launch: Launch) -> None:
+def _note_resume(rec: Record, launch: Launch, damaged: set) -> None:
     """Fill in where the launch after a fault resumed from (waits for its first step)."""
     while launch.running() and not launch.steps and not any("nothing to do" in x
                                                             for x in launch.lines):
@@ -353,8 +353,10 @@ def _note_resume(rec: Record, launch: Launch) -> None:
     text = launch.text()
     m = re.search(r"resumed from \S+ \(step (\d+)\)", text)
     rec.resumed = int(m.group(1)) if m else 0
-    if "damaged" in text and rec.fault.kind != "ckpt-damage":
-        rec.resumed = -1  # a fallback past a damaged checkpoint: something was lost
+    skipped = {int(n) for line in launch.lines if line.startswith("damaged checkpoint")
+               for n in re.findall(r"step-(\d+) \(", line)}
+    if skipped - {step for step, _ in damaged}:
+        rec.resumed = -1  # a fallback past a checkpoint this run did not damage: a loss
     rec.redone = max(0, rec.last_step - rec.resumed)
 
 

@@ -2,7 +2,7 @@
 
     python -m trainer.launch [torchrun options] -m trainer.train [trainer overrides]
 
-This is `torch.distributed.run` (the code behind `torchrun`) with two differences:
+This is `torch.distributed.run` (the code behind `torchrun`) with these differences:
 
 - Failures: when a worker fails, torchrun raises ChildFailedError and prints a long report plus
   its own traceback. A worker that stopped on a user error has already printed its one line
@@ -14,6 +14,11 @@ This is `torch.distributed.run` (the code behind `torchrun`) with two difference
   mid-save. We forward SIGTERM, SIGINT, SIGHUP, SIGUSR1 and SIGUSR2 to the workers and keep
   waiting: they save at the next step and exit with code 3. A second SIGINT or SIGTERM kills
   the workers at once.
+- Restarts (`--max-restarts`, MAX_RESTARTS in run_train.sh): torchrun restarts every rank
+  after any failure; here a failure that no restart cures (FINAL_CODES: user error, signalled
+  stop, training error, OOM, a repeated failure) ends the job, and each restart is one line.
+  A stopped rank (SIGSTOP) is SIGKILLed at once when the workers are stopped, instead of 30 s
+  after a SIGTERM it cannot act on (see guard_restarts; trainer/heartbeat.py names it).
 - Start: CPU ranks of the trainer (`-m trainer.train` with `training.device` cpu, or auto on a
   machine without GPUs) are forked from this launcher once it has imported torch and the
   trainer (torchrun's function-entrypoint path, start method "fork"), instead of each rank
