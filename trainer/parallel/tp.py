@@ -24,6 +24,8 @@ symmetric memory.
 
 from __future__ import annotations
 
+import logging
+
 import torch
 from torch import nn
 from torch.distributed.tensor import Replicate, Shard, distribute_module, distribute_tensor
@@ -46,6 +48,9 @@ def apply_tp(model: Transformer, tp_mesh, *, float8_tensorwise: bool = False,
     # hook (the embedding's gradient came out wrong under compile). A copy, [b, s/tp, dim],
     # is the block's own input. Registered before fully_shard, it runs before FSDP's hook.
     model.tok_embeddings.register_forward_hook(lambda module, args, out: out.clone())
+    # A full gather of an FSDP x TP parameter (HF export, the weights digest) takes two
+    # all-gathers, and torch warns on every rank for every parameter: one-off, not a step's.
+    logging.getLogger("torch.distributed.tensor._redistribute").setLevel(logging.ERROR)
     model.sequence_multiple = tp_mesh.size()  # sequence parallel: even sequence shards
     if model.output is not None:
         _shard_head(model.output, tp_mesh)
