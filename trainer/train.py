@@ -207,7 +207,7 @@ def train(cfg: JobConfig) -> None:
     args = model_args(cfg.model.flavor, vocab_size=vocab, max_seq_len=cfg.training.seq_len,
                       **attention_args(cfg.model, device.type))
     agree_on_user_errors(check_tp_shapes, args, parallel_dims.tp, cfg.model.flavor,
-                         describe_vocab(cfg.model, loader.vocab_size, vocab))
+                         describe_vocab(cfg.model, loader.vocab_size))
     agree_on_user_errors(check_async_tp, cfg.parallelism, cfg.compile.enable, device.type)
 
     model = parallelize(build_model(args), parallel_dims, cfg, device=device,

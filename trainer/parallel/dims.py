@@ -154,7 +154,7 @@ def check_async_tp(parallelism, compile_enabled: bool, device_type: str) -> None
                           "(Inductor) pass")
 
 
-def describe_vocab(model_cfg, tokenizer_vocab: int, vocab: int) -> str:
+def describe_vocab(model_cfg, tokenizer_vocab: int) -> str:
     """Where the model's vocab comes from, for check_tp_shapes' message."""
     if model_cfg.vocab_size:
         return "model.vocab_size"
