@@ -32,14 +32,14 @@ import torch
 import torch.nn.functional as F
 
 from bench_baseline import _NoMetrics
-from trainer.attention import attention_args
-from trainer.config import load_config
+from trainer.models.attention import attention_args
+from trainer.config.job import load_config
 from trainer.data import build_dataloader, padded_vocab_size
 from trainer.device import resolve_compute_dtype
-from trainer.loss import build_loss
-from trainer.model import build_model, model_args
-from trainer.optim import build_lr_scheduler, build_optimizer
-from trainer.parallelize import parallelize
+from trainer.models.loss import build_loss
+from trainer.models.llama import build_model, model_args
+from trainer.optim.optimizer import build_lr_scheduler, build_optimizer
+from trainer.parallel.parallelize import parallelize
 from trainer.train import init_distributed, train_step
 
 BLOCK = ["--model.attn_mask_type", "block_causal"]
@@ -112,7 +112,7 @@ def step_times(base: list[str], steps: int, warmup: int) -> tuple[dict, dict]:
 
 def op_times(reps: int = 7) -> list[dict]:
     """Attention alone, forward + backward, debug-model heads (8 x 32), batch 2."""
-    from trainer.attention import build_mask
+    from trainer.models.attention import build_mask
 
     rows = []
     for seq in (256, 2048):

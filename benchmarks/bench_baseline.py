@@ -33,12 +33,12 @@ from common import REPO, append_result, spread
 import torch
 import torch.nn.functional as F
 
-from trainer.config import load_config
+from trainer.config.job import load_config
 from trainer.device import resolve_compute_dtype
-from trainer.model import Transformer, build_model, model_args
-from trainer.optim import build_lr_scheduler, build_optimizer
-from trainer.parallelize import parallelize
-from trainer.loss import build_loss
+from trainer.models.llama import Transformer, build_model, model_args
+from trainer.optim.optimizer import build_lr_scheduler, build_optimizer
+from trainer.parallel.parallelize import parallelize
+from trainer.models.loss import build_loss
 from trainer.train import init_distributed, train_step
 
 

@@ -25,8 +25,8 @@ import tempfile
 
 from common import REPO, append_result, run_train, spread, tb_scalars
 
-from trainer.config import load_config
-from trainer.plan import memory_plan
+from trainer.config.job import load_config
+from trainer.plan.memory import memory_plan
 
 GIB = 2**30
 MEMORY_TAGS = ("memory/max_active(GiB)", "memory/max_reserved(GiB)", "memory/max_rss(GiB)")

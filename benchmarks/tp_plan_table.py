@@ -6,7 +6,7 @@ Markdown table of README.md's section "When tensor parallelism pays off".
 
 Every layout keeps the config's global batch and 1 x seq_len tokens per GPU per microbatch
 (local_batch_size = tp sequences per dp rank), so the microbatches per step are the same and
-only the layout differs. All figures come from trainer.plan (memory) and trainer.plan_comm
+only the layout differs. All figures come from trainer.plan.memory (memory) and trainer.plan.comm
 (bytes each rank sends per optimizer step); "GB/s at 40% MFU" divides a dimension's bytes by
 the step time at that MFU: the bandwidth that dimension needs for communication not to slow
 the step (tp is innermost, so with tp <= 8 it is NVLink inside a node; dp_shard crosses
@@ -21,12 +21,12 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from trainer.config import load_config  # noqa: E402
+from trainer.config.job import load_config  # noqa: E402
 from trainer.errors import ConfigError  # noqa: E402
-from trainer.flops import table_peak_tflops  # noqa: E402
-from trainer.plan import (GIB, GPUS, device_need, largest_local_batch, memory_plan,  # noqa: E402
+from trainer.models.flops import table_peak_tflops  # noqa: E402
+from trainer.plan.memory import (GIB, GPUS, device_need, largest_local_batch, memory_plan,  # noqa: E402
                           throughput)
-from trainer.plan_comm import comm_volume  # noqa: E402
+from trainer.plan.comm import comm_volume  # noqa: E402
 
 REPO = Path(__file__).resolve().parent.parent
 MODELS = {"8B": "configs/llama3_8b.toml", "70B": "configs/llama3_70b.toml"}

@@ -9,7 +9,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from trainer.config import reference  # noqa: E402
+from trainer.config.job import reference  # noqa: E402
 
 START, END = "<!-- config-reference:start -->", "<!-- config-reference:end -->"
 

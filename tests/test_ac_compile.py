@@ -5,8 +5,8 @@ import torch
 import torch.nn.functional as F
 
 from tests.helpers import BASE_FP32, losses, run_train
-from trainer.model import build_model, model_args
-from trainer.parallelize import apply_ac
+from trainer.models.llama import build_model, model_args
+from trainer.parallel.parallelize import apply_ac
 
 
 def count_block_forwards(mode: str, option: str = "2") -> int:

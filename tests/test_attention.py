@@ -18,12 +18,12 @@ import torch.nn.functional as F
 
 from tests.test_data_fixtures import (corpus_dir, json_cfg, store_cfg, store_path,  # noqa: F401
                                       tokenizer_path)
-from trainer.attention import document_positions, resolve_implementation
+from trainer.models.attention import document_positions, resolve_implementation
 from trainer.data.documents import (IGNORE_INDEX, Delimiters, check_documents, document_ids,
                                     split_window)
 from trainer.errors import ConfigError, DataError
-from trainer.model import build_model, model_args
-from trainer.parallelize import _SAVE_OPS, apply_ac, apply_compile
+from trainer.models.llama import build_model, model_args
+from trainer.parallel.parallelize import _SAVE_OPS, apply_ac, apply_compile
 
 BOS, EOS, VOCAB, SEQ = 1, 2, 256, 48
 DELIMS = Delimiters(BOS, EOS)
@@ -199,7 +199,7 @@ def test_compile_and_op_level_ac_give_the_eager_results(impl):
 
 
 def test_configuration_errors_name_the_problem(tmp_path):
-    from trainer.config import load_config
+    from trainer.config.job import load_config
 
     with pytest.raises(ConfigError, match="synthetic' has none"):
         load_config(["--model.attn_mask_type", "block_causal", "--data.dataset", "synthetic"])
@@ -223,7 +223,7 @@ def test_a_store_without_delimiters_is_refused(json_cfg, tmp_path):
     one data error naming the store and why; with its default framing it has them."""
     from dataclasses import replace
 
-    from trainer.config import Model
+    from trainer.config.job import Model
     from trainer.data import build_dataloader
     from trainer.data.prepare import prepare_store
 
@@ -272,9 +272,9 @@ def test_plan_counts_the_mask_and_document_tables(impl, positions, dtype):
     copies of document cos/sin are made by FSDP's input cast, absent here: fp32 for those."""
     from torch.distributed._tools.mem_tracker import MemTracker
 
-    from trainer.attention import memory_bytes
-    from trainer.config import load_config
-    from trainer.plan import blocks_activations, head_saved
+    from trainer.models.attention import memory_bytes
+    from trainer.config.job import load_config
+    from trainer.plan.memory import blocks_activations, head_saved
 
     args = model_args("debugmodel-tiny", vocab_size=VOCAB, max_seq_len=SEQ,
                       attn_mask_type="block_causal", positions=positions,

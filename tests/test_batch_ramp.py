@@ -9,8 +9,8 @@ import shutil
 import pytest
 
 from tests.helpers import BASE_FP32, losses, run_train, scalars, stopped_after_save
-from trainer.batch_schedule import batch_at
-from trainer.config import load_config
+from trainer.optim.batch_schedule import batch_at
+from trainer.config.job import load_config
 from trainer.errors import ConfigError
 
 RAMP = ["--training.local_batch_size", "1", "--training.global_batch_size", "8",

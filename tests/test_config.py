@@ -4,7 +4,7 @@ import sys
 
 import pytest
 
-from trainer.config import JobConfig, load_config, parse_cli
+from trainer.config.job import JobConfig, load_config, parse_cli
 from trainer.errors import ConfigError
 
 if sys.version_info >= (3, 11):

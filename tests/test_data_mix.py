@@ -18,7 +18,7 @@ import torch
 from tests.helpers import REPO, subprocess_env
 from tests.test_data_fixtures import *  # noqa: F401,F403
 from tests.test_data_fixtures import build, mix_cfg, row_hashes, run_global_batches
-from trainer.config import load_config
+from trainer.config.job import load_config
 from trainer.data.blend import Blend, _floor_sum
 from trainer.data.mix_loader import MixLoader
 from trainer.data.order import permute, permute_many
@@ -259,7 +259,7 @@ def test_resume_refusals(mix_stores, blend_cfg, store_cfg):
 def test_a_source_too_small_for_its_validation_split(blend_cfg):
     import torch
 
-    from trainer.validate import Validator
+    from trainer.evals.validate import Validator
 
     cfg = load_config(["--training.seq_len", "64", "--validation.steps", "100"])
     cfg.data = blend_cfg

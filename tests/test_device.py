@@ -1,7 +1,7 @@
 """Device choice and compute dtype: the same commands on any machine a user has.
 
 The rank count and the GPU check happen before any process starts (run_train.sh asks
-`trainer.config --check`); a machine's GPUs are seen through CUDA_VISIBLE_DEVICES or
+`trainer.config.job --check`); a machine's GPUs are seen through CUDA_VISIBLE_DEVICES or
 `nvidia-smi`, so a stand-in `nvidia-smi` on PATH shows what a GPU machine would get here.
 """
 

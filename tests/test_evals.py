@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 import torch
 
-from trainer.config import load_config
+from trainer.config.job import load_config
 from trainer.errors import ConfigError, DataError
 from trainer.evals.config import HFTask
 from trainer.evals.scoring import (Request, build_requests, choice_metrics, encode_pair,
@@ -210,8 +210,8 @@ def test_a_block_causal_model_scores_like_the_causal_one():
     """Eval requests are one document each: a model with block_causal attention and document
     positions is given one document id per row and scores what the causal model scores
     (it would refuse a forward without document ids)."""
-    from trainer.model import build_model
-    from trainer.model_args import model_args
+    from trainer.models.llama import build_model
+    from trainer.models.args import model_args
 
     models = {}
     for mask, positions in (("causal", "sequence"), ("block_causal", "document")):

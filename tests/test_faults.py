@@ -16,7 +16,7 @@ import pytest
 
 from scripts.chaos import load_dcp_tensors, ok, report, run_chaos, train_args
 from tests.helpers import losses, run_train
-from trainer.ckpt_integrity import LEGACY, check_share
+from trainer.checkpoint.integrity import LEGACY, check_share
 
 STEPS, INTERVAL = 4, 2
 

@@ -6,9 +6,9 @@ import importlib.util
 import pytest
 import torch
 
-from trainer.config import load_config, main
+from trainer.config.job import load_config, main
 from trainer.errors import ConfigError
-from trainer.float8 import check_device
+from trainer.parallel.float8 import check_device
 
 
 def check(capsys, *argv):

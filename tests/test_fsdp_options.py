@@ -15,9 +15,9 @@ import sys
 import pytest
 
 from tests.helpers import REPO, subprocess_env, torchrun
-from trainer.config import load_config, main as config_main
-from trainer.plan import memory_plan
-from trainer.plan_host import pinned
+from trainer.config.job import load_config, main as config_main
+from trainer.plan.memory import memory_plan
+from trainer.plan.host import pinned
 
 PROBE = REPO / "tests" / "scripts" / "fsdp_options_probe.py"
 RESHARD = "--parallelism.fsdp_reshard_after_forward"
@@ -139,7 +139,7 @@ def test_plan_with_offload_moves_sharded_state_to_host():
 
 
 def test_plan_cli_checks_host_ram(capsys):
-    from trainer.plan import main as plan_main
+    from trainer.plan.report import main as plan_main
 
     argv = ["--config", str(REPO / "configs" / "llama3_8b.toml"), "--ngpu", "1",
             "--training.global_batch_size", "-1", "--checkpoint.async_mode", "disabled",

@@ -26,7 +26,7 @@ def test_generate_prints_text_deterministic_and_exact(val_run):  # noqa: F811
 
     # In process: the same text, the KV cache equals the no-cache reference, and each new
     # token is the argmax of one full forward over the final sequence.
-    from trainer.config import load_config
+    from trainer.config.job import load_config
     cfg = load_config(["--job.config_file", str(gen.find_config(ckpt))])
     tok = gen.load_tokenizer(cfg.data)
     model = gen.load_model(ckpt, cfg, token_vocab=tok.vocab_size, max_len=64,
@@ -51,7 +51,7 @@ def test_kv_cache_is_exact_for_a_tied_flavor():
     """Tied flavors (no output module: the head is the embedding) decode the same with the
     KV cache as with a full forward per token."""
     from trainer.generate import generate
-    from trainer.model import build_model, model_args
+    from trainer.models.llama import build_model, model_args
 
     model = build_model(model_args("debugmodel-3.2", vocab_size=512, max_seq_len=64))
     model.to_empty(device="cpu")
@@ -67,8 +67,8 @@ def test_load_model_keeps_the_flavors_rope_scaling(tmp_path):
     that was trained: its RoPE tables carry the flavor's scaling."""
     import torch.distributed.checkpoint as dcp
 
-    from trainer.config import load_config
-    from trainer.model import build_model, model_args, rope_tables
+    from trainer.config.job import load_config
+    from trainer.models.llama import build_model, model_args, rope_tables
 
     args = model_args("debugmodel-3.2", vocab_size=512, max_seq_len=64)
     trained = build_model(args)

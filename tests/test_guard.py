@@ -7,7 +7,7 @@ import re
 import torch
 
 from tests.helpers import BASE_FP32, losses, run_train, scalars
-from trainer.config import JobConfig
+from trainer.config.job import JobConfig
 from trainer.errors import TrainingError
 
 VAL_EVERY_STEP = ["--validation.enable", "true", "--validation.freq", "1", "--validation.steps",
@@ -46,7 +46,7 @@ def test_divergence_stops_with_one_line_and_a_finite_checkpoint(tmp_path):
     saved = sorted(int(p.name.split("-")[1]) for p in (tmp_path / "checkpoint").iterdir())
     assert saved and max(saved) == ckpt < first  # never saved at a skipped step
 
-    from trainer.config import load_config
+    from trainer.config.job import load_config
     from trainer.generate import load_model
     cfg = load_config(["--job.config_file", str(tmp_path / "config.toml")])
     model = load_model(tmp_path / "checkpoint" / f"step-{ckpt}", cfg, token_vocab=8192,
@@ -62,9 +62,9 @@ class _Printed(list):
 def test_spikes_are_counted_and_logged(tmp_path):
     """A falling, noisy loss has no spike; a jump far above the window's mean is one, written
     to TensorBoard (real writer) and printed."""
-    from trainer.guard import LossGuard
-    from trainer.metrics import MetricsProcessor
-    from trainer.model import model_args
+    from trainer.health.guard import LossGuard
+    from trainer.observe.metrics import MetricsProcessor
+    from trainer.models.llama import model_args
 
     cfg = JobConfig()
     cfg.job.dump_folder = str(tmp_path)

@@ -25,7 +25,7 @@ def convert(ckpt, out, *extra) -> None:
 
 
 def trainer_model(flavor: str, state: dict, seq_len: int):
-    from trainer.model import build_model, model_args
+    from trainer.models.llama import build_model, model_args
 
     model = build_model(model_args(flavor, vocab_size=state["tok_embeddings.weight"].shape[0],
                                    max_seq_len=seq_len))
@@ -86,8 +86,8 @@ def test_random_llama32_1b_exports_to_transformers(tmp_path):
     from transformers import LlamaForCausalLM
 
     from trainer.hf.export import write_hf_folder
-    from trainer.config import JobConfig
-    from trainer.model import build_model, model_args
+    from trainer.config.job import JobConfig
+    from trainer.models.llama import build_model, model_args
 
     args = dataclasses.replace(model_args("llama3.2-1B", max_seq_len=32), n_layers=2)
     model = build_model(args)
@@ -171,10 +171,10 @@ def test_import_on_hsdp_2x2_and_round_trip_is_bitwise(tmp_path, llama32):
 
 def test_import_shape_mismatch_is_one_config_error(llama32):
     """(What run_train prints as its one line; tested here on the model, without torchrun.)"""
-    from trainer.config import load_config
+    from trainer.config.job import load_config
     from trainer.errors import ConfigError
     from trainer.hf.load import load_initial
-    from trainer.model import build_model, model_args
+    from trainer.models.llama import build_model, model_args
 
     folder, _ = llama32
     cfg = load_config(["--model.flavor", "debugmodel-3.2", "--checkpoint.initial_load_in_hf",

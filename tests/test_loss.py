@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 
 from tests.helpers import REPO, torchrun
-from trainer.loss import IGNORE_INDEX, build_loss, chunked_loss, eager_loss
+from trainer.models.loss import IGNORE_INDEX, build_loss, chunked_loss, eager_loss
 
 Z = 1e-2  # a z-loss weight that moves the loss by ~5% and the gradients by ~10% here
 

@@ -1,4 +1,4 @@
-"""The lr schedule (trainer/lr_schedule.py): every step against the documented formula, the
+"""The lr schedule (trainer/optim/lr_schedule.py): every step against the documented formula, the
 default's values before decay_steps/decay_ratio existed, the extension property, the config
 errors, and a resume that changes the schedule (in process, then end to end)."""
 
@@ -8,10 +8,10 @@ import pytest
 import torch
 
 from tests.helpers import BASE_FP32, run_train, scalars, stopped_after_save
-from trainer.config import LRScheduler, load_config
+from trainer.config.job import LRScheduler, load_config
 from trainer.errors import ConfigError
-from trainer.lr_schedule import decay_steps, lr_factor
-from trainer.optim import build_lr_scheduler
+from trainer.optim.lr_schedule import decay_steps, lr_factor
+from trainer.optim.optimizer import build_lr_scheduler
 
 
 def build(peak: float, total_steps: int, **sched):
@@ -38,7 +38,7 @@ def schedule_lrs(total_steps: int, peak: float = 1.0, **sched) -> list[float]:
 
 
 def documented(s: int, T: int, W: int, K: int, shape: str, f: float) -> float:
-    """factor(s) of trainer/lr_schedule.py's docstring, written out again."""
+    """factor(s) of trainer/optim/lr_schedule.py's docstring, written out again."""
     if s <= W:
         return s / (W + 1)
     if K == 0 or s <= T - K:

@@ -20,9 +20,9 @@ import torch
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.utils.flop_counter import FlopCounterMode
 
-from trainer.flops import (attention_flops_per_token, flops_per_token, matmul_params,
+from trainer.models.flops import (attention_flops_per_token, flops_per_token, matmul_params,
                            resolve_peak, table_peak_tflops)
-from trainer.model import ModelArgs, build_model, model_args
+from trainer.models.llama import ModelArgs, build_model, model_args
 
 # (name, args, seq_len, batch): real dims of each flavor, fewer layers where the model is big.
 SHAPES = [

@@ -13,11 +13,11 @@ import pytest
 import torch
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-import trainer.metrics as metrics
-from trainer.config import JobConfig
-from trainer.flops import flops_per_token
-from trainer.metrics import MetricsProcessor, format_line, memory_metrics, use_color
-from trainer.model import model_args
+import trainer.observe.metrics as metrics
+from trainer.config.job import JobConfig
+from trainer.models.flops import flops_per_token
+from trainer.observe.metrics import MetricsProcessor, format_line, memory_metrics, use_color
+from trainer.models.llama import model_args
 
 ARGS = model_args("debugmodel")
 SEQ = 256

@@ -8,8 +8,8 @@ import os
 import pytest
 import torch
 
-from trainer.config import JobConfig
-from trainer.profiling import StepProfiler
+from trainer.config.job import JobConfig
+from trainer.observe.profiling import StepProfiler
 
 
 def config(tmp_path, **profiling) -> JobConfig:

@@ -1,6 +1,6 @@
 """A CUDA out-of-memory in a step ends the run with one line and exit code 5, on every rank
 count that hits it, without the other rank hanging. CPU ranks raise torch.OutOfMemoryError
-through the TRAINER_TEST_OOM hook (trainer/oom.py) after a step's forward."""
+through the TRAINER_TEST_OOM hook (trainer/health/oom.py) after a step's forward."""
 
 import re
 import time

@@ -14,11 +14,11 @@ import pytest
 
 from scripts.chaos import load_dcp_tensors
 from tests.helpers import BASE_FP32, losses, run_train, scalars
-from trainer.checkpoint import TrainState
-from trainer.config import JobConfig, load_config
+from trainer.checkpoint.checkpointer import TrainState
+from trainer.config.job import JobConfig, load_config
 from trainer.errors import ConfigError, DataError, TrainingError
-from trainer.guard import LossGuard, Spike, spike_action
-from trainer.spikes import check_data_skips
+from trainer.health.guard import LossGuard, Spike, spike_action
+from trainer.health.spikes import check_data_skips
 
 # ------------------------------------------------------------------------------ decision logic
 

@@ -18,8 +18,8 @@ import pytest
 
 from scripts.chaos import load_dcp_tensors
 from tests.helpers import REPO, losses, run_train, scalars, torchrun
-from trainer.ckpt_integrity import weights_digest
-from trainer.config import load_config
+from trainer.checkpoint.integrity import weights_digest
+from trainer.config.job import load_config
 from trainer.errors import ConfigError
 
 COMMON = ("--training.steps", "5", "--training.seq_len", "64", "--training.local_batch_size", "2",

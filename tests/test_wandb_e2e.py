@@ -15,7 +15,7 @@ import pytest
 
 from tests.helpers import (BASE_FP32, TINY, run_train, scalars, wandb_launches, wandb_offline_env,
                            wandb_or_skip, wandb_series)
-from trainer.wandb_logger import RUN_ID_FILE
+from trainer.observe.wandb_logger import RUN_ID_FILE
 
 COMMON = [*BASE_FP32, "--metrics.enable_wandb", "true", "--metrics.peak_tflops", "0.5",
           "--checkpoint.enable", "true", "--checkpoint.interval", "2"]

@@ -11,12 +11,12 @@ import torch
 
 from tests.helpers import (scalars, wandb_launches, wandb_offline_env, wandb_or_skip,
                            wandb_series)
-from trainer.config import JobConfig, main as config_main
+from trainer.config.job import JobConfig, main as config_main
 from trainer.errors import ConfigError
-from trainer.metrics import MetricsProcessor
-from trainer.model import model_args
-from trainer.preemption import Preempted
-from trainer.wandb_logger import RUN_ID_FILE, init_kwargs, run_id, save_run_id
+from trainer.observe.metrics import MetricsProcessor
+from trainer.models.llama import model_args
+from trainer.health.preemption import Preempted
+from trainer.observe.wandb_logger import RUN_ID_FILE, init_kwargs, run_id, save_run_id
 
 MISSING = ('config error: metrics.enable_wandb = true needs the wandb package, which is not '
            'installed: pip install -e ".[wandb]" (or pip install wandb)')

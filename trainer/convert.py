@@ -21,7 +21,7 @@ PREFIX = "model_optim.model."
 
 
 def read_run_config(checkpoint_dir: str, config_path: str | None):
-    from trainer.config import load_config
+    from trainer.config.job import load_config
 
     path = config_path or os.path.join(checkpoint_dir, os.pardir, os.pardir, "config.toml")
     if not os.path.isfile(path):
@@ -58,7 +58,7 @@ def to_hf(checkpoint_dir: str, out_dir: str, *, dtype: str, max_shard_gib: float
           config_path: str | None = None) -> None:
     from trainer.hf.export import write_hf_folder
     from trainer.hf.mapping import param_shapes
-    from trainer.model_args import model_args
+    from trainer.models.args import model_args
 
     saved = saved_shapes(checkpoint_dir)
     cfg = read_run_config(checkpoint_dir, config_path)

@@ -12,11 +12,11 @@ import sys
 import torch
 import torch.distributed as dist
 
-from trainer import restarts
-from trainer.config import OFFLOAD_NEEDS_CUDA
+from trainer.health import restarts
+from trainer.config.job import OFFLOAD_NEEDS_CUDA
 from trainer.device import resolve_device
 from trainer.errors import ConfigError, UserError
-from trainer.heartbeat import note_timeout
+from trainer.health.heartbeat import note_timeout
 
 # Debugging/testing hook: print a hash of every sample each rank trains on, per step.
 DEBUG_DATA_ENV = "TRAINER_DEBUG_DATA_HASHES"

@@ -59,7 +59,7 @@ def load_model(checkpoint: Path, cfg, *, token_vocab: int, max_len: int, device)
     import torch.distributed.checkpoint as dcp
 
     from trainer.data import padded_vocab_size
-    from trainer.model import build_model, model_args
+    from trainer.models.llama import build_model, model_args
 
     vocab = cfg.model.vocab_size or padded_vocab_size(token_vocab, cfg.model.vocab_size_multiple_of)
     args = model_args(cfg.model.flavor, vocab_size=vocab,
@@ -97,7 +97,7 @@ class KVCache:
 def forward_cached(model, tokens: torch.Tensor, cache: KVCache) -> torch.Tensor:
     """Logits of `tokens` [b, s] placed after the cache's positions; appends to the cache.
     The same computation as Transformer.forward, with the earlier keys/values reused."""
-    from trainer.model import apply_rope
+    from trainer.models.llama import apply_rope
 
     start, seq = cache.length, tokens.shape[1]
     end = start + seq
@@ -183,7 +183,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
 
 
 def main(argv: list[str]) -> int:
-    from trainer.config import load_config
+    from trainer.config.job import load_config
 
     a = parse_args(argv)
     try:

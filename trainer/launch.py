@@ -18,7 +18,7 @@ This is `torch.distributed.run` (the code behind `torchrun`) with these differen
   after any failure; here a failure that no restart cures (FINAL_CODES: user error, signalled
   stop, training error, OOM, a repeated failure) ends the job, and each restart is one line.
   A stopped rank (SIGSTOP) is SIGKILLed at once when the workers are stopped, instead of 30 s
-  after a SIGTERM it cannot act on (see guard_restarts; trainer/heartbeat.py names it).
+  after a SIGTERM it cannot act on (see guard_restarts; trainer/health/heartbeat.py names it).
 - Start: CPU ranks of the trainer (`-m trainer.train` with `training.device` cpu, or auto on a
   machine without GPUs) are forked from this launcher once it has imported torch and the
   trainer (torchrun's function-entrypoint path, start method "fork"), instead of each rank
@@ -53,12 +53,10 @@ from torch.distributed.elastic.multiprocessing.api import SignalException  # noq
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError  # noqa: E402
 from torch.distributed.run import config_from_args, elastic_launch, parse_args  # noqa: E402
 
-USER_ERROR_EXIT_CODE = 2
-PREEMPTED_EXIT_CODE = 3  # a clean, checkpointed stop on a signal (see trainer.train)
-TRAINING_ERROR_EXIT_CODE = 4  # too many non-finite steps: one `training error:` line printed
-OUT_OF_MEMORY_EXIT_CODE = 5  # a CUDA OOM in a step: one `training error:` line (trainer.oom)
-HANG_EXIT_CODE = 6  # a collective timed out: one line naming the silent ranks (trainer.heartbeat)
-GAVE_UP_EXIT_CODE = 7  # the same failure at the same step, restart after restart (trainer.restarts)
+from trainer.errors import (GAVE_UP_EXIT_CODE, HANG_EXIT_CODE,  # noqa: E402
+                            OUT_OF_MEMORY_EXIT_CODE, PREEMPTED_EXIT_CODE,
+                            TRAINING_ERROR_EXIT_CODE, USER_ERROR_EXIT_CODE)
+
 # No restart cures these (MAX_RESTARTS): the job ends at once.
 FINAL_CODES = (USER_ERROR_EXIT_CODE, PREEMPTED_EXIT_CODE, TRAINING_ERROR_EXIT_CODE,
                OUT_OF_MEMORY_EXIT_CODE, GAVE_UP_EXIT_CODE)
@@ -112,7 +110,7 @@ def forkable_trainer_args(cmd_args: list[str]) -> list[str] | None:
     touches CUDA either way.)"""
     if cmd_args[:3] != ["-u", "-m", "trainer.train"] or os.environ.get(FORK_ENV, "1") == "0":
         return None
-    from trainer.config import load_config
+    from trainer.config.job import load_config
     from trainer.device import visible_gpus
     from trainer.errors import UserError
 

@@ -5,7 +5,7 @@
 Config -> process group -> ParallelDims mesh -> Llama on meta -> FSDP2/HSDP -> optimizer ->
 data -> resume from the latest checkpoint -> for each step: microbatches with gradient
 accumulation, clip, optimizer and scheduler step, log, save. A non-finite loss skips the
-optimizer step; a loss spike is logged, skipped or rolled back (trainer/guard.py, `roll_back`).
+optimizer step; a loss spike is logged, skipped or rolled back (trainer/health/guard.py, `roll_back`).
 """
 
 from __future__ import annotations
@@ -28,38 +28,38 @@ from typing import NamedTuple
 import torch
 import torch.distributed as dist
 
-from trainer import heartbeat, restarts
-from trainer.checkpoint import Checkpointer, TrainState
-from trainer.config import JobConfig, load_config
+from trainer.health import heartbeat, restarts
+from trainer.checkpoint.checkpointer import Checkpointer, TrainState
+from trainer.config.job import JobConfig, load_config
 from trainer.device import Precision, resolve_compute_dtype
-from trainer.attention import attention_args
+from trainer.models.attention import attention_args
 from trainer.data import build_dataloader, check_model_vocab, padded_vocab_size
 from trainer.data.documents import check_documents
 from trainer.distributed import (DEBUG_DATA_ENV, agree_on_user_errors,  # noqa: F401
                                  init_distributed, log0, print_sample_hashes, reduce_loss,
                                  reduce_z_loss, set_collective_timeout)
-from trainer.batch_schedule import describe_ramp, next_batch
+from trainer.optim.batch_schedule import describe_ramp, next_batch
 from trainer.errors import DataError, UserError
 from trainer.evals.evaluator import Evaluator, log_evals
-from trainer.float8 import after_optimizer_step, check_device as check_float8_device
-from trainer.guard import LossGuard, Spike, flag_nonfinite_loss, injected_nan, injected_spike
+from trainer.parallel.float8 import after_optimizer_step, check_device as check_float8_device
+from trainer.health.guard import LossGuard, Spike, flag_nonfinite_loss, injected_nan, injected_spike
 from trainer.hf.load import load_initial, save_last_hf
-from trainer.loss import IGNORE_INDEX, Loss, build_loss
-from trainer.metrics import MetricsProcessor
-from trainer.oom import (OOM_EXIT_CODE, OutOfMemory, claim_report, inject_oom, out_of_memory,
+from trainer.models.loss import IGNORE_INDEX, Loss, build_loss
+from trainer.observe.metrics import MetricsProcessor
+from trainer.health.oom import (OOM_EXIT_CODE, OutOfMemory, claim_report, inject_oom, out_of_memory,
                          peer_ran_out_of_memory)
-from trainer.model import build_model, model_args
-from trainer.optim import build_lr_scheduler, build_optimizer
+from trainer.models.llama import build_model, model_args
+from trainer.optim.optimizer import build_lr_scheduler, build_optimizer
 from trainer.parallel.clip import clip_grad_norm_
 from trainer.parallel.dims import check_async_tp, check_tp_shapes, describe_vocab
-from trainer.parallelize import parallelize, set_gradient_sync
-from trainer.preemption import PREEMPTED_EXIT_CODE, Preempted, StopSignals
-from trainer.heartbeat import HANG_EXIT_CODE
-from trainer.profiling import StepProfiler
-from trainer.spikes import (act_on_spike, check_data_skips, note_past_skips, pass_over,
+from trainer.parallel.parallelize import parallelize, set_gradient_sync
+from trainer.health.preemption import PREEMPTED_EXIT_CODE, Preempted, StopSignals
+from trainer.health.heartbeat import HANG_EXIT_CODE
+from trainer.observe.profiling import StepProfiler
+from trainer.health.spikes import (act_on_spike, check_data_skips, note_past_skips, pass_over,
                             skipped_step, spike_check)
-from trainer.stragglers import StragglerWatch, injected_delay
-from trainer.validate import Validator, log_validation
+from trainer.health.stragglers import StragglerWatch, injected_delay
+from trainer.evals.validate import Validator, log_validation
 
 
 def filter_output() -> None:
@@ -102,7 +102,7 @@ def train_step(model, optimizer, scheduler, loader, *, accum: int, sync_mode: st
     """One optimizer step over `accum` microbatches. `stepped` is False, on every rank alike,
     when the loss of any rank or the grad norm was not finite, or when `spike_check(rank_loss)`
     (training.on_spike != "log": called before the optimizer step when the grad norm is finite)
-    found a spike: the optimizer step is then skipped (trainer/guard.py). The z-loss is None
+    found a spike: the optimizer step is then skipped (trainer/health/guard.py). The z-loss is None
     without one, else this rank's z-loss term / the global token count (summed over the dp
     ranks: the global mean per token).
 
@@ -134,7 +134,7 @@ def train_step(model, optimizer, scheduler, loader, *, accum: int, sync_mode: st
         set_gradient_sync(model, sync_mode, is_last=i == accum - 1)
         inputs = inputs.to(device)
         heartbeat.phase("forward", step)
-        # The model's head computes the summed token loss (trainer/loss.py): no logits here.
+        # The model's head computes the summed token loss (trainer/models/loss.py): no logits here.
         # Document ids (None without documents) let the model mask and position per document.
         loss = model(inputs, labels=labels.to(device), loss_fn=loss_fn,
                      doc_ids=loader.document_ids(inputs) if documents else None) / global_tokens
@@ -276,7 +276,7 @@ def run_loop(cfg, model, optimizer, scheduler, loader, checkpointer, metrics, pr
                 sync_mode=cfg.training.gradient_accumulation_sync, dp_group=dp_group,
                 max_norm=cfg.training.max_norm, metrics=metrics, loss_fn=loss_fn,
                 step=state.step, device=device, spike_check=check)
-        except torch.OutOfMemoryError:  # rank-local: one line, see trainer/oom.py
+        except torch.OutOfMemoryError:  # rank-local: one line, see trainer/health/oom.py
             raise out_of_memory(cfg, state.step, device) from None
         watch.stop_step()
         if stepped:

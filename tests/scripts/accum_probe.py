@@ -17,12 +17,12 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from tests.helpers import run_probe_cases
-from trainer.config import load_config
+from trainer.config.job import load_config
 from trainer.device import resolve_compute_dtype
 from trainer.data import build_dataloader
-from trainer.model import build_model, model_args
-from trainer.optim import build_optimizer
-from trainer.parallelize import parallelize, set_gradient_sync
+from trainer.models.llama import build_model, model_args
+from trainer.optim.optimizer import build_optimizer
+from trainer.parallel.parallelize import parallelize, set_gradient_sync
 
 CALLS: list[tuple[str, str]] = []
 

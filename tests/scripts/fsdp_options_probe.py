@@ -20,11 +20,11 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 import torch.nn.functional as F
 
-from trainer.checkpoint import ModelAndOptimizer
-from trainer.config import load_config
-from trainer.model import ModelArgs, build_model
-from trainer.optim import build_optimizer
-from trainer.parallelize import parallelize
+from trainer.checkpoint.checkpointer import ModelAndOptimizer
+from trainer.config.job import load_config
+from trainer.models.llama import ModelArgs, build_model
+from trainer.optim.optimizer import build_optimizer
+from trainer.parallel.parallelize import parallelize
 
 CPU = torch.device("cpu")
 

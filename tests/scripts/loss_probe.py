@@ -13,10 +13,10 @@ import sys
 import torch
 import torch.distributed as dist
 
-from trainer.config import load_config
-from trainer.loss import IGNORE_INDEX, build_loss
-from trainer.model import build_model, model_args
-from trainer.parallelize import parallelize
+from trainer.config.job import load_config
+from trainer.models.loss import IGNORE_INDEX, build_loss
+from trainer.models.llama import build_model, model_args
+from trainer.parallel.parallelize import parallelize
 
 
 def grads_after(model, loss_fn, inputs, labels):

@@ -25,12 +25,12 @@ import torch.distributed as dist
 from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
 
 from tests.helpers import run_probe_cases
-from trainer.config import load_config
+from trainer.config.job import load_config
 from trainer.device import resolve_compute_dtype
-from trainer.loss import build_loss
-from trainer.model import build_model, model_args
-from trainer.optim import build_optimizer
-from trainer.parallelize import parallelize
+from trainer.models.loss import build_loss
+from trainer.models.llama import build_model, model_args
+from trainer.optim.optimizer import build_optimizer
+from trainer.parallel.parallelize import parallelize
 
 
 def local(t) -> torch.Tensor:

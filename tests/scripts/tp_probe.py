@@ -19,11 +19,11 @@ from torch.distributed.tensor import DTensor
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
-from trainer.config import load_config
+from trainer.config.job import load_config
 from trainer.evals.scoring import Request, score_batch
-from trainer.loss import IGNORE_INDEX, build_loss
-from trainer.model import Transformer, build_model, model_args
-from trainer.parallelize import parallelize
+from trainer.models.loss import IGNORE_INDEX, build_loss
+from trainer.models.llama import Transformer, build_model, model_args
+from trainer.parallel.parallelize import parallelize
 
 VOCAB, SEQ = 1024, 32
 

@@ -9,7 +9,7 @@ import sys
 import tomllib
 import typing
 
-from trainer.config_base import check_field, coerce, from_cli
+from trainer.config.base import check_field, coerce, from_cli
 from trainer.data.config import DataConfig, MixSource
 from trainer.errors import ConfigError, UserError
 

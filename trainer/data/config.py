@@ -19,7 +19,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
-from trainer.config_base import opt
+from trainer.config.base import opt
 from trainer.errors import ConfigError
 
 LOCAL_BUILDERS = ("json", "parquet", "text", "csv")

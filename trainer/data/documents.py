@@ -10,7 +10,7 @@ nothing else is recorded. In a window, a new document starts
 (with both framings the two rules mark the same position, the BOS after an EOS). The document
 id of a position is the number of starts up to it, minus one: [B, S] int64, computed on the
 device from the input tokens (`document_ids`). The model turns ids into its block-causal mask
-and per-document positions (trainer/attention.py); the loader also uses the starts to drop the
+and per-document positions (trainer/models/attention.py); the loader also uses the starts to drop the
 targets that begin a document when `data.predict_document_start = false`.
 
 A source without any delimiter (a store prepared with add_bos = add_eos = false, a tokenizer
@@ -26,7 +26,7 @@ import torch
 
 from trainer.errors import DataError
 
-IGNORE_INDEX = -100  # as trainer.loss
+IGNORE_INDEX = -100  # as trainer.models.loss
 
 
 @dataclass(frozen=True)

@@ -65,7 +65,7 @@ class GlobalOrderLoader:
     def document_ids(self, inputs: torch.Tensor) -> torch.Tensor | None:
         """The document id of every input position ([B, S] int64, on the inputs' device), or
         None for data without documents. The model's block-causal mask and per-document
-        positions come from these (trainer/attention.py)."""
+        positions come from these (trainer/models/attention.py)."""
         return None if self.delimiters is None else document_ids(inputs, self.delimiters)
 
     def _split(self, windows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -24,7 +24,7 @@ def plan_rows(cfg, steps: int, world_size: int) -> tuple[list[dict], int]:
     """([{name, share, store_tokens, windows, samples, tokens, epochs, wraps}], global batch)."""
     from dataclasses import replace
 
-    from trainer.config import accumulation_steps
+    from trainer.config.job import accumulation_steps
     from trainer.data.blend import Blend
     from trainer.data.build import mix_sources, open_mix_stores
     from trainer.parallel.dims import ParallelDims
@@ -77,7 +77,7 @@ def main(argv: list[str]) -> int:
                         help="ranks of the run (the global batch may depend on it; default 1)")
     args, overrides = parser.parse_known_args(argv)
     try:
-        from trainer.config import load_config
+        from trainer.config.job import load_config
 
         cfg = load_config(["--job.config_file", args.config, *overrides])
         steps = args.steps or cfg.training.steps

@@ -3,5 +3,5 @@ lm-evaluation-harness scores them. config.py (the [eval] section), tasks.py (bui
 and Hugging Face tasks), stdlib_next_line.py (the built-in task), scoring.py (tokenization and
 log-likelihoods), evaluator.py (sharded over the dp ranks, world-size independent).
 
-Light on purpose: trainer.config imports the config module without torch.
+Light on purpose: trainer.config.job imports the config module without torch.
 """

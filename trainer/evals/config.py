@@ -19,7 +19,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from trainer.config_base import did_you_mean, opt
+from trainer.config.base import did_you_mean, opt
 from trainer.data.config import SOURCE_NAME
 from trainer.errors import ConfigError
 

@@ -1,6 +1,6 @@
 """The in-loop evaluator: downstream multiple-choice tasks every `eval.freq` steps.
 
-Like the Validator (trainer/validate.py), the result does not depend on the world size or
+Like the Validator (trainer/evals/validate.py), the result does not depend on the world size or
 the FSDP/HSDP layout. Each task's requests (one per example and choice) are sorted by
 length, longest first, and cut into blocks of B = `eval.local_batch_size`: block k holds the
 same requests on any world size, and

@@ -27,7 +27,7 @@ import random
 import re
 from functools import lru_cache
 
-from trainer.evals.tasks import Example
+from trainer.evals.examples import Example
 
 N_EXAMPLES = 500
 N_CHOICES = 4

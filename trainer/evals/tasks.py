@@ -11,32 +11,17 @@ from __future__ import annotations
 
 import json
 import os
-from dataclasses import dataclass
 
 from trainer.errors import DataError
 from trainer.evals.config import HFTask, is_jsonl_path, task_name
-
-
-@dataclass(frozen=True)
-class Example:
-    context: str
-    choices: tuple[str, ...]
-    gold: int
-
-
-@dataclass
-class Task:
-    name: str
-    examples: list[Example]
-    target_delimiter: str = ""
+from trainer.evals.examples import Example, Task
+from trainer.evals.stdlib_next_line import build_examples
 
 
 def load_task(spec: str, limit: int = 0) -> Task:
     """A task of `eval.tasks`: a built-in name or a .jsonl file (config.py checked which)."""
     if is_jsonl_path(spec):
         return Task(task_name(spec), read_jsonl(spec, limit))
-    from trainer.evals.stdlib_next_line import build_examples
-
     examples = build_examples()
     return Task(spec, examples[:limit] if limit else examples)
 

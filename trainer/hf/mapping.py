@@ -13,7 +13,7 @@ import re
 import torch
 
 from trainer.errors import ConfigError
-from trainer.model_args import ModelArgs
+from trainer.models.args import ModelArgs
 
 _LAYER = {
     "attention.wq.weight": "self_attn.q_proj.weight",

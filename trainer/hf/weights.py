@@ -11,7 +11,7 @@ import torch
 
 from trainer.errors import ConfigError
 from trainer.hf.mapping import hf_name, to_hf
-from trainer.model_args import ModelArgs
+from trainer.models.args import ModelArgs
 
 SINGLE, INDEX = "model.safetensors", "model.safetensors.index.json"
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}

@@ -3,7 +3,7 @@ over the `tp` mesh dimension (colwise, as Megatron's and torchtitan's head; a ti
 rowwise-sharded the same way), so each tp rank computes the logits of vocab / tp columns.
 
 Loss parallel (default): the cross-entropy is computed from those vocab-sharded logits, never
-gathering the full vocabulary. Per chunk of tokens (trainer/loss.py's chunked loss, whose
+gathering the full vocabulary. Per chunk of tokens (trainer/models/loss.py's chunked loss, whose
 structure this reuses), each rank computes its [tokens, vocab / tp] logits in fp32, and two
 all-reduces over tp finish the softmax statistics: the max of each row (MAX), then the sum of
 exp(logit - max) and the target's logit, which only the rank holding the target's column has
@@ -26,7 +26,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 
-IGNORE_INDEX = -100  # trainer.loss.IGNORE_INDEX (not imported: loss.py imports this module)
+IGNORE_INDEX = -100  # trainer.models.loss.IGNORE_INDEX (not imported: loss.py imports this module)
 
 
 def vocab_parallel_project(h, weight: DTensor, labels=None, loss_fn=None) -> torch.Tensor:
@@ -46,7 +46,7 @@ def vocab_parallel_project(h, weight: DTensor, labels=None, loss_fn=None) -> tor
 
 def vocab_parallel_chunk(h: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor,
                          want_grad: bool, z_loss_weight: float = 0.0, *, group):
-    """trainer.loss.chunk_loss_and_grad for a weight shard of vocab / tp rows (this rank's
+    """trainer.models.loss.chunk_loss_and_grad for a weight shard of vocab / tp rows (this rank's
     rows are [rank * n, (rank + 1) * n) of the vocab): the same (loss, z, grad) contract, with
     grad holding only this rank's columns. Every tp rank returns the same loss and z."""
     logits = F.linear(h, weight).float()

@@ -33,7 +33,7 @@ from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleInp
                                                RowwiseParallel, SequenceParallel,
                                                parallelize_module)
 
-from trainer.model import Transformer
+from trainer.models.llama import Transformer
 
 
 def apply_tp(model: Transformer, tp_mesh, *, float8_tensorwise: bool = False,
@@ -78,7 +78,7 @@ def apply_tp(model: Transformer, tp_mesh, *, float8_tensorwise: bool = False,
 
 def _shard_head(head: nn.Linear, tp_mesh) -> None:
     """The head's weight as a vocab-sharded (rows, Shard(0)) DTensor; its forward
-    (trainer.model.project) handles the sequence-sharded input and the loss."""
+    (trainer.models.llama.project) handles the sequence-sharded input and the loss."""
 
     def partition(name, module, mesh):
         for pname, param in list(module.named_parameters(recurse=False)):

@@ -1,0 +1,398 @@
+"""Distributed Checkpoint (DCP) save and resume.
+
+A checkpoint is `{dump_folder}/{folder}/step-N`, holding the sharded model and optimizer state
+(through `torch.distributed.checkpoint.state_dict`, so it reshards across world sizes and
+FSDP/HSDP layouts on load), the lr scheduler's position (a resume applies its own config's lr
+schedule from the next step on), the train state (step, tokens seen), the RNG states and the
+dataloader position.
+
+A save is atomic: every rank writes into `step-N.partial`; once DCP has written the metadata,
+the ranks hash their share of the files and rank 0 writes `manifest.json` (see
+ckpt_integrity.py), then renames the folder to `step-N`. Only `step-N` folders are ever loaded,
+so a crash mid-save leaves the previous checkpoint as the latest. A save the storage refuses
+(disk full, permissions, I/O error, on any rank) is agreed on by all ranks before anything is
+committed: the partial folder is removed and the run stops with one line, or warns and goes on
+(`on_save_error = "continue"`).
+
+Resume takes the newest checkpoint whose files match its manifest; a damaged one is named in
+one line and skipped (an explicit `load_step` of a damaged one is a checkpoint error). After a
+resume from an older step (`load_step`, or past a damaged one), the first save moves the later
+`step-M` folders aside as `step-M.abandoned-<time>`, so no later resume or pruning mistakes
+them for this run's checkpoints.
+
+A rollback (`training.on_spike = "rollback"`, trainer/train.py) reloads `latest`, the newest
+checkpoint of this run's branch (never a later step of an abandoned one), and saves that step
+again at once with the rollback recorded in the TrainState: the new folder replaces the old one.
+
+With `async_mode = "async"`, the state is staged to CPU memory and written by a background
+thread while training goes on; the commit (the rename) happens at the next save or at the end
+of the run, whichever comes first. The background writes use a gloo process group of their own:
+on the default group their collectives would interleave with training's and hang.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import time
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
+from torch.distributed.checkpoint.state_dict import (get_model_state_dict,
+                                                     get_optimizer_state_dict,
+                                                     set_model_state_dict,
+                                                     set_optimizer_state_dict)
+from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.stateful import Stateful
+
+from trainer.checkpoint import integrity
+from trainer.errors import CheckpointError, ConfigError
+
+STEP_DIR = re.compile(r"^step-(\d+)$")
+# Testing hook: crash rank 0 after the data of this step's save is written, before the commit.
+CRASH_ENV = "TRAINER_TEST_CRASH_BEFORE_COMMIT"
+
+
+@dataclass
+class TrainState(Stateful):
+    """The loop's own state. Checkpoints from before the spike window and rollbacks lack those
+    keys: they load with the defaults (Checkpointer.load reads this part leniently)."""
+
+    step: int = 0
+    tokens_seen: int = 0
+    loss_window: list[float] = field(default_factory=list)  # the spike detector's (guard.py)
+    rollback_steps: list[int] = field(default_factory=list)  # one per rollback: the step that
+    # passes over a global batch (the one it spiked on)
+
+    def state_dict(self) -> dict:
+        return {"step": self.step, "tokens_seen": self.tokens_seen,
+                "loss_window": list(self.loss_window), "rollback_steps": list(self.rollback_steps)}
+
+    def load_state_dict(self, sd: dict) -> None:
+        self.step, self.tokens_seen = int(sd["step"]), int(sd["tokens_seen"])
+        self.loss_window = [float(x) for x in sd.get("loss_window", [])]
+        self.rollback_steps = [int(s) for s in sd.get("rollback_steps", [])]
+
+
+class ModelAndOptimizer(Stateful):
+    """Model and optimizer state as sharded DTensors, keyed by parameter FQNs."""
+
+    def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer):
+        self.model, self.optimizer = model, optimizer
+
+    def state_dict(self) -> dict:
+        return {"model": get_model_state_dict(self.model),
+                "optimizer": get_optimizer_state_dict(self.model, self.optimizer)}
+
+    def load_state_dict(self, sd: dict) -> None:
+        set_model_state_dict(self.model, sd["model"])
+        set_optimizer_state_dict(self.model, self.optimizer, optim_state_dict=sd["optimizer"])
+
+
+class _Adapter(Stateful):
+    """Wrap an object with state_dict/load_state_dict (scheduler, dataloader) for DCP."""
+
+    def __init__(self, obj):
+        self.obj = obj
+
+    def state_dict(self) -> dict:
+        return self.obj.state_dict()
+
+    def load_state_dict(self, sd: dict) -> None:
+        self.obj.load_state_dict(sd)
+
+
+class RNGState(Stateful):
+    """The RNG states. Every rank is seeded identically, so one copy serves all world sizes."""
+
+    def state_dict(self) -> dict:
+        sd = {"cpu": torch.get_rng_state()}
+        if torch.cuda.is_available():
+            sd["cuda"] = torch.cuda.get_rng_state()
+        return sd
+
+    def load_state_dict(self, sd: dict) -> None:
+        torch.set_rng_state(sd["cpu"])
+        if "cuda" in sd and torch.cuda.is_available():
+            torch.cuda.set_rng_state(sd["cuda"])
+
+
+def _lenient() -> DefaultLoadPlanner:
+    """Keys missing from the checkpoint keep their current values (the caller checks)."""
+    return DefaultLoadPlanner(allow_partial_load=True)
+
+
+class Checkpointer:
+    def __init__(self, cfg, *, model, optimizer, scheduler, dataloader, train_state: TrainState,
+                 log=print):
+        self.cfg = cfg.checkpoint
+        self.root = os.path.join(cfg.job.dump_folder, self.cfg.folder)
+        self.train_state, self.log = train_state, log
+        self.states = {"model_optim": ModelAndOptimizer(model, optimizer),
+                       "lr_scheduler": _Adapter(scheduler), "dataloader": _Adapter(dataloader),
+                       "train_state": train_state, "rng": RNGState()}
+        self.fingerprint = integrity.model_fingerprint(model)
+        self.async_group = None
+        if self.cfg.enable and self.cfg.async_mode == "async":
+            self.async_group = dist.new_group(backend="gloo")  # collective: every rank, once
+        self.pending = None  # (step, future, start time) of an async save not yet committed
+        # Later steps than this one belong to an abandoned branch: moved aside at the first save.
+        self.branch_point: int | None = 0
+        # The newest checkpoint of this run's branch (loaded or committed; the same on every
+        # rank): what a rollback reloads. None before the first.
+        self.latest: int | None = None
+        self.replacing: int | None = None  # a re-save of this step replaces it (save(replace=))
+
+    # ----------------------------------------------------------------------------- listing
+    def committed_steps(self) -> list[int]:
+        if not os.path.isdir(self.root):
+            return []
+        steps = (STEP_DIR.match(name) for name in os.listdir(self.root))
+        return sorted(int(m.group(1)) for m in steps if m)
+
+    def _path(self, step: int) -> str:
+        return os.path.join(self.root, f"step-{step}")
+
+    # ----------------------------------------------------------------------------- load
+    def step_to_load(self) -> int | None:
+        """`load_step`, or the newest intact committed step; None when there is nothing to
+        resume. Collective: the ranks verify the files together and agree."""
+        if not self.cfg.enable:
+            return None
+        steps = self.committed_steps()
+        step = self.cfg.load_step
+        if step != -1 and step not in steps:
+            raise ConfigError(f"checkpoint.load_step = {step}: no checkpoint {self._path(step)}; "
+                              f"available steps: {steps or 'none'}")
+        damaged = []
+        for candidate in ([step] if step != -1 else steps[::-1]):
+            problem = self._verify(candidate)
+            if problem is None:
+                if damaged:
+                    self.log(f"damaged checkpoint {', '.join(damaged)} skipped: resuming "
+                             f"from the newest intact one, step-{candidate}")
+                return candidate
+            if step != -1:
+                raise CheckpointError(f"{self._path(step)} is damaged ({problem}); resume from "
+                                      f"another step (available: {steps}) or with load_step = -1")
+            damaged.append(f"{self._path(candidate)} ({problem})")
+        if damaged:
+            raise CheckpointError(f"no intact checkpoint in {self.root}: "
+                                  f"{'; '.join(damaged)}; move them aside to start afresh")
+        return None
+
+    def _verify(self, step: int) -> str | None:
+        """What is wrong with checkpoint `step` on any rank (each checks its share), or None."""
+        rank, world = dist.get_rank(), dist.get_world_size()
+        local = integrity.check_share(self._path(step), step, self.cfg.verify, rank, world)
+        seen = [None] * world
+        dist.all_gather_object(seen, (step, local))
+        if any(s != step for s, _ in seen):
+            raise ConfigError(f"ranks see different checkpoints in {self.root}: "
+                              f"{[s for s, _ in seen]}; the dump folder must be on storage that "
+                              "every node shares")
+        problems = [p for _, p in seen if p not in (None, integrity.LEGACY)]
+        if problems:
+            return problems[0]
+        if any(p == integrity.LEGACY for _, p in seen):
+            self.log(f"checkpoint {self._path(step)} has no {integrity.MANIFEST} (written "
+                     "before integrity checks): loading it with its sizes checked against "
+                     ".metadata only")
+        return None
+
+    def load(self, step: int | None, *, quiet: bool = False) -> bool:
+        """Resume from checkpoint `step` (from `step_to_load`; or a rollback's, `quiet`: it
+        prints its own line); False if None."""
+        if step is None:
+            return False
+        t0 = time.monotonic()
+        path = self._path(step)
+        self._check_model_shapes(path)
+        states = dict(self.states)
+        data, rng = states.pop("dataloader"), states.pop("rng")
+        sched, train_state = states.pop("lr_scheduler"), states.pop("train_state")
+        # The data position first: a changed data setup is then reported by the loader itself
+        # (one line). It loads leniently because a streamed source keeps per-rank state, whose
+        # keys differ on another dp size; the loader explains that case too.
+        dcp.load({"dataloader": data}, checkpoint_id=path, planner=_lenient())
+        dcp.load(states, checkpoint_id=path)
+        # Leniently: older checkpoints have no spike window nor rollbacks (TrainState).
+        dcp.load({"train_state": train_state}, checkpoint_id=path, planner=_lenient())
+        # After the optimizer, whose param groups come back with the saved lr: the schedule
+        # keeps this run's formula and sets the lr of the next step from it (trainer/optim/optimizer.py).
+        dcp.load({"lr_scheduler": sched}, checkpoint_id=path)
+        # Leniently too: a CPU checkpoint has no CUDA RNG state to give a GPU run.
+        dcp.load({"rng": rng}, checkpoint_id=path, planner=_lenient())
+        self.branch_point = self.latest = step
+        if quiet:
+            return True
+        self.log(f"resumed from {self._path(step)} (step {self.train_state.step}) in "
+                 f"{time.monotonic() - t0:.2f}s")
+        if os.environ.get(integrity.DIGEST_ENV):
+            model = self.states["model_optim"].model
+            self.log(f"loaded weights digest {integrity.weights_digest(model.named_parameters())}")
+        note = sched.obj.resume_note()
+        if note:
+            self.log(note)
+        return True
+
+    def _check_model_shapes(self, path: str) -> None:
+        """A checkpoint of another model shape is a config error, not a DCP traceback."""
+        saved = dcp.FileSystemReader(path).read_metadata().state_dict_metadata
+        for name, param in self.states["model_optim"].model.named_parameters():
+            meta = saved.get(f"model_optim.model.{name}")
+            shape = tuple(meta.size) if meta is not None and hasattr(meta, "size") else None
+            if shape != tuple(param.shape):
+                raise ConfigError(
+                    f"checkpoint {path} does not fit this model: {name} has shape {shape} "
+                    f"there and {tuple(param.shape)} here; resume with the model.flavor, "
+                    "model.vocab_size and tokenizer it was saved with, or use another "
+                    "checkpoint.folder")
+        saved_print = integrity.saved_fingerprint(path)  # also catches parameters we lack
+        if saved_print not in (None, self.fingerprint):
+            raise ConfigError(f"checkpoint {path} does not fit this model: it holds another set "
+                              "of parameters (model fingerprint differs); resume with the "
+                              "model.flavor it was saved with, or use another checkpoint.folder")
+
+    # ----------------------------------------------------------------------------- save
+    def maybe_save(self, step: int, *, last: bool) -> bool:
+        """Save on interval steps and the last step; True if a save was started."""
+        if self.cfg.enable and (step % self.cfg.interval == 0 or last):
+            self.save(step)
+            return True
+        return False
+
+    def write_finished(self) -> bool:
+        """This rank's background write (if any) is done; the loop commits once all are."""
+        return self.pending is None or self.pending[1].done()
+
+    def save(self, step: int, *, replace: bool = False) -> None:
+        """Write `step-N.partial` (in the background when async), then commit it as `step-N`.
+        `replace`: a rollback saves the step it reloaded again, with its record added: the new
+        folder replaces the old one (rather than moving it aside as an abandoned branch's)."""
+        self.wait()  # at most one save in flight; commit the previous one first
+        self.replacing = step if replace else None
+        t0 = time.monotonic()
+        partial = self._path(step) + ".partial"
+        if dist.get_rank() == 0:
+            shutil.rmtree(partial, ignore_errors=True)  # left over from an interrupted save
+        dist.barrier()
+        states = {**self.states, **integrity.marker()}
+        writer = integrity.storage_writer(partial, step, dist.get_rank())
+        if self.async_group is None:
+            error = None
+            try:
+                dcp.save(states, checkpoint_id=partial, storage_writer=writer)
+            except (CheckpointException, OSError) as e:
+                error = integrity.describe_save_error(e, partial)
+            self._commit(step, t0, error)
+        else:
+            future = dcp.async_save(states, checkpoint_id=partial, storage_writer=writer,
+                                    process_group=self.async_group)
+            self.log(f"checkpoint step-{step}: staged in {time.monotonic() - t0:.2f}s, "
+                     "writing in the background")
+            self.pending = (step, future, t0)
+
+    def wait(self) -> None:
+        """Finish and commit an async save in flight (call before exiting)."""
+        if self.pending is not None:
+            step, future, t0 = self.pending
+            self.pending = None
+            waited, error = time.monotonic(), None
+            try:
+                future.result()
+            except (CheckpointException, OSError) as e:
+                error = integrity.describe_save_error(e, self._path(step) + ".partial")
+            if time.monotonic() - waited > 0.01:
+                self.log(f"checkpoint step-{step}: training waited "
+                         f"{time.monotonic() - waited:.2f}s for the background write")
+            self._commit(step, t0, error)
+
+    def _commit(self, step: int, t0: float, error: str | None) -> None:
+        """Agree that every rank's write succeeded, record the manifest, rename; or give up."""
+        partial, rank, world = self._path(step) + ".partial", dist.get_rank(), dist.get_world_size()
+        if os.environ.get(CRASH_ENV) == str(step) and rank == 0:
+            os._exit(17)
+        files = {}
+        if error is None:
+            try:
+                files = integrity.hash_share(partial, rank, world)
+            except OSError as e:
+                error = str(e)
+        seen = [None] * world
+        dist.all_gather_object(seen, (error, files))  # also: every rank's data is on disk
+        outcome = [next((err for err, _ in seen if err), None)]
+        if outcome[0] is None and rank == 0:
+            try:
+                integrity.write_manifest(partial, step, self.fingerprint,
+                                         {k: v for _, f in seen for k, v in f.items()})
+                self._move_aside_abandoned(step)
+                self._install(partial, step)
+                self._prune(keep=step)
+            except OSError as e:
+                outcome = [str(e)]
+        dist.broadcast_object_list(outcome, src=0)
+        self.replacing = None
+        if outcome[0] is not None:
+            self._save_failed(step, partial, outcome[0])
+        else:
+            self.branch_point = None  # the abandoned branch (if any) is aside now
+            self.latest = step
+            self.log(f"saved checkpoint {self._path(step)} in {time.monotonic() - t0:.2f}s")
+
+    def _save_failed(self, step: int, partial: str, error: str) -> None:
+        if dist.get_rank() == 0:
+            shutil.rmtree(partial, ignore_errors=True)  # frees the space a partial write took
+        dist.barrier()
+        steps = self.committed_steps()
+        latest = self._path(steps[-1]) if steps else "none"
+        if self.cfg.on_save_error == "stop":
+            raise CheckpointError(f"saving {partial} failed: {error}; the latest checkpoint is "
+                                  f"{latest} (checkpoint.on_save_error = 'continue' trains on)")
+        self.log(f"warning: checkpoint step-{step} not saved ({error}); training goes on "
+                 f"(checkpoint.on_save_error = 'continue'); the latest checkpoint is {latest}")
+
+    def _move_aside_abandoned(self, step: int) -> None:
+        """At this run's first commit, rename `step-M` folders later than the step it resumed
+        from (and any `step-{step}`): they belong to the branch a rewind abandoned."""
+        if self.branch_point is None:
+            return
+        later = [s for s in self.committed_steps()
+                 if s > self.branch_point or (s == step and s != self.replacing)]
+        if later:
+            stamp = time.strftime("%Y%m%d-%H%M%S")
+            for s in later:
+                os.replace(self._path(s), f"{self._path(s)}.abandoned-{stamp}")
+            self.log(f"this run resumed from step {self.branch_point}: moved the later "
+                     f"checkpoint(s) {', '.join(f'step-{s}' for s in later)} aside as "
+                     f"step-N.abandoned-{stamp} (never resumed from nor pruned)")
+
+    def _install(self, partial: str, step: int) -> None:
+        """Rename `partial` to `step-N`. A rollback's re-save replaces `step-N`: the old folder
+        is renamed aside, then deleted (a crash between the two renames leaves the same weights
+        in `step-N.superseded`, which no resume reads: rename it back by hand)."""
+        final = self._path(step)
+        if self.replacing != step or not os.path.isdir(final):
+            os.replace(partial, final)
+            return
+        old = f"{final}.superseded"
+        shutil.rmtree(old, ignore_errors=True)
+        os.replace(final, old)
+        try:
+            os.replace(partial, final)
+        except OSError:
+            os.replace(old, final)  # the save failed: the reloaded step stays as it was
+            raise
+        shutil.rmtree(old, ignore_errors=True)
+
+    def _prune(self, keep: int) -> None:
+        """Keep the newest k steps, and always `keep` (just committed)."""
+        k = self.cfg.keep_latest_k
+        if k > 0:
+            for old in self.committed_steps()[:-k]:
+                if old != keep:
+                    shutil.rmtree(self._path(old), ignore_errors=True)

@@ -1,0 +1,296 @@
+"""The job configuration: one typed dataclass per TOML section (trainer/config/sections.py and
+the sections that live with their code), loaded from TOML + CLI overrides.
+
+Precedence is CLI > TOML > defaults. Every problem the config alone can reveal (unknown keys,
+wrong types, out-of-range values, impossible combinations, including those that depend on the
+world size) raises `ConfigError` here, before any process group exists that could hang.
+
+    python -m trainer.config --check --world-size 4 --job.config_file configs/debug_model.toml
+    python -m trainer.config --check --nnodes 1 --nproc-per-node "$NGPU" ...   # prints ranks/node
+    python -m trainer.config --help      # the reference of every key
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import sys
+import typing
+from dataclasses import dataclass, field
+
+from trainer.config.base import (check_field, coerce, did_you_mean, from_cli, parse_cli,
+                                  toml_value, type_name)
+from trainer.optim.batch_schedule import check_ramp
+from trainer.config.sections import (  # noqa: F401  (also importable from here)
+    ActivationCheckpoint, Checkpoint, Comm, Compile, Health, Job, LRScheduler,
+    Metrics, Model, Optimizer, Parallelism, Profiling, Training, Validation)
+from trainer.data.config import DataConfig
+from trainer.errors import ConfigError, UserError
+from trainer.evals.config import Eval
+from trainer.parallel.float8 import Float8, check_config as check_float8
+from trainer.models.args import model_args
+from trainer.parallel.dims import ParallelDims, check_async_tp, check_tp_shapes
+from trainer.observe.wandb_logger import check_config as check_wandb
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover
+    import tomli as tomllib
+
+
+@dataclass
+class JobConfig:
+    job: Job = field(default_factory=Job)
+    model: Model = field(default_factory=Model)
+    optimizer: Optimizer = field(default_factory=Optimizer)
+    lr_scheduler: LRScheduler = field(default_factory=LRScheduler)
+    training: Training = field(default_factory=Training)
+    validation: Validation = field(default_factory=Validation)
+    eval: Eval = field(default_factory=Eval)
+    parallelism: Parallelism = field(default_factory=Parallelism)
+    activation_checkpoint: ActivationCheckpoint = field(default_factory=ActivationCheckpoint)
+    compile: Compile = field(default_factory=Compile)
+    float8: Float8 = field(default_factory=Float8)
+    checkpoint: Checkpoint = field(default_factory=Checkpoint)
+    metrics: Metrics = field(default_factory=Metrics)
+    profiling: Profiling = field(default_factory=Profiling)
+    comm: Comm = field(default_factory=Comm)
+    health: Health = field(default_factory=Health)
+    data: DataConfig = field(default_factory=DataConfig)
+
+    def validate(self, world_size: int | None = None) -> None:
+        """Check every section, then the rules that span sections and the world size."""
+        for section in sections(self):
+            obj = getattr(self, section)
+            for f in dataclasses.fields(obj):
+                check_field(section, f, getattr(obj, f.name))
+            if hasattr(obj, "validate"):
+                obj.validate()
+        if self.parallelism.fsdp_offload == "cpu" and self.training.device == "cpu":
+            raise ConfigError(OFFLOAD_NEEDS_CUDA.format(where="training.device = 'cpu'"))
+        check_float8(self.float8, self.training.device)
+        check_wandb(self.metrics)
+        if self.training.on_spike == "rollback" and not self.checkpoint.enable:
+            raise ConfigError("training.on_spike = 'rollback' needs checkpoint.enable = true (a "
+                              "rollback reloads the latest checkpoint); without checkpoints use "
+                              "on_spike = 'skip' or 'log'")
+        if self.eval.enable and self.data.dataset == "synthetic" and not self.data.mix:
+            raise ConfigError("eval.enable = true needs a tokenizer to encode the tasks, but "
+                              "data.dataset = 'synthetic' has none; train on text (e.g. "
+                              "'stdlib') or turn eval off")
+        check_attention(self.model, self.data, self.training.device)
+        if self.training.device != "auto":  # else checked on each rank once the device is known
+            check_async_tp(self.parallelism, self.compile.enable, self.training.device)
+        elif self.parallelism.enable_async_tensor_parallel:
+            check_async_tp(self.parallelism, self.compile.enable, "cuda")
+        self.lr_scheduler.check_steps(self.training.steps)
+        if world_size is not None:
+            self.resolve(world_size)
+
+    def resolve(self, world_size: int):
+        """Resolve -1 degrees and the global batch for `world_size`; returns (ParallelDims, accum)."""
+        pd = ParallelDims.from_config(self.parallelism, world_size)
+        self.parallelism.check_reshard(pd.dp_shard, world_size)
+        check_tp_shapes(model_args(self.model.flavor, vocab_size=self.model.vocab_size or None),
+                        pd.tp, self.model.flavor,
+                        "model.vocab_size" if self.model.vocab_size else None)
+        if self.training.seq_len % pd.tp:
+            raise ConfigError(f"training.seq_len = {self.training.seq_len} is not a multiple of "
+                              f"parallelism.tensor_parallel_degree = {pd.tp}: sequence "
+                              "parallelism splits each sequence evenly over the tp ranks")
+        accum = accumulation_steps(self.training, pd.dp_size)
+        per_pass = self.training.local_batch_size * pd.dp_size
+        check_ramp(self.training, per_pass, per_pass * accum)
+        return pd, accum
+
+    def to_toml(self) -> str:
+        out = []
+        for section in sections(self):
+            out.append(f"[{section}]")
+            obj = getattr(self, section)
+            out += [f"{f.name} = {toml_value(getattr(obj, f.name))}" for f in dataclasses.fields(obj)]
+            out.append("")
+        return "\n".join(out)
+
+    def save(self, path: str) -> None:
+        os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+        tmp = f"{path}.tmp.{os.getpid()}"
+        with open(tmp, "w") as fh:
+            fh.write(self.to_toml())
+        os.replace(tmp, path)
+
+
+OFFLOAD_NEEDS_CUDA = ("parallelism.fsdp_offload = 'cpu' needs a CUDA run, but {where}: offload "
+                      "moves sharded state from GPU to host memory; a CPU run keeps it there "
+                      "already (set fsdp_offload = 'none')")
+
+
+def check_attention(model: Model, data: DataConfig, device: str) -> None:
+    """Document masks need documents and, for flex, a GPU (checked again once the device of
+    'auto' is known: trainer/models/attention.py)."""
+    if model.attn_mask_type == "block_causal" and data.dataset == "synthetic" and not data.mix:
+        raise ConfigError("model.attn_mask_type = 'block_causal' needs documents, but "
+                          "data.dataset = 'synthetic' has none (each sample is one repeated "
+                          "pattern); use a token store, stdlib or a blend")
+    if model.attn_implementation == "flex" and device == "cpu":
+        raise ConfigError("model.attn_implementation = 'flex' needs CUDA, but training.device "
+                          "= 'cpu': FlexAttention has no backward on the CPU; use 'auto', "
+                          "'per_document' or 'sdpa'")
+
+
+def accumulation_steps(training: Training, dp_size: int) -> int:
+    """Microbatches per step = global_batch_size / (local_batch_size * dp size)."""
+    per_pass = training.local_batch_size * dp_size
+    gbs = per_pass if training.global_batch_size == -1 else training.global_batch_size
+    if gbs % per_pass:
+        raise ConfigError(
+            f"training.global_batch_size = {gbs} is not divisible by training.local_batch_size "
+            f"({training.local_batch_size}) * dp size ({dp_size}) = {per_pass}; use a multiple "
+            f"of {per_pass}")
+    return gbs // per_pass
+
+
+def sections(cfg: JobConfig) -> list[str]:
+    return [f.name for f in dataclasses.fields(cfg)]
+
+
+# --------------------------------------------------------------------------- loading
+
+
+def load_config(argv: list[str]) -> JobConfig:
+    """Build the config from `--job.config_file` (if given) and `--section.key value` overrides."""
+    overrides = parse_cli(argv)
+    cfg = JobConfig()
+    path = overrides.get("job.config_file")
+    if path:
+        _apply_toml(cfg, _read_toml(path))
+    for key, raw in overrides.items():
+        section, name, f = _lookup(cfg, key)
+        setattr(getattr(cfg, section), name, from_cli(key, raw, _field_type(cfg, section, name)))
+    cfg.validate()
+    return cfg
+
+
+def _read_toml(path: str) -> dict:
+    try:
+        with open(path, "rb") as fh:
+            return tomllib.load(fh)
+    except FileNotFoundError:
+        raise ConfigError(f"job.config_file: no such file {path!r}") from None
+    except tomllib.TOMLDecodeError as e:
+        raise ConfigError(f"TOML syntax error in {path}: {e}") from None
+
+
+def _apply_toml(cfg: JobConfig, data: dict) -> None:
+    for section, table in data.items():
+        if section not in sections(cfg):
+            raise ConfigError(f"unknown section [{section}]{did_you_mean(section, sections(cfg))}; "
+                              f"valid sections: {', '.join(sections(cfg))}")
+        if not isinstance(table, dict):
+            raise ConfigError(f"{section} must be a [{section}] table, got {table!r}")
+        for name, value in table.items():
+            key = f"{section}.{name}"
+            f = _lookup(cfg, key)[2]
+            setattr(getattr(cfg, section), name, coerce(key, value, _field_type(cfg, section, name),
+                                                        f.metadata.get("int_as_str", False)))
+
+
+def _lookup(cfg: JobConfig, key: str):
+    section, _, name = key.partition(".")
+    if section not in sections(cfg):
+        raise ConfigError(f"unknown section in {key!r}{did_you_mean(section, sections(cfg))}; "
+                          f"valid sections: {', '.join(sections(cfg))}")
+    names = {f.name: f for f in dataclasses.fields(getattr(cfg, section))}
+    if name not in names:
+        all_keys = [f"{s}.{f.name}" for s in sections(cfg) for f in dataclasses.fields(getattr(cfg, s))]
+        hint = did_you_mean(key, all_keys) or f"; valid keys in [{section}]: {', '.join(names)}"
+        raise ConfigError(f"unknown key {key!r}{hint}")
+    return section, name, names[name]
+
+
+def _field_type(cfg: JobConfig, section: str, name: str):
+    return typing.get_type_hints(type(getattr(cfg, section)))[name]
+
+
+def reference() -> str:
+    """The config reference: every key with its type, default and doc."""
+    cfg, lines = JobConfig(), []
+    for section in sections(cfg):
+        lines.append(f"[{section}]")
+        obj = getattr(cfg, section)
+        hints = typing.get_type_hints(type(obj))
+        for f in dataclasses.fields(obj):
+            lines.append(f"  {f.name} ({type_name(hints[f.name])}, default "
+                         f"{toml_value(getattr(obj, f.name))}): {f.metadata.get('help', '')}")
+            args = typing.get_args(hints[f.name])
+            if args and dataclasses.is_dataclass(args[0]):  # [[section.key]] tables
+                table = args[0]
+                for sub, tp in typing.get_type_hints(table).items():
+                    g = table.__dataclass_fields__[sub]
+                    default = g.default if g.default is not dataclasses.MISSING \
+                        else g.default_factory()
+                    lines.append(f"    {sub} ({type_name(tp)}, default {toml_value(default)}): "
+                                 f"{g.metadata.get('help', '')}")
+    return "\n".join(lines)
+
+
+def _take(args: list[str], flag: str) -> str | None:
+    """Remove `flag VALUE` from args and return VALUE (None when absent)."""
+    if flag not in args:
+        return None
+    i = args.index(flag)
+    if i + 1 >= len(args):
+        raise ConfigError(f"{flag} needs a value")
+    value = args[i + 1]
+    del args[i:i + 2]
+    return value
+
+
+def check_launch(args: list[str]) -> int | None:
+    """Validate a launch before any process starts; returns the ranks per node, if asked.
+
+    `--world-size N`: the config must fit N ranks. `--nnodes N --nproc-per-node K` (K empty =
+    the default for `training.device`: every visible GPU, else 2 CPU ranks): also checks that K
+    ranks fit this node's GPUs, and returns K.
+    """
+    world_size = _take(args, "--world-size")
+    nnodes = _take(args, "--nnodes")
+    nproc = _take(args, "--nproc-per-node")
+    cfg = load_config(args)
+    ranks = None
+    if nproc is not None or nnodes is not None:
+        from trainer.device import local_ranks, visible_gpus
+
+        gpus, seen = visible_gpus()
+        ranks = local_ranks(cfg.training.device, nproc, gpus, seen)
+        if cfg.parallelism.fsdp_offload == "cpu" and gpus == 0:  # device auto: a CPU run
+            raise ConfigError(OFFLOAD_NEEDS_CUDA.format(where=f"no GPU is visible ({seen})"))
+        world_size = _positive("--nnodes", nnodes or "1") * ranks
+    elif world_size is not None:
+        world_size = _positive("--world-size", world_size)
+    cfg.validate(world_size)
+    return ranks
+
+
+def _positive(flag: str, value: str) -> int:
+    if not (value.isascii() and value.isdigit() and int(value) >= 1):
+        raise ConfigError(f"{flag} = {value!r} is not a positive integer")
+    return int(value)
+
+
+def main(argv: list[str]) -> int:
+    """`--help` prints the reference; `--check ...` validates a launch up front (check_launch)
+    and prints the ranks per node when `--nproc-per-node` is given."""
+    if "--help" in argv or "-h" in argv:
+        print(reference())
+        return 0
+    args = [a for a in argv if a != "--check"]
+    try:
+        ranks = check_launch(args)
+    except UserError as e:
+        print(e.one_line(), file=sys.stderr)
+        return e.exit_code
+    if ranks is not None:
+        print(ranks)
+    return 0
+

@@ -1,0 +1,263 @@
+"""A Llama-3-style decoder: RMSNorm, RoPE (optionally with Llama-3.1's scaling), grouped-query
+attention, SwiGLU, an output head of its own or tied to the token embedding.
+
+RoPE rotates consecutive (interleaved) pairs of each head's channels, as Meta's reference code
+does; Hugging Face's Llama rotates the two halves instead, so the q/k projections are permuted
+on conversion (trainer/hf.py).
+
+Attention is causal over the window by default; with `attn_mask_type = "block_causal"` the
+forward takes the microbatch's document ids, builds one mask (and, with `positions =
+"document"`, per-document RoPE tables) before the first block, and every block uses it
+(trainer/models/attention.py). A single document (generation, the HF export) computes the same
+either way.
+
+The model is built on the meta device and materialised after sharding. `init_weights(seed)`
+fills every parameter as if the whole tensor were generated on one process from a generator
+seeded by (seed, parameter name), then keeps the local shard: runs on 1 and N ranks, FSDP or
+HSDP, start from the same weights.
+"""
+
+from __future__ import annotations
+
+import math
+import zlib
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.distributed.tensor import DTensor
+
+from trainer.models.attention import attend, build_mask, document_positions
+from trainer.models.args import FLAVORS, ModelArgs, model_args  # noqa: F401  (re-exported)
+from trainer.parallel.loss_parallel import vocab_parallel_project
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.empty(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        xf = x.float()
+        normed = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return normed.type_as(x) * self.weight
+
+
+def rope_tables(head_dim: int, seq_len: int, theta: float, device=None, scaling=None):
+    """cos/sin of the rotation angles, [seq_len, head_dim // 2], in float32."""
+    inv_freq = 1.0 / theta ** (torch.arange(0, head_dim, 2, device=device).float() / head_dim)
+    if scaling is not None:
+        inv_freq = scale_frequencies(inv_freq, scaling)
+    angles = torch.outer(torch.arange(seq_len, device=device).float(), inv_freq)
+    return angles.cos(), angles.sin()
+
+
+def scale_frequencies(inv_freq: torch.Tensor, s) -> torch.Tensor:
+    """Llama-3.1 RoPE scaling (`s` a RopeScaling): long wavelengths slowed down by s.factor,
+    short ones kept, a linear blend (in 1/wavelength) in between."""
+    wavelen = 2 * math.pi / inv_freq
+    low_freq_wavelen = s.original_max_position_embeddings / s.low_freq_factor
+    high_freq_wavelen = s.original_max_position_embeddings / s.high_freq_factor
+    smooth = (s.original_max_position_embeddings / wavelen - s.low_freq_factor) / (
+        s.high_freq_factor - s.low_freq_factor)
+    blended = (1 - smooth) * inv_freq / s.factor + smooth * inv_freq
+    scaled = torch.where(wavelen > low_freq_wavelen, inv_freq / s.factor, inv_freq)
+    between = (wavelen >= high_freq_wavelen) & (wavelen <= low_freq_wavelen)
+    return torch.where(between, blended, scaled)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate consecutive pairs of x [b, s, h, d] (real-valued form, so Inductor compiles it);
+    cos/sin are [s, d/2] (every row alike) or [b, s, d/2] (per-token positions)."""
+    xf = x.float().unflatten(-1, (-1, 2))
+    x0, x1 = xf[..., 0], xf[..., 1]
+    cos, sin = cos.unsqueeze(-2), sin.unsqueeze(-2)  # broadcast over the heads
+    out = torch.stack((x0 * cos - x1 * sin, x0 * sin + x1 * cos), dim=-1)
+    return out.flatten(-2).type_as(x)
+
+
+class Attention(nn.Module):
+    def __init__(self, args: ModelArgs):
+        super().__init__()
+        self.n_heads, self.n_kv_heads, self.head_dim = args.n_heads, args.n_kv_heads, args.head_dim
+        self.wq = nn.Linear(args.dim, args.n_heads * self.head_dim, bias=False)
+        self.wk = nn.Linear(args.dim, args.n_kv_heads * self.head_dim, bias=False)
+        self.wv = nn.Linear(args.dim, args.n_kv_heads * self.head_dim, bias=False)
+        self.wo = nn.Linear(args.n_heads * self.head_dim, args.dim, bias=False)
+
+    def forward(self, x, cos, sin, mask=None):
+        """`mask`: None = causal; else the microbatch's block-causal mask (trainer/models/attention.py)."""
+        b, s, _ = x.shape
+        # -1 heads: under tensor parallelism each rank holds n_heads / tp of them
+        q = self.wq(x).view(b, s, -1, self.head_dim)
+        k = self.wk(x).view(b, s, -1, self.head_dim)
+        v = self.wv(x).view(b, s, -1, self.head_dim)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        out = attend(q, k, v, mask)
+        return self.wo(out.transpose(1, 2).reshape(b, s, -1))
+
+
+class FeedForward(nn.Module):
+    def __init__(self, dim: int, hidden_dim: int):
+        super().__init__()
+        self.w1 = nn.Linear(dim, hidden_dim, bias=False)
+        self.w2 = nn.Linear(hidden_dim, dim, bias=False)
+        self.w3 = nn.Linear(dim, hidden_dim, bias=False)
+
+    def forward(self, x):
+        return self.w2(F.silu(self.w1(x)) * self.w3(x))
+
+
+class TransformerBlock(nn.Module):
+    def __init__(self, layer_id: int, args: ModelArgs):
+        super().__init__()
+        self.layer_id = layer_id
+        self.attention_norm = RMSNorm(args.dim, args.norm_eps)
+        self.attention = Attention(args)
+        self.ffn_norm = RMSNorm(args.dim, args.norm_eps)
+        self.feed_forward = FeedForward(args.dim, args.hidden_dim)
+
+    def forward(self, x, cos, sin, mask=None):
+        h = x + self.attention(self.attention_norm(x), cos, sin, mask)
+        return h + self.feed_forward(self.ffn_norm(h))
+
+
+class Head(nn.Linear):
+    """The output projection. Given labels and a loss (trainer.models.loss), it returns the summed
+    token loss instead of the logits: the loss then runs inside this module's forward, where
+    FSDP holds its unsharded weight, so the [tokens, vocab] logits need not leave the loss."""
+
+    def forward(self, h: torch.Tensor, labels: torch.Tensor | None = None, loss_fn=None):
+        return project(h, self.weight, labels, loss_fn)
+
+
+def project(h: torch.Tensor, weight: torch.Tensor, labels=None, loss_fn=None) -> torch.Tensor:
+    """The output projection by `weight` [vocab, dim]: logits, or with labels the summed token
+    loss. A DTensor weight is vocab-sharded by tensor parallelism (trainer/parallel/tp.py)."""
+    if isinstance(weight, DTensor):
+        return vocab_parallel_project(h, weight, labels, loss_fn)
+    return F.linear(h, weight) if labels is None else loss_fn(h, weight, labels)
+
+
+class Transformer(nn.Module):
+    # Sequence lengths a forward takes must be multiples of this (tensor parallelism's sequence
+    # sharding sets it to the tp degree: trainer/parallel/tp.py).
+    sequence_multiple = 1
+
+    def __init__(self, args: ModelArgs):
+        super().__init__()
+        self.args = args
+        self.tok_embeddings = nn.Embedding(args.vocab_size, args.dim)
+        self.layers = nn.ModuleDict({str(i): TransformerBlock(i, args) for i in range(args.n_layers)})
+        self.norm = RMSNorm(args.dim, args.norm_eps)
+        # Tied: no parameter of its own; the head multiplies by tok_embeddings.weight.
+        self.output = (None if args.tie_word_embeddings
+                       else Head(args.dim, args.vocab_size, bias=False))
+        # Filled by init_rope (init_weights calls it) once the model has a real device.
+        table = (args.max_seq_len, args.head_dim // 2)
+        self.register_buffer("rope_cos", torch.empty(table), persistent=False)
+        self.register_buffer("rope_sin", torch.empty(table), persistent=False)
+
+    def forward(self, tokens: torch.Tensor, labels: torch.Tensor | None = None,
+                loss_fn=None, *, doc_ids: torch.Tensor | None = None,
+                positions: torch.Tensor | None = None) -> torch.Tensor:
+        """Logits [batch, seq, vocab]; or, with labels and a trainer.models.loss function, the
+        summed token loss (fp32 scalar), computed without returning the logits.
+
+        `doc_ids` [batch, seq]: the document of each token (the loader's `document_ids`),
+        needed by block_causal attention and document positions, ignored otherwise.
+        `positions` [batch, seq]: explicit RoPE positions (default: per `args.positions`)."""
+        h = self.tok_embeddings(tokens)
+        cos, sin, mask = self.attention_inputs(tokens.shape[1], doc_ids, positions, h.dtype)
+        for layer in self.layers.values():
+            h = layer(h, cos, sin, mask)
+        h = self.norm(h)
+        if self.output is not None:
+            return self.output(h, labels, loss_fn)
+        # Tied: the embedding is in the root's FSDP group, unsharded until the root's forward ends.
+        return project(h, self.tok_embeddings.weight, labels, loss_fn)
+
+    @property
+    def uses_documents(self) -> bool:
+        """Whether forward reads `doc_ids` (block_causal attention or document positions):
+        callers skip computing them otherwise."""
+        return self.args.attn_mask_type != "causal" or self.args.positions == "document"
+
+    def attention_inputs(self, seq: int, doc_ids, positions, dtype):
+        """(cos, sin, mask) for every layer of one forward: built once per microbatch."""
+        a = self.args
+        if doc_ids is None and self.uses_documents:
+            raise ValueError(f"attn_mask_type {a.attn_mask_type!r} with positions "
+                             f"{a.positions!r} needs doc_ids (the loader's document_ids)")
+        if positions is None and a.positions == "document":
+            positions = document_positions(doc_ids)
+        if positions is None:
+            cos, sin = self.rope_cos[:seq], self.rope_sin[:seq]
+        else:
+            cos, sin = self.rope_cos[positions], self.rope_sin[positions]
+        mask = None
+        if a.attn_mask_type == "block_causal":
+            with torch.no_grad():
+                mask = build_mask(doc_ids, a.attn_implementation, dtype)
+        return cos, sin, mask
+
+    @torch.no_grad()
+    def init_rope(self) -> None:
+        """Compute the RoPE tables (non-persistent buffers: needed after `to_empty`)."""
+        a = self.args
+        cos, sin = rope_tables(a.head_dim, a.max_seq_len, a.rope_theta, device=self.rope_cos.device,
+                               scaling=a.rope_scaling)
+        self.rope_cos.copy_(cos)
+        self.rope_sin.copy_(sin)
+
+    @torch.no_grad()
+    def init_weights(self, seed: int) -> None:
+        """Deterministic, sharding-independent init (see the module docstring)."""
+        a = self.args
+        self.init_rope()
+        for name, param in self.named_parameters():
+            _fill(param, name, seed, _init_std(name, a))
+
+
+def _init_std(name: str, args: ModelArgs) -> float | None:
+    """Per-parameter init: None = ones (norms); otherwise a truncated normal's std."""
+    if name.endswith("norm.weight"):
+        return None
+    if name.startswith("tok_embeddings"):  # tied, it is also the head: small, as HF inits it
+        return 0.02 if args.tie_word_embeddings else 1.0
+    if name.startswith("output"):
+        return args.dim ** -0.5
+    if name.endswith(("wo.weight", "w2.weight", "w3.weight")):  # depth-scaled residual outputs
+        layer_id = int(name.split(".")[1])
+        return 0.02 / math.sqrt(2 * (layer_id + 1))
+    return 0.02
+
+
+def _fill(param: torch.Tensor, name: str, seed: int, std: float | None) -> None:
+    """Fill the full logical tensor from (seed, name), then keep this rank's shard of it."""
+    from torch.distributed.tensor import DTensor, distribute_tensor
+
+    is_dt = isinstance(param, DTensor)
+    local = param.to_local() if is_dt else param
+    # Drawn on the mesh's device: a CPU-offloaded shard on a CUDA mesh gets the same values
+    # as a shard on the GPU (CPU and CUDA generators differ).
+    where = param.device_mesh.device_type if is_dt else local.device
+    full = torch.empty(param.shape, dtype=param.dtype, device=where)
+    if std is None:
+        full.fill_(1.0)
+    else:
+        gen = torch.Generator(device=where)
+        gen.manual_seed(seed * 1_000_003 + zlib.crc32(name.encode()))
+        nn.init.trunc_normal_(full, mean=0.0, std=std, a=-3 * std, b=3 * std, generator=gen)
+    if is_dt:
+        full = distribute_tensor(full, param.device_mesh, param.placements,
+                                 src_data_rank=None).to_local()
+    local.copy_(full)
+
+
+def build_model(args: ModelArgs) -> Transformer:
+    """Build on the meta device: no memory is allocated until `to_empty` after sharding."""
+    args.validate()
+    with torch.device("meta"):
+        return Transformer(args)

@@ -1,0 +1,84 @@
+"""`[float8]`: float8 matmuls in the transformer blocks through torchao's Float8Linear.
+
+Off by default. It needs a GPU that computes float8 (CUDA compute capability >= 8.9: L4/L40S,
+H100/H200, B200) and torchao (`pip install -e ".[float8]"`); anything else is one `config
+error:` line before training starts: the CPU and torchao checks in `python -m trainer.config
+--check` (torch-free), the compute capability on each rank once it has its GPU.
+
+NOT YET MEASURED: `apply_float8` was written without a GPU. Training with it, its loss curve
+against bf16 and its speed (torchtitan reports +28% tokens/s on Llama-3 8B) are for the next
+GPU session to verify (benchmarks/gpu_suite.sh; tests on a CUDA box).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+from dataclasses import dataclass
+
+from trainer.config.base import opt
+from trainer.errors import ConfigError
+
+INSTALL_HINT = 'pip install -e ".[float8]"'
+
+
+@dataclass
+class Float8:
+    enable: bool = opt(False, "Train the blocks' linear layers in float8 (torchao Float8Linear; "
+                       "CUDA sm >= 89, torchao)")
+    recipe: str = opt("tensorwise", "Scaling: tensorwise (one scale per tensor) or rowwise",
+                      choices=("tensorwise", "rowwise"))
+    enable_fsdp_float8_all_gather: bool = opt(
+        True, "tensorwise: all-gather the FSDP-sharded weights in float8 (half the bytes)")
+    filter_fqns: list[str] = opt(["output"], "Linear layers whose name contains one of these "
+                                 "stay in bf16 (the output head by default)")
+
+
+def check_config(f8: Float8, device: str) -> None:
+    """Torch-free checks: not on the CPU, and torchao importable."""
+    if not f8.enable:
+        return
+    if device == "cpu":
+        raise ConfigError("float8.enable = true needs a CUDA GPU with compute capability >= 8.9 "
+                          "(H100, H200, L40S, B200); training.device is 'cpu'")
+    if importlib.util.find_spec("torchao") is None:
+        raise ConfigError(f"float8.enable = true needs torchao, which is not installed: "
+                          f"{INSTALL_HINT}")
+
+
+def check_device(f8: Float8, device) -> None:
+    """On the rank's device (a torch.device): float8 matmuls need CUDA sm >= 89."""
+    import torch
+
+    if not f8.enable:
+        return
+    if device.type != "cuda":
+        raise ConfigError(f"float8.enable = true needs a CUDA GPU with compute capability >= "
+                          f"8.9; this run is on {device.type}")
+    major, minor = torch.cuda.get_device_capability(device)
+    if (major, minor) < (8, 9):
+        raise ConfigError(f"float8.enable = true needs compute capability >= 8.9; "
+                          f"{torch.cuda.get_device_name(device)} has {major}.{minor}")
+
+
+def apply_float8(model, f8: Float8) -> None:
+    """Swap the blocks' nn.Linear layers for torchao's Float8Linear (before AC, compile and
+    FSDP, as torchao expects). Unverified on a GPU: see the module docstring."""
+    from torchao.float8 import Float8LinearConfig, convert_to_float8_training
+
+    if f8.recipe == "tensorwise":
+        config = Float8LinearConfig(
+            enable_fsdp_float8_all_gather=f8.enable_fsdp_float8_all_gather)
+    else:
+        config = Float8LinearConfig.from_recipe_name(f8.recipe)
+    skip = tuple(f8.filter_fqns)
+    convert_to_float8_training(
+        model, config=config,
+        module_filter_fn=lambda mod, fqn: not any(name in fqn for name in skip))
+
+
+def after_optimizer_step(model, f8: Float8) -> None:
+    """tensorwise with float8 all-gather: one amax all-reduce for every weight's next scale."""
+    if f8.enable and f8.recipe == "tensorwise" and f8.enable_fsdp_float8_all_gather:
+        from torchao.float8 import precompute_float8_dynamic_scale_for_fsdp
+
+        precompute_float8_dynamic_scale_for_fsdp(model)

@@ -1,0 +1,122 @@
+"""Apply tensor parallelism, activation checkpointing, compile and data parallelism to a
+meta-device model, then materialise and initialise it.
+
+The order is fixed here, and it matters:
+0. Float8 swaps the blocks' linears, then tensor parallelism (trainer/parallel/tp.py) turns
+   the parameters into DTensors on the `tp` mesh and installs its input/output redistributions
+   as module hooks, which stay outside AC's and compile's wrapped forwards.
+1. Activation checkpointing wraps each block's forward, so recomputation covers the whole block.
+2. torch.compile compiles that (checkpointed) forward: the compiled graph includes the
+   recompute policy, and FSDP's hooks stay outside the graph.
+3. `fully_shard` (trainer/parallel/fsdp.py) bottom-up (each block, then the embedding, then the final norm + output head,
+   then the root), so every group all-gathers and frees its own parameters around the
+   compiled, checkpointed block.
+4. `to_empty` on the device and the deterministic init. The optimizer is created afterwards,
+   over the sharded (DTensor) parameters.
+Both 1 and 2 replace the block's `forward` in place rather than wrapping the module, so
+parameter names (and with them checkpoints and the seeded init) are the same in every mode.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+from torch.distributed.fsdp import CPUOffloadPolicy
+from torch.utils.checkpoint import (CheckpointPolicy, checkpoint,
+                                    create_selective_checkpoint_contexts)
+
+from trainer.parallel.float8 import apply_float8
+from trainer.models.llama import Transformer
+from trainer.parallel.fsdp import apply_fsdp, set_gradient_sync  # noqa: F401  (re-exported)
+from trainer.parallel.tp import apply_tp
+
+
+# Outputs worth keeping under op-level selective AC: the matmuls and attention, whose
+# recomputation costs FLOPs; everything else (norms, activations, RoPE) is cheap to recompute.
+# block_causal attention (trainer/models/attention.py) is one of these SDPA ops (with a mask), or
+# FlexAttention's higher-order op on CUDA, which selective checkpointing sees as one op too.
+_SAVE_OPS = {
+    torch.ops.aten.mm.default,
+    torch.ops.aten._scaled_dot_product_efficient_attention.default,
+    torch.ops.aten._scaled_dot_product_flash_attention.default,
+    torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default,
+}
+if hasattr(torch.ops.aten, "_scaled_dot_product_cudnn_attention"):
+    _SAVE_OPS.add(torch.ops.aten._scaled_dot_product_cudnn_attention.default)
+if hasattr(torch.ops.higher_order, "flex_attention"):
+    _SAVE_OPS.add(torch.ops.higher_order.flex_attention)
+
+
+def _save_matmuls(ctx, op, *args, **kwargs):
+    return CheckpointPolicy.MUST_SAVE if op in _SAVE_OPS else CheckpointPolicy.PREFER_RECOMPUTE
+
+
+def _op_level_context():
+    return create_selective_checkpoint_contexts(_save_matmuls)
+
+
+def _checkpoint_forward(block: torch.nn.Module, context_fn=None) -> None:
+    inner = block.forward
+    kwargs = {"context_fn": context_fn} if context_fn else {}
+
+    @functools.wraps(inner)
+    def forward(*args):
+        return checkpoint(inner, *args, use_reentrant=False, preserve_rng_state=False, **kwargs)
+
+    block.forward = forward
+
+
+def apply_ac(model: Transformer, mode: str, option: str) -> None:
+    """full: recompute every block; selective 'op': keep matmul/attention outputs only;
+    selective k: recompute every k-th block in full (1 = every block)."""
+    for i, block in enumerate(model.layers.values()):
+        if mode == "full":
+            _checkpoint_forward(block)
+        elif option == "op":
+            _checkpoint_forward(block, _op_level_context)
+        elif i % int(option) == 0:
+            _checkpoint_forward(block)
+
+
+def apply_compile(model: Transformer) -> None:
+    """Compile each block's forward (identical blocks share the compiled code)."""
+    for block in model.layers.values():
+        block.forward = torch.compile(block.forward)
+
+
+def parallelize(model: Transformer, parallel_dims, cfg, *, device: torch.device,
+                param_dtype: str) -> Transformer:
+    """AC, compile and shard `model` (built on meta) per `cfg` (a JobConfig), then materialise
+    and initialise it. `param_dtype` is the resolved compute dtype (trainer.device).
+
+    With `fsdp_offload = "cpu"` the sharded parameters live on the CPU (FSDP2 requires them
+    materialised there; it pins them at its lazy init) while the RoPE buffers, which no FSDP
+    group manages, are moved to the compute device by hand. The init draws its random values
+    on the mesh's device either way (trainer.models.llama), so offload starts from the same weights.
+    """
+    offload = cfg.parallelism.fsdp_offload == "cpu"
+    if cfg.float8.enable:  # before AC and compile wrap the blocks (trainer/parallel/float8.py)
+        apply_float8(model, cfg.float8)
+    if parallel_dims.tp_enabled:
+        apply_tp(model, parallel_dims.tp_mesh,
+                 float8_tensorwise=cfg.float8.enable and cfg.float8.recipe == "tensorwise",
+                 async_tp=cfg.parallelism.enable_async_tensor_parallel)
+    if cfg.activation_checkpoint.mode != "none":
+        apply_ac(model, cfg.activation_checkpoint.mode, cfg.activation_checkpoint.selective_ac_option)
+    if cfg.compile.enable:
+        apply_compile(model)
+    apply_fsdp(model, parallel_dims.fsdp_mesh,
+               param_dtype=param_dtype,
+               reduce_dtype=cfg.training.mixed_precision_reduce,
+               reshard_after_forward=cfg.parallelism.fsdp_reshard_after_forward,
+               # Pinned host memory (fast, overlapped copies) exists only with CUDA; a CPU
+               # run rejects offload (trainer.config.job), tests use it unpinned on CPU meshes.
+               offload=CPUOffloadPolicy(pin_memory=device.type == "cuda") if offload else None)
+    model.to_empty(device="cpu" if offload else device)
+    if offload:
+        for module in model.modules():
+            for name, buf in list(module.named_buffers(recurse=False)):
+                setattr(module, name, buf.to(device))
+    model.init_weights(cfg.job.seed)
+    return model

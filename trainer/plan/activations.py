@@ -1,0 +1,149 @@
+"""Saved activations and the loss region per microbatch, for the memory plan (trainer/plan/memory.py):
+what one block, the head and the loss keep for backward, per token, without and with tensor
+parallelism (sequence parallel: norms on 1/tp of the sequence, attention and FFN on 1/tp of the
+heads and width; loss parallel: 1/tp of the vocab).
+"""
+
+from __future__ import annotations
+
+import math
+
+from trainer.config.job import JobConfig
+from trainer.models.args import ModelArgs
+
+FP32 = 4
+
+
+# --------------------------------------------------------------------------- activations
+
+
+def block_split(a: ModelArgs, p: int, tp: int = 1) -> tuple[int, int]:
+    """Bytes one block saves for backward, no AC (eager trainer.models.llama), as (per token of this
+    rank's sequence shard, per token of the whole microbatch); their sum per token is the
+    block's figure without TP.
+
+    RMSNorm x2: the fp32 upcast and the normed output in the compute dtype, (4 + p) * dim each
+    (in fp32 the upcast is the input itself: still 8 * dim). Attention: the normed input of
+    wq/wk/wv (p * dim); SDPA's q, k, v (k and v repeated to n_heads for GQA), output (wo's input
+    is a view of it) at p * n_heads * head_dim each (FlexAttention, block_causal on CUDA, takes
+    k and v unrepeated: 2 * p * n_kv_heads * head_dim for them; per-document SDPA keeps each
+    document's output and wo's input, their concatenation: one more p * n_heads * head_dim);
+    the logsumexp, fp32 per head.
+    RoPE saves only the cos/sin tables. FFN: the normed input (p * dim) and four hidden-sized
+    tensors (w1 and w3 outputs, silu output, their product: w2's input).
+    With tp > 1 (sequence parallel): the norms see 1/tp of the sequence (the first figure);
+    the inputs of wq/wk/wv and w1/w3 are the all-gathered whole sequence (p * dim each); the
+    heads and the FFN width are split, so everything attention and FFN save is 1/tp.
+    """
+    q, kv = a.n_heads * a.head_dim // tp, a.n_kv_heads * a.head_dim // tp
+    kernel = a.attn_implementation if a.attn_mask_type == "block_causal" else "sdpa"
+    attn = {"flex": 2 * p * (q + kv), "per_document": 5 * p * q}.get(kernel, 4 * p * q)
+    inner = 2 * p * a.dim + attn + FP32 * a.n_heads // tp + 4 * p * a.hidden_dim // tp
+    return 2 * (4 + p) * a.dim, inner
+
+
+def block_saved(a: ModelArgs, p: int) -> int:
+    """Bytes one block saves for backward per token without TP, no AC (see `block_split`)."""
+    return sum(block_split(a, p))
+
+
+def op_sac_split(a: ModelArgs, p: int, tp: int = 1) -> tuple[int, int]:
+    """Per token under op-level selective AC (trainer.parallel.parallelize keeps every mm and SDPA
+    output): the block input, the outputs of wq, wk, wv, wo, w1, w3, w2 and SDPA's output and
+    logsumexp. Everything else is recomputed in backward. As (sequence-shard, whole-sequence)
+    bytes like `block_split`: with tp > 1 the block input is sequence-sharded, the outputs of
+    the colwise matmuls and SDPA are 1/tp, and wo's and w2's are their full [tokens, dim]
+    partial sums (before the reduce-scatter)."""
+    q, kv = a.n_heads * a.head_dim // tp, a.n_kv_heads * a.head_dim // tp
+    mm_out = q + 2 * kv + a.dim + 2 * a.hidden_dim // tp + a.dim
+    return p * a.dim, p * mm_out + p * q + FP32 * a.n_heads // tp
+
+
+def block_saved_op_sac(a: ModelArgs, p: int) -> int:
+    """Per token under op-level selective AC without TP (see `op_sac_split`)."""
+    return sum(op_sac_split(a, p))
+
+
+def sp_tokens(tokens: int, tp: int) -> int:
+    """Tokens of one rank's sequence shard under sequence parallelism (rank 0: ceil)."""
+    return -(-tokens // tp)
+
+
+def split_bytes(split: tuple[int, int], tokens: int, tp: int) -> int:
+    """Bytes of a (sequence-shard, whole-sequence) per-token pair for one microbatch."""
+    return split[0] * sp_tokens(tokens, tp) + split[1] * tokens
+
+
+def checkpointed_blocks(cfg: JobConfig, n_layers: int) -> int:
+    """Blocks recomputed in full: all (full), those with index % k == 0 (selective k), none."""
+    ac = cfg.activation_checkpoint
+    if ac.mode == "full":
+        return n_layers
+    if ac.mode == "selective" and ac.selective_ac_option != "op":
+        return math.ceil(n_layers / int(ac.selective_ac_option))
+    return 0
+
+
+def blocks_activations(cfg: JobConfig, a: ModelArgs, p: int, tokens: int,
+                       mode: str | None = None, tp: int = 1) -> int:
+    """Saved activations of all blocks for one microbatch under an AC mode (default: config's).
+    A checkpointed block keeps only its input (p * dim per token; 1/tp of the sequence under
+    TP). With document positions and p < 4, FSDP casts the per-token fp32 cos/sin to the
+    compute dtype at every block's input, and each block keeps its copy in every AC mode
+    (p * head_dim per token; whole sequence under TP)."""
+    mode = mode or cfg.activation_checkpoint.mode
+    rope = a.n_layers * p * a.head_dim * tokens if a.positions == "document" and p < FP32 else 0
+    full, ckpt_input = block_split(a, p, tp), p * a.dim * sp_tokens(tokens, tp)
+    if mode == "none":
+        return a.n_layers * split_bytes(full, tokens, tp) + rope
+    if mode == "full":
+        return a.n_layers * ckpt_input + rope
+    if cfg.activation_checkpoint.selective_ac_option == "op":
+        return a.n_layers * split_bytes(op_sac_split(a, p, tp), tokens, tp) + rope
+    ckpt = checkpointed_blocks(cfg, a.n_layers)
+    return ckpt * ckpt_input + (a.n_layers - ckpt) * split_bytes(full, tokens, tp) + rope
+
+
+def head_saved(a: ModelArgs, p: int) -> int:
+    """Per token: the final RMSNorm ((4 + p) * dim) and the output head's input (p * dim)."""
+    return (4 + 2 * p) * a.dim
+
+
+def head_activations(a: ModelArgs, p: int, tokens: int, tp: int = 1) -> int:
+    """`head_saved` for one microbatch; under TP the final norm sees 1/tp of the sequence and
+    the head's input is the all-gathered whole sequence."""
+    return split_bytes(((4 + p) * a.dim, p * a.dim), tokens, tp)
+
+
+def loss_region(cfg: JobConfig, a: ModelArgs, p: int, tokens: int, tp: int = 1,
+                loss_parallel: bool = True) -> dict[str, int]:
+    """What the loss (trainer/models/loss.py) holds for one microbatch: `at_loss`, at its widest;
+    `at_head`, in the head's backward; `after`, through the rest of the backward.
+
+    eager: the [batch, seq, vocab] logits in the compute dtype are counted as held through the
+    whole backward; cross-entropy upcasts them to fp32, its log-softmax saves an fp32 output,
+    and its backward holds that output, the incoming and the produced fp32 gradient at once:
+    p + 12 bytes per logit at the peak, 2p in the head's backward.
+    chunked: dh (p per token and dim) and the fp32 dW ([vocab, dim]) live from the loss's
+    forward to the head's backward, which casts dW to the compute dtype (p * vocab * dim more,
+    none in fp32). One chunk of c tokens holds its logits in the compute dtype and in fp32,
+    then the fp32 softmax and its cast (both (4 + p) * c * vocab in bf16, 4 * c * vocab in
+    fp32), then the cast and dW's product in the compute dtype (bf16 only). Nothing is held
+    after the head's backward.
+    With tp > 1 the loss sees every token of the microbatch (the head's input is gathered):
+    under loss parallel each rank's vocab is vocab / tp (logits, chunks and dW all shrink by
+    tp); with `disable_loss_parallel` the head's weight is all-gathered over tp (p * vocab *
+    dim more, held at the loss and in the head's backward) and the loss is over the full vocab.
+    """
+    v = a.vocab_size // tp if loss_parallel else a.vocab_size
+    gathered_w = p * a.vocab_size * a.dim if tp > 1 and not loss_parallel else 0
+    if cfg.training.loss == "eager":
+        held = p * v * tokens
+        return {"at_loss": held + 3 * FP32 * v * tokens + gathered_w,
+                "at_head": 2 * held + gathered_w, "after": held}
+    c = min(cfg.training.loss_chunk_size, tokens)
+    grads = p * tokens * a.dim + FP32 * v * a.dim
+    cast = p * v * a.dim if p < FP32 else 0
+    chunk = max((FP32 + p) * c * v, p * c * v + cast) if p < FP32 else FP32 * c * v
+    return {"at_loss": grads + chunk + gathered_w, "at_head": grads + cast + gathered_w,
+            "after": 0}

@@ -1,0 +1,120 @@
+"""Communication volume per step, per mesh dimension: what `python -m trainer.plan` prints under
+"communication per optimizer step".
+
+Figures are bytes **one rank sends** in one optimizer step (with bandwidth-optimal ring or tree
+algorithms it receives as much). For a collective over n ranks whose full (gathered or reduced)
+tensor has S bytes:
+
+    all-gather, reduce-scatter:  (n - 1) / n * S        all-reduce:  2 * (n - 1) / n * S
+
+so a dimension of size 1 moves nothing. With m microbatches per step (gradient accumulation),
+L blocks, X = p * local_batch * seq_len * dim bytes (one [batch, seq, dim] activation in the
+compute dtype p) and f = (tp - 1) / tp:
+
+- **tp** (sequence parallel, per microbatch, counted m times): every block all-gathers X before
+  attention and before the FFN and reduce-scatters X after wo and after w2 in forward; backward
+  does the reverse (4 more); blocks recomputed under activation checkpointing replay their
+  forward collectives (full AC and the checkpointed blocks of selective-k: 4; op-level SAC: 3,
+  everything up to w2's output). The embedding reduce-scatters its output and the head
+  all-gathers its input (2 forward, 2 backward):
+
+      tp = m * f * X * (8 L + 4 + recomputed collectives) + loss + norms
+
+  `loss`: loss parallel all-reduces three fp32 values per token (max, sum of exponentials,
+  target logit): m * 3 * 2f * 4 * tokens; with `disable_loss_parallel` the head's weight is
+  all-gathered over tp in forward and its gradient reduce-scattered in backward instead:
+  m * 2 * f * p * vocab * dim. `norms`: the RMSNorm weights are replicated over tp and their
+  gradients all-reduced over it, m * 2f * p * (2 L + 1) * dim (small).
+- **dp_shard** (FSDP2, each rank's tp part of the parameters, `trainer.plan.memory.fsdp_groups`; with
+  g = (dp_shard - 1) / dp_shard and G_p, G_r the padded unsharded bytes of all groups in the
+  param and reduce dtypes): forward all-gathers every group, g * G_p per microbatch; backward
+  re-gathers the groups resharded after forward ('default': the blocks and the embedding, the
+  head stays gathered; 'always': all; 'never': none; an integer N: the blocks and the
+  embedding over groups of N ranks, (N - 1) / N instead of g); reduce-scatter of the
+  gradients, g * G_r, every microbatch, or once per step under `gradient_accumulation_sync =
+  'last'`. With TP each rank gathers 1/tp of the model.
+- **dp_replicate** (HSDP): an all-reduce of the reduce-scattered gradient shard (r bytes per
+  element), 2 (R - 1) / R * shard bytes, every microbatch under 'every', once per step under
+  'last' and 'hsdp_reduce_scatter'.
+
+Not counted: the loss's scalar all-reduce over dp, gradient-norm clipping (a few scalars),
+checkpoints, and the data loader. Whether this traffic stays inside a node is a matter of the
+mesh: tp is innermost, so with tp <= GPUs per node it is NVLink traffic.
+"""
+
+from __future__ import annotations
+
+from trainer.config.job import JobConfig
+from trainer.plan.memory import BYTES, FP32, fsdp_groups, gathered_numel, plan_args, resolve_vocab, \
+    shard_numel
+
+
+def ring(n: int) -> float:
+    """Share of a full tensor each rank sends in a ring all-gather or reduce-scatter over n."""
+    return (n - 1) / n
+
+
+def tp_collectives(cfg: JobConfig, n_layers: int) -> int:
+    """[batch, seq, dim] all-gathers + reduce-scatters per microbatch over tp (forward,
+    backward and the forward collectives replayed by activation checkpointing)."""
+    ac = cfg.activation_checkpoint
+    if ac.mode == "full":
+        replayed = 4 * n_layers
+    elif ac.mode == "selective" and ac.selective_ac_option == "op":
+        replayed = 3 * n_layers
+    elif ac.mode == "selective":
+        replayed = 4 * -(-n_layers // int(ac.selective_ac_option))
+    else:
+        replayed = 0
+    return 8 * n_layers + 4 + replayed
+
+
+def tp_volume(cfg: JobConfig, a, pd, accum: int) -> float:
+    """Bytes per rank per step over tp (see the module docstring)."""
+    if pd.tp == 1:
+        return 0.0
+    p, f = BYTES[cfg.training.mixed_precision_param], ring(pd.tp)
+    tokens = cfg.training.local_batch_size * cfg.training.seq_len
+    activations = f * p * tokens * a.dim * tp_collectives(cfg, a.n_layers)
+    if pd.loss_parallel:
+        loss = 3 * 2 * f * FP32 * tokens
+    else:
+        loss = 2 * f * p * a.vocab_size * a.dim
+    norms = 2 * f * p * (2 * a.n_layers + 1) * a.dim
+    return accum * (activations + loss + norms)
+
+
+def dp_shard_volume(cfg: JobConfig, groups, pd, accum: int) -> float:
+    """Bytes per rank per step over dp_shard: FSDP all-gathers and reduce-scatters."""
+    n = pd.dp_shard
+    p, r = BYTES[cfg.training.mixed_precision_param], BYTES[cfg.training.mixed_precision_reduce]
+    g = {k: gathered_numel(v, n) for k, v in groups.items()}
+    total, head = sum(g.values()), g["head"]
+    policy = str(cfg.parallelism.fsdp_reshard_after_forward)
+    regather = {"default": ring(n) * (total - head), "always": ring(n) * total,
+                "never": 0.0}.get(policy)
+    if regather is None:  # an integer N: backward gathers over groups of N ranks
+        regather = ring(int(policy)) * (total - head)
+    gathers = accum * p * (ring(n) * total + regather)
+    syncs = 1 if cfg.training.gradient_accumulation_sync == "last" else accum
+    return gathers + syncs * r * ring(n) * total
+
+
+def dp_replicate_volume(cfg: JobConfig, groups, pd, accum: int) -> float:
+    """Bytes per rank per step over dp_replicate: HSDP's all-reduce of the gradient shards."""
+    r = BYTES[cfg.training.mixed_precision_reduce]
+    shard = sum(shard_numel(s, pd.dp_shard) for v in groups.values() for s in v)
+    syncs = accum if cfg.training.gradient_accumulation_sync == "every" else 1
+    return syncs * 2 * ring(pd.dp_replicate) * r * shard
+
+
+def comm_volume(cfg: JobConfig, world_size: int) -> dict[str, float]:
+    """{`comm_tp`, `comm_dp_shard`, `comm_dp_replicate`}: bytes each rank sends per optimizer
+    step over that mesh dimension, and `comm_microbatches` (m)."""
+    pd, accum = cfg.resolve(world_size)
+    a = plan_args(cfg, resolve_vocab(cfg)[0])
+    groups = fsdp_groups(a, pd.tp)
+    return {"comm_tp": tp_volume(cfg, a, pd, accum),
+            "comm_dp_shard": dp_shard_volume(cfg, groups, pd, accum),
+            "comm_dp_replicate": dp_replicate_volume(cfg, groups, pd, accum),
+            "comm_microbatches": accum}

@@ -1,0 +1,175 @@
+"""The printed memory plan: the breakdown table, the verdict, the communication per step and
+mesh dimension (trainer/plan/comm.py), the throughput at an assumed MFU, and the command line
+of `python -m trainer.plan` (trainer/plan/memory.py computes the plan)."""
+
+from __future__ import annotations
+
+import argparse
+import math
+import sys
+
+from trainer.config.job import JobConfig, load_config
+from trainer.errors import ConfigError, UserError
+from trainer.models.flops import table_peak_tflops
+from trainer.optim.optimizer import implementation
+from trainer.plan.memory import (CONTEXT_GIB, FRAGMENTATION, GIB, GPUS, Gpu, device_need,
+                          largest_local_batch, memory_plan, plan_args, resolve_vocab,
+                          throughput)
+from trainer.plan.comm import comm_volume
+from trainer.plan.host import HOST_ROWS, host_ram_gib, host_report
+
+# --------------------------------------------------------------------------- report
+
+ROWS = [  # (key, label) in print order; None = a heading
+    (None, "resident (sharded; in host memory with offload: see below)"),
+    ("parameters", "parameters (fp32)"),
+    ("gradients", "gradients (fp32)"),
+    ("optimizer_state", "optimizer state (2 fp32 states + step)"),
+    ("buffers_and_inputs", "RoPE buffers + input/label tokens"),
+    (None, "per microbatch"),
+    ("activations_no_ac", "activations, no AC"),
+    ("activations_full_ac", "activations, full AC"),
+    ("activations", "activations, as configured ({ac})"),
+    ("attention_inputs", "  of which mask + RoPE tables ({attn})"),
+    ("ac_recompute", "one block recomputed in backward"),
+    ("logits_loss", "logits + loss at its widest ({loss})"),
+    (None, "FSDP buffers ({mp}; reshard {reshard})"),
+    ("fsdp_loss", "kept unsharded at the loss"),
+    ("fsdp_head", "head backward (+ prefetched block)"),
+    ("fsdp_block", "block backward (+ prefetch, rs in flight)"),
+    ("fsdp_embedding", "embedding backward"),
+    ("tp_buffers", "TP: whole-sequence grads around collectives"),
+    ("grad_accumulation", "unsharded grads kept for accumulation"),
+    ("optimizer_step_temp", "optimizer step temporaries ({impl})"),
+    ("offload_staging", "offload: host-to-device shard copies, one grad shard"),
+    (None, "device total at each moment"),
+    ("peak_loss", "loss backward"),
+    ("peak_head_backward", "output head backward"),
+    ("peak_block_backward", "top block backward"),
+    ("peak_end_of_backward", "end of backward (embedding)"),
+    ("peak_optimizer_step", "optimizer step"),
+]
+
+
+def describe(cfg: JobConfig, world_size: int, ngpu: int, nnodes: int) -> list[str]:
+    """The header: model, vocab source, mesh, microbatch and dtypes."""
+    pd, accum = cfg.resolve(world_size)
+    vocab, source = resolve_vocab(cfg)
+    a = plan_args(cfg, vocab)
+    t = cfg.training
+    return [
+        f"model: {cfg.model.flavor}, {a.num_params() / 1e9:.3f}B params, vocab {vocab} "
+        f"(from {source})",
+        f"mesh: {pd.describe()} = {ngpu} GPU(s) x {nnodes} node(s); parameters sharded over "
+        + (f"{pd.dp_shard} rank(s)" if pd.tp == 1 else
+           f"tp {pd.tp} x dp_shard {pd.dp_shard} = {pd.tp * pd.dp_shard} ranks (norms over "
+           f"{pd.dp_shard})"),
+        f"microbatch: {t.local_batch_size} x {t.seq_len} tokens, {accum} microbatch(es) per step "
+        f"(sync '{t.gradient_accumulation_sync}')",
+    ]
+
+
+def report(cfg: JobConfig, b: dict[str, int], accum: int, gpu: Gpu, mem_gib: float,
+           mfu: float, host: tuple[int, float, str] = (1, math.inf, "unlimited")) -> list[str]:
+    """The breakdown table, the verdict and the throughput at the assumed MFU. `host`:
+    (ranks per node, GiB of host RAM per node, where that figure comes from)."""
+    t, ac = cfg.training, cfg.activation_checkpoint
+    unit, scale = ("GiB", GIB) if b["total"] >= GIB else ("MiB", 2**20)
+    fill = {"ac": ac.mode + (f" {ac.selective_ac_option}" if ac.mode == "selective" else ""),
+            "loss": (f"eager, fp32 [{t.local_batch_size}, {t.seq_len}, vocab]"
+                     if t.loss == "eager" else f"chunked, {t.loss_chunk_size} tokens at a time"),
+            "mp": f"{t.mixed_precision_param.replace('auto', 'bfloat16 (auto)')} params, "
+                  f"{t.mixed_precision_reduce} reduce",
+            "reshard": cfg.parallelism.fsdp_reshard_after_forward,
+            "impl": implementation(cfg.optimizer.implementation, "cuda"),
+            "offload": f"fsdp_offload {cfg.parallelism.fsdp_offload}",
+            "attn": f"{cfg.model.attn_mask_type}, {cfg.model.positions}"}
+    lines = []
+    for key, label in ROWS + HOST_ROWS:
+        label = label.format(**fill)
+        value = "" if key is None else f" {b[key] / scale:10.3f} {unit}"
+        lines.append(f"  {label}" if key is None else f"    {label:<50}{value}")
+    phase = max((k for k in b if k.startswith("peak_")), key=b.get)
+    need, have = device_need(b["total"]), mem_gib * GIB
+    reserve = need - b["total"]
+    host_lines, host_fits = host_report(b, *host)
+    verdict = "FITS" if need <= have and host_fits else "DOES NOT FIT"
+    lines += [
+        f"  peak: {b['total'] / GIB:.3f} GiB (at the {dict(ROWS)[phase]}) + reserve "
+        f"{reserve / GIB:.2f} GiB (CUDA context {CONTEXT_GIB} GiB + {FRAGMENTATION:.0%} "
+        f"fragmentation) = {need / GIB:.2f} GiB of {have / GIB:.1f} GiB",
+        *host_lines,
+        f"verdict: {verdict} on {gpu.name} ({(have - need) / GIB:+.2f} GiB device headroom"
+        f"{'' if host_fits else '; not enough host memory'})",
+    ]
+    return lines + comm_report(b) + throughput_report(cfg, gpu, mfu, accum)
+
+
+def comm_report(b: dict) -> list[str]:
+    """Bytes each rank sends per optimizer step over each mesh dimension (trainer/plan/comm.py)."""
+    if "comm_tp" not in b:
+        return []
+    m = b["comm_microbatches"]
+    return [f"communication per optimizer step, bytes each rank sends ({m} microbatch(es); "
+            "formulas: trainer/plan/comm.py)",
+            f"    {'tp (sequence-parallel activations, loss, norms)':<50} "
+            f"{b['comm_tp'] / GIB:10.3f} GiB",
+            f"    {'dp_shard (FSDP all-gathers + reduce-scatters)':<50} "
+            f"{b['comm_dp_shard'] / GIB:10.3f} GiB",
+            f"    {'dp_replicate (HSDP all-reduce)':<50} {b['comm_dp_replicate'] / GIB:10.3f} GiB"]
+
+
+def throughput_report(cfg: JobConfig, gpu: Gpu, mfu: float, accum: int) -> list[str]:
+    """Tokens/s per device at the assumed MFU and the step time. MFU is per device: a dp
+    rank's tokens are computed by its tp devices, so a dp rank runs tp x the per-device rate."""
+    peak = table_peak_tflops(gpu.name)
+    if not peak:
+        return []
+    t, tp = cfg.training, cfg.parallelism.tensor_parallel_degree
+    fpt, tps = throughput(cfg, peak[0], mfu)
+    step_s = t.local_batch_size * t.seq_len * accum / (tps * tp)
+    per_dp = f", {tps * tp:,.0f} per dp rank of {tp} devices" if tp > 1 else ""
+    return [f"throughput at {mfu:.0%} MFU of {peak[0]:g} TFLOPS bf16 ({peak[1]}): "
+            f"{tps:,.0f} tokens/s per device{per_dp} ({fpt:.4g} FLOPs/token; "
+            f"{step_s:.3g} s per optimizer step)"]
+
+
+def parse_args(argv: list[str]):
+    """Our flags; every other argument is a config override (`--section.key value`)."""
+    ap = argparse.ArgumentParser(prog="python -m trainer.plan", allow_abbrev=False,
+                                 description="Per-device memory plan and a fits/does-not-fit "
+                                             "verdict; other arguments are config overrides.")
+    ap.add_argument("--config", required=True, help="TOML config file")
+    ap.add_argument("--ngpu", type=int, required=True, help="GPUs per node")
+    ap.add_argument("--nnodes", type=int, default=1, help="nodes (world = ngpu * nnodes)")
+    ap.add_argument("--gpu", default="h100", choices=sorted(GPUS), help="GPU model")
+    ap.add_argument("--gpu-mem-gib", type=float, default=0.0, help="override the GPU's memory")
+    ap.add_argument("--mfu", type=float, default=0.40, help="assumed MFU for tokens/s")
+    ap.add_argument("--host-gib", type=float, default=0.0,
+                    help="host RAM per node (default: this machine's MemTotal)")
+    return ap.parse_known_args(argv)
+
+
+def main(argv: list[str]) -> int:
+    args, overrides = parse_args(argv)
+    try:
+        if args.ngpu < 1 or args.nnodes < 1:
+            raise ConfigError(f"--ngpu ({args.ngpu}) and --nnodes ({args.nnodes}) must be >= 1")
+        cfg = load_config(["--job.config_file", args.config, *overrides])
+        world = args.ngpu * args.nnodes
+        header = describe(cfg, world, args.ngpu, args.nnodes)
+        b = {**memory_plan(cfg, world), **comm_volume(cfg, world)}
+        accum = cfg.resolve(world)[1]
+    except UserError as e:
+        print(e.one_line(), file=sys.stderr)
+        return e.exit_code
+    gpu = GPUS[args.gpu]
+    mem_gib = args.gpu_mem_gib or gpu.memory_gib
+    host = (args.ngpu, *host_ram_gib(args.host_gib))
+    best = largest_local_batch(cfg, world, mem_gib)
+    fixed = cfg.training.global_batch_size != -1
+    print("\n".join(header + report(cfg, b, accum, gpu, mem_gib, args.mfu, host) + [
+        f"largest local_batch_size that fits: {best}"
+        + (f" (of those dividing global_batch_size {cfg.training.global_batch_size})"
+           if fixed else "")]))
+    return 0
