@@ -40,7 +40,9 @@ from trainer.models.loss import build_loss
 from trainer.models.llama import build_model, model_args
 from trainer.optim.optimizer import build_lr_scheduler, build_optimizer
 from trainer.parallel.parallelize import parallelize
-from trainer.train import init_distributed, train_step
+from trainer.distributed import init_distributed
+from trainer.parallel.microbatches import build_forward_backward
+from trainer.step import TrainStep
 
 BLOCK = ["--model.attn_mask_type", "block_causal"]
 VARIANTS = {"causal": [], "block_causal": BLOCK,
@@ -74,10 +76,14 @@ def build_step(cfg, batch, device, pd):
     loss_fn = build_loss(cfg.training.loss, cfg.training.loss_chunk_size)
     group = pd.dp_mesh.get_group()
 
+    train_step = TrainStep(
+        model, opt, sched, batch,
+        forward_backward=build_forward_backward(model, loss_fn, cfg, dp_size=1, device=device,
+                                                loader=batch),
+        metrics=_NoMetrics(), dp_group=group, device=device, max_norm=cfg.training.max_norm)
+
     def step() -> float:
-        return float(train_step(model, opt, sched, batch, accum=1, dp_group=group,
-                                sync_mode="last", max_norm=cfg.training.max_norm,
-                                metrics=_NoMetrics(), loss_fn=loss_fn, device=device)[0])
+        return float(train_step(0, accum=1)[0])
 
     return step
 

@@ -39,7 +39,9 @@ from trainer.models.llama import Transformer, build_model, model_args
 from trainer.optim.optimizer import build_lr_scheduler, build_optimizer
 from trainer.parallel.parallelize import parallelize
 from trainer.models.loss import build_loss
-from trainer.train import init_distributed, train_step
+from trainer.distributed import init_distributed
+from trainer.parallel.microbatches import build_forward_backward
+from trainer.step import TrainStep
 
 
 class _NoMetrics:
@@ -80,12 +82,13 @@ def build_trainer_step(cfg, args, batch):
     loader, metrics, group = _FixedBatch(*batch), _NoMetrics(), pd.dp_mesh.get_group()
     loss_fn = build_loss(cfg.training.loss, cfg.training.loss_chunk_size)
 
+    train_step = TrainStep(
+        model, opt, sched, loader,
+        forward_backward=build_forward_backward(model, loss_fn, cfg, dp_size=1, device=device),
+        metrics=metrics, dp_group=group, device=device, max_norm=cfg.training.max_norm)
+
     def step() -> float:
-        loss = train_step(model, opt, sched, loader, accum=1, dp_group=group,
-                             sync_mode=cfg.training.gradient_accumulation_sync,
-                             max_norm=cfg.training.max_norm, metrics=metrics,
-                             loss_fn=loss_fn)[0]
-        return float(loss)
+        return float(train_step(0, accum=1)[0])
 
     return step
 

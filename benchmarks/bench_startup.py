@@ -26,7 +26,7 @@ import time
 
 T_SCRIPT = time.time()  # before any heavy import: the worker's interpreter-boot mark
 OUT_ENV = "BENCH_STARTUP_OUT"
-PHASES = ("init_distributed", "build_dataloader", "build_model", "parallelize", "train_step")
+PHASES = ("init_distributed", "build_dataloader", "build_model", "parallelize")
 
 
 def process_start_epoch() -> float:
@@ -58,6 +58,9 @@ def worker(argv: list[str]) -> None:
 
     for name in PHASES:
         setattr(tt, name, timed(name, getattr(tt, name)))
+    from trainer.step import TrainStep
+
+    TrainStep.__call__ = timed("train_step", TrainStep.__call__)  # the first step
     rc = tt.main(argv)
     with open(os.path.join(os.environ[OUT_ENV], f"rank{os.environ['RANK']}.json"), "w") as fh:
         json.dump(marks, fh)

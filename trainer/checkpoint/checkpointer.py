@@ -50,11 +50,11 @@ from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.stateful import Stateful
 
 from trainer.checkpoint import integrity
+from trainer.health import faults
 from trainer.errors import CheckpointError, ConfigError
 
 STEP_DIR = re.compile(r"^step-(\d+)$")
 # Testing hook: crash rank 0 after the data of this step's save is written, before the commit.
-CRASH_ENV = "TRAINER_TEST_CRASH_BEFORE_COMMIT"
 
 
 @dataclass
@@ -315,8 +315,7 @@ class Checkpointer:
     def _commit(self, step: int, t0: float, error: str | None) -> None:
         """Agree that every rank's write succeeded, record the manifest, rename; or give up."""
         partial, rank, world = self._path(step) + ".partial", dist.get_rank(), dist.get_world_size()
-        if os.environ.get(CRASH_ENV) == str(step) and rank == 0:
-            os._exit(17)
+        faults.armed().before_commit(step)  # a testing hook: nothing unless asked
         files = {}
         if error is None:
             try:

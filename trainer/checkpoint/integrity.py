@@ -25,6 +25,7 @@ import os
 import torch.distributed.checkpoint as dcp
 
 from trainer.data.store import file_blake2b
+from trainer.health import faults
 
 MANIFEST = "manifest.json"
 FORMAT = "trainer-checkpoint"
@@ -35,7 +36,6 @@ MARKER_KEY = "integrity"
 AUTO_CHECKSUM_BYTES = 8 << 30
 # Testing hook: "STEP:ERRNO[:RANK]" makes the storage writer of step STEP's save raise that OS
 # error (on RANK, default 0), as a full or broken file system would, sync or async.
-SAVE_ERROR_ENV = "TRAINER_TEST_SAVE_ERROR"
 LEGACY = "legacy"  # the note returned for a checkpoint without a manifest
 
 
@@ -91,10 +91,11 @@ def write_manifest(folder: str, step: int, fingerprint: str, files: dict[str, di
 
 
 def storage_writer(path: str, step: int, rank: int):
-    """DCP's file system writer, or (under SAVE_ERROR_ENV) one that fails like a broken disk."""
-    spec = os.environ.get(SAVE_ERROR_ENV, "").split(":")
-    if len(spec) >= 2 and spec[0] == str(step) and int(spec[2] if len(spec) > 2 else 0) == rank:
-        return _FailingWriter(path, int(spec[1]))
+    """DCP's file system writer, or (an injected fault, health/faults.py) one that fails like
+    a broken disk."""
+    err = faults.armed().save_fails(step)
+    if err is not None:
+        return _FailingWriter(path, err)
     return dcp.FileSystemWriter(path)
 
 

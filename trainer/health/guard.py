@@ -35,7 +35,6 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import os
 from collections import deque
 from typing import Callable
 
@@ -43,38 +42,6 @@ import torch
 
 from trainer.checkpoint.checkpointer import TrainState
 from trainer.errors import TrainingError
-
-# Testing hook: "RANK:STEP,STEP,..." makes that rank's loss NaN at those steps (after backward,
-# so only the guard sees it), e.g. TRAINER_TEST_NAN_LOSS=1:3,4.
-NAN_ENV = "TRAINER_TEST_NAN_LOSS"
-# Testing hook: "RANK:STEP,STEP,...:FACTOR" multiplies that rank's loss by FACTOR (after
-# backward: the guard and the logs see it, the gradients do not) when a step trains on the
-# global batch that starts at sample (STEP - 1) x global batch size, i.e. step STEP's data in a
-# run with a fixed batch that passes over nothing. The spike lives in that data: a step that
-# passes over it does not meet it again. E.g. TRAINER_TEST_SPIKE_LOSS=1:6:20.
-SPIKE_ENV = "TRAINER_TEST_SPIKE_LOSS"
-
-
-def injected_nan(step: int) -> float:
-    spec = os.environ.get(NAN_ENV)
-    if spec:
-        rank, _, steps = spec.partition(":")
-        if rank == os.environ.get("RANK", "0") and str(step) in steps.split(","):
-            return math.nan
-    return 0.0
-
-
-def injected_spike(loader) -> float:
-    """The SPIKE_ENV factor for the global batch `loader` delivers next (call before the step
-    fetches it); 1.0 unless asked. A loader without a global order never matches."""
-    spec, consumed = os.environ.get(SPIKE_ENV), getattr(loader, "consumed", None)
-    if spec and consumed is not None:
-        rank, steps, factor = spec.split(":")
-        if rank == os.environ.get("RANK", "0") and any(
-                consumed == (int(s) - 1) * loader.global_batch_size for s in steps.split(",")):
-            return float(factor)
-    return 1.0
-
 
 def flag_nonfinite_loss(model: torch.nn.Module, loss: torch.Tensor) -> None:
     """Add 0 * loss to one local gradient element: +0 when the loss is finite, NaN when not.

@@ -31,7 +31,6 @@ from __future__ import annotations
 
 import json
 import os
-import signal
 import socket
 import sys
 import threading
@@ -43,9 +42,6 @@ from trainer.errors import HANG_EXIT_CODE
 from trainer.health.restarts import attempt, record_failure
 
 STALE_BEATS = 2.5  # beats without a change that make a rank stale
-# Testing hook: "KIND:RANK:STEP[:ATTEMPT],..." KIND hang (the rank SIGSTOPs itself) or kill
-# (SIGKILL) at the start of STEP, on every attempt or only on restart attempt ATTEMPT.
-FAULT_ENV = "TRAINER_TEST_FAULT"
 PHASES = {
     "setup": "setup",
     "step_start": "token-count all-reduce at the step's start",
@@ -204,15 +200,6 @@ def record_crash(exc: BaseException) -> None:
         record_failure("error", [dist.get_rank()], _state["step"],
                        f"training error: rank {dist.get_rank()} failed at step {_state['step']} "
                        f"({PHASES.get(_state['phase'], _state['phase'])}): {text}")
-
-
-def inject_fault(step: int) -> None:
-    """Testing hook (FAULT_ENV): stop or kill this rank at the start of `step`."""
-    for spec in filter(None, os.environ.get(FAULT_ENV, "").split(",")):
-        kind, rank, at, *when = spec.split(":")
-        if (rank == os.environ.get("RANK") and int(at) == step
-                and (not when or int(when[0]) == attempt())):
-            os.kill(os.getpid(), signal.SIGSTOP if kind == "hang" else signal.SIGKILL)
 
 
 def current() -> dict:

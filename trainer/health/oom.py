@@ -23,25 +23,14 @@ import torch
 import torch.distributed as dist
 
 from trainer.errors import OUT_OF_MEMORY_EXIT_CODE as OOM_EXIT_CODE, TrainingError
+from trainer.health import faults
 
 _CLAIM_KEY = "trainer/out_of_memory"
-# Testing hook: "RANKS:STEP[:GIB]" (RANKS comma-separated) makes those ranks raise torch.OutOfMemoryError after the
-# forward of the step's first microbatch; GIB stands in for the device's memory in the advice
-# (on CPU there is none to read).
-OOM_ENV = "TRAINER_TEST_OOM"
 GIB = 2**30
 
 
 class OutOfMemory(TrainingError):
     exit_code = OOM_EXIT_CODE
-
-
-def inject_oom(step: int) -> None:
-    """Raise torch.OutOfMemoryError here if TRAINER_TEST_OOM asks for it at this step."""
-    spec = os.environ.get(OOM_ENV, "").split(":")
-    ranks = spec[0].split(",")
-    if len(spec) >= 2 and os.environ.get("RANK", "0") in ranks and spec[1] == str(step):
-        raise torch.OutOfMemoryError(f"{OOM_ENV}: injected at step {step}")
 
 
 def out_of_memory(cfg, step: int, device: torch.device) -> OutOfMemory:
@@ -53,8 +42,7 @@ def out_of_memory(cfg, step: int, device: torch.device) -> OutOfMemory:
                 f"{torch.cuda.max_memory_reserved(device) / GIB:.1f} GiB reserved of "
                 f"{total:.1f} GiB")
     else:
-        spec = os.environ.get(OOM_ENV, "").split(":")
-        total = float(spec[2]) if len(spec) > 2 else 0.0
+        total = faults.armed().device_gib  # an injected OOM's stand-in (health/faults.py)
         peak = f"no peak on {device.type}; a {total:g} GiB device assumed"
     return OutOfMemory(f"CUDA out of memory at step {step} on rank {rank} ({peak}); "
                        f"{plan_advice(cfg, total)}")

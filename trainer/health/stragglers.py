@@ -20,20 +20,10 @@ of "RANK:SECONDS" that rank sleeps that long after its optimizer step (testing h
 
 from __future__ import annotations
 
-import os
 import statistics
 import time
 
 import torch
-
-SLOW_ENV = "TRAINER_TEST_SLOW_RANK"
-
-
-def injected_delay() -> None:
-    """Testing hook: sleep on the rank SLOW_ENV names."""
-    spec = os.environ.get(SLOW_ENV, "").split(":")
-    if len(spec) == 2 and spec[0] == os.environ.get("RANK", "0"):
-        time.sleep(float(spec[1]))
 
 
 class StragglerWatch:

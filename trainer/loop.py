@@ -1,0 +1,163 @@
+"""The training loop: a step, then its duties in a fixed order.
+
+`Loop.run` is an explicit sequence of small methods, as torchtitan's `train()` is, rather than
+callbacks: the order of the duties matters (a spike's rollback must come before validation sees
+the weights, the save before the step-end agreement that may stop the run), and one screen shows
+it. A new duty is a method here and a line in `after_step`.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from trainer.checkpoint.checkpointer import Checkpointer
+from trainer.distributed import log0, reduce_loss, reduce_z_loss, set_collective_timeout
+from trainer.evals.evaluator import log_evals
+from trainer.evals.validate import log_validation
+from trainer.health import heartbeat
+from trainer.health.guard import LossGuard
+from trainer.health.oom import out_of_memory
+from trainer.health.preemption import Preempted, StopSignals
+from trainer.health.spikes import act_on_spike, note_past_skips, pass_over, skipped_step
+from trainer.health.stragglers import StragglerWatch
+from trainer.optim.batch_schedule import next_batch
+from trainer.parallel.float8 import after_optimizer_step
+from trainer.step import StepResult, TrainStep
+
+
+class Loop:
+    """Train until `training.steps`, or until a stop signal (then save and raise Preempted),
+    or until too many skipped steps in a row or spikes beyond the rollbacks (TrainingError)."""
+
+    def __init__(self, cfg, train_step: TrainStep, checkpointer: Checkpointer, metrics,
+                 profiler, state, guard: LossGuard, stop: StopSignals, *, validator=None,
+                 evaluator=None):
+        self.cfg, self.train_step, self.checkpointer = cfg, train_step, checkpointer
+        self.metrics, self.profiler, self.state, self.guard = metrics, profiler, state, guard
+        self.stop, self.validator, self.evaluator = stop, validator, evaluator
+        self.loader, self.device, self.dp_group = \
+            train_step.loader, train_step.device, train_step.dp_group
+        self.first_step = state.step + 1
+        self.watch = StragglerWatch(cfg.health.straggler_factor, cfg.health.straggler_steps,
+                                    dist.get_rank(), dist.get_world_size(), log0)
+
+    def run(self) -> None:
+        steps = self.cfg.training.steps
+        if self.state.step >= steps:
+            log0(f"nothing to do: already at step {self.state.step} of {steps}")
+        note_past_skips(self.cfg.training.skip_data_steps, self.state.step)
+        while self.state.step < steps:
+            result = self.step()
+            self.after_step(result, last=self.state.step == steps)
+        self.checkpointer.wait()
+        log0(f"training done at step {self.state.step}")
+
+    def after_step(self, r: StepResult, last: bool) -> None:
+        """The duties after a step, in order."""
+        step = self.state.step
+        log_step = step % self.cfg.metrics.log_freq == 0 or last or step == self.first_step
+        if log_step:
+            self.log(r)
+        if self.bad_step(r):
+            return  # rolled back: the loop goes on from the checkpoint's step
+        self.validate(last)
+        self.evaluate(last)
+        self.profiler.step()
+        heartbeat.phase("checkpoint")
+        saved = r.stepped and self.checkpointer.maybe_save(step, last=last)
+        stop_now, async_done, avg_loss = self.agree_at_step_end(r.rank_loss)
+        if log_step:  # every rank's time, gathered by that all-reduce
+            self.metrics.log_scalars(step, self.watch.scalars)
+        if r.stepped:
+            self.guard.good_step(step, avg_loss)
+        if async_done:  # every rank's background write of an async save has finished
+            self.checkpointer.wait()
+        if stop_now and not last:
+            self.stop_and_save(saved)
+        if step == self.first_step:  # setup and step 1 may be slow; then a tighter bound
+            set_collective_timeout(self.cfg.comm.train_timeout_seconds)
+
+    def step(self) -> StepResult:
+        """The next step: its batch size (a ramp), data passed over, the step, float8's scales."""
+        cfg, state = self.cfg, self.state
+        state.step += 1
+        self.metrics.step_timer()
+        self.watch.start_step()
+        accum = next_batch(cfg, self.loader, state.step)  # a batch-size ramp sets the batch
+        pass_over(self.loader, state.step, cfg.training.skip_data_steps, state.rollback_steps)
+        try:
+            r = self.train_step(state.step, accum)
+        except torch.OutOfMemoryError:  # rank-local: one line, see trainer/health/oom.py
+            raise out_of_memory(cfg, state.step, self.device) from None
+        self.watch.stop_step()
+        if r.stepped:
+            after_optimizer_step(self.train_step.model, cfg.float8)
+        state.tokens_seen += cfg.training.seq_len * self.loader.global_batch_size
+        for event in self.loader.pop_events():  # e.g. a blend's source starting a new epoch
+            log0(f"data: step {state.step}: {event}")
+        return r
+
+    def log(self, r: StepResult) -> None:
+        heartbeat.phase("log")
+        step, loader, seq_len = self.state.step, self.loader, self.cfg.training.seq_len
+        avg, mx = reduce_loss(r.rank_loss, self.dp_group)
+        self.metrics.log(step, global_avg_loss=avg, global_max_loss=mx,
+                         grad_norm=float(r.grad_norm), lr=r.lr,
+                         tokens_seen=self.state.tokens_seen, local_loss=r.rank_loss.item(),
+                         z_loss=reduce_z_loss(r.z_loss, self.dp_group))
+        self.metrics.log_scalars(step, {
+            **loader.metrics(), "batch_metrics/global_batch_size": loader.global_batch_size,
+            "batch_metrics/step_tokens": seq_len * loader.global_batch_size})
+
+    def bad_step(self, r: StepResult) -> bool:
+        """A spike is skipped, rolled back (True) or stops the run; a non-finite step is
+        counted (too many in a row stop the run)."""
+        if r.spike is not None:
+            return act_on_spike(r.spike, self.guard, self.checkpointer, self.state, self.metrics)
+        if not r.stepped:
+            skipped_step(self.guard, self.checkpointer, self.state.step, r.rank_loss,
+                         r.grad_norm, self.dp_group)
+        return False
+
+    def validate(self, last: bool) -> None:
+        heartbeat.phase("validation")
+        v = self.validator
+        if v is not None and v.due(self.state.step, last):
+            log_validation(self.state.step, v.run(self.train_step.model), v.seconds,
+                           self.metrics, log0)
+
+    def evaluate(self, last: bool) -> None:
+        heartbeat.phase("eval")
+        e = self.evaluator
+        if e is not None and e.due(self.state.step, last):
+            log_evals(self.state.step, e.run(self.train_step.model), e.seconds, self.metrics,
+                      log0)
+
+    def agree_at_step_end(self, rank_loss: torch.Tensor) -> tuple[bool, bool, float]:
+        """One tiny all-reduce per step: (any rank got a stop signal, every rank's async save
+        in flight has finished writing, so it can be committed now rather than at the next
+        save, the mean of the ranks' losses for the spike detector). It also gathers every
+        rank's step time for the straggler watch (one slot per rank)."""
+        heartbeat.phase("step_end")
+        device = self.device
+        flags = torch.cat([torch.stack([
+            torch.tensor(1.0 if self.stop.received else 0.0, device=device),
+            torch.tensor(0.0 if self.checkpointer.write_finished() else 1.0, device=device),
+            rank_loss.detach().float().reshape(())]), self.watch.slots(device)])
+        dist.all_reduce(flags)  # SUM: counts of ranks for the flags, each rank's own time slot
+        stop_now, not_done, loss_sum, *times = flags.tolist()
+        self.watch.update(self.state.step, times)
+        return (stop_now > 0, self.checkpointer.pending is not None and not_done == 0,
+                loss_sum / dist.get_world_size())
+
+    def stop_and_save(self, saved: bool) -> None:
+        """Save at this step boundary (unless the periodic save just did) and raise Preempted."""
+        cfg, step = self.cfg, self.state.step
+        what = "saving" if cfg.checkpoint.enable else "checkpointing is off, not saving"
+        log0(f"stop signal ({self.stop.received or 'on another rank'}) at step {step}: {what}, "
+             "exiting")
+        if cfg.checkpoint.enable and not saved:
+            self.checkpointer.save(step)
+        self.checkpointer.wait()
+        raise Preempted(f"stopped at step {step} on a signal")

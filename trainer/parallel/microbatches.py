@@ -1,0 +1,76 @@
+"""The step's seam: how one optimizer step's microbatches run forward and backward.
+
+`train_step` (trainer/step.py) fetches the step's microbatches and counts its tokens, then
+hands them to a `ForwardBackward`, owned by the parallelism, and gets back this rank's summed
+loss; the clipping, the guard and the optimizer step after it are the same for every layout.
+
+Today there is one: `MicrobatchLoop`, each microbatch's forward and backward in turn with FSDP2's
+gradient sync set per `training.gradient_accumulation_sync`. A pipeline schedule is the next one
+(a new file here, chosen in `build_forward_backward`); the loop does not change.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, NamedTuple, Protocol
+
+import torch
+
+from trainer.health import faults, heartbeat
+from trainer.models.loss import Loss
+from trainer.parallel.fsdp import set_gradient_sync
+
+
+class Losses(NamedTuple):
+    loss_sum: torch.Tensor  # this rank's summed token loss / the step's global token count
+    z_loss: torch.Tensor | None  # the z-loss term summed over this rank's tokens, or None
+
+
+class ForwardBackward(Protocol):
+    def __call__(self, batches: list[tuple[torch.Tensor, torch.Tensor]],
+                 global_tokens: torch.Tensor, step: int) -> Losses:
+        """Run forward and backward over this rank's microbatches `(inputs, labels)` of one step;
+        gradients accumulate in the model's parameters, ready for the optimizer."""
+
+
+class MicrobatchLoop:
+    """Forward and backward of each microbatch in turn (gradient accumulation).
+
+    Each microbatch's loss is its summed token loss divided by the GLOBAL token count of the
+    step. FSDP averages gradients over the dp ranks (dividing by the dp size: a custom divide
+    factor needs PREMUL_SUM, which gloo lacks), so the backward loss is scaled by the dp size to
+    make the reduced gradient a plain sum: the result equals one large batch on any world size
+    and any number of microbatches.
+    """
+
+    def __init__(self, model: torch.nn.Module, loss_fn: Loss, *, sync_mode: str, dp_size: int,
+                 device: torch.device, document_ids: Callable | None = None):
+        self.model, self.loss_fn, self.sync_mode = model, loss_fn, sync_mode
+        self.dp_size, self.device = dp_size, device
+        self.document_ids = document_ids  # inputs -> document ids, with documents (else None)
+
+    def __call__(self, batches, global_tokens: torch.Tensor, step: int) -> Losses:
+        loss_sum = torch.zeros((), device=self.device)
+        for i, (inputs, labels) in enumerate(batches):
+            set_gradient_sync(self.model, self.sync_mode, is_last=i == len(batches) - 1)
+            inputs = inputs.to(self.device)
+            heartbeat.phase("forward", step)
+            # The model's head computes the summed token loss (trainer/models/loss.py): no
+            # logits here. Document ids let the model mask and position per document.
+            loss = self.model(inputs, labels=labels.to(self.device), loss_fn=self.loss_fn,
+                              doc_ids=self.document_ids(inputs) if self.document_ids else None)
+            loss = loss / global_tokens
+            if i == 0:
+                faults.armed().first_forward(step)  # a testing hook; nothing unless asked
+            heartbeat.phase("backward")
+            (loss * self.dp_size).backward()
+            loss_sum += loss.detach()
+        return Losses(loss_sum, self.loss_fn.take_z_loss())
+
+
+def build_forward_backward(model: torch.nn.Module, loss_fn: Loss, cfg, *, dp_size: int,
+                           device: torch.device, loader=None) -> ForwardBackward:
+    """The seam for `cfg`'s parallelism: the microbatch loop (the only one so far)."""
+    documents = getattr(model, "uses_documents", False) and loader is not None
+    return MicrobatchLoop(model, loss_fn, sync_mode=cfg.training.gradient_accumulation_sync,
+                          dp_size=dp_size, device=device,
+                          document_ids=loader.document_ids if documents else None)

@@ -1,0 +1,97 @@
+"""One optimizer step, the same for every layout.
+
+Fetch the step's microbatches, count the tokens every rank will train on (the loss is a mean
+over the global token count), run forward and backward through the parallelism's seam
+(trainer/parallel/microbatches.py), then clip over every mesh, guard against non-finite losses
+and spikes, and step the optimizer and the scheduler.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from dataclasses import dataclass
+from typing import Callable, NamedTuple
+
+import torch
+import torch.distributed as dist
+
+from trainer.distributed import DEBUG_DATA_ENV, print_sample_hashes
+from trainer.health import faults, heartbeat
+from trainer.health.guard import Spike, flag_nonfinite_loss
+from trainer.models.loss import IGNORE_INDEX
+from trainer.parallel.clip import clip_grad_norm_
+from trainer.parallel.microbatches import ForwardBackward
+
+
+class StepResult(NamedTuple):
+    rank_loss: torch.Tensor  # this rank's mean cross-entropy
+    grad_norm: torch.Tensor
+    lr: float
+    stepped: bool  # False, on every rank alike, when the optimizer step was skipped
+    z_loss: torch.Tensor | None
+    spike: Spike | None = None  # what `spike_check` found before the optimizer step
+
+
+@dataclass
+class TrainStep:
+    """`train_step(step, accum)`: one optimizer step over `accum` microbatches.
+
+    `stepped` is False, on every rank alike, when the loss of any rank or the grad norm was not
+    finite, or when `spike_check(rank_loss)` (training.on_spike != "log": called before the
+    optimizer step when the grad norm is finite) found a spike: the optimizer step is then
+    skipped (trainer/health/guard.py). The z-loss is None without one, else this rank's z-loss
+    term / the global token count (summed over the dp ranks: the global mean per token).
+    """
+
+    model: torch.nn.Module
+    optimizer: torch.optim.Optimizer
+    scheduler: object
+    loader: object
+    forward_backward: ForwardBackward
+    metrics: object  # data_timer() and count_tokens(n): trainer.observe.metrics
+    dp_group: object
+    device: torch.device
+    max_norm: float = 0.0  # 0: no clipping (the norm is still computed)
+    spike_check: Callable | None = None
+
+    def __call__(self, step: int, accum: int) -> StepResult:
+        heartbeat.phase("step_start", step)
+        faults.armed().step_start(step, self.loader)  # a testing hook; nothing unless asked
+        batches = self.fetch(accum)
+        local_tokens = sum(int((labels != IGNORE_INDEX).sum()) for _, labels in batches)
+        global_tokens = torch.tensor(float(local_tokens), device=self.device)
+        dist.all_reduce(global_tokens, group=self.dp_group)
+        loss_sum, z_loss = self.forward_backward(batches, global_tokens, step)
+        if z_loss is not None:
+            z_loss = z_loss / global_tokens
+        loss_sum = faults.armed().loss(step, loss_sum)  # a spike or NaN, if asked
+        flag_nonfinite_loss(self.model, loss_sum)  # a rank's bad loss makes the global norm NaN
+        heartbeat.phase("clip")
+        grad_norm = clip_grad_norm_(self.model.parameters(), self.max_norm or math.inf)
+        lr = self.optimizer.param_groups[0]["lr"]  # this step's (the scheduler steps after it)
+        cross_entropy = loss_sum if z_loss is None else loss_sum - z_loss
+        rank_loss = cross_entropy * global_tokens / max(local_tokens, 1)
+        stepped = bool(torch.isfinite(grad_norm))  # the same on every rank: a reduced value
+        spike = self.spike_check(rank_loss) if stepped and self.spike_check else None
+        stepped = stepped and spike is None
+        if stepped:
+            self.optimizer.step()
+        faults.armed().step_end()  # a testing hook: a slow rank
+        self.scheduler.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        self.metrics.count_tokens(local_tokens)
+        return StepResult(rank_loss, grad_norm, lr, stepped, z_loss, spike)
+
+    def fetch(self, accum: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """The step's microbatches; with TRAINER_DEBUG_DATA_HASHES, where each sample comes
+        from is printed (if the order is global)."""
+        debug_ids = None
+        if os.environ.get(DEBUG_DATA_ENV):
+            debug_ids = self.loader.sample_ids(self.loader.sample_indices(0)) \
+                if hasattr(self.loader, "sample_indices") else []
+        with self.metrics.data_timer():
+            batches = [self.loader.next_microbatch() for _ in range(accum)]
+        if debug_ids is not None:
+            print_sample_hashes(batches, self.dp_group, debug_ids)
+        return batches
