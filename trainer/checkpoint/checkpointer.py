@@ -20,7 +20,7 @@ resume from an older step (`load_step`, or past a damaged one), the first save m
 `step-M` folders aside as `step-M.abandoned-<time>`, so no later resume or pruning mistakes
 them for this run's checkpoints.
 
-A rollback (`training.on_spike = "rollback"`, trainer/train.py) reloads `latest`, the newest
+A rollback (`training.on_spike = "rollback"`, trainer/health/spikes.py) reloads `latest`, the newest
 checkpoint of this run's branch (never a later step of an abandoned one), and saves that step
 again at once with the rollback recorded in the TrainState: the new folder replaces the old one.
 

@@ -26,7 +26,7 @@ so a resume or a rollback detects with the history the checkpoint had. `training
   the window, so every later step would be a spike) stops the run instead of skipping forever.
 - "rollback": decided the same way; every rank reloads the newest checkpoint of this run and
   the spiking step passes over one global batch when training reaches it again
-  (trainer/train.py `roll_back`). The rollbacks are recorded in the TrainState; after
+  (trainer/health/spikes.py `roll_back`). The rollbacks are recorded in the TrainState; after
   `max_rollbacks` of them, the next spike stops the run (exit 4). With no checkpoint yet, the
   spike's step is skipped instead.
 """

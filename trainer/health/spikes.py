@@ -48,7 +48,7 @@ def last_checkpoint(checkpointer: Checkpointer) -> str:
 
 
 def spike_check(guard: LossGuard, checkpointer: Checkpointer, device):
-    """training.on_spike != "log": the check train_step runs before the optimizer step, on the
+    """training.on_spike != "log": the check the step (trainer/step.py) runs before the optimizer step, on the
     mean of the ranks' losses (one extra one-element all-reduce), so every rank decides alike
     (trainer/health/guard.py). A rollback is in question only on a spike: then an async save in
     flight, the newest checkpoint, is committed first (every rank is here together)."""

@@ -2,7 +2,7 @@
 
 Each rank times its step from the step's start until its optimizer step is done (before the
 loss all-reduce of a log step, which waits for the slowest rank); the step-end all-reduce
-(train.agree_at_step_end) already runs every step, and carries one float per
+(Loop.agree_at_step_end, trainer/loop.py) already runs every step, and carries one float per
 rank (each rank fills its own slot of a world-size vector, the SUM gathers them), so knowing
 every rank's time costs no extra collective. Every rank then sees the same times and takes the
 same decisions; rank 0 logs `timing/step_time_max`, `timing/slowest_rank`,
