@@ -20,10 +20,11 @@ from tests.helpers import REPO, probe_cases_argv, torchrun
 from trainer.config.job import load_config
 from trainer.models.llama import ModelArgs, build_model
 from trainer.parallel.parallelize import apply_ac
-from trainer.plan.memory import (FP32, GIB, GPUS, block_split, blocks_activations, device_need,
-                          fsdp_groups, head_saved, loss_region, main, memory_plan, plan_args,
-                          shard_numel, split_bytes)
 from trainer.plan.comm import comm_volume
+from trainer.plan.memory import (FP32, GIB, GPUS, block_split, blocks_activations, device_need,
+                                 fsdp_groups, head_saved, loss_region, memory_plan, plan_args,
+                                 shard_numel, split_bytes)
+from trainer.plan.report import main
 
 PROBE = REPO / "tests" / "scripts" / "plan_probe.py"
 # Vocab 8195 is odd: the embedding and output rows split 2049 x 3 / 2048 over 4 shards, so the

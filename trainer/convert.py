@@ -30,37 +30,39 @@ def read_run_config(checkpoint_dir: str, config_path: str | None):
     return load_config(["--job.config_file", path])
 
 
-def saved_shapes(checkpoint_dir: str) -> dict[str, tuple[int, ...]]:
+def saved_shapes(checkpoint_dir: str, allow_pickle: bool = False) -> dict[str, tuple[int, ...]]:
     """Our parameter names and shapes as saved in the DCP metadata."""
-    import torch.distributed.checkpoint as dcp
+    from trainer.checkpoint import safe_load
 
     if not os.path.isfile(os.path.join(checkpoint_dir, ".metadata")):
         raise CheckpointError(f"{checkpoint_dir} is not a committed DCP checkpoint (no "
                               ".metadata); give a {dump_folder}/checkpoint/step-N folder")
-    meta = dcp.FileSystemReader(checkpoint_dir).read_metadata().state_dict_metadata
+    meta = safe_load.read_metadata(checkpoint_dir, allow_pickle).state_dict_metadata
     return {k[len(PREFIX):]: tuple(m.size) for k, m in meta.items() if k.startswith(PREFIX)}
 
 
-def dcp_fetch(checkpoint_dir: str, shapes: dict):
+def dcp_fetch(checkpoint_dir: str, shapes: dict, allow_pickle: bool = False):
     """fetch(names) -> our full fp32 tensors, read from the DCP checkpoint on this process."""
     import torch
-    import torch.distributed.checkpoint as dcp
+
+    from trainer.checkpoint import safe_load
 
     def fetch(names: list[str]) -> dict:
         model = {n: torch.empty(shapes[n], dtype=torch.float32) for n in names}
-        dcp.load({"model_optim": {"model": model}}, checkpoint_id=checkpoint_dir, no_dist=True)
+        safe_load.load({"model_optim": {"model": model}}, checkpoint_dir, no_dist=True,
+                       allow_pickle=allow_pickle)
         return model
 
     return fetch
 
 
 def to_hf(checkpoint_dir: str, out_dir: str, *, dtype: str, max_shard_gib: float,
-          config_path: str | None = None) -> None:
+          config_path: str | None = None, allow_pickle: bool = False) -> None:
     from trainer.hf.export import write_hf_folder
     from trainer.hf.mapping import param_shapes
     from trainer.models.args import model_args
 
-    saved = saved_shapes(checkpoint_dir)
+    saved = saved_shapes(checkpoint_dir, allow_pickle)
     cfg = read_run_config(checkpoint_dir, config_path)
     vocab = saved.get("tok_embeddings.weight", (0,))[0]
     args = model_args(cfg.model.flavor, vocab_size=vocab, max_seq_len=cfg.training.seq_len)
@@ -69,7 +71,7 @@ def to_hf(checkpoint_dir: str, out_dir: str, *, dtype: str, max_shard_gib: float
         diff = sorted(set(saved.items()) ^ set(expected.items()))[:2]
         raise CheckpointError(f"{checkpoint_dir} does not hold a {cfg.model.flavor} model as "
                               f"its run config says (first differences: {diff})")
-    write_hf_folder(out_dir, args, dcp_fetch(checkpoint_dir, saved), cfg, dtype=dtype,
+    write_hf_folder(out_dir, args, dcp_fetch(checkpoint_dir, saved, allow_pickle), cfg, dtype=dtype,
                     max_shard_bytes=int(max_shard_gib * 1024**3))
 
 
@@ -86,10 +88,13 @@ def main(argv: list[str]) -> int:
                    help="split the weights into files of at most this many GiB (default 5)")
     p.add_argument("--config", help="the run's config.toml (default: two levels above "
                    "CHECKPOINT_DIR)")
+    p.add_argument("--allow-pickle", "--allow_pickle", action="store_true",
+                   help="load a checkpoint whose metadata names classes outside DCP's own "
+                   "(older torch): it can run code, so only for your own checkpoints")
     a = parser.parse_args(argv)
     try:
         to_hf(os.path.abspath(a.checkpoint_dir), a.out_dir, dtype=a.dtype,
-              max_shard_gib=a.max_shard_size, config_path=a.config)
+              max_shard_gib=a.max_shard_size, config_path=a.config, allow_pickle=a.allow_pickle)
     except UserError as e:
         print(e.one_line(), file=sys.stderr)
         return e.exit_code

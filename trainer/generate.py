@@ -54,9 +54,10 @@ def load_tokenizer(data_cfg):
     return Tokenizer(ensure_stdlib(data_cfg, show_progress=False)[0])
 
 
-def load_model(checkpoint: Path, cfg, *, token_vocab: int, max_len: int, device):
+def load_model(checkpoint: Path, cfg, *, token_vocab: int, max_len: int, device,
+               allow_pickle: bool = False):
     """An unsharded fp32 Transformer with the checkpoint's weights, in eval mode."""
-    import torch.distributed.checkpoint as dcp
+    from trainer.checkpoint import safe_load
 
     from trainer.data import padded_vocab_size
     from trainer.models.llama import build_model, model_args
@@ -69,7 +70,7 @@ def load_model(checkpoint: Path, cfg, *, token_vocab: int, max_len: int, device)
     if not (checkpoint / ".metadata").is_file():
         raise ConfigError(f"--checkpoint {checkpoint} is not a checkpoint (no .metadata); use "
                           "a committed {dump_folder}/checkpoint/step-N folder")
-    saved = dcp.FileSystemReader(str(checkpoint)).read_metadata().state_dict_metadata
+    saved = safe_load.read_metadata(str(checkpoint), allow_pickle).state_dict_metadata
     weights = model.state_dict()
     for name, tensor in weights.items():
         meta = saved.get(f"model_optim.model.{name}")
@@ -78,7 +79,8 @@ def load_model(checkpoint: Path, cfg, *, token_vocab: int, max_len: int, device)
                               f"config.toml: {name} differs; pass the run's --config")
     with warnings.catch_warnings():  # "assuming the intent is to load in a single process"
         warnings.filterwarnings("ignore", message=".*single process")
-        dcp.load({"model_optim": {"model": weights}}, checkpoint_id=str(checkpoint))
+        safe_load.load({"model_optim": {"model": weights}}, str(checkpoint),
+                       allow_pickle=allow_pickle)
     return model.eval()
 
 
@@ -179,6 +181,9 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--no_cache", action="store_true", help="full forward for every token")
     p.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"))
+    p.add_argument("--allow_pickle", "--allow-pickle", action="store_true",
+                   help="load a checkpoint whose metadata names classes outside DCP's own "
+                   "(older torch): it can run code, so only for your own checkpoints")
     return p.parse_args(argv)
 
 
@@ -203,7 +208,8 @@ def main(argv: list[str]) -> int:
         auto = "cuda" if torch.cuda.is_available() else "cpu"
         device = torch.device(auto if a.device == "auto" else a.device)
         model = load_model(checkpoint, cfg, token_vocab=token_vocab,
-                           max_len=len(prompt) + a.max_new_tokens, device=device)
+                           max_len=len(prompt) + a.max_new_tokens, device=device,
+                           allow_pickle=a.allow_pickle)
     except (UserError, ValueError) as e:
         print(e.one_line() if isinstance(e, UserError) else f"config error: {e}",
               file=sys.stderr)

@@ -32,6 +32,7 @@ on the default group their collectives would interleave with training's and hang
 
 from __future__ import annotations
 
+import functools
 import os
 import re
 import shutil
@@ -41,7 +42,6 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.state_dict import (get_model_state_dict,
                                                      get_optimizer_state_dict,
                                                      set_model_state_dict,
@@ -49,7 +49,7 @@ from torch.distributed.checkpoint.state_dict import (get_model_state_dict,
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.stateful import Stateful
 
-from trainer.checkpoint import integrity
+from trainer.checkpoint import integrity, safe_load
 from trainer.health import faults
 from trainer.errors import CheckpointError, ConfigError
 
@@ -121,11 +121,6 @@ class RNGState(Stateful):
             torch.cuda.set_rng_state(sd["cuda"])
 
 
-def _lenient() -> DefaultLoadPlanner:
-    """Keys missing from the checkpoint keep their current values (the caller checks)."""
-    return DefaultLoadPlanner(allow_partial_load=True)
-
-
 class Checkpointer:
     def __init__(self, cfg, *, model, optimizer, scheduler, dataloader, train_state: TrainState,
                  log=print):
@@ -188,7 +183,8 @@ class Checkpointer:
     def _verify(self, step: int) -> str | None:
         """What is wrong with checkpoint `step` on any rank (each checks its share), or None."""
         rank, world = dist.get_rank(), dist.get_world_size()
-        local = integrity.check_share(self._path(step), step, self.cfg.verify, rank, world)
+        local = integrity.check_share(self._path(step), step, self.cfg.verify, rank, world,
+                                      allow_pickle=self.cfg.allow_pickle)
         seen = [None] * world
         dist.all_gather_object(seen, (step, local))
         if any(s != step for s, _ in seen):
@@ -218,15 +214,17 @@ class Checkpointer:
         # The data position first: a changed data setup is then reported by the loader itself
         # (one line). It loads leniently because a streamed source keeps per-rank state, whose
         # keys differ on another dp size; the loader explains that case too.
-        dcp.load({"dataloader": data}, checkpoint_id=path, planner=_lenient())
-        dcp.load(states, checkpoint_id=path)
+        # Nothing loaded runs code from the folder (trainer/checkpoint/safe_load.py).
+        load = functools.partial(safe_load.load, path=path, allow_pickle=self.cfg.allow_pickle)
+        load({"dataloader": data}, partial=True)
+        load(states)
         # Leniently: older checkpoints have no spike window nor rollbacks (TrainState).
-        dcp.load({"train_state": train_state}, checkpoint_id=path, planner=_lenient())
+        load({"train_state": train_state}, partial=True)
         # After the optimizer, whose param groups come back with the saved lr: the schedule
         # keeps this run's formula and sets the lr of the next step from it (trainer/optim/optimizer.py).
-        dcp.load({"lr_scheduler": sched}, checkpoint_id=path)
+        load({"lr_scheduler": sched})
         # Leniently too: a CPU checkpoint has no CUDA RNG state to give a GPU run.
-        dcp.load({"rng": rng}, checkpoint_id=path, planner=_lenient())
+        load({"rng": rng}, partial=True)
         self.branch_point = self.latest = step
         if quiet:
             return True
@@ -242,7 +240,7 @@ class Checkpointer:
 
     def _check_model_shapes(self, path: str) -> None:
         """A checkpoint of another model shape is a config error, not a DCP traceback."""
-        saved = dcp.FileSystemReader(path).read_metadata().state_dict_metadata
+        saved = safe_load.read_metadata(path, self.cfg.allow_pickle).state_dict_metadata
         for name, param in self.states["model_optim"].model.named_parameters():
             meta = saved.get(f"model_optim.model.{name}")
             shape = tuple(meta.size) if meta is not None and hasattr(meta, "size") else None

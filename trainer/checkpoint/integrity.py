@@ -24,6 +24,7 @@ import os
 
 import torch.distributed.checkpoint as dcp
 
+from trainer.checkpoint import safe_load
 from trainer.data.store import file_blake2b
 from trainer.health import faults
 
@@ -148,12 +149,23 @@ def saved_fingerprint(folder: str) -> str | None:
         return None
 
 
-def check_share(folder: str, step: int, verify: str, rank: int, world: int) -> str | None:
+def check_share(folder: str, step: int, verify: str, rank: int, world: int,
+                allow_pickle: bool = False) -> str | None:
     """None if this rank's share of checkpoint `folder` is intact, LEGACY for a checkpoint
-    without a manifest that looks whole, else what is wrong (one phrase)."""
+    without a manifest that looks whole, else what is wrong (one phrase). A `.metadata` that
+    would run code is wrong too, manifest or not: the manifest guards against damage, and
+    anyone who can plant a file can re-hash it (trainer/checkpoint/safe_load.py)."""
     manifest_path = os.path.join(folder, MANIFEST)
     if not os.path.exists(manifest_path):
-        return _check_legacy(folder, rank, world)
+        return _check_legacy(folder, rank, world, allow_pickle)
+    try:
+        safe_load.read_metadata(folder, allow_pickle)
+    except safe_load.UntrustedCheckpoint as e:
+        return f"untrusted: {e.detail}, which a checkpoint never holds"
+    except FileNotFoundError:
+        return "missing .metadata"
+    except Exception as e:  # noqa: BLE001 - unpickling a damaged file fails in many ways
+        return f"unreadable .metadata ({type(e).__name__})"
     try:
         with open(manifest_path) as fh:
             manifest = json.load(fh)
@@ -186,11 +198,13 @@ def _check_file(path: str, want: dict, verify: str) -> str | None:
     return None
 
 
-def _check_legacy(folder: str, rank: int, world: int) -> str | None:
+def _check_legacy(folder: str, rank: int, world: int, allow_pickle: bool) -> str | None:
     """No manifest: damaged if the metadata is unreadable, says a manifest was written, or
     points past the end of a file; else LEGACY."""
     try:
-        meta = dcp.FileSystemReader(folder).read_metadata()
+        meta = safe_load.read_metadata(folder, allow_pickle)
+    except safe_load.UntrustedCheckpoint as e:
+        return f"untrusted: {e.detail}, which a checkpoint never holds"
     except FileNotFoundError:
         return "missing .metadata"
     except Exception as e:  # noqa: BLE001 - unpickling a damaged file fails in many ways

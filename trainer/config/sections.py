@@ -301,6 +301,9 @@ class Checkpoint:
     on_save_error: str = opt("stop", "A save the storage refuses (disk full, permissions, I/O "
                              "error): 'stop' the run with one line, or 'continue' training",
                              choices=("stop", "continue"))
+    allow_pickle: bool = opt(False, "Load checkpoints whose metadata names classes outside DCP's "
+                             "own (older torch versions): a pickle can run code, so only for "
+                             "checkpoints you wrote yourself (README: Security)")
 
     def validate(self) -> None:
         if self.load_step != -1 and not self.enable:

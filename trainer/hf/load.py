@@ -32,7 +32,7 @@ def load_initial(model, cfg, *, log=print) -> bool:
     if cfg.checkpoint.initial_load_in_hf:
         load_hf(model, path, flavor=cfg.model.flavor)
     else:
-        load_dcp_model(model, path)
+        load_dcp_model(model, path, cfg.checkpoint.allow_pickle)
     log(f"initialised the model from {path} in {time.monotonic() - t0:.2f}s")
     return True
 
@@ -68,10 +68,11 @@ def copy_full(param: torch.Tensor, full: torch.Tensor) -> None:
     local.copy_(full)
 
 
-def load_dcp_model(model, path: str) -> None:
+def load_dcp_model(model, path: str, allow_pickle: bool = False) -> None:
     """The model (not the optimizer or data position) of a DCP `step-N` folder."""
-    import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
+
+    from trainer.checkpoint import safe_load
 
     meta = os.path.join(path, ".metadata")
     if not os.path.isfile(meta):
@@ -79,7 +80,7 @@ def load_dcp_model(model, path: str) -> None:
                           "(no .metadata); set checkpoint.initial_load_in_hf = true for a "
                           "Hugging Face folder")
     sd = {"model": get_model_state_dict(model)}
-    dcp.load({"model_optim": sd}, checkpoint_id=path)
+    safe_load.load({"model_optim": sd}, path, allow_pickle=allow_pickle)
     set_model_state_dict(model, sd["model"])
 
 

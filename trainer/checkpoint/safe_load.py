@@ -1,0 +1,134 @@
+"""Loading a checkpoint without running code from it.
+
+DCP's own reader unpickles `.metadata` with `pickle.load` and its byte entries with
+`torch.load(weights_only=False)`: a doctored checkpoint folder runs its payload on every rank
+that reads it. Here `.metadata` goes through an unpickler that admits only the classes DCP's
+metadata is made of, and byte entries load with `weights_only=True`; anything else is refused
+with one line naming the class (`UntrustedCheckpoint`). Tensors are read by DCP with
+`weights_only=True` already.
+
+`checkpoint.allow_pickle = true` (`--allow-pickle` for `trainer.convert` and
+`trainer.generate`) opts out, for checkpoints of torch versions whose metadata holds classes
+this list lacks. Only for checkpoints you wrote yourself: a pickle can run any code.
+"""
+
+from __future__ import annotations
+
+import io
+import os
+import pickle
+
+import torch
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
+from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
+
+from trainer.errors import CheckpointError
+
+OPT_OUT = "checkpoint.allow_pickle"
+# What DCP's metadata is made of (torch 2.11-2.13): dataclasses, an enum, paths, sizes, dtypes.
+ALLOWED = {
+    "torch.distributed.checkpoint.metadata": {
+        "Metadata", "TensorStorageMetadata", "BytesStorageMetadata", "ChunkStorageMetadata",
+        "TensorProperties", "MetadataIndex", "StorageMeta", "_MEM_FORMAT_ENCODING"},
+    "torch.distributed.checkpoint.filesystem": {"_StorageInfo"},
+    "torch.distributed.checkpoint._extension": {"StreamTransformExtension"},
+    "torch.serialization": {"_get_layout"},
+    "pathlib": {"PosixPath", "PurePosixPath", "WindowsPath", "PureWindowsPath", "Path"},
+    "torch": {"Size"},
+    "collections": {"OrderedDict"},
+}
+
+
+class UntrustedCheckpoint(CheckpointError):
+    """A checkpoint whose metadata or byte entries would run code (or name classes DCP's
+    metadata never holds)."""
+
+
+class _Refused(pickle.UnpicklingError):
+    """A global outside the allow-list (not damage)."""
+
+
+class _MetadataUnpickler(pickle.Unpickler):
+    def find_class(self, module: str, name: str):
+        if name in ALLOWED.get(module, ()):
+            return super().find_class(module, name)
+        if module == "torch" and isinstance(getattr(torch, name, None), torch.dtype):
+            return getattr(torch, name)
+        raise _Refused(f"{module}.{name}")
+
+
+def untrusted(path: str, what: str, detail: str) -> UntrustedCheckpoint:
+    err = UntrustedCheckpoint(
+        f"{path}: {what} names {detail}, which a DCP checkpoint never holds; it was not loaded "
+        f"(loading it could run code). If you wrote this checkpoint yourself with another torch "
+        f"version, set {OPT_OUT} = true (--allow-pickle for convert and generate)")
+    err.detail = f"{what} names {detail}"
+    return err
+
+
+class SafeReader(dcp.FileSystemReader):
+    """DCP's file system reader with `.metadata` read through the allow-list."""
+
+    def __init__(self, path, allow_pickle: bool = False):
+        super().__init__(path)
+        self.allow_pickle = allow_pickle
+
+    def read_metadata(self, *args, **kwargs) -> Metadata:
+        if self.allow_pickle:
+            return super().read_metadata(*args, **kwargs)
+        path = self._get_metadata_path(kwargs.get("rank"))
+        with self.fs.create_stream(path, "rb") as fh:
+            try:
+                metadata = _MetadataUnpickler(fh).load()
+            except _Refused as e:
+                raise untrusted(str(self.path), ".metadata", str(e)) from None
+        if not isinstance(metadata, Metadata):
+            raise untrusted(str(self.path), ".metadata", type(metadata).__name__)
+        if getattr(metadata, "storage_meta", None) is None:
+            metadata.storage_meta = StorageMeta()
+        metadata.storage_meta.load_id = self.load_id
+        return metadata
+
+
+class SafeLoadPlanner(DefaultLoadPlanner):
+    """DCP's load planner with byte entries (Python values: param groups, states saved as
+    bytes) read by torch's weights-only unpickler."""
+
+    def __init__(self, *args, allow_pickle: bool = False, path: str = "", **kwargs):
+        super().__init__(*args, **kwargs)
+        self.allow_pickle, self.path = allow_pickle, path
+
+    def load_bytes(self, read_item, value: io.BytesIO) -> None:
+        if self.allow_pickle:
+            return super().load_bytes(read_item, value)
+        try:
+            obj = torch.load(value, weights_only=True)
+        except pickle.UnpicklingError as e:
+            raise untrusted(self.path, f"the entry {read_item.dest_index.fqn}",
+                            str(e).splitlines()[0][:200]) from None
+        fqn = read_item.dest_index.fqn
+        if self.flatten_state_dict:
+            from torch.distributed.checkpoint._nested_dict import set_element
+
+            set_element(self.original_state_dict, self.mappings[fqn], obj)
+        else:
+            self.state_dict[fqn] = obj
+
+
+def read_metadata(path: str, allow_pickle: bool = False) -> Metadata:
+    return SafeReader(path, allow_pickle).read_metadata()
+
+
+def load(state_dict: dict, path: str, *, allow_pickle: bool = False, partial: bool = False,
+         no_dist: bool = False) -> None:
+    """`dcp.load` of `state_dict` from checkpoint folder `path`, without running its code.
+    `partial`: keys missing from the checkpoint keep their current values."""
+    path = os.fspath(path)
+    # First on its own: dcp.load swallows a reader's error (it falls back to per-rank
+    # metadata files) and would bury the refusal in its own.
+    read_metadata(path, allow_pickle)
+    dcp.load(state_dict, storage_reader=SafeReader(path, allow_pickle),
+             planner=SafeLoadPlanner(allow_partial_load=partial, allow_pickle=allow_pickle,
+                                     path=path),
+             no_dist=no_dist)
