@@ -15,15 +15,16 @@ REPO = Path(__file__).resolve().parents[1]
 def load_dcp_tensors(path: Path) -> dict:
     """Every tensor of a DCP checkpoint, loaded on this one process (no process group)."""
     import torch
-    import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-    meta = dcp.FileSystemReader(str(path)).read_metadata()
+    from trainer.checkpoint import safe_load
+
+    meta = safe_load.read_metadata(str(path))
     sd = {k: torch.empty(m.size, dtype=m.properties.dtype)
           for k, m in meta.state_dict_metadata.items() if isinstance(m, TensorStorageMetadata)}
     with warnings.catch_warnings():  # "assuming the intent is to load in a single process": yes
         warnings.simplefilter("ignore")
-        dcp.load(sd, checkpoint_id=str(path), no_dist=True)
+        safe_load.load(sd, str(path), no_dist=True)
     return sd
 
 
