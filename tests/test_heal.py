@@ -81,8 +81,10 @@ def test_a_slow_rank_is_named_as_the_straggler(tmp_path):
     slowest = scalars(tmp_path, "timing/slowest_rank")
     assert sorted(slowest) == [1, 2, 3, 4, 5] and set(slowest.values()) == {1.0}, slowest
     assert all(v >= 0.4 for v in scalars(tmp_path, "timing/step_time_max").values())
-    # max / median of all ranks: with two, the median is their mean
-    assert all(v > 1.2 for v in scalars(tmp_path, "timing/step_time_spread").values())
+    # max / median of all ranks: with two, the median is their mean. Step 1 carries setup
+    # work on both ranks (its spread was 1.28 alone on an AVX2 machine, lower under load).
+    spread = scalars(tmp_path, "timing/step_time_spread")
+    assert all(v > 1.2 for step, v in spread.items() if step > 1), spread
 
 
 @pytest.mark.chaos_long

@@ -137,11 +137,9 @@ def test_resume_skips_doctored_checkpoints(doctored):
 
 
 def test_initial_load_generate_and_convert_refuse_doctored_folders(doctored):
-    bad = doctored / "run" / "checkpoint" / "step-4"
-    if not (bad / ".metadata").exists():  # the resume test may have moved it aside
-        bad = doctored / "bad-step-4"
-        shutil.copytree(doctored / "clean-step-4", bad)
-        plant_payload_then_metadata(bad, doctored / "marker")
+    bad = doctored / "bad-step-4"  # a resume may have replaced the run's own step-4
+    shutil.copytree(doctored / "clean-step-4", bad)
+    plant_payload_then_metadata(bad, doctored / "marker")
     proc = run_train(doctored / "fresh", *BASE_FP32, "--training.steps", "1",
                      "--checkpoint.initial_load_path", str(bad), check=False)
     assert proc.returncode == 2, proc.stderr
