@@ -158,14 +158,9 @@ def check_share(folder: str, step: int, verify: str, rank: int, world: int,
     manifest_path = os.path.join(folder, MANIFEST)
     if not os.path.exists(manifest_path):
         return _check_legacy(folder, rank, world, allow_pickle)
-    try:
-        safe_load.read_metadata(folder, allow_pickle)
-    except safe_load.UntrustedCheckpoint as e:
-        return f"untrusted: {e.detail}, which a checkpoint never holds"
-    except FileNotFoundError:
-        return "missing .metadata"
-    except Exception as e:  # noqa: BLE001 - unpickling a damaged file fails in many ways
-        return f"unreadable .metadata ({type(e).__name__})"
+    meta = _read_metadata(folder, allow_pickle)
+    if isinstance(meta, str):
+        return meta
     try:
         with open(manifest_path) as fh:
             manifest = json.load(fh)
@@ -198,17 +193,24 @@ def _check_file(path: str, want: dict, verify: str) -> str | None:
     return None
 
 
-def _check_legacy(folder: str, rank: int, world: int, allow_pickle: bool) -> str | None:
-    """No manifest: damaged if the metadata is unreadable, says a manifest was written, or
-    points past the end of a file; else LEGACY."""
+def _read_metadata(folder: str, allow_pickle: bool):
+    """The folder's DCP metadata, read without running code, or what is wrong with it."""
     try:
-        meta = safe_load.read_metadata(folder, allow_pickle)
+        return safe_load.read_metadata(folder, allow_pickle)
     except safe_load.UntrustedCheckpoint as e:
         return f"untrusted: {e.detail}, which a checkpoint never holds"
     except FileNotFoundError:
         return "missing .metadata"
     except Exception as e:  # noqa: BLE001 - unpickling a damaged file fails in many ways
         return f"unreadable .metadata ({type(e).__name__})"
+
+
+def _check_legacy(folder: str, rank: int, world: int, allow_pickle: bool) -> str | None:
+    """No manifest: damaged if the metadata is unreadable, says a manifest was written, or
+    points past the end of a file; else LEGACY."""
+    meta = _read_metadata(folder, allow_pickle)
+    if isinstance(meta, str):
+        return meta
     if any(key.split(".")[0] == MARKER_KEY for key in meta.state_dict_metadata):
         return f"{MANIFEST} is missing"
     extents: dict[str, int] = {}
