@@ -33,8 +33,9 @@ fi
 export TORCH_NCCL_TRACE_BUFFER_SIZE="${TORCH_NCCL_TRACE_BUFFER_SIZE:-2000}"
 export TORCH_NCCL_DUMP_ON_TIMEOUT="${TORCH_NCCL_DUMP_ON_TIMEOUT:-1}"
 
-# --rdzv_id: one id per launch, which the restart guard tells launches apart by.
+# --rdzv_id: one id per launch, which the restart guard tells launches apart by. A loopback
+# endpoint and --local-addr keep the launcher's stores on loopback (trainer/launch.py).
 exec "$PYTHON" -m trainer.launch --nnodes 1 --nproc_per_node "$NGPU" \
   --max-restarts "${MAX_RESTARTS:-0}" --rdzv_id "local-$$-$(date +%s)" \
-  --rdzv_backend c10d --rdzv_endpoint localhost:0 \
+  --rdzv_backend c10d --rdzv_endpoint localhost:0 --local-addr 127.0.0.1 \
   -m trainer.train --job.config_file "$CONFIG_FILE" "$@"

@@ -72,6 +72,7 @@ def test_spikes_are_counted_and_logged(tmp_path):
     metrics = MetricsProcessor(cfg, model_args=model_args("debugmodel"), seq_len=64,
                                device=torch.device("cpu"), rank=0, parallel_desc="1 process",
                                accumulation_steps=1, num_params=1)
+    metrics.open()
     printed = _Printed()
     guard = LossGuard(cfg.training, log=printed, metrics=metrics)
     curve = [5.0 - 0.05 * s + 0.02 * ((-1) ** s) for s in range(1, 40)]

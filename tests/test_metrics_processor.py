@@ -54,9 +54,11 @@ def make(tmp_path, *, peak=0.0, rank=0, device=torch.device("cpu"), **metric_cfg
     cfg.metrics.peak_tflops = peak
     for k, v in metric_cfg.items():
         setattr(cfg.metrics, k, v)
-    return MetricsProcessor(cfg, model_args=ARGS, seq_len=SEQ, device=device, rank=rank,
-                            parallel_desc="FSDP dp_shard=2", accumulation_steps=2,
-                            num_params=ARGS.num_params())
+    mp = MetricsProcessor(cfg, model_args=ARGS, seq_len=SEQ, device=device, rank=rank,
+                          parallel_desc="FSDP dp_shard=2", accumulation_steps=2,
+                          num_params=ARGS.num_params())
+    mp.open()
+    return mp
 
 
 def run_steps(mp, clock, *, steps, tokens, step_s, data_s, first_step=1, log=True):

@@ -58,9 +58,11 @@ def config(tmp_path, **metrics) -> JobConfig:
 
 def make(cfg: JobConfig, rank: int = 0) -> MetricsProcessor:
     args = model_args("debugmodel-tiny")
-    return MetricsProcessor(cfg, model_args=args, seq_len=64, device=torch.device("cpu"),
-                            rank=rank, parallel_desc="1 process", accumulation_steps=1,
-                            num_params=args.num_params())
+    mp = MetricsProcessor(cfg, model_args=args, seq_len=64, device=torch.device("cpu"),
+                          rank=rank, parallel_desc="1 process", accumulation_steps=1,
+                          num_params=args.num_params())
+    mp.open()
+    return mp
 
 
 def log_steps(mp: MetricsProcessor, steps) -> None:

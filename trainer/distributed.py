@@ -22,6 +22,18 @@ from trainer.health.heartbeat import note_timeout
 DEBUG_DATA_ENV = "TRAINER_DEBUG_DATA_HASHES"
 
 
+def log_ranks(value: str, world_size: int) -> set[int] | None:
+    """The ranks LOG_RANK names ("0", "0,1"; empty: every rank, None)."""
+    if not value.strip():
+        return None
+    parts = [p.strip() for p in value.split(",")]
+    if not all(p.isascii() and p.isdigit() for p in parts) or \
+            any(int(p) >= world_size for p in parts):
+        raise ConfigError(f"LOG_RANK = {value!r}: give the ranks whose output to show, separated "
+                          f"by commas (e.g. 0 or 0,1), each below the world size {world_size}")
+    return {int(p) for p in parts}
+
+
 def log0(msg: str) -> None:
     if int(os.environ.get("RANK", "0")) == 0:
         # One write per line: ranks share the pipe (LOG_RANK=0,1), and print() writes the
@@ -44,12 +56,28 @@ def agree_on_user_errors(fn, *args, same_result: bool = False, **kwargs):
                                       result if same_result else None))
     first = next((err for err, _ in outcomes if err is not None), None)
     if first is not None:
-        raise first[0](first[1])
+        agreed = first[0](first[1])
+        agreed.agreed = True  # every rank raises it: rank 0 reports it (reports_user_error)
+        raise agreed
     if same_result and any(res != outcomes[0][1] for _, res in outcomes):
         seen = {rank: res for rank, (_, res) in enumerate(outcomes)}
         raise ConfigError(f"ranks disagree on {fn.__name__}: {seen}; the dump folder must be "
                           "on storage that every node shares")
     return result
+
+
+def reports_user_error(error: UserError) -> bool:
+    """Whether this rank prints `error`'s line. One every rank raised alike (a config error
+    before the process group, one agreed on above) is rank 0's to print; one raised after the
+    process group without agreement (a damaged shard that one rank read mid-run, or a stop
+    that every rank decided) is printed by the first rank to raise one, once per attempt."""
+    rank = int(os.environ.get("RANK", "0"))
+    if not dist.is_initialized() or getattr(error, "agreed", False):
+        return rank == 0
+    try:
+        return dist.distributed_c10d._get_default_store().add("trainer/user_error", 1) == 1
+    except Exception:  # the store is gone with the launcher: say it rather than nothing
+        return True
 
 
 def reduce_z_loss(z_loss: torch.Tensor | None, dp_group) -> float | None:

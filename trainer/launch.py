@@ -31,11 +31,13 @@ This is `torch.distributed.run` (the code behind `torchrun`) with these differen
 from __future__ import annotations
 
 import glob
+import ipaddress
 import logging
 import os
 import signal
 import socket
 import sys
+import threading
 
 # The agents' own C++ warnings (e.g. a TCPStore peer gone at shutdown after a failed or stopped
 # worker group) are noise in the launcher; c10 reads the level once, when torch loads, so set it
@@ -77,6 +79,8 @@ def _children() -> list[int]:
 
 
 def _forward(signum, frame) -> None:
+    if signum in (signal.SIGINT, signal.SIGTERM) and not _children():
+        return  # no worker yet (or between restarts): _stop_without_workers ends the launcher
     _received[signum] = _received.get(signum, 0) + 1
     if signum in (signal.SIGINT, signal.SIGTERM) and _received[signum] > 1:
         _signal_children(signal.SIGKILL)  # the ranks would only record it: stop them now
@@ -97,10 +101,31 @@ _received: dict[int, int] = {}
 
 
 def install_forwarding() -> None:
-    """Our handlers for the forwarded signals; torchrun keeps its own for the rest."""
+    """Our handlers for the forwarded signals; torchrun keeps its own for the rest. Every
+    signal also reaches _stop_without_workers through the wakeup fd."""
     os.environ["TORCHELASTIC_SIGNALS_TO_HANDLE"] = "SIGQUIT"
     for name in FORWARDED:
         signal.signal(getattr(signal, name), _forward)
+    read_fd, write_fd = os.pipe()
+    os.set_blocking(write_fd, False)
+    signal.set_wakeup_fd(write_fd, warn_on_full_buffer=False)
+    threading.Thread(target=_stop_without_workers, args=(read_fd,), daemon=True,
+                     name="launcher-signals").start()
+
+
+def _stop_without_workers(read_fd: int) -> None:
+    """SIGTERM or SIGINT while no worker exists (the rendezvous waits for other nodes, or the
+    agent is between restarts): nothing is running that could save, so the launcher ends at
+    once with code 3, as a signalled stop does. A thread, because the main thread may sit in
+    C++ (a store connecting or waiting), where Python's handlers never run: the C handler
+    still writes the signal number to the wakeup fd, which this thread reads."""
+    while True:
+        for signum in os.read(read_fd, 64):
+            if signum in (signal.SIGINT, signal.SIGTERM) and not _children():
+                print(f"error: stopped on {signal.Signals(signum).name} before any rank "
+                      "started (waiting in the rendezvous): nothing to save", file=sys.stderr,
+                      flush=True)
+                os._exit(PREEMPTED_EXIT_CODE)
 
 
 def forkable_trainer_args(cmd_args: list[str]) -> list[str] | None:
@@ -132,6 +157,7 @@ def forked_rank(argv: list[str]) -> None:
     def record(signum, frame) -> None:
         train.EARLY_SIGNALS.append(signum)
 
+    signal.set_wakeup_fd(-1)  # the launcher's pipe (install_forwarding) is not the rank's
     for name in FORWARDED:  # ours were inherited: record signals until the trainer's own
         signal.signal(getattr(signal, name), record)
     if os.environ.get("OMP_NUM_THREADS"):  # the rank's share of the cores, read at start
@@ -202,6 +228,57 @@ def guard_restarts() -> None:
         ProcessContext._join_procs_with_timeout = _join
 
 
+_LISTENERS: list[socket.socket] = []  # the loopback sockets the stores listen on, kept open
+
+
+def _is_loopback(host: str) -> bool:
+    try:
+        return host == "localhost" or ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def _store(make, host: str, port: int, is_master: bool, **kwargs):
+    """A TCPStore; a server for a loopback host listens on loopback only (TCPStore itself
+    binds every interface whatever host it is given): it listens on a socket bound here."""
+    if not (is_master and _is_loopback(host)):
+        return make(host, port, is_master=is_master, **kwargs)
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    listener = socket.socket(family, socket.SOCK_STREAM)
+    listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    listener.bind(("::1" if family == socket.AF_INET6 else "127.0.0.1", port))
+    listener.listen(1024)
+    try:
+        store = make(host, listener.getsockname()[1], is_master=True,
+                     master_listen_fd=listener.fileno(), use_libuv=True, **kwargs)
+    except (TypeError, RuntimeError, ValueError) as e:  # a torch without master_listen_fd
+        listener.close()
+        print(f"note: torchrun's store listens on every interface ({type(e).__name__}: {e})",
+              file=sys.stderr, flush=True)
+        return make(host, port, is_master=True, **kwargs)
+    _LISTENERS.append(listener)
+    return store
+
+
+def listen_on_loopback() -> None:
+    """Single-node runs (a rendezvous endpoint and --local-addr on loopback, as run_train.sh
+    gives) keep torchrun's two stores, the rendezvous's and the one the ranks share, off the
+    network: they listen on loopback only. Multi-node endpoints are left as torchrun makes
+    them. (Gloo, between the ranks, already binds the address it connects over.)"""
+    import torch.distributed as dist
+    from torch.distributed.elastic.rendezvous import c10d_rendezvous_backend as backend
+    from torch.distributed.elastic.rendezvous.dynamic_rendezvous import DynamicRendezvousHandler
+
+    def rendezvous_store(host, port, is_master=False, **kwargs):
+        return _store(dist.TCPStore, host, port, is_master, **kwargs)
+
+    def shared_store(self, master_addr, master_port):
+        return _store(dist.TCPStore, master_addr, master_port, True, multi_tenant=True)
+
+    backend.TCPStore = rendezvous_store
+    DynamicRendezvousHandler._create_tcp_store_server = shared_store
+
+
 def _describe(rank: int, failure) -> str:
     how = f"exit code {failure.exitcode}"
     if failure.exitcode < 0:
@@ -247,6 +324,7 @@ def main(argv: list[str]) -> int:
     config.signals_to_handle = "SIGQUIT"
     install_forwarding()
     guard_restarts()
+    listen_on_loopback()
     try:
         elastic_launch(config=config, entrypoint=cmd)(*cmd_args)
     except SignalException as err:  # a second SIGINT/SIGTERM: torchrun tore the workers down

@@ -28,13 +28,15 @@ import sys
 import torch
 import torch.distributed as dist
 
+from trainer.checkpoint import lease
 from trainer.checkpoint.checkpointer import Checkpointer, TrainState
 from trainer.config.job import JobConfig, load_config
 from trainer.data import build_dataloader, check_model_vocab, padded_vocab_size
 from trainer.data.documents import check_documents
 from trainer.device import Precision, resolve_compute_dtype
 from trainer.distributed import (DEBUG_DATA_ENV, agree_on_user_errors,  # noqa: F401
-                                 init_distributed, log0)
+                                 init_distributed, log0, log_ranks,
+                                 reports_user_error)
 from trainer.errors import HANG_EXIT_CODE, OUT_OF_MEMORY_EXIT_CODE, DataError, UserError
 from trainer.evals.evaluator import Evaluator
 from trainer.evals.validate import Validator
@@ -62,8 +64,8 @@ from trainer.step import TrainStep
 def filter_output() -> None:
     """Keep stdout only on the ranks listed in LOG_RANK (e.g. "0" or "0,1"; default all).
     stderr is never filtered, so a crash on any rank shows its traceback."""
-    wanted = os.environ.get("LOG_RANK")
-    if wanted and os.environ.get("RANK", "0") not in {r.strip() for r in wanted.split(",")}:
+    wanted = log_ranks(os.environ.get("LOG_RANK", ""), int(os.environ.get("WORLD_SIZE", "1")))
+    if wanted is not None and int(os.environ.get("RANK", "0")) not in wanted:
         sys.stdout = open(os.devnull, "w")
 
 
@@ -92,10 +94,11 @@ def train(cfg: JobConfig) -> None:
     restarts.check_restart(cfg.job.dump_folder, cfg.health.max_same_failures)
     faults.arm()  # the testing hooks asked of this rank, if any (trainer/health/faults.py)
     device = init_distributed(cfg)
+    # One run per dump folder; nothing is written there before it is ours (lease.py).
+    agree_on_user_errors(lease.take, cfg.job.dump_folder, cfg.job.lease_timeout_seconds,
+                         rank=dist.get_rank(), log=log0)
     heartbeat.note_timeout(cfg.comm.init_timeout_seconds)
     heartbeat.Heartbeat(cfg.health.heartbeat_seconds).start()
-    if dist.get_rank() == 0:
-        cfg.save(os.path.join(cfg.job.dump_folder, "config.toml"))
     precision = choose_precision(cfg, device)
     agree_on_user_errors(check_float8_device, cfg.float8, device)
     parallel_dims.build_mesh(device.type)
@@ -112,13 +115,11 @@ def train(cfg: JobConfig) -> None:
     optimizer = build_optimizer(model, cfg.optimizer)
     scheduler = build_lr_scheduler(optimizer, cfg.lr_scheduler, cfg.training.steps)
     state = TrainState()
-    # Rank 0 opens TensorBoard and W&B: a W&B run that cannot start stops every rank alike.
-    metrics = agree_on_user_errors(
-        MetricsProcessor, cfg, model_args=args, seq_len=cfg.training.seq_len, device=device,
-        rank=dist.get_rank(), parallel_desc=parallel_dims.describe(), precision=precision,
-        accumulation_steps=accum, num_params=args.num_params(),
-        model_parallel=parallel_dims.tp)
-    with metrics:  # closed with the run's exit code (W&B records it)
+    metrics = MetricsProcessor(cfg, model_args=args, seq_len=cfg.training.seq_len, device=device,
+                               rank=dist.get_rank(), parallel_desc=parallel_dims.describe(),
+                               precision=precision, accumulation_steps=accum,
+                               num_params=args.num_params(), model_parallel=parallel_dims.tp)
+    with metrics:  # its sinks closed with the run's exit code (W&B records it)
         metrics.log_startup()
         log0(f"data: {loader.describe()}")
         if cfg.training.rampup_batch_start:
@@ -131,6 +132,11 @@ def train(cfg: JobConfig) -> None:
         if not checkpointer.load(agree_on_user_errors(checkpointer.step_to_load,
                                                       same_result=True)):
             agree_on_user_errors(load_initial, model, cfg, log=log0)  # initial_load_path
+        # The run goes on: only now does it write its config, TensorBoard and W&B files (a
+        # refused resume leaves the dump folder as it was).
+        agree_on_user_errors(metrics.open)
+        if dist.get_rank() == 0:
+            cfg.save(os.path.join(cfg.job.dump_folder, "config.toml"))
         restarts.note_restart(metrics, state.step, log0)
         for event in loader.pop_events():  # e.g. a blend resumed with other weights
             log0(f"data: resuming after step {state.step}: {event}")
@@ -200,8 +206,8 @@ def build_train_step(cfg: JobConfig, model, optimizer, scheduler, loader, metric
 def main(argv: list[str]) -> int:
     """Entry point: user errors are one line on rank 0 and exit code 2; bugs keep tracebacks."""
     code = 1  # an unexpected exception: no final barrier (a peer may be gone)
-    filter_output()
     try:
+        filter_output()
         train(load_config(argv))
         code = 0
     except OutOfMemory as e:  # this rank's alone: printed by the first rank to report one
@@ -209,7 +215,7 @@ def main(argv: list[str]) -> int:
             print(e.one_line(), file=sys.stderr, flush=True)
         code = e.exit_code
     except UserError as e:
-        if int(os.environ.get("RANK", "0")) == 0:
+        if reports_user_error(e):
             print(e.one_line(), file=sys.stderr, flush=True)
         code = e.exit_code
     except Preempted as e:
@@ -225,6 +231,7 @@ def main(argv: list[str]) -> int:
             if code in (0, PREEMPTED_EXIT_CODE):
                 dist.barrier()
             dist.destroy_process_group()
+        lease.release_held()
     return code
 
 

@@ -177,6 +177,14 @@ def _read_toml(path: str) -> dict:
             return tomllib.load(fh)
     except FileNotFoundError:
         raise ConfigError(f"job.config_file: no such file {path!r}") from None
+    except IsADirectoryError:
+        raise ConfigError(f"job.config_file: {path!r} is a directory; name a .toml file "
+                          "(e.g. configs/debug_model.toml)") from None
+    except OSError as e:
+        raise ConfigError(f"job.config_file: cannot read {path!r}: {e.strerror}") from None
+    except UnicodeDecodeError as e:
+        raise ConfigError(f"job.config_file {path!r} is not UTF-8 text (byte {e.start}): "
+                          "a TOML file must be UTF-8") from None
     except tomllib.TOMLDecodeError as e:
         raise ConfigError(f"TOML syntax error in {path}: {e}") from None
 
@@ -246,7 +254,7 @@ def _take(args: list[str], flag: str) -> str | None:
     return value
 
 
-def check_launch(args: list[str]) -> int | None:
+def check_launch(args: list[str], checks=()) -> int | None:
     """Validate a launch before any process starts; returns the ranks per node, if asked.
 
     `--world-size N`: the config must fit N ranks. `--nnodes N --nproc-per-node K` (K empty =
@@ -269,6 +277,8 @@ def check_launch(args: list[str]) -> int | None:
     elif world_size is not None:
         world_size = _positive("--world-size", world_size)
     cfg.validate(world_size)
+    for check in checks:  # e.g. the dump folder's lease (trainer/config/__main__.py)
+        check(cfg, world_size or 1)
     return ranks
 
 
@@ -278,15 +288,16 @@ def _positive(flag: str, value: str) -> int:
     return int(value)
 
 
-def main(argv: list[str]) -> int:
-    """`--help` prints the reference; `--check ...` validates a launch up front (check_launch)
-    and prints the ranks per node when `--nproc-per-node` is given."""
+def main(argv: list[str], checks=()) -> int:
+    """`--help` prints the reference; `--check ...` validates a launch up front (check_launch,
+    then each of `checks` on the config) and prints the ranks per node when `--nproc-per-node`
+    is given."""
     if "--help" in argv or "-h" in argv:
         print(reference())
         return 0
     args = [a for a in argv if a != "--check"]
     try:
-        ranks = check_launch(args)
+        ranks = check_launch(args, checks)
     except UserError as e:
         print(e.one_line(), file=sys.stderr)
         return e.exit_code

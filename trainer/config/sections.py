@@ -7,6 +7,7 @@ trainer/parallel/float8.py)."""
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 from trainer.config.base import did_you_mean, opt
@@ -31,8 +32,14 @@ class Job:
     seed: int = opt(0, "Seed for weight init, data order and every RNG", min=0, max=2**32 - 1)
     stop_signals: list[str] = opt(["SIGTERM", "SIGUSR1", "SIGINT"],
                                   "Signals that make every rank save at the next step and exit 3")
+    lease_timeout_seconds: int = opt(120, "Seconds without a heartbeat after which another run may "
+                                     "take over this dump folder's lease (README: Security)",
+                                     min=5)
 
     def validate(self) -> None:
+        if os.path.exists(self.dump_folder) and not os.path.isdir(self.dump_folder):
+            raise ConfigError(f"job.dump_folder = {self.dump_folder!r} is a file, not a folder; "
+                              "name a folder (it is created if missing)")
         for name in self.stop_signals:
             if name not in STOP_SIGNALS:
                 raise ConfigError(f"job.stop_signals has {name!r}; valid signals: "

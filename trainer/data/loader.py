@@ -160,6 +160,16 @@ class GlobalOrderLoader:
         (`_locations`) from reading them (`_read`), the locations of the rank's samples of the
         next steps (~PLAN_AHEAD samples) are computed in one vectorised pass: the order's
         arithmetic costs about the same for 8 or 256 samples."""
+        windows = self._located(indices)
+        top = int(windows.max()) if windows.size else 0
+        if top >= getattr(self, "vocab_size", top + 1):
+            raise DataError(f"token id {top} in samples {int(indices[0])}-{int(indices[-1])} "
+                            f"of {self._where()} is beyond its vocabulary of {self.vocab_size}: "
+                            "a damaged shard (data.verify_store = 'sizes' reads none of them); "
+                            "check it with data.verify_store = 'checksums' or re-prepare it")
+        return windows
+
+    def _located(self, indices: np.ndarray) -> np.ndarray:
         if self.PLAN_AHEAD <= 0 or not hasattr(self, "_locations"):
             return self._windows(indices)
         plan = self._plan

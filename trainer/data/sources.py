@@ -7,9 +7,11 @@ is the whole source, so N workers together tokenize every document exactly once.
 
 from __future__ import annotations
 
+import codecs
 import fnmatch
 import glob
 import hashlib
+import logging
 import os
 import random
 import sys
@@ -90,7 +92,11 @@ def resolve_data_files(cfg: DataConfig) -> list[str]:
         matches = sorted(glob.glob(expanded, recursive=True))
         if not matches:
             raise DataError(f"data file not found: {pattern} (data.data_files)")
-        out.extend(m for m in matches if os.path.isfile(m))
+        files = [m for m in matches if os.path.isfile(m)]
+        if not files:
+            raise DataError(f"data.data_files {pattern!r} names folders only; give the files "
+                            f"(e.g. {os.path.join(pattern, '*.jsonl')!r})")
+        out.extend(files)
     return out
 
 
@@ -108,6 +114,8 @@ def open_hf_stream(cfg: DataConfig, split: str):
         if cfg.data_files:
             kwargs["data_files"] = cfg.data_files
     args = [name] + ([cfg.dataset_config] if cfg.dataset_config else [])
+    # The json builder logs a file it cannot parse before raising; hf_documents says it once.
+    logging.getLogger("datasets.packaged_modules.json.json").setLevel(logging.CRITICAL)
     try:
         return datasets.load_dataset(*args, **kwargs)
     except FileNotFoundError as e:
@@ -126,8 +134,47 @@ def hf_documents(cfg: DataConfig, split: str, part: int = 0, n_parts: int = 1,
     ds = ds if ds is not None else open_hf_stream(cfg, split)
     if n_parts > 1:
         ds = split_dataset_by_node(ds, rank=part, world_size=n_parts)
-    for example in ds:
+    for example in examples(ds, cfg):
         yield text_of(example, cfg)
+
+
+def examples(ds, cfg: DataConfig) -> Iterator[dict]:
+    """The examples of a HF stream; a file that cannot be read as `cfg.dataset` (not UTF-8, not
+    valid json/csv/parquet) is a DataError naming it, not a traceback from pyarrow or codecs."""
+    try:
+        yield from ds
+    except UnicodeDecodeError as e:
+        raise DataError(f"dataset {_where(cfg)}: {_not_utf8(cfg, e)}; convert it to UTF-8 "
+                        "(e.g. iconv -f latin1 -t utf-8) or leave it out of data.data_files") \
+            from None
+    except ValueError as e:  # pyarrow cannot parse a json/csv/parquet file
+        if not type(e).__module__.startswith("pyarrow"):
+            raise
+        raise DataError(f"dataset {_where(cfg)} is not valid {cfg.dataset}: "
+                        f"{str(e).splitlines()[0]} (data.dataset = {cfg.dataset!r} reads "
+                        f"{cfg.dataset} files)") from None
+
+
+def _where(cfg: DataConfig) -> str:
+    return ", ".join(cfg.data_files) if cfg.dataset in LOCAL_BUILDERS else cfg.dataset
+
+
+def _not_utf8(cfg: DataConfig, error: UnicodeDecodeError) -> str:
+    """Which local file is not UTF-8 text (the decoder's error does not say)."""
+    files = resolve_data_files(cfg) if cfg.dataset in LOCAL_BUILDERS else []
+    for path in files:
+        decoder, offset = codecs.getincrementaldecoder("utf-8")(), 0
+        try:
+            with open(path, "rb") as fh:
+                while chunk := fh.read(1 << 20):
+                    decoder.decode(chunk)
+                    offset += len(chunk)
+                decoder.decode(b"", final=True)
+        except UnicodeDecodeError as e:
+            return f"{path} is not UTF-8 text (byte {offset + e.start})"
+        except OSError:
+            continue
+    return f"a file is not UTF-8 text ({error.reason})"
 
 
 def text_of(example: dict, cfg: DataConfig) -> str:

@@ -16,7 +16,7 @@ import torch
 
 from trainer.data.config import DataConfig
 from trainer.data.documents import delimiters_of, document_ids, split_window
-from trainer.data.sources import open_hf_stream, text_of
+from trainer.data.sources import examples, open_hf_stream, text_of
 from trainer.data.tokenizer import Tokenizer
 from trainer.errors import DataError
 
@@ -58,7 +58,7 @@ class StreamingLoader:
         self.ds.set_epoch(epoch)
         if hf_state is not None:
             self.ds.load_state_dict(copy.deepcopy(hf_state))
-        self.it = iter(self.ds)
+        self.it = examples(self.ds, self.cfg)
         self.buffer = np.frombuffer(base64.b64decode(buffer), dtype="<i8").astype(np.int64)
         self.epoch_tokens = len(self.buffer) if hf_state is None else 1
 

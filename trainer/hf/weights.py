@@ -93,10 +93,8 @@ class HFFolder:
         self._open: dict[str, object] = {}
 
     def _file(self, fname: str):
-        from safetensors import safe_open
-
         if fname not in self._open:
-            self._open[fname] = safe_open(os.path.join(self.folder, fname), framework="pt")
+            self._open[fname] = _guarded(os.path.join(self.folder, fname), _safe_open)
         return self._open[fname]
 
     def _keys(self, fname: str) -> list[str]:
@@ -107,4 +105,26 @@ class HFFolder:
         return None if fname is None else tuple(self._file(fname).get_slice(key).get_shape())
 
     def tensor(self, key: str) -> torch.Tensor:
-        return self._file(self.weight_map[key]).get_tensor(key)
+        fname = self.weight_map[key]
+        return _guarded(os.path.join(self.folder, fname),
+                        lambda _: self._file(fname).get_tensor(key))
+
+
+def _safe_open(path: str):
+    from safetensors import safe_open
+
+    return safe_open(path, framework="pt")
+
+
+def _guarded(path: str, read):
+    """read(path), with a damaged or truncated safetensors file as one line (the library
+    raises SafetensorError: 'MetadataIncompleteBuffer', 'incomplete metadata')."""
+    from safetensors import SafetensorError
+
+    try:
+        return read(path)
+    except FileNotFoundError:
+        raise ConfigError(f"{path} is missing (named by the folder's {INDEX})") from None
+    except (SafetensorError, OSError) as e:
+        raise ConfigError(f"{path} cannot be read as safetensors, truncated or damaged "
+                          f"({e}); copy or export it again") from None

@@ -4,6 +4,7 @@ The loop drives one `MetricsProcessor` per rank:
 
     mp = MetricsProcessor(cfg, model_args=..., seq_len=..., device=..., rank=..., ...)
     mp.log_startup()
+    mp.open()                       # rank 0: TensorBoard and W&B, once the run goes on
     try:
         for step in ...:
             mp.step_timer()
@@ -255,7 +256,8 @@ class MetricsProcessor:
         self.flops_per_token = flops_per_token(model_args, seq_len)
         self.peak = resolve_peak(cfg.metrics.peak_tflops, device)
         self.colors = Colors(use_color(cfg.metrics.disable_color))
-        self.sinks = [] if rank != 0 else open_sinks(cfg, {
+        self.sinks: list = []  # opened by open() once the run may write (after the resume)
+        self._derived = {
             "flops_per_token": self.flops_per_token,
             "peak_tflops": self.peak.tflops or 0.0,
             "num_params": num_params,
@@ -263,7 +265,7 @@ class MetricsProcessor:
             "parallel": parallel_desc,
             "device": str(device),
             "compute_dtype": self.precision.param,
-        })
+        }
         self._interval_start: float | None = None
         self._steps = self._tokens = 0
         self._data_s = 0.0
@@ -295,9 +297,17 @@ class MetricsProcessor:
         if self.peak.tflops and self.precision.param != "bfloat16":
             lines.append(f"note: MFU is against the bf16 peak; this run computes in "
                          f"{self.precision.param}")
-        lines += [sink.describe() for sink in self.sinks]
         for line in lines:
             _write_line(f"{c.cyan}{line}{c.reset}")
+
+    def open(self) -> None:
+        """Rank 0 opens TensorBoard and W&B, and says where they write. Called once the run
+        is known to go on: a refused resume leaves the dump folder as it was."""
+        if self.rank != 0:
+            return
+        self.sinks = open_sinks(self.cfg, self._derived)
+        for sink in self.sinks:
+            _write_line(f"{self.colors.cyan}{sink.describe()}{self.colors.reset}")
 
     def step_timer(self) -> None:
         """Call at the start of each step; the first call starts the first interval."""
