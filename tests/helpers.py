@@ -258,3 +258,43 @@ def wandb_series(launches: list[dict], tag: str) -> dict[int, float]:
     one of the same step (as `scalars` does for TensorBoard)."""
     return {row["step"]: row[tag] for launch in launches for row in launch["history"]
             if tag in row}
+
+
+def listening_addresses(pids: list[int]) -> list[str]:
+    """The local addresses ("127.0.0.1", "0.0.0.0", "::" ...) that these processes' TCP
+    sockets listen on, from /proc (no `ss` needed)."""
+    import ipaddress
+    import struct
+
+    inodes = set()
+    for pid in pids:
+        for fd in glob.glob(f"/proc/{pid}/fd/*"):
+            try:
+                target = os.readlink(fd)
+            except OSError:
+                continue
+            if target.startswith("socket:["):
+                inodes.add(target[8:-1])
+    out = []
+    for table, width in (("tcp", 4), ("tcp6", 16)):
+        with open(f"/proc/net/{table}") as fh:
+            for row in list(fh)[1:]:
+                cols = row.split()
+                if cols[3] != "0A" or cols[9] not in inodes:  # 0A: LISTEN
+                    continue
+                raw = bytes.fromhex(cols[1].split(":")[0])
+                words = struct.unpack(f"<{width // 4}I", raw)  # stored as host-order words
+                out.append(str(ipaddress.ip_address(struct.pack(f">{width // 4}I", *words))))
+    return out
+
+
+def process_tree(pid: int) -> list[int]:
+    """pid and its descendants."""
+    tree, todo = [], [pid]
+    while todo:
+        p = todo.pop()
+        tree.append(p)
+        for path in glob.glob(f"/proc/{p}/task/*/children"):
+            with open(path) as fh:
+                todo += [int(c) for c in fh.read().split()]
+    return tree

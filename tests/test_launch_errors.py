@@ -1,10 +1,14 @@
 """Bad input through ./run_train.sh: one line naming the culprit, non-zero exit, no hang."""
 
+import signal
+import socket
+import subprocess
+import sys
 import time
 
 import pytest
 
-from tests.helpers import run_train
+from tests.helpers import REPO, listening_addresses, process_tree, run_train, subprocess_env
 
 CASES = {
     "unknown key": ([], "--training.setps=3", "config error: unknown key 'training.setps' "
@@ -49,3 +53,35 @@ def test_data_error_inside_the_ranks_is_one_line(tmp_path):
     lines = [ln for ln in proc.stderr.splitlines() if ln.strip()]
     assert lines == [f"data error: token store not found: {tmp_path}/missing_store "
                      "(data.store_path)"], proc.stderr
+
+
+def test_sigterm_while_the_rendezvous_waits(tmp_path):
+    """A launch whose rendezvous never completes (the second node never comes) ends within
+    5 s of a SIGTERM, before any rank exists, with exit code 3; its store listens on loopback."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "trainer.launch", "--nnodes", "2", "--nproc_per_node", "1",
+         "--rdzv_backend", "c10d", "--rdzv_endpoint", f"localhost:{port}", "--rdzv_id", "t",
+         "-m", "trainer.train", "--training.device", "cpu", "--job.dump_folder",
+         str(tmp_path / "out")], cwd=REPO, env=subprocess_env(), stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 60
+        while not listening_addresses([proc.pid]) and time.monotonic() < deadline:
+            assert proc.poll() is None, proc.communicate()
+            time.sleep(0.2)
+        assert listening_addresses([proc.pid]) == ["127.0.0.1"]
+        time.sleep(1)  # well inside the rendezvous's wait
+        t0 = time.monotonic()
+        proc.send_signal(signal.SIGTERM)
+        out, err = proc.communicate(timeout=5)
+        assert time.monotonic() - t0 < 5
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 3
+    assert err.strip() == ("error: stopped on SIGTERM before any rank started (waiting in the "
+                           "rendezvous): nothing to save")
+    assert not process_tree(proc.pid)[1:]

@@ -1,23 +1,37 @@
 """`python -m trainer.config --check ...` (run_train.sh, the SLURM script) and `--help`.
 
 Besides the config itself, `--check` refuses a dump folder that a live run holds
-(trainer/checkpoint/lease.py), so a second launch stops before any process starts, and a
-LOG_RANK that names no rank of the launch."""
+(trainer/checkpoint/lease.py), so a second launch stops before any process starts, a
+LOG_RANK that names no rank of the launch, and CPU ranks whose memory plan exceeds the
+node's RAM."""
 
 import os
 import sys
 
 from trainer.checkpoint.lease import check_free
 from trainer.config.job import main
+from trainer.device import visible_gpus
 from trainer.distributed import log_ranks
+from trainer.plan.host import usable_ram_gib
+from trainer.plan.memory import check_cpu_ram
 
 
-def _lease_is_free(cfg, world_size: int) -> None:
+def _lease_is_free(cfg, world_size: int, ranks: int | None) -> None:
     check_free(cfg.job.dump_folder, cfg.job.lease_timeout_seconds)
 
 
-def _log_rank(cfg, world_size: int) -> None:
+def _log_rank(cfg, world_size: int, ranks: int | None) -> None:
     log_ranks(os.environ.get("LOG_RANK", ""), world_size)
 
 
-sys.exit(main(sys.argv[1:], checks=(_lease_is_free, _log_rank)))
+def _fits_host_ram(cfg, world_size: int, ranks: int | None) -> None:
+    """CPU ranks keep everything in host memory: refuse a plan beyond this node's RAM."""
+    if ranks is None:
+        return
+    on_cpu = cfg.training.device == "cpu" or (cfg.training.device == "auto"
+                                              and visible_gpus()[0] == 0)
+    if on_cpu:
+        check_cpu_ram(cfg, world_size, ranks, usable_ram_gib())
+
+
+sys.exit(main(sys.argv[1:], checks=(_lease_is_free, _log_rank, _fits_host_ram)))

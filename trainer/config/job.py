@@ -278,7 +278,7 @@ def check_launch(args: list[str], checks=()) -> int | None:
         world_size = _positive("--world-size", world_size)
     cfg.validate(world_size)
     for check in checks:  # e.g. the dump folder's lease (trainer/config/__main__.py)
-        check(cfg, world_size or 1)
+        check(cfg, world_size or 1, ranks)
     return ranks
 
 

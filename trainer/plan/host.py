@@ -24,6 +24,9 @@ FP32 = 4
 # Per rank, without any model state: interpreter, torch, CUDA context (host side), NCCL,
 # dataloader. An assumption, not a measurement: runs log memory/max_rss(GiB) to check it.
 HOST_PROCESS_GIB = 3.0
+# A CPU rank without model state: interpreter, torch, gloo, the data (about 0.5 GiB of RSS for
+# the debug model's default run). Low on purpose: the CPU check refuses only what cannot fit.
+CPU_PROCESS_GIB = 0.5
 
 
 def pinned(nbytes: int) -> int:
@@ -57,6 +60,21 @@ def offload_staging(group_shards: dict[str, int], p: int, r: int) -> int:
     biggest = max(group_shards.values())
     block = max(n for k, n in group_shards.items() if k.startswith("layers."))
     return (FP32 + p + r) * biggest + p * block
+
+
+def usable_ram_gib() -> float:
+    """This machine's RAM as its processes can use it: MemTotal, or the cgroup's limit
+    (a container, a SLURM job) where lower."""
+    total, _ = host_ram_gib()
+    for path in ("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory/memory.limit_in_bytes"):
+        try:
+            with open(path) as fh:
+                limit = fh.read().strip()
+        except OSError:
+            continue
+        if limit.isdigit():
+            total = min(total, int(limit) / GIB)
+    return total
 
 
 def host_ram_gib(override: float = 0.0) -> tuple[float, str]:

@@ -55,7 +55,7 @@ from trainer.plan.activations import (block_saved, block_saved_op_sac, block_spl
                                      blocks_activations, checkpointed_blocks,
                                      head_activations, head_saved, loss_region, op_sac_split,
                                      sp_tokens, split_bytes)
-from trainer.plan.host import host_memory, offload_staging
+from trainer.plan.host import CPU_PROCESS_GIB, host_memory, offload_staging
 from trainer.optim.optimizer import implementation
 
 GIB = 2**30
@@ -266,16 +266,40 @@ def device_need(total: int) -> int:
     return int(total + CONTEXT_GIB * GIB + FRAGMENTATION * total)
 
 
+def cpu_need(total: int, ranks_per_node: int) -> int:
+    """Host bytes a node of CPU ranks needs: each rank's plan peak, which lives in host
+    memory on a CPU, plus its process (CPU_PROCESS_GIB)."""
+    return ranks_per_node * int(total + CPU_PROCESS_GIB * GIB)
+
+
+def check_cpu_ram(cfg: JobConfig, world_size: int, ranks_per_node: int,
+                  ram_gib: float) -> None:
+    """Refuse, before launch, a CPU run whose memory plan cannot fit the node's RAM (it would
+    allocate until the OS kills it), naming the largest local batch that fits."""
+    need = cpu_need(memory_plan(cfg, world_size)["total"], ranks_per_node)
+    if need <= ram_gib * GIB:
+        return
+    best = largest_local_batch(cfg, world_size, ram_gib,
+                               need=lambda total: cpu_need(total, ranks_per_node))
+    fits = (f"at most training.local_batch_size = {best} could fit" if best else
+            "no training.local_batch_size fits; use a smaller model.flavor or seq_len")
+    raise ConfigError(
+        f"training.local_batch_size = {cfg.training.local_batch_size} cannot fit this machine's "
+        f"memory: the plan needs {need / GIB:.1f} GiB for {ranks_per_node} CPU ranks, the "
+        f"machine has {ram_gib:.1f} GiB; {fits} (python -m trainer.plan shows the plan)")
+
+
 def largest_local_batch(cfg: JobConfig, world_size: int, mem_gib: float,
-                        limit: int = 1024) -> int:
-    """The largest `training.local_batch_size` whose plan fits `mem_gib` (0 if none does).
-    With a fixed `global_batch_size`, only local batches that divide it are candidates."""
+                        limit: int = 1024, need=device_need) -> int:
+    """The largest `training.local_batch_size` whose plan fits `mem_gib` (0 if none does),
+    with `need(plan total)` the bytes it takes (default: a GPU's, device_need). With a fixed
+    `global_batch_size`, only local batches that divide it are candidates."""
 
     def fits(batch: int) -> bool | None:  # None: not a valid local batch for this config
         trial = dataclasses.replace(cfg, training=dataclasses.replace(
             cfg.training, local_batch_size=batch))
         try:
-            return device_need(memory_plan(trial, world_size)["total"]) <= mem_gib * GIB
+            return need(memory_plan(trial, world_size)["total"]) <= mem_gib * GIB
         except ConfigError:
             return None
 

@@ -1,0 +1,137 @@
+"""Inputs that used to end in a traceback, or in nothing at all, end in one line and exit 2:
+through ./run_train.sh and `trainer.data.prepare`, as a user meets them."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pytest
+
+from tests.helpers import REPO, TINY, run_train, subprocess_env
+from tests.test_data_fixtures import *  # noqa: F401,F403  (corpus, tokenizer and store fixtures)
+
+
+def one_line(proc: subprocess.CompletedProcess) -> str:
+    lines = [ln for ln in proc.stderr.splitlines() if ln.strip()]
+    assert proc.returncode == 2 and len(lines) == 1, (proc.returncode, proc.stderr[-3000:])
+    return lines[0]
+
+
+# Each is refused by run_train.sh's config check, before any process starts.
+BEFORE_LAUNCH = {
+    "CONFIG_FILE is a directory": (
+        {"CONFIG_FILE": "{tmp}"}, [],
+        "config error: job.config_file: '{tmp}' is a directory; name a .toml file"),
+    "TOML not UTF-8": (
+        {"CONFIG_FILE": "{tmp}/latin1.toml"}, [],
+        "config error: job.config_file '{tmp}/latin1.toml' is not UTF-8 text (byte 24)"),
+    "dump_folder is a file": (
+        {}, ["--job.dump_folder", "{tmp}/latin1.toml"],
+        "config error: job.dump_folder = '{tmp}/latin1.toml' is a file, not a folder"),
+    "LOG_RANK not a rank": (
+        {"LOG_RANK": "foo"}, [],
+        "config error: LOG_RANK = 'foo': give the ranks whose output to show, separated by "
+        "commas (e.g. 0 or 0,1), each below the world size 2"),
+    "LOG_RANK beyond the ranks": ({"LOG_RANK": "0,2"}, [], "config error: LOG_RANK = '0,2'"),
+    # ~100 TB of activations: beyond any machine's RAM.
+    "CPU batch beyond RAM": (
+        {}, ["--training.local_batch_size", "65536", "--training.seq_len", "8192"],
+        "config error: training.local_batch_size = 65536 cannot fit this machine's memory: the "
+        "plan needs"),
+}
+
+
+@pytest.mark.parametrize("case", list(BEFORE_LAUNCH))
+def test_refused_before_launch(tmp_path, case):
+    (tmp_path / "latin1.toml").write_bytes("[job]\ndescription = \"caf\xe9\"\n".encode("latin-1"))
+    env, overrides, expected = BEFORE_LAUNCH[case]
+    env = {k: v.format(tmp=tmp_path) for k, v in env.items()}
+    t0 = time.monotonic()
+    proc = run_train(tmp_path / "out", *[o.format(tmp=tmp_path) for o in overrides],
+                     env=env, check=False, timeout=60)
+    line = one_line(proc)
+    assert line.startswith(expected.format(tmp=tmp_path)), line
+    assert time.monotonic() - t0 < 30
+    assert not (tmp_path / "out").exists()  # nothing started, nothing written
+    if case == "CPU batch beyond RAM":
+        assert "at most training.local_batch_size = " in line or "no training.local_batch_size" \
+            in line
+
+
+def test_corpus_not_utf8_or_binary(tmp_path, tokenizer_path):
+    """A latin-1 text file, in training (streamed) and in prepare; a folder of binary files
+    given as text and as json to prepare; the folder itself as data_files."""
+    latin = tmp_path / "latin1.txt"
+    latin.write_bytes(("good line\n" * 50 + "caf\xe9 au lait\n").encode("latin-1"))
+    proc = run_train(tmp_path / "out", *TINY, "--data.dataset", "text", "--data.data_files",
+                     str(latin), "--data.tokenizer_path", tokenizer_path, check=False,
+                     timeout=120)
+    assert one_line(proc) == (
+        f"data error: dataset {latin}: {latin} is not UTF-8 text (byte {50 * 10 + 3}); convert "
+        "it to UTF-8 (e.g. iconv -f latin1 -t utf-8) or leave it out of data.data_files")
+
+    binary = tmp_path / "blobs"
+    binary.mkdir()
+    rng = np.random.default_rng(0)
+    for i in range(3):
+        (binary / f"part{i}.bin").write_bytes(rng.integers(0, 256, 50_000, np.uint8).tobytes())
+
+    def prepare(dataset: str, files: str) -> str:
+        proc = subprocess.run(
+            [sys.executable, "-m", "trainer.data.prepare", "--dataset", dataset, "--data_files",
+             files, "--tokenizer_path", tokenizer_path, "--store_path", str(tmp_path / dataset),
+             "--workers", "2"], cwd=REPO, env=subprocess_env(), capture_output=True, text=True,
+            timeout=120)
+        return one_line(proc)
+
+    assert prepare("text", str(latin)).startswith(f"data error: dataset {latin}: {latin} is "
+                                                  "not UTF-8 text")
+    line = prepare("text", f"{binary}/*")
+    assert line.startswith(f"data error: dataset {binary}/*: {binary}/part") and \
+        "is not UTF-8 text" in line, line
+    assert prepare("json", f"{binary}/*").startswith(
+        f"data error: dataset {binary}/* is not valid json: JSON parse error")
+    assert prepare("text", str(binary)) == (
+        f"data error: data.data_files {str(binary)!r} names folders only; give the files "
+        f"(e.g. {str(binary / '*.jsonl')!r})")
+
+
+def test_truncated_safetensors(tmp_path):
+    import torch
+    from safetensors.torch import save_file
+
+    folder = tmp_path / "hf"
+    folder.mkdir()
+    (folder / "config.json").write_text(json.dumps({"model_type": "llama"}))
+    save_file({"model.embed_tokens.weight": torch.zeros(256, 64)}, folder / "model.safetensors")
+    os.truncate(folder / "model.safetensors", (folder / "model.safetensors").stat().st_size // 2)
+    proc = run_train(tmp_path / "out", *TINY, "--checkpoint.initial_load_path", str(folder),
+                     "--checkpoint.initial_load_in_hf", check=False, timeout=120)
+    assert one_line(proc) == (
+        f"config error: {folder}/model.safetensors cannot be read as safetensors, truncated or "
+        "damaged (Error while deserializing header: incomplete metadata, file not fully "
+        "covered); copy or export it again")
+
+
+def test_token_ids_beyond_the_vocab_with_sizes_only(tmp_path, store_path):
+    """A shard overwritten with ids the tokenizer never makes (sizes intact): with
+    verify_store = 'sizes' the first batch that reads it stops the run in one line."""
+    store = tmp_path / "store"
+    shutil.copytree(store_path, store)
+    manifest = json.loads((store / "manifest.json").read_text())
+    assert manifest["dtype"] == "uint16"
+    for shard in manifest["shards"]:
+        path = store / shard["file"]
+        path.write_bytes(np.full(path.stat().st_size // 2, 60_000, np.uint16).tobytes())
+    proc = run_train(tmp_path / "out", *TINY, "--data.dataset", "stdlib", "--data.store_path",
+                     str(store), "--data.verify_store", "sizes", "--training.steps", "2",
+                     check=False, timeout=120)
+    line = one_line(proc)
+    assert line.startswith("data error: token id 60000 in samples ") and \
+        f"of {store} is beyond its vocabulary of 512: a damaged shard" in line, line
