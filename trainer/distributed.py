@@ -89,13 +89,17 @@ def reduce_z_loss(z_loss: torch.Tensor | None, dp_group) -> float | None:
     return total.item()
 
 
-def reduce_loss(rank_loss: torch.Tensor, dp_group) -> tuple[float, float]:
-    """(mean, max) of the per-rank losses over the dp ranks."""
-    both = torch.stack([rank_loss, -rank_loss]).detach().clone()
-    avg = both[0].clone()
+def reduce_loss(loss_share: torch.Tensor, rank_loss: torch.Tensor,
+                dp_group) -> tuple[float, float]:
+    """(the token-weighted global mean, the largest rank mean) over the dp ranks: each rank's
+    `loss_share` is its summed loss / the global token count (trainer/step.py), so their sum
+    weighs every token alike, however unevenly the ranks' tokens fall (ignored labels,
+    documents)."""
+    avg = loss_share.detach().float().reshape(()).clone()
+    top = rank_loss.detach().float().reshape(()).clone()
     dist.all_reduce(avg, group=dp_group)
-    dist.all_reduce(both, op=dist.ReduceOp.MAX, group=dp_group)
-    return avg.item() / dist.get_world_size(dp_group), both[0].item()
+    dist.all_reduce(top, op=dist.ReduceOp.MAX, group=dp_group)
+    return avg.item(), top.item()
 
 
 def set_collective_timeout(seconds: int) -> None:

@@ -65,8 +65,12 @@ class Loop:
         self.evaluate(last)
         self.profiler.step()
         heartbeat.phase("checkpoint")
-        saved = r.stepped and self.checkpointer.maybe_save(step, last=last)
-        stop_now, async_done, avg_loss = self.agree_at_step_end(r.rank_loss)
+        # A skipped step saves no checkpoint, but the last one does: the run ends with one.
+        saved = (r.stepped or last) and self.checkpointer.maybe_save(step, last=last)
+        if saved and not r.stepped:
+            log0(f"step {step}, the last, skipped its optimizer step: saved its checkpoint "
+                 f"anyway (the weights of the last step taken)")
+        stop_now, async_done, avg_loss = self.agree_at_step_end(r.loss_share)
         if log_step:  # every rank's time, gathered by that all-reduce
             self.metrics.log_scalars(step, self.watch.scalars)
         if r.stepped:
@@ -101,7 +105,7 @@ class Loop:
     def log(self, r: StepResult) -> None:
         heartbeat.phase("log")
         step, loader, seq_len = self.state.step, self.loader, self.cfg.training.seq_len
-        avg, mx = reduce_loss(r.rank_loss, self.dp_group)
+        avg, mx = reduce_loss(r.loss_share, r.rank_loss, self.dp_group)
         self.metrics.log(step, global_avg_loss=avg, global_max_loss=mx,
                          grad_norm=float(r.grad_norm), lr=r.lr,
                          tokens_seen=self.state.tokens_seen, local_loss=r.rank_loss.item(),
@@ -116,8 +120,8 @@ class Loop:
         if r.spike is not None:
             return act_on_spike(r.spike, self.guard, self.checkpointer, self.state, self.metrics)
         if not r.stepped:
-            skipped_step(self.guard, self.checkpointer, self.state.step, r.rank_loss,
-                         r.grad_norm, self.dp_group)
+            skipped_step(self.guard, self.checkpointer, self.state.step, r.loss_share,
+                         r.rank_loss, r.grad_norm, self.dp_group)
         return False
 
     def validate(self, last: bool) -> None:
@@ -134,22 +138,24 @@ class Loop:
             log_evals(self.state.step, e.run(self.train_step.model), e.seconds, self.metrics,
                       log0)
 
-    def agree_at_step_end(self, rank_loss: torch.Tensor) -> tuple[bool, bool, float]:
+    def agree_at_step_end(self, loss_share: torch.Tensor) -> tuple[bool, bool, float]:
         """One tiny all-reduce per step: (any rank got a stop signal, every rank's async save
         in flight has finished writing, so it can be committed now rather than at the next
-        save, the mean of the ranks' losses for the spike detector). It also gathers every
+        save, the token-weighted mean loss for the spike detector). It also gathers every
         rank's step time for the straggler watch (one slot per rank)."""
         heartbeat.phase("step_end")
         device = self.device
         flags = torch.cat([torch.stack([
             torch.tensor(1.0 if self.stop.received else 0.0, device=device),
             torch.tensor(0.0 if self.checkpointer.write_finished() else 1.0, device=device),
-            rank_loss.detach().float().reshape(())]), self.watch.slots(device)])
+            loss_share.detach().float().reshape(())]), self.watch.slots(device)])
         dist.all_reduce(flags)  # SUM: counts of ranks for the flags, each rank's own time slot
         stop_now, not_done, loss_sum, *times = flags.tolist()
         self.watch.update(self.state.step, times)
+        # every dp rank's share once per model-parallel rank (tp) that holds it
+        replicas = dist.get_world_size() // dist.get_world_size(self.dp_group)
         return (stop_now > 0, self.checkpointer.pending is not None and not_done == 0,
-                loss_sum / dist.get_world_size())
+                loss_sum / replicas)
 
     def stop_and_save(self, saved: bool) -> None:
         """Save at this step boundary (unless the periodic save just did) and raise Preempted."""

@@ -31,6 +31,9 @@ class StepResult(NamedTuple):
     stepped: bool  # False, on every rank alike, when the optimizer step was skipped
     z_loss: torch.Tensor | None
     spike: Spike | None = None  # what `spike_check` found before the optimizer step
+    # this rank's summed cross-entropy / the global token count: summed over the dp ranks, the
+    # token-weighted global mean (the logged loss), whatever each rank's token count
+    loss_share: torch.Tensor | None = None
 
 
 @dataclass
@@ -73,7 +76,7 @@ class TrainStep:
         cross_entropy = loss_sum if z_loss is None else loss_sum - z_loss
         rank_loss = cross_entropy * global_tokens / max(local_tokens, 1)
         stepped = bool(torch.isfinite(grad_norm))  # the same on every rank: a reduced value
-        spike = self.spike_check(rank_loss) if stepped and self.spike_check else None
+        spike = self.spike_check(cross_entropy) if stepped and self.spike_check else None
         stepped = stepped and spike is None
         if stepped:
             self.optimizer.step()
@@ -81,7 +84,7 @@ class TrainStep:
         self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
         self.metrics.count_tokens(local_tokens)
-        return StepResult(rank_loss, grad_norm, lr, stepped, z_loss, spike)
+        return StepResult(rank_loss, grad_norm, lr, stepped, z_loss, spike, cross_entropy)
 
     def fetch(self, accum: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """The step's microbatches; with TRAINER_DEBUG_DATA_HASHES, where each sample comes

@@ -193,7 +193,8 @@ def build_train_step(cfg: JobConfig, model, optimizer, scheduler, loader, metric
                          z_loss_weight=cfg.training.z_loss_weight,
                          compile_chunks=cfg.compile.enable and device.type == "cuda",
                          vocab_parallel_group=parallel_dims.loss_parallel_group)
-    check = None if cfg.training.on_spike == "log" else spike_check(guard, checkpointer, device)
+    check = None if cfg.training.on_spike == "log" else spike_check(
+        guard, checkpointer, device, parallel_dims.dp_mesh.size())
     return TrainStep(
         model, optimizer, scheduler, loader,
         forward_backward=build_forward_backward(model, loss_fn, cfg, device=device,

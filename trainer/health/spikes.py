@@ -28,11 +28,11 @@ def check_data_skips(training, loader) -> None:
                             "trainer.data.prepare), or use training.on_spike = 'skip'")
 
 
-def skipped_step(guard: LossGuard, checkpointer: Checkpointer, step: int, rank_loss, grad_norm,
-                 dp_group) -> None:
+def skipped_step(guard: LossGuard, checkpointer: Checkpointer, step: int, loss_share, rank_loss,
+                 grad_norm, dp_group) -> None:
     """Every rank alike (the decision came from the reduced grad norm): log the skip; when
     there were too many in a row, commit any save in flight and stop with TrainingError."""
-    avg, _ = reduce_loss(rank_loss, dp_group)
+    avg, _ = reduce_loss(loss_share, rank_loss, dp_group)
     try:
         guard.skipped_step(step, avg, float(grad_norm), last_checkpoint(checkpointer))
     except UserError:
@@ -47,9 +47,9 @@ def last_checkpoint(checkpointer: Checkpointer) -> str:
     return f"step-{max(steps)}" if steps else "none"
 
 
-def spike_check(guard: LossGuard, checkpointer: Checkpointer, device):
+def spike_check(guard: LossGuard, checkpointer: Checkpointer, device, dp_size: int):
     """training.on_spike != "log": the check the step (trainer/step.py) runs before the optimizer step, on the
-    mean of the ranks' losses (one extra one-element all-reduce), so every rank decides alike
+    token-weighted mean loss (one extra one-element all-reduce), so every rank decides alike
     (trainer/health/guard.py). A rollback is in question only on a spike: then an async save in
     flight, the newest checkpoint, is committed first (every rank is here together)."""
     state = guard.state
@@ -58,11 +58,11 @@ def spike_check(guard: LossGuard, checkpointer: Checkpointer, device):
         checkpointer.wait()
         return checkpointer.latest
 
-    def check(rank_loss: torch.Tensor) -> Spike | None:
-        total = rank_loss.detach().float().reshape(()).clone()
+    def check(loss_share: torch.Tensor) -> Spike | None:
+        total = loss_share.detach().float().reshape(()).clone()
         dist.all_reduce(total)  # the same value as agree_at_step_end's, one step earlier
-        return guard.before_update(state.step, total.item() / dist.get_world_size(),
-                                   newest_checkpoint)
+        replicas = dist.get_world_size() // dp_size  # tp ranks hold the same share
+        return guard.before_update(state.step, total.item() / replicas, newest_checkpoint)
 
     return check
 
