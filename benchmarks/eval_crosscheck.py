@@ -75,6 +75,7 @@ def write_task(args, out: Path) -> Path:
 def ours(args, cfg, task_path: Path) -> tuple[dict, np.ndarray]:
     """acc/acc_norm and per-request log-likelihoods with the trainer's scoring, fp32."""
     from trainer.generate import load_model, load_tokenizer
+    from trainer.models.loss import scoring_loss
 
     tok = load_tokenizer(cfg.data)
     model = load_model(Path(args.checkpoint), cfg, token_vocab=tok.vocab_size,
@@ -84,7 +85,8 @@ def ours(args, cfg, task_path: Path) -> tuple[dict, np.ndarray]:
     lls = np.zeros(len(reqs))
     with torch.no_grad():
         for block in _blocks(reqs, 16):
-            lls[block] = score_batch(model, [reqs[i] for i in block], torch.device("cpu")).numpy()
+            lls[block] = score_batch(model, [reqs[i] for i in block], torch.device("cpu"),
+                                     scoring_loss(cfg.training.loss_chunk_size)).numpy()
     return choice_metrics(lls, task.examples), lls
 
 

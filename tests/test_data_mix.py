@@ -267,7 +267,7 @@ def test_a_source_too_small_for_its_validation_split(blend_cfg):
     with pytest.raises(DataError, match=r"^data.mix source 'email': the validation split holds "
                                         r"\d+ windows of 65 tokens, fewer than the 800 samples"):
         Validator(cfg, train_loader=train, dp_rank=0, dp_size=1, dp_group=None,
-                  device=torch.device("cpu"))
+                  device=torch.device("cpu"), loss_fn=None)
 
 
 # -- the commands ------------------------------------------------------------------------------

@@ -10,6 +10,9 @@ import math
 import numpy as np
 import pytest
 import torch
+import torch.nn.functional as F
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
 
 from trainer.config.job import load_config
 from trainer.errors import ConfigError, DataError
@@ -17,6 +20,7 @@ from trainer.evals.config import HFTask
 from trainer.evals.scoring import (Request, build_requests, choice_metrics, encode_pair,
                                    make_request, score_batch)
 from trainer.evals.tasks import Example, Task, load_hf_task, read_jsonl
+from trainer.models.loss import IGNORE_INDEX, scoring_loss
 
 
 def char_encode(texts):
@@ -65,8 +69,12 @@ class Bigram(torch.nn.Module):
         super().__init__()
         self.table = torch.randn(vocab, vocab, generator=torch.Generator().manual_seed(seed))
 
-    def forward(self, tokens):
-        return self.table[tokens]
+    def forward(self, tokens, labels=None, loss_fn=None):
+        # hidden = one-hot tokens, head weight = table^T: the head's logits are table[tokens]
+        hidden = F.one_hot(tokens, self.table.shape[0]).float()
+        weight = self.table.t()
+        return F.linear(hidden, weight) if labels is None else loss_fn(hidden, weight, labels)
+
 
     def ll(self, tokens, n_cont):
         logp = torch.log_softmax(self.table.double(), -1)
@@ -74,14 +82,17 @@ class Bigram(torch.nn.Module):
                                                                          len(tokens)))
 
 
+CHUNKED = scoring_loss(chunk_size=3)  # smaller than a row: rows span chunks
+
+
 def test_score_batch_sums_the_continuation_log_probs_whatever_the_padding():
     model = Bigram()
     reqs = [Request((1, 2, 3, 4), 2), Request((5, 6), 1), Request((7, 8, 9, 10, 11, 12, 13), 3)]
-    got = score_batch(model, reqs, torch.device("cpu"))
+    got = score_batch(model, reqs, torch.device("cpu"), CHUNKED)
     want = [model.ll(r.tokens, r.n_cont) for r in reqs]
     assert got.dtype == torch.float64
     assert got.tolist() == pytest.approx(want, abs=1e-5)
-    alone = [score_batch(model, [r], torch.device("cpu")).item() for r in reqs]
+    alone = [score_batch(model, [r], torch.device("cpu"), CHUNKED).item() for r in reqs]
     assert alone == pytest.approx(got.tolist(), abs=1e-6)  # right padding changes nothing
 
 
@@ -110,7 +121,7 @@ def test_scoring_a_task_end_to_end_picks_the_model_s_favourite():
     task = Task("t", [Example("a", ("c", "b", "d"), 1)])
     reqs = build_requests(task, Tok(), seq_len=16, add_bos=True)
     assert reqs[1] == Request((1, 3, 4), 1)
-    lls = score_batch(model, reqs, torch.device("cpu")).numpy()
+    lls = score_batch(model, reqs, torch.device("cpu"), CHUNKED).numpy()
     assert np.argmax(lls) == 1
     assert lls[1] == pytest.approx(10 - math.log(math.exp(10) + 7), abs=1e-5)
     assert choice_metrics(lls, task.examples) == {"acc": 1.0, "acc_norm": 1.0}
@@ -222,6 +233,60 @@ def test_a_block_causal_model_scores_like_the_causal_one():
     reqs = [Request((1, 2, 3, 4), 2), Request((5, 6), 1), Request((7, 8, 9, 10, 11), 3)]
     with pytest.raises(ValueError, match="needs doc_ids"):
         models["block_causal"](torch.tensor([[1, 2, 3]]))
-    want = score_batch(models["causal"], reqs, torch.device("cpu"))
-    got = score_batch(models["block_causal"], reqs, torch.device("cpu"))
+    want = score_batch(models["causal"], reqs, torch.device("cpu"), CHUNKED)
+    got = score_batch(models["block_causal"], reqs, torch.device("cpu"), CHUNKED)
     assert got.tolist() == pytest.approx(want.tolist(), abs=1e-5)
+
+
+class VocabRows(TorchDispatchMode):
+    """The most rows any tensor made by an op had with the vocabulary as its last dimension
+    (views of a parameter, such as the head's transposed weight, left out)."""
+
+    def __init__(self, vocab: int, params):
+        super().__init__()
+        self.vocab, self.rows = vocab, 0
+        self.params = {p.untyped_storage().data_ptr() for p in params}
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for t in tree_leaves(out):
+            if isinstance(t, torch.Tensor) and t.dim() and t.shape[-1] == self.vocab and \
+                    t.untyped_storage().data_ptr() not in self.params:
+                self.rows = max(self.rows, t.numel() // self.vocab)
+        return out
+
+
+def test_validation_and_evals_never_hold_a_batch_of_full_vocabulary_logits():
+    """Validation's summed loss and the evals' log-likelihoods go through the chunked head:
+    no tensor with the vocabulary as a dimension has more rows than one chunk (the batch's
+    logits would have 4 x 48), and the values are those of the full logits."""
+    from trainer.models.args import model_args
+    from trainer.models.llama import build_model
+
+    vocab, chunk = 1000, 16
+    model = build_model(model_args("debugmodel-tiny", vocab_size=vocab, max_seq_len=64))
+    model = model.to_empty(device="cpu")
+    model.init_weights(seed=0)
+    gen = torch.Generator().manual_seed(0)
+    inputs = torch.randint(0, vocab, (4, 48), generator=gen)
+    labels = torch.randint(0, vocab, (4, 48), generator=gen)
+    labels[:, :5] = IGNORE_INDEX
+    loss_fn = scoring_loss(chunk)
+    with torch.no_grad():
+        want = F.cross_entropy(model(inputs).flatten(0, 1), labels.flatten(),
+                               ignore_index=IGNORE_INDEX, reduction="sum")
+        with VocabRows(vocab, model.parameters()) as seen:
+            got = model(inputs, labels, loss_fn)  # what validation calls
+    assert seen.rows == chunk
+    assert got.item() == pytest.approx(want.item(), rel=1e-5)
+
+    reqs = [Request(tuple(range(1 + i, 40 + i)), 7) for i in range(4)]
+    with torch.no_grad():
+        full = F.log_softmax(model(torch.tensor([r.tokens[:-1] for r in reqs])), dim=-1)
+    want = [sum(full[i, t - 1, r.tokens[t]].item() for t in range(len(r.tokens) - 7,
+                                                                  len(r.tokens)))
+            for i, r in enumerate(reqs)]
+    with VocabRows(vocab, model.parameters()) as seen:
+        got = score_batch(model, reqs, torch.device("cpu"), loss_fn)
+    assert 0 < seen.rows <= chunk
+    assert got.tolist() == pytest.approx(want, rel=1e-5)

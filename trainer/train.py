@@ -49,7 +49,7 @@ from trainer.hf.load import load_initial, save_last_hf
 from trainer.loop import Loop
 from trainer.models.attention import attention_args
 from trainer.models.llama import build_model, model_args
-from trainer.models.loss import build_loss
+from trainer.models.loss import build_loss, scoring_loss
 from trainer.observe.metrics import MetricsProcessor
 from trainer.observe.profiling import StepProfiler
 from trainer.optim.batch_schedule import describe_ramp
@@ -175,8 +175,10 @@ def build_data(cfg: JobConfig, parallel_dims: ParallelDims, accum: int):
 def build_checks(cfg: JobConfig, parallel_dims: ParallelDims, loader, device):
     """Validation and downstream evals (each None when off), sharded over the flat dp mesh."""
     dp_mesh = parallel_dims.dp_mesh
+    # Both score through the chunked head, loss-parallel under TP: no [tokens, vocab] logits.
+    loss_fn = scoring_loss(cfg.training.loss_chunk_size, parallel_dims.loss_parallel_group)
     shard = dict(dp_rank=dp_mesh.get_local_rank(), dp_size=dp_mesh.size(),
-                 dp_group=dp_mesh.get_group(), device=device)
+                 dp_group=dp_mesh.get_group(), device=device, loss_fn=loss_fn)
     validator = agree_on_user_errors(Validator, cfg, train_loader=loader, log=log0, **shard) \
         if cfg.validation.enable else None
     evaluator = agree_on_user_errors(Evaluator, cfg, tokenizer_path=loader.tokenizer_path,

@@ -21,7 +21,7 @@ from torch.utils._pytree import tree_leaves
 
 from trainer.config.job import load_config
 from trainer.evals.scoring import Request, score_batch
-from trainer.models.loss import IGNORE_INDEX, build_loss
+from trainer.models.loss import IGNORE_INDEX, build_loss, scoring_loss
 from trainer.models.llama import Transformer, build_model, model_args
 from trainer.parallel.parallelize import parallelize
 
@@ -78,7 +78,8 @@ def run(flavor: str, kind: str, z: float, loss_parallel: bool, compile: bool = F
         logits, ref_logits = model(inputs), ref(inputs)
     assert logits.shape == (2, SEQ, VOCAB) and torch.allclose(logits, ref_logits, atol=1e-5)
     requests = [Request(tuple(range(3, 3 + n)), 2) for n in (8, 11)]  # widths 7 and 10
-    got, want = score_batch(model, requests, "cpu"), score_batch(ref, requests, "cpu")
+    got = score_batch(model, requests, "cpu", scoring_loss(24, pd.loss_parallel_group))
+    want = score_batch(ref, requests, "cpu", scoring_loss(24))
     assert torch.allclose(got, want, atol=1e-4), (got, want)  # evals: padded to even shards
     full_vocab = sorted(s for s in tracker.shapes if VOCAB in s)
     case = f"{flavor} {kind} z={z} loss_parallel={loss_parallel} compile={compile}"

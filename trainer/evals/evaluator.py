@@ -24,21 +24,22 @@ import torch
 import torch.distributed as dist
 
 from trainer.errors import ConfigError
-from trainer.evals.scoring import (build_requests, choice_metrics, forward_one_document,
-                                    score_batch)
+from trainer.evals.scoring import build_requests, choice_metrics, padding_pass, score_batch
 from trainer.evals.tasks import load_tasks
 
 
 class Evaluator:
     def __init__(self, cfg, *, tokenizer_path: str, dp_rank: int, dp_size: int, dp_group,
-                 device: torch.device):
+                 device: torch.device, loss_fn):
+        """`loss_fn`: the chunked head's loss (trainer.models.loss.scoring_loss)."""
         from trainer.data.tokenizer import load_tokenizer
 
         e = cfg.eval
         if not tokenizer_path:
             raise ConfigError(f"eval.enable needs a tokenizer to encode the tasks, and "
                               f"data.dataset = {cfg.data.dataset!r} has none")
-        self.freq, self.batch, self.device = e.freq, e.local_batch_size, device
+        self.freq, self.batch, self.device, self.loss_fn = e.freq, e.local_batch_size, device, \
+            loss_fn
         self.dp_rank, self.dp_size, self.dp_group = dp_rank, dp_size, dp_group
         self.tasks = load_tasks(e)
         tokenizer = load_tokenizer(tokenizer_path)
@@ -85,11 +86,11 @@ class Evaluator:
         for p in range(-(-len(blocks) // self.dp_size)):
             k = p * self.dp_size + self.dp_rank
             if k >= len(blocks):  # padding: the same forward count on every rank
-                forward_one_document(model, torch.full((1, 1), self.pad_id, dtype=torch.long,
-                                                       device=self.device))
+                padding_pass(model, self.device, self.loss_fn, self.pad_id)
                 continue
             idx = blocks[k]
-            scores = score_batch(model, [reqs[i] for i in idx], self.device, self.pad_id)
+            scores = score_batch(model, [reqs[i] for i in idx], self.device, self.loss_fn,
+                                 self.pad_id)
             lls[torch.from_numpy(idx + base).to(self.device)] = scores
 
 

@@ -19,7 +19,8 @@ from dataclasses import dataclass
 
 import numpy as np
 import torch
-import torch.nn.functional as F
+
+from trainer.models.loss import IGNORE_INDEX, RowLoss
 
 
 @dataclass(frozen=True)
@@ -73,18 +74,24 @@ def build_requests(task, tokenizer, seq_len: int, add_bos: bool) -> list[Request
     return out
 
 
-def forward_one_document(model, inputs: torch.Tensor) -> torch.Tensor:
-    """Logits of rows that are each one document (a request, or a padding pass): a model
-    with block_causal attention or document positions is told so (document 0 everywhere)."""
+def forward_one_document(model, inputs: torch.Tensor, labels: torch.Tensor,
+                         loss_fn) -> torch.Tensor:
+    """The summed loss of each row (`RowLoss`), rows that are each one document (a request,
+    or a padding pass): a model with block_causal attention or document positions is told
+    so (document 0 everywhere)."""
+    row_loss = RowLoss(loss_fn)
     if getattr(model, "uses_documents", False):
-        return model(inputs, doc_ids=torch.zeros_like(inputs))
-    return model(inputs)
+        return model(inputs, labels, row_loss, doc_ids=torch.zeros_like(inputs))
+    return model(inputs, labels, row_loss)
 
 
 @torch.no_grad()
-def score_batch(model, requests: list[Request], device, pad_id: int = 0) -> torch.Tensor:
-    """Summed continuation log-likelihood of each request, float64 [len(requests)]. The batch
-    is right-padded to its longest input (causal attention: padding changes no real logit),
+def score_batch(model, requests: list[Request], device, loss_fn,
+                pad_id: int = 0) -> torch.Tensor:
+    """Summed continuation log-likelihood of each request, float64 [len(requests)]: minus the
+    cross-entropy of its continuation's tokens, through the chunked head (`loss_fn`,
+    trainer.models.loss.scoring_loss: one chunk of logits at a time). The batch is
+    right-padded to its longest input (causal attention: padding changes no real logit),
     rounded up to the model's `sequence_multiple` (sequence parallelism shards the sequence
     evenly over the tp ranks)."""
     multiple = getattr(model, "sequence_multiple", 1)
@@ -97,15 +104,17 @@ def score_batch(model, requests: list[Request], device, pad_id: int = 0) -> torc
         inputs[i, :n] = torch.tensor(r.tokens[:-1])
         targets[i, :n] = torch.tensor(r.tokens[1:])
         mask[i, n - r.n_cont:n] = True
-    logits = forward_one_document(model, inputs.to(device))
-    mask = mask.to(device)
-    # Only the continuation's positions: [their count, vocab], not [batch, width, vocab].
-    logprobs = F.log_softmax(logits[mask].float(), dim=-1)
-    del logits
-    picked = logprobs.gather(-1, targets.to(device)[mask][:, None])[:, 0].double()
-    rows = torch.arange(len(requests), device=device)[:, None].expand_as(mask)[mask]
-    return torch.zeros(len(requests), dtype=torch.float64, device=device).index_add_(
-        0, rows, picked)
+    labels = torch.where(mask, targets, IGNORE_INDEX)  # only the continuation is scored
+    cross_entropy = forward_one_document(model, inputs.to(device), labels.to(device), loss_fn)
+    return -cross_entropy.double()
+
+
+def padding_pass(model, device, loss_fn, pad_id: int = 0) -> None:
+    """A forward that scores nothing: ranks with fewer batches run it so that every rank
+    makes the same collectives (FSDP's all-gathers)."""
+    inputs = torch.full((1, 1), pad_id, dtype=torch.long, device=device)
+    with torch.no_grad():
+        forward_one_document(model, inputs, torch.full_like(inputs, IGNORE_INDEX), loss_fn)
 
 
 def choice_metrics(lls: np.ndarray, examples) -> dict[str, float]:

@@ -34,7 +34,6 @@ import time
 import numpy as np
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 
 from trainer.errors import DataError
 
@@ -43,8 +42,10 @@ IGNORE_INDEX = -100
 
 class Validator:
     def __init__(self, cfg, *, train_loader, dp_rank: int, dp_size: int, dp_group,
-                 device: torch.device, log=print):
+                 device: torch.device, loss_fn, log=print):
+        """`loss_fn`: the chunked head's loss (trainer.models.loss.scoring_loss)."""
         v = cfg.validation
+        self.loss_fn = loss_fn
         self.freq, self.dp_group, self.device, self.log = v.freq, dp_group, device, log
         self.batch, self.dp_rank, self.dp_size = v.local_batch_size, dp_rank, dp_size
         gbs = v.global_batch_size if v.global_batch_size != -1 else self.batch
@@ -108,11 +109,10 @@ class Validator:
                     # as in training: the document ids drive block_causal masks and positions
                     doc_ids = self.sets[name].document_ids(inputs) \
                         if model.uses_documents else None
-                    logits = model(inputs, doc_ids=doc_ids)
-                    token_loss = F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(),
-                                                 ignore_index=IGNORE_INDEX, reduction="none")
-                    del logits
-                    sums[i, 0] += token_loss.double().sum()
+                    # the summed loss through the chunked head: no [tokens, vocab] logits
+                    with torch.no_grad():
+                        loss_sum = model(inputs, labels, self.loss_fn, doc_ids=doc_ids)
+                    sums[i, 0] += loss_sum.double()
                     sums[i, 1] += (labels != IGNORE_INDEX).sum()
         finally:
             model.train(was_training)

@@ -171,6 +171,27 @@ class Loss:
         return z
 
 
+class RowLoss:
+    """A Loss per row: called as (hidden [B, S, dim], weight, labels [B, S]), it returns the
+    summed token loss of each row, fp32 [B], one row (and one chunk of its tokens) at a time,
+    so that scoring (evals) never holds more than one chunk's logits either. Loss parallel
+    goes through as it does for the wrapped loss."""
+
+    def __init__(self, loss: Loss):
+        self.loss, self.vocab_parallel = loss, loss.vocab_parallel
+
+    def __call__(self, hidden: torch.Tensor, weight: torch.Tensor,
+                 labels: torch.Tensor) -> torch.Tensor:
+        return torch.stack([self.loss(hidden[i:i + 1], weight, labels[i:i + 1])
+                            for i in range(hidden.shape[0])])
+
+
+def scoring_loss(chunk_size: int, vocab_parallel_group=None) -> Loss:
+    """The loss validation and evals score with: training's chunked head (no z-loss), so
+    that neither ever makes the [tokens, vocab] logits of a whole batch."""
+    return build_loss("chunked", chunk_size, vocab_parallel_group=vocab_parallel_group)
+
+
 def build_loss(kind: str, chunk_size: int, *, z_loss_weight: float = 0.0,
                compile_chunks: bool = False, vocab_parallel_group=None) -> Loss:
     """The loss `[training] loss` names, with `training.z_loss_weight`. `compile_chunks`
