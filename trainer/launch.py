@@ -246,8 +246,12 @@ def _store(make, host: str, port: int, is_master: bool, **kwargs):
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     listener = socket.socket(family, socket.SOCK_STREAM)
     listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    listener.bind(("::1" if family == socket.AF_INET6 else "127.0.0.1", port))
-    listener.listen(1024)
+    try:
+        listener.bind(("::1" if family == socket.AF_INET6 else "127.0.0.1", port))
+        listener.listen(1024)
+    except OSError as e:  # another node on this host serves it: torchrun then connects to it
+        listener.close()
+        raise RuntimeError(f"the server socket has failed to bind: {e}") from None
     try:
         store = make(host, listener.getsockname()[1], is_master=True,
                      master_listen_fd=listener.fileno(), use_libuv=True, **kwargs)
