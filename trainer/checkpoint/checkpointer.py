@@ -287,18 +287,18 @@ class Checkpointer:
                 dcp.save(states, checkpoint_id=partial, storage_writer=writer)
             except (CheckpointException, OSError) as e:
                 error = integrity.describe_save_error(e, partial)
-            self._commit(step, t0, error)
+            self._commit(step, t0, error, writer)
         else:
             future = dcp.async_save(states, checkpoint_id=partial, storage_writer=writer,
                                     process_group=self.async_group)
             self.log(f"checkpoint step-{step}: staged in {time.monotonic() - t0:.2f}s, "
                      "writing in the background")
-            self.pending = (step, future, t0)
+            self.pending = (step, future, t0, writer)
 
     def wait(self) -> None:
         """Finish and commit an async save in flight (call before exiting)."""
         if self.pending is not None:
-            step, future, t0 = self.pending
+            step, future, t0, writer = self.pending
             self.pending = None
             waited, error = time.monotonic(), None
             try:
@@ -308,16 +308,16 @@ class Checkpointer:
             if time.monotonic() - waited > 0.01:
                 self.log(f"checkpoint step-{step}: training waited "
                          f"{time.monotonic() - waited:.2f}s for the background write")
-            self._commit(step, t0, error)
+            self._commit(step, t0, error, writer)
 
-    def _commit(self, step: int, t0: float, error: str | None) -> None:
+    def _commit(self, step: int, t0: float, error: str | None, writer) -> None:
         """Agree that every rank's write succeeded, record the manifest, rename; or give up."""
         partial, rank, world = self._path(step) + ".partial", dist.get_rank(), dist.get_world_size()
         faults.armed().before_commit(step)  # a testing hook: nothing unless asked
         files = {}
         if error is None:
             try:
-                files = integrity.hash_share(partial, rank, world)
+                files = integrity.written_files(writer)  # hashed as written: no re-read
             except OSError as e:
                 error = str(e)
         seen = [None] * world
@@ -325,8 +325,9 @@ class Checkpointer:
         outcome = [next((err for err, _ in seen if err), None)]
         if outcome[0] is None and rank == 0:
             try:
+                files = {k: v for _, f in seen for k, v in f.items()}
                 integrity.write_manifest(partial, step, self.fingerprint,
-                                         {k: v for _, f in seen for k, v in f.items()})
+                                         {**integrity.unrecorded(partial, files), **files})
                 self._move_aside_abandoned(step)
                 self._install(partial, step)
                 self._prune(keep=step)

@@ -1,8 +1,9 @@
 """Checkpoint integrity: a manifest of what a committed checkpoint holds, checked before loading.
 
-Before `step-N.partial` is renamed to `step-N`, every rank hashes its share of the folder's files
-(file i goes to rank i % world) and rank 0 writes `manifest.json`: the step, a fingerprint of the
-model's parameter shapes, and each file's size and blake2b checksum. At load the ranks again
+Before `step-N.partial` is renamed to `step-N`, rank 0 writes `manifest.json`: the step, a
+fingerprint of the model's parameter shapes, and each file's size and blake2b checksum. Each rank
+hashes the files it writes as it writes them (HashingFileSystem: no read of the checkpoint, and
+in an async save on the writer's thread), and the commit gathers the records. At load the ranks again
 split the files: sizes are always compared, checksums as `checkpoint.verify` says ('auto' =
 checksums when the checkpoint is at most AUTO_CHECKSUM_BYTES, like the token store's rule).
 
@@ -17,12 +18,14 @@ callers can agree across ranks with one collective (see Checkpointer).
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import hashlib
 import json
 import os
 
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.filesystem import FileSystem
 
 from trainer.checkpoint import safe_load
 from trainer.data.store import file_blake2b
@@ -71,12 +74,12 @@ def _my_share(names: list[str], rank: int, world: int) -> list[str]:
 
 
 # ------------------------------------------------------------------------------------- save
-def hash_share(folder: str, rank: int, world: int) -> dict[str, dict]:
-    """{file: {bytes, blake2b}} of this rank's share of the folder's files (raises OSError)."""
-    names = [n for n in os.listdir(folder) if n != MANIFEST]
+def unrecorded(folder: str, recorded: dict[str, dict]) -> dict[str, dict]:
+    """{file: {bytes, blake2b}} of the folder's files that no rank's writer recorded (none,
+    with DCP's writer as it is: a safety net, read by rank 0; raises OSError)."""
+    names = [n for n in os.listdir(folder) if n != MANIFEST and n not in recorded]
     return {name: {"bytes": os.path.getsize(os.path.join(folder, name)),
-                   "blake2b": file_blake2b(os.path.join(folder, name))}
-            for name in _my_share(names, rank, world)}
+                   "blake2b": file_blake2b(os.path.join(folder, name))} for name in names}
 
 
 def write_manifest(folder: str, step: int, fingerprint: str, files: dict[str, dict]) -> None:
@@ -92,12 +95,78 @@ def write_manifest(folder: str, step: int, fingerprint: str, files: dict[str, di
 
 
 def storage_writer(path: str, step: int, rank: int):
-    """DCP's file system writer, or (an injected fault, health/faults.py) one that fails like
-    a broken disk."""
+    """DCP's file system writer, hashing what it writes (HashingFileSystem); or (an injected
+    fault, health/faults.py) one that fails like a broken disk."""
     err = faults.armed().save_fails(step)
     if err is not None:
         return _FailingWriter(path, err)
-    return dcp.FileSystemWriter(path)
+    writer = dcp.FileSystemWriter(path)
+    writer.fs = HashingFileSystem()
+    return writer
+
+
+def written_files(writer) -> dict[str, dict]:
+    """{file: {bytes, blake2b}} of the files this rank's writer wrote, hashed as it wrote
+    them; a file it wrote but could not hash as a stream (a seek) is read back here."""
+    fs = getattr(writer, "fs", None)
+    records = dict(getattr(fs, "written", {}))
+    for name, record in records.items():
+        if record is None:
+            path = os.path.join(str(writer.path), name)
+            records[name] = {"bytes": os.path.getsize(path), "blake2b": file_blake2b(path)}
+    return records
+
+
+class HashingFileSystem(FileSystem):
+    """DCP's local file system, with each file's size and blake2b taken from the bytes as they
+    are written: the manifest needs no read of the checkpoint, and in an async save the
+    hashing runs on the writer's thread, off the training loop. Each rank records only the
+    files it wrote (rank 0 also `.metadata`, through its temporary name)."""
+
+    def __init__(self):
+        super().__init__()
+        self.written: dict[str, dict | None] = {}
+
+    @contextlib.contextmanager
+    def create_stream(self, path, mode: str):
+        with super().create_stream(path, mode) as stream:
+            if "w" not in mode:
+                yield stream
+                return
+            tee = _HashingStream(stream)
+            yield tee
+        self.written[os.path.basename(str(path))] = tee.record()
+
+    def rename(self, path, new_path) -> None:
+        super().rename(path, new_path)
+        record = self.written.pop(os.path.basename(str(path)), None)
+        if record is not None:
+            self.written[os.path.basename(str(new_path))] = record
+
+
+class _HashingStream:
+    """A write stream that hashes what goes through it; anything else goes to the file."""
+
+    def __init__(self, stream):
+        self._stream, self._hash, self._bytes, self._sought = stream, \
+            hashlib.blake2b(digest_size=16), 0, False
+
+    def write(self, data) -> int:
+        view = memoryview(data).cast("B")
+        self._hash.update(view)
+        self._bytes += len(view)
+        return self._stream.write(data)
+
+    def seek(self, *args):  # not sequential: this file is hashed from disk instead
+        self._sought = True
+        return self._stream.seek(*args)
+
+    def __getattr__(self, name):
+        return getattr(self._stream, name)
+
+    def record(self) -> dict | None:
+        return None if self._sought else {"bytes": self._bytes,
+                                          "blake2b": self._hash.hexdigest()}
 
 
 class _FailingWriter(dcp.FileSystemWriter):
