@@ -74,3 +74,24 @@ def test_memory_snapshot_on_cuda(tmp_path):
     folder = tmp_path / "memory_snapshot"
     assert sorted(os.listdir(folder)) == ["iteration_2", "iteration_4"]
     assert (folder / "iteration_4" / "rank0_memory_snapshot.pickle").stat().st_size > 0
+
+
+def test_a_run_that_dies_of_an_oom_dumps_the_snapshot(tmp_path, monkeypatch):
+    """The loop turns torch.OutOfMemoryError into its one-line OutOfMemory before the profiler
+    exits: that still counts as dying of an OOM (the allocator history is dumped). CUDA-only
+    in a run; here the snapshot machinery is stood in for."""
+    from trainer.health.oom import OutOfMemory
+
+    dumped = []
+    monkeypatch.setattr(torch.cuda.memory, "_record_memory_history", lambda *a, **k: None)
+    monkeypatch.setattr(StepProfiler, "_dump_snapshot", lambda self, name: dumped.append(name))
+    for error, expected in ((OutOfMemory("CUDA out of memory at step 3 on rank 0"), True),
+                            (torch.OutOfMemoryError("raw"), True), (ValueError("bug"), False)):
+        dumped.clear()
+        with pytest.raises(type(error)):
+            with StepProfiler(config(tmp_path, enable_memory_snapshot=True), rank=0,
+                              device=torch.device("cpu"), start_step=0) as prof:
+                prof.snapshot = True  # as on CUDA
+                prof.step(), prof.step()
+                raise error
+        assert dumped == (["iteration_3_exit"] if expected else []), (error, dumped)

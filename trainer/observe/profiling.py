@@ -27,6 +27,8 @@ import warnings
 import torch
 from torch.profiler import ProfilerActivity, ProfilerAction, profile
 
+from trainer.health.oom import OutOfMemory
+
 # Allocation events kept by the CUDA allocator history; each costs ~a few hundred bytes + stack.
 MEMORY_HISTORY_ENTRIES = 100_000
 
@@ -71,7 +73,10 @@ class StepProfiler:
             self._profiler.__exit__(exc_type, exc, tb)
             self._profiler = None
         if self.snapshot:
-            if exc_type is not None and issubclass(exc_type, torch.OutOfMemoryError):
+            # The loop turns torch.OutOfMemoryError into its one-line OutOfMemory (exit 5)
+            # before it gets here: either means the run died of an OOM.
+            if exc_type is not None and issubclass(exc_type, (torch.OutOfMemoryError,
+                                                              OutOfMemory)):
                 self._dump_snapshot(f"iteration_{self.step_num + 1}_exit")
             torch.cuda.memory._record_memory_history(enabled=None)
 
