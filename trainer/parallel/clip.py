@@ -34,10 +34,16 @@ def global_grad_norm(params) -> torch.Tensor:
     grads = [p.grad for p in params if p.grad is not None]
     device = grads[0].device if grads else torch.device("cpu")
     total = torch.zeros((), dtype=torch.float64, device=device)
+    # Grouped by how many ranks hold a piece and by device: one _foreach_norm per group
+    # (a few kernels, not several per parameter: ~3,000 of them at 70B).
+    groups: dict[tuple[int, torch.device], list[torch.Tensor]] = {}
     for grad in grads:
         local = grad.to_local() if isinstance(grad, DTensor) else grad
         if local.numel():
-            total += torch.linalg.vector_norm(local, dtype=torch.float64).square() / _copies(grad)
+            groups.setdefault((_copies(grad), local.device), []).append(local)
+    for (copies, where), tensors in groups.items():
+        norms = torch._foreach_norm(tensors, 2, dtype=torch.float64)
+        total += (torch.stack(norms).square().sum() / copies).to(device)
     if dist.is_initialized():
         dist.all_reduce(total)
     return total.sqrt().float()
