@@ -43,6 +43,24 @@ def test_a_hung_rank_is_named_in_one_line_and_the_job_ends(tmp_path):
     print(f"hang named and job ended {seconds:.1f}s after launch (timeout {TIMEOUT}s)")
 
 
+def test_a_hang_is_named_even_when_no_collective_times_out(tmp_path):
+    """The collective timeout far above the training timeout (as when nccl's watchdog would
+    abort the process before any Python exception): the heartbeat thread's own watch still
+    names the stopped rank in one line, exit 6, within the training timeout plus 30 s."""
+    t0 = time.monotonic()
+    proc = run_train(tmp_path, *args(), check=False, timeout=300,
+                     env={"TRAINER_TEST_FAULT": "hang:1:3",
+                          "TRAINER_TEST_COLLECTIVE_TIMEOUT": "600"})
+    seconds = time.monotonic() - t0
+    assert proc.returncode == HANG_EXIT_CODE, proc.stderr
+    err = proc.stderr.strip()
+    assert err.splitlines() == [err], proc.stderr
+    assert re.match(r"training error: rank 1 stopped responding at step 3 \(.+; no answer for "
+                    r"\d+ s\); its last heartbeat said step \d, ", err), err
+    assert seconds < TIMEOUT + 30 + 20, seconds  # + the launch itself
+    assert "hang" in (tmp_path / "failures.jsonl").read_text()
+
+
 def test_restarts_heal_a_hang_and_a_kill_bitwise(reference, tmp_path):
     """MAX_RESTARTS=2: rank 1 stops at step 3 (attempt 0), rank 0 is killed at step 6
     (attempt 1); the job restarts twice on its own and ends as the uninterrupted run."""

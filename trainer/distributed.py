@@ -16,7 +16,8 @@ from trainer.health import restarts
 from trainer.config.job import OFFLOAD_NEEDS_CUDA
 from trainer.device import resolve_device
 from trainer.errors import ConfigError, UserError
-from trainer.health.heartbeat import note_timeout
+from trainer.health import faults
+from trainer.health.heartbeat import note_timeout, watch
 
 # Debugging/testing hook: print a hash of every sample each rank trains on, per step.
 DEBUG_DATA_ENV = "TRAINER_DEBUG_DATA_HASHES"
@@ -103,7 +104,10 @@ def reduce_loss(loss_share: torch.Tensor, rank_loss: torch.Tensor,
 
 
 def set_collective_timeout(seconds: int) -> None:
-    """Apply the training timeout to every process group (the default one and the mesh's)."""
+    """Apply the training timeout to every process group (the default one and the mesh's),
+    and arm the heartbeat's own watch with it (trainer/health/heartbeat.py)."""
+    watch(seconds)
+    seconds = faults.armed().collective_timeout_s or seconds  # a testing hook
     timeout = datetime.timedelta(seconds=seconds)
     note_timeout(seconds)  # named in a hang's report
     for group in list(dist.distributed_c10d._world.pg_names):

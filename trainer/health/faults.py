@@ -22,6 +22,9 @@ way at one step; nothing happens unless one is set. The step calls one hook per 
   ERRNO (default rank 0), like a broken or full disk.
 - TRAINER_TEST_CRASH_BEFORE_COMMIT="STEP": rank 0 dies (exit 17) after writing the save of
   STEP and before committing it.
+- TRAINER_TEST_COLLECTIVE_TIMEOUT="SECONDS": the process groups' timeout during training,
+  instead of comm.train_timeout_seconds (which the heartbeat's own watch keeps): a collective
+  that never raises in time, as when nccl's watchdog would abort the process first.
 """
 
 from __future__ import annotations
@@ -39,6 +42,7 @@ OOM_ENV = "TRAINER_TEST_OOM"
 SLOW_ENV = "TRAINER_TEST_SLOW_RANK"
 SAVE_ERROR_ENV = "TRAINER_TEST_SAVE_ERROR"
 CRASH_ENV = "TRAINER_TEST_CRASH_BEFORE_COMMIT"
+COLLECTIVE_TIMEOUT_ENV = "TRAINER_TEST_COLLECTIVE_TIMEOUT"
 
 
 @dataclass
@@ -54,6 +58,7 @@ class Faults:
     delay_s: float = 0.0
     save_error: tuple[int, int] | None = None  # (step, errno)
     crash_before_commit: int | None = None
+    collective_timeout_s: float = 0.0  # 0: the training timeout
     _spike_now: float = 1.0  # the factor of the step in flight
 
     @classmethod
@@ -84,6 +89,7 @@ class Faults:
             f.save_error = (int(spec[0]), int(spec[1]))
         if env.get(CRASH_ENV) and rank == "0":
             f.crash_before_commit = int(env[CRASH_ENV])
+        f.collective_timeout_s = float(env.get(COLLECTIVE_TIMEOUT_ENV) or 0)
         return f
 
     # -- the step's phases --

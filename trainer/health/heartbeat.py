@@ -54,7 +54,11 @@ PHASES = {
     "validation": "validation",
     "eval": "evals",
 }
-_state = {"step": 0, "phase": "setup", "seq": 0, "timeout": 0.0, "beat_s": 1.0}
+_state = {"step": 0, "phase": "setup", "seq": 0, "timeout": 0.0, "beat_s": 1.0,
+          "moved": time.monotonic(), "watch_s": 0.0}
+# The phases the watch covers: a step's compute and collectives. Setup, saves, validation and
+# evals may legitimately run longer than the training timeout without a collective waiting.
+WATCHED = ("step_start", "forward", "backward", "clip", "step_end", "log")
 # A peer that died: the collective fails at once, with one of these messages.
 PEER_LOST = ("Connection closed by peer", "Connection reset by peer", "Broken pipe",
              "communicator was aborted")
@@ -65,8 +69,17 @@ def phase(name: str, step: int | None = None) -> None:
     """The loop enters `name` (a key of PHASES), at `step` if given. Costs a dict update."""
     _state["phase"] = name
     _state["seq"] += 1
+    _state["moved"] = time.monotonic()
     if step is not None:
         _state["step"] = step
+
+
+def watch(seconds: float) -> None:
+    """Arm the heartbeat thread's own watch (after step 1): when this rank's loop has not moved
+    for `seconds` plus STALE_BEATS beats in a step's phase, and a peer's heartbeat stopped or
+    its loop is behind, the thread reports the hang and exits with HANG_EXIT_CODE, without
+    waiting for a collective to raise (nccl's watchdog may abort the process first)."""
+    _state["watch_s"] = seconds
 
 
 def note_timeout(seconds: float) -> None:
@@ -104,11 +117,41 @@ class Heartbeat:
         self.store.set(_key(self.rank), json.dumps(entry))
 
     def _run(self) -> None:
+        seen = None  # (every rank's entry, when) at the last look while stuck
         while not self._stop.wait(self.seconds):
             try:
                 self._beat()
+                seen = self._watch(seen)
             except Exception:  # the store is gone (the launcher ended): nothing to tell
                 return
+
+    def _watch(self, seen):
+        """Look at the peers once this rank is stuck (every STALE_BEATS beats, so the store is
+        read only then); report a hang that a peer's heartbeat confirms."""
+        now, limit = time.monotonic(), _state["watch_s"]
+        stuck = limit > 0 and _state["phase"] in WATCHED and \
+            now - _state["moved"] > limit + STALE_BEATS * self.seconds
+        if not stuck:
+            return None
+        if seen is not None and now - seen[1] < STALE_BEATS * self.seconds:
+            return seen
+        entries = read_all(dist.get_world_size())
+        if seen is None:
+            return entries, now
+        stopped, behind = judge(seen[0], entries, self.rank)
+        if not stopped and not behind:  # every rank is slow alike (e.g. a recompile)
+            return entries, now
+        _state["timeout"] = round(now - _state["moved"])
+        if claim_report("hang"):
+            line = report_line(stopped, behind, entries)
+            record_failure("hang", stopped + behind, _state["step"], line)
+            print(line, file=sys.stderr, flush=True)
+        else:  # the reporting rank may still be reading: keep beating a little
+            for _ in range(int(STALE_BEATS) + 2):
+                self._beat()
+                time.sleep(self.seconds)
+        sys.stdout.flush()
+        os._exit(HANG_EXIT_CODE)
 
 
 def is_timeout(exc: BaseException) -> bool:
@@ -130,15 +173,21 @@ def read_all(world: int) -> dict[int, dict | None]:
 def missing_ranks(seconds: float) -> tuple[list[int], list[int], dict]:
     """(stopped: heartbeat not moving, behind: beating but their loop behind this rank's),
     and the last entries read."""
-    world, me = dist.get_world_size(), dist.get_rank()
+    world = dist.get_world_size()
     first = read_all(world)
     time.sleep(STALE_BEATS * seconds)
     last = read_all(world)
-    stopped = [r for r in range(world) if r != me and
+    return (*judge(first, last, dist.get_rank()), last)
+
+
+def judge(first: dict, last: dict, me: int) -> tuple[list[int], list[int]]:
+    """(ranks whose heartbeat did not move between two reads, ranks that beat but whose loop
+    is behind this rank's)."""
+    stopped = [r for r in last if r != me and
                (last[r] is None or first[r] is None or last[r]["beat"] == first[r]["beat"])]
-    behind = [r for r in range(world) if r != me and r not in stopped
+    behind = [r for r in last if r != me and r not in stopped
               and last[r]["seq"] < _state["seq"]]
-    return stopped, behind, last
+    return stopped, behind
 
 
 def report_line(stopped: list[int], behind: list[int], entries: dict) -> str:
