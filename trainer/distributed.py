@@ -103,6 +103,14 @@ def reduce_loss(loss_share: torch.Tensor, rank_loss: torch.Tensor,
     return avg.item(), top.item()
 
 
+def to_device(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A host tensor on `device` without the host waiting: on CUDA a pinned copy sent with
+    non_blocking (a pageable copy makes the host wait for the transfer); elsewhere `.to`."""
+    if device.type != "cuda":
+        return tensor.to(device)
+    return tensor.pin_memory().to(device, non_blocking=True)
+
+
 def set_collective_timeout(seconds: int) -> None:
     """Apply the training timeout to every process group (the default one and the mesh's),
     and arm the heartbeat's own watch with it (trainer/health/heartbeat.py)."""

@@ -12,7 +12,8 @@ import torch
 import torch.distributed as dist
 
 from trainer.checkpoint.checkpointer import Checkpointer
-from trainer.distributed import log0, reduce_loss, reduce_z_loss, set_collective_timeout
+from trainer.distributed import (log0, reduce_loss, reduce_z_loss, set_collective_timeout,
+                                 to_device)
 from trainer.evals.evaluator import log_evals
 from trainer.evals.validate import log_validation
 from trainer.health import heartbeat
@@ -54,8 +55,10 @@ class Loop:
         log0(f"training done at step {self.state.step}")
 
     def after_step(self, r: StepResult, last: bool) -> None:
-        """The duties after a step, in order."""
+        """The duties after a step, in order. The step-end agreement comes first: it is the
+        step's one host sync, and it says whether the optimizer stepped (on the device)."""
         step = self.state.step
+        stop_now, async_done, avg_loss, r = self.agree_at_step_end(r)
         log_step = step % self.cfg.metrics.log_freq == 0 or last or step == self.first_step
         if log_step:
             self.log(r)
@@ -70,8 +73,7 @@ class Loop:
         if saved and not r.stepped:
             log0(f"step {step}, the last, skipped its optimizer step: saved its checkpoint "
                  f"anyway (the weights of the last step taken)")
-        stop_now, async_done, avg_loss = self.agree_at_step_end(r.loss_share)
-        if log_step:  # every rank's time, gathered by that all-reduce
+        if log_step:  # every rank's time, gathered by the agreement
             self.metrics.log_scalars(step, self.watch.scalars)
         if r.stepped:
             self.guard.good_step(step, avg_loss)
@@ -95,8 +97,8 @@ class Loop:
         except torch.OutOfMemoryError:  # rank-local: one line, see trainer/health/oom.py
             raise out_of_memory(cfg, state.step, self.device) from None
         self.watch.stop_step()
-        if r.stepped:
-            after_optimizer_step(self.train_step.model, cfg.float8)
+        # float8's scales for the next all-gather (the same weights again after a skipped step)
+        after_optimizer_step(self.train_step.model, cfg.float8)
         state.tokens_seen += cfg.training.seq_len * self.loader.global_batch_size
         for event in self.loader.pop_events():  # e.g. a blend's source starting a new epoch
             log0(f"data: step {state.step}: {event}")
@@ -138,24 +140,30 @@ class Loop:
             log_evals(self.state.step, e.run(self.train_step.model), e.seconds, self.metrics,
                       log0)
 
-    def agree_at_step_end(self, loss_share: torch.Tensor) -> tuple[bool, bool, float]:
-        """One tiny all-reduce per step: (any rank got a stop signal, every rank's async save
-        in flight has finished writing, so it can be committed now rather than at the next
-        save, the token-weighted mean loss for the spike detector). It also gathers every
-        rank's step time for the straggler watch (one slot per rank)."""
+    def agree_at_step_end(self, r: StepResult) -> tuple[bool, bool, float, StepResult]:
+        """One tiny all-reduce per step, the step's one host sync: (any rank got a stop
+        signal, every rank's async save in flight has finished writing, so it can be committed
+        now rather than at the next save, the token-weighted mean loss for the spike detector,
+        the step with `stepped` read from the device). It also gathers every rank's step time
+        for the straggler watch (one slot per rank)."""
         heartbeat.phase("step_end")
-        device = self.device
-        flags = torch.cat([torch.stack([
-            torch.tensor(1.0 if self.stop.received else 0.0, device=device),
-            torch.tensor(0.0 if self.checkpointer.write_finished() else 1.0, device=device),
-            loss_share.detach().float().reshape(())]), self.watch.slots(device)])
+        stepped = r.stepped
+        host = torch.tensor([1.0 if self.stop.received else 0.0,
+                             0.0 if self.checkpointer.write_finished() else 1.0,
+                             0.0, 0.0, *self.watch.slots()])
+        flags = to_device(host, self.device)
+        flags[2] = r.loss_share.detach().float().reshape(())
+        if isinstance(stepped, torch.Tensor):  # the same on every rank (a reduced norm)
+            flags[3] = (~stepped).float().reshape(())
         dist.all_reduce(flags)  # SUM: counts of ranks for the flags, each rank's own time slot
-        stop_now, not_done, loss_sum, *times = flags.tolist()
+        stop_now, not_done, loss_sum, skipped, *times = flags.tolist()
         self.watch.update(self.state.step, times)
+        if isinstance(stepped, torch.Tensor):
+            r = r._replace(stepped=skipped == 0)
         # every dp rank's share once per model-parallel rank (tp) that holds it
         replicas = dist.get_world_size() // dist.get_world_size(self.dp_group)
         return (stop_now > 0, self.checkpointer.pending is not None and not_done == 0,
-                loss_sum / replicas)
+                loss_sum / replicas, r)
 
     def stop_and_save(self, saved: bool) -> None:
         """Save at this step boundary (unless the periodic save just did) and raise Preempted."""

@@ -16,11 +16,12 @@ from typing import Callable, NamedTuple
 import torch
 import torch.distributed as dist
 
-from trainer.distributed import DEBUG_DATA_ENV, print_sample_hashes
+from trainer.data import count_targets
+from trainer.distributed import DEBUG_DATA_ENV, print_sample_hashes, to_device
 from trainer.health import faults, heartbeat
 from trainer.health.guard import Spike, flag_nonfinite_loss
-from trainer.models.loss import IGNORE_INDEX
 from trainer.parallel.clip import clip_grad_norm_
+from trainer.optim.optimizer import skips_on_device, step_unless
 from trainer.parallel.microbatches import ForwardBackward
 
 
@@ -28,7 +29,9 @@ class StepResult(NamedTuple):
     rank_loss: torch.Tensor  # this rank's mean cross-entropy
     grad_norm: torch.Tensor
     lr: float
-    stepped: bool  # False, on every rank alike, when the optimizer step was skipped
+    # False, on every rank alike, when the optimizer step was skipped; a one-element tensor
+    # while only the device knows (TrainStep.optimizer_step): the loop resolves it
+    stepped: bool | torch.Tensor
     z_loss: torch.Tensor | None
     spike: Spike | None = None  # what `spike_check` found before the optimizer step
     # this rank's summed cross-entropy / the global token count: summed over the dp ranks, the
@@ -62,8 +65,8 @@ class TrainStep:
         heartbeat.phase("step_start", step)
         faults.armed().step_start(step, self.loader)  # a testing hook; nothing unless asked
         batches = self.fetch(accum)
-        local_tokens = sum(int((labels != IGNORE_INDEX).sum()) for _, labels in batches)
-        global_tokens = torch.tensor(float(local_tokens), device=self.device)
+        local_tokens = sum(count_targets(labels) for _, labels in batches)  # host tensors
+        global_tokens = to_device(torch.tensor(float(local_tokens)), self.device)
         dist.all_reduce(global_tokens, group=self.dp_group)
         loss_sum, z_loss = self.forward_backward(batches, global_tokens, step)
         if z_loss is not None:
@@ -75,16 +78,30 @@ class TrainStep:
         lr = self.optimizer.param_groups[0]["lr"]  # this step's (the scheduler steps after it)
         cross_entropy = loss_sum if z_loss is None else loss_sum - z_loss
         rank_loss = cross_entropy * global_tokens / max(local_tokens, 1)
-        stepped = bool(torch.isfinite(grad_norm))  # the same on every rank: a reduced value
-        spike = self.spike_check(cross_entropy) if stepped and self.spike_check else None
-        stepped = stepped and spike is None
-        if stepped:
-            self.optimizer.step()
+        heartbeat.phase("optimizer")
+        stepped, spike = self.optimizer_step(grad_norm, cross_entropy)
         faults.armed().step_end()  # a testing hook: a slow rank
         self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
         self.metrics.count_tokens(local_tokens)
         return StepResult(rank_loss, grad_norm, lr, stepped, z_loss, spike, cross_entropy)
+
+    def optimizer_step(self, grad_norm: torch.Tensor,
+                       cross_entropy: torch.Tensor) -> tuple[bool | torch.Tensor, Spike | None]:
+        """The optimizer step unless the grad norm (a reduced value: the same on every rank)
+        is not finite or the spike check finds a spike. With the fused optimizer and no spike
+        check (the defaults) the skip is decided on the device and `stepped` is a tensor the
+        loop reads at its step-end agreement, the step's one host sync; otherwise the host
+        reads the norm here (one more sync)."""
+        finite = torch.isfinite(grad_norm)
+        if self.spike_check is None and skips_on_device(self.optimizer):
+            step_unless(self.optimizer, ~finite)
+            return finite, None
+        stepped = bool(finite)
+        spike = self.spike_check(cross_entropy) if stepped and self.spike_check else None
+        if stepped and spike is None:
+            self.optimizer.step()
+        return stepped and spike is None, spike
 
     def fetch(self, accum: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """The step's microbatches; with TRAINER_DEBUG_DATA_HASHES, where each sample comes

@@ -78,6 +78,12 @@ def starts(tokens: torch.Tensor, d: Delimiters) -> torch.Tensor:
     return start
 
 
+def count_targets(labels: torch.Tensor) -> int:
+    """The labels a loss is computed on (not IGNORE_INDEX). The loader's labels are host
+    tensors, so counting them never waits for a device."""
+    return int((labels != IGNORE_INDEX).sum())
+
+
 def document_ids(tokens: torch.Tensor, d: Delimiters) -> torch.Tensor:
     """Int64 [B, S]: 0 for the window's first (possibly partial) document, then 1, 2, ..."""
     return starts(tokens, d).cumsum(dim=1) - 1

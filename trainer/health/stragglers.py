@@ -23,7 +23,6 @@ from __future__ import annotations
 import statistics
 import time
 
-import torch
 
 
 class StragglerWatch:
@@ -41,9 +40,9 @@ class StragglerWatch:
         for the slowest rank)."""
         self.elapsed = time.perf_counter() - self.t0
 
-    def slots(self, device) -> torch.Tensor:
+    def slots(self) -> list[float]:
         """This rank's step time in its slot of a world-size vector (zeros elsewhere)."""
-        out = torch.zeros(self.world, dtype=torch.float32, device=device)
+        out = [0.0] * self.world
         out[self.rank] = self.elapsed
         return out
 

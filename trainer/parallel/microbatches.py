@@ -15,6 +15,7 @@ from typing import Callable, NamedTuple, Protocol
 
 import torch
 
+from trainer.distributed import to_device
 from trainer.health import faults, heartbeat
 from trainer.models.loss import Loss
 from trainer.parallel.fsdp import set_gradient_sync
@@ -52,11 +53,11 @@ class MicrobatchLoop:
         loss_sum = torch.zeros((), device=self.device)
         for i, (inputs, labels) in enumerate(batches):
             set_gradient_sync(self.model, self.sync_mode, is_last=i == len(batches) - 1)
-            inputs = inputs.to(self.device)
+            inputs, labels = to_device(inputs, self.device), to_device(labels, self.device)
             heartbeat.phase("forward", step)
             # The model's head computes the summed token loss (trainer/models/loss.py): no
             # logits here. Document ids let the model mask and position per document.
-            loss = self.model(inputs, labels=labels.to(self.device), loss_fn=self.loss_fn,
+            loss = self.model(inputs, labels=labels, loss_fn=self.loss_fn,
                               doc_ids=self.document_ids(inputs) if self.document_ids else None)
             loss = loss / global_tokens
             if i == 0:

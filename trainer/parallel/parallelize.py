@@ -88,14 +88,18 @@ def apply_compile(model: Transformer) -> None:
 def parallelize(model: Transformer, parallel_dims, cfg, *, device: torch.device,
                 param_dtype: str) -> Transformer:
     """AC, compile and shard `model` (built on meta) per `cfg` (a JobConfig), then materialise
-    and initialise it. `param_dtype` is the resolved compute dtype (trainer.device).
+    and initialise it. `param_dtype` is the resolved compute dtype (trainer.device)."""
+    shard_model(model, parallel_dims, cfg, device=device, param_dtype=param_dtype)
+    materialize(model, cfg, device)
+    model.init_weights(cfg.job.seed)
+    return model
 
-    With `fsdp_offload = "cpu"` the sharded parameters live on the CPU (FSDP2 requires them
-    materialised there; it pins them at its lazy init) while the RoPE buffers, which no FSDP
-    group manages, are moved to the compute device by hand. The init draws its random values
-    on the mesh's device either way (trainer.models.llama), so offload starts from the same weights.
-    """
-    offload = cfg.parallelism.fsdp_offload == "cpu"
+
+def shard_model(model: Transformer, parallel_dims, cfg, *, device: torch.device,
+                param_dtype: str) -> Transformer:
+    """float8, TP, AC, compile and FSDP on the meta device: nothing is allocated yet. The traced
+    dry run (trainer/plan/trace.py) calls this outside its fake-tensor mode (the meshes' own
+    bookkeeping needs real tensors), then `materialize` inside it."""
     if cfg.float8.enable:  # before AC and compile wrap the blocks (trainer/parallel/float8.py)
         apply_float8(model, cfg.float8)
     if parallel_dims.tp_enabled:
@@ -106,6 +110,7 @@ def parallelize(model: Transformer, parallel_dims, cfg, *, device: torch.device,
         apply_ac(model, cfg.activation_checkpoint.mode, cfg.activation_checkpoint.selective_ac_option)
     if cfg.compile.enable:
         apply_compile(model)
+    offload = cfg.parallelism.fsdp_offload == "cpu"
     apply_fsdp(model, parallel_dims.fsdp_mesh,
                param_dtype=param_dtype,
                reduce_dtype=cfg.training.mixed_precision_reduce,
@@ -113,10 +118,20 @@ def parallelize(model: Transformer, parallel_dims, cfg, *, device: torch.device,
                # Pinned host memory (fast, overlapped copies) exists only with CUDA; a CPU
                # run rejects offload (trainer.config.job), tests use it unpinned on CPU meshes.
                offload=CPUOffloadPolicy(pin_memory=device.type == "cuda") if offload else None)
+    return model
+
+
+def materialize(model: Transformer, cfg, device: torch.device) -> None:
+    """Allocate the sharded parameters and the buffers (no values: `init_weights` follows).
+
+    With `fsdp_offload = "cpu"` the sharded parameters live on the CPU (FSDP2 requires them
+    materialised there; it pins them at its lazy init) while the RoPE buffers, which no FSDP
+    group manages, are moved to the compute device by hand. The init draws its random values
+    on the mesh's device either way (trainer.models.llama), so offload starts from the same weights.
+    """
+    offload = cfg.parallelism.fsdp_offload == "cpu"
     model.to_empty(device="cpu" if offload else device)
     if offload:
         for module in model.modules():
             for name, buf in list(module.named_buffers(recurse=False)):
                 setattr(module, name, buf.to(device))
-    model.init_weights(cfg.job.seed)
-    return model
