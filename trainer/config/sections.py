@@ -86,8 +86,8 @@ class Optimizer:
     beta2: float = opt(0.95, "Adam beta2, in [0, 1)", min=0.0, max=1.0)
     eps: float = opt(1e-8, "Adam epsilon", min=0.0)
     weight_decay: float = opt(0.1, "Decoupled weight decay", min=0.0)
-    implementation: str = opt("auto", "Kernel: auto (fused on CUDA, foreach on CPU), "
-                              "for-loop, foreach or fused",
+    implementation: str = opt("auto", "Kernel: auto (fused: skips a non-finite step on the "
+                              "device, no host sync), for-loop, foreach or fused",
                               choices=("auto", "for-loop", "foreach", "fused"))
 
     def validate(self) -> None:
