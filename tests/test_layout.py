@@ -151,6 +151,7 @@ LAYER_1 = ("trainer.config.sections", "trainer.data.config", "trainer.evals.conf
            "trainer.observe.wandb_logger", "trainer.device")
 TOP = ("trainer.step", "trainer.loop", "trainer.train", "trainer.launch")
 CLI = ("trainer.config.__main__", "trainer.plan.__main__", "trainer.plan.report",
+       "trainer.plan.trace",
        "trainer.convert", "trainer.generate")
 
 

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from trainer.errors import DataError
@@ -80,8 +81,8 @@ def starts(tokens: torch.Tensor, d: Delimiters) -> torch.Tensor:
 
 def count_targets(labels: torch.Tensor) -> int:
     """The labels a loss is computed on (not IGNORE_INDEX). The loader's labels are host
-    tensors, so counting them never waits for a device."""
-    return int((labels != IGNORE_INDEX).sum())
+    tensors: counted on the host (numpy), they never wait for a device."""
+    return int(np.count_nonzero(labels.numpy() != IGNORE_INDEX))
 
 
 def document_ids(tokens: torch.Tensor, d: Delimiters) -> torch.Tensor:

@@ -19,7 +19,8 @@ The device's peak is the largest of five moments of a step; each is the resident
 - the end of backward (the embedding): the sharded gradients, the embedding's FSDP buffers;
 - the optimizer step: every sharded gradient and the optimizer's temporaries.
 Sharded gradients are None from `zero_grad(set_to_none=True)` until each group's backward, so
-they are counted only from the end of backward on. The formulas assume the eager model in
+they are counted only from the end of backward on; with accumulation and gradient sync every
+microbatch, the earlier microbatches' are held through every moment of the later ones. The formulas assume the eager model in
 trainer/models/llama.py with a flash/memory-efficient SDPA or, for block_causal, compiled
 FlexAttention (no [seq, seq] score matrix; `attn_implementation = "sdpa"` adds one
 [batch, 1, seq, seq] mask per microbatch, see trainer.models.attention.memory_bytes) and the loss
@@ -213,7 +214,10 @@ def memory_plan(cfg: JobConfig, world_size: int) -> dict[str, int]:
 
     resident = (on_device * (b["parameters"] + b["optimizer_state"]) + b["buffers_and_inputs"]
                 + b["offload_staging"])
-    in_backward = resident + b["grad_accumulation"]
+    # With sync every microbatch, the sharded gradients of the earlier microbatches are held
+    # through the later ones (FSDP adds to them): from the second microbatch on, all of them.
+    grads_held = on_device * b["gradients"] if accum > 1 and not sync_last else 0
+    in_backward = resident + b["grad_accumulation"] + grads_held
     blocks_act = b["activations"] - head_act
     b["peak_loss"] = in_backward + b["activations"] + b["logits_loss"] + b["fsdp_loss"]
     b["peak_head_backward"] = (in_backward + b["activations"] + loss["at_head"]
@@ -221,7 +225,8 @@ def memory_plan(cfg: JobConfig, world_size: int) -> dict[str, int]:
     b["peak_block_backward"] = (in_backward + blocks_act + b["ac_recompute"] + held_logits
                                 + b["fsdp_block"] + b["tp_buffers"])
     emb_grad = FP32 * sum(shard_numel(s, shard) for s in groups["embedding"])
-    b["peak_end_of_backward"] = (in_backward + on_device * (b["gradients"] - emb_grad)
+    b["peak_end_of_backward"] = (in_backward + (0 if grads_held else on_device)
+                                 * (b["gradients"] - emb_grad)
                                  + held_logits + b["fsdp_embedding"])
     b["peak_optimizer_step"] = resident + on_device * (b["gradients"] + b["optimizer_step_temp"])
     b["total"] = max(v for k, v in b.items() if k.startswith("peak_"))

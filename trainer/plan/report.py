@@ -147,6 +147,9 @@ def parse_args(argv: list[str]):
     ap.add_argument("--mfu", type=float, default=0.40, help="assumed MFU for tokens/s")
     ap.add_argument("--host-gib", type=float, default=0.0,
                     help="host RAM per node (default: this machine's MemTotal)")
+    ap.add_argument("--trace", action="store_true",
+                    help="also run one real training step at these shapes on fake tensors "
+                         "(trainer/plan/trace.py) and print its peak beside the plan's")
     return ap.parse_known_args(argv)
 
 
@@ -171,5 +174,9 @@ def main(argv: list[str]) -> int:
     print("\n".join(header + report(cfg, b, accum, gpu, mem_gib, args.mfu, host) + [
         f"largest local_batch_size that fits: {best}"
         + (f" (of those dividing global_batch_size {cfg.training.global_batch_size})"
-           if fixed else "")]))
+           if fixed else "")]), flush=True)
+    if args.trace:
+        from trainer.plan.trace import trace_lines
+
+        print("\n".join(trace_lines(cfg, world, b, mem_gib, device_need)))
     return 0
