@@ -138,7 +138,7 @@ def test_one_winner_among_racing_takers(tmp_path):
 
 RUN = [*BASE_FP32, "--training.steps", "6", "--checkpoint.enable", "--checkpoint.interval", "2",
        "--checkpoint.keep_latest_k", "0"]
-SLOW = {"TRAINER_TEST_SLOW_RANK": "0:1.5"}  # rank 0 sleeps after each step: a run to collide with
+SLOW = {"TRAINER_TEST_SLOW_RANK": "0:4"}  # rank 0 sleeps after each step: a run to collide with
 
 
 def start(dump: Path, *overrides: str, env: dict | None = None) -> subprocess.Popen:

@@ -270,8 +270,9 @@ def traced_config(cfg: JobConfig) -> JobConfig:
                                       else cfg.optimizer.implementation))
 
 
-def trace_step(cfg: JobConfig, world_size: int) -> TraceResult:
-    """One real TrainStep of `cfg` on rank 0 of `world_size` fake ranks."""
+def trace_step(cfg: JobConfig, world_size: int, keep_all: bool = False) -> TraceResult:
+    """One real TrainStep of `cfg` on rank 0 of `world_size` fake ranks (`keep_all`: with
+    every allocation in `allocations`)."""
     from trainer.models.loss import build_loss
     from trainer.optim.optimizer import build_lr_scheduler
     from trainer.parallel.microbatches import build_forward_backward
@@ -279,7 +280,7 @@ def trace_step(cfg: JobConfig, world_size: int) -> TraceResult:
 
     t0 = time.monotonic()
     cfg = traced_config(cfg)
-    trace = MemoryTrace()
+    trace = MemoryTrace(keep_all)
     with fake_world(world_size), tracking(trace):
         model, optimizer, pd, accum, args = build_traced(cfg, world_size, trace)
         loader = FakeLoader(cfg, args.vocab_size, accum)
@@ -307,6 +308,7 @@ def trace_step(cfg: JobConfig, world_size: int) -> TraceResult:
                   if isinstance(t, torch.Tensor)]
         result = summarize(trace, resident, {id(a) for a in grads},
                            {id(a) for a in states if a is not None})
+        result.allocations = trace.all or []
     heartbeat.phase("setup")
     result.seconds = time.monotonic() - t0
     return result

@@ -1,0 +1,53 @@
+"""The traced dry run (trainer/plan/trace.py): the real step at the real shapes on fake
+tensors and a fake process group, in this process."""
+
+import math
+import subprocess
+import sys
+
+from tests.helpers import REPO, subprocess_env
+from trainer.config.job import load_config
+from trainer.plan.memory import memory_plan
+from trainer.plan.trace import trace_scoring, trace_step
+
+VOCAB = 128256  # the 8B flavor's
+
+
+def logits_like(allocations, vocab: int, chunk: int):
+    """Allocations with the vocabulary as their last dim for more than one chunk of tokens
+    (weights and their gradients are [vocab, dim]: the vocabulary first)."""
+    return [a for a in allocations
+            if a.shape and a.shape[-1] == vocab and math.prod(a.shape[:-1]) > chunk]
+
+
+def test_8b_validation_and_eval_score_a_chunk_at_a_time_below_trainings_peak():
+    cfg = load_config(["--job.config_file", str(REPO / "configs" / "llama3_8b.toml"),
+                       "--validation.local_batch_size", "8", "--eval.local_batch_size", "8"])
+    chunk = cfg.training.loss_chunk_size
+    train = trace_step(cfg, 8, keep_all=True)
+    assert logits_like(train.allocations, VOCAB, chunk) == []
+    states = train.categories["optimizer_state"]
+    for kind in ("validation", "eval"):
+        r = trace_scoring(cfg, 8, kind)
+        # 8 x 8192 tokens scored; the logits exist one chunk of tokens at a time
+        assert any(a.shape == (chunk, VOCAB) for a in r.allocations), kind
+        assert logits_like(r.allocations, VOCAB, chunk) == [], kind
+        assert r.peak + states <= train.peak, (kind, r.peak, states, train.peak)
+    # the step's real shapes: the 8B plan and the trace agree within 10%
+    plan = memory_plan(cfg, 8)["total"]
+    assert abs(plan / train.peak - 1) <= 0.10, (plan, train.peak)
+    # the sharded fp32 parameters, as the plan counts them (+ the RoPE tables: buffers)
+    params = memory_plan(cfg, 8)["parameters"]
+    assert params <= train.categories["parameters"] <= params * 1.01
+
+
+def test_cli_trace_prints_the_trace_beside_the_plan():
+    out = subprocess.run([sys.executable, "-m", "trainer.plan", "--config",
+                          str(REPO / "configs" / "debug_model.toml"), "--ngpu", "2", "--trace"],
+                         cwd=REPO, env=subprocess_env(), capture_output=True, text=True,
+                         timeout=300)
+    assert out.returncode == 0, out.stderr
+    text = out.stdout
+    assert "traced dry run: one training step of rank 0 of 2 on fake tensors" in text
+    assert "agreement: the plan is within 10% of the trace" in text, text
+    assert "trace verdict: FITS" in text
