@@ -94,9 +94,10 @@ def test_hsdp_two_by_two(probes):
 
 
 @pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
-@pytest.mark.parametrize("mode, option", [
-    ("none", "2"), ("full", "2"), ("selective", "2"), ("selective", "3"), ("selective", "op")])
-def test_activations_match_saved_tensors(mode, option, dtype):
+@pytest.mark.parametrize("mode, option, matmuls", [
+    ("none", "2", "all"), ("full", "2", "all"), ("selective", "2", "all"),
+    ("selective", "3", "all"), ("selective", "op", "all"), ("selective", "op", "every_other")])
+def test_activations_match_saved_tensors(mode, option, matmuls, dtype):
     """What forward leaves alive for backward (the plan's activations, plus the logits and
     the fp32 log-probabilities train.py's loss keeps), measured within 0.5%. A small GQA
     model with 3 blocks keeps it fast; the formulas are per shape, not per flavor."""
@@ -106,12 +107,13 @@ def test_activations_match_saved_tensors(mode, option, dtype):
                      multiple_of=32, max_seq_len=64)
     batch, tokens = 2, 2 * args.max_seq_len
     cfg = load_config(["--activation_checkpoint.mode", mode,
-                       "--activation_checkpoint.selective_ac_option", option])
+                       "--activation_checkpoint.selective_ac_option", option,
+                       "--activation_checkpoint.selective_op_matmuls", matmuls])
     p = torch.finfo(getattr(torch, dtype)).bits // 8
     model = build_model(args)
     model.to_empty(device="cpu")
     if mode != "none":
-        apply_ac(model, mode, option)
+        apply_ac(model, mode, option, matmuls)
     for param in model.parameters():  # what FSDP's mixed precision computes with
         param.data = param.data.to(getattr(torch, dtype)).normal_(0, 0.02)
     inputs = torch.randint(0, args.vocab_size, (batch, args.max_seq_len))
@@ -201,11 +203,11 @@ def test_sp_activations_by_hand():
     assert sp4 == sp1 == 2 * (4 + p) * a.dim
     assert whole4 - 2 * p * a.dim == (whole1 - 2 * p * a.dim) // 4
     assert split_bytes((sp4, whole4), tokens, 4) == sp4 * tokens // 4 + whole4 * tokens
-    # The 8B shape without AC: 5.2x less per rank at TP 8 (not 8x: the gathered inputs).
+    # The 8B shape without AC: 5.1x less per rank at TP 8 (not 8x: the gathered inputs).
     none = [*BASE_8B, "--activation_checkpoint.mode", "none"]
     ratio = (memory_plan(load_config(none), 8)["activations"]
              / memory_plan(load_config([*none, TP, "8"]), 64)["activations"])
-    assert 5.1 < ratio < 5.3, ratio
+    assert 5.0 < ratio < 5.2, ratio
 
 
 @pytest.mark.parametrize("loss", ["eager", "chunked"])
@@ -272,17 +274,17 @@ def test_fsdp_volume_by_hand():
 def test_70b_config_tp8_fits_and_fsdp_only():
     """configs/llama3_70b.toml on 64 H100s (TP 8 x FSDP 8, 1 x 8192 tokens per GPU) fits
     80 GiB. FSDP alone over 64 with the same tokens per GPU fits as well (the numbers say so:
-    ~42 vs ~32 GiB) but sends ~9x more over dp_shard, which crosses nodes; on 16 GPUs FSDP
+    ~47 vs ~39 GiB, with the sharded gradients held across the microbatches) but sends ~9x more over dp_shard, which crosses nodes; on 16 GPUs FSDP
     alone does not fit and TP 2 x FSDP 8 does."""
     cfg70 = ["--job.config_file", str(REPO / "configs" / "llama3_70b.toml")]
     h100 = GPUS["h100"].memory_gib * GIB
     tp8 = load_config(cfg70)
     assert tp8.parallelism.tensor_parallel_degree == 8
     tp_need = device_need(memory_plan(tp8, 64)["total"])
-    assert tp_need <= h100 and 30 * GIB < tp_need < 35 * GIB
+    assert tp_need <= h100 and 35 * GIB < tp_need < 40 * GIB
     fsdp = load_config([*cfg70, TP, "1", "--training.local_batch_size", "1"])
     fsdp_need = device_need(memory_plan(fsdp, 64)["total"])
-    assert tp_need < fsdp_need <= h100 and 40 * GIB < fsdp_need < 45 * GIB
+    assert tp_need < fsdp_need <= h100 and 44 * GIB < fsdp_need < 49 * GIB
     ratio = comm_volume(fsdp, 64)["comm_dp_shard"] / comm_volume(tp8, 64)["comm_dp_shard"]
     assert 8.5 < ratio < 9.5, ratio
     assert device_need(memory_plan(fsdp, 16)["total"]) > h100

@@ -274,6 +274,10 @@ class ActivationCheckpoint:
                     choices=("none", "full", "selective"))
     selective_ac_option: str = opt(
         "2", "selective: 'op' (keep matmul/attention outputs, recompute the rest) or k (every k-th block)")
+    selective_op_matmuls: str = opt(
+        "all", "selective 'op': keep every matmul's output (all) or every other one per block "
+        "(every_other: wq, wv, w1, w2, as torchtitan; less memory, wk/wo/w3 recomputed)",
+        choices=("all", "every_other"))
 
     def validate(self) -> None:
         opt_ = self.selective_ac_option

@@ -101,13 +101,15 @@ FLAVORS: dict[str, ModelArgs] = {
                              multiple_of=256, ffn_dim_multiplier=1.0,
                              rope_scaling=LLAMA3_ROPE_SCALING, tie_word_embeddings=True),
     # The Llama-3.2-1B shape with an untied output head and no RoPE scaling, Llama-3.1-8B and
-    # -70B (without RoPE scaling: pretraining at <= 8k context does not need it).
+    # -70B and -405B (without RoPE scaling: pretraining at <= 8k context does not need it).
     "1B": ModelArgs(dim=2048, n_layers=16, n_heads=32, n_kv_heads=8, vocab_size=128256,
                     multiple_of=256, ffn_dim_multiplier=1.5),
     "8B": ModelArgs(dim=4096, n_layers=32, n_heads=32, n_kv_heads=8, vocab_size=128256,
                     multiple_of=1024, ffn_dim_multiplier=1.3),
     "70B": ModelArgs(dim=8192, n_layers=80, n_heads=64, n_kv_heads=8, vocab_size=128256,
                      multiple_of=4096, ffn_dim_multiplier=1.3),
+    "405B": ModelArgs(dim=16384, n_layers=126, n_heads=128, n_kv_heads=8, vocab_size=128256,
+                      multiple_of=4096, ffn_dim_multiplier=1.2),
 }
 
 

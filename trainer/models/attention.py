@@ -106,25 +106,25 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask=None) -> torc
     q, k_t, v_t = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
     if mask is not None and not isinstance(mask, torch.Tensor):  # flex: GQA in the kernel
         return _compiled_flex()(q, k_t, v_t, block_mask=mask, enable_gqa=groups > 1)
-    if groups > 1:  # GQA: each kv head serves `groups` query heads
-        k, v = k.repeat_interleave(groups, dim=2), v.repeat_interleave(groups, dim=2)
-        k_t, v_t = k.transpose(1, 2), v.transpose(1, 2)
+    # GQA in the kernel (each kv head serves `groups` query heads): no repeated K/V copies
+    gqa = groups > 1
     if mask is None:
-        return F.scaled_dot_product_attention(q, k_t, v_t, is_causal=True)
+        return F.scaled_dot_product_attention(q, k_t, v_t, is_causal=True, enable_gqa=gqa)
     if not mask.is_floating_point():
-        return _per_document(q, k_t, v_t, mask)
-    return F.scaled_dot_product_attention(q, k_t, v_t, attn_mask=mask)
+        return _per_document(q, k_t, v_t, mask, gqa)
+    return F.scaled_dot_product_attention(q, k_t, v_t, attn_mask=mask, enable_gqa=gqa)
 
 
 @torch.compiler.disable  # shapes change with every batch: a graph break, not recompiles
-def _per_document(q, k, v, doc_ids: torch.Tensor) -> torch.Tensor:
+def _per_document(q, k, v, doc_ids: torch.Tensor, gqa: bool) -> torch.Tensor:
     """One causal SDPA per document of each row (q, k, v [b, h, s, d]; ids ascend per row).
     The split reads the ids on the host once per layer (free on the CPU)."""
     rows = []
     for b, ids in enumerate(doc_ids):
         lengths = torch.unique_consecutive(ids, return_counts=True)[1].tolist()
         pieces = zip(*(t[b:b + 1].split(lengths, dim=2) for t in (q, k, v)))
-        rows.append(torch.cat([F.scaled_dot_product_attention(*qkv, is_causal=True)
+        rows.append(torch.cat([F.scaled_dot_product_attention(*qkv, is_causal=True,
+                                                              enable_gqa=gqa)
                                for qkv in pieces], dim=2))
     return torch.cat(rows)
 

@@ -32,15 +32,20 @@ from trainer.parallel.fsdp import apply_fsdp, set_gradient_sync  # noqa: F401  (
 from trainer.parallel.tp import apply_tp
 
 
-# Outputs worth keeping under op-level selective AC: the matmuls and attention, whose
-# recomputation costs FLOPs; everything else (norms, activations, RoPE) is cheap to recompute.
-# block_causal attention (trainer/models/attention.py) is one of these SDPA ops (with a mask), or
-# FlexAttention's higher-order op on CUDA, which selective checkpointing sees as one op too.
+# Outputs worth keeping under op-level selective AC: the matmuls (float8's `_scaled_mm` too)
+# and attention, whose recomputation costs FLOPs, and TP's reduce-scatters, whose
+# recomputation would repeat a collective; everything else (norms, activations, RoPE) is cheap
+# to recompute. block_causal attention (trainer/models/attention.py) is one of these SDPA ops
+# (with a mask), or FlexAttention's higher-order op on CUDA, which selective checkpointing
+# sees as one op too.
 _SAVE_OPS = {
     torch.ops.aten.mm.default,
+    torch.ops.aten._scaled_mm.default,
+    torch.ops.aten.max.default,  # float8's amax: a scalar, and a reduction over a whole tensor
     torch.ops.aten._scaled_dot_product_efficient_attention.default,
     torch.ops.aten._scaled_dot_product_flash_attention.default,
     torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default,
+    torch.ops._c10d_functional.reduce_scatter_tensor.default,
 }
 if hasattr(torch.ops.aten, "_scaled_dot_product_cudnn_attention"):
     _SAVE_OPS.add(torch.ops.aten._scaled_dot_product_cudnn_attention.default)
@@ -48,12 +53,22 @@ if hasattr(torch.ops.higher_order, "flex_attention"):
     _SAVE_OPS.add(torch.ops.higher_order.flex_attention)
 
 
-def _save_matmuls(ctx, op, *args, **kwargs):
-    return CheckpointPolicy.MUST_SAVE if op in _SAVE_OPS else CheckpointPolicy.PREFER_RECOMPUTE
+def _op_level_context(every_other_matmul: bool):
+    """A fresh policy per checkpointed block call: save the `_SAVE_OPS` outputs, with
+    `every_other_matmul` only the odd-numbered `aten.mm` of the block (wq, wv, w1, w2:
+    torchtitan's policy), counted apart in forward and in the recompute so both agree."""
+    counts = {"forward": 0, "recompute": 0}
 
+    def policy(ctx, op, *args, **kwargs):
+        if op is torch.ops.aten.mm.default and every_other_matmul:
+            mode = "recompute" if ctx.is_recompute else "forward"
+            counts[mode] += 1
+            keep = counts[mode] % 2 == 1
+        else:
+            keep = op in _SAVE_OPS
+        return CheckpointPolicy.MUST_SAVE if keep else CheckpointPolicy.PREFER_RECOMPUTE
 
-def _op_level_context():
-    return create_selective_checkpoint_contexts(_save_matmuls)
+    return create_selective_checkpoint_contexts(policy)
 
 
 def _checkpoint_forward(block: torch.nn.Module, context_fn=None) -> None:
@@ -67,14 +82,16 @@ def _checkpoint_forward(block: torch.nn.Module, context_fn=None) -> None:
     block.forward = forward
 
 
-def apply_ac(model: Transformer, mode: str, option: str) -> None:
-    """full: recompute every block; selective 'op': keep matmul/attention outputs only;
-    selective k: recompute every k-th block in full (1 = every block)."""
+def apply_ac(model: Transformer, mode: str, option: str, op_matmuls: str = "all") -> None:
+    """full: recompute every block; selective 'op': keep matmul/attention outputs only (every
+    matmul, or every other one: `op_matmuls`); selective k: recompute every k-th block in full
+    (1 = every block)."""
+    every_other = op_matmuls == "every_other"
     for i, block in enumerate(model.layers.values()):
         if mode == "full":
             _checkpoint_forward(block)
         elif option == "op":
-            _checkpoint_forward(block, _op_level_context)
+            _checkpoint_forward(block, functools.partial(_op_level_context, every_other))
         elif i % int(option) == 0:
             _checkpoint_forward(block)
 
@@ -107,7 +124,8 @@ def shard_model(model: Transformer, parallel_dims, cfg, *, device: torch.device,
                  float8_tensorwise=cfg.float8.enable and cfg.float8.recipe == "tensorwise",
                  async_tp=cfg.parallelism.enable_async_tensor_parallel)
     if cfg.activation_checkpoint.mode != "none":
-        apply_ac(model, cfg.activation_checkpoint.mode, cfg.activation_checkpoint.selective_ac_option)
+        ac = cfg.activation_checkpoint
+        apply_ac(model, ac.mode, ac.selective_ac_option, ac.selective_op_matmuls)
     if cfg.compile.enable:
         apply_compile(model)
     offload = cfg.parallelism.fsdp_offload == "cpu"

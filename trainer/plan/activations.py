@@ -24,10 +24,10 @@ def block_split(a: ModelArgs, p: int, tp: int = 1) -> tuple[int, int]:
 
     RMSNorm x2: the fp32 upcast and the normed output in the compute dtype, (4 + p) * dim each
     (in fp32 the upcast is the input itself: still 8 * dim). Attention: the normed input of
-    wq/wk/wv (p * dim); SDPA's q, k, v (k and v repeated to n_heads for GQA), output (wo's input
-    is a view of it) at p * n_heads * head_dim each (FlexAttention, block_causal on CUDA, takes
-    k and v unrepeated: 2 * p * n_kv_heads * head_dim for them; per-document SDPA keeps each
-    document's output and wo's input, their concatenation: one more p * n_heads * head_dim);
+    wq/wk/wv (p * dim); SDPA's q and output (wo's input is a view of it) at p * n_heads *
+    head_dim each, k and v at p * n_kv_heads * head_dim each (GQA in the kernel, `enable_gqa`,
+    as FlexAttention does: no repeated copies; per-document SDPA keeps each document's output
+    and wo's input, their concatenation: one more p * n_heads * head_dim);
     the logsumexp, fp32 per head.
     RoPE saves only the cos/sin tables. FFN: the normed input (p * dim) and four hidden-sized
     tensors (w1 and w3 outputs, silu output, their product: w2's input).
@@ -37,7 +37,7 @@ def block_split(a: ModelArgs, p: int, tp: int = 1) -> tuple[int, int]:
     """
     q, kv = a.n_heads * a.head_dim // tp, a.n_kv_heads * a.head_dim // tp
     kernel = a.attn_implementation if a.attn_mask_type == "block_causal" else "sdpa"
-    attn = {"flex": 2 * p * (q + kv), "per_document": 5 * p * q}.get(kernel, 4 * p * q)
+    attn = 2 * p * (q + kv) + (p * q if kernel == "per_document" else 0)
     inner = 2 * p * a.dim + attn + FP32 * a.n_heads // tp + 4 * p * a.hidden_dim // tp
     return 2 * (4 + p) * a.dim, inner
 
@@ -47,16 +47,20 @@ def block_saved(a: ModelArgs, p: int) -> int:
     return sum(block_split(a, p))
 
 
-def op_sac_split(a: ModelArgs, p: int, tp: int = 1) -> tuple[int, int]:
-    """Per token under op-level selective AC (trainer.parallel.parallelize keeps every mm and SDPA
-    output): the block input, the outputs of wq, wk, wv, wo, w1, w3, w2 and SDPA's output and
-    logsumexp. Everything else is recomputed in backward. As (sequence-shard, whole-sequence)
-    bytes like `block_split`: with tp > 1 the block input is sequence-sharded, the outputs of
-    the colwise matmuls and SDPA are 1/tp, and wo's and w2's are their full [tokens, dim]
-    partial sums (before the reduce-scatter)."""
+def op_sac_split(a: ModelArgs, p: int, tp: int = 1,
+                 every_other: bool = False) -> tuple[int, int]:
+    """Per token under op-level selective AC (trainer.parallel.parallelize keeps every mm, SDPA
+    and TP reduce-scatter output): the block input, the outputs of wq, wk, wv, wo, w1, w3, w2
+    (`every_other`: of wq, wv, w1 and w2 only) and SDPA's output and logsumexp. Everything else
+    is recomputed in backward. As (sequence-shard, whole-sequence) bytes like `block_split`:
+    with tp > 1 the block input and the two reduce-scatter outputs are sequence-sharded, the
+    outputs of the colwise matmuls and SDPA are 1/tp, and wo's and w2's are their full
+    [tokens, dim] partial sums (before the reduce-scatter)."""
     q, kv = a.n_heads * a.head_dim // tp, a.n_kv_heads * a.head_dim // tp
-    mm_out = q + 2 * kv + a.dim + 2 * a.hidden_dim // tp + a.dim
-    return p * a.dim, p * mm_out + p * q + FP32 * a.n_heads // tp
+    h = a.hidden_dim // tp
+    mm_out = q + kv + h + a.dim if every_other else q + 2 * kv + a.dim + 2 * h + a.dim
+    shard = p * a.dim * (3 if tp > 1 else 1)
+    return shard, p * mm_out + p * q + FP32 * a.n_heads // tp
 
 
 def block_saved_op_sac(a: ModelArgs, p: int) -> int:
@@ -99,7 +103,8 @@ def blocks_activations(cfg: JobConfig, a: ModelArgs, p: int, tokens: int,
     if mode == "full":
         return a.n_layers * ckpt_input + rope
     if cfg.activation_checkpoint.selective_ac_option == "op":
-        return a.n_layers * split_bytes(op_sac_split(a, p, tp), tokens, tp) + rope
+        every_other = cfg.activation_checkpoint.selective_op_matmuls == "every_other"
+        return a.n_layers * split_bytes(op_sac_split(a, p, tp, every_other), tokens, tp) + rope
     ckpt = checkpointed_blocks(cfg, a.n_layers)
     return ckpt * ckpt_input + (a.n_layers - ckpt) * split_bytes(full, tokens, tp) + rope
 

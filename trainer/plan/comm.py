@@ -61,7 +61,7 @@ def tp_collectives(cfg: JobConfig, n_layers: int) -> int:
     if ac.mode == "full":
         replayed = 4 * n_layers
     elif ac.mode == "selective" and ac.selective_ac_option == "op":
-        replayed = 3 * n_layers
+        replayed = 2 * n_layers  # the all-gathers; the reduce-scatters' outputs are kept
     elif ac.mode == "selective":
         replayed = 4 * -(-n_layers // int(ac.selective_ac_option))
     else:

@@ -306,8 +306,9 @@ def trace_step(cfg: JobConfig, world_size: int, keep_all: bool = False) -> Trace
             step(1, micro)
         states = [trace.storage_of(t) for s in optimizer.state.values() for t in s.values()
                   if isinstance(t, torch.Tensor)]
-        result = summarize(trace, resident, {id(a) for a in grads},
-                           {id(a) for a in states if a is not None})
+        states = [a for a in states if a is not None]
+        result = summarize(trace, resident, {id(a) for a in grads}, {id(a) for a in states},
+                           sum(a.nbytes for a in {id(a): a for a in states}.values()))
         result.allocations = trace.all or []
     heartbeat.phase("setup")
     result.seconds = time.monotonic() - t0
@@ -327,10 +328,10 @@ def earlier_microbatches(cfg: JobConfig, model, accum: int) -> int:
     return min(accum, 2)
 
 
-def summarize(trace: MemoryTrace, resident: set[int], grads: set[int],
-              states: set[int]) -> TraceResult:
-    """The steady-state peak and its categories, from the trace's snapshots."""
-    state_bytes = sum(a.nbytes for a in trace.snapshots.get("optimizer", []) if id(a) in states)
+def summarize(trace: MemoryTrace, resident: set[int], grads: set[int], states: set[int],
+              state_bytes: int = 0) -> TraceResult:
+    """The steady-state peak and its categories, from the trace's snapshots; `state_bytes`:
+    the optimizer's states, resident from the first step on."""
     candidates = {"forward/backward": (trace.peaks.get("step", 0) + state_bytes, "step"),
                   "optimizer step": (trace.peaks.get("optimizer", 0), "optimizer")}
     phase = max(candidates, key=lambda k: candidates[k][0])
