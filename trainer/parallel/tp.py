@@ -100,8 +100,12 @@ def _styles(float8_tensorwise: bool):
 
 
 def _enable_async_tp(tp_mesh) -> None:
-    """Inductor's micro-pipelined TP (CUDA and compile only: checked in the config)."""
-    from torch.distributed._symmetric_memory import enable_symm_mem_for_group
+    """Inductor's micro-pipelined TP (CUDA and compile only: checked in the config). The
+    group's symmetric memory is enabled by hand where torch still asks for it
+    (`enable_symm_mem_for_group`, torch <= 2.13); later versions enable it on first use."""
+    import torch.distributed._symmetric_memory as symm_mem
 
     torch._inductor.config._micro_pipeline_tp = True
-    enable_symm_mem_for_group(tp_mesh.get_group().group_name)
+    enable = getattr(symm_mem, "enable_symm_mem_for_group", None)
+    if enable is not None:
+        enable(tp_mesh.get_group().group_name)
