@@ -21,8 +21,8 @@ from trainer.config.job import load_config
 from trainer.models.llama import ModelArgs, build_model
 from trainer.parallel.parallelize import apply_ac
 from trainer.plan.comm import comm_volume
-from trainer.plan.memory import (FP32, GIB, GPUS, block_split, blocks_activations, device_need,
-                                 fsdp_groups, head_saved, loss_region, memory_plan, plan_args,
+from trainer.plan.memory import (FP32, GIB, GPUS, accumulation_sync_note, block_split,
+                                 blocks_activations, device_need, fsdp_groups, head_saved, loss_region, memory_plan, plan_args,
                                  shard_numel, split_bytes)
 from trainer.plan.report import main
 
@@ -308,3 +308,21 @@ def test_cli_reports_tp_comm_and_per_device_throughput(capsys):
     fsdp = capsys.readouterr().out
     step = [re.search(r"([\d.]+) s per optimizer step", out).group(1) for out in (tp8, fsdp)]
     assert step[0] == step[1] == "79.7"
+
+
+def test_accumulation_sync_last_warns_where_every_fits(capsys):
+    """8B on 8 H100s, 16 microbatches: 'last' holds the unsharded fp32 gradients (29.9 GiB)
+    and does not fit where 'every' does: one warning line from the plan (and from run_train.sh's
+    check on GPU nodes); none for 'every' or a single microbatch."""
+    cfg8b = ["--job.config_file", str(REPO / "configs" / "llama3_8b.toml")]
+    last = load_config([*cfg8b, "--training.gradient_accumulation_sync", "last"])
+    note = accumulation_sync_note(last, 8, GPUS["h100"].memory_gib)
+    assert note.startswith("warning: training.gradient_accumulation_sync = 'last' holds 29.9 "
+                           "GiB of unsharded gradients across 16 microbatches"), note
+    assert accumulation_sync_note(load_config(cfg8b), 8, GPUS["h100"].memory_gib) is None
+    one = load_config([*cfg8b, "--training.gradient_accumulation_sync", "last",
+                       "--training.global_batch_size", "8"])
+    assert accumulation_sync_note(one, 8, GPUS["h100"].memory_gib) is None
+    code = main(["--config", str(REPO / "configs" / "llama3_8b.toml"), "--ngpu", "8",
+                 "--host-gib", "2048", "--training.gradient_accumulation_sync", "last"])
+    assert code == 0 and note in capsys.readouterr().out

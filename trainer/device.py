@@ -56,6 +56,20 @@ def visible_gpus() -> tuple[int, str]:
     return sum(ln.startswith("GPU ") for ln in out.stdout.splitlines()), "nvidia-smi"
 
 
+def gpu_memory_gib() -> float:
+    """The first visible GPU's memory in GiB from nvidia-smi (0.0 if it cannot tell), without
+    importing torch."""
+    smi = shutil.which("nvidia-smi")
+    if smi is None:
+        return 0.0
+    try:
+        out = subprocess.run([smi, "--query-gpu=memory.total", "--format=csv,noheader,nounits"],
+                             capture_output=True, text=True, timeout=30)
+        return float(out.stdout.split()[0]) / 1024 if out.returncode == 0 else 0.0
+    except (OSError, subprocess.SubprocessError, ValueError, IndexError):
+        return 0.0
+
+
 def local_ranks(device: str, ngpu: str | None, gpus: int, seen: str) -> int:
     """Ranks this node starts: NGPU if given, else every visible GPU, else 2 CPU ranks.
 

@@ -3,17 +3,18 @@
 Besides the config itself, `--check` refuses a dump folder that a live run holds
 (trainer/checkpoint/lease.py), so a second launch stops before any process starts, a
 LOG_RANK that names no rank of the launch, and CPU ranks whose memory plan exceeds the
-node's RAM."""
+node's RAM; it warns, in one line, when GPU ranks with gradient sync 'last' would not fit
+where 'every' would."""
 
 import os
 import sys
 
 from trainer.checkpoint.lease import check_free
 from trainer.config.job import main
-from trainer.device import visible_gpus
+from trainer.device import gpu_memory_gib, visible_gpus
 from trainer.distributed import log_ranks
 from trainer.plan.host import usable_ram_gib
-from trainer.plan.memory import check_cpu_ram
+from trainer.plan.memory import accumulation_sync_note, check_cpu_ram
 
 
 def _lease_is_free(cfg, world_size: int, ranks: int | None) -> None:
@@ -34,4 +35,17 @@ def _fits_host_ram(cfg, world_size: int, ranks: int | None) -> None:
         check_cpu_ram(cfg, world_size, ranks, usable_ram_gib())
 
 
-sys.exit(main(sys.argv[1:], checks=(_lease_is_free, _log_rank, _fits_host_ram)))
+def _warn_accumulation_sync(cfg, world_size: int, ranks: int | None) -> None:
+    """GPU ranks: one warning line when gradient sync 'last' would not fit and 'every' would
+    (trainer.plan.memory.accumulation_sync_note). A warning, not an error: the plan is an
+    estimate, and the user may know better."""
+    if cfg.training.device == "cpu" or visible_gpus()[0] == 0:
+        return
+    mem_gib = gpu_memory_gib()
+    note = accumulation_sync_note(cfg, world_size, mem_gib) if mem_gib else None
+    if note:
+        print(note, file=sys.stderr, flush=True)
+
+
+sys.exit(main(sys.argv[1:], checks=(_lease_is_free, _log_rank, _fits_host_ram,
+                                    _warn_accumulation_sync)))

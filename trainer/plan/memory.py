@@ -266,6 +266,26 @@ def fsdp_buffers(cfg: JobConfig, groups, shard: int, p: int, r: int) -> dict[str
     }
 
 
+def accumulation_sync_note(cfg: JobConfig, world_size: int, mem_gib: float) -> str | None:
+    """One line when `gradient_accumulation_sync = "last"` holds more than the GPU has and
+    "every" would fit: with several microbatches, "last" keeps the unsharded gradients (in the
+    reduce dtype) from the first microbatch to the last; "every" reduce-scatters each one."""
+    pd, accum = cfg.resolve(world_size)
+    if accum == 1 or cfg.training.gradient_accumulation_sync != "last":
+        return None
+    last = memory_plan(cfg, world_size)
+    every = memory_plan(dataclasses.replace(cfg, training=dataclasses.replace(
+        cfg.training, gradient_accumulation_sync="every")), world_size)
+    have = mem_gib * GIB
+    if device_need(last["total"]) <= have or device_need(every["total"]) > have:
+        return None
+    return (f"warning: training.gradient_accumulation_sync = 'last' holds "
+            f"{last['grad_accumulation'] / GIB:.1f} GiB of unsharded gradients across "
+            f"{accum} microbatches: the plan needs {device_need(last['total']) / GIB:.1f} GiB of "
+            f"the GPU's {mem_gib:.1f} GiB; 'every' needs {device_need(every['total']) / GIB:.1f} "
+            f"GiB (python -m trainer.plan shows both)")
+
+
 def device_need(total: int) -> int:
     """Bytes of device memory a plan peak needs: + the CUDA context and fragmentation."""
     return int(total + CONTEXT_GIB * GIB + FRAGMENTATION * total)

@@ -12,7 +12,8 @@ from trainer.config.job import JobConfig, load_config
 from trainer.errors import ConfigError, UserError
 from trainer.models.flops import table_peak_tflops
 from trainer.optim.optimizer import implementation
-from trainer.plan.memory import (CONTEXT_GIB, FRAGMENTATION, GIB, GPUS, Gpu, device_need,
+from trainer.plan.memory import (CONTEXT_GIB, FRAGMENTATION, GIB, GPUS, Gpu,
+                                 accumulation_sync_note, device_need,
                           largest_local_batch, memory_plan, plan_args, resolve_vocab,
                           throughput)
 from trainer.plan.comm import comm_volume
@@ -175,6 +176,9 @@ def main(argv: list[str]) -> int:
         f"largest local_batch_size that fits: {best}"
         + (f" (of those dividing global_batch_size {cfg.training.global_batch_size})"
            if fixed else "")]), flush=True)
+    note = accumulation_sync_note(cfg, world, mem_gib)
+    if note:
+        print(note)
     if args.trace:
         from trainer.plan.trace import trace_lines
 
