@@ -22,8 +22,8 @@ from trainer.models.llama import ModelArgs, build_model
 from trainer.parallel.parallelize import apply_ac
 from trainer.plan.comm import comm_volume
 from trainer.plan.memory import (FP32, GIB, GPUS, accumulation_sync_note, block_split,
-                                 blocks_activations, device_need, fsdp_groups, head_saved, loss_region, memory_plan, plan_args,
-                                 shard_numel, split_bytes)
+                                 blocks_activations, device_need, fsdp_groups, head_saved,
+                                 loss_region, memory_plan, plan_args, shard_numel, split_bytes)
 from trainer.plan.report import main
 
 PROBE = REPO / "tests" / "scripts" / "plan_probe.py"
