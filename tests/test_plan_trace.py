@@ -51,3 +51,25 @@ def test_cli_trace_prints_the_trace_beside_the_plan():
     assert "traced dry run: one training step of rank 0 of 2 on fake tensors" in text
     assert "agreement: the plan is within 10% of the trace" in text, text
     assert "trace verdict: FITS" in text
+
+
+def test_a_host_sync_in_the_step_stops_the_trace_at_its_line(monkeypatch):
+    """Fake tensors have no values: a step that reads one on the host (what a GPU would wait
+    for) is named, with its line, instead of traced."""
+    import torch
+
+    from trainer import step
+    from trainer.plan.trace import trace_lines
+
+    original = step.TrainStep.optimizer_step
+
+    def syncing(self, grad_norm, cross_entropy):
+        if bool(torch.isfinite(grad_norm)):  # the host sync before PR 30's on-device skip
+            pass
+        return original(self, grad_norm, cross_entropy)
+
+    monkeypatch.setattr(step.TrainStep, "optimizer_step", syncing)
+    cfg = load_config(["--job.config_file", str(REPO / "configs" / "debug_model.toml")])
+    lines = trace_lines(cfg, 2, {"total": 1}, 80.0, lambda peak: peak)
+    assert lines[0].startswith("traced dry run stopped: the step reads a device value on the "
+                               "host (a host sync, aten._local_scalar_dense.default) at "), lines

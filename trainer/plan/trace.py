@@ -28,12 +28,14 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import time
+import traceback
 import weakref
 from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
-from torch._subclasses.fake_tensor import FakeTensorMode, unset_fake_temporarily
+from torch._subclasses.fake_tensor import (DataDependentOutputException, FakeTensorMode,
+                                          unset_fake_temporarily)
 
 from trainer.config.job import JobConfig
 from trainer.health import heartbeat
@@ -387,12 +389,25 @@ def trace_scoring(cfg: JobConfig, world_size: int, kind: str) -> TraceResult:
     return result
 
 
+def trainer_frame(e: BaseException) -> str:
+    """file:line of the innermost trainer frame of an exception's traceback."""
+    where = "?"
+    for frame in traceback.extract_tb(e.__traceback__):
+        if "/trainer/" in frame.filename and "/plan/trace.py" not in frame.filename:
+            where = f"trainer/{frame.filename.split('/trainer/')[-1]}:{frame.lineno}"
+    return where
+
+
 def trace_lines(cfg: JobConfig, world_size: int, plan: dict[str, int], mem_gib: float,
                 need) -> list[str]:
     """The printed trace beside the analytic plan (`plan`: trainer.plan.memory.memory_plan);
     `need(peak)`: the device bytes a peak takes with the plan's reserve."""
     accum = cfg.resolve(world_size)[1]
-    r = trace_step(cfg, world_size)
+    try:
+        r = trace_step(cfg, world_size)
+    except DataDependentOutputException as e:
+        return [f"traced dry run stopped: the step reads a device value on the host (a host "
+                f"sync, {e.func}) at {trainer_frame(e)}: a bug to report"]
     sync = cfg.training.gradient_accumulation_sync
     how = ("1 microbatch" if accum == 1 else
            f"1 of {accum} microbatches, after the earlier ones' sharded gradients (sync "
