@@ -73,3 +73,16 @@ def test_a_host_sync_in_the_step_stops_the_trace_at_its_line(monkeypatch):
     lines = trace_lines(cfg, 2, {"total": 1}, 80.0, lambda peak: peak)
     assert lines[0].startswith("traced dry run stopped: the step reads a device value on the "
                                "host (a host sync, aten._local_scalar_dense.default) at "), lines
+
+
+def test_flex_attention_is_not_traced_on_a_cpu():
+    """FlexAttention (block_causal on GPUs) only compiles for CUDA: the trace says so in one
+    line instead of running it (its eager fallback on fake tensors crashes the process)."""
+    from trainer.plan.trace import untraceable
+
+    debug = ["--job.config_file", str(REPO / "configs" / "debug_model.toml")]
+    assert untraceable(load_config(debug)) is None
+    assert "FlexAttention" in untraceable(load_config([*debug, "--model.attn_mask_type",
+                                                       "block_causal"]))
+    assert untraceable(load_config([*debug, "--model.attn_mask_type", "block_causal",
+                                    "--model.attn_implementation", "sdpa"])) is None

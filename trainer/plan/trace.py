@@ -206,6 +206,17 @@ def trace_scoring(cfg: JobConfig, world_size: int, kind: str) -> TraceResult:
     return result
 
 
+def untraceable(cfg: JobConfig) -> str | None:
+    """Why `cfg`'s step cannot be traced on this CPU, or None."""
+    from trainer.plan.memory import plan_args, resolve_vocab
+
+    if plan_args(cfg, resolve_vocab(cfg)[0]).attn_implementation == "flex":
+        return ("block_causal attention runs FlexAttention on GPUs, which only compiles for "
+                "CUDA; the analytic plan above counts its block mask (trace the same shapes "
+                "with --model.attn_mask_type causal for the rest)")
+    return None
+
+
 def trainer_frame(e: BaseException) -> str:
     """file:line of the innermost trainer frame of an exception's traceback."""
     where = "?"
@@ -220,6 +231,8 @@ def trace_lines(cfg: JobConfig, world_size: int, plan: dict[str, int], mem_gib: 
     """The printed trace beside the analytic plan (`plan`: trainer.plan.memory.memory_plan);
     `need(peak)`: the device bytes a peak takes with the plan's reserve."""
     accum = cfg.resolve(world_size)[1]
+    if untraceable(cfg):
+        return [f"traced dry run: not run: {untraceable(cfg)}"]
     try:
         r = trace_step(cfg, world_size)
     except DataDependentOutputException as e:
