@@ -51,6 +51,10 @@ for shape in "${shapes[@]}"; do
     batch="${LOCAL_BATCH:-$("$PYTHON" -m trainer.plan --config "$CONFIG_1B" --ngpu 1 --gpu "$GPU" \
       $COMMON_1B | sed -n 's/^largest local_batch_size that fits: \([0-9]*\).*/\1/p')}"
     echo "=== 1b: production config, local batch $batch"
+    # The traced dry run's peak (eager) for the measured max_memory_allocated to be held against
+    # shellcheck disable=SC2086
+    "$PYTHON" -m trainer.plan --config "$CONFIG_1B" --ngpu 1 --gpu "$GPU" $COMMON_1B \
+      --training.local_batch_size "$batch" --trace | grep -E "^traced|peak \(at|^trace verdict"
     # shellcheck disable=SC2086
     "$PYTHON" benchmarks/bench_train.py --config "$CONFIG_1B" --ngpu 1 --steps "$STEPS" \
       --warmup "$WARMUP" --label "1b-prod-b$batch" -- $COMMON_1B \
