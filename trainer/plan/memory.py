@@ -203,7 +203,7 @@ def memory_plan(cfg: JobConfig, world_size: int) -> dict[str, int]:
     b.update(fsdp_buffers(cfg, groups, shard, p, r))
     sync_last = cfg.training.gradient_accumulation_sync == "last"
     b["grad_accumulation"] = r * gathered_numel(shapes, shard) if accum > 1 and sync_last else 0
-    impl = implementation(cfg.optimizer.implementation, "cuda")  # the plan is for GPUs
+    impl = implementation(cfg.optimizer.implementation)
     largest = max(FP32 * shard_numel(s, shard) for s in shapes)
     b["optimizer_step_temp"] = {"foreach": b["parameters"], "for-loop": 2 * largest}.get(impl, 0)
     # With fsdp_offload the sharded state (params, grads, optimizer) is in host memory

@@ -82,7 +82,7 @@ def report(cfg: JobConfig, b: dict[str, int], accum: int, gpu: Gpu, mem_gib: flo
             "mp": f"{t.mixed_precision_param.replace('auto', 'bfloat16 (auto)')} params, "
                   f"{t.mixed_precision_reduce} reduce",
             "reshard": cfg.parallelism.fsdp_reshard_after_forward,
-            "impl": implementation(cfg.optimizer.implementation, "cuda"),
+            "impl": implementation(cfg.optimizer.implementation),
             "offload": f"fsdp_offload {cfg.parallelism.fsdp_offload}",
             "attn": f"{cfg.model.attn_mask_type}, {cfg.model.positions}"}
     lines = []

@@ -190,7 +190,8 @@ def trace_scoring(cfg: JobConfig, world_size: int, kind: str) -> TraceResult:
         loader = FakeLoader(dataclasses.replace(cfg, training=dataclasses.replace(
             cfg.training, local_batch_size=b)), args.vocab_size, 1)
         inputs, labels = loader.next_microbatch()
-        requests = [Request(tuple(t), n_cont=8) for t in inputs.tolist()]
+        requests = [Request(tuple(t), n_cont=8) for t in inputs.tolist()] \
+            if kind == "eval" else []
         model.eval()
         heartbeat.phase("validation" if kind == "validation" else "eval")
         with trace, torch.no_grad():
