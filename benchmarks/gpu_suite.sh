@@ -3,8 +3,12 @@
 # bench_train.py with compile off and on (nccl, bf16, synthetic data: no tokenizer or
 # `datasets` needed); each run appends to benchmarks/results.jsonl; a table at the end.
 #
-#   benchmarks/gpu_suite.sh              # debug, 1b and 8b
+#   benchmarks/gpu_suite.sh              # debug, 1b, 1b-flex, 3b and 8b
 #   benchmarks/gpu_suite.sh 1b           # one shape; STEPS=50 WARMUP=15 to change the run
+#   VARIANTS_1B="compile float8-rowwise" benchmarks/gpu_suite.sh 1b
+# 1b: compiled bf16 (production), eager, float8 tensorwise and rowwise; 1b-flex: block_causal
+# with FlexAttention and with SDPA on the stdlib corpus's documents; 3b: Llama 3.2 3B with and
+# without FSDP2 CPU offload. The CUDA paths' functional checks: benchmarks/gpu_paths.py.
 # With 2+ GPUs it also runs the debug model at FSDP 2 and TP 2 (eager, compiled, async TP).
 #
 # 8b is the 8B model on ONE GPU: fp32 master weights, grads and AdamW state alone are
@@ -28,6 +32,8 @@ COMMON_1B="--data.dataset synthetic --training.global_batch_size -1 --checkpoint
 declare -A SHAPE=(
   [debug]=""
   [1b]=""
+  [1b-flex]=""
+  [3b]=""
   [8b]="--model.flavor 8B $VOCAB --training.seq_len 4096 --training.local_batch_size 1 --activation_checkpoint.mode full --optimizer.implementation fused"
 )
 
@@ -41,26 +47,66 @@ gpu_kind() {  # the plan's --gpu name for this machine's GPU
   esac
 }
 
+plan_batch() {  # the plan's largest local batch for config overrides "$@" on this GPU
+  "$PYTHON" -m trainer.plan --config "$CONFIG_1B" --ngpu 1 --gpu "$GPU" "$@" \
+    | sed -n 's/^largest local_batch_size that fits: \([0-9]*\).*/\1/p'
+}
+
+traced_peak() {  # the traced dry run's peak (eager), held against the measured max_memory_allocated
+  "$PYTHON" -m trainer.plan --config "$CONFIG_1B" --ngpu 1 --gpu "$GPU" "$@" --trace \
+    | grep -E "^traced|peak \(at|^trace verdict"
+}
+
+bench() {  # bench LABEL OVERRIDES...: one bench_train.py run of the 1B config's production settings
+  local label=$1; shift
+  echo "=== $label"
+  "$PYTHON" benchmarks/bench_train.py --config "$CONFIG_1B" --ngpu 1 --steps "$STEPS" \
+    --warmup "$WARMUP" --label "$label" -- "$@" || echo "=== $label FAILED (rc $?)"
+}
+
+run_big() {
+  local shape=$1 batch
+  # shellcheck disable=SC2206
+  local common=($COMMON_1B)
+  case "$shape" in
+    1b)  # bf16 compiled (production), eager, float8 tensorwise and rowwise, at the plan's batch
+      batch="${LOCAL_BATCH:-$(plan_batch "${common[@]}")}"
+      echo "=== 1b: production config, local batch $batch"
+      traced_peak "${common[@]}" --training.local_batch_size "$batch"
+      for v in ${VARIANTS_1B:-compile eager float8-tensorwise float8-rowwise}; do
+        case "$v" in
+          compile) bench "1b-prod-b$batch" "${common[@]}" --training.local_batch_size "$batch" ;;
+          eager) bench "1b-eager-b$batch" "${common[@]}" --training.local_batch_size "$batch" \
+                   --compile.enable false ;;
+          float8-*) bench "1b-$v-b$batch" "${common[@]}" --training.local_batch_size "$batch" \
+                      --float8.enable true --float8.recipe "${v#float8-}" ;;
+        esac
+      done ;;
+    1b-flex)  # block_causal on real documents (stdlib corpus): FlexAttention against SDPA's mask
+      local docs=(--data.dataset stdlib --training.global_batch_size -1 --checkpoint.enable false
+                  --model.attn_mask_type block_causal)
+      batch="${LOCAL_BATCH:-$(plan_batch "${docs[@]}" --model.attn_implementation flex)}"
+      for impl in flex sdpa; do
+        bench "1b-block-causal-$impl-b$batch" "${docs[@]}" --model.attn_implementation "$impl" \
+          --training.local_batch_size "$batch"
+      done ;;
+    3b)  # Llama 3.2 3B: FSDP2 CPU offload against none, at the plan's batch without offload
+      local three=("${common[@]}" --model.flavor llama3.2-3B)
+      batch="${LOCAL_BATCH:-$(plan_batch "${three[@]}")}"
+      traced_peak "${three[@]}" --training.local_batch_size "$batch"
+      bench "3b-b$batch" "${three[@]}" --training.local_batch_size "$batch"
+      bench "3b-offload-b$batch" "${three[@]}" --training.local_batch_size "$batch" \
+        --parallelism.fsdp_offload cpu ;;
+  esac
+}
+
 GPU=$(gpu_kind)
 START=$(date +%Y-%m-%dT%H:%M:%S)
 shapes=("$@")
-[ ${#shapes[@]} -gt 0 ] || shapes=(debug 1b 8b)
+[ ${#shapes[@]} -gt 0 ] || shapes=(debug 1b 1b-flex 3b 8b)
 for shape in "${shapes[@]}"; do
-  [ -n "${SHAPE[$shape]+x}" ] || { echo "unknown shape $shape (debug, 1b, 8b)"; exit 2; }
-  if [ "$shape" = 1b ]; then
-    batch="${LOCAL_BATCH:-$("$PYTHON" -m trainer.plan --config "$CONFIG_1B" --ngpu 1 --gpu "$GPU" \
-      $COMMON_1B | sed -n 's/^largest local_batch_size that fits: \([0-9]*\).*/\1/p')}"
-    echo "=== 1b: production config, local batch $batch"
-    # The traced dry run's peak (eager) for the measured max_memory_allocated to be held against
-    # shellcheck disable=SC2086
-    "$PYTHON" -m trainer.plan --config "$CONFIG_1B" --ngpu 1 --gpu "$GPU" $COMMON_1B \
-      --training.local_batch_size "$batch" --trace | grep -E "^traced|peak \(at|^trace verdict"
-    # shellcheck disable=SC2086
-    "$PYTHON" benchmarks/bench_train.py --config "$CONFIG_1B" --ngpu 1 --steps "$STEPS" \
-      --warmup "$WARMUP" --label "1b-prod-b$batch" -- $COMMON_1B \
-      --training.local_batch_size "$batch" || echo "=== 1b FAILED (rc $?)"
-    continue
-  fi
+  [ -n "${SHAPE[$shape]+x}" ] || { echo "unknown shape $shape (debug, 1b, 1b-flex, 3b, 8b)"; exit 2; }
+  case "$shape" in 1b|1b-flex|3b) run_big "$shape"; continue ;; esac
   echo "=== $shape: memory plan on $GPU"
   # shellcheck disable=SC2086
   plan=$("$PYTHON" -m trainer.plan --config "$CONFIG" --ngpu 1 --gpu "$GPU" $COMMON ${SHAPE[$shape]})

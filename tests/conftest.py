@@ -1,6 +1,11 @@
+import importlib.util
 import os
 
 import pytest
+
+# The GPU machines have no Hugging Face `datasets`: what reads text/json/hub data through it skips
+# there (marked needs_datasets); everything else runs.
+HAS_DATASETS = importlib.util.find_spec("datasets") is not None
 
 # The longest files first, so that under xdist (pyproject's addopts) they overlap the many short
 # ones instead of running alone at the end. The default run is ~2 min on 2 CPU cores.
@@ -15,6 +20,11 @@ def pytest_collection_modifyitems(config, items):
         return LONGEST_FIRST.index(name) if name in LONGEST_FIRST else len(LONGEST_FIRST)
 
     items.sort(key=rank)  # stable: the order within a file, and of the other files, is kept
+    if not HAS_DATASETS:
+        skip = pytest.mark.skip(reason="needs Hugging Face `datasets`, not installed here")
+        for item in items:
+            if "needs_datasets" in item.keywords:
+                item.add_marker(skip)
 
 
 @pytest.fixture(autouse=True, scope="session")

@@ -218,6 +218,7 @@ def test_configuration_errors_name_the_problem(tmp_path):
         model(torch.zeros(1, 4, dtype=torch.long))
 
 
+@pytest.mark.needs_datasets
 def test_a_store_without_delimiters_is_refused(json_cfg, tmp_path):
     """A store prepared with add_bos = add_eos = false has no documents: block_causal on it is
     one data error naming the store and why; with its default framing it has them."""
@@ -313,6 +314,7 @@ def test_a_single_document_computes_as_the_causal_model():
             assert (got - ref).abs().max() <= 1e-5, impl
 
 
+@pytest.mark.needs_datasets
 def test_streamed_and_blended_sources_know_their_documents(json_cfg):
     """A streamed source frames by data.add_bos / add_eos; a blend's delimiters are its
     sources' together, and one source without any leaves the blend without documents."""

@@ -64,6 +64,7 @@ def test_refused_before_launch(tmp_path, case):
             in line
 
 
+@pytest.mark.needs_datasets
 def test_corpus_not_utf8_or_binary(tmp_path, tokenizer_path):
     """A latin-1 text file, in training (streamed) and in prepare; a folder of binary files
     given as text and as json to prepare; the folder itself as data_files."""
@@ -102,6 +103,25 @@ def test_corpus_not_utf8_or_binary(tmp_path, tokenizer_path):
         f"(e.g. {str(binary / '*.jsonl')!r})")
 
 
+def test_missing_datasets_is_one_line(tmp_path, tokenizer_path):
+    """Without Hugging Face `datasets` (the GPU machines have none), a text corpus and a hub eval
+    task are one config error naming the key and the way out, not an import traceback per rank.
+    A `datasets` package that fails to import stands in for the missing one."""
+    shadow = tmp_path / "shadow" / "datasets"
+    shadow.mkdir(parents=True)
+    (shadow / "__init__.py").write_text("raise ImportError(\"No module named 'datasets'\")\n")
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_text("a line of text\n" * 200)
+    proc = run_train(tmp_path / "out", *TINY, "--data.dataset", "text", "--data.data_files",
+                     str(corpus), "--data.tokenizer_path", tokenizer_path, check=False,
+                     timeout=120, env={"PYTHONPATH": f"{shadow.parent}{os.pathsep}{REPO}"})
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    assert one_line(proc) == (
+        "config error: data.dataset = 'text' is read through Hugging Face `datasets`, which is "
+        "not installed here: pip install datasets (or train from a prepared store, "
+        "data.store_path, or data.dataset = 'stdlib' or 'synthetic')")
+
+
 def test_truncated_safetensors(tmp_path):
     import torch
     from safetensors.torch import save_file
@@ -119,6 +139,7 @@ def test_truncated_safetensors(tmp_path):
         "covered); copy or export it again")
 
 
+@pytest.mark.needs_datasets
 def test_token_ids_beyond_the_vocab_with_sizes_only(tmp_path, store_path):
     """A shard overwritten with ids the tokenizer never makes (sizes intact): with
     verify_store = 'sizes' the first batch that reads it stops the run in one line."""

@@ -234,6 +234,7 @@ def test_store_and_tokenizer_errors(mix_stores, tmp_path):
         build(mix_cfg({**mix_stores, "json": str(other)}, {"email": 1, "json": 1}), seq_len=64)
 
 
+@pytest.mark.needs_datasets
 def test_resume_refusals(mix_stores, blend_cfg, store_cfg):
     state = mix_ranks(blend_cfg, 1, local_batch_size=G)[0].state_dict()
     swapped = mix_cfg({**mix_stores, "json": mix_stores["http"]}, {"email": 0.75, "json": 0.25},
@@ -321,6 +322,7 @@ def test_prepare_every_source_of_a_blend_in_one_command(tmp_path):
         "data error: data.data_files pattern 'nope/**' matches no module")
 
 
+@pytest.mark.needs_datasets
 def test_planning_ahead_changes_no_window(blend_cfg, store_cfg):
     """Locating ~256 samples of a rank at once (the fast path) reads the same windows as
     locating each microbatch alone, for a blend and a single store, across steps."""

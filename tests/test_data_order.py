@@ -35,6 +35,7 @@ def reference(cfg, steps=STEPS, **kw):
 
 
 @pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.needs_datasets
 def test_union_of_ranks_is_the_global_batches(cfg, layout):
     dp = LAYOUTS[layout]
     want = reference(cfg)
@@ -47,6 +48,7 @@ def test_union_of_ranks_is_the_global_batches(cfg, layout):
     assert len(set(seen)) == len(seen) == STEPS * G  # no sample seen twice
 
 
+@pytest.mark.needs_datasets
 def test_rank_slices_and_microbatches(store_cfg):
     loader = build(store_cfg, 1, 2, local_batch_size=2, global_batch_size=8)
     assert loader.accum_steps == 2
@@ -56,6 +58,7 @@ def test_rank_slices_and_microbatches(store_cfg):
 
 @pytest.mark.parametrize("before,after", [(("hsdp2x2", 1), ("fsdp2", 2)),
                                           (("dp1", 4), ("fsdp8", 1))])
+@pytest.mark.needs_datasets
 def test_resume_on_another_dp_size(cfg, before, after):
     """4 ranks (HSDP 2x2) -> 2 ranks, and 1 rank -> 8 ranks, continue with the next samples;
     the microbatch size may change too."""
@@ -74,6 +77,7 @@ def test_resume_on_another_dp_size(cfg, before, after):
     assert got == want
 
 
+@pytest.mark.needs_datasets
 def test_epochs_wrap_with_a_new_permutation(store_cfg):
     loader = build(store_cfg, seq_len=4095, local_batch_size=1, global_batch_size=1)
     n = loader.n_windows
@@ -98,12 +102,14 @@ def test_permutation_is_a_pure_function():
     assert (big < 5 * 10**9).all() and len(set(big.tolist())) == 3
 
 
+@pytest.mark.needs_datasets
 def test_seed_changes_the_order(store_cfg):
     a = run_global_batches([build(store_cfg, seed=0)], 1)[0]
     b = run_global_batches([build(store_cfg, seed=1)], 1)[0]
     assert batch_hash(a) != batch_hash(b)
 
 
+@pytest.mark.needs_datasets
 def test_state_refuses_other_setups(store_cfg):
     loader = build(store_cfg)
     run_global_batches([loader], 1)
@@ -118,6 +124,7 @@ def test_state_refuses_other_setups(store_cfg):
         loader.state_dict()
 
 
+@pytest.mark.needs_datasets
 def test_validation_split_is_held_out(store_cfg):
     train = build(store_cfg, seq_len=256, local_batch_size=8)
     val = build(store_cfg, seq_len=256, local_batch_size=8, split="validation")

@@ -39,6 +39,7 @@ def shard_state(path) -> dict:
     return {p.name: (p.stat().st_ino, p.stat().st_mtime_ns) for p in Path(path).glob("*.bin")}
 
 
+@pytest.mark.needs_datasets
 def test_store_layout_and_manifest(store_path, tokenizer_path):
     m = json.loads((Path(store_path) / "manifest.json").read_text())
     assert m["source"]["dataset"] == "json" and len(m["source"]["data_files"]) == 4
@@ -55,6 +56,7 @@ def test_store_layout_and_manifest(store_path, tokenizer_path):
     assert stream[0] == 1 and (stream == 2).sum() == 120  # BOS first, one EOS per document
 
 
+@pytest.mark.needs_datasets
 def test_prepare_is_idempotent(json_cfg, store_path):
     before = shard_state(store_path)
     m = prepare_store(json_cfg, json_cfg.tokenizer_path, store_path, workers=1,
@@ -62,6 +64,7 @@ def test_prepare_is_idempotent(json_cfg, store_path):
     assert shard_state(store_path) == before and m["total_docs"] == 120
 
 
+@pytest.mark.needs_datasets
 def test_unfinished_store_is_resumed(json_cfg, store_path, tmp_path):
     out = tmp_path / "store"
     calls = []
@@ -85,6 +88,7 @@ def test_unfinished_store_is_resumed(json_cfg, store_path, tmp_path):
     assert Store(out).fingerprint == Store(store_path).fingerprint  # same as uninterrupted
 
 
+@pytest.mark.needs_datasets
 def test_unfinished_store_of_another_plan_is_rebuilt(json_cfg, store_path, tmp_path):
     out = tmp_path / "store"
     with pytest.raises(KeyboardInterrupt):
@@ -96,6 +100,7 @@ def test_unfinished_store_of_another_plan_is_rebuilt(json_cfg, store_path, tmp_p
     assert Store(out).fingerprint == Store(store_path).fingerprint
 
 
+@pytest.mark.needs_datasets
 def test_foreign_directories_are_not_overwritten(json_cfg, store_path, tmp_path,
                                                  other_tokenizer):
     (tmp_path / "mine").mkdir()
@@ -107,6 +112,7 @@ def test_foreign_directories_are_not_overwritten(json_cfg, store_path, tmp_path,
 
 
 # -- the six bad-input cases: one line, naming the path, raised by build_dataloader ---------------
+@pytest.mark.needs_datasets
 def test_missing_paths(store_cfg, json_cfg, tmp_path):
     with pytest.raises(DataError) as e:
         build(replace(store_cfg, store_path=str(tmp_path / "nope")))
@@ -122,6 +128,7 @@ def test_missing_paths(store_cfg, json_cfg, tmp_path):
     assert str(tmp_path / "no.model") in one_line(e)
 
 
+@pytest.mark.needs_datasets
 def test_empty_corpus(json_cfg, tmp_path):
     empty = tmp_path / "empty.jsonl"
     empty.write_text('{"text": ""}\n{"text": ""}\n')
@@ -135,6 +142,7 @@ def test_empty_corpus(json_cfg, tmp_path):
     assert "empty corpus" in one_line(e) and str(empty) in one_line(e)
 
 
+@pytest.mark.needs_datasets
 def test_model_vocab_mismatch(store_cfg, store_path):
     loader = build(store_cfg)
     assert loader.vocab_size == 512
@@ -146,6 +154,7 @@ def test_model_vocab_mismatch(store_cfg, store_path):
     assert os.path.join(store_path, "tokenizer.model") in one_line(e)
 
 
+@pytest.mark.needs_datasets
 def test_store_from_another_tokenizer(store_cfg, store_path, other_tokenizer):
     other = other_tokenizer
     with pytest.raises(DataError) as e:
@@ -154,6 +163,7 @@ def test_store_from_another_tokenizer(store_cfg, store_path, other_tokenizer):
 
 
 @pytest.mark.parametrize("damage", ["truncate", "corrupt"])
+@pytest.mark.needs_datasets
 def test_truncated_or_corrupt_shard(store_cfg, store_path, tmp_path, damage):
     copy = tmp_path / "store"
     shutil.copytree(store_path, copy)
@@ -173,6 +183,7 @@ def test_truncated_or_corrupt_shard(store_cfg, store_path, tmp_path, damage):
         build(replace(cfg, verify_store="sizes"))
 
 
+@pytest.mark.needs_datasets
 def test_seq_len_longer_than_the_corpus(store_cfg, store_path):
     with pytest.raises(DataError) as e:
         build(store_cfg, seq_len=10_000_000)

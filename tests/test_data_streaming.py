@@ -34,6 +34,7 @@ def take(loader, n):
     return torch.cat(out)
 
 
+@pytest.mark.needs_datasets
 def test_ranks_read_disjoint_parts(json_cfg):
     everything = list(hf_documents(json_cfg, "train"))
     parts = [list(hf_documents(json_cfg, "train", r, 2)) for r in range(2)]
@@ -46,6 +47,7 @@ def test_ranks_read_disjoint_parts(json_cfg):
         assert "per-rank resume only" in loader.describe()
 
 
+@pytest.mark.needs_datasets
 def test_resume_on_the_same_dp_size(json_cfg):
     first = rank_loaders(json_cfg, 2)
     for loader in first:
@@ -60,6 +62,7 @@ def test_resume_on_the_same_dp_size(json_cfg):
         assert torch.equal(take(loader, 2), want[r])
 
 
+@pytest.mark.needs_datasets
 def test_resume_on_another_dp_size_fails_clearly(json_cfg):
     loader = rank_loaders(json_cfg, 2)[0]
     take(loader, 1)
@@ -70,6 +73,7 @@ def test_resume_on_another_dp_size_fails_clearly(json_cfg):
     assert "dp size 2" in msg and "dp size 4" in msg and "python -m trainer.data.prepare" in msg
 
 
+@pytest.mark.needs_datasets
 def test_wraps_around_at_the_end(json_cfg, tmp_path):
     tiny = tmp_path / "tiny.jsonl"
     tiny.write_text("".join(json.dumps({"text": f"doc {i} " * 5}) + "\n" for i in range(3)))
@@ -79,6 +83,7 @@ def test_wraps_around_at_the_end(json_cfg, tmp_path):
     assert loader.epoch >= 2
 
 
+@pytest.mark.needs_datasets
 def test_streaming_errors(json_cfg, corpus_dir):
     with pytest.raises(DataError, match="data.val_split"):
         build(json_cfg, split="validation")

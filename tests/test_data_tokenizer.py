@@ -50,6 +50,7 @@ def test_bad_model_file(tmp_path):
         Tokenizer(bad)
 
 
+@pytest.mark.needs_datasets
 def test_train_tokenizer_cli(tmp_path):
     data = tmp_path / "docs.jsonl"
     with open(data, "w") as f:

@@ -120,13 +120,42 @@ def test_ranks_check_the_device_too(tmp_path):
         assert "sees no CUDA device" in line
 
 
+# In the launcher (and so in the ranks it forks): every CUDA query torch makes, with the
+# CUDA_VISIBLE_DEVICES it was made under, one line each in $CUDA_PROBE_FILE.
+CUDA_PROBE = """
+import os
+if "trainer.launch" in open("/proc/self/cmdline", "rb").read().decode(errors="replace"):
+    import torch
+
+    def _probe(name, fn):
+        def probed(*args, **kwargs):
+            with open(os.environ["CUDA_PROBE_FILE"], "a") as f:
+                f.write(f"{os.getpid()} {name} {os.environ.get('CUDA_VISIBLE_DEVICES')!r}\\n")
+            return fn(*args, **kwargs)
+        return probed
+
+    for _name in ("is_available", "device_count"):
+        setattr(torch.cuda, _name, _probe(_name, getattr(torch.cuda, _name)))
+"""
+
+
 def test_cpu_ranks_on_a_gpu_machine_and_the_auto_dtype(tmp_path):
     """`--training.device cpu` with NGPU unset: 2 CPU ranks (gloo) even where GPUs are seen.
-    `mixed_precision_param = "auto"` says what it chose and why; the saved config keeps auto."""
+    `mixed_precision_param = "auto"` says what it chose and why; the saved config keeps auto.
+    No CUDA query is made with a GPU visible, neither by the launcher (torchrun asks
+    `torch.cuda.is_available()`, which initialises the driver, and CPU ranks forked after that
+    fail at their first CUDA query: seen on an H100) nor by the ranks."""
+    probe = tmp_path / "probe"
+    probe.mkdir()
+    (probe / "sitecustomize.py").write_text(CUDA_PROBE)
+    env = {**fake_gpu_machine(tmp_path, 1), "CUDA_PROBE_FILE": str(tmp_path / "cuda_queries"),
+           "PYTHONPATH": f"{probe}:{REPO}"}
     proc = run_sh(tmp_path, *TINY, "--training.mixed_precision_param", "auto",
-                  "--training.steps", "1", "--checkpoint.enable", "false",
-                  env=fake_gpu_machine(tmp_path, 1), timeout=120)
+                  "--training.steps", "1", "--checkpoint.enable", "false", env=env, timeout=120)
     assert proc.returncode == 0, proc.stderr[-3000:]
+    queries = (tmp_path / "cuda_queries").read_text().splitlines()
+    assert queries and all(q.endswith(" ''") for q in queries), queries
+    assert len({q.split()[0] for q in queries}) >= 2, queries  # the launcher's and the ranks'
     assert "mesh: FSDP mesh (dp_replicate=1, dp_shard=2)" in proc.stdout
     assert "device: cpu (gloo)" in proc.stdout
     want = ("compute dtype: bfloat16 (auto: this CPU computes bf16 natively" if NATIVE_BF16 else

@@ -54,6 +54,7 @@ def fsdp2(short_docs_store, tmp_path_factory):
     return dump, out
 
 
+@pytest.mark.needs_datasets
 def test_startup_names_the_mask_and_the_documents(fsdp2):
     out = fsdp2[1]
     assert ("attention: block_causal (a token sees earlier tokens of its own document only); "
@@ -63,6 +64,7 @@ def test_startup_names_the_mask_and_the_documents(fsdp2):
     assert "block_causal counted as causal over the whole window" in out
 
 
+@pytest.mark.needs_datasets
 def test_resume_is_bitwise(fsdp2, short_docs_store, tmp_path):
     dump = stopped_after_save(fsdp2[0], tmp_path / "resumed", 4)
     out = run_train(dump, *common(short_docs_store), "--checkpoint.enable", "true",
@@ -74,6 +76,7 @@ def test_resume_is_bitwise(fsdp2, short_docs_store, tmp_path):
 
 
 @pytest.mark.parametrize("layout", ["hsdp2x2", "one_rank"])
+@pytest.mark.needs_datasets
 def test_layouts_give_the_same_losses(fsdp2, short_docs_store, tmp_path, layout):
     extra, nproc = ((["--parallelism.data_parallel_replicate_degree", "2"], 4)
                     if layout == "hsdp2x2" else ([], 1))

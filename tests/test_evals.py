@@ -197,6 +197,7 @@ def test_config_errors():
     assert cfg.eval.tasks == ["stdlib_next_line", "d/arc.jsonl"]
 
 
+@pytest.mark.needs_datasets
 def test_hf_task_from_local_files_offline(tmp_path, monkeypatch):
     """The `datasets` path with HF_DATASETS_OFFLINE=1 on local JSON: a field mapping, a
     digit-string label (as HellaSwag's), lm-eval's ' ' delimiter and the limit."""

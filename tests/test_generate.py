@@ -5,6 +5,7 @@ new token is the argmax of a full forward over the sequence before it."""
 import subprocess
 import sys
 
+import pytest
 import torch
 
 from tests.helpers import REPO, subprocess_env
@@ -14,6 +15,7 @@ from tests.test_validation import val_run  # noqa: F401  (a 4-step FSDP run with
 from trainer import generate as gen
 
 
+@pytest.mark.needs_datasets
 def test_generate_prints_text_deterministic_and_exact(val_run):  # noqa: F811
     ckpt = val_run[0] / "checkpoint" / "step-4"
     args = ["--checkpoint", str(ckpt), "--prompt", "def ", "--max_new_tokens", "24"]

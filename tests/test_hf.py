@@ -45,6 +45,7 @@ def real_lines(n: int = 1000) -> list[str]:
     return lines[1000:1000 + n]
 
 
+@pytest.mark.needs_datasets
 def test_trained_debug_model_exports_to_transformers(tmp_path, json_cfg):  # noqa: F811
     """The debug flavor trained 3 steps on 2 ranks, checkpointed, converted on one process
     (sharded safetensors): transformers' logits equal ours; its tokenizer equals ours."""

@@ -39,6 +39,7 @@ def test_tokenizer_json_encodes_like_sentencepiece(tokenizer_json, json_cfg):  #
     assert hf.decode(hf.encode_docs(texts[:1])[0]) == texts[0]
 
 
+@pytest.mark.needs_datasets
 def test_streaming_and_prepare_with_tokenizer_json(tmp_path, tokenizer_json, json_cfg,  # noqa: F811
                                                    store_cfg):  # noqa: F811
     from trainer.data.prepare import prepare_store

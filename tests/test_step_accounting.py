@@ -34,6 +34,7 @@ def short_documents_store(json_cfg, tmp_path_factory) -> str:
     return str(folder / "store")
 
 
+@pytest.mark.needs_datasets
 def test_logged_loss_is_token_weighted(tmp_path, short_documents_store):
     """Document starts masked out of the loss (predict_document_start = false) leave the two
     ranks different token counts: the 2-rank run logs the loss of the 1-rank run over the same

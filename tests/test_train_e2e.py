@@ -128,6 +128,7 @@ def test_elastic_resume_hsdp4_to_fsdp2_sees_exactly_the_next_samples(tmp_path, s
         assert got[step] == pytest.approx(ref[step], rel=1e-4), step
 
 
+@pytest.mark.needs_datasets
 def test_streamed_source_resumes_only_on_the_same_dp_size(tmp_path, json_cfg):
     """A streamed HF source (local jsonl) keeps per-rank positions: it resumes on the same dp
     size, and on another it stops with a data error that says to prepare a store."""

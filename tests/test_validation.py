@@ -31,6 +31,7 @@ def val_run(store_path, tmp_path_factory):  # noqa: F811
     return once("val_run", make)
 
 
+@pytest.mark.needs_datasets
 def test_validation_logged_falling_and_training_untouched(val_run, store_path, tmp_path):
     dump, proc = val_run
     val = scalars(dump, VAL)
@@ -46,6 +47,7 @@ def test_validation_logged_falling_and_training_untouched(val_run, store_path, t
     assert scalars(tmp_path, VAL) == {}
 
 
+@pytest.mark.needs_datasets
 def test_validation_is_the_same_on_every_layout(val_run, store_path, tmp_path):
     """1 process and HSDP 2x2 evaluate the same 6 samples as FSDP 2 (fp32: within 1e-5)."""
     ref = scalars(val_run[0], VAL)
@@ -58,6 +60,7 @@ def test_validation_is_the_same_on_every_layout(val_run, store_path, tmp_path):
         assert got[2] == pytest.approx(ref[2], abs=1e-5), (name, got[2], ref[2])
 
 
+@pytest.mark.needs_datasets
 def test_validation_split_too_small_is_one_line(store_path, tmp_path):
     proc = run_train(tmp_path, *store_args(store_path), *VAL_ARGS, "--validation.steps", "100000",
                      "--training.steps", "2", check=False, timeout=60)

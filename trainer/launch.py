@@ -23,7 +23,8 @@ This is `torch.distributed.run` (the code behind `torchrun`) with these differen
   machine without GPUs) are forked from this launcher once it has imported torch and the
   trainer (torchrun's function-entrypoint path, start method "fork"), instead of each rank
   importing them anew: ~4 s less per launch on 2 ranks, ~5 s on 4 (benchmarks/RESULTS.md).
-  They inherit this process's C++ log level (TORCH_CPP_LOG_LEVEL, else ERROR). CUDA ranks, and
+  They inherit this process's C++ log level (TORCH_CPP_LOG_LEVEL, else ERROR) and see no GPU
+  (CUDA_VISIBLE_DEVICES="", set before torchrun asks CUDA: `hide_gpus`). CUDA ranks, and
   any other target, start as fresh processes, as under torchrun; so do CPU ranks with
   TRAINER_FORK_RANKS=0.
 """
@@ -128,24 +129,37 @@ def _stop_without_workers(read_fd: int) -> None:
                 os._exit(PREEMPTED_EXIT_CODE)
 
 
-def forkable_trainer_args(cmd_args: list[str]) -> list[str] | None:
-    """The trainer's arguments when the ranks may be forked from this launcher: the target is
-    `-m trainer.train`, its config puts the ranks on CPU, and TRAINER_FORK_RANKS is not 0. (A
-    CUDA rank starts as a fresh process, as torchrun starts any script; this launcher never
-    touches CUDA either way.)"""
-    if cmd_args[:3] != ["-u", "-m", "trainer.train"] or os.environ.get(FORK_ENV, "1") == "0":
+def forkable_trainer_args(args) -> list[str] | None:
+    """The trainer's arguments when the ranks may be forked from this launcher: torchrun's
+    `args` run `-m trainer.train`, its config puts the ranks on CPU, and TRAINER_FORK_RANKS is
+    not 0. (A CUDA rank starts as a fresh process, as torchrun starts any script.)"""
+    if not (args.module and not args.no_python and not args.run_path
+            and args.training_script == "trainer.train" and getattr(args, "use_env", True)) \
+            or os.environ.get(FORK_ENV, "1") == "0":
         return None
     from trainer.config.job import load_config
     from trainer.device import visible_gpus
     from trainer.errors import UserError
 
+    argv = list(args.training_script_args)
     try:
-        device = load_config(cmd_args[3:]).training.device
+        device = load_config(argv).training.device
     except UserError:  # the ranks report it, as without forking
         return None
     if device == "cpu" or (device == "auto" and visible_gpus()[0] == 0):
-        return cmd_args[3:]
+        return argv
     return None
+
+
+def hide_gpus() -> None:
+    """CPU ranks forked from here see no GPU, and nothing here initialises CUDA before the fork.
+
+    torchrun's LaunchConfig asks `torch.cuda.is_available()`, which initialises the CUDA driver
+    in this process where a GPU is visible; a rank forked after that fails at its first CUDA
+    query, which CPU training makes too: torch 2.11's optimizer step asks for the current
+    accelerator ("CUDA error: initialization error"), dynamo saves the CUDA RNG state ("Cannot
+    re-initialize CUDA in forked subprocess"). Seen on an H100 in 47 tests (2026-11-25)."""
+    os.environ["CUDA_VISIBLE_DEVICES"] = ""
 
 
 def forked_rank(argv: list[str]) -> None:
@@ -315,8 +329,10 @@ def _name_process(name: str) -> None:
 
 def main(argv: list[str]) -> int:
     args = parse_args(argv)
+    trainer_args = forkable_trainer_args(args)
+    if trainer_args is not None:
+        hide_gpus()  # before config_from_args, which asks CUDA
     config, cmd, cmd_args = config_from_args(args)
-    trainer_args = forkable_trainer_args(cmd_args)
     if trainer_args is not None:
         import torch._dynamo  # noqa: F401  (DTensor imports it at its first use, in each rank)
         import trainer.train  # noqa: F401  (imported once here, inherited by every rank)

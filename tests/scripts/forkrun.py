@@ -13,6 +13,7 @@ import time
 import traceback
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")  # as torchrun sets it for several local ranks
+os.environ["CUDA_VISIBLE_DEVICES"] = ""  # CPU ranks: no CUDA before the fork (trainer.launch.hide_gpus)
 
 import torch  # noqa: E402,F401
 import torch._dynamo  # noqa: E402,F401  (DTensor imports it at its first use)

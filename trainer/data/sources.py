@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Iterator
 
 from trainer.data.config import LOCAL_BUILDERS, DataConfig
-from trainer.errors import DataError
+from trainer.errors import ConfigError, DataError
 
 
 # -- the embedded default: the .py files of this machine's standard library --------------------
@@ -100,9 +100,21 @@ def resolve_data_files(cfg: DataConfig) -> list[str]:
     return out
 
 
+def import_datasets(what: str):
+    """Hugging Face `datasets`, or one config error naming what needed it and the way out."""
+    try:
+        import datasets
+    except ImportError:
+        raise ConfigError(f"{what} is read through Hugging Face `datasets`, which is not "
+                          "installed here: pip install datasets (or train from a prepared "
+                          "store, data.store_path, or data.dataset = 'stdlib' or "
+                          "'synthetic')") from None
+    return datasets
+
+
 def open_hf_stream(cfg: DataConfig, split: str):
     """A streaming `datasets.IterableDataset` for a hub name or a local builder + files."""
-    import datasets
+    datasets = import_datasets(f"data.dataset = {cfg.dataset!r}")
 
     name = cfg.dataset
     kwargs: dict = {"split": split, "streaming": True}

@@ -86,9 +86,10 @@ def _short(value) -> str:
 def load_hf_task(spec: HFTask, limit: int = 0) -> Task:
     """A `[[eval.hf_tasks]]` task, streamed through `datasets` (local files, or the local
     cache with HF_DATASETS_OFFLINE=1); the first `limit` examples when limit > 0."""
-    import datasets
-
     from trainer.data.config import LOCAL_BUILDERS
+    from trainer.data.sources import import_datasets
+
+    datasets = import_datasets(f"eval.hf_tasks {spec.name!r}")
 
     kwargs: dict = {"split": spec.split, "streaming": True}
     where = f"eval.hf_tasks {spec.name!r} ({spec.dataset}"
