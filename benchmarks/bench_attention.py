@@ -78,8 +78,8 @@ def build_step(cfg, batch, device, pd):
 
     train_step = TrainStep(
         model, opt, sched, batch,
-        forward_backward=build_forward_backward(model, loss_fn, cfg, dp_size=1, device=device,
-                                                loader=batch),
+        forward_backward=build_forward_backward(model, loss_fn, cfg, parallel_dims=pd,
+                                                device=device, loader=batch),
         metrics=_NoMetrics(), dp_group=group, device=device, max_norm=cfg.training.max_norm)
 
     def step() -> float:

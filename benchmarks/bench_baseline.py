@@ -84,7 +84,8 @@ def build_trainer_step(cfg, args, batch):
 
     train_step = TrainStep(
         model, opt, sched, loader,
-        forward_backward=build_forward_backward(model, loss_fn, cfg, dp_size=1, device=device),
+        forward_backward=build_forward_backward(model, loss_fn, cfg, parallel_dims=pd,
+                                                device=device),
         metrics=metrics, dp_group=group, device=device, max_norm=cfg.training.max_norm)
 
     def step() -> float:

@@ -130,11 +130,12 @@ def test_modules_are_small_and_few_at_the_top():
 
 
 def test_the_loop_does_not_know_the_parallelisms():
-    """train.py, loop.py and step.py reach FSDP, TP and loss parallel only through the
+    """train.py, loop.py and step.py reach FSDP, TP, CP and loss parallel only through the
     parallelize step and the step's seam (trainer/parallel/microbatches.py)."""
     graph = import_graph(modules())
     specific = {"trainer.parallel.fsdp", "trainer.parallel.tp", "trainer.parallel.loss_parallel",
-                "torch.distributed.fsdp", "torch.distributed.tensor.parallel"}
+                "trainer.parallel.context_parallel", "torch.distributed.fsdp",
+                "torch.distributed.tensor.parallel"}
     for name in ("trainer.train", "trainer.loop", "trainer.step"):
         source = open(modules()[name]).read()
         assert not graph[name] & specific, name

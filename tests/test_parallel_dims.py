@@ -53,7 +53,8 @@ def test_tp_takes_its_share_of_the_world():
     assert (pd.dp_replicate, pd.dp_shard, pd.tp, pd.dp_size) == (2, 2, 2, 4)
 
 
-LAYOUTS = [(1, 4, 1), (2, 2, 1), (4, 1, 1), (1, 2, 2), (2, 1, 2), (1, 1, 4)]
+LAYOUTS = [(1, 4, 1, 1), (2, 2, 1, 1), (4, 1, 1, 1), (1, 2, 1, 2), (2, 1, 1, 2), (1, 1, 1, 4),
+           (1, 2, 2, 1), (1, 1, 2, 2), (2, 1, 2, 1), (1, 1, 4, 1)]  # replicate, shard, cp, tp
 
 
 @pytest.fixture(scope="module")
@@ -65,24 +66,29 @@ def meshes(tmp_path_factory):
     return out
 
 
-@pytest.mark.parametrize("replicate, shard, tp", LAYOUTS)
-def test_mesh_on_four_ranks(meshes, replicate, shard, tp):
+@pytest.mark.parametrize("replicate, shard, cp, tp", LAYOUTS)
+def test_mesh_on_four_ranks(meshes, replicate, shard, cp, tp):
     infos = sorted((json.loads(p.read_text())
-                    for p in (meshes / f"{replicate}x{shard}x{tp}").glob("rank*.json")),
+                    for p in (meshes / f"{replicate}x{shard}x{cp}x{tp}").glob("rank*.json")),
                    key=lambda i: i["rank"])
     assert len(infos) == 4
-    dp = replicate * shard
+    dp, inner = replicate * shard, cp * tp  # inner: the ranks of one dp rank
     for info in infos:
         r = info["rank"]
-        assert info["dim_names"] == ["dp_replicate", "dp_shard", "tp"]
-        assert info["shape"] == [replicate, shard, tp]
-        # Row-major, tp innermost: a tp group is contiguous ranks; the dp rank is the rank
-        # without its tp part, so the tp ranks of one dp rank read the same samples.
-        assert info["dp_size"] == dp and info["dp_rank"] == r // tp
+        assert info["dim_names"] == ["dp_replicate", "dp_shard", "cp", "tp"]
+        assert info["shape"] == [replicate, shard, cp, tp]
+        # Row-major, tp innermost, then cp: the cp and tp ranks of a dp rank are contiguous
+        # ranks and read the same samples.
+        assert info["dp_size"] == dp and info["dp_rank"] == r // inner
         assert info["tp_group"] == list(range(r // tp * tp, r // tp * tp + tp))
-        assert info["dp_group"] == list(range(r % tp, 4, tp))
-        block = shard * tp  # ranks of one replica
-        first = r // block * block + r % tp
-        assert info["shard_group"] == list(range(first, first + block, tp))
+        first_cp = r // inner * inner + r % tp
+        assert info["cp_group"] == list(range(first_cp, first_cp + inner, tp))
+        assert info["dp_group"] == list(range(r % inner, 4, inner))
+        block = shard * inner  # ranks of one replica
+        first = r // block * block + r % inner
+        assert info["shard_group"] == list(range(first, first + block, inner))
         assert info["replicate_group"] == list(range(r % block, 4, block))
+        # FSDP shards over dp_shard x cp: the ranks of one replica with this rank's tp rank
+        first_fsdp = r // block * block + r % tp
+        assert info["fsdp_shard_group"] == list(range(first_fsdp, first_fsdp + block, tp))
         assert info["fsdp_mesh_ndim"] == (2 if replicate > 1 else 1)

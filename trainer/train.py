@@ -118,7 +118,8 @@ def train(cfg: JobConfig) -> None:
     metrics = MetricsProcessor(cfg, model_args=args, seq_len=cfg.training.seq_len, device=device,
                                rank=dist.get_rank(), parallel_desc=parallel_dims.describe(),
                                precision=precision, accumulation_steps=accum,
-                               num_params=args.num_params(), model_parallel=parallel_dims.tp)
+                               num_params=args.num_params(),
+                               model_parallel=parallel_dims.model_parallel)
     with metrics:  # its sinks closed with the run's exit code (W&B records it)
         metrics.log_startup()
         log0(f"data: {loader.describe()}")
@@ -200,8 +201,7 @@ def build_train_step(cfg: JobConfig, model, optimizer, scheduler, loader, metric
     return TrainStep(
         model, optimizer, scheduler, loader,
         forward_backward=build_forward_backward(model, loss_fn, cfg, device=device,
-                                                dp_size=parallel_dims.dp_mesh.size(),
-                                                loader=loader),
+                                                parallel_dims=parallel_dims, loader=loader),
         metrics=metrics, dp_group=parallel_dims.dp_mesh.get_group(), device=device,
         max_norm=cfg.training.max_norm, spike_check=check)
 

@@ -1,5 +1,6 @@
-"""Under torchrun: build the mesh for each REPLICATExSHARDxTP layout given and write what each rank
-sees as JSON (OUT/REPLICATExSHARDxTP/rank<r>.json); one process group, one mesh per layout."""
+"""Under torchrun: build the mesh for each REPLICATExSHARDxCPxTP layout given and write what each
+rank sees as JSON (OUT/REPLICATExSHARDxCPxTP/rank<r>.json); one process group, one mesh per
+layout."""
 
 import json
 import os
@@ -14,8 +15,8 @@ def main(argv: list[str]) -> None:
     out, layouts = argv[0], argv[1:]
     dist.init_process_group("gloo")
     for layout in layouts:
-        replicate, shard, tp = map(int, layout.split("x"))
-        pd = ParallelDims(replicate, shard, dist.get_world_size(), tp=tp)
+        replicate, shard, cp, tp = map(int, layout.split("x"))
+        pd = ParallelDims(replicate, shard, dist.get_world_size(), tp=tp, cp=cp)
         mesh = pd.build_mesh("cpu")
         info = {
             "rank": dist.get_rank(),
@@ -26,6 +27,10 @@ def main(argv: list[str]) -> None:
             "replicate_group": dist.get_process_group_ranks(mesh["dp_replicate"].get_group()),
             "shard_group": dist.get_process_group_ranks(mesh["dp_shard"].get_group()),
             "tp_group": dist.get_process_group_ranks(pd.tp_mesh.get_group()),
+            "cp_group": dist.get_process_group_ranks(pd.cp_mesh.get_group()),
+            # the ranks FSDP shards over (the fsdp mesh's last dimension)
+            "fsdp_shard_group": dist.get_process_group_ranks(pd.fsdp_mesh.get_group(
+                pd.fsdp_mesh.ndim - 1)),
             "dp_group": dist.get_process_group_ranks(pd.dp_mesh.get_group()),
             "fsdp_mesh_ndim": pd.fsdp_mesh.ndim,
         }

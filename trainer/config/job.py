@@ -29,7 +29,8 @@ from trainer.errors import ConfigError, UserError
 from trainer.evals.config import Eval
 from trainer.parallel.float8 import Float8, check_config as check_float8
 from trainer.models.args import model_args
-from trainer.parallel.dims import ParallelDims, check_async_tp, check_tp_shapes
+from trainer.parallel.dims import (ParallelDims, check_async_tp, check_context_parallel,
+                                 check_tp_shapes)
 from trainer.observe.wandb_logger import check_config as check_wandb
 
 if sys.version_info >= (3, 11):
@@ -98,6 +99,7 @@ class JobConfig:
             raise ConfigError(f"training.seq_len = {self.training.seq_len} is not a multiple of "
                               f"parallelism.tensor_parallel_degree = {pd.tp}: sequence "
                               "parallelism splits each sequence evenly over the tp ranks")
+        check_context_parallel(self, pd)
         accum = accumulation_steps(self.training, pd.dp_size)
         per_pass = self.training.local_batch_size * pd.dp_size
         check_ramp(self.training, per_pass, per_pass * accum)

@@ -49,7 +49,7 @@ class Job:
 @dataclass
 class Model:
     name: str = opt("llama3", "Model family", choices=("llama3",))
-    flavor: str = opt("debugmodel", "Model size: debugmodel, debugmodel-tiny, debugmodel-3.2, 1B, llama3.2-1B, llama3.2-3B, 8B, 70B")
+    flavor: str = opt("debugmodel", "Model size: debugmodel, debugmodel-tiny, debugmodel-3.2, 1B, llama3.2-1B, llama3.2-3B, 8B, 70B, 405B, llama3.1-8B, llama3.1-70B (RoPE-scaled, for long context)")
     vocab_size: int = opt(0, "Model vocab; 0 = the tokenizer's, padded to vocab_size_multiple_of", min=0)
     vocab_size_multiple_of: int = opt(64, "Pad the model vocab up to a multiple of this", min=1)
     attn_mask_type: str = opt("causal", "causal: every earlier token of the window; block_causal: "
@@ -228,6 +228,10 @@ class Parallelism:
     tensor_parallel_degree: int = opt(
         1, "Tensor-parallel group size (innermost mesh dim, e.g. the GPUs of a node); must "
         "divide the world size, n_heads, n_kv_heads, the FFN width and the vocab", min=1)
+    context_parallel_degree: int = opt(
+        1, "Context-parallel group size: each sequence split over this many ranks (head-tail "
+        "chunks, K/V all-gathered; long context); must divide the world size / tp, and "
+        "training.seq_len must divide into 2 x cp (x tp) chunks", min=1)
     disable_loss_parallel: bool = opt(
         False, "With TP: gather the output head's weight and compute the loss over the full "
         "vocab on every tp rank, instead of over vocab-sharded logits")

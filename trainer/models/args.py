@@ -24,6 +24,7 @@ class RopeScaling:
 
 
 LLAMA3_ROPE_SCALING = RopeScaling()  # as released with Llama-3.2 1B/3B
+LLAMA31_ROPE_SCALING = RopeScaling(factor=8.0)  # as released with Llama-3.1 8B/70B/405B
 
 
 @dataclass(frozen=True)
@@ -108,6 +109,13 @@ FLAVORS: dict[str, ModelArgs] = {
                     multiple_of=1024, ffn_dim_multiplier=1.3),
     "70B": ModelArgs(dim=8192, n_layers=80, n_heads=64, n_kv_heads=8, vocab_size=128256,
                      multiple_of=4096, ffn_dim_multiplier=1.3),
+    # Llama-3.1 8B and 70B as released, with their RoPE scaling: long-context stages (128k)
+    "llama3.1-8B": ModelArgs(dim=4096, n_layers=32, n_heads=32, n_kv_heads=8,
+                             vocab_size=128256, multiple_of=1024, ffn_dim_multiplier=1.3,
+                             rope_scaling=LLAMA31_ROPE_SCALING),
+    "llama3.1-70B": ModelArgs(dim=8192, n_layers=80, n_heads=64, n_kv_heads=8,
+                              vocab_size=128256, multiple_of=4096, ffn_dim_multiplier=1.3,
+                              rope_scaling=LLAMA31_ROPE_SCALING),
     "405B": ModelArgs(dim=16384, n_layers=126, n_heads=128, n_kv_heads=8, vocab_size=128256,
                       multiple_of=4096, ffn_dim_multiplier=1.2),
 }

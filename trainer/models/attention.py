@@ -101,7 +101,10 @@ def build_mask(doc_ids: torch.Tensor, implementation: str, dtype: torch.dtype):
 def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask=None) -> torch.Tensor:
     """Attention of q [b, s, n_heads, d] over k, v [b, s, n_kv_heads, d]: [b, n_heads, s, d].
     `mask` None: causal; a BlockMask: FlexAttention; a float tensor: SDPA's additive mask; an
-    integer tensor (the document ids): one causal SDPA per document."""
+    integer tensor (the document ids): one causal SDPA per document; an object with `attend`
+    (context parallelism's, trainer/parallel/context_parallel.py): its own attention."""
+    if hasattr(mask, "attend"):
+        return mask.attend(q, k, v)
     groups = q.shape[2] // k.shape[2]
     q, k_t, v_t = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
     if mask is not None and not isinstance(mask, torch.Tensor):  # flex: GQA in the kernel

@@ -161,15 +161,21 @@ class Transformer(nn.Module):
 
     def forward(self, tokens: torch.Tensor, labels: torch.Tensor | None = None,
                 loss_fn=None, *, doc_ids: torch.Tensor | None = None,
-                positions: torch.Tensor | None = None) -> torch.Tensor:
+                positions: torch.Tensor | None = None, attention=None) -> torch.Tensor:
         """Logits [batch, seq, vocab]; or, with labels and a trainer.models.loss function, the
         summed token loss (fp32 scalar), computed without returning the logits.
 
         `doc_ids` [batch, seq]: the document of each token (the loader's `document_ids`),
         needed by block_causal attention and document positions, ignored otherwise.
-        `positions` [batch, seq]: explicit RoPE positions (default: per `args.positions`)."""
+        `positions` [batch, seq] or [seq]: explicit RoPE positions (default: per `args.positions`).
+        `attention`: an object whose `attend(q, k, v)` every layer calls instead of masking
+        itself (context parallelism: trainer/parallel/context_parallel.py); `positions` are
+        then the tokens' global ones."""
         h = self.tok_embeddings(tokens)
-        cos, sin, mask = self.attention_inputs(tokens.shape[1], doc_ids, positions, h.dtype)
+        if attention is not None:
+            cos, sin, mask = self.rope_cos[positions], self.rope_sin[positions], attention
+        else:
+            cos, sin, mask = self.attention_inputs(tokens.shape[1], doc_ids, positions, h.dtype)
         for layer in self.layers.values():
             h = layer(h, cos, sin, mask)
         h = self.norm(h)

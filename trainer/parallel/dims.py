@@ -1,12 +1,15 @@
 """Parallel degrees -> a named world DeviceMesh.
 
-The world mesh is 3-D, `("dp_replicate", "dp_shard", "tp")`, tp innermost (the ranks of a
-tensor-parallel group are neighbours: on GPUs, one node's NVLink). It always carries a
+The world mesh is 4-D, `("dp_replicate", "dp_shard", "cp", "tp")`, tp innermost (the ranks of
+a tensor-parallel group are neighbours: on GPUs, one node's NVLink). It always carries a
 flattened `dp` dimension of size replicate x shard: the dataloader takes its rank and size from
-`dp`, and the loss is averaged over it, so the tp ranks of one dp rank read the same samples.
-FSDP shards parameters over `dp_shard`; HSDP additionally replicates them over `dp_replicate`
-(the 2-D dp mesh); `dp_shard = 1` is pure replication. Tensor parallelism (trainer/parallel/tp.py)
-shards each block's matmuls over `tp`; with tp = 1 that dimension is a no-op.
+`dp`, and the loss is averaged over it, so the cp and tp ranks of one dp rank read the same
+samples. FSDP shards parameters over `dp_shard` x `cp` (flattened `dp_shard_cp`; the cp ranks
+hold different tokens of the same samples, so they reduce gradients like dp ranks); HSDP
+additionally replicates them over `dp_replicate` (the 2-D mesh); `dp_shard = cp = 1` is pure
+replication. Context parallelism (trainer/parallel/context_parallel.py) splits each sequence
+over `cp`; tensor parallelism (trainer/parallel/tp.py) shards each block's matmuls over `tp`;
+either dimension is a no-op at degree 1.
 """
 
 from __future__ import annotations
@@ -18,6 +21,7 @@ from trainer.errors import ConfigError
 SHARD_KEY = "parallelism.data_parallel_shard_degree"
 REPLICATE_KEY = "parallelism.data_parallel_replicate_degree"
 TP_KEY = "parallelism.tensor_parallel_degree"
+CP_KEY = "parallelism.context_parallel_degree"
 
 
 @dataclass
@@ -26,6 +30,7 @@ class ParallelDims:
     dp_shard: int
     world_size: int
     tp: int = 1
+    cp: int = 1
     loss_parallel: bool = True  # with tp > 1: the loss over vocab-sharded logits
     world_mesh: object = field(default=None, repr=False)
     dp_mesh: object = field(default=None, repr=False)
@@ -38,34 +43,43 @@ class ParallelDims:
         return cls(parallelism.data_parallel_replicate_degree,
                    parallelism.data_parallel_shard_degree, world_size,
                    tp=parallelism.tensor_parallel_degree,
+                   cp=parallelism.context_parallel_degree,
                    loss_parallel=not parallelism.disable_loss_parallel)
 
     def _validate(self) -> None:
-        r, s, tp, ws = self.dp_replicate, self.dp_shard, self.tp, self.world_size
+        r, s, tp, cp, ws = self.dp_replicate, self.dp_shard, self.tp, self.cp, self.world_size
         if ws < 1:
             raise ConfigError(f"world size must be >= 1, got {ws}")
         if tp < 1 or ws % tp:
             divisors = [d for d in range(1, ws + 1) if ws % d == 0]
             raise ConfigError(f"{TP_KEY} = {tp} does not divide world size {ws}; valid: "
                               f"{', '.join(map(str, divisors))}")
-        both = f"{REPLICATE_KEY} = {r} and {SHARD_KEY} = {s}" + (f" (x {TP_KEY} = {tp})"
-                                                                  if tp > 1 else "")
-        dp_world = ws // tp
-        where = f"world size {ws}" + (f", {dp_world} dp ranks of tp {tp}" if tp > 1 else "")
+        if cp < 1 or (ws // tp) % cp:
+            divisors = [d for d in range(1, ws // tp + 1) if (ws // tp) % d == 0]
+            raise ConfigError(f"{CP_KEY} = {cp} does not divide world size {ws}"
+                              + (f" / {TP_KEY} = {tp}" if tp > 1 else "")
+                              + f"; valid: {', '.join(map(str, divisors))}")
+        inner = " x ".join(f"{k} = {v}" for k, v in ((CP_KEY, cp), (TP_KEY, tp)) if v > 1)
+        both = f"{REPLICATE_KEY} = {r} and {SHARD_KEY} = {s}" + (f" (x {inner})" if inner else "")
+        dp_world = ws // (tp * cp)
+        short = " x ".join(f"{k} {v}" for k, v in (("cp", cp), ("tp", tp)) if v > 1)
+        where = f"world size {ws}" + (f", {dp_world} dp ranks of {short}" if short else "")
         if r < 1:
             raise ConfigError(f"{REPLICATE_KEY} = {r} is out of range; it must be >= 1 "
                               f"(with {SHARD_KEY} = {s}, {where})")
         if s == -1:
             if dp_world % r:
+                names = [n for n, v in (("cp", cp), ("tp", tp)) if v > 1]
+                per = f" / {names[0]}" if len(names) == 1 else " / (cp x tp)" if names else ""
                 raise ConfigError(f"{both} do not fit {where}: the replicate degree must "
-                                  f"divide the world size / tp (valid: a divisor of {dp_world})")
+                                  f"divide the world size{per} (valid: a divisor of {dp_world})")
             self.dp_shard = s = dp_world // r
         elif s < 1:
             raise ConfigError(f"{SHARD_KEY} = {s} is out of range; it must be >= 1, or -1 for "
                               f"world size / replicate degree (with {REPLICATE_KEY} = {r}, "
                               f"{where})")
-        if r * s * tp != ws:
-            raise ConfigError(f"{both} multiply to {r * s * tp}, but the world size is {ws}; "
+        if r * s * cp * tp != ws:
+            raise ConfigError(f"{both} multiply to {r * s * cp * tp}, but the world size is {ws}; "
                               f"their product must equal the world size (e.g. set {SHARD_KEY} "
                               "= -1)")
 
@@ -81,23 +95,45 @@ class ParallelDims:
     def tp_enabled(self) -> bool:
         return self.tp > 1
 
+    @property
+    def cp_enabled(self) -> bool:
+        return self.cp > 1
+
+    @property
+    def model_parallel(self) -> int:
+        """Ranks that compute one dp rank's tokens together (cp x tp)."""
+        return self.cp * self.tp
+
     def build_mesh(self, device_type: str):
-        """Create the world mesh `("dp_replicate", "dp_shard", "tp")` and its flattened `dp`."""
+        """Create the world mesh `("dp_replicate", "dp_shard", "cp", "tp")`, its flattened `dp`
+        and, with cp > 1, the flattened `dp_shard_cp` that FSDP shards over."""
         from torch.distributed.device_mesh import init_device_mesh
 
-        self.world_mesh = init_device_mesh(device_type, (self.dp_replicate, self.dp_shard, self.tp),
-                                           mesh_dim_names=("dp_replicate", "dp_shard", "tp"))
+        self.world_mesh = init_device_mesh(
+            device_type, (self.dp_replicate, self.dp_shard, self.cp, self.tp),
+            mesh_dim_names=("dp_replicate", "dp_shard", "cp", "tp"))
         # No public flatten API yet; `_flatten` is stable since torch 2.4. Keep the returned
-        # object: slicing mesh["dp"] from the root afterwards is deprecated.
+        # objects: slicing mesh["dp"] from the root afterwards is deprecated.
         self.dp_mesh = self.world_mesh["dp_replicate", "dp_shard"]._flatten(mesh_dim_name="dp")
+        self._shard_mesh = self.world_mesh["dp_shard"]
+        if self.cp_enabled:
+            self._shard_mesh = self.world_mesh["dp_shard", "cp"]._flatten(
+                mesh_dim_name="dp_shard_cp")
         return self.world_mesh
 
     @property
     def fsdp_mesh(self):
-        """The mesh `fully_shard` takes: 1-D `dp_shard` for FSDP, 2-D `(dp_replicate,
-        dp_shard)` for HSDP."""
-        return self.world_mesh["dp_replicate", "dp_shard"] if self.hsdp \
-            else self.world_mesh["dp_shard"]
+        """The mesh `fully_shard` takes: 1-D `dp_shard` (x cp) for FSDP, 2-D `(dp_replicate,
+        dp_shard (x cp))` for HSDP."""
+        if not self.hsdp:
+            return self._shard_mesh
+        if not self.cp_enabled:
+            return self.world_mesh["dp_replicate", "dp_shard"]
+        return self.world_mesh["dp_replicate", "dp_shard_cp"]
+
+    @property
+    def cp_mesh(self):
+        return self.world_mesh["cp"]
 
     @property
     def tp_mesh(self):
@@ -110,14 +146,16 @@ class ParallelDims:
 
     def describe(self) -> str:
         kind = "HSDP" if self.hsdp else "FSDP"
-        if self.dp_shard == 1 and self.hsdp:
+        if self.dp_shard * self.cp == 1 and self.hsdp:
             kind = "replicate"
-        elif self.dp_size == 1 and self.tp_enabled:
+        elif self.dp_size * self.cp == 1 and self.tp_enabled:
             kind = "no data parallelism"
+        cp = (f" x CP {self.cp} (head-tail split, K/V all-gathered, params sharded over "
+              f"dp_shard x cp)" if self.cp_enabled else "")
         tp = (f" x TP {self.tp} (sequence parallel, loss "
               f"{'parallel' if self.loss_parallel else 'gathered'})" if self.tp_enabled else "")
         return (f"{kind} mesh (dp_replicate={self.dp_replicate}, dp_shard={self.dp_shard})"
-                f"{tp}, dp={self.dp_size}, world={self.world_size}")
+                f"{cp}{tp}, dp={self.dp_size}, world={self.world_size}")
 
 
 def check_tp_shapes(args, tp: int, flavor: str, vocab_source: str | None) -> None:
@@ -160,3 +198,23 @@ def describe_vocab(model_cfg, tokenizer_vocab: int) -> str:
         return "model.vocab_size"
     return (f"the tokenizer's {tokenizer_vocab} padded to model.vocab_size_multiple_of = "
             f"{model_cfg.vocab_size_multiple_of}; a multiple of the tp degree would do")
+
+
+def check_context_parallel(cfg, pd: ParallelDims) -> None:
+    """Torch-free checks of a cp degree against the config (`cfg`: a JobConfig): the sequence
+    must cut into 2 x cp head-tail chunks (each split again over tp under sequence parallelism),
+    and the attention must be one that CP runs."""
+    if not pd.cp_enabled:
+        return
+    seq, unit = cfg.training.seq_len, 2 * pd.cp * pd.tp
+    if seq % unit:
+        pieces = f" x {TP_KEY} = {pd.tp} (sequence parallel)" if pd.tp_enabled else ""
+        raise ConfigError(f"training.seq_len = {seq} does not cut into 2 x {CP_KEY} = "
+                          f"{2 * pd.cp} head-tail chunks{pieces}: it must be a multiple of "
+                          f"{unit} (e.g. {seq - seq % unit or unit})")
+    model = cfg.model
+    if model.attn_mask_type == "block_causal" and model.attn_implementation == "per_document":
+        raise ConfigError(f"model.attn_implementation = 'per_document' cannot run under {CP_KEY} "
+                          f"= {pd.cp}: each rank holds pieces of documents whose other tokens "
+                          "sit on other ranks; use 'auto' (CP's document mask: SDPA on the "
+                          "CPU, FlexAttention on CUDA), 'sdpa' or 'flex'")

@@ -4,33 +4,24 @@
 hands them to a `ForwardBackward`, owned by the parallelism, and gets back this rank's summed
 loss; the clipping, the guard and the optimizer step after it are the same for every layout.
 
-Today there is one: `MicrobatchLoop`, each microbatch's forward and backward in turn with FSDP2's
-gradient sync set per `training.gradient_accumulation_sync`. A pipeline schedule is the next one
-(a new file here, chosen in `build_forward_backward`); the loop does not change.
+`MicrobatchLoop`: each microbatch's forward and backward in turn with FSDP2's gradient sync set
+per `training.gradient_accumulation_sync`. `ContextParallelLoop` (context_parallel.py): the
+same with each sequence split over the cp ranks. A pipeline schedule is the next one (a new
+file here, chosen in `build_forward_backward`); the loop does not change.
 """
 
 from __future__ import annotations
 
-from typing import Callable, NamedTuple, Protocol
+from typing import Callable
 
 import torch
 
 from trainer.distributed import to_device
 from trainer.health import faults, heartbeat
 from trainer.models.loss import Loss
+from trainer.parallel.context_parallel import ContextParallelLoop
 from trainer.parallel.fsdp import set_gradient_sync
-
-
-class Losses(NamedTuple):
-    loss_sum: torch.Tensor  # this rank's summed token loss / the step's global token count
-    z_loss: torch.Tensor | None  # the z-loss term summed over this rank's tokens, or None
-
-
-class ForwardBackward(Protocol):
-    def __call__(self, batches: list[tuple[torch.Tensor, torch.Tensor]],
-                 global_tokens: torch.Tensor, step: int) -> Losses:
-        """Run forward and backward over this rank's microbatches `(inputs, labels)` of one step;
-        gradients accumulate in the model's parameters, ready for the optimizer."""
+from trainer.parallel.seam import ForwardBackward, Losses  # noqa: F401  (step.py imports them here)
 
 
 class MicrobatchLoop:
@@ -68,10 +59,15 @@ class MicrobatchLoop:
         return Losses(loss_sum, self.loss_fn.take_z_loss())
 
 
-def build_forward_backward(model: torch.nn.Module, loss_fn: Loss, cfg, *, dp_size: int,
+def build_forward_backward(model: torch.nn.Module, loss_fn: Loss, cfg, *, parallel_dims,
                            device: torch.device, loader=None) -> ForwardBackward:
-    """The seam for `cfg`'s parallelism: the microbatch loop (the only one so far)."""
+    """The seam for `cfg`'s parallelism: context parallelism's loop with cp > 1 (trainer/
+    parallel/context_parallel.py), else the microbatch loop."""
     documents = getattr(model, "uses_documents", False) and loader is not None
-    return MicrobatchLoop(model, loss_fn, sync_mode=cfg.training.gradient_accumulation_sync,
-                          dp_size=dp_size, device=device,
-                          document_ids=loader.document_ids if documents else None)
+    common = dict(sync_mode=cfg.training.gradient_accumulation_sync,
+                  dp_size=parallel_dims.dp_size, device=device,
+                  document_ids=loader.document_ids if documents else None)
+    if parallel_dims.cp_enabled:
+        return ContextParallelLoop(model, loss_fn, cp_mesh=parallel_dims.cp_mesh,
+                                   seq_len=cfg.training.seq_len, model_cfg=cfg.model, **common)
+    return MicrobatchLoop(model, loss_fn, **common)

@@ -152,3 +152,29 @@ def loss_region(cfg: JobConfig, a: ModelArgs, p: int, tokens: int, tp: int = 1,
     chunk = max((FP32 + p) * c * v, p * c * v + cast) if p < FP32 else FP32 * c * v
     return {"at_loss": grads + chunk + gathered_w, "at_head": grads + cast + gathered_w,
             "after": 0}
+
+
+def cp_attention_bytes(a: ModelArgs, cfg: JobConfig, p: int, batch: int, seq: int, cp: int,
+                       tp: int = 1) -> tuple[int, int]:
+    """Context parallelism's attention inputs for one microbatch on one cp rank, as
+    (once per microbatch, per layer saved): the mask over [seq / cp queries, seq keys]
+    (FlexAttention's block tables, ~16 bytes per 128 x 128 tile, as the plan assumes CUDA)
+    and the document RoPE tables of the local tokens; and each layer's all-gathered K and V
+    of the whole sequence (1/tp of the KV heads), which attention saves for its backward."""
+    local = seq // cp
+    once = 16 * batch * -(-local // 128) * -(-seq // 128)
+    if a.positions == "document":
+        once += 4 * a.head_dim * batch * local
+    kv = 2 * p * batch * seq * max(a.n_kv_heads // tp, 1) * a.head_dim
+    return once, kv
+
+
+def cp_saved_layers(cfg: JobConfig, n_layers: int) -> int:
+    """Layers whose gathered K/V stay saved until backward under the configured AC mode."""
+    mode = cfg.activation_checkpoint.mode
+    if mode == "none" or (mode == "selective"
+                          and cfg.activation_checkpoint.selective_ac_option == "op"):
+        return n_layers
+    if mode == "full":
+        return 0
+    return n_layers - checkpointed_blocks(cfg, n_layers)

@@ -25,6 +25,12 @@ compute dtype p) and f = (tp - 1) / tp:
   all-gathered over tp in forward and its gradient reduce-scattered in backward instead:
   m * 2 * f * p * vocab * dim. `norms`: the RMSNorm weights are replicated over tp and their
   gradients all-reduced over it, m * 2f * p * (2 L + 1) * dim (small).
+- **cp** (context parallelism, per microbatch): every block all-gathers the whole sequence's K
+  and V, KV = 2 * p * local_batch * seq_len * (n_kv_heads / tp) * head_dim bytes, in forward
+  and reduce-scatters their gradients in backward; recomputed blocks gather again (full AC and
+  op SAC: every block; selective k: every k-th): m * (cp - 1) / cp * KV * (2 L + recomputed).
+  Under CP the tp and dp terms count 1/cp of the sequence per rank, and FSDP's group is
+  dp_shard x cp.
 - **dp_shard** (FSDP2, each rank's tp part of the parameters, `trainer.plan.memory.fsdp_groups`; with
   g = (dp_shard - 1) / dp_shard and G_p, G_r the padded unsharded bytes of all groups in the
   param and reduce dtypes): forward all-gathers every group, g * G_p per microbatch; backward
@@ -74,7 +80,7 @@ def tp_volume(cfg: JobConfig, a, pd, accum: int) -> float:
     if pd.tp == 1:
         return 0.0
     p, f = BYTES[cfg.training.mixed_precision_param], ring(pd.tp)
-    tokens = cfg.training.local_batch_size * cfg.training.seq_len
+    tokens = cfg.training.local_batch_size * cfg.training.seq_len // pd.cp
     activations = f * p * tokens * a.dim * tp_collectives(cfg, a.n_layers)
     if pd.loss_parallel:
         loss = 3 * 2 * f * FP32 * tokens
@@ -86,7 +92,7 @@ def tp_volume(cfg: JobConfig, a, pd, accum: int) -> float:
 
 def dp_shard_volume(cfg: JobConfig, groups, pd, accum: int) -> float:
     """Bytes per rank per step over dp_shard: FSDP all-gathers and reduce-scatters."""
-    n = pd.dp_shard
+    n = pd.dp_shard * pd.cp
     p, r = BYTES[cfg.training.mixed_precision_param], BYTES[cfg.training.mixed_precision_reduce]
     g = {k: gathered_numel(v, n) for k, v in groups.items()}
     total, head = sum(g.values()), g["head"]
@@ -103,18 +109,34 @@ def dp_shard_volume(cfg: JobConfig, groups, pd, accum: int) -> float:
 def dp_replicate_volume(cfg: JobConfig, groups, pd, accum: int) -> float:
     """Bytes per rank per step over dp_replicate: HSDP's all-reduce of the gradient shards."""
     r = BYTES[cfg.training.mixed_precision_reduce]
-    shard = sum(shard_numel(s, pd.dp_shard) for v in groups.values() for s in v)
+    shard = sum(shard_numel(s, pd.dp_shard * pd.cp) for v in groups.values() for s in v)
     syncs = accum if cfg.training.gradient_accumulation_sync == "every" else 1
     return syncs * 2 * ring(pd.dp_replicate) * r * shard
 
 
+def cp_volume(cfg: JobConfig, a, pd, accum: int) -> float:
+    """Bytes per rank per step over cp (see the module docstring)."""
+    if pd.cp == 1:
+        return 0.0
+    p, t = BYTES[cfg.training.mixed_precision_param], cfg.training
+    kv = 2 * p * t.local_batch_size * t.seq_len * max(a.n_kv_heads // pd.tp, 1) * a.head_dim
+    ac = cfg.activation_checkpoint
+    if ac.mode == "full" or (ac.mode == "selective" and ac.selective_ac_option == "op"):
+        replayed = a.n_layers
+    elif ac.mode == "selective":
+        replayed = -(-a.n_layers // int(ac.selective_ac_option))
+    else:
+        replayed = 0
+    return accum * ring(pd.cp) * kv * (2 * a.n_layers + replayed)
+
+
 def comm_volume(cfg: JobConfig, world_size: int) -> dict[str, float]:
-    """{`comm_tp`, `comm_dp_shard`, `comm_dp_replicate`}: bytes each rank sends per optimizer
-    step over that mesh dimension, and `comm_microbatches` (m)."""
+    """{`comm_tp`, `comm_cp`, `comm_dp_shard`, `comm_dp_replicate`}: bytes each rank sends per
+    optimizer step over that mesh dimension, and `comm_microbatches` (m)."""
     pd, accum = cfg.resolve(world_size)
     a = plan_args(cfg, resolve_vocab(cfg)[0])
     groups = fsdp_groups(a, pd.tp)
-    return {"comm_tp": tp_volume(cfg, a, pd, accum),
+    return {"comm_tp": tp_volume(cfg, a, pd, accum), "comm_cp": cp_volume(cfg, a, pd, accum),
             "comm_dp_shard": dp_shard_volume(cfg, groups, pd, accum),
             "comm_dp_replicate": dp_replicate_volume(cfg, groups, pd, accum),
             "comm_microbatches": accum}

@@ -54,6 +54,7 @@ from trainer.models.flops import flops_per_token
 from trainer.models.llama import FLAVORS, ModelArgs, build_model, model_args
 from trainer.plan.activations import (block_saved, block_saved_op_sac, block_split,  # noqa: F401
                                      blocks_activations, checkpointed_blocks,
+                                     cp_attention_bytes, cp_saved_layers,
                                      head_activations, head_saved, loss_region, op_sac_split,
                                      sp_tokens, split_bytes)
 from trainer.plan.host import CPU_PROCESS_GIB, host_memory, offload_staging
@@ -174,27 +175,32 @@ def memory_plan(cfg: JobConfig, world_size: int) -> dict[str, int]:
     pd, accum = cfg.resolve(world_size)
     vocab, _ = resolve_vocab(cfg)
     a = plan_args(cfg, vocab)
-    groups, shard, tp = fsdp_groups(a, pd.tp), pd.dp_shard, pd.tp
+    # Under CP, FSDP shards over dp_shard x cp and a rank holds 1/cp of each sequence.
+    groups, shard, tp, cp = fsdp_groups(a, pd.tp), pd.dp_shard * pd.cp, pd.tp, pd.cp
     p, r = BYTES[cfg.training.mixed_precision_param], BYTES[cfg.training.mixed_precision_reduce]
-    tokens = cfg.training.local_batch_size * cfg.training.seq_len
+    batch, seq = cfg.training.local_batch_size, cfg.training.seq_len
+    tokens = batch * seq // cp
     shapes = [s for g in groups.values() for s in g]
     b = {"parameters": FP32 * sum(shard_numel(s, shard) for s in shapes)}
     b["gradients"] = b["parameters"]
     b["optimizer_state"] = 2 * b["parameters"] + FP32 * len(shapes)
     documents = a.attn_mask_type != "causal" or a.positions != "sequence"
     b["buffers_and_inputs"] = (2 * FP32 * a.max_seq_len * (a.head_dim // 2)
-                               + (2 + documents) * INT64 * tokens)  # + the document ids
+                               + (2 + documents) * INT64 * batch * seq)  # + the document ids
 
     head_act = head_activations(a, p, tokens, tp)
     # the block-causal mask and per-document RoPE tables, once per microbatch (all layers)
-    b["attention_inputs"] = attention_bytes(a, cfg.training.local_batch_size,
-                                            cfg.training.seq_len, p)
+    # (under CP: its own mask over [seq / cp, seq], and each layer's gathered K/V, `cp_kv`)
+    b["attention_inputs"], kv = (attention_bytes(a, batch, seq, p), 0) if cp == 1 else \
+        cp_attention_bytes(a, cfg, p, batch, seq, cp, tp)
+    b["cp_kv"] = kv * cp_saved_layers(cfg, a.n_layers)
     act = head_act + b["attention_inputs"]
-    b["activations_no_ac"] = blocks_activations(cfg, a, p, tokens, "none", tp) + act
+    b["activations_no_ac"] = blocks_activations(cfg, a, p, tokens, "none", tp) + act \
+        + kv * a.n_layers
     b["activations_full_ac"] = blocks_activations(cfg, a, p, tokens, "full", tp) + act
-    b["activations"] = blocks_activations(cfg, a, p, tokens, tp=tp) + act
+    b["activations"] = blocks_activations(cfg, a, p, tokens, tp=tp) + act + b["cp_kv"]
     recompute = cfg.activation_checkpoint.mode != "none"
-    b["ac_recompute"] = split_bytes(block_split(a, p, tp), tokens, tp) if recompute else 0
+    b["ac_recompute"] = split_bytes(block_split(a, p, tp), tokens, tp) + kv if recompute else 0
     # TP in a block's backward: the whole-sequence gradient of a colwise matmul's input and a
     # rowwise matmul's partial sum, [tokens, dim] each, live around their collectives.
     b["tp_buffers"] = 2 * p * tokens * a.dim if tp > 1 else 0

@@ -32,6 +32,7 @@ ROWS = [  # (key, label) in print order; None = a heading
     ("activations_full_ac", "activations, full AC"),
     ("activations", "activations, as configured ({ac})"),
     ("attention_inputs", "  of which mask + RoPE tables ({attn})"),
+    ("cp_kv", "  of which CP: all-gathered K/V saved per layer"),
     ("ac_recompute", "one block recomputed in backward"),
     ("logits_loss", "logits + loss at its widest ({loss})"),
     (None, "FSDP buffers ({mp}; reshard {reshard})"),
@@ -62,9 +63,9 @@ def describe(cfg: JobConfig, world_size: int, ngpu: int, nnodes: int) -> list[st
         f"model: {cfg.model.flavor}, {a.num_params() / 1e9:.3f}B params, vocab {vocab} "
         f"(from {source})",
         f"mesh: {pd.describe()} = {ngpu} GPU(s) x {nnodes} node(s); parameters sharded over "
-        + (f"{pd.dp_shard} rank(s)" if pd.tp == 1 else
-           f"tp {pd.tp} x dp_shard {pd.dp_shard} = {pd.tp * pd.dp_shard} ranks (norms over "
-           f"{pd.dp_shard})"),
+        + (f"{pd.dp_shard * pd.cp} rank(s)" if pd.tp == 1 else
+           f"tp {pd.tp} x dp_shard {pd.dp_shard * pd.cp} = {pd.tp * pd.dp_shard * pd.cp} ranks "
+           f"(norms over {pd.dp_shard * pd.cp})"),
         f"microbatch: {t.local_batch_size} x {t.seq_len} tokens, {accum} microbatch(es) per step "
         f"(sync '{t.gradient_accumulation_sync}')",
     ]
@@ -115,7 +116,9 @@ def comm_report(b: dict) -> list[str]:
             "formulas: trainer/plan/comm.py)",
             f"    {'tp (sequence-parallel activations, loss, norms)':<50} "
             f"{b['comm_tp'] / GIB:10.3f} GiB",
-            f"    {'dp_shard (FSDP all-gathers + reduce-scatters)':<50} "
+            f"    {'cp (K/V all-gathers + gradient reduce-scatters)':<50} "
+            f"{b.get('comm_cp', 0.0) / GIB:10.3f} GiB",
+            f"    {'dp_shard (x cp: FSDP all-gathers + reduce-scatters)':<50} "
             f"{b['comm_dp_shard'] / GIB:10.3f} GiB",
             f"    {'dp_replicate (HSDP all-reduce)':<50} {b['comm_dp_replicate'] / GIB:10.3f} GiB"]
 

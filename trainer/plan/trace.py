@@ -133,7 +133,7 @@ def trace_step(cfg: JobConfig, world_size: int, keep_all: bool = False) -> Trace
         step = TrainStep(model, optimizer, build_lr_scheduler(optimizer, cfg.lr_scheduler,
                                                               cfg.training.steps), loader,
                          forward_backward=build_forward_backward(
-                             model, loss_fn, cfg, device=device, dp_size=pd.dp_mesh.size(),
+                             model, loss_fn, cfg, device=device, parallel_dims=pd,
                              loader=loader),
                          metrics=_Metrics(), dp_group=pd.dp_mesh.get_group(), device=device,
                          max_norm=cfg.training.max_norm)

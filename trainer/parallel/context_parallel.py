@@ -1,0 +1,186 @@
+"""Context parallelism: each sequence split over the `cp` ranks of a dp rank, exact against one
+rank, documents kept apart.
+
+`parallelism.context_parallel_degree = cp` (the mesh's `cp` dimension, trainer/parallel/dims.py).
+The cp ranks of a dp rank read the same samples; each keeps its share of every sequence:
+
+- **Head-tail split.** A sequence is cut into 2 x cp chunks and rank r keeps chunks r and
+  2cp-1-r, so under a causal mask every rank attends over the same number of (query, key)
+  pairs (a contiguous split gives the last rank 2cp-1 times the first one's work:
+  `attention_pairs`). Tokens, labels, positions and document ids are split alike.
+- **Attention.** Each layer all-gathers K and V over cp (small under GQA), puts them back in
+  sequence order and attends the rank's queries to the whole sequence with a mask built from
+  global positions: key <= query (`causal`), and the same document (`block_causal`), so no
+  token sees another document's tokens on any rank. The all-gather is autograd-aware
+  (torch's functional collectives): its backward reduce-scatters the K/V gradients. Kernels:
+  FlexAttention with a block mask on CUDA; SDPA with the [local, global] mask on the CPU
+  (FlexAttention has no CPU backward). torch's own `context_parallel` has no CPU path and,
+  per torchtitan, no document masks; this one runs on plain collectives (gloo and nccl).
+- **Positions.** RoPE rotates each token by its global position (`positions = "sequence"`) or
+  its position in its document (`"document"`, computed on the whole sequence, then split).
+- **Loss and gradients.** A rank's loss covers its tokens over the step's global token count
+  (counted on the whole samples, as without CP). FSDP shards and reduces over dp_shard x cp, so
+  the backward loss is scaled by dp x cp to make the reduced gradient a plain sum. After the
+  backward the cp ranks add their losses, so every rank reports its dp rank's whole loss and
+  the loop, the guard and the logs are unchanged.
+- **Checkpoints** hold nothing of CP: any checkpoint resumes at any cp. Validation and evals
+  run whole sequences on every rank (exact; not yet split).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from trainer.distributed import log0, to_device
+from trainer.health import faults, heartbeat
+from trainer.models.attention import (_compiled_create_block_mask, _compiled_flex,
+                                      document_positions)
+from trainer.models.loss import Loss
+from trainer.parallel.fsdp import set_gradient_sync
+from trainer.parallel.seam import Losses
+
+
+def head_tail_index(seq_len: int, cp: int, rank: int) -> torch.Tensor:
+    """The global positions rank `rank` of `cp` keeps: chunks rank and 2cp-1-rank of 2cp."""
+    chunk = seq_len // (2 * cp)
+    return torch.cat([torch.arange(rank * chunk, (rank + 1) * chunk),
+                      torch.arange((2 * cp - 1 - rank) * chunk, (2 * cp - rank) * chunk)])
+
+
+def contiguous_index(seq_len: int, cp: int, rank: int) -> torch.Tensor:
+    """The naive split, for comparison: rank r keeps the r-th of cp equal pieces."""
+    piece = seq_len // cp
+    return torch.arange(rank * piece, (rank + 1) * piece)
+
+
+def attention_pairs(index: torch.Tensor) -> int:
+    """Causal (query, key) pairs of the queries at global positions `index`: the attention
+    work of a rank, in units of one q.k product per head."""
+    return int((index + 1).sum())
+
+
+def kernel(device_type: str, implementation: str) -> str:
+    """CP's attention kernel: flex on CUDA unless 'sdpa' is asked, sdpa (masked) on the CPU."""
+    return "flex" if device_type == "cuda" and implementation != "sdpa" else "sdpa"
+
+
+def describe_kernel(name: str) -> str:
+    return {"flex": "FlexAttention with one block mask per microbatch",
+            "sdpa": "SDPA with one [local, global] mask per microbatch"}[name]
+
+
+class ContextAttention:
+    """One microbatch's attention on one cp rank, passed to every layer in place of a mask
+    (trainer/models/attention.py `attend` calls `attend` here)."""
+
+    def __init__(self, group, index: torch.Tensor, natural: torch.Tensor,
+                 doc_ids: torch.Tensor | None, implementation: str):
+        self.group, self.natural, self.implementation = group, natural, implementation
+        seq, batch = natural.numel(), 1 if doc_ids is None else doc_ids.shape[0]
+        with torch.no_grad():
+            if implementation == "flex":
+                self.mask = _block_mask(index, doc_ids, batch, seq)
+            else:
+                keys = torch.arange(seq, device=index.device)
+                allowed = keys[None, :] <= index[:, None]  # [local, global]
+                if doc_ids is not None:
+                    local_docs = doc_ids[:, index]
+                    allowed = allowed & (local_docs[:, :, None] == doc_ids[:, None, :])
+                # 4-D [batch or 1, 1, local, global]: with a 3-D mask SDPA falls back to its
+                # math kernel on the CPU, which saves the [heads, local, global] scores
+                self.mask = allowed.reshape(-1, 1, *allowed.shape[-2:])
+        self._additive = None
+
+    # Eager under torch.compile (a graph break per layer); not recursive, so the compiled
+    # FlexAttention it calls stays compiled.
+    @torch.compiler.disable(recursive=False)
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """q [b, local, h, d] over the whole sequence's k, v: [b, h, local, d]."""
+        k, v = self._gather(k), self._gather(v)
+        gqa = q.shape[2] != k.shape[2]
+        q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
+        if self.implementation == "flex":
+            return _compiled_flex()(q, k, v, block_mask=self.mask, enable_gqa=gqa)
+        if self._additive is None or self._additive.dtype != q.dtype:  # once per microbatch
+            self._additive = torch.zeros(self.mask.shape, dtype=q.dtype, device=q.device)
+            self._additive.masked_fill_(~self.mask, float("-inf"))
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=self._additive, enable_gqa=gqa)
+
+    def _gather(self, t: torch.Tensor) -> torch.Tensor:
+        """[b, local, h, d] from every cp rank -> [b, seq, h, d] in sequence order; the
+        backward reduce-scatters the gradient."""
+        full = _all_gather()(t.transpose(0, 1).contiguous(), gather_dim=0, group=self.group)
+        return full.index_select(0, self.natural).transpose(0, 1)
+
+
+def _all_gather():
+    """The autograd-aware all-gather: `all_gather_single_autograd` from torch 2.13 (the older
+    name is deprecated there), `all_gather_tensor_autograd` on torch 2.11."""
+    import torch.distributed._functional_collectives as funcol
+
+    return getattr(funcol, "all_gather_single_autograd", None) or \
+        funcol.all_gather_tensor_autograd
+
+
+def _block_mask(index: torch.Tensor, doc_ids: torch.Tensor | None, batch: int, seq: int):
+    def causal(b, h, q_idx, kv_idx):
+        return kv_idx <= index[q_idx]
+
+    def block_causal(b, h, q_idx, kv_idx):
+        pos = index[q_idx]
+        return (kv_idx <= pos) & (doc_ids[b, kv_idx] == doc_ids[b, pos])
+
+    fn, rows = (causal, None) if doc_ids is None else (block_causal, batch)
+    return _compiled_create_block_mask()(fn, rows, None, index.numel(), seq,
+                                         device=index.device)
+
+
+class ContextParallelLoop:
+    """The step's forward and backward under CP (the seam of trainer/parallel/microbatches.py):
+    per microbatch, split the sequence, attend through `ContextAttention`, and scale as above."""
+
+    def __init__(self, model: torch.nn.Module, loss_fn: Loss, *, sync_mode: str, dp_size: int,
+                 cp_mesh, seq_len: int, device: torch.device, model_cfg,
+                 document_ids=None):
+        self.model, self.loss_fn, self.sync_mode = model, loss_fn, sync_mode
+        self.dp_size, self.device, self.document_ids = dp_size, device, document_ids
+        self.cp, self.group = cp_mesh.size(), cp_mesh.get_group()
+        rank = cp_mesh.get_local_rank()
+        self.index = to_device(head_tail_index(seq_len, self.cp, rank), device)
+        order = torch.cat([head_tail_index(seq_len, self.cp, r) for r in range(self.cp)])
+        self.natural = to_device(torch.argsort(order), device)  # gathered -> sequence order
+        self.block_causal = model_cfg.attn_mask_type == "block_causal"
+        self.document_positions = model_cfg.positions == "document"
+        self.kernel = kernel(device.type, model_cfg.attn_implementation)
+        log0(f"context parallel: cp {self.cp}, each sequence cut into {2 * self.cp} chunks "
+             f"(head-tail); attention: {describe_kernel(self.kernel)}, by global position"
+             f"{' and document' if self.block_causal else ''}, K/V all-gathered per layer")
+
+    def __call__(self, batches, global_tokens: torch.Tensor, step: int) -> Losses:
+        loss_sum = torch.zeros((), device=self.device)
+        for i, (inputs, labels) in enumerate(batches):
+            set_gradient_sync(self.model, self.sync_mode, is_last=i == len(batches) - 1)
+            inputs, labels = to_device(inputs, self.device), to_device(labels, self.device)
+            doc_ids = self.document_ids(inputs) if self.document_ids else None
+            positions = document_positions(doc_ids)[:, self.index] \
+                if self.document_positions else self.index
+            attention = ContextAttention(self.group, self.index, self.natural,
+                                         doc_ids if self.block_causal else None, self.kernel)
+            heartbeat.phase("forward", step)
+            loss = self.model(inputs[:, self.index], labels=labels[:, self.index],
+                              loss_fn=self.loss_fn, positions=positions, attention=attention)
+            loss = loss / global_tokens
+            if i == 0:
+                faults.armed().first_forward(step)  # a testing hook; nothing unless asked
+            heartbeat.phase("backward")
+            (loss * self.dp_size * self.cp).backward()
+            loss_sum += loss.detach()
+        z_loss = self.loss_fn.take_z_loss()
+        # Every cp rank reports its dp rank's whole loss, as without CP.
+        dist.all_reduce(loss_sum, group=self.group)
+        if z_loss is not None:
+            z_loss = z_loss.detach().clone()
+            dist.all_reduce(z_loss, group=self.group)
+        return Losses(loss_sum, z_loss)

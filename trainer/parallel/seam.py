@@ -1,0 +1,23 @@
+"""The step's seam, as types: what a parallelism's forward/backward takes and returns.
+
+trainer/parallel/microbatches.py builds one (`build_forward_backward`); each implementation
+(`MicrobatchLoop` there, `ContextParallelLoop` in context_parallel.py) returns `Losses`.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple, Protocol
+
+import torch
+
+
+class Losses(NamedTuple):
+    loss_sum: torch.Tensor  # this rank's summed token loss / the step's global token count
+    z_loss: torch.Tensor | None  # the z-loss term summed over this rank's tokens, or None
+
+
+class ForwardBackward(Protocol):
+    def __call__(self, batches: list[tuple[torch.Tensor, torch.Tensor]],
+                 global_tokens: torch.Tensor, step: int) -> Losses:
+        """Run forward and backward over this rank's microbatches `(inputs, labels)` of one step;
+        gradients accumulate in the model's parameters, ready for the optimizer."""
