@@ -169,3 +169,24 @@ def test_plan_divides_activations_by_cp_and_counts_the_kv_all_gather():
     kv = 2 * 2 * 32768 * 8 * 128  # K and V, bf16, 8 KV heads of 128, the whole sequence
     assert comm1["comm_cp"] == 0 and comm8["comm_cp"] == 7 / 8 * kv * 3 * 32
     assert eight["ac_recompute"] * 8 - kv * 8 == one["ac_recompute"]
+
+
+@pytest.mark.parametrize("documents", [False, True])
+def test_flex_mask_mod_is_the_sdpa_mask(documents):
+    """CUDA's FlexAttention mask (its mask_mod, materialised element by element on the CPU)
+    allows exactly the (query, key) pairs of the CPU path's SDPA mask, on every cp rank."""
+    import torch
+    from torch.nn.attention.flex_attention import create_mask
+
+    from trainer.parallel.context_parallel import ContextAttention, mask_mod
+
+    seq, cp = 64, 4
+    docs = torch.tensor([[0] * 7 + [1] * 30 + [2] * 27, [0] * 40 + [1] * 24]) if documents \
+        else None
+    natural = torch.argsort(torch.cat([head_tail_index(seq, cp, r) for r in range(cp)]))
+    for rank in range(cp):
+        index = head_tail_index(seq, cp, rank)
+        sdpa = ContextAttention(None, index, natural, docs, "sdpa").mask
+        flex = create_mask(mask_mod(index, docs), None if docs is None else 2, None,
+                           index.numel(), seq, device="cpu")
+        assert torch.equal(flex, sdpa.expand_as(flex)), rank

@@ -124,7 +124,9 @@ def _all_gather():
         funcol.all_gather_tensor_autograd
 
 
-def _block_mask(index: torch.Tensor, doc_ids: torch.Tensor | None, batch: int, seq: int):
+def mask_mod(index: torch.Tensor, doc_ids: torch.Tensor | None):
+    """FlexAttention's mask_mod for a rank's queries (global positions `index`) over the whole
+    sequence in order: key <= query, and under block_causal the same document."""
     def causal(b, h, q_idx, kv_idx):
         return kv_idx <= index[q_idx]
 
@@ -132,9 +134,13 @@ def _block_mask(index: torch.Tensor, doc_ids: torch.Tensor | None, batch: int, s
         pos = index[q_idx]
         return (kv_idx <= pos) & (doc_ids[b, kv_idx] == doc_ids[b, pos])
 
-    fn, rows = (causal, None) if doc_ids is None else (block_causal, batch)
-    return _compiled_create_block_mask()(fn, rows, None, index.numel(), seq,
-                                         device=index.device)
+    return causal if doc_ids is None else block_causal
+
+
+def _block_mask(index: torch.Tensor, doc_ids: torch.Tensor | None, batch: int, seq: int):
+    rows = None if doc_ids is None else batch
+    return _compiled_create_block_mask()(mask_mod(index, doc_ids), rows, None, index.numel(),
+                                         seq, device=index.device)
 
 
 class ContextParallelLoop:

@@ -129,7 +129,13 @@ class ParallelDims:
             return self._shard_mesh
         if not self.cp_enabled:
             return self.world_mesh["dp_replicate", "dp_shard"]
-        return self.world_mesh["dp_replicate", "dp_shard_cp"]
+        # A 2-D mesh over a flattened dim has no other spelling that keeps one root mesh (FSDP2
+        # with TP needs the TP mesh's root); torch warns that slicing it is to be deprecated.
+        import warnings
+
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message="Slicing a flattened dim from root mesh")
+            return self.world_mesh["dp_replicate", "dp_shard_cp"]
 
     @property
     def cp_mesh(self):
