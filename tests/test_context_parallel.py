@@ -1,13 +1,14 @@
 """Context parallelism (trainer/parallel/context_parallel.py) on CPU ranks: gloo, fp32, the
 debug model at seq 512.
 
-Through run_train.sh on 4 ranks, 5 steps: CP 2 x FSDP 2 and CP 4 (with full AC and per-
-microbatch gradient sync), and CP 2 x TP 2, give the 1-rank losses and gradient norms within
-1e-4, with `causal`; CP 2 x FSDP 2 and CP 4 also with `block_causal` and document positions on
-short documents (several per window). A checkpoint saved at CP 2 x FSDP 2 resumes on 1 rank and
-at CP 4 with the uninterrupted run's losses. Under forkrun (tests/scripts/cp_probe.py): the
-attention against one process, and the leak test (no gradient crosses documents, on either cp
-rank). The head-tail split's balance is counted, and bad settings are one line each.
+Through run_train.sh on 4 ranks, 5 steps of 2 sequences: CP 2 x FSDP 2, CP 4 (with full AC, 2
+microbatches and per-microbatch gradient sync) and CP 2 x TP 2 give the 1-rank losses and
+gradient norms within 1e-4, with `causal`; CP 2 x FSDP 2 and CP 4 also with `block_causal` and
+document positions on short documents (several per window). A checkpoint saved at CP 2 x FSDP 2
+resumes on 1 rank and at CP 4 with the uninterrupted run's losses. Under forkrun
+(tests/scripts/cp_probe.py): the attention against one process, and the leak test (no gradient
+crosses documents, on either cp rank). The head-tail split's balance is counted, and bad
+settings are one line each.
 """
 
 import pytest
@@ -21,7 +22,7 @@ from trainer.parallel.context_parallel import attention_pairs, contiguous_index,
 
 CP = "--parallelism.context_parallel_degree"
 COMMON = ("--training.device", "cpu", "--model.flavor", "debugmodel", "--training.seq_len",
-          "512", "--training.local_batch_size", "2", "--training.global_batch_size", "4",
+          "512", "--training.local_batch_size", "1", "--training.global_batch_size", "2",
           "--training.mixed_precision_param", "float32", "--metrics.log_freq", "1",
           "--lr_scheduler.warmup_steps", "2", "--lr_scheduler.min_lr_factor", "1.0",
           "--training.steps", "5", "--validation.enable", "false")
