@@ -32,6 +32,7 @@ from trainer.models.args import model_args
 from trainer.parallel.dims import (ParallelDims, check_async_tp, check_context_parallel,
                                  check_tp_shapes)
 from trainer.observe.wandb_logger import check_config as check_wandb
+from trainer.parallel.pp_layout import check_pipeline
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -100,6 +101,10 @@ class JobConfig:
                               f"parallelism.tensor_parallel_degree = {pd.tp}: sequence "
                               "parallelism splits each sequence evenly over the tp ranks")
         check_context_parallel(self, pd)
+        if pd.pp_enabled:
+            args = model_args(self.model.flavor)
+            check_pipeline(self.parallelism, self.training, args.n_layers,
+                           args.tie_word_embeddings, self.model.flavor)
         accum = accumulation_steps(self.training, pd.dp_size)
         per_pass = self.training.local_batch_size * pd.dp_size
         check_ramp(self.training, per_pass, per_pass * accum)

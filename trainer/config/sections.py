@@ -232,6 +232,21 @@ class Parallelism:
         1, "Context-parallel group size: each sequence split over this many ranks (head-tail "
         "chunks, K/V all-gathered; long context); must divide the world size / tp, and "
         "training.seq_len must divide into 2 x cp (x tp) chunks", min=1)
+    pipeline_parallel_degree: int = opt(
+        1, "Pipeline stages (outermost mesh dim, pp): the layers cut into stages that pass "
+        "activations point to point; must divide the world size", min=1)
+    pipeline_parallel_schedule: str = opt(
+        "1F1B", "GPipe, 1F1B, Interleaved1F1B, LoopedBFS, InterleavedZeroBubble, ZBVZeroBubble "
+        "or DualPipeV (the last five run several stages per rank)")
+    pipeline_parallel_microbatch_size: int = opt(
+        1, "Samples per pipeline microbatch: each rank's local batch is cut into "
+        "local_batch_size / this many microbatches per schedule step", min=1)
+    pipeline_parallel_layers_per_stage: int = opt(
+        0, "Units per stage (the embedding and the head count as one layer each); 0 = a "
+        "balanced split into pp stages (2 pp for multi-stage schedules)", min=0)
+    pipeline_parallel_split_points: list[str] = opt(
+        [], "Explicit cuts instead: a stage starts at each named layer, e.g. [\"layers.4\", "
+        "\"layers.8\"] (on the command line: layers.4,layers.8)")
     disable_loss_parallel: bool = opt(
         False, "With TP: gather the output head's weight and compute the loss over the full "
         "vocab on every tp rank, instead of over vocab-sharded logits")

@@ -1,15 +1,17 @@
 """Parallel degrees -> a named world DeviceMesh.
 
-The world mesh is 4-D, `("dp_replicate", "dp_shard", "cp", "tp")`, tp innermost (the ranks of
-a tensor-parallel group are neighbours: on GPUs, one node's NVLink). It always carries a
-flattened `dp` dimension of size replicate x shard: the dataloader takes its rank and size from
-`dp`, and the loss is averaged over it, so the cp and tp ranks of one dp rank read the same
-samples. FSDP shards parameters over `dp_shard` x `cp` (flattened `dp_shard_cp`; the cp ranks
+The world mesh is 5-D, `("pp", "dp_replicate", "dp_shard", "cp", "tp")`, tp innermost (the
+ranks of a tensor-parallel group are neighbours: on GPUs, one node's NVLink) and pp outermost
+(pipeline stages exchange only activations, point to point: the slowest links do). It always
+carries a flattened `dp` dimension of size replicate x shard: the dataloader takes its rank and
+size from `dp`, and the loss is averaged over it, so the pp, cp and tp ranks of one dp rank read
+the same samples. FSDP shards parameters over `dp_shard` x `cp` (flattened `dp_shard_cp`; the cp ranks
 hold different tokens of the same samples, so they reduce gradients like dp ranks); HSDP
 additionally replicates them over `dp_replicate` (the 2-D mesh); `dp_shard = cp = 1` is pure
 replication. Context parallelism (trainer/parallel/context_parallel.py) splits each sequence
 over `cp`; tensor parallelism (trainer/parallel/tp.py) shards each block's matmuls over `tp`;
-either dimension is a no-op at degree 1.
+pipeline parallelism (trainer/parallel/pipeline.py) cuts the layers into stages over `pp`;
+each dimension is a no-op at degree 1.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ SHARD_KEY = "parallelism.data_parallel_shard_degree"
 REPLICATE_KEY = "parallelism.data_parallel_replicate_degree"
 TP_KEY = "parallelism.tensor_parallel_degree"
 CP_KEY = "parallelism.context_parallel_degree"
+PP_KEY = "parallelism.pipeline_parallel_degree"
 
 
 @dataclass
@@ -31,6 +34,7 @@ class ParallelDims:
     world_size: int
     tp: int = 1
     cp: int = 1
+    pp: int = 1
     loss_parallel: bool = True  # with tp > 1: the loss over vocab-sharded logits
     world_mesh: object = field(default=None, repr=False)
     dp_mesh: object = field(default=None, repr=False)
@@ -44,26 +48,34 @@ class ParallelDims:
                    parallelism.data_parallel_shard_degree, world_size,
                    tp=parallelism.tensor_parallel_degree,
                    cp=parallelism.context_parallel_degree,
+                   pp=parallelism.pipeline_parallel_degree,
                    loss_parallel=not parallelism.disable_loss_parallel)
 
     def _validate(self) -> None:
         r, s, tp, cp, ws = self.dp_replicate, self.dp_shard, self.tp, self.cp, self.world_size
         if ws < 1:
             raise ConfigError(f"world size must be >= 1, got {ws}")
+        if self.pp < 1 or ws % self.pp:
+            divisors = [d for d in range(1, ws + 1) if ws % d == 0]
+            raise ConfigError(f"{PP_KEY} = {self.pp} does not divide world size {ws}; valid: "
+                              f"{', '.join(map(str, divisors))}")
+        ws //= self.pp  # what follows shares one pipeline stage's ranks
+        wl = (f"world size {self.world_size} / pp {self.pp} = {ws}" if self.pp > 1
+              else f"world size {ws}")
         if tp < 1 or ws % tp:
             divisors = [d for d in range(1, ws + 1) if ws % d == 0]
-            raise ConfigError(f"{TP_KEY} = {tp} does not divide world size {ws}; valid: "
+            raise ConfigError(f"{TP_KEY} = {tp} does not divide {wl}; valid: "
                               f"{', '.join(map(str, divisors))}")
         if cp < 1 or (ws // tp) % cp:
             divisors = [d for d in range(1, ws // tp + 1) if (ws // tp) % d == 0]
-            raise ConfigError(f"{CP_KEY} = {cp} does not divide world size {ws}"
+            raise ConfigError(f"{CP_KEY} = {cp} does not divide {wl}"
                               + (f" / {TP_KEY} = {tp}" if tp > 1 else "")
                               + f"; valid: {', '.join(map(str, divisors))}")
         inner = " x ".join(f"{k} = {v}" for k, v in ((CP_KEY, cp), (TP_KEY, tp)) if v > 1)
         both = f"{REPLICATE_KEY} = {r} and {SHARD_KEY} = {s}" + (f" (x {inner})" if inner else "")
         dp_world = ws // (tp * cp)
         short = " x ".join(f"{k} {v}" for k, v in (("cp", cp), ("tp", tp)) if v > 1)
-        where = f"world size {ws}" + (f", {dp_world} dp ranks of {short}" if short else "")
+        where = wl + (f", {dp_world} dp ranks of {short}" if short else "")
         if r < 1:
             raise ConfigError(f"{REPLICATE_KEY} = {r} is out of range; it must be >= 1 "
                               f"(with {SHARD_KEY} = {s}, {where})")
@@ -79,8 +91,9 @@ class ParallelDims:
                               f"world size / replicate degree (with {REPLICATE_KEY} = {r}, "
                               f"{where})")
         if r * s * cp * tp != ws:
-            raise ConfigError(f"{both} multiply to {r * s * cp * tp}, but the world size is {ws}; "
-                              f"their product must equal the world size (e.g. set {SHARD_KEY} "
+            per = f" / {PP_KEY} = {self.pp}" if self.pp > 1 else ""
+            raise ConfigError(f"{both} multiply to {r * s * cp * tp}, but the world size{per} "
+                              f"is {ws}; their product must equal it (e.g. set {SHARD_KEY} "
                               "= -1)")
 
     @property
@@ -100,18 +113,22 @@ class ParallelDims:
         return self.cp > 1
 
     @property
+    def pp_enabled(self) -> bool:
+        return self.pp > 1
+
+    @property
     def model_parallel(self) -> int:
-        """Ranks that compute one dp rank's tokens together (cp x tp)."""
-        return self.cp * self.tp
+        """Ranks that compute one dp rank's tokens together (pp x cp x tp)."""
+        return self.pp * self.cp * self.tp
 
     def build_mesh(self, device_type: str):
-        """Create the world mesh `("dp_replicate", "dp_shard", "cp", "tp")`, its flattened `dp`
-        and, with cp > 1, the flattened `dp_shard_cp` that FSDP shards over."""
+        """Create the world mesh `("pp", "dp_replicate", "dp_shard", "cp", "tp")`, its flattened
+        `dp` and, with cp > 1, the flattened `dp_shard_cp` that FSDP shards over."""
         from torch.distributed.device_mesh import init_device_mesh
 
         self.world_mesh = init_device_mesh(
-            device_type, (self.dp_replicate, self.dp_shard, self.cp, self.tp),
-            mesh_dim_names=("dp_replicate", "dp_shard", "cp", "tp"))
+            device_type, (self.pp, self.dp_replicate, self.dp_shard, self.cp, self.tp),
+            mesh_dim_names=("pp", "dp_replicate", "dp_shard", "cp", "tp"))
         # No public flatten API yet; `_flatten` is stable since torch 2.4. Keep the returned
         # objects: slicing mesh["dp"] from the root afterwards is deprecated.
         self.dp_mesh = self.world_mesh["dp_replicate", "dp_shard"]._flatten(mesh_dim_name="dp")
@@ -138,6 +155,10 @@ class ParallelDims:
             return self.world_mesh["dp_replicate", "dp_shard_cp"]
 
     @property
+    def pp_mesh(self):
+        return self.world_mesh["pp"]
+
+    @property
     def cp_mesh(self):
         return self.world_mesh["cp"]
 
@@ -154,13 +175,14 @@ class ParallelDims:
         kind = "HSDP" if self.hsdp else "FSDP"
         if self.dp_shard * self.cp == 1 and self.hsdp:
             kind = "replicate"
-        elif self.dp_size * self.cp == 1 and self.tp_enabled:
+        elif self.dp_size * self.cp == 1 and (self.tp_enabled or self.pp_enabled):
             kind = "no data parallelism"
         cp = (f" x CP {self.cp} (head-tail split, K/V all-gathered, params sharded over "
               f"dp_shard x cp)" if self.cp_enabled else "")
         tp = (f" x TP {self.tp} (sequence parallel, loss "
               f"{'parallel' if self.loss_parallel else 'gathered'})" if self.tp_enabled else "")
-        return (f"{kind} mesh (dp_replicate={self.dp_replicate}, dp_shard={self.dp_shard})"
+        pp = f"PP {self.pp} (pipeline stages, p2p) x " if self.pp_enabled else ""
+        return (f"{pp}{kind} mesh (dp_replicate={self.dp_replicate}, dp_shard={self.dp_shard})"
                 f"{cp}{tp}, dp={self.dp_size}, world={self.world_size}")
 
 

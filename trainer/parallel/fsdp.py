@@ -28,9 +28,10 @@ def reshard_policy(policy: str) -> tuple[bool | int, bool]:
     return fixed[policy] if policy in fixed else (int(policy), False)
 
 
-def apply_fsdp(model: Transformer, mesh, *, param_dtype: str, reduce_dtype: str,
+def apply_fsdp(model: torch.nn.Module, mesh, *, param_dtype: str, reduce_dtype: str,
                reshard_after_forward: str, offload: OffloadPolicy | None = None) -> None:
-    """FSDP over a 1-D `dp_shard` mesh, or HSDP over the 2-D `(dp_replicate, dp_shard)` mesh.
+    """FSDP over a 1-D `dp_shard` mesh, or HSDP over the 2-D `(dp_replicate, dp_shard)` mesh,
+    of a Transformer or a pipeline stage (the same attribute names, either end None).
     `offload`: e.g. CPUOffloadPolicy (sharded params, grads and optimizer state in host
     memory; the parameters must then be materialised on the CPU)."""
     mp = MixedPrecisionPolicy(param_dtype=DTYPE[param_dtype], reduce_dtype=DTYPE[reduce_dtype])
@@ -39,13 +40,15 @@ def apply_fsdp(model: Transformer, mesh, *, param_dtype: str, reduce_dtype: str,
     blocks, head = reshard_policy(reshard_after_forward)
     for block in model.layers.values():
         shard(block, reshard_after_forward=blocks)
-    if model.output is None:
+    if model.output is None and model.norm is not None:
         # Tied embeddings: the embedding is used first and last, so it stays in the root's
         # group, unsharded for the whole forward (a group of its own would be resharded).
         shard(model.norm, reshard_after_forward=head)
-    else:
-        shard(model.tok_embeddings, reshard_after_forward=blocks)
-        shard([model.norm, model.output], reshard_after_forward=head)
+    else:  # a pipeline stage (trainer/parallel/pipeline.py) may lack either end
+        if model.tok_embeddings is not None:
+            shard(model.tok_embeddings, reshard_after_forward=blocks)
+        if model.norm is not None:
+            shard([model.norm, model.output], reshard_after_forward=head)
     shard(model, reshard_after_forward=blocks)
 
 

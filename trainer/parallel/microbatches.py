@@ -6,8 +6,8 @@ loss; the clipping, the guard and the optimizer step after it are the same for e
 
 `MicrobatchLoop`: each microbatch's forward and backward in turn with FSDP2's gradient sync set
 per `training.gradient_accumulation_sync`. `ContextParallelLoop` (context_parallel.py): the
-same with each sequence split over the cp ranks. A pipeline schedule is the next one (a new
-file here, chosen in `build_forward_backward`); the loop does not change.
+same with each sequence split over the cp ranks. `PipelineLoop` (pipeline.py): the step's
+microbatches through a pipeline schedule. The loop does not change.
 """
 
 from __future__ import annotations
@@ -21,6 +21,7 @@ from trainer.health import faults, heartbeat
 from trainer.models.loss import Loss
 from trainer.parallel.context_parallel import ContextParallelLoop
 from trainer.parallel.fsdp import set_gradient_sync
+from trainer.parallel.pipeline import PipelineLoop
 from trainer.parallel.seam import ForwardBackward, Losses  # noqa: F401  (step.py imports them here)
 
 
@@ -61,12 +62,16 @@ class MicrobatchLoop:
 
 def build_forward_backward(model: torch.nn.Module, loss_fn: Loss, cfg, *, parallel_dims,
                            device: torch.device, loader=None) -> ForwardBackward:
-    """The seam for `cfg`'s parallelism: context parallelism's loop with cp > 1 (trainer/
-    parallel/context_parallel.py), else the microbatch loop."""
+    """The seam for `cfg`'s parallelism: a pipeline schedule with pp > 1 (trainer/parallel/
+    pipeline.py), context parallelism's loop with cp > 1 (context_parallel.py), else the
+    microbatch loop."""
     documents = getattr(model, "uses_documents", False) and loader is not None
     common = dict(sync_mode=cfg.training.gradient_accumulation_sync,
                   dp_size=parallel_dims.dp_size, device=device,
                   document_ids=loader.document_ids if documents else None)
+    if parallel_dims.pp_enabled:
+        return PipelineLoop(model, loss_fn, cfg, dp_size=parallel_dims.dp_size, device=device,
+                            document_ids=common["document_ids"])
     if parallel_dims.cp_enabled:
         return ContextParallelLoop(model, loss_fn, cp_mesh=parallel_dims.cp_mesh,
                                    seq_len=cfg.training.seq_len, model_cfg=cfg.model, **common)

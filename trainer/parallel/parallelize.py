@@ -2,7 +2,8 @@
 meta-device model, then materialise and initialise it.
 
 The order is fixed here, and it matters:
-0. Float8 swaps the blocks' linears, then tensor parallelism (trainer/parallel/tp.py) turns
+0. Pipeline parallelism prunes the model to this rank's stages (trainer/parallel/pipeline.py).
+   Float8 swaps the blocks' linears, then tensor parallelism (trainer/parallel/tp.py) turns
    the parameters into DTensors on the `tp` mesh and installs its input/output redistributions
    as module hooks, which stay outside AC's and compile's wrapped forwards.
 1. Activation checkpointing wraps each block's forward, so recomputation covers the whole block.
@@ -29,6 +30,7 @@ from torch.utils.checkpoint import (CheckpointPolicy, checkpoint,
 from trainer.parallel.float8 import apply_float8
 from trainer.models.llama import Transformer
 from trainer.parallel.fsdp import apply_fsdp, set_gradient_sync  # noqa: F401  (re-exported)
+from trainer.parallel.pipeline import split_model
 from trainer.parallel.tp import apply_tp
 
 
@@ -117,6 +119,8 @@ def shard_model(model: Transformer, parallel_dims, cfg, *, device: torch.device,
     """float8, TP, AC, compile and FSDP on the meta device: nothing is allocated yet. The traced
     dry run (trainer/plan/trace.py) calls this outside its fake-tensor mode (the meshes' own
     bookkeeping needs real tensors), then `materialize` inside it."""
+    if parallel_dims.pp_enabled:  # this rank's stages only, before anything else
+        split_model(model, cfg, parallel_dims.pp_mesh)
     if cfg.float8.enable:  # before AC and compile wrap the blocks (trainer/parallel/float8.py)
         apply_float8(model, cfg.float8)
     if parallel_dims.tp_enabled:
@@ -129,13 +133,16 @@ def shard_model(model: Transformer, parallel_dims, cfg, *, device: torch.device,
     if cfg.compile.enable:
         apply_compile(model)
     offload = cfg.parallelism.fsdp_offload == "cpu"
-    apply_fsdp(model, parallel_dims.fsdp_mesh,
-               param_dtype=param_dtype,
-               reduce_dtype=cfg.training.mixed_precision_reduce,
-               reshard_after_forward=cfg.parallelism.fsdp_reshard_after_forward,
-               # Pinned host memory (fast, overlapped copies) exists only with CUDA; a CPU
-               # run rejects offload (trainer.config.job), tests use it unpinned on CPU meshes.
-               offload=CPUOffloadPolicy(pin_memory=device.type == "cuda") if offload else None)
+    # Under pp each stage is an FSDP root: the schedule drives its gradient sync.
+    for root in model.pipeline_stages if parallel_dims.pp_enabled else [model]:
+        apply_fsdp(root, parallel_dims.fsdp_mesh,
+                   param_dtype=param_dtype,
+                   reduce_dtype=cfg.training.mixed_precision_reduce,
+                   reshard_after_forward=cfg.parallelism.fsdp_reshard_after_forward,
+                   # Pinned host memory (fast, overlapped copies) exists only with CUDA; a CPU
+                   # run rejects offload (trainer.config.job), tests use it unpinned on CPU.
+                   offload=(CPUOffloadPolicy(pin_memory=device.type == "cuda") if offload
+                            else None))
     return model
 
 

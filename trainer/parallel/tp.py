@@ -39,15 +39,17 @@ from trainer.models.llama import Transformer
 def apply_tp(model: Transformer, tp_mesh, *, float8_tensorwise: bool = False,
              async_tp: bool = False) -> None:
     """Shard `model` (on meta, before AC, compile and FSDP) over the 1-D `tp_mesh`."""
-    parallelize_module(model, tp_mesh, {
-        "tok_embeddings": RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1)),
-        "norm": SequenceParallel(),
-    })
+    # A pipeline stage's pruned model (trainer/parallel/pipeline.py) may lack either end.
+    ends = {"tok_embeddings": RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1)),
+            "norm": SequenceParallel()}
+    parallelize_module(model, tp_mesh, {k: v for k, v in ends.items()
+                                        if getattr(model, k) is not None})
     # The embedding's output is its sequence shard as a view (DTensor.to_local). FSDP hooks
     # its backward on that output; a compiled first block replays the view, which drops the
     # hook (the embedding's gradient came out wrong under compile). A copy, [b, s/tp, dim],
     # is the block's own input. Registered before fully_shard, it runs before FSDP's hook.
-    model.tok_embeddings.register_forward_hook(lambda module, args, out: out.clone())
+    if model.tok_embeddings is not None:
+        model.tok_embeddings.register_forward_hook(lambda module, args, out: out.clone())
     # A full gather of an FSDP x TP parameter (HF export, the weights digest) takes two
     # all-gathers, and torch warns on every rank for every parameter: one-off, not a step's.
     logging.getLogger("torch.distributed.tensor._redistribute").setLevel(logging.ERROR)

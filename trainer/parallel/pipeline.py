@@ -1,0 +1,226 @@
+"""Pipeline parallelism: the model cut into stages over the `pp` mesh dimension, run by one of
+torch.distributed.pipelining's schedules.
+
+On each pp rank the meta model is pruned to the units of its stages (trainer/parallel/
+pp_layout.py decides which: the first stage keeps the embedding, the last the final norm, the
+output head and the loss). The pruned model keeps its class's attribute names, so parameter
+names, and with them checkpoints, the seeded init and the HF mapping, are those of the whole
+model: a checkpoint moves between pp degrees and layouts like any other. Each stage is a
+`StageModule`, a view that shares the pruned model's submodules; FSDP's root is the stage (the
+schedule drives FSDP's gradient sync per stage), the optimizer, clipping and checkpoints see
+the pruned model.
+
+`PipelineLoop` is the step's seam (trainer/parallel/seam.py) under pp: each of the step's
+microbatches (gradient accumulation) is one schedule step over `local_batch_size /
+pipeline_parallel_microbatch_size` pipeline microbatches. The last stage computes the summed
+token loss in its head (the chunked or loss-parallel loss, no logits); the schedule's loss
+function scales it by dp / the global token count, with `scale_grads=False`: the gradients are
+exactly those of one large batch, whatever the schedule, its microbatches and the
+accumulation. The loss is then summed over pp, so every stage logs and guards the same value.
+
+`PipelinedModel.forward` runs validation, evals and any other forward-only call: the stages
+in order, the activations sent point to point, the last stage's result broadcast to every pp
+rank.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from trainer.distributed import to_device
+from trainer.health import faults, heartbeat
+from trainer.models.llama import Transformer
+from trainer.parallel.pp_layout import (StageSpec, check_microbatches, check_pipeline,
+                                        rank_stages, schedule as find_schedule, stage_rank)
+
+
+class StageModule(nn.Module):
+    """One stage: the embedding (first stage), a run of layers, the norm and head (last stage)
+    of the pruned model, under the same attribute names."""
+
+    def __init__(self, model: Transformer, spec: StageSpec):
+        super().__init__()
+        self.spec = spec
+        self.tok_embeddings = model.tok_embeddings if spec.embedding else None
+        self.layers = nn.ModuleDict({str(i): model.layers[str(i)] for i in spec.layers})
+        self.norm = model.norm if spec.head else None
+        self.output = model.output if spec.head else None
+        object.__setattr__(self, "_root", model)  # the RoPE tables and masks; not a child
+        self.loss_fn = None  # the training loss (PipelineLoop sets it)
+
+    def forward(self, x: torch.Tensor, labels: torch.Tensor | None = None,
+                doc_ids: torch.Tensor | None = None, loss_fn=None) -> torch.Tensor:
+        """Tokens (first stage) or the previous stage's activations -> activations, or (last
+        stage) the summed token loss with labels, the logits without."""
+        root = self._root
+        h = self.tok_embeddings(x) if self.tok_embeddings is not None else x
+        # Under sequence parallelism (TP) the activations hold seq / tp positions per rank.
+        seq = x.shape[1] if self.tok_embeddings is not None else x.shape[1] * root.sequence_multiple
+        cos, sin, mask = root.attention_inputs(seq, doc_ids, None, h.dtype)
+        for layer in self.layers.values():
+            h = layer(h, cos, sin, mask)
+        if self.norm is None:
+            return h
+        fn = loss_fn or self.loss_fn
+        return self.output(self.norm(h), labels if fn is not None else None, fn)
+
+
+class PipelinedModel(Transformer):
+    """The pruned model of one pp rank (its class swapped in by `split_model`): its forward
+    runs the whole pipeline, forward only (validation, evals)."""
+
+    pipeline_stages: list[StageModule]
+    pp_group = None
+    stage_ranks: list[int]  # stage -> pp rank
+
+    def forward(self, tokens: torch.Tensor, labels: torch.Tensor | None = None, loss_fn=None,
+                *, doc_ids: torch.Tensor | None = None, positions=None, attention=None):
+        if positions is not None or attention is not None:
+            raise NotImplementedError("explicit positions or attention under pipeline parallelism")
+        group, me = self.pp_group, dist.get_rank(self.pp_group)
+        mine = {m.spec.index: m for m in self.pipeline_stages}
+        h, out = tokens, None
+        for s, owner in enumerate(self.stage_ranks):
+            if owner != me:
+                continue
+            if s > 0 and self.stage_ranks[s - 1] != me:
+                h = _recv(dist.get_global_rank(group, self.stage_ranks[s - 1]), group)
+            h = mine[s](h, labels=labels, doc_ids=doc_ids, loss_fn=loss_fn)
+            if s + 1 < len(self.stage_ranks) and self.stage_ranks[s + 1] != me:
+                _send(h, dist.get_global_rank(group, self.stage_ranks[s + 1]), group)
+            out = h if s == len(self.stage_ranks) - 1 else None
+        return _broadcast(out, dist.get_global_rank(group, self.stage_ranks[-1]), group)
+
+
+_DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.float64, torch.int64]
+
+
+def _header(t: torch.Tensor) -> torch.Tensor:
+    return torch.tensor([_DTYPES.index(t.dtype), t.dim(), *t.shape, *[0] * (6 - t.dim())],
+                        dtype=torch.int64, device=t.device)
+
+
+def _from_header(header: torch.Tensor, device) -> torch.Tensor:
+    dtype, ndim, *shape = header.tolist()
+    return torch.empty(shape[:ndim], dtype=_DTYPES[dtype], device=device)
+
+
+def _send(t: torch.Tensor, dst: int, group) -> None:
+    t = t.contiguous()
+    dist.send(_header(t), dst, group=group)
+    dist.send(t, dst, group=group)
+
+
+def _recv(src: int, group) -> torch.Tensor:
+    device = _device(group)
+    header = torch.empty(8, dtype=torch.int64, device=device)
+    dist.recv(header, src, group=group)
+    t = _from_header(header, device)
+    dist.recv(t, src, group=group)
+    return t
+
+
+def _broadcast(t: torch.Tensor | None, src: int, group) -> torch.Tensor:
+    device = _device(group)
+    header = _header(t.contiguous()) if t is not None else torch.empty(
+        8, dtype=torch.int64, device=device)
+    dist.broadcast(header, src, group=group)
+    out = t.contiguous() if t is not None else _from_header(header, device)
+    dist.broadcast(out, src, group=group)
+    return out
+
+
+def _device(group) -> torch.device:
+    backend = dist.get_backend(group)
+    if "nccl" in str(backend):
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def split_model(model: Transformer, cfg, pp_mesh) -> list[StageModule]:
+    """Prune the meta `model` to this pp rank's stages (in place; its class becomes
+    PipelinedModel) and return their StageModules."""
+    par = cfg.parallelism
+    specs = check_pipeline(par, cfg.training, model.args.n_layers,
+                           model.args.tie_word_embeddings, cfg.model.flavor)
+    sched, pp = find_schedule(par.pipeline_parallel_schedule), par.pipeline_parallel_degree
+    me = pp_mesh.get_local_rank()
+    mine = [specs[s] for s in rank_stages(me, pp, len(specs), sched.style)]
+    layers = {i for spec in mine for i in spec.layers}
+    for key in [k for k in model.layers if int(k) not in layers]:
+        del model.layers[key]
+    if not any(spec.embedding for spec in mine):
+        model.tok_embeddings = None
+    if not any(spec.head for spec in mine):
+        model.norm = model.output = None
+    model.__class__ = PipelinedModel
+    model.pp_group = pp_mesh.get_group()
+    model.stage_ranks = [stage_rank(s, pp, sched.style) for s in range(len(specs))]
+    model.pipeline_stages = [StageModule(model, spec) for spec in mine]
+    return model.pipeline_stages
+
+
+class PipelineLoop:
+    """The step's forward and backward through a pipeline schedule (see the module docstring)."""
+
+    def __init__(self, model: PipelinedModel, loss_fn, cfg, *, dp_size: int,
+                 device: torch.device, document_ids=None):
+        from torch.distributed.pipelining import PipelineStage
+        from torch.distributed.pipelining.schedules import (PipelineScheduleSingle,
+                                                            get_schedule_class)
+
+        par = cfg.parallelism
+        sched = find_schedule(par.pipeline_parallel_schedule)
+        n_stages = len(model.stage_ranks)
+        self.n_microbatches = check_microbatches(par, cfg.training, sched, n_stages,
+                                                 par.pipeline_parallel_degree)
+        self.model, self.loss_fn, self.device = model, loss_fn, device
+        self.dp_size, self.document_ids = dp_size, document_ids
+        self.pp_group = model.pp_group
+        self.scale = None  # dp / the step's global token count
+        for stage in model.pipeline_stages:
+            stage.loss_fn = loss_fn
+        stages = [PipelineStage(m, m.spec.index, n_stages, device, group=self.pp_group)
+                  for m in model.pipeline_stages]
+        cls = get_schedule_class(sched.name)
+        single = issubclass(cls, PipelineScheduleSingle)
+        self.schedule = cls(stages[0] if single else stages, self.n_microbatches,
+                            loss_fn=self._scaled, scale_grads=False)
+        self.first = any(m.spec.embedding for m in model.pipeline_stages)
+        self.last = any(m.spec.head for m in model.pipeline_stages)
+        self.z_loss = bool(getattr(loss_fn, "z_loss_weight", 0.0))
+
+    def _scaled(self, output: torch.Tensor, target) -> torch.Tensor:
+        """The schedule's loss: the last stage's summed token loss times dp / global tokens
+        (FSDP averages the gradients over dp; the product is a plain sum / global tokens)."""
+        return output * self.scale
+
+    def __call__(self, batches, global_tokens: torch.Tensor, step: int):
+        from trainer.parallel.seam import Losses
+
+        self.scale = self.dp_size / global_tokens
+        total = torch.zeros((), device=self.device)
+        self.loss_fn.take_z_loss()  # nothing from the schedule's first shape inference
+        for i, (inputs, labels) in enumerate(batches):
+            inputs, labels = to_device(inputs, self.device), to_device(labels, self.device)
+            kwargs = {"labels": labels}
+            if self.document_ids is not None:
+                kwargs["doc_ids"] = self.document_ids(inputs)
+            heartbeat.phase("pipeline", step)
+            losses: list[torch.Tensor] = []
+            self.schedule.step(*((inputs,) if self.first else ()), target=labels,
+                               losses=losses, return_outputs=False, **kwargs)
+            if i == 0:
+                faults.armed().first_forward(step)  # a testing hook; nothing unless asked
+            for loss in losses:
+                total += loss.detach()
+        total = total / self.dp_size
+        z = self.loss_fn.take_z_loss() if self.z_loss else None
+        if z is None and self.z_loss:
+            z = torch.zeros((), device=self.device)
+        # Only the last stage knows the loss: summed over pp, every stage logs and guards it.
+        both = torch.stack([total, z if z is not None else torch.zeros_like(total)])
+        dist.all_reduce(both, group=self.pp_group)
+        return Losses(both[0], both[1] if self.z_loss else None)
