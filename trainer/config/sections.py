@@ -220,8 +220,9 @@ class Parallelism:
     data_parallel_shard_degree: int = opt(-1, "FSDP shard group size; -1 = the rest of the world")
     data_parallel_replicate_degree: int = opt(1, "HSDP replica groups (e.g. nodes)", min=1)
     fsdp_reshard_after_forward: str = opt(
-        "default", "Free unsharded params after forward: default, always, never, or N: keep them "
-        "sharded over groups of N ranks (N > 1 divides dp_shard; ZeRO++ hpZ)", int_as_str=True)
+        "default", "Free unsharded params after forward: default (blocks yes, head no; under "
+        "pp: never), always, never, or N: keep them sharded over groups of N ranks (N > 1 "
+        "divides dp_shard; ZeRO++ hpZ)", int_as_str=True)
     fsdp_offload: str = opt("none", "none, or cpu: sharded params, grads and optimizer state in "
                             "pinned host memory, optimizer step on the CPU (CUDA only)",
                             choices=("none", "cpu"))

@@ -43,9 +43,11 @@ IGNORE_INDEX = -100
 
 
 def eager_loss_and_z(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor,
-                     z_loss_weight: float = 0.0) -> tuple[torch.Tensor, torch.Tensor | None]:
+                     z_loss_weight: float = 0.0, split_backward: bool = False
+                     ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """(summed token cross-entropy + z_loss_weight * z, z) through full fp32 logits, where
-    z = the sum of logsumexp(logits)^2 over the non-ignored tokens (None when the weight is 0)."""
+    z = the sum of logsumexp(logits)^2 over the non-ignored tokens (None when the weight is 0).
+    Autograd's own backward runs twice when asked (`split_backward` changes nothing)."""
     logits = F.linear(hidden, weight).flatten(0, -2).float()
     targets = labels.flatten()
     loss = F.cross_entropy(logits, targets, ignore_index=IGNORE_INDEX, reduction="sum")
@@ -88,7 +90,8 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
     is None when z_loss_weight is 0."""
 
     @staticmethod
-    def forward(ctx, hidden, weight, labels, chunk_size: int, chunk_fn, z_loss_weight: float):
+    def forward(ctx, hidden, weight, labels, chunk_size: int, chunk_fn, z_loss_weight: float,
+                split_backward: bool = False):
         h, y = hidden.reshape(-1, hidden.shape[-1]), labels.reshape(-1)
         grad_h = torch.empty_like(h)
         grad_w = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device)
@@ -110,24 +113,30 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
             loss = loss + z_loss_weight * z_sum
             ctx.mark_non_differentiable(z_sum)
         ctx.grads = (grad_h.view(hidden.shape), grad_w)
-        ctx.weight_dtype = weight.dtype
+        ctx.weight_dtype, ctx.split_backward = weight.dtype, split_backward
         return loss, z_sum
 
     @staticmethod
     def backward(ctx, grad_loss, _grad_z):
         grad_h, grad_w = ctx.grads
+        rest = (None,) * 5
+        if ctx.split_backward:  # called again for the weights (zero-bubble pipelines): keep them
+            return (grad_h * grad_loss.to(grad_h.dtype),
+                    (grad_w * grad_loss).to(ctx.weight_dtype), *rest)
         del ctx.grads
         return (grad_h.mul_(grad_loss.to(grad_h.dtype)),
-                grad_w.mul_(grad_loss).to(ctx.weight_dtype), None, None, None, None)
+                grad_w.mul_(grad_loss).to(ctx.weight_dtype), *rest)
 
 
 def chunked_loss_and_z(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, *,
-                       chunk_size: int, chunk_fn=chunk_loss_and_grad, z_loss_weight: float = 0.0
-                       ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """eager_loss_and_z's results, `chunk_size` tokens at a time (see the module docstring)."""
+                       chunk_size: int, chunk_fn=chunk_loss_and_grad, z_loss_weight: float = 0.0,
+                       split_backward: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """eager_loss_and_z's results, `chunk_size` tokens at a time (see the module docstring).
+    `split_backward`: the backward may run twice, for the input and then for the weight
+    gradient (zero-bubble pipeline schedules): the gradients are kept until the graph goes."""
     if torch.is_grad_enabled() and (hidden.requires_grad or weight.requires_grad):
         return _ChunkedLinearCrossEntropy.apply(hidden, weight, labels, chunk_size, chunk_fn,
-                                                z_loss_weight)
+                                                z_loss_weight, split_backward)
     h, y = hidden.reshape(-1, hidden.shape[-1]), labels.reshape(-1)
     loss = torch.zeros((), dtype=torch.float32, device=h.device)
     z_sum = torch.zeros_like(loss) if z_loss_weight else None
@@ -156,10 +165,12 @@ class Loss:
     def __init__(self, fn, z_loss_weight: float = 0.0, vocab_parallel: bool = False):
         self.fn, self.z_loss_weight, self.vocab_parallel = fn, z_loss_weight, vocab_parallel
         self._z_loss: torch.Tensor | None = None
+        self.split_backward = False  # a zero-bubble pipeline schedule sets it
 
     def __call__(self, hidden: torch.Tensor, weight: torch.Tensor,
                  labels: torch.Tensor) -> torch.Tensor:
-        loss, z = self.fn(hidden, weight, labels, z_loss_weight=self.z_loss_weight)
+        loss, z = self.fn(hidden, weight, labels, z_loss_weight=self.z_loss_weight,
+                          **({"split_backward": True} if self.split_backward else {}))
         if z is not None:
             term = self.z_loss_weight * z.detach()
             self._z_loss = term if self._z_loss is None else self._z_loss + term

@@ -133,12 +133,17 @@ def shard_model(model: Transformer, parallel_dims, cfg, *, device: torch.device,
     if cfg.compile.enable:
         apply_compile(model)
     offload = cfg.parallelism.fsdp_offload == "cpu"
+    reshard = cfg.parallelism.fsdp_reshard_after_forward
+    if parallel_dims.pp_enabled and reshard == "default":
+        # Each pipeline microbatch's forward would all-gather again; and the zero-bubble
+        # schedules' weight-gradient pass needs the forward's unsharded parameters.
+        reshard = "never"
     # Under pp each stage is an FSDP root: the schedule drives its gradient sync.
     for root in model.pipeline_stages if parallel_dims.pp_enabled else [model]:
         apply_fsdp(root, parallel_dims.fsdp_mesh,
                    param_dtype=param_dtype,
                    reduce_dtype=cfg.training.mixed_precision_reduce,
-                   reshard_after_forward=cfg.parallelism.fsdp_reshard_after_forward,
+                   reshard_after_forward=reshard,
                    # Pinned host memory (fast, overlapped copies) exists only with CUDA; a CPU
                    # run rejects offload (trainer.config.job), tests use it unpinned on CPU.
                    offload=(CPUOffloadPolicy(pin_memory=device.type == "cuda") if offload

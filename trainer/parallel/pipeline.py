@@ -182,6 +182,8 @@ class PipelineLoop:
         self.scale = None  # dp / the step's global token count
         for stage in model.pipeline_stages:
             stage.loss_fn = loss_fn
+        # Zero-bubble schedules run each backward twice: input gradients, later the weights'.
+        loss_fn.split_backward = sched.split_backward
         stages = [PipelineStage(m, m.spec.index, n_stages, device, group=self.pp_group)
                   for m in model.pipeline_stages]
         cls = get_schedule_class(sched.name)

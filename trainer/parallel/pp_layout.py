@@ -31,6 +31,7 @@ class Schedule:
     style: str  # "loop": stage s on rank s % pp; "v": the V shape
     min_microbatches: str  # "none", "pp" (>= pp) or "stages" (>= the number of stages)
     cost: str  # one line for the README and the plan
+    split_backward: bool = False  # input and weight gradients in separate passes (zero bubble)
 
 
 SCHEDULES = {s.name: s for s in (
@@ -43,11 +44,12 @@ SCHEDULES = {s.name: s for s in (
     Schedule("LoopedBFS", None, "loop", "none",
              "breadth-first over virtual stages: each stage's microbatches in a row"),
     Schedule("InterleavedZeroBubble", None, "loop", "none",
-             "interleaved, with the weight gradients deferred to fill the bubble"),
+             "interleaved, with the weight gradients deferred to fill the bubble", True),
     Schedule("ZBVZeroBubble", 2, "v", "none",
-             "two stages per rank in a V, weight gradients deferred: near-zero bubble"),
+             "two stages per rank in a V, weight gradients deferred: near-zero bubble", True),
     Schedule("DualPipeV", 2, "v", "stages",
-             "DeepSeek's DualPipe on a V: forward and backward of two microbatches overlap"),
+             "DeepSeek's DualPipe on a V: forward and backward of two microbatches overlap",
+             True),
 )}
 
 
@@ -155,6 +157,13 @@ def check_pipeline(par, training, n_layers: int, tied: bool, flavor: str) -> lis
         raise ConfigError(f"{PP_KEY} = {pp} cannot split model.flavor {flavor!r}: its output "
                           "head is tied to the token embedding, which would sit on the first "
                           "and the last stage; choose a flavor without tie_word_embeddings")
+    reshard = par.fsdp_reshard_after_forward
+    if sched.split_backward and reshard not in ("default", "never"):
+        raise ConfigError(f"{SCHEDULE_KEY} = {sched.name!r} computes weight gradients in a "
+                          "later pass that needs the forward's unsharded parameters: "
+                          f"parallelism.fsdp_reshard_after_forward = {reshard!r} cannot be used "
+                          "with it; use 'default' (under pp: never) or 'never', or a schedule "
+                          "without zero bubble (1F1B, Interleaved1F1B)")
     if par.pipeline_parallel_layers_per_stage and par.pipeline_parallel_split_points:
         raise ConfigError(f"{LAYERS_KEY} and {SPLIT_KEY} both cut the model; set one of them")
     n_stages = stage_count(pp, sched, n_layers, par.pipeline_parallel_layers_per_stage,
