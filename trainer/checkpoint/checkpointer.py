@@ -42,7 +42,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint.state_dict import (get_model_state_dict,
+from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict,
                                                      get_optimizer_state_dict,
                                                      set_model_state_dict,
                                                      set_optimizer_state_dict)
@@ -79,18 +79,28 @@ class TrainState(Stateful):
 
 
 class ModelAndOptimizer(Stateful):
-    """Model and optimizer state as sharded DTensors, keyed by parameter FQNs."""
+    """Model and optimizer state as sharded DTensors, keyed by parameter FQNs.
+
+    The optimizer's param groups are saved per parameter (`param_groups.<fqn>.lr`, DCP's
+    flattened form): grouped lists of names differ between pipeline stages, and DCP would keep
+    one rank's list. `flat = False` reads a checkpoint saved before, with numbered groups."""
 
     def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer):
         self.model, self.optimizer = model, optimizer
+        self.flat = True
+
+    def _options(self) -> StateDictOptions:
+        return StateDictOptions(flatten_optimizer_state_dict=self.flat)
 
     def state_dict(self) -> dict:
         return {"model": get_model_state_dict(self.model),
-                "optimizer": get_optimizer_state_dict(self.model, self.optimizer)}
+                "optimizer": get_optimizer_state_dict(self.model, self.optimizer,
+                                                      options=self._options())}
 
     def load_state_dict(self, sd: dict) -> None:
         set_model_state_dict(self.model, sd["model"])
-        set_optimizer_state_dict(self.model, self.optimizer, optim_state_dict=sd["optimizer"])
+        set_optimizer_state_dict(self.model, self.optimizer, optim_state_dict=sd["optimizer"],
+                                 options=self._options())
 
 
 class _Adapter(Stateful):
@@ -217,7 +227,13 @@ class Checkpointer:
         # Nothing loaded runs code from the folder (trainer/checkpoint/safe_load.py).
         load = functools.partial(safe_load.load, path=path, allow_pickle=self.cfg.allow_pickle)
         load({"dataloader": data}, partial=True)
-        load(states)
+        saved = safe_load.read_metadata(path, self.cfg.allow_pickle).state_dict_metadata
+        model_optim = self.states["model_optim"]
+        model_optim.flat = "model_optim.optimizer.param_groups.0.lr" not in saved  # older
+        try:
+            load(states)
+        finally:
+            model_optim.flat = True
         # Leniently: older checkpoints have no spike window nor rollbacks (TrainState).
         load({"train_state": train_state}, partial=True)
         # After the optimizer, whose param groups come back with the saved lr: the schedule

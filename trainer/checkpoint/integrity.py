@@ -56,8 +56,11 @@ def marker() -> dict:
 
 
 def model_fingerprint(model) -> str:
-    """A short hash of every parameter's name and shape (what a checkpoint must fit)."""
-    text = ";".join(f"{name}:{tuple(p.shape)}" for name, p in model.named_parameters())
+    """A short hash of every parameter's name and shape (what a checkpoint must fit): the
+    whole model's, also where a rank holds only its pipeline stages (`whole_model_shapes`)."""
+    shapes = (model.whole_model_shapes() if hasattr(model, "whole_model_shapes")
+              else ((name, p.shape) for name, p in model.named_parameters()))
+    text = ";".join(f"{name}:{tuple(shape)}" for name, shape in shapes)
     return hashlib.sha256(text.encode()).hexdigest()[:16]
 
 
@@ -68,13 +71,22 @@ DIGEST_ENV = "TRAINER_DEBUG_WEIGHT_DIGEST"
 def weights_digest(named_tensors) -> str:
     """sha1 of (name, full tensor bytes) in name order; DTensors are gathered (a collective:
     every rank calls it). The same for a model on any layout and for a checkpoint's tensors
-    loaded on one process (tests: the loaded weights are the saved ones)."""
-    digest = hashlib.sha1()
-    for name, t in sorted(named_tensors, key=lambda item: item[0]):
+    loaded on one process (tests: the loaded weights are the saved ones). Under a process
+    group every rank's names are gathered: pipeline stages hold different parameters."""
+    import torch.distributed as dist
+
+    per_name = {}
+    for name, t in named_tensors:
         full = t.full_tensor() if hasattr(t, "full_tensor") else t
-        digest.update(name.encode())
-        digest.update(full.detach().float().cpu().contiguous().numpy().tobytes())
-    return digest.hexdigest()[:16]
+        one = hashlib.sha1(name.encode())
+        one.update(full.detach().float().cpu().contiguous().numpy().tobytes())
+        per_name[name] = one.hexdigest()
+    if dist.is_initialized():
+        every = [None] * dist.get_world_size()
+        dist.all_gather_object(every, per_name)
+        per_name = {k: v for rank_names in every for k, v in rank_names.items()}
+    text = ";".join(f"{name}:{per_name[name]}" for name in sorted(per_name))
+    return hashlib.sha1(text.encode()).hexdigest()[:16]
 
 
 def _my_share(names: list[str], rank: int, world: int) -> list[str]:

@@ -29,7 +29,7 @@ from torch.utils.checkpoint import (CheckpointPolicy, checkpoint,
 
 from trainer.parallel.float8 import apply_float8
 from trainer.models.llama import Transformer
-from trainer.parallel.fsdp import apply_fsdp, set_gradient_sync  # noqa: F401  (re-exported)
+from trainer.parallel.fsdp import DTYPE, apply_fsdp, set_gradient_sync  # noqa: F401  (re-exported)
 from trainer.parallel.pipeline import split_model
 from trainer.parallel.tp import apply_tp
 
@@ -121,6 +121,7 @@ def shard_model(model: Transformer, parallel_dims, cfg, *, device: torch.device,
     bookkeeping needs real tensors), then `materialize` inside it."""
     if parallel_dims.pp_enabled:  # this rank's stages only, before anything else
         split_model(model, cfg, parallel_dims.pp_mesh)
+        model.activation_dtype = DTYPE[param_dtype]
     if cfg.float8.enable:  # before AC and compile wrap the blocks (trainer/parallel/float8.py)
         apply_float8(model, cfg.float8)
     if parallel_dims.tp_enabled:

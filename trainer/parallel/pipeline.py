@@ -72,8 +72,16 @@ class PipelinedModel(Transformer):
     runs the whole pipeline, forward only (validation, evals)."""
 
     pipeline_stages: list[StageModule]
+    activation_dtype = torch.float32  # what stages pass on: the compute dtype (parallelize)
     pp_group = None
     stage_ranks: list[int]  # stage -> pp rank
+
+    def whole_model_shapes(self) -> list[tuple[str, tuple[int, ...]]]:
+        """(name, shape) of every parameter of the unsplit model, in its order (a checkpoint's
+        fingerprint: trainer/checkpoint/integrity.py)."""
+        with torch.device("meta"):
+            whole = Transformer(self.args)
+        return [(name, tuple(p.shape)) for name, p in whole.named_parameters()]
 
     def forward(self, tokens: torch.Tensor, labels: torch.Tensor | None = None, loss_fn=None,
                 *, doc_ids: torch.Tensor | None = None, positions=None, attention=None):
@@ -184,7 +192,8 @@ class PipelineLoop:
             stage.loss_fn = loss_fn
         # Zero-bubble schedules run each backward twice: input gradients, later the weights'.
         loss_fn.split_backward = sched.split_backward
-        stages = [PipelineStage(m, m.spec.index, n_stages, device, group=self.pp_group)
+        stages = [PipelineStage(m, m.spec.index, n_stages, device, group=self.pp_group,
+                                **self._shapes(m, cfg, device))
                   for m in model.pipeline_stages]
         cls = get_schedule_class(sched.name)
         single = issubclass(cls, PipelineScheduleSingle)
@@ -193,6 +202,18 @@ class PipelineLoop:
         self.first = any(m.spec.embedding for m in model.pipeline_stages)
         self.last = any(m.spec.head for m in model.pipeline_stages)
         self.z_loss = bool(getattr(loss_fn, "z_loss_weight", 0.0))
+
+    def _shapes(self, stage: StageModule, cfg, device) -> dict[str, torch.Tensor]:
+        """Each stage's input and output, given up front: the schedule then skips its shape
+        inference (on torch 2.13 a real forward and backward of the first microbatch)."""
+        model, mbs = self.model, cfg.parallelism.pipeline_parallel_microbatch_size
+        seq = cfg.training.seq_len
+        act = torch.empty(mbs, seq // model.sequence_multiple, model.args.dim,
+                          dtype=model.activation_dtype, device=device, requires_grad=True)
+        return {"input_args": (torch.empty(mbs, seq, dtype=torch.long, device=device)
+                               if stage.spec.embedding else act),
+                "output_args": (torch.empty((), dtype=torch.float32, device=device)
+                                if stage.spec.head else act)}
 
     def _scaled(self, output: torch.Tensor, target) -> torch.Tensor:
         """The schedule's loss: the last stage's summed token loss times dp / global tokens
@@ -204,7 +225,6 @@ class PipelineLoop:
 
         self.scale = self.dp_size / global_tokens
         total = torch.zeros((), device=self.device)
-        self.loss_fn.take_z_loss()  # nothing from the schedule's first shape inference
         for i, (inputs, labels) in enumerate(batches):
             inputs, labels = to_device(inputs, self.device), to_device(labels, self.device)
             kwargs = {"labels": labels}
