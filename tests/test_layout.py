@@ -130,12 +130,13 @@ def test_modules_are_small_and_few_at_the_top():
 
 
 def test_the_loop_does_not_know_the_parallelisms():
-    """train.py, loop.py and step.py reach FSDP, TP, CP and loss parallel only through the
+    """train.py, loop.py and step.py reach FSDP, TP, CP, PP and loss parallel only through the
     parallelize step and the step's seam (trainer/parallel/microbatches.py)."""
     graph = import_graph(modules())
     specific = {"trainer.parallel.fsdp", "trainer.parallel.tp", "trainer.parallel.loss_parallel",
-                "trainer.parallel.context_parallel", "torch.distributed.fsdp",
-                "torch.distributed.tensor.parallel"}
+                "trainer.parallel.context_parallel", "trainer.parallel.pipeline",
+                "torch.distributed.fsdp", "torch.distributed.tensor.parallel",
+                "torch.distributed.pipelining"}
     for name in ("trainer.train", "trainer.loop", "trainer.step"):
         source = open(modules()[name]).read()
         assert not graph[name] & specific, name
@@ -147,7 +148,8 @@ def test_the_loop_does_not_know_the_parallelisms():
 # below (package __init__ files, which only document or re-export, are not counted).
 LAYER_0 = ("trainer.errors", "trainer.config.base", "trainer.health.faults")
 LAYER_1 = ("trainer.config.sections", "trainer.data.config", "trainer.evals.config",
-           "trainer.parallel.dims", "trainer.parallel.float8", "trainer.models.args",
+           "trainer.parallel.dims", "trainer.parallel.float8", "trainer.parallel.pp_layout",
+           "trainer.models.args",
            "trainer.optim.batch_schedule", "trainer.optim.lr_schedule",
            "trainer.observe.wandb_logger", "trainer.device")
 TOP = ("trainer.step", "trainer.loop", "trainer.train", "trainer.launch")

@@ -75,7 +75,7 @@ def test_mesh_on_four_ranks(meshes, replicate, shard, cp, tp):
     dp, inner = replicate * shard, cp * tp  # inner: the ranks of one dp rank
     for info in infos:
         r = info["rank"]
-        assert info["dim_names"] == ["dp_replicate", "dp_shard", "cp", "tp"]
+        assert info["dim_names"] == ["pp", "dp_replicate", "dp_shard", "cp", "tp"]
         assert info["shape"] == [replicate, shard, cp, tp]
         # Row-major, tp innermost, then cp: the cp and tp ranks of a dp rank are contiguous
         # ranks and read the same samples.
