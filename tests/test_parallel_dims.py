@@ -53,6 +53,7 @@ def test_tp_takes_its_share_of_the_world():
     assert (pd.dp_replicate, pd.dp_shard, pd.tp, pd.dp_size) == (2, 2, 2, 4)
 
 
+PP_LAYOUTS = [(2, 1, 2, 1, 1), (2, 1, 1, 1, 2), (4, 1, 1, 1, 1)]  # pp, replicate, shard, cp, tp
 LAYOUTS = [(1, 4, 1, 1), (2, 2, 1, 1), (4, 1, 1, 1), (1, 2, 1, 2), (2, 1, 1, 2), (1, 1, 1, 4),
            (1, 2, 2, 1), (1, 1, 2, 2), (2, 1, 2, 1), (1, 1, 4, 1)]  # replicate, shard, cp, tp
 
@@ -62,7 +63,8 @@ def meshes(tmp_path_factory):
     """The folder of every layout's per-rank JSON: all layouts built in one 4-rank launch."""
     out = tmp_path_factory.mktemp("mesh")
     torchrun(REPO / "tests/scripts/mesh_probe.py", str(out),
-             *("x".join(map(str, layout)) for layout in LAYOUTS), nproc=4, fork=True)
+             *("x".join(map(str, layout)) for layout in LAYOUTS + PP_LAYOUTS), nproc=4,
+             fork=True)
     return out
 
 
@@ -76,7 +78,8 @@ def test_mesh_on_four_ranks(meshes, replicate, shard, cp, tp):
     for info in infos:
         r = info["rank"]
         assert info["dim_names"] == ["pp", "dp_replicate", "dp_shard", "cp", "tp"]
-        assert info["shape"] == [replicate, shard, cp, tp]
+        assert info["shape"] == [1, replicate, shard, cp, tp]
+        assert info["pp_group"] == [r]
         # Row-major, tp innermost, then cp: the cp and tp ranks of a dp rank are contiguous
         # ranks and read the same samples.
         assert info["dp_size"] == dp and info["dp_rank"] == r // inner
@@ -92,3 +95,18 @@ def test_mesh_on_four_ranks(meshes, replicate, shard, cp, tp):
         first_fsdp = r // block * block + r % tp
         assert info["fsdp_shard_group"] == list(range(first_fsdp, first_fsdp + block, tp))
         assert info["fsdp_mesh_ndim"] == (2 if replicate > 1 else 1)
+
+
+@pytest.mark.parametrize("pp, replicate, shard, cp, tp", PP_LAYOUTS)
+def test_pipeline_stages_are_the_outermost_dimension(meshes, pp, replicate, shard, cp, tp):
+    """pp outermost: a stage's ranks are contiguous (rank // (world / pp)), and the dp, tp
+    groups live inside one stage; the pp group links the same place in every stage."""
+    per_stage = 4 // pp
+    for path in (meshes / f"{pp}x{replicate}x{shard}x{cp}x{tp}").glob("rank*.json"):
+        info = json.loads(path.read_text())
+        r = info["rank"]
+        assert info["shape"] == [pp, replicate, shard, cp, tp]
+        assert info["pp_group"] == list(range(r % per_stage, 4, per_stage))
+        stage = r // per_stage * per_stage
+        assert set(info["dp_group"]) | set(info["tp_group"]) <= set(range(stage, stage + per_stage))
+        assert info["dp_size"] == replicate * shard and len(info["tp_group"]) == tp

@@ -1,4 +1,4 @@
-"""Under torchrun: build the mesh for each REPLICATExSHARDxCPxTP layout given and write what each
+"""Under torchrun: build the mesh for each [PPx]REPLICATExSHARDxCPxTP layout given and write what each
 rank sees as JSON (OUT/REPLICATExSHARDxCPxTP/rank<r>.json); one process group, one mesh per
 layout."""
 
@@ -15,8 +15,10 @@ def main(argv: list[str]) -> None:
     out, layouts = argv[0], argv[1:]
     dist.init_process_group("gloo")
     for layout in layouts:
-        replicate, shard, cp, tp = map(int, layout.split("x"))
-        pd = ParallelDims(replicate, shard, dist.get_world_size(), tp=tp, cp=cp)
+        parts = list(map(int, layout.split("x")))
+        pp = parts.pop(0) if len(parts) == 5 else 1
+        replicate, shard, cp, tp = parts
+        pd = ParallelDims(replicate, shard, dist.get_world_size(), tp=tp, cp=cp, pp=pp)
         mesh = pd.build_mesh("cpu")
         info = {
             "rank": dist.get_rank(),
@@ -32,6 +34,7 @@ def main(argv: list[str]) -> None:
             "fsdp_shard_group": dist.get_process_group_ranks(pd.fsdp_mesh.get_group(
                 pd.fsdp_mesh.ndim - 1)),
             "dp_group": dist.get_process_group_ranks(pd.dp_mesh.get_group()),
+            "pp_group": dist.get_process_group_ranks(pd.pp_mesh.get_group()),
             "fsdp_mesh_ndim": pd.fsdp_mesh.ndim,
         }
         os.makedirs(os.path.join(out, layout), exist_ok=True)
