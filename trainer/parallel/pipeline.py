@@ -29,11 +29,12 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from trainer.distributed import to_device
+from trainer.distributed import log0, to_device
 from trainer.health import faults, heartbeat
-from trainer.models.llama import Transformer
-from trainer.parallel.pp_layout import (StageSpec, check_microbatches, check_pipeline,
-                                        rank_stages, schedule as find_schedule, stage_rank)
+from trainer.models.llama import Transformer, model_args
+from trainer.parallel.pp_layout import (StageSpec, bubble_fraction, check_microbatches,
+                                        check_pipeline, rank_stages, schedule as find_schedule,
+                                        stage_rank)
 
 
 class StageModule(nn.Module):
@@ -170,6 +171,24 @@ def split_model(model: Transformer, cfg, pp_mesh) -> list[StageModule]:
     return model.pipeline_stages
 
 
+def describe(cfg, n_microbatches: int) -> str:
+    """One line: the schedule, its ideal bubble, and every pp rank's stages."""
+    par = cfg.parallelism
+    pp, sched = par.pipeline_parallel_degree, find_schedule(par.pipeline_parallel_schedule)
+    args = model_args(cfg.model.flavor)
+    specs = check_pipeline(par, cfg.training, args.n_layers, args.tie_word_embeddings,
+                           cfg.model.flavor)
+    per_rank = len(specs) // pp
+    where = "; ".join(
+        f"rank {r}: " + " + ".join(f"stage {s} ({specs[s].describe()})"
+                                   for s in rank_stages(r, pp, len(specs), sched.style))
+        for r in range(pp))
+    bubble = bubble_fraction(sched, pp, n_microbatches, per_rank)
+    return (f"pipeline: {sched.name}, {len(specs)} stages over pp {pp}, {n_microbatches} "
+            f"microbatches of {par.pipeline_parallel_microbatch_size} per schedule step "
+            f"(ideal bubble {bubble:.1%}); {where}")
+
+
 class PipelineLoop:
     """The step's forward and backward through a pipeline schedule (see the module docstring)."""
 
@@ -202,6 +221,7 @@ class PipelineLoop:
         self.first = any(m.spec.embedding for m in model.pipeline_stages)
         self.last = any(m.spec.head for m in model.pipeline_stages)
         self.z_loss = bool(getattr(loss_fn, "z_loss_weight", 0.0))
+        log0(describe(cfg, self.n_microbatches))
 
     def _shapes(self, stage: StageModule, cfg, device) -> dict[str, torch.Tensor]:
         """Each stage's input and output, given up front: the schedule then skips its shape

@@ -1,0 +1,199 @@
+"""Pipeline parallelism (trainer/parallel/pipeline.py, pp_layout.py) on CPU ranks: gloo, fp32,
+the debug model (6 layers) at seq 64.
+
+Through run_train.sh, 5 steps with a z-loss and validation at step 5: on 4 ranks, PP 2 x FSDP 2
+(1F1B), PP 2 x TP 2, PP 2 x FSDP 2 with Interleaved1F1B (2 stages per rank), PP 4 with
+ZBVZeroBubble (8 stages, one unit each: the embedding and the head alone) and PP 2 (GPipe) x 2
+replicas with gradient accumulation give the 1-rank losses, gradient norms, z-losses and
+validation losses within 1e-4. The PP 2 x FSDP 2 checkpoint of step 3 resumes at FSDP 4, at
+PP 4 and on 1 rank: the loaded weights are bitwise the saved ones and steps 4-5 continue the
+run. A spike rolled back under PP ends bitwise where the run told to skip the same batch ends.
+The stage split, the schedules' bubbles and every bad setting (one line) are checked in-process.
+"""
+
+import re
+
+import pytest
+
+from scripts.chaos import load_dcp_tensors
+from tests.helpers import losses, run_train, scalars, stopped_after_save
+from tests.test_tp import saved_digest
+from trainer.config.job import load_config
+from trainer.errors import ConfigError
+from trainer.parallel.pp_layout import (SCHEDULES, bubble_fraction, rank_stages, split_stages,
+                                        stage_rank)
+from trainer.parallel.dims import ParallelDims
+
+PP, SCHED = "--parallelism.pipeline_parallel_degree", "--parallelism.pipeline_parallel_schedule"
+COMMON = ("--training.device", "cpu", "--model.flavor", "debugmodel", "--training.seq_len", "64",
+          "--training.local_batch_size", "2", "--training.global_batch_size", "8",
+          "--training.mixed_precision_param", "float32", "--metrics.log_freq", "1",
+          "--lr_scheduler.warmup_steps", "2", "--lr_scheduler.min_lr_factor", "1.0",
+          "--data.dataset", "synthetic", "--training.steps", "5",
+          "--training.z_loss_weight", "1e-3", "--validation.enable", "true",
+          "--validation.freq", "5", "--validation.steps", "1",
+          "--validation.local_batch_size", "2", "--checkpoint.enable", "true",
+          "--checkpoint.interval", "3", "--checkpoint.keep_latest_k", "0")
+LAYOUTS = {  # name: (ranks, overrides)
+    "ref": (1, ()),
+    "pp2_fsdp2": (4, (PP, "2")),
+    "pp2_tp2": (4, (PP, "2", "--parallelism.tensor_parallel_degree", "2")),
+    "pp2_interleaved_fsdp2": (4, (PP, "2", SCHED, "Interleaved1F1B")),
+    "pp4_zbv": (4, (PP, "4", SCHED, "ZBVZeroBubble")),
+    "pp2_gpipe_replicas": (4, (PP, "2", SCHED, "GPipe",
+                               "--parallelism.data_parallel_replicate_degree", "2",
+                               "--training.global_batch_size", "16")),
+}
+TAGS = ("loss_metrics/global_avg_loss", "grad_norm", "loss_metrics/z_loss")
+
+
+def close(a: dict, b: dict, tol=1e-4) -> bool:
+    return sorted(a) == sorted(b) and all(abs(a[s] - b[s]) <= tol * max(1.0, abs(b[s]))
+                                          for s in b)
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    root = tmp_path_factory.mktemp("pp")
+    out = {}
+    for name, (nproc, overrides) in LAYOUTS.items():
+        proc = run_train(root / name, *COMMON, *overrides, nproc=nproc)
+        out[name] = (root / name, proc.stdout)
+    # GPipe's reference: the same 16 samples per step on one rank
+    gpipe = root / "ref16"
+    run_train(gpipe, *COMMON, "--training.global_batch_size", "16", nproc=1)
+    out["ref16"] = (gpipe, "")
+    return out
+
+
+@pytest.mark.parametrize("name", [n for n in LAYOUTS if n != "ref"])
+def test_pipeline_layouts_train_as_one_rank(runs, name):
+    dump, stdout = runs[name]
+    ref = runs["ref16" if "gpipe" in name else "ref"][0]
+    for tag in TAGS:
+        want, have = scalars(ref, tag), scalars(dump, tag)
+        assert sorted(have) == [1, 2, 3, 4, 5], (tag, have)
+        assert close(have, want), (tag, have, want)
+    assert close(scalars(dump, "validation_metrics/loss"), scalars(ref, "validation_metrics/loss"))
+    assert re.search(r"^mesh: PP \d \(pipeline stages, p2p\) x ", stdout, re.M), stdout
+    assert "pipeline: " in stdout
+
+
+def test_the_stage_line_says_where_each_stage_lives(runs):
+    out = runs["pp4_zbv"][1]
+    line = next(ln for ln in out.splitlines() if ln.startswith("pipeline: "))
+    assert "ZBVZeroBubble, 8 stages over pp 4" in line, line
+    assert "rank 0: stage 0 (embedding) + stage 7 (norm+head)" in line, line
+
+
+@pytest.mark.parametrize("name, nproc, overrides", [
+    ("fsdp4", 4, ()), ("pp4", 4, (PP, "4", SCHED, "ZBVZeroBubble")), ("one", 1, ())])
+def test_pp_checkpoint_resumes_on_other_layouts(runs, tmp_path, name, nproc, overrides):
+    saved = runs["pp2_fsdp2"][0]
+    dump = stopped_after_save(saved, tmp_path / name, 5)
+    out = run_train(dump, *COMMON, *overrides, nproc=nproc,
+                    env={"TRAINER_DEBUG_WEIGHT_DIGEST": "1"}).stdout
+    assert re.search(r"resumed from \S*step-3 \(step 3\)", out), out
+    assert f"loaded weights digest {saved_digest(saved / 'checkpoint' / 'step-3')}" in out, out
+    for tag in TAGS:
+        assert close(scalars(dump, tag), {s: v for s, v in scalars(saved, tag).items()
+                                          if s > 3}), tag
+
+
+ROLLBACK = ("--training.device", "cpu", "--model.flavor", "debugmodel", "--training.seq_len",
+            "64", "--training.local_batch_size", "2", "--training.global_batch_size", "4",
+            "--training.mixed_precision_param", "float32", "--data.dataset", "synthetic",
+            "--metrics.log_freq", "1", "--training.spike_window", "3",
+            "--checkpoint.enable", "true", "--checkpoint.keep_latest_k", "0",
+            "--training.on_spike", "rollback", "--checkpoint.interval", "2",
+            "--training.steps", "8", PP, "2")
+
+
+def test_a_spike_rolled_back_under_pp_ends_where_skipping_its_batch_ends(tmp_path):
+    """The last stage's loss of step 6 spikes (x20, injected on rank 1): every rank rolls back
+    to step-4 and passes over that batch; the run then ends bitwise equal (weights and
+    optimizer state) to the run configured to pass over the same batch."""
+    straight, rolled = tmp_path / "straight", tmp_path / "rolled"
+    run_train(straight, *ROLLBACK, "--training.skip_data_steps", "6")
+    out = run_train(rolled, *ROLLBACK, env={"TRAINER_TEST_SPIKE_LOSS": "1:6:20"}).stdout
+    assert re.search(r"^loss spike at step 6: .* rolled back to checkpoint step-4", out, re.M), out
+    assert losses(rolled) == losses(straight)
+    got = load_dcp_tensors(rolled / "checkpoint" / "step-8")
+    ref = load_dcp_tensors(straight / "checkpoint" / "step-8")
+    assert got.keys() == ref.keys() and any(k.startswith("model_optim.optimizer") for k in got)
+    assert [k for k in got if not bool((got[k] == ref[k]).all())] == []
+
+
+# ------------------------------------------------------------------------------- in-process
+
+def test_balanced_split_counts_the_embedding_and_the_head():
+    two = split_stages(6, 2)
+    assert [(s.embedding, s.layers, s.head) for s in two] == [
+        (True, (0, 1, 2), False), (False, (3, 4, 5), True)]
+    eight = split_stages(6, 8)  # one unit per stage
+    assert eight[0].embedding and eight[0].layers == () and eight[7].head and eight[7].layers == ()
+    assert [s.layers for s in eight[1:7]] == [(i,) for i in range(6)]
+    three = split_stages(6, 3)  # 8 units: 3, 3, 2
+    assert [s.layers for s in three] == [(0, 1), (2, 3, 4), (5,)]
+    assert [s.layers for s in split_stages(6, 3, split_points=["layers.1", "layers.4"])] == [
+        (0,), (1, 2, 3), (4, 5)]
+    assert [s.layers for s in split_stages(6, 4, layers_per_stage=2)] == [
+        (0,), (1, 2), (3, 4), (5,)]
+
+
+def test_v_and_looped_placements():
+    assert [stage_rank(s, 4, "v") for s in range(8)] == [0, 1, 2, 3, 3, 2, 1, 0]
+    assert rank_stages(0, 4, 8, "v") == [0, 7]
+    assert rank_stages(1, 2, 4, "loop") == [1, 3]
+
+
+def test_bubble_fractions():
+    gpipe, inter, zbv = SCHEDULES["GPipe"], SCHEDULES["Interleaved1F1B"], SCHEDULES["ZBVZeroBubble"]
+    assert bubble_fraction(gpipe, 4, 8, 1) == pytest.approx(3 / 11)
+    assert bubble_fraction(inter, 4, 8, 2) == pytest.approx(1.5 / 9.5)
+    assert bubble_fraction(zbv, 4, 8, 2) == 0.0
+    assert bubble_fraction(gpipe, 1, 8, 1) == 0.0
+
+
+def error(world: int, *args: str) -> str:
+    with pytest.raises(ConfigError) as e:
+        load_config(["--training.device", "cpu", *args]).resolve(world)
+    return str(e.value)
+
+
+def test_bad_pipeline_settings_are_one_line_each():
+    assert error(4, PP, "3") == ("parallelism.pipeline_parallel_degree = 3 does not divide "
+                                 "world size 4; valid: 1, 2, 4")
+    assert "model.flavor 'debugmodel-tiny' has only 4 units to place" in error(
+        4, PP, "4", SCHED, "ZBVZeroBubble", "--model.flavor", "debugmodel-tiny")
+    assert "needs at least 4 microbatches per step, but training.local_batch_size 2" in error(
+        4, PP, "4", "--training.local_batch_size", "2")
+    msg = error(2, PP, "2", SCHED, "zb")
+    assert msg.startswith("parallelism.pipeline_parallel_schedule = 'zb' is not a schedule; "
+                          "valid: GPipe, 1F1B, Interleaved1F1B"), msg
+    assert "'layers.9', which names no layer" in error(
+        2, PP, "2", "--parallelism.pipeline_parallel_split_points", "layers.9")
+    assert "tied to the token embedding" in error(2, PP, "2", "--model.flavor", "debugmodel-3.2")
+    assert "cannot be used with it" in error(
+        4, PP, "2", SCHED, "ZBVZeroBubble", "--parallelism.fsdp_reshard_after_forward", "always")
+    assert "must divide training.local_batch_size" in error(
+        2, PP, "2", "--parallelism.pipeline_parallel_microbatch_size", "3")
+    assert "runs 1 stage(s) per rank (2 stages at pp 2), but the split gives 4" in error(
+        2, PP, "2", "--parallelism.pipeline_parallel_split_points", "layers.1,layers.2,layers.4")
+    assert "with 3 stages: the stages must divide evenly over the pp ranks" in error(
+        2, PP, "2", "--parallelism.pipeline_parallel_split_points", "layers.2,layers.4")
+    # PP 4 with ZBV, 8 stages, fits the 6-layer debug model
+    load_config(["--training.device", "cpu", PP, "4", SCHED, "ZBVZeroBubble"]).resolve(4)
+
+
+def test_pp_takes_its_share_of_the_world():
+    pd = ParallelDims(1, -1, 8, tp=2, pp=2)
+    assert (pd.dp_shard, pd.dp_size, pd.model_parallel) == (2, 2, 4)
+
+
+def test_a_bad_degree_fails_before_any_rank_starts(tmp_path):
+    proc = run_train(tmp_path, *COMMON, PP, "3", nproc=4, check=False)
+    assert proc.returncode == 2
+    assert proc.stderr.strip().splitlines()[-1] == (
+        "config error: parallelism.pipeline_parallel_degree = 3 does not divide world size 4; "
+        "valid: 1, 2, 4")
