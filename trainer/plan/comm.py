@@ -50,7 +50,10 @@ mesh: tp is innermost, so with tp <= GPUs per node it is NVLink traffic.
 
 from __future__ import annotations
 
+import math
+
 from trainer.config.job import JobConfig
+from trainer.plan.pipeline import p2p_bytes, rank_groups
 from trainer.plan.memory import BYTES, FP32, fsdp_groups, gathered_numel, plan_args, resolve_vocab, \
     shard_numel
 
@@ -95,14 +98,18 @@ def dp_shard_volume(cfg: JobConfig, groups, pd, accum: int) -> float:
     n = pd.dp_shard * pd.cp
     p, r = BYTES[cfg.training.mixed_precision_param], BYTES[cfg.training.mixed_precision_reduce]
     g = {k: gathered_numel(v, n) for k, v in groups.items()}
-    total, head = sum(g.values()), g["head"]
+    total, head = sum(g.values()), g.get("head", 0)  # a pipeline stage may lack the head
     policy = str(cfg.parallelism.fsdp_reshard_after_forward)
+    if pd.pp_enabled and policy == "default":  # trainer/parallel/parallelize.py
+        policy = "never"
     regather = {"default": ring(n) * (total - head), "always": ring(n) * total,
                 "never": 0.0}.get(policy)
     if regather is None:  # an integer N: backward gathers over groups of N ranks
         regather = ring(int(policy)) * (total - head)
     gathers = accum * p * (ring(n) * total + regather)
-    syncs = 1 if cfg.training.gradient_accumulation_sync == "last" else accum
+    # a pipeline schedule reduces its stages' gradients at the end of each schedule step
+    syncs = 1 if cfg.training.gradient_accumulation_sync == "last" and not pd.pp_enabled \
+        else accum
     return gathers + syncs * r * ring(n) * total
 
 
@@ -136,7 +143,16 @@ def comm_volume(cfg: JobConfig, world_size: int) -> dict[str, float]:
     pd, accum = cfg.resolve(world_size)
     a = plan_args(cfg, resolve_vocab(cfg)[0])
     groups = fsdp_groups(a, pd.tp)
-    return {"comm_tp": tp_volume(cfg, a, pd, accum), "comm_cp": cp_volume(cfg, a, pd, accum),
+    pp_sends = 0.0
+    if pd.pp_enabled:  # the busiest pp rank: its stages' parameters, its p2p sends
+        p = BYTES[cfg.training.mixed_precision_param]
+        ranks = range(pd.pp)
+        pp_sends = max(p2p_bytes(cfg, p, rank, accum) for rank in ranks)
+        groups = max((rank_groups(groups, cfg, rank) for rank in ranks),
+                     key=lambda g: sum(math.prod(s) for v in g.values() for s in v))
+    # tp and cp: a pp rank runs ~1/pp of the layers on the same tokens
+    return {"comm_tp": tp_volume(cfg, a, pd, accum) / pd.pp,
+            "comm_cp": cp_volume(cfg, a, pd, accum) / pd.pp,
             "comm_dp_shard": dp_shard_volume(cfg, groups, pd, accum),
             "comm_dp_replicate": dp_replicate_volume(cfg, groups, pd, accum),
-            "comm_microbatches": accum}
+            "comm_pp": pp_sends, "comm_microbatches": accum}

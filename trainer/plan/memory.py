@@ -58,6 +58,7 @@ from trainer.plan.activations import (block_saved, block_saved_op_sac, block_spl
                                      head_activations, head_saved, loss_region, op_sac_split,
                                      sp_tokens, split_bytes)
 from trainer.plan.host import CPU_PROCESS_GIB, host_memory, offload_staging
+from trainer.plan.pipeline import in_flight, rank_groups
 from trainer.optim.optimizer import implementation
 
 GIB = 2**30
@@ -154,8 +155,11 @@ def gathered_numel(shapes, shard: int) -> int:
 # --------------------------------------------------------------------------- the plan
 
 
-def memory_plan(cfg: JobConfig, world_size: int) -> dict[str, int]:
+def memory_plan(cfg: JobConfig, world_size: int, pp_rank: int | None = None) -> dict[str, int]:
     """Bytes per device by category, for rank 0 (the largest shard), and the peak `total`.
+    Under pipeline parallelism: for pp rank `pp_rank` (its stages' parameters, the
+    activations of the pipeline microbatches it holds at once: trainer/plan/pipeline.py), or
+    with None the pp rank of the largest total, with every rank's in `pp_rank_totals`.
 
     Resident: `parameters`, `gradients` (fp32, sharded over dp_shard; replicated over
     dp_replicate under HSDP; with tp > 1 each rank holds the dp_shard shard of its tp part, see
@@ -173,42 +177,58 @@ def memory_plan(cfg: JobConfig, world_size: int) -> dict[str, int]:
     none). `peak_*`: the device total at each moment in the module docstring; `total` the max.
     """
     pd, accum = cfg.resolve(world_size)
+    if pd.pp_enabled and pp_rank is None:
+        plans = [memory_plan(cfg, world_size, rank) for rank in range(pd.pp)]
+        worst = max(plans, key=lambda plan: plan["total"])
+        return {**worst, "pp_rank_totals": [plan["total"] for plan in plans]}
     vocab, _ = resolve_vocab(cfg)
     a = plan_args(cfg, vocab)
     # Under CP, FSDP shards over dp_shard x cp and a rank holds 1/cp of each sequence.
     groups, shard, tp, cp = fsdp_groups(a, pd.tp), pd.dp_shard * pd.cp, pd.tp, pd.cp
     p, r = BYTES[cfg.training.mixed_precision_param], BYTES[cfg.training.mixed_precision_reduce]
     batch, seq = cfg.training.local_batch_size, cfg.training.seq_len
+    held, blocks_a, head = 1.0, a, True
+    if pd.pp_enabled:  # this rank's stages; activations per pipeline microbatch, held ones
+        groups = rank_groups(groups, cfg, pp_rank)
+        held, head = in_flight(cfg, pp_rank), "head" in groups
+        blocks_a = dataclasses.replace(a, n_layers=sum(k.startswith("layers.") for k in groups))
+        batch = cfg.parallelism.pipeline_parallel_microbatch_size
     tokens = batch * seq // cp
     shapes = [s for g in groups.values() for s in g]
     b = {"parameters": FP32 * sum(shard_numel(s, shard) for s in shapes)}
     b["gradients"] = b["parameters"]
     b["optimizer_state"] = 2 * b["parameters"] + FP32 * len(shapes)
     documents = a.attn_mask_type != "causal" or a.positions != "sequence"
-    b["buffers_and_inputs"] = (2 * FP32 * a.max_seq_len * (a.head_dim // 2)
-                               + (2 + documents) * INT64 * batch * seq)  # + the document ids
+    b["buffers_and_inputs"] = (2 * FP32 * a.max_seq_len * (a.head_dim // 2)  # + document ids
+                               + (2 + documents) * INT64 * cfg.training.local_batch_size * seq)
 
-    head_act = head_activations(a, p, tokens, tp)
+    head_act = head_activations(a, p, tokens, tp) if head else 0
     # the block-causal mask and per-document RoPE tables, once per microbatch (all layers)
     # (under CP: its own mask over [seq / cp, seq], and each layer's gathered K/V, `cp_kv`)
     b["attention_inputs"], kv = (attention_bytes(a, batch, seq, p), 0) if cp == 1 else \
         cp_attention_bytes(a, cfg, p, batch, seq, cp, tp)
     b["cp_kv"] = kv * cp_saved_layers(cfg, a.n_layers)
+    b["attention_inputs"] = int(held * b["attention_inputs"])
     act = head_act + b["attention_inputs"]
-    b["activations_no_ac"] = blocks_activations(cfg, a, p, tokens, "none", tp) + act \
-        + kv * a.n_layers
-    b["activations_full_ac"] = blocks_activations(cfg, a, p, tokens, "full", tp) + act
-    b["activations"] = blocks_activations(cfg, a, p, tokens, tp=tp) + act + b["cp_kv"]
-    recompute = cfg.activation_checkpoint.mode != "none"
+    b["activations_no_ac"] = int(held * blocks_activations(cfg, blocks_a, p, tokens, "none", tp)
+                                 ) + act + kv * a.n_layers
+    b["activations_full_ac"] = int(held * blocks_activations(cfg, blocks_a, p, tokens, "full",
+                                                             tp)) + act
+    b["activations"] = int(held * blocks_activations(cfg, blocks_a, p, tokens, tp=tp)) + act \
+        + b["cp_kv"]
+    recompute = cfg.activation_checkpoint.mode != "none" and blocks_a.n_layers > 0
     b["ac_recompute"] = split_bytes(block_split(a, p, tp), tokens, tp) + kv if recompute else 0
     # TP in a block's backward: the whole-sequence gradient of a colwise matmul's input and a
     # rowwise matmul's partial sum, [tokens, dim] each, live around their collectives.
     b["tp_buffers"] = 2 * p * tokens * a.dim if tp > 1 else 0
-    loss = loss_region(cfg, a, p, tokens, tp, pd.loss_parallel)
+    loss = loss_region(cfg, a, p, tokens, tp, pd.loss_parallel) if head else dict.fromkeys(
+        ("at_loss", "after", "at_head"), 0)
     b["logits_loss"], held_logits = loss["at_loss"], loss["after"]
-    b.update(fsdp_buffers(cfg, groups, shard, p, r))
-    sync_last = cfg.training.gradient_accumulation_sync == "last"
-    b["grad_accumulation"] = r * gathered_numel(shapes, shard) if accum > 1 and sync_last else 0
+    b.update(fsdp_buffers(cfg, groups, shard, p, r, pipeline=pd.pp_enabled))
+    # A pipeline schedule reduces the gradients at its last microbatch (sync 'last' within it)
+    sync_last = cfg.training.gradient_accumulation_sync == "last" or pd.pp_enabled
+    several = accum > 1 or (pd.pp_enabled and cfg.training.local_batch_size > batch)
+    b["grad_accumulation"] = r * gathered_numel(shapes, shard) if several and sync_last else 0
     impl = implementation(cfg.optimizer.implementation)
     largest = max(FP32 * shard_numel(s, shard) for s in shapes)
     b["optimizer_step_temp"] = {"foreach": b["parameters"], "for-loop": 2 * largest}.get(impl, 0)
@@ -230,7 +250,7 @@ def memory_plan(cfg: JobConfig, world_size: int) -> dict[str, int]:
                                + b["fsdp_head"] + b["tp_buffers"] // 2)
     b["peak_block_backward"] = (in_backward + blocks_act + b["ac_recompute"] + held_logits
                                 + b["fsdp_block"] + b["tp_buffers"])
-    emb_grad = FP32 * sum(shard_numel(s, shard) for s in groups["embedding"])
+    emb_grad = FP32 * sum(shard_numel(s, shard) for s in groups.get("embedding", []))
     b["peak_end_of_backward"] = (in_backward + (0 if grads_held else on_device)
                                  * (b["gradients"] - emb_grad)
                                  + held_logits + b["fsdp_embedding"])
@@ -240,7 +260,8 @@ def memory_plan(cfg: JobConfig, world_size: int) -> dict[str, int]:
     return b
 
 
-def fsdp_buffers(cfg: JobConfig, groups, shard: int, p: int, r: int) -> dict[str, int]:
+def fsdp_buffers(cfg: JobConfig, groups, shard: int, p: int, r: int,
+                 pipeline: bool = False) -> dict[str, int]:
     """Unsharded parameters, gradients and reduce-scatter buffers live in each backward phase.
 
     A group being backpropagated holds its all-gathered params (p bytes, padded), its unsharded
@@ -255,9 +276,11 @@ def fsdp_buffers(cfg: JobConfig, groups, shard: int, p: int, r: int) -> dict[str
     in fp32 when computing in bf16 (CPU kernels accumulate in fp32; counted to stay safe).
     """
     g = {k: gathered_numel(v, shard) for k, v in groups.items()}
-    block = max(n for k, n in g.items() if k.startswith("layers."))
-    head, emb = g["head"], g["embedding"]
+    block = max((n for k, n in g.items() if k.startswith("layers.")), default=0)
+    head, emb = g.get("head", 0), g.get("embedding", 0)  # a pipeline stage may lack either
     policy, kept = cfg.parallelism.fsdp_reshard_after_forward, 0
+    if pipeline and policy == "default":  # trainer/parallel/parallelize.py
+        policy = "never"
     if policy == "never":
         kept = p * (sum(n for k, n in g.items() if k.startswith("layers.")) + emb)
     elif policy.isdigit():  # hpZ: each rank keeps 1/N of every block and the embedding

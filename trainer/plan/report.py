@@ -18,6 +18,7 @@ from trainer.plan.memory import (CONTEXT_GIB, FRAGMENTATION, GIB, GPUS, Gpu,
                           throughput)
 from trainer.plan.comm import comm_volume
 from trainer.plan.host import HOST_ROWS, host_ram_gib, host_report
+from trainer.plan.pipeline import summary as pipeline_summary
 
 # --------------------------------------------------------------------------- report
 
@@ -104,6 +105,8 @@ def report(cfg: JobConfig, b: dict[str, int], accum: int, gpu: Gpu, mem_gib: flo
         f"verdict: {verdict} on {gpu.name} ({(have - need) / GIB:+.2f} GiB device headroom"
         f"{'' if host_fits else '; not enough host memory'})",
     ]
+    if "pp_rank_totals" in b:
+        lines += pipeline_summary(cfg, b["pp_rank_totals"], GIB)
     return lines + comm_report(b) + throughput_report(cfg, gpu, mfu, accum)
 
 
@@ -120,7 +123,9 @@ def comm_report(b: dict) -> list[str]:
             f"{b.get('comm_cp', 0.0) / GIB:10.3f} GiB",
             f"    {'dp_shard (x cp: FSDP all-gathers + reduce-scatters)':<50} "
             f"{b['comm_dp_shard'] / GIB:10.3f} GiB",
-            f"    {'dp_replicate (HSDP all-reduce)':<50} {b['comm_dp_replicate'] / GIB:10.3f} GiB"]
+            f"    {'dp_replicate (HSDP all-reduce)':<50} {b['comm_dp_replicate'] / GIB:10.3f} GiB",
+            f"    {'pp (stage activations and their gradients, p2p)':<50} "
+            f"{b.get('comm_pp', 0.0) / GIB:10.3f} GiB"]
 
 
 def throughput_report(cfg: JobConfig, gpu: Gpu, mfu: float, accum: int) -> list[str]:
@@ -131,7 +136,10 @@ def throughput_report(cfg: JobConfig, gpu: Gpu, mfu: float, accum: int) -> list[
         return []
     t, tp = cfg.training, cfg.parallelism.tensor_parallel_degree
     fpt, tps = throughput(cfg, peak[0], mfu)
-    step_s = t.local_batch_size * t.seq_len * accum / (tps * tp)
+    # a dp rank's tokens go through its tp x pp devices (the pipeline's bubble is idle time
+    # inside the assumed MFU)
+    step_s = t.local_batch_size * t.seq_len * accum / (
+        tps * tp * cfg.parallelism.pipeline_parallel_degree)
     per_dp = f", {tps * tp:,.0f} per dp rank of {tp} devices" if tp > 1 else ""
     return [f"throughput at {mfu:.0%} MFU of {peak[0]:g} TFLOPS bf16 ({peak[1]}): "
             f"{tps:,.0f} tokens/s per device{per_dp} ({fpt:.4g} FLOPs/token; "

@@ -211,6 +211,10 @@ def untraceable(cfg: JobConfig) -> str | None:
     """Why `cfg`'s step cannot be traced on this CPU, or None."""
     from trainer.plan.memory import plan_args, resolve_vocab
 
+    if cfg.parallelism.pipeline_parallel_degree > 1:
+        return ("a pipeline schedule's point-to-point sends cannot run on the fake process "
+                "group; the analytic plan above is per pp rank (trace one stage's shapes "
+                "without pp, e.g. a smaller flavor with the stage's layers, for the rest)")
     if plan_args(cfg, resolve_vocab(cfg)[0]).attn_implementation == "flex":
         return ("block_causal attention runs FlexAttention on GPUs, which only compiles for "
                 "CUDA; the analytic plan above counts its block mask (trace the same shapes "
