@@ -12,11 +12,13 @@ The stage split, the schedules' bubbles and every bad setting (one line) are che
 """
 
 import re
+import subprocess
+import sys
 
 import pytest
 
 from scripts.chaos import load_dcp_tensors
-from tests.helpers import losses, run_train, scalars, stopped_after_save
+from tests.helpers import REPO, losses, run_train, scalars, stopped_after_save
 from tests.test_tp import saved_digest
 from trainer.config.job import load_config
 from trainer.errors import ConfigError
@@ -33,7 +35,8 @@ COMMON = ("--training.device", "cpu", "--model.flavor", "debugmodel", "--trainin
           "--training.z_loss_weight", "1e-3", "--validation.enable", "true",
           "--validation.freq", "5", "--validation.steps", "1",
           "--validation.local_batch_size", "2", "--checkpoint.enable", "true",
-          "--checkpoint.interval", "3", "--checkpoint.keep_latest_k", "0")
+          "--checkpoint.interval", "3", "--checkpoint.keep_latest_k", "0",
+          "--checkpoint.last_save_in_hf", "true")
 LAYOUTS = {  # name: (ranks, overrides)
     "ref": (1, ()),
     "pp2_fsdp2": (4, (PP, "2")),
@@ -96,6 +99,36 @@ def test_pp_checkpoint_resumes_on_other_layouts(runs, tmp_path, name, nproc, ove
     for tag in TAGS:
         assert close(scalars(dump, tag), {s: v for s, v in scalars(saved, tag).items()
                                           if s > 3}), tag
+
+
+def test_hf_export_and_generation_read_a_pp_checkpoint(runs, tmp_path):
+    """A PP checkpoint has the whole model's names: offline export and sampling read it like
+    the 1-rank one; the in-run HF export (last_save_in_hf) gathers every stage."""
+    from safetensors.torch import load_file
+
+    pp_ckpt = runs["pp2_fsdp2"][0] / "checkpoint" / "step-3"
+    ref_ckpt = runs["ref"][0] / "checkpoint" / "step-3"
+    pp, ref = load_dcp_tensors(pp_ckpt), load_dcp_tensors(ref_ckpt)
+    model_keys = [k for k in ref if ".model." in k]
+    assert sorted(k for k in pp if ".model." in k) == sorted(model_keys)
+    assert max(float((pp[k] - ref[k]).abs().max()) for k in model_keys) <= 1e-5
+
+    def generated(ckpt):
+        return subprocess.run([sys.executable, "-m", "trainer.generate", "--checkpoint",
+                               str(ckpt), "--prompt", "1 2 3", "--max_new_tokens", "8"],
+                              cwd=REPO, capture_output=True, text=True, timeout=120,
+                              check=True).stdout
+
+    assert generated(pp_ckpt) == generated(ref_ckpt)
+    subprocess.run([sys.executable, "-m", "trainer.convert", "to-hf", str(pp_ckpt),
+                    str(tmp_path / "hf")], cwd=REPO, check=True, capture_output=True, timeout=120)
+    exported = load_file(tmp_path / "hf" / "model.safetensors")
+    assert (exported["lm_head.weight"] == pp["model_optim.model.output.weight"]).all()
+    want = load_file(runs["ref"][0] / "hf" / "model.safetensors")
+    for name in ("pp2_fsdp2", "pp4_zbv", "pp2_tp2"):
+        got = load_file(runs[name][0] / "hf" / "model.safetensors")
+        assert sorted(got) == sorted(want), name
+        assert max(float((got[k] - want[k]).abs().max()) for k in want) <= 1e-4, name
 
 
 ROLLBACK = ("--training.device", "cpu", "--model.flavor", "debugmodel", "--training.seq_len",

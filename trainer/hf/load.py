@@ -92,11 +92,32 @@ def save_last_hf(model, cfg, *, log=print) -> None:
     from trainer.hf.export import write_hf_folder
 
     t0 = time.monotonic()
-    full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True,
-                                                                cpu_offload=True))
+    if getattr(model, "pp_group", None) is not None:
+        full = _gather_stages(model)
+    else:
+        full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True,
+                                                                    cpu_offload=True))
     out = os.path.join(cfg.job.dump_folder, "hf")
     if dist.get_rank() == 0:
         write_hf_folder(out, model.args, lambda names: {n: full.pop(n) for n in names}, cfg,
                         dtype="float32", log=log)
     dist.barrier()
     log(f"saved a Hugging Face model in {out} in {time.monotonic() - t0:.2f}s")
+
+
+def _gather_stages(model) -> dict:
+    """Pipeline parallelism: every stage's full tensors on rank 0 (an empty dict elsewhere).
+    Each parameter is gathered over its stage's mesh in turn (one full tensor at a time on
+    the device), then the ranks that share rank 0's place in their stage send their stage's
+    tensors to rank 0 over the pp group."""
+    mine = 0 in dist.get_process_group_ranks(model.pp_group)
+    full = {}
+    for name, param in model.named_parameters():
+        tensor = param.full_tensor() if hasattr(param, "full_tensor") else param
+        if mine:
+            full[name] = tensor.detach().cpu()
+    if not mine:
+        return {}
+    parts = [None] * dist.get_world_size(model.pp_group) if dist.get_rank() == 0 else None
+    dist.gather_object(full, parts, dst=0, group=model.pp_group)
+    return {k: v for part in parts for k, v in part.items()} if parts else {}
