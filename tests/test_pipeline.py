@@ -25,6 +25,11 @@ from trainer.errors import ConfigError
 from trainer.parallel.pp_layout import (SCHEDULES, bubble_fraction, rank_stages, split_stages,
                                         stage_rank)
 from trainer.parallel.dims import ParallelDims
+from trainer.parallel.pipeline import _SAME_RANK_STAGES
+
+# torch 2.11 (the GPU machines) cannot run V schedules over gloo (trainer/parallel/pipeline.py
+# check_torch): there the 8-stage PP 4 runs interleaved instead
+V = "ZBVZeroBubble" if _SAME_RANK_STAGES else "Interleaved1F1B"
 
 PP, SCHED = "--parallelism.pipeline_parallel_degree", "--parallelism.pipeline_parallel_schedule"
 COMMON = ("--training.device", "cpu", "--model.flavor", "debugmodel", "--training.seq_len", "64",
@@ -42,7 +47,7 @@ LAYOUTS = {  # name: (ranks, overrides)
     "pp2_fsdp2": (4, (PP, "2")),
     "pp2_tp2": (4, (PP, "2", "--parallelism.tensor_parallel_degree", "2")),
     "pp2_interleaved_fsdp2": (4, (PP, "2", SCHED, "Interleaved1F1B")),
-    "pp4_zbv": (4, (PP, "4", SCHED, "ZBVZeroBubble")),
+    "pp4_zbv": (4, (PP, "4", SCHED, V)),
     "pp2_gpipe_replicas": (4, (PP, "2", SCHED, "GPipe",
                                "--parallelism.data_parallel_replicate_degree", "2")),
 }
@@ -80,6 +85,7 @@ def test_pipeline_layouts_train_as_one_rank(runs, name):
     assert f"gradient accumulation steps: {accum}" in stdout
 
 
+@pytest.mark.skipif(not _SAME_RANK_STAGES, reason="torch 2.11 runs no V schedule over gloo")
 def test_the_stage_line_says_where_each_stage_lives(runs):
     out = runs["pp4_zbv"][1]
     line = next(ln for ln in out.splitlines() if ln.startswith("pipeline: "))
@@ -88,7 +94,7 @@ def test_the_stage_line_says_where_each_stage_lives(runs):
 
 
 @pytest.mark.parametrize("name, nproc, overrides", [
-    ("fsdp4", 4, ()), ("pp4", 4, (PP, "4", SCHED, "ZBVZeroBubble")), ("one", 1, ())])
+    ("fsdp4", 4, ()), ("pp4", 4, (PP, "4", SCHED, V)), ("one", 1, ())])
 def test_pp_checkpoint_resumes_on_other_layouts(runs, tmp_path, name, nproc, overrides):
     saved = runs["pp2_fsdp2"][0]
     dump = stopped_after_save(saved, tmp_path / name, 5)

@@ -30,11 +30,19 @@ import torch.distributed as dist
 from torch import nn
 
 from trainer.distributed import log0, to_device
+from trainer.errors import ConfigError
 from trainer.health import faults, heartbeat
 from trainer.models.llama import Transformer, model_args
 from trainer.parallel.pp_layout import (StageSpec, bubble_fraction, check_microbatches,
                                         check_pipeline, rank_stages, schedule as find_schedule,
                                         stage_rank)
+
+
+try:  # torch >= 2.12: two stages on one rank pass activations without p2p (V schedules)
+    from torch.distributed.pipelining._utils import InferenceMode  # noqa: F401
+    _SAME_RANK_STAGES = True
+except ImportError:
+    _SAME_RANK_STAGES = False
 
 
 class StageModule(nn.Module):
@@ -189,6 +197,22 @@ def describe(cfg, n_microbatches: int) -> str:
             f"(ideal bubble {bubble:.1%}); {where}")
 
 
+def check_torch(sched, cfg, pp_group) -> None:
+    """What torch 2.11's pipelining cannot do here (2.12 can), as config errors."""
+    if sched.style == "v" and not _SAME_RANK_STAGES and \
+            dist.get_backend(pp_group) == "gloo":
+        raise ConfigError(f"parallelism.pipeline_parallel_schedule = {sched.name!r} on CPU "
+                          f"ranks (gloo) needs torch >= 2.12: torch {torch.__version__}'s "
+                          "V schedules send a stage's activations to its own rank, which "
+                          "gloo cannot; use Interleaved1F1B or 1F1B here")
+    if sched.split_backward and not _SAME_RANK_STAGES and cfg.training.loss == "chunked":
+        raise ConfigError(f"parallelism.pipeline_parallel_schedule = {sched.name!r} with "
+                          f"training.loss = 'chunked' needs torch >= 2.12: torch "
+                          f"{torch.__version__}'s split backward cannot walk the chunked "
+                          "loss's autograd function; set training.loss = 'eager' (the same "
+                          "loss, with the logits held) or choose 1F1B / Interleaved1F1B")
+
+
 class PipelineLoop:
     """The step's forward and backward through a pipeline schedule (see the module docstring)."""
 
@@ -214,6 +238,7 @@ class PipelineLoop:
         stages = [PipelineStage(m, m.spec.index, n_stages, device, group=self.pp_group,
                                 **self._shapes(m, cfg, device))
                   for m in model.pipeline_stages]
+        check_torch(sched, cfg, self.pp_group)
         cls = get_schedule_class(sched.name)
         single = issubclass(cls, PipelineScheduleSingle)
         self.schedule = cls(stages[0] if single else stages, self.n_microbatches,
@@ -225,7 +250,8 @@ class PipelineLoop:
 
     def _shapes(self, stage: StageModule, cfg, device) -> dict[str, torch.Tensor]:
         """Each stage's input and output, given up front: the schedule then skips its shape
-        inference (on torch 2.13 a real forward and backward of the first microbatch)."""
+        inference (a forward, on torch 2.13 also a backward, of the first microbatch whose
+        loss would count in the step's z-loss)."""
         model, mbs = self.model, cfg.parallelism.pipeline_parallel_microbatch_size
         seq = cfg.training.seq_len
         act = torch.empty(mbs, seq // model.sequence_multiple, model.args.dim,

@@ -58,7 +58,7 @@ def offload_staging(group_shards: dict[str, int], p: int, r: int) -> int:
     compute dtype, the prefetched block's inputs, and one group's reduce-scattered gradient
     before its device-to-host copy (a conservative sum: not all live at the same moment)."""
     biggest = max(group_shards.values())
-    block = max(n for k, n in group_shards.items() if k.startswith("layers."))
+    block = max((n for k, n in group_shards.items() if k.startswith("layers.")), default=0)
     return (FP32 + p + r) * biggest + p * block
 
 
