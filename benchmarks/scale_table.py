@@ -24,12 +24,17 @@ from trainer.plan.trace import trace_step  # noqa: E402
 
 INTENDED = [("llama3_1b.toml", 8), ("llama3_8b.toml", 64), ("llama3_70b.toml", 64),
             ("llama3_405b.toml", 512)]
+# The trace cannot run pipeline schedules: 405B's row is its layout without pp (TP 8 x FSDP 64,
+# 8 sequences per dp rank); `python -m trainer.plan` gives the shipped PP 8 layout per pp rank.
+WITHOUT_PP = ["--parallelism.pipeline_parallel_degree", "1", "--training.local_batch_size", "8"]
 SWEEPS = [("llama3_70b.toml", w) for w in (128, 512)] + \
     [("llama3_8b.toml", w) for w in (8, 16, 32, 128, 256, 512, 1024)]
 
 
 def row(config: str, world: int, gpu_gib: float) -> str:
     overrides = ["--job.config_file", str(REPO / "configs" / config)]
+    if load_config(overrides).parallelism.pipeline_parallel_degree > 1:
+        overrides += WITHOUT_PP
     cfg = load_config(overrides)
     if cfg.training.global_batch_size != -1:  # at least one sequence per dp rank
         dp = world // cfg.parallelism.tensor_parallel_degree
