@@ -5,8 +5,8 @@ ranks of a tensor-parallel group are neighbours: on GPUs, one node's NVLink) and
 (pipeline stages exchange only activations, point to point: the slowest links do). It always
 carries a flattened `dp` dimension of size replicate x shard: the dataloader takes its rank and
 size from `dp`, and the loss is averaged over it, so the pp, cp and tp ranks of one dp rank read
-the same samples. FSDP shards parameters over `dp_shard` x `cp` (flattened `dp_shard_cp`; the cp ranks
-hold different tokens of the same samples, so they reduce gradients like dp ranks); HSDP
+the same samples. FSDP shards parameters over `dp_shard` x `cp` (flattened `dp_shard_cp`; the
+cp ranks hold different tokens of the same samples, so they reduce gradients like dp ranks); HSDP
 additionally replicates them over `dp_replicate` (the 2-D mesh); `dp_shard = cp = 1` is pure
 replication. Context parallelism (trainer/parallel/context_parallel.py) splits each sequence
 over `cp`; tensor parallelism (trainer/parallel/tp.py) shards each block's matmuls over `tp`;

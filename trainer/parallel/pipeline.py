@@ -64,9 +64,10 @@ class StageModule(nn.Module):
         """Tokens (first stage) or the previous stage's activations -> activations, or (last
         stage) the summed token loss with labels, the logits without."""
         root = self._root
-        h = self.tok_embeddings(x) if self.tok_embeddings is not None else x
+        first = self.tok_embeddings is not None
+        h = self.tok_embeddings(x) if first else x
         # Under sequence parallelism (TP) the activations hold seq / tp positions per rank.
-        seq = x.shape[1] if self.tok_embeddings is not None else x.shape[1] * root.sequence_multiple
+        seq = x.shape[1] if first else x.shape[1] * root.sequence_multiple
         cos, sin, mask = root.attention_inputs(seq, doc_ids, None, h.dtype)
         for layer in self.layers.values():
             h = layer(h, cos, sin, mask)
