@@ -93,10 +93,15 @@ def test_the_stage_line_says_where_each_stage_lives(runs):
     assert "rank 0: stage 0 (embedding) + stage 7 (norm+head)" in line, line
 
 
-@pytest.mark.parametrize("name, nproc, overrides", [
-    ("fsdp4", 4, ()), ("pp4", 4, (PP, "4", SCHED, V)), ("one", 1, ())])
-def test_pp_checkpoint_resumes_on_other_layouts(runs, tmp_path, name, nproc, overrides):
-    saved = runs["pp2_fsdp2"][0]
+@pytest.mark.parametrize("source, name, nproc, overrides", [
+    ("pp2_fsdp2", "fsdp4", 4, ()), ("pp2_fsdp2", "pp4", 4, (PP, "4", SCHED, V)),
+    ("pp2_fsdp2", "one", 1, ()),
+    ("ref", "one-to-pp2-tp2", 4, (PP, "2", "--parallelism.tensor_parallel_degree", "2"))])
+def test_pp_checkpoint_resumes_on_other_layouts(runs, tmp_path, source, name, nproc,
+                                                overrides):
+    """Saved at PP 2 x FSDP 2: at FSDP 4, PP 4 and on 1 rank; and the other way, a 1-rank
+    checkpoint under PP 2 x TP 2."""
+    saved = runs[source][0]
     dump = stopped_after_save(saved, tmp_path / name, 5)
     out = run_train(dump, *COMMON, *overrides, nproc=nproc,
                     env={"TRAINER_DEBUG_WEIGHT_DIGEST": "1"}).stdout
