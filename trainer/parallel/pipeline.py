@@ -33,6 +33,7 @@ from trainer.distributed import log0, to_device
 from trainer.errors import ConfigError
 from trainer.health import faults, heartbeat
 from trainer.models.llama import Transformer, model_args
+from trainer.parallel.seam import Losses
 from trainer.parallel.pp_layout import (StageSpec, bubble_fraction, check_microbatches,
                                         check_pipeline, rank_stages, schedule as find_schedule,
                                         stage_rank)
@@ -236,16 +237,15 @@ class PipelineLoop:
             stage.loss_fn = loss_fn
         # Zero-bubble schedules run each backward twice: input gradients, later the weights'.
         loss_fn.split_backward = sched.split_backward
+        check_torch(sched, cfg, self.pp_group)
         stages = [PipelineStage(m, m.spec.index, n_stages, device, group=self.pp_group,
                                 **self._shapes(m, cfg, device))
                   for m in model.pipeline_stages]
-        check_torch(sched, cfg, self.pp_group)
         cls = get_schedule_class(sched.name)
         single = issubclass(cls, PipelineScheduleSingle)
         self.schedule = cls(stages[0] if single else stages, self.n_microbatches,
                             loss_fn=self._scaled, scale_grads=False)
         self.first = any(m.spec.embedding for m in model.pipeline_stages)
-        self.last = any(m.spec.head for m in model.pipeline_stages)
         self.z_loss = bool(getattr(loss_fn, "z_loss_weight", 0.0))
         log0(describe(cfg, self.n_microbatches))
 
@@ -267,9 +267,7 @@ class PipelineLoop:
         (FSDP averages the gradients over dp; the product is a plain sum / global tokens)."""
         return output * self.scale
 
-    def __call__(self, batches, global_tokens: torch.Tensor, step: int):
-        from trainer.parallel.seam import Losses
-
+    def __call__(self, batches, global_tokens: torch.Tensor, step: int) -> Losses:
         self.scale = self.dp_size / global_tokens
         total = torch.zeros((), device=self.device)
         for i, (inputs, labels) in enumerate(batches):
@@ -286,9 +284,7 @@ class PipelineLoop:
             for loss in losses:
                 total += loss.detach()
         total = total / self.dp_size
-        z = self.loss_fn.take_z_loss() if self.z_loss else None
-        if z is None and self.z_loss:
-            z = torch.zeros((), device=self.device)
+        z = self.loss_fn.take_z_loss()  # None without a z-loss, or on a stage without the head
         # Only the last stage knows the loss: summed over pp, every stage logs and guards it.
         both = torch.stack([total, z if z is not None else torch.zeros_like(total)])
         dist.all_reduce(both, group=self.pp_group)
