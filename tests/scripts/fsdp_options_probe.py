@@ -94,9 +94,10 @@ dist.all_reduce(loss_diff, op=dist.ReduceOp.MAX)  # every rank's losses, not jus
 def flat_state(model, opt) -> dict:
     """Model and optimizer state as DCP sees it, one entry per tensor."""
     sd = ModelAndOptimizer(model, opt).state_dict()
+    # the optimizer's part is flat (checkpointer.py): "state.<fqn>.<name>" -> tensor
     return {**{f"model.{k}": v for k, v in sd["model"].items()},
-            **{f"optim.{k}.{s}": t for k, st in sd["optimizer"]["state"].items()
-               for s, t in st.items()}}
+            **{f"optim.{k[len('state.'):]}": t for k, t in sd["optimizer"].items()
+               if k.startswith("state.") and isinstance(t, torch.Tensor)}}
 
 
 def full(t) -> torch.Tensor:
