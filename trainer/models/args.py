@@ -28,6 +28,38 @@ LLAMA31_ROPE_SCALING = RopeScaling(factor=8.0)  # as released with Llama-3.1 8B/
 
 
 @dataclass(frozen=True)
+class MoEArgs:
+    """Mixture of experts (trainer/models/moe.py): which blocks have one, and its shape. The
+    training knobs (capacity, loss weights) come from the config's [moe] section."""
+
+    n_experts: int = 8
+    top_k: int = 2
+    hidden_dim: int = 384  # each routed expert's SwiGLU width
+    n_shared_experts: int = 0  # experts of hidden_dim every token goes through (DeepSeek)
+    score_func: str = "softmax"  # or "sigmoid" (DeepSeek-V3)
+    norm_topk_prob: bool = True  # renormalise the chosen experts' weights to sum to 1
+    route_scale: float = 1.0
+    first_dense_layers: int = 0  # the first k blocks keep a dense FFN (DeepSeek)
+    sparse_step: int = 1  # then every sparse_step-th block is MoE (Qwen3-MoE decoder_sparse_step)
+    capacity_factor: float = 0.0  # 0 = dropless
+    aux_loss_weight: float = 0.0
+    router_z_loss_weight: float = 0.0
+
+    def is_moe_layer(self, layer_id: int) -> bool:
+        """Qwen3-MoE's rule ((i + 1) % step == 0) after the first dense layers."""
+        return layer_id >= self.first_dense_layers and (layer_id + 1) % self.sparse_step == 0
+
+    def active_ffn(self, dim: int) -> int:
+        """FFN parameters a token goes through: top_k routed + the shared experts + router."""
+        return 3 * dim * self.hidden_dim * (self.top_k + self.n_shared_experts) + \
+            dim * self.n_experts
+
+    def total_ffn(self, dim: int) -> int:
+        return 3 * dim * self.hidden_dim * (self.n_experts + self.n_shared_experts) + \
+            dim * self.n_experts
+
+
+@dataclass(frozen=True)
 class ModelArgs:
     dim: int
     n_layers: int
@@ -46,10 +78,16 @@ class ModelArgs:
     attn_mask_type: str = "causal"  # or "block_causal"
     positions: str = "sequence"  # or "document"
     attn_implementation: str = "sdpa"
+    moe: MoEArgs | None = None  # None: every block dense
+    qk_norm: bool = False  # per-head RMSNorm of q and k before RoPE (Qwen3)
+    explicit_head_dim: int = 0  # 0: dim // n_heads (Qwen3 sets 128 at any dim)
 
     @property
     def head_dim(self) -> int:
-        return self.dim // self.n_heads
+        return self.explicit_head_dim or self.dim // self.n_heads
+
+    def is_moe_layer(self, layer_id: int) -> bool:
+        return self.moe is not None and self.moe.is_moe_layer(layer_id)
 
     @property
     def hidden_dim(self) -> int:
@@ -59,13 +97,19 @@ class ModelArgs:
             hidden = int(self.ffn_dim_multiplier * hidden)
         return self.multiple_of * math.ceil(hidden / self.multiple_of)
 
-    def num_params(self, embeddings: bool = True) -> int:
-        kv_dim = self.n_kv_heads * self.head_dim
-        attn = self.dim * (2 * self.dim + 2 * kv_dim)
-        ffn = 3 * self.dim * self.hidden_dim
-        per_layer = attn + ffn + 2 * self.dim
+    def num_params(self, embeddings: bool = True, active: bool = False) -> int:
+        """All parameters; `active`: those one token goes through (MoE: top-k experts)."""
+        q_dim, kv_dim = self.n_heads * self.head_dim, self.n_kv_heads * self.head_dim
+        attn = self.dim * (2 * q_dim + 2 * kv_dim) + (2 * self.head_dim if self.qk_norm else 0)
+        dense = 3 * self.dim * self.hidden_dim
+        ffn = 0
+        for i in range(self.n_layers):
+            if not self.is_moe_layer(i):
+                ffn += dense
+            else:
+                ffn += (self.moe.active_ffn if active else self.moe.total_ffn)(self.dim)
         head = 0 if self.tie_word_embeddings else self.vocab_size * self.dim
-        total = self.n_layers * per_layer + self.dim + head
+        total = self.n_layers * (attn + 2 * self.dim) + ffn + self.dim + head
         return total + (self.vocab_size * self.dim if embeddings else 0)
 
     def validate(self) -> None:
@@ -89,6 +133,24 @@ FLAVORS: dict[str, ModelArgs] = {
     # debug model (GQA, FSDP per block, DCP) at a fraction of its startup and step time.
     "debugmodel-tiny": ModelArgs(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=8192,
                                  multiple_of=32),
+    # Mixtures of experts at about the debug model's active size: 4 blocks, the first dense,
+    # 8 experts of width 352, top 2 (2 x 352 = the dense width 704). Qwen3-MoE's layout
+    # (softmax router, q/k norms, no shared expert: exports to Qwen3MoeForCausalLM), and
+    # DeepSeek's (sigmoid scores, one shared expert).
+    "debugmodel-moe": ModelArgs(dim=256, n_layers=4, n_heads=8, n_kv_heads=4, vocab_size=8192,
+                                multiple_of=64, qk_norm=True, norm_eps=1e-6,
+                                moe=MoEArgs(n_experts=8, top_k=2, hidden_dim=352,
+                                            first_dense_layers=1)),
+    "debugmodel-moe-shared": ModelArgs(
+        dim=256, n_layers=4, n_heads=8, n_kv_heads=4, vocab_size=8192, multiple_of=64,
+        moe=MoEArgs(n_experts=8, top_k=2, hidden_dim=352, n_shared_experts=1,
+                    score_func="sigmoid", first_dense_layers=1, route_scale=1.0)),
+    # Qwen3-30B-A3B as released: 48 MoE blocks of 128 experts (width 768), top 8, 3.3B active.
+    "qwen3-30b-a3b": ModelArgs(dim=2048, n_layers=48, n_heads=32, n_kv_heads=4,
+                               explicit_head_dim=128, vocab_size=151936, multiple_of=256,
+                               ffn_dim_multiplier=2.25, norm_eps=1e-6, rope_theta=1e6,
+                               qk_norm=True, moe=MoEArgs(n_experts=128, top_k=8,
+                                                         hidden_dim=768)),
     # The debug shape with Llama-3.2's tied embeddings and RoPE scaling (tests, smoke runs).
     "debugmodel-3.2": ModelArgs(dim=256, n_layers=6, n_heads=8, n_kv_heads=4, vocab_size=8192,
                                 multiple_of=64, rope_scaling=LLAMA3_ROPE_SCALING,

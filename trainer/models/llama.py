@@ -29,6 +29,7 @@ from torch.distributed.tensor import DTensor
 
 from trainer.models.attention import attend, build_mask, document_positions
 from trainer.models.args import FLAVORS, ModelArgs, model_args  # noqa: F401  (re-exported)
+from trainer.models.moe import MoE
 from trainer.parallel.loss_parallel import vocab_parallel_project
 
 
@@ -85,6 +86,9 @@ class Attention(nn.Module):
         self.wk = nn.Linear(args.dim, args.n_kv_heads * self.head_dim, bias=False)
         self.wv = nn.Linear(args.dim, args.n_kv_heads * self.head_dim, bias=False)
         self.wo = nn.Linear(args.n_heads * self.head_dim, args.dim, bias=False)
+        # Qwen3: RMSNorm over each head's q and k before RoPE
+        self.q_norm = RMSNorm(self.head_dim, args.norm_eps) if args.qk_norm else None
+        self.k_norm = RMSNorm(self.head_dim, args.norm_eps) if args.qk_norm else None
 
     def forward(self, x, cos, sin, mask=None):
         """`mask`: None = causal; else the microbatch's block-causal mask (trainer/models/attention.py)."""
@@ -93,6 +97,8 @@ class Attention(nn.Module):
         q = self.wq(x).view(b, s, -1, self.head_dim)
         k = self.wk(x).view(b, s, -1, self.head_dim)
         v = self.wv(x).view(b, s, -1, self.head_dim)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         out = attend(q, k, v, mask)
         return self.wo(out.transpose(1, 2).reshape(b, s, -1))
@@ -116,7 +122,8 @@ class TransformerBlock(nn.Module):
         self.attention_norm = RMSNorm(args.dim, args.norm_eps)
         self.attention = Attention(args)
         self.ffn_norm = RMSNorm(args.dim, args.norm_eps)
-        self.feed_forward = FeedForward(args.dim, args.hidden_dim)
+        self.feed_forward = (MoE(args.dim, args.moe) if args.is_moe_layer(layer_id)
+                             else FeedForward(args.dim, args.hidden_dim))
 
     def forward(self, x, cos, sin, mask=None):
         h = x + self.attention(self.attention_norm(x), cos, sin, mask)
@@ -224,6 +231,10 @@ class Transformer(nn.Module):
         self.init_rope()
         for name, param in self.named_parameters():
             _fill(param, name, seed, _init_std(name, a))
+        for module in self.modules():  # balancing bias and load counters start at zero
+            if isinstance(module, MoE):
+                for buf in module.buffers():
+                    buf.zero_()
 
 
 def _init_std(name: str, args: ModelArgs) -> float | None:
@@ -234,7 +245,8 @@ def _init_std(name: str, args: ModelArgs) -> float | None:
         return 0.02 if args.tie_word_embeddings else 1.0
     if name.startswith("output"):
         return args.dim ** -0.5
-    if name.endswith(("wo.weight", "w2.weight", "w3.weight")):  # depth-scaled residual outputs
+    if name.endswith(("wo.weight", "w2.weight", "w3.weight", "experts.w2", "experts.w3")):
+        # depth-scaled residual outputs
         layer_id = int(name.split(".")[1])
         return 0.02 / math.sqrt(2 * (layer_id + 1))
     return 0.02

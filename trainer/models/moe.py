@@ -1,0 +1,176 @@
+"""Mixture of experts: a router and E experts in place of a block's FFN (`MoEArgs` in
+trainer/models/args.py says which layers and how).
+
+- **Router.** A linear layer to E scores per token, softmax (Qwen3-MoE, Mixtral) or sigmoid
+  (DeepSeek-V3). The top-k experts are chosen on the scores plus `expert_bias`, the
+  aux-loss-free balancing bias (a buffer, in the checkpoint); the token's weights are the
+  chosen experts' scores without the bias, optionally renormalised to sum to 1, times
+  `route_scale`.
+- **Experts.** Stacked `[E, ...]` SwiGLU weights, run as grouped GEMMs (`torch._grouped_mm`)
+  over the tokens sorted by expert, or one matmul per expert where the build lacks it. A shared
+  expert (DeepSeek) sees every token.
+- **Dropless** by default: every routed (token, expert) pair is computed. With a capacity
+  factor c > 0 an expert takes at most ceil(c x tokens x k / E) pairs, in token order, and the
+  rest are dropped (their weight is lost, as in Megatron's token dropping) and counted.
+- **Statistics** for balancing and metrics (`take_stats`): the tokens each expert received
+  over the step, the dropped pairs, and the aux loss and router z-loss terms when weighted.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from trainer.models.args import MoEArgs
+
+GROUPED_MM = hasattr(torch, "_grouped_mm")
+
+
+class Router(nn.Module):
+    def __init__(self, dim: int, moe: MoEArgs):
+        super().__init__()
+        self.moe = moe
+        self.gate = nn.Linear(dim, moe.n_experts, bias=False)
+        # Aux-loss-free balancing (DeepSeek-V3): added to the scores for the choice only.
+        self.register_buffer("expert_bias", torch.zeros(moe.n_experts, dtype=torch.float32))
+
+    def forward(self, x: torch.Tensor):
+        """x [T, dim] -> (weights [T, k] fp32, experts [T, k] int64, probabilities [T, E] fp32,
+        logits [T, E] fp32)."""
+        logits = self.gate(x).float()
+        probs = logits.softmax(-1) if self.moe.score_func == "softmax" else logits.sigmoid()
+        with torch.no_grad():
+            chosen = (probs + self.expert_bias).topk(self.moe.top_k, dim=-1).indices
+        weights = probs.gather(-1, chosen)
+        if self.moe.norm_topk_prob and self.moe.top_k > 1:
+            weights = weights / weights.sum(-1, keepdim=True).clamp_min(1e-20)
+        return weights * self.moe.route_scale, chosen, probs, logits
+
+
+class GroupedExperts(nn.Module):
+    """E SwiGLU experts as stacked weights: w1, w3 [E, hidden, dim], w2 [E, dim, hidden]."""
+
+    def __init__(self, dim: int, hidden: int, n_experts: int):
+        super().__init__()
+        self.w1 = nn.Parameter(torch.empty(n_experts, hidden, dim))
+        self.w2 = nn.Parameter(torch.empty(n_experts, dim, hidden))
+        self.w3 = nn.Parameter(torch.empty(n_experts, hidden, dim))
+        self.grouped = GROUPED_MM
+
+    def forward(self, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+        """x [N, dim], rows sorted by expert, `counts` [E] rows per expert -> [N, dim]."""
+        w1, w2, w3 = self.w1, self.w2, self.w3
+        if hasattr(w1, "to_local"):  # expert parallel: this rank's experts
+            w1, w2, w3 = w1.to_local(), w2.to_local(), w3.to_local()
+        if self.grouped:
+            offs = counts.cumsum(0).to(torch.int32)
+            h = F.silu(torch._grouped_mm(x, w1.transpose(-2, -1), offs=offs)) * \
+                torch._grouped_mm(x, w3.transpose(-2, -1), offs=offs)
+            return torch._grouped_mm(h, w2.transpose(-2, -1), offs=offs)
+        return expert_loop(x, counts, w1, w2, w3)
+
+
+def expert_loop(x, counts, w1, w2, w3) -> torch.Tensor:
+    """The per-expert fallback (one host sync for the split sizes)."""
+    outs = []
+    for e, xe in enumerate(x.split(counts.tolist())):
+        outs.append((F.silu(xe @ w1[e].t()) * (xe @ w3[e].t())) @ w2[e].t())
+    return torch.cat(outs) if outs else x[:0]
+
+
+class SharedExpert(nn.Module):
+    def __init__(self, dim: int, hidden: int):
+        super().__init__()
+        self.w1 = nn.Linear(dim, hidden, bias=False)
+        self.w2 = nn.Linear(hidden, dim, bias=False)
+        self.w3 = nn.Linear(dim, hidden, bias=False)
+
+    def forward(self, x):
+        return self.w2(F.silu(self.w1(x)) * self.w3(x))
+
+
+class MoE(nn.Module):
+    """The MoE feed-forward of one block (see the module docstring)."""
+
+    def __init__(self, dim: int, moe: MoEArgs):
+        super().__init__()
+        self.moe = moe
+        self.router = Router(dim, moe)
+        self.experts = GroupedExperts(dim, moe.hidden_dim, moe.n_experts)
+        self.shared_experts = (SharedExpert(dim, moe.hidden_dim * moe.n_shared_experts)
+                               if moe.n_shared_experts else None)
+        self.register_buffer("tokens_per_expert", torch.zeros(moe.n_experts), persistent=False)
+        self.register_buffer("dropped", torch.zeros(()), persistent=False)
+        self.register_buffer("routed", torch.zeros(()), persistent=False)
+        self.aux_terms: list[torch.Tensor] = []  # weighted aux + z terms of this step's calls
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        shape = x.shape
+        flat = x.reshape(-1, shape[-1])
+        weights, chosen, probs, logits = self.router(flat)
+        e, k = self.moe.n_experts, self.moe.top_k
+        slots = chosen.reshape(-1)  # (token, choice) pairs, token-major
+        counts = torch.bincount(slots, minlength=e)
+        keep = None
+        if self.moe.capacity_factor > 0:
+            keep, counts = capacity_mask(slots, counts, capacity(self.moe, flat.shape[0]))
+        with torch.no_grad():
+            self.tokens_per_expert += torch.bincount(slots, minlength=e).to(
+                self.tokens_per_expert.dtype)
+            self.routed += slots.numel()
+            if keep is not None:
+                self.dropped += (~keep).sum()
+        order = slots.argsort(stable=True)
+        if keep is not None:
+            order = order[keep[order]]
+        token = order // k
+        out = self.experts(flat[token], counts) * weights.reshape(-1)[order, None].to(x.dtype)
+        y = torch.zeros_like(flat).index_add_(0, token, out)
+        if self.shared_experts is not None:
+            y = y + self.shared_experts(flat)
+        self._aux(probs, logits, slots)
+        return y.reshape(shape)
+
+    def _aux(self, probs, logits, slots) -> None:
+        """The global load-balancing loss (Switch / Megatron `aux_loss`: E x sum_i f_i P_i over
+        this microbatch's tokens) and the router z-loss (mean logsumexp^2), weighted."""
+        m = self.moe
+        if m.aux_loss_weight:
+            frac = torch.bincount(slots, minlength=m.n_experts).float() / slots.numel()
+            self.aux_terms.append(m.aux_loss_weight * m.n_experts * (frac * probs.mean(0)).sum())
+        if m.router_z_loss_weight:
+            self.aux_terms.append(m.router_z_loss_weight * logits.logsumexp(-1).square().mean())
+
+    def take_stats(self) -> dict[str, torch.Tensor]:
+        """This step's loads, drops and routed pairs since the last take (then zeroed)."""
+        stats = {"tokens_per_expert": self.tokens_per_expert.clone(),
+                 "dropped": self.dropped.clone(), "routed": self.routed.clone()}
+        for buf in (self.tokens_per_expert, self.dropped, self.routed):
+            buf.zero_()
+        return stats
+
+
+def capacity(moe: MoEArgs, tokens: int) -> int:
+    return math.ceil(moe.capacity_factor * tokens * moe.top_k / moe.n_experts)
+
+
+def capacity_mask(slots: torch.Tensor, counts: torch.Tensor, cap: int):
+    """(keep [pairs] bool: the first `cap` pairs of each expert in token order, kept counts)."""
+    order = slots.argsort(stable=True)
+    starts = counts.cumsum(0) - counts
+    rank_in_expert = torch.empty_like(slots)
+    rank_in_expert[order] = torch.arange(slots.numel(), device=slots.device) - starts[slots[order]]
+    keep = rank_in_expert < cap
+    return keep, counts.clamp(max=cap)
+
+
+@torch.no_grad()
+def update_expert_bias(moes: list[MoE], loads: list[torch.Tensor], coeff: float) -> None:
+    """Aux-loss-free balancing after an optimizer step: each expert's bias moves by coeff
+    toward balance, sign(mean load - load), from the step's loads summed over every rank."""
+    for moe, load in zip(moes, loads):
+        moe.router.expert_bias += coeff * torch.sign(load.mean() - load).to(
+            moe.router.expert_bias.dtype)
