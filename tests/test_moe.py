@@ -1,0 +1,106 @@
+"""Mixture of experts (trainer/models/moe.py), in one process: grouped GEMMs equal the
+per-expert loop, a skewed router still computes every token (dropless) with gradients to every
+input, a capacity factor drops and counts the overflow, the balancing bias moves toward
+balance, and the flavors have their released sizes."""
+
+import dataclasses
+
+import pytest
+import torch
+
+from trainer.models.args import FLAVORS, MoEArgs
+from trainer.models.moe import MoE, capacity, update_expert_bias
+
+DIM = 32
+
+
+def moe_layer(**kw) -> MoE:
+    torch.manual_seed(0)
+    layer = MoE(DIM, MoEArgs(n_experts=4, top_k=2, hidden_dim=16, **kw))
+    for p in layer.parameters():
+        torch.nn.init.normal_(p, std=0.2)
+    for b in layer.buffers():
+        b.zero_()
+    return layer
+
+
+def reference(layer: MoE, x: torch.Tensor, drop: torch.Tensor | None = None) -> torch.Tensor:
+    """Token by token: sum over the chosen experts of weight x SwiGLU expert(x)."""
+    flat = x.reshape(-1, DIM)
+    weights, chosen, _, _ = layer.router(flat)
+    e = layer.experts
+    out = torch.zeros_like(flat)
+    for t in range(flat.shape[0]):
+        for j in range(chosen.shape[1]):
+            if drop is not None and drop[t * chosen.shape[1] + j]:
+                continue
+            k = chosen[t, j]
+            h = torch.nn.functional.silu(flat[t] @ e.w1[k].t()) * (flat[t] @ e.w3[k].t())
+            out[t] += weights[t, j] * (h @ e.w2[k].t())
+    if layer.shared_experts is not None:
+        out = out + layer.shared_experts(flat)
+    return out.reshape(x.shape)
+
+
+@pytest.mark.parametrize("grouped", [True, False])
+def test_experts_equal_the_token_by_token_reference(grouped):
+    layer = moe_layer(n_shared_experts=1)
+    layer.experts.grouped = grouped
+    x = torch.randn(2, 5, DIM, requires_grad=True)
+    got = layer(x)
+    want = reference(layer, x)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    (g1,) = torch.autograd.grad(got.square().sum(), x)
+    (g2,) = torch.autograd.grad(want.square().sum(), x)
+    torch.testing.assert_close(g1, g2, rtol=1e-5, atol=1e-5)
+
+
+def test_dropless_under_a_skewed_router():
+    """Every token sent to experts 0 and 1: all of them computed, gradients to every token."""
+    layer = moe_layer()
+    layer.router.expert_bias.copy_(torch.tensor([100.0, 100.0, 0.0, 0.0]))
+    x = torch.randn(3, 8, DIM, requires_grad=True)
+    y = layer(x)
+    stats = layer.take_stats()
+    assert stats["tokens_per_expert"].tolist() == [24, 24, 0, 0]
+    assert stats["dropped"].item() == 0
+    torch.testing.assert_close(y, reference(layer, x), rtol=1e-5, atol=1e-5)
+    (grad,) = torch.autograd.grad(y.sum(), x)
+    assert bool((grad.reshape(-1, DIM).abs().sum(-1) > 0).all())
+
+
+def test_capacity_drops_the_overflow_in_token_order():
+    layer = moe_layer(capacity_factor=0.5)
+    layer.router.expert_bias.copy_(torch.tensor([100.0, 100.0, 0.0, 0.0]))
+    x = torch.randn(1, 8, DIM)
+    cap = capacity(layer.moe, 8)  # ceil(0.5 x 8 x 2 / 4) = 2 pairs per expert
+    assert cap == 2
+    y = layer(x)
+    stats = layer.take_stats()
+    assert stats["dropped"].item() == 16 - 2 * cap and stats["routed"].item() == 16
+    # the first two tokens keep both their experts; the others get nothing routed
+    drop = torch.tensor([t >= 2 for t in range(8) for _ in range(2)])
+    torch.testing.assert_close(y, reference(layer, x, drop), rtol=1e-5, atol=1e-5)
+    assert y[0, 2:].abs().max() == 0
+
+
+def test_the_balancing_bias_moves_toward_balance():
+    layer = moe_layer()
+    update_expert_bias([layer], [torch.tensor([10.0, 0.0, 2.0, 4.0])], coeff=1e-3)
+    assert layer.router.expert_bias.tolist() == pytest.approx([-1e-3, 1e-3, 1e-3, 0.0])  # mean 4
+
+
+def test_sigmoid_scores_and_unnormalised_weights():
+    layer = moe_layer(score_func="sigmoid", norm_topk_prob=False, route_scale=2.5)
+    weights, chosen, probs, _ = layer.router(torch.randn(6, DIM))
+    torch.testing.assert_close(weights, 2.5 * probs.gather(-1, chosen))
+
+
+def test_flavor_sizes():
+    qwen = FLAVORS["qwen3-30b-a3b"]
+    assert round(qwen.num_params() / 1e9, 1) == 30.5
+    assert qwen.num_params(active=True) / 1e9 == pytest.approx(3.35, abs=0.01)  # "A3B": 3.3B
+    moe = FLAVORS["debugmodel-moe"]
+    assert [moe.is_moe_layer(i) for i in range(4)] == [False, True, True, True]
+    step = dataclasses.replace(moe.moe, first_dense_layers=0, sparse_step=2)
+    assert [step.is_moe_layer(i) for i in range(4)] == [False, True, False, True]
