@@ -114,7 +114,8 @@ class Loop:
                          z_loss=reduce_z_loss(r.z_loss, self.dp_group))
         self.metrics.log_scalars(step, {
             **loader.metrics(), "batch_metrics/global_batch_size": loader.global_batch_size,
-            "batch_metrics/step_tokens": seq_len * loader.global_batch_size})
+            "batch_metrics/step_tokens": seq_len * loader.global_batch_size,
+            **{k: float(v) for k, v in (r.scalars or {}).items()}})
 
     def bad_step(self, r: StepResult) -> bool:
         """A spike is skipped, rolled back (True) or stops the run; a non-finite step is

@@ -37,6 +37,7 @@ class StepResult(NamedTuple):
     # this rank's summed cross-entropy / the global token count: summed over the dp ranks, the
     # token-weighted global mean (the logged loss), whatever each rank's token count
     loss_share: torch.Tensor | None = None
+    scalars: dict | None = None  # e.g. the experts' load imbalance (trainer/models/moe.py)
 
 
 @dataclass
@@ -60,6 +61,8 @@ class TrainStep:
     device: torch.device
     max_norm: float = 0.0  # 0: no clipping (the norm is still computed)
     spike_check: Callable | None = None
+    # after the optimizer step: the experts' balancing bias and load metrics ({} if dense)
+    balance: Callable | None = None
 
     def __call__(self, step: int, accum: int) -> StepResult:
         heartbeat.phase("step_start", step)
@@ -68,7 +71,7 @@ class TrainStep:
         local_tokens = sum(count_targets(labels) for _, labels in batches)  # host tensors
         global_tokens = to_device(torch.tensor(float(local_tokens)), self.device)
         dist.all_reduce(global_tokens, group=self.dp_group)
-        loss_sum, z_loss = self.forward_backward(batches, global_tokens, step)
+        loss_sum, z_loss, aux = self.forward_backward(batches, global_tokens, step)
         if z_loss is not None:
             z_loss = z_loss / global_tokens
         loss_sum = faults.armed().loss(step, loss_sum)  # a spike or NaN, if asked
@@ -84,7 +87,11 @@ class TrainStep:
         self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
         self.metrics.count_tokens(local_tokens)
-        return StepResult(rank_loss, grad_norm, lr, stepped, z_loss, spike, cross_entropy)
+        scalars = self.balance(self.model) if self.balance else None
+        if aux is not None:
+            scalars = {**(scalars or {}), "moe/aux_loss": aux}
+        return StepResult(rank_loss, grad_norm, lr, stepped, z_loss, spike, cross_entropy,
+                          scalars)
 
     def optimizer_step(self, grad_norm: torch.Tensor,
                        cross_entropy: torch.Tensor) -> tuple[bool | torch.Tensor, Spike | None]:

@@ -22,6 +22,7 @@ if __name__ == "__main__":
     for _name in ("SIGTERM", "SIGUSR1", "SIGINT", "SIGUSR2", "SIGHUP"):
         signal.signal(getattr(signal, _name), lambda signum, frame: EARLY_SIGNALS.append(signum))
 
+import functools  # noqa: E402
 import os  # noqa: E402
 import sys
 
@@ -50,6 +51,7 @@ from trainer.loop import Loop
 from trainer.models.attention import attention_args
 from trainer.models.llama import build_model, model_args
 from trainer.models.loss import build_loss, scoring_loss
+from trainer.models.moe import balance_experts
 from trainer.observe.metrics import MetricsProcessor
 from trainer.observe.profiling import StepProfiler
 from trainer.optim.batch_schedule import describe_ramp
@@ -105,7 +107,7 @@ def train(cfg: JobConfig) -> None:
     loader, vocab = build_data(cfg, parallel_dims, accum)
     validator, evaluator = build_checks(cfg, parallel_dims, loader, device)
     args = model_args(cfg.model.flavor, vocab_size=vocab, max_seq_len=cfg.training.seq_len,
-                      **attention_args(cfg.model, device.type))
+                      moe_config=cfg.moe, **attention_args(cfg.model, device.type))
     agree_on_user_errors(check_tp_shapes, args, parallel_dims.tp, cfg.model.flavor,
                          describe_vocab(cfg.model, loader.vocab_size))
     agree_on_user_errors(check_async_tp, cfg.parallelism, cfg.compile.enable, device.type)
@@ -203,7 +205,9 @@ def build_train_step(cfg: JobConfig, model, optimizer, scheduler, loader, metric
         forward_backward=build_forward_backward(model, loss_fn, cfg, device=device,
                                                 parallel_dims=parallel_dims, loader=loader),
         metrics=metrics, dp_group=parallel_dims.dp_mesh.get_group(), device=device,
-        max_norm=cfg.training.max_norm, spike_check=check)
+        max_norm=cfg.training.max_norm, spike_check=check,
+        balance=functools.partial(balance_experts, n_layers=model.args.n_layers,
+                                  coeff=cfg.moe.load_balance_coeff, device=device))
 
 
 def main(argv: list[str]) -> int:

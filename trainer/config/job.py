@@ -23,7 +23,7 @@ from trainer.config.base import (check_field, coerce, did_you_mean, from_cli, pa
 from trainer.optim.batch_schedule import check_ramp
 from trainer.config.sections import (  # noqa: F401  (also importable from here)
     ActivationCheckpoint, Checkpoint, Comm, Compile, Health, Job, LRScheduler,
-    Metrics, Model, Optimizer, Parallelism, Profiling, Training, Validation)
+    Metrics, Model, MoE, Optimizer, Parallelism, Profiling, Training, Validation)
 from trainer.data.config import DataConfig
 from trainer.errors import ConfigError, UserError
 from trainer.evals.config import Eval
@@ -50,6 +50,7 @@ class JobConfig:
     validation: Validation = field(default_factory=Validation)
     eval: Eval = field(default_factory=Eval)
     parallelism: Parallelism = field(default_factory=Parallelism)
+    moe: MoE = field(default_factory=MoE)
     activation_checkpoint: ActivationCheckpoint = field(default_factory=ActivationCheckpoint)
     compile: Compile = field(default_factory=Compile)
     float8: Float8 = field(default_factory=Float8)
@@ -81,6 +82,7 @@ class JobConfig:
                               "data.dataset = 'synthetic' has none; train on text (e.g. "
                               "'stdlib') or turn eval off")
         check_attention(self.model, self.data, self.training.device)
+        check_moe(self)
         if self.training.device != "auto":  # else checked on each rank once the device is known
             check_async_tp(self.parallelism, self.compile.enable, self.training.device)
         elif self.parallelism.enable_async_tensor_parallel:
@@ -155,6 +157,29 @@ def accumulation_steps(training: Training, dp_size: int) -> int:
             f"({training.local_batch_size}) * dp size ({dp_size}) = {per_pass}; use a multiple "
             f"of {per_pass}")
     return gbs // per_pass
+
+
+def check_moe(cfg: JobConfig) -> None:
+    """[moe] keys need a MoE flavor; what MoE does not compose with yet is refused by name."""
+    from trainer.models.args import FLAVORS
+
+    set_keys = [f"moe.{f.name}" for f in dataclasses.fields(cfg.moe)
+                if getattr(cfg.moe, f.name) != f.default and f.name != "load_balance_coeff"]
+    if FLAVORS[cfg.model.flavor].moe is None:
+        if set_keys:
+            moe_flavors = [n for n, a in FLAVORS.items() if a.moe is not None]
+            raise ConfigError(f"{set_keys[0]} is set, but model.flavor {cfg.model.flavor!r} has "
+                              f"no experts; MoE flavors: {', '.join(moe_flavors)}")
+        return
+    par = cfg.parallelism
+    if par.tensor_parallel_degree > 1:
+        raise ConfigError(f"model.flavor {cfg.model.flavor!r} (mixture of experts) does not run "
+                          "under tensor parallelism yet; use FSDP/HSDP (and expert parallelism)")
+    if par.pipeline_parallel_degree > 1 and (cfg.moe.aux_loss_weight or
+                                             cfg.moe.router_z_loss_weight):
+        raise ConfigError("moe.aux_loss_weight and moe.router_z_loss_weight are losses of every "
+                          "stage, which a pipeline schedule cannot back-propagate from the "
+                          "last; under pp use moe.load_balance_coeff (aux-loss-free)")
 
 
 def sections(cfg: JobConfig) -> list[str]:

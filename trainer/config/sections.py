@@ -138,6 +138,22 @@ class LRScheduler:
 
 
 @dataclass
+class MoE:
+    """Mixture-of-experts training knobs (the flavor fixes the experts' shape)."""
+
+    load_balance_coeff: float = opt(
+        1e-3, "Aux-loss-free balancing (DeepSeek-V3): after each optimizer step every expert's "
+        "routing bias moves by this toward balance, sign(mean load - load); 0 = off", min=0.0)
+    aux_loss_weight: float = opt(0.0, "Weight of the global load-balancing loss (E x sum_i "
+                                 "f_i P_i per microbatch); 0 = off", min=0.0)
+    router_z_loss_weight: float = opt(0.0, "Weight of the router z-loss (mean logsumexp of the "
+                                      "router logits, squared); 0 = off", min=0.0)
+    capacity_factor: float = opt(0.0, "0 = dropless (every routed token computed); c > 0: an "
+                                 "expert takes at most ceil(c x tokens x top_k / experts) and "
+                                 "the rest are dropped (counted)", min=0.0)
+
+
+@dataclass
 class Training:
     local_batch_size: int = opt(8, "Sequences per microbatch per data-parallel rank", min=1)
     global_batch_size: int = opt(-1, "Sequences per optimizer step; -1 = local_batch_size * dp size")

@@ -167,6 +167,59 @@ def capacity_mask(slots: torch.Tensor, counts: torch.Tensor, cap: int):
     return keep, counts.clamp(max=cap)
 
 
+def moe_layers(model: nn.Module) -> dict[int, MoE]:
+    """{layer id: its MoE} of `model` (cached on it; empty for a dense model)."""
+    found = model.__dict__.get("_moe_layers")
+    if found is None:
+        found = {int(name.split(".")[1]): m for name, m in model.named_modules()
+                 if isinstance(m, MoE)}
+        model.__dict__["_moe_layers"] = found
+    return found
+
+
+def take_aux_loss(model: nn.Module) -> torch.Tensor | None:
+    """The weighted aux and router z-loss terms of the forwards since the last take (summed
+    over layers), or None when there are none."""
+    terms = []
+    for layer in moe_layers(model).values():
+        terms += layer.aux_terms
+        layer.aux_terms = []
+    return torch.stack(terms).sum() if terms else None
+
+
+@torch.no_grad()
+def balance_experts(model: nn.Module, n_layers: int, coeff: float, device) -> dict[str, float]:
+    """After an optimizer step: every rank's expert loads of the step summed (one all-reduce
+    over the world of a [layers, experts + 2] tensor: a pipeline stage fills only its rows),
+    the balancing bias updated (coeff > 0), and the metrics: per MoE layer the max / mean load
+    and the dropped fraction. Empty for a dense model."""
+    import torch.distributed as dist
+
+    layers = moe_layers(model)
+    if not layers:
+        return {}
+    n_experts = next(iter(layers.values())).moe.n_experts
+    table = torch.zeros(n_layers, n_experts + 2, device=device)
+    for i, layer in layers.items():
+        stats = layer.take_stats()
+        table[i, :n_experts] = stats["tokens_per_expert"].to(device)
+        table[i, n_experts] = stats["dropped"].to(device)
+        table[i, n_experts + 1] = stats["routed"].to(device)
+    if dist.is_initialized():
+        dist.all_reduce(table)
+    if coeff:
+        update_expert_bias(list(layers.values()), [table[i, :n_experts] for i in layers], coeff)
+    out = {}
+    for i, row in enumerate(table.tolist()):
+        if row[n_experts + 1] == 0:
+            continue  # a dense layer
+        loads = row[:n_experts]
+        mean = sum(loads) / n_experts
+        out[f"moe/layer_{i}/load_imbalance"] = max(loads) / mean if mean else 0.0
+        out[f"moe/layer_{i}/dropped_fraction"] = row[n_experts] / row[n_experts + 1]
+    return out
+
+
 @torch.no_grad()
 def update_expert_bias(moes: list[MoE], loads: list[torch.Tensor], coeff: float) -> None:
     """Aux-loss-free balancing after an optimizer step: each expert's bias moves by coeff

@@ -14,6 +14,7 @@ import torch
 class Losses(NamedTuple):
     loss_sum: torch.Tensor  # this rank's summed token loss / the step's global token count
     z_loss: torch.Tensor | None  # the z-loss term summed over this rank's tokens, or None
+    aux: torch.Tensor | None = None  # MoE aux + router z terms, mean over microbatches, or None
 
 
 class ForwardBackward(Protocol):
