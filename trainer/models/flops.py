@@ -45,12 +45,14 @@ from trainer.models.llama import ModelArgs
 
 
 def matmul_params(args: ModelArgs) -> int:
-    """Weights used in a matmul for every token: all block Linears plus the output head."""
+    """Weights used in a matmul for every token: all block Linears plus the output head; in a
+    MoE block the router and the experts a token goes through (top_k + shared), not all E."""
     q_dim = args.n_heads * args.head_dim
     kv_dim = args.n_kv_heads * args.head_dim
     attention = args.dim * (q_dim + 2 * kv_dim) + q_dim * args.dim
-    ffn = 3 * args.dim * args.hidden_dim
-    return args.n_layers * (attention + ffn) + args.dim * args.vocab_size
+    ffn = sum(args.moe.active_ffn(args.dim) if args.is_moe_layer(i)
+              else 3 * args.dim * args.hidden_dim for i in range(args.n_layers))
+    return args.n_layers * attention + ffn + args.dim * args.vocab_size
 
 
 def attention_flops_per_token(args: ModelArgs, seq_len: int, causal_half: bool = False) -> float:
