@@ -104,3 +104,56 @@ def test_flavor_sizes():
     assert [moe.is_moe_layer(i) for i in range(4)] == [False, True, True, True]
     step = dataclasses.replace(moe.moe, first_dense_layers=0, sparse_step=2)
     assert [step.is_moe_layer(i) for i in range(4)] == [False, True, False, True]
+
+
+def random_moe(flavor: str, vocab: int = 512):
+    from trainer.models.llama import build_model, model_args
+
+    args = model_args(flavor, vocab_size=vocab, max_seq_len=32)
+    model = build_model(args)
+    model.to_empty(device="cpu")
+    model.init_weights(0)
+    return args, model.eval()
+
+
+def test_qwen3_moe_round_trip_with_transformers(tmp_path):
+    """Ours -> a Qwen3MoeForCausalLM folder that transformers loads with no code of ours and
+    whose logits equal ours; a random Qwen3MoeForCausalLM saved by transformers -> ours, the
+    same logits."""
+    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+    from trainer.config.job import JobConfig
+    from trainer.hf.export import write_hf_folder
+    from trainer.hf.load import load_hf
+
+    args, ours = random_moe("debugmodel-moe")
+    cfg = JobConfig()
+    cfg.data.dataset = "synthetic"
+    sd = ours.state_dict()
+    write_hf_folder(str(tmp_path / "out"), args, lambda names: {n: sd[n] for n in names}, cfg,
+                    dtype="float32", log=lambda _: None)
+    theirs = Qwen3MoeForCausalLM.from_pretrained(tmp_path / "out", dtype=torch.float32).eval()
+    tokens = torch.randint(0, 512, (2, 16), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        assert (ours(tokens) - theirs(tokens).logits).abs().max().item() < 1e-4
+
+    config = Qwen3MoeConfig(**{k: v for k, v in theirs.config.to_dict().items()
+                               if k not in ("architectures", "transformers_version")})
+    torch.manual_seed(1)
+    fresh = Qwen3MoeForCausalLM(config).eval()
+    fresh.save_pretrained(tmp_path / "in")
+    _, loaded = random_moe("debugmodel-moe")
+    load_hf(loaded, str(tmp_path / "in"), flavor="debugmodel-moe")
+    with torch.no_grad():
+        assert (loaded(tokens) - fresh(tokens).logits).abs().max().item() < 1e-4
+
+
+def test_another_architecture_is_one_config_error(tmp_path):
+    from trainer.errors import ConfigError
+    from trainer.hf.mapping import check_hf_config
+
+    args, _ = random_moe("debugmodel-moe")
+    with pytest.raises(ConfigError, match="holds a 'llama' model .* but model.flavor "
+                                          "'debugmodel-moe' is 'qwen3_moe'"):
+        check_hf_config({"model_type": "llama", "architectures": ["LlamaForCausalLM"]}, args,
+                        str(tmp_path), "debugmodel-moe")

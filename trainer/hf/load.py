@@ -15,7 +15,7 @@ import torch
 import torch.distributed as dist
 
 from trainer.errors import ConfigError
-from trainer.hf.mapping import check_hf_config, from_hf, hf_name, param_shapes
+from trainer.hf.mapping import check_hf_config, from_hf_keys, hf_keys, param_shapes
 from trainer.hf.weights import HFFolder
 
 
@@ -44,14 +44,18 @@ def load_hf(model, folder: str, *, flavor: str) -> None:
     check_hf_config(hf.config, args, folder, flavor)
     params = dict(model.named_parameters())
     for name, shape in param_shapes(args).items():  # every shape first: one error, no half-load
-        theirs = hf.shape(hf_name(name))
-        if theirs != shape:
-            raise ConfigError(
-                f"{folder} does not fit model.flavor = {flavor!r}: {hf_name(name)} has shape "
-                f"{list(theirs) if theirs else 'none (missing)'} there and {list(shape)} here "
-                f"({name}); choose the flavor and model.vocab_size the checkpoint was made with")
+        keys = hf_keys(name, args)
+        want = shape if len(keys) == 1 else shape[1:]  # stacked experts: one tensor each
+        for key in keys:
+            theirs = hf.shape(key)
+            if theirs != want:
+                raise ConfigError(
+                    f"{folder} does not fit model.flavor = {flavor!r}: {key} has shape "
+                    f"{list(theirs) if theirs else 'none (missing)'} there and {list(want)} "
+                    f"here ({name}); choose the flavor and model.vocab_size the checkpoint was "
+                    "made with")
     for name, param in params.items():
-        full = from_hf(name, hf.tensor(hf_name(name)), args)
+        full = from_hf_keys(name, [hf.tensor(k) for k in hf_keys(name, args)], args)
         copy_full(param, full)
 
 

@@ -25,7 +25,13 @@ _LAYER = {
     "feed_forward.w3.weight": "mlp.up_proj.weight",
     "attention_norm.weight": "input_layernorm.weight",
     "ffn_norm.weight": "post_attention_layernorm.weight",
+    "attention.q_norm.weight": "self_attn.q_norm.weight",  # Qwen3
+    "attention.k_norm.weight": "self_attn.k_norm.weight",
+    "feed_forward.router.gate.weight": "mlp.gate.weight",  # Qwen3-MoE's router
 }
+# Our stacked [E, ...] experts <-> Hugging Face's one tensor per expert (the hub's layout)
+_EXPERTS = {"w1": "gate_proj", "w3": "up_proj", "w2": "down_proj"}
+_EXPERTS_RE = re.compile(r"^layers\.(\d+)\.feed_forward\.experts\.(w[123])$")
 _TOP = {"tok_embeddings.weight": "model.embed_tokens.weight", "norm.weight": "model.norm.weight",
         "output.weight": "lm_head.weight"}
 _LAYER_RE = re.compile(r"^layers\.(\d+)\.(.+)$")
@@ -39,6 +45,34 @@ def hf_name(name: str) -> str:
     if m is None or m.group(2) not in _LAYER:
         raise KeyError(f"no Hugging Face name for parameter {name!r}")
     return f"model.layers.{m.group(1)}.{_LAYER[m.group(2)]}"
+
+
+def hf_tensors(name: str, tensor: torch.Tensor, args: ModelArgs) -> dict[str, torch.Tensor]:
+    """Our full tensor -> its Hugging Face key(s) and tensor(s): one per expert for stacked
+    experts, else one (`hf_name`, `to_hf`)."""
+    m = _EXPERTS_RE.match(name)
+    if m is None:
+        return {hf_name(name): to_hf(name, tensor, args)}
+    layer, w = m.groups()
+    return {f"model.layers.{layer}.mlp.experts.{e}.{_EXPERTS[w]}.weight": tensor[e]
+            for e in range(tensor.shape[0])}
+
+
+def hf_keys(name: str, args: ModelArgs) -> list[str]:
+    """The Hugging Face key(s) our parameter `name` is stored under."""
+    m = _EXPERTS_RE.match(name)
+    if m is None:
+        return [hf_name(name)]
+    layer, w = m.groups()
+    return [f"model.layers.{layer}.mlp.experts.{e}.{_EXPERTS[w]}.weight"
+            for e in range(args.moe.n_experts)]
+
+
+def from_hf_keys(name: str, tensors: list[torch.Tensor], args: ModelArgs) -> torch.Tensor:
+    """The inverse of `hf_tensors`: the experts stacked, or `from_hf` of the one tensor."""
+    if _EXPERTS_RE.match(name):
+        return torch.stack(tensors)
+    return from_hf(name, tensors[0], args)
 
 
 def _heads(name: str, args: ModelArgs) -> int | None:
@@ -73,15 +107,25 @@ def param_shapes(args: ModelArgs) -> dict[str, tuple[int, ...]]:
     q, kv, h = args.n_heads * args.head_dim, args.n_kv_heads * args.head_dim, args.hidden_dim
     shapes = {"tok_embeddings.weight": (args.vocab_size, args.dim)}
     for i in range(args.n_layers):
-        for key, shape in (("attention_norm.weight", (args.dim,)),
-                           ("attention.wq.weight", (q, args.dim)),
-                           ("attention.wk.weight", (kv, args.dim)),
-                           ("attention.wv.weight", (kv, args.dim)),
-                           ("attention.wo.weight", (args.dim, q)),
-                           ("ffn_norm.weight", (args.dim,)),
-                           ("feed_forward.w1.weight", (h, args.dim)),
-                           ("feed_forward.w2.weight", (args.dim, h)),
-                           ("feed_forward.w3.weight", (h, args.dim))):
+        attn = [("attention_norm.weight", (args.dim,)),
+                ("attention.wq.weight", (q, args.dim)),
+                ("attention.wk.weight", (kv, args.dim)),
+                ("attention.wv.weight", (kv, args.dim)),
+                ("attention.wo.weight", (args.dim, q))]
+        if args.qk_norm:
+            attn += [("attention.q_norm.weight", (args.head_dim,)),
+                     ("attention.k_norm.weight", (args.head_dim,))]
+        if args.is_moe_layer(i):
+            e, eh = args.moe.n_experts, args.moe.hidden_dim
+            ffn = [("feed_forward.router.gate.weight", (e, args.dim)),
+                   ("feed_forward.experts.w1", (e, eh, args.dim)),
+                   ("feed_forward.experts.w2", (e, args.dim, eh)),
+                   ("feed_forward.experts.w3", (e, eh, args.dim))]
+        else:
+            ffn = [("feed_forward.w1.weight", (h, args.dim)),
+                   ("feed_forward.w2.weight", (args.dim, h)),
+                   ("feed_forward.w3.weight", (h, args.dim))]
+        for key, shape in attn + [("ffn_norm.weight", (args.dim,))] + ffn:
             shapes[f"layers.{i}.{key}"] = shape
     shapes["norm.weight"] = (args.dim,)
     if not args.tie_word_embeddings:
@@ -105,6 +149,8 @@ def hf_config(args: ModelArgs, *, dtype: str, bos_id: int | None, eos_id: int | 
         "initializer_range": 0.02, "pretraining_tp": 1, "use_cache": True,
         "bos_token_id": bos_id, "eos_token_id": eos_id, "torch_dtype": dtype,
     }
+    if args.moe is not None:
+        cfg.update(moe_config(args))
     s = args.rope_scaling
     if s is not None:
         cfg["rope_scaling"] = {"rope_type": "llama3", "factor": s.factor,
@@ -117,8 +163,35 @@ def hf_config(args: ModelArgs, *, dtype: str, bos_id: int | None, eos_id: int | 
     return cfg
 
 
+def moe_config(args: ModelArgs) -> dict:
+    """The Qwen3MoeForCausalLM part of config.json; a MoE without that architecture's router
+    (shared experts, sigmoid scores, a routed scale) has no Hugging Face class to go to."""
+    m = args.moe
+    if m.n_shared_experts or m.score_func != "softmax" or m.route_scale != 1.0:
+        raise ConfigError("this MoE flavor (shared experts, sigmoid scores or a routed scale: "
+                          "DeepSeek's router) has no Hugging Face export yet; Qwen3-MoE flavors "
+                          "(debugmodel-moe, qwen3-30b-a3b) export as Qwen3MoeForCausalLM")
+    return {"architectures": ["Qwen3MoeForCausalLM"], "model_type": "qwen3_moe",
+            "num_experts": m.n_experts, "num_experts_per_tok": m.top_k,
+            "moe_intermediate_size": m.hidden_dim, "decoder_sparse_step": m.sparse_step,
+            "mlp_only_layers": list(range(m.first_dense_layers)),
+            "norm_topk_prob": m.norm_topk_prob, "output_router_logits": False,
+            "router_aux_loss_coef": m.aux_loss_weight, "sliding_window": None,
+            "use_sliding_window": False}
+
+
+def architecture(args: ModelArgs) -> str:
+    return "qwen3_moe" if args.moe is not None else "llama"
+
+
 def check_hf_config(cfg: dict, args: ModelArgs, folder: str, flavor: str) -> None:
     """Settings that change the model without changing a tensor shape must agree too."""
+    kind = cfg.get("model_type", "llama")
+    if kind != architecture(args):
+        classes = ", ".join(cfg.get("architectures", []))
+        raise ConfigError(f"{folder} holds a {kind!r} model ({classes}), but model.flavor "
+                          f"{flavor!r} is {architecture(args)!r}; choose a flavor of that "
+                          "architecture")
     scaling = cfg.get("rope_scaling") or cfg.get("rope_parameters") or {}
     theirs = {
         "tie_word_embeddings": bool(cfg.get("tie_word_embeddings", False)),

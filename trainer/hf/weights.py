@@ -10,7 +10,7 @@ from typing import Callable
 import torch
 
 from trainer.errors import ConfigError
-from trainer.hf.mapping import hf_name, to_hf
+from trainer.hf.mapping import hf_tensors
 from trainer.models.args import ModelArgs
 
 SINGLE, INDEX = "model.safetensors", "model.safetensors.index.json"
@@ -51,10 +51,10 @@ def write_weights(out_dir: str, args: ModelArgs, shapes: dict[str, tuple[int, ..
         tensors = fetch(names)
         out = {}
         for name in names:
-            t = to_hf(name, tensors.pop(name), args).to(target).contiguous()
-            out[hf_name(name)] = t
-            weight_map[hf_name(name)] = fname
-            total += t.numel() * t.element_size()
+            for key, t in hf_tensors(name, tensors.pop(name), args).items():
+                out[key] = t = t.to(target).contiguous()
+                weight_map[key] = fname
+                total += t.numel() * t.element_size()
         save_file(out, os.path.join(out_dir, fname), metadata={"format": "pt"})
         del out
     if len(files) > 1:
