@@ -1,9 +1,15 @@
-"""Mixture of experts (trainer/models/moe.py), in one process: grouped GEMMs equal the
-per-expert loop, a skewed router still computes every token (dropless) with gradients to every
-input, a capacity factor drops and counts the overflow, the balancing bias moves toward
-balance, and the flavors have their released sizes."""
+"""Mixture of experts (trainer/models/moe.py).
+
+In one process: grouped GEMMs equal the per-expert loop and a token-by-token reference, a
+skewed router still computes every token (dropless) with gradients to every input, a capacity
+factor drops and counts the overflow, the balancing bias moves toward balance, the flavors
+have their released sizes, and Qwen3MoeForCausalLM round-trips with transformers (equal
+logits both ways). Through run_train.sh, debugmodel-moe with aux and router z-losses: FSDP 2
+and 2 replicas give the 1-rank losses, gradient norms and expert loads, the balancing bias
+moves alike everywhere and is in the checkpoint, and a resume is bitwise."""
 
 import dataclasses
+import re
 
 import pytest
 import torch
@@ -157,3 +163,71 @@ def test_another_architecture_is_one_config_error(tmp_path):
                                           "'debugmodel-moe' is 'qwen3_moe'"):
         check_hf_config({"model_type": "llama", "architectures": ["LlamaForCausalLM"]}, args,
                         str(tmp_path), "debugmodel-moe")
+
+
+# ------------------------------------------------------------------------------ end to end
+
+COMMON = ("--training.device", "cpu", "--model.flavor", "debugmodel-moe", "--training.seq_len",
+          "64", "--training.local_batch_size", "2", "--training.global_batch_size", "8",
+          "--training.mixed_precision_param", "float32", "--metrics.log_freq", "1",
+          "--lr_scheduler.warmup_steps", "2", "--lr_scheduler.min_lr_factor", "1.0",
+          "--data.dataset", "synthetic", "--training.steps", "5",
+          "--moe.aux_loss_weight", "1e-2", "--moe.router_z_loss_weight", "1e-3",
+          "--checkpoint.enable", "true", "--checkpoint.interval", "3",
+          "--checkpoint.keep_latest_k", "0")
+
+
+@pytest.fixture(scope="module")
+def moe_runs(tmp_path_factory):
+    from tests.helpers import run_train
+
+    root = tmp_path_factory.mktemp("moe")
+    for name, nproc, extra in (("ref", 1, ()), ("fsdp2", 2, ()),
+                               ("hsdp", 2, ("--parallelism.data_parallel_replicate_degree",
+                                            "2"))):
+        run_train(root / name, *COMMON, *extra, nproc=nproc)
+    return root
+
+
+@pytest.mark.parametrize("name", ["fsdp2", "hsdp"])
+def test_moe_trains_as_one_rank_with_balancing_and_aux_losses(moe_runs, name):
+    """FSDP 2 and 2 replicas: the 1-rank losses, gradient norms and expert loads; the balancing
+    bias moved (the loads are summed over the ranks before the update, so it moves alike)."""
+    from scripts.chaos import load_dcp_tensors
+    from tests.helpers import scalars
+
+    ref, got = moe_runs / "ref", moe_runs / name
+    for tag in ("loss_metrics/global_avg_loss", "grad_norm", "moe/layer_1/load_imbalance",
+                "moe/layer_3/dropped_fraction"):
+        want, have = scalars(ref, tag), scalars(got, tag)
+        assert sorted(have) == [1, 2, 3, 4, 5], (tag, have)
+        assert all(abs(have[s] - want[s]) <= 1e-4 * max(1.0, abs(want[s])) for s in want), tag
+    assert scalars(ref, "moe/layer_1/load_imbalance")[1] > 1.0
+    key = "model_optim.model.layers.2.feed_forward.router.expert_bias"
+    bias = load_dcp_tensors(got / "checkpoint" / "step-5")[key]
+    assert bias.abs().max() > 0
+    torch.testing.assert_close(bias, load_dcp_tensors(ref / "checkpoint" / "step-5")[key])
+
+
+def test_moe_resumes_bitwise_with_its_bias(moe_runs, tmp_path):
+    from tests.helpers import losses, run_train, stopped_after_save
+
+    dump = stopped_after_save(moe_runs / "fsdp2", tmp_path / "resumed", 5)
+    out = run_train(dump, *COMMON, nproc=2).stdout
+    assert "resumed from" in out and "step-3" in out
+    assert losses(dump) == {s: v for s, v in losses(moe_runs / "fsdp2").items() if s > 3}
+
+
+@pytest.mark.parametrize("args, needle", [
+    (("--model.flavor", "debugmodel", "--moe.capacity_factor", "1.25"),
+     "moe.capacity_factor is set, but model.flavor 'debugmodel' has no experts; MoE flavors: "
+     "debugmodel-moe, debugmodel-moe-shared, qwen3-30b-a3b"),
+    (("--model.flavor", "debugmodel-moe", "--parallelism.tensor_parallel_degree", "2"),
+     "does not run under tensor parallelism yet"),
+])
+def test_bad_moe_settings_are_one_line(args, needle):
+    from trainer.config.job import load_config
+    from trainer.errors import ConfigError
+
+    with pytest.raises(ConfigError, match=re.escape(needle)):
+        load_config(["--training.device", "cpu", *args]).validate(2)

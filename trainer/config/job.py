@@ -175,6 +175,9 @@ def check_moe(cfg: JobConfig) -> None:
     if par.tensor_parallel_degree > 1:
         raise ConfigError(f"model.flavor {cfg.model.flavor!r} (mixture of experts) does not run "
                           "under tensor parallelism yet; use FSDP/HSDP (and expert parallelism)")
+    if par.context_parallel_degree > 1:
+        raise ConfigError(f"model.flavor {cfg.model.flavor!r} (mixture of experts) does not run "
+                          "under context parallelism yet")
     if par.pipeline_parallel_degree > 1 and (cfg.moe.aux_loss_weight or
                                              cfg.moe.router_z_loss_weight):
         raise ConfigError("moe.aux_loss_weight and moe.router_z_loss_weight are losses of every "

@@ -117,12 +117,13 @@ class MoE(nn.Module):
         keep = None
         if self.moe.capacity_factor > 0:
             keep, counts = capacity_mask(slots, counts, capacity(self.moe, flat.shape[0]))
-        with torch.no_grad():
-            self.tokens_per_expert += torch.bincount(slots, minlength=e).to(
-                self.tokens_per_expert.dtype)
-            self.routed += slots.numel()
-            if keep is not None:
-                self.dropped += (~keep).sum()
+        if self.training:  # the step's statistics (validation and evals do not count)
+            with torch.no_grad():
+                self.tokens_per_expert += torch.bincount(slots, minlength=e).to(
+                    self.tokens_per_expert.dtype)
+                self.routed += slots.numel()
+                if keep is not None:
+                    self.dropped += (~keep).sum()
         order = slots.argsort(stable=True)
         if keep is not None:
             order = order[keep[order]]
@@ -131,7 +132,8 @@ class MoE(nn.Module):
         y = torch.zeros_like(flat).index_add_(0, token, out)
         if self.shared_experts is not None:
             y = y + self.shared_experts(flat)
-        self._aux(probs, logits, slots)
+        if self.training and torch.is_grad_enabled():
+            self._aux(probs, logits, slots)
         return y.reshape(shape)
 
     def _aux(self, probs, logits, slots) -> None:
