@@ -29,7 +29,7 @@ from torch.distributed.tensor import DTensor
 
 from trainer.models.attention import attend, build_mask, document_positions
 from trainer.models.args import FLAVORS, ModelArgs, model_args  # noqa: F401  (re-exported)
-from trainer.models.moe import MoE
+from trainer.models.moe import FeedForward, MoE  # noqa: F401  (FeedForward re-exported)
 from trainer.parallel.loss_parallel import vocab_parallel_project
 
 
@@ -102,17 +102,6 @@ class Attention(nn.Module):
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         out = attend(q, k, v, mask)
         return self.wo(out.transpose(1, 2).reshape(b, s, -1))
-
-
-class FeedForward(nn.Module):
-    def __init__(self, dim: int, hidden_dim: int):
-        super().__init__()
-        self.w1 = nn.Linear(dim, hidden_dim, bias=False)
-        self.w2 = nn.Linear(hidden_dim, dim, bias=False)
-        self.w3 = nn.Linear(dim, hidden_dim, bias=False)
-
-    def forward(self, x):
-        return self.w2(F.silu(self.w1(x)) * self.w3(x))
 
 
 class TransformerBlock(nn.Module):

@@ -81,12 +81,14 @@ def expert_loop(x, counts, w1, w2, w3) -> torch.Tensor:
     return torch.cat(outs) if outs else x[:0]
 
 
-class SharedExpert(nn.Module):
-    def __init__(self, dim: int, hidden: int):
+class FeedForward(nn.Module):
+    """SwiGLU: a dense block's FFN (trainer/models/llama.py) and the shared experts."""
+
+    def __init__(self, dim: int, hidden_dim: int):
         super().__init__()
-        self.w1 = nn.Linear(dim, hidden, bias=False)
-        self.w2 = nn.Linear(hidden, dim, bias=False)
-        self.w3 = nn.Linear(dim, hidden, bias=False)
+        self.w1 = nn.Linear(dim, hidden_dim, bias=False)
+        self.w2 = nn.Linear(hidden_dim, dim, bias=False)
+        self.w3 = nn.Linear(dim, hidden_dim, bias=False)
 
     def forward(self, x):
         return self.w2(F.silu(self.w1(x)) * self.w3(x))
@@ -100,7 +102,7 @@ class MoE(nn.Module):
         self.moe = moe
         self.router = Router(dim, moe)
         self.experts = GroupedExperts(dim, moe.hidden_dim, moe.n_experts)
-        self.shared_experts = (SharedExpert(dim, moe.hidden_dim * moe.n_shared_experts)
+        self.shared_experts = (FeedForward(dim, moe.hidden_dim * moe.n_shared_experts)
                                if moe.n_shared_experts else None)
         self.register_buffer("tokens_per_expert", torch.zeros(moe.n_experts), persistent=False)
         self.register_buffer("dropped", torch.zeros(()), persistent=False)
