@@ -65,7 +65,8 @@ def to_hf(checkpoint_dir: str, out_dir: str, *, dtype: str, max_shard_gib: float
     saved = saved_shapes(checkpoint_dir, allow_pickle)
     cfg = read_run_config(checkpoint_dir, config_path)
     vocab = saved.get("tok_embeddings.weight", (0,))[0]
-    args = model_args(cfg.model.flavor, vocab_size=vocab, max_seq_len=cfg.training.seq_len)
+    args = model_args(cfg.model.flavor, vocab_size=vocab, max_seq_len=cfg.training.seq_len,
+                      moe_config=cfg.moe)
     expected = param_shapes(args)
     if saved != expected:
         diff = sorted(set(saved.items()) ^ set(expected.items()))[:2]

@@ -248,7 +248,7 @@ class Checkpointer:
                  f"{time.monotonic() - t0:.2f}s")
         if os.environ.get(integrity.DIGEST_ENV):
             model = self.states["model_optim"].model
-            self.log(f"loaded weights digest {integrity.weights_digest(model.named_parameters())}")
+            self.log(f"loaded weights digest {integrity.weights_digest(integrity.saved(model))}")
         note = sched.obj.resume_note()
         if note:
             self.log(note)

@@ -89,6 +89,16 @@ def weights_digest(named_tensors) -> str:
     return hashlib.sha1(text.encode()).hexdigest()[:16]
 
 
+def saved(model):
+    """(name, tensor) of what a checkpoint holds of `model`: its parameters and persistent
+    buffers (e.g. MoE balancing biases)."""
+    yield from model.named_parameters()
+    for prefix, module in model.named_modules():
+        for name, buf in module.named_buffers(recurse=False):
+            if name not in module._non_persistent_buffers_set:
+                yield (f"{prefix}.{name}" if prefix else name), buf
+
+
 def _my_share(names: list[str], rank: int, world: int) -> list[str]:
     return [name for i, name in enumerate(sorted(names)) if i % world == rank]
 

@@ -29,8 +29,8 @@ from trainer.errors import ConfigError, UserError
 from trainer.evals.config import Eval
 from trainer.parallel.float8 import Float8, check_config as check_float8
 from trainer.models.args import model_args
-from trainer.parallel.dims import (ParallelDims, check_async_tp, check_context_parallel,
-                                 check_tp_shapes)
+from trainer.parallel.dims import (EP_KEY, TP_KEY, ParallelDims, check_async_tp,
+                                   check_context_parallel, check_tp_shapes)
 from trainer.observe.wandb_logger import check_config as check_wandb
 from trainer.parallel.pp_layout import check_pipeline
 
@@ -163,18 +163,32 @@ def check_moe(cfg: JobConfig) -> None:
     """[moe] keys need a MoE flavor; what MoE does not compose with yet is refused by name."""
     from trainer.models.args import FLAVORS
 
+    par = cfg.parallelism
     set_keys = [f"moe.{f.name}" for f in dataclasses.fields(cfg.moe)
                 if getattr(cfg.moe, f.name) != f.default and f.name != "load_balance_coeff"]
-    if FLAVORS[cfg.model.flavor].moe is None:
+    if par.expert_parallel_degree > 1:
+        set_keys.append(f"{EP_KEY} = {par.expert_parallel_degree}")
+    flavor = FLAVORS[cfg.model.flavor].moe
+    if flavor is None:
         if set_keys:
             moe_flavors = [n for n, a in FLAVORS.items() if a.moe is not None]
             raise ConfigError(f"{set_keys[0]} is set, but model.flavor {cfg.model.flavor!r} has "
                               f"no experts; MoE flavors: {', '.join(moe_flavors)}")
         return
-    par = cfg.parallelism
+    experts = cfg.moe.num_experts or flavor.n_experts
+    top_k = cfg.moe.top_k or flavor.top_k
+    if top_k > experts:
+        raise ConfigError(f"moe.top_k = {top_k} is above the {experts} experts of "
+                          f"model.flavor {cfg.model.flavor!r}; valid: 1 to {experts}")
+    ep = par.expert_parallel_degree
+    if experts % ep:
+        valid = [d for d in range(1, experts + 1) if experts % d == 0]
+        raise ConfigError(f"{EP_KEY} = {ep} does not divide the {experts} experts of "
+                          f"model.flavor {cfg.model.flavor!r}; valid: "
+                          f"{', '.join(map(str, valid))}")
     if par.tensor_parallel_degree > 1:
         raise ConfigError(f"model.flavor {cfg.model.flavor!r} (mixture of experts) does not run "
-                          "under tensor parallelism yet; use FSDP/HSDP (and expert parallelism)")
+                          f"under {TP_KEY} > 1 yet; use FSDP/HSDP and {EP_KEY}")
     if par.context_parallel_degree > 1:
         raise ConfigError(f"model.flavor {cfg.model.flavor!r} (mixture of experts) does not run "
                           "under context parallelism yet")

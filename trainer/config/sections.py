@@ -148,6 +148,8 @@ class MoE:
                                  "f_i P_i per microbatch); 0 = off", min=0.0)
     router_z_loss_weight: float = opt(0.0, "Weight of the router z-loss (mean logsumexp of the "
                                       "router logits, squared); 0 = off", min=0.0)
+    num_experts: int = opt(0, "Routed experts per MoE layer; 0 = the flavor's", min=0)
+    top_k: int = opt(0, "Experts each token is routed to; 0 = the flavor's", min=0)
     capacity_factor: float = opt(0.0, "0 = dropless (every routed token computed); c > 0: an "
                                  "expert takes at most ceil(c x tokens x top_k / experts) and "
                                  "the rest are dropped (counted)", min=0.0)
@@ -249,6 +251,10 @@ class Parallelism:
         1, "Context-parallel group size: each sequence split over this many ranks (head-tail "
         "chunks, K/V all-gathered; long context); must divide the world size / tp, and "
         "training.seq_len must divide into 2 x cp (x tp) chunks", min=1)
+    expert_parallel_degree: int = opt(
+        1, "Expert-parallel group size (ep, MoE flavors): each MoE layer's experts split over "
+        "this many ranks borrowed from dp_shard (tokens travel by all-to-all); must divide "
+        "dp_shard and the number of experts", min=1)
     pipeline_parallel_degree: int = opt(
         1, "Pipeline stages (outermost mesh dim, pp): the layers cut into stages that pass "
         "activations point to point; must divide the world size", min=1)

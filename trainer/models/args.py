@@ -194,5 +194,7 @@ def model_args(flavor: str, *, vocab_size: int | None = None, max_seq_len: int |
         changes["moe"] = dataclasses.replace(
             args.moe, capacity_factor=moe_config.capacity_factor,
             aux_loss_weight=moe_config.aux_loss_weight,
-            router_z_loss_weight=moe_config.router_z_loss_weight)
+            router_z_loss_weight=moe_config.router_z_loss_weight,
+            n_experts=moe_config.num_experts or args.moe.n_experts,
+            top_k=moe_config.top_k or args.moe.top_k)
     return dataclasses.replace(args, **changes, **attention)

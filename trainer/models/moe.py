@@ -8,7 +8,8 @@ trainer/models/args.py says which layers and how).
   `route_scale`.
 - **Experts.** Stacked `[E, ...]` SwiGLU weights, run as grouped GEMMs (`torch._grouped_mm`)
   over the tokens sorted by expert, or one matmul per expert where the build lacks it. A shared
-  expert (DeepSeek) sees every token.
+  expert (DeepSeek) sees every token. Under expert parallelism a `dispatcher` sends the
+  routed rows to the ranks that hold their experts and brings the outputs back.
 - **Dropless** by default: every routed (token, expert) pair is computed. With a capacity
   factor c > 0 an expert takes at most ceil(c x tokens x k / E) pairs, in token order, and the
   rest are dropped (their weight is lost, as in Megatron's token dropping) and counted.
@@ -108,6 +109,9 @@ class MoE(nn.Module):
         self.register_buffer("dropped", torch.zeros(()), persistent=False)
         self.register_buffer("routed", torch.zeros(()), persistent=False)
         self.aux_terms: list[torch.Tensor] = []  # weighted aux + z terms of this step's calls
+        # (routed rows sorted by expert, counts [E], experts) -> their outputs, the same rows:
+        # set by trainer/parallel/expert_parallel.py, where the experts live on other ranks.
+        self.dispatcher = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
@@ -130,7 +134,10 @@ class MoE(nn.Module):
         if keep is not None:
             order = order[keep[order]]
         token = order // k
-        out = self.experts(flat[token], counts) * weights.reshape(-1)[order, None].to(x.dtype)
+        routed = flat[token]
+        out = (self.experts(routed, counts) if self.dispatcher is None  # the experts are here
+               else self.dispatcher(routed, counts, self.experts))  # expert parallel
+        out = out * weights.reshape(-1)[order, None].to(x.dtype)
         y = torch.zeros_like(flat).index_add_(0, token, out)
         if self.shared_experts is not None:
             y = y + self.shared_experts(flat)

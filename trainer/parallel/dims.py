@@ -11,7 +11,8 @@ additionally replicates them over `dp_replicate` (the 2-D mesh); `dp_shard = cp 
 replication. Context parallelism (trainer/parallel/context_parallel.py) splits each sequence
 over `cp`; tensor parallelism (trainer/parallel/tp.py) shards each block's matmuls over `tp`;
 pipeline parallelism (trainer/parallel/pipeline.py) cuts the layers into stages over `pp`;
-each dimension is a no-op at degree 1.
+expert parallelism (trainer/parallel/expert_parallel.py) splits dp_shard into (efsdp, ep) and
+places each MoE layer's experts over `ep`; each dimension is a no-op at degree 1.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ REPLICATE_KEY = "parallelism.data_parallel_replicate_degree"
 TP_KEY = "parallelism.tensor_parallel_degree"
 CP_KEY = "parallelism.context_parallel_degree"
 PP_KEY = "parallelism.pipeline_parallel_degree"
+EP_KEY = "parallelism.expert_parallel_degree"
 
 
 @dataclass
@@ -35,6 +37,7 @@ class ParallelDims:
     tp: int = 1
     cp: int = 1
     pp: int = 1
+    ep: int = 1  # expert parallelism: borrows its ranks from dp_shard (trainer/parallel/expert_parallel.py)
     loss_parallel: bool = True  # with tp > 1: the loss over vocab-sharded logits
     world_mesh: object = field(default=None, repr=False)
     dp_mesh: object = field(default=None, repr=False)
@@ -49,6 +52,7 @@ class ParallelDims:
                    tp=parallelism.tensor_parallel_degree,
                    cp=parallelism.context_parallel_degree,
                    pp=parallelism.pipeline_parallel_degree,
+                   ep=parallelism.expert_parallel_degree,
                    loss_parallel=not parallelism.disable_loss_parallel)
 
     def _validate(self) -> None:
@@ -95,6 +99,11 @@ class ParallelDims:
             raise ConfigError(f"{both} multiply to {r * s * cp * tp}, but the world size{per} "
                               f"is {ws}; their product must equal it (e.g. set {SHARD_KEY} "
                               "= -1)")
+        if self.ep < 1 or s % self.ep:
+            divisors = [d for d in range(1, s + 1) if s % d == 0]
+            raise ConfigError(f"{EP_KEY} = {self.ep} does not divide dp_shard = {s} ({where}, "
+                              f"{REPLICATE_KEY} = {r}): the expert-parallel ranks are borrowed "
+                              f"from dp_shard; valid: {', '.join(map(str, divisors))}")
 
     @property
     def dp_size(self) -> int:
@@ -117,6 +126,10 @@ class ParallelDims:
         return self.pp > 1
 
     @property
+    def ep_enabled(self) -> bool:
+        return self.ep > 1
+
+    @property
     def model_parallel(self) -> int:
         """Ranks that compute one dp rank's tokens together (pp x cp x tp)."""
         return self.pp * self.cp * self.tp
@@ -126,6 +139,8 @@ class ParallelDims:
         `dp` and, with cp > 1, the flattened `dp_shard_cp` that FSDP shards over."""
         from torch.distributed.device_mesh import init_device_mesh
 
+        if self.ep_enabled:  # dp_shard = efsdp x ep: built split, then flattened
+            return self._build_ep_mesh(device_type)
         self.world_mesh = init_device_mesh(
             device_type, (self.pp, self.dp_replicate, self.dp_shard, self.cp, self.tp),
             mesh_dim_names=("pp", "dp_replicate", "dp_shard", "cp", "tp"))
@@ -138,13 +153,39 @@ class ParallelDims:
                 mesh_dim_name="dp_shard_cp")
         return self.world_mesh
 
+    def _build_ep_mesh(self, device_type: str):
+        """The 6-D mesh `("pp", "dp_replicate", "efsdp", "ep", "cp", "tp")` with `dp_shard` =
+        (efsdp, ep) and `dp` = (dp_replicate, efsdp, ep) flattened: dense parameters shard over
+        dp_shard as without ep; the experts split over `ep` and shard over `efsdp`."""
+        from torch.distributed.device_mesh import init_device_mesh
+
+        self.world_mesh = init_device_mesh(
+            device_type,
+            (self.pp, self.dp_replicate, self.dp_shard // self.ep, self.ep, self.cp, self.tp),
+            mesh_dim_names=("pp", "dp_replicate", "efsdp", "ep", "cp", "tp"))
+        self.dp_mesh = self.world_mesh["dp_replicate", "efsdp", "ep"]._flatten(
+            mesh_dim_name="dp")
+        self._shard_mesh = self.world_mesh["efsdp", "ep"]._flatten(mesh_dim_name="dp_shard")
+        return self.world_mesh
+
+    @property
+    def ep_mesh(self):
+        return self.world_mesh["ep"]
+
+    @property
+    def expert_fsdp_mesh(self):
+        """What `fully_shard` takes for the experts under ep: `efsdp`, or (dp_replicate,
+        efsdp) with replicas."""
+        return (self.world_mesh["dp_replicate", "efsdp"] if self.hsdp
+                else self.world_mesh["efsdp"])
+
     @property
     def fsdp_mesh(self):
         """The mesh `fully_shard` takes: 1-D `dp_shard` (x cp) for FSDP, 2-D `(dp_replicate,
         dp_shard (x cp))` for HSDP."""
         if not self.hsdp:
             return self._shard_mesh
-        if not self.cp_enabled:
+        if not (self.cp_enabled or self.ep_enabled):
             return self.world_mesh["dp_replicate", "dp_shard"]
         # A 2-D mesh over a flattened dim has no other spelling that keeps one root mesh (FSDP2
         # with TP needs the TP mesh's root); torch warns that slicing it is to be deprecated.
@@ -152,7 +193,8 @@ class ParallelDims:
 
         with warnings.catch_warnings():
             warnings.filterwarnings("ignore", message="Slicing a flattened dim from root mesh")
-            return self.world_mesh["dp_replicate", "dp_shard_cp"]
+            return self.world_mesh["dp_replicate", "dp_shard_cp" if self.cp_enabled
+                                   else "dp_shard"]
 
     @property
     def pp_mesh(self):
@@ -182,8 +224,10 @@ class ParallelDims:
         tp = (f" x TP {self.tp} (sequence parallel, loss "
               f"{'parallel' if self.loss_parallel else 'gathered'})" if self.tp_enabled else "")
         pp = f"PP {self.pp} (pipeline stages, p2p) x " if self.pp_enabled else ""
+        ep = (f" x EP {self.ep} (experts split over ep, sharded over efsdp="
+              f"{self.dp_shard // self.ep}; all-to-all)" if self.ep_enabled else "")
         return (f"{pp}{kind} mesh (dp_replicate={self.dp_replicate}, dp_shard={self.dp_shard})"
-                f"{cp}{tp}, dp={self.dp_size}, world={self.world_size}")
+                f"{ep}{cp}{tp}, dp={self.dp_size}, world={self.world_size}")
 
 
 def check_tp_shapes(args, tp: int, flavor: str, vocab_source: str | None) -> None:

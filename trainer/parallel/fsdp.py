@@ -29,16 +29,28 @@ def reshard_policy(policy: str) -> tuple[bool | int, bool]:
 
 
 def apply_fsdp(model: torch.nn.Module, mesh, *, param_dtype: str, reduce_dtype: str,
-               reshard_after_forward: str, offload: OffloadPolicy | None = None) -> None:
+               reshard_after_forward: str, offload: OffloadPolicy | None = None,
+               experts=None) -> None:
     """FSDP over a 1-D `dp_shard` mesh, or HSDP over the 2-D `(dp_replicate, dp_shard)` mesh,
     of a Transformer or a pipeline stage (the same attribute names, either end None).
     `offload`: e.g. CPUOffloadPolicy (sharded params, grads and optimizer state in host
-    memory; the parameters must then be materialised on the CPU)."""
+    memory; the parameters must then be materialised on the CPU). `experts`: under expert
+    parallelism, (the experts' mesh, the dp size): each block's experts are a group of their
+    own over `efsdp` whose gradients are divided by the whole dp size (they hold the sum over
+    every ep rank's tokens; trainer/parallel/expert_parallel.py)."""
     mp = MixedPrecisionPolicy(param_dtype=DTYPE[param_dtype], reduce_dtype=DTYPE[reduce_dtype])
     shard = functools.partial(fully_shard, mesh=mesh, mp_policy=mp,
                               offload_policy=offload or OffloadPolicy())
     blocks, head = reshard_policy(reshard_after_forward)
     for block in model.layers.values():
+        grouped = getattr(block.feed_forward, "experts", None)
+        if experts is not None and grouped is not None:
+            shard(grouped, mesh=experts[0], reshard_after_forward=bool(blocks))
+            grouped.set_gradient_divide_factor(float(experts[1]))
+            if experts[0].device_type == "cpu" and experts[0].size(-1) > 1:
+                # gloo has no PREMUL_SUM: sum, then divide. (Not with one efsdp rank: FSDP
+                # then skips the reduce-scatter and, forced to sum, the division too.)
+                grouped.set_force_sum_reduction_for_comms(True)
         shard(block, reshard_after_forward=blocks)
     if model.output is None and model.norm is not None:
         # Tied embeddings: the embedding is used first and last, so it stays in the root's

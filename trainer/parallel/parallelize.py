@@ -27,6 +27,7 @@ from torch.distributed.fsdp import CPUOffloadPolicy
 from torch.utils.checkpoint import (CheckpointPolicy, checkpoint,
                                     create_selective_checkpoint_contexts)
 
+from trainer.parallel.expert_parallel import apply_ep
 from trainer.parallel.float8 import apply_float8
 from trainer.models.llama import Transformer
 from trainer.parallel.fsdp import DTYPE, apply_fsdp, set_gradient_sync  # noqa: F401  (re-exported)
@@ -124,6 +125,8 @@ def shard_model(model: Transformer, parallel_dims, cfg, *, device: torch.device,
         model.activation_dtype = DTYPE[param_dtype]
     if cfg.float8.enable:  # before AC and compile wrap the blocks (trainer/parallel/float8.py)
         apply_float8(model, cfg.float8)
+    if parallel_dims.ep_enabled:  # the experts split over ep, before FSDP wraps them
+        apply_ep(model, parallel_dims.ep_mesh)
     if parallel_dims.tp_enabled:
         apply_tp(model, parallel_dims.tp_mesh,
                  float8_tensorwise=cfg.float8.enable and cfg.float8.recipe == "tensorwise",
@@ -148,7 +151,9 @@ def shard_model(model: Transformer, parallel_dims, cfg, *, device: torch.device,
                    # Pinned host memory (fast, overlapped copies) exists only with CUDA; a CPU
                    # run rejects offload (trainer.config.job), tests use it unpinned on CPU.
                    offload=(CPUOffloadPolicy(pin_memory=device.type == "cuda") if offload
-                            else None))
+                            else None),
+                   experts=((parallel_dims.expert_fsdp_mesh, parallel_dims.dp_size)
+                            if parallel_dims.ep_enabled else None))
     return model
 
 

@@ -109,7 +109,7 @@ def resolve_vocab(cfg: JobConfig) -> tuple[int, str]:
 def plan_args(cfg: JobConfig, vocab: int) -> ModelArgs:
     """The model a run of `cfg` builds on a GPU (attention resolved for CUDA)."""
     return model_args(cfg.model.flavor, vocab_size=vocab, max_seq_len=cfg.training.seq_len,
-                      **attention_args(cfg.model, "cuda"))
+                      moe_config=cfg.moe, **attention_args(cfg.model, "cuda"))
 
 
 COLWISE = ("wq", "wk", "wv", "w1", "w3", "output", "tok_embeddings")  # tp splits dim 0
