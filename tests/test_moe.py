@@ -9,11 +9,13 @@ and 2 replicas give the 1-rank losses, gradient norms and expert loads, the bala
 moves alike everywhere and is in the checkpoint, and a resume is bitwise."""
 
 import dataclasses
+import json
 import re
 
 import pytest
 import torch
 
+from tests.helpers import REPO
 from trainer.models.args import FLAVORS, MoEArgs
 from trainer.models.moe import MoE, capacity, update_expert_bias
 
@@ -183,16 +185,21 @@ def moe_runs(tmp_path_factory):
 
     root = tmp_path_factory.mktemp("moe")
     for name, nproc, extra in (("ref", 1, ()), ("fsdp2", 2, ()),
-                               ("hsdp", 2, ("--parallelism.data_parallel_replicate_degree",
-                                            "2"))):
+                               ("hsdp", 2, (REPLICAS, "2")),
+                               ("ep2_fsdp2", 4, (EP, "2")), ("ep4", 4, (EP, "4")),
+                               ("hsdp2_ep2", 4, (EP, "2", REPLICAS, "2"))):
         run_train(root / name, *COMMON, *extra, nproc=nproc)
     return root
 
 
-@pytest.mark.parametrize("name", ["fsdp2", "hsdp"])
+EP, REPLICAS = "--parallelism.expert_parallel_degree", "--parallelism.data_parallel_replicate_degree"
+
+
+@pytest.mark.parametrize("name", ["fsdp2", "hsdp", "ep2_fsdp2", "ep4", "hsdp2_ep2"])
 def test_moe_trains_as_one_rank_with_balancing_and_aux_losses(moe_runs, name):
-    """FSDP 2 and 2 replicas: the 1-rank losses, gradient norms and expert loads; the balancing
-    bias moved (the loads are summed over the ranks before the update, so it moves alike)."""
+    """FSDP 2, 2 replicas, and on 4 ranks EP 2 x FSDP 2, EP 4 and HSDP 2 x EP 2: the 1-rank
+    losses, gradient norms and expert loads; the balancing bias moved (the loads are summed over
+    the ranks before the update, so it moves alike)."""
     from scripts.chaos import load_dcp_tensors
     from tests.helpers import scalars
 
@@ -218,16 +225,80 @@ def test_moe_resumes_bitwise_with_its_bias(moe_runs, tmp_path):
     assert losses(dump) == {s: v for s, v in losses(moe_runs / "fsdp2").items() if s > 3}
 
 
+def test_experts_are_saved_whole_under_ep(moe_runs):
+    """Each layer's experts are one full [E, ...] tensor in the checkpoint, whatever the ep."""
+    from scripts.chaos import load_dcp_tensors
+
+    saved = load_dcp_tensors(moe_runs / "ep2_fsdp2" / "checkpoint" / "step-5")
+    ref = load_dcp_tensors(moe_runs / "ref" / "checkpoint" / "step-5")
+    for name in ("w1", "w2", "w3"):
+        key = f"model_optim.model.layers.3.feed_forward.experts.{name}"
+        assert saved[key].shape == ref[key].shape == (
+            (8, 352, 256) if name != "w2" else (8, 256, 352))
+        torch.testing.assert_close(saved[key], ref[key], atol=1e-4, rtol=0)
+
+
+@pytest.mark.parametrize("name, nproc, extra", [
+    ("ep4", 4, (EP, "4")), ("fsdp4", 4, ()), ("one_rank", 1, ())])
+def test_an_ep_checkpoint_resumes_at_another_layout(moe_runs, tmp_path, name, nproc, extra):
+    """Saved at EP 2 x FSDP 2 (step 3), resumed at EP 4, at FSDP 4 without ep and on 1 rank:
+    the loaded weights and balancing biases are the saved ones (digest), and steps 4-5
+    continue the uninterrupted run."""
+    from tests.helpers import losses, run_train, stopped_after_save
+    from tests.test_tp import saved_digest
+
+    src = moe_runs / "ep2_fsdp2"
+    dump = stopped_after_save(src, tmp_path / name, 5)
+    out = run_train(dump, *COMMON, *extra, nproc=nproc,
+                    env={"TRAINER_DEBUG_WEIGHT_DIGEST": "1"}).stdout
+    assert "resumed from" in out and "step-3" in out
+    digest = saved_digest(src / "checkpoint" / "step-3")
+    assert f"loaded weights digest {digest}" in out
+    want, have = losses(src), losses(dump)
+    assert sorted(have) == [4, 5]
+    assert all(abs(have[s] - want[s]) <= 1e-4 for s in have), (have, want)
+
+
+def test_ep_is_dropless_under_a_skewed_router():
+    """Every token routed to experts 0 and 1, both on ep rank 0 of 2: every token's output,
+    input gradient and expert gradient equal the local computation with all experts."""
+    from tests.helpers import torchrun
+
+    out = torchrun(REPO / "tests" / "scripts" / "ep_skew_probe.py", nproc=2, fork=True).stdout
+    results = {r["rank"]: r for r in map(json.loads, re.findall(r"result (\{.*?\})", out))}
+    assert sorted(results) == [0, 1], out
+    for r in results.values():
+        assert r["loads"] == [r["tokens"]] * 2 + [0] * 6  # counted before dispatch, top 2
+        assert r["out_diff"] <= 1e-6 and r["grad_diff"] <= 1e-6, r
+        assert r["tokens_without_grad"] == 0, r
+    assert results[0]["expert_grad_norm"] > 0 and results[1]["expert_grad_norm"] == 0
+    assert results[0]["expert_grad_diff"] <= 1e-6 * results[0]["expert_grad_norm"]
+
+
 @pytest.mark.parametrize("args, needle", [
     (("--model.flavor", "debugmodel", "--moe.capacity_factor", "1.25"),
      "moe.capacity_factor is set, but model.flavor 'debugmodel' has no experts; MoE flavors: "
      "debugmodel-moe, debugmodel-moe-shared, qwen3-30b-a3b"),
     (("--model.flavor", "debugmodel-moe", "--parallelism.tensor_parallel_degree", "2"),
-     "does not run under tensor parallelism yet"),
+     "does not run under parallelism.tensor_parallel_degree > 1 yet"),
+    (("--model.flavor", "debugmodel", EP, "2"),
+     "parallelism.expert_parallel_degree = 2 is set, but model.flavor 'debugmodel' has no "
+     "experts"),
+    (("--model.flavor", "debugmodel-moe", "--moe.num_experts", "6", EP, "4"),
+     "parallelism.expert_parallel_degree = 4 does not divide the 6 experts of model.flavor "
+     "'debugmodel-moe'; valid: 1, 2, 3, 6"),
+    (("--model.flavor", "debugmodel-moe", EP, "8"),
+     "parallelism.expert_parallel_degree = 8 does not divide dp_shard = 4"),
+    (("--model.flavor", "debugmodel-moe", EP, "4", REPLICAS, "2"),
+     "parallelism.expert_parallel_degree = 4 does not divide dp_shard = 2 (world size 4, "
+     "parallelism.data_parallel_replicate_degree = 2): the expert-parallel ranks are borrowed "
+     "from dp_shard; valid: 1, 2"),
+    (("--model.flavor", "debugmodel-moe", "--moe.top_k", "9"),
+     "moe.top_k = 9 is above the 8 experts of model.flavor 'debugmodel-moe'; valid: 1 to 8"),
 ])
 def test_bad_moe_settings_are_one_line(args, needle):
     from trainer.config.job import load_config
     from trainer.errors import ConfigError
 
     with pytest.raises(ConfigError, match=re.escape(needle)):
-        load_config(["--training.device", "cpu", *args]).validate(2)
+        load_config(["--training.device", "cpu", *args]).validate(4)
