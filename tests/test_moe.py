@@ -187,17 +187,27 @@ def moe_runs(tmp_path_factory):
     for name, nproc, extra in (("ref", 1, ()), ("fsdp2", 2, ()),
                                ("hsdp", 2, (REPLICAS, "2")),
                                ("ep2_fsdp2", 4, (EP, "2")), ("ep4", 4, (EP, "4")),
-                               ("hsdp2_ep2", 4, (EP, "2", REPLICAS, "2"))):
+                               ("hsdp2_ep2", 4, (EP, "2", REPLICAS, "2")),
+                               ("tp2_ep2", 4, (EP, "2", "--parallelism.tensor_parallel_degree",
+                                               "2")),
+                               ("ep2_ac", 2, (EP, "2", *OP_AC,
+                                              "--training.gradient_accumulation_sync", "every"))):
         run_train(root / name, *COMMON, *extra, nproc=nproc)
     return root
 
 
 EP, REPLICAS = "--parallelism.expert_parallel_degree", "--parallelism.data_parallel_replicate_degree"
+OP_AC = ("--activation_checkpoint.mode", "selective", "--activation_checkpoint.selective_ac_option",
+         "op")
 
 
-@pytest.mark.parametrize("name", ["fsdp2", "hsdp", "ep2_fsdp2", "ep4", "hsdp2_ep2"])
+@pytest.mark.parametrize("name", ["fsdp2", "hsdp", "ep2_fsdp2", "ep4", "hsdp2_ep2", "tp2_ep2",
+                                  "ep2_ac"])
 def test_moe_trains_as_one_rank_with_balancing_and_aux_losses(moe_runs, name):
-    """FSDP 2, 2 replicas, and on 4 ranks EP 2 x FSDP 2, EP 4 and HSDP 2 x EP 2: the 1-rank
+    """FSDP 2, 2 replicas, and on 4 ranks EP 2 x FSDP 2, EP 4, HSDP 2 x EP 2 and TP 2 x EP 2
+    (attention and the dense block tensor parallel, the MoE blocks not split), and EP 2 on 2
+    ranks with op-level activation checkpointing and a gradient sync every microbatch (the aux
+    losses back-propagate inside the recompute): the 1-rank
     losses, gradient norms and expert loads; the balancing bias moved (the loads are summed over
     the ranks before the update, so it moves alike)."""
     from scripts.chaos import load_dcp_tensors
@@ -279,8 +289,6 @@ def test_ep_is_dropless_under_a_skewed_router():
     (("--model.flavor", "debugmodel", "--moe.capacity_factor", "1.25"),
      "moe.capacity_factor is set, but model.flavor 'debugmodel' has no experts; MoE flavors: "
      "debugmodel-moe, debugmodel-moe-shared, qwen3-30b-a3b"),
-    (("--model.flavor", "debugmodel-moe", "--parallelism.tensor_parallel_degree", "2"),
-     "does not run under parallelism.tensor_parallel_degree > 1 yet"),
     (("--model.flavor", "debugmodel", EP, "2"),
      "parallelism.expert_parallel_degree = 2 is set, but model.flavor 'debugmodel' has no "
      "experts"),

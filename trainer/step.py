@@ -63,6 +63,7 @@ class TrainStep:
     spike_check: Callable | None = None
     # after the optimizer step: the experts' balancing bias and load metrics ({} if dense)
     balance: Callable | None = None
+    pp: int = 1  # pipeline stages (the gradient norm counts each stage's ranks)
 
     def __call__(self, step: int, accum: int) -> StepResult:
         heartbeat.phase("step_start", step)
@@ -77,7 +78,8 @@ class TrainStep:
         loss_sum = faults.armed().loss(step, loss_sum)  # a spike or NaN, if asked
         flag_nonfinite_loss(self.model, loss_sum)  # a rank's bad loss makes the global norm NaN
         heartbeat.phase("clip")
-        grad_norm = clip_grad_norm_(self.model.parameters(), self.max_norm or math.inf)
+        grad_norm = clip_grad_norm_(self.model.parameters(), self.max_norm or math.inf,
+                                    self.pp)
         lr = self.optimizer.param_groups[0]["lr"]  # this step's (the scheduler steps after it)
         cross_entropy = loss_sum if z_loss is None else loss_sum - z_loss
         rank_loss = cross_entropy * global_tokens / max(local_tokens, 1)

@@ -186,9 +186,6 @@ def check_moe(cfg: JobConfig) -> None:
         raise ConfigError(f"{EP_KEY} = {ep} does not divide the {experts} experts of "
                           f"model.flavor {cfg.model.flavor!r}; valid: "
                           f"{', '.join(map(str, valid))}")
-    if par.tensor_parallel_degree > 1:
-        raise ConfigError(f"model.flavor {cfg.model.flavor!r} (mixture of experts) does not run "
-                          f"under {TP_KEY} > 1 yet; use FSDP/HSDP and {EP_KEY}")
     if par.context_parallel_degree > 1:
         raise ConfigError(f"model.flavor {cfg.model.flavor!r} (mixture of experts) does not run "
                           "under context parallelism yet")

@@ -108,7 +108,8 @@ class MoE(nn.Module):
         self.register_buffer("tokens_per_expert", torch.zeros(moe.n_experts), persistent=False)
         self.register_buffer("dropped", torch.zeros(()), persistent=False)
         self.register_buffer("routed", torch.zeros(()), persistent=False)
-        self.aux_terms: list[torch.Tensor] = []  # weighted aux + z terms of this step's calls
+        self.aux_terms: list[torch.Tensor] = []  # weighted aux + z terms (values, to log)
+        self.aux_scale = 1.0  # d(objective) / d(aux term): set per step by the microbatch loop
         # (routed rows sorted by expert, counts [E], experts) -> their outputs, the same rows:
         # set by trainer/parallel/expert_parallel.py, where the experts live on other ranks.
         self.dispatcher = None
@@ -142,18 +143,25 @@ class MoE(nn.Module):
         if self.shared_experts is not None:
             y = y + self.shared_experts(flat)
         if self.training and torch.is_grad_enabled():
-            self._aux(probs, logits, slots)
+            aux = self._aux(probs, logits, slots)
+            if aux is not None:
+                y = _AttachAux.apply(y, aux, self.aux_scale)
         return y.reshape(shape)
 
     def _aux(self, probs, logits, slots) -> None:
         """The global load-balancing loss (Switch / Megatron `aux_loss`: E x sum_i f_i P_i over
         this microbatch's tokens) and the router z-loss (mean logsumexp^2), weighted."""
-        m = self.moe
+        m, terms = self.moe, []
         if m.aux_loss_weight:
             frac = torch.bincount(slots, minlength=m.n_experts).float() / slots.numel()
-            self.aux_terms.append(m.aux_loss_weight * m.n_experts * (frac * probs.mean(0)).sum())
+            terms.append(m.aux_loss_weight * m.n_experts * (frac * probs.mean(0)).sum())
         if m.router_z_loss_weight:
-            self.aux_terms.append(m.router_z_loss_weight * logits.logsumexp(-1).square().mean())
+            terms.append(m.router_z_loss_weight * logits.logsumexp(-1).square().mean())
+        if not terms:
+            return None
+        total = sum(terms)
+        self.aux_terms.append(total.detach())
+        return total
 
     def take_stats(self) -> dict[str, torch.Tensor]:
         """This step's loads, drops and routed pairs since the last take (then zeroed)."""
@@ -188,9 +196,32 @@ def moe_layers(model: nn.Module) -> dict[int, MoE]:
     return found
 
 
+class _AttachAux(torch.autograd.Function):
+    """y unchanged; in backward, the aux term gets `scale` as its gradient. The aux losses
+    thus back-propagate from the block's output (as in DeepSeek's `AddAuxiliaryLoss`), after
+    FSDP has re-gathered the block's parameters for its backward and inside activation
+    checkpointing's recompute, not from a separate loss term that reaches the router first."""
+
+    @staticmethod
+    def forward(ctx, y, aux, scale):
+        ctx.scale = scale
+        return y
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad, torch.full((), ctx.scale, device=grad.device), None
+
+
+def set_aux_scale(model: nn.Module, scale: float) -> None:
+    """The weight of every MoE layer's aux terms in the backward (1 / microbatches: the aux
+    losses are means over each microbatch)."""
+    for layer in moe_layers(model).values():
+        layer.aux_scale = scale
+
+
 def take_aux_loss(model: nn.Module) -> torch.Tensor | None:
-    """The weighted aux and router z-loss terms of the forwards since the last take (summed
-    over layers), or None when there are none."""
+    """The weighted aux and router z-loss values of the forwards since the last take (summed
+    over layers, detached: they back-propagate through `_AttachAux`), or None."""
     terms = []
     for layer in moe_layers(model).values():
         terms += layer.aux_terms

@@ -19,20 +19,24 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
 
-def _copies(grad: torch.Tensor) -> int:
+def _copies(grad: torch.Tensor, stage_world: int) -> int:
     """How many ranks hold this rank's piece of `grad`: its Replicate mesh dims' sizes
-    multiplied (a plain tensor is the same on every rank)."""
+    multiplied, times the ranks of its pipeline stage (`stage_world`) outside its mesh (e.g.
+    the tp ranks for a MoE layer's parameters, which tp does not split: trainer/parallel/tp.py).
+    A plain tensor is the same on every rank."""
     if not isinstance(grad, DTensor):
         return dist.get_world_size() if dist.is_initialized() else 1
-    return math.prod(size for size, p in zip(grad.device_mesh.shape, grad.placements)
-                     if p.is_replicate())
+    mesh = grad.device_mesh
+    return stage_world // mesh.size() * math.prod(
+        size for size, p in zip(mesh.shape, grad.placements) if p.is_replicate())
 
 
-def global_grad_norm(params) -> torch.Tensor:
-    """The 2-norm of all gradients of `params` over the whole mesh (float32 scalar, the same
-    on every rank; NaN or inf when any gradient is)."""
+def global_grad_norm(params, pp: int = 1) -> torch.Tensor:
+    """The 2-norm of all gradients of `params` over the whole mesh of `pp` pipeline stages
+    (float32 scalar, the same on every rank; NaN or inf when any gradient is)."""
     grads = [p.grad for p in params if p.grad is not None]
     device = grads[0].device if grads else torch.device("cpu")
+    stage_world = (dist.get_world_size() if dist.is_initialized() else 1) // pp
     total = torch.zeros((), dtype=torch.float64, device=device)
     # Grouped by how many ranks hold a piece and by device: one _foreach_norm per group
     # (a few kernels, not several per parameter: ~3,000 of them at 70B).
@@ -40,7 +44,7 @@ def global_grad_norm(params) -> torch.Tensor:
     for grad in grads:
         local = grad.to_local() if isinstance(grad, DTensor) else grad
         if local.numel():
-            groups.setdefault((_copies(grad), local.device), []).append(local)
+            groups.setdefault((_copies(grad, stage_world), local.device), []).append(local)
     for (copies, where), tensors in groups.items():
         norms = torch._foreach_norm(tensors, 2, dtype=torch.float64)
         total += (torch.stack(norms).square().sum() / copies).to(device)
@@ -49,11 +53,11 @@ def global_grad_norm(params) -> torch.Tensor:
     return total.sqrt().float()
 
 
-def clip_grad_norm_(params, max_norm: float) -> torch.Tensor:
+def clip_grad_norm_(params, max_norm: float, pp: int = 1) -> torch.Tensor:
     """Scale the gradients so that their global norm is at most `max_norm` (inf: no clip);
     returns the norm before clipping."""
     params = list(params)
-    norm = global_grad_norm(params)
+    norm = global_grad_norm(params, pp)
     if math.isfinite(max_norm):
         coef = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
         locals_ = [p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad

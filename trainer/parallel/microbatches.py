@@ -19,7 +19,7 @@ import torch
 from trainer.distributed import to_device
 from trainer.health import faults, heartbeat
 from trainer.models.loss import Loss
-from trainer.models.moe import take_aux_loss
+from trainer.models.moe import set_aux_scale, take_aux_loss
 from trainer.parallel.context_parallel import ContextParallelLoop
 from trainer.parallel.fsdp import set_gradient_sync
 from trainer.parallel.pipeline import PipelineLoop
@@ -44,6 +44,7 @@ class MicrobatchLoop:
 
     def __call__(self, batches, global_tokens: torch.Tensor, step: int) -> Losses:
         loss_sum, aux = torch.zeros((), device=self.device), None
+        set_aux_scale(self.model, 1.0 / len(batches))
         for i, (inputs, labels) in enumerate(batches):
             set_gradient_sync(self.model, self.sync_mode, is_last=i == len(batches) - 1)
             inputs, labels = to_device(inputs, self.device), to_device(labels, self.device)
@@ -56,12 +57,12 @@ class MicrobatchLoop:
             if i == 0:
                 faults.armed().first_forward(step)  # a testing hook; nothing unless asked
             heartbeat.phase("backward")
-            # MoE's aux losses are means: FSDP's average over dp and 1 / microbatches
+            # MoE's aux losses are means: FSDP's average over dp and 1 / microbatches; they
+            # back-propagate from their blocks' outputs (trainer/models/moe.py)
             extra = take_aux_loss(self.model)
             if extra is not None:
-                extra = extra / len(batches)
-                aux = extra.detach() if aux is None else aux + extra.detach()
-            (loss * self.dp_size + (extra if extra is not None else 0.0)).backward()
+                aux = extra / len(batches) if aux is None else aux + extra / len(batches)
+            (loss * self.dp_size).backward()
             loss_sum += loss.detach()
         return Losses(loss_sum, self.loss_fn.take_z_loss(), aux)
 

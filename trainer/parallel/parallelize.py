@@ -50,10 +50,27 @@ _SAVE_OPS = {
     torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default,
     torch.ops._c10d_functional.reduce_scatter_tensor.default,
 }
+if hasattr(torch.ops.aten, "_grouped_mm"):  # MoE experts (trainer/models/moe.py)
+    _SAVE_OPS.add(torch.ops.aten._grouped_mm.default)
+# Expert parallelism's all-to-alls: recomputing them would repeat a collective.
+for _ns in ("_c10d_functional", "_c10d_functional_autograd"):
+    if hasattr(getattr(torch.ops, _ns), "all_to_all_single"):
+        _SAVE_OPS.add(getattr(torch.ops, _ns).all_to_all_single.default)
 if hasattr(torch.ops.aten, "_scaled_dot_product_cudnn_attention"):
     _SAVE_OPS.add(torch.ops.aten._scaled_dot_product_cudnn_attention.default)
 if hasattr(torch.ops.higher_order, "flex_attention"):
     _SAVE_OPS.add(torch.ops.higher_order.flex_attention)
+
+
+# Profiler ranges are not computation. Under expert parallelism a block's experts are an FSDP
+# group of their own inside the checkpointed block, and their hooks open a different number of
+# ranges in the forward and in the recompute, which selective checkpointing's op count would
+# take for a changed computation; it ignores them, as it does detach.
+_IGNORED = [torch.ops.profiler._record_function_enter_new.default,
+            torch.ops.profiler._record_function_exit._RecordFunction,
+            torch.ops.profiler._record_function_exit.default]
+if hasattr(torch.utils.checkpoint, "SAC_IGNORED_OPS"):
+    torch.utils.checkpoint.SAC_IGNORED_OPS.update(_IGNORED)
 
 
 def _op_level_context(every_other_matmul: bool):

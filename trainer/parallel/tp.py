@@ -30,8 +30,8 @@ import torch
 from torch import nn
 from torch.distributed.tensor import Replicate, Shard, distribute_module, distribute_tensor
 from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleInput,
-                                               RowwiseParallel, SequenceParallel,
-                                               parallelize_module)
+                                               PrepareModuleInputOutput, RowwiseParallel,
+                                               SequenceParallel, parallelize_module)
 
 from trainer.models.llama import Transformer
 
@@ -58,6 +58,13 @@ def apply_tp(model: Transformer, tp_mesh, *, float8_tensorwise: bool = False,
         _shard_head(model.output, tp_mesh)
     colwise, rowwise, prepare_input = _styles(float8_tensorwise)
     for block in model.layers.values():
+        ffn = ({"feed_forward": _moe_style()} if hasattr(block.feed_forward, "router") else {
+            "feed_forward": prepare_input(input_layouts=(Shard(1),),
+                                          desired_input_layouts=(Replicate(),)),
+            "feed_forward.w1": colwise(),
+            "feed_forward.w2": rowwise(output_layouts=Shard(1)),
+            "feed_forward.w3": colwise(),
+        })
         parallelize_module(block, tp_mesh, {
             "attention_norm": SequenceParallel(),
             # (x, cos, sin, mask): only x is sharded; the RoPE tables and mask are per rank
@@ -68,14 +75,21 @@ def apply_tp(model: Transformer, tp_mesh, *, float8_tensorwise: bool = False,
             "attention.wv": colwise(),
             "attention.wo": rowwise(output_layouts=Shard(1)),
             "ffn_norm": SequenceParallel(),
-            "feed_forward": prepare_input(input_layouts=(Shard(1),),
-                                          desired_input_layouts=(Replicate(),)),
-            "feed_forward.w1": colwise(),
-            "feed_forward.w2": rowwise(output_layouts=Shard(1)),
-            "feed_forward.w3": colwise(),
+            **ffn,
         })
     if async_tp:
         _enable_async_tp(tp_mesh)
+
+
+def _moe_style():
+    """A MoE feed-forward (trainer/models/moe.py) is not split over tp: every tp rank gathers
+    the block's whole sequence, routes it and runs the experts (or, under ep, its share of
+    them) on plain tensors, and keeps its own sequence shard of the output. Its parameters
+    are replicated over tp, and each tp rank computes their whole gradient (the output's
+    gradient is all-gathered back), so tp needs no reduction of them."""
+    return PrepareModuleInputOutput(
+        input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),), use_local_input=True,
+        output_layouts=(Replicate(),), desired_output_layouts=(Shard(1),), use_local_output=True)
 
 
 def _shard_head(head: nn.Linear, tp_mesh) -> None:
