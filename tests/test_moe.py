@@ -196,7 +196,8 @@ def moe_runs(tmp_path_factory):
     return root
 
 
-EP, REPLICAS = "--parallelism.expert_parallel_degree", "--parallelism.data_parallel_replicate_degree"
+EP = "--parallelism.expert_parallel_degree"
+REPLICAS = "--parallelism.data_parallel_replicate_degree"
 OP_AC = ("--activation_checkpoint.mode", "selective", "--activation_checkpoint.selective_ac_option",
          "op")
 

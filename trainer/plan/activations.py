@@ -10,6 +10,7 @@ import math
 
 from trainer.config.job import JobConfig
 from trainer.models.args import ModelArgs
+from trainer.plan.moe import moe_ffn_bytes, moe_layers
 
 FP32 = 4
 
@@ -17,7 +18,8 @@ FP32 = 4
 # --------------------------------------------------------------------------- activations
 
 
-def block_split(a: ModelArgs, p: int, tp: int = 1) -> tuple[int, int]:
+def block_split(a: ModelArgs, p: int, tp: int = 1, moe: bool = False,
+                ep: int = 1) -> tuple[int, int]:
     """Bytes one block saves for backward, no AC (eager trainer.models.llama), as (per token of this
     rank's sequence shard, per token of the whole microbatch); their sum per token is the
     block's figure without TP.
@@ -31,6 +33,7 @@ def block_split(a: ModelArgs, p: int, tp: int = 1) -> tuple[int, int]:
     the logsumexp, fp32 per head.
     RoPE saves only the cos/sin tables. FFN: the normed input (p * dim) and four hidden-sized
     tensors (w1 and w3 outputs, silu output, their product: w2's input).
+    `moe`: a MoE block, whose feed-forward saves `trainer.plan.moe.moe_ffn_bytes` instead.
     With tp > 1 (sequence parallel): the norms see 1/tp of the sequence (the first figure);
     the inputs of wq/wk/wv and w1/w3 are the all-gathered whole sequence (p * dim each); the
     heads and the FFN width are split, so everything attention and FFN save is 1/tp.
@@ -38,7 +41,8 @@ def block_split(a: ModelArgs, p: int, tp: int = 1) -> tuple[int, int]:
     q, kv = a.n_heads * a.head_dim // tp, a.n_kv_heads * a.head_dim // tp
     kernel = a.attn_implementation if a.attn_mask_type == "block_causal" else "sdpa"
     attn = 2 * p * (q + kv) + (p * q if kernel == "per_document" else 0)
-    inner = 2 * p * a.dim + attn + FP32 * a.n_heads // tp + 4 * p * a.hidden_dim // tp
+    ffn = moe_ffn_bytes(a, p, ep) if moe else 4 * p * a.hidden_dim // tp
+    inner = 2 * p * a.dim + attn + FP32 * a.n_heads // tp + ffn
     return 2 * (4 + p) * a.dim, inner
 
 
@@ -47,8 +51,8 @@ def block_saved(a: ModelArgs, p: int) -> int:
     return sum(block_split(a, p))
 
 
-def op_sac_split(a: ModelArgs, p: int, tp: int = 1,
-                 every_other: bool = False) -> tuple[int, int]:
+def op_sac_split(a: ModelArgs, p: int, tp: int = 1, every_other: bool = False,
+                 moe: bool = False, ep: int = 1) -> tuple[int, int]:
     """Per token under op-level selective AC (trainer.parallel.parallelize keeps every mm, SDPA
     and TP reduce-scatter output): the block input, the outputs of wq, wk, wv, wo, w1, w3, w2
     (`every_other`: of wq, wv, w1 and w2 only) and SDPA's output and logsumexp. Everything else
@@ -60,7 +64,14 @@ def op_sac_split(a: ModelArgs, p: int, tp: int = 1,
     h = a.hidden_dim // tp
     mm_out = q + kv + h + a.dim if every_other else q + 2 * kv + a.dim + 2 * h + a.dim
     shard = p * a.dim * (3 if tp > 1 else 1)
-    return shard, p * mm_out + p * q + FP32 * a.n_heads // tp
+    extra = 0
+    if moe:  # the experts' grouped GEMMs, the router's matmul and the all-to-alls are kept
+        m = a.moe
+        mm_out -= h + (0 if every_other else h + a.dim)
+        extra = p * m.top_k * (2 * m.hidden_dim + a.dim) + FP32 * m.n_experts + \
+            (2 * p * m.top_k * a.dim if ep > 1 else 0) + \
+            p * m.n_shared_experts * (2 * m.hidden_dim + a.dim)
+    return shard, p * mm_out + p * q + FP32 * a.n_heads // tp + extra
 
 
 def block_saved_op_sac(a: ModelArgs, p: int) -> int:
@@ -89,7 +100,7 @@ def checkpointed_blocks(cfg: JobConfig, n_layers: int) -> int:
 
 
 def blocks_activations(cfg: JobConfig, a: ModelArgs, p: int, tokens: int,
-                       mode: str | None = None, tp: int = 1) -> int:
+                       mode: str | None = None, tp: int = 1, ep: int = 1) -> int:
     """Saved activations of all blocks for one microbatch under an AC mode (default: config's).
     A checkpointed block keeps only its input (p * dim per token; 1/tp of the sequence under
     TP). With document positions and p < 4, FSDP casts the per-token fp32 cos/sin to the
@@ -97,16 +108,24 @@ def blocks_activations(cfg: JobConfig, a: ModelArgs, p: int, tokens: int,
     (p * head_dim per token; whole sequence under TP)."""
     mode = mode or cfg.activation_checkpoint.mode
     rope = a.n_layers * p * a.head_dim * tokens if a.positions == "document" and p < FP32 else 0
-    full, ckpt_input = block_split(a, p, tp), p * a.dim * sp_tokens(tokens, tp)
+    n_moe = min(moe_layers(a), a.n_layers)  # (a pipeline stage's n_layers may be fewer)
+    ckpt_input = p * a.dim * sp_tokens(tokens, tp)
+
+    def per_block(split_fn) -> float:  # mean over the dense and MoE blocks
+        dense = split_bytes(split_fn(False), tokens, tp)
+        return dense + n_moe / a.n_layers * (split_bytes(split_fn(True), tokens, tp) - dense)
+
+    full = per_block(lambda moe: block_split(a, p, tp, moe, ep))
     if mode == "none":
-        return a.n_layers * split_bytes(full, tokens, tp) + rope
+        return int(a.n_layers * full) + rope
     if mode == "full":
         return a.n_layers * ckpt_input + rope
     if cfg.activation_checkpoint.selective_ac_option == "op":
         every_other = cfg.activation_checkpoint.selective_op_matmuls == "every_other"
-        return a.n_layers * split_bytes(op_sac_split(a, p, tp, every_other), tokens, tp) + rope
+        return int(a.n_layers * per_block(
+            lambda moe: op_sac_split(a, p, tp, every_other, moe, ep))) + rope
     ckpt = checkpointed_blocks(cfg, a.n_layers)
-    return ckpt * ckpt_input + (a.n_layers - ckpt) * split_bytes(full, tokens, tp) + rope
+    return int(ckpt * ckpt_input + (a.n_layers - ckpt) * full) + rope
 
 
 def head_saved(a: ModelArgs, p: int) -> int:

@@ -43,6 +43,9 @@ compute dtype p) and f = (tp - 1) / tp:
   element), 2 (R - 1) / R * shard bytes, every microbatch under 'every', once per step under
   'last' and 'hsdp_reduce_scatter'.
 
+- **ep** (expert parallelism, trainer/plan/moe.py): the routed tokens' all-to-all there and
+  back in forward and backward (and in the recompute under full AC); the experts' FSDP
+  traffic in dp_shard is 1/ep of their bytes over efsdp = dp_shard / ep ranks.
 Not counted: the loss's scalar all-reduce over dp, gradient-norm clipping (a few scalars),
 checkpoints, and the data loader. Whether this traffic stays inside a node is a matter of the
 mesh: tp is innermost, so with tp <= GPUs per node it is NVLink traffic.
@@ -53,6 +56,7 @@ from __future__ import annotations
 import math
 
 from trainer.config.job import JobConfig
+from trainer.plan.moe import all_to_all_volume, gathered
 from trainer.plan.pipeline import p2p_bytes, rank_groups
 from trainer.plan.memory import BYTES, FP32, fsdp_groups, gathered_numel, plan_args, resolve_vocab, \
     shard_numel
@@ -97,7 +101,10 @@ def dp_shard_volume(cfg: JobConfig, groups, pd, accum: int) -> float:
     """Bytes per rank per step over dp_shard: FSDP all-gathers and reduce-scatters."""
     n = pd.dp_shard * pd.cp
     p, r = BYTES[cfg.training.mixed_precision_param], BYTES[cfg.training.mixed_precision_reduce]
-    g = {k: gathered_numel(v, n) for k, v in groups.items()}
+    # experts (under ep): 1/ep of them gathered over efsdp = n / ep ranks
+    g = {k: gathered(k, gathered_numel(v, n), pd.ep) * (ring(n // pd.ep) / ring(n)
+                                                         if pd.ep > 1 and k.endswith(".experts")
+                                                         else 1.0) for k, v in groups.items()}
     total, head = sum(g.values()), g.get("head", 0)  # a pipeline stage may lack the head
     policy = str(cfg.parallelism.fsdp_reshard_after_forward)
     if pd.pp_enabled and policy == "default":  # trainer/parallel/parallelize.py
@@ -155,4 +162,5 @@ def comm_volume(cfg: JobConfig, world_size: int) -> dict[str, float]:
             "comm_cp": cp_volume(cfg, a, pd, accum) / pd.pp,
             "comm_dp_shard": dp_shard_volume(cfg, groups, pd, accum),
             "comm_dp_replicate": dp_replicate_volume(cfg, groups, pd, accum),
-            "comm_pp": pp_sends, "comm_microbatches": accum}
+            "comm_pp": pp_sends, "comm_ep": all_to_all_volume(cfg, a, pd, accum),
+            "comm_microbatches": accum}

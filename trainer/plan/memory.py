@@ -58,6 +58,7 @@ from trainer.plan.activations import (block_saved, block_saved_op_sac, block_spl
                                      head_activations, head_saved, loss_region, op_sac_split,
                                      sp_tokens, split_bytes)
 from trainer.plan.host import CPU_PROCESS_GIB, host_memory, offload_staging
+from trainer.plan.moe import gathered, group_key, moe_layers, per_block, tp_splits
 from trainer.plan.pipeline import in_flight, rank_groups
 from trainer.optim.optimizer import implementation
 
@@ -136,9 +137,9 @@ def fsdp_groups(args: ModelArgs, tp: int = 1) -> dict[str, list[tuple[int, ...]]
     ceil(rows / tp / dp_shard) rows, as `shard_numel` counts on the tp-local shape)."""
     groups: dict[str, list[tuple[int, ...]]] = {}
     for name, p in build_model(args).named_parameters():
-        key = ".".join(name.split(".")[:2]) if name.startswith("layers.") else (
-            "embedding" if name.startswith("tok_embeddings") else "head")
-        groups.setdefault(key, []).append(tp_local_shape(name, tuple(p.shape), tp))
+        shape = tuple(p.shape)
+        groups.setdefault(group_key(name, args), []).append(
+            tp_local_shape(name, shape, tp) if tp_splits(name, args) else shape)
     return groups
 
 
@@ -210,25 +211,29 @@ def memory_plan(cfg: JobConfig, world_size: int, pp_rank: int | None = None) -> 
     b["cp_kv"] = kv * cp_saved_layers(cfg, a.n_layers)
     b["attention_inputs"] = int(held * b["attention_inputs"])
     act = head_act + b["attention_inputs"]
-    b["activations_no_ac"] = int(held * blocks_activations(cfg, blocks_a, p, tokens, "none", tp)
+    b["activations_no_ac"] = int(held * blocks_activations(cfg, blocks_a, p, tokens, "none", tp,
+                                                    pd.ep)
                                  ) + act + kv * a.n_layers
     b["activations_full_ac"] = int(held * blocks_activations(cfg, blocks_a, p, tokens, "full",
-                                                             tp)) + act
-    b["activations"] = int(held * blocks_activations(cfg, blocks_a, p, tokens, tp=tp)) + act \
+                                                             tp, pd.ep)) + act
+    b["activations"] = int(held * blocks_activations(cfg, blocks_a, p, tokens, tp=tp,
+                                                       ep=pd.ep)) + act \
         + b["cp_kv"]
     recompute = cfg.activation_checkpoint.mode != "none" and blocks_a.n_layers > 0
-    b["ac_recompute"] = split_bytes(block_split(a, p, tp), tokens, tp) + kv if recompute else 0
+    b["ac_recompute"] = split_bytes(block_split(a, p, tp, moe=moe_layers(a) > 0, ep=pd.ep),
+                                    tokens, tp) + kv if recompute else 0
     # TP in a block's backward: the whole-sequence gradient of a colwise matmul's input and a
     # rowwise matmul's partial sum, [tokens, dim] each, live around their collectives.
     b["tp_buffers"] = 2 * p * tokens * a.dim if tp > 1 else 0
     loss = loss_region(cfg, a, p, tokens, tp, pd.loss_parallel) if head else dict.fromkeys(
         ("at_loss", "after", "at_head"), 0)
     b["logits_loss"], held_logits = loss["at_loss"], loss["after"]
-    b.update(fsdp_buffers(cfg, groups, shard, p, r, pipeline=pd.pp_enabled))
+    b.update(fsdp_buffers(cfg, groups, shard, p, r, pipeline=pd.pp_enabled, ep=pd.ep))
     # A pipeline schedule reduces the gradients at its last microbatch (sync 'last' within it)
     sync_last = cfg.training.gradient_accumulation_sync == "last" or pd.pp_enabled
     several = accum > 1 or (pd.pp_enabled and cfg.training.local_batch_size > batch)
-    b["grad_accumulation"] = r * gathered_numel(shapes, shard) if several and sync_last else 0
+    b["grad_accumulation"] = r * sum(gathered(k, gathered_numel(v, shard), pd.ep)
+                                     for k, v in groups.items()) if several and sync_last else 0
     impl = implementation(cfg.optimizer.implementation)
     largest = max(FP32 * shard_numel(s, shard) for s in shapes)
     b["optimizer_step_temp"] = {"foreach": b["parameters"], "for-loop": 2 * largest}.get(impl, 0)
@@ -261,7 +266,7 @@ def memory_plan(cfg: JobConfig, world_size: int, pp_rank: int | None = None) -> 
 
 
 def fsdp_buffers(cfg: JobConfig, groups, shard: int, p: int, r: int,
-                 pipeline: bool = False) -> dict[str, int]:
+                 pipeline: bool = False, ep: int = 1) -> dict[str, int]:
     """Unsharded parameters, gradients and reduce-scatter buffers live in each backward phase.
 
     A group being backpropagated holds its all-gathered params (p bytes, padded), its unsharded
@@ -275,7 +280,7 @@ def fsdp_buffers(cfg: JobConfig, groups, shard: int, p: int, r: int,
     same span (FSDP2's post-forward shards over groups of N ranks). The embedding's backward also materialises its weight gradient
     in fp32 when computing in bf16 (CPU kernels accumulate in fp32; counted to stay safe).
     """
-    g = {k: gathered_numel(v, shard) for k, v in groups.items()}
+    g = per_block({k: gathered(k, gathered_numel(v, shard), ep) for k, v in groups.items()})
     block = max((n for k, n in g.items() if k.startswith("layers.")), default=0)
     head, emb = g.get("head", 0), g.get("embedding", 0)  # a pipeline stage may lack either
     policy, kept = cfg.parallelism.fsdp_reshard_after_forward, 0

@@ -42,7 +42,7 @@ def rank_groups(groups: dict, cfg, rank: int) -> dict:
     embedding, layers, head = rank_units(cfg, rank)
     keep = {f"layers.{i}" for i in layers} | ({"embedding"} if embedding else set()) | (
         {"head"} if head else set())
-    return {k: v for k, v in groups.items() if k in keep}
+    return {k: v for k, v in groups.items() if k.removesuffix(".experts") in keep}
 
 
 def in_flight(cfg, rank: int) -> float:

@@ -125,7 +125,8 @@ def comm_report(b: dict) -> list[str]:
             f"{b['comm_dp_shard'] / GIB:10.3f} GiB",
             f"    {'dp_replicate (HSDP all-reduce)':<50} {b['comm_dp_replicate'] / GIB:10.3f} GiB",
             f"    {'pp (stage activations and their gradients, p2p)':<50} "
-            f"{b.get('comm_pp', 0.0) / GIB:10.3f} GiB"]
+            f"{b.get('comm_pp', 0.0) / GIB:10.3f} GiB",
+            f"    {'ep (routed tokens, all-to-all)':<50} {b.get('comm_ep', 0.0) / GIB:10.3f} GiB"]
 
 
 def throughput_report(cfg: JobConfig, gpu: Gpu, mfu: float, accum: int) -> list[str]:

@@ -1,0 +1,85 @@
+"""Mixture of experts in the plan (`python -m trainer.plan`): the experts' parameters, the
+routed tokens' activations and expert parallelism's all-to-all.
+
+- **Parameters.** Each MoE layer's experts are an FSDP group of their own,
+  `layers.<i>.experts` in `trainer.plan.memory.fsdp_groups` (full [E, ...] shapes). Under ep
+  they are split over ep and sharded over efsdp = dp_shard / ep, so a rank holds
+  E / (ep x efsdp) = E / dp_shard of them, as FSDP alone would; but a gather brings E / ep
+  experts, not E (`gathered`). Tensor parallelism does not split a MoE block's parameters
+  (trainer/parallel/tp.py), so they are whole on every tp rank.
+- **Activations.** A MoE block saves, per token of the microbatch (the whole sequence: under
+  TP each tp rank routes the gathered sequence), in place of the dense FFN's: the router's fp32
+  logits and probabilities (2 x 4 x E), and for each of the top_k routed copies of the token
+  its gathered input, the w1 and w3 outputs, the SiLU output and the product (4 x hidden), the
+  w2 output and the weighted output (p bytes each); under ep the two all-to-all outputs (one
+  copy each way); the shared experts as a dense FFN of n_shared x hidden. Dropless routing
+  at perfect balance: a skewed router puts more tokens on some ranks (their imbalance factor
+  multiplies this term).
+- **All-to-all** (ep, per microbatch): each routed copy leaves its rank with probability
+  (ep - 1) / ep and comes back: 2 x top_k x tokens x dim x p x (ep - 1) / ep bytes per MoE
+  layer in forward, the same in backward, and again for each forward recomputed by AC.
+"""
+
+from __future__ import annotations
+
+from trainer.models.args import ModelArgs
+
+FP32 = 4
+
+
+def group_key(name: str, args: ModelArgs) -> str:
+    """The FSDP group of parameter `name` (trainer/parallel/fsdp.py): a block, its experts,
+    the embedding or the head."""
+    if not name.startswith("layers."):
+        return "embedding" if name.startswith("tok_embeddings") else "head"
+    block = ".".join(name.split(".")[:2])
+    return f"{block}.experts" if ".experts." in name else block
+
+
+def tp_splits(name: str, args: ModelArgs) -> bool:
+    """Whether tp splits parameter `name`: not in a MoE block's feed-forward."""
+    if ".feed_forward." not in name:
+        return True
+    return not args.is_moe_layer(int(name.split(".")[1]))
+
+
+def gathered(key: str, numel: int, ep: int) -> int:
+    """Elements a gather of group `key` brings: the experts' 1/ep under expert parallelism."""
+    return numel // ep if key.endswith(".experts") else numel
+
+
+def per_block(g: dict[str, int]) -> dict[str, int]:
+    """Gathered elements per group with each block's experts added to their block (FSDP
+    gathers the experts inside the block's forward and backward: both are up at once)."""
+    out: dict[str, int] = {}
+    for key, n in g.items():
+        base = key[: -len(".experts")] if key.endswith(".experts") else key
+        out[base] = out.get(base, 0) + n
+    return out
+
+
+def moe_ffn_bytes(a: ModelArgs, p: int, ep: int) -> int:
+    """Bytes a MoE block's feed-forward saves per token (see the module docstring)."""
+    m = a.moe
+    routed = m.top_k * (p * a.dim + 4 * p * m.hidden_dim + 2 * p * a.dim
+                        + (2 * p * a.dim if ep > 1 else 0))
+    shared = 4 * p * m.hidden_dim * m.n_shared_experts + (p * a.dim if m.n_shared_experts else 0)
+    return 2 * FP32 * m.n_experts + routed + shared
+
+
+def moe_layers(a: ModelArgs) -> int:
+    return sum(a.is_moe_layer(i) for i in range(a.n_layers)) if a.moe is not None else 0
+
+
+def all_to_all_volume(cfg, a: ModelArgs, pd, accum: int) -> float:
+    """Bytes per rank per step over ep (see the module docstring)."""
+    if pd.ep == 1 or a.moe is None:
+        return 0.0
+    from trainer.plan.memory import BYTES
+
+    p, t = BYTES[cfg.training.mixed_precision_param], cfg.training
+    tokens = t.local_batch_size * t.seq_len
+    one_way = a.moe.top_k * tokens * a.dim * p * (pd.ep - 1) / pd.ep
+    ac = cfg.activation_checkpoint
+    replay = 1 if ac.mode == "full" else 0  # op-level SAC keeps the all-to-all outputs
+    return accum * moe_layers(a) * 2 * one_way * (2 + replay) / pd.pp
