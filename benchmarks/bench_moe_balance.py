@@ -1,7 +1,8 @@
 """Aux-loss-free load balancing over 200 steps: the experts' max / mean load with
-`moe.load_balance_coeff` on (the default, 1e-3) beside the same run with it off, in one run.
+`moe.load_balance_coeff` on (the default, 1e-3, and 1e-2) beside the same run with it off (0),
+in one run.
 
-    python benchmarks/bench_moe_balance.py [--steps 200] [--ngpu 2] [--ep 2]
+    python benchmarks/bench_moe_balance.py [--steps 200] [--ngpu 2] [--ep 2] [--coeffs 1e-3,1e-2,0]
 
 `configs/debug_moe.toml` (debugmodel-moe: 3 MoE layers of 8 experts, top 2, on the stdlib
 corpus; fp32 so the figure does not depend on the CPU) on `--ngpu` CPU ranks with expert
@@ -50,18 +51,19 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=200)
     ap.add_argument("--ngpu", type=int, default=2)
     ap.add_argument("--ep", type=int, default=2)
+    ap.add_argument("--coeffs", default="1e-3,1e-2,0")
     args = ap.parse_args()
+    coeffs = [float(c) for c in args.coeffs.split(",")]
     with tempfile.TemporaryDirectory() as tmp:
-        on = run(f"{tmp}/on", args.steps, args.ngpu, args.ep, 1e-3)
-        off = run(f"{tmp}/off", args.steps, args.ngpu, args.ep, 0.0)
+        runs = [run(f"{tmp}/{i}", args.steps, args.ngpu, args.ep, c) for i, c in enumerate(coeffs)]
     print(f"debugmodel-moe, {args.steps} steps on {args.ngpu} CPU ranks, EP {args.ep}: "
           "max / mean expert load (1.0 = balanced)")
-    print(f"{'':22} {'coeff 1e-3 (on)':>16} {'coeff 0 (off)':>14}")
+    print(f"{'load_balance_coeff':22}" + "".join(f"{c:>12g}" for c in coeffs))
     for key in [f"layer_{i}_last50" for i in LAYERS] + ["mean_first10", "mean_last50",
                                                          "loss_last10"]:
-        print(f"{key:22} {on[key]:16.3f} {off[key]:14.3f}")
+        print(f"{key:22}" + "".join(f"{r[key]:12.3f}" for r in runs))
     append_result({"bench": "moe_balance", "steps": args.steps, "ngpu": args.ngpu,
-                   "ep": args.ep, "on": on, "off": off})
+                   "ep": args.ep, "runs": dict(zip(map(str, coeffs), runs))})
 
 
 if __name__ == "__main__":

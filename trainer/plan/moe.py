@@ -75,9 +75,7 @@ def all_to_all_volume(cfg, a: ModelArgs, pd, accum: int) -> float:
     """Bytes per rank per step over ep (see the module docstring)."""
     if pd.ep == 1 or a.moe is None:
         return 0.0
-    from trainer.plan.memory import BYTES
-
-    p, t = BYTES[cfg.training.mixed_precision_param], cfg.training
+    p, t = FP32 if cfg.training.mixed_precision_param == "float32" else 2, cfg.training  # auto: bf16 on GPUs
     tokens = t.local_batch_size * t.seq_len
     one_way = a.moe.top_k * tokens * a.dim * p * (pd.ep - 1) / pd.ep
     ac = cfg.activation_checkpoint
