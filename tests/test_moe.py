@@ -311,3 +311,27 @@ def test_bad_moe_settings_are_one_line(args, needle):
 
     with pytest.raises(ConfigError, match=re.escape(needle)):
         load_config(["--training.device", "cpu", *args]).validate(4)
+
+
+def test_the_plan_counts_experts_routed_tokens_and_the_all_to_all():
+    """configs/qwen3_30b_a3b.toml on 8 GPUs: with EP 8 a rank holds as many expert bytes as
+    under FSDP 8 (E / dp_shard experts) but gathers 1/8 of them, pays the all-to-all instead,
+    and fits an H100."""
+    from trainer.config.job import load_config
+    from trainer.plan.comm import comm_volume
+    from trainer.plan.memory import memory_plan
+
+    def cfg(ep: int):
+        return load_config(["--job.config_file", str(REPO / "configs" / "qwen3_30b_a3b.toml"),
+                            EP, str(ep)])
+
+    with_ep, without = memory_plan(cfg(8), 8), memory_plan(cfg(1), 8)
+    assert with_ep["parameters"] == without["parameters"]
+    assert with_ep["fsdp_block"] < without["fsdp_block"] / 4  # the experts are most of a block
+    assert with_ep["total"] < 70 * 2 ** 30  # + the reserve: fits 79.6 GiB (README)
+    a2a, none = comm_volume(cfg(8), 8), comm_volume(cfg(1), 8)
+    assert none["comm_ep"] == 0.0
+    # 8 microbatches x 48 MoE layers x there-and-back x (forward, backward, full-AC recompute)
+    # x top 8 copies of 2 x 4096 tokens x dim 2048 x bf16 x 7/8 leaving the rank
+    assert a2a["comm_ep"] == pytest.approx(8 * 48 * 2 * 3 * 8 * 8192 * 2048 * 2 * 7 / 8)
+    assert a2a["comm_dp_shard"] < none["comm_dp_shard"] / 4

@@ -215,7 +215,12 @@ def untraceable(cfg: JobConfig) -> str | None:
         return ("a pipeline schedule's point-to-point sends cannot run on the fake process "
                 "group; the analytic plan above is per pp rank (trace one stage's shapes "
                 "without pp, e.g. a smaller flavor with the stage's layers, for the rest)")
-    if plan_args(cfg, resolve_vocab(cfg)[0]).attn_implementation == "flex":
+    args = plan_args(cfg, resolve_vocab(cfg)[0])
+    if args.moe is not None:
+        return ("a MoE router's token counts (bincount) and expert parallelism's split sizes "
+                "depend on the data, which fake tensors do not have; the analytic plan above "
+                "counts the experts, the routed tokens at perfect balance and the all-to-all")
+    if args.attn_implementation == "flex":
         return ("block_causal attention runs FlexAttention on GPUs, which only compiles for "
                 "CUDA; the analytic plan above counts its block mask (trace the same shapes "
                 "with --model.attn_mask_type causal for the rest)")
