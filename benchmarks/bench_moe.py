@@ -7,7 +7,11 @@
    model of the same active parameters (debugmodel-moe's shape with every block dense and the
    FFN width that matches top_k experts + the router).
 
-    python benchmarks/bench_moe.py [--tokens 2048] [--repeats 5]
+    python benchmarks/bench_moe.py [--tokens 2048] [--repeats 5] [--device cuda --dtype bfloat16]
+        [--layer-tokens 16384]
+
+With `--layer-tokens N` it also times one whole Qwen3-30B-A3B MoE layer (router, top-8 of 128,
+grouped experts, combine; forward + backward) over N tokens and prints its TFLOP/s.
 
 Medians of `--repeats` after one warm-up; one process (the all-to-all of expert parallelism is
 exercised by tests/test_moe.py, not timed here). On CUDA (when a GPU is lent) the same script
@@ -43,30 +47,68 @@ def timed(fn, repeats: int, device: str) -> float:
     return statistics.median(times)
 
 
-def experts_case(n_experts: int, dim: int, hidden: int, rows: int, repeats: int, device: str):
+def experts_case(n_experts: int, dim: int, hidden: int, rows: int, repeats: int, device: str,
+                 dtype: torch.dtype = torch.float32):
     """(grouped s, loop s) for forward + backward over `rows` routed rows, balanced-ish."""
     gen = torch.Generator().manual_seed(0)
-    experts = GroupedExperts(dim, hidden, n_experts).to(device)
+    experts = GroupedExperts(dim, hidden, n_experts).to(device, dtype)
     with torch.no_grad():
         for p in experts.parameters():
             p.copy_(torch.randn(p.shape, generator=gen) * 0.02)
     choice = torch.randint(0, n_experts, (rows,), generator=gen).sort().values
     counts = torch.bincount(choice, minlength=n_experts).to(device)
-    x = torch.randn(rows, dim, generator=gen).to(device).requires_grad_()
+    x = torch.randn(rows, dim, generator=gen).to(device, dtype).requires_grad_()
     out = {}
     for grouped in (True, False):
         experts.grouped = grouped
 
         def step():
             experts(x, counts).square().mean().backward()
-        out[grouped] = timed(step, repeats, device)
+        try:
+            out[grouped] = timed(step, repeats, device)
+        except (RuntimeError, NotImplementedError) as e:  # e.g. a dtype the kernel lacks
+            print(f"  {'grouped' if grouped else 'loop'} failed: {str(e).splitlines()[0][:200]}")
+            out[grouped] = float("nan")
     return out[True], out[False]
 
 
-def step_time(args, tokens: int, repeats: int, device: str) -> float:
+def layer_case(tokens: int, repeats: int, device: str, dtype: torch.dtype) -> None:
+    """One Qwen3-30B-A3B MoE layer, forward + backward over `tokens` tokens: time and TFLOP/s."""
+    from trainer.models.moe import MoE
+    args = FLAVORS["qwen3-30b-a3b"]
+    m = args.moe
+    layer = MoE(args.dim, m).to(device)
+    gen = torch.Generator(device=device).manual_seed(0)
+    with torch.no_grad():
+        for p in layer.parameters():
+            p.copy_(torch.randn(p.shape, generator=gen, device=device) * 0.02)
+    layer.to(dtype)
+    x = torch.randn(tokens, args.dim, generator=gen, device=device).to(dtype).requires_grad_()
+    for grouped in (True, False):
+        layer.experts.grouped = grouped
+
+        def step():
+            layer(x).square().mean().backward()
+            layer.take_stats()
+        try:
+            t = timed(step, repeats, device)
+        except (RuntimeError, NotImplementedError) as e:
+            print(f"  Qwen3-30B-A3B layer ({'grouped' if grouped else 'loop'}) failed: "
+                  f"{str(e).splitlines()[0][:200]}")
+            continue
+        # 3 matmuls of dim x hidden per routed row, x3 for forward + backward, + the router.
+        flops = 6 * tokens * (m.top_k * 3 * args.dim * m.hidden_dim + args.dim * m.n_experts)
+        print(f"  Qwen3-30B-A3B MoE layer, {tokens} tokens ({dtype}, "
+              f"{'grouped' if grouped else 'loop'}): {t * 1e3:8.1f} ms fwd+bwd, "
+              f"{flops / t / 1e12:6.1f} TFLOP/s, {tokens / t:,.0f} tokens/s")
+
+
+def step_time(args, tokens: int, repeats: int, device: str,
+              dtype: torch.dtype = torch.float32) -> float:
     model = build_model(args)
     model.to_empty(device=device)
     model.init_weights(0)
+    model.to(dtype)
     model.train()
     loss_fn = build_loss("chunked", 1024)
     gen = torch.Generator().manual_seed(0)
@@ -86,27 +128,33 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, default=2048)
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--device", default="cpu")
+    ap.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))
+    ap.add_argument("--layer-tokens", type=int, default=0,
+                    help="also time a whole Qwen3-30B-A3B MoE layer over this many tokens")
     a = ap.parse_args()
+    dtype = getattr(torch, a.dtype)
     torch.manual_seed(0)
     moe_args = dataclasses.replace(FLAVORS["debugmodel-moe"], max_seq_len=256)
     m = moe_args.moe
-    print(f"grouped GEMM vs per-expert loop, forward + backward ({a.device}, fp32)")
+    print(f"grouped GEMM vs per-expert loop, forward + backward ({a.device}, {a.dtype})")
     for name, (e, dim, hidden, rows) in {
             "debugmodel-moe layer": (m.n_experts, moe_args.dim, m.hidden_dim,
                                      a.tokens * m.top_k),
             "Qwen3-30B-A3B layer": (128, 2048, 768, a.tokens * 8 // 8)}.items():
-        grouped, loop = experts_case(e, dim, hidden, rows, a.repeats, a.device)
+        grouped, loop = experts_case(e, dim, hidden, rows, a.repeats, a.device, dtype)
         print(f"  {name:22} {e:4d} experts, {rows:6d} rows: grouped {grouped * 1e3:8.1f} ms, "
               f"loop {loop * 1e3:8.1f} ms, loop / grouped {loop / grouped:5.2f}x")
+    if a.layer_tokens:
+        layer_case(a.layer_tokens, a.repeats, a.device, dtype)
     # A dense model with the MoE's active FFN: top_k experts of hidden + the router's E x dim.
     active_hidden = m.top_k * m.hidden_dim + round(m.n_experts / 3)
     dense_args = dataclasses.replace(moe_args, moe=None, multiple_of=1,
                                      ffn_dim_multiplier=active_hidden / int(2 * 4 * moe_args.dim
                                                                             / 3))
     active_moe, active_dense = moe_args.num_params(active=True), dense_args.num_params()
-    t_moe = step_time(moe_args, a.tokens, a.repeats, a.device)
-    t_dense = step_time(dense_args, a.tokens, a.repeats, a.device)
-    print(f"training step, {a.tokens} tokens (fp32, forward + backward, {a.device}):")
+    t_moe = step_time(moe_args, a.tokens, a.repeats, a.device, dtype)
+    t_dense = step_time(dense_args, a.tokens, a.repeats, a.device, dtype)
+    print(f"training step, {a.tokens} tokens ({a.dtype}, forward + backward, {a.device}):")
     print(f"  debugmodel-moe  {active_moe / 1e6:6.2f}M active of "
           f"{moe_args.num_params() / 1e6:6.2f}M: {t_moe * 1e3:8.1f} ms")
     print(f"  dense (FFN {dense_args.hidden_dim}) {active_dense / 1e6:6.2f}M: "

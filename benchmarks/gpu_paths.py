@@ -26,6 +26,8 @@ from common import REPO, env, tb_scalars
 
 DEBUG = str(REPO / "configs" / "debug_model.toml")
 ONE_B = str(REPO / "configs" / "llama3_1b.toml")
+MOE = str(REPO / "configs" / "debug_moe.toml")
+ONE_GPU_MOE = ["--parallelism.expert_parallel_degree", "1"]  # one GPU: no expert parallelism
 LOSS = "loss_metrics/global_avg_loss"
 FAST = ["--checkpoint.enable", "false", "--metrics.log_freq", "1"]
 
@@ -70,6 +72,17 @@ PATHS = [
           "allocator history snapshot", expect_file="memory_snapshot/**/*.pickle"),
     Path_("profiler", ["--profiling.enable_profiling", "true", "--profiling.profile_freq", "10"],
           "torch.profiler traces", expect_file="profile_traces/**/*.json*"),
+    Path_("moe-grouped-bf16", [*ONE_GPU_MOE, "--compile.enable", "false",
+                                "--moe.aux_loss_weight", "1e-2", "--moe.router_z_loss_weight",
+                                "1e-3"],
+          "debugmodel-moe, bf16 grouped GEMMs (torch._grouped_mm), aux + z losses, balancing",
+          config=MOE),
+    Path_("moe-compile", [*ONE_GPU_MOE, "--compile.enable", "true"],
+          "debugmodel-moe with compiled blocks", config=MOE),
+    Path_("moe-capacity", [*ONE_GPU_MOE, "--moe.capacity_factor", "1.0",
+                           "--activation_checkpoint.mode", "selective",
+                           "--activation_checkpoint.selective_ac_option", "op"],
+          "debugmodel-moe, capacity factor 1 (drops counted) and op-level AC", config=MOE),
     Path_("oom-one-line", ["--model.flavor", "1B", "--training.seq_len", "4096",
                            "--training.local_batch_size", "48", "--data.dataset", "synthetic",
                            "--model.vocab_size", "128256"],

@@ -113,6 +113,8 @@ def blocks_activations(cfg: JobConfig, a: ModelArgs, p: int, tokens: int,
 
     def per_block(split_fn) -> float:  # mean over the dense and MoE blocks
         dense = split_bytes(split_fn(False), tokens, tp)
+        if not n_moe:
+            return dense
         return dense + n_moe / a.n_layers * (split_bytes(split_fn(True), tokens, tp) - dense)
 
     full = per_block(lambda moe: block_split(a, p, tp, moe, ep))
