@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 
 from tests.helpers import REPO, torchrun
-from trainer.models.loss import IGNORE_INDEX, build_loss, chunked_loss, eager_loss
+from trainer.models.loss import IGNORE_INDEX, add_product, build_loss, chunked_loss, eager_loss
 
 Z = 1e-2  # a z-loss weight that moves the loss by ~5% and the gradients by ~10% here
 
@@ -141,3 +141,35 @@ def test_fsdp_head_tied_and_untied(tmp_path):
     out = torchrun(REPO / "tests" / "scripts" / "loss_probe.py", nproc=2, timeout=120,
                    fork=True)
     assert out.stdout.count("loss probe ok") == 8, out.stdout
+
+
+def test_add_product_accumulates_in_fp32_on_this_device():
+    """The chunked loss's head-gradient accumulation: fp32 inputs go through addmm_; bf16 inputs
+    form the product in bf16 and add it in fp32 on CPU (no mixed-dtype GEMM here)."""
+    gen = torch.Generator().manual_seed(0)
+    a32, b32 = torch.randn(24, 40, generator=gen), torch.randn(40, 16, generator=gen)
+    acc = torch.randn(24, 16, generator=gen)
+    want = acc + a32 @ b32
+    add_product(acc, a32, b32)
+    torch.testing.assert_close(acc, want, rtol=1e-6, atol=1e-5)
+    a, b = a32.bfloat16(), b32.bfloat16()
+    acc = torch.zeros(24, 16)
+    add_product(acc, a, b)
+    add_product(acc, a, b)
+    assert acc.dtype == torch.float32
+    assert torch.equal(acc, 2 * (a @ b).float())
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the fp32-accumulator GEMM is CUDA's")
+def test_cuda_add_product_is_one_gemm_more_exact_than_a_bf16_product():
+    """On CUDA, bf16 inputs accumulate straight into the fp32 gradient (cuBLAS, out_dtype):
+    closer to the fp32 product than a bf16 product added in fp32."""
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    a = torch.randn(512, 4096, device="cuda", generator=gen).bfloat16()
+    b = torch.randn(4096, 256, device="cuda", generator=gen).bfloat16()
+    exact = a.double() @ b.double()
+    acc = torch.zeros(512, 256, device="cuda")
+    add_product(acc, a, b)
+    fused_err = (acc.double() - exact).norm() / exact.norm()
+    old_err = ((a @ b).double() - exact).norm() / exact.norm()
+    assert fused_err < old_err / 4, (fused_err, old_err)

@@ -86,3 +86,27 @@ def test_flex_attention_is_not_traced_on_a_cpu():
                                                        "block_causal"]))
     assert untraceable(load_config([*debug, "--model.attn_mask_type", "block_causal",
                                     "--model.attn_implementation", "sdpa"])) is None
+
+
+def test_moe_with_ep_is_traced_at_qwen3_30b_a3b_shapes():
+    """configs/qwen3_30b_a3b.toml (EP 8 x FSDP 8, 8 GPUs): the real MoE step runs on fake
+    tensors (counts without bincount, all-to-all splits at perfect balance), fits an H100 and
+    agrees with the plan; the routed copies (top 8 of each token) are there, and no
+    [tokens, experts x hidden] buffer of all experts is."""
+    cfg = load_config(["--job.config_file", str(REPO / "configs" / "qwen3_30b_a3b.toml")])
+    r = trace_step(cfg, 8, keep_all=True)
+    plan = memory_plan(cfg, 8)
+    assert abs(plan["total"] / r.peak - 1) <= 0.10, (plan["total"], r.peak)
+    assert r.peak < 70 * 2 ** 30  # + the reserve: fits 79.6 GiB (README)
+    tokens = cfg.training.local_batch_size * cfg.training.seq_len
+    routed = [a for a in r.allocations if a.shape == (tokens * 8, 2048)]
+    assert routed, "no routed-token buffers in the trace"
+    assert not [a for a in r.allocations if a.shape and a.shape[-1] == 128 * 768]
+
+
+def test_a_capacity_factor_is_not_traced():
+    from trainer.plan.trace import untraceable
+
+    moe = ["--job.config_file", str(REPO / "configs" / "debug_moe.toml")]
+    assert untraceable(load_config(moe)) is None
+    assert "capacity" in untraceable(load_config([*moe, "--moe.capacity_factor", "1.25"]))

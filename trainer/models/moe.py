@@ -30,6 +30,15 @@ from trainer.models.args import MoEArgs
 GROUPED_MM = hasattr(torch, "_grouped_mm")
 
 
+def expert_counts(slots: torch.Tensor, n_experts: int) -> torch.Tensor:
+    """[E] int64: the (token, choice) pairs routed to each expert. A scatter-add into E
+    zeros, not `torch.bincount`: bincount's output length depends on the data, so on CUDA it
+    reads the largest index back to the host (a sync per MoE layer) and fake tensors (the
+    traced dry run) cannot run it. Integer adds: exact and deterministic on every device."""
+    return torch.zeros(n_experts, dtype=torch.int64, device=slots.device).index_add_(
+        0, slots, torch.ones_like(slots))
+
+
 class Router(nn.Module):
     def __init__(self, dim: int, moe: MoEArgs):
         super().__init__()
@@ -75,10 +84,12 @@ class GroupedExperts(nn.Module):
 
 
 def expert_loop(x, counts, w1, w2, w3) -> torch.Tensor:
-    """The per-expert fallback (one host sync for the split sizes)."""
+    """The per-expert fallback (one host sync for the split sizes). The weights are unbound
+    once: indexing `w1[e]` per expert would make autograd build a zero gradient of the whole
+    [E, ...] stack for every expert (E x 3 full-size buffers: minutes per step at 128 experts)."""
     outs = []
-    for e, xe in enumerate(x.split(counts.tolist())):
-        outs.append((F.silu(xe @ w1[e].t()) * (xe @ w3[e].t())) @ w2[e].t())
+    for xe, a, b, c in zip(x.split(counts.tolist()), w1.unbind(0), w2.unbind(0), w3.unbind(0)):
+        outs.append((F.silu(xe @ a.t()) * (xe @ c.t())) @ b.t())
     return torch.cat(outs) if outs else x[:0]
 
 
@@ -120,14 +131,13 @@ class MoE(nn.Module):
         weights, chosen, probs, logits = self.router(flat)
         e, k = self.moe.n_experts, self.moe.top_k
         slots = chosen.reshape(-1)  # (token, choice) pairs, token-major
-        counts = torch.bincount(slots, minlength=e)
+        counts = loads = expert_counts(slots, e)
         keep = None
         if self.moe.capacity_factor > 0:
-            keep, counts = capacity_mask(slots, counts, capacity(self.moe, flat.shape[0]))
+            keep, counts = capacity_mask(slots, loads, capacity(self.moe, flat.shape[0]))
         if self.training:  # the step's statistics (validation and evals do not count)
             with torch.no_grad():
-                self.tokens_per_expert += torch.bincount(slots, minlength=e).to(
-                    self.tokens_per_expert.dtype)
+                self.tokens_per_expert += loads.to(self.tokens_per_expert.dtype)
                 self.routed += slots.numel()
                 if keep is not None:
                     self.dropped += (~keep).sum()
@@ -153,7 +163,7 @@ class MoE(nn.Module):
         this microbatch's tokens) and the router z-loss (mean logsumexp^2), weighted."""
         m, terms = self.moe, []
         if m.aux_loss_weight:
-            frac = torch.bincount(slots, minlength=m.n_experts).float() / slots.numel()
+            frac = expert_counts(slots, m.n_experts).float() / slots.numel()
             terms.append(m.aux_loss_weight * m.n_experts * (frac * probs.mean(0)).sum())
         if m.router_z_loss_weight:
             terms.append(m.router_z_loss_weight * logits.logsumexp(-1).square().mean())
@@ -230,11 +240,14 @@ def take_aux_loss(model: nn.Module) -> torch.Tensor | None:
 
 
 @torch.no_grad()
-def balance_experts(model: nn.Module, n_layers: int, coeff: float, device) -> dict[str, float]:
+def balance_experts(model: nn.Module, n_layers: int, coeff: float, device,
+                    moe_ids: list[int] | None = None) -> dict[str, torch.Tensor]:
     """After an optimizer step: every rank's expert loads of the step summed (one all-reduce
     over the world of a [layers, experts + 2] tensor: a pipeline stage fills only its rows),
-    the balancing bias updated (coeff > 0), and the metrics: per MoE layer the max / mean load
-    and the dropped fraction. Empty for a dense model."""
+    the balancing bias updated (coeff > 0), and the metrics as 0-d device tensors (read on the
+    host only at logging steps: no sync here): per MoE layer the max / mean load and the
+    dropped fraction. `moe_ids`: every MoE layer of the whole model, this stage's or not
+    (default: this model's). Empty for a dense model."""
     import torch.distributed as dist
 
     layers = moe_layers(model)
@@ -251,14 +264,16 @@ def balance_experts(model: nn.Module, n_layers: int, coeff: float, device) -> di
         dist.all_reduce(table)
     if coeff:
         update_expert_bias(list(layers.values()), [table[i, :n_experts] for i in layers], coeff)
+    id_list = sorted(layers) if moe_ids is None else list(moe_ids)
+    rows = table[torch.tensor(id_list, device=device)]
+    loads, routed = rows[:, :n_experts], rows[:, n_experts + 1].clamp_min(1)
+    mean = loads.mean(1)
+    imbalance = torch.where(mean > 0, loads.amax(1) / mean.clamp_min(1e-30), 0.0)
+    dropped = rows[:, n_experts] / routed
     out = {}
-    for i, row in enumerate(table.tolist()):
-        if row[n_experts + 1] == 0:
-            continue  # a dense layer
-        loads = row[:n_experts]
-        mean = sum(loads) / n_experts
-        out[f"moe/layer_{i}/load_imbalance"] = max(loads) / mean if mean else 0.0
-        out[f"moe/layer_{i}/dropped_fraction"] = row[n_experts] / row[n_experts + 1]
+    for j, i in enumerate(id_list):
+        out[f"moe/layer_{i}/load_imbalance"] = imbalance[j]
+        out[f"moe/layer_{i}/dropped_fraction"] = dropped[j]
     return out
 
 

@@ -46,15 +46,24 @@ class AllToAllDispatch:
         received = torch.empty_like(counts)  # [ep x local]: from each source, per local expert
         dist.all_to_all_single(received, counts, group=self.group)
         received = received.view(ep, local)
-        splits = torch.stack([counts.view(ep, local).sum(1), received.sum(1)]).tolist()
-        send, recv = splits  # the one host sync: split sizes
+        send, recv = self.split_sizes(rows, counts, received)
         mine = all_to_all_single_autograd(rows, recv, send, self.group)
-        # Rows arrive grouped by source rank, then by local expert: sort by local expert.
+        # Rows arrive grouped by source rank, then by local expert: sort by local expert
+        # (the output size is known from the splits: no second host sync).
         expert_of_row = torch.arange(local, device=counts.device).repeat(ep).repeat_interleave(
-            received.reshape(-1))
+            received.reshape(-1), output_size=mine.shape[0])
         order = expert_of_row.argsort(stable=True)
         out = experts(mine[order], received.sum(0))[order.argsort()]
         return all_to_all_single_autograd(out, send, recv, self.group)
+
+    def split_sizes(self, rows: torch.Tensor, counts: torch.Tensor,
+                    received: torch.Tensor) -> tuple[list[int], list[int]]:
+        """(rows sent to each ep rank, rows received from each): the layer's one host sync,
+        since the all-to-all's split sizes must be known on the host. The traced dry run
+        (trainer/plan/trace.py) replaces it with perfect balance: fake tensors have no data."""
+        splits = torch.stack([counts.view(self.ep, self.local).sum(1), received.sum(1)])
+        send, recv = splits.tolist()
+        return send, recv
 
 
 def apply_ep(model: nn.Module, ep_mesh) -> None:

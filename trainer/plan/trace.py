@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import time
 import traceback
 
@@ -34,6 +35,7 @@ from torch._subclasses.fake_tensor import DataDependentOutputException, unset_fa
 
 from trainer.config.job import JobConfig
 from trainer.health import heartbeat
+from trainer.models.moe import GROUPED_MM, balance_experts
 from trainer.plan.fake import (CATEGORIES, GIB, Allocation, MemoryTrace,  # noqa: F401
                                TraceResult, fake_world, summarize, tracking)
 
@@ -55,6 +57,28 @@ def host_counts():
         yield
     finally:
         step_module.count_targets = original
+
+
+@contextlib.contextmanager
+def balanced_dispatch():
+    """Expert parallelism's all-to-all split sizes are data (trainer/parallel/
+    expert_parallel.py reads them on the host); on the trace every rank sends an equal share
+    of its routed rows to each ep rank and receives as many: perfect balance, the steady state
+    load balancing aims at. A skewed router's receiving rank holds more."""
+    from trainer.parallel.expert_parallel import AllToAllDispatch
+
+    original = AllToAllDispatch.split_sizes
+
+    def even(self, rows, counts, received):
+        n, ep = rows.shape[0], self.ep
+        share = [n // ep + (1 if r < n % ep else 0) for r in range(ep)]
+        return share, list(share)
+
+    AllToAllDispatch.split_sizes = even
+    try:
+        yield
+    finally:
+        AllToAllDispatch.split_sizes = original
 
 
 class FakeLoader:
@@ -136,14 +160,18 @@ def trace_step(cfg: JobConfig, world_size: int, keep_all: bool = False) -> Trace
                              model, loss_fn, cfg, device=device, parallel_dims=pd,
                              loader=loader),
                          metrics=_Metrics(), dp_group=pd.dp_mesh.get_group(), device=device,
-                         max_norm=cfg.training.max_norm)
+                         max_norm=cfg.training.max_norm,
+                         balance=functools.partial(  # MoE: the loads' all-reduce, the bias
+                             balance_experts, n_layers=args.n_layers, device=device,
+                             coeff=cfg.moe.load_balance_coeff,
+                             moe_ids=[i for i in range(args.n_layers) if args.is_moe_layer(i)]))
         grads: list[Allocation] = []
         optimizer.register_step_pre_hook(lambda *_: grads.extend(
             a for p in model.parameters() if p.grad is not None
             for a in [trace.storage_of(p.grad)] if a is not None))
         resident = {id(a) for p in [*model.parameters(), *model.buffers()]
                     for a in [trace.storage_of(p)] if a is not None}
-        with trace, host_counts():
+        with trace, host_counts(), balanced_dispatch():
             micro = earlier_microbatches(cfg, model, accum)
             step(1, micro)
         states = [trace.storage_of(t) for s in optimizer.state.values() for t in s.values()
@@ -216,10 +244,13 @@ def untraceable(cfg: JobConfig) -> str | None:
                 "group; the analytic plan above is per pp rank (trace one stage's shapes "
                 "without pp, e.g. a smaller flavor with the stage's layers, for the rest)")
     args = plan_args(cfg, resolve_vocab(cfg)[0])
-    if args.moe is not None:
-        return ("a MoE router's token counts (bincount) and expert parallelism's split sizes "
-                "depend on the data, which fake tensors do not have; the analytic plan above "
-                "counts the experts, the routed tokens at perfect balance and the all-to-all")
+    if args.moe is not None and cfg.moe.capacity_factor > 0:
+        return ("a capacity factor drops the pairs over each expert's capacity, a number of "
+                "rows that depends on the routing, which fake tensors do not have; trace the "
+                "dropless step (--moe.capacity_factor 0: an upper bound) for the rest")
+    if args.moe is not None and not GROUPED_MM:
+        return ("this torch has no grouped GEMM (torch._grouped_mm): the experts' per-expert "
+                "loop splits its rows by the data; the analytic plan above counts them")
     if args.attn_implementation == "flex":
         return ("block_causal attention runs FlexAttention on GPUs, which only compiles for "
                 "CUDA; the analytic plan above counts its block mask (trace the same shapes "
