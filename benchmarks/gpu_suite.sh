@@ -3,13 +3,15 @@
 # bench_train.py with compile off and on (nccl, bf16, synthetic data: no tokenizer or
 # `datasets` needed); each run appends to benchmarks/results.jsonl; a table at the end.
 #
-#   benchmarks/gpu_suite.sh              # paths, debug, 1b, 1b-flex, 3b and 8b
+#   benchmarks/gpu_suite.sh              # paths, moe, debug, 1b, 1b-flex, 3b and 8b
 #   benchmarks/gpu_suite.sh 1b           # one shape; STEPS=50 WARMUP=15 to change the run
 #   VARIANTS_1B="compile float8-rowwise" benchmarks/gpu_suite.sh 1b
 # 1b: compiled bf16 (production), eager, float8 tensorwise and rowwise; 1b-flex: block_causal
 # with FlexAttention and with SDPA on the stdlib corpus's documents; 3b: Llama 3.2 3B with and
 # without FSDP2 CPU offload; paths: every CUDA path's functional check (benchmarks/gpu_paths.py)
-# and the nccl flight recorder read back (benchmarks/gpu_flight_recorder.py).
+# and the nccl flight recorder read back (benchmarks/gpu_flight_recorder.py); moe: grouped GEMM
+# against the per-expert loop in bf16, a whole Qwen3-30B-A3B MoE layer's throughput, and a
+# debugmodel-moe step against a dense model of equal active size (benchmarks/bench_moe.py).
 # With 2+ GPUs it also runs the debug model at FSDP 2 and TP 2 (eager, compiled, async TP).
 #
 # 8b is the 8B model on ONE GPU: fp32 master weights, grads and AdamW state alone are
@@ -36,6 +38,7 @@ declare -A SHAPE=(
   [1b-flex]=""
   [3b]=""
   [paths]=""
+  [moe]=""
   [8b]="--model.flavor 8B $VOCAB --training.seq_len 4096 --training.local_batch_size 1 --activation_checkpoint.mode full --optimizer.implementation fused"
 )
 
@@ -100,6 +103,9 @@ run_big() {
       # offload steps take ~8 s (host AdamW over 3.2B params): fewer of them
       STEPS="${OFFLOAD_STEPS:-8}" WARMUP="${OFFLOAD_WARMUP:-3}" bench "3b-offload-b$batch" \
         "${three[@]}" --training.local_batch_size "$batch" --parallelism.fsdp_offload cpu ;;
+    moe)  # MoE kernels and a Qwen3-30B-A3B layer (one process, bf16)
+      "$PYTHON" benchmarks/bench_moe.py --device cuda --dtype bfloat16 --tokens 16384 \
+        --layer-tokens 16384 --repeats 5 || echo "=== moe FAILED (rc $?)" ;;
     paths)  # every CUDA path once, functional (20 steps each), and the flight recorder
       STEPS=20 "$PYTHON" benchmarks/gpu_paths.py || echo "=== paths FAILED (rc $?)"
       "$PYTHON" benchmarks/gpu_flight_recorder.py | tail -2 ;;
@@ -109,10 +115,10 @@ run_big() {
 GPU=$(gpu_kind)
 START=$(date +%Y-%m-%dT%H:%M:%S)
 shapes=("$@")
-[ ${#shapes[@]} -gt 0 ] || shapes=(paths debug 1b 1b-flex 3b 8b)
+[ ${#shapes[@]} -gt 0 ] || shapes=(paths moe debug 1b 1b-flex 3b 8b)
 for shape in "${shapes[@]}"; do
-  [ -n "${SHAPE[$shape]+x}" ] || { echo "unknown shape $shape (paths, debug, 1b, 1b-flex, 3b, 8b)"; exit 2; }
-  case "$shape" in 1b|1b-flex|3b|paths) run_big "$shape"; continue ;; esac
+  [ -n "${SHAPE[$shape]+x}" ] || { echo "unknown shape $shape (paths, moe, debug, 1b, 1b-flex, 3b, 8b)"; exit 2; }
+  case "$shape" in 1b|1b-flex|3b|paths|moe) run_big "$shape"; continue ;; esac
   echo "=== $shape: memory plan on $GPU"
   # shellcheck disable=SC2086
   plan=$("$PYTHON" -m trainer.plan --config "$CONFIG" --ngpu 1 --gpu "$GPU" $COMMON ${SHAPE[$shape]})

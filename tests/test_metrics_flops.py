@@ -122,3 +122,25 @@ def test_resolve_peak_never_invents_one(monkeypatch):
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "Mystery GPU")
     unknown = resolve_peak(0.0, cuda)
     assert unknown.tflops is None and "Mystery GPU" in unknown.source
+
+
+@pytest.mark.parametrize("flavor", ["debugmodel-moe", "debugmodel-moe-shared"])
+def test_moe_counts_the_active_experts(flavor):
+    """A MoE model's FLOPs/token counts the router and the top_k (+ shared) experts a token
+    goes through, not all E: FlopCounterMode on a real forward+backward through the
+    per-expert loop (its matmuls are aten.mm) agrees, with no balance assumed."""
+    from trainer.models.moe import moe_layers
+
+    args = dataclasses.replace(model_args(flavor), max_seq_len=64)
+    model = build_model(args)
+    model.to_empty(device="cpu")
+    model.init_weights(0)
+    for layer in moe_layers(model).values():
+        layer.experts.grouped = False
+    tokens = torch.randint(0, args.vocab_size, (2, 64))
+    with sdpa_kernel(SDPBackend.MATH), FlopCounterMode(display=False) as fc:
+        model(tokens).float().sum().backward()
+    ops = {str(op): n for op, n in fc.get_flop_counts()["Global"].items()}
+    assert rel(6 * matmul_params(args), ops["aten.mm"] / 128) < 0.02, ops
+    assert rel(flops_per_token(args, 64), sum(ops.values()) / 128) < 0.02, ops
+    assert matmul_params(args) < args.num_params() * 0.8  # fewer than all the experts
