@@ -121,7 +121,18 @@ def random_moe(flavor: str, vocab: int = 512):
     model = build_model(args)
     model.to_empty(device="cpu")
     model.init_weights(0)
+    perturb_norms(model)
     return args, model.eval()
+
+
+def perturb_norms(model) -> None:
+    """Norm weights away from their init of ones, as training leaves them: a layout error in
+    a norm (Qwen3's per-head q/k norms follow the RoPE permutation) cannot hide behind 1s."""
+    gen = torch.Generator().manual_seed(7)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.copy_(torch.rand(p.shape, generator=gen) + 0.5)
 
 
 def test_qwen3_moe_round_trip_with_transformers(tmp_path):
@@ -149,6 +160,7 @@ def test_qwen3_moe_round_trip_with_transformers(tmp_path):
                                if k not in ("architectures", "transformers_version")})
     torch.manual_seed(1)
     fresh = Qwen3MoeForCausalLM(config).eval()
+    perturb_norms(fresh)
     fresh.save_pretrained(tmp_path / "in")
     _, loaded = random_moe("debugmodel-moe")
     load_hf(loaded, str(tmp_path / "in"), flavor="debugmodel-moe")
@@ -247,6 +259,37 @@ def test_experts_are_saved_whole_under_ep(moe_runs):
         assert saved[key].shape == ref[key].shape == (
             (8, 352, 256) if name != "w2" else (8, 256, 352))
         torch.testing.assert_close(saved[key], ref[key], atol=1e-4, rtol=0)
+
+
+def test_a_trained_checkpoint_exports_to_transformers(moe_runs, tmp_path, capsys):
+    """Trained at EP 2 without the balancing bias, checkpointed, converted on one process
+    (`trainer.convert to-hf`): transformers' Qwen3MoeForCausalLM loads it with no code of
+    ours and its logits equal ours. A run trained with the bias converts too, saying in one
+    line that the bias is left out."""
+    from transformers import Qwen3MoeForCausalLM
+
+    from tests.helpers import run_train
+    from tests.test_hf import convert, max_diff, trainer_model
+    from trainer.convert import dcp_fetch, saved_shapes
+
+    dump = tmp_path / "run"
+    run_train(dump, *COMMON, EP, "2", "--moe.load_balance_coeff", "0", "--training.steps", "3",
+              nproc=2)
+    ckpt = dump / "checkpoint" / "step-3"
+    convert(ckpt, tmp_path / "hf", "--dtype", "float32")
+    assert "balancing bias" not in capsys.readouterr().out
+    shapes = saved_shapes(str(ckpt))
+    ours = trainer_model("debugmodel-moe", dcp_fetch(str(ckpt), shapes)(list(shapes)), 64)
+    theirs = Qwen3MoeForCausalLM.from_pretrained(tmp_path / "hf", dtype=torch.float32).eval()
+    tokens = torch.randint(0, theirs.config.vocab_size, (2, 64),
+                           generator=torch.Generator().manual_seed(0))
+    assert max_diff(ours, theirs, tokens) < 1e-4
+
+    convert(moe_runs / "ep2_fsdp2" / "checkpoint" / "step-5", tmp_path / "hf_bias")
+    out = capsys.readouterr().out
+    assert "warning: the experts' balancing bias (moe.load_balance_coeff; largest |bias| " \
+        in out, out
+    assert Qwen3MoeForCausalLM.from_pretrained(tmp_path / "hf_bias").config.num_experts == 8
 
 
 @pytest.mark.parametrize("name, nproc, extra", [

@@ -1,4 +1,5 @@
-"""Convert a committed DCP checkpoint into a Hugging Face LlamaForCausalLM folder:
+"""Convert a committed DCP checkpoint into a Hugging Face LlamaForCausalLM folder (a Qwen3-MoE
+flavor: Qwen3MoeForCausalLM):
 
     python -m trainer.convert to-hf OUTPUTS/checkpoint/step-1000 OUT_DIR [--dtype bfloat16]
 
@@ -13,6 +14,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+import warnings
 
 from trainer.errors import CheckpointError, UserError
 from trainer.hf.weights import DTYPES
@@ -49,8 +51,10 @@ def dcp_fetch(checkpoint_dir: str, shapes: dict, allow_pickle: bool = False):
 
     def fetch(names: list[str]) -> dict:
         model = {n: torch.empty(shapes[n], dtype=torch.float32) for n in names}
-        safe_load.load({"model_optim": {"model": model}}, checkpoint_dir, no_dist=True,
-                       allow_pickle=allow_pickle)
+        with warnings.catch_warnings():  # "torch.distributed is disabled ...": one process, meant
+            warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+            safe_load.load({"model_optim": {"model": model}}, checkpoint_dir, no_dist=True,
+                           allow_pickle=allow_pickle)
         return model
 
     return fetch
@@ -59,7 +63,7 @@ def dcp_fetch(checkpoint_dir: str, shapes: dict, allow_pickle: bool = False):
 def to_hf(checkpoint_dir: str, out_dir: str, *, dtype: str, max_shard_gib: float,
           config_path: str | None = None, allow_pickle: bool = False) -> None:
     from trainer.hf.export import write_hf_folder
-    from trainer.hf.mapping import param_shapes
+    from trainer.hf.mapping import buffer_shapes, param_shapes
     from trainer.models.args import model_args
 
     saved = saved_shapes(checkpoint_dir, allow_pickle)
@@ -67,7 +71,7 @@ def to_hf(checkpoint_dir: str, out_dir: str, *, dtype: str, max_shard_gib: float
     vocab = saved.get("tok_embeddings.weight", (0,))[0]
     args = model_args(cfg.model.flavor, vocab_size=vocab, max_seq_len=cfg.training.seq_len,
                       moe_config=cfg.moe)
-    expected = param_shapes(args)
+    expected = {**param_shapes(args), **buffer_shapes(args)}
     if saved != expected:
         diff = sorted(set(saved.items()) ^ set(expected.items()))[:2]
         raise CheckpointError(f"{checkpoint_dir} does not hold a {cfg.model.flavor} model as "

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import os
 
-from trainer.hf.mapping import hf_config, param_shapes
+from trainer.hf.mapping import buffer_shapes, hf_config, param_shapes, routing_bias_note
 from trainer.hf.tokenizer import export_tokenizer
 from trainer.hf.weights import write_json, write_weights
 
@@ -32,6 +32,10 @@ def write_hf_folder(out_dir: str, args, fetch, cfg, *, dtype: str,
     """`fetch(names)` gives our full tensors by parameter name (see weights.write_weights);
     `cfg` is the run's JobConfig (for the tokenizer and the sequence length)."""
     os.makedirs(out_dir, exist_ok=True)
+    buffers = list(buffer_shapes(args))
+    note = routing_bias_note(fetch(buffers)) if buffers else None
+    if note:
+        log(note)
     files = write_weights(out_dir, args, param_shapes(args), fetch, dtype=dtype,
                           max_shard_bytes=max_shard_bytes)
     ids = {}

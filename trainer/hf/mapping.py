@@ -76,21 +76,26 @@ def from_hf_keys(name: str, tensors: list[torch.Tensor], args: ModelArgs) -> tor
 
 
 def _heads(name: str, args: ModelArgs) -> int | None:
-    """Number of heads whose rows are permuted in this parameter, or None."""
+    """Number of heads whose rows are permuted in this parameter, or None. Qwen3's q/k norms
+    weigh each of the head_dim features of every head alike: one "head" of head_dim entries,
+    permuted as the rows of wq and wk are (else a trained norm meets the wrong features)."""
     if name.endswith("attention.wq.weight"):
         return args.n_heads
     if name.endswith("attention.wk.weight"):
         return args.n_kv_heads
+    if name.endswith(("attention.q_norm.weight", "attention.k_norm.weight")):
+        return 1
     return None
 
 
 def to_hf(name: str, tensor: torch.Tensor, args: ModelArgs) -> torch.Tensor:
-    """Our layout -> Hugging Face's: per head, rows (0, 2, 4, ..., 1, 3, 5, ...)."""
+    """Our layout -> Hugging Face's: per head, rows (0, 2, 4, ..., 1, 3, 5, ...) (our RoPE
+    rotates interleaved pairs, theirs the two halves of a head)."""
     heads = _heads(name, args)
     if heads is None:
         return tensor
     d = args.head_dim
-    return tensor.reshape(heads, d // 2, 2, -1).transpose(1, 2).reshape(heads * d, -1)
+    return tensor.reshape(heads, d // 2, 2, -1).transpose(1, 2).reshape(tensor.shape)
 
 
 def from_hf(name: str, tensor: torch.Tensor, args: ModelArgs) -> torch.Tensor:
@@ -99,7 +104,7 @@ def from_hf(name: str, tensor: torch.Tensor, args: ModelArgs) -> torch.Tensor:
     if heads is None:
         return tensor
     d = args.head_dim
-    return tensor.reshape(heads, 2, d // 2, -1).transpose(1, 2).reshape(heads * d, -1)
+    return tensor.reshape(heads, 2, d // 2, -1).transpose(1, 2).reshape(tensor.shape)
 
 
 def param_shapes(args: ModelArgs) -> dict[str, tuple[int, ...]]:
@@ -131,6 +136,25 @@ def param_shapes(args: ModelArgs) -> dict[str, tuple[int, ...]]:
     if not args.tie_word_embeddings:
         shapes["output.weight"] = (args.vocab_size, args.dim)
     return shapes
+
+
+def buffer_shapes(args: ModelArgs) -> dict[str, tuple[int, ...]]:
+    """The persistent buffers a checkpoint holds besides the parameters: each MoE layer's
+    balancing bias, which Qwen3MoeForCausalLM has no place for (see `routing_bias_note`)."""
+    return {f"layers.{i}.feed_forward.router.expert_bias": (args.moe.n_experts,)
+            for i in range(args.n_layers) if args.is_moe_layer(i)}
+
+
+def routing_bias_note(biases: dict[str, torch.Tensor]) -> str | None:
+    """A warning line when a MoE model to export has a non-zero balancing bias: the exported
+    model routes by its scores alone, so its choices of experts can differ from training's."""
+    largest = max((float(t.abs().max()) for t in biases.values()), default=0.0)
+    if largest == 0.0:
+        return None
+    return (f"warning: the experts' balancing bias (moe.load_balance_coeff; largest |bias| "
+            f"{largest:.3g}) is not part of Qwen3MoeForCausalLM and is left out: the exported "
+            "model chooses experts by the router's scores alone, which can differ from the "
+            "trained model's choices; train with moe.load_balance_coeff = 0 for an exact export")
 
 
 def hf_config(args: ModelArgs, *, dtype: str, bos_id: int | None, eos_id: int | None) -> dict:
