@@ -24,7 +24,7 @@ DIM = 32
 
 def moe_layer(**kw) -> MoE:
     torch.manual_seed(0)
-    layer = MoE(DIM, MoEArgs(n_experts=4, top_k=2, hidden_dim=16, **kw))
+    layer = MoE(DIM, MoEArgs(**{"n_experts": 4, "top_k": 2, "hidden_dim": 16, **kw}))
     for p in layer.parameters():
         torch.nn.init.normal_(p, std=0.2)
     for b in layer.buffers():
@@ -104,6 +104,14 @@ def test_sigmoid_scores_and_unnormalised_weights():
     torch.testing.assert_close(weights, 2.5 * probs.gather(-1, chosen))
 
 
+def test_top_1_with_normalised_weights_weighs_one():
+    """norm_topk_prob with top_k = 1 gives the chosen expert weight 1, as transformers'
+    Qwen3-MoE router does (an exported top-1 model then routes and weighs alike)."""
+    layer = moe_layer(top_k=1)
+    weights, _, probs, _ = layer.router(torch.randn(6, DIM))
+    assert torch.equal(weights, torch.ones_like(weights)) and probs.max() < 1
+
+
 def test_flavor_sizes():
     qwen = FLAVORS["qwen3-30b-a3b"]
     assert round(qwen.num_params() / 1e9, 1) == 30.5
@@ -177,6 +185,11 @@ def test_another_architecture_is_one_config_error(tmp_path):
                                           "'debugmodel-moe' is 'qwen3_moe'"):
         check_hf_config({"model_type": "llama", "architectures": ["LlamaForCausalLM"]}, args,
                         str(tmp_path), "debugmodel-moe")
+    # the same architecture with another top-k (no tensor shape shows it) is refused too
+    with pytest.raises(ConfigError, match="num_experts_per_tok is 4 there and 2 here"):
+        check_hf_config({"model_type": "qwen3_moe", "rms_norm_eps": 1e-6, "rope_theta": 5e5,
+                         "num_experts_per_tok": 4, "norm_topk_prob": True}, args,
+                        str(tmp_path), "debugmodel-moe")
 
 
 # ------------------------------------------------------------------------------ end to end
@@ -203,9 +216,19 @@ def moe_runs(tmp_path_factory):
                                ("tp2_ep2", 4, (EP, "2", "--parallelism.tensor_parallel_degree",
                                                "2")),
                                ("ep2_ac", 2, (EP, "2", *OP_AC,
-                                              "--training.gradient_accumulation_sync", "every"))):
+                                              "--training.gradient_accumulation_sync", "every")),
+                               # pp: no aux losses; stage 0 holds only the dense layer 0
+                               ("ref_no_aux", 1, NO_AUX),
+                               ("pp2_dense_stage", 2, (*NO_AUX, PP, "2", SPLIT, "layers.1",
+                                                        "--checkpoint.last_save_in_hf", "true"))):
         run_train(root / name, *COMMON, *extra, nproc=nproc)
     return root
+
+
+LOSS = "loss_metrics/global_avg_loss"
+NO_AUX = ("--moe.aux_loss_weight", "0", "--moe.router_z_loss_weight", "0")
+PP = "--parallelism.pipeline_parallel_degree"
+SPLIT = "--parallelism.pipeline_parallel_split_points"
 
 
 EP = "--parallelism.expert_parallel_degree"
@@ -228,7 +251,7 @@ def test_moe_trains_as_one_rank_with_balancing_and_aux_losses(moe_runs, name):
 
     ref, got = moe_runs / "ref", moe_runs / name
     for tag in ("loss_metrics/global_avg_loss", "grad_norm", "moe/layer_1/load_imbalance",
-                "moe/layer_3/dropped_fraction"):
+                "moe/layer_3/dropped_fraction", "moe/aux_loss"):  # aux: the dp ranks' mean
         want, have = scalars(ref, tag), scalars(got, tag)
         assert sorted(have) == [1, 2, 3, 4, 5], (tag, have)
         assert all(abs(have[s] - want[s]) <= 1e-4 * max(1.0, abs(want[s])) for s in want), tag
@@ -237,6 +260,37 @@ def test_moe_trains_as_one_rank_with_balancing_and_aux_losses(moe_runs, name):
     bias = load_dcp_tensors(got / "checkpoint" / "step-5")[key]
     assert bias.abs().max() > 0
     torch.testing.assert_close(bias, load_dcp_tensors(ref / "checkpoint" / "step-5")[key])
+
+
+def test_a_pipeline_stage_without_moe_layers_trains_as_one_rank(moe_runs):
+    """PP 2 with stage 0 = the embedding and the dense layer 0 (no MoE layer): that stage still
+    joins the loads' all-reduce (it hung there), and the run equals one rank's."""
+    from tests.helpers import scalars
+
+    ref, got = scalars(moe_runs / "ref_no_aux", LOSS), scalars(moe_runs / "pp2_dense_stage", LOSS)
+    assert sorted(got) == [1, 2, 3, 4, 5]
+    assert all(abs(got[s] - ref[s]) <= 1e-4 for s in ref), (got, ref)
+    # last_save_in_hf gathered every stage, the balancing biases with them (it crashed)
+    hf = json.loads((moe_runs / "pp2_dense_stage" / "hf" / "config.json").read_text())
+    assert hf["architectures"] == ["Qwen3MoeForCausalLM"] and hf["num_experts"] == 8
+    for layer in (1, 2, 3):
+        tag = f"moe/layer_{layer}/load_imbalance"
+        assert scalars(moe_runs / "pp2_dense_stage", tag) == pytest.approx(
+            scalars(moe_runs / "ref_no_aux", tag), abs=1e-4)
+
+
+def test_qk_norms_train_as_one_rank_under_tp(moe_runs):
+    """Qwen3's per-head q/k norms under TP 2: their gradient sums over every head (each tp rank
+    holds half the heads), so the trained weights equal one rank's, not a per-rank drift."""
+    from scripts.chaos import load_dcp_tensors
+
+    got = load_dcp_tensors(moe_runs / "tp2_ep2" / "checkpoint" / "step-5")
+    ref = load_dcp_tensors(moe_runs / "ref" / "checkpoint" / "step-5")
+    keys = [k for k in ref if k.endswith(("q_norm.weight", "k_norm.weight"))]
+    assert len(keys) == 8
+    for key in keys:
+        assert (ref[key] - 1).abs().max() > 1e-3  # trained away from the init
+        torch.testing.assert_close(got[key], ref[key], atol=2e-6, rtol=0)
 
 
 def test_moe_resumes_bitwise_with_its_bias(moe_runs, tmp_path):
@@ -345,6 +399,10 @@ def test_ep_is_dropless_under_a_skewed_router():
      "parallelism.expert_parallel_degree = 4 does not divide dp_shard = 2 (world size 4, "
      "parallelism.data_parallel_replicate_degree = 2): the expert-parallel ranks are borrowed "
      "from dp_shard; valid: 1, 2"),
+    (("--model.flavor", "debugmodel-moe-shared", "--checkpoint.last_save_in_hf", "true"),
+     "checkpoint.last_save_in_hf = true, but model.flavor 'debugmodel-moe-shared' (shared "
+     "experts, sigmoid scores or a routed scale: DeepSeek's router) has no Hugging Face "
+     "architecture here yet"),
     (("--model.flavor", "debugmodel-moe", "--moe.top_k", "9"),
      "moe.top_k = 9 is above the 8 experts of model.flavor 'debugmodel-moe'; valid: 1 to 8"),
 ])

@@ -90,6 +90,13 @@ def reduce_z_loss(z_loss: torch.Tensor | None, dp_group) -> float | None:
     return total.item()
 
 
+def reduce_mean(value: torch.Tensor, dp_group) -> float:
+    """The mean over the dp ranks of a per-rank scalar (e.g. MoE's aux losses)."""
+    total = value.detach().float().reshape(()).clone()
+    dist.all_reduce(total, group=dp_group)
+    return total.item() / dist.get_world_size(dp_group)
+
+
 def reduce_loss(loss_share: torch.Tensor, rank_loss: torch.Tensor,
                 dp_group) -> tuple[float, float]:
     """(the token-weighted global mean, the largest rank mean) over the dp ranks: each rank's

@@ -12,8 +12,8 @@ import torch
 import torch.distributed as dist
 
 from trainer.checkpoint.checkpointer import Checkpointer
-from trainer.distributed import (log0, reduce_loss, reduce_z_loss, set_collective_timeout,
-                                 to_device)
+from trainer.distributed import (log0, reduce_loss, reduce_mean, reduce_z_loss,
+                                 set_collective_timeout, to_device)
 from trainer.evals.evaluator import log_evals
 from trainer.evals.validate import log_validation
 from trainer.health import heartbeat
@@ -25,6 +25,8 @@ from trainer.health.stragglers import StragglerWatch
 from trainer.optim.batch_schedule import next_batch
 from trainer.parallel.float8 import after_optimizer_step
 from trainer.step import StepResult, TrainStep
+
+AUX = "moe/aux_loss"  # MoE's weighted aux + router z-loss terms (trainer/models/moe.py)
 
 
 class Loop:
@@ -112,10 +114,12 @@ class Loop:
                          grad_norm=float(r.grad_norm), lr=r.lr,
                          tokens_seen=self.state.tokens_seen, local_loss=r.rank_loss.item(),
                          z_loss=reduce_z_loss(r.z_loss, self.dp_group))
+        scalars = {k: float(v) for k, v in (r.scalars or {}).items() if k != AUX}
+        if r.scalars and AUX in r.scalars:  # each rank's own microbatches: their dp mean
+            scalars[AUX] = reduce_mean(r.scalars[AUX], self.dp_group)
         self.metrics.log_scalars(step, {
             **loader.metrics(), "batch_metrics/global_batch_size": loader.global_batch_size,
-            "batch_metrics/step_tokens": seq_len * loader.global_batch_size,
-            **{k: float(v) for k, v in (r.scalars or {}).items()}})
+            "batch_metrics/step_tokens": seq_len * loader.global_batch_size, **scalars})
 
     def bad_step(self, r: StepResult) -> bool:
         """A spike is skipped, rolled back (True) or stops the run; a non-finite step is

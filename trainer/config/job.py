@@ -186,6 +186,12 @@ def check_moe(cfg: JobConfig) -> None:
         raise ConfigError(f"{EP_KEY} = {ep} does not divide the {experts} experts of "
                           f"model.flavor {cfg.model.flavor!r}; valid: "
                           f"{', '.join(map(str, valid))}")
+    hf = [k for k in ("last_save_in_hf", "initial_load_in_hf") if getattr(cfg.checkpoint, k)]
+    if hf and not flavor.hf_exportable:
+        raise ConfigError(f"checkpoint.{hf[0]} = true, but model.flavor {cfg.model.flavor!r} "
+                          "(shared experts, sigmoid scores or a routed scale: DeepSeek's router) "
+                          "has no Hugging Face architecture here yet; Qwen3-MoE flavors "
+                          "(debugmodel-moe, qwen3-30b-a3b) have one (Qwen3MoeForCausalLM)")
     if par.context_parallel_degree > 1:
         raise ConfigError(f"model.flavor {cfg.model.flavor!r} (mixture of experts) does not run "
                           "under context parallelism yet")

@@ -116,7 +116,12 @@ def _gather_stages(model) -> dict:
     tensors to rank 0 over the pp group."""
     mine = 0 in dist.get_process_group_ranks(model.pp_group)
     full = {}
-    for name, param in model.named_parameters():
+    from trainer.hf.mapping import buffer_shapes
+
+    buffers = set(buffer_shapes(model.args))  # MoE balancing biases: the export reads them
+    tensors = [*model.named_parameters(),
+               *((n, b) for n, b in model.named_buffers() if n in buffers)]
+    for name, param in tensors:
         tensor = param.full_tensor() if hasattr(param, "full_tensor") else param
         if mine:
             full[name] = tensor.detach().cpu()

@@ -187,14 +187,17 @@ def hf_config(args: ModelArgs, *, dtype: str, bos_id: int | None, eos_id: int | 
     return cfg
 
 
+NO_HF_MOE = ("this MoE flavor (shared experts, sigmoid scores or a routed scale: DeepSeek's "
+             "router) has no Hugging Face export yet; Qwen3-MoE flavors (debugmodel-moe, "
+             "qwen3-30b-a3b) export as Qwen3MoeForCausalLM")
+
+
 def moe_config(args: ModelArgs) -> dict:
     """The Qwen3MoeForCausalLM part of config.json; a MoE without that architecture's router
     (shared experts, sigmoid scores, a routed scale) has no Hugging Face class to go to."""
     m = args.moe
-    if m.n_shared_experts or m.score_func != "softmax" or m.route_scale != 1.0:
-        raise ConfigError("this MoE flavor (shared experts, sigmoid scores or a routed scale: "
-                          "DeepSeek's router) has no Hugging Face export yet; Qwen3-MoE flavors "
-                          "(debugmodel-moe, qwen3-30b-a3b) export as Qwen3MoeForCausalLM")
+    if not m.hf_exportable:
+        raise ConfigError(NO_HF_MOE)
     return {"architectures": ["Qwen3MoeForCausalLM"], "model_type": "qwen3_moe",
             "num_experts": m.n_experts, "num_experts_per_tok": m.top_k,
             "moe_intermediate_size": m.hidden_dim, "decoder_sparse_step": m.sparse_step,
@@ -232,6 +235,11 @@ def check_hf_config(cfg: dict, args: ModelArgs, folder: str, flavor: str) -> Non
             "llama3", float(s.factor), float(s.low_freq_factor), float(s.high_freq_factor),
             int(s.original_max_position_embeddings)),
     }
+    if args.moe is not None:
+        theirs["num_experts_per_tok"] = int(cfg.get("num_experts_per_tok", 0))
+        theirs["norm_topk_prob"] = bool(cfg.get("norm_topk_prob", False))
+        ours["num_experts_per_tok"], ours["norm_topk_prob"] = args.moe.top_k, \
+            args.moe.norm_topk_prob
     for key, value in theirs.items():
         if value != ours[key]:
             raise ConfigError(f"{folder}/config.json does not fit model.flavor = {flavor!r}: "

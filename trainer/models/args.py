@@ -49,6 +49,13 @@ class MoEArgs:
         """Qwen3-MoE's rule ((i + 1) % step == 0) after the first dense layers."""
         return layer_id >= self.first_dense_layers and (layer_id + 1) % self.sparse_step == 0
 
+    @property
+    def hf_exportable(self) -> bool:
+        """Whether Qwen3MoeForCausalLM can hold it: a softmax router, no shared experts, no
+        routed scale (DeepSeek's router has no Hugging Face class here yet)."""
+        return not self.n_shared_experts and self.score_func == "softmax" and \
+            self.route_scale == 1.0
+
     def active_ffn(self, dim: int) -> int:
         """FFN parameters a token goes through: top_k routed + the shared experts + router."""
         return 3 * dim * self.hidden_dim * (self.top_k + self.n_shared_experts) + \

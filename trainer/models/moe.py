@@ -55,7 +55,7 @@ class Router(nn.Module):
         with torch.no_grad():
             chosen = (probs + self.expert_bias).topk(self.moe.top_k, dim=-1).indices
         weights = probs.gather(-1, chosen)
-        if self.moe.norm_topk_prob and self.moe.top_k > 1:
+        if self.moe.norm_topk_prob:  # as Qwen3-MoE: top_k = 1 gets weight 1
             weights = weights / weights.sum(-1, keepdim=True).clamp_min(1e-20)
         return weights * self.moe.route_scale, chosen, probs, logits
 
@@ -251,9 +251,11 @@ def balance_experts(model: nn.Module, n_layers: int, coeff: float, device,
     import torch.distributed as dist
 
     layers = moe_layers(model)
-    if not layers:
+    id_list = sorted(layers) if moe_ids is None else list(moe_ids)
+    if not id_list:  # a dense model (decided for the whole model: every rank returns here)
         return {}
-    n_experts = next(iter(layers.values())).moe.n_experts
+    # A pipeline stage may hold no MoE layer; it still joins the all-reduce below.
+    n_experts = model.args.moe.n_experts  # the args: a stage without MoE layers knows too
     table = torch.zeros(n_layers, n_experts + 2, device=device)
     for i, layer in layers.items():
         stats = layer.take_stats()
@@ -264,7 +266,6 @@ def balance_experts(model: nn.Module, n_layers: int, coeff: float, device,
         dist.all_reduce(table)
     if coeff:
         update_expert_bias(list(layers.values()), [table[i, :n_experts] for i in layers], coeff)
-    id_list = sorted(layers) if moe_ids is None else list(moe_ids)
     rows = table[torch.tensor(id_list, device=device)]
     loads, routed = rows[:, :n_experts], rows[:, n_experts + 1].clamp_min(1)
     mean = loads.mean(1)

@@ -75,10 +75,22 @@ def apply_tp(model: Transformer, tp_mesh, *, float8_tensorwise: bool = False,
             "attention.wv": colwise(),
             "attention.wo": rowwise(output_layouts=Shard(1)),
             "ffn_norm": SequenceParallel(),
+            **_qk_norm_styles(block),
             **ffn,
         })
     if async_tp:
         _enable_async_tp(tp_mesh)
+
+
+def _qk_norm_styles(block) -> dict:
+    """Qwen3's per-head q/k norms: a tp rank holds n_heads / tp heads of q and k, so each norm's
+    input is sharded on the heads dim (2 of [b, s, heads, head_dim]). As DTensors replicated
+    over tp their weight gradients are summed over every head (each rank alone would see its
+    own heads' share and the replicas would drift apart), as torchtitan's Qwen3 plan does."""
+    if block.attention.q_norm is None:
+        return {}
+    style = SequenceParallel(sequence_dim=2, use_local_output=True)
+    return {"attention.q_norm": style, "attention.k_norm": style}
 
 
 def _moe_style():
