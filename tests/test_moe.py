@@ -217,7 +217,7 @@ def moe_runs(tmp_path_factory):
                                                "2")),
                                ("ep2_ac", 2, (EP, "2", *OP_AC,
                                               "--training.gradient_accumulation_sync", "every")),
-                               # pp: no aux losses; stage 0 holds only the dense layer 0
+                               # stage 0 of the pp run holds only the dense layer 0
                                ("ref_no_aux", 1, NO_AUX),
                                ("pp2_dense_stage", 2, (*NO_AUX, PP, "2", SPLIT, "layers.1",
                                                         "--checkpoint.last_save_in_hf", "true"))):
@@ -226,7 +226,9 @@ def moe_runs(tmp_path_factory):
 
 
 LOSS = "loss_metrics/global_avg_loss"
-NO_AUX = ("--moe.aux_loss_weight", "0", "--moe.router_z_loss_weight", "0")
+# pp: no aux losses; and no balancing bias, so the PP run's checkpoint exports exactly
+NO_AUX = ("--moe.aux_loss_weight", "0", "--moe.router_z_loss_weight", "0",
+          "--moe.load_balance_coeff", "0")
 PP = "--parallelism.pipeline_parallel_degree"
 SPLIT = "--parallelism.pipeline_parallel_split_points"
 
@@ -316,20 +318,16 @@ def test_experts_are_saved_whole_under_ep(moe_runs):
 
 
 def test_a_trained_checkpoint_exports_to_transformers(moe_runs, tmp_path, capsys):
-    """Trained at EP 2 without the balancing bias, checkpointed, converted on one process
+    """Trained under PP 2 without the balancing bias, checkpointed, converted on one process
     (`trainer.convert to-hf`): transformers' Qwen3MoeForCausalLM loads it with no code of
-    ours and its logits equal ours. A run trained with the bias converts too, saying in one
-    line that the bias is left out."""
+    ours and its logits equal ours. A run trained with the bias (EP 2 x FSDP 2) converts too,
+    saying in one line that the bias is left out."""
     from transformers import Qwen3MoeForCausalLM
 
-    from tests.helpers import run_train
     from tests.test_hf import convert, max_diff, trainer_model
     from trainer.convert import dcp_fetch, saved_shapes
 
-    dump = tmp_path / "run"
-    run_train(dump, *COMMON, EP, "2", "--moe.load_balance_coeff", "0", "--training.steps", "3",
-              nproc=2)
-    ckpt = dump / "checkpoint" / "step-3"
+    ckpt = moe_runs / "pp2_dense_stage" / "checkpoint" / "step-5"
     convert(ckpt, tmp_path / "hf", "--dtype", "float32")
     assert "balancing bias" not in capsys.readouterr().out
     shapes = saved_shapes(str(ckpt))
@@ -400,8 +398,8 @@ def test_ep_is_dropless_under_a_skewed_router():
      "parallelism.data_parallel_replicate_degree = 2): the expert-parallel ranks are borrowed "
      "from dp_shard; valid: 1, 2"),
     (("--model.flavor", "debugmodel-moe-shared", "--checkpoint.last_save_in_hf", "true"),
-     "checkpoint.last_save_in_hf = true, but model.flavor 'debugmodel-moe-shared' (shared "
-     "experts, sigmoid scores or a routed scale: DeepSeek's router) has no Hugging Face "
+     "checkpoint.last_save_in_hf = true, but model.flavor 'debugmodel-moe-shared' has shared "
+     "experts, sigmoid scores or a routed scale: DeepSeek's router, which has no Hugging Face "
      "architecture here yet"),
     (("--model.flavor", "debugmodel-moe", "--moe.top_k", "9"),
      "moe.top_k = 9 is above the 8 experts of model.flavor 'debugmodel-moe'; valid: 1 to 8"),

@@ -189,9 +189,7 @@ def check_moe(cfg: JobConfig) -> None:
     hf = [k for k in ("last_save_in_hf", "initial_load_in_hf") if getattr(cfg.checkpoint, k)]
     if hf and not flavor.hf_exportable:
         raise ConfigError(f"checkpoint.{hf[0]} = true, but model.flavor {cfg.model.flavor!r} "
-                          "(shared experts, sigmoid scores or a routed scale: DeepSeek's router) "
-                          "has no Hugging Face architecture here yet; Qwen3-MoE flavors "
-                          "(debugmodel-moe, qwen3-30b-a3b) have one (Qwen3MoeForCausalLM)")
+                          f"has {flavor.NO_HF}")
     if par.context_parallel_degree > 1:
         raise ConfigError(f"model.flavor {cfg.model.flavor!r} (mixture of experts) does not run "
                           "under context parallelism yet")

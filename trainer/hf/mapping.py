@@ -13,7 +13,7 @@ import re
 import torch
 
 from trainer.errors import ConfigError
-from trainer.models.args import ModelArgs
+from trainer.models.args import ModelArgs, MoEArgs
 
 _LAYER = {
     "attention.wq.weight": "self_attn.q_proj.weight",
@@ -187,9 +187,7 @@ def hf_config(args: ModelArgs, *, dtype: str, bos_id: int | None, eos_id: int | 
     return cfg
 
 
-NO_HF_MOE = ("this MoE flavor (shared experts, sigmoid scores or a routed scale: DeepSeek's "
-             "router) has no Hugging Face export yet; Qwen3-MoE flavors (debugmodel-moe, "
-             "qwen3-30b-a3b) export as Qwen3MoeForCausalLM")
+NO_HF_MOE = f"this MoE flavor ({MoEArgs.NO_HF})"
 
 
 def moe_config(args: ModelArgs) -> dict:
