@@ -16,26 +16,20 @@ ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
 CONFIG_FILE="${CONFIG_FILE:-$ROOT/configs/debug_model.toml}"
 PYTHON="${PYTHON:-python3}"
 export PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}"
-# Check the config first: a mistake is one line, before any process starts. The check also
-# decides the ranks: NGPU if set, else every visible GPU, else 2 CPU ranks ([training] device
-# = cpu always means CPU ranks), and NGPU beyond the visible GPUs is a config error.
-NGPU=$("$PYTHON" -m trainer.config --check --nnodes 1 --nproc-per-node "${NGPU:-}" \
-  --job.config_file "$CONFIG_FILE" "$@")
 export LOG_RANK="${LOG_RANK:-0}"   # read by trainer.train: other ranks' stdout is discarded
-# CPU threads per rank: the cores shared out between the ranks (torchrun would force 1).
-if [ -z "${OMP_NUM_THREADS:-}" ]; then
-  cores=$(nproc 2>/dev/null || echo 1)
-  export OMP_NUM_THREADS=$(( cores / NGPU > 0 ? cores / NGPU : 1 ))
-fi
 
 # nccl's flight recorder: the last collectives of each rank, dumped when a collective times out
 # (to TORCH_NCCL_DEBUG_INFO_TEMP_FILE<rank>, default /tmp/nccl_trace_rank_<rank>).
 export TORCH_NCCL_TRACE_BUFFER_SIZE="${TORCH_NCCL_TRACE_BUFFER_SIZE:-2000}"
 export TORCH_NCCL_DUMP_ON_TIMEOUT="${TORCH_NCCL_DUMP_ON_TIMEOUT:-1}"
 
+# --check: the launcher checks the config first: a mistake is one line, before any process
+# starts. The check also decides the ranks: NGPU if set, else every visible GPU, else 2 CPU
+# ranks ([training] device = cpu always means CPU ranks), and NGPU beyond the visible GPUs is a
+# config error; and shares the cores out between the ranks (OMP_NUM_THREADS, where unset).
 # --rdzv_id: one id per launch, which the restart guard tells launches apart by. A loopback
 # endpoint and --local-addr keep the launcher's stores on loopback (trainer/launch.py).
-exec "$PYTHON" -m trainer.launch --nnodes 1 --nproc_per_node "$NGPU" \
+exec "$PYTHON" -m trainer.launch --check --nnodes 1 --nproc_per_node "${NGPU:-}" \
   --max-restarts "${MAX_RESTARTS:-0}" --rdzv_id "local-$$-$(date +%s)" \
   --rdzv_backend c10d --rdzv_endpoint localhost:0 --local-addr 127.0.0.1 \
   -m trainer.train --job.config_file "$CONFIG_FILE" "$@"

@@ -8,8 +8,8 @@ data cache and the OS's file cache (what a user's second launch sees):
   arrives, and until the launcher exits; CPU ranks forked from the launcher (the default) and,
   interleaved with it, started as fresh processes (TRAINER_FORK_RANKS=0), with the CPU seconds
   of the whole process tree;
-- breakdown: the same two commands run_train.sh runs (config check, then trainer.launch), but
-  with this file as the worker: it wraps trainer.train's setup functions with timers and then
+- breakdown: the launcher run_train.sh runs, but with this file as the worker (the config
+  check, which runs inside the launcher before torchrun starts, timed alone and added): it wraps trainer.train's setup functions with timers and then
   runs trainer.train.main unchanged. Process start times come from /proc (10 ms resolution).
 """
 
@@ -90,8 +90,15 @@ def headline(overrides: list[str], ngpu: int, fork: bool = True) -> dict[str, fl
     return {"to_first_step": first, "to_exit": end, "cpu_s": cpu}
 
 
+# run_train.sh's config check inside the launcher (trainer.launch --check), timed alone: what it
+# adds to a launcher that has imported torch already
+CHECK = ("import sys, time, trainer.launch as L; t = time.time(); "
+         "assert not isinstance(L.check_first(sys.argv[1:]), int); print(time.time() - t)")
+
+
 def breakdown(overrides: list[str], ngpu: int) -> dict[str, float]:
-    """run_train.sh's two commands with this file as the worker; seconds per stage."""
+    """run_train.sh's launcher with this file as the worker; seconds per stage (the config
+    check, which runs in the launcher, timed in a process of its own and added)."""
     from common import REPO, env
 
     config = str(REPO / "configs" / "debug_model.toml")
@@ -100,17 +107,18 @@ def breakdown(overrides: list[str], ngpu: int) -> dict[str, float]:
                 *overrides]
         e = env({"LOG_RANK": "0", OUT_ENV: dump,
                  "OMP_NUM_THREADS": str(max(1, os.cpu_count() // ngpu))})
-        t0 = time.time()
-        subprocess.run([sys.executable, "-m", "trainer.config", "--check", "--world-size",
-                        str(ngpu), *args], env=e, check=True)
-        t_check = time.time()
+        check = subprocess.run([sys.executable, "-c", CHECK, "--nnodes", "1", "--nproc_per_node",
+                                str(ngpu), "-m", "trainer.train", *args], env=e, check=True,
+                               capture_output=True, text=True)
+        t_check = time.time()  # the launcher starts: as if after the check, which began at t0
+        t0 = t_check - float(check.stdout.split()[-1])
         subprocess.run([sys.executable, "-m", "trainer.launch", "--nnodes", "1",
                         "--nproc_per_node", str(ngpu), "--rdzv_backend", "c10d",
                         "--rdzv_endpoint", "localhost:0", __file__, "--worker", *args],
                        env=e, check=True, stdout=subprocess.DEVNULL)
         with open(os.path.join(dump, "rank0.json")) as fh:
             m = json.load(fh)
-    stages = {"config check (run_train.sh)": t_check - t0,
+    stages = {"config check (in the launcher)": t_check - t0,
               "launcher to worker process": m["process_start"] - t_check,
               "interpreter boot": m["script_start"] - m["process_start"],
               "imports (torch, trainer)": m["imports_done"] - m["script_start"],

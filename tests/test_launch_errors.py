@@ -44,6 +44,16 @@ def test_bad_input_is_one_line(tmp_path, case):
         assert "line 3" in lines[0]
 
 
+def test_help_prints_every_config_key_and_starts_nothing(tmp_path):
+    """`./run_train.sh --help`: the config reference (the keys `python -m trainer.config --help`
+    lists), exit 0, no run (it used to become NGPU in the shell and fail)."""
+    from trainer.config.job import reference
+
+    proc = run_train(tmp_path / "out", "--help", nproc=None, timeout=60)
+    assert proc.stdout.strip() == reference().strip() and proc.stderr == ""
+    assert not (tmp_path / "out").exists()
+
+
 def test_data_error_inside_the_ranks_is_one_line(tmp_path):
     """A user error found by the ranks themselves (after the process group exists) is also one
     line, printed once, and every rank exits instead of waiting for the others."""

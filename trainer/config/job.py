@@ -327,7 +327,7 @@ def check_launch(args: list[str], checks=()) -> int | None:
     elif world_size is not None:
         world_size = _positive("--world-size", world_size)
     cfg.validate(world_size)
-    for check in checks:  # e.g. the dump folder's lease (trainer/config/__main__.py)
+    for check in checks:  # e.g. the dump folder's lease (trainer/plan/preflight.py)
         check(cfg, world_size or 1, ranks)
     return ranks
 
