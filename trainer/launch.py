@@ -407,4 +407,10 @@ if __name__ == "__main__":
     logging.getLogger("torch.distributed.elastic.agent.server.api").setLevel(logging.CRITICAL)
     logging.getLogger("torch.distributed.elastic.rendezvous.dynamic_rendezvous").setLevel(
         logging.ERROR)
-    sys.exit(main(sys.argv[1:]))
+    code = main(sys.argv[1:])
+    # Everything has ended and been reported: skip the interpreter's teardown (freeing torch's
+    # modules took 0.8 s of every launch on a 2-core machine).
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
