@@ -15,7 +15,7 @@ import re
 import pytest
 import torch
 
-from tests.helpers import REPO
+from tests.helpers import REPO, scalars
 from trainer.models.args import FLAVORS, MoEArgs
 from trainer.models.moe import MoE, capacity, update_expert_bias
 
@@ -96,6 +96,30 @@ def test_the_balancing_bias_moves_toward_balance():
     layer = moe_layer()
     update_expert_bias([layer], [torch.tensor([10.0, 0.0, 2.0, 4.0])], coeff=1e-3)
     assert layer.router.expert_bias.tolist() == pytest.approx([-1e-3, 1e-3, 1e-3, 0.0])  # mean 4
+
+
+def test_a_skipped_step_leaves_the_balancing_bias():
+    """The bias moves after an optimizer step only: not when the step was skipped (a spike, a
+    non-finite norm), whether the host knows it (False) or only the device (a flag tensor,
+    the fused optimizer's skip), as a skipped step leaves the weights."""
+    from trainer.models.moe import balance_experts, moe_layers
+
+    _, model = random_moe("debugmodel-moe")
+    model.train()  # loads are counted in training only
+    tokens = torch.randint(0, 512, (2, 16), generator=torch.Generator().manual_seed(0))
+
+    def biases(stepped):
+        with torch.no_grad():
+            model(tokens)  # the step's loads
+        balance_experts(model, n_layers=4, coeff=1e-3, device="cpu", stepped=stepped)
+        return torch.stack([m.router.expert_bias.clone() for m in moe_layers(model).values()])
+
+    start = biases(False)
+    assert start.abs().max() == 0
+    assert torch.equal(biases(torch.tensor(False)), start)
+    moved = biases(torch.tensor(True))
+    assert moved.abs().max() == pytest.approx(1e-3)  # each moved by +-coeff (or 0 at the mean)
+    assert (biases(True) - moved).abs().max() == pytest.approx(1e-3)  # the host's True too
 
 
 def test_sigmoid_scores_and_unnormalised_weights():
@@ -293,6 +317,25 @@ def test_qk_norms_train_as_one_rank_under_tp(moe_runs):
     for key in keys:
         assert (ref[key] - 1).abs().max() > 1e-3  # trained away from the init
         torch.testing.assert_close(got[key], ref[key], atol=2e-6, rtol=0)
+
+
+def test_a_step_skipped_on_a_spike_leaves_the_balancing_bias(tmp_path):
+    """on_spike = "skip" at step 4 on 1 rank: between the checkpoints of steps 3 and 5 the
+    bias made one move of at most coeff (step 5's), not two (it moved at the skipped step)."""
+    from scripts.chaos import load_dcp_tensors
+    from tests.helpers import run_train
+
+    run_train(tmp_path, *COMMON, "--moe.load_balance_coeff", "1e-3", "--checkpoint.interval",
+              "1", "--training.spike_window", "2", "--training.on_spike", "skip",
+              nproc=1, env={"TRAINER_TEST_SPIKE_LOSS": "0:4:20"})
+    assert scalars(tmp_path, "loss_metrics/skipped_steps") == {4: 1.0}
+    assert sorted(p.name for p in (tmp_path / "checkpoint").iterdir()) == [
+        "step-1", "step-2", "step-3", "step-5"]
+    before, after = (load_dcp_tensors(tmp_path / "checkpoint" / f"step-{s}") for s in (3, 5))
+    keys = [k for k in before if k.endswith("router.expert_bias")]
+    assert len(keys) == 3
+    moves = [(after[k] - before[k]).abs().max().item() for k in keys]
+    assert 0 < max(moves) <= 1e-3 + 1e-9, moves
 
 
 def test_moe_resumes_bitwise_with_its_bias(moe_runs, tmp_path):

@@ -61,7 +61,8 @@ class TrainStep:
     device: torch.device
     max_norm: float = 0.0  # 0: no clipping (the norm is still computed)
     spike_check: Callable | None = None
-    # after the optimizer step: the experts' balancing bias and load metrics ({} if dense)
+    # after the optimizer step: the experts' balancing bias (moved only if the optimizer
+    # stepped) and load metrics ({} if dense)
     balance: Callable | None = None
     pp: int = 1  # pipeline stages (the gradient norm counts each stage's ranks)
 
@@ -89,7 +90,7 @@ class TrainStep:
         self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
         self.metrics.count_tokens(local_tokens)
-        scalars = self.balance(self.model) if self.balance else None
+        scalars = self.balance(self.model, stepped=stepped) if self.balance else None
         if aux is not None:
             scalars = {**(scalars or {}), "moe/aux_loss": aux}
         return StepResult(rank_loss, grad_norm, lr, stepped, z_loss, spike, cross_entropy,

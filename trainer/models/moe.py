@@ -241,13 +241,15 @@ def take_aux_loss(model: nn.Module) -> torch.Tensor | None:
 
 @torch.no_grad()
 def balance_experts(model: nn.Module, n_layers: int, coeff: float, device,
-                    moe_ids: list[int] | None = None) -> dict[str, torch.Tensor]:
+                    moe_ids: list[int] | None = None,
+                    stepped: bool | torch.Tensor = True) -> dict[str, torch.Tensor]:
     """After an optimizer step: every rank's expert loads of the step summed (one all-reduce
     over the world of a [layers, experts + 2] tensor: a pipeline stage fills only its rows),
-    the balancing bias updated (coeff > 0), and the metrics as 0-d device tensors (read on the
-    host only at logging steps: no sync here): per MoE layer the max / mean load and the
-    dropped fraction. `moe_ids`: every MoE layer of the whole model, this stage's or not
-    (default: this model's). Empty for a dense model."""
+    the balancing bias updated (coeff > 0) if the optimizer stepped (`stepped`, a bool or a
+    device flag: a skipped step leaves the bias as it leaves the weights), and the metrics as
+    0-d device tensors (read on the host only at logging steps: no sync here): per MoE layer
+    the max / mean load and the dropped fraction. `moe_ids`: every MoE layer of the whole
+    model, this stage's or not (default: this model's). Empty for a dense model."""
     import torch.distributed as dist
 
     layers = moe_layers(model)
@@ -264,8 +266,9 @@ def balance_experts(model: nn.Module, n_layers: int, coeff: float, device,
         table[i, n_experts + 1] = stats["routed"].to(device)
     if dist.is_initialized():
         dist.all_reduce(table)
-    if coeff:
-        update_expert_bias(list(layers.values()), [table[i, :n_experts] for i in layers], coeff)
+    if coeff and stepped is not False:
+        update_expert_bias(list(layers.values()), [table[i, :n_experts] for i in layers], coeff,
+                           stepped)
     rows = table[torch.tensor(id_list, device=device)]
     loads, routed = rows[:, :n_experts], rows[:, n_experts + 1].clamp_min(1)
     mean = loads.mean(1)
@@ -279,9 +282,13 @@ def balance_experts(model: nn.Module, n_layers: int, coeff: float, device,
 
 
 @torch.no_grad()
-def update_expert_bias(moes: list[MoE], loads: list[torch.Tensor], coeff: float) -> None:
+def update_expert_bias(moes: list[MoE], loads: list[torch.Tensor], coeff: float,
+                       stepped: bool | torch.Tensor = True) -> None:
     """Aux-loss-free balancing after an optimizer step: each expert's bias moves by coeff
-    toward balance, sign(mean load - load), from the step's loads summed over every rank."""
+    toward balance, sign(mean load - load), from the step's loads summed over every rank.
+    `stepped` as a device flag: no move where it is false (decided on the device, no sync)."""
     for moe, load in zip(moes, loads):
-        moe.router.expert_bias += coeff * torch.sign(load.mean() - load).to(
-            moe.router.expert_bias.dtype)
+        move = torch.sign(load.mean() - load)
+        if isinstance(stepped, torch.Tensor):
+            move = move * stepped.to(move.device, move.dtype)
+        moe.router.expert_bias += coeff * move.to(moe.router.expert_bias.dtype)
