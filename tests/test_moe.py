@@ -200,6 +200,38 @@ def test_qwen3_moe_round_trip_with_transformers(tmp_path):
         assert (loaded(tokens) - fresh(tokens).logits).abs().max().item() < 1e-4
 
 
+def test_one_expert_round_trips_with_transformers(tmp_path):
+    """moe.num_experts = 1: its [1, ...] experts export as expert 0 and import back (the
+    import took the one Hugging Face tensor for an unstacked parameter and refused it)."""
+    from transformers import Qwen3MoeForCausalLM
+
+    from trainer.config.job import JobConfig
+    from trainer.hf.export import write_hf_folder
+    from trainer.hf.load import load_hf
+    from trainer.models.llama import build_model
+
+    args, _ = random_moe("debugmodel-moe")
+    args = dataclasses.replace(args, moe=dataclasses.replace(args.moe, n_experts=1, top_k=1))
+    models = []
+    for seed in (0, 1):
+        model = build_model(args)
+        model.to_empty(device="cpu")
+        model.init_weights(seed)
+        models.append(model.eval())
+    cfg = JobConfig()
+    cfg.data.dataset = "synthetic"
+    sd = models[0].state_dict()
+    write_hf_folder(str(tmp_path), args, lambda names: {n: sd[n] for n in names}, cfg,
+                    dtype="float32", log=lambda _: None)
+    load_hf(models[1], str(tmp_path), flavor="debugmodel-moe")
+    theirs = Qwen3MoeForCausalLM.from_pretrained(tmp_path, dtype=torch.float32).eval()
+    tokens = torch.randint(0, 512, (2, 16), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        want = theirs(tokens).logits
+        for model in models:
+            assert (model(tokens) - want).abs().max().item() < 1e-4
+
+
 def test_another_architecture_is_one_config_error(tmp_path):
     from trainer.errors import ConfigError
     from trainer.hf.mapping import check_hf_config

@@ -15,7 +15,8 @@ import torch
 import torch.distributed as dist
 
 from trainer.errors import ConfigError
-from trainer.hf.mapping import check_hf_config, from_hf_keys, hf_keys, param_shapes
+from trainer.hf.mapping import (check_hf_config, from_hf_keys, hf_keys, param_shapes,
+                                stacked_experts)
 from trainer.hf.weights import HFFolder
 
 
@@ -45,7 +46,7 @@ def load_hf(model, folder: str, *, flavor: str) -> None:
     params = dict(model.named_parameters())
     for name, shape in param_shapes(args).items():  # every shape first: one error, no half-load
         keys = hf_keys(name, args)
-        want = shape if len(keys) == 1 else shape[1:]  # stacked experts: one tensor each
+        want = shape[1:] if stacked_experts(name) else shape  # experts: one tensor each
         for key in keys:
             theirs = hf.shape(key)
             if theirs != want:

@@ -58,6 +58,11 @@ def hf_tensors(name: str, tensor: torch.Tensor, args: ModelArgs) -> dict[str, to
             for e in range(tensor.shape[0])}
 
 
+def stacked_experts(name: str) -> bool:
+    """Our parameter `name` stacks the experts ([E, ...]), one Hugging Face tensor each."""
+    return _EXPERTS_RE.match(name) is not None
+
+
 def hf_keys(name: str, args: ModelArgs) -> list[str]:
     """The Hugging Face key(s) our parameter `name` is stored under."""
     m = _EXPERTS_RE.match(name)
