@@ -93,10 +93,9 @@ def test_no_import_circle():
 
 
 def test_every_module_imports_alone_in_a_fresh_interpreter():
-    """Each module is imported first, alone, in a process with no trainer module loaded (forked
-    from one that has imported only third-party packages, to keep this fast): an import that works only after
-    another module was imported shows up here. (Forked after torch, dynamo, DCP, FSDP and
-    DTensor: 5 s instead of 28 s in the suite.)"""
+    """Each module is imported first, alone, in a process with no trainer module loaded: an
+    import that works only after another module was imported shows up here. (Forked from one
+    that imported torch, dynamo, DCP, FSDP and DTensor: 5 s instead of 28 s in the suite.)"""
     names = sorted(n for n in modules() if not n.endswith("__main__"))
     script = textwrap.dedent("""
         import os, sys, importlib, traceback
