@@ -9,8 +9,9 @@ data cache and the OS's file cache (what a user's second launch sees):
   interleaved with it, started as fresh processes (TRAINER_FORK_RANKS=0), with the CPU seconds
   of the whole process tree;
 - breakdown: the launcher run_train.sh runs, but with this file as the worker (the config
-  check, which runs inside the launcher before torchrun starts, timed alone and added): it wraps trainer.train's setup functions with timers and then
-  runs trainer.train.main unchanged. Process start times come from /proc (10 ms resolution).
+  check, which runs inside the launcher before torchrun starts, timed alone and added): it
+  wraps trainer.train's setup functions with timers and then runs trainer.train.main
+  unchanged. Process start times come from /proc (10 ms resolution).
 """
 
 from __future__ import annotations

@@ -7,8 +7,8 @@ import pytest
 # there (marked needs_datasets); everything else runs.
 HAS_DATASETS = importlib.util.find_spec("datasets") is not None
 
-# The longest files first, so that under xdist (pyproject's addopts) they overlap the many short
-# ones instead of running alone at the end. The MoE file is ~3 min on 2 CPU cores, the default run ~1.5.
+# The longest files first, so that under xdist (pyproject's addopts) they overlap the many
+# short ones instead of running alone at the end (the MoE file: ~3 min on 2 CPU cores).
 LONGEST_FIRST = ["test_moe.py", "test_pipeline.py", "test_default_run.py", "test_context_parallel.py",
                  "test_tp.py", "test_train_e2e.py", "test_mix_e2e.py", "test_faults.py",
                  "test_heal.py", "test_slurm.py", "test_multinode.py", "test_device.py",

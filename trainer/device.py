@@ -2,8 +2,9 @@
 
 Two moments use this module:
 
-- Before any process starts (`python -m trainer.config --check`, run by run_train.sh and the
-  SLURM script; torch is not imported): how many ranks this node gets, and whether that many
+- Before any process starts (the config check: in run_train.sh's launcher, and `python -m
+  trainer.config --check` in the SLURM script; no CUDA call, nvidia-smi counts the GPUs, so the
+  launcher can still fork CPU ranks): how many ranks this node gets, and whether that many
   fit the GPUs it can see. More ranks than GPUs is a `config error:` naming NGPU and the GPUs
   seen, never an `invalid device ordinal` from a rank.
 - In every rank (`resolve_device`, `resolve_compute_dtype`): the torch device, and the compute

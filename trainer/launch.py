@@ -333,30 +333,40 @@ def _name_process(name: str) -> None:
 def check_first(argv: list[str]) -> list[str] | int:
     """run_train.sh's `--check`: the config and the launch checks (trainer/plan/preflight.py)
     in this process before torchrun starts, as `python -m trainer.config --check` runs them,
-    without a second interpreter importing torch (~2.5 s of CPU per launch). `argv` is
-    torchrun's, `--nproc_per_node ''` asking for the default ranks (every visible GPU, else 2
-    on CPU). Returns it with the ranks filled in, or the exit code of a refused launch, whose
-    one line is printed (or 0 after `--help`'s reference). Also shares the cores out between the ranks (OMP_NUM_THREADS, where
-    unset; torchrun would force 1)."""
+    without a second interpreter importing torch (~2.5 s of CPU per launch).
+
+    `argv` is torchrun's as run_train.sh writes it: `--nnodes N --nproc_per_node K ...`, then
+    `-m trainer.train` and the trainer's arguments; K '' asks for the default ranks (every
+    visible GPU, else 2 on CPU). Returns it with the ranks filled in, or the exit code of a
+    refused launch, whose one line is printed (or 0 after `--help`'s reference). Also shares
+    the cores out between the ranks (OMP_NUM_THREADS, where unset; torchrun would force 1).
+    Torch is imported by now, so only torch's own pools follow it (the forked ranks call
+    torch.set_num_threads); the trainer runs no numpy BLAS that would read it at load."""
     from trainer.config.job import check_launch, reference
     from trainer.errors import UserError
     from trainer.plan.preflight import LAUNCH_CHECKS
 
-    module = argv.index("-m")  # torchrun's options, then `-m trainer.train` and its arguments
-    opts = argv[:module]
-    if {"--help", "-h"} & set(argv[module + 2:]):  # ./run_train.sh --help: every config key
-        print(reference())
-        return 0
-    nproc = opts.index("--nproc_per_node") + 1
-    nnodes = opts[opts.index("--nnodes") + 1] if "--nnodes" in opts else "1"
     try:
-        ranks = check_launch([*argv[module + 2:], "--nnodes", nnodes,
+        module = argv.index("-m")  # torchrun's options, then `-m trainer.train` and its args
+        opts, trainer_args = argv[:module], argv[module + 2:]
+        nproc = opts.index("--nproc_per_node") + 1
+        if {"--help", "-h"} & set(trainer_args):  # ./run_train.sh --help: every config key
+            print(reference())
+            return 0
+        nnodes = opts[opts.index("--nnodes") + 1] if "--nnodes" in opts else "1"
+        ranks = check_launch([*trainer_args, "--nnodes", nnodes,
                               "--nproc-per-node", opts[nproc]], LAUNCH_CHECKS)
+    except (ValueError, IndexError):
+        print("error: trainer.launch --check takes run_train.sh's arguments: --nproc_per_node "
+              "K (K may be '') and -m trainer.train ARGS", file=sys.stderr, flush=True)
+        return USER_ERROR_EXIT_CODE
     except UserError as e:
         print(e.one_line(), file=sys.stderr, flush=True)
         return e.exit_code
     if not os.environ.get("OMP_NUM_THREADS"):
-        os.environ["OMP_NUM_THREADS"] = str(max(len(os.sched_getaffinity(0)) // ranks, 1))
+        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else \
+            os.cpu_count() or 1
+        os.environ["OMP_NUM_THREADS"] = str(max(cores // ranks, 1))
     return [*opts[:nproc], str(ranks), *opts[nproc + 1:], *argv[module:]]
 
 
@@ -411,6 +421,9 @@ if __name__ == "__main__":
     # Everything has ended and been reported: skip the interpreter's teardown (freeing torch's
     # modules took 0.8 s of every launch on a 2-core machine).
     logging.shutdown()
-    sys.stdout.flush()
-    sys.stderr.flush()
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (AttributeError, OSError):  # closed (>&-) or gone: nothing left to lose
+            pass
     os._exit(code)

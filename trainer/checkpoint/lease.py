@@ -118,7 +118,8 @@ def refusal(folder: str, holder: Holder, timeout: float) -> LeaseHeld:
 
 
 def check_free(folder: str, timeout: float, env=os.environ) -> None:
-    """Before a launch (trainer.config --check): refuse at once if a live run holds the folder.
+    """Before a launch (trainer/plan/preflight.py): refuse at once if a live run holds the
+    folder.
     Read-only; the run itself takes the lease (Lease.acquire)."""
     holder = read(os.path.join(folder, LEASE_FILE))
     job = job_id(env) if env.get("SLURM_JOB_ID") else None
