@@ -16,6 +16,7 @@ Two moments use this module:
 
 from __future__ import annotations
 
+import functools
 import os
 import shutil
 import subprocess
@@ -48,6 +49,13 @@ def visible_gpus() -> tuple[int, str]:
     smi = shutil.which("nvidia-smi")
     if smi is None:
         return 0, "no nvidia-smi on PATH"
+    return _listed_gpus(smi)
+
+
+@functools.lru_cache(maxsize=None)
+def _listed_gpus(smi: str) -> tuple[int, str]:
+    """`nvidia-smi --list-gpus`, once per process and binary: a launch asks up to four times
+    (the ranks, the RAM and memory checks, the fork decision)."""
     try:
         out = subprocess.run([smi, "--list-gpus"], capture_output=True, text=True, timeout=30)
     except (OSError, subprocess.SubprocessError) as e:
