@@ -11,7 +11,7 @@ trainer's own per-step times (TensorBoard) after the warm-up. The bubble column 
 model's (trainer/parallel/pp_layout.py `bubble_fraction`: equal stages, free p2p); the
 "efficiency" column is the baseline's step time / the schedule's: 1.0 would be a pipeline with
 no bubble and free communication. On CPU, gloo's p2p copies and 2 cores shared by 4 processes
-weigh more than on GPUs, where PP pays off across nodes (README: pipeline parallelism).
+weigh more than on GPUs, where PP pays off across nodes (docs/parallelism.md: pipeline parallelism).
 """
 
 from __future__ import annotations

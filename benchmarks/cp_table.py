@@ -5,9 +5,9 @@ bf16, fused AdamW, block_causal (FlexAttention's block mask on CUDA).
 
     python benchmarks/cp_table.py [--gpu h100]
 
-Prints a Markdown table (the README's context-parallel table): for each cp, the longest
-multiple of 8,192 tokens whose planned peak plus the reserve fits the GPU, the peak there, and
-the K/V all-gather volume per step. Analytic: no tensor is allocated; under a minute.
+Prints a Markdown table (the context-parallel table of docs/parallelism.md): for each cp, the
+longest multiple of 8,192 tokens whose planned peak plus the reserve fits the GPU, the peak
+there, and the K/V all-gather volume per step. Analytic: no tensor is allocated; under a minute.
 """
 
 from __future__ import annotations

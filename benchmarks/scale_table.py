@@ -5,7 +5,7 @@ this one CPU process; nothing is allocated.
 
     python benchmarks/scale_table.py [--quick]     # --quick: the four intended sizes only
 
-Prints a Markdown table (the README's "At scale" table) and how long each trace took.
+Prints a Markdown table (the "At scale" table of docs/plan.md) and how long each trace took.
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """When tensor parallelism pays off: the memory plan and per-step communication of FSDP-only
 against TP 2/4/8 x FSDP, for Llama 8B and 70B on 8 to 128 H100s (nodes of 8). Prints the
-Markdown table of README.md's section "When tensor parallelism pays off".
+Markdown table of docs/parallelism.md's section "When tensor parallelism pays off".
 
     python benchmarks/tp_plan_table.py [--gpus 8 16 32 64 128] [--tp 1 2 4 8] [--mfu 0.4]
 

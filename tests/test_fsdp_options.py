@@ -15,7 +15,8 @@ import sys
 import pytest
 
 from tests.helpers import REPO, subprocess_env, torchrun
-from trainer.config.job import load_config, main as config_main
+from trainer.config.__main__ import main as config_main
+from trainer.config.job import load_config
 from trainer.plan.memory import memory_plan
 from trainer.plan.host import pinned
 

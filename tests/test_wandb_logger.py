@@ -11,7 +11,8 @@ import torch
 
 from tests.helpers import (scalars, wandb_launches, wandb_offline_env, wandb_or_skip,
                            wandb_series)
-from trainer.config.job import JobConfig, main as config_main
+from trainer.config.__main__ import main as config_main
+from trainer.config.job import JobConfig
 from trainer.errors import ConfigError
 from trainer.observe.metrics import MetricsProcessor
 from trainer.models.llama import model_args

@@ -342,7 +342,8 @@ def check_first(argv: list[str]) -> list[str] | int:
     the cores out between the ranks (OMP_NUM_THREADS, where unset; torchrun would force 1).
     Torch is imported by now, so only torch's own pools follow it (the forked ranks call
     torch.set_num_threads); the trainer runs no numpy BLAS that would read it at load."""
-    from trainer.config.job import check_launch, reference
+    from trainer.config.job import check_launch
+    from trainer.config.reference import text as reference
     from trainer.errors import UserError
     from trainer.plan.preflight import LAUNCH_CHECKS
 

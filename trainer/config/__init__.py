@@ -2,7 +2,8 @@
 
 - `base.py`: field checks, coercion and CLI parsing shared by every section;
 - `sections.py`: one dataclass per TOML section (job, model, training, ...);
-- `job.py`: `JobConfig`, loading, cross-section checks, saving; `python -m trainer.config` (the
-  launchers' `--check`, `--help`) is `__main__.py`.
+- `job.py`: `JobConfig`, loading, cross-section checks, saving;
+- `reference.py`: every key with its type, default and doc (`--help`, docs/config.md);
+- `__main__.py`: `python -m trainer.config` (the launchers' `--check`, `--help`).
 """
 

@@ -7,7 +7,7 @@ world size) raises `ConfigError` here, before any process group exists that coul
 
     python -m trainer.config --check --world-size 4 --job.config_file configs/debug_model.toml
     python -m trainer.config --check --nnodes 1 --nproc-per-node "$NGPU" ...   # prints ranks/node
-    python -m trainer.config --help      # the reference of every key
+    python -m trainer.config --help      # the reference of every key (reference.py)
 """
 
 from __future__ import annotations
@@ -19,13 +19,13 @@ import typing
 from dataclasses import dataclass, field
 
 from trainer.config.base import (check_field, coerce, did_you_mean, from_cli, parse_cli,
-                                  toml_value, type_name)
+                                  toml_value)
 from trainer.optim.batch_schedule import check_ramp
 from trainer.config.sections import (  # noqa: F401  (also importable from here)
     ActivationCheckpoint, Checkpoint, Comm, Compile, Health, Job, LRScheduler,
     Metrics, Model, MoE, Optimizer, Parallelism, Profiling, Training, Validation)
 from trainer.data.config import DataConfig
-from trainer.errors import ConfigError, UserError
+from trainer.errors import ConfigError
 from trainer.evals.config import Eval
 from trainer.parallel.float8 import Float8, check_config as check_float8
 from trainer.models.args import model_args
@@ -270,28 +270,6 @@ def _field_type(cfg: JobConfig, section: str, name: str):
     return typing.get_type_hints(type(getattr(cfg, section)))[name]
 
 
-def reference() -> str:
-    """The config reference: every key with its type, default and doc."""
-    cfg, lines = JobConfig(), []
-    for section in sections(cfg):
-        lines.append(f"[{section}]")
-        obj = getattr(cfg, section)
-        hints = typing.get_type_hints(type(obj))
-        for f in dataclasses.fields(obj):
-            lines.append(f"  {f.name} ({type_name(hints[f.name])}, default "
-                         f"{toml_value(getattr(obj, f.name))}): {f.metadata.get('help', '')}")
-            args = typing.get_args(hints[f.name])
-            if args and dataclasses.is_dataclass(args[0]):  # [[section.key]] tables
-                table = args[0]
-                for sub, tp in typing.get_type_hints(table).items():
-                    g = table.__dataclass_fields__[sub]
-                    default = g.default if g.default is not dataclasses.MISSING \
-                        else g.default_factory()
-                    lines.append(f"    {sub} ({type_name(tp)}, default {toml_value(default)}): "
-                                 f"{g.metadata.get('help', '')}")
-    return "\n".join(lines)
-
-
 def _take(args: list[str], flag: str) -> str | None:
     """Remove `flag VALUE` from args and return VALUE (None when absent)."""
     if flag not in args:
@@ -336,22 +314,3 @@ def _positive(flag: str, value: str) -> int:
     if not (value.isascii() and value.isdigit() and int(value) >= 1):
         raise ConfigError(f"{flag} = {value!r} is not a positive integer")
     return int(value)
-
-
-def main(argv: list[str], checks=()) -> int:
-    """`--help` prints the reference; `--check ...` validates a launch up front (check_launch,
-    then each of `checks` on the config) and prints the ranks per node when `--nproc-per-node`
-    is given."""
-    if "--help" in argv or "-h" in argv:
-        print(reference())
-        return 0
-    args = [a for a in argv if a != "--check"]
-    try:
-        ranks = check_launch(args, checks)
-    except UserError as e:
-        print(e.one_line(), file=sys.stderr)
-        return e.exit_code
-    if ranks is not None:
-        print(ranks)
-    return 0
-

@@ -26,6 +26,8 @@ SPIKE_ACTIONS = ("log", "skip", "rollback")
 
 @dataclass
 class Job:
+    """The run as a whole: where it writes, its seed, the signals that stop it (docs/running.md)."""
+
     config_file: str = opt("", "TOML file this config was loaded from (set with --job.config_file)")
     dump_folder: str = opt("./outputs", "Folder for the effective config, checkpoints and TensorBoard")
     description: str = opt("", "Free-text description of the run")
@@ -33,7 +35,7 @@ class Job:
     stop_signals: list[str] = opt(["SIGTERM", "SIGUSR1", "SIGINT"],
                                   "Signals that make every rank save at the next step and exit 3")
     lease_timeout_seconds: int = opt(120, "Seconds without a heartbeat after which another run may "
-                                     "take over this dump folder's lease (README: Security)",
+                                     "take over this dump folder's lease (docs/security.md)",
                                      min=5)
 
     def validate(self) -> None:
@@ -48,13 +50,16 @@ class Job:
 
 @dataclass
 class Model:
+    """The architecture: family, flavor (size), vocabulary, attention mask and kernel
+    (docs/data.md for documents, docs/moe.md for the MoE flavors)."""
+
     name: str = opt("llama3", "Model family", choices=("llama3",))
     flavor: str = opt("debugmodel", "Model size: debugmodel, debugmodel-tiny, debugmodel-3.2, 1B, llama3.2-1B, llama3.2-3B, 8B, 70B, 405B, llama3.1-8B, llama3.1-70B (RoPE-scaled, for long context); mixtures of experts: debugmodel-moe, debugmodel-moe-shared, qwen3-30b-a3b")
     vocab_size: int = opt(0, "Model vocab; 0 = the tokenizer's, padded to vocab_size_multiple_of", min=0)
     vocab_size_multiple_of: int = opt(64, "Pad the model vocab up to a multiple of this", min=1)
     attn_mask_type: str = opt("causal", "causal: every earlier token of the window; block_causal: "
                               "only earlier tokens of the same document (documents from the "
-                              "data's BOS/EOS; README: Documents in packed windows)",
+                              "data's BOS/EOS; docs/data.md)",
                               choices=ATTN_MASK_TYPES)
     positions: str = opt("sequence", "RoPE positions: sequence (0..seq_len-1 across the window) "
                          "or document (restart at 0 at each document; needs block_causal)",
@@ -80,6 +85,8 @@ class Model:
 
 @dataclass
 class Optimizer:
+    """AdamW and its hyperparameters (docs/training.md)."""
+
     name: str = opt("AdamW", "Optimizer", choices=("AdamW", "Adam"))
     lr: float = opt(8e-4, "Peak learning rate", min=0.0)
     beta1: float = opt(0.9, "Adam beta1, in [0, 1)", min=0.0, max=1.0)
@@ -99,7 +106,8 @@ class Optimizer:
 
 @dataclass
 class LRScheduler:
-    """The lr of every step: the formula is in trainer/optim/lr_schedule.py (and README)."""
+    """The lr of every step: warmup, stable, decay; the formula is in
+    trainer/optim/lr_schedule.py and docs/training.md."""
 
     warmup_steps: int = opt(200, "Linear warmup: step s <= warmup_steps trains at "
                             "optimizer.lr * s / (warmup_steps + 1)", min=0)
@@ -139,7 +147,8 @@ class LRScheduler:
 
 @dataclass
 class MoE:
-    """Mixture-of-experts training knobs (the flavor fixes the experts' shape)."""
+    """Mixture-of-experts training knobs: routing, capacity, balancing and aux losses; the
+    flavor fixes the experts' shape (docs/moe.md)."""
 
     load_balance_coeff: float = opt(
         1e-3, "Aux-loss-free balancing (DeepSeek-V3): after each optimizer step every expert's "
@@ -157,6 +166,9 @@ class MoE:
 
 @dataclass
 class Training:
+    """The step: batch sizes, sequence length, steps, loss, precision, device, clipping, spikes
+    (docs/training.md, docs/running.md)."""
+
     local_batch_size: int = opt(8, "Sequences per microbatch per data-parallel rank", min=1)
     global_batch_size: int = opt(-1, "Sequences per optimizer step; -1 = local_batch_size * dp size")
     seq_len: int = opt(2048, "Tokens per sequence", min=1)
@@ -219,6 +231,8 @@ class Training:
 
 @dataclass
 class Validation:
+    """Held-out loss every freq steps (docs/evals.md)."""
+
     enable: bool = opt(False, "Evaluate the held-out split every freq steps and at the last step")
     freq: int = opt(500, "Evaluate every this many steps", min=1)
     steps: int = opt(10, "Validation batches of global_batch_size samples per evaluation", min=1)
@@ -235,6 +249,9 @@ class Validation:
 
 @dataclass
 class Parallelism:
+    """The layout of the world: FSDP/HSDP degrees, tensor, context, pipeline and expert
+    parallelism (docs/parallelism.md, docs/moe.md)."""
+
     data_parallel_shard_degree: int = opt(-1, "FSDP shard group size; -1 = the rest of the world")
     data_parallel_replicate_degree: int = opt(1, "HSDP replica groups (e.g. nodes)", min=1)
     fsdp_reshard_after_forward: str = opt(
@@ -312,6 +329,8 @@ def _is_int(value: str) -> bool:
 
 @dataclass
 class ActivationCheckpoint:
+    """Which activations are recomputed in backward instead of kept (docs/performance.md)."""
+
     mode: str = opt("none", "Recompute activations in backward: none, full (every block), selective",
                     choices=("none", "full", "selective"))
     selective_ac_option: str = opt(
@@ -330,11 +349,16 @@ class ActivationCheckpoint:
 
 @dataclass
 class Compile:
+    """torch.compile of the transformer blocks (docs/performance.md)."""
+
     enable: bool = opt(False, "torch.compile each transformer block (after AC, before FSDP)")
 
 
 @dataclass
 class Checkpoint:
+    """Distributed Checkpoint saves, resumes, integrity and Hugging Face output
+    (docs/checkpoints.md)."""
+
     enable: bool = opt(False, "Save Distributed Checkpoints and resume from them")
     folder: str = opt("checkpoint", "Checkpoint folder, relative to job.dump_folder")
     interval: int = opt(500, "Save every this many steps (and at the last step)", min=1)
@@ -356,7 +380,7 @@ class Checkpoint:
                              choices=("stop", "continue"))
     allow_pickle: bool = opt(False, "Load checkpoints whose metadata names classes outside DCP's "
                              "own (older torch versions): a pickle can run code, so only for "
-                             "checkpoints you wrote yourself (README: Security)")
+                             "checkpoints you wrote yourself (docs/security.md)")
 
     def validate(self) -> None:
         if self.load_step != -1 and not self.enable:
@@ -371,6 +395,8 @@ class Checkpoint:
 
 @dataclass
 class Metrics:
+    """What is logged where: the console, TensorBoard, Weights & Biases (docs/metrics.md)."""
+
     log_freq: int = opt(10, "Log metrics every this many steps", min=1)
     enable_tensorboard: bool = opt(True, "Write TensorBoard events on rank 0")
     save_tb_folder: str = opt("tb", "TensorBoard folder, relative to job.dump_folder")
@@ -388,6 +414,8 @@ class Metrics:
 
 @dataclass
 class Profiling:
+    """torch.profiler traces and memory snapshots (docs/metrics.md)."""
+
     enable_profiling: bool = opt(False, "Record torch.profiler traces")
     save_traces_folder: str = opt("profile_traces", "Trace folder, relative to job.dump_folder")
     profile_freq: int = opt(10, "Trace one step every this many steps", min=1)
@@ -397,6 +425,8 @@ class Profiling:
 
 @dataclass
 class Comm:
+    """Process-group timeouts: setup and the first step, then every step (docs/faults.md)."""
+
     init_timeout_seconds: int = opt(300, "Timeout of process-group setup and the first step", min=1,
                                     max=7 * 24 * 3600)
     train_timeout_seconds: int = opt(100, "Timeout of each collective during training", min=1,
@@ -405,6 +435,8 @@ class Comm:
 
 @dataclass
 class Health:
+    """Heartbeats, hangs, restarts and stragglers (docs/faults.md)."""
+
     heartbeat_seconds: float = opt(1.0, "Each rank publishes its step and phase this often; a "
                                    "timed-out collective names the ranks whose heartbeat stopped "
                                    "(0 = off)", min=0.0, max=3600.0)

@@ -43,6 +43,9 @@ class MixSource:
 
 @dataclass
 class DataConfig:
+    """Where the tokens come from: the source or blend, the tokenizer, the token store,
+    documents (docs/data.md)."""
+
     dataset: str = opt("stdlib", "Source: 'stdlib' (Python stdlib .py files, no download), "
                        "'synthetic', a HF hub name, or json/parquet/text/csv with data_files")
     data_files: list[str] = opt([], "Local files or globs for json/parquet/text/csv datasets; "
@@ -74,7 +77,7 @@ class DataConfig:
         "document's last position (the BOS after an EOS; with add_bos = false the first text "
         "token); false masks those targets out of the loss (Megatron's eod_mask_loss)")
     mix: list[MixSource] = opt([], "A blend of token stores: [[data.mix]] tables with name, "
-                               "store_path, weight (README: Blending sources)")
+                               "store_path, weight (docs/data.md)")
     mix_weights: list[str] = opt([], "Override the mix weights: name=weight,... (e.g. "
                                  "web=0.6,code=0.4); sources not named keep theirs")
 

@@ -32,7 +32,7 @@ from trainer.data.order import permute_many, window_of_sample
 from trainer.data.store import read_rows
 from trainer.errors import DataError
 
-MIX_HINT = "see README, Blending sources"
+MIX_HINT = "see docs/data.md, Blending sources"
 
 
 def source_seed(seed: int, name: str) -> int:

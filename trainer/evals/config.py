@@ -45,6 +45,8 @@ class HFTask:
 
 @dataclass
 class Eval:
+    """Downstream multiple-choice evals in the loop (docs/evals.md)."""
+
     enable: bool = opt(False, "Score multiple-choice tasks (acc, acc_norm by log-likelihood, as "
                        "lm-evaluation-harness does) every freq steps and at the last step")
     freq: int = opt(500, "Evaluate every this many steps", min=1)

@@ -23,6 +23,8 @@ INSTALL_HINT = 'pip install -e ".[float8]"'
 
 @dataclass
 class Float8:
+    """float8 training of the blocks' linear layers on CUDA (docs/performance.md)."""
+
     enable: bool = opt(False, "Train the blocks' linear layers in float8 (torchao Float8Linear; "
                        "CUDA sm >= 89, torchao)")
     recipe: str = opt("tensorwise", "Scaling: tensorwise (one scale per tensor) or rowwise",

@@ -30,7 +30,7 @@ class Schedule:
     stages_per_rank: int | None  # 1, exactly 2 (V), or None: any number >= 2 (interleaved)
     style: str  # "loop": stage s on rank s % pp; "v": the V shape
     min_microbatches: str  # "none", "pp" (>= pp) or "stages" (>= the number of stages)
-    cost: str  # one line for the README and the plan
+    cost: str  # one line for docs/parallelism.md and the plan
     split_backward: bool = False  # input and weight gradients in separate passes (zero bubble)
 
 
