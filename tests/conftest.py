@@ -1,7 +1,14 @@
 import importlib.util
 import os
 
-import pytest
+# Two xdist workers share the cores with the ranks they launch, so thread pools oversubscribe
+# them. An idle OpenMP thread (libgomp, torch's intra-op pool) spins by default: under
+# oversubscription it burns the core another process is waiting for. Passive waiting changes
+# no result and no solo timing; two concurrent 1-rank runs went from 17 s to 7 s here
+# (docs/development.md). Set before torch is imported, so the workers and every launch inherit it.
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
+import pytest  # noqa: E402
 
 # The GPU machines have no Hugging Face `datasets`: what reads text/json/hub data through it skips
 # there (marked needs_datasets); everything else runs.

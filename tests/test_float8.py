@@ -6,7 +6,8 @@ import importlib.util
 import pytest
 import torch
 
-from trainer.config.job import load_config, main
+from trainer.config.__main__ import main
+from trainer.config.job import load_config
 from trainer.errors import ConfigError
 from trainer.parallel.float8 import check_device
 

@@ -47,7 +47,7 @@ def test_bad_input_is_one_line(tmp_path, case):
 def test_help_prints_every_config_key_and_starts_nothing(tmp_path):
     """`./run_train.sh --help`: the config reference (the keys `python -m trainer.config --help`
     lists), exit 0, no run (it used to become NGPU in the shell and fail)."""
-    from trainer.config.job import reference
+    from trainer.config.reference import text as reference
 
     proc = run_train(tmp_path / "out", "--help", nproc=None, timeout=60)
     assert proc.stdout.strip() == reference().strip() and proc.stderr == ""

@@ -241,6 +241,21 @@ def _init_std(name: str, args: ModelArgs) -> float | None:
     return 0.02
 
 
+def trunc_normal(t: torch.Tensor, std: float, gen: torch.Generator) -> torch.Tensor:
+    """N(0, std^2) truncated to +-3 std, by the inverse CDF: one uniform draw, erfinv, scale.
+
+    torch 2.13's `nn.init.trunc_normal_` resamples the out-of-range values in a loop that draws
+    a whole new tensor each round (8M values: 0.54 s against 0.09 s here, on one CPU thread),
+    and its algorithm differs between torch versions; this one is a single pass whose values
+    do not depend on torch's choice.
+    """
+    def cdf(x: float) -> float:  # the standard normal's, computed as torch <= 2.11 did
+        return (1.0 + math.erf(x / math.sqrt(2.0))) / 2.0
+
+    t.uniform_(2 * cdf(-3.0) - 1, 2 * cdf(3.0) - 1, generator=gen)
+    return t.erfinv_().mul_(std * math.sqrt(2.0)).clamp_(min=-3 * std, max=3 * std)
+
+
 def _fill(param: torch.Tensor, name: str, seed: int, std: float | None) -> None:
     """Fill the full logical tensor from (seed, name), then keep this rank's shard of it."""
     from torch.distributed.tensor import DTensor, distribute_tensor
@@ -256,7 +271,7 @@ def _fill(param: torch.Tensor, name: str, seed: int, std: float | None) -> None:
     else:
         gen = torch.Generator(device=where)
         gen.manual_seed(seed * 1_000_003 + zlib.crc32(name.encode()))
-        nn.init.trunc_normal_(full, mean=0.0, std=std, a=-3 * std, b=3 * std, generator=gen)
+        trunc_normal(full, std, gen)
     if is_dt:
         full = distribute_tensor(full, param.device_mesh, param.placements,
                                  src_data_rank=None).to_local()
