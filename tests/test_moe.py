@@ -4,7 +4,8 @@ In one process: grouped GEMMs equal the per-expert loop and a token-by-token ref
 skewed router still computes every token (dropless) with gradients to every input, a capacity
 factor drops and counts the overflow, the balancing bias moves toward balance, the flavors
 have their released sizes, and Qwen3MoeForCausalLM round-trips with transformers (equal
-logits both ways). Through run_train.sh, debugmodel-moe with aux and router z-losses: FSDP 2
+logits both ways). Through run_train.sh, debugmodel-moe-narrow (its layout at dim 64) with
+aux and router z-losses: FSDP 2
 and 2 replicas give the 1-rank losses, gradient norms and expert loads, the balancing bias
 moves alike everywhere and is in the checkpoint, and a resume is bitwise."""
 
@@ -250,7 +251,9 @@ def test_another_architecture_is_one_config_error(tmp_path):
 
 # ------------------------------------------------------------------------------ end to end
 
-COMMON = ("--training.device", "cpu", "--model.flavor", "debugmodel-moe", "--training.seq_len",
+# debugmodel-moe's layout at dim 64: what these runs check does not depend on the width
+NARROW = "debugmodel-moe-narrow"
+COMMON = ("--training.device", "cpu", "--model.flavor", NARROW, "--training.seq_len",
           "64", "--training.local_batch_size", "2", "--training.global_batch_size", "8",
           "--training.mixed_precision_param", "float32", "--metrics.log_freq", "1",
           "--lr_scheduler.warmup_steps", "2", "--lr_scheduler.min_lr_factor", "1.0",
@@ -385,10 +388,12 @@ def test_experts_are_saved_whole_under_ep(moe_runs):
 
     saved = load_dcp_tensors(moe_runs / "ep2_fsdp2" / "checkpoint" / "step-5")
     ref = load_dcp_tensors(moe_runs / "ref" / "checkpoint" / "step-5")
+    args = FLAVORS[NARROW]
+    experts, width, dim = args.moe.n_experts, args.moe.hidden_dim, args.dim  # 8, 96, 64
     for name in ("w1", "w2", "w3"):
         key = f"model_optim.model.layers.3.feed_forward.experts.{name}"
         assert saved[key].shape == ref[key].shape == (
-            (8, 352, 256) if name != "w2" else (8, 256, 352))
+            (experts, width, dim) if name != "w2" else (experts, dim, width))
         torch.testing.assert_close(saved[key], ref[key], atol=1e-4, rtol=0)
 
 
@@ -406,7 +411,7 @@ def test_a_trained_checkpoint_exports_to_transformers(moe_runs, tmp_path, capsys
     convert(ckpt, tmp_path / "hf", "--dtype", "float32")
     assert "balancing bias" not in capsys.readouterr().out
     shapes = saved_shapes(str(ckpt))
-    ours = trainer_model("debugmodel-moe", dcp_fetch(str(ckpt), shapes)(list(shapes)), 64)
+    ours = trainer_model(NARROW, dcp_fetch(str(ckpt), shapes)(list(shapes)), 64)
     theirs = Qwen3MoeForCausalLM.from_pretrained(tmp_path / "hf", dtype=torch.float32).eval()
     tokens = torch.randint(0, theirs.config.vocab_size, (2, 64),
                            generator=torch.Generator().manual_seed(0))
@@ -459,7 +464,7 @@ def test_ep_is_dropless_under_a_skewed_router():
 @pytest.mark.parametrize("args, needle", [
     (("--model.flavor", "debugmodel", "--moe.capacity_factor", "1.25"),
      "moe.capacity_factor is set, but model.flavor 'debugmodel' has no experts; MoE flavors: "
-     "debugmodel-moe, debugmodel-moe-shared, qwen3-30b-a3b"),
+     "debugmodel-moe, debugmodel-moe-narrow, debugmodel-moe-shared, qwen3-30b-a3b"),
     (("--model.flavor", "debugmodel", EP, "2"),
      "parallelism.expert_parallel_degree = 2 is set, but model.flavor 'debugmodel' has no "
      "experts"),

@@ -1,5 +1,5 @@
 """Pipeline parallelism (trainer/parallel/pipeline.py, pp_layout.py) on CPU ranks: gloo, fp32,
-the debug model (6 layers) at seq 64.
+the debug model's 6 layers and heads at dim 64 (debugmodel-narrow), seq 64.
 
 Through run_train.sh, 5 steps with a z-loss and validation at step 5: on 4 ranks, PP 2 x FSDP 2
 (1F1B), PP 2 x TP 2, PP 2 x FSDP 2 with Interleaved1F1B (2 stages per rank), PP 4 with
@@ -32,7 +32,8 @@ from trainer.parallel.pipeline import _SAME_RANK_STAGES
 V = "ZBVZeroBubble" if _SAME_RANK_STAGES else "Interleaved1F1B"
 
 PP, SCHED = "--parallelism.pipeline_parallel_degree", "--parallelism.pipeline_parallel_schedule"
-COMMON = ("--training.device", "cpu", "--model.flavor", "debugmodel", "--training.seq_len", "64",
+# the debug model's 6 layers and heads at dim 64 (debugmodel-narrow): the layouts, not the width
+COMMON = ("--training.device", "cpu", "--model.flavor", "debugmodel-narrow", "--training.seq_len", "64",
           "--training.local_batch_size", "2", "--training.global_batch_size", "8",
           "--training.mixed_precision_param", "float32", "--metrics.log_freq", "1",
           "--lr_scheduler.warmup_steps", "2", "--lr_scheduler.min_lr_factor", "1.0",
@@ -142,7 +143,7 @@ def test_hf_export_and_generation_read_a_pp_checkpoint(runs, tmp_path):
         assert max(float((got[k] - want[k]).abs().max()) for k in want) <= 1e-4, name
 
 
-ROLLBACK = ("--training.device", "cpu", "--model.flavor", "debugmodel", "--training.seq_len",
+ROLLBACK = ("--training.device", "cpu", "--model.flavor", "debugmodel-narrow", "--training.seq_len",
             "64", "--training.local_batch_size", "2", "--training.global_batch_size", "4",
             "--training.mixed_precision_param", "float32", "--data.dataset", "synthetic",
             "--metrics.log_freq", "1", "--training.spike_window", "3",

@@ -6,11 +6,14 @@ c10d rendezvous and environment (RANK, WORLD_SIZE, ...) as under torchrun.
     python tests/scripts/forkrun.py NPROC SCRIPT [ARGS ...]
 """
 
+import gc
 import os
 import runpy
 import sys
 import time
 import traceback
+
+gc.disable()  # while torch and the trainer import, as trainer.launch (enabled before the fork)
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")  # as torchrun sets it for several local ranks
 os.environ["CUDA_VISIBLE_DEVICES"] = ""  # CPU ranks: no CUDA before the fork (trainer.launch.hide_gpus)
@@ -20,6 +23,9 @@ import torch._dynamo  # noqa: E402,F401  (DTensor imports it at its first use)
 import trainer.train  # noqa: E402,F401  (every trainer module a probe may use)
 from trainer.launch import FAILED_RANK_GRACE_S  # noqa: E402
 from torch.distributed.launcher.api import LaunchConfig, elastic_launch  # noqa: E402
+
+gc.freeze()  # the ranks' collections leave the imported heap alone (trainer.launch.main)
+gc.enable()
 
 
 def rank(script: str, argv: list[str]) -> None:

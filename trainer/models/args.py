@@ -144,6 +144,11 @@ FLAVORS: dict[str, ModelArgs] = {
     # debug model (GQA, FSDP per block, DCP) at a fraction of its startup and step time.
     "debugmodel-tiny": ModelArgs(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=8192,
                                  multiple_of=32),
+    # The debug model's depth and heads (8 query, 4 KV: GQA) at dim 64: the layout tests' model
+    # (PP splits its 6 layers, TP 4 divides its KV heads) at a fraction of the weights to init,
+    # gather, reduce and save.
+    "debugmodel-narrow": ModelArgs(dim=64, n_layers=6, n_heads=8, n_kv_heads=4, vocab_size=8192,
+                                   multiple_of=32),
     # Mixtures of experts at about the debug model's active size: 4 blocks, the first dense,
     # 8 experts of width 352, top 2 (2 x 352 = the dense width 704). Qwen3-MoE's layout
     # (softmax router, q/k norms, no shared expert: exports to Qwen3MoeForCausalLM), and
@@ -152,6 +157,13 @@ FLAVORS: dict[str, ModelArgs] = {
                                 multiple_of=64, qk_norm=True, norm_eps=1e-6,
                                 moe=MoEArgs(n_experts=8, top_k=2, hidden_dim=352,
                                             first_dense_layers=1)),
+    # debugmodel-moe at dim 64 (the MoE layout tests' model): the same layout, experts of width 96
+    # (2 x 96 = the dense width 192).
+    "debugmodel-moe-narrow": ModelArgs(dim=64, n_layers=4, n_heads=8, n_kv_heads=4,
+                                       vocab_size=8192, multiple_of=32, qk_norm=True,
+                                       norm_eps=1e-6,
+                                       moe=MoEArgs(n_experts=8, top_k=2, hidden_dim=96,
+                                                   first_dense_layers=1)),
     "debugmodel-moe-shared": ModelArgs(
         dim=256, n_layers=4, n_heads=8, n_kv_heads=4, vocab_size=8192, multiple_of=64,
         moe=MoEArgs(n_experts=8, top_k=2, hidden_dim=352, n_shared_experts=1,
