@@ -89,6 +89,13 @@ def _cell(s: str) -> str:
     return s.replace("|", "\\|")
 
 
+TABLE_HEAD = ["| key | type | default | what it does |", "|---|---|---|---|"]
+
+
+def _row(k: Key) -> str:
+    return f"| `{k.name}` | `{_cell(k.type)}` | `{_cell(k.default)}` | {_linked(_cell(k.doc))} |"
+
+
 def markdown() -> str:
     """docs/config.md: a section per TOML table, a row per key."""
     all_keys, docs = keys(), section_docs()
@@ -102,23 +109,11 @@ def markdown() -> str:
            "`tests/test_docs.py` fails when this page is out of date. Do not edit it by hand.",
            "", "Sections: " + ", ".join(f"[`[{n}]`](#{n})" for n in names) + ".", ""]
     for name in names:
-        out += [f"## {name}", ""]
-        if docs.get(name):
-            out += [_linked(docs[name]), ""]
-        out += ["| key | type | default | what it does |", "|---|---|---|---|"]
-        tables = []
-        for k in all_keys:
-            if k.section != name:
-                continue
-            if k.table:
-                tables.append(k)
-                continue
-            out.append(f"| `{k.name}` | `{_cell(k.type)}` | `{_cell(k.default)}` | "
-                       f"{_linked(_cell(k.doc))} |")
-        for table in dict.fromkeys(k.table for k in tables):
-            out += ["", f"Each `[[{name}.{table}]]` entry:", "",
-                    "| key | type | default | what it does |", "|---|---|---|---|"]
-            out += [f"| `{k.name}` | `{_cell(k.type)}` | `{_cell(k.default)}` | {_linked(_cell(k.doc))} |"
-                    for k in tables if k.table == table]
+        own = [k for k in all_keys if k.section == name]
+        out += [f"## {name}", "", *([_linked(docs[name]), ""] if docs.get(name) else []),
+                *TABLE_HEAD, *(_row(k) for k in own if not k.table)]
+        for table in dict.fromkeys(k.table for k in own if k.table):  # [[section.table]] keys
+            out += ["", f"Each `[[{name}.{table}]]` entry:", "", *TABLE_HEAD,
+                    *(_row(k) for k in own if k.table == table)]
         out.append("")
     return "\n".join(out)
