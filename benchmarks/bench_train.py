@@ -29,6 +29,8 @@ from trainer.config.job import load_config
 from trainer.plan.memory import memory_plan
 
 GIB = 2**30
+LOSS = "loss_metrics/global_avg_loss"
+SAID = ("SDPA kernel:", "memory: step")  # the run's own lines worth repeating
 MEMORY_TAGS = ("memory/max_active(GiB)", "memory/max_reserved(GiB)", "memory/max_rss(GiB)")
 
 
@@ -59,12 +61,15 @@ def one_run(args) -> dict:
     with tempfile.TemporaryDirectory(prefix="bench_train_") as dump:
         fixed = ["--training.steps", str(args.steps), "--metrics.log_freq", "1",
                  "--metrics.enable_tensorboard", "true", "--checkpoint.enable", "false"]
-        _, wall = run_train(dump, fixed + args.overrides, ngpu=args.ngpu, config=args.config)
+        proc, wall = run_train(dump, fixed + args.overrides, ngpu=args.ngpu, config=args.config)
         kept = lambda tag: [v for s, v in sorted(tb_scalars(dump, tag).items())  # noqa: E731
                             if s > args.warmup]
         run = {"wall_s": wall, "step_s": kept("time_metrics/end_to_end(s)"),
                "tps": kept("throughput(tps)"), "mfu": kept("mfu(%)"),
-               "memory": {t: max(kept(t)) for t in MEMORY_TAGS if kept(t)}}
+               "memory": {t: max(kept(t)) for t in MEMORY_TAGS if kept(t)},
+               "losses": [v for _, v in sorted(tb_scalars(dump, LOSS).items())],
+               "said": [line for line in proc.stdout.splitlines()
+                        if line.startswith(SAID)]}
         run["cfg"] = load_config(["--job.config_file", os.path.join(dump, "config.toml")])
     return run
 
@@ -115,6 +120,10 @@ def main(argv: list[str]) -> int:
     runs = []
     for i in range(args.repeats):
         runs.append(one_run(args))
+        for line in runs[-1]["said"]:
+            print(f"run {i + 1}/{args.repeats} said: {line}")
+        print(f"run {i + 1}/{args.repeats} losses: "
+              + " ".join(f"{v:.4f}" for v in runs[-1]["losses"]))
         print(f"run {i + 1}/{args.repeats}: median step "
               f"{statistics.median(runs[-1]['step_s']):.4f} s, wall {runs[-1]['wall_s']:.1f} s",
               flush=True)

@@ -6,6 +6,7 @@
 #   benchmarks/gpu_suite.sh              # paths, moe, debug, 1b, 1b-flex, 3b and 8b
 #   benchmarks/gpu_suite.sh 1b           # one shape; STEPS=50 WARMUP=15 to change the run
 #   VARIANTS_1B="compile float8-rowwise" benchmarks/gpu_suite.sh 1b
+#   OUT=$OUT benchmarks/gpu_suite.sh ahead   # issue 50's levers and the side-by-side, ~9 min
 # 1b: compiled bf16 (production), eager, float8 tensorwise and rowwise; 1b-flex: block_causal
 # with FlexAttention and with SDPA on the stdlib corpus's documents; 3b: Llama 3.2 3B with and
 # without FSDP2 CPU offload; paths: every CUDA path's functional check (benchmarks/gpu_paths.py)
@@ -39,6 +40,7 @@ declare -A SHAPE=(
   [3b]=""
   [paths]=""
   [moe]=""
+  [ahead]=""
   [8b]="--model.flavor 8B $VOCAB --training.seq_len 4096 --training.local_batch_size 1 --activation_checkpoint.mode full --optimizer.implementation fused"
 )
 
@@ -112,13 +114,45 @@ run_big() {
   esac
 }
 
+ahead_bench() {  # ahead_bench LABEL OVERRIDES...: a 1B run; its output also to $LOGS/LABEL.log
+  local label=$1; shift
+  bench "$label" "${common[@]}" "$@" 2>&1 | tee "$LOGS/$label.log" | grep -E \
+    "said|losses|tokens/s|MFU|step time|max_active|FAILED|Error|error" | cut -c1-400
+}
+
+run_ahead() {  # issue 50: each lever against this trainer's baseline and torchtitan, one call
+  # shellcheck disable=SC2206
+  local common=($COMMON_1B) budget=${AHEAD_BUDGET:-520} b=${LOCAL_BATCH:-7} fit
+  LOGS=${OUT:-/tmp}/ahead; mkdir -p "$LOGS"
+  echo "=== ahead: $(nvidia-smi --query-gpu=name --format=csv,noheader) | torch $("$PYTHON" -c 'import torch;print(torch.__version__)')"
+  "$PYTHON" benchmarks/bench_sdpa.py --flavor 1B --batch "$b" --seq 4096 --repeats 10
+  # the new default (model.sdpa_backends auto: cuDNN first on Hopper), one step profiled
+  ahead_bench "1b-auto-b$b" --training.local_batch_size "$b" --profiling.enable_profiling true \
+    --profiling.profile_freq 15 --profiling.save_traces_folder /tmp/prof_auto
+  "$PYTHON" benchmarks/profile_summary.py /tmp/prof_auto/iteration_15/rank0_trace.json --top 12 \
+    | tee "$LOGS/profile_auto.txt" | head -30
+  if [ -d .tt ] && [ $SECONDS -lt $((budget - 330)) ]; then  # torchtitan's best batch (6)
+    OURS=" " TT="${TT_BATCHES:-6}" OUT=$LOGS bash .tt/side_by_side.sh 2>&1 | tail -3
+  fi
+  [ $SECONDS -lt $((budget - 240)) ] && ahead_bench "1b-flash-b$b" \
+    --training.local_batch_size "$b" --model.sdpa_backends flash,efficient,math
+  fit=$(sed -n 's/.*largest local_batch_size that fits [0-9]* GiB is \([0-9]*\).*/\1/p' \
+        "$LOGS/1b-auto-b$b.log" | head -1)
+  [ -n "$fit" ] && [ "$fit" != "$b" ] && [ $SECONDS -lt $((budget - 160)) ] && \
+    ahead_bench "1b-auto-b$fit" --training.local_batch_size "$fit"
+  [ $SECONDS -lt $((budget - 80)) ] && ahead_bench "1b-float8-b$b" \
+    --training.local_batch_size "$b" --float8.enable true --float8.recipe tensorwise
+  grep -h '"bench": "train"' benchmarks/results.jsonl | tail -6 > "$LOGS/results.jsonl"
+}
+
 GPU=$(gpu_kind)
 START=$(date +%Y-%m-%dT%H:%M:%S)
 shapes=("$@")
 [ ${#shapes[@]} -gt 0 ] || shapes=(paths moe debug 1b 1b-flex 3b 8b)
 for shape in "${shapes[@]}"; do
   [ -n "${SHAPE[$shape]+x}" ] || { echo "unknown shape $shape (paths, moe, debug, 1b, 1b-flex, 3b, 8b)"; exit 2; }
-  case "$shape" in 1b|1b-flex|3b|paths|moe) run_big "$shape"; continue ;; esac
+  case "$shape" in 1b|1b-flex|3b|paths|moe) run_big "$shape"; continue ;;
+    ahead) run_ahead; continue ;; esac
   echo "=== $shape: memory plan on $GPU"
   # shellcheck disable=SC2086
   plan=$("$PYTHON" -m trainer.plan --config "$CONFIG" --ngpu 1 --gpu "$GPU" $COMMON ${SHAPE[$shape]})

@@ -56,6 +56,10 @@ def test_cli_forms_and_types():
     ([], "[training]\nsteps = 3\nseq_len = \n", "TOML syntax error"),
     ([], "[training]\nsteps = 3\nseq_len = \n", "line 3"),
     ([], "[training]\nlocal_batch_size = true\n", "training.local_batch_size must be an int, got bool"),
+    (["--model.sdpa_backends", "cudnn,fash"], None,
+     "model.sdpa_backends = 'cudnn,fash': 'fash' is not a backend; use 'auto' or a "
+     "comma-separated order of cudnn, flash, efficient, math"),
+    (["--model.sdpa_backends", "math,flash,math"], None, "names a backend twice"),
 ])
 def test_errors_name_the_key(tmp_path, args, toml, needle):
     if toml is not None:

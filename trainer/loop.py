@@ -24,6 +24,7 @@ from trainer.health.spikes import act_on_spike, note_past_skips, pass_over, skip
 from trainer.health.stragglers import StragglerWatch
 from trainer.optim.batch_schedule import next_batch
 from trainer.parallel.float8 import after_optimizer_step
+from trainer.plan.measured import describe as describe_fit, measured_fit
 from trainer.step import StepResult, TrainStep
 
 AUX = "moe/aux_loss"  # MoE's weighted aux + router z-loss terms (trainer/models/moe.py)
@@ -62,6 +63,8 @@ class Loop:
         step = self.state.step
         stop_now, async_done, avg_loss, r = self.agree_at_step_end(r)
         log_step = step % self.cfg.metrics.log_freq == 0 or last or step == self.first_step
+        if step == self.first_step + 1:  # before the log resets the peaks
+            self.memory_fit(step)
         if log_step:
             self.log(r)
         if self.bad_step(r):
@@ -120,6 +123,17 @@ class Loop:
         self.metrics.log_scalars(step, {
             **loader.metrics(), "batch_metrics/global_batch_size": loader.global_batch_size,
             "batch_metrics/step_tokens": seq_len * loader.global_batch_size, **scalars})
+
+    def memory_fit(self, step: int) -> None:
+        """On a GPU, rank 0 says the largest local batch that fits by this step's measured
+        peak (trainer/plan/measured.py): compile keeps less than the eager plan counts.
+        Pipeline ranks hold different stages, so only runs without PP say it."""
+        if self.device.type != "cuda" or dist.get_rank() != 0 or self.train_step.pp > 1:
+            return
+        peak = torch.cuda.memory_stats(self.device).get("active_bytes.all.peak", 0)
+        gib = torch.cuda.get_device_properties(self.device).total_memory / 2**30
+        fit = measured_fit(self.cfg, dist.get_world_size(), peak, gib)
+        log0(describe_fit(self.cfg, step, peak, gib, fit))
 
     def bad_step(self, r: StepResult) -> bool:
         """A spike is skipped, rolled back (True) or stops the run; a non-finite step is

@@ -52,6 +52,7 @@ from trainer.models.attention import attention_args
 from trainer.models.llama import build_model, model_args
 from trainer.models.loss import build_loss, scoring_loss
 from trainer.models.moe import balance_experts
+from trainer.models.sdpa import setup as setup_sdpa
 from trainer.observe.metrics import MetricsProcessor
 from trainer.observe.profiling import StepProfiler
 from trainer.optim.batch_schedule import describe_ramp
@@ -111,6 +112,8 @@ def train(cfg: JobConfig) -> None:
     agree_on_user_errors(check_tp_shapes, args, parallel_dims.tp, cfg.model.flavor,
                          describe_vocab(cfg.model, loader.vocab_size))
     agree_on_user_errors(check_async_tp, cfg.parallelism, cfg.compile.enable, device.type)
+    sdpa_line = agree_on_user_errors(setup_sdpa, cfg.model.sdpa_backends, args, device,
+                                     precision.param, cfg.training.seq_len)
 
     model = parallelize(build_model(args), parallel_dims, cfg, device=device,
                         param_dtype=precision.param)
@@ -124,6 +127,7 @@ def train(cfg: JobConfig) -> None:
                                model_parallel=parallel_dims.model_parallel)
     with metrics:  # its sinks closed with the run's exit code (W&B records it)
         metrics.log_startup()
+        log0(sdpa_line)
         log0(f"data: {loader.describe()}")
         if cfg.training.rampup_batch_start:
             log0(describe_ramp(cfg.training, loader))

@@ -69,9 +69,15 @@ class Model:
         "(FlexAttention, compiled, one BlockMask per microbatch; CUDA only), sdpa (SDPA with "
         "an additive [batch, 1, seq, seq] mask) or per_document (one causal SDPA per document); "
         "causal always uses SDPA's causal kernel", choices=ATTN_IMPLEMENTATIONS)
+    sdpa_backends: str = opt("auto", "SDPA kernels to allow, in the order to try: auto (cuDNN "
+                             "first on Hopper GPUs, torch's order elsewhere) or a comma list "
+                             "of cudnn, flash, efficient, math (docs/performance.md)")
 
     def validate(self) -> None:
         from trainer.models.args import FLAVORS
+        from trainer.models.sdpa import parse
+
+        parse(self.sdpa_backends)
 
         if self.flavor not in FLAVORS:
             raise ConfigError(f"model.flavor = {self.flavor!r} is not valid; choose one of "
