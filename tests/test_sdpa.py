@@ -81,3 +81,31 @@ def test_the_model_computes_the_same_under_math_and_flash():
     (l1, g1), (l2, g2) = results
     assert abs(l1 - l2) < 1e-5
     assert max((x - y).abs().max().item() for x, y in zip(g1, g2)) < 1e-4
+
+
+PROBE = """
+import sys, torch, torch.nn.functional as F
+from trainer.models import sdpa
+sdpa.apply(sys.argv[1], torch.device("cpu"))
+g = torch.compile(lambda q: F.scaled_dot_product_attention(q, q, q, is_causal=True) * 2)
+q = torch.randn(1, 2, 16, 8)
+with torch.profiler.profile() as p:
+    g(q)
+print("flash" if any("flash" in e.name for e in p.events()) else "math")
+"""
+
+
+def test_a_warm_compile_cache_does_not_serve_another_orders_kernel(tmp_path):
+    """The SDPA kernel is traced into the compiled graph and torch's on-disk caches do not key
+    on the backend switches: without the order in the cache key, a math-only run, after a
+    flash run, was served the cached flash graph."""
+    import subprocess
+    import sys
+
+    from tests.helpers import subprocess_env
+
+    env = subprocess_env({"TORCHINDUCTOR_CACHE_DIR": str(tmp_path / "cache")})
+    runs = [subprocess.run([sys.executable, "-c", PROBE, spec], env=env, capture_output=True,
+                           text=True, timeout=300) for spec in ("flash", "math")]
+    assert [r.stdout.strip().splitlines()[-1] for r in runs] == ["flash", "math"], \
+        [r.stderr[-2000:] for r in runs]

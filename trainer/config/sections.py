@@ -2,8 +2,8 @@
 [training], ...): each field with its default, its one-line doc and its simple constraints
 (`opt`), and each section's own rules in `validate()`. Rules that span sections, the world size
 and the loading from TOML and the command line are in trainer/config/job.py; [data], [eval] and
-[float8] live with their code (trainer/data/config.py, trainer/evals/config.py,
-trainer/parallel/float8.py)."""
+[float8], [model] and [moe] live with their code (trainer/data/config.py,
+trainer/evals/config.py, trainer/parallel/float8.py, trainer/models/config.py)."""
 
 from __future__ import annotations
 
@@ -12,13 +12,12 @@ from dataclasses import dataclass
 
 from trainer.config.base import did_you_mean, opt
 from trainer.errors import STOP_SIGNALS, ConfigError
+from trainer.models.config import (ATTN_IMPLEMENTATIONS, ATTN_MASK_TYPES, POSITIONS,  # noqa: F401
+                                   Model, MoE)
 from trainer.optim.lr_schedule import DECAY_SHAPES, decay_steps
 
 
 DTYPES = ("bfloat16", "float32")
-ATTN_MASK_TYPES = ("causal", "block_causal")
-POSITIONS = ("sequence", "document")
-ATTN_IMPLEMENTATIONS = ("auto", "flex", "sdpa", "per_document")
 DEVICES = ("auto", "cpu", "cuda")
 
 SPIKE_ACTIONS = ("log", "skip", "rollback")
@@ -46,47 +45,6 @@ class Job:
             if name not in STOP_SIGNALS:
                 raise ConfigError(f"job.stop_signals has {name!r}; valid signals: "
                                   f"{', '.join(STOP_SIGNALS)}")
-
-
-@dataclass
-class Model:
-    """The architecture: family, flavor (size), vocabulary, attention mask and kernel
-    (docs/data.md for documents, docs/moe.md for the MoE flavors)."""
-
-    name: str = opt("llama3", "Model family", choices=("llama3",))
-    flavor: str = opt("debugmodel", "Model size: debugmodel, debugmodel-tiny, debugmodel-narrow, debugmodel-3.2, 1B, llama3.2-1B, llama3.2-3B, 8B, 70B, 405B, llama3.1-8B, llama3.1-70B (RoPE-scaled, for long context); mixtures of experts: debugmodel-moe, debugmodel-moe-narrow, debugmodel-moe-shared, qwen3-30b-a3b")
-    vocab_size: int = opt(0, "Model vocab; 0 = the tokenizer's, padded to vocab_size_multiple_of", min=0)
-    vocab_size_multiple_of: int = opt(64, "Pad the model vocab up to a multiple of this", min=1)
-    attn_mask_type: str = opt("causal", "causal: every earlier token of the window; block_causal: "
-                              "only earlier tokens of the same document (documents from the "
-                              "data's BOS/EOS; docs/data.md)",
-                              choices=ATTN_MASK_TYPES)
-    positions: str = opt("sequence", "RoPE positions: sequence (0..seq_len-1 across the window) "
-                         "or document (restart at 0 at each document; needs block_causal)",
-                         choices=POSITIONS)
-    attn_implementation: str = opt(
-        "auto", "block_causal kernel: auto (flex on CUDA, per_document on CPU), flex "
-        "(FlexAttention, compiled, one BlockMask per microbatch; CUDA only), sdpa (SDPA with "
-        "an additive [batch, 1, seq, seq] mask) or per_document (one causal SDPA per document); "
-        "causal always uses SDPA's causal kernel", choices=ATTN_IMPLEMENTATIONS)
-    sdpa_backends: str = opt("auto", "SDPA kernels to allow, in the order to try: auto (cuDNN "
-                             "first on Hopper GPUs, torch's order elsewhere) or a comma list "
-                             "of cudnn, flash, efficient, math (docs/performance.md)")
-
-    def validate(self) -> None:
-        from trainer.models.args import FLAVORS
-        from trainer.models.sdpa import parse
-
-        parse(self.sdpa_backends)
-
-        if self.flavor not in FLAVORS:
-            raise ConfigError(f"model.flavor = {self.flavor!r} is not valid; choose one of "
-                              f"{', '.join(repr(f) for f in FLAVORS)}{did_you_mean(self.flavor, FLAVORS)}")
-        if self.positions == "document" and self.attn_mask_type == "causal":
-            raise ConfigError("model.positions = 'document' needs model.attn_mask_type = "
-                              "'block_causal': under a causal mask a token also sees earlier "
-                              "documents, whose restarted positions would put them at wrong "
-                              "relative distances")
 
 
 @dataclass
@@ -149,25 +107,6 @@ class LRScheduler:
             raise ConfigError(f"lr_scheduler.warmup_steps = {self.warmup_steps} plus "
                               f"lr_scheduler.{what} exceed training.steps = {steps}; "
                               "warmup and decay must fit: lower them or raise training.steps")
-
-
-@dataclass
-class MoE:
-    """Mixture-of-experts training knobs: routing, capacity, balancing and aux losses; the
-    flavor fixes the experts' shape (docs/moe.md)."""
-
-    load_balance_coeff: float = opt(
-        1e-3, "Aux-loss-free balancing (DeepSeek-V3): after each optimizer step every expert's "
-        "routing bias moves by this toward balance, sign(mean load - load); 0 = off", min=0.0)
-    aux_loss_weight: float = opt(0.0, "Weight of the global load-balancing loss (E x sum_i "
-                                 "f_i P_i per microbatch); 0 = off", min=0.0)
-    router_z_loss_weight: float = opt(0.0, "Weight of the router z-loss (mean logsumexp of the "
-                                      "router logits, squared); 0 = off", min=0.0)
-    num_experts: int = opt(0, "Routed experts per MoE layer; 0 = the flavor's", min=0)
-    top_k: int = opt(0, "Experts each token is routed to; 0 = the flavor's", min=0)
-    capacity_factor: float = opt(0.0, "0 = dropless (every routed token computed); c > 0: an "
-                                 "expert takes at most ceil(c x tokens x top_k / experts) and "
-                                 "the rest are dropped (counted)", min=0.0)
 
 
 @dataclass

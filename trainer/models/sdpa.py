@@ -4,14 +4,19 @@
 `math`. A list enables exactly those backends, tried in that order (each must take the call's
 shapes and dtype; torch falls through to the next): e.g. `flash,efficient,math` is torch's
 own order without cuDNN. `auto`:
-- CUDA, Hopper (sm 9.x): `cudnn,flash,efficient,math`. At the 1B shape (32 query heads, 8 kv
-  heads, head dim 64, seq 4,096, bf16, causal) cuDNN's forward + backward was measured 1.59x
-  faster than the flash kernel on an H100 (benchmarks/RESULTS.md); cuDNN takes query/key and
-  value head sizes that differ, which flash does not.
-- other CUDA devices and the CPU: torch's own order (flash, efficient, math, cuDNN), unchanged.
+- CUDA, Hopper (sm 9.x): `cudnn,flash,efficient,math`, what torch 2.11 itself picks on an
+  H100 at the 1B shape (32 query heads, 8 kv heads, head dim 64, seq 4,096, bf16, causal)
+  though its priority list names flash first; made explicit so that it holds whatever a
+  torch version's heuristics do. Measured there (benchmarks/RESULTS.md): cuDNN's forward +
+  backward 4.45 ms a layer against flash's 7.04 ms; the compiled 1B step at batch 7 spends
+  82 ms in attention with cuDNN and 123 ms with flash (57.1k against 53.4k tokens/s). cuDNN
+  also takes query/key and value head sizes that differ, which flash does not.
+- other CUDA devices and the CPU: torch's own choice, unchanged.
 The order is process-wide (torch's SDPA priority), set once before the model is compiled, so
-compiled graphs trace the same choice. `chosen` asks torch's own selector which kernel a
-causal call of the model's shape gets, for the startup summary.
+compiled graphs trace the same choice. It is also part of torch.compile's cache key: the
+kernel is traced into the compiled graph, and a warm compile cache would otherwise serve a
+graph traced under another order. `chosen` asks torch's own selector which kernel a causal
+call of the model's shape gets, for the startup summary.
 """
 
 from __future__ import annotations
@@ -79,7 +84,22 @@ def apply(spec: str, device: torch.device) -> tuple[str, ...] | None:
     rest = [b for b in torch._C._get_sdp_priority_order()
             if b not in {int(_backend(n)) for n in order}]
     torch._C._set_sdp_priority_order([int(_backend(n)) for n in order] + rest)
+    _tag_compile_cache(order)
     return order
+
+
+def _tag_compile_cache(order: tuple[str, ...]) -> None:
+    """Make the order part of torch.compile's cache key. The choice of SDPA kernel is traced
+    into the compiled graph, and the on-disk caches do not key on these switches: without the
+    tag, a run that allows only `math` was served the `flash` graph an earlier run compiled
+    (reproduced on CPU with torch 2.13, tests/test_sdpa.py; on an H100, a flash-only run got
+    the cuDNN graph of the run before it)."""
+    config = torch.compiler.config
+    if not hasattr(config, "cache_key_tag"):
+        return
+    mine = "sdpa=" + ",".join(order)
+    kept = [t for t in config.cache_key_tag.split(";") if t and not t.startswith("sdpa=")]
+    config.cache_key_tag = ";".join(kept + [mine])
 
 
 def chosen(args, device: torch.device, dtype: torch.dtype, seq_len: int) -> str:
