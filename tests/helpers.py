@@ -65,6 +65,43 @@ def run_train(dump: Path | str, *overrides: str, nproc: int | None = 2, env: dic
     return proc
 
 
+def run_train_watched(dump: Path | str, *overrides: str, mark: str, timeout: float = 300,
+                      env: dict | None = None) -> tuple[subprocess.CompletedProcess, float]:
+    """run_train (2 CPU ranks, not checked) that also returns how many seconds the run went on
+    after its stdout first matched the regex `mark` (e.g. step 1's line): a bound on what
+    follows it that a loaded machine's slow launch (imports, rendezvous) does not eat into.
+    The whole run if `mark` never shows."""
+    import threading
+    import time
+
+    extra = {"LOG_RANK": "0", "NGPU": "2", **(env or {})}
+    proc = subprocess.Popen([str(RUN_TRAIN), *CPU, "--job.dump_folder", str(dump), *overrides],
+                            env=subprocess_env(extra), stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    t0 = time.monotonic()
+    seen, out, err = [t0], [], []
+
+    def read_out():
+        for line in proc.stdout:
+            if len(seen) == 1 and re.search(mark, line):
+                seen.append(time.monotonic())
+            out.append(line)
+
+    readers = [threading.Thread(target=read_out),
+               threading.Thread(target=lambda: err.extend(proc.stderr))]
+    for r in readers:
+        r.start()
+    try:
+        proc.wait(timeout=timeout)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        for r in readers:
+            r.join()
+    done = subprocess.CompletedProcess(proc.args, proc.returncode, "".join(out), "".join(err))
+    return done, time.monotonic() - seen[-1]
+
+
 def torchrun(script: Path | str, *args: str, nproc: int = 2, timeout: float = 300,
              env: dict | None = None, fork: bool = False) -> subprocess.CompletedProcess:
     """Run a Python script under real torchrun (c10d rendezvous on a free localhost port);

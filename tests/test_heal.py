@@ -6,16 +6,18 @@ rank SIGSTOP or SIGKILL itself at a step, TRAINER_TEST_SLOW_RANK makes one sleep
 """
 
 import re
-import time
 
 import pytest
 
 from scripts.chaos import load_dcp_tensors
-from tests.helpers import BASE_FP32, losses, run_train, scalars
+from tests.helpers import BASE_FP32, losses, run_train, run_train_watched, scalars
 
 STEPS = 6
 TIMEOUT = 5  # comm.train_timeout_seconds: what a hang costs before it is named
 HANG_EXIT_CODE, GAVE_UP_EXIT_CODE = 6, 7
+# The hang bounds count from step 1's line, not from the launch: on a loaded machine (the
+# suite at -n 12 on 16 cores) importing torch and the rendezvous alone can take tens of seconds.
+STEP_1 = r"^step:\s+1\s"
 
 
 def args(*extra):
@@ -31,33 +33,30 @@ def reference(tmp_path_factory):
 
 
 def test_a_hung_rank_is_named_in_one_line_and_the_job_ends(tmp_path):
-    t0 = time.monotonic()
-    proc = run_train(tmp_path, *args(), env={"TRAINER_TEST_FAULT": "hang:1:3"}, check=False)
-    seconds = time.monotonic() - t0
+    proc, seconds = run_train_watched(tmp_path, *args(), mark=STEP_1,
+                                      env={"TRAINER_TEST_FAULT": "hang:1:3"})
     assert proc.returncode == HANG_EXIT_CODE, proc.stderr
     err = proc.stderr.strip()
     assert err.splitlines() == [err], proc.stderr  # one line, no traceback from any rank
     assert re.match(rf"training error: rank 1 stopped responding at step 3 \(.+; no answer for "
                     rf"{TIMEOUT} s\); its last heartbeat said step \d, ", err), err
     assert seconds < TIMEOUT + 30, seconds  # the stopped rank was killed, not waited for
-    print(f"hang named and job ended {seconds:.1f}s after launch (timeout {TIMEOUT}s)")
+    print(f"hang named and job ended {seconds:.1f}s after step 1 (timeout {TIMEOUT}s)")
 
 
 def test_a_hang_is_named_even_when_no_collective_times_out(tmp_path):
     """The collective timeout far above the training timeout (as when nccl's watchdog would
     abort the process before any Python exception): the heartbeat thread's own watch still
     names the stopped rank in one line, exit 6, within the training timeout plus 30 s."""
-    t0 = time.monotonic()
-    proc = run_train(tmp_path, *args(), check=False, timeout=300,
-                     env={"TRAINER_TEST_FAULT": "hang:1:3",
-                          "TRAINER_TEST_COLLECTIVE_TIMEOUT": "600"})
-    seconds = time.monotonic() - t0
+    proc, seconds = run_train_watched(tmp_path, *args(), mark=STEP_1,
+                                      env={"TRAINER_TEST_FAULT": "hang:1:3",
+                                           "TRAINER_TEST_COLLECTIVE_TIMEOUT": "600"})
     assert proc.returncode == HANG_EXIT_CODE, proc.stderr
     err = proc.stderr.strip()
     assert err.splitlines() == [err], proc.stderr
     assert re.match(r"training error: rank 1 stopped responding at step 3 \(.+; no answer for "
                     r"\d+ s\); its last heartbeat said step \d, ", err), err
-    assert seconds < TIMEOUT + 30 + 20, seconds  # + the launch itself
+    assert seconds < TIMEOUT + 30, seconds
     assert "hang" in (tmp_path / "failures.jsonl").read_text()
 
 
