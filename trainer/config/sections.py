@@ -7,6 +7,7 @@ trainer/evals/config.py, trainer/parallel/float8.py, trainer/models/config.py)."
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from dataclasses import dataclass
 
@@ -49,9 +50,12 @@ class Job:
 
 @dataclass
 class Optimizer:
-    """AdamW and its hyperparameters (docs/training.md)."""
+    """AdamW, or Muon for the blocks' matrices with AdamW for the rest, and their
+    hyperparameters (docs/training.md)."""
 
-    name: str = opt("AdamW", "Optimizer", choices=("AdamW", "Adam"))
+    name: str = opt("AdamW", "Optimizer: AdamW, Adam, or Muon (the blocks' matrices; AdamW "
+                    "with the keys below for embeddings, head and norms)",
+                    choices=("AdamW", "Adam", "Muon"))
     lr: float = opt(8e-4, "Peak learning rate", min=0.0)
     beta1: float = opt(0.9, "Adam beta1, in [0, 1)", min=0.0, max=1.0)
     beta2: float = opt(0.95, "Adam beta2, in [0, 1)", min=0.0, max=1.0)
@@ -60,12 +64,28 @@ class Optimizer:
     implementation: str = opt("auto", "Kernel: auto (fused: skips a non-finite step on the "
                               "device, no host sync), for-loop, foreach or fused",
                               choices=("auto", "for-loop", "foreach", "fused"))
+    muon_momentum: float = opt(0.95, "Muon: momentum of the gradient EMA, in [0, 1)", min=0.0,
+                               max=1.0)
+    muon_nesterov: bool = opt(True, "Muon: Nesterov momentum")
+    muon_ns_steps: int = opt(5, "Muon: Newton-Schulz iterations", min=1, max=99)
+    muon_lr_adjust: str = opt("match_rms_adamw", "Muon: lr scale by matrix shape: "
+                              "match_rms_adamw (0.2 sqrt(max(A, B)): AdamW's lr carries over), "
+                              "original (sqrt(max(1, A/B))) or none",
+                              choices=("match_rms_adamw", "original", "none"))
+    muon_ns_dtype: str = opt("bfloat16", "Muon: Newton-Schulz dtype, bfloat16 (as torch's) or "
+                             "float32", choices=("bfloat16", "float32"))
 
     def validate(self) -> None:
-        for key in ("beta1", "beta2"):
+        for key in ("beta1", "beta2", "muon_momentum"):
             if getattr(self, key) >= 1.0:
                 raise ConfigError(f"optimizer.{key} = {getattr(self, key)} is out of range; it "
                                   "must be < 1 (e.g. 0.9 or 0.95)")
+        if self.name != "Muon":
+            changed = [f.name for f in dataclasses.fields(self) if f.name.startswith("muon_")
+                       and getattr(self, f.name) != f.default]
+            if changed:
+                raise ConfigError(f"optimizer.{changed[0]} is a Muon key, but optimizer.name = "
+                                  f"{self.name!r}; set optimizer.name = 'Muon' or remove it")
 
 
 @dataclass

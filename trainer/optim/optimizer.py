@@ -14,6 +14,7 @@ import torch
 from torch.optim.lr_scheduler import LambdaLR
 
 from trainer.optim.lr_schedule import decay_steps, lr_factor
+from trainer.optim.muon import build_muon
 
 
 def implementation(name: str) -> str:
@@ -43,11 +44,15 @@ def step_unless(optimizer: torch.optim.Optimizer, skip: torch.Tensor) -> None:
 
 
 def build_optimizer(model: torch.nn.Module, cfg) -> torch.optim.Optimizer:
-    """AdamW/Adam over the (sharded) parameters, from the `[optimizer]` section."""
+    """AdamW/Adam over the (sharded) parameters, or Muon for the blocks' matrices with AdamW
+    for the rest (trainer/optim/muon.py), from the `[optimizer]` section."""
     impl = implementation(cfg.implementation)
+    kwargs = dict(lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps,
+                  weight_decay=cfg.weight_decay, foreach=impl == "foreach", fused=impl == "fused")
+    if cfg.name == "Muon":
+        return build_muon(model, cfg, torch.optim.AdamW, **kwargs)
     cls = torch.optim.AdamW if cfg.name == "AdamW" else torch.optim.Adam
-    return cls(model.parameters(), lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps,
-               weight_decay=cfg.weight_decay, foreach=impl == "foreach", fused=impl == "fused")
+    return cls(model.parameters(), **kwargs)
 
 
 class LRSchedule(LambdaLR):
