@@ -83,13 +83,14 @@ def test_newton_schulz_runs_on_whole_matrices_under_tp():
 
 # ------------------------------------------------------------------------------ end to end
 
-DENSE = ("--training.device", "cpu", "--model.flavor", "debugmodel-narrow",
+BASE = ("--training.device", "cpu", "--model.flavor", "debugmodel-narrow",
          "--training.seq_len", "64", "--training.local_batch_size", "2",
          "--training.global_batch_size", "8", "--training.mixed_precision_param", "float32",
          "--metrics.log_freq", "1", "--lr_scheduler.warmup_steps", "2",
          "--lr_scheduler.min_lr_factor", "1.0", "--data.dataset", "synthetic",
          "--training.steps", "5", "--checkpoint.enable", "true", "--checkpoint.interval", "3",
-         "--checkpoint.keep_latest_k", "0", "--optimizer.lr", "0.01", *MUON)
+         "--checkpoint.keep_latest_k", "0", "--optimizer.lr", "0.01")
+DENSE = (*BASE, *MUON)
 MOE = (*DENSE[:3], "debugmodel-moe-narrow", *DENSE[4:])
 P = "--parallelism."
 LAYOUTS = {  # name: (ranks, args)
@@ -133,3 +134,45 @@ def test_a_tp_checkpoint_resumes_at_fsdp4_and_on_one_rank(runs, tmp_path):
         assert "resumed from" in out and "(step 3)" in out, out
         got = scalars(dump, TAGS[0])
         assert close({s: got[s] for s in (4, 5)}, {s: want[s] for s in (4, 5)}), (name, got)
+
+
+def test_switching_optimizers_at_a_resume_is_refused_unless_reset(runs, tmp_path):
+    """The AdamW run resuming a Muon checkpoint: one config line, exit 2; with
+    checkpoint.reset_optimizer it resumes the model and trains on with a fresh AdamW."""
+    dump = stopped_after_save(runs / "ref", tmp_path / "adamw", 5)
+    adamw = BASE
+    proc = run_train(dump, *adamw, nproc=1, check=False)
+    assert proc.returncode == 2, proc.stderr
+    assert proc.stderr.strip().splitlines()[-1] == (
+        f"config error: checkpoint {dump / 'checkpoint' / 'step-3'} holds Muon state and this "
+        "run's optimizer is AdamW; keep the optimizer.name it was saved with, or set "
+        "checkpoint.reset_optimizer = true to resume the model with a fresh optimizer")
+    out = run_train(dump, *adamw, "--checkpoint.reset_optimizer", "true", nproc=1).stdout
+    assert "(step 3)" in out and "the optimizer starts afresh" in out, out
+    assert sorted(scalars(dump, TAGS[0])) == [4, 5]
+
+
+def test_a_step_skipped_on_the_device_changes_nothing():
+    """found_inf (the fused kernels' skip, decided on the device: trainer/optim/optimizer.py
+    step_unless): parameters, momentum and AdamW's moments stay bitwise; then a real step."""
+    from trainer.optim.optimizer import skips_on_device, step_unless
+
+    torch.manual_seed(0)
+    model = Transformer(model_args("debugmodel", vocab_size=256, max_seq_len=16))
+    model.init_weights(seed=0)
+    opt = build_optimizer(model, load_config(["--optimizer.name", "Muon"]).optimizer)
+    assert skips_on_device(opt)  # auto: fused AdamW for the rest
+    t = torch.randint(0, 256, (2, 17))
+    for _ in range(2):
+        F.cross_entropy(model(t[:, :-1]).flatten(0, 1), t[:, 1:].flatten()).backward()
+    step_unless(opt, torch.tensor([False]))  # a step, so that every state exists
+    state = copy.deepcopy(opt.state_dict()["state"])
+    weights = [p.detach().clone() for p in model.parameters()]
+    step_unless(opt, torch.tensor([True]))
+    assert all(torch.equal(p, w) for p, w in zip(model.parameters(), weights))
+    after = opt.state_dict()["state"]
+    for k, s in state.items():
+        for name, v in s.items():
+            assert torch.equal(after[k][name], v), (k, name)
+    step_unless(opt, torch.tensor([False]))
+    assert not all(torch.equal(p, w) for p, w in zip(model.parameters(), weights))

@@ -88,17 +88,22 @@ class ModelAndOptimizer(Stateful):
     def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer):
         self.model, self.optimizer = model, optimizer
         self.flat = True
+        self.model_only = False  # a load that starts the optimizer afresh (reset_optimizer)
 
     def _options(self) -> StateDictOptions:
         return StateDictOptions(flatten_optimizer_state_dict=self.flat)
 
     def state_dict(self) -> dict:
+        if self.model_only:
+            return {"model": get_model_state_dict(self.model)}
         return {"model": get_model_state_dict(self.model),
                 "optimizer": get_optimizer_state_dict(self.model, self.optimizer,
                                                       options=self._options())}
 
     def load_state_dict(self, sd: dict) -> None:
         set_model_state_dict(self.model, sd["model"])
+        if self.model_only:
+            return
         set_optimizer_state_dict(self.model, self.optimizer, optim_state_dict=sd["optimizer"],
                                  options=self._options())
 
@@ -230,10 +235,15 @@ class Checkpointer:
         saved = safe_load.read_metadata(path, self.cfg.allow_pickle).state_dict_metadata
         model_optim = self.states["model_optim"]
         model_optim.flat = "model_optim.optimizer.param_groups.0.lr" not in saved  # older
+        fresh = model_optim.model_only = self._optimizer_switched(saved)  # reset_optimizer
         try:
             load(states)
         finally:
-            model_optim.flat = True
+            model_optim.flat, model_optim.model_only = True, False
+        if fresh:
+            self.log(f"checkpoint.reset_optimizer: {self._path(step)} holds another optimizer's "
+                     "state; the model, data position and schedule resume, the optimizer "
+                     "starts afresh")
         # Leniently: older checkpoints have no spike window nor rollbacks (TrainState).
         load({"train_state": train_state}, partial=True)
         # After the optimizer, whose param groups come back with the saved lr: the schedule
@@ -266,11 +276,30 @@ class Checkpointer:
                     f"there and {tuple(param.shape)} here; resume with the model.flavor, "
                     "model.vocab_size and tokenizer it was saved with, or use another "
                     "checkpoint.folder")
+        self._check_optimizer(path, saved)
         saved_print = integrity.saved_fingerprint(path)  # also catches parameters we lack
         if saved_print not in (None, self.fingerprint):
             raise ConfigError(f"checkpoint {path} does not fit this model: it holds another set "
                               "of parameters (model fingerprint differs); resume with the "
                               "model.flavor it was saved with, or use another checkpoint.folder")
+
+    def _optimizer_switched(self, saved) -> bool:
+        """The checkpoint holds Muon's state (a momentum buffer) and this run is AdamW's (two
+        moments), or the reverse."""
+        was_muon = any(k.endswith(".momentum_buffer") for k in saved)
+        return was_muon != (type(self.states["model_optim"].optimizer).__name__ == "Muon")
+
+    def _check_optimizer(self, path: str, saved) -> None:
+        """A switched optimizer resumes only with checkpoint.reset_optimizer."""
+        if self.cfg.reset_optimizer or not self._optimizer_switched(saved):
+            return
+        was = "Muon" if type(self.states["model_optim"].optimizer).__name__ != "Muon" \
+            else "AdamW or Adam"
+        now = type(self.states["model_optim"].optimizer).__name__
+        raise ConfigError(f"checkpoint {path} holds {was} state and this run's optimizer is "
+                          f"{now}; keep the optimizer.name it was saved with, or set "
+                          "checkpoint.reset_optimizer = true to resume the model with a fresh "
+                          "optimizer")
 
     # ----------------------------------------------------------------------------- save
     def maybe_save(self, step: int, *, last: bool) -> bool:

@@ -72,6 +72,10 @@ class JobConfig:
         if self.parallelism.fsdp_offload == "cpu" and self.training.device == "cpu":
             raise ConfigError(OFFLOAD_NEEDS_CUDA.format(where="training.device = 'cpu'"))
         check_float8(self.float8, self.training.device)
+        if self.optimizer.name == "Muon" and self.parallelism.fsdp_offload == "cpu":
+            raise ConfigError("optimizer.name = 'Muon' with parallelism.fsdp_offload = 'cpu' is "
+                              "not supported: Muon gathers whole matrices on the GPU for "
+                              "Newton-Schulz; use AdamW with offload, or offload = 'none'")
         check_wandb(self.metrics)
         if self.training.on_spike == "rollback" and not self.checkpoint.enable:
             raise ConfigError("training.on_spike = 'rollback' needs checkpoint.enable = true (a "

@@ -329,6 +329,9 @@ class Checkpoint:
     interval: int = opt(500, "Save every this many steps (and at the last step)", min=1)
     keep_latest_k: int = opt(10, "Keep the newest k checkpoints; 0 = keep all", min=0)
     load_step: int = opt(-1, "Resume from this step instead of the latest; -1 = latest", min=-1)
+    reset_optimizer: bool = opt(False, "Resume a checkpoint saved with another optimizer.name "
+                                "(AdamW <-> Muon): the model, data position and schedule load, "
+                                "the optimizer starts afresh")
     async_mode: str = opt("disabled", "disabled, or async: write in a background thread while training",
                           choices=("disabled", "async"))
     initial_load_path: str = opt("", "A fresh run (no checkpoint of its own) starts from this model: "

@@ -42,9 +42,10 @@ LR_ADJUST = ("match_rms_adamw", "original", "none")
 NS_DTYPES = ("bfloat16", "float32")
 
 
-def takes_muon(name: str, param: torch.Tensor) -> bool:
-    """A block's matrix (attention, FFN, router, shared and routed experts)."""
-    return ".layers." in f".{name}" and param.ndim >= 2
+def takes_muon(name: str, param) -> bool:
+    """A block's matrix (attention, FFN, router, shared and routed experts); `param` a tensor
+    or a shape."""
+    return ".layers." in f".{name}" and len(param.shape if hasattr(param, "shape") else param) >= 2
 
 
 def newton_schulz(g: torch.Tensor, steps: int, dtype: torch.dtype) -> torch.Tensor:

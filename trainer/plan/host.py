@@ -97,7 +97,7 @@ HOST_ROWS = [
     (None, "host memory per rank ({offload})"),
     ("host_parameters", "parameters (fp32 shards, pinned)"),
     ("host_gradients", "gradients (fp32 shards, pinned)"),
-    ("host_optimizer_state", "optimizer state (2 fp32 states + step)"),
+    ("host_optimizer_state", "optimizer state (fp32: AdamW 2 + step, Muon 1)"),
     ("host_optimizer_step_temp", "optimizer step temporaries ({impl})"),
     ("host_checkpoint_staging", "async checkpoint staging"),
     ("host_process", f"process (interpreter, torch, CUDA; assumed {HOST_PROCESS_GIB:g} GiB)"),

@@ -60,6 +60,7 @@ from trainer.plan.activations import (block_saved, block_saved_op_sac, block_spl
 from trainer.plan.host import CPU_PROCESS_GIB, host_memory, offload_staging
 from trainer.plan.moe import gathered, group_key, moe_layers, per_block, tp_splits
 from trainer.plan.pipeline import in_flight, rank_groups
+from trainer.optim.muon import BUCKET_BYTES as muon_bucket_bytes, takes_muon
 from trainer.optim.optimizer import implementation
 
 GIB = 2**30
@@ -198,7 +199,7 @@ def memory_plan(cfg: JobConfig, world_size: int, pp_rank: int | None = None) -> 
     shapes = [s for g in groups.values() for s in g]
     b = {"parameters": FP32 * sum(shard_numel(s, shard) for s in shapes)}
     b["gradients"] = b["parameters"]
-    b["optimizer_state"] = 2 * b["parameters"] + FP32 * len(shapes)
+    b["optimizer_state"] = optimizer_state_bytes(cfg, groups, shard)
     documents = a.attn_mask_type != "causal" or a.positions != "sequence"
     b["buffers_and_inputs"] = (2 * FP32 * a.max_seq_len * (a.head_dim // 2)  # + document ids
                                + (2 + documents) * INT64 * cfg.training.local_batch_size * seq)
@@ -237,6 +238,9 @@ def memory_plan(cfg: JobConfig, world_size: int, pp_rank: int | None = None) -> 
     impl = implementation(cfg.optimizer.implementation)
     largest = max(FP32 * shard_numel(s, shard) for s in shapes)
     b["optimizer_step_temp"] = {"foreach": b["parameters"], "for-loop": 2 * largest}.get(impl, 0)
+    if cfg.optimizer.name == "Muon":  # + a bucket of whole fp32 updates and their results
+        b["optimizer_step_temp"] += 2 * min(muon_bucket_bytes, FP32 * tp * sum(
+            math.prod(s) for k, g in groups.items() for s in g if takes_muon(k + ".w", s)))
     # With fsdp_offload the sharded state (params, grads, optimizer) is in host memory
     # (trainer/plan/host.py); the device holds the staging copies of `offload_staging`.
     on_device = 0 if cfg.parallelism.fsdp_offload == "cpu" else 1
@@ -318,6 +322,17 @@ def accumulation_sync_note(cfg: JobConfig, world_size: int, mem_gib: float) -> s
             f"{accum} microbatches: the plan needs {device_need(last['total']) / GIB:.1f} GiB of "
             f"the GPU's {mem_gib:.1f} GiB; 'every' needs {device_need(every['total']) / GIB:.1f} "
             f"GiB (python -m trainer.plan shows both)")
+
+
+def optimizer_state_bytes(cfg: JobConfig, groups, shard: int) -> int:
+    """AdamW: two fp32 moments per parameter and a step scalar per tensor; Muon: one fp32
+    momentum buffer for each block matrix (trainer/optim/muon.py), AdamW's for the rest."""
+    out = 0
+    for key, shapes in groups.items():
+        for s in shapes:
+            muon = cfg.optimizer.name == "Muon" and takes_muon(key + ".w", s)
+            out += (1 if muon else 2) * FP32 * shard_numel(s, shard) + (0 if muon else FP32)
+    return out
 
 
 def device_need(total: int) -> int:

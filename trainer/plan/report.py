@@ -26,7 +26,7 @@ ROWS = [  # (key, label) in print order; None = a heading
     (None, "resident (sharded; in host memory with offload: see below)"),
     ("parameters", "parameters (fp32)"),
     ("gradients", "gradients (fp32)"),
-    ("optimizer_state", "optimizer state (2 fp32 states + step)"),
+    ("optimizer_state", "optimizer state (fp32: AdamW 2 + step, Muon 1)"),
     ("buffers_and_inputs", "RoPE buffers + input/label tokens"),
     (None, "per microbatch"),
     ("activations_no_ac", "activations, no AC"),
