@@ -17,7 +17,7 @@ orthogonalized whole. Parameters (and their momentum buffers, which are sharded 
 DTensors over FSDP/HSDP, TP and EP meshes. Per bucket of matrices on one mesh: each update is
 gathered whole (`full_tensor`, which knows every placement, strided ones included); each matrix
 has one owner rank, spread so every rank of the mesh runs a balanced share of the Newton-Schulz
-FLOPs; the owners' results travel in one all-gather of the bucket over the mesh; every rank
+FLOPs; the owners' results travel in one all-gather of the bucket over the mesh (one per mesh dim); every rank
 then takes its own shard of each result (`distribute_tensor` without communication) and applies
 it. Per step and rank that moves each matrix's fp32 update in (the gather) and its result in
 `ns_dtype` (the all-gather): ~6 bytes per Muon parameter with bf16, beside FSDP's ~8 (bf16
@@ -88,11 +88,24 @@ def ns_flops(shape, steps: int) -> float:
     return count * steps * (4 * m * m * n + 2 * m ** 3)
 
 
-def _mesh_group(mesh):
-    """The process group over all ranks of a DTensor's mesh."""
-    if mesh.ndim == 1:
-        return mesh.get_group()
-    return mesh._flatten().get_group()  # created once per mesh, on every rank alike
+def _mesh_rank(mesh) -> int:
+    """This rank's index in the mesh, row-major over its coordinates."""
+    index = 0
+    for dim, c in enumerate(mesh.get_coordinate()):
+        index = index * mesh.size(dim) + c
+    return index
+
+
+def _all_gather_mesh(send: torch.Tensor, mesh) -> torch.Tensor:
+    """Every rank's `send`, concatenated in the mesh's row-major rank order: one all-gather
+    per mesh dim, innermost first, over groups the mesh already has (no new group, which
+    every rank of the world would have to create in the same order)."""
+    out = send
+    for dim in reversed(range(mesh.ndim)):
+        buf = torch.empty(mesh.size(dim) * out.numel(), dtype=out.dtype, device=out.device)
+        dist.all_gather_into_tensor(buf, out, group=mesh.get_group(dim))
+        out = buf
+    return out
 
 
 def _owners(costs: list[float], ranks: int) -> list[int]:
@@ -183,8 +196,7 @@ class Muon(torch.optim.Optimizer):
         if not isinstance(params[0], DTensor):
             return [orthogonalize(u, steps, dtype) for u in updates]
         mesh = params[0].device_mesh
-        pg = _mesh_group(mesh)
-        me, world = dist.get_rank(pg), dist.get_world_size(pg)
+        me, world = _mesh_rank(mesh), mesh.size()
         owner = _owners([ns_flops(p.shape, steps) for p in params], world)
         fulls = [DTensor.from_local(u, mesh, p.placements, shape=p.shape,
                                     stride=p.stride()).full_tensor()
@@ -198,8 +210,7 @@ class Muon(torch.optim.Optimizer):
             flat = torch.cat(mine)
             send[:flat.numel()] = flat
         del fulls, mine
-        gathered = torch.empty(world * longest, dtype=dtype, device=send.device)
-        dist.all_gather_into_tensor(gathered, send, group=pg)
+        gathered = _all_gather_mesh(send, mesh)
         out, offsets = [], [r * longest for r in range(world)]
         for i, p in enumerate(params):
             r = owner[i]
