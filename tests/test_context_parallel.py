@@ -3,8 +3,8 @@ debug model's layers and heads at dim 64 (debugmodel-narrow), seq 512.
 
 Through run_train.sh on 4 ranks, 5 steps of 2 sequences: CP 2 x FSDP 2, CP 4 (with full AC, 2
 microbatches and per-microbatch gradient sync) and CP 2 x TP 2 give the 1-rank losses and
-gradient norms within 1e-4, with `causal`; CP 2 x FSDP 2 and CP 4 also with `block_causal` and
-document positions on short documents (several per window). A checkpoint saved at CP 2 x FSDP 2
+gradient norms within 1e-4, with `causal`; CP 2 x FSDP 2, CP 4 and PP 2 x CP 2 also with `block_causal`
+and document positions on short documents (several per window). A checkpoint saved at CP 2 x FSDP 2
 resumes on 1 rank and at CP 4 with the uninterrupted run's losses. Under forkrun
 (tests/scripts/cp_probe.py): the attention against one process, and the leak test (no gradient
 crosses documents, on either cp rank). The head-tail split's balance is counted, and bad
@@ -38,7 +38,10 @@ LAYOUTS = {  # name: (ranks, overrides)
                 "--training.gradient_accumulation_sync", "every")),
     "cp2_tp2": (4, (CP, "2", "--parallelism.tensor_parallel_degree", "2")),
 }
-DOC_LAYOUTS = {"ref": (1, ()), "cp2_fsdp2": (4, (CP, "2")), "cp4": (4, (CP, "4"))}
+DOC_LAYOUTS = {"ref": (1, ()), "cp2_fsdp2": (4, (CP, "2")), "cp4": (4, (CP, "4")),
+               # PP 2 x CP 2: the stages attend over their cp rank's share (2 microbatches)
+               "pp2_cp2": (4, (CP, "2", "--parallelism.pipeline_parallel_degree", "2",
+                               "--training.local_batch_size", "2"))}
 
 
 def close(a: dict, b: dict, tol=1e-4) -> bool:
@@ -95,8 +98,9 @@ def doc_runs(short_docs_store, tmp_path_factory):  # noqa: F811
 
 
 @pytest.mark.needs_datasets
-@pytest.mark.parametrize("name", ["cp2_fsdp2", "cp4"])
+@pytest.mark.parametrize("name", ["cp2_fsdp2", "cp4", "pp2_cp2"])
 def test_block_causal_with_document_positions_trains_as_one_rank(doc_runs, name):
+    assert "context parallel: cp " in doc_runs[name][1]  # on, under PP too
     assert "by global position and document" in doc_runs[name][1]
     same_training(doc_runs["ref"][0], doc_runs[name][0])
 

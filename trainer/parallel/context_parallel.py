@@ -143,6 +143,38 @@ def _block_mask(index: torch.Tensor, doc_ids: torch.Tensor | None, batch: int, s
                                          seq, device=index.device)
 
 
+class ContextSplit:
+    """One cp rank's share of every sequence: its global positions (head-tail), the order that
+    puts gathered K/V back in sequence order, and the attention of a microbatch. Used by
+    ContextParallelLoop, and by the pipeline's stages under PP x CP."""
+
+    def __init__(self, cp_mesh, seq_len: int, device: torch.device, model_cfg):
+        self.cp, self.group = cp_mesh.size(), cp_mesh.get_group()
+        rank = cp_mesh.get_local_rank()
+        self.index = to_device(head_tail_index(seq_len, self.cp, rank), device)
+        order = torch.cat([head_tail_index(seq_len, self.cp, r) for r in range(self.cp)])
+        self.natural = to_device(torch.argsort(order), device)  # gathered -> sequence order
+        self.block_causal = model_cfg.attn_mask_type == "block_causal"
+        self.document_positions = model_cfg.positions == "document"
+        self.kernel = kernel(device.type, model_cfg.attn_implementation)
+
+    def describe(self) -> str:
+        return (f"context parallel: cp {self.cp}, each sequence cut into {2 * self.cp} chunks "
+                f"(head-tail); attention: {describe_kernel(self.kernel)}, by global position"
+                f"{' and document' if self.block_causal else ''}, K/V all-gathered per layer")
+
+    def split(self, inputs: torch.Tensor, labels: torch.Tensor, doc_ids):
+        """This rank's tokens, labels and RoPE positions [b, local] of whole samples."""
+        positions = document_positions(doc_ids)[:, self.index] if self.document_positions \
+            else self.index.expand(inputs.shape[0], -1)
+        return inputs[:, self.index], labels[:, self.index], positions
+
+    def attention(self, doc_ids) -> ContextAttention:
+        """A microbatch's attention; `doc_ids` [b, seq] of the whole samples (block_causal)."""
+        return ContextAttention(self.group, self.index, self.natural,
+                                doc_ids if self.block_causal else None, self.kernel)
+
+
 class ContextParallelLoop:
     """The step's forward and backward under CP (the seam of trainer/parallel/microbatches.py):
     per microbatch, split the sequence, attend through `ContextAttention`, and scale as above."""
@@ -152,17 +184,9 @@ class ContextParallelLoop:
                  document_ids=None):
         self.model, self.loss_fn, self.sync_mode = model, loss_fn, sync_mode
         self.dp_size, self.device, self.document_ids = dp_size, device, document_ids
-        self.cp, self.group = cp_mesh.size(), cp_mesh.get_group()
-        rank = cp_mesh.get_local_rank()
-        self.index = to_device(head_tail_index(seq_len, self.cp, rank), device)
-        order = torch.cat([head_tail_index(seq_len, self.cp, r) for r in range(self.cp)])
-        self.natural = to_device(torch.argsort(order), device)  # gathered -> sequence order
-        self.block_causal = model_cfg.attn_mask_type == "block_causal"
-        self.document_positions = model_cfg.positions == "document"
-        self.kernel = kernel(device.type, model_cfg.attn_implementation)
-        log0(f"context parallel: cp {self.cp}, each sequence cut into {2 * self.cp} chunks "
-             f"(head-tail); attention: {describe_kernel(self.kernel)}, by global position"
-             f"{' and document' if self.block_causal else ''}, K/V all-gathered per layer")
+        self.split = ContextSplit(cp_mesh, seq_len, device, model_cfg)
+        self.cp, self.group = self.split.cp, self.split.group
+        log0(self.split.describe())
 
     def __call__(self, batches, global_tokens: torch.Tensor, step: int) -> Losses:
         loss_sum = torch.zeros((), device=self.device)
@@ -170,13 +194,10 @@ class ContextParallelLoop:
             set_gradient_sync(self.model, self.sync_mode, is_last=i == len(batches) - 1)
             inputs, labels = to_device(inputs, self.device), to_device(labels, self.device)
             doc_ids = self.document_ids(inputs) if self.document_ids else None
-            positions = document_positions(doc_ids)[:, self.index] \
-                if self.document_positions else self.index
-            attention = ContextAttention(self.group, self.index, self.natural,
-                                         doc_ids if self.block_causal else None, self.kernel)
+            local, local_labels, positions = self.split.split(inputs, labels, doc_ids)
             heartbeat.phase("forward", step)
-            loss = self.model(inputs[:, self.index], labels=labels[:, self.index],
-                              loss_fn=self.loss_fn, positions=positions, attention=attention)
+            loss = self.model(local, labels=local_labels, loss_fn=self.loss_fn,
+                              positions=positions, attention=self.split.attention(doc_ids))
             loss = loss / global_tokens
             if i == 0:
                 faults.armed().first_forward(step)  # a testing hook; nothing unless asked
@@ -185,8 +206,14 @@ class ContextParallelLoop:
             loss_sum += loss.detach()
         z_loss = self.loss_fn.take_z_loss()
         # Every cp rank reports its dp rank's whole loss, as without CP.
-        dist.all_reduce(loss_sum, group=self.group)
-        if z_loss is not None:
-            z_loss = z_loss.detach().clone()
-            dist.all_reduce(z_loss, group=self.group)
-        return Losses(loss_sum, z_loss)
+        return Losses(*sum_over_cp(loss_sum, z_loss, self.group))
+
+
+def sum_over_cp(loss: torch.Tensor, z_loss, group):
+    """The cp ranks' shares of the loss (and z-loss) added: every cp rank reports its dp
+    rank's whole loss."""
+    dist.all_reduce(loss, group=group)
+    if z_loss is not None:
+        z_loss = z_loss.detach().clone()
+        dist.all_reduce(z_loss, group=group)
+    return loss, z_loss

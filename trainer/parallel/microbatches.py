@@ -78,7 +78,8 @@ def build_forward_backward(model: torch.nn.Module, loss_fn: Loss, cfg, *, parall
                   document_ids=loader.document_ids if documents else None)
     if parallel_dims.pp_enabled:
         return PipelineLoop(model, loss_fn, cfg, dp_size=parallel_dims.dp_size, device=device,
-                            document_ids=common["document_ids"])
+                            document_ids=common["document_ids"],
+                            cp_mesh=parallel_dims.cp_mesh if parallel_dims.cp_enabled else None)
     if parallel_dims.cp_enabled:
         return ContextParallelLoop(model, loss_fn, cp_mesh=parallel_dims.cp_mesh,
                                    seq_len=cfg.training.seq_len, model_cfg=cfg.model, **common)

@@ -33,6 +33,7 @@ from trainer.distributed import log0, to_device
 from trainer.errors import ConfigError
 from trainer.health import faults, heartbeat
 from trainer.models.llama import Transformer, model_args
+from trainer.parallel.context_parallel import ContextSplit
 from trainer.parallel.seam import Losses
 from trainer.parallel.pp_layout import (StageSpec, bubble_fraction, check_microbatches,
                                         check_pipeline, rank_stages, schedule as find_schedule,
@@ -59,17 +60,25 @@ class StageModule(nn.Module):
         self.output = model.output if spec.head else None
         object.__setattr__(self, "_root", model)  # the RoPE tables and masks; not a child
         self.loss_fn = None  # the training loss (PipelineLoop sets it)
+        self.cp = None  # under PP x CP, the ContextSplit (PipelineLoop sets it)
 
     def forward(self, x: torch.Tensor, labels: torch.Tensor | None = None,
-                doc_ids: torch.Tensor | None = None, loss_fn=None) -> torch.Tensor:
+                doc_ids: torch.Tensor | None = None, loss_fn=None,
+                positions: torch.Tensor | None = None) -> torch.Tensor:
         """Tokens (first stage) or the previous stage's activations -> activations, or (last
-        stage) the summed token loss with labels, the logits without."""
+        stage) the summed token loss with labels, the logits without. Under PP x CP a
+        training step passes this rank's `positions` [b, local] and the whole samples'
+        `doc_ids`: the layers attend through context parallelism's attention."""
         root = self._root
         first = self.tok_embeddings is not None
         h = self.tok_embeddings(x) if first else x
-        # Under sequence parallelism (TP) the activations hold seq / tp positions per rank.
-        seq = x.shape[1] if first else x.shape[1] * root.sequence_multiple
-        cos, sin, mask = root.attention_inputs(seq, doc_ids, None, h.dtype)
+        if positions is not None and self.cp is not None:
+            cos, sin = root.rope_cos[positions], root.rope_sin[positions]
+            mask = self.cp.attention(doc_ids)
+        else:
+            # Under sequence parallelism (TP) the activations hold seq / tp positions per rank.
+            seq = x.shape[1] if first else x.shape[1] * root.sequence_multiple
+            cos, sin, mask = root.attention_inputs(seq, doc_ids, None, h.dtype)
         for layer in self.layers.values():
             h = layer(h, cos, sin, mask)
         if self.norm is None:
@@ -219,7 +228,7 @@ class PipelineLoop:
     """The step's forward and backward through a pipeline schedule (see the module docstring)."""
 
     def __init__(self, model: PipelinedModel, loss_fn, cfg, *, dp_size: int,
-                 device: torch.device, document_ids=None):
+                 device: torch.device, document_ids=None, cp_mesh=None):
         from torch.distributed.pipelining import PipelineStage
         from torch.distributed.pipelining.schedules import (PipelineScheduleSingle,
                                                             get_schedule_class)
@@ -233,8 +242,11 @@ class PipelineLoop:
         self.dp_size, self.document_ids = dp_size, document_ids
         self.pp_group = model.pp_group
         self.scale = None  # dp / the step's global token count
+        # PP x CP: each stage attends over its cp rank's share of the sequence
+        self.cp = ContextSplit(cp_mesh, cfg.training.seq_len, device, cfg.model) \
+            if cp_mesh is not None else None
         for stage in model.pipeline_stages:
-            stage.loss_fn = loss_fn
+            stage.loss_fn, stage.cp = loss_fn, self.cp
         # Zero-bubble schedules run each backward twice: input gradients, later the weights'.
         loss_fn.split_backward = sched.split_backward
         check_torch(sched, cfg, self.pp_group)
@@ -248,13 +260,15 @@ class PipelineLoop:
         self.first = any(m.spec.embedding for m in model.pipeline_stages)
         self.z_loss = bool(getattr(loss_fn, "z_loss_weight", 0.0))
         log0(describe(cfg, self.n_microbatches))
+        if self.cp is not None:
+            log0(self.cp.describe())
 
     def _shapes(self, stage: StageModule, cfg, device) -> dict[str, torch.Tensor]:
         """Each stage's input and output, given up front: the schedule then skips its shape
         inference (a forward, on torch 2.13 also a backward, of the first microbatch whose
         loss would count in the step's z-loss)."""
         model, mbs = self.model, cfg.parallelism.pipeline_parallel_microbatch_size
-        seq = cfg.training.seq_len
+        seq = cfg.training.seq_len // (self.cp.cp if self.cp else 1)
         act = torch.empty(mbs, seq // model.sequence_multiple, model.args.dim,
                           dtype=model.activation_dtype, device=device, requires_grad=True)
         return {"input_args": (torch.empty(mbs, seq, dtype=torch.long, device=device)
@@ -268,13 +282,19 @@ class PipelineLoop:
         return output * self.scale
 
     def __call__(self, batches, global_tokens: torch.Tensor, step: int) -> Losses:
-        self.scale = self.dp_size / global_tokens
+        cp = self.cp.cp if self.cp else 1
+        self.scale = self.dp_size * cp / global_tokens  # FSDP averages over dp x cp
         total = torch.zeros((), device=self.device)
         for i, (inputs, labels) in enumerate(batches):
             inputs, labels = to_device(inputs, self.device), to_device(labels, self.device)
+            doc_ids = self.document_ids(inputs) if self.document_ids is not None else None
             kwargs = {"labels": labels}
-            if self.document_ids is not None:
-                kwargs["doc_ids"] = self.document_ids(inputs)
+            if self.cp is not None:  # this cp rank's tokens; the whole samples' documents
+                inputs, kwargs["labels"], kwargs["positions"] = self.cp.split(inputs, labels,
+                                                                              doc_ids)
+                labels = kwargs["labels"]
+            if doc_ids is not None:
+                kwargs["doc_ids"] = doc_ids
             heartbeat.phase("pipeline", step)
             losses: list[torch.Tensor] = []
             self.schedule.step(*((inputs,) if self.first else ()), target=labels,
@@ -283,9 +303,12 @@ class PipelineLoop:
                 faults.armed().first_forward(step)  # a testing hook; nothing unless asked
             for loss in losses:
                 total += loss.detach()
-        total = total / self.dp_size
+        total = total / (self.dp_size * cp)
         z = self.loss_fn.take_z_loss()  # None without a z-loss, or on a stage without the head
-        # Only the last stage knows the loss: summed over pp, every stage logs and guards it.
+        # Only the last stage knows the loss: summed over pp, every stage logs and guards it;
+        # under CP, also summed over the cp ranks' shares of the sequence.
         both = torch.stack([total, z if z is not None else torch.zeros_like(total)])
         dist.all_reduce(both, group=self.pp_group)
+        if self.cp is not None:
+            dist.all_reduce(both, group=self.cp.group)
         return Losses(both[0], both[1] if self.z_loss else None)
