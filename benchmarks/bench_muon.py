@@ -13,7 +13,8 @@ two best side by side, the tokens at which Muon's validation loss first reaches 
 one (linear between validation points) and their ratio; writes the plot with matplotlib
 (`pip install -e ".[bench]"`) when it is there. Then times the optimizer step alone, one
 process, the same model: AdamW (fused) against Muon, and prints Muon's bytes per step and rank
-at --ngpu ranks.
+at --ngpu ranks (trainer/optim/muon_dist.py: each rank sends its shard of the updates to their
+owners and receives its shard of the results).
 """
 
 from __future__ import annotations
@@ -120,11 +121,12 @@ def step_cost(ngpu: int) -> list[str]:
             samples.append(time.perf_counter() - t0)
         times[name] = statistics.median(samples)
     n = sum(p.numel() for name, p in model.named_parameters() if takes_muon(name, p))
-    share = (ngpu - 1) / ngpu
+    share = (ngpu - 1) / ngpu / ngpu  # a rank's shard, less the part it owns itself
     rows.append(f"optimizer step alone (debug model, one process): AdamW {times['AdamW'] * 1e3:.1f}"
                 f" ms, Muon {times['Muon'] * 1e3:.1f} ms ({times['Muon'] / times['AdamW']:.1f}x)")
-    rows.append(f"Muon's traffic per step and rank at {ngpu} ranks: {n:,} matrix parameters x "
-                f"(4 B gathered + 2 B results) x {share:.2f} = {6 * n * share / 2**20:.1f} MiB")
+    rows.append(f"Muon's traffic per step and rank at {ngpu} ranks (two all-to-alls): {n:,} "
+                f"matrix parameters x (4 B updates out + 2 B results in) x {share:.3f} = "
+                f"{6 * n * share / 2**20:.1f} MiB")
     return rows
 
 

@@ -13,15 +13,11 @@ parameter take AdamW (torch's, with the `[optimizer]` AdamW keys), in the same o
 state dict, one lr schedule.
 
 Distributed: Newton-Schulz of a shard is not the shard of Newton-Schulz, so each matrix is
-orthogonalized whole. Parameters (and their momentum buffers, which are sharded like them) are
-DTensors over FSDP/HSDP, TP and EP meshes. Per bucket of matrices on one mesh: each update is
-gathered whole (`full_tensor`, which knows every placement, strided ones included); each matrix
-has one owner rank, spread so every rank of the mesh runs a balanced share of the Newton-Schulz
-FLOPs; the owners' results travel in one all-gather of the bucket over the mesh (one per mesh dim); every rank
-then takes its own shard of each result (`distribute_tensor` without communication) and applies
-it. Per step and rank that moves each matrix's fp32 update in (the gather) and its result in
-`ns_dtype` (the all-gather): ~6 bytes per Muon parameter with bf16, beside FSDP's ~8 (bf16
-gathers, fp32 reduce-scatter). Under PP each stage's ranks own its matrices.
+orthogonalized whole, on one owner rank, the owners spread so every rank of the mesh runs a
+balanced share of the FLOPs: two all-to-alls per bucket of matrices on one mesh, the updates'
+shards to the owners and the results' shards back (trainer/optim/muon_dist.py). Parameters
+and their momentum buffers are DTensors over FSDP/HSDP, TP and EP meshes, sharded alike; the
+lr scale uses the whole matrix's shape. Under PP each stage's ranks own its matrices.
 
 A step skipped on the device (`found_inf`, as the fused AdamW takes it) leaves parameters and
 momentum untouched without a host sync: the new values are committed through `torch.where`.
@@ -33,11 +29,13 @@ import math
 
 import torch
 import torch.distributed as dist
-from torch.distributed.tensor import DTensor, distribute_tensor
+from torch.distributed.tensor import DTensor
+
+from trainer.optim.muon_dist import Layout, flat_groups, mesh_ranks, orthogonalize_sharded
 
 NS_COEFFICIENTS = (3.4445, -4.7750, 2.0315)
 NS_EPS = 1e-7
-BUCKET_BYTES = 256 * 2**20  # fp32 bytes of whole matrices gathered at once
+BUCKET_BYTES = 512 * 2**20  # per rank: fp32 bytes of whole matrices an owner holds at once
 LR_ADJUST = ("match_rms_adamw", "original", "none")
 NS_DTYPES = ("bfloat16", "float32")
 
@@ -80,43 +78,6 @@ def lr_scale(adjust: str, shape) -> float:
     return 1.0
 
 
-def ns_flops(shape, steps: int) -> float:
-    """Newton-Schulz FLOPs of a parameter (each matrix of a stack): per step 2 m^2 n for the
-    Gram matrix, 2 m^3 for its square, 2 m^2 n for the product (m <= n)."""
-    m, n = sorted(shape[-2:])
-    count = math.prod(shape[:-2]) if len(shape) > 2 else 1
-    return count * steps * (4 * m * m * n + 2 * m ** 3)
-
-
-def _mesh_rank(mesh) -> int:
-    """This rank's index in the mesh, row-major over its coordinates."""
-    index = 0
-    for dim, c in enumerate(mesh.get_coordinate()):
-        index = index * mesh.size(dim) + c
-    return index
-
-
-def _all_gather_mesh(send: torch.Tensor, mesh) -> torch.Tensor:
-    """Every rank's `send`, concatenated in the mesh's row-major rank order: one all-gather
-    per mesh dim, innermost first, over groups the mesh already has (no new group, which
-    every rank of the world would have to create in the same order)."""
-    out = send
-    for dim in reversed(range(mesh.ndim)):
-        buf = torch.empty(mesh.size(dim) * out.numel(), dtype=out.dtype, device=out.device)
-        dist.all_gather_into_tensor(buf, out, group=mesh.get_group(dim))
-        out = buf
-    return out
-
-
-def _owners(costs: list[float], ranks: int) -> list[int]:
-    """Greedy: each matrix, largest first, to the least loaded rank (the same on every rank)."""
-    load, owner = [0.0] * ranks, [0] * len(costs)
-    for i in sorted(range(len(costs)), key=lambda i: (-costs[i], i)):
-        r = min(range(ranks), key=lambda r: (load[r], r))
-        owner[i], load[r] = r, load[r] + costs[i]
-    return owner
-
-
 class Muon(torch.optim.Optimizer):
     """Param group 0: Muon's matrices (`use_muon`); the rest: AdamW's groups, stepped by a
     `torch.optim.AdamW` that shares this optimizer's groups and state."""
@@ -133,6 +94,9 @@ class Muon(torch.optim.Optimizer):
                         fused=bool(adamw is None or adamw.defaults.get("fused")))
         super().__init__(groups, defaults)
         self._adamw = adamw
+        self._groups = flat_groups([p.device_mesh for p in groups[0]["params"]
+                                    if isinstance(p, DTensor)]) if dist.is_initialized() else {}
+        self._layouts: dict = {}
 
     @torch.no_grad()
     def step(self, closure=None):
@@ -174,17 +138,21 @@ class Muon(torch.optim.Optimizer):
                 _commit(_local(p), new_p, found_inf)
 
     def _buckets(self, params: list[torch.Tensor]) -> list[list[int]]:
-        """Indices of the parameters in buckets of one mesh and ~BUCKET_BYTES of fp32."""
+        """Indices of the parameters in buckets of one mesh, ~BUCKET_BYTES of whole fp32
+        matrices per rank of the mesh (at least one matrix)."""
         by_mesh: dict = {}
         for i, p in enumerate(params):
-            by_mesh.setdefault(p.device_mesh if isinstance(p, DTensor) else None, []).append(i)
+            key = (mesh_ranks(p.device_mesh), tuple(p.device_mesh.shape)) \
+                if isinstance(p, DTensor) else None
+            by_mesh.setdefault(key, []).append(i)
         out = []
-        for members in by_mesh.values():
+        for key, members in by_mesh.items():
+            budget = BUCKET_BYTES * (len(key[0]) if key else 1)
             bucket, size = [], 0
             for i in members:
                 bucket.append(i)
                 size += 4 * params[i].numel()
-                if size >= BUCKET_BYTES:
+                if size >= budget:
                     out.append(bucket)
                     bucket, size = [], 0
             if bucket:
@@ -193,31 +161,17 @@ class Muon(torch.optim.Optimizer):
 
     def _orthogonalized(self, updates, params, steps: int, dtype) -> list[torch.Tensor]:
         """Each update (a local shard) orthogonalized whole; returns this rank's shards."""
+        def fn(full):
+            return orthogonalize(full, steps, dtype)
+
         if not isinstance(params[0], DTensor):
-            return [orthogonalize(u, steps, dtype) for u in updates]
-        mesh = params[0].device_mesh
-        me, world = _mesh_rank(mesh), mesh.size()
-        owner = _owners([ns_flops(p.shape, steps) for p in params], world)
-        fulls = [DTensor.from_local(u, mesh, p.placements, shape=p.shape,
-                                    stride=p.stride()).full_tensor()
-                 for u, p in zip(updates, params)]
-        mine = [orthogonalize(f, steps, dtype).flatten()
-                for i, f in enumerate(fulls) if owner[i] == me]
-        longest = max(sum(p.numel() for i, p in enumerate(params) if owner[i] == r)
-                      for r in range(world))
-        send = torch.zeros(longest, dtype=dtype, device=fulls[0].device)
-        if mine:
-            flat = torch.cat(mine)
-            send[:flat.numel()] = flat
-        del fulls, mine
-        gathered = _all_gather_mesh(send, mesh)
-        out, offsets = [], [r * longest for r in range(world)]
-        for i, p in enumerate(params):
-            r = owner[i]
-            full = gathered[offsets[r]:offsets[r] + p.numel()].view(p.shape)
-            offsets[r] += p.numel()
-            out.append(distribute_tensor(full, mesh, p.placements, src_data_rank=None).to_local())
-        return out
+            return [fn(u) for u in updates]
+        key = tuple(id(p) for p in params)
+        if key not in self._layouts:
+            self._layouts[key] = Layout(params, steps)
+        layout = self._layouts[key]
+        group = self._groups[tuple(sorted(layout.ranks))]
+        return orthogonalize_sharded(updates, layout, group, fn, dtype)
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:
