@@ -126,7 +126,10 @@ def comm_report(b: dict) -> list[str]:
             f"    {'dp_replicate (HSDP all-reduce)':<50} {b['comm_dp_replicate'] / GIB:10.3f} GiB",
             f"    {'pp (stage activations and their gradients, p2p)':<50} "
             f"{b.get('comm_pp', 0.0) / GIB:10.3f} GiB",
-            f"    {'ep (routed tokens, all-to-all)':<50} {b.get('comm_ep', 0.0) / GIB:10.3f} GiB"]
+            f"    {'ep (routed tokens, all-to-all)':<50} {b.get('comm_ep', 0.0) / GIB:10.3f} GiB"] + (
+            [f"    {'optimizer (Muon: updates to owners, results back)':<50} "
+             f"{b['comm_optimizer'] / GIB:10.3f} GiB; Newton-Schulz "
+             f"{b['muon_ns_flops'] / 1e12:.2f} TFLOPs per rank"] if b.get("comm_optimizer") else [])
 
 
 def throughput_report(cfg: JobConfig, gpu: Gpu, mfu: float, accum: int) -> list[str]:
