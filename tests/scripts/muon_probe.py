@@ -21,8 +21,57 @@ MATRICES = ("attention.wq.weight", "attention.wo.weight", "feed_forward.w1.weigh
             "feed_forward.w2.weight")
 
 
+def one_rank() -> None:
+    """The trainer's model (FSDP over one rank: DTensor parameters) with its Muon, 10 steps,
+    against a plain model with torch.optim.Muon (the matrices) and torch.optim.AdamW (the
+    rest) on the same batches: fp32 weights, Newton-Schulz in bf16 (torch's), within 1e-6."""
+    from trainer.optim.muon import takes_muon
+
+    cfg = load_config(["--optimizer.name", "Muon", "--optimizer.implementation", "for-loop"])
+    pd, _ = cfg.resolve(1)
+    pd.build_mesh("cpu")
+    args = dataclasses.replace(model_args("debugmodel", vocab_size=VOCAB, max_seq_len=SEQ),
+                               n_layers=2)
+    model = parallelize(build_model(args), pd, cfg, device=torch.device("cpu"),
+                        param_dtype="float32")
+    ref = Transformer(args)
+    ref.init_weights(cfg.job.seed)
+    o = cfg.optimizer
+    opt = build_optimizer(model, o)
+    names = dict(ref.named_parameters())
+    refs = [torch.optim.Muon([p for n, p in names.items() if takes_muon(n, p)], lr=o.lr,
+                             weight_decay=o.weight_decay, momentum=o.muon_momentum,
+                             nesterov=True, adjust_lr_fn="match_rms_adamw"),
+            torch.optim.AdamW([p for n, p in names.items() if not takes_muon(n, p)], lr=o.lr,
+                              betas=(o.beta1, o.beta2), eps=o.eps, weight_decay=o.weight_decay,
+                              foreach=False)]
+    gen = torch.Generator().manual_seed(0)
+    loss_fn = build_loss("chunked", 24)
+    worst = 0.0
+    for _ in range(10):
+        inputs, labels = (torch.randint(0, VOCAB, (2, SEQ), generator=gen) for _ in range(2))
+        losses = []
+        for m, opts in ((model, [opt]), (ref, refs)):
+            loss = m(inputs, labels=labels, loss_fn=loss_fn) / labels.numel()
+            loss.backward()
+            for x in opts:
+                x.step()
+                x.zero_grad()
+            losses.append(loss.item())
+        worst = max(worst, abs(losses[0] - losses[1]))
+    for (name, p), q in zip(model.named_parameters(), ref.parameters()):
+        assert (p.full_tensor() - q).abs().max().item() <= 1e-6, name
+    assert worst <= 1e-6, worst
+    print(f"muon probe ok: one rank = torch.optim.Muon + AdamW over 10 steps (loss diff "
+          f"{worst:.1e})", flush=True)
+
+
 def main(argv: list[str]) -> None:
     dist.init_process_group("gloo")
+    if dist.get_world_size() == 1:
+        one_rank()
+        dist.destroy_process_group()
+        return
     cfg = load_config(["--parallelism.tensor_parallel_degree", "2", "--optimizer.name", "Muon",
                        "--optimizer.muon_ns_dtype", "float32", "--optimizer.muon_lr_adjust",
                        "none", "--optimizer.weight_decay", "0", "--optimizer.lr", "1.0"])
