@@ -11,7 +11,8 @@ no one. So each rank keeps, in memory, the step and phase of the loop it is in (
 free, no I/O), and a daemon thread publishes them every `health.heartbeat_seconds` to the
 torchrun agent's store (the c10d TCPStore the ranks met through: it lives in the launcher, not
 in a rank) with a beat counter. The first rank whose collective timed out (an atomic counter
-in the store) reads every rank's entry twice, `STALE_BEATS` beats apart: a rank whose counter
+in the store) reads every rank's entry twice, `STALE_BEATS` beats apart, in one batched read
+each (`multi_get`): a rank whose counter
 did not move stopped responding (the whole process is stopped, dead or cut off); one that
 still beats but whose loop is behind ours (fewer phases entered) did not arrive (its main
 thread is stuck). That rank prints the one line while the others wait for it; every healthy
@@ -99,6 +100,7 @@ class Heartbeat:
     def __init__(self, seconds: float):
         self.seconds = _state["beat_s"] = seconds
         self.beats = 0
+        self._watcher: bool | None = None  # decided when this rank is first stuck
         self._stop = threading.Event()
         self.thread = threading.Thread(target=self._run, name="trainer-heartbeat", daemon=True)
 
@@ -127,6 +129,14 @@ class Heartbeat:
             except Exception:  # the store is gone (the launcher ended): nothing to tell
                 return
 
+    def _is_watcher(self) -> bool:
+        """The first rank of this attempt to get stuck reads the heartbeats (an atomic counter
+        in the store); the others leave the store alone: W stuck ranks would read W entries
+        each, twice, every few beats."""
+        if self._watcher is None:
+            self._watcher = claim_report("watch")
+        return self._watcher
+
     def _watch(self, seen):
         """Look at the peers once this rank is stuck (every STALE_BEATS beats, so the store is
         read only then); report a hang that a peer's heartbeat confirms."""
@@ -137,6 +147,8 @@ class Heartbeat:
             return None
         if seen is not None and now - seen[1] < STALE_BEATS * self.seconds:
             return seen
+        if not self._is_watcher():  # one stuck rank reads the store for all of them
+            return None
         entries = read_all(dist.get_world_size())
         if seen is None:
             return entries, now
@@ -163,10 +175,18 @@ def is_timeout(exc: BaseException) -> bool:
 
 
 def read_all(world: int) -> dict[int, dict | None]:
-    store, out = dist.distributed_c10d._get_default_store(), {}
-    for rank in range(world):
+    """Every rank's last entry: one batched read of the store when every rank has beaten
+    (the usual case), else one check and read per rank (a rank that never beat is None)."""
+    store, keys = dist.distributed_c10d._get_default_store(), [_key(r) for r in range(world)]
+    try:
+        if store.check(keys):
+            return {r: json.loads(v) for r, v in enumerate(store.multi_get(keys))}
+    except Exception:
+        pass
+    out = {}
+    for rank, key in enumerate(keys):
         try:
-            out[rank] = json.loads(store.get(_key(rank))) if store.check([_key(rank)]) else None
+            out[rank] = json.loads(store.get(key)) if store.check([key]) else None
         except Exception:
             out[rank] = None
     return out
