@@ -278,3 +278,14 @@ def test_the_405b_config_fits_with_pp():
     pd, _ = cfg.resolve(512)
     assert (pd.pp, pd.tp, pd.dp_shard) == (8, 8, 8)
     assert device_need(memory_plan(cfg, 512)["total"]) < 79 * 2**30
+
+
+def test_accumulation_reduces_once_per_optimizer_step():
+    """PP 2 x FSDP 2 with 4 accumulation microbatches (tests/scripts/pp_accum_probe.py): each
+    FSDP group of a stage reduce-scatters once per optimizer step under sync 'last' (before:
+    once per schedule step, 4x), once per microbatch under 'every', to the same gradients."""
+    from tests.helpers import torchrun
+
+    proc = torchrun(REPO / "tests/scripts/pp_accum_probe.py", nproc=4, fork=True)
+    assert proc.stdout.count("pp accum probe ok: 4 reduce-scatters per optimizer step") == 4, \
+        proc.stdout + proc.stderr

@@ -122,6 +122,34 @@ class PipelinedModel(Transformer):
         return _broadcast(out, dist.get_global_rank(group, self.stage_ranks[-1]), group)
 
 
+def _defer_reduction(stage, loop: "PipelineLoop") -> None:
+    """Make a PipelineStage's end-of-schedule gradient reduction (`perform_reduce_grad`, torch
+    >= 2.12's schedules call it once per schedule step) wait for `loop.reduce_now`: before the
+    step's last microbatch the stage only reshards its parameters and keeps its unsharded
+    gradients accumulating, as FSDP does under `set_requires_gradient_sync(False)`. Older
+    torch reduces per schedule step, as before."""
+    from torch.distributed.fsdp import FSDPModule, fully_shard
+
+    original = getattr(stage, "perform_reduce_grad", None)
+    if original is None or not isinstance(stage.submod, FSDPModule):
+        return
+
+    def perform_reduce_grad(grad_scale_factor: int):
+        if loop.reduce_now:
+            return original(grad_scale_factor)
+        module = stage.submod
+        module.set_is_last_backward(False)
+        module.set_reshard_after_backward(True)
+        module.set_requires_gradient_sync(False)
+        state = fully_shard.state(module)
+        for each in state._state_ctx.all_states:
+            for group in each._fsdp_param_groups:
+                group.post_backward()
+        state._root_post_backward_final_callback()
+
+    stage.perform_reduce_grad = perform_reduce_grad
+
+
 _DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.float64, torch.int64]
 
 
@@ -253,6 +281,11 @@ class PipelineLoop:
         stages = [PipelineStage(m, m.spec.index, n_stages, device, group=self.pp_group,
                                 **self._shapes(m, cfg, device))
                   for m in model.pipeline_stages]
+        # With accumulation, reduce-scatter once per optimizer step (sync 'last'), not once per
+        # schedule step: the stages' own reduction waits for the step's last microbatch.
+        self.reduce_now, self.sync_mode = True, cfg.training.gradient_accumulation_sync
+        for stage in stages:
+            _defer_reduction(stage, self)
         cls = get_schedule_class(sched.name)
         single = issubclass(cls, PipelineScheduleSingle)
         self.schedule = cls(stages[0] if single else stages, self.n_microbatches,
@@ -286,6 +319,7 @@ class PipelineLoop:
         self.scale = self.dp_size * cp / global_tokens  # FSDP averages over dp x cp
         total = torch.zeros((), device=self.device)
         for i, (inputs, labels) in enumerate(batches):
+            self.reduce_now = self.sync_mode != "last" or i == len(batches) - 1
             inputs, labels = to_device(inputs, self.device), to_device(labels, self.device)
             doc_ids = self.document_ids(inputs) if self.document_ids is not None else None
             kwargs = {"labels": labels}
