@@ -123,11 +123,11 @@ class PipelinedModel(Transformer):
 
 
 def _defer_reduction(stage, loop: "PipelineLoop") -> None:
-    """Make a PipelineStage's end-of-schedule gradient reduction (`perform_reduce_grad`, torch
-    >= 2.12's schedules call it once per schedule step) wait for `loop.reduce_now`: before the
+    """Make a PipelineStage's end-of-schedule gradient reduction (`perform_reduce_grad`, which
+    torch 2.13's schedules call once per schedule step) wait for `loop.reduce_now`: before the
     step's last microbatch the stage only reshards its parameters and keeps its unsharded
-    gradients accumulating, as FSDP does under `set_requires_gradient_sync(False)`. Older
-    torch reduces per schedule step, as before."""
+    gradients accumulating, as FSDP does under `set_requires_gradient_sync(False)`. A torch
+    without `perform_reduce_grad` reduces per schedule step, as before."""
     from torch.distributed.fsdp import FSDPModule, fully_shard
 
     original = getattr(stage, "perform_reduce_grad", None)
