@@ -21,14 +21,10 @@ MATRICES = ("attention.wq.weight", "attention.wo.weight", "feed_forward.w1.weigh
             "feed_forward.w2.weight")
 
 
-def one_rank() -> None:
-    """The trainer's model (FSDP over one rank: DTensor parameters) with its Muon, 10 steps,
-    against a plain model with torch.optim.Muon (the matrices) and torch.optim.AdamW (the
-    rest) on the same batches: fp32 weights, Newton-Schulz in bf16 (torch's), within 1e-6."""
-    from trainer.optim.muon import takes_muon
-
-    cfg = load_config(["--optimizer.name", "Muon", "--optimizer.implementation", "for-loop"])
-    pd, _ = cfg.resolve(1)
+def models(overrides: list[str]):
+    """(config, the trainer's parallelized 2-layer debug model, the same weights unsplit)."""
+    cfg = load_config(overrides)
+    pd, _ = cfg.resolve(dist.get_world_size())
     pd.build_mesh("cpu")
     args = dataclasses.replace(model_args("debugmodel", vocab_size=VOCAB, max_seq_len=SEQ),
                                n_layers=2)
@@ -36,6 +32,17 @@ def one_rank() -> None:
                         param_dtype="float32")
     ref = Transformer(args)
     ref.init_weights(cfg.job.seed)
+    return cfg, pd, model, ref
+
+
+def one_rank() -> None:
+    """The trainer's model (FSDP over one rank: DTensor parameters) with its Muon, 10 steps,
+    against a plain model with torch.optim.Muon (the matrices) and torch.optim.AdamW (the
+    rest) on the same batches: fp32 weights, Newton-Schulz in bf16 (torch's), within 1e-6."""
+    from trainer.optim.muon import takes_muon
+
+    cfg, _, model, ref = models(["--optimizer.name", "Muon", "--optimizer.implementation",
+                                 "for-loop"])
     o = cfg.optimizer
     opt = build_optimizer(model, o)
     names = dict(ref.named_parameters())
@@ -72,17 +79,10 @@ def main(argv: list[str]) -> None:
         one_rank()
         dist.destroy_process_group()
         return
-    cfg = load_config(["--parallelism.tensor_parallel_degree", "2", "--optimizer.name", "Muon",
-                       "--optimizer.muon_ns_dtype", "float32", "--optimizer.muon_lr_adjust",
-                       "none", "--optimizer.weight_decay", "0", "--optimizer.lr", "1.0"])
-    pd, _ = cfg.resolve(dist.get_world_size())
-    pd.build_mesh("cpu")
-    args = dataclasses.replace(model_args("debugmodel", vocab_size=VOCAB, max_seq_len=SEQ),
-                               n_layers=2)
-    model = parallelize(build_model(args), pd, cfg, device=torch.device("cpu"),
-                        param_dtype="float32")
-    ref = Transformer(args)
-    ref.init_weights(cfg.job.seed)
+    cfg, pd, model, ref = models(["--parallelism.tensor_parallel_degree", "2", "--optimizer.name",
+                                  "Muon", "--optimizer.muon_ns_dtype", "float32",
+                                  "--optimizer.muon_lr_adjust", "none",
+                                  "--optimizer.weight_decay", "0", "--optimizer.lr", "1.0"])
     gen = torch.Generator().manual_seed(0)
     inputs, labels = (torch.randint(0, VOCAB, (2, SEQ), generator=gen) for _ in range(2))
     loss_fn = build_loss("chunked", 24, vocab_parallel_group=pd.loss_parallel_group)
