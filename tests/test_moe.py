@@ -514,3 +514,13 @@ def test_the_plan_counts_experts_routed_tokens_and_the_all_to_all():
     # x top 8 copies of 2 x 4096 tokens x dim 2048 x bf16 x 7/8 leaving the rank
     assert a2a["comm_ep"] == pytest.approx(8 * 48 * 2 * 3 * 8 * 8192 * 2048 * 2 * 7 / 8)
     assert a2a["comm_dp_shard"] < none["comm_dp_shard"] / 4
+
+
+def test_the_experts_are_gathered_before_the_dispatch():
+    """EP 2 x FSDP 2 (tests/scripts/ep_prefetch_probe.py): each block prefetches its experts'
+    all-gather, so it is issued before the dispatch's all-to-all and the host sync on its split
+    sizes; without the prefetch it came after (the probe fails)."""
+    from tests.helpers import REPO, torchrun
+
+    proc = torchrun(REPO / "tests/scripts/ep_prefetch_probe.py", nproc=4, fork=True)
+    assert proc.stdout.count("ep prefetch probe ok") == 4, proc.stdout + proc.stderr

@@ -37,7 +37,8 @@ def apply_fsdp(model: torch.nn.Module, mesh, *, param_dtype: str, reduce_dtype: 
     memory; the parameters must then be materialised on the CPU). `experts`: under expert
     parallelism, (the experts' mesh, the dp size): each block's experts are a group of their
     own over `efsdp` whose gradients are divided by the whole dp size (they hold the sum over
-    every ep rank's tokens; trainer/parallel/expert_parallel.py)."""
+    every ep rank's tokens; trainer/parallel/expert_parallel.py), all-gathered with their
+    block (explicit forward prefetch)."""
     mp = MixedPrecisionPolicy(param_dtype=DTYPE[param_dtype], reduce_dtype=DTYPE[reduce_dtype])
     shard = functools.partial(fully_shard, mesh=mesh, mp_policy=mp,
                               offload_policy=offload or OffloadPolicy())
@@ -52,6 +53,10 @@ def apply_fsdp(model: torch.nn.Module, mesh, *, param_dtype: str, reduce_dtype: 
                 # then skips the reduce-scatter and, forced to sum, the division too.)
                 grouped.set_force_sum_reduction_for_comms(True)
         shard(block, reshard_after_forward=blocks)
+        if experts is not None and grouped is not None:
+            # The experts' all-gather goes out with the block's, in its pre-forward: in their
+            # own pre-forward it would wait for the dispatch's host sync (the split sizes).
+            block.set_modules_to_forward_prefetch([grouped])
     if model.output is None and model.norm is not None:
         # Tied embeddings: the embedding is used first and last, so it stays in the root's
         # group, unsharded for the whole forward (a group of its own would be resharded).
