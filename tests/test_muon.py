@@ -3,7 +3,8 @@ resumable across layouts, and Newton-Schulz on whole matrices, never on a shard.
 
 One process: the trainer's optimizer against torch.optim.Muon (the blocks' matrices) and
 torch.optim.AdamW (the rest) on the same model and batches, bitwise. Through run_train.sh, fp32
-with Newton-Schulz in fp32, 5 steps: TP 2 x FSDP 2, PP 2 x FSDP 2, CP 2 x FSDP 2, HSDP 2 x 2
+with Newton-Schulz in fp32, 5 steps: TP 2 x FSDP 2, PP 2 x FSDP 2, PP 4 with 8 one-unit stages
+(a rank without a block matrix), CP 2 x FSDP 2, HSDP 2 x 2
 (dense, debugmodel-narrow) and EP 2 x FSDP 2 (debugmodel-moe-narrow) equal one rank's losses
 and grad norms within 1e-4; the TP 2 x FSDP 2 checkpoint of step 3 resumes at FSDP 4 and on
 one rank. tests/scripts/muon_probe.py: at TP 2 the update of wq equals the one-rank update and
@@ -22,6 +23,7 @@ from trainer.errors import ConfigError
 from trainer.models.llama import Transformer, model_args
 from trainer.optim.muon import takes_muon
 from trainer.optim.optimizer import build_optimizer
+from trainer.parallel.pipeline import _SAME_RANK_STAGES
 
 MUON = ("--optimizer.name", "Muon", "--optimizer.muon_ns_dtype", "float32")
 
@@ -104,6 +106,10 @@ LAYOUTS = {  # name: (ranks, args)
     "ref": (1, DENSE),
     "tp2_fsdp2": (4, (*DENSE, P + "tensor_parallel_degree", "2")),
     "pp2_fsdp2": (4, (*DENSE, P + "pipeline_parallel_degree", "2")),
+    # 8 one-unit stages: rank 0 holds the embedding and the head, no Muon matrix at all
+    "pp4_v": (4, (*DENSE, P + "pipeline_parallel_degree", "4", P + "pipeline_parallel_schedule",
+                  "ZBVZeroBubble" if _SAME_RANK_STAGES else "Interleaved1F1B",
+                  "--training.local_batch_size", "8")),
     "cp2_fsdp2": (4, (*DENSE, P + "context_parallel_degree", "2")),
     "hsdp2x2": (4, (*DENSE, P + "data_parallel_replicate_degree", "2")),
     "moe_ref": (1, MOE),

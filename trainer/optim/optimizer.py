@@ -34,7 +34,8 @@ def step_unless(optimizer: torch.optim.Optimizer, skip: torch.Tensor) -> None:
     """`optimizer.step()`, which leaves the parameters, the moments and the step count as they
     were where the one-element `skip` is true, decided on the device: the host never waits for
     it (the fused kernels' `found_inf`, the mechanism GradScaler uses)."""
-    param = optimizer.param_groups[0]["params"][0]
+    # the first parameter of any group (Muon's matrices may be none on a pipeline rank)
+    param = next(p for group in optimizer.param_groups for p in group["params"])
     device = param.device if not hasattr(param, "to_local") else param.to_local().device
     optimizer.found_inf = skip.to(device=device, dtype=torch.float32).reshape(())
     try:
