@@ -63,16 +63,19 @@ def dcp_fetch(checkpoint_dir: str, shapes: dict, allow_pickle: bool = False):
 def to_hf(checkpoint_dir: str, out_dir: str, *, dtype: str, max_shard_gib: float,
           config_path: str | None = None, allow_pickle: bool = False) -> None:
     from trainer.hf.export import write_hf_folder
-    from trainer.hf.mapping import NO_HF_MOE, buffer_shapes, param_shapes
+    from trainer.hf.mapping import buffer_shapes, export_problem, param_shapes
     from trainer.models.args import model_args
 
     saved = saved_shapes(checkpoint_dir, allow_pickle)
     cfg = read_run_config(checkpoint_dir, config_path)
     vocab = saved.get("tok_embeddings.weight", (0,))[0]
+    mtp = {k: v for k, v in saved.items() if k.startswith("mtp.")}  # not exported
+    saved = {k: v for k, v in saved.items() if k not in mtp}
     args = model_args(cfg.model.flavor, vocab_size=vocab, max_seq_len=cfg.training.seq_len,
-                      moe_config=cfg.moe)
-    if args.moe is not None and not args.moe.hf_exportable:
-        raise CheckpointError(f"{checkpoint_dir}: {NO_HF_MOE}")
+                      moe_config=cfg.moe, mtp_layers=len({k.split(".")[1] for k in mtp}))
+    problem = export_problem(args)
+    if problem:
+        raise CheckpointError(f"{checkpoint_dir}: {problem}")
     expected = {**param_shapes(args), **buffer_shapes(args)}
     if saved != expected:
         diff = sorted(set(saved.items()) ^ set(expected.items()))[:2]

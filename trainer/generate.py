@@ -89,18 +89,17 @@ class KVCache:
 
     def __init__(self, model, batch: int, max_len: int):
         a = model.args
-        shape = (batch, max_len, a.n_kv_heads, a.head_dim)
+        k_shape = (batch, max_len, a.n_kv_heads, a.head_dim)
+        v_shape = (batch, max_len, a.n_kv_heads, a.v_head_dim)  # MLA: narrower values
         p = next(model.parameters())
-        self.k = [torch.zeros(shape, dtype=p.dtype, device=p.device) for _ in model.layers]
-        self.v = [torch.zeros(shape, dtype=p.dtype, device=p.device) for _ in model.layers]
+        self.k = [torch.zeros(k_shape, dtype=p.dtype, device=p.device) for _ in model.layers]
+        self.v = [torch.zeros(v_shape, dtype=p.dtype, device=p.device) for _ in model.layers]
         self.length = 0
 
 
 def forward_cached(model, tokens: torch.Tensor, cache: KVCache) -> torch.Tensor:
     """Logits of `tokens` [b, s] placed after the cache's positions; appends to the cache.
     The same computation as Transformer.forward, with the earlier keys/values reused."""
-    from trainer.models.llama import apply_rope
-
     start, seq = cache.length, tokens.shape[1]
     end = start + seq
     cos, sin = model.rope_cos[start:end], model.rope_sin[start:end]
@@ -111,10 +110,7 @@ def forward_cached(model, tokens: torch.Tensor, cache: KVCache) -> torch.Tensor:
     for i, layer in enumerate(model.layers.values()):
         attn, x = layer.attention, layer.attention_norm(h)
         b = x.shape[0]
-        q = attn.wq(x).view(b, seq, attn.n_heads, attn.head_dim)
-        k = attn.wk(x).view(b, seq, attn.n_kv_heads, attn.head_dim)
-        v = attn.wv(x).view(b, seq, attn.n_kv_heads, attn.head_dim)
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        q, k, v = attn.project(x, cos, sin)  # GQA or MLA (the per-head keys and values)
         cache.k[i][:, start:end], cache.v[i][:, start:end] = k, v
         keys, values = cache.k[i][:, :end], cache.v[i][:, :end]
         groups = attn.n_heads // attn.n_kv_heads

@@ -120,6 +120,8 @@ class Loop:
         scalars = {k: float(v) for k, v in (r.scalars or {}).items() if k != AUX}
         if r.scalars and AUX in r.scalars:  # each rank's own microbatches: their dp mean
             scalars[AUX] = reduce_mean(r.scalars[AUX], self.dp_group)
+        if r.mtp_loss is not None:  # the ranks' shares: the global mean per token
+            scalars["loss_metrics/mtp_loss"] = reduce_z_loss(r.mtp_loss, self.dp_group)
         self.metrics.log_scalars(step, {
             **loader.metrics(), "batch_metrics/global_batch_size": loader.global_batch_size,
             "batch_metrics/step_tokens": seq_len * loader.global_batch_size, **scalars})

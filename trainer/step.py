@@ -38,6 +38,8 @@ class StepResult(NamedTuple):
     # token-weighted global mean (the logged loss), whatever each rank's token count
     loss_share: torch.Tensor | None = None
     scalars: dict | None = None  # e.g. the experts' load imbalance (trainer/models/moe.py)
+    # this rank's MTP loss share (mean over depths, / the global token count), or None
+    mtp_loss: torch.Tensor | None = None
 
 
 @dataclass
@@ -73,7 +75,7 @@ class TrainStep:
         local_tokens = sum(count_targets(labels) for _, labels in batches)  # host tensors
         global_tokens = to_device(torch.tensor(float(local_tokens)), self.device)
         dist.all_reduce(global_tokens, group=self.dp_group)
-        loss_sum, z_loss, aux = self.forward_backward(batches, global_tokens, step)
+        loss_sum, z_loss, aux, mtp = self.forward_backward(batches, global_tokens, step)
         if z_loss is not None:
             z_loss = z_loss / global_tokens
         loss_sum = faults.armed().loss(step, loss_sum)  # a spike or NaN, if asked
@@ -83,6 +85,11 @@ class TrainStep:
                                     self.pp)
         lr = self.optimizer.param_groups[0]["lr"]  # this step's (the scheduler steps after it)
         cross_entropy = loss_sum if z_loss is None else loss_sum - z_loss
+        mtp_loss = None
+        if mtp is not None:  # the MTP heads' mean loss per token (trainer/models/mtp.py)
+            a = self.model.args
+            mtp_loss = mtp / a.mtp_layers
+            cross_entropy = cross_entropy - a.mtp_loss_weight * mtp_loss
         rank_loss = cross_entropy * global_tokens / max(local_tokens, 1)
         heartbeat.phase("optimizer")
         stepped, spike = self.optimizer_step(grad_norm, cross_entropy)
@@ -94,7 +101,7 @@ class TrainStep:
         if aux is not None:
             scalars = {**(scalars or {}), "moe/aux_loss": aux}
         return StepResult(rank_loss, grad_norm, lr, stepped, z_loss, spike, cross_entropy,
-                          scalars)
+                          scalars, mtp_loss)
 
     def optimizer_step(self, grad_norm: torch.Tensor,
                        cross_entropy: torch.Tensor) -> tuple[bool | torch.Tensor, Spike | None]:

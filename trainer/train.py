@@ -210,10 +210,9 @@ def build_train_step(cfg: JobConfig, model, optimizer, scheduler, loader, metric
                                                 parallel_dims=parallel_dims, loader=loader),
         metrics=metrics, dp_group=parallel_dims.dp_mesh.get_group(), device=device,
         max_norm=cfg.training.max_norm, spike_check=check,
-        balance=functools.partial(balance_experts, n_layers=model.args.n_layers,
+        balance=functools.partial(balance_experts, n_layers=model.args.n_blocks,
                                   coeff=cfg.moe.load_balance_coeff, device=device,
-                                  moe_ids=[i for i in range(model.args.n_layers)
-                                           if model.args.is_moe_layer(i)]),
+                                  moe_ids=model.args.moe_layer_ids),
         pp=parallel_dims.pp)
 
 

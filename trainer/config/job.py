@@ -87,6 +87,7 @@ class JobConfig:
                               "'stdlib') or turn eval off")
         check_attention(self.model, self.data, self.training.device)
         check_moe(self)
+        check_mtp(self)
         if self.training.device != "auto":  # else checked on each rank once the device is known
             check_async_tp(self.parallelism, self.compile.enable, self.training.device)
         elif self.parallelism.enable_async_tensor_parallel:
@@ -163,6 +164,14 @@ def accumulation_steps(training: Training, dp_size: int) -> int:
     return gbs // per_pass
 
 
+def check_mtp(cfg: JobConfig) -> None:
+    """Multi-token prediction: what it does not compose with yet, refused by name."""
+    if cfg.model.mtp_layers and cfg.parallelism.pipeline_parallel_degree > 1:
+        raise ConfigError("model.mtp_layers > 0 does not run under pipeline parallelism yet "
+                          "(its modules need the token embedding of the first stage on the "
+                          "last); set model.mtp_layers = 0 or pipeline_parallel_degree = 1")
+
+
 def check_moe(cfg: JobConfig) -> None:
     """[moe] keys need a MoE flavor; what MoE does not compose with yet is refused by name."""
     from trainer.models.args import FLAVORS
@@ -191,12 +200,17 @@ def check_moe(cfg: JobConfig) -> None:
                           f"model.flavor {cfg.model.flavor!r}; valid: "
                           f"{', '.join(map(str, valid))}")
     hf = [k for k in ("last_save_in_hf", "initial_load_in_hf") if getattr(cfg.checkpoint, k)]
-    if hf and not flavor.hf_exportable:
+    if hf and not flavor.hf_exportable and FLAVORS[cfg.model.flavor].mla is None:
         raise ConfigError(f"checkpoint.{hf[0]} = true, but model.flavor {cfg.model.flavor!r} "
                           f"has {flavor.NO_HF}")
-    if par.context_parallel_degree > 1:
-        raise ConfigError(f"model.flavor {cfg.model.flavor!r} (mixture of experts) does not run "
-                          "under context parallelism yet")
+    if par.context_parallel_degree > 1 and (ep > 1 or cfg.moe.aux_loss_weight
+                                            or cfg.moe.router_z_loss_weight):
+        raise ConfigError(f"model.flavor {cfg.model.flavor!r} (mixture of experts) runs under "
+                          "context parallelism with expert_parallel_degree = 1 and the "
+                          "aux-loss-free balancing only (moe.aux_loss_weight and "
+                          "moe.router_z_loss_weight 0), not yet with expert parallelism or "
+                          "the aux losses")
+    model_args(cfg.model.flavor, moe_config=cfg.moe).validate()  # experts, groups
     if par.pipeline_parallel_degree > 1 and (cfg.moe.aux_loss_weight or
                                              cfg.moe.router_z_loss_weight):
         raise ConfigError("moe.aux_loss_weight and moe.router_z_loss_weight are losses of every "

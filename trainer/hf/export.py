@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import os
 
-from trainer.hf.mapping import buffer_shapes, hf_config, param_shapes, routing_bias_note
+from trainer.hf.mapping import buffer_shapes, export_shapes, hf_config, routing_bias_note
 from trainer.hf.tokenizer import export_tokenizer
 from trainer.hf.weights import write_json, write_weights
 
@@ -33,10 +33,15 @@ def write_hf_folder(out_dir: str, args, fetch, cfg, *, dtype: str,
     `cfg` is the run's JobConfig (for the tokenizer and the sequence length)."""
     os.makedirs(out_dir, exist_ok=True)
     buffers = list(buffer_shapes(args))
-    note = routing_bias_note(fetch(buffers)) if buffers else None
+    note = routing_bias_note(fetch(buffers)) if buffers and args.mla is None else None
     if note:
         log(note)
-    files = write_weights(out_dir, args, param_shapes(args), fetch, dtype=dtype,
+    if args.mtp_layers:
+        from trainer.hf.deepseek import MTP_NOTE
+
+        log(MTP_NOTE.format(n=args.mtp_layers, what="left out of the export (the checkpoint "
+                            "keeps them)"))
+    files = write_weights(out_dir, args, export_shapes(args), fetch, dtype=dtype,
                           max_shard_bytes=max_shard_bytes)
     ids = {}
     tok_path = run_tokenizer_path(cfg.data)

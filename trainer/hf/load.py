@@ -15,7 +15,7 @@ import torch
 import torch.distributed as dist
 
 from trainer.errors import ConfigError
-from trainer.hf.mapping import (check_hf_config, from_hf_keys, hf_keys, param_shapes,
+from trainer.hf.mapping import (check_hf_config, export_shapes, from_hf_keys, hf_keys,
                                 stacked_experts)
 from trainer.hf.weights import HFFolder
 
@@ -31,20 +31,28 @@ def load_initial(model, cfg, *, log=print) -> bool:
     if not os.path.isdir(path):
         raise ConfigError(f"checkpoint.initial_load_path = {path!r}: no such folder")
     if cfg.checkpoint.initial_load_in_hf:
-        load_hf(model, path, flavor=cfg.model.flavor)
+        load_hf(model, path, flavor=cfg.model.flavor, log=log)
     else:
         load_dcp_model(model, path, cfg.checkpoint.allow_pickle)
     log(f"initialised the model from {path} in {time.monotonic() - t0:.2f}s")
     return True
 
 
-def load_hf(model, folder: str, *, flavor: str) -> None:
-    """Copy a Hugging Face Llama folder's weights into `model` (plain or FSDP-sharded)."""
+def load_hf(model, folder: str, *, flavor: str, log=print) -> None:
+    """Copy a Hugging Face Llama, Qwen3-MoE or DeepSeek-V3 folder's weights into `model`
+    (plain or sharded). DeepSeek-V3's routing biases load into the balancing bias; MTP
+    modules, which the folder does not hold, keep their seeded init."""
     hf = HFFolder(folder)
     args = model.args
     check_hf_config(hf.config, args, folder, flavor)
-    params = dict(model.named_parameters())
-    for name, shape in param_shapes(args).items():  # every shape first: one error, no half-load
+    shapes = export_shapes(args)
+    tensors = {**dict(model.named_parameters()), **dict(model.named_buffers())}
+    params = {n: t for n, t in tensors.items() if n in shapes}
+    if args.mtp_layers:
+        from trainer.hf.deepseek import MTP_NOTE
+
+        log(MTP_NOTE.format(n=args.mtp_layers, what="they start from their seeded init"))
+    for name, shape in shapes.items():  # every shape first: one error, no half-load
         keys = hf_keys(name, args)
         want = shape[1:] if stacked_experts(name) else shape  # experts: one tensor each
         for key in keys:

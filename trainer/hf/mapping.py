@@ -13,6 +13,7 @@ import re
 import torch
 
 from trainer.errors import ConfigError
+from trainer.hf import deepseek
 from trainer.models.args import ModelArgs, MoEArgs
 
 _LAYER = {
@@ -28,6 +29,7 @@ _LAYER = {
     "attention.q_norm.weight": "self_attn.q_norm.weight",  # Qwen3
     "attention.k_norm.weight": "self_attn.k_norm.weight",
     "feed_forward.router.gate.weight": "mlp.gate.weight",  # Qwen3-MoE's router
+    **deepseek.MLA_LAYER,  # DeepSeek-V3: MLA, shared experts, the routing bias
 }
 # Our stacked [E, ...] experts <-> Hugging Face's one tensor per expert (the hub's layout)
 _EXPERTS = {"w1": "gate_proj", "w3": "up_proj", "w2": "down_proj"}
@@ -81,6 +83,12 @@ def from_hf_keys(name: str, tensors: list[torch.Tensor], args: ModelArgs) -> tor
 
 
 def _heads(name: str, args: ModelArgs) -> int | None:
+    if args.mla is not None:  # DeepSeek's released layout is ours (trainer/hf/deepseek.py)
+        return None
+    return _gqa_heads(name, args)
+
+
+def _gqa_heads(name: str, args: ModelArgs) -> int | None:
     """Number of heads whose rows are permuted in this parameter, or None. Qwen3's q/k norms
     weigh each of the head_dim features of every head alike: one "head" of head_dim entries,
     permuted as the rows of wq and wk are (else a trained norm meets the wrong features)."""
@@ -116,12 +124,12 @@ def param_shapes(args: ModelArgs) -> dict[str, tuple[int, ...]]:
     """Our parameter names and shapes, in model order, without building the model."""
     q, kv, h = args.n_heads * args.head_dim, args.n_kv_heads * args.head_dim, args.hidden_dim
     shapes = {"tok_embeddings.weight": (args.vocab_size, args.dim)}
-    for i in range(args.n_layers):
-        attn = [("attention_norm.weight", (args.dim,)),
+    for i in range(args.n_layers):  # (MTP modules: not in Hugging Face's model)
+        attn = [("attention_norm.weight", (args.dim,))] + (deepseek.mla_shapes(args) if args.mla else [
                 ("attention.wq.weight", (q, args.dim)),
                 ("attention.wk.weight", (kv, args.dim)),
                 ("attention.wv.weight", (kv, args.dim)),
-                ("attention.wo.weight", (args.dim, q))]
+                ("attention.wo.weight", (args.dim, q))])
         if args.qk_norm:
             attn += [("attention.q_norm.weight", (args.head_dim,)),
                      ("attention.k_norm.weight", (args.head_dim,))]
@@ -130,7 +138,8 @@ def param_shapes(args: ModelArgs) -> dict[str, tuple[int, ...]]:
             ffn = [("feed_forward.router.gate.weight", (e, args.dim)),
                    ("feed_forward.experts.w1", (e, eh, args.dim)),
                    ("feed_forward.experts.w2", (e, args.dim, eh)),
-                   ("feed_forward.experts.w3", (e, eh, args.dim))]
+                   ("feed_forward.experts.w3", (e, eh, args.dim))] + \
+                deepseek.shared_expert_shapes(args)
         else:
             ffn = [("feed_forward.w1.weight", (h, args.dim)),
                    ("feed_forward.w2.weight", (args.dim, h)),
@@ -148,6 +157,12 @@ def buffer_shapes(args: ModelArgs) -> dict[str, tuple[int, ...]]:
     balancing bias, which Qwen3MoeForCausalLM has no place for (see `routing_bias_note`)."""
     return {f"layers.{i}.feed_forward.router.expert_bias": (args.moe.n_experts,)
             for i in range(args.n_layers) if args.is_moe_layer(i)}
+
+
+def export_shapes(args: ModelArgs) -> dict[str, tuple[int, ...]]:
+    """What a Hugging Face export writes: the parameters, and DeepSeek-V3's routing biases
+    (its `e_score_correction_bias`; Qwen3-MoE has no place for them)."""
+    return {**param_shapes(args), **(buffer_shapes(args) if args.mla is not None else {})}
 
 
 def routing_bias_note(biases: dict[str, torch.Tensor]) -> str | None:
@@ -178,7 +193,9 @@ def hf_config(args: ModelArgs, *, dtype: str, bos_id: int | None, eos_id: int | 
         "initializer_range": 0.02, "pretraining_tp": 1, "use_cache": True,
         "bos_token_id": bos_id, "eos_token_id": eos_id, "torch_dtype": dtype,
     }
-    if args.moe is not None:
+    if args.mla is not None:
+        cfg.update(deepseek.deepseek_config(args))
+    elif args.moe is not None:
         cfg.update(moe_config(args))
     s = args.rope_scaling
     if s is not None:
@@ -211,7 +228,22 @@ def moe_config(args: ModelArgs) -> dict:
 
 
 def architecture(args: ModelArgs) -> str:
+    if args.mla is not None:
+        return "deepseek_v3"
     return "qwen3_moe" if args.moe is not None else "llama"
+
+
+def export_problem(args: ModelArgs) -> str | None:
+    """Why no Hugging Face architecture here holds this model, or None."""
+    if args.mla is not None:
+        if args.moe is not None and (args.moe.score_func != "sigmoid"
+                                     or args.moe.sparse_step != 1):
+            return ("MLA with a softmax router or sparse_step > 1: DeepseekV3ForCausalLM "
+                    "routes by sigmoid scores in every block after the first dense ones")
+        return None
+    if args.moe is not None and not args.moe.hf_exportable:
+        return NO_HF_MOE
+    return None
 
 
 def check_hf_config(cfg: dict, args: ModelArgs, folder: str, flavor: str) -> None:
@@ -238,7 +270,14 @@ def check_hf_config(cfg: dict, args: ModelArgs, folder: str, flavor: str) -> Non
             "llama3", float(s.factor), float(s.low_freq_factor), float(s.high_freq_factor),
             int(s.original_max_position_embeddings)),
     }
-    if args.moe is not None:
+    if args.mla is not None:
+        why = deepseek.unsupported(cfg)
+        if why:
+            raise ConfigError(f"{folder}/config.json cannot be loaded exactly: {why}")
+        more = deepseek.compare(cfg, args)
+        theirs.update(more[0])
+        ours.update(more[1])
+    elif args.moe is not None:
         theirs["num_experts_per_tok"] = int(cfg.get("num_experts_per_tok", 0))
         theirs["norm_topk_prob"] = bool(cfg.get("norm_topk_prob", False))
         ours["num_experts_per_tok"], ours["norm_topk_prob"] = args.moe.top_k, \

@@ -44,6 +44,11 @@ class MoEArgs:
     capacity_factor: float = 0.0  # 0 = dropless
     aux_loss_weight: float = 0.0
     router_z_loss_weight: float = 0.0
+    # Group-limited routing (DeepSeek-V3): the experts form n_group groups; a token picks the
+    # topk_group groups with the largest sum of their two best (biased) scores, then its
+    # top_k experts within them. 1 group: plain top-k.
+    n_group: int = 1
+    topk_group: int = 1
 
     def is_moe_layer(self, layer_id: int) -> bool:
         """Qwen3-MoE's rule ((i + 1) % step == 0) after the first dense layers."""
@@ -56,9 +61,25 @@ class MoEArgs:
     @property
     def hf_exportable(self) -> bool:
         """Whether Qwen3MoeForCausalLM can hold it: a softmax router, no shared experts, no
-        routed scale (DeepSeek's router has no Hugging Face class here yet)."""
+        routed scale, no groups (DeepSeek-V3's router goes with MLA: DeepseekV3ForCausalLM)."""
         return not self.n_shared_experts and self.score_func == "softmax" and \
-            self.route_scale == 1.0
+            self.route_scale == 1.0 and self.n_group == 1
+
+    def validate(self) -> None:
+        from trainer.errors import ConfigError
+
+        if self.n_group < 1 or self.n_experts % self.n_group:
+            raise ConfigError(f"model experts: {self.n_experts} experts do not divide into "
+                              f"n_group = {self.n_group} groups; choose a divisor of "
+                              f"{self.n_experts}")
+        if not 1 <= self.topk_group <= self.n_group:
+            raise ConfigError(f"model experts: topk_group = {self.topk_group} must be between 1 "
+                              f"and n_group = {self.n_group}")
+        per_group = self.n_experts // self.n_group
+        if self.top_k > self.topk_group * per_group or (self.n_group > 1 and per_group < 2):
+            raise ConfigError(f"model experts: top_k = {self.top_k} needs at most topk_group x "
+                              f"experts per group = {self.topk_group} x {per_group} (and at least "
+                              "2 experts per group: a group scores by its two best)")
 
     def active_ffn(self, dim: int) -> int:
         """FFN parameters a token goes through: top_k routed + the shared experts + router."""
@@ -68,6 +89,41 @@ class MoEArgs:
     def total_ffn(self, dim: int) -> int:
         return 3 * dim * self.hidden_dim * (self.n_experts + self.n_shared_experts) + \
             dim * self.n_experts
+
+
+@dataclass(frozen=True)
+class MLAArgs:
+    """Multi-head latent attention (DeepSeek-V2/V3, trainer/models/mla.py): queries through a
+    low-rank path (or one projection with q_lora_rank 0), keys and values from one compressed
+    latent per token plus a RoPE key shared by every head."""
+
+    q_lora_rank: int = 0  # 0: a plain query projection (DeepSeek-V2-Lite, Moonlight)
+    kv_lora_rank: int = 512
+    qk_nope_head_dim: int = 128  # the query/key channels without rotation
+    qk_rope_head_dim: int = 64  # the rotated channels (the key's are shared by all heads)
+    v_head_dim: int = 128
+
+    @property
+    def qk_head_dim(self) -> int:
+        return self.qk_nope_head_dim + self.qk_rope_head_dim
+
+    def params(self, dim: int, n_heads: int) -> int:
+        q = (dim * self.q_lora_rank + self.q_lora_rank + self.q_lora_rank * n_heads *
+             self.qk_head_dim) if self.q_lora_rank else dim * n_heads * self.qk_head_dim
+        kv = dim * (self.kv_lora_rank + self.qk_rope_head_dim) + self.kv_lora_rank + \
+            self.kv_lora_rank * n_heads * (self.qk_nope_head_dim + self.v_head_dim)
+        return q + kv + n_heads * self.v_head_dim * dim
+
+    def validate(self) -> None:
+        from trainer.errors import ConfigError
+
+        dims = (self.q_lora_rank, self.kv_lora_rank, self.qk_nope_head_dim,
+                self.qk_rope_head_dim, self.v_head_dim)
+        if min(dims) < 0 or min(dims[1:]) < 1 or self.qk_rope_head_dim % 2:
+            raise ConfigError(f"model MLA dims do not add up: q_lora_rank {self.q_lora_rank} "
+                              f"(>= 0), kv_lora_rank {self.kv_lora_rank}, qk_nope_head_dim "
+                              f"{self.qk_nope_head_dim}, v_head_dim {self.v_head_dim} (>= 1) "
+                              f"and qk_rope_head_dim {self.qk_rope_head_dim} (even, >= 2)")
 
 
 @dataclass(frozen=True)
@@ -92,17 +148,48 @@ class ModelArgs:
     moe: MoEArgs | None = None  # None: every block dense
     qk_norm: bool = False  # per-head RMSNorm of q and k before RoPE (Qwen3)
     explicit_head_dim: int = 0  # 0: dim // n_heads (Qwen3 sets 128 at any dim)
+    explicit_hidden_dim: int = 0  # 0: the SwiGLU width from dim (DeepSeek sets its own)
+    mla: MLAArgs | None = None  # multi-head latent attention in place of GQA (DeepSeek-V3)
+    # Multi-token prediction (DeepSeek-V3, trainer/models/mtp.py): modules after the last
+    # layer, the k-th predicting the token k + 1 further; their mean loss is added with this
+    # weight (from the [model] section)
+    mtp_layers: int = 0
+    mtp_loss_weight: float = 0.3
 
     @property
     def head_dim(self) -> int:
+        """A query/key head's width (MLA: nope + rope channels)."""
+        if self.mla is not None:
+            return self.mla.qk_head_dim
         return self.explicit_head_dim or self.dim // self.n_heads
+
+    @property
+    def v_head_dim(self) -> int:
+        return self.mla.v_head_dim if self.mla is not None else self.head_dim
+
+    @property
+    def rope_dim(self) -> int:
+        """The channels RoPE rotates per head (MLA: only qk_rope_head_dim of them)."""
+        return self.mla.qk_rope_head_dim if self.mla is not None else self.head_dim
 
     def is_moe_layer(self, layer_id: int) -> bool:
         return self.moe is not None and self.moe.is_moe_layer(layer_id)
 
     @property
+    def n_blocks(self) -> int:
+        """Transformer blocks: the layers, then one per MTP module."""
+        return self.n_layers + self.mtp_layers
+
+    @property
+    def moe_layer_ids(self) -> list[int]:
+        """The blocks with a MoE feed-forward (MTP blocks count after the layers)."""
+        return [i for i in range(self.n_blocks) if self.is_moe_layer(i)]
+
+    @property
     def hidden_dim(self) -> int:
         """SwiGLU width: 2/3 of 4*dim, scaled by ffn_dim_multiplier, rounded up to multiple_of."""
+        if self.explicit_hidden_dim:
+            return self.explicit_hidden_dim
         hidden = int(2 * 4 * self.dim / 3)
         if self.ffn_dim_multiplier is not None:
             hidden = int(self.ffn_dim_multiplier * hidden)
@@ -112,21 +199,29 @@ class ModelArgs:
         """All parameters; `active`: those one token goes through (MoE: top-k experts)."""
         q_dim, kv_dim = self.n_heads * self.head_dim, self.n_kv_heads * self.head_dim
         attn = self.dim * (2 * q_dim + 2 * kv_dim) + (2 * self.head_dim if self.qk_norm else 0)
+        if self.mla is not None:
+            attn = self.mla.params(self.dim, self.n_heads)
         dense = 3 * self.dim * self.hidden_dim
         ffn = 0
-        for i in range(self.n_layers):
+        blocks = self.n_layers + self.mtp_layers  # an MTP module: a block + 2 norms, a projection
+        mtp = self.mtp_layers * (2 * self.dim * self.dim + 3 * self.dim)
+        for i in range(blocks):
             if not self.is_moe_layer(i):
                 ffn += dense
             else:
                 ffn += (self.moe.active_ffn if active else self.moe.total_ffn)(self.dim)
         head = 0 if self.tie_word_embeddings else self.vocab_size * self.dim
-        total = self.n_layers * (attn + 2 * self.dim) + ffn + self.dim + head
+        total = blocks * (attn + 2 * self.dim) + ffn + self.dim + head + mtp
         return total + (self.vocab_size * self.dim if embeddings else 0)
 
     def validate(self) -> None:
         from trainer.errors import ConfigError
 
-        if self.dim % self.n_heads or self.n_heads % self.n_kv_heads or self.head_dim % 2:
+        if self.moe is not None:
+            self.moe.validate()
+        if self.mla is not None:
+            self.mla.validate()
+        elif self.dim % self.n_heads or self.n_heads % self.n_kv_heads or self.head_dim % 2:
             raise ConfigError(f"model shape: dim {self.dim} must divide into n_heads "
                               f"{self.n_heads} (even head_dim), and n_heads into n_kv_heads "
                               f"{self.n_kv_heads}")
@@ -174,6 +269,46 @@ FLAVORS: dict[str, ModelArgs] = {
                                ffn_dim_multiplier=2.25, norm_eps=1e-6, rope_theta=1e6,
                                qk_norm=True, moe=MoEArgs(n_experts=128, top_k=8,
                                                          hidden_dim=768)),
+    # DeepSeek-V3's architecture (MLA, group-limited sigmoid routing with a shared expert,
+    # the first blocks dense) at a CPU size: 4 blocks (the first dense), 8 experts of width
+    # 96 in 2 groups (top 2 of 1 group), small latent ranks. With model.mtp_layers = 1 it is
+    # configs/debug_dsv3.toml.
+    "debugmodel-dsv3": ModelArgs(
+        dim=64, n_layers=4, n_heads=4, n_kv_heads=4, vocab_size=8192, norm_eps=1e-6,
+        rope_theta=10000.0, explicit_hidden_dim=192,
+        mla=MLAArgs(q_lora_rank=32, kv_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=8,
+                    v_head_dim=16),
+        moe=MoEArgs(n_experts=8, top_k=2, hidden_dim=96, n_shared_experts=1,
+                    score_func="sigmoid", first_dense_layers=1, route_scale=2.5, n_group=2,
+                    topk_group=1)),
+    # Moonlight-16B-A3B's shape (DeepSeek-V3 architecture, no query latent): 27 blocks, 64
+    # experts + 2 shared, top 6, 16B total, 3B active.
+    "deepseek-v3-16b": ModelArgs(
+        dim=2048, n_layers=27, n_heads=16, n_kv_heads=16, vocab_size=163840, norm_eps=1e-6,
+        rope_theta=50000.0, explicit_hidden_dim=11264,
+        mla=MLAArgs(q_lora_rank=0, kv_lora_rank=512, qk_nope_head_dim=128,
+                    qk_rope_head_dim=64, v_head_dim=128),
+        moe=MoEArgs(n_experts=64, top_k=6, hidden_dim=1408, n_shared_experts=2,
+                    score_func="sigmoid", first_dense_layers=1, route_scale=2.446)),
+    # DeepSeek-V3 (671B, 37B active): 61 blocks (the first 3 dense), 256 experts in 8 groups
+    # (top 8 of 4 groups) + 1 shared, MLA with q_lora_rank 1536, kv_lora_rank 512.
+    "deepseek-v3-671b": ModelArgs(
+        dim=7168, n_layers=61, n_heads=128, n_kv_heads=128, vocab_size=129280, norm_eps=1e-6,
+        rope_theta=10000.0, explicit_hidden_dim=18432,
+        mla=MLAArgs(q_lora_rank=1536, kv_lora_rank=512, qk_nope_head_dim=128,
+                    qk_rope_head_dim=64, v_head_dim=128),
+        moe=MoEArgs(n_experts=256, top_k=8, hidden_dim=2048, n_shared_experts=1,
+                    score_func="sigmoid", first_dense_layers=3, route_scale=2.5, n_group=8,
+                    topk_group=4)),
+    # Kimi K2 (1.04T, 32B active): DeepSeek-V3's blocks with 384 experts, 64 heads, the first
+    # block dense, no expert groups.
+    "kimi-k2": ModelArgs(
+        dim=7168, n_layers=61, n_heads=64, n_kv_heads=64, vocab_size=163840, norm_eps=1e-6,
+        rope_theta=50000.0, explicit_hidden_dim=18432,
+        mla=MLAArgs(q_lora_rank=1536, kv_lora_rank=512, qk_nope_head_dim=128,
+                    qk_rope_head_dim=64, v_head_dim=128),
+        moe=MoEArgs(n_experts=384, top_k=8, hidden_dim=2048, n_shared_experts=1,
+                    score_func="sigmoid", first_dense_layers=1, route_scale=2.827)),
     # The debug shape with Llama-3.2's tied embeddings and RoPE scaling (tests, smoke runs).
     "debugmodel-3.2": ModelArgs(dim=256, n_layers=6, n_heads=8, n_kv_heads=4, vocab_size=8192,
                                 multiple_of=64, rope_scaling=LLAMA3_ROPE_SCALING,

@@ -19,8 +19,9 @@ class Model:
     """The architecture: family, flavor (size), vocabulary, attention mask and kernel
     (docs/data.md for documents, docs/moe.md for the MoE flavors)."""
 
-    name: str = opt("llama3", "Model family", choices=("llama3",))
-    flavor: str = opt("debugmodel", "Model size: debugmodel, debugmodel-tiny, debugmodel-narrow, debugmodel-3.2, 1B, llama3.2-1B, llama3.2-3B, 8B, 70B, 405B, llama3.1-8B, llama3.1-70B (RoPE-scaled, for long context); mixtures of experts: debugmodel-moe, debugmodel-moe-narrow, debugmodel-moe-shared, qwen3-30b-a3b")
+    name: str = opt("llama3", "Model family: llama3 (Llama 3, Qwen3-MoE: GQA) or deepseek_v3 "
+                    "(MLA: DeepSeek-V3, Kimi K2, Moonlight)", choices=("llama3", "deepseek_v3"))
+    flavor: str = opt("debugmodel", "Model size: debugmodel, debugmodel-tiny, debugmodel-narrow, debugmodel-3.2, 1B, llama3.2-1B, llama3.2-3B, 8B, 70B, 405B, llama3.1-8B, llama3.1-70B (RoPE-scaled, for long context); mixtures of experts: debugmodel-moe, debugmodel-moe-narrow, debugmodel-moe-shared, qwen3-30b-a3b; DeepSeek-V3 architecture (MLA, docs/deepseek.md): debugmodel-dsv3, deepseek-v3-16b, deepseek-v3-671b, kimi-k2")
     vocab_size: int = opt(0, "Model vocab; 0 = the tokenizer's, padded to vocab_size_multiple_of", min=0)
     vocab_size_multiple_of: int = opt(64, "Pad the model vocab up to a multiple of this", min=1)
     attn_mask_type: str = opt("causal", "causal: every earlier token of the window; block_causal: "
@@ -35,6 +36,10 @@ class Model:
         "(FlexAttention, compiled, one BlockMask per microbatch; CUDA only), sdpa (SDPA with "
         "an additive [batch, 1, seq, seq] mask) or per_document (one causal SDPA per document); "
         "causal always uses SDPA's causal kernel", choices=ATTN_IMPLEMENTATIONS)
+    mtp_layers: int = opt(0, "Multi-token prediction modules after the last layer (DeepSeek-V3 "
+                          "uses 1; docs/deepseek.md); 0 = off", min=0)
+    mtp_loss_weight: float = opt(0.3, "Weight of the MTP modules' mean loss in the training "
+                                 "loss (logged apart as loss_metrics/mtp_loss)", min=0.0)
     sdpa_backends: str = opt("auto", "SDPA kernels to allow, in the order to try: auto (cuDNN "
                              "first on Hopper GPUs, torch's order elsewhere) or a comma list "
                              "of cudnn, flash, efficient, math (docs/performance.md)")
@@ -48,6 +53,12 @@ class Model:
         if self.flavor not in FLAVORS:
             raise ConfigError(f"model.flavor = {self.flavor!r} is not valid; choose one of "
                               f"{', '.join(repr(f) for f in FLAVORS)}{did_you_mean(self.flavor, FLAVORS)}")
+        family = "deepseek_v3" if FLAVORS[self.flavor].mla is not None else "llama3"
+        if self.name != family:
+            same = [f for f, a in FLAVORS.items() if (a.mla is not None) == (self.name != "llama3")]
+            raise ConfigError(f"model.flavor = {self.flavor!r} is a {family} model, not "
+                              f"model.name = {self.name!r}; set model.name = {family!r}, or "
+                              f"choose a {self.name} flavor: {', '.join(same)}")
         if self.positions == "document" and self.attn_mask_type == "causal":
             raise ConfigError("model.positions = 'document' needs model.attn_mask_type = "
                               "'block_causal': under a causal mask a token also sees earlier "

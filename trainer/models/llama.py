@@ -28,54 +28,12 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from trainer.models.attention import attend, build_mask, document_positions
+from trainer.models.layers import RMSNorm, apply_rope, rope_tables, scale_frequencies  # noqa: F401
 from trainer.models.args import FLAVORS, ModelArgs, model_args  # noqa: F401  (re-exported)
+from trainer.models.mla import MLA
 from trainer.models.moe import FeedForward, MoE  # noqa: F401  (FeedForward re-exported)
+from trainer.models.mtp import MTPModule, future_labels, mtp_streams
 from trainer.parallel.loss_parallel import vocab_parallel_project
-
-
-class RMSNorm(nn.Module):
-    def __init__(self, dim: int, eps: float):
-        super().__init__()
-        self.eps = eps
-        self.weight = nn.Parameter(torch.empty(dim))
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        xf = x.float()
-        normed = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
-        return normed.type_as(x) * self.weight
-
-
-def rope_tables(head_dim: int, seq_len: int, theta: float, device=None, scaling=None):
-    """cos/sin of the rotation angles, [seq_len, head_dim // 2], in float32."""
-    inv_freq = 1.0 / theta ** (torch.arange(0, head_dim, 2, device=device).float() / head_dim)
-    if scaling is not None:
-        inv_freq = scale_frequencies(inv_freq, scaling)
-    angles = torch.outer(torch.arange(seq_len, device=device).float(), inv_freq)
-    return angles.cos(), angles.sin()
-
-
-def scale_frequencies(inv_freq: torch.Tensor, s) -> torch.Tensor:
-    """Llama-3.1 RoPE scaling (`s` a RopeScaling): long wavelengths slowed down by s.factor,
-    short ones kept, a linear blend (in 1/wavelength) in between."""
-    wavelen = 2 * math.pi / inv_freq
-    low_freq_wavelen = s.original_max_position_embeddings / s.low_freq_factor
-    high_freq_wavelen = s.original_max_position_embeddings / s.high_freq_factor
-    smooth = (s.original_max_position_embeddings / wavelen - s.low_freq_factor) / (
-        s.high_freq_factor - s.low_freq_factor)
-    blended = (1 - smooth) * inv_freq / s.factor + smooth * inv_freq
-    scaled = torch.where(wavelen > low_freq_wavelen, inv_freq / s.factor, inv_freq)
-    between = (wavelen >= high_freq_wavelen) & (wavelen <= low_freq_wavelen)
-    return torch.where(between, blended, scaled)
-
-
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate consecutive pairs of x [b, s, h, d] (real-valued form, so Inductor compiles it);
-    cos/sin are [s, d/2] (every row alike) or [b, s, d/2] (per-token positions)."""
-    xf = x.float().unflatten(-1, (-1, 2))
-    x0, x1 = xf[..., 0], xf[..., 1]
-    cos, sin = cos.unsqueeze(-2), sin.unsqueeze(-2)  # broadcast over the heads
-    out = torch.stack((x0 * cos - x1 * sin, x0 * sin + x1 * cos), dim=-1)
-    return out.flatten(-2).type_as(x)
 
 
 class Attention(nn.Module):
@@ -90,8 +48,8 @@ class Attention(nn.Module):
         self.q_norm = RMSNorm(self.head_dim, args.norm_eps) if args.qk_norm else None
         self.k_norm = RMSNorm(self.head_dim, args.norm_eps) if args.qk_norm else None
 
-    def forward(self, x, cos, sin, mask=None):
-        """`mask`: None = causal; else the microbatch's block-causal mask (trainer/models/attention.py)."""
+    def project(self, x: torch.Tensor, cos, sin):
+        """(q, k, v) [b, s, heads, head_dim] after the norms and RoPE."""
         b, s, _ = x.shape
         # -1 heads: under tensor parallelism each rank holds n_heads / tp of them
         q = self.wq(x).view(b, s, -1, self.head_dim)
@@ -99,8 +57,12 @@ class Attention(nn.Module):
         v = self.wv(x).view(b, s, -1, self.head_dim)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        out = attend(q, k, v, mask)
+        return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v
+
+    def forward(self, x, cos, sin, mask=None):
+        """`mask`: None = causal; else the microbatch's block-causal mask (trainer/models/attention.py)."""
+        b, s, _ = x.shape
+        out = attend(*self.project(x, cos, sin), mask)
         return self.wo(out.transpose(1, 2).reshape(b, s, -1))
 
 
@@ -109,9 +71,9 @@ class TransformerBlock(nn.Module):
         super().__init__()
         self.layer_id = layer_id
         self.attention_norm = RMSNorm(args.dim, args.norm_eps)
-        self.attention = Attention(args)
+        self.attention = MLA(args) if args.mla is not None else Attention(args)
         self.ffn_norm = RMSNorm(args.dim, args.norm_eps)
-        self.feed_forward = (MoE(args.dim, args.moe) if args.is_moe_layer(layer_id)
+        self.feed_forward = (MoE(args.dim, args.moe, layer_id) if args.is_moe_layer(layer_id)
                              else FeedForward(args.dim, args.hidden_dim))
 
     def forward(self, x, cos, sin, mask=None):
@@ -150,14 +112,19 @@ class Transformer(nn.Module):
         # Tied: no parameter of its own; the head multiplies by tok_embeddings.weight.
         self.output = (None if args.tie_word_embeddings
                        else Head(args.dim, args.vocab_size, bias=False))
+        # Multi-token prediction (trainer/models/mtp.py): depth k's block is layer n_layers + k
+        self.mtp = nn.ModuleDict({str(k): MTPModule(args.dim, args.norm_eps,
+                                                    TransformerBlock(args.n_layers + k, args))
+                                  for k in range(args.mtp_layers)}) if args.mtp_layers else None
         # Filled by init_rope (init_weights calls it) once the model has a real device.
-        table = (args.max_seq_len, args.head_dim // 2)
+        table = (args.max_seq_len, args.rope_dim // 2)
         self.register_buffer("rope_cos", torch.empty(table), persistent=False)
         self.register_buffer("rope_sin", torch.empty(table), persistent=False)
 
     def forward(self, tokens: torch.Tensor, labels: torch.Tensor | None = None,
                 loss_fn=None, *, doc_ids: torch.Tensor | None = None,
-                positions: torch.Tensor | None = None, attention=None) -> torch.Tensor:
+                positions: torch.Tensor | None = None, attention=None,
+                future: torch.Tensor | None = None) -> torch.Tensor:
         """Logits [batch, seq, vocab]; or, with labels and a trainer.models.loss function, the
         summed token loss (fp32 scalar), computed without returning the logits.
 
@@ -166,7 +133,8 @@ class Transformer(nn.Module):
         `positions` [batch, seq] or [seq]: explicit RoPE positions (default: per `args.positions`).
         `attention`: an object whose `attend(q, k, v)` every layer calls instead of masking
         itself (context parallelism: trainer/parallel/context_parallel.py); `positions` are
-        then the tokens' global ones."""
+        then the tokens' global ones. With MTP modules, a training forward with labels adds
+        their loss (`mtp_loss`); `future`: their targets, when not `labels` shifted."""
         h = self.tok_embeddings(tokens)
         if attention is not None:
             cos, sin, mask = self.rope_cos[positions], self.rope_sin[positions], attention
@@ -174,11 +142,36 @@ class Transformer(nn.Module):
             cos, sin, mask = self.attention_inputs(tokens.shape[1], doc_ids, positions, h.dtype)
         for layer in self.layers.values():
             h = layer(h, cos, sin, mask)
-        h = self.norm(h)
+        main = self.head(self.norm(h), labels, loss_fn)
+        if self.mtp is None or labels is None or not self.training \
+                or not hasattr(loss_fn, "for_mtp"):
+            return main
+        return main + self.mtp_loss(h, labels, loss_fn.for_mtp(), (cos, sin, mask), future)
+
+    def head(self, h: torch.Tensor, labels=None, loss_fn=None) -> torch.Tensor:
         if self.output is not None:
             return self.output(h, labels, loss_fn)
         # Tied: the embedding is in the root's FSDP group, unsharded until the root's forward ends.
         return project(h, self.tok_embeddings.weight, labels, loss_fn)
+
+    def mtp_loss(self, h, labels, loss_fn, attention_inputs, future=None) -> torch.Tensor:
+        """mtp_loss_weight x the mean over depths of their summed token losses (the MTP
+        modules after the main model's last hidden state `h`; trainer/models/mtp.py).
+        `future` [depth, b, s]: the targets past `labels` (default: `labels` shifted; context
+        parallelism passes them, cut from the whole sequence)."""
+        a = self.args
+        if future is None:
+            future = future_labels(labels, a.mtp_layers)
+        total = torch.zeros((), dtype=torch.float32, device=h.device)
+        for module, (tokens, target) in zip(self.mtp.values(), mtp_streams(labels, future)):
+            h = module(h, self.tok_embeddings(tokens), *attention_inputs)
+            total = total + self.head(module.norm(h), target, loss_fn)
+        return total * (a.mtp_loss_weight / a.mtp_layers)
+
+    def blocks(self) -> list[nn.Module]:
+        """Every transformer block: the layers', then the MTP modules' (parallelisms, AC and
+        compile wrap each)."""
+        return list(self.layers.values()) + [m.block for m in (self.mtp or {}).values()]
 
     @property
     def uses_documents(self) -> bool:
@@ -208,7 +201,7 @@ class Transformer(nn.Module):
     def init_rope(self) -> None:
         """Compute the RoPE tables (non-persistent buffers: needed after `to_empty`)."""
         a = self.args
-        cos, sin = rope_tables(a.head_dim, a.max_seq_len, a.rope_theta, device=self.rope_cos.device,
+        cos, sin = rope_tables(a.rope_dim, a.max_seq_len, a.rope_theta, device=self.rope_cos.device,
                                scaling=a.rope_scaling)
         self.rope_cos.copy_(cos)
         self.rope_sin.copy_(sin)
@@ -235,8 +228,8 @@ def _init_std(name: str, args: ModelArgs) -> float | None:
     if name.startswith("output"):
         return args.dim ** -0.5
     if name.endswith(("wo.weight", "w2.weight", "w3.weight", "experts.w2", "experts.w3")):
-        # depth-scaled residual outputs
-        layer_id = int(name.split(".")[1])
+        # depth-scaled residual outputs (an MTP block: after the last layer)
+        layer_id = int(name.split(".")[1]) + (args.n_layers if name.startswith("mtp.") else 0)
         return 0.02 / math.sqrt(2 * (layer_id + 1))
     return 0.02
 

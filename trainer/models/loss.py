@@ -195,6 +195,7 @@ class Loss:
     def __init__(self, fn, z_loss_weight: float = 0.0, vocab_parallel: bool = False):
         self.fn, self.z_loss_weight, self.vocab_parallel = fn, z_loss_weight, vocab_parallel
         self._z_loss: torch.Tensor | None = None
+        self._mtp: torch.Tensor | None = None  # the MTP heads' summed loss (MTPLoss)
         self.split_backward = False  # a zero-bubble pipeline schedule sets it
 
     def __call__(self, hidden: torch.Tensor, weight: torch.Tensor,
@@ -210,6 +211,32 @@ class Loss:
         """The summed z-loss term of the calls since the last take; None without a z-loss."""
         z, self._z_loss = self._z_loss, None
         return z
+
+    def for_mtp(self) -> "MTPLoss":
+        """The loss of the multi-token prediction heads (trainer/models/mtp.py)."""
+        return MTPLoss(self)
+
+    def take_mtp_loss(self) -> torch.Tensor | None:
+        """The MTP heads' summed token cross-entropy since the last take (every depth); None
+        without MTP."""
+        mtp, self._mtp = self._mtp, None
+        return mtp
+
+
+class MTPLoss:
+    """The MTP heads' loss: the cross-entropy alone (no z-loss), its sum kept apart in the
+    training Loss for `loss_metrics/mtp_loss`."""
+
+    def __init__(self, loss: Loss):
+        self.loss, self.vocab_parallel = loss, loss.vocab_parallel
+
+    def __call__(self, hidden: torch.Tensor, weight: torch.Tensor,
+                 labels: torch.Tensor) -> torch.Tensor:
+        kw = {"split_backward": True} if self.loss.split_backward else {}
+        value, _ = self.loss.fn(hidden, weight, labels, z_loss_weight=0.0, **kw)
+        seen = self.loss._mtp
+        self.loss._mtp = value.detach() if seen is None else seen + value.detach()
+        return value
 
 
 class RowLoss:

@@ -53,11 +53,25 @@ class Router(nn.Module):
         logits = self.gate(x).float()
         probs = logits.softmax(-1) if self.moe.score_func == "softmax" else logits.sigmoid()
         with torch.no_grad():
-            chosen = (probs + self.expert_bias).topk(self.moe.top_k, dim=-1).indices
+            chosen = choose(probs + self.expert_bias, self.moe)
         weights = probs.gather(-1, chosen)
         if self.moe.norm_topk_prob:  # as Qwen3-MoE: top_k = 1 gets weight 1
             weights = weights / weights.sum(-1, keepdim=True).clamp_min(1e-20)
         return weights * self.moe.route_scale, chosen, probs, logits
+
+
+def choose(scores: torch.Tensor, moe: MoEArgs) -> torch.Tensor:
+    """[T, k] experts of each token by its biased scores [T, E]: the top k, or with groups
+    (DeepSeek-V3's group-limited routing) the top k within the topk_group groups whose two
+    best scores sum highest."""
+    if moe.n_group == 1:
+        return scores.topk(moe.top_k, dim=-1).indices
+    grouped = scores.unflatten(-1, (moe.n_group, -1))
+    best = grouped.topk(2, dim=-1).values.sum(-1).topk(moe.topk_group, dim=-1).indices
+    keep = torch.zeros(grouped.shape[:-1], dtype=torch.bool, device=scores.device)
+    keep.scatter_(-1, best, True)
+    masked = grouped.masked_fill(~keep.unsqueeze(-1), float("-inf")).flatten(-2)
+    return masked.topk(moe.top_k, dim=-1).indices
 
 
 class GroupedExperts(nn.Module):
@@ -109,9 +123,9 @@ class FeedForward(nn.Module):
 class MoE(nn.Module):
     """The MoE feed-forward of one block (see the module docstring)."""
 
-    def __init__(self, dim: int, moe: MoEArgs):
+    def __init__(self, dim: int, moe: MoEArgs, layer_id: int = 0):
         super().__init__()
-        self.moe = moe
+        self.moe, self.layer_id = moe, layer_id  # its block's (an MTP block's: n_layers + k)
         self.router = Router(dim, moe)
         self.experts = GroupedExperts(dim, moe.hidden_dim, moe.n_experts)
         self.shared_experts = (FeedForward(dim, moe.hidden_dim * moe.n_shared_experts)
@@ -200,8 +214,7 @@ def moe_layers(model: nn.Module) -> dict[int, MoE]:
     """{layer id: its MoE} of `model` (cached on it; empty for a dense model)."""
     found = model.__dict__.get("_moe_layers")
     if found is None:
-        found = {int(name.split(".")[1]): m for name, m in model.named_modules()
-                 if isinstance(m, MoE)}
+        found = {m.layer_id: m for m in model.modules() if isinstance(m, MoE)}
         model.__dict__["_moe_layers"] = found
     return found
 

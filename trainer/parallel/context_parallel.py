@@ -169,6 +169,13 @@ class ContextSplit:
             else self.index.expand(inputs.shape[0], -1)
         return inputs[:, self.index], labels[:, self.index], positions
 
+    def future(self, labels: torch.Tensor, depth: int) -> torch.Tensor:
+        """The MTP modules' targets [depth, b, local] at this rank's positions, shifted on the
+        whole samples (a position's next tokens may sit on another cp rank)."""
+        from trainer.models.mtp import future_labels
+
+        return future_labels(labels, depth)[:, :, self.index]
+
     def attention(self, doc_ids) -> ContextAttention:
         """A microbatch's attention; `doc_ids` [b, seq] of the whole samples (block_causal)."""
         return ContextAttention(self.group, self.index, self.natural,
@@ -196,24 +203,31 @@ class ContextParallelLoop:
             doc_ids = self.document_ids(inputs) if self.document_ids else None
             local, local_labels, positions = self.split.split(inputs, labels, doc_ids)
             heartbeat.phase("forward", step)
+            depth = self.model.args.mtp_layers  # MTP targets: cut from the whole sequence
+            future = self.split.future(labels, depth) if depth else None
             loss = self.model(local, labels=local_labels, loss_fn=self.loss_fn,
-                              positions=positions, attention=self.split.attention(doc_ids))
+                              positions=positions, attention=self.split.attention(doc_ids),
+                              future=future)
             loss = loss / global_tokens
             if i == 0:
                 faults.armed().first_forward(step)  # a testing hook; nothing unless asked
             heartbeat.phase("backward")
             (loss * self.dp_size * self.cp).backward()
             loss_sum += loss.detach()
-        z_loss = self.loss_fn.take_z_loss()
+        z_loss, mtp = self.loss_fn.take_z_loss(), self.loss_fn.take_mtp_loss()
         # Every cp rank reports its dp rank's whole loss, as without CP.
-        return Losses(*sum_over_cp(loss_sum, z_loss, self.group))
+        loss_sum, z_loss, mtp = sum_over_cp(loss_sum, z_loss, self.group, mtp)
+        return Losses(loss_sum, z_loss, None, None if mtp is None else mtp / global_tokens)
 
 
-def sum_over_cp(loss: torch.Tensor, z_loss, group):
-    """The cp ranks' shares of the loss (and z-loss) added: every cp rank reports its dp
-    rank's whole loss."""
+def sum_over_cp(loss: torch.Tensor, z_loss, group, mtp=None):
+    """The cp ranks' shares of the loss (and z-loss, MTP loss) added: every cp rank reports
+    its dp rank's whole loss."""
     dist.all_reduce(loss, group=group)
-    if z_loss is not None:
-        z_loss = z_loss.detach().clone()
-        dist.all_reduce(z_loss, group=group)
-    return loss, z_loss
+    out = [loss]
+    for extra in (z_loss, mtp):
+        if extra is not None:
+            extra = extra.detach().clone()
+            dist.all_reduce(extra, group=group)
+        out.append(extra)
+    return tuple(out)

@@ -43,7 +43,8 @@ def apply_fsdp(model: torch.nn.Module, mesh, *, param_dtype: str, reduce_dtype: 
     shard = functools.partial(fully_shard, mesh=mesh, mp_policy=mp,
                               offload_policy=offload or OffloadPolicy())
     blocks, head = reshard_policy(reshard_after_forward)
-    for block in model.layers.values():
+    mtp = list((getattr(model, "mtp", None) or {}).values())  # multi-token prediction
+    for block in [*model.layers.values(), *(m.block for m in mtp)]:
         grouped = getattr(block.feed_forward, "experts", None)
         if experts is not None and grouped is not None:
             shard(grouped, mesh=experts[0], reshard_after_forward=bool(blocks))
@@ -57,6 +58,8 @@ def apply_fsdp(model: torch.nn.Module, mesh, *, param_dtype: str, reduce_dtype: 
             # The experts' all-gather goes out with the block's, in its pre-forward: in their
             # own pre-forward it would wait for the dispatch's host sync (the split sizes).
             block.set_modules_to_forward_prefetch([grouped])
+    for m in mtp:  # the rest of each MTP module: norms and projection, one group
+        shard([m.embed_norm, m.hidden_norm, m.proj, m.norm], reshard_after_forward=head)
     if model.output is None and model.norm is not None:
         # Tied embeddings: the embedding is used first and last, so it stays in the root's
         # group, unsharded for the whole forward (a group of its own would be resharded).

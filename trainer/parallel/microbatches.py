@@ -64,7 +64,9 @@ class MicrobatchLoop:
                 aux = extra / len(batches) if aux is None else aux + extra / len(batches)
             (loss * self.dp_size).backward()
             loss_sum += loss.detach()
-        return Losses(loss_sum, self.loss_fn.take_z_loss(), aux)
+        mtp = self.loss_fn.take_mtp_loss()
+        return Losses(loss_sum, self.loss_fn.take_z_loss(), aux,
+                      None if mtp is None else mtp / global_tokens)
 
 
 def build_forward_backward(model: torch.nn.Module, loss_fn: Loss, cfg, *, parallel_dims,

@@ -107,7 +107,7 @@ def apply_ac(model: Transformer, mode: str, option: str, op_matmuls: str = "all"
     matmul, or every other one: `op_matmuls`); selective k: recompute every k-th block in full
     (1 = every block)."""
     every_other = op_matmuls == "every_other"
-    for i, block in enumerate(model.layers.values()):
+    for i, block in enumerate(model.blocks()):
         if mode == "full":
             _checkpoint_forward(block)
         elif option == "op":
@@ -118,7 +118,7 @@ def apply_ac(model: Transformer, mode: str, option: str, op_matmuls: str = "all"
 
 def apply_compile(model: Transformer) -> None:
     """Compile each block's forward (identical blocks share the compiled code)."""
-    for block in model.layers.values():
+    for block in model.blocks():
         block.forward = torch.compile(block.forward)
 
 

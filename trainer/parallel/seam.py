@@ -15,6 +15,8 @@ class Losses(NamedTuple):
     loss_sum: torch.Tensor  # this rank's summed token loss / the step's global token count
     z_loss: torch.Tensor | None  # the z-loss term summed over this rank's tokens, or None
     aux: torch.Tensor | None = None  # MoE aux + router z terms, mean over microbatches, or None
+    # the MTP heads' summed token loss (every depth) / the global token count, or None
+    mtp: torch.Tensor | None = None
 
 
 class ForwardBackward(Protocol):

@@ -24,6 +24,7 @@ symmetric memory.
 
 from __future__ import annotations
 
+import functools
 import logging
 
 import torch
@@ -57,7 +58,9 @@ def apply_tp(model: Transformer, tp_mesh, *, float8_tensorwise: bool = False,
     if model.output is not None:
         _shard_head(model.output, tp_mesh)
     colwise, rowwise, prepare_input = _styles(float8_tensorwise)
-    for block in model.layers.values():
+    for module in (model.mtp or {}).values():  # MTP: its input norms and projection
+        _shard_mtp(module, tp_mesh)
+    for block in model.blocks():
         ffn = ({"feed_forward": _moe_style()} if hasattr(block.feed_forward, "router") else {
             "feed_forward": prepare_input(input_layouts=(Shard(1),),
                                           desired_input_layouts=(Replicate(),)),
@@ -65,21 +68,68 @@ def apply_tp(model: Transformer, tp_mesh, *, float8_tensorwise: bool = False,
             "feed_forward.w2": rowwise(output_layouts=Shard(1)),
             "feed_forward.w3": colwise(),
         })
-        parallelize_module(block, tp_mesh, {
-            "attention_norm": SequenceParallel(),
+        attention = (_mla_styles(block.attention, tp_mesh, colwise, prepare_input)
+                     if hasattr(block.attention, "wkv_a") else {
             # (x, cos, sin, mask): only x is sharded; the RoPE tables and mask are per rank
             "attention": prepare_input(input_layouts=(Shard(1), None, None, None),
                                        desired_input_layouts=(Replicate(), None, None, None)),
             "attention.wq": colwise(),
             "attention.wk": colwise(),
             "attention.wv": colwise(),
+            **_qk_norm_styles(block)})
+        parallelize_module(block, tp_mesh, {
+            "attention_norm": SequenceParallel(),
+            **attention,
             "attention.wo": rowwise(output_layouts=Shard(1)),
             "ffn_norm": SequenceParallel(),
-            **_qk_norm_styles(block),
             **ffn,
         })
     if async_tp:
         _enable_async_tp(tp_mesh)
+
+
+def _mla_styles(attention, tp_mesh, colwise, prepare_input) -> dict:
+    """Multi-head latent attention (trainer/models/mla.py): the heads split (`wq` or `wq_b`,
+    and `wkv_b` colwise; `wo` rowwise), the down projections and their norms replicated:
+    plain parameters that every tp rank applies to the whole gathered sequence. Their
+    gradients come out whole on every rank: the colwise up projections all-reduce their
+    input's gradient, and the shared RoPE key's gradient is summed over tp here."""
+    attention.shared_key = functools.partial(_sum_grad_over, group=tp_mesh.get_group())
+    styles = {"attention": prepare_input(input_layouts=(Shard(1), None, None, None),
+                                         desired_input_layouts=(Replicate(), None, None, None),
+                                         use_local_output=True),
+              "attention.wkv_b": colwise()}
+    styles["attention.wq" if attention.wq is not None else "attention.wq_b"] = colwise()
+    return styles
+
+
+class _SumGradOver(torch.autograd.Function):
+    """Identity forward; the backward all-reduces the gradient over `group` (Megatron's
+    copy-to-tensor-parallel-region)."""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        grad = grad.contiguous()
+        torch.distributed.all_reduce(grad, group=ctx.group)
+        return grad, None
+
+
+def _sum_grad_over(x: torch.Tensor, group) -> torch.Tensor:
+    return _SumGradOver.apply(x, group)
+
+
+def _shard_mtp(module, tp_mesh) -> None:
+    """An MTP module's norms and projection run on the sequence shards, as the blocks' norms:
+    replicated weights whose gradients are summed over tp; its output norm hands the head a
+    sequence-sharded DTensor, as the final norm does."""
+    local = SequenceParallel(use_local_output=True)
+    parallelize_module(module, tp_mesh, {"embed_norm": local, "hidden_norm": local,
+                                         "proj": local, "norm": SequenceParallel()})
 
 
 def _qk_norm_styles(block) -> dict:

@@ -162,9 +162,8 @@ def trace_step(cfg: JobConfig, world_size: int, keep_all: bool = False) -> Trace
                          metrics=_Metrics(), dp_group=pd.dp_mesh.get_group(), device=device,
                          max_norm=cfg.training.max_norm,
                          balance=functools.partial(  # MoE: the loads' all-reduce, the bias
-                             balance_experts, n_layers=args.n_layers, device=device,
-                             coeff=cfg.moe.load_balance_coeff,
-                             moe_ids=[i for i in range(args.n_layers) if args.is_moe_layer(i)]))
+                             balance_experts, n_layers=args.n_blocks, device=device,
+                             coeff=cfg.moe.load_balance_coeff, moe_ids=args.moe_layer_ids))
         grads: list[Allocation] = []
         optimizer.register_step_pre_hook(lambda *_: grads.extend(
             a for p in model.parameters() if p.grad is not None

@@ -1,0 +1,83 @@
+"""Multi-head latent attention (DeepSeek-V2/V3; `ModelArgs.mla`), in place of GQA.
+
+Per token, the keys and values of every head come from one compressed latent of
+`kv_lora_rank` channels (`wkv_a`, then `kv_a_norm`, then `wkv_b` up to each head's
+`qk_nope_head_dim` key and `v_head_dim` value channels), and one RoPE key of
+`qk_rope_head_dim` channels that every head shares (the rest of `wkv_a`'s output). Queries go
+through their own low-rank path (`wq_a`, `q_a_norm`, `wq_b`), or one projection `wq` with
+`q_lora_rank = 0`, and each head's last `qk_rope_head_dim` channels are rotated. A head's
+query/key width (nope + rope: 192 at full size) differs from its value width (128): the
+softmax scale is 1 / sqrt(query/key width), SDPA's default for these shapes; no channel is
+padded. Which kernel takes such heads: on the CPU the math kernel; on CUDA cuDNN or the
+memory-efficient one (flash needs equal widths; the startup summary names the one that runs),
+and FlexAttention for block_causal.
+
+The rotation is the same as the Llama blocks' (consecutive channel pairs), which is the
+layout DeepSeek released its weights in (`rope_interleave = true` in Hugging Face's config):
+the Hugging Face mapping permutes nothing here (trainer/hf/deepseek.py).
+
+Tensor parallelism (trainer/parallel/tp.py) splits the heads: `wq`/`wq_b`, `wkv_b` colwise and
+`wo` rowwise; the down projections and their norms (`wq_a`, `q_a_norm`, `wkv_a`,
+`kv_a_norm`) are replicated on every tp rank, as torchtitan and Megatron-core do. The
+shared RoPE key feeds only this rank's heads, so its gradient is summed over tp
+(`shared_key`, set by the TP plan).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from trainer.models.args import ModelArgs
+from trainer.models.attention import attend
+from trainer.models.layers import RMSNorm, apply_rope
+
+
+class MLA(nn.Module):
+    def __init__(self, args: ModelArgs):
+        super().__init__()
+        m = args.mla
+        self.n_heads, self.n_kv_heads = args.n_heads, args.n_heads
+        self.nope, self.rope, self.v_dim = m.qk_nope_head_dim, m.qk_rope_head_dim, m.v_head_dim
+        self.kv_lora_rank = m.kv_lora_rank
+        self.head_dim = m.qk_head_dim
+        if m.q_lora_rank:
+            self.wq = None
+            self.wq_a = nn.Linear(args.dim, m.q_lora_rank, bias=False)
+            self.q_a_norm = RMSNorm(m.q_lora_rank, args.norm_eps)
+            self.wq_b = nn.Linear(m.q_lora_rank, args.n_heads * self.head_dim, bias=False)
+        else:
+            self.wq = nn.Linear(args.dim, args.n_heads * self.head_dim, bias=False)
+        self.wkv_a = nn.Linear(args.dim, m.kv_lora_rank + self.rope, bias=False)
+        self.kv_a_norm = RMSNorm(m.kv_lora_rank, args.norm_eps)
+        self.wkv_b = nn.Linear(m.kv_lora_rank, args.n_heads * (self.nope + self.v_dim),
+                               bias=False)
+        self.wo = nn.Linear(args.n_heads * self.v_dim, args.dim, bias=False)
+        # Identity; under TP the RoPE key's gradient summed over the tp ranks (see above)
+        self.shared_key = _identity
+
+    def project(self, x: torch.Tensor, cos, sin):
+        """(q [b, s, heads, qk], k [b, s, heads, qk], v [b, s, heads, v]) after RoPE; under
+        TP this rank's heads."""
+        b, s, _ = x.shape
+        q = self.wq(x) if self.wq is not None else self.wq_b(self.q_a_norm(self.wq_a(x)))
+        q_nope, q_rope = q.view(b, s, -1, self.head_dim).split([self.nope, self.rope], -1)
+        latent, k_rope = self.wkv_a(x).split([self.kv_lora_rank, self.rope], -1)
+        k_rope = apply_rope(self.shared_key(k_rope).unsqueeze(2), cos, sin)
+        kv = self.wkv_b(self.kv_a_norm(latent)).view(b, s, -1, self.nope + self.v_dim)
+        k_nope, v = kv.split([self.nope, self.v_dim], -1)
+        q = torch.cat([q_nope, apply_rope(q_rope, cos, sin)], -1)
+        k = torch.cat([k_nope, k_rope.expand(-1, -1, k_nope.shape[2], -1)], -1)
+        return q, k, v
+
+    def forward(self, x, cos, sin, mask=None):
+        """As trainer.models.llama.Attention: `mask` None = causal, else the microbatch's
+        block-causal mask or context parallelism's attention."""
+        b, s, _ = x.shape
+        q, k, v = self.project(x, cos, sin)
+        out = attend(q, k, v, mask)
+        return self.wo(out.transpose(1, 2).reshape(b, s, -1))
+
+
+def _identity(t: torch.Tensor) -> torch.Tensor:
+    return t

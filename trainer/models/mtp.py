@@ -1,0 +1,64 @@
+"""Multi-token prediction (DeepSeek-V3; `model.mtp_layers`, `model.mtp_loss_weight`).
+
+After the main model's last block, MTP module k (1-based) takes the hidden state h^{k-1} of
+each position i (the main model's, before its final norm, for k = 1) and the embedding of
+token i + k, the one the previous depth predicted: `proj([embed_norm(emb), hidden_norm(h)])`
+(the order of DeepSeek's released weights), then a transformer block of its own (MoE like the
+model's other sparse blocks), gives h^k; its own final norm and the model's head (shared, as
+is the embedding) predict token i + k + 1. The positions whose input or target falls past the
+window are ignored.
+
+The training loss is the main loss plus `mtp_loss_weight` x the mean of the depths' losses
+(each summed over its tokens and divided by the step's token count, like the main loss); the
+MTP part is logged apart as `loss_metrics/mtp_loss` (the mean over depths, per token), and
+`loss` stays the main model's. Validation, evals, generation and Hugging Face exports use the
+main model alone.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from trainer.models.layers import RMSNorm
+
+IGNORE_INDEX = -100
+
+
+class MTPModule(nn.Module):
+    """One depth: two input norms, the projection, a transformer block, an output norm."""
+
+    def __init__(self, dim: int, eps: float, block: nn.Module):
+        super().__init__()
+        self.embed_norm = RMSNorm(dim, eps)
+        self.hidden_norm = RMSNorm(dim, eps)
+        self.proj = nn.Linear(2 * dim, dim, bias=False)
+        self.block = block
+        self.norm = RMSNorm(dim, eps)
+
+    def forward(self, h, emb, cos, sin, mask=None):
+        x = self.proj(torch.cat([self.embed_norm(emb), self.hidden_norm(h)], dim=-1))
+        return self.block(x, cos, sin, mask)
+
+
+def future_labels(labels: torch.Tensor, depth: int) -> torch.Tensor:
+    """[depth, b, s]: labels shifted left by 1..depth along the sequence, IGNORE_INDEX past
+    the end: row j - 1 holds, at position i, the token i + j + 1 (MTP depth j's target)."""
+    out = torch.full((depth, *labels.shape), IGNORE_INDEX, dtype=labels.dtype,
+                     device=labels.device)
+    for j in range(1, depth + 1):
+        out[j - 1, :, :-j] = labels[:, j:]
+    return out
+
+
+def mtp_streams(labels: torch.Tensor, future: torch.Tensor):
+    """(input tokens, targets) of each depth: depth k reads token i + k (labels for k = 1,
+    else future[k - 2]) and predicts future[k - 1]; a position whose input is unknown
+    (IGNORE_INDEX) has no target, and reads token 0 in its place."""
+    streams, inputs = [], labels
+    for k in range(future.shape[0]):
+        unknown = inputs == IGNORE_INDEX
+        streams.append((torch.where(unknown, 0, inputs),
+                        torch.where(unknown, IGNORE_INDEX, future[k])))
+        inputs = future[k]
+    return streams
