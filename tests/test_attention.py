@@ -48,8 +48,8 @@ def windows() -> torch.Tensor:
     return torch.tensor(rows)
 
 
-def tiny(mask="block_causal", positions="sequence", impl="sdpa"):
-    args = model_args("debugmodel-tiny", vocab_size=VOCAB, max_seq_len=SEQ, attn_mask_type=mask,
+def tiny(mask="block_causal", positions="sequence", impl="sdpa", flavor="debugmodel-tiny"):
+    args = model_args(flavor, vocab_size=VOCAB, max_seq_len=SEQ, attn_mask_type=mask,
                       positions=positions, attn_implementation=impl)
     model = build_model(args)
     model.to_empty(device="cpu")
@@ -86,9 +86,10 @@ def test_predict_document_start_masks_only_the_targets_that_start_a_document():
 IMPLS = ["per_document", "sdpa"]  # the CPU's two (flex has no backward here)
 
 
+@pytest.mark.parametrize("flavor", ["debugmodel-tiny", "debugmodel-dsv3"])  # GQA, MLA
 @pytest.mark.parametrize("impl", IMPLS)
 @pytest.mark.parametrize("positions", ["sequence", "document"])
-def test_no_gradient_crosses_documents(positions, impl):
+def test_no_gradient_crosses_documents(positions, impl, flavor):
     inputs, labels = split_window(windows(), DELIMS, True)
     ids = document_ids(inputs, DELIMS)
 
@@ -105,12 +106,13 @@ def test_no_gradient_crosses_documents(positions, impl):
                 out[b, d] = torch.autograd.grad(loss, kept["e"], retain_graph=True)[0]
         return out
 
-    for (b, d), g in grads(tiny("block_causal", positions, impl)).items():
+    for (b, d), g in grads(tiny("block_causal", positions, impl, flavor)).items():
         mine = torch.zeros_like(ids, dtype=torch.bool)
         mine[b] = ids[b] == d
         assert g[~mine].abs().max() == 0, (b, d)  # exactly zero outside the document
         assert g[mine].abs().max() > 0, (b, d)
-    leaks = [g[b][ids[b] < d].abs().max() for (b, d), g in grads(tiny("causal")).items() if d]
+    leaks = [g[b][ids[b] < d].abs().max() for (b, d), g in grads(tiny("causal", flavor=flavor)).items()
+             if d]
     assert min(leaks) > 0  # causal: every later document depends on the earlier ones
 
 

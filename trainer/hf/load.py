@@ -8,6 +8,7 @@ keeps its own shard of it, so any FSDP/HSDP layout loads the same weights withou
 
 from __future__ import annotations
 
+import logging
 import os
 import time
 
@@ -105,6 +106,9 @@ def save_last_hf(model, cfg, *, log=print) -> None:
     from trainer.hf.export import write_hf_folder
 
     t0 = time.monotonic()
+    # Gathering expert (EP x FSDP) or TP x FSDP parameters whole takes two all-gathers, and
+    # torch warns about it on every rank for every parameter: a one-off, not a step's.
+    logging.getLogger("torch.distributed.tensor._redistribute").setLevel(logging.ERROR)
     if getattr(model, "pp_group", None) is not None:
         full = _gather_stages(model)
     else:

@@ -65,16 +65,22 @@ def attention_args(model_cfg, device_type: str) -> dict:
 
 
 def describe(args) -> str:
-    """One line of the startup summary: mask, kernel, positions."""
+    """One line of the startup summary: MLA's shape, mask, kernel, positions."""
+    m = getattr(args, "mla", None)
+    mla = "" if m is None else (
+        f"multi-head latent attention (q_lora_rank {m.q_lora_rank}, kv_lora_rank "
+        f"{m.kv_lora_rank}; query/key heads {m.qk_nope_head_dim} + {m.qk_rope_head_dim} "
+        f"rotated, value heads {m.v_head_dim}), ")
     if args.attn_mask_type == "causal":
-        return "attention: causal over the whole window (SDPA is_causal); RoPE positions: sequence"
+        return (f"attention: {mla}causal over the whole window (SDPA is_causal); RoPE "
+                "positions: sequence")
     kernel = {"flex": "FlexAttention (compiled), one BlockMask per microbatch shared by all "
                       "layers",
               "sdpa": "SDPA with one additive [batch, 1, seq, seq] mask per microbatch shared "
                       "by all layers",
               "per_document": "one causal SDPA call per document (split by the microbatch's "
                               "document ids)"}[args.attn_implementation]
-    return (f"attention: block_causal (a token sees earlier tokens of its own document only); "
+    return (f"attention: {mla}block_causal (a token sees earlier tokens of its own document only); "
             f"{kernel}; RoPE positions: {args.positions}")
 
 

@@ -50,14 +50,21 @@ def matmul_params(args: ModelArgs) -> int:
     q_dim = args.n_heads * args.head_dim
     kv_dim = args.n_kv_heads * args.head_dim
     attention = args.dim * (q_dim + 2 * kv_dim) + q_dim * args.dim
+    if args.mla is not None:  # MLA's projections, without its two latent norms
+        m = args.mla
+        attention = m.params(args.dim, args.n_heads) - m.q_lora_rank - m.kv_lora_rank
+    blocks = args.n_blocks  # MTP modules: a block, the projection and the head each
     ffn = sum(args.moe.active_ffn(args.dim) if args.is_moe_layer(i)
-              else 3 * args.dim * args.hidden_dim for i in range(args.n_layers))
-    return args.n_layers * attention + ffn + args.dim * args.vocab_size
+              else 3 * args.dim * args.hidden_dim for i in range(blocks))
+    mtp = args.mtp_layers * (2 * args.dim * args.dim + args.dim * args.vocab_size)
+    return blocks * attention + ffn + args.dim * args.vocab_size + mtp
 
 
 def attention_flops_per_token(args: ModelArgs, seq_len: int, causal_half: bool = False) -> float:
     """Score and value products, forward + backward, per token (see the module docstring)."""
-    full = 12 * args.n_layers * args.n_heads * args.head_dim * seq_len
+    # 2 products (q.k over head_dim channels, p.v over v_head_dim), 2 FLOPs per multiply-add,
+    # x3 forward + backward: 12 * heads * head_dim when the two widths agree
+    full = 6 * args.n_blocks * args.n_heads * (args.head_dim + args.v_head_dim) * seq_len
     return full / 2 if causal_half else float(full)
 
 

@@ -115,9 +115,10 @@ def chosen(args, device: torch.device, dtype: torch.dtype, seq_len: int) -> str:
     s = min(seq_len, 4096)
     q = torch.zeros(1, args.n_heads, s, args.head_dim, device=device, dtype=dtype)
     kv = torch.zeros(1, args.n_kv_heads, s, args.head_dim, device=device, dtype=dtype)
+    v = torch.zeros(1, args.n_kv_heads, s, args.v_head_dim, device=device, dtype=dtype)  # MLA
     mask = (torch.zeros(1, 1, s, s, device=device, dtype=dtype)
             if masked and args.attn_implementation == "sdpa" else None)
-    picked = SDPBackend(torch._fused_sdp_choice(q, kv, kv, attn_mask=mask, is_causal=mask is None,
+    picked = SDPBackend(torch._fused_sdp_choice(q, kv, v, attn_mask=mask, is_causal=mask is None,
                                                 enable_gqa=args.n_heads != args.n_kv_heads))
     names = {int(_backend(n)): n for n in NAMES}
     return names.get(int(picked), picked.name.lower())
