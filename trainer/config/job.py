@@ -87,7 +87,6 @@ class JobConfig:
                               "'stdlib') or turn eval off")
         check_attention(self.model, self.data, self.training.device)
         check_moe(self)
-        check_mtp(self)
         if self.training.device != "auto":  # else checked on each rank once the device is known
             check_async_tp(self.parallelism, self.compile.enable, self.training.device)
         elif self.parallelism.enable_async_tensor_parallel:
@@ -162,14 +161,6 @@ def accumulation_steps(training: Training, dp_size: int) -> int:
             f"({training.local_batch_size}) * dp size ({dp_size}) = {per_pass}; use a multiple "
             f"of {per_pass}")
     return gbs // per_pass
-
-
-def check_mtp(cfg: JobConfig) -> None:
-    """Multi-token prediction: what it does not compose with yet, refused by name."""
-    if cfg.model.mtp_layers and cfg.parallelism.pipeline_parallel_degree > 1:
-        raise ConfigError("model.mtp_layers > 0 does not run under pipeline parallelism yet "
-                          "(its modules need the token embedding of the first stage on the "
-                          "last); set model.mtp_layers = 0 or pipeline_parallel_degree = 1")
 
 
 def check_moe(cfg: JobConfig) -> None:

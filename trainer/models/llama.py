@@ -143,10 +143,15 @@ class Transformer(nn.Module):
         for layer in self.layers.values():
             h = layer(h, cos, sin, mask)
         main = self.head(self.norm(h), labels, loss_fn)
-        if self.mtp is None or labels is None or not self.training \
-                or not hasattr(loss_fn, "for_mtp"):
+        if not self.trains_mtp(labels, loss_fn):
             return main
         return main + self.mtp_loss(h, labels, loss_fn.for_mtp(), (cos, sin, mask), future)
+
+    def trains_mtp(self, labels, loss_fn) -> bool:
+        """Whether a forward adds the MTP loss: a training forward with labels and the
+        training loss (validation, evals and generation use the main model alone)."""
+        return (self.args.mtp_layers > 0 and labels is not None and self.training
+                and torch.is_grad_enabled() and hasattr(loss_fn, "for_mtp"))
 
     def head(self, h: torch.Tensor, labels=None, loss_fn=None) -> torch.Tensor:
         if self.output is not None:
@@ -154,17 +159,21 @@ class Transformer(nn.Module):
         # Tied: the embedding is in the root's FSDP group, unsharded until the root's forward ends.
         return project(h, self.tok_embeddings.weight, labels, loss_fn)
 
-    def mtp_loss(self, h, labels, loss_fn, attention_inputs, future=None) -> torch.Tensor:
+    def mtp_loss(self, h, labels, loss_fn, attention_inputs, future=None,
+                 embeddings=None) -> torch.Tensor:
         """mtp_loss_weight x the mean over depths of their summed token losses (the MTP
         modules after the main model's last hidden state `h`; trainer/models/mtp.py).
         `future` [depth, b, s]: the targets past `labels` (default: `labels` shifted; context
-        parallelism passes them, cut from the whole sequence)."""
+        parallelism passes them, cut from the whole sequence). `embeddings`: each depth's
+        input token embeddings, when the embedding is elsewhere (the first pipeline stage's)."""
         a = self.args
-        if future is None:
-            future = future_labels(labels, a.mtp_layers)
+        streams = mtp_streams(labels, future_labels(labels, a.mtp_layers)
+                              if future is None else future)
+        if embeddings is None:
+            embeddings = [self.tok_embeddings(tokens) for tokens, _ in streams]
         total = torch.zeros((), dtype=torch.float32, device=h.device)
-        for module, (tokens, target) in zip(self.mtp.values(), mtp_streams(labels, future)):
-            h = module(h, self.tok_embeddings(tokens), *attention_inputs)
+        for module, emb, (_, target) in zip(self.mtp.values(), embeddings, streams):
+            h = module(h, emb, *attention_inputs)
             total = total + self.head(module.norm(h), target, loss_fn)
         return total * (a.mtp_loss_weight / a.mtp_layers)
 

@@ -33,6 +33,7 @@ from trainer.distributed import log0, to_device
 from trainer.errors import ConfigError
 from trainer.health import faults, heartbeat
 from trainer.models.llama import Transformer, model_args
+from trainer.models.mtp import future_labels, mtp_streams
 from trainer.parallel.context_parallel import ContextSplit
 from trainer.parallel.seam import Losses
 from trainer.parallel.pp_layout import (StageSpec, bubble_fraction, check_microbatches,
@@ -58,20 +59,39 @@ class StageModule(nn.Module):
         self.layers = nn.ModuleDict({str(i): model.layers[str(i)] for i in spec.layers})
         self.norm = model.norm if spec.head else None
         self.output = model.output if spec.head else None
+        self.mtp = model.mtp if spec.head else None  # multi-token prediction: the last stage
         object.__setattr__(self, "_root", model)  # the RoPE tables and masks; not a child
         self.loss_fn = None  # the training loss (PipelineLoop sets it)
         self.cp = None  # under PP x CP, the ContextSplit (PipelineLoop sets it)
 
     def forward(self, x: torch.Tensor, labels: torch.Tensor | None = None,
                 doc_ids: torch.Tensor | None = None, loss_fn=None,
-                positions: torch.Tensor | None = None) -> torch.Tensor:
+                positions: torch.Tensor | None = None,
+                future: torch.Tensor | None = None) -> torch.Tensor:
         """Tokens (first stage) or the previous stage's activations -> activations, or (last
         stage) the summed token loss with labels, the logits without. Under PP x CP a
         training step passes this rank's `positions` [b, local] and the whole samples'
-        `doc_ids`: the layers attend through context parallelism's attention."""
+        `doc_ids`: the layers attend through context parallelism's attention.
+
+        With MTP modules (on the last stage), a training step's activations carry, after
+        the hidden state, each depth's input token embeddings, looked up by the first stage
+        (the embedding's gradient comes back the same way): [b, s, dim x (1 + depth)].
+        `future` [b, depth, s]: the MTP targets past `labels`."""
         root = self._root
         first = self.tok_embeddings is not None
-        h = self.tok_embeddings(x) if first else x
+        fn = loss_fn or self.loss_fn
+        mtp = root.trains_mtp(labels, fn)
+        if future is not None:
+            future = future.transpose(0, 1)  # the schedule splits microbatches on dim 0
+        extra = []
+        if first:
+            h = self.tok_embeddings(x)
+            if mtp:
+                extra = [self.tok_embeddings(tokens) for tokens, _ in
+                         mtp_streams(labels, future_labels(labels, root.args.mtp_layers)
+                                     if future is None else future)]
+        else:
+            h, *extra = x.chunk(1 + root.args.mtp_layers, dim=-1) if mtp else (x,)
         if positions is not None and self.cp is not None:
             cos, sin = root.rope_cos[positions], root.rope_sin[positions]
             mask = self.cp.attention(doc_ids)
@@ -82,9 +102,11 @@ class StageModule(nn.Module):
         for layer in self.layers.values():
             h = layer(h, cos, sin, mask)
         if self.norm is None:
-            return h
-        fn = loss_fn or self.loss_fn
-        return self.output(self.norm(h), labels if fn is not None else None, fn)
+            return torch.cat([h, *extra], dim=-1) if extra else h
+        main = self.output(self.norm(h), labels if fn is not None else None, fn)
+        if not mtp:
+            return main
+        return main + root.mtp_loss(h, labels, fn.for_mtp(), (cos, sin, mask), future, extra)
 
 
 class PipelinedModel(Transformer):
@@ -210,7 +232,7 @@ def split_model(model: Transformer, cfg, pp_mesh) -> list[StageModule]:
     if not any(spec.embedding for spec in mine):
         model.tok_embeddings = None
     if not any(spec.head for spec in mine):
-        model.norm = model.output = None
+        model.norm = model.output = model.mtp = None
     model.__class__ = PipelinedModel
     model.pp_group = pp_mesh.get_group()
     model.stage_ranks = [stage_rank(s, pp, sched.style) for s in range(len(specs))]
@@ -292,6 +314,7 @@ class PipelineLoop:
                             loss_fn=self._scaled, scale_grads=False)
         self.first = any(m.spec.embedding for m in model.pipeline_stages)
         self.z_loss = bool(getattr(loss_fn, "z_loss_weight", 0.0))
+        self.mtp_layers = model.args.mtp_layers
         log0(describe(cfg, self.n_microbatches))
         if self.cp is not None:
             log0(self.cp.describe())
@@ -302,7 +325,8 @@ class PipelineLoop:
         loss would count in the step's z-loss)."""
         model, mbs = self.model, cfg.parallelism.pipeline_parallel_microbatch_size
         seq = cfg.training.seq_len // (self.cp.cp if self.cp else 1)
-        act = torch.empty(mbs, seq // model.sequence_multiple, model.args.dim,
+        width = model.args.dim * (1 + model.args.mtp_layers)  # + MTP's input embeddings
+        act = torch.empty(mbs, seq // model.sequence_multiple, width,
                           dtype=model.activation_dtype, device=device, requires_grad=True)
         return {"input_args": (torch.empty(mbs, seq, dtype=torch.long, device=device)
                                if stage.spec.embedding else act),
@@ -322,13 +346,17 @@ class PipelineLoop:
             self.reduce_now = self.sync_mode != "last" or i == len(batches) - 1
             inputs, labels = to_device(inputs, self.device), to_device(labels, self.device)
             doc_ids = self.document_ids(inputs) if self.document_ids is not None else None
-            kwargs = {"labels": labels}
+            kwargs, whole_labels = {"labels": labels}, labels
             if self.cp is not None:  # this cp rank's tokens; the whole samples' documents
                 inputs, kwargs["labels"], kwargs["positions"] = self.cp.split(inputs, labels,
                                                                               doc_ids)
                 labels = kwargs["labels"]
             if doc_ids is not None:
                 kwargs["doc_ids"] = doc_ids
+            if self.mtp_layers:  # MTP targets [b, depth, s] (from the whole sequence under cp)
+                future = self.cp.future(whole_labels, self.mtp_layers) if self.cp else \
+                    future_labels(labels, self.mtp_layers)
+                kwargs["future"] = future.transpose(0, 1).contiguous()
             heartbeat.phase("pipeline", step)
             losses: list[torch.Tensor] = []
             self.schedule.step(*((inputs,) if self.first else ()), target=labels,
@@ -338,11 +366,14 @@ class PipelineLoop:
             for loss in losses:
                 total += loss.detach()
         total = total / (self.dp_size * cp)
-        z = self.loss_fn.take_z_loss()  # None without a z-loss, or on a stage without the head
+        # None without a z-loss / MTP, or on a stage without the head
+        z, mtp = self.loss_fn.take_z_loss(), self.loss_fn.take_mtp_loss()
         # Only the last stage knows the loss: summed over pp, every stage logs and guards it;
         # under CP, also summed over the cp ranks' shares of the sequence.
-        both = torch.stack([total, z if z is not None else torch.zeros_like(total)])
+        zero = torch.zeros_like(total)
+        both = torch.stack([total, zero if z is None else z, zero if mtp is None else mtp])
         dist.all_reduce(both, group=self.pp_group)
         if self.cp is not None:
             dist.all_reduce(both, group=self.cp.group)
-        return Losses(both[0], both[1] if self.z_loss else None)
+        return Losses(both[0], both[1] if self.z_loss else None, None,
+                      both[2] / global_tokens if self.mtp_layers else None)
