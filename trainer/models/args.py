@@ -69,17 +69,18 @@ class MoEArgs:
         from trainer.errors import ConfigError
 
         if self.n_group < 1 or self.n_experts % self.n_group:
-            raise ConfigError(f"model experts: {self.n_experts} experts do not divide into "
-                              f"n_group = {self.n_group} groups; choose a divisor of "
-                              f"{self.n_experts}")
+            valid = [d for d in range(1, self.n_experts + 1) if self.n_experts % d == 0]
+            raise ConfigError(f"moe.n_group = {self.n_group}: the {self.n_experts} experts "
+                              f"(moe.num_experts) do not divide into that many groups; valid: "
+                              f"{', '.join(map(str, valid))}")
         if not 1 <= self.topk_group <= self.n_group:
-            raise ConfigError(f"model experts: topk_group = {self.topk_group} must be between 1 "
-                              f"and n_group = {self.n_group}")
+            raise ConfigError(f"moe.topk_group = {self.topk_group} must be between 1 and "
+                              f"moe.n_group = {self.n_group}")
         per_group = self.n_experts // self.n_group
         if self.top_k > self.topk_group * per_group or (self.n_group > 1 and per_group < 2):
-            raise ConfigError(f"model experts: top_k = {self.top_k} needs at most topk_group x "
-                              f"experts per group = {self.topk_group} x {per_group} (and at least "
-                              "2 experts per group: a group scores by its two best)")
+            raise ConfigError(f"moe.top_k = {self.top_k} needs at most moe.topk_group x experts "
+                              f"per group = {self.topk_group} x {per_group}, and groups of at "
+                              "least 2 experts (a group scores by its two best)")
 
     def active_ffn(self, dim: int) -> int:
         """FFN parameters a token goes through: top_k routed + the shared experts + router."""
@@ -354,5 +355,7 @@ def model_args(flavor: str, *, vocab_size: int | None = None, max_seq_len: int |
             aux_loss_weight=moe_config.aux_loss_weight,
             router_z_loss_weight=moe_config.router_z_loss_weight,
             n_experts=moe_config.num_experts or args.moe.n_experts,
-            top_k=moe_config.top_k or args.moe.top_k)
+            top_k=moe_config.top_k or args.moe.top_k,
+            n_group=moe_config.n_group or args.moe.n_group,
+            topk_group=moe_config.topk_group or args.moe.topk_group)
     return dataclasses.replace(args, **changes, **attention)

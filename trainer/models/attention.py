@@ -107,10 +107,19 @@ def build_mask(doc_ids: torch.Tensor, implementation: str, dtype: torch.dtype):
 
 
 def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask=None) -> torch.Tensor:
-    """Attention of q [b, s, n_heads, d] over k, v [b, s, n_kv_heads, d]: [b, n_heads, s, d].
+    """Attention of q [b, s, n_heads, d] over k, v [b, s, n_kv_heads, d or d_v]: [b, n_heads,
+    s, d_v].
     `mask` None: causal; a BlockMask: FlexAttention; a float tensor: SDPA's additive mask; an
     integer tensor (the document ids): one causal SDPA per document; an object with `attend`
     (context parallelism's, trainer/parallel/context_parallel.py): its own attention."""
+    width = v.shape[-1]
+    if width < q.shape[-1] and q.device.type == "cpu":
+        # MLA's values are narrower than its queries/keys, which only the CPU's math kernel
+        # takes ([b, h, s, s] scores in fp32). Zero channels appended to v give the same
+        # attention with zeros after it (exact), through the flash kernel, tile by tile; on
+        # CUDA the cuDNN and memory-efficient kernels take the two widths as they are.
+        v = F.pad(v, (0, q.shape[-1] - width))
+        return attend(q, k, v, mask)[..., :width]
     if hasattr(mask, "attend"):
         return mask.attend(q, k, v)
     groups = q.shape[2] // k.shape[2]

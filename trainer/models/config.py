@@ -81,6 +81,10 @@ class MoE:
                                       "router logits, squared); 0 = off", min=0.0)
     num_experts: int = opt(0, "Routed experts per MoE layer; 0 = the flavor's", min=0)
     top_k: int = opt(0, "Experts each token is routed to; 0 = the flavor's", min=0)
+    n_group: int = opt(0, "Expert groups of group-limited routing (DeepSeek-V3: 8); 0 = the "
+                       "flavor's, 1 = plain top-k", min=0)
+    topk_group: int = opt(0, "Groups each token may route to, picked by the sum of each "
+                          "group's two best scores; 0 = the flavor's", min=0)
     capacity_factor: float = opt(0.0, "0 = dropless (every routed token computed); c > 0: an "
                                  "expert takes at most ceil(c x tokens x top_k / experts) and "
                                  "the rest are dropped (counted)", min=0.0)

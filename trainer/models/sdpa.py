@@ -115,7 +115,9 @@ def chosen(args, device: torch.device, dtype: torch.dtype, seq_len: int) -> str:
     s = min(seq_len, 4096)
     q = torch.zeros(1, args.n_heads, s, args.head_dim, device=device, dtype=dtype)
     kv = torch.zeros(1, args.n_kv_heads, s, args.head_dim, device=device, dtype=dtype)
-    v = torch.zeros(1, args.n_kv_heads, s, args.v_head_dim, device=device, dtype=dtype)  # MLA
+    # MLA's narrower values: as trainer/models/attention.py pads them on the CPU
+    v = torch.zeros(1, args.n_kv_heads, s, args.head_dim if device.type == "cpu"
+                    else args.v_head_dim, device=device, dtype=dtype)
     mask = (torch.zeros(1, 1, s, s, device=device, dtype=dtype)
             if masked and args.attn_implementation == "sdpa" else None)
     picked = SDPBackend(torch._fused_sdp_choice(q, kv, v, attn_mask=mask, is_causal=mask is None,

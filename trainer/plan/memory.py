@@ -114,7 +114,8 @@ def plan_args(cfg: JobConfig, vocab: int) -> ModelArgs:
                       moe_config=cfg.moe, **attention_args(cfg.model, "cuda"))
 
 
-COLWISE = ("wq", "wk", "wv", "w1", "w3", "output", "tok_embeddings")  # tp splits dim 0
+# tp splits dim 0 (MLA: the up projections; its down projections are replicated)
+COLWISE = ("wq", "wk", "wv", "w1", "w3", "output", "tok_embeddings", "wq_b", "wkv_b")
 ROWWISE = ("wo", "w2")  # tp splits dim 1 (the matmul's input features)
 
 

@@ -30,17 +30,30 @@ FP32 = 4
 def group_key(name: str, args: ModelArgs) -> str:
     """The FSDP group of parameter `name` (trainer/parallel/fsdp.py): a block, its experts,
     the embedding or the head."""
-    if not name.startswith("layers."):
+    i = block_id(name, args)
+    if i is None:
+        if name.startswith("mtp."):  # an MTP module's norms and projection: a group
+            return ".".join(name.split(".")[:2])
         return "embedding" if name.startswith("tok_embeddings") else "head"
-    block = ".".join(name.split(".")[:2])
-    return f"{block}.experts" if ".experts." in name else block
+    return f"layers.{i}.experts" if ".experts." in name else f"layers.{i}"
+
+
+def block_id(name: str, args: ModelArgs) -> int | None:
+    """The block parameter `name` is in (an MTP module's block: n_layers + its depth), or
+    None outside the blocks."""
+    parts = name.split(".")
+    if parts[0] == "layers":
+        return int(parts[1])
+    if parts[0] == "mtp" and parts[2] == "block":
+        return args.n_layers + int(parts[1])
+    return None
 
 
 def tp_splits(name: str, args: ModelArgs) -> bool:
     """Whether tp splits parameter `name`: not in a MoE block's feed-forward."""
     if ".feed_forward." not in name:
         return True
-    return not args.is_moe_layer(int(name.split(".")[1]))
+    return not args.is_moe_layer(block_id(name, args))
 
 
 def gathered(key: str, numel: int, ep: int) -> int:
