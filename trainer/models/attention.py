@@ -106,12 +106,14 @@ def build_mask(doc_ids: torch.Tensor, implementation: str, dtype: torch.dtype):
     return mask.masked_fill_(~allowed, float("-inf")).unsqueeze(1)
 
 
-def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask=None) -> torch.Tensor:
+def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask=None,
+           gathered: bool = False) -> torch.Tensor:
     """Attention of q [b, s, n_heads, d] over k, v [b, s, n_kv_heads, d or d_v]: [b, n_heads,
     s, d_v].
     `mask` None: causal; a BlockMask: FlexAttention; a float tensor: SDPA's additive mask; an
     integer tensor (the document ids): one causal SDPA per document; an object with `attend`
-    (context parallelism's, trainer/parallel/context_parallel.py): its own attention."""
+    (context parallelism's, trainer/parallel/context_parallel.py): its own attention, over
+    k and v of this rank's tokens, or of the whole sequence (`gathered`)."""
     width = v.shape[-1]
     if width < q.shape[-1] and q.device.type == "cpu":
         # MLA's values are narrower than its queries/keys, which only the CPU's math kernel
@@ -119,9 +121,9 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask=None) -> torc
         # attention with zeros after it (exact), through the flash kernel, tile by tile; on
         # CUDA the cuDNN and memory-efficient kernels take the two widths as they are.
         v = F.pad(v, (0, q.shape[-1] - width))
-        return attend(q, k, v, mask)[..., :width]
-    if hasattr(mask, "attend"):
-        return mask.attend(q, k, v)
+        return attend(q, k, v, mask, gathered)[..., :width]
+    if hasattr(mask, "attend"):  # `gathered`: k, v already the whole sequence's (MLA)
+        return mask.attend(q, k, v, gathered=gathered)
     groups = q.shape[2] // k.shape[2]
     q, k_t, v_t = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
     if mask is not None and not isinstance(mask, torch.Tensor):  # flex: GQA in the kernel

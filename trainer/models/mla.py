@@ -59,23 +59,41 @@ class MLA(nn.Module):
     def project(self, x: torch.Tensor, cos, sin):
         """(q [b, s, heads, qk], k [b, s, heads, qk], v [b, s, heads, v]) after RoPE; under
         TP this rank's heads."""
+        q, latent = self.latents(x, cos, sin)
+        return (q, *self.expand(latent))
+
+    def latents(self, x: torch.Tensor, cos, sin):
+        """(q after RoPE, the keys' and values' latent [b, s, kv_lora_rank + rope]: the
+        normed compressed latent and the rotated shared key of each token)."""
         b, s, _ = x.shape
         q = self.wq(x) if self.wq is not None else self.wq_b(self.q_a_norm(self.wq_a(x)))
         q_nope, q_rope = q.view(b, s, -1, self.head_dim).split([self.nope, self.rope], -1)
         latent, k_rope = self.wkv_a(x).split([self.kv_lora_rank, self.rope], -1)
-        k_rope = apply_rope(self.shared_key(k_rope).unsqueeze(2), cos, sin)
-        kv = self.wkv_b(self.kv_a_norm(latent)).view(b, s, -1, self.nope + self.v_dim)
-        k_nope, v = kv.split([self.nope, self.v_dim], -1)
+        k_rope = apply_rope(self.shared_key(k_rope).unsqueeze(2), cos, sin).squeeze(2)
         q = torch.cat([q_nope, apply_rope(q_rope, cos, sin)], -1)
-        k = torch.cat([k_nope, k_rope.expand(-1, -1, k_nope.shape[2], -1)], -1)
-        return q, k, v
+        return q, torch.cat([self.kv_a_norm(latent), k_rope], -1)
+
+    def expand(self, latent: torch.Tensor):
+        """Each head's k [b, s, heads, qk] and v [b, s, heads, v] from the latents."""
+        b, s, _ = latent.shape
+        latent, k_rope = latent.split([self.kv_lora_rank, self.rope], -1)
+        kv = self.wkv_b(latent).view(b, s, -1, self.nope + self.v_dim)
+        k_nope, v = kv.split([self.nope, self.v_dim], -1)
+        k = torch.cat([k_nope, k_rope.unsqueeze(2).expand(-1, -1, k_nope.shape[2], -1)], -1)
+        return k, v
 
     def forward(self, x, cos, sin, mask=None):
         """As trainer.models.llama.Attention: `mask` None = causal, else the microbatch's
-        block-causal mask or context parallelism's attention."""
+        block-causal mask or context parallelism's attention. Under context parallelism the
+        ranks all-gather the latents (kv_lora_rank + rope channels per token: 576 at full
+        size), not every head's keys and values (128 x (192 + 128) = 40,960): each rank
+        expands the whole sequence's latents itself."""
         b, s, _ = x.shape
-        q, k, v = self.project(x, cos, sin)
-        out = attend(q, k, v, mask)
+        q, latent = self.latents(x, cos, sin)
+        gathered = hasattr(mask, "attend")  # context parallelism's attention
+        if gathered:
+            latent = mask.gather(latent)
+        out = attend(q, *self.expand(latent), mask, gathered)
         return self.wo(out.transpose(1, 2).reshape(b, s, -1))
 
 

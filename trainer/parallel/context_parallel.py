@@ -96,9 +96,12 @@ class ContextAttention:
     # Eager under torch.compile (a graph break per layer); not recursive, so the compiled
     # FlexAttention it calls stays compiled.
     @torch.compiler.disable(recursive=False)
-    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        """q [b, local, h, d] over the whole sequence's k, v: [b, h, local, d]."""
-        k, v = self._gather(k), self._gather(v)
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+               gathered: bool = False) -> torch.Tensor:
+        """q [b, local, h, d] over the whole sequence's k, v: [b, h, local, d]. `gathered`:
+        k and v are already the whole sequence's (MLA expands them from gathered latents)."""
+        if not gathered:
+            k, v = self._gather(k), self._gather(v)
         gqa = q.shape[2] != k.shape[2]
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
         if self.implementation == "flex":
@@ -107,6 +110,11 @@ class ContextAttention:
             self._additive = torch.zeros(self.mask.shape, dtype=q.dtype, device=q.device)
             self._additive.masked_fill_(~self.mask, float("-inf"))
         return F.scaled_dot_product_attention(q, k, v, attn_mask=self._additive, enable_gqa=gqa)
+
+    @torch.compiler.disable(recursive=False)
+    def gather(self, t: torch.Tensor) -> torch.Tensor:
+        """[b, local, ...] of every cp rank -> [b, seq, ...] in sequence order (MLA's latents)."""
+        return self._gather(t)
 
     def _gather(self, t: torch.Tensor) -> torch.Tensor:
         """[b, local, h, d] from every cp rank -> [b, seq, h, d] in sequence order; the

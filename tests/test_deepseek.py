@@ -1,0 +1,227 @@
+"""DeepSeek-V3's architecture (docs/deepseek.md): multi-head latent attention, group-limited
+routing, multi-token prediction, DeepseekV3ForCausalLM in and out.
+
+In one process: the routing rule, a random tiny DeepseekV3ForCausalLM saved by transformers
+(MLA with and without a query latent, 2 expert groups, a shared expert, a first dense layer,
+a non-zero score-correction bias) imports with transformers' logits, the flavor sizes, the
+traced dry run of the 671B and Kimi K2 configs. Through run_train.sh (configs/debug_dsv3.toml,
+fp32, block_causal on the stdlib corpus, one MTP module, 5 steps): EP 2 x FSDP 2, TP 2 x FSDP 2,
+CP 2 x FSDP 2 and PP 2 x FSDP 2 give the 1-rank losses, MTP losses and gradient norms; the
+EP run's export loads in transformers with our logits; its checkpoint resumes at EP 4 and on
+one rank; bad settings are one line each.
+"""
+
+import dataclasses
+import json
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from tests.helpers import REPO, losses, run_train, scalars, stopped_after_save, subprocess_env
+from trainer.errors import ConfigError
+from trainer.models.args import FLAVORS, MoEArgs
+from trainer.models.llama import build_model, model_args
+from trainer.models.moe import choose
+
+CONFIG = str(REPO / "configs" / "debug_dsv3.toml")
+
+
+def test_group_limited_routing_picks_within_the_best_groups():
+    """4 experts in 2 groups, 1 group kept: group {2, 3} has the larger sum of its two best
+    scores (0.5 + 0.5 > 0.9 + 0.0), so the top 2 are experts 2 and 3, not expert 0 (0.9)."""
+    moe = MoEArgs(n_experts=4, top_k=2, n_group=2, topk_group=1)
+    scores = torch.tensor([[0.9, 0.0, 0.5, 0.5]])
+    assert sorted(choose(scores, moe)[0].tolist()) == [2, 3]
+    plain = dataclasses.replace(moe, n_group=1, topk_group=1)
+    assert sorted(choose(scores, plain)[0].tolist()) == [0, 2]
+
+
+def test_flavor_sizes():
+    """As released: DeepSeek-V3 671B with 37B active (no MTP), Kimi K2 1.03T with 32.9B active,
+    Moonlight 16B with 2.9B active."""
+    for name, total, active in (("deepseek-v3-671b", 671.0, 37.6), ("kimi-k2", 1026.4, 32.9),
+                                ("deepseek-v3-16b", 15.96, 2.91)):
+        a = FLAVORS[name]
+        assert a.num_params() / 1e9 == pytest.approx(total, abs=0.1), name
+        assert a.num_params(active=True) / 1e9 == pytest.approx(active, abs=0.1), name
+
+
+def hf_config(args, vocab: int, q_lora: int):
+    from transformers import DeepseekV3Config
+
+    m, moe = args.mla, args.moe
+    return DeepseekV3Config(
+        vocab_size=vocab, hidden_size=args.dim, intermediate_size=args.hidden_dim,
+        moe_intermediate_size=moe.hidden_dim, num_hidden_layers=args.n_layers,
+        num_attention_heads=args.n_heads, num_key_value_heads=args.n_heads,
+        n_shared_experts=moe.n_shared_experts, n_routed_experts=moe.n_experts,
+        routed_scaling_factor=moe.route_scale, kv_lora_rank=m.kv_lora_rank,
+        q_lora_rank=q_lora or None, qk_rope_head_dim=m.qk_rope_head_dim,
+        v_head_dim=m.v_head_dim, qk_nope_head_dim=m.qk_nope_head_dim, n_group=moe.n_group,
+        topk_group=moe.topk_group, num_experts_per_tok=moe.top_k,
+        first_k_dense_replace=moe.first_dense_layers, norm_topk_prob=True,
+        max_position_embeddings=64, rms_norm_eps=args.norm_eps, rope_theta=args.rope_theta)
+
+
+@pytest.mark.parametrize("q_lora", [32, 0])
+def test_a_transformers_model_imports_with_its_logits(tmp_path, q_lora):
+    """Random weights (norms away from 1, a non-zero e_score_correction_bias), saved by
+    transformers, loaded through checkpoint.initial_load_in_hf's code: logits within 1e-4."""
+    from transformers import DeepseekV3ForCausalLM
+
+    from trainer.hf.load import load_hf
+
+    torch.manual_seed(0)
+    args = model_args("debugmodel-dsv3", vocab_size=256, max_seq_len=64)
+    args = dataclasses.replace(args, mla=dataclasses.replace(args.mla, q_lora_rank=q_lora))
+    theirs = DeepseekV3ForCausalLM(hf_config(args, 256, q_lora)).float().eval()
+    with torch.no_grad():
+        for name, p in theirs.named_parameters():
+            p.uniform_(0.5, 1.5) if "norm" in name else p.normal_(0, 0.05)
+        for name, b in theirs.named_buffers():
+            if name.endswith("e_score_correction_bias"):
+                b.normal_(0, 0.1)
+    theirs.save_pretrained(tmp_path)
+    ours = build_model(args)
+    ours.to_empty(device="cpu")
+    ours.init_weights(0)
+    lines = []
+    load_hf(ours.eval(), str(tmp_path), flavor="debugmodel-dsv3", log=lines.append)
+    tokens = torch.randint(0, 256, (2, 48), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        diff = (theirs(tokens).logits - ours(tokens)).abs().max().item()
+    assert diff < 1e-4, diff
+    bias = ours.layers["2"].feed_forward.router.expert_bias
+    assert bias.abs().max() > 0  # the routing bias came in
+
+
+def test_a_scaled_rope_folder_is_refused_in_one_line(tmp_path):
+    from trainer.hf.mapping import check_hf_config
+
+    args = model_args("debugmodel-dsv3")
+    cfg = {"model_type": "deepseek_v3", "rms_norm_eps": 1e-6, "rope_theta": 1e4,
+           "rope_scaling": {"rope_type": "yarn", "factor": 40}}
+    with pytest.raises(ConfigError, match="'yarn'-scaled"):
+        check_hf_config(cfg, args, str(tmp_path), "debugmodel-dsv3")
+    cfg = {"model_type": "deepseek_v3", "rms_norm_eps": 1e-6, "rope_theta": 1e4,
+           "rope_interleave": False}
+    with pytest.raises(ConfigError, match="rope_interleave = false"):
+        check_hf_config(cfg, args, str(tmp_path), "debugmodel-dsv3")
+
+
+@pytest.mark.parametrize("config, ngpu", [("deepseek_v3_671b", 8), ("kimi_k2", 8)])
+def test_the_full_size_configs_are_traced_to_fit_h100s(config, ngpu):
+    """The real step of rank 0 of 512 on fake tensors: fits an H100 with the reserve, the plan
+    within 10% of the trace (MTP blocks, MLA's replicated latents and the experts' groups
+    counted), in well under two minutes."""
+    out = subprocess.run([sys.executable, "-m", "trainer.plan", "--config",
+                          str(REPO / "configs" / f"{config}.toml"), "--ngpu", str(ngpu),
+                          "--nnodes", "64", "--gpu", "h100", "--host-gib", "2048", "--trace"],
+                         cwd=REPO, env=subprocess_env(), capture_output=True, text=True,
+                         timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    text = out.stdout
+    assert "trace verdict: FITS" in text and "agreement: the plan is within 10%" in text, text
+    assert "largest tensor:" in text
+
+
+# ------------------------------------------------------------------------------ end to end
+
+COMMON = ("--training.seq_len", "64", "--training.local_batch_size", "2",
+          "--training.global_batch_size", "8", "--training.mixed_precision_param", "float32",
+          "--metrics.log_freq", "1", "--lr_scheduler.warmup_steps", "2",
+          "--lr_scheduler.min_lr_factor", "1.0", "--model.attn_mask_type", "block_causal",
+          "--training.steps", "5", "--checkpoint.interval", "3",
+          "--checkpoint.keep_latest_k", "0", "--validation.enable", "false")
+EP = "--parallelism.expert_parallel_degree"
+LAYOUTS = {  # name: (ranks, overrides); the config's EP 2 is set per layout
+    "ref": (1, (EP, "1")),
+    "ep2_fsdp2": (4, (EP, "2", "--checkpoint.last_save_in_hf", "true")),
+    "tp2_fsdp2": (4, (EP, "1", "--parallelism.tensor_parallel_degree", "2")),
+    "cp2_fsdp2": (4, (EP, "1", "--parallelism.context_parallel_degree", "2")),
+    "pp2_fsdp2": (4, (EP, "1", "--parallelism.pipeline_parallel_degree", "2")),
+}
+TAGS = ("loss_metrics/global_avg_loss", "loss_metrics/mtp_loss", "grad_norm")
+
+
+@pytest.fixture(scope="module")
+def dsv3_runs(tmp_path_factory):
+    root = tmp_path_factory.mktemp("dsv3")
+    out = {}
+    for name, (nproc, overrides) in LAYOUTS.items():
+        proc = run_train(root / name, *COMMON, *overrides, nproc=nproc, config=CONFIG)
+        out[name] = (root / name, proc.stdout)
+    return out
+
+
+def close(have: dict, want: dict, tol=1e-4) -> bool:
+    return all(abs(have[s] - want[s]) <= tol * max(1.0, abs(want[s])) for s in want)
+
+
+@pytest.mark.parametrize("name", ["ep2_fsdp2", "tp2_fsdp2", "cp2_fsdp2", "pp2_fsdp2"])
+def test_each_layout_trains_as_one_rank(dsv3_runs, name):
+    ref, got = dsv3_runs["ref"][0], dsv3_runs[name][0]
+    for tag in TAGS:
+        want, have = scalars(ref, tag), scalars(got, tag)
+        assert sorted(have) == [1, 2, 3, 4, 5], (tag, have)
+        assert close(have, want), (tag, have, want)
+    mtp, main = scalars(ref, TAGS[1]), scalars(ref, TAGS[0])
+    assert mtp[5] < mtp[1] and main[5] < main[1]  # both heads learn
+    assert mtp != main
+    assert "multi-head latent attention (q_lora_rank 32" in dsv3_runs[name][1]
+
+
+def test_the_export_loads_in_transformers_with_our_logits(dsv3_runs):
+    """The EP 2 x FSDP 2 run's last_save_in_hf folder (its balancing bias moved): transformers
+    loads it with no code of ours, and its logits equal the checkpoint's model's; the MTP
+    module is left out, said in one line."""
+    from transformers import AutoModelForCausalLM
+
+    from trainer.convert import dcp_fetch, saved_shapes
+
+    dump, stdout = dsv3_runs["ep2_fsdp2"]
+    assert "multi-token prediction module(s) (model.mtp_layers) are not part of " \
+        "DeepseekV3ForCausalLM" in stdout
+    hf = json.loads((dump / "hf" / "config.json").read_text())
+    assert hf["architectures"] == ["DeepseekV3ForCausalLM"] and hf["n_group"] == 2
+    theirs = AutoModelForCausalLM.from_pretrained(dump / "hf", dtype=torch.float32).eval()
+    ckpt = str(dump / "checkpoint" / "step-5")
+    shapes = saved_shapes(ckpt)
+    state = dcp_fetch(ckpt, shapes)(list(shapes))
+    assert max(v.abs().max() for k, v in state.items() if k.endswith("expert_bias")) > 0
+    ours = build_model(model_args("debugmodel-dsv3", vocab_size=8192, max_seq_len=64,
+                                  mtp_layers=1))
+    ours.to_empty(device="cpu")
+    ours.init_weights(0)  # the RoPE tables
+    ours.load_state_dict(state, strict=True)
+    tokens = torch.randint(0, 8192, (2, 64), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        assert (theirs(tokens).logits - ours.eval()(tokens)).abs().max() < 1e-4
+
+
+@pytest.mark.parametrize("name, nproc, extra", [("ep4", 4, (EP, "4")), ("one_rank", 1, (EP, "1"))])
+def test_an_ep_checkpoint_resumes_at_ep4_and_on_one_rank(dsv3_runs, tmp_path, name, nproc, extra):
+    src = dsv3_runs["ep2_fsdp2"][0]
+    dump = stopped_after_save(src, tmp_path / name, 5)
+    out = run_train(dump, *COMMON, *extra, nproc=nproc, config=CONFIG).stdout
+    assert "resumed from" in out and "step-3" in out
+    for tag in TAGS:
+        want, have = scalars(src, tag), scalars(dump, tag)
+        assert sorted(have) == [4, 5] and close(have, {s: want[s] for s in (4, 5)}), tag
+    assert losses(dump)
+
+
+@pytest.mark.parametrize("args, needle", [
+    (("--moe.topk_group", "3"), "moe.topk_group = 3 must be between 1 and moe.n_group = 2"),
+    (("--moe.n_group", "3"), "moe.n_group = 3: the 8 experts (moe.num_experts) do not divide"),
+    (("--moe.n_group", "4", "--moe.top_k", "3"), "moe.top_k = 3 needs at most moe.topk_group"),
+    (("--model.name", "llama3"), "model.flavor = 'debugmodel-dsv3' is a deepseek_v3 model"),
+])
+def test_bad_settings_are_one_line(tmp_path, args, needle):
+    proc = run_train(tmp_path, *args, config=CONFIG, check=False)
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    lines = [ln for ln in proc.stderr.splitlines() if ln.strip()]
+    assert lines[-1].startswith("config error: ") and needle in lines[-1], proc.stderr[-2000:]
+    assert "Traceback" not in proc.stderr
