@@ -29,6 +29,7 @@ compute dtype p) and f = (tp - 1) / tp:
   and V, KV = 2 * p * local_batch * seq_len * (n_kv_heads / tp) * head_dim bytes, in forward
   and reduce-scatters their gradients in backward; recomputed blocks gather again (full AC and
   op SAC: every block; selective k: every k-th): m * (cp - 1) / cp * KV * (2 L + recomputed).
+  MLA gathers its latents instead, KV = p * local_batch * seq_len * (kv_lora_rank + rope).
   Under CP the tp and dp terms count 1/cp of the sequence per rank, and FSDP's group is
   dp_shard x cp.
 - **dp_shard** (FSDP2, each rank's tp part of the parameters, `trainer.plan.memory.fsdp_groups`; with
@@ -134,6 +135,8 @@ def cp_volume(cfg: JobConfig, a, pd, accum: int) -> float:
         return 0.0
     p, t = BYTES[cfg.training.mixed_precision_param], cfg.training
     kv = 2 * p * t.local_batch_size * t.seq_len * max(a.n_kv_heads // pd.tp, 1) * a.head_dim
+    if a.mla is not None:  # MLA gathers its latents (trainer/models/mla.py), not K and V
+        kv = p * t.local_batch_size * t.seq_len * (a.mla.kv_lora_rank + a.mla.qk_rope_head_dim)
     ac = cfg.activation_checkpoint
     if ac.mode == "full" or (ac.mode == "selective" and ac.selective_ac_option == "op"):
         replayed = a.n_layers
