@@ -35,8 +35,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from scripts.chaos_faults import (CLASSIC, ENDING, HEALING, KINDS, Fault,  # noqa: E402
-                                  damage, launch_env, schedule)
+from scripts.chaos_faults import (CLASSIC, ENDING, HEALING, KINDS, SLOW_SECONDS,  # noqa: E402
+                                  Fault, damage, launch_env, schedule)
 from scripts.chaos_report import _figures, load_dcp_tensors, ok, report  # noqa: E402,F401
 
 REPO = Path(__file__).resolve().parents[1]
@@ -44,11 +44,24 @@ MAX_RESTARTS = 1000  # every launch heals its killed and hung ranks itself
 HANG_TIMEOUT = 5  # comm.train_timeout_seconds: what a hung rank costs
 
 
+# --layout: the parallelism of the reference and the faulted runs (4 ranks for all but fsdp)
+LAYOUTS = {
+    "fsdp": [],
+    "hsdp": ["--parallelism.data_parallel_replicate_degree", "2"],
+    "tp": ["--parallelism.tensor_parallel_degree", "2"],
+    "pp": ["--parallelism.pipeline_parallel_degree", "2"],
+    "cp": ["--parallelism.context_parallel_degree", "2"],
+    "ep": ["--model.flavor", "debugmodel-moe-narrow", "--parallelism.expert_parallel_degree",
+           "2"],
+}
+
+
 def train_args(dump: Path, steps: int, interval: int, nproc: int,
-               async_mode: str = "disabled") -> list[str]:
-    """The debug model in tiny fp32 settings on synthetic data (bitwise reproducible)."""
+               async_mode: str = "disabled", layout: str = "fsdp") -> list[str]:
+    """The debug model in tiny fp32 settings on synthetic data (bitwise reproducible), in
+    `layout` (LAYOUTS)."""
     extra = [] if async_mode == "disabled" else ["--checkpoint.async_mode", async_mode]
-    return [*extra, "--job.dump_folder", str(dump), "--training.steps", str(steps),
+    return [*extra, *LAYOUTS[layout], "--job.dump_folder", str(dump), "--training.steps", str(steps),
             "--training.seq_len", "64", "--training.local_batch_size", "2",
             "--training.global_batch_size", str(2 * nproc),
             "--training.mixed_precision_param", "float32", "--metrics.log_freq", "1",
@@ -293,16 +306,21 @@ def _signal(launch: Launch, kind: str, rng: random.Random) -> bool:
 def run_chaos(workdir: Path, *, faults: int, min_during_save: int, steps: int, interval: int,
               nproc: int = 2, seed: int = 0, reference: Path | None = None,
               async_mode: str = "disabled", kinds=CLASSIC, min_each: int = 0,
-              log=print) -> dict:
+              layout: str = "fsdp", log=print) -> dict:
     """Run the schedule; `reference`: the dump folder of an uninterrupted run of
     train_args(..., steps, interval, nproc) made earlier (else one is made first)."""
     workdir.mkdir(parents=True, exist_ok=True)
     ref, dump = reference or workdir / "reference", workdir / "chaos"
     t0 = time.monotonic()
+    slow = SLOW_SECONDS  # a slow rank's extra seconds per step: a step's worth, at least
     if reference is None:
-        code = Launch(train_args(ref, steps, interval, nproc), nproc).finish(timeout=1800)
+        code = Launch(train_args(ref, steps, interval, nproc, layout=layout),
+                      nproc).finish(timeout=1800)
         assert code == 0, f"the reference run failed with exit code {code}"
-        log(f"reference run: {steps} steps in {time.monotonic() - t0:.1f}s")
+        took = time.monotonic() - t0
+        slow = max(slow, took / steps)  # the launch's start included: more than a step
+        log(f"reference run: {steps} steps in {took:.1f}s; a slow rank sleeps {slow:.2f}s "
+            "a step")
     rng, ckpt, records, damaged = random.Random(seed + 1), dump / "checkpoint", [], set()
     plan = schedule(seed, faults, min_during_save, kinds, min_each, nproc)
     restarts = MAX_RESTARTS if any(k in HEALING for k in kinds) else 0
@@ -310,10 +328,11 @@ def run_chaos(workdir: Path, *, faults: int, min_during_save: int, steps: int, i
     while True:
         fault = plan[len(records)] if len(records) < len(plan) else None
         if launch is None:
-            env = launch_env(fault, max(intact(ckpt, damaged), default=0), interval, steps)
+            env = launch_env(fault, max(intact(ckpt, damaged), default=0), interval, steps,
+                             slow)
             stale = partials(ckpt)
-            launch = Launch(train_args(dump, steps, interval, nproc, async_mode), nproc, env,
-                            restarts)
+            launch = Launch(train_args(dump, steps, interval, nproc, async_mode, layout), nproc,
+                            env, restarts)
             if records:
                 _note_resume(records[-1], launch, damaged)
         if fault is None:
@@ -375,13 +394,31 @@ def main(argv: list[str] | None = None) -> int:
                    f"comma-separated list of {', '.join(KINDS)}")
     p.add_argument("--min-each", type=int, default=0, help="faults of each kind, at least")
     p.add_argument("--workdir", type=Path, default=Path("outputs/chaos"))
+    p.add_argument("--layout", default="fsdp",
+                   help=f"the parallelism: {', '.join(LAYOUTS)}, or a comma-separated list "
+                   "that spreads the faults over several (one reference and one faulted job "
+                   "each); every layout but fsdp needs --nproc 4")
     a = p.parse_args(argv)
     kinds = {"classic": CLASSIC, "all": KINDS}.get(a.kinds) or tuple(a.kinds.split(","))
-    fig = run_chaos(a.workdir, faults=a.faults, min_during_save=a.min_during_save,
-                    steps=a.steps, interval=a.interval, nproc=a.nproc, seed=a.seed,
-                    async_mode=a.async_mode, kinds=kinds, min_each=a.min_each)
-    print(report(fig, a.interval))
-    return 0 if ok(fig, a.faults, a.min_during_save, a.min_each) else 1
+    layouts = a.layout.split(",")
+    unknown = [x for x in layouts if x not in LAYOUTS]
+    if unknown or (a.nproc < 4 and set(layouts) - {"fsdp"}):
+        p.error(f"--layout {a.layout!r}: choose from {', '.join(LAYOUTS)} (all but fsdp "
+                "with --nproc 4)")
+    verdicts = []
+    for i, layout in enumerate(layouts):
+        share = lambda n: n // len(layouts) + (i < n % len(layouts))  # noqa: E731
+        faults, in_save = share(a.faults), share(a.min_during_save)
+        print(f"=== layout {layout}: {faults} faults on {a.nproc} ranks", flush=True)
+        fig = run_chaos(a.workdir / layout if len(layouts) > 1 else a.workdir, faults=faults,
+                        min_during_save=in_save, steps=a.steps, interval=a.interval,
+                        nproc=a.nproc, seed=a.seed + i, async_mode=a.async_mode, kinds=kinds,
+                        min_each=a.min_each, layout=layout)
+        print(report(fig, a.interval))
+        verdicts.append((layout, ok(fig, faults, in_save, a.min_each)))
+    if len(layouts) > 1:
+        print("layouts: " + ", ".join(f"{x} {'ok' if v else 'FAILED'}" for x, v in verdicts))
+    return 0 if all(v for _, v in verdicts) else 1
 
 
 if __name__ == "__main__":

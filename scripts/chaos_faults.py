@@ -77,12 +77,15 @@ def _classic(rng: random.Random, faults: int, min_during_save: int) -> list[Faul
     return out
 
 
-def launch_env(fault: Fault | None, newest: int, interval: int, steps: int) -> dict:
-    """The environment a launch needs for `fault` (a launch-opening kind), else {}."""
+def launch_env(fault: Fault | None, newest: int, interval: int, steps: int,
+               slow: float = SLOW_SECONDS) -> dict:
+    """The environment a launch needs for `fault` (a launch-opening kind), else {}. `slow`:
+    the seconds a slow rank sleeps per step (a fraction of a step would not be a straggler:
+    scaled to the reference run's step time)."""
     if fault is None or fault.kind not in FRESH:
         return {}
     if fault.kind == "slow-rank":
-        return {"TRAINER_TEST_SLOW_RANK": f"{fault.rank}:{SLOW_SECONDS}"}
+        return {"TRAINER_TEST_SLOW_RANK": f"{fault.rank}:{slow:.3f}"}
     save = min(steps, (newest // interval + 1) * interval)  # the launch's first save
     return {"TRAINER_TEST_SAVE_ERROR": f"{save}:28:{fault.rank}"}  # 28: ENOSPC
 

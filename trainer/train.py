@@ -67,7 +67,10 @@ from trainer.step import TrainStep
 def filter_output() -> None:
     """Keep stdout only on the ranks listed in LOG_RANK (e.g. "0" or "0,1"; default all).
     stderr is never filtered, so a crash on any rank shows its traceback."""
-    wanted = log_ranks(os.environ.get("LOG_RANK", ""), int(os.environ.get("WORLD_SIZE", "1")))
+    # An elastic job may run below its full size (a lost node): LOG_RANK is checked against
+    # the largest world it may have (trainer/launch.py), and absent ranks print nothing.
+    world = os.environ.get("TRAINER_MAX_WORLD_SIZE") or os.environ.get("WORLD_SIZE", "1")
+    wanted = log_ranks(os.environ.get("LOG_RANK", ""), int(world))
     if wanted is not None and int(os.environ.get("RANK", "0")) not in wanted:
         sys.stdout = open(os.devnull, "w")
 

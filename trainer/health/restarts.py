@@ -44,7 +44,11 @@ def attempt_store(timeout):
 
     store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]),
                           is_master=False, timeout=timeout)
-    return dist.PrefixStore(f"trainer/attempt_{attempt()}", store)
+    # trainer.launch passes the rendezvous round, the same on every node of an elastic job;
+    # torchrun alone (one node), the restart count
+    rnd = os.environ.get("TRAINER_RDZV_ROUND")
+    return dist.PrefixStore(f"trainer/round_{rnd}" if rnd else f"trainer/attempt_{attempt()}",
+                            store)
 
 
 def launch_id() -> str:
