@@ -66,16 +66,22 @@ class Node:
 
 
 def launch_nodes(tmp: Path, *target: str, nnodes: int = 2, nproc: int = 2,
-                 env: dict | None = None) -> list[Node]:
+                 env: dict | None = None, elastic: tuple | None = None,
+                 first: int = 0) -> list[Node]:
     """Start `nnodes` launchers that rendezvous on 127.0.0.1 and run `target` (torchrun's
-    trailing arguments: a script or `-m module`, then its arguments)."""
+    trailing arguments: a script or `-m module`, then its arguments). `elastic`: (the
+    rendezvous endpoint and id to share, torchrun's options) for `--nnodes 1:2`-style jobs;
+    `first`: the log number of the first node."""
     endpoint, run_id = f"127.0.0.1:{_free_port()}", f"test-{uuid.uuid4().hex[:8]}"
+    sizes, extra = [str(nnodes)], []
+    if elastic is not None:
+        (endpoint, run_id), sizes, extra = elastic[0], [elastic[1]], list(elastic[2])
     nodes = []
-    for i in range(nnodes):
+    for i in range(first, first + nnodes):
         log = tmp / f"node{i}.log"
-        cmd = [sys.executable, "-m", "trainer.launch", "--nnodes", str(nnodes),
+        cmd = [sys.executable, "-m", "trainer.launch", "--nnodes", *sizes,
                "--nproc_per_node", str(nproc), "--rdzv_backend", "c10d",
-               "--rdzv_endpoint", endpoint, "--rdzv_id", run_id, *target]
+               "--rdzv_endpoint", endpoint, "--rdzv_id", run_id, *extra, *target]
         with open(log, "w") as fh:
             proc = subprocess.Popen(cmd, env=env_for({**THREADS, **(env or {})}), stdout=fh,
                                     stderr=subprocess.STDOUT, cwd=REPO)
@@ -184,3 +190,54 @@ def _state(pid: int) -> str:
         return Path(f"/proc/{pid}/status").read_text()
     except OSError:
         return "zombie"
+
+
+def test_a_lost_node_shrinks_the_job_and_a_new_node_grows_it_back(tmp_path):
+    """An elastic job (`--nnodes 1:2`, 2 ranks per node, checkpoints every 4 steps): the
+    second node is killed whole (launcher and ranks, SIGKILL) after step-8 is committed; the
+    first goes on alone at world size 2 from step-8 with the same global batch (accumulation
+    2). A third node started later joins at the next rendezvous: the job grows back to 4 ranks
+    from the newest checkpoint (the first node's ranks save on the agent's stop) and finishes.
+    Every logged loss is within 1e-4 of an uninterrupted 4-rank run; every checkpoint left is
+    committed and intact."""
+    from scripts.chaos_report import load_dcp_tensors
+
+    dump, steps = tmp_path / "dump", 30
+    common = [*BASE, "--checkpoint.enable", "true", "--checkpoint.interval", "4",
+              "--checkpoint.keep_latest_k", "0", "--training.steps", str(steps)]
+    elastic = ((f"127.0.0.1:{_free_port()}", f"elastic-{uuid.uuid4().hex[:8]}"), "1:2",
+               ("--max-restarts", "3", "--rdzv-conf", "join_timeout=120,last_call_timeout=5"))
+    target = [*TRAIN, "--job.dump_folder", str(dump), *common]
+    env = {"LOG_RANK": "0,2"}  # a rank of the full job: valid while the job is smaller
+    first = launch_nodes(tmp_path, *target, nnodes=1, env=env, elastic=elastic)[0]
+    time.sleep(1)  # the first node hosts the rendezvous
+    second = launch_nodes(tmp_path, *target, nnodes=1, env=env, elastic=elastic, first=1)[0]
+    ckpt = dump / "checkpoint"
+
+    def wait_for(path: Path, timeout: float = 240) -> None:
+        deadline = time.monotonic() + timeout
+        while not path.exists():
+            assert time.monotonic() < deadline and first.proc.poll() is None, first.output[-4000:]
+            time.sleep(0.1)
+
+    wait_for(ckpt / "step-8")
+    for pid in [*second.workers().values(), second.proc.pid]:  # the whole node, at once
+        os.kill(pid, signal.SIGKILL)
+    wait_for(ckpt / "step-16")
+    assert "dp=2, world=2; gradient accumulation steps: 2" in first.output
+    third = launch_nodes(tmp_path, *target, nnodes=1, env=env, elastic=elastic, first=2)[0]
+    assert wait_all([first, third], timeout=300) == [0, 0], first.output[-4000:] + \
+        third.output[-4000:]
+    worlds = re.findall(r"dp=(\d), world=(\d)", first.output)
+    assert worlds[0] == ("4", "4") and ("2", "2") in worlds and worlds[-1] == ("4", "4"), worlds
+    resumes = [int(s) for s in re.findall(r"resumed from \S+ \(step (\d+)\)", first.output)]
+    assert resumes[0] == 8 and resumes[-1] > 16, resumes
+    assert f"training done at step {steps}" in first.output
+
+    run_train(tmp_path / "uninterrupted", *common, nproc=4)
+    want, have = losses(tmp_path / "uninterrupted"), losses(dump)
+    assert sorted(have) == list(range(1, steps + 1))
+    assert all(abs(have[s] - want[s]) <= 1e-4 for s in want), (have, want)
+    for folder in sorted(ckpt.iterdir()):  # committed and whole: every tensor loads
+        assert folder.name.startswith("step-") and not folder.name.endswith(".partial")
+        assert load_dcp_tensors(folder)

@@ -45,6 +45,7 @@ class Loop:
         self.first_step = state.step + 1
         self.watch = StragglerWatch(cfg.health.straggler_factor, cfg.health.straggler_steps,
                                     dist.get_rank(), dist.get_world_size(), log0)
+        train_step.work_done = self.watch.stop_step  # before post-step collectives
 
     def run(self) -> None:
         steps = self.cfg.training.steps

@@ -67,6 +67,9 @@ class TrainStep:
     # stepped) and load metrics ({} if dense)
     balance: Callable | None = None
     pp: int = 1  # pipeline stages (the gradient norm counts each stage's ranks)
+    # called when this rank's own work of the step is done, before the collectives after the
+    # optimizer step (the straggler watch's stop: trainer/health/stragglers.py)
+    work_done: Callable | None = None
 
     def __call__(self, step: int, accum: int) -> StepResult:
         heartbeat.phase("step_start", step)
@@ -94,6 +97,8 @@ class TrainStep:
         heartbeat.phase("optimizer")
         stepped, spike = self.optimizer_step(grad_norm, cross_entropy)
         faults.armed().step_end()  # a testing hook: a slow rank
+        if self.work_done is not None:
+            self.work_done()
         self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
         self.metrics.count_tokens(local_tokens)

@@ -57,12 +57,14 @@ class StragglerWatch:
         self.scalars: dict[str, float] = {}
 
     def start_step(self) -> None:
-        self.t0 = time.perf_counter()
+        self.t0, self.stopped = time.perf_counter(), False
 
     def stop_step(self) -> None:
-        """The step's compute is done (before the loss all-reduce of a log step, which waits
-        for the slowest rank)."""
-        self.elapsed = time.perf_counter() - self.t0
+        """The step's own work is done: called by the step right after its optimizer step,
+        before any collective after it (MoE's load all-reduce would make every rank wait for
+        a slow one), and by the loop when the step returns; the first call counts."""
+        if not getattr(self, "stopped", False):
+            self.elapsed, self.stopped = time.perf_counter() - self.t0, True
 
     def slots(self) -> list[float]:
         """This rank's step time in its slot of a world-size vector (zeros elsewhere)."""
