@@ -202,7 +202,8 @@ def test_a_lost_node_shrinks_the_job_and_a_new_node_grows_it_back(tmp_path):
     committed and intact."""
     from scripts.chaos_report import load_dcp_tensors
 
-    dump, steps = tmp_path / "dump", 30
+    # long enough for a node started after the shrink to join before the end (~0.1 s a step)
+    dump, steps = tmp_path / "dump", 120
     common = [*BASE, "--checkpoint.enable", "true", "--checkpoint.interval", "4",
               "--checkpoint.keep_latest_k", "0", "--training.steps", str(steps)]
     elastic = ((f"127.0.0.1:{_free_port()}", f"elastic-{uuid.uuid4().hex[:8]}"), "1:2",
@@ -223,7 +224,7 @@ def test_a_lost_node_shrinks_the_job_and_a_new_node_grows_it_back(tmp_path):
     wait_for(ckpt / "step-8")
     for pid in [*second.workers().values(), second.proc.pid]:  # the whole node, at once
         os.kill(pid, signal.SIGKILL)
-    wait_for(ckpt / "step-16")
+    wait_for(ckpt / "step-12")
     assert "dp=2, world=2; gradient accumulation steps: 2" in first.output
     third = launch_nodes(tmp_path, *target, nnodes=1, env=env, elastic=elastic, first=2)[0]
     assert wait_all([first, third], timeout=300) == [0, 0], first.output[-4000:] + \
@@ -231,7 +232,7 @@ def test_a_lost_node_shrinks_the_job_and_a_new_node_grows_it_back(tmp_path):
     worlds = re.findall(r"dp=(\d), world=(\d)", first.output)
     assert worlds[0] == ("4", "4") and ("2", "2") in worlds and worlds[-1] == ("4", "4"), worlds
     resumes = [int(s) for s in re.findall(r"resumed from \S+ \(step (\d+)\)", first.output)]
-    assert resumes[0] == 8 and resumes[-1] > 16, resumes
+    assert resumes[0] == 8 and resumes[-1] > 12, resumes
     assert f"training done at step {steps}" in first.output
 
     run_train(tmp_path / "uninterrupted", *common, nproc=4)
