@@ -138,6 +138,9 @@ class MoE(nn.Module):
         # (routed rows sorted by expert, counts [E], experts) -> their outputs, the same rows:
         # set by trainer/parallel/expert_parallel.py, where the experts live on other ranks.
         self.dispatcher = None
+        # Under tensor parallelism each tp rank routes its own sequence shard (trainer/parallel/
+        # tp.py): the group whose shards make up the microbatch, for the aux losses' sums.
+        self.token_group = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
@@ -168,19 +171,24 @@ class MoE(nn.Module):
             y = y + self.shared_experts(flat)
         if self.training and torch.is_grad_enabled():
             aux = self._aux(probs, logits, slots)
-            if aux is not None:
-                y = _AttachAux.apply(y, aux, self.aux_scale)
+            if aux is not None:  # under TP every tp rank holds the same aux: 1/tp of it each
+                shards = 1 if self.token_group is None else self.token_group.size()
+                y = _AttachAux.apply(y, aux, self.aux_scale / shards)
         return y.reshape(shape)
 
     def _aux(self, probs, logits, slots) -> None:
         """The global load-balancing loss (Switch / Megatron `aux_loss`: E x sum_i f_i P_i over
         this microbatch's tokens) and the router z-loss (mean logsumexp^2), weighted."""
-        m, terms = self.moe, []
+        m, terms, group = self.moe, [], self.token_group
+        tokens = probs.shape[0] * (1 if group is None else group.size())  # equal shards
         if m.aux_loss_weight:
-            frac = expert_counts(slots, m.n_experts).float() / slots.numel()
-            terms.append(m.aux_loss_weight * m.n_experts * (frac * probs.mean(0)).sum())
+            counts = expert_counts(slots, m.n_experts).float()
+            frac = _summed(counts.detach(), group) / (tokens * m.top_k)
+            terms.append(m.aux_loss_weight * m.n_experts *
+                         (frac * _summed(probs.sum(0), group) / tokens).sum())
         if m.router_z_loss_weight:
-            terms.append(m.router_z_loss_weight * logits.logsumexp(-1).square().mean())
+            z = _summed(logits.logsumexp(-1).square().sum(), group)
+            terms.append(m.router_z_loss_weight * z / tokens)
         if not terms:
             return None
         total = sum(terms)
@@ -194,6 +202,15 @@ class MoE(nn.Module):
         for buf in (self.tokens_per_expert, self.dropped, self.routed):
             buf.zero_()
         return stats
+
+
+def _summed(t: torch.Tensor, group) -> torch.Tensor:
+    """`t` summed over `group` (autograd-aware: the backward sums the gradients), or `t`."""
+    if group is None:
+        return t
+    from torch.distributed.nn.functional import all_reduce
+
+    return all_reduce(t, group=group)
 
 
 def capacity(moe: MoEArgs, tokens: int) -> int:

@@ -222,6 +222,9 @@ class ContextParallelLoop:
             heartbeat.phase("backward")
             (loss * self.dp_size * self.cp).backward()
             loss_sum += loss.detach()
+        from trainer.parallel.tp import sum_partial_grads
+
+        sum_partial_grads(self.model)  # tp ranks' shares of the MoE gradients (tp.py)
         z_loss, mtp = self.loss_fn.take_z_loss(), self.loss_fn.take_mtp_loss()
         # Every cp rank reports its dp rank's whole loss, as without CP.
         loss_sum, z_loss, mtp = sum_over_cp(loss_sum, z_loss, self.group, mtp)

@@ -24,6 +24,7 @@ from trainer.parallel.context_parallel import ContextParallelLoop
 from trainer.parallel.fsdp import set_gradient_sync
 from trainer.parallel.pipeline import PipelineLoop
 from trainer.parallel.seam import ForwardBackward, Losses  # noqa: F401  (step.py imports them here)
+from trainer.parallel.tp import sum_partial_grads
 
 
 class MicrobatchLoop:
@@ -64,6 +65,7 @@ class MicrobatchLoop:
                 aux = extra / len(batches) if aux is None else aux + extra / len(batches)
             (loss * self.dp_size).backward()
             loss_sum += loss.detach()
+        sum_partial_grads(self.model)  # tp ranks' shares of the MoE gradients (tp.py)
         mtp = self.loss_fn.take_mtp_loss()
         return Losses(loss_sum, self.loss_fn.take_z_loss(), aux,
                       None if mtp is None else mtp / global_tokens)

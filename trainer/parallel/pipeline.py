@@ -36,6 +36,7 @@ from trainer.models.llama import Transformer, model_args
 from trainer.models.mtp import future_labels, mtp_streams
 from trainer.parallel.context_parallel import ContextSplit
 from trainer.parallel.seam import Losses
+from trainer.parallel.tp import sum_partial_grads
 from trainer.parallel.pp_layout import (StageSpec, bubble_fraction, check_microbatches,
                                         check_pipeline, rank_stages, schedule as find_schedule,
                                         stage_rank)
@@ -366,6 +367,7 @@ class PipelineLoop:
             for loss in losses:
                 total += loss.detach()
         total = total / (self.dp_size * cp)
+        sum_partial_grads(self.model)  # tp ranks' shares of the MoE gradients (tp.py)
         # None without a z-loss / MTP, or on a stage without the head
         z, mtp = self.loss_fn.take_z_loss(), self.loss_fn.take_mtp_loss()
         # Only the last stage knows the loss: summed over pp, every stage logs and guards it;

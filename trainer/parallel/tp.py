@@ -5,6 +5,8 @@ Per block:
 - attention: `wq`, `wk`, `wv` colwise (each tp rank computes n_heads / tp query heads and
   n_kv_heads / tp key/value heads, whole heads), `wo` rowwise;
 - feed-forward: `w1`, `w3` colwise (hidden_dim / tp each), `w2` rowwise;
+- a MoE feed-forward: data parallel over tp, each rank routing its own sequence shard
+  (`_moe_style`; its gradients summed over tp once a step by `sum_partial_grads`);
 - `attention_norm`, `ffn_norm`: sequence parallel. Between the matmul regions the residual
   stream is sharded on the sequence ([b, s / tp, dim] per rank): the norms and residual adds
   run on 1/tp of the tokens, and instead of an all-reduce after `wo` and `w2` there is a
@@ -31,7 +33,7 @@ import torch
 from torch import nn
 from torch.distributed.tensor import Replicate, Shard, distribute_module, distribute_tensor
 from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleInput,
-                                               PrepareModuleInputOutput, RowwiseParallel,
+                                               RowwiseParallel,
                                                SequenceParallel, parallelize_module)
 
 from trainer.models.llama import Transformer
@@ -61,7 +63,8 @@ def apply_tp(model: Transformer, tp_mesh, *, float8_tensorwise: bool = False,
     for module in (model.mtp or {}).values():  # MTP: its input norms and projection
         _shard_mtp(module, tp_mesh)
     for block in model.blocks():
-        ffn = ({"feed_forward": _moe_style()} if hasattr(block.feed_forward, "router") else {
+        ffn = ({"feed_forward": _moe_style(block.feed_forward, tp_mesh, model)}
+               if hasattr(block.feed_forward, "router") else {
             "feed_forward": prepare_input(input_layouts=(Shard(1),),
                                           desired_input_layouts=(Replicate(),)),
             "feed_forward.w1": colwise(),
@@ -143,15 +146,51 @@ def _qk_norm_styles(block) -> dict:
     return {"attention.q_norm": style, "attention.k_norm": style}
 
 
-def _moe_style():
-    """A MoE feed-forward (trainer/models/moe.py) is not split over tp: every tp rank gathers
-    the block's whole sequence, routes it and runs the experts (or, under ep, its share of
-    them) on plain tensors, and keeps its own sequence shard of the output. Its parameters
-    are replicated over tp, and each tp rank computes their whole gradient (the output's
-    gradient is all-gathered back), so tp needs no reduction of them."""
-    return PrepareModuleInputOutput(
-        input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),), use_local_input=True,
-        output_layouts=(Replicate(),), desired_output_layouts=(Shard(1),), use_local_output=True)
+def _moe_style(moe, tp_mesh, model):
+    """A MoE feed-forward (trainer/models/moe.py) is data parallel over tp: each tp rank
+    routes its own sequence shard and runs the experts (or, under ep, dispatches its tokens
+    to them) on plain tensors; no rank repeats another's routing, expert GEMMs, all-to-all or
+    saved activations. Its parameters are replicated over tp, each rank's gradient holds its
+    own tokens' part, and `sum_partial_grads` adds them up once per step. The aux losses sum
+    their statistics over the tp ranks first, so they are the whole microbatch's."""
+    moe.token_group = tp_mesh.get_group()
+    partial = model.__dict__.setdefault("_tp_partial", [tp_mesh.get_group(), []])
+    partial[1].append(moe)  # the module: FSDP replaces its parameters afterwards
+    return PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Shard(1),),
+                              use_local_output=True)
+
+
+BUCKET_BYTES = 64 * 2**20  # the flat buffer of one all-reduce of small gradients
+
+
+def sum_partial_grads(model) -> None:
+    """After a step's backward: the gradients of parameters that tp ranks computed from their
+    own sequence shards (the MoE feed-forwards) summed over tp. Gradient shards of at least
+    BUCKET_BYTES are all-reduced in place; smaller ones in flat buckets of at most that size
+    (one buffer of every gradient would be a temporary as large as all of them: 13.5 GiB at
+    Qwen3-30B-A3B's shape, seen by the traced dry run)."""
+    group, modules = model.__dict__.get("_tp_partial", (None, []))
+    bucket: list[torch.Tensor] = []
+    for g in (p.grad.to_local() if hasattr(p.grad, "to_local") else p.grad
+              for m in modules for p in m.parameters() if p.grad is not None):
+        nbytes = g.numel() * g.element_size()
+        if nbytes >= BUCKET_BYTES and g.is_contiguous():
+            torch.distributed.all_reduce(g, group=group)
+            continue
+        if bucket and (bucket[0].dtype != g.dtype or sum(
+                b.numel() * b.element_size() for b in bucket) + nbytes > BUCKET_BYTES):
+            _all_reduce_flat(bucket, group)
+            bucket = []
+        bucket.append(g)
+    if bucket:
+        _all_reduce_flat(bucket, group)
+
+
+def _all_reduce_flat(grads: list[torch.Tensor], group) -> None:
+    flat = torch.cat([g.reshape(-1) for g in grads])
+    torch.distributed.all_reduce(flat, group=group)
+    for g, part in zip(grads, flat.split([g.numel() for g in grads])):
+        g.copy_(part.view_as(g))
 
 
 def _shard_head(head: nn.Linear, tp_mesh) -> None:

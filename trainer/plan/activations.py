@@ -43,8 +43,10 @@ def block_split(a: ModelArgs, p: int, tp: int = 1, moe: bool = False,
     attn = 2 * p * (q + kv) + (p * q if kernel == "per_document" else 0)
     if a.mla is not None:
         attn = mla_saved(a, p, tp, kernel)
-    ffn = moe_ffn_bytes(a, p, ep) if moe else 4 * p * a.hidden_dim // tp
-    inner = 2 * p * a.dim + attn + FP32 * a.n_heads // tp + ffn
+    if moe:  # the MoE feed-forward runs on this rank's sequence shard (trainer/parallel/tp.py)
+        return 2 * (4 + p) * a.dim + moe_ffn_bytes(a, p, ep), \
+            2 * p * a.dim + attn + FP32 * a.n_heads // tp
+    inner = 2 * p * a.dim + attn + FP32 * a.n_heads // tp + 4 * p * a.hidden_dim // tp
     return 2 * (4 + p) * a.dim, inner
 
 
@@ -90,7 +92,8 @@ def op_sac_split(a: ModelArgs, p: int, tp: int = 1, every_other: bool = False,
         extra = p * m.top_k * (2 * m.hidden_dim + a.dim) + FP32 * m.n_experts + \
             (2 * p * m.top_k * a.dim if ep > 1 else 0) + \
             p * m.n_shared_experts * (2 * m.hidden_dim + a.dim)
-    return shard, p * mm_out + p * q + FP32 * a.n_heads // tp + extra
+    # a MoE feed-forward's kept outputs are its sequence shard's (trainer/parallel/tp.py)
+    return shard + extra, p * mm_out + p * q + FP32 * a.n_heads // tp
 
 
 def block_saved_op_sac(a: ModelArgs, p: int) -> int:

@@ -57,7 +57,7 @@ from __future__ import annotations
 import math
 
 from trainer.config.job import JobConfig
-from trainer.plan.moe import all_to_all_volume, gathered
+from trainer.plan.moe import all_to_all_volume, gathered, moe_layers
 from trainer.plan.pipeline import p2p_bytes, rank_groups
 from trainer.plan.memory import BYTES, FP32, fsdp_groups, gathered_numel, plan_args, resolve_vocab, \
     shard_numel
@@ -89,13 +89,19 @@ def tp_volume(cfg: JobConfig, a, pd, accum: int) -> float:
         return 0.0
     p, f = BYTES[cfg.training.mixed_precision_param], ring(pd.tp)
     tokens = cfg.training.local_batch_size * cfg.training.seq_len // pd.cp
-    activations = f * p * tokens * a.dim * tp_collectives(cfg, a.n_layers)
+    # a MoE feed-forward runs on the sequence shard (trainer/parallel/tp.py): no gather or
+    # reduce-scatter around it (2 forward, 2 backward per MoE block), and its gradients, each
+    # tp rank's tokens' share, are all-reduced over tp once per step (fp32, 1/dp_shard each)
+    n_moe = moe_layers(a)
+    collectives = tp_collectives(cfg, a.n_layers) - 4 * n_moe
+    activations = f * p * tokens * a.dim * collectives
     if pd.loss_parallel:
         loss = 3 * 2 * f * FP32 * tokens
     else:
         loss = 2 * f * p * a.vocab_size * a.dim
     norms = 2 * f * p * (2 * a.n_layers + 1) * a.dim
-    return accum * (activations + loss + norms)
+    moe_grads = 2 * f * FP32 * n_moe * a.moe.total_ffn(a.dim) / pd.dp_shard if n_moe else 0
+    return accum * (activations + loss + norms) + moe_grads
 
 
 def dp_shard_volume(cfg: JobConfig, groups, pd, accum: int) -> float:
