@@ -520,11 +520,14 @@ def test_the_plan_counts_experts_routed_tokens_and_the_all_to_all():
 def test_the_experts_are_gathered_before_the_dispatch():
     """EP 2 x FSDP 2 (tests/scripts/ep_prefetch_probe.py): each block prefetches its experts'
     all-gather, so it is issued before the dispatch's all-to-all and the host sync on its split
-    sizes; without the prefetch it came after (the probe fails)."""
+    sizes; without the prefetch it came after (the probe fails). And with 3 experts per ep rank
+    over efsdp 2, FSDP shards the experts' width instead of padding dim 0 (no padded row)."""
     from tests.helpers import REPO, torchrun
 
     proc = torchrun(REPO / "tests/scripts/ep_prefetch_probe.py", nproc=4, fork=True)
     assert proc.stdout.count("ep prefetch probe ok") == 4, proc.stdout + proc.stderr
+    assert proc.stdout.count("expert shard probe ok: (Shard(dim=1), Shard(dim=0))") == 4, \
+        proc.stdout + proc.stderr
 
 
 def test_under_tp_each_rank_routes_only_its_sequence_shard():

@@ -50,8 +50,27 @@ def main(argv):
     assert gathers and gathers[0] < first_a2a[0], (CALLS, sizes)
     print(f"ep prefetch probe ok: experts all-gathered at call {gathers[0]}, the dispatch's "
           f"first all-to-all at {first_a2a[0]}", flush=True)
+    unpadded_experts(cfg)
     dist.barrier()
     dist.destroy_process_group()
+
+
+def unpadded_experts(cfg) -> None:
+    """6 experts at ep 2: 3 per ep rank over efsdp = 2 would pad dim 0 to 4 rows; FSDP shards
+    the experts' width (Shard(1)) instead, and no rank holds a padded row."""
+    from torch.distributed.tensor import Shard
+
+    cfg.moe.num_experts = 6
+    pd, _ = cfg.resolve(dist.get_world_size())
+    pd.build_mesh("cpu")
+    model = parallelize(build_model(model_args(cfg.model.flavor, vocab_size=256, max_seq_len=64,
+                                               moe_config=cfg.moe)),
+                        pd, cfg, device=torch.device("cpu"), param_dtype="float32")
+    for name in ("w1", "w2", "w3"):
+        p = getattr(model.layers["1"].feed_forward.experts, name)
+        assert Shard(1) in p.placements and Shard(0) in p.placements, p.placements
+        assert p.to_local().numel() * dist.get_world_size() == p.numel(), (name, p.placements)
+    print(f"expert shard probe ok: {p.placements}", flush=True)
 
 
 if __name__ == "__main__":  # under torchrun; tests/scripts/forkrun.py calls main() instead

@@ -299,7 +299,7 @@ def balance_experts(model: nn.Module, n_layers: int, coeff: float, device,
     if coeff and stepped is not False:
         update_expert_bias(list(layers.values()), [table[i, :n_experts] for i in layers], coeff,
                            stepped)
-    rows = table[torch.tensor(id_list, device=device)]
+    rows = table[_row_index(tuple(id_list), device)]
     loads, routed = rows[:, :n_experts], rows[:, n_experts + 1].clamp_min(1)
     mean = loads.mean(1)
     imbalance = torch.where(mean > 0, loads.amax(1) / mean.clamp_min(1e-30), 0.0)
@@ -309,6 +309,18 @@ def balance_experts(model: nn.Module, n_layers: int, coeff: float, device,
         out[f"moe/layer_{i}/load_imbalance"] = imbalance[j]
         out[f"moe/layer_{i}/dropped_fraction"] = dropped[j]
     return out
+
+
+_ROWS: dict = {}
+
+
+def _row_index(ids: tuple[int, ...], device) -> torch.Tensor:
+    """The MoE layers' rows of the loads table, made on the device once (a new host-to-device
+    copy from a pageable list each step would synchronise the stream)."""
+    key = (ids, str(device))
+    if key not in _ROWS:
+        _ROWS[key] = torch.tensor(ids, device=device)
+    return _ROWS[key]
 
 
 @torch.no_grad()

@@ -131,7 +131,8 @@ def tp_local_shape(name: str, shape: tuple[int, ...], tp: int) -> tuple[int, ...
 
 
 @functools.lru_cache(maxsize=16)
-def fsdp_groups(args: ModelArgs, tp: int = 1) -> dict[str, list[tuple[int, ...]]]:
+def fsdp_groups(args: ModelArgs, tp: int = 1, ep: int = 1,
+                shard: int = 1) -> dict[str, list[tuple[int, ...]]]:
     """Parameter shapes per FSDP group, as trainer.parallel.parallelize.apply_fsdp forms the groups:
     one per block, the embedding, and the final norm + output head. Built on meta: free.
     With tp > 1 each shape is one tp rank's part (`tp_local_shape`): FSDP shards that part
@@ -140,9 +141,21 @@ def fsdp_groups(args: ModelArgs, tp: int = 1) -> dict[str, list[tuple[int, ...]]
     groups: dict[str, list[tuple[int, ...]]] = {}
     for name, p in build_model(args).named_parameters():
         shape = tuple(p.shape)
-        groups.setdefault(group_key(name, args), []).append(
+        key = group_key(name, args)
+        if key.endswith(".experts") and ep > 1:
+            shape = expert_shape(shape, ep, shard // ep)
+        groups.setdefault(key, []).append(
             tp_local_shape(name, shape, tp) if tp_splits(name, args) else shape)
     return groups
+
+
+def expert_shape(shape: tuple[int, ...], ep: int, efsdp: int) -> tuple[int, ...]:
+    """A stacked [E, a, b] expert weight as FSDP shards it under ep (trainer/parallel/fsdp.py
+    `expert_placement`): by experts when E / ep divides over efsdp, else by its second dim,
+    which the plan counts as one [E * a, b] matrix (no padded rows either way)."""
+    if len(shape) < 3 or (shape[0] // ep) % efsdp == 0 or shape[1] % efsdp:
+        return shape
+    return (shape[0] * shape[1], *shape[2:])
 
 
 def shard_numel(shape: tuple[int, ...], shard: int) -> int:
@@ -187,7 +200,8 @@ def memory_plan(cfg: JobConfig, world_size: int, pp_rank: int | None = None) -> 
     vocab, _ = resolve_vocab(cfg)
     a = plan_args(cfg, vocab)
     # Under CP, FSDP shards over dp_shard x cp and a rank holds 1/cp of each sequence.
-    groups, shard, tp, cp = fsdp_groups(a, pd.tp), pd.dp_shard * pd.cp, pd.tp, pd.cp
+    groups, shard, tp, cp = fsdp_groups(a, pd.tp, pd.ep, pd.dp_shard), pd.dp_shard * pd.cp, \
+        pd.tp, pd.cp
     p, r = BYTES[cfg.training.mixed_precision_param], BYTES[cfg.training.mixed_precision_reduce]
     batch, seq = cfg.training.local_batch_size, cfg.training.seq_len
     held, blocks_a, head = 1.0, a, True
