@@ -41,9 +41,12 @@ def test_8b_validation_and_eval_score_a_chunk_at_a_time_below_trainings_peak():
     assert params <= train.categories["parameters"] <= params * 1.01
 
 
-def test_cli_trace_prints_the_trace_beside_the_plan():
+def test_cli_trace_prints_the_trace_beside_the_plan(tmp_path):
+    import json
+
     out = subprocess.run([sys.executable, "-m", "trainer.plan", "--config",
-                          str(REPO / "configs" / "debug_model.toml"), "--ngpu", "2", "--trace"],
+                          str(REPO / "configs" / "debug_model.toml"), "--ngpu", "2", "--trace",
+                          "--json", str(tmp_path / "plan.json")],
                          cwd=REPO, env=subprocess_env(), capture_output=True, text=True,
                          timeout=300)
     assert out.returncode == 0, out.stderr
@@ -51,6 +54,10 @@ def test_cli_trace_prints_the_trace_beside_the_plan():
     assert "traced dry run: one training step of rank 0 of 2 on fake tensors" in text
     assert "agreement: the plan is within 10% of the trace" in text, text
     assert "trace verdict: FITS" in text
+    assert "work: rank 0 computes " in text
+    saved = json.loads((tmp_path / "plan.json").read_text())
+    assert saved["world_size"] == 2 and saved["plan"]["total"] > 0
+    assert 0.95 <= saved["trace"]["flops"] / saved["trace"]["ideal_flops"] <= 1.1
 
 
 def test_a_host_sync_in_the_step_stops_the_trace_at_its_line(monkeypatch):
@@ -110,3 +117,19 @@ def test_a_capacity_factor_is_not_traced():
     moe = ["--job.config_file", str(REPO / "configs" / "debug_moe.toml")]
     assert untraceable(load_config(moe)) is None
     assert "capacity" in untraceable(load_config([*moe, "--moe.capacity_factor", "1.25"]))
+
+
+def test_the_work_line_sets_each_rank_against_its_share():
+    """The trace counts rank 0's matmul and attention FLOPs on its local shards (TP's DTensor
+    ops by their local shapes): the 8B on 8 GPUs and the 70B at TP 8 x FSDP 8 do their even
+    share (times full AC's recompute for the 70B); a rank doing twice its share is warned."""
+    from trainer.plan.work import expected_ratio, work_lines
+
+    for config, world in (("llama3_8b.toml", 8), ("llama3_70b.toml", 64)):
+        cfg = load_config(["--job.config_file", str(REPO / "configs" / config)])
+        r = trace_step(cfg, world)
+        ratio = r.flops / r.ideal_flops
+        assert 0.95 <= ratio / expected_ratio(cfg) <= 1.10, (config, ratio)
+        assert not [x for x in work_lines(cfg, r.flops, r.ideal_flops, 1) if "warning" in x]
+    lines = work_lines(cfg, 2.9 * r.ideal_flops, r.ideal_flops, 1)
+    assert "warning: rank 0 does 2.18x its share of the model's work" in lines[-1], lines

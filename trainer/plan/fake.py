@@ -177,6 +177,9 @@ class TraceResult:
     top_ops: list[tuple[str, int]] = field(default_factory=list)  # temporaries by op
     seconds: float = 0.0
     allocations: list[Allocation] = field(default_factory=list)  # every one (shapes, ops)
+    flops: float = 0.0  # the traced microbatches' matmul and attention FLOPs (plan/work.py)
+    ideal_flops: float = 0.0  # this rank's even share of the model's FLOPs of them
+    pp: int = 1
 
 
 def summarize(trace: MemoryTrace, resident: set[int], grads: set[int], states: set[int],

@@ -163,6 +163,9 @@ def parse_args(argv: list[str]):
     ap.add_argument("--mfu", type=float, default=0.40, help="assumed MFU for tokens/s")
     ap.add_argument("--host-gib", type=float, default=0.0,
                     help="host RAM per node (default: this machine's MemTotal)")
+    ap.add_argument("--json", metavar="PATH",
+                    help="also write the plan's figures (bytes), and the trace's with --trace, "
+                         "to PATH as JSON")
     ap.add_argument("--trace", action="store_true",
                     help="also run one real training step at these shapes on fake tensors "
                          "(trainer/plan/trace.py) and print its peak beside the plan's")
@@ -194,8 +197,17 @@ def main(argv: list[str]) -> int:
     note = accumulation_sync_note(cfg, world, mem_gib)
     if note:
         print(note)
+    traced: dict = {}
     if args.trace:
         from trainer.plan.trace import trace_lines
 
-        print("\n".join(trace_lines(cfg, world, b, mem_gib, device_need)))
+        print("\n".join(trace_lines(cfg, world, b, mem_gib, device_need, traced)))
+    if args.json:
+        import json
+
+        with open(args.json, "w") as fh:
+            json.dump({"world_size": world, "accumulation": accum, "gpu": gpu.name,
+                       "memory_gib": mem_gib, "largest_local_batch": best, "plan": b,
+                       "trace": traced or None}, fh, indent=1, default=float)
+            fh.write("\n")
     return 0

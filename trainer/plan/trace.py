@@ -38,6 +38,7 @@ from trainer.health import heartbeat
 from trainer.models.moe import GROUPED_MM, balance_experts
 from trainer.plan.fake import (CATEGORIES, GIB, Allocation, MemoryTrace,  # noqa: F401
                                TraceResult, fake_world, summarize, tracking)
+from trainer.plan.work import counting, ideal_flops, work_lines
 
 
 @contextlib.contextmanager
@@ -172,13 +173,17 @@ def trace_step(cfg: JobConfig, world_size: int, keep_all: bool = False) -> Trace
                     for a in [trace.storage_of(p)] if a is not None}
         with trace, host_counts(), balanced_dispatch():
             micro = earlier_microbatches(cfg, model, accum)
-            step(1, micro)
+            with counting() as flops:  # this rank's work (trainer/plan/work.py)
+                step(1, micro)
         states = [trace.storage_of(t) for s in optimizer.state.values() for t in s.values()
                   if isinstance(t, torch.Tensor)]
         states = [a for a in states if a is not None]
         result = summarize(trace, resident, {id(a) for a in grads}, {id(a) for a in states},
                            sum(a.nbytes for a in {id(a): a for a in states}.values()))
         result.allocations = trace.all or []
+        result.flops = float(flops.get_total_flops())
+        result.ideal_flops = ideal_flops(cfg, args, world_size, pd.dp_size, micro)
+        result.pp = pd.pp
     heartbeat.phase("setup")
     result.seconds = time.monotonic() - t0
     return result
@@ -267,9 +272,10 @@ def trainer_frame(e: BaseException) -> str:
 
 
 def trace_lines(cfg: JobConfig, world_size: int, plan: dict[str, int], mem_gib: float,
-                need) -> list[str]:
+                need, record: dict | None = None) -> list[str]:
     """The printed trace beside the analytic plan (`plan`: trainer.plan.memory.memory_plan);
-    `need(peak)`: the device bytes a peak takes with the plan's reserve."""
+    `need(peak)`: the device bytes a peak takes with the plan's reserve. `record`: a dict to
+    fill with the trace's figures (`--json`)."""
     accum = cfg.resolve(world_size)[1]
     if untraceable(cfg):
         return [f"traced dry run: not run: {untraceable(cfg)}"]
@@ -297,6 +303,11 @@ def trace_lines(cfg: JobConfig, world_size: int, plan: dict[str, int], mem_gib: 
     if r.top_ops:
         lines.append("  largest temporaries at the peak, by op: " + ", ".join(
             f"{op.removesuffix('.default')} {n / GIB:.2f} GiB" for op, n in r.top_ops))
+    lines += work_lines(cfg, r.flops, r.ideal_flops, r.pp)
+    if record is not None:
+        record.update(peak_bytes=r.peak, phase=r.phase, categories=r.categories,
+                      largest=r.largest.describe() if r.largest else None, flops=r.flops,
+                      ideal_flops=r.ideal_flops, seconds=round(r.seconds, 1))
     states = r.categories["optimizer_state"]
     for kind, on in (("validation", cfg.validation.enable), ("eval", cfg.eval.enable)):
         if on:
