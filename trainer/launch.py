@@ -66,6 +66,7 @@ from torch.distributed.elastic.multiprocessing.api import SignalException  # noq
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError  # noqa: E402
 from torch.distributed.run import config_from_args, elastic_launch, parse_args  # noqa: E402
 
+from trainer.health.elastic import note_elastic_world, rendezvous_anew_each_round  # noqa: E402
 from trainer.errors import (GAVE_UP_EXIT_CODE, HANG_EXIT_CODE,  # noqa: E402
                             OUT_OF_MEMORY_EXIT_CODE, PREEMPTED_EXIT_CODE,
                             TRAINING_ERROR_EXIT_CODE, USER_ERROR_EXIT_CODE)
@@ -307,50 +308,6 @@ def listen_on_loopback() -> None:
     DynamicRendezvousHandler._create_tcp_store_server = shared_store
 
 
-ROUND_ENV = "TRAINER_RDZV_ROUND"
-
-
-def rendezvous_anew_each_round() -> None:
-    """Let an elastic job grow back. torchrun's c10d rendezvous (torch 2.4-2.13) publishes the
-    workers' store address (MASTER_ADDR/PORT under the round's keys) only in a node's first
-    round, and reuses its own copy after: when a node joins a running job, the surviving
-    rank-0 node skips publishing it for the new round, the joining node waits for the key, and
-    both time out (DistStoreError on `.../MASTER_ADDR` and `.../role_info/N`, reproduced with
-    two nodes on 127.0.0.1). Forgetting the copy before every round makes the round's rank 0
-    serve and publish a store, and every node read it. The round's number goes to the ranks
-    (TRAINER_RDZV_ROUND): their process group meets under it, the same on every node (each
-    node's restart count is its own: a node that joined later has restarted less)."""
-    from torch.distributed.elastic.rendezvous.dynamic_rendezvous import DynamicRendezvousHandler
-
-    if getattr(DynamicRendezvousHandler, "_trainer_anew", False):
-        return
-    original = DynamicRendezvousHandler.next_rendezvous
-
-    def next_rendezvous(self):
-        if hasattr(self, "_bootstrap_store_info"):
-            self._bootstrap_store_info = None
-        info = original(self)
-        state = getattr(getattr(self, "_state_holder", None), "state", None)
-        if state is not None:
-            os.environ[ROUND_ENV] = str(state.round)
-        return info
-
-    DynamicRendezvousHandler.next_rendezvous = next_rendezvous
-    DynamicRendezvousHandler._trainer_anew = True
-
-
-MAX_WORLD_ENV = "TRAINER_MAX_WORLD_SIZE"
-
-
-def note_elastic_world(args) -> None:
-    """An elastic launch (`--nnodes MIN:MAX`) tells its ranks the largest world it may have
-    (TRAINER_MAX_WORLD_SIZE): LOG_RANK may name a rank of the full job while a lost node has
-    shrunk it (trainer/train.py)."""
-    nnodes, nproc = str(args.nnodes), str(args.nproc_per_node)
-    if ":" in nnodes and nproc.isdigit():
-        os.environ[MAX_WORLD_ENV] = str(int(nnodes.split(":")[1]) * int(nproc))
-
-
 def _describe(rank: int, failure) -> str:
     how = f"exit code {failure.exitcode}"
     if failure.exitcode < 0:
@@ -429,7 +386,7 @@ def main(argv: list[str]) -> int:
             return checked
         argv = checked
     args = parse_args(argv)
-    note_elastic_world(args)
+    note_elastic_world(args)  # trainer/health/elastic.py
     trainer_args = forkable_trainer_args(args)
     if trainer_args is not None:
         hide_gpus()  # before config_from_args, which asks CUDA

@@ -77,14 +77,26 @@ def _start_time(pid: int) -> str:
 
 
 def _alive(holder: Holder) -> bool:
-    """Whether the holder's process still runs (callable only on its host)."""
+    """Whether the holder's process still runs (callable only on its host). A zombie (killed,
+    not yet reaped by its parent: a SIGKILLed run's ranks for a moment after their launcher)
+    runs no more."""
     try:
         os.kill(holder.pid, 0)
     except ProcessLookupError:
         return False
     except PermissionError:
         return True
+    if _state(holder.pid) in ("Z", "X"):
+        return False
     return not holder.start or _start_time(holder.pid) in ("", holder.start)
+
+
+def _state(pid: int) -> str:
+    try:
+        with open(f"/proc/{pid}/stat") as fh:
+            return fh.read().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return ""
 
 
 def read(path: str) -> Holder | None | str:

@@ -1,0 +1,52 @@
+"""Elastic jobs (`python -m trainer.launch --nnodes MIN:MAX`): a lost node shrinks the job,
+a node that joins grows it back (docs/multinode.md, "A lost node"). Two changes to torchrun,
+installed by trainer/launch.py: every rendezvous round publishes the workers' store anew,
+and the ranks learn the round and the largest world the job may have."""
+
+from __future__ import annotations
+
+import os
+
+
+ROUND_ENV = "TRAINER_RDZV_ROUND"
+
+
+def rendezvous_anew_each_round() -> None:
+    """Let an elastic job grow back. torchrun's c10d rendezvous (torch 2.4-2.13) publishes the
+    workers' store address (MASTER_ADDR/PORT under the round's keys) only in a node's first
+    round, and reuses its own copy after: when a node joins a running job, the surviving
+    rank-0 node skips publishing it for the new round, the joining node waits for the key, and
+    both time out (DistStoreError on `.../MASTER_ADDR` and `.../role_info/N`, reproduced with
+    two nodes on 127.0.0.1). Forgetting the copy before every round makes the round's rank 0
+    serve and publish a store, and every node read it. The round's number goes to the ranks
+    (TRAINER_RDZV_ROUND): their process group meets under it, the same on every node (each
+    node's restart count is its own: a node that joined later has restarted less)."""
+    from torch.distributed.elastic.rendezvous.dynamic_rendezvous import DynamicRendezvousHandler
+
+    if getattr(DynamicRendezvousHandler, "_trainer_anew", False):
+        return
+    original = DynamicRendezvousHandler.next_rendezvous
+
+    def next_rendezvous(self):
+        if hasattr(self, "_bootstrap_store_info"):
+            self._bootstrap_store_info = None
+        info = original(self)
+        state = getattr(getattr(self, "_state_holder", None), "state", None)
+        if state is not None:
+            os.environ[ROUND_ENV] = str(state.round)
+        return info
+
+    DynamicRendezvousHandler.next_rendezvous = next_rendezvous
+    DynamicRendezvousHandler._trainer_anew = True
+
+
+MAX_WORLD_ENV = "TRAINER_MAX_WORLD_SIZE"
+
+
+def note_elastic_world(args) -> None:
+    """An elastic launch (`--nnodes MIN:MAX`) tells its ranks the largest world it may have
+    (TRAINER_MAX_WORLD_SIZE): LOG_RANK may name a rank of the full job while a lost node has
+    shrunk it (trainer/train.py)."""
+    nnodes, nproc = str(args.nnodes), str(args.nproc_per_node)
+    if ":" in nnodes and nproc.isdigit():
+        os.environ[MAX_WORLD_ENV] = str(int(nnodes.split(":")[1]) * int(nproc))
