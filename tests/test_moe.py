@@ -480,8 +480,10 @@ def test_ep_is_dropless_under_a_skewed_router():
      "from dp_shard; valid: 1, 2"),
     (("--model.flavor", "debugmodel-moe-shared", "--checkpoint.last_save_in_hf", "true"),
      "checkpoint.last_save_in_hf = true, but model.flavor 'debugmodel-moe-shared' has shared "
-     "experts, sigmoid scores or a routed scale: DeepSeek's router, which has no Hugging Face "
-     "architecture here yet"),
+     "experts, sigmoid scores or a routed scale: DeepSeek's router, whose Hugging Face "
+     "architecture (DeepseekV3ForCausalLM) also needs MLA"),
+    (("--moe.load_balance_coeff", "0.01"),
+     "moe.load_balance_coeff is set, but model.flavor 'debugmodel' has no experts"),
     (("--model.flavor", "debugmodel-moe", "--moe.top_k", "9"),
      "moe.top_k = 9 is above the 8 experts of model.flavor 'debugmodel-moe'; valid: 1 to 8"),
 ])

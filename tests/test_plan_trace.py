@@ -41,12 +41,11 @@ def test_8b_validation_and_eval_score_a_chunk_at_a_time_below_trainings_peak():
     assert params <= train.categories["parameters"] <= params * 1.01
 
 
-def test_cli_trace_prints_the_trace_beside_the_plan(tmp_path):
+def test_cli_trace_prints_the_trace_beside_the_plan():
     import json
 
     out = subprocess.run([sys.executable, "-m", "trainer.plan", "--config",
-                          str(REPO / "configs" / "debug_model.toml"), "--ngpu", "2", "--trace",
-                          "--json", str(tmp_path / "plan.json")],
+                          str(REPO / "configs" / "debug_model.toml"), "--ngpu", "2", "--trace"],
                          cwd=REPO, env=subprocess_env(), capture_output=True, text=True,
                          timeout=300)
     assert out.returncode == 0, out.stderr
@@ -55,9 +54,17 @@ def test_cli_trace_prints_the_trace_beside_the_plan(tmp_path):
     assert "agreement: the plan is within 10% of the trace" in text, text
     assert "trace verdict: FITS" in text
     assert "work: rank 0 computes " in text
-    saved = json.loads((tmp_path / "plan.json").read_text())
-    assert saved["world_size"] == 2 and saved["plan"]["total"] > 0
-    assert 0.95 <= saved["trace"]["flops"] / saved["trace"]["ideal_flops"] <= 1.1
+    # --json: the same report as one JSON object on stdout
+    out = subprocess.run([sys.executable, "-m", "trainer.plan", "--config",
+                          str(REPO / "configs" / "debug_model.toml"), "--ngpu", "2", "--trace",
+                          "--json"], cwd=REPO, env=subprocess_env(), capture_output=True,
+                         text=True, timeout=300)
+    saved = json.loads(out.stdout)
+    assert saved["world_size"] == 2 and saved["plan"]["peak_gib"] > 0
+    assert set(saved["plan"]["comm_bytes"]) == {"tp", "cp", "dp_shard", "dp_replicate", "ep",
+                                                 "pp"}
+    assert saved["trace"]["peak_gib"] > 0
+    assert 0.95 <= saved["trace"]["flops_per_rank"] / saved["ideal_flops_per_rank"] <= 1.1
 
 
 def test_a_host_sync_in_the_step_stops_the_trace_at_its_line(monkeypatch):

@@ -169,7 +169,7 @@ def check_moe(cfg: JobConfig) -> None:
 
     par = cfg.parallelism
     set_keys = [f"moe.{f.name}" for f in dataclasses.fields(cfg.moe)
-                if getattr(cfg.moe, f.name) != f.default and f.name != "load_balance_coeff"]
+                if getattr(cfg.moe, f.name) != f.default]
     if par.expert_parallel_degree > 1:
         set_keys.append(f"{EP_KEY} = {par.expert_parallel_degree}")
     flavor = FLAVORS[cfg.model.flavor].moe

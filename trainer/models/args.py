@@ -54,9 +54,10 @@ class MoEArgs:
         """Qwen3-MoE's rule ((i + 1) % step == 0) after the first dense layers."""
         return layer_id >= self.first_dense_layers and (layer_id + 1) % self.sparse_step == 0
 
-    NO_HF = ("shared experts, sigmoid scores or a routed scale: DeepSeek's router, which has "
-             "no Hugging Face architecture here yet; Qwen3-MoE flavors (debugmodel-moe, "
-             "qwen3-30b-a3b) have one, Qwen3MoeForCausalLM")
+    NO_HF = ("shared experts, sigmoid scores or a routed scale: DeepSeek's router, whose Hugging "
+             "Face architecture (DeepseekV3ForCausalLM) also needs MLA: the deepseek_v3 flavors "
+             "(debugmodel-dsv3, deepseek-v3-16b, ...) export; Qwen3-MoE flavors (debugmodel-moe, "
+             "qwen3-30b-a3b) export to Qwen3MoeForCausalLM")
 
     @property
     def hf_exportable(self) -> bool:

@@ -163,9 +163,9 @@ def parse_args(argv: list[str]):
     ap.add_argument("--mfu", type=float, default=0.40, help="assumed MFU for tokens/s")
     ap.add_argument("--host-gib", type=float, default=0.0,
                     help="host RAM per node (default: this machine's MemTotal)")
-    ap.add_argument("--json", metavar="PATH",
-                    help="also write the plan's figures (bytes), and the trace's with --trace, "
-                         "to PATH as JSON")
+    ap.add_argument("--json", action="store_true",
+                    help="print the whole report (the plan, and the trace with --trace) as one "
+                         "JSON object on stdout instead of the text, for scripts and sweeps")
     ap.add_argument("--trace", action="store_true",
                     help="also run one real training step at these shapes on fake tensors "
                          "(trainer/plan/trace.py) and print its peak beside the plan's")
@@ -190,6 +190,8 @@ def main(argv: list[str]) -> int:
     host = (args.ngpu, *host_ram_gib(args.host_gib))
     best = largest_local_batch(cfg, world, mem_gib)
     fixed = cfg.training.global_batch_size != -1
+    if args.json:
+        return print_json(cfg, world, b, accum, gpu, mem_gib, best, args.trace)
     print("\n".join(header + report(cfg, b, accum, gpu, mem_gib, args.mfu, host) + [
         f"largest local_batch_size that fits: {best}"
         + (f" (of those dividing global_batch_size {cfg.training.global_batch_size})"
@@ -197,17 +199,37 @@ def main(argv: list[str]) -> int:
     note = accumulation_sync_note(cfg, world, mem_gib)
     if note:
         print(note)
-    traced: dict = {}
     if args.trace:
         from trainer.plan.trace import trace_lines
 
-        print("\n".join(trace_lines(cfg, world, b, mem_gib, device_need, traced)))
-    if args.json:
-        import json
+        print("\n".join(trace_lines(cfg, world, b, mem_gib, device_need)))
+    return 0
 
-        with open(args.json, "w") as fh:
-            json.dump({"world_size": world, "accumulation": accum, "gpu": gpu.name,
-                       "memory_gib": mem_gib, "largest_local_batch": best, "plan": b,
-                       "trace": traced or None}, fh, indent=1, default=float)
-            fh.write("\n")
+
+def print_json(cfg, world: int, b: dict, accum: int, gpu, mem_gib: float, best: int,
+               trace: bool) -> int:
+    """`--json`: the plan (and trace) as one JSON object on stdout."""
+    import json
+
+    dims = ("tp", "cp", "dp_shard", "dp_replicate", "ep", "pp")
+    out = {"world_size": world, "accumulation": accum, "gpu": gpu.name, "memory_gib": mem_gib,
+           "largest_local_batch": best,
+           "plan": {"peak_gib": b["total"] / GIB, "fits": device_need(b["total"]) <= mem_gib * GIB,
+                    "comm_bytes": {d: b.get(f"comm_{d}", 0.0) for d in dims}, "bytes": b},
+           "trace": None, "ideal_flops_per_rank": None}
+    if trace:
+        from trainer.plan.trace import trace_lines
+
+        traced: dict = {}
+        lines = trace_lines(cfg, world, b, mem_gib, device_need, traced)
+        if traced:
+            out["trace"] = {"peak_gib": traced["peak_bytes"] / GIB,
+                            "flops_per_rank": traced["flops"], "largest": traced["largest"],
+                            "categories": traced["categories"], "seconds": traced["seconds"],
+                            "comm_bytes": None,  # not counted by the trace yet (issue 46)
+                            "lines": lines}
+            out["ideal_flops_per_rank"] = traced["ideal_flops"]
+        else:
+            out["trace"] = {"lines": lines}
+    print(json.dumps(out, indent=1, default=float))
     return 0
