@@ -68,12 +68,18 @@ def job_id(env=os.environ) -> str:
     return f"pid {os.getpid()}"
 
 
-def _start_time(pid: int) -> str:
+def _stat(pid: int, field: int) -> str:
+    """Field `field` of /proc/<pid>/stat after the command name (0: the state, 19: the start
+    time), or "" when the process or the field is not there."""
     try:
         with open(f"/proc/{pid}/stat") as fh:
-            return fh.read().rsplit(")", 1)[1].split()[19]
+            return fh.read().rsplit(")", 1)[1].split()[field]
     except (OSError, IndexError):
         return ""
+
+
+def _start_time(pid: int) -> str:
+    return _stat(pid, 19)
 
 
 def _alive(holder: Holder) -> bool:
@@ -86,17 +92,9 @@ def _alive(holder: Holder) -> bool:
         return False
     except PermissionError:
         return True
-    if _state(holder.pid) in ("Z", "X"):
+    if _stat(holder.pid, 0) in ("Z", "X"):
         return False
     return not holder.start or _start_time(holder.pid) in ("", holder.start)
-
-
-def _state(pid: int) -> str:
-    try:
-        with open(f"/proc/{pid}/stat") as fh:
-            return fh.read().rsplit(")", 1)[1].split()[0]
-    except (OSError, IndexError):
-        return ""
 
 
 def read(path: str) -> Holder | None | str:
