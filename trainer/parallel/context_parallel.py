@@ -40,6 +40,8 @@ from trainer.models.attention import (_compiled_create_block_mask, _compiled_fle
 from trainer.models.loss import Loss
 from trainer.parallel.fsdp import set_gradient_sync
 from trainer.parallel.seam import Losses
+from trainer.parallel.tp import sum_partial_grads
+from trainer.models.mtp import future_labels
 
 
 def head_tail_index(seq_len: int, cp: int, rank: int) -> torch.Tensor:
@@ -101,7 +103,7 @@ class ContextAttention:
         """q [b, local, h, d] over the whole sequence's k, v: [b, h, local, d]. `gathered`:
         k and v are already the whole sequence's (MLA expands them from gathered latents)."""
         if not gathered:
-            k, v = self._gather(k), self._gather(v)
+            k, v = self.gather(k), self.gather(v)
         gqa = q.shape[2] != k.shape[2]
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
         if self.implementation == "flex":
@@ -111,12 +113,8 @@ class ContextAttention:
             self._additive.masked_fill_(~self.mask, float("-inf"))
         return F.scaled_dot_product_attention(q, k, v, attn_mask=self._additive, enable_gqa=gqa)
 
-    @torch.compiler.disable(recursive=False)
+    @torch.compiler.disable(recursive=False)  # also called from a block (MLA's latents)
     def gather(self, t: torch.Tensor) -> torch.Tensor:
-        """[b, local, ...] of every cp rank -> [b, seq, ...] in sequence order (MLA's latents)."""
-        return self._gather(t)
-
-    def _gather(self, t: torch.Tensor) -> torch.Tensor:
         """[b, local, h, d] from every cp rank -> [b, seq, h, d] in sequence order; the
         backward reduce-scatters the gradient."""
         full = _all_gather()(t.transpose(0, 1).contiguous(), gather_dim=0, group=self.group)
@@ -180,8 +178,6 @@ class ContextSplit:
     def future(self, labels: torch.Tensor, depth: int) -> torch.Tensor:
         """The MTP modules' targets [depth, b, local] at this rank's positions, shifted on the
         whole samples (a position's next tokens may sit on another cp rank)."""
-        from trainer.models.mtp import future_labels
-
         return future_labels(labels, depth)[:, :, self.index]
 
     def attention(self, doc_ids) -> ContextAttention:
@@ -222,8 +218,6 @@ class ContextParallelLoop:
             heartbeat.phase("backward")
             (loss * self.dp_size * self.cp).backward()
             loss_sum += loss.detach()
-        from trainer.parallel.tp import sum_partial_grads
-
         sum_partial_grads(self.model)  # tp ranks' shares of the MoE gradients (tp.py)
         z_loss, mtp = self.loss_fn.take_z_loss(), self.loss_fn.take_mtp_loss()
         # Every cp rank reports its dp rank's whole loss, as without CP.
