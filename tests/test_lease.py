@@ -107,25 +107,39 @@ def test_a_holder_that_lost_its_lease_says_so(tmp_path):
     assert (tmp_path / LEASE_FILE).exists()  # not ours: left alone
 
 
-def _contend(folder: str, start: float, results) -> None:
+def test_a_claim_left_by_a_dead_contender_is_dropped(tmp_path):
+    stale = plant(tmp_path, heartbeat=time.time() - 600)
+    claim = tmp_path / f"{LEASE_FILE}.{stale.token}.takeover"
+    claim.touch()
+    os.utime(claim, (time.time() - 61, time.time() - 61))
+    lease = Lease(str(tmp_path), 60, log=lambda line: None)
+    lease.acquire()
+    assert json.loads((tmp_path / LEASE_FILE).read_text())["token"] == lease.me.token
+    assert os.listdir(tmp_path) == [LEASE_FILE]
+
+
+def _contend(folder: str, start: float, results, done) -> None:
     time.sleep(max(0.0, start - time.time()))
     try:
         Lease(folder, 60, log=lambda line: None).acquire()
         results.put(os.getpid())
     except LeaseHeld:
         results.put(None)
+    done.wait(60)  # a winner that exited would leave a lease whose process is gone: free
 
 
 def test_one_winner_among_racing_takers(tmp_path):
     """Eight processes take over one stale lease at the same moment: exactly one holds it."""
     plant(tmp_path, heartbeat=time.time() - 600)
     ctx = multiprocessing.get_context("fork")
-    results = ctx.Queue()
+    results, done = ctx.Queue(), ctx.Event()
     start = time.time() + 0.5
-    procs = [ctx.Process(target=_contend, args=(str(tmp_path), start, results)) for _ in range(8)]
+    procs = [ctx.Process(target=_contend, args=(str(tmp_path), start, results, done))
+             for _ in range(8)]
     for p in procs:
         p.start()
     outcome = [results.get(timeout=60) for _ in procs]
+    done.set()
     for p in procs:
         p.join()
     winners = [pid for pid in outcome if pid is not None]

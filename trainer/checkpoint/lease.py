@@ -14,8 +14,11 @@ a lock dies with the process that holds it, so it cannot say who held the folder
 - the lease is created whole and atomically with `link(tmp, lease.json)`, which fails if the
   file exists, on local disks and NFSv3+ alike (`O_EXCL` where a file system has no hard links);
 - a refresh writes a temporary file and renames it over the lease (atomic on POSIX and NFS);
-- a takeover first renames the stale lease to a unique name (only one contender can), checks
-  that what it moved is the lease it judged stale (else puts it back), then creates its own.
+- a takeover never removes the lease: the contender first creates a claim named for the stale
+  lease's token (`lease.json.<token>.takeover`, `O_EXCL`: one contender per stale lease holds
+  it), checks that the lease is still the one it judged stale, renames its own lease over
+  it (atomic: there is always a lease, so no third run can create one meanwhile), and drops the
+  claim. A claim left by a contender that died is dropped once older than the timeout.
 A holder that finds another run's lease at its next refresh says so once and stops refreshing.
 """
 
@@ -157,7 +160,8 @@ class Lease:
     def acquire(self) -> None:
         """Take the lease, or raise LeaseHeld naming the live holder."""
         os.makedirs(self.folder, exist_ok=True)
-        for _ in range(20):
+        deadline = time.time() + 30
+        while time.time() < deadline:
             if self._create():
                 return
             holder = read(self.path)
@@ -168,16 +172,19 @@ class Lease:
                     raise LeaseHeld(f"job.dump_folder {self.folder} is being taken by another "
                                     f"run ({self.path} is being written)")
                 holder_desc, reason = "an unreadable lease", "written long ago"
-                stale = self._move_aside(None)
             else:
                 reason = why_free(holder, self.timeout, self.me.job, time.time())
                 if reason is None:
                     raise refusal(self.folder, holder, self.timeout)
                 holder_desc = holder.describe()
-                stale = self._move_aside(holder)
-            if stale and holder != "partial" and holder.job != self.me.job:
+            taken = self._take_over(holder)
+            if taken and holder != "partial" and holder.job != self.me.job:
                 self.log(f"dump folder {self.folder}: taking over the lease of {holder_desc} "
                          f"({reason})")
+            if taken:
+                return
+            if taken is None:
+                time.sleep(0.02)  # another contender holds the claim: see what it leaves
         raise LeaseHeld(f"job.dump_folder {self.folder}: could not take {self.path} (other runs "
                         "keep taking it)")
 
@@ -216,25 +223,40 @@ class Lease:
         except FileNotFoundError:
             return True
 
-    def _move_aside(self, judged: Holder | None) -> bool:
-        """Move the lease judged stale out of the way; False if it changed meanwhile (then it
-        is put back, unless a new one was created)."""
-        aside = f"{self.path}.{self.me.token}.stale"
+    def _take_over(self, judged: Holder | str) -> bool | None:
+        """Replace the lease judged stale by ours: True if done; False if the lease changed
+        meanwhile; None if another contender holds the claim on it."""
+        name = judged.token if isinstance(judged, Holder) else "unreadable"
+        claim = f"{self.path}.{name}.takeover"
+        mine = f"{self.path}.{self.me.token}.tmp"
+        with open(mine, "w") as fh:
+            fh.write(self._payload())
         try:
-            os.rename(self.path, aside)
-        except FileNotFoundError:
-            return False
-        moved = read(aside)
-        changed = isinstance(moved, Holder) if judged is None else moved != judged
-        if changed:  # refreshed, finished or retaken meanwhile
             try:
-                os.link(aside, self.path)
-            except OSError:
-                pass
-            os.unlink(aside)
-            return False
-        os.unlink(aside)
-        return True
+                os.close(os.open(claim, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644))
+            except FileExistsError:
+                self._drop_if_stale(claim)
+                return None
+            try:
+                current = read(self.path)
+                same = current == judged if isinstance(judged, Holder) else current == "partial"
+                if not same:
+                    return False
+                os.replace(mine, self.path)
+                return True
+            finally:
+                os.unlink(claim)
+        finally:
+            if os.path.exists(mine):
+                os.unlink(mine)
+
+    def _drop_if_stale(self, claim: str) -> None:
+        """Remove a claim whose contender died before dropping it."""
+        try:
+            if time.time() - os.stat(claim).st_mtime > self.timeout:
+                os.unlink(claim)
+        except FileNotFoundError:
+            pass
 
     # -------------------------------------------------------------------------- holding it
 
