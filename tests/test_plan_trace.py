@@ -137,6 +137,65 @@ def test_the_work_line_sets_each_rank_against_its_share():
         r = trace_step(cfg, world)
         ratio = r.flops / r.ideal_flops
         assert 0.95 <= ratio / expected_ratio(cfg) <= 1.10, (config, ratio)
-        assert not [x for x in work_lines(cfg, r.flops, r.ideal_flops, 1) if "warning" in x]
-    lines = work_lines(cfg, 2.9 * r.ideal_flops, r.ideal_flops, 1)
+        assert not [x for x in work_lines(cfg, [(0, r.flops, r.ideal_flops)], 1)
+                    if "warning" in x]
+    lines = work_lines(cfg, [(0, 2.9 * r.ideal_flops, r.ideal_flops)], 1)
     assert "warning: rank 0 does 2.18x its share of the model's work" in lines[-1], lines
+
+
+def test_the_trace_counts_what_rank_0_sends_per_mesh_dimension_as_the_plan_does():
+    """The collectives of the traced step (FSDP's, DTensor's, the all-to-all) booked by mesh
+    dimension and scaled to the optimizer step equal the plan's formulas (trainer/plan/
+    comm.py) for FSDP, TP, HSDP with accumulation, CP under 'hsdp_reduce_scatter' and EP x TP
+    (MoE): a collective repeated or missed on either side shows."""
+    from trainer.plan.comm import comm_volume
+
+    debug, moe = str(REPO / "configs" / "debug_model.toml"), str(REPO / "configs" /
+                                                                 "debug_moe.toml")
+    cases = [(debug, []), (debug, ["--parallelism.tensor_parallel_degree", "2"]),
+             (debug, ["--parallelism.data_parallel_replicate_degree", "2",
+                      "--training.global_batch_size", "64"]),
+             (debug, ["--parallelism.context_parallel_degree", "2",
+                      "--parallelism.data_parallel_replicate_degree", "2",
+                      "--training.global_batch_size", "64",
+                      "--training.gradient_accumulation_sync", "hsdp_reduce_scatter"]),
+             (moe, ["--parallelism.expert_parallel_degree", "2",
+                    "--parallelism.tensor_parallel_degree", "2",
+                    "--training.global_batch_size", "32",
+                    "--training.gradient_accumulation_sync", "every"])]
+    import multiprocessing
+
+    configs = [load_config(["--job.config_file", config, *extra]) for config, extra in cases]
+    # a process per world: DTensor's caches outlive a destroyed fake world's groups
+    with multiprocessing.get_context("fork").Pool(2, maxtasksperchild=1) as pool:
+        results = pool.starmap(trace_step, [(cfg, 8) for cfg in configs], chunksize=1)
+    for (config, extra), cfg, r in zip(cases, configs, results):
+        traced, plan = r.comm_bytes, comm_volume(cfg, 8)
+        for dim in ("tp", "cp", "dp_shard", "dp_replicate", "ep"):
+            want = plan[f"comm_{dim}"]
+            assert abs(traced[dim] - want) <= 0.01 * want + 2**12, (extra, dim, traced, want)
+        assert sum(traced.values()) > 0
+
+
+def test_pipeline_configs_are_traced_stage_by_stage():
+    """PP 2 (x CP 2): each pp rank traced on its own, its in-flight microbatches held; CP
+    really on under PP: half the activations per rank; the stages' p2p sends counted."""
+    from trainer.plan.trace import trace_lines, trace_ranks
+
+    base = ["--job.config_file", str(REPO / "configs" / "debug_model.toml"),
+            "--parallelism.pipeline_parallel_degree", "2"]
+    pp = trace_ranks(load_config(base), 2)
+    both = trace_ranks(load_config([*base, "--parallelism.context_parallel_degree", "2"]), 4)
+    assert [r.pp_rank for r in pp] == [0, 1] == [r.pp_rank for r in both]
+    ratios = [b.categories["activations"] / a.categories["activations"] for a, b in zip(pp, both)]
+    # the first stage's activations halve; the last's hold the loss's fixed-size chunks too
+    assert 0.45 <= ratios[0] <= 0.55 and ratios[1] <= 0.7, ratios
+    for alone, with_cp in zip(pp, both):
+        assert alone.comm_bytes["pp"] > 0 and with_cp.comm_bytes["cp"] > 0
+    # the head's stage does more of the model's work than an even share, the embedding's less
+    assert pp[0].flops < pp[0].ideal_flops and pp[1].ideal_flops < pp[1].flops
+    cfg = load_config(base)
+    lines = trace_lines(cfg, 2, memory_plan(cfg, 2), 80.0, lambda peak: peak)
+    assert lines[0].startswith("traced dry run: one training step of pp ranks 0, 1"), lines
+    assert any(x.startswith("    per traced pp rank: rank 0 0.") for x in lines), lines
+    assert lines[-1].startswith("trace verdict: FITS"), lines

@@ -50,6 +50,7 @@ PHASES = {
     "step_start": "token-count all-reduce at the step's start",
     "forward": "FSDP all-gather in forward",
     "backward": "gradient reduce-scatter in backward",
+    "tp_grads": "MoE gradient all-reduce over tp",
     "clip": "clip all-reduce",
     "step_end": "step-end all-reduce",
     "log": "loss all-reduce for logging",
@@ -61,7 +62,7 @@ _state = {"step": 0, "phase": "setup", "seq": 0, "timeout": 0.0, "beat_s": 1.0,
           "moved": time.monotonic(), "watch_s": 0.0}
 # The phases the watch covers: a step's compute and collectives. Setup, saves, validation and
 # evals may legitimately run longer than the training timeout without a collective waiting.
-WATCHED = ("step_start", "forward", "backward", "clip", "step_end", "log")
+WATCHED = ("step_start", "forward", "backward", "tp_grads", "clip", "step_end", "log")
 # A peer that died: the collective fails at once, with one of these messages.
 PEER_LOST = ("Connection closed by peer", "Connection reset by peer", "Broken pipe",
              "communicator was aborted")

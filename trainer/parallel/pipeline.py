@@ -334,6 +334,12 @@ class PipelineLoop:
                 "output_args": (torch.empty((), dtype=torch.float32, device=device)
                                 if stage.spec.head else act)}
 
+    def schedule_step(self, inputs, labels, losses: list, kwargs: dict) -> None:
+        """One schedule step over the microbatch (the traced dry run drives the stages itself:
+        trainer/plan/stages.py)."""
+        self.schedule.step(*((inputs,) if self.first else ()), target=labels, losses=losses,
+                           return_outputs=False, **kwargs)
+
     def _scaled(self, output: torch.Tensor, target) -> torch.Tensor:
         """The schedule's loss: the last stage's summed token loss times dp / global tokens
         (FSDP averages the gradients over dp; the product is a plain sum / global tokens)."""
@@ -360,8 +366,7 @@ class PipelineLoop:
                 kwargs["future"] = future.transpose(0, 1).contiguous()
             heartbeat.phase("pipeline", step)
             losses: list[torch.Tensor] = []
-            self.schedule.step(*((inputs,) if self.first else ()), target=labels,
-                               losses=losses, return_outputs=False, **kwargs)
+            self.schedule_step(inputs, labels, losses, kwargs)
             if i == 0:
                 faults.armed().first_forward(step)  # a testing hook; nothing unless asked
             for loss in losses:

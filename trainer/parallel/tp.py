@@ -36,6 +36,7 @@ from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleInp
                                                RowwiseParallel,
                                                SequenceParallel, parallelize_module)
 
+from trainer.health import heartbeat
 from trainer.models.llama import Transformer
 
 
@@ -170,6 +171,8 @@ def sum_partial_grads(model) -> None:
     (one buffer of every gradient would be a temporary as large as all of them: 13.5 GiB at
     Qwen3-30B-A3B's shape, seen by the traced dry run)."""
     group, modules = model.__dict__.get("_tp_partial", (None, []))
+    if modules:
+        heartbeat.phase("tp_grads")
     bucket: list[torch.Tensor] = []
     for g in (p.grad.to_local() if hasattr(p.grad, "to_local") else p.grad
               for m in modules for p in m.parameters() if p.grad is not None):

@@ -63,6 +63,12 @@ from trainer.plan.memory import BYTES, FP32, fsdp_groups, gathered_numel, plan_a
     shard_numel
 
 
+def _stages_defer() -> bool:
+    from torch.distributed.pipelining.stage import _PipelineStageBase
+
+    return hasattr(_PipelineStageBase, "perform_reduce_grad")
+
+
 def ring(n: int) -> float:
     """Share of a full tensor each rank sends in a ring all-gather or reduce-scatter over n."""
     return (n - 1) / n
@@ -121,9 +127,10 @@ def dp_shard_volume(cfg: JobConfig, groups, pd, accum: int) -> float:
     if regather is None:  # an integer N: backward gathers over groups of N ranks
         regather = ring(int(policy)) * (total - head)
     gathers = accum * p * (ring(n) * total + regather)
-    # a pipeline schedule reduces its stages' gradients at the end of each schedule step
-    syncs = 1 if cfg.training.gradient_accumulation_sync == "last" and not pd.pp_enabled \
-        else accum
+    # a pipeline schedule's stages reduce at the step's last schedule step (a torch without
+    # the stages' perform_reduce_grad: at the end of each; trainer/parallel/pipeline.py)
+    syncs = 1 if cfg.training.gradient_accumulation_sync == "last" and (
+        not pd.pp_enabled or _stages_defer()) else accum
     return gathers + syncs * r * ring(n) * total
 
 

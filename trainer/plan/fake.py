@@ -20,6 +20,7 @@ import torch.distributed as dist
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 from trainer.health import heartbeat
+from trainer.plan.traffic import COMM_NAMESPACES
 
 GIB = 2**30
 CATEGORIES = ("parameters", "gradients", "optimizer_state", "activations", "temporaries")
@@ -52,12 +53,15 @@ class MemoryTrace(FakeTensorMode):
         self.snapshots: dict[str, list[Allocation]] = {}
         self.largest: Allocation | None = None
         self.depth = self.paused = 0
+        self.traffic = None  # trainer/plan/traffic.py's books of the collectives, if kept
 
     # --------------------------------------------------------------- bookkeeping
 
     def dispatch(self, func, types, args=(), kwargs=None):
         # Only an op's own outputs count: what the fake implementation runs inside it (its
         # decompositions, DTensor's sharding propagation) is not what the GPU kernel allocates.
+        if self.traffic is not None and func.namespace in COMM_NAMESPACES:
+            self.traffic.record(func, args)
         self.depth += 1
         try:
             out = super().dispatch(func, types, args, kwargs)
@@ -155,13 +159,13 @@ def tracking(trace: MemoryTrace):
 
 
 @contextlib.contextmanager
-def fake_world(world_size: int):
-    """A `fake` process group of `world_size` ranks, this process rank 0."""
+def fake_world(world_size: int, rank: int = 0):
+    """A `fake` process group of `world_size` ranks, this process rank `rank`."""
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
     if dist.is_initialized():
         raise RuntimeError("the traced dry run needs a process without a process group")
-    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world_size)
+    dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world_size)
     try:
         yield
     finally:
@@ -180,6 +184,9 @@ class TraceResult:
     flops: float = 0.0  # the traced microbatches' matmul and attention FLOPs (plan/work.py)
     ideal_flops: float = 0.0  # this rank's even share of the model's FLOPs of them
     pp: int = 1
+    pp_rank: int = 0
+    comm_bytes: dict = field(default_factory=dict)  # sent per step by dimension (traffic.py)
+    comm_unknown: dict = field(default_factory=dict)  # collectives the books do not know
 
 
 def summarize(trace: MemoryTrace, resident: set[int], grads: set[int], states: set[int],

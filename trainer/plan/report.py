@@ -224,9 +224,10 @@ def print_json(cfg, world: int, b: dict, accum: int, gpu, mem_gib: float, best: 
         lines = trace_lines(cfg, world, b, mem_gib, device_need, traced)
         if traced:
             out["trace"] = {"peak_gib": traced["peak_bytes"] / GIB,
+                            "pp_ranks": traced["pp_ranks"],
                             "flops_per_rank": traced["flops"], "largest": traced["largest"],
                             "categories": traced["categories"], "seconds": traced["seconds"],
-                            "comm_bytes": None,  # not counted by the trace yet (issue 46)
+                            "comm_bytes": traced["comm_bytes"],
                             "lines": lines}
             out["ideal_flops_per_rank"] = traced["ideal_flops"]
         else:

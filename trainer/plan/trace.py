@@ -38,6 +38,8 @@ from trainer.health import heartbeat
 from trainer.models.moe import GROUPED_MM, balance_experts
 from trainer.plan.fake import (CATEGORIES, GIB, Allocation, MemoryTrace,  # noqa: F401
                                TraceResult, fake_world, summarize, tracking)
+from trainer.plan.stages import StageDriver, traced_ranks
+from trainer.plan.traffic import Traffic, traffic_lines
 from trainer.plan.work import counting, ideal_flops, work_lines
 
 
@@ -137,9 +139,11 @@ def traced_config(cfg: JobConfig) -> JobConfig:
                                       else cfg.optimizer.implementation))
 
 
-def trace_step(cfg: JobConfig, world_size: int, keep_all: bool = False) -> TraceResult:
+def trace_step(cfg: JobConfig, world_size: int, keep_all: bool = False,
+               pp_rank: int = 0) -> TraceResult:
     """One real TrainStep of `cfg` on rank 0 of `world_size` fake ranks (`keep_all`: with
-    every allocation in `allocations`)."""
+    every allocation in `allocations`); under pp, on the first rank of pp rank `pp_rank`,
+    its stages driven by trainer/plan/stages.py."""
     from trainer.models.loss import build_loss
     from trainer.optim.optimizer import build_lr_scheduler
     from trainer.parallel.microbatches import build_forward_backward
@@ -148,8 +152,10 @@ def trace_step(cfg: JobConfig, world_size: int, keep_all: bool = False) -> Trace
     t0 = time.monotonic()
     cfg = traced_config(cfg)
     trace = MemoryTrace(keep_all)
-    with fake_world(world_size), tracking(trace):
+    pp = cfg.parallelism.pipeline_parallel_degree
+    with fake_world(world_size, pp_rank * world_size // pp), tracking(trace):
         model, optimizer, pd, accum, args = build_traced(cfg, world_size, trace)
+        trace.traffic = Traffic(pd)
         loader = FakeLoader(cfg, args.vocab_size, accum)
         loss_fn = build_loss(cfg.training.loss, cfg.training.loss_chunk_size,
                              z_loss_weight=cfg.training.z_loss_weight,
@@ -161,7 +167,7 @@ def trace_step(cfg: JobConfig, world_size: int, keep_all: bool = False) -> Trace
                              model, loss_fn, cfg, device=device, parallel_dims=pd,
                              loader=loader),
                          metrics=_Metrics(), dp_group=pd.dp_mesh.get_group(), device=device,
-                         max_norm=cfg.training.max_norm,
+                         max_norm=cfg.training.max_norm, pp=pd.pp,
                          balance=functools.partial(  # MoE: the loads' all-reduce, the bias
                              balance_experts, n_layers=args.n_blocks, device=device,
                              coeff=cfg.moe.load_balance_coeff, moe_ids=args.moe_layer_ids))
@@ -171,8 +177,12 @@ def trace_step(cfg: JobConfig, world_size: int, keep_all: bool = False) -> Trace
             for a in [trace.storage_of(p.grad)] if a is not None))
         resident = {id(a) for p in [*model.parameters(), *model.buffers()]
                     for a in [trace.storage_of(p)] if a is not None}
-        with trace, host_counts(), balanced_dispatch():
-            micro = earlier_microbatches(cfg, model, accum)
+        driver = None
+        if pd.pp_enabled:  # the rank's stages, without the schedule
+            driver = StageDriver(step.forward_backward, cfg, pp_rank, trace.traffic)
+            step.forward_backward.schedule_step = driver
+        with trace, host_counts(), balanced_dispatch(), trace.traffic.segments():
+            micro = 1 if driver else earlier_microbatches(cfg, model, accum)
             with counting() as flops:  # this rank's work (trainer/plan/work.py)
                 step(1, micro)
         states = [trace.storage_of(t) for s in optimizer.state.values() for t in s.values()
@@ -182,8 +192,14 @@ def trace_step(cfg: JobConfig, world_size: int, keep_all: bool = False) -> Trace
                            sum(a.nbytes for a in {id(a): a for a in states}.values()))
         result.allocations = trace.all or []
         result.flops = float(flops.get_total_flops())
-        result.ideal_flops = ideal_flops(cfg, args, world_size, pd.dp_size, micro)
-        result.pp = pd.pp
+        result.ideal_flops = ideal_flops(cfg, args, world_size, pd.dp_size,
+                                         driver.ideal_tokens() if driver else None, micro)
+        result.pp, result.pp_rank = pd.pp, pp_rank
+        result.comm_bytes = driver.per_step(accum) if driver else trace.traffic.per_step(
+            accum, micro, once=("dp_replicate",) if cfg.training.gradient_accumulation_sync
+            == "hsdp_reduce_scatter" else ())
+        result.comm_unknown = trace.traffic.unknown
+        trace.traffic = None
     heartbeat.phase("setup")
     result.seconds = time.monotonic() - t0
     return result
@@ -243,10 +259,6 @@ def untraceable(cfg: JobConfig) -> str | None:
     """Why `cfg`'s step cannot be traced on this CPU, or None."""
     from trainer.plan.memory import plan_args, resolve_vocab
 
-    if cfg.parallelism.pipeline_parallel_degree > 1:
-        return ("a pipeline schedule's point-to-point sends cannot run on the fake process "
-                "group; the analytic plan above is per pp rank (trace one stage's shapes "
-                "without pp, e.g. a smaller flavor with the stage's layers, for the rest)")
     args = plan_args(cfg, resolve_vocab(cfg)[0])
     if args.moe is not None and cfg.moe.capacity_factor > 0:
         return ("a capacity factor drops the pairs over each expert's capacity, a number of "
@@ -260,6 +272,20 @@ def untraceable(cfg: JobConfig) -> str | None:
                 "CUDA; the analytic plan above counts its block mask (trace the same shapes "
                 "with --model.attn_mask_type causal for the rest)")
     return None
+
+
+def trace_ranks(cfg: JobConfig, world_size: int) -> list[TraceResult]:
+    """Each traced pp rank's step (trainer/plan/stages.py), each in a process of its own
+    (forked: a fake world of another rank cannot follow a destroyed one in one process, its
+    DeviceMesh groups outlive it), as many at once as there are CPUs."""
+    import multiprocessing
+    import os
+
+    ranks = traced_ranks(cfg, world_size)
+    with multiprocessing.get_context("fork").Pool(min(len(ranks), os.cpu_count() or 1),
+                                                  maxtasksperchild=1) as pool:
+        return pool.starmap(trace_step, [(cfg, world_size, False, k) for k in ranks],
+                            chunksize=1)
 
 
 def trainer_frame(e: BaseException) -> str:
@@ -279,18 +305,28 @@ def trace_lines(cfg: JobConfig, world_size: int, plan: dict[str, int], mem_gib: 
     accum = cfg.resolve(world_size)[1]
     if untraceable(cfg):
         return [f"traced dry run: not run: {untraceable(cfg)}"]
+    pp = cfg.parallelism.pipeline_parallel_degree
     try:
-        r = trace_step(cfg, world_size)
+        results = trace_ranks(cfg, world_size) if pp > 1 else [trace_step(cfg, world_size)]
     except DataDependentOutputException as e:
         return [f"traced dry run stopped: the step reads a device value on the host (a host "
                 f"sync, {e.func}) at {trainer_frame(e)}: a bug to report"]
+    r = max(results, key=lambda x: x.peak)
+    if pp > 1:  # the table compares the largest traced rank with the plan of that rank
+        from trainer.plan.memory import memory_plan
+        plan = {**plan, **memory_plan(cfg, world_size, r.pp_rank)}
     sync = cfg.training.gradient_accumulation_sync
     how = ("1 microbatch" if accum == 1 else
            f"1 of {accum} microbatches, after the earlier ones' sharded gradients (sync "
            f"'{sync}')" if sync != "last" else
            f"2 of {accum} microbatches (one keeping its unsharded gradients, one reducing)")
-    lines = [f"traced dry run: one training step of rank 0 of {world_size} on fake tensors "
-             f"({how}; {r.seconds:.1f} s)",
+    who = "rank 0"
+    if pp > 1:
+        how = "its stages' in-flight microbatches, trainer/plan/stages.py"
+        who = (f"pp ranks {', '.join(str(x.pp_rank) for x in results)} (the table: pp rank "
+               f"{r.pp_rank}, the largest)")
+    lines = [f"traced dry run: one training step of {who} of {world_size} on fake tensors "
+             f"({how}; {sum(x.seconds for x in results):.1f} s)",
              f"    {'':<34}{'traced':>12}{'plan':>12}"]
     for key in CATEGORIES:
         theirs = f"{plan[key] / GIB:9.3f} GiB" if key in plan else f"{'-':>13}"
@@ -298,19 +334,36 @@ def trace_lines(cfg: JobConfig, world_size: int, plan: dict[str, int], mem_gib: 
     diff = plan["total"] / r.peak - 1
     lines += [f"    {'peak (at the ' + r.phase + ')':<34}{r.peak / GIB:9.3f} GiB"
               f"{plan['total'] / GIB:9.3f} GiB  (plan {diff:+.1%})"]
+    if pp > 1:
+        lines.append("  peak per traced pp rank (traced / plan): " + ", ".join(
+            f"rank {x.pp_rank} {x.peak / GIB:.2f} / "
+            f"{plan.get('pp_rank_totals', [0] * pp)[x.pp_rank] / GIB:.2f} GiB" for x in results))
     if r.largest is not None:
         lines.append(f"  largest tensor: {r.largest.describe()}")
     if r.top_ops:
         lines.append("  largest temporaries at the peak, by op: " + ", ".join(
             f"{op.removesuffix('.default')} {n / GIB:.2f} GiB" for op, n in r.top_ops))
-    lines += work_lines(cfg, r.flops, r.ideal_flops, r.pp)
+    busiest = max(results, key=lambda x: x.flops / max(x.ideal_flops, 1.0))
+    lines += work_lines(cfg, [(x.pp_rank, x.flops, x.ideal_flops) for x in results], pp)
+    sends = {d: max(x.comm_bytes.get(d, 0.0) for x in results)
+             for x0 in results for d in x0.comm_bytes}
+    lines += traffic_lines(sends, {k.removeprefix("comm_"): v for k, v in plan.items()
+                                   if k.startswith("comm_")},
+                           "the busiest traced pp rank" if pp > 1 else "rank 0")
     if record is not None:
         record.update(peak_bytes=r.peak, phase=r.phase, categories=r.categories,
-                      largest=r.largest.describe() if r.largest else None, flops=r.flops,
-                      ideal_flops=r.ideal_flops, seconds=round(r.seconds, 1))
+                      comm_bytes=sends, largest=r.largest.describe() if r.largest else None,
+                      flops=busiest.flops, ideal_flops=busiest.ideal_flops,
+                      seconds=round(sum(x.seconds for x in results), 1),
+                      pp_ranks=[{"pp_rank": x.pp_rank, "peak_gib": x.peak / GIB,
+                                 "flops": x.flops, "ideal_flops": x.ideal_flops,
+                                 "comm_bytes": x.comm_bytes} for x in results] if pp > 1 else None)
     states = r.categories["optimizer_state"]
     for kind, on in (("validation", cfg.validation.enable), ("eval", cfg.eval.enable)):
-        if on:
+        if on and pp > 1:
+            lines.append(f"  {kind} forward: not traced under pp (the stages' forward passes "
+                         "its activations point to point)")
+        elif on:
             v = trace_scoring(cfg, world_size, kind)
             lines.append(f"  {kind} forward: {v.peak / GIB:.3f} GiB + the optimizer states "
                          f"{states / GIB:.3f} GiB = {(v.peak + states) / GIB:.3f} GiB "

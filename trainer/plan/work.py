@@ -109,23 +109,36 @@ def expected_ratio(cfg) -> float:
     return 1.0
 
 
-def ideal_flops(cfg, args, world: int, dp: int, microbatches: int) -> float:
-    """A rank's even share of the model FLOPs of `microbatches` microbatches of its dp rank."""
+def ideal_flops(cfg, args, world: int, dp: int, tokens: float | None,
+                microbatches: int = 1) -> float:
+    """A rank's even share of the model FLOPs of `tokens` of its dp rank (None: those of
+    `microbatches` microbatches)."""
     from trainer.models.flops import flops_per_token
 
     t = cfg.training
-    tokens = t.local_batch_size * t.seq_len * microbatches
+    if tokens is None:
+        tokens = t.local_batch_size * t.seq_len * microbatches
     return flops_per_token(args, t.seq_len) * tokens * dp / world
 
 
-def work_lines(cfg, flops: float, ideal: float, pp: int) -> list[str]:
-    """The trace's work line, and a warning where rank 0 does more than its share."""
-    ratio, expected = flops / max(ideal, 1.0), expected_ratio(cfg)
-    lines = [f"  work: rank 0 computes {flops / 1e12:.3f} TFLOP (matmuls and attention) "
+def work_lines(cfg, ranks: list[tuple[int, float, float]], pp: int) -> list[str]:
+    """The trace's work line (`ranks`: (pp rank, its FLOPs, its ideal share) of each traced
+    rank), and a warning where the busiest does more than its share."""
+    expected = expected_ratio(cfg)
+    ratios = [(k, flops / max(ideal, 1.0), flops, ideal) for k, flops, ideal in ranks]
+    k, ratio, flops, ideal = max(ratios, key=lambda x: x[1])
+    who = f"pp rank {k}'s first rank" if pp > 1 else "rank 0"
+    lines = [f"  work: {who} computes {flops / 1e12:.3f} TFLOP (matmuls and attention) "
              f"against an even share of {ideal / 1e12:.3f}: {ratio:.2f}x (activation "
-             f"checkpointing's recompute: {expected:.2f}x expected"
-             + ("; under pp, stage 0's share" if pp > 1 else "") + ")"]
-    if pp == 1 and ratio > 1.10 * expected:
-        lines.append(f"  warning: rank 0 does {ratio / expected:.2f}x its share of the model's "
-                     "work: some of it is repeated on other ranks (trainer/plan/work.py)")
+             f"checkpointing's recompute: {expected:.2f}x expected)"]
+    if pp > 1:
+        lines.append("    per traced pp rank: " + ", ".join(f"rank {r} {x:.2f}x"
+                                                          for r, x, _, _ in ratios))
+    if ratio > 1.10 * expected:
+        why = ("its stages hold more of the model than an even split (the embedding, the head "
+               "and the loss sit on the ends: parallelism.pipeline_parallel_split_points "
+               "can give the end stages fewer layers)" if pp > 1 else
+               "some of it is repeated on other ranks")
+        lines.append(f"  warning: {who} does {ratio / expected:.2f}x its share of the model's "
+                     f"work: {why} (trainer/plan/work.py)")
     return lines

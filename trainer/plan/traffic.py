@@ -1,0 +1,195 @@
+"""The bytes a rank sends, counted in the traced dry run, per mesh dimension.
+
+Every collective of a traced step reaches the fake mode (trainer/plan/fake.py) as a `c10d` op
+(FSDP2's all-gathers and reduce-scatters, the step's all-reduces, expert parallelism's
+all-to-all) or a `_c10d_functional` op (DTensor's redistributions under TP and the loss's
+all-reduces), on this rank's fake local tensors and naming its process group. `Traffic`
+books each one to the mesh dimension of its group with the bytes rank 0 sends under a
+bandwidth-optimal algorithm, as trainer/plan/comm.py counts them for the plan:
+
+    all-gather: (n - 1) x the input        reduce-scatter: (n - 1) / n x the input
+    all-reduce: 2 (n - 1) / n x the tensor  all-to-all: the rows sent to the other ranks
+    send: the tensor                        broadcast: the tensor, from its root
+
+The trace runs one or two of a step's microbatches (trainer/plan/trace.py); `per_step` scales
+them to the step's `accum` as the loop would run them. A dimension where the rank sends more
+than the plan says (by 15%, and at least 1 MiB) gets a warning naming it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+import torch.distributed as dist
+
+COMM_NAMESPACES = ("c10d", "_c10d_functional")
+DIMS = ("tp", "cp", "dp_shard", "dp_replicate", "ep", "pp")
+# the mesh dimensions' and flattened meshes' names, as the plan groups them (FSDP shards over
+# dp_shard (x cp), experts over efsdp: both the plan's dp_shard; `dp` carries the loss's and
+# the token count's scalars)
+LABELS = {"dp_shard_cp": "dp_shard", "efsdp": "dp_shard", "dp": "dp_shard"}
+MIB = 2**20
+STEP_PHASES = ("tp_grads", "clip", "optimizer")  # once per step, after the microbatches
+
+# op name -> (kind, the argument holding what this rank sends)
+OPS = {
+    "all_gather_into_tensor": ("gather", 0), "all_gather_into_tensor_out": ("gather", 0),
+    "all_gather_into_tensor_coalesced": ("gather", 0), "_allgather_base_": ("gather", 1),
+    "allgather_": ("gather", 1), "allgather_coalesced_": ("gather", 1),
+    "allgather_into_tensor_coalesced_": ("gather", 1),
+    "reduce_scatter_tensor": ("scatter", 0), "reduce_scatter_tensor_out": ("scatter", 0),
+    "reduce_scatter_tensor_coalesced": ("scatter", 0), "_reduce_scatter_base_": ("scatter", 1),
+    "reduce_scatter_": ("scatter", 1), "reduce_scatter_tensor_coalesced_": ("scatter", 1),
+    "all_reduce": ("reduce", 0), "all_reduce_": ("reduce", 0),
+    "all_reduce_coalesced": ("reduce", 0), "all_reduce_coalesced_": ("reduce", 0),
+    "allreduce_": ("reduce", 0), "allreduce_coalesced_": ("reduce", 0),
+    "all_to_all_single": ("a2a", 0), "alltoall_base_": ("a2a", 1), "alltoall_": ("a2a", 1),
+    "send": ("send", 0), "isend": ("send", 0), "broadcast_": ("broadcast", 0),
+    "broadcast": ("broadcast", 0),
+}
+
+
+def _nbytes(x) -> int:
+    if isinstance(x, torch.Tensor):
+        return x.numel() * x.element_size()
+    if isinstance(x, (list, tuple)):
+        return sum(_nbytes(t) for t in x)
+    return 0
+
+
+def _group(args):
+    """The op's process group: a ProcessGroup script object (c10d) or a name (functional)."""
+    for a in args:
+        if isinstance(a, torch.ScriptObject) and "ProcessGroup" in str(a._type()):
+            return dist.ProcessGroup.unbox(a)
+    for a in reversed(args):
+        if isinstance(a, str) and not a.startswith(("sum", "avg", "max", "min", "product")):
+            try:
+                from torch.distributed.distributed_c10d import _resolve_process_group
+                return _resolve_process_group(a)
+            except (KeyError, ValueError, RuntimeError):
+                continue
+    return None
+
+
+def sent_bytes(name: str, args, n: int) -> float:
+    """What rank 0 (the first rank of each of its groups) sends in op `name` over n ranks."""
+    kind, index = OPS[name]
+    b = _nbytes(args[index])
+    if kind == "gather":
+        return (n - 1) * b
+    if kind == "scatter":
+        return (n - 1) / n * b
+    if kind == "reduce":
+        return 2 * (n - 1) / n * b
+    if kind == "a2a":
+        splits = {"all_to_all_single": 2, "alltoall_base_": 4}.get(name)
+        sizes = list(args[splits]) if splits is not None else []
+        if sizes and sum(sizes) > 0:
+            return b * (1 - sizes[0] / sum(sizes))
+        if name == "alltoall_":
+            return b - _nbytes(args[index][0])
+        return (n - 1) / n * b
+    if kind == "broadcast":
+        root = args[2] if name == "broadcast_" else args[1]
+        return float(b) if root == 0 else 0.0
+    return float(b)  # send
+
+
+class Traffic:
+    """The books: bytes by (segment, dimension). A segment is the microbatch the loop is in
+    (1, 2, ...: each forward's `heartbeat.phase("forward")`), or "step" for what the step
+    does once (clipping, the optimizer)."""
+
+    def __init__(self, pd):
+        self.names = group_labels(pd)
+        self.segment: int | str = 0
+        self.bytes: dict = {}
+        self.unknown: dict[str, int] = {}
+
+    @contextlib.contextmanager
+    def segments(self):
+        """Count the microbatches as the loops announce their forwards."""
+        from trainer.health import heartbeat
+
+        original = heartbeat.phase
+
+        def phase(name, *args, **kwargs):
+            if name == "forward" and isinstance(self.segment, int):
+                self.segment += 1
+            return original(name, *args, **kwargs)
+
+        heartbeat.phase = phase
+        try:
+            yield
+        finally:
+            heartbeat.phase = original
+
+    def record(self, func, args) -> None:
+        name = func._schema.name.split("::")[-1]
+        if name not in OPS:
+            if name not in ("wait_tensor", "barrier", "recv_", "irecv", "_wrap_tensor_autograd",
+                            "check_for_nan", "monitored_barrier_"):
+                self.unknown[name] = self.unknown.get(name, 0) + 1
+            return
+        group = _group(args)
+        n = group.size() if group is not None else 1
+        if n == 1:
+            return
+        label = self.names.get(group.group_name, "other")
+        self.add(label, sent_bytes(name, args, n), OPS[name][0])
+
+    def add(self, label: str, nbytes: float, kind: str = "send") -> None:
+        from trainer.health import heartbeat
+
+        seg = "step" if heartbeat._state["phase"] in STEP_PHASES else self.segment
+        books = self.bytes.setdefault(seg, {})
+        books[label, kind] = books.get((label, kind), 0.0) + nbytes
+
+    def per_step(self, accum: int, traced: int, once=()) -> dict[str, float]:
+        """Bytes per optimizer step by dimension: the `traced` microbatches (1: the step's
+        last, every earlier one like it but for the dimensions in `once`, which reduce once per
+        step; 2: the first stands for the `accum - 1` that keep their gradients, the second
+        reduces them) and the step's own traffic."""
+        out = dict.fromkeys(DIMS, 0.0)
+        for seg, books in self.bytes.items():
+            for (label, _), b in books.items():
+                w = 1 if seg == "step" or label in once else \
+                    (accum if traced == 1 else accum - 1 if seg == 1 else 1)
+                out[label] = out.get(label, 0.0) + w * b
+        return out
+
+
+def group_labels(pd) -> dict[str, str]:
+    """{process group name: the plan's dimension} for every mesh group of `pd`."""
+    names = {}
+    mesh = pd.world_mesh
+    for dim in mesh.mesh_dim_names:
+        names[mesh[dim].get_group().group_name] = LABELS.get(dim, dim)
+    for flat, dim in ((pd.dp_mesh, "dp"), (pd._shard_mesh, "dp_shard")):
+        names[flat.get_group().group_name] = LABELS.get(dim, dim)
+    names.setdefault(dist.group.WORLD.group_name, "world")
+    return names
+
+
+def size(b: float) -> str:
+    return f"{b / 2**30:.3f} GiB" if b >= 2**30 else f"{b / MIB:.2f} MiB"
+
+
+def traffic_lines(traced: dict[str, float], plan: dict[str, float],
+                  who: str = "rank 0") -> list[str]:
+    """The trace's bytes per step beside the plan's, and a warning per dimension where the
+    rank sends more than the plan says."""
+    dims = [d for d in (*DIMS, "world", "other") if traced.get(d) or plan.get(d)]
+    if not dims:
+        return [f"  traffic: {who} sends nothing (one rank)"]
+    lines = [f"  traffic per optimizer step, {who} sends (traced / plan): " + ", ".join(
+        f"{d} {size(traced.get(d, 0.0))} / {size(plan.get(d, 0.0))}" for d in dims)]
+    for d in dims:
+        t, p = traced.get(d, 0.0), plan.get(d, 0.0)
+        if t > 1.15 * p and t - p > MIB:
+            lines.append(f"  warning: {who} sends {size(t)} over {d} per step, "
+                         f"{t / max(p, 1.0):.2f}x the plan's {size(p)}: traffic the "
+                         "layout repeats or the plan misses (trainer/plan/traffic.py)")
+    return lines
