@@ -199,3 +199,29 @@ def test_pipeline_configs_are_traced_stage_by_stage():
     assert lines[0].startswith("traced dry run: one training step of pp ranks 0, 1"), lines
     assert any(x.startswith("    per traced pp rank: rank 0 0.") for x in lines), lines
     assert lines[-1].startswith("trace verdict: FITS"), lines
+
+
+def test_the_experts_all_gather_starts_before_the_dispatch_host_sync(monkeypatch):
+    """EP 2 x efsdp 4: in every MoE layer's forward the experts' FSDP all-gather (over efsdp,
+    4 ranks) goes out with the block's (its explicit forward prefetch, trainer/parallel/
+    fsdp.py), right before the count exchange (the all-to-all over ep whose split sizes the
+    host waits for), not after it in the experts' own pre-forward hook."""
+    import trainer.plan.traffic as traffic
+    from trainer.health import heartbeat
+
+    seen = []
+    original = traffic.Traffic.record
+
+    def record(self, func, args):
+        group = traffic._group(args)
+        if group is not None and group.size() > 1 and heartbeat._state["phase"] == "forward":
+            seen.append((group.size(), func._schema.name.split("::")[-1]))
+        return original(self, func, args)
+
+    monkeypatch.setattr(traffic.Traffic, "record", record)
+    cfg = load_config(["--job.config_file", str(REPO / "configs" / "debug_moe.toml"),
+                       "--parallelism.expert_parallel_degree", "2"])
+    trace_step(cfg, 8)
+    exchanges = [i for i, op in enumerate(seen) if op == (2, "alltoall_base_")]
+    assert len(exchanges) >= 2, seen  # one per MoE layer per traced microbatch
+    assert all(seen[i - 1] == (4, "_allgather_base_") for i in exchanges), seen
