@@ -17,6 +17,13 @@ per fault are at most the checkpoint interval (a damaged checkpoint costs its ow
 every slow rank was named, and the final checkpoint's DCP tensors (model, optimizer, RNG, loaded on one process)
 and the TensorBoard losses of every step are bitwise those of the reference run.
 Exit code 0 when all of that holds.
+
+`--layout node`, the lost node (scripts/chaos_node.py): an elastic job of two torchrun "nodes"
+of 2 ranks loses a whole node (launcher and ranks, SIGKILL) at each fault, shrinks to 2 ranks and
+grows back to 4 when a new launcher joins, each time from the newest committed checkpoint; its
+losses must be within 1e-4 of an uninterrupted 4-rank run (not bitwise: the world size changes)
+and every checkpoint left committed. `--kinds` does not apply; it runs only when named, e.g.
+`--layout fsdp,hsdp,tp,pp,cp,ep,node --nproc 4`. A table per layout and kind ends the output.
 """
 
 from __future__ import annotations
@@ -37,7 +44,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from scripts.chaos_faults import (CLASSIC, ENDING, HEALING, KINDS, SLOW_SECONDS,  # noqa: E402
                                   Fault, damage, launch_env, schedule)
-from scripts.chaos_report import _figures, load_dcp_tensors, ok, report  # noqa: E402,F401
+from scripts.chaos_report import _figures, load_dcp_tensors, ok, report, table  # noqa: E402,F401
 
 REPO = Path(__file__).resolve().parents[1]
 MAX_RESTARTS = 1000  # every launch heals its killed and hung ranks itself
@@ -383,7 +390,7 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--faults", type=int, default=10)
     p.add_argument("--min-during-save", type=int, default=3)
-    p.add_argument("--steps", type=int, default=24)
+    p.add_argument("--steps", type=int, default=24, help="node: 9 a fault + 4, at least")
     p.add_argument("--interval", type=int, default=2)
     p.add_argument("--nproc", type=int, default=2)
     p.add_argument("--seed", type=int, default=0)
@@ -391,33 +398,49 @@ def main(argv: list[str] | None = None) -> int:
                    help="checkpoint.async_mode of the faulted runs (the reference saves sync)")
     p.add_argument("--kinds", default="classic",
                    help="classic (rank-SIGKILL, launcher-SIGTERM/SIGUSR1), all, or a "
-                   f"comma-separated list of {', '.join(KINDS)}")
+                   f"comma-separated list of {', '.join(KINDS)} (the lost node is a layout: "
+                   "--layout node)")
     p.add_argument("--min-each", type=int, default=0, help="faults of each kind, at least")
     p.add_argument("--workdir", type=Path, default=Path("outputs/chaos"))
     p.add_argument("--layout", default="fsdp",
-                   help=f"the parallelism: {', '.join(LAYOUTS)}, or a comma-separated list "
+                   help=f"the parallelism: {', '.join(LAYOUTS)}, or node (a lost node: two "
+                   "elastic nodes of 2 ranks, fsdp, --kinds ignored), or a comma-separated list "
                    "that spreads the faults over several (one reference and one faulted job "
-                   "each); every layout but fsdp needs --nproc 4")
+                   "each); every layout but fsdp and node needs --nproc 4")
     a = p.parse_args(argv)
     kinds = {"classic": CLASSIC, "all": KINDS}.get(a.kinds) or tuple(a.kinds.split(","))
+    if set(kinds) - set(KINDS):
+        p.error(f"--kinds {a.kinds!r}: choose from {', '.join(KINDS)}, classic or all (a lost "
+                "node is --layout node)")
     layouts = a.layout.split(",")
-    unknown = [x for x in layouts if x not in LAYOUTS]
-    if unknown or (a.nproc < 4 and set(layouts) - {"fsdp"}):
-        p.error(f"--layout {a.layout!r}: choose from {', '.join(LAYOUTS)} (all but fsdp "
-                "with --nproc 4)")
-    verdicts = []
+    unknown = [x for x in layouts if x not in (*LAYOUTS, "node")]
+    if unknown or (a.nproc < 4 and set(layouts) - {"fsdp", "node"}):
+        p.error(f"--layout {a.layout!r}: choose from {', '.join(LAYOUTS)}, node (all but fsdp "
+                "and node with --nproc 4)")
+    verdicts, results = [], []
     for i, layout in enumerate(layouts):
         share = lambda n: n // len(layouts) + (i < n % len(layouts))  # noqa: E731
         faults, in_save = share(a.faults), share(a.min_during_save)
-        print(f"=== layout {layout}: {faults} faults on {a.nproc} ranks", flush=True)
-        fig = run_chaos(a.workdir / layout if len(layouts) > 1 else a.workdir, faults=faults,
-                        min_during_save=in_save, steps=a.steps, interval=a.interval,
-                        nproc=a.nproc, seed=a.seed + i, async_mode=a.async_mode, kinds=kinds,
-                        min_each=a.min_each, layout=layout)
-        print(report(fig, a.interval))
-        verdicts.append((layout, ok(fig, faults, in_save, a.min_each)))
+        workdir = a.workdir / layout if len(layouts) > 1 else a.workdir
+        if layout == "node":
+            from scripts.chaos_node import node_steps, run_node_chaos  # it imports this module
+            steps = node_steps(faults, a.steps)
+            print(f"=== layout node: {faults} lost nodes, 2 nodes of 2 ranks, {steps} steps",
+                  flush=True)
+            fig = run_node_chaos(workdir, faults=faults, min_during_save=in_save, steps=steps,
+                                 interval=a.interval, seed=a.seed + i, async_mode=a.async_mode)
+        else:
+            print(f"=== layout {layout}: {faults} faults on {a.nproc} ranks", flush=True)
+            fig = run_chaos(workdir, faults=faults, min_during_save=in_save, steps=a.steps,
+                            interval=a.interval, nproc=a.nproc, seed=a.seed + i,
+                            async_mode=a.async_mode, kinds=kinds, min_each=a.min_each,
+                            layout=layout)
+        print(report(fig, a.interval), flush=True)
+        results.append((layout, fig))
+        verdicts.append((layout, ok(fig, faults, in_save, 0 if layout == "node" else a.min_each)))
     if len(layouts) > 1:
         print("layouts: " + ", ".join(f"{x} {'ok' if v else 'FAILED'}" for x, v in verdicts))
+    print(table(results))
     return 0 if all(v for _, v in verdicts) else 1
 
 

@@ -53,6 +53,8 @@ def _figures(records, ref: Path, dump: Path, steps: int, interval: int, seconds:
         "survived": len(survived),
         "during_save": sum(r.in_save for r in records),
         "kinds": {k: sum(r.fault.kind == k for r in records) for k in kinds},
+        "per_kind": per_kind([(r.fault.kind, r.resumed == r.expected, bool(r.in_save), r.redone)
+                              for r in records]),
         "healed_in_job": sum(r.fault.kind in HEALING and r.exit_code is None for r in records),
         "launches": 1 + sum(r.exit_code is not None for r in records),
         "redone": [r.redone for r in records],
@@ -67,6 +69,19 @@ def _figures(records, ref: Path, dump: Path, steps: int, interval: int, seconds:
     }
 
 
+def per_kind(rows) -> dict:
+    """{kind: {faults, survived, during_save, redone_max}} from (kind, survived, in a save,
+    steps redone) per fault."""
+    out: dict = {}
+    for kind, survived, in_save, redone in rows:
+        k = out.setdefault(kind, {"faults": 0, "survived": 0, "during_save": 0, "redone_max": 0})
+        k["faults"] += 1
+        k["survived"] += bool(survived)
+        k["during_save"] += bool(in_save)
+        k["redone_max"] = max(k["redone_max"], redone)
+    return out
+
+
 def allowance(kind: str, interval: int) -> int:
     """Steps a fault may cost: the interval since the last save; a damaged checkpoint costs
     its own steps too (the one before is resumed), and a save the fault itself made fail (a
@@ -78,23 +93,65 @@ def allowance(kind: str, interval: int) -> int:
 
 def report(fig: dict, interval: int) -> str:
     kinds = ", ".join(f"{v} {k}" for k, v in fig["kinds"].items())
+    node = "tolerance" in fig  # scripts/chaos_node.py: the lost node
     return "\n".join([
         f"faults injected: {fig['faults']} ({kinds})",
-        f"faults survived: {fig['survived']} (the next launch or attempt resumed from the newest "
-        "committed step, intact; every slow rank named)",
-        f"healed in-job:   {fig['healed_in_job']} (MAX_RESTARTS); launches: {fig['launches']}",
+        f"faults survived: {fig['survived']} " + (
+            "(shrunk to the surviving node and grown back with a new one, each time from the "
+            "newest committed step)" if node else "(the next launch or attempt resumed from the "
+            "newest committed step, intact; every slow rank named)"),
+        f"healed in-job:   {fig['healed_in_job']} " + (
+            f"(elastic launch, --nnodes 1:2); node launchers: {fig['launches']}, those left "
+            f"exited {fig['exit_codes']}" if node else
+            f"(MAX_RESTARTS); launches: {fig['launches']}"),
         f"during a save:   {fig['during_save']}",
         f"steps redone:    {fig['redone_total']} in all, per fault {fig['redone']} "
-        f"(interval {interval}; a fault that damaged a checkpoint or made a save fail may "
-        f"redo up to two intervals: {'all within' if fig['max_redone_ok'] else 'SOME BEYOND'}"
+        + (f"(interval {interval}: {'all within' if fig['max_redone_ok'] else 'SOME BEYOND'}; "
+           f"at the grow-backs {fig['grow_redone']}" if node else
+           f"(interval {interval}; a fault that damaged a checkpoint or made a save fail may "
+           f"redo up to two intervals: {'all within' if fig['max_redone_ok'] else 'SOME BEYOND'}")
         + (f"; beyond one interval: {', '.join(fig['redone_beyond_interval'])}"
            if fig.get("redone_beyond_interval") else "") + ")",
-        f"final state:     {fig['tensors'] - len(fig['tensors_differing'])}/{fig['tensors']} DCP "
-        f"tensors bitwise equal to the uninterrupted run; losses differ at steps "
-        f"{fig['loss_steps_differing'] or 'none'}",
+        _final_state(fig),
         f"data lost:       {fig['data_lost'] or 'none'}",
         f"wall time:       {fig['seconds']}s",
     ])
+
+
+def _final_state(fig: dict) -> str:
+    if "tolerance" not in fig:
+        return (f"final state:     {fig['tensors'] - len(fig['tensors_differing'])}/"
+                f"{fig['tensors']} DCP tensors bitwise equal to the uninterrupted run; losses "
+                f"differ at steps {fig['loss_steps_differing'] or 'none'}")
+    bad = fig["checkpoints_bad"]
+    return (f"final state:     every step's loss within {fig['tolerance']:g} of the uninterrupted "
+            f"run (the world size changed; largest difference {fig['loss_max_diff']:.2g}); "
+            f"beyond it at steps {fig['loss_steps_differing'] or 'none'}; "
+            f"{fig['checkpoints']} checkpoint folders left, "
+            + (f"NOT COMMITTED OR UNREADABLE: {', '.join(bad)}" if bad else
+               f"all committed and loading ({fig['tensors']} tensors in the last)"))
+
+
+def table(results: list[tuple[str, dict]]) -> str:
+    """A markdown table of chaos runs, one row per layout and fault kind: faults survived of
+    those injected, during a save, the most steps one fault made redo, and the final state
+    (bitwise, or within the lost node's tolerance)."""
+    rows = ["| layout | kind | faults survived | during a save | steps redone at most | "
+            "final state |", "|---|---|---|---|---|---|"]
+    for layout, fig in results:
+        if "tolerance" in fig:
+            lost = len(fig["loss_steps_differing"]) + len(fig["checkpoints_bad"])
+            final = (f"within {fig['tolerance']:g} (max {fig['loss_max_diff']:.1e}), "
+                     f"{fig['checkpoints']} checkpoints intact" if not lost else
+                     f"LOST: {lost} steps or checkpoints")
+        else:
+            differ = len(fig["tensors_differing"]) + len(fig["loss_steps_differing"])
+            final = (f"bitwise, {fig['tensors']}/{fig['tensors']} tensors, every loss"
+                     if not differ else f"DIFFERS: {differ} tensors or steps")
+        for kind, k in fig["per_kind"].items():
+            rows.append(f"| {layout} | {kind} | {k['survived']} of {k['faults']} | "
+                        f"{k['during_save']} | {k['redone_max']} | {final} |")
+    return "\n".join(rows)
 
 
 def ok(fig: dict, faults: int, min_during_save: int, min_each: int = 0) -> bool:

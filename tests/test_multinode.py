@@ -1,4 +1,4 @@
-"""Two torchrun "nodes" on localhost: HSDP across them, and a rank killed mid-run.
+"""Two torchrun "nodes" on localhost: HSDP across them, a rank killed mid-run, and lost nodes.
 
 Each node is its own `python -m trainer.launch --nnodes 2 --nproc_per_node 2` process (the
 launcher SLURM starts once per node); they meet through a c10d rendezvous on 127.0.0.1, as real
@@ -192,53 +192,39 @@ def _state(pid: int) -> str:
         return "zombie"
 
 
-def test_a_lost_node_shrinks_the_job_and_a_new_node_grows_it_back(tmp_path):
-    """An elastic job (`--nnodes 1:2`, 2 ranks per node, checkpoints every 4 steps): the
-    second node is killed whole (launcher and ranks, SIGKILL) after step-8 is committed; the
-    first goes on alone at world size 2 from step-8 with the same global batch (accumulation
-    2). A third node started later joins at the next rendezvous: the job grows back to 4 ranks
-    from the newest checkpoint (the first node's ranks save on the agent's stop) and finishes.
-    Every logged loss is within 1e-4 of an uninterrupted 4-rank run; every checkpoint left is
-    committed and intact."""
-    from scripts.chaos_report import load_dcp_tensors
-
-    # long enough for a node started after the shrink to join before the end (~0.1 s a step)
-    dump, steps = tmp_path / "dump", 120
-    common = [*BASE, "--checkpoint.enable", "true", "--checkpoint.interval", "4",
-              "--checkpoint.keep_latest_k", "0", "--training.steps", str(steps)]
-    elastic = ((f"127.0.0.1:{_free_port()}", f"elastic-{uuid.uuid4().hex[:8]}"), "1:2",
-               ("--max-restarts", "3", "--rdzv-conf", "join_timeout=120,last_call_timeout=5"))
-    target = [*TRAIN, "--job.dump_folder", str(dump), *common]
-    env = {"LOG_RANK": "0,2"}  # a rank of the full job: valid while the job is smaller
-    first = launch_nodes(tmp_path, *target, nnodes=1, env=env, elastic=elastic)[0]
-    time.sleep(1)  # the first node hosts the rendezvous
-    second = launch_nodes(tmp_path, *target, nnodes=1, env=env, elastic=elastic, first=1)[0]
-    ckpt = dump / "checkpoint"
-
-    def wait_for(path: Path, timeout: float = 240) -> None:
-        deadline = time.monotonic() + timeout
-        while not path.exists():
-            assert time.monotonic() < deadline and first.proc.poll() is None, first.output[-4000:]
-            time.sleep(0.1)
-
-    wait_for(ckpt / "step-8")
-    for pid in [*second.workers().values(), second.proc.pid]:  # the whole node, at once
-        os.kill(pid, signal.SIGKILL)
-    wait_for(ckpt / "step-12")
-    assert "dp=2, world=2; gradient accumulation steps: 2" in first.output
-    third = launch_nodes(tmp_path, *target, nnodes=1, env=env, elastic=elastic, first=2)[0]
-    assert wait_all([first, third], timeout=300) == [0, 0], first.output[-4000:] + \
-        third.output[-4000:]
-    worlds = re.findall(r"dp=(\d), world=(\d)", first.output)
-    assert worlds[0] == ("4", "4") and ("2", "2") in worlds and worlds[-1] == ("4", "4"), worlds
-    resumes = [int(s) for s in re.findall(r"resumed from \S+ \(step (\d+)\)", first.output)]
-    assert resumes[0] == 8 and resumes[-1] > 12, resumes
-    assert f"training done at step {steps}" in first.output
-
-    run_train(tmp_path / "uninterrupted", *common, nproc=4)
-    want, have = losses(tmp_path / "uninterrupted"), losses(dump)
-    assert sorted(have) == list(range(1, steps + 1))
-    assert all(abs(have[s] - want[s]) <= 1e-4 for s in want), (have, want)
-    for folder in sorted(ckpt.iterdir()):  # committed and whole: every tensor loads
-        assert folder.name.startswith("step-") and not folder.name.endswith(".partial")
-        assert load_dcp_tensors(folder)
+def test_chaos_lost_nodes_shrink_the_job_and_new_nodes_grow_it_back(tmp_path):
+    """`scripts/chaos.py --layout node` (scripts/chaos_node.py): an elastic job of two nodes
+    (`--nnodes 1:2`, 2 ranks each) loses a whole node (launcher and ranks, SIGKILL) twice, once
+    during a save. Each time the survivor goes on alone at world size 2 from the newest
+    committed checkpoint with the same global batch (accumulation 2), and a node started later
+    grows the job back to 4 ranks from the newest checkpoint. Every loss is within 1e-4 of an
+    uninterrupted 4-rank run; every checkpoint left is committed and loads."""
+    proc = subprocess.run([sys.executable, str(REPO / "scripts" / "chaos.py"), "--layout", "node",
+                           "--faults", "2", "--min-during-save", "1", "--seed", "0",
+                           "--workdir", str(tmp_path)], env=env_for(), capture_output=True,
+                          text=True, timeout=600)
+    out = proc.stdout
+    assert proc.returncode == 0, out[-6000:] + proc.stderr[-3000:]
+    lines = {line.split(":")[0]: line for line in out.splitlines() if ":" in line}
+    assert lines["faults injected"] == "faults injected: 2 (2 node)", out
+    assert lines["faults survived"].startswith("faults survived: 2 (shrunk"), out
+    assert lines["during a save"] in ("during a save:   1", "during a save:   2"), out
+    assert "those left exited [0, 0]" in lines["healed in-job"], out
+    assert lines["final state"].startswith("final state:     every step's loss within 0.0001"), out
+    assert "beyond it at steps none" in lines["final state"], out
+    assert "all committed and loading" in lines["final state"], out
+    assert lines["data lost"] == "data lost:       none", out
+    assert re.search(r"^\| node \| node \| 2 of 2 \| [12] \| [0-2] \| within 0.0001", out, re.M)
+    # Per fault: the shrink and the grow-back each resumed from the newest committed step.
+    faults = re.findall(r"^fault \d: node \d lost .*?at step (\d+); 2 ranks resumed from step "
+                        r"(\d+) \(newest committed: step-(\d+)\), redoing (\d), .*; grown back "
+                        r"to 4 from step (\d+) \(newest committed: step-(\d+)\)", out, re.M)
+    assert len(faults) == 2, out
+    for last, shrunk, newest, redone, grown, newest_then in faults:
+        assert shrunk == newest and grown == newest_then and int(grown) > int(shrunk)
+        assert int(redone) == int(last) - int(shrunk) <= 2
+    # The nodes' own words: 4 ranks; 2 with accumulation 2 (the same global batch); the end.
+    logs = "".join(p.read_text() for p in sorted(tmp_path.glob("node*.log")))
+    assert "dp=2, world=2; gradient accumulation steps: 2" in logs
+    assert "dp=4, world=4; gradient accumulation steps: 1" in logs
+    assert re.search(r"training done at step \d+", logs)
