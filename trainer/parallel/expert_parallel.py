@@ -13,7 +13,9 @@ One MoE layer's forward on an ep rank (`AllToAllDispatch`):
    j E/ep .. (j + 1) E/ep - 1), and the per-expert counts;
 2. the counts are exchanged (an all-to-all of E integers, and one host sync: the split sizes
    must be known on the host), then the rows (an autograd-aware all-to-all with uneven splits;
-   its backward sends the gradients back the same way);
+   its backward sends the gradients back the same way). Under activation checkpointing the
+   recompute replays the counts and split sizes its forward exchanged (trainer/parallel/
+   recompute.py): no second exchange or host sync;
 3. the received rows, grouped by source rank, are re-sorted by local expert for the grouped
    GEMM, and the outputs unsorted and returned by the reverse all-to-all.
 
@@ -31,6 +33,7 @@ from torch.distributed._functional_collectives import all_to_all_single_autograd
 from torch.distributed.tensor import Shard, distribute_tensor
 
 from trainer.models.moe import MoE, moe_layers
+from trainer.parallel import recompute
 
 
 class AllToAllDispatch:
@@ -43,10 +46,17 @@ class AllToAllDispatch:
         import torch.distributed as dist
 
         ep, local = self.ep, self.local
-        received = torch.empty_like(counts)  # [ep x local]: from each source, per local expert
-        dist.all_to_all_single(received, counts, group=self.group)
-        received = received.view(ep, local)
-        send, recv = self.split_sizes(rows, counts, received)
+        memo = recompute.current()  # under activation checkpointing: the forward's values
+        known = memo.replay() if memo is not None else None
+        if known is None:
+            received = torch.empty_like(counts)  # [ep x local]: per source, per local expert
+            dist.all_to_all_single(received, counts, group=self.group)
+            received = received.view(ep, local)
+            send, recv = self.split_sizes(rows, counts, received)
+            if memo is not None:
+                memo.record((received, send, recv))
+        else:  # the recompute: no second exchange, no second host sync
+            received, send, recv = known
         mine = all_to_all_single_autograd(rows, recv, send, self.group)
         # Rows arrive grouped by source rank, then by local expert: sort by local expert
         # (the output size is known from the splits: no second host sync).

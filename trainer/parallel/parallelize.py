@@ -32,6 +32,7 @@ from trainer.parallel.float8 import apply_float8
 from trainer.models.llama import Transformer
 from trainer.parallel.fsdp import DTYPE, apply_fsdp, set_gradient_sync  # noqa: F401  (re-exported)
 from trainer.parallel.pipeline import split_model
+from trainer.parallel.recompute import HostMemo
 from trainer.parallel.tp import apply_tp
 
 
@@ -97,7 +98,13 @@ def _checkpoint_forward(block: torch.nn.Module, context_fn=None) -> None:
 
     @functools.wraps(inner)
     def forward(*args):
-        return checkpoint(inner, *args, use_reentrant=False, preserve_rng_state=False, **kwargs)
+        memo = HostMemo()  # the recompute replays what the forward exchanged (recompute.py)
+
+        def run(*inputs):
+            with memo.run():
+                return inner(*inputs)
+
+        return checkpoint(run, *args, use_reentrant=False, preserve_rng_state=False, **kwargs)
 
     block.forward = forward
 

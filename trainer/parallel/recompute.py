@@ -1,0 +1,56 @@
+"""What activation checkpointing's recompute must not read again: values the forward took from
+the host or from other ranks.
+
+A checkpointed block runs its forward twice: once in the forward pass, again in the backward
+(the recompute). Most of it is arithmetic on saved inputs, but a MoE layer under expert
+parallelism also exchanges its per-expert counts with the other ep ranks and reads the split
+sizes on the host (trainer/parallel/expert_parallel.py): one collective and one host sync per
+layer, and the recompute would repeat both for values it already had. `HostMemo` keeps them:
+the block's first run records each value in order, the recompute replays them in the same
+order. Every ep rank recomputes the same blocks, so every rank skips the same exchanges.
+
+    memo = current()        # None outside a checkpointed block
+    value = memo.replay() if memo else None
+    if value is None: value = compute(); memo and memo.record(value)
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+
+_CURRENT: contextvars.ContextVar = contextvars.ContextVar("host_memo", default=None)
+
+
+class HostMemo:
+    """The host-side values of one checkpointed block call (its forward and its recompute)."""
+
+    def __init__(self):
+        self.values: list = []
+        self.replaying = False
+        self.cursor = 0
+
+    @contextlib.contextmanager
+    def run(self):
+        """One run of the block: the first records, any later one replays."""
+        self.replaying, self.cursor = bool(self.values), 0
+        token = _CURRENT.set(self)
+        try:
+            yield
+        finally:
+            _CURRENT.reset(token)
+
+    def replay(self):
+        """The next recorded value during a recompute, else None."""
+        if not self.replaying or self.cursor >= len(self.values):
+            return None
+        self.cursor += 1
+        return self.values[self.cursor - 1]
+
+    def record(self, value) -> None:
+        if not self.replaying:
+            self.values.append(value)
+
+
+def current() -> HostMemo | None:
+    return _CURRENT.get()
