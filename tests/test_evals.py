@@ -291,3 +291,31 @@ def test_validation_and_evals_never_hold_a_batch_of_full_vocabulary_logits():
         got = score_batch(model, reqs, torch.device("cpu"), loss_fn)
     assert 0 < seen.rows <= chunk
     assert got.tolist() == pytest.approx(want, rel=1e-5)
+
+
+def test_a_model_compiled_per_shape_is_scored_at_a_few_fixed_shapes(monkeypatch):
+    """Compiled FlexAttention (dynamic=False) recompiles for every new (batch, width): for such
+    a model an eval batch is padded to the eval batch size and a power-of-two width of at least
+    128 (the padding pass too), and every score stays what it was."""
+    import trainer.evals.scoring as scoring
+    from trainer.models.args import model_args
+    from trainer.models.llama import build_model
+
+    args = model_args("debugmodel-tiny", vocab_size=64, max_seq_len=512,
+                      attn_mask_type="block_causal", positions="document",
+                      attn_implementation="per_document")
+    model = build_model(args).to_empty(device="cpu")
+    model.init_weights(seed=0)
+    shapes = []
+    model.register_forward_pre_hook(lambda m, a: shapes.append(tuple(a[0].shape)))
+    reqs = [Request((1, 2, 3, 4), 2), Request((5, 6), 1), Request(tuple(range(1, 60)), 3)]
+    want = score_batch(model, reqs, torch.device("cpu"), CHUNKED, batch=4)
+    assert shapes == [(3, 58)]
+    monkeypatch.setattr(scoring, "fixed_shapes", lambda m: True)
+    got = score_batch(model, reqs, torch.device("cpu"), CHUNKED, batch=4)
+    alone = score_batch(model, reqs[:1], torch.device("cpu"), CHUNKED, batch=4)
+    scoring.padding_pass(model, torch.device("cpu"), CHUNKED, batch=4)
+    assert shapes[1:] == [(4, 128)] * 3
+    assert got.tolist() == pytest.approx(want.tolist(), abs=1e-5)
+    assert alone.tolist() == pytest.approx(want.tolist()[:1], abs=1e-5)
+    assert scoring.eval_shape(model, 2, 300, 4) == (4, 512)  # capped at max_seq_len

@@ -86,11 +86,11 @@ class Evaluator:
         for p in range(-(-len(blocks) // self.dp_size)):
             k = p * self.dp_size + self.dp_rank
             if k >= len(blocks):  # padding: the same forward count on every rank
-                padding_pass(model, self.device, self.loss_fn, self.pad_id)
+                padding_pass(model, self.device, self.loss_fn, self.pad_id, self.batch)
                 continue
             idx = blocks[k]
             scores = score_batch(model, [reqs[i] for i in idx], self.device, self.loss_fn,
-                                 self.pad_id)
+                                 self.pad_id, self.batch)
             lls[torch.from_numpy(idx + base).to(self.device)] = scores
 
 

@@ -85,20 +85,47 @@ def forward_one_document(model, inputs: torch.Tensor, labels: torch.Tensor,
     return model(inputs, labels, row_loss)
 
 
+FLEX_MIN_WIDTH = 128  # FlexAttention's tile
+
+
+def fixed_shapes(model) -> bool:
+    """Whether the model's attention is compiled per input shape (FlexAttention, dynamic=False:
+    every new (batch, width) recompiles, and past torch's recompile limit it runs eagerly,
+    materialising the scores): then evals feed it a few fixed shapes (`eval_shape`)."""
+    args = getattr(model, "args", None)
+    return getattr(args, "attn_implementation", None) == "flex" and \
+        getattr(model, "uses_documents", False)
+
+
+def eval_shape(model, rows: int, width: int, batch: int | None) -> tuple[int, int]:
+    """(rows, width) of an eval forward: as given, or for `fixed_shapes` models the eval batch
+    `batch` and the width rounded up to a power of two of at least 128 (at most the model's
+    max_seq_len): <= 7 widths up to 8192, within torch's 8 recompiles. Rows and positions
+    added are padding: causal attention and the ignored labels leave every real score alone."""
+    if not fixed_shapes(model):
+        return rows, width
+    bucket = max(FLEX_MIN_WIDTH, 1 << (width - 1).bit_length())
+    multiple = getattr(model, "sequence_multiple", 1)
+    cap = -(-max(model.args.max_seq_len, width) // multiple) * multiple
+    return max(rows, batch or rows), min(-(-bucket // multiple) * multiple, cap)
+
+
 @torch.no_grad()
 def score_batch(model, requests: list[Request], device, loss_fn,
-                pad_id: int = 0) -> torch.Tensor:
+                pad_id: int = 0, batch: int | None = None) -> torch.Tensor:
     """Summed continuation log-likelihood of each request, float64 [len(requests)]: minus the
     cross-entropy of its continuation's tokens, through the chunked head (`loss_fn`,
     trainer.models.loss.scoring_loss: one chunk of logits at a time). The batch is
     right-padded to its longest input (causal attention: padding changes no real logit),
     rounded up to the model's `sequence_multiple` (sequence parallelism shards the sequence
-    evenly over the tp ranks)."""
+    evenly over the tp ranks); for a model compiled per shape, to `eval_shape` (`batch`: the
+    eval batch, padding rows added)."""
     multiple = getattr(model, "sequence_multiple", 1)
     width = -(-max(len(r.tokens) - 1 for r in requests) // multiple) * multiple
-    inputs = torch.full((len(requests), width), pad_id, dtype=torch.long)
-    targets = torch.zeros((len(requests), width), dtype=torch.long)
-    mask = torch.zeros((len(requests), width), dtype=torch.bool)
+    rows, width = eval_shape(model, len(requests), width, batch)
+    inputs = torch.full((rows, width), pad_id, dtype=torch.long)
+    targets = torch.zeros((rows, width), dtype=torch.long)
+    mask = torch.zeros((rows, width), dtype=torch.bool)
     for i, r in enumerate(requests):
         n = len(r.tokens) - 1
         inputs[i, :n] = torch.tensor(r.tokens[:-1])
@@ -106,13 +133,13 @@ def score_batch(model, requests: list[Request], device, loss_fn,
         mask[i, n - r.n_cont:n] = True
     labels = torch.where(mask, targets, IGNORE_INDEX)  # only the continuation is scored
     cross_entropy = forward_one_document(model, inputs.to(device), labels.to(device), loss_fn)
-    return -cross_entropy.double()
+    return -cross_entropy[:len(requests)].double()
 
 
-def padding_pass(model, device, loss_fn, pad_id: int = 0) -> None:
+def padding_pass(model, device, loss_fn, pad_id: int = 0, batch: int | None = None) -> None:
     """A forward that scores nothing: ranks with fewer batches run it so that every rank
     makes the same collectives (FSDP's all-gathers)."""
-    inputs = torch.full((1, 1), pad_id, dtype=torch.long, device=device)
+    inputs = torch.full(eval_shape(model, 1, 1, batch), pad_id, dtype=torch.long, device=device)
     with torch.no_grad():
         forward_one_document(model, inputs, torch.full_like(inputs, IGNORE_INDEX), loss_fn)
 
