@@ -41,6 +41,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from scripts.chaos import Launch, committed, partials, train_args  # noqa: E402
 from scripts.chaos_report import load_dcp_tensors, per_kind, tb_losses  # noqa: E402
+from tests.helpers import process_tree  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 TOLERANCE = 1e-4  # the losses of the whole run against the uninterrupted one
@@ -151,7 +152,7 @@ class Node:
 
     def kill(self) -> None:
         """SIGKILL the launcher and every process under it at once (its session)."""
-        tree = _tree(self.proc.pid)
+        tree = process_tree(self.proc.pid)
         with contextlib.suppress(ProcessLookupError):
             os.killpg(self.proc.pid, signal.SIGKILL)
         for pid in tree:  # any that left the session
@@ -167,17 +168,6 @@ class Node:
         self.reader.join(timeout=10)
         self.log.close()
         return code
-
-
-def _tree(pid: int) -> list[int]:
-    out, todo = [], [pid]
-    while todo:
-        p = todo.pop()
-        out.append(p)
-        for path in Path(f"/proc/{p}/task").glob("*/children"):
-            with contextlib.suppress(OSError):
-                todo += [int(c) for c in path.read_text().split()]
-    return out
 
 
 class Job:
