@@ -345,8 +345,8 @@ def trace_lines(cfg: JobConfig, world_size: int, plan: dict[str, int], mem_gib: 
             f"{op.removesuffix('.default')} {n / GIB:.2f} GiB" for op, n in r.top_ops))
     busiest = max(results, key=lambda x: x.flops / max(x.ideal_flops, 1.0))
     lines += work_lines(cfg, [(x.pp_rank, x.flops, x.ideal_flops) for x in results], pp)
-    sends = {d: max(x.comm_bytes.get(d, 0.0) for x in results)
-             for x0 in results for d in x0.comm_bytes}
+    dims = {d for x in results for d in x.comm_bytes}
+    sends = {d: max(x.comm_bytes.get(d, 0.0) for x in results) for d in dims}
     lines += traffic_lines(sends, {k.removeprefix("comm_"): v for k, v in plan.items()
                                    if k.startswith("comm_")},
                            "the busiest traced pp rank" if pp > 1 else "rank 0")

@@ -23,6 +23,8 @@ import contextlib
 import torch
 import torch.distributed as dist
 
+from trainer.health import heartbeat
+
 COMM_NAMESPACES = ("c10d", "_c10d_functional")
 DIMS = ("tp", "cp", "dp_shard", "dp_replicate", "ep", "pp")
 # the mesh dimensions' and flattened meshes' names, as the plan groups them (FSDP shards over
@@ -111,8 +113,6 @@ class Traffic:
     @contextlib.contextmanager
     def segments(self):
         """Count the microbatches as the loops announce their forwards."""
-        from trainer.health import heartbeat
-
         original = heartbeat.phase
 
         def phase(name, *args, **kwargs):
@@ -141,8 +141,6 @@ class Traffic:
         self.add(label, sent_bytes(name, args, n), OPS[name][0])
 
     def add(self, label: str, nbytes: float, kind: str = "send") -> None:
-        from trainer.health import heartbeat
-
         seg = "step" if heartbeat._state["phase"] in STEP_PHASES else self.segment
         books = self.bytes.setdefault(seg, {})
         books[label, kind] = books.get((label, kind), 0.0) + nbytes
