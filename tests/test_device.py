@@ -217,3 +217,19 @@ def test_bf16_layout_parity_accumulation_and_resume(tmp_path):
     out = run_train(resumed, *BF16, *ckpt, *steps).stdout
     assert re.search(r"resumed from \S*step-1 \(step 1\)", out), out
     assert losses(resumed) == {2: losses(tmp_path / "fsdp2")[2]}  # bitwise
+
+
+@pytest.mark.parametrize("cap, native_possible", [("AVX2", False), ("avx512_core", False),
+                                                  ("AVX512_CORE_BF16", True), ("", True)])
+def test_a_onednn_isa_cap_below_bf16_means_no_native_bf16(monkeypatch, cap, native_possible):
+    # oneDNN capped below AVX512_CORE_BF16 emulates bf16 matmuls even where the CPU has it,
+    # so "auto" must not pick bf16 there (and the suite can emulate an AVX2-only machine).
+    monkeypatch.delenv("DNNL_MAX_CPU_ISA", raising=False)
+    monkeypatch.delenv("ONEDNN_MAX_CPU_ISA", raising=False)
+    hardware = cpu_native_bf16()[0]
+    monkeypatch.setenv("ONEDNN_MAX_CPU_ISA", cap)
+    native, isa = cpu_native_bf16()
+    if not native_possible:
+        assert not native and "ONEDNN_MAX_CPU_ISA" in isa
+    else:
+        assert native == hardware

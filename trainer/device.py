@@ -131,10 +131,24 @@ def resolve_device(setting: str):
     return torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
 
 
+# oneDNN's instruction-set caps (ONEDNN_MAX_CPU_ISA, or DNNL_MAX_CPU_ISA) that stop below its
+# bf16 dot products: under them oneDNN emulates bf16 even on a CPU that has AVX512-BF16.
+_ONEDNN_NO_BF16 = {"sse41", "avx", "avx2", "avx2_vnni", "avx2_vnni_2", "avx512_core",
+                   "avx512_core_vnni"}
+
+
+def _onednn_isa_cap() -> str:
+    """The ISA cap oneDNN runs under in this process, lower-case ('' = none set)."""
+    return (os.environ.get("ONEDNN_MAX_CPU_ISA") or os.environ.get("DNNL_MAX_CPU_ISA", "")).lower()
+
+
 def cpu_native_bf16() -> tuple[bool, str]:
     """(does this CPU compute bf16 natively, the instruction set that says so)."""
     import torch
 
+    cap = _onednn_isa_cap()
+    if cap in _ONEDNN_NO_BF16:
+        return False, f"ONEDNN_MAX_CPU_ISA={cap.upper()}, no AVX512-BF16/AMX for oneDNN"
     checks = (("AMX", "_is_amx_tile_supported"), ("AVX512-BF16", "_is_avx512_bf16_supported"))
     for name, fn in checks:
         probe = getattr(torch.cpu, fn, None)
