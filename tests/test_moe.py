@@ -94,6 +94,41 @@ def test_capacity_drops_the_overflow_in_token_order():
     assert y[0, 2:].abs().max() == 0
 
 
+@pytest.mark.parametrize("grouped", [True, False])
+def test_capacity_drops_exactly_with_gradients(grouped):
+    """A random router over capacity 0.75: the kept pairs equal the reference's, gradients
+    included (the rows past the kept ones are masked in and out of the experts)."""
+    layer = moe_layer(capacity_factor=0.75)
+    layer.experts.grouped = grouped
+    layer.router.expert_bias.copy_(torch.tensor([1.0, 0.5, 0.0, 0.0]))
+    x = torch.randn(2, 12, DIM, requires_grad=True)
+    flat = x.reshape(-1, DIM)
+    chosen = layer.router(flat)[1].reshape(-1)
+    seen, drop = [0] * 4, []
+    for e in chosen.tolist():  # token order: an expert keeps its first `capacity` pairs
+        drop.append(seen[e] >= capacity(layer.moe, 24))
+        seen[e] += 1
+    assert 0 < sum(drop) < len(drop)
+    got, want = layer(x), reference(layer, x, torch.tensor(drop))
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    params = [x, *layer.experts.parameters(), layer.router.gate.weight]
+    g1 = torch.autograd.grad(got.square().sum(), params)
+    g2 = torch.autograd.grad(want.square().sum(), params)
+    for a, b in zip(g1, g2):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+
+
+def test_capacity_has_no_data_dependent_shape():
+    """No shape depends on the routing (a boolean index would: on a GPU a host sync per MoE
+    layer, and fake tensors, as the traced dry run uses, refuse it)."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    layer = moe_layer(capacity_factor=1.25).to(torch.bfloat16)  # the grouped GEMM's meta
+    with FakeTensorMode(allow_non_fake_inputs=True):  # function takes bf16 only
+        y = layer(torch.randn(2, 16, DIM, dtype=torch.bfloat16))
+    assert y.shape == (2, 16, DIM)
+
+
 def test_the_balancing_bias_moves_toward_balance():
     layer = moe_layer()
     update_expert_bias([layer], [torch.tensor([10.0, 0.0, 2.0, 4.0])], coeff=1e-3)
@@ -448,7 +483,8 @@ def test_an_ep_checkpoint_resumes_at_another_layout(moe_runs, tmp_path, name, np
 
 def test_ep_is_dropless_under_a_skewed_router():
     """Every token routed to experts 0 and 1, both on ep rank 0 of 2: every token's output,
-    input gradient and expert gradient equal the local computation with all experts."""
+    input gradient and expert gradient equal the local computation with all experts; and so
+    under a capacity factor (the static padding rows stay home)."""
     from tests.helpers import torchrun
 
     out = torchrun(REPO / "tests" / "scripts" / "ep_skew_probe.py", nproc=2, fork=True).stdout
@@ -460,6 +496,11 @@ def test_ep_is_dropless_under_a_skewed_router():
         assert r["tokens_without_grad"] == 0, r
     assert results[0]["expert_grad_norm"] > 0 and results[1]["expert_grad_norm"] == 0
     assert results[0]["expert_grad_diff"] <= 1e-6 * results[0]["expert_grad_norm"]
+    # capacity 1.0: 12 of each rank's 96 pairs per expert kept; padding rows never sent
+    for r in results.values():
+        assert r["capacity_dropped"] == 96 - 2 * 12, r
+        assert r["capacity_out_diff"] <= 1e-6 and r["capacity_grad_diff"] <= 1e-6, r
+        assert r["capacity_expert_grad_diff"] <= 1e-6 * max(1.0, r["capacity_expert_grad_norm"])
 
 
 @pytest.mark.parametrize("args, needle", [

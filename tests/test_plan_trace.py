@@ -118,12 +118,25 @@ def test_moe_with_ep_is_traced_at_qwen3_30b_a3b_shapes():
     assert not [a for a in r.allocations if a.shape and a.shape[-1] == 128 * 768]
 
 
-def test_a_capacity_factor_is_not_traced():
+def test_a_capacity_factor_is_traced_at_its_static_rows():
+    """capacity 0.5 at EP 2: each MoE layer routes min(pairs, E x capacity) rows, a shape
+    known before the data (no host sync); the dropless step routes every pair."""
     from trainer.plan.trace import untraceable
 
-    moe = ["--job.config_file", str(REPO / "configs" / "debug_moe.toml")]
-    assert untraceable(load_config(moe)) is None
-    assert "capacity" in untraceable(load_config([*moe, "--moe.capacity_factor", "1.25"]))
+    moe = ["--job.config_file", str(REPO / "configs" / "debug_moe.toml"),
+           "--parallelism.expert_parallel_degree", "2"]
+    capped = load_config([*moe, "--moe.capacity_factor", "0.5"])
+    assert untraceable(capped) is None
+    from trainer.plan.memory import plan_args, resolve_vocab
+
+    args = plan_args(capped, resolve_vocab(capped)[0])
+    pairs = capped.training.local_batch_size * capped.training.seq_len * args.moe.top_k
+    shapes = [{a.shape for a in trace_step(cfg, 2, keep_all=True).allocations}
+              for cfg in (load_config(moe), capped)]
+    for got, rows in zip(shapes, (pairs, pairs // 2)):  # the experts' hidden activations
+        assert (rows, args.moe.hidden_dim) in got and (pairs + pairs // 2 - rows,
+                                                       args.moe.hidden_dim) not in got
+    assert (pairs, args.dim) in shapes[0] and (pairs, args.dim) not in shapes[1]  # routed
 
 
 def test_the_work_line_sets_each_rank_against_its_share():

@@ -101,9 +101,11 @@ def expert_loop(x, counts, w1, w2, w3) -> torch.Tensor:
     """The per-expert fallback (one host sync for the split sizes). The weights are unbound
     once: indexing `w1[e]` per expert would make autograd build a zero gradient of the whole
     [E, ...] stack for every expert (E x 3 full-size buffers: minutes per step at 128 experts)."""
-    outs = []
-    for xe, a, b, c in zip(x.split(counts.tolist()), w1.unbind(0), w2.unbind(0), w3.unbind(0)):
+    outs, sizes = [], counts.tolist()
+    for xe, a, b, c in zip(x[:sum(sizes)].split(sizes), w1.unbind(0), w2.unbind(0), w3.unbind(0)):
         outs.append((F.silu(xe @ a.t()) * (xe @ c.t())) @ b.t())
+    if x.shape[0] > sum(sizes):  # rows past the counted ones (capacity's padding): zeros
+        outs.append(x.new_zeros(x.shape[0] - sum(sizes), w2.shape[1]))
     return torch.cat(outs) if outs else x[:0]
 
 
@@ -149,22 +151,26 @@ class MoE(nn.Module):
         e, k = self.moe.n_experts, self.moe.top_k
         slots = chosen.reshape(-1)  # (token, choice) pairs, token-major
         counts = loads = expert_counts(slots, e)
-        keep = None
+        keep = valid = None
         if self.moe.capacity_factor > 0:
-            keep, counts = capacity_mask(slots, loads, capacity(self.moe, flat.shape[0]))
+            cap = capacity(self.moe, flat.shape[0])
+            keep, counts = capacity_mask(slots, loads, cap)
         if self.training:  # the step's statistics (validation and evals do not count)
             with torch.no_grad():
                 self.tokens_per_expert += loads.to(self.tokens_per_expert.dtype)
                 self.routed += slots.numel()
                 if keep is not None:
                     self.dropped += (~keep).sum()
-        order = slots.argsort(stable=True)
-        if keep is not None:
-            order = order[keep[order]]
+        if keep is None:
+            order = slots.argsort(stable=True)
+        else:
+            order, valid = kept_first(slots, keep, counts, min(slots.numel(), e * cap))
         token = order // k
-        routed = flat[token]
+        routed = flat[token] if valid is None else flat[token].masked_fill(~valid, 0)
         out = (self.experts(routed, counts) if self.dispatcher is None  # the experts are here
                else self.dispatcher(routed, counts, self.experts))  # expert parallel
+        if valid is not None:  # rows past the kept ones: no expert wrote them
+            out = out.masked_fill(~valid, 0)
         out = out * weights.reshape(-1)[order, None].to(x.dtype)
         y = torch.zeros_like(flat).index_add_(0, token, out)
         if self.shared_experts is not None:
@@ -225,6 +231,17 @@ def capacity_mask(slots: torch.Tensor, counts: torch.Tensor, cap: int):
     rank_in_expert[order] = torch.arange(slots.numel(), device=slots.device) - starts[slots[order]]
     keep = rank_in_expert < cap
     return keep, counts.clamp(max=cap)
+
+
+def kept_first(slots: torch.Tensor, keep: torch.Tensor, counts: torch.Tensor, rows: int):
+    """(order [rows]: the kept pairs sorted by expert in token order, then dropped ones to fill
+    `rows`; valid [rows, 1] bool: the row is a kept pair). `rows` is a static bound on the kept
+    pairs (min(pairs, E x capacity)), so no shape depends on the data: a boolean index here
+    would read the kept count back to the host (a sync per MoE layer on a GPU). The experts
+    compute `counts`' rows only; the rows past them are masked in and out."""
+    order = (slots + keep.logical_not() * counts.numel()).argsort(stable=True)[:rows]
+    valid = torch.arange(rows, device=slots.device) < counts.sum()
+    return order, valid[:, None]
 
 
 def moe_layers(model: nn.Module) -> dict[int, MoE]:

@@ -57,6 +57,9 @@ class AllToAllDispatch:
                 memo.record((received, send, recv))
         else:  # the recompute: no second exchange, no second host sync
             received, send, recv = known
+        extra = rows.shape[0] - sum(send)  # rows past the counted ones (capacity's padding)
+        if extra:
+            rows = rows[:-extra]
         mine = all_to_all_single_autograd(rows, recv, send, self.group)
         # Rows arrive grouped by source rank, then by local expert: sort by local expert
         # (the output size is known from the splits: no second host sync).
@@ -64,7 +67,8 @@ class AllToAllDispatch:
             received.reshape(-1), output_size=mine.shape[0])
         order = expert_of_row.argsort(stable=True)
         out = experts(mine[order], received.sum(0))[order.argsort()]
-        return all_to_all_single_autograd(out, send, recv, self.group)
+        back = all_to_all_single_autograd(out, send, recv, self.group)
+        return torch.nn.functional.pad(back, (0, 0, 0, extra)) if extra else back
 
     def split_sizes(self, rows: torch.Tensor, counts: torch.Tensor,
                     received: torch.Tensor) -> tuple[list[int], list[int]]:

@@ -260,10 +260,6 @@ def untraceable(cfg: JobConfig) -> str | None:
     from trainer.plan.memory import plan_args, resolve_vocab
 
     args = plan_args(cfg, resolve_vocab(cfg)[0])
-    if args.moe is not None and cfg.moe.capacity_factor > 0:
-        return ("a capacity factor drops the pairs over each expert's capacity, a number of "
-                "rows that depends on the routing, which fake tensors do not have; trace the "
-                "dropless step (--moe.capacity_factor 0: an upper bound) for the rest")
     if args.moe is not None and not GROUPED_MM:
         return ("this torch has no grouped GEMM (torch._grouped_mm): the experts' per-expert "
                 "loop splits its rows by the data; the analytic plan above counts them")
