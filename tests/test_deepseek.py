@@ -21,7 +21,7 @@ import torch
 
 from tests.helpers import REPO, losses, run_train, scalars, stopped_after_save, subprocess_env
 from trainer.errors import ConfigError
-from trainer.models.args import FLAVORS, MoEArgs
+from trainer.models.args import FLAVORS, MoEArgs, YarnScaling
 from trainer.models.llama import build_model, model_args
 from trainer.models.moe import choose
 
@@ -62,21 +62,38 @@ def hf_config(args, vocab: int, q_lora: int):
         v_head_dim=m.v_head_dim, qk_nope_head_dim=m.qk_nope_head_dim, n_group=moe.n_group,
         topk_group=moe.topk_group, num_experts_per_tok=moe.top_k,
         first_k_dense_replace=moe.first_dense_layers, norm_topk_prob=True,
-        max_position_embeddings=64, rms_norm_eps=args.norm_eps, rope_theta=args.rope_theta)
+        max_position_embeddings=64, rms_norm_eps=args.norm_eps, rope_theta=args.rope_theta,
+        rope_scaling=hf_config_json(args)["rope_scaling"])
 
 
-@pytest.mark.parametrize("q_lora", [32, 0])
-def test_a_transformers_model_imports_with_its_logits(tmp_path, q_lora):
+def hf_config_json(args):
+    from trainer.hf.mapping import hf_config as ours
+
+    return ours(args, dtype="float32", bos_id=None, eos_id=None)
+
+
+# YaRN over 16 original positions (the test's 48 tokens reach past them), with mscale and
+# mscale_all_dim apart (DeepSeek-V2-Lite's kind): cos/sin and the softmax both scaled
+YARN = YarnScaling(factor=4.0, original_max_position_embeddings=16, mscale=1.0,
+                   mscale_all_dim=0.707)
+
+
+@pytest.mark.parametrize("q_lora, yarn", [(32, None), (0, None), (32, YARN)])
+def test_a_transformers_model_imports_with_its_logits(tmp_path, q_lora, yarn):
     """Random weights (norms away from 1, a non-zero e_score_correction_bias), saved by
-    transformers, loaded through checkpoint.initial_load_in_hf's code: logits within 1e-4."""
+    transformers, loaded through checkpoint.initial_load_in_hf's code: logits within 1e-4;
+    also with YaRN-scaled RoPE (as DeepSeek-V3 and Kimi K2 are released)."""
     from transformers import DeepseekV3ForCausalLM
 
     from trainer.hf.load import load_hf
 
     torch.manual_seed(0)
     args = model_args("debugmodel-dsv3", vocab_size=256, max_seq_len=64)
-    args = dataclasses.replace(args, mla=dataclasses.replace(args.mla, q_lora_rank=q_lora))
+    args = dataclasses.replace(args, mla=dataclasses.replace(args.mla, q_lora_rank=q_lora),
+                               rope_scaling=yarn)
     theirs = DeepseekV3ForCausalLM(hf_config(args, 256, q_lora)).float().eval()
+    if yarn is not None:  # transformers took the scaling: its table differs from plain RoPE
+        assert theirs.model.rotary_emb.rope_type == "yarn"
     with torch.no_grad():
         for name, p in theirs.named_parameters():
             p.uniform_(0.5, 1.5) if "norm" in name else p.normal_(0, 0.05)
@@ -97,14 +114,26 @@ def test_a_transformers_model_imports_with_its_logits(tmp_path, q_lora):
     assert bias.abs().max() > 0  # the routing bias came in
 
 
-def test_a_scaled_rope_folder_is_refused_in_one_line(tmp_path):
+def test_a_scaled_rope_folder_loads_only_as_yarn_and_only_into_its_flavor(tmp_path):
     from trainer.hf.mapping import check_hf_config
 
     args = model_args("debugmodel-dsv3")
     cfg = {"model_type": "deepseek_v3", "rms_norm_eps": 1e-6, "rope_theta": 1e4,
-           "rope_scaling": {"rope_type": "yarn", "factor": 40}}
-    with pytest.raises(ConfigError, match="'yarn'-scaled"):
+           "rope_scaling": {"rope_type": "dynamic", "factor": 4}}
+    with pytest.raises(ConfigError, match="'dynamic'-scaled"):
         check_hf_config(cfg, args, str(tmp_path), "debugmodel-dsv3")
+    cfg["rope_scaling"] = {"rope_type": "yarn", "factor": 40}  # a flavor without YaRN
+    with pytest.raises(ConfigError, match="rope_scaling is .'yarn', 40.0"):
+        check_hf_config(cfg, args, str(tmp_path), "debugmodel-dsv3")
+    # the released DeepSeek-V3 config.json's RoPE fits the deepseek-v3-671b flavor
+    cfg = {"model_type": "deepseek_v3", "rms_norm_eps": 1e-6, "rope_theta": 1e4,
+           "max_position_embeddings": 163840, "first_k_dense_replace": 3, "n_group": 8,
+           "topk_group": 4, "routed_scaling_factor": 2.5, "norm_topk_prob": True,
+           "num_experts_per_tok": 8,
+           "rope_scaling": {"beta_fast": 32, "beta_slow": 1, "factor": 40, "mscale": 1.0,
+                            "mscale_all_dim": 1.0, "original_max_position_embeddings": 4096,
+                            "type": "yarn"}}
+    check_hf_config(cfg, FLAVORS["deepseek-v3-671b"], str(tmp_path), "deepseek-v3-671b")
     cfg = {"model_type": "deepseek_v3", "rms_norm_eps": 1e-6, "rope_theta": 1e4,
            "rope_interleave": False}
     with pytest.raises(ConfigError, match="rope_interleave = false"):

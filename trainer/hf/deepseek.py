@@ -5,7 +5,8 @@ score-correction bias, and config.json.
 The layout needs no permutation: DeepSeek released its weights with the RoPE channels in
 consecutive pairs (`rope_interleave = true`, transformers' default), the pairs
 trainer/models/layers.py rotates. A folder with `rope_interleave = false` (rotate-half
-layout) or YaRN-scaled RoPE is refused in one line rather than loaded into different logits.
+layout) or RoPE scaled otherwise than by YaRN (what DeepSeek-V3 and Kimi K2 are released
+with: trainer/models/layers.py) is refused in one line rather than loaded into different logits.
 The balancing bias of training (`moe.load_balance_coeff`) is DeepSeek-V3's
 `e_score_correction_bias`: it is exported and imported, so routing is the same on both sides.
 Multi-token prediction modules are not part of DeepseekV3ForCausalLM (transformers does not
@@ -79,9 +80,13 @@ def deepseek_config(args: ModelArgs) -> dict:
 def unsupported(cfg: dict) -> str | None:
     """Why a deepseek_v3 config.json cannot be loaded exactly here, or None."""
     rope = cfg.get("rope_scaling") or cfg.get("rope_parameters") or {}
-    if rope.get("rope_type", rope.get("type", "default")) != "default":
-        return (f"its RoPE is {rope.get('rope_type', rope.get('type'))!r}-scaled, which this "
-                "trainer does not implement for MLA (plain RoPE only)")
+    kind = rope.get("rope_type", rope.get("type", "default"))
+    if kind not in ("default", "yarn"):
+        return (f"its RoPE is {kind!r}-scaled, which this trainer does not implement for MLA "
+                "(plain RoPE and YaRN, as DeepSeek-V3 and Kimi K2 are released)")
+    if kind == "yarn" and rope.get("attention_factor") is not None:
+        return ("its YaRN sets attention_factor, which DeepSeek's releases do not (they set "
+                "mscale and mscale_all_dim); this trainer derives the factor from those")
     if cfg.get("rope_interleave", True) is False:
         return ("rope_interleave = false (rotate-half RoPE layout); DeepSeek's released "
                 "weights and this trainer's use interleaved pairs")

@@ -14,7 +14,7 @@ import torch
 
 from trainer.errors import ConfigError
 from trainer.hf import deepseek
-from trainer.models.args import ModelArgs, MoEArgs
+from trainer.models.args import ModelArgs, MoEArgs, YarnScaling
 
 _LAYER = {
     "attention.wq.weight": "self_attn.q_proj.weight",
@@ -198,7 +198,16 @@ def hf_config(args: ModelArgs, *, dtype: str, bos_id: int | None, eos_id: int | 
     elif args.moe is not None:
         cfg.update(moe_config(args))
     s = args.rope_scaling
-    if s is not None:
+    if isinstance(s, YarnScaling):
+        cfg["rope_scaling"] = {"type": "yarn", "rope_type": "yarn", "factor": s.factor,
+                               "original_max_position_embeddings":
+                                   s.original_max_position_embeddings,
+                               "beta_fast": s.beta_fast, "beta_slow": s.beta_slow,
+                               "mscale": s.mscale, "mscale_all_dim": s.mscale_all_dim,
+                               "truncate": s.truncate}
+        cfg["max_position_embeddings"] = max(
+            args.max_seq_len, int(s.original_max_position_embeddings * s.factor))
+    elif s is not None:
         cfg["rope_scaling"] = {"rope_type": "llama3", "factor": s.factor,
                                "low_freq_factor": s.low_freq_factor,
                                "high_freq_factor": s.high_freq_factor,
@@ -259,16 +268,13 @@ def check_hf_config(cfg: dict, args: ModelArgs, folder: str, flavor: str) -> Non
         "tie_word_embeddings": bool(cfg.get("tie_word_embeddings", False)),
         "rope_theta": float(cfg.get("rope_theta", scaling.get("rope_theta", 10000.0))),
         "rms_norm_eps": float(cfg.get("rms_norm_eps", 1e-6)),
-        "rope_scaling": _scaling_tuple(scaling),
+        "rope_scaling": _scaling_tuple(scaling, cfg),
         "hidden_act": cfg.get("hidden_act", "silu"),
     }
-    s = args.rope_scaling
     ours = {
         "tie_word_embeddings": args.tie_word_embeddings, "rope_theta": float(args.rope_theta),
         "rms_norm_eps": float(args.norm_eps), "hidden_act": "silu",
-        "rope_scaling": None if s is None else (
-            "llama3", float(s.factor), float(s.low_freq_factor), float(s.high_freq_factor),
-            int(s.original_max_position_embeddings)),
+        "rope_scaling": _our_scaling(args.rope_scaling),
     }
     if args.mla is not None:
         why = deepseek.unsupported(cfg)
@@ -289,11 +295,29 @@ def check_hf_config(cfg: dict, args: ModelArgs, folder: str, flavor: str) -> Non
                               "the checkpoint was made with")
 
 
-def _scaling_tuple(s: dict):
+def _scaling_tuple(s: dict, cfg: dict):
+    """A config.json's RoPE scaling as a comparable tuple (transformers' defaults filled in)."""
     kind = s.get("rope_type", s.get("type", "default"))
     if kind == "default":
         return None
+    if kind == "yarn":
+        return ("yarn", float(s["factor"]), int(s.get("original_max_position_embeddings")
+                                                or cfg.get("max_position_embeddings", 0)),
+                float(s.get("beta_fast") or 32.0), float(s.get("beta_slow") or 1.0),
+                float(s.get("mscale") or 0.0), float(s.get("mscale_all_dim") or 0.0),
+                bool(s.get("truncate", True)))
     if kind != "llama3":
         return (kind,)
     return ("llama3", float(s["factor"]), float(s["low_freq_factor"]),
             float(s["high_freq_factor"]), int(s["original_max_position_embeddings"]))
+
+
+def _our_scaling(s):
+    if s is None:
+        return None
+    if isinstance(s, YarnScaling):
+        return ("yarn", float(s.factor), int(s.original_max_position_embeddings),
+                float(s.beta_fast), float(s.beta_slow), float(s.mscale),
+                float(s.mscale_all_dim), bool(s.truncate))
+    return ("llama3", float(s.factor), float(s.low_freq_factor), float(s.high_freq_factor),
+            int(s.original_max_position_embeddings))

@@ -23,6 +23,44 @@ class RopeScaling:
     original_max_position_embeddings: int = 8192
 
 
+@dataclass(frozen=True)
+class YarnScaling:
+    """YaRN RoPE scaling (Hugging Face `rope_scaling` of type "yarn", as DeepSeek-V3 and Kimi
+    K2 are released): frequencies whose wavelength spans fewer than `beta_fast` rotations over
+    original_max_position_embeddings are kept, those over `beta_slow` are divided by `factor`,
+    a linear ramp between; the attention logits are scaled by (0.1 x mscale_all_dim x ln(factor)
+    + 1)^2 (MLA's softmax scale) and cos/sin by mscale's ratio to mscale_all_dim's."""
+
+    factor: float = 40.0
+    original_max_position_embeddings: int = 4096
+    beta_fast: float = 32.0
+    beta_slow: float = 1.0
+    mscale: float = 1.0
+    mscale_all_dim: float = 1.0
+    truncate: bool = True  # the ramp's ends rounded to whole channels (transformers' default)
+
+    @staticmethod
+    def gain(factor: float, mscale: float) -> float:
+        """YaRN's magnitude factor (DeepSeek's `yarn_get_mscale`)."""
+        return 1.0 if factor <= 1 else 0.1 * mscale * math.log(factor) + 1.0
+
+    @property
+    def softmax_gain(self) -> float:
+        """The factor on the attention logits (DeepSeek's softmax scale times mscale^2)."""
+        return self.gain(self.factor, self.mscale_all_dim) ** 2 if self.mscale_all_dim else 1.0
+
+    @property
+    def rope_gain(self) -> float:
+        """The factor on cos and sin (transformers' `attention_scaling`)."""
+        if self.mscale and self.mscale_all_dim:
+            return self.gain(self.factor, self.mscale) / self.gain(self.factor,
+                                                                   self.mscale_all_dim)
+        return self.gain(self.factor, 1.0)
+
+
+# As released: DeepSeek-V3 (and R1, V3.1) and Kimi K2 (config.json's rope_scaling).
+DEEPSEEK_V3_YARN = YarnScaling()
+KIMI_K2_YARN = YarnScaling(factor=32.0, beta_fast=1.0, beta_slow=1.0)
 LLAMA3_ROPE_SCALING = RopeScaling()  # as released with Llama-3.2 1B/3B
 LLAMA31_ROPE_SCALING = RopeScaling(factor=8.0)  # as released with Llama-3.1 8B/70B/405B
 
@@ -140,7 +178,7 @@ class ModelArgs:
     norm_eps: float = 1e-5
     rope_theta: float = 500000.0
     max_seq_len: int = 2048
-    rope_scaling: RopeScaling | None = None
+    rope_scaling: RopeScaling | YarnScaling | None = None
     tie_word_embeddings: bool = False  # the output head reuses the token embedding
     # How tokens attend (trainer/models/attention.py); no parameter depends on them, so a checkpoint
     # loads under any of them. attn_implementation is resolved: sdpa, flex or per_document.
@@ -286,27 +324,28 @@ FLAVORS: dict[str, ModelArgs] = {
     # Moonlight-16B-A3B's shape (DeepSeek-V3 architecture, no query latent): 27 blocks, 64
     # experts + 2 shared, top 6, 16B total, 3B active.
     "deepseek-v3-16b": ModelArgs(
-        dim=2048, n_layers=27, n_heads=16, n_kv_heads=16, vocab_size=163840, norm_eps=1e-6,
+        dim=2048, n_layers=27, n_heads=16, n_kv_heads=16, vocab_size=163840, norm_eps=1e-5,
         rope_theta=50000.0, explicit_hidden_dim=11264,
         mla=MLAArgs(q_lora_rank=0, kv_lora_rank=512, qk_nope_head_dim=128,
                     qk_rope_head_dim=64, v_head_dim=128),
         moe=MoEArgs(n_experts=64, top_k=6, hidden_dim=1408, n_shared_experts=2,
                     score_func="sigmoid", first_dense_layers=1, route_scale=2.446)),
     # DeepSeek-V3 (671B, 37B active): 61 blocks (the first 3 dense), 256 experts in 8 groups
-    # (top 8 of 4 groups) + 1 shared, MLA with q_lora_rank 1536, kv_lora_rank 512.
+    # (top 8 of 4 groups) + 1 shared, MLA with q_lora_rank 1536, kv_lora_rank 512; YaRN RoPE
+    # as released (factor 40 over 4,096 positions), so the released weights load exactly.
     "deepseek-v3-671b": ModelArgs(
         dim=7168, n_layers=61, n_heads=128, n_kv_heads=128, vocab_size=129280, norm_eps=1e-6,
-        rope_theta=10000.0, explicit_hidden_dim=18432,
+        rope_theta=10000.0, explicit_hidden_dim=18432, rope_scaling=DEEPSEEK_V3_YARN,
         mla=MLAArgs(q_lora_rank=1536, kv_lora_rank=512, qk_nope_head_dim=128,
                     qk_rope_head_dim=64, v_head_dim=128),
         moe=MoEArgs(n_experts=256, top_k=8, hidden_dim=2048, n_shared_experts=1,
                     score_func="sigmoid", first_dense_layers=3, route_scale=2.5, n_group=8,
                     topk_group=4)),
     # Kimi K2 (1.04T, 32B active): DeepSeek-V3's blocks with 384 experts, 64 heads, the first
-    # block dense, no expert groups.
+    # block dense, no expert groups; YaRN RoPE as released (factor 32).
     "kimi-k2": ModelArgs(
         dim=7168, n_layers=61, n_heads=64, n_kv_heads=64, vocab_size=163840, norm_eps=1e-6,
-        rope_theta=50000.0, explicit_hidden_dim=18432,
+        rope_theta=50000.0, explicit_hidden_dim=18432, rope_scaling=KIMI_K2_YARN,
         mla=MLAArgs(q_lora_rank=1536, kv_lora_rank=512, qk_nope_head_dim=128,
                     qk_rope_head_dim=64, v_head_dim=128),
         moe=MoEArgs(n_experts=384, top_k=8, hidden_dim=2048, n_shared_experts=1,

@@ -1,6 +1,6 @@
 """The building blocks every attention flavor shares: RMSNorm and rotary position embeddings
 (consecutive channel pairs rotated, as in Meta's and DeepSeek's reference code; optionally with
-Llama-3.1's frequency scaling)."""
+Llama-3.1's frequency scaling or YaRN's)."""
 
 from __future__ import annotations
 
@@ -25,10 +25,36 @@ class RMSNorm(nn.Module):
 def rope_tables(head_dim: int, seq_len: int, theta: float, device=None, scaling=None):
     """cos/sin of the rotation angles, [seq_len, head_dim // 2], in float32."""
     inv_freq = 1.0 / theta ** (torch.arange(0, head_dim, 2, device=device).float() / head_dim)
-    if scaling is not None:
+    gain = 1.0
+    if hasattr(scaling, "beta_fast"):  # YaRN (args.YarnScaling)
+        inv_freq, gain = yarn_frequencies(inv_freq, theta, scaling), scaling.rope_gain
+    elif scaling is not None:
         inv_freq = scale_frequencies(inv_freq, scaling)
     angles = torch.outer(torch.arange(seq_len, device=device).float(), inv_freq)
-    return angles.cos(), angles.sin()
+    if gain == 1.0:
+        return angles.cos(), angles.sin()
+    return angles.cos() * gain, angles.sin() * gain
+
+
+def yarn_frequencies(inv_freq: torch.Tensor, theta: float, s) -> torch.Tensor:
+    """YaRN (`s` a YarnScaling): channel pairs that turn more than beta_fast times over the
+    original context keep their frequency, those under beta_slow times are interpolated
+    (divided by the factor), with a linear ramp between (the YaRN paper's NTK-by-parts)."""
+    dim = 2 * inv_freq.numel()
+
+    def pair(rotations: float) -> float:  # the channel whose wavelength fits `rotations` times
+        turns = s.original_max_position_embeddings / (rotations * 2 * math.pi)
+        return dim * math.log(turns) / (2 * math.log(theta))
+
+    low, high = pair(s.beta_fast), pair(s.beta_slow)
+    if s.truncate:
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, dim - 1)
+    if low == high:
+        high += 0.001
+    ramp = ((torch.arange(dim // 2, device=inv_freq.device).float() - low) / (high - low))
+    keep = 1 - ramp.clamp(0, 1)  # 1: extrapolate (the original frequency), 0: interpolate
+    return inv_freq / s.factor * (1 - keep) + inv_freq * keep
 
 
 def scale_frequencies(inv_freq: torch.Tensor, s) -> torch.Tensor:

@@ -7,10 +7,13 @@ Per token, the keys and values of every head come from one compressed latent of
 through their own low-rank path (`wq_a`, `q_a_norm`, `wq_b`), or one projection `wq` with
 `q_lora_rank = 0`, and each head's last `qk_rope_head_dim` channels are rotated. A head's
 query/key width (nope + rope: 192 at full size) differs from its value width (128): the
-softmax scale is 1 / sqrt(query/key width), SDPA's default for these shapes; no channel is
-padded. Which kernel takes such heads: on the CPU the math kernel; on CUDA cuDNN or the
-memory-efficient one (flash needs equal widths; the startup summary names the one that runs),
-and FlexAttention for block_causal.
+softmax scale is 1 / sqrt(query/key width), SDPA's default for these shapes, times YaRN's
+mscale^2 where the RoPE is YaRN-scaled (DeepSeek-V3 and Kimi K2 as released: 1.874 and
+1.815), applied to the queries. Which kernel takes such heads: on CUDA cuDNN or the
+memory-efficient one (flash needs equal widths; the startup summary names the one that
+runs), and FlexAttention for block_causal; on the CPU the values are zero-padded to the
+query width for the flash kernel and the padding sliced off (exact: trainer/models/
+attention.py).
 
 The rotation is the same as the Llama blocks' (consecutive channel pairs), which is the
 layout DeepSeek released its weights in (`rope_interleave = true` in Hugging Face's config):
@@ -55,6 +58,8 @@ class MLA(nn.Module):
         self.wo = nn.Linear(args.n_heads * self.v_dim, args.dim, bias=False)
         # Identity; under TP the RoPE key's gradient summed over the tp ranks (see above)
         self.shared_key = _identity
+        yarn = args.rope_scaling if hasattr(args.rope_scaling, "softmax_gain") else None
+        self.softmax_gain = yarn.softmax_gain if yarn is not None else 1.0
 
     def project(self, x: torch.Tensor, cos, sin):
         """(q [b, s, heads, qk], k [b, s, heads, qk], v [b, s, heads, v]) after RoPE; under
@@ -71,6 +76,8 @@ class MLA(nn.Module):
         latent, k_rope = self.wkv_a(x).split([self.kv_lora_rank, self.rope], -1)
         k_rope = apply_rope(self.shared_key(k_rope).unsqueeze(2), cos, sin).squeeze(2)
         q = torch.cat([q_nope, apply_rope(q_rope, cos, sin)], -1)
+        if self.softmax_gain != 1.0:  # YaRN's mscale^2 on the logits, through the queries
+            q = q * self.softmax_gain
         return q, torch.cat([self.kv_a_norm(latent), k_rope], -1)
 
     def expand(self, latent: torch.Tensor):
