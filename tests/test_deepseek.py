@@ -13,6 +13,7 @@ one rank; bad settings are one line each.
 
 import dataclasses
 import json
+import math
 import subprocess
 import sys
 
@@ -254,6 +255,52 @@ def test_bad_settings_are_one_line(tmp_path, args, needle):
     lines = [ln for ln in proc.stderr.splitlines() if ln.strip()]
     assert lines[-1].startswith("config error: ") and needle in lines[-1], proc.stderr[-2000:]
     assert "Traceback" not in proc.stderr
+
+
+def test_mtp_with_an_export_that_cannot_hold_it_is_refused():
+    """A Llama or Qwen3-MoE flavor with MTP modules and a Hugging Face export or import:
+    refused in one config line that says what the checkpoints keep; a deepseek_v3 flavor
+    exports (leaving the modules out, with a note). `trainer.convert to-hf` says the same."""
+    from trainer.config.job import load_config
+    from trainer.hf.mapping import export_problem
+
+    base = ["--job.config_file", str(REPO / "configs" / "debug_model.toml"),
+            "--model.mtp_layers", "1"]
+    for key in ("last_save_in_hf", "initial_load_in_hf"):
+        with pytest.raises(ConfigError, match=f"checkpoint.{key} = true with model.mtp_layers "
+                           "= 1, but LlamaForCausalLM has no multi-token prediction modules"):
+            load_config([*base, f"--checkpoint.{key}", "true",
+                         "--checkpoint.initial_load_path", "/some/hf/folder"])
+    load_config(base)  # MTP without Hugging Face: fine
+    load_config(["--job.config_file", CONFIG, "--checkpoint.last_save_in_hf", "true"])
+    moe = model_args("debugmodel-moe", mtp_layers=1)
+    assert "Qwen3MoeForCausalLM has no multi-token" in export_problem(moe)
+
+
+def test_the_released_yarn_is_the_flavors_and_none_drops_it():
+    """deepseek-v3-671b and kimi-k2 carry YaRN as released (so their folders load exactly);
+    model.rope_scaling = 'none' trains plain RoPE (DeepSeek pretrained at 4K without it)."""
+    from trainer.config.job import load_config
+    from trainer.models.args import DEEPSEEK_V3_YARN, KIMI_K2_YARN
+    from trainer.models.attention import attention_args
+
+    base = ["--job.config_file", str(REPO / "configs" / "kimi_k2.toml")]
+    for extra, want in (([], KIMI_K2_YARN), (["--model.rope_scaling", "none"], None)):
+        cfg = load_config([*base, *extra])
+        got = model_args(cfg.model.flavor, **attention_args(cfg.model, "cuda")).rope_scaling
+        assert got == want
+    assert FLAVORS["deepseek-v3-671b"].rope_scaling == DEEPSEEK_V3_YARN
+    assert DEEPSEEK_V3_YARN.softmax_gain == pytest.approx((0.1 * math.log(40) + 1) ** 2)
+
+
+def test_mla_dims_that_do_not_add_up_are_one_line():
+    from trainer.models.args import MLAArgs
+
+    for bad in ({"qk_rope_head_dim": 7}, {"kv_lora_rank": 0}, {"v_head_dim": 0},
+                {"q_lora_rank": -1}):
+        with pytest.raises(ConfigError, match="model MLA dims do not add up"):
+            MLAArgs(**bad).validate()
+    MLAArgs(q_lora_rank=0).validate()
 
 
 def test_cached_generation_equals_the_full_forward():

@@ -65,6 +65,7 @@ def to_hf(checkpoint_dir: str, out_dir: str, *, dtype: str, max_shard_gib: float
     from trainer.hf.export import write_hf_folder
     from trainer.hf.mapping import buffer_shapes, export_problem, param_shapes
     from trainer.models.args import model_args
+    from trainer.models.attention import rope_args
 
     saved = saved_shapes(checkpoint_dir, allow_pickle)
     cfg = read_run_config(checkpoint_dir, config_path)
@@ -72,7 +73,8 @@ def to_hf(checkpoint_dir: str, out_dir: str, *, dtype: str, max_shard_gib: float
     mtp = {k: v for k, v in saved.items() if k.startswith("mtp.")}  # not exported
     saved = {k: v for k, v in saved.items() if k not in mtp}
     args = model_args(cfg.model.flavor, vocab_size=vocab, max_seq_len=cfg.training.seq_len,
-                      moe_config=cfg.moe, mtp_layers=len({k.split(".")[1] for k in mtp}))
+                      moe_config=cfg.moe, mtp_layers=len({k.split(".")[1] for k in mtp}),
+                      **rope_args(cfg.model))
     problem = export_problem(args)
     if problem:
         raise CheckpointError(f"{checkpoint_dir}: {problem}")

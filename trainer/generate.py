@@ -60,11 +60,13 @@ def load_model(checkpoint: Path, cfg, *, token_vocab: int, max_len: int, device,
     from trainer.checkpoint import safe_load
 
     from trainer.data import padded_vocab_size
+    from trainer.models.attention import rope_args
     from trainer.models.llama import build_model, model_args
 
     vocab = cfg.model.vocab_size or padded_vocab_size(token_vocab, cfg.model.vocab_size_multiple_of)
     args = model_args(cfg.model.flavor, vocab_size=vocab,
-                      max_seq_len=max(cfg.training.seq_len, max_len), moe_config=cfg.moe)
+                      max_seq_len=max(cfg.training.seq_len, max_len), moe_config=cfg.moe,
+                      **rope_args(cfg.model))
     model = build_model(args).to_empty(device=device)
     model.init_rope()  # with the flavor's RoPE scaling, as in training
     if not (checkpoint / ".metadata").is_file():

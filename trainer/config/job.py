@@ -87,6 +87,7 @@ class JobConfig:
                               "'stdlib') or turn eval off")
         check_attention(self.model, self.data, self.training.device)
         check_moe(self)
+        check_mtp(self)
         if self.training.device != "auto":  # else checked on each rank once the device is known
             check_async_tp(self.parallelism, self.compile.enable, self.training.device)
         elif self.parallelism.enable_async_tensor_parallel:
@@ -207,6 +208,18 @@ def check_moe(cfg: JobConfig) -> None:
         raise ConfigError("moe.aux_loss_weight and moe.router_z_loss_weight are losses of every "
                           "stage, which a pipeline schedule cannot back-propagate from the "
                           "last; under pp use moe.load_balance_coeff (aux-loss-free)")
+
+
+def check_mtp(cfg: JobConfig) -> None:
+    """MTP modules go only where a Hugging Face export or import can say what becomes of them."""
+    from trainer.hf.mapping import export_problem
+
+    hf = [k for k in ("last_save_in_hf", "initial_load_in_hf") if getattr(cfg.checkpoint, k)]
+    if cfg.model.mtp_layers and hf:
+        problem = export_problem(model_args(cfg.model.flavor, moe_config=cfg.moe,
+                                            mtp_layers=cfg.model.mtp_layers))
+        if problem:
+            raise ConfigError(f"checkpoint.{hf[0]} = true with {problem}")
 
 
 def sections(cfg: JobConfig) -> list[str]:

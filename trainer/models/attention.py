@@ -57,11 +57,17 @@ def resolve_implementation(mask_type: str, implementation: str, device_type: str
 
 def attention_args(model_cfg, device_type: str) -> dict:
     """The ModelArgs fields of a `[model]` config on this device (model_args(**...)): the
-    attention's, and the multi-token prediction's."""
+    attention's, the RoPE scaling's and the multi-token prediction's."""
     return {"attn_mask_type": model_cfg.attn_mask_type, "positions": model_cfg.positions,
             "mtp_layers": model_cfg.mtp_layers, "mtp_loss_weight": model_cfg.mtp_loss_weight,
             "attn_implementation": resolve_implementation(
-                model_cfg.attn_mask_type, model_cfg.attn_implementation, device_type)}
+                model_cfg.attn_mask_type, model_cfg.attn_implementation, device_type),
+            **rope_args(model_cfg)}
+
+
+def rope_args(model_cfg) -> dict:
+    """model.rope_scaling as ModelArgs fields: 'none' drops the flavor's scaling."""
+    return {"rope_scaling": None} if model_cfg.rope_scaling == "none" else {}
 
 
 def describe(args) -> str:

@@ -40,6 +40,10 @@ class Model:
                           "uses 1; docs/deepseek.md); 0 = off", min=0)
     mtp_loss_weight: float = opt(0.3, "Weight of the MTP modules' mean loss in the training "
                                  "loss (logged apart as loss_metrics/mtp_loss)", min=0.0)
+    rope_scaling: str = opt("flavor", "RoPE frequency scaling: flavor (as the flavor is "
+                            "released: Llama 3.1/3.2's, DeepSeek-V3's and Kimi K2's YaRN) or "
+                            "none (plain RoPE, e.g. to pretrain a DeepSeek-V3 shape at 4K "
+                            "from scratch as DeepSeek did)", choices=("flavor", "none"))
     sdpa_backends: str = opt("auto", "SDPA kernels to allow, in the order to try: auto (cuDNN "
                              "first on Hopper GPUs, torch's order elsewhere) or a comma list "
                              "of cudnn, flash, efficient, math (docs/performance.md)")
