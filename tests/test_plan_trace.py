@@ -201,8 +201,9 @@ def test_pipeline_configs_are_traced_stage_by_stage():
     both = trace_ranks(load_config([*base, "--parallelism.context_parallel_degree", "2"]), 4)
     assert [r.pp_rank for r in pp] == [0, 1] == [r.pp_rank for r in both]
     ratios = [b.categories["activations"] / a.categories["activations"] for a, b in zip(pp, both)]
-    # the first stage's activations halve; the last's hold the loss's fixed-size chunks too
-    assert 0.45 <= ratios[0] <= 0.55 and ratios[1] <= 0.7, ratios
+    # every stage's activations halve (the head's weight gradient, which the chunked loss
+    # makes in the forward, is booked as a gradient: it has the weight's size at any cp)
+    assert all(0.45 <= r <= 0.55 for r in ratios), ratios
     for alone, with_cp in zip(pp, both):
         assert alone.comm_bytes["pp"] > 0 and with_cp.comm_bytes["cp"] > 0
     # the head's stage does more of the model's work than an even share, the embedding's less

@@ -117,6 +117,15 @@ def add_product(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
         acc += torch.mm(a, b)
 
 
+def _book_as_gradient(t: torch.Tensor) -> None:
+    """Under the traced dry run (a fake mode with `book_as`: trainer/plan/fake.py) the head's
+    weight gradient, made in the forward, is booked as a gradient, not an activation: it has
+    the weight's size whatever the microbatch's (no cp or batch split shrinks it)."""
+    mode = getattr(t, "fake_mode", None)
+    if mode is not None and hasattr(mode, "book_as"):
+        mode.book_as(t, "gradients")
+
+
 class _ChunkedLinearCrossEntropy(torch.autograd.Function):
     """Loss and both gradients in the forward, chunk by chunk; the backward scales them.
     Returns (cross-entropy + z_loss_weight * z, z): z, the summed lse^2, has no gradient and
@@ -128,6 +137,7 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
         h, y = hidden.reshape(-1, hidden.shape[-1]), labels.reshape(-1)
         grad_h = torch.empty_like(h)
         grad_w = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device)
+        _book_as_gradient(grad_w)
         loss = torch.zeros((), dtype=torch.float32, device=h.device)
         z_sum = torch.zeros_like(loss) if z_loss_weight else None
         for start in range(0, h.shape[0], chunk_size):

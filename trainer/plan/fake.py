@@ -33,6 +33,7 @@ class Allocation:
     shape: tuple[int, ...]
     dtype: str
     phase: str
+    category: str = ""  # set by `MemoryTrace.book_as`; else from the phase (summarize)
 
     def describe(self) -> str:
         return (f"{self.nbytes / GIB:.3f} GiB {self.dtype} {list(self.shape)} from {self.op} "
@@ -110,6 +111,13 @@ class MemoryTrace(FakeTensorMode):
                 self._grow(delta)
             else:
                 self.bytes += delta
+
+    def book_as(self, t: torch.Tensor, category: str) -> None:
+        """Book `t`'s storage under `category` whatever phase made it (the chunked loss's
+        head-weight gradient, computed in the forward: a gradient, not an activation)."""
+        a = self.storage_of(t)
+        if a is not None:
+            a.category = category
 
     def storage_of(self, t: torch.Tensor) -> Allocation | None:
         local = t.to_local() if hasattr(t, "to_local") else t
@@ -200,9 +208,10 @@ def summarize(trace: MemoryTrace, resident: set[int], grads: set[int], states: s
     cats = dict.fromkeys(CATEGORIES, 0)
     ops: dict[str, int] = {}
     for a in trace.snapshots.get(group, []):
-        cat = ("parameters" if id(a) in resident else "gradients" if id(a) in grads else
-               "optimizer_state" if id(a) in states else
-               "activations" if a.phase == "forward" else "temporaries")
+        cat = a.category or (
+            "parameters" if id(a) in resident else "gradients" if id(a) in grads else
+            "optimizer_state" if id(a) in states else
+            "activations" if a.phase == "forward" else "temporaries")
         cats[cat] += a.nbytes
         if cat == "temporaries":
             ops[a.op] = ops.get(a.op, 0) + a.nbytes
