@@ -5,6 +5,8 @@ import math
 import subprocess
 import sys
 
+import torch
+
 from tests.helpers import REPO, subprocess_env
 from trainer.config.job import load_config
 from trainer.plan.memory import memory_plan
@@ -213,6 +215,39 @@ def test_pipeline_configs_are_traced_stage_by_stage():
     assert lines[0].startswith("traced dry run: one training step of pp ranks 0, 1"), lines
     assert any(x.startswith("    per traced pp rank: rank 0 0.") for x in lines), lines
     assert lines[-1].startswith("trace verdict: FITS"), lines
+
+
+def test_cp_gathers_kv_once_under_op_sac_and_reduces_their_gradients_in_fp32(monkeypatch):
+    """CP 2 with op-level AC (bf16 compute): each block all-gathers K and V in the forward
+    only (the policy saves them: the recompute does not gather again) and reduce-scatters
+    their gradients in fp32 (a bf16 sum would round cp - 1 times)."""
+    import trainer.plan.traffic as traffic
+    from trainer.health import heartbeat
+
+    seen = []
+    original = traffic.Traffic.record
+
+    def record(self, func, args):
+        name = func._schema.name
+        if "all_gather" in name or "reduce_scatter" in name:
+            if traffic._group(args).group_name in recompute.SAVED_GATHER_GROUPS:
+                seen.append((name.split("::")[-1], heartbeat._state["phase"], args[0].dtype))
+        return original(self, func, args)
+
+    from trainer.parallel import recompute
+
+    monkeypatch.setattr(traffic.Traffic, "record", record)
+    cfg = load_config(["--job.config_file", str(REPO / "configs" / "debug_model.toml"),
+                       "--parallelism.context_parallel_degree", "2",
+                       "--activation_checkpoint.mode", "selective",
+                       "--activation_checkpoint.selective_ac_option", "op"])
+    trace_step(cfg, 2)
+    layers = 6  # debugmodel
+    gathers = [s for s in seen if s[0].startswith("all_gather")]
+    scatters = [s for s in seen if s[0].startswith("reduce_scatter")]
+    assert len(gathers) == 2 * layers and {p for _, p, _ in gathers} == {"forward"}, seen
+    assert {d for *_, d in gathers} == {torch.bfloat16}, seen
+    assert len(scatters) == 2 * layers and {d for *_, d in scatters} == {torch.float32}, seen
 
 
 def test_the_recompute_does_not_exchange_the_expert_counts_again(monkeypatch):

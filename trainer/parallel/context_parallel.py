@@ -11,8 +11,9 @@ The cp ranks of a dp rank read the same samples; each keeps its share of every s
 - **Attention.** Each layer all-gathers K and V over cp (small under GQA), puts them back in
   sequence order and attends the rank's queries to the whole sequence with a mask built from
   global positions: key <= query (`causal`), and the same document (`block_causal`), so no
-  token sees another document's tokens on any rank. The all-gather is autograd-aware
-  (torch's functional collectives): its backward reduce-scatters the K/V gradients. Kernels:
+  token sees another document's tokens on any rank. The all-gather's backward reduce-scatters
+  the K/V gradients in fp32 (`GatherSequence`); op-level AC saves the gathered K/V rather
+  than gathering again in the recompute. Kernels:
   FlexAttention with a block mask on CUDA; SDPA with the [local, global] mask on the CPU
   (FlexAttention has no CPU backward). torch's own `context_parallel` has no CPU path and,
   per torchtitan, no document masks; this one runs on plain collectives (gloo and nccl).
@@ -116,18 +117,33 @@ class ContextAttention:
     @torch.compiler.disable(recursive=False)  # also called from a block (MLA's latents)
     def gather(self, t: torch.Tensor) -> torch.Tensor:
         """[b, local, h, d] from every cp rank -> [b, seq, h, d] in sequence order; the
-        backward reduce-scatters the gradient."""
-        full = _all_gather()(t.transpose(0, 1).contiguous(), gather_dim=0, group=self.group)
+        backward reduce-scatters the gradient in fp32."""
+        full = GatherSequence.apply(t.transpose(0, 1).contiguous(), self.group)
         return full.index_select(0, self.natural).transpose(0, 1)
 
 
-def _all_gather():
-    """The autograd-aware all-gather: `all_gather_single_autograd` from torch 2.13 (the older
-    name is deprecated there), `all_gather_tensor_autograd` on torch 2.11."""
-    import torch.distributed._functional_collectives as funcol
+class GatherSequence(torch.autograd.Function):
+    """All-gather over the cp group on dim 0. The backward reduce-scatters the gradient in
+    fp32: summed in bf16 it would round cp - 1 times (torch's ring attention accumulates its
+    K/V gradients in fp32 too). Under op-level activation checkpointing the gathered tensor is
+    saved, not gathered again in the recompute (`recompute.SAVED_GATHER_GROUPS`)."""
 
-    return getattr(funcol, "all_gather_single_autograd", None) or \
-        funcol.all_gather_tensor_autograd
+    @staticmethod
+    def forward(ctx, t: torch.Tensor, group) -> torch.Tensor:
+        import torch.distributed._functional_collectives as funcol
+
+        from trainer.parallel.recompute import SAVED_GATHER_GROUPS
+
+        SAVED_GATHER_GROUPS.add(group.group_name)
+        ctx.group, ctx.dtype = group, t.dtype
+        return funcol.wait_tensor(funcol.all_gather_tensor(t, 0, group))
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        import torch.distributed._functional_collectives as funcol
+
+        summed = funcol.reduce_scatter_tensor(grad.float().contiguous(), "sum", 0, ctx.group)
+        return funcol.wait_tensor(summed).to(ctx.dtype), None
 
 
 def mask_mod(index: torch.Tensor, doc_ids: torch.Tensor | None):

@@ -32,6 +32,7 @@ from trainer.parallel.float8 import apply_float8
 from trainer.models.llama import Transformer
 from trainer.parallel.fsdp import DTYPE, apply_fsdp, set_gradient_sync  # noqa: F401  (re-exported)
 from trainer.parallel.pipeline import split_model
+from trainer.parallel import recompute
 from trainer.parallel.recompute import HostMemo
 from trainer.parallel.tp import apply_tp
 
@@ -61,6 +62,7 @@ if hasattr(torch.ops.aten, "_scaled_dot_product_cudnn_attention"):
     _SAVE_OPS.add(torch.ops.aten._scaled_dot_product_cudnn_attention.default)
 if hasattr(torch.ops.higher_order, "flex_attention"):
     _SAVE_OPS.add(torch.ops.higher_order.flex_attention)
+_ALL_GATHER = torch.ops._c10d_functional.all_gather_into_tensor.default
 
 
 # Profiler ranges are not computation. Under expert parallelism a block's experts are an FSDP
@@ -85,6 +87,8 @@ def _op_level_context(every_other_matmul: bool):
             mode = "recompute" if ctx.is_recompute else "forward"
             counts[mode] += 1
             keep = counts[mode] % 2 == 1
+        elif op is _ALL_GATHER:  # context parallelism's K/V: saved (recompute.py)
+            keep = args[2] in recompute.SAVED_GATHER_GROUPS
         else:
             keep = op in _SAVE_OPS
         return CheckpointPolicy.MUST_SAVE if keep else CheckpointPolicy.PREFER_RECOMPUTE

@@ -21,6 +21,12 @@ import contextvars
 
 _CURRENT: contextvars.ContextVar = contextvars.ContextVar("host_memo", default=None)
 
+# Process groups whose functional all-gathers op-level activation checkpointing saves rather
+# than repeats in the recompute (context parallelism's K/V: trainer/parallel/
+# context_parallel.py registers its group). TP's all-gathers are recomputed, as torchtitan's
+# policy does: they are cheap to repeat and [batch, seq, dim] each to keep.
+SAVED_GATHER_GROUPS: set[str] = set()
+
 
 class HostMemo:
     """The host-side values of one checkpointed block call (its forward and its recompute)."""

@@ -27,8 +27,9 @@ compute dtype p) and f = (tp - 1) / tp:
   gradients all-reduced over it, m * 2f * p * (2 L + 1) * dim (small).
 - **cp** (context parallelism, per microbatch): every block all-gathers the whole sequence's K
   and V, KV = 2 * p * local_batch * seq_len * (n_kv_heads / tp) * head_dim bytes, in forward
-  and reduce-scatters their gradients in backward; recomputed blocks gather again (full AC and
-  op SAC: every block; selective k: every k-th): m * (cp - 1) / cp * KV * (2 L + recomputed).
+  and reduce-scatters their gradients in fp32 in backward (4 / p x KV); recomputed blocks
+  gather again (full AC: every block; selective k: every k-th; op SAC saves the gathered K/V):
+  m * (cp - 1) / cp * KV * (L (1 + 4 / p) + recomputed).
   MLA gathers its latents instead, KV = p * local_batch * seq_len * (kv_lora_rank + rope).
   Under CP the tp and dp terms count 1/cp of the sequence per rank, and FSDP's group is
   dp_shard x cp.
@@ -151,13 +152,14 @@ def cp_volume(cfg: JobConfig, a, pd, accum: int) -> float:
     if a.mla is not None:  # MLA gathers its latents (trainer/models/mla.py), not K and V
         kv = p * t.local_batch_size * t.seq_len * (a.mla.kv_lora_rank + a.mla.qk_rope_head_dim)
     ac = cfg.activation_checkpoint
-    if ac.mode == "full" or (ac.mode == "selective" and ac.selective_ac_option == "op"):
+    if ac.mode == "full":
         replayed = a.n_layers
-    elif ac.mode == "selective":
+    elif ac.mode == "selective" and ac.selective_ac_option != "op":  # op SAC saves the gather
         replayed = -(-a.n_layers // int(ac.selective_ac_option))
     else:
         replayed = 0
-    return accum * ring(pd.cp) * kv * (2 * a.n_layers + replayed)
+    grads = a.n_layers * 4 / p  # the gradients reduce-scattered in fp32
+    return accum * ring(pd.cp) * kv * (a.n_layers + grads + replayed)
 
 
 def muon_volume(cfg: JobConfig, groups, full_groups, pd) -> tuple[float, float]:
