@@ -30,7 +30,10 @@ COMMON = ("--training.device", "cpu", "--model.flavor", "debugmodel-narrow", "--
 CAUSAL = ("--data.dataset", "synthetic", "--checkpoint.enable", "true", "--checkpoint.interval",
           "3", "--checkpoint.keep_latest_k", "0")
 DOCS = ("--data.dataset", "json", "--model.attn_mask_type", "block_causal",
-        "--model.positions", "document", "--checkpoint.enable", "false")
+        "--model.positions", "document", "--checkpoint.enable", "false",
+        # validated at step 5: under CP (not PP) each cp rank scores its share
+        "--validation.enable", "true", "--validation.freq", "5", "--validation.steps", "2",
+        "--validation.local_batch_size", "2")
 LAYOUTS = {  # name: (ranks, overrides)
     "ref": (1, ()),
     "cp2_fsdp2": (4, (CP, "2")),
@@ -103,6 +106,11 @@ def test_block_causal_with_document_positions_trains_as_one_rank(doc_runs, name)
     assert "context parallel: cp " in doc_runs[name][1]  # on, under PP too
     assert "by global position and document" in doc_runs[name][1]
     same_training(doc_runs["ref"][0], doc_runs[name][0])
+    tag = "validation_metrics/loss"
+    got = scalars(doc_runs[name][0], tag)
+    assert sorted(got) == [5] and close(got, scalars(doc_runs["ref"][0], tag)), got
+    split = "; each cp rank scores its share of every sequence"
+    assert (split in doc_runs[name][1]) is (name != "pp2_cp2")
 
 
 def test_no_gradient_crosses_documents_and_attention_equals_one_process():

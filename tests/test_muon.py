@@ -31,7 +31,7 @@ MUON = ("--optimizer.name", "Muon", "--optimizer.muon_ns_dtype", "float32")
 def test_one_rank_equals_torch_muon_and_adamw():
     """10 steps, fp32 weights, Newton-Schulz in bf16 (torch's): bitwise the same weights."""
     torch.manual_seed(0)
-    a = model_args("debugmodel", vocab_size=256, max_seq_len=32)
+    a = model_args("debugmodel-narrow", vocab_size=256, max_seq_len=32)
     model = Transformer(a)
     model.init_weights(seed=0)
     ref = copy.deepcopy(model)
@@ -171,7 +171,7 @@ def test_a_step_skipped_on_the_device_changes_nothing():
     from trainer.optim.optimizer import skips_on_device, step_unless
 
     torch.manual_seed(0)
-    model = Transformer(model_args("debugmodel", vocab_size=256, max_seq_len=16))
+    model = Transformer(model_args("debugmodel-narrow", vocab_size=256, max_seq_len=16))
     model.init_weights(seed=0)
     opt = build_optimizer(model, load_config(["--optimizer.name", "Muon"]).optimizer)
     assert skips_on_device(opt)  # auto: fused AdamW for the rest

@@ -59,7 +59,7 @@ from trainer.optim.batch_schedule import describe_ramp
 from trainer.optim.optimizer import build_lr_scheduler, build_optimizer
 from trainer.parallel.dims import ParallelDims, check_async_tp, check_tp_shapes, describe_vocab
 from trainer.parallel.float8 import check_device as check_float8_device
-from trainer.parallel.microbatches import build_forward_backward
+from trainer.parallel.microbatches import build_forward_backward, forward_only_split
 from trainer.parallel.parallelize import parallelize
 from trainer.step import TrainStep
 
@@ -189,8 +189,9 @@ def build_checks(cfg: JobConfig, parallel_dims: ParallelDims, loader, device):
     loss_fn = scoring_loss(cfg.training.loss_chunk_size, parallel_dims.loss_parallel_group)
     shard = dict(dp_rank=dp_mesh.get_local_rank(), dp_size=dp_mesh.size(),
                  dp_group=dp_mesh.get_group(), device=device, loss_fn=loss_fn)
-    validator = agree_on_user_errors(Validator, cfg, train_loader=loader, log=log0, **shard) \
-        if cfg.validation.enable else None
+    split = forward_only_split(cfg, parallel_dims=parallel_dims, device=device)
+    validator = agree_on_user_errors(Validator, cfg, train_loader=loader, log=log0,
+                                     context=split, **shard) if cfg.validation.enable else None
     evaluator = agree_on_user_errors(Evaluator, cfg, tokenizer_path=loader.tokenizer_path,
                                      **shard) if cfg.eval.enable else None
     return validator, evaluator

@@ -22,12 +22,13 @@ MATRICES = ("attention.wq.weight", "attention.wo.weight", "feed_forward.w1.weigh
 
 
 def models(overrides: list[str]):
-    """(config, the trainer's parallelized 2-layer debug model, the same weights unsplit)."""
+    """(config, the trainer's parallelized 2-layer debug model at dim 64, the same weights
+    unsplit)."""
     cfg = load_config(overrides)
     pd, _ = cfg.resolve(dist.get_world_size())
     pd.build_mesh("cpu")
-    args = dataclasses.replace(model_args("debugmodel", vocab_size=VOCAB, max_seq_len=SEQ),
-                               n_layers=2)
+    narrow = model_args("debugmodel-narrow", vocab_size=VOCAB, max_seq_len=SEQ)
+    args = dataclasses.replace(narrow, n_layers=2)
     model = parallelize(build_model(args), pd, cfg, device=torch.device("cpu"),
                         param_dtype="float32")
     ref = Transformer(args)

@@ -21,6 +21,10 @@ seq_len tokens, so it is the mean of the sources' losses).
 It reads its own loaders (never the training loader), samples no RNG and changes no
 parameter, so a run with validation trains exactly as one without it.
 
+Under context parallelism each cp rank scores its share of every sequence (the training
+step's split and attention) and the sums add over cp; a pipeline's forward-only pass takes
+the whole samples on every cp rank.
+
 A streamed HF source (`data.val_split`, no store) has no global order: each rank reads its
 own stream, so its set depends on the dp size; the batches are read once and kept in memory,
 so every evaluation still sees the same samples.
@@ -42,10 +46,12 @@ IGNORE_INDEX = -100
 
 class Validator:
     def __init__(self, cfg, *, train_loader, dp_rank: int, dp_size: int, dp_group,
-                 device: torch.device, loss_fn, log=print):
-        """`loss_fn`: the chunked head's loss (trainer.models.loss.scoring_loss)."""
+                 device: torch.device, loss_fn, log=print, context=None):
+        """`loss_fn`: the chunked head's loss (trainer.models.loss.scoring_loss); `context`:
+        context parallelism's split (trainer/parallel/context_parallel.py `ContextSplit`):
+        each cp rank scores its share of every sequence, and the sums add over cp too."""
         v = cfg.validation
-        self.loss_fn = loss_fn
+        self.loss_fn, self.context = loss_fn, context
         self.freq, self.dp_group, self.device, self.log = v.freq, dp_group, device, log
         self.batch, self.dp_rank, self.dp_size = v.local_batch_size, dp_rank, dp_size
         gbs = v.global_batch_size if v.global_batch_size != -1 else self.batch
@@ -74,9 +80,10 @@ class Validator:
         what = f"{self.n_samples:,} held-out samples"
         if len(self.sets) > 1 or "" not in self.sets:
             what += f" of each source ({', '.join(self.sets)})"
+        split = "; each cp rank scores its share of every sequence" if self.context else ""
         return (f"validation: {what} every {self.freq} steps and at the last step "
                 f"({self.passes} forward passes of {self.batch} per rank"
-                f"{' per source' if len(self.sets) > 1 else ''})")
+                f"{' per source' if len(self.sets) > 1 else ''}{split})")
 
     def due(self, step: int, last: bool) -> bool:
         return step % self.freq == 0 or last
@@ -110,19 +117,29 @@ class Validator:
                     doc_ids = self.sets[name].document_ids(inputs) \
                         if model.uses_documents else None
                     # the summed loss through the chunked head: no [tokens, vocab] logits
-                    with torch.no_grad():
-                        loss_sum = model(inputs, labels, self.loss_fn, doc_ids=doc_ids)
+                    loss_sum, labels = self._score(model, inputs, labels, doc_ids)
                     sums[i, 0] += loss_sum.double()
                     sums[i, 1] += (labels != IGNORE_INDEX).sum()
         finally:
             model.train(was_training)
         dist.all_reduce(sums, group=self.dp_group)
+        if self.context is not None:  # each cp rank scored its share of the sequences
+            dist.all_reduce(sums, group=self.context.group)
         self.seconds = time.monotonic() - t0
         out = _loss_and_perplexity("validation_metrics", sums.sum(0))
         if "" not in self.sets:
             for i, name in enumerate(self.sets):
                 out.update(_loss_and_perplexity(f"validation_metrics/{name}", sums[i]))
         return out
+
+
+    def _score(self, model, inputs, labels, doc_ids) -> tuple[torch.Tensor, torch.Tensor]:
+        """(the summed loss of the pass's tokens on this rank, their labels)."""
+        if self.context is None:
+            return model(inputs, labels, self.loss_fn, doc_ids=doc_ids), labels
+        local, labels, positions = self.context.split(inputs, labels, doc_ids)
+        return model(local, labels, self.loss_fn, positions=positions,
+                     attention=self.context.attention(doc_ids)), labels
 
 
 def _loss_and_perplexity(prefix: str, sums: torch.Tensor) -> dict[str, float]:

@@ -20,7 +20,7 @@ from trainer.distributed import to_device
 from trainer.health import faults, heartbeat
 from trainer.models.loss import Loss
 from trainer.models.moe import set_aux_scale, take_aux_loss
-from trainer.parallel.context_parallel import ContextParallelLoop
+from trainer.parallel.context_parallel import ContextParallelLoop, ContextSplit
 from trainer.parallel.fsdp import set_gradient_sync
 from trainer.parallel.pipeline import PipelineLoop
 from trainer.parallel.seam import ForwardBackward, Losses  # noqa: F401  (step.py imports them here)
@@ -88,3 +88,12 @@ def build_forward_backward(model: torch.nn.Module, loss_fn: Loss, cfg, *, parall
         return ContextParallelLoop(model, loss_fn, cp_mesh=parallel_dims.cp_mesh,
                                    seq_len=cfg.training.seq_len, model_cfg=cfg.model, **common)
     return MicrobatchLoop(model, loss_fn, **common)
+
+
+def forward_only_split(cfg, *, parallel_dims, device: torch.device):
+    """Context parallelism's split for forward-only passes (validation: each cp rank scores
+    its share of every sequence, trainer/evals/validate.py), or None: cp 1, or a pipeline
+    (whose stages take the whole samples in a forward-only call)."""
+    if not parallel_dims.cp_enabled or parallel_dims.pp_enabled:
+        return None
+    return ContextSplit(parallel_dims.cp_mesh, cfg.training.seq_len, device, cfg.model)
