@@ -212,12 +212,10 @@ def check_moe(cfg: JobConfig) -> None:
 
 def check_mtp(cfg: JobConfig) -> None:
     """MTP modules go only where a Hugging Face export or import can say what becomes of them."""
-    from trainer.hf.mapping import export_problem
-
     hf = [k for k in ("last_save_in_hf", "initial_load_in_hf") if getattr(cfg.checkpoint, k)]
     if cfg.model.mtp_layers and hf:
-        problem = export_problem(model_args(cfg.model.flavor, moe_config=cfg.moe,
-                                            mtp_layers=cfg.model.mtp_layers))
+        problem = model_args(cfg.model.flavor, mtp_layers=cfg.model.mtp_layers
+                             ).mtp_export_problem()
         if problem:
             raise ConfigError(f"checkpoint.{hf[0]} = true with {problem}")
 

@@ -245,9 +245,7 @@ def architecture(args: ModelArgs) -> str:
 def export_problem(args: ModelArgs) -> str | None:
     """Why no Hugging Face architecture here holds this model, or None."""
     if args.mtp_layers and args.mla is None:
-        return mtp_problem(args.mtp_layers, {"llama": "LlamaForCausalLM",
-                                             "qwen3_moe": "Qwen3MoeForCausalLM"}[
-                                                 architecture(args)])
+        return args.mtp_export_problem()
     if args.mla is not None:
         if args.moe is not None and (args.moe.score_func != "sigmoid"
                                      or args.moe.sparse_step != 1):
@@ -257,14 +255,6 @@ def export_problem(args: ModelArgs) -> str | None:
     if args.moe is not None and not args.moe.hf_exportable:
         return NO_HF_MOE
     return None
-
-
-def mtp_problem(n: int, hf_class: str) -> str:
-    return (f"model.mtp_layers = {n}, but {hf_class} has no multi-token prediction modules, "
-            "so an export would hold a different model than the one trained; the DCP "
-            "checkpoints keep them: train with model.mtp_layers = 0 to exchange this model "
-            "with Hugging Face, or use a deepseek_v3 flavor (its export leaves the MTP "
-            "modules out, which DeepseekV3ForCausalLM never runs)")
 
 
 def check_hf_config(cfg: dict, args: ModelArgs, folder: str, flavor: str) -> None:

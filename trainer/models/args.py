@@ -10,59 +10,8 @@ import dataclasses
 import math
 from dataclasses import dataclass
 
-
-@dataclass(frozen=True)
-class RopeScaling:
-    """Llama-3.1/3.2 RoPE scaling (Hugging Face `rope_scaling` of type "llama3"): frequencies
-    with wavelengths above original_max_position_embeddings / low_freq_factor are divided by
-    `factor`, those below ... / high_freq_factor are kept, and the band between is blended."""
-
-    factor: float = 32.0
-    low_freq_factor: float = 1.0
-    high_freq_factor: float = 4.0
-    original_max_position_embeddings: int = 8192
-
-
-@dataclass(frozen=True)
-class YarnScaling:
-    """YaRN RoPE scaling (Hugging Face `rope_scaling` of type "yarn", as DeepSeek-V3 and Kimi
-    K2 are released): frequencies whose wavelength spans fewer than `beta_fast` rotations over
-    original_max_position_embeddings are kept, those over `beta_slow` are divided by `factor`,
-    a linear ramp between; the attention logits are scaled by (0.1 x mscale_all_dim x ln(factor)
-    + 1)^2 (MLA's softmax scale) and cos/sin by mscale's ratio to mscale_all_dim's."""
-
-    factor: float = 40.0
-    original_max_position_embeddings: int = 4096
-    beta_fast: float = 32.0
-    beta_slow: float = 1.0
-    mscale: float = 1.0
-    mscale_all_dim: float = 1.0
-    truncate: bool = True  # the ramp's ends rounded to whole channels (transformers' default)
-
-    @staticmethod
-    def gain(factor: float, mscale: float) -> float:
-        """YaRN's magnitude factor (DeepSeek's `yarn_get_mscale`)."""
-        return 1.0 if factor <= 1 else 0.1 * mscale * math.log(factor) + 1.0
-
-    @property
-    def softmax_gain(self) -> float:
-        """The factor on the attention logits (DeepSeek's softmax scale times mscale^2)."""
-        return self.gain(self.factor, self.mscale_all_dim) ** 2 if self.mscale_all_dim else 1.0
-
-    @property
-    def rope_gain(self) -> float:
-        """The factor on cos and sin (transformers' `attention_scaling`)."""
-        if self.mscale and self.mscale_all_dim:
-            return self.gain(self.factor, self.mscale) / self.gain(self.factor,
-                                                                   self.mscale_all_dim)
-        return self.gain(self.factor, 1.0)
-
-
-# As released: DeepSeek-V3 (and R1, V3.1) and Kimi K2 (config.json's rope_scaling).
-DEEPSEEK_V3_YARN = YarnScaling()
-KIMI_K2_YARN = YarnScaling(factor=32.0, beta_fast=1.0, beta_slow=1.0)
-LLAMA3_ROPE_SCALING = RopeScaling()  # as released with Llama-3.2 1B/3B
-LLAMA31_ROPE_SCALING = RopeScaling(factor=8.0)  # as released with Llama-3.1 8B/70B/405B
+from trainer.models.rope import (DEEPSEEK_V3_YARN, KIMI_K2_YARN, LLAMA3_ROPE_SCALING,  # noqa: F401
+                                 LLAMA31_ROPE_SCALING, RopeScaling, YarnScaling)
 
 
 @dataclass(frozen=True)
@@ -87,6 +36,18 @@ class MoEArgs:
     # top_k experts within them. 1 group: plain top-k.
     n_group: int = 1
     topk_group: int = 1
+
+    def mtp_export_problem(self) -> str | None:
+        """Why a Hugging Face export or import cannot hold this model's MTP modules, or None
+        (DeepseekV3ForCausalLM leaves them out by design: trainer/hf/deepseek.py)."""
+        if not self.mtp_layers or self.mla is not None:
+            return None
+        hf_class = "Qwen3MoeForCausalLM" if self.moe is not None else "LlamaForCausalLM"
+        return (f"model.mtp_layers = {self.mtp_layers}, but {hf_class} has no multi-token "
+                "prediction modules, so an export would hold a different model than the one "
+                "trained (the DCP checkpoints keep them): train with model.mtp_layers = 0 to "
+                "exchange this model with Hugging Face, or use a deepseek_v3 flavor (its "
+                "export leaves the MTP modules out, which DeepseekV3ForCausalLM never runs)")
 
     def is_moe_layer(self, layer_id: int) -> bool:
         """Qwen3-MoE's rule ((i + 1) % step == 0) after the first dense layers."""
@@ -211,6 +172,18 @@ class ModelArgs:
     def rope_dim(self) -> int:
         """The channels RoPE rotates per head (MLA: only qk_rope_head_dim of them)."""
         return self.mla.qk_rope_head_dim if self.mla is not None else self.head_dim
+
+    def mtp_export_problem(self) -> str | None:
+        """Why a Hugging Face export or import cannot hold this model's MTP modules, or None
+        (DeepseekV3ForCausalLM leaves them out by design: trainer/hf/deepseek.py)."""
+        if not self.mtp_layers or self.mla is not None:
+            return None
+        hf_class = "Qwen3MoeForCausalLM" if self.moe is not None else "LlamaForCausalLM"
+        return (f"model.mtp_layers = {self.mtp_layers}, but {hf_class} has no multi-token "
+                "prediction modules, so an export would hold a different model than the one "
+                "trained (the DCP checkpoints keep them): train with model.mtp_layers = 0 to "
+                "exchange this model with Hugging Face, or use a deepseek_v3 flavor (its "
+                "export leaves the MTP modules out, which DeepseekV3ForCausalLM never runs)")
 
     def is_moe_layer(self, layer_id: int) -> bool:
         return self.moe is not None and self.moe.is_moe_layer(layer_id)

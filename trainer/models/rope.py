@@ -1,0 +1,62 @@
+"""RoPE frequency scaling as the released models configure it (Hugging Face `rope_scaling`):
+Llama 3.1/3.2's and YaRN (DeepSeek-V3, Kimi K2). The tables are made in
+trainer/models/layers.py; the flavors that carry them are in trainer/models/args.py."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class RopeScaling:
+    """Llama-3.1/3.2 RoPE scaling (Hugging Face `rope_scaling` of type "llama3"): frequencies
+    with wavelengths above original_max_position_embeddings / low_freq_factor are divided by
+    `factor`, those below ... / high_freq_factor are kept, and the band between is blended."""
+
+    factor: float = 32.0
+    low_freq_factor: float = 1.0
+    high_freq_factor: float = 4.0
+    original_max_position_embeddings: int = 8192
+
+
+@dataclass(frozen=True)
+class YarnScaling:
+    """YaRN RoPE scaling (Hugging Face `rope_scaling` of type "yarn", as DeepSeek-V3 and Kimi
+    K2 are released): frequencies whose wavelength spans fewer than `beta_fast` rotations over
+    original_max_position_embeddings are kept, those over `beta_slow` are divided by `factor`,
+    a linear ramp between; the attention logits are scaled by (0.1 x mscale_all_dim x ln(factor)
+    + 1)^2 (MLA's softmax scale) and cos/sin by mscale's ratio to mscale_all_dim's."""
+
+    factor: float = 40.0
+    original_max_position_embeddings: int = 4096
+    beta_fast: float = 32.0
+    beta_slow: float = 1.0
+    mscale: float = 1.0
+    mscale_all_dim: float = 1.0
+    truncate: bool = True  # the ramp's ends rounded to whole channels (transformers' default)
+
+    @staticmethod
+    def gain(factor: float, mscale: float) -> float:
+        """YaRN's magnitude factor (DeepSeek's `yarn_get_mscale`)."""
+        return 1.0 if factor <= 1 else 0.1 * mscale * math.log(factor) + 1.0
+
+    @property
+    def softmax_gain(self) -> float:
+        """The factor on the attention logits (DeepSeek's softmax scale times mscale^2)."""
+        return self.gain(self.factor, self.mscale_all_dim) ** 2 if self.mscale_all_dim else 1.0
+
+    @property
+    def rope_gain(self) -> float:
+        """The factor on cos and sin (transformers' `attention_scaling`)."""
+        if self.mscale and self.mscale_all_dim:
+            return self.gain(self.factor, self.mscale) / self.gain(self.factor,
+                                                                   self.mscale_all_dim)
+        return self.gain(self.factor, 1.0)
+
+
+# As released: DeepSeek-V3 (and R1, V3.1) and Kimi K2 (config.json's rope_scaling).
+DEEPSEEK_V3_YARN = YarnScaling()
+KIMI_K2_YARN = YarnScaling(factor=32.0, beta_fast=1.0, beta_slow=1.0)
+LLAMA3_ROPE_SCALING = RopeScaling()  # as released with Llama-3.2 1B/3B
+LLAMA31_ROPE_SCALING = RopeScaling(factor=8.0)  # as released with Llama-3.1 8B/70B/405B
