@@ -135,6 +135,10 @@ def test_a_scaled_rope_folder_loads_only_as_yarn_and_only_into_its_flavor(tmp_pa
                             "mscale_all_dim": 1.0, "original_max_position_embeddings": 4096,
                             "type": "yarn"}}
     check_hf_config(cfg, FLAVORS["deepseek-v3-671b"], str(tmp_path), "deepseek-v3-671b")
+    # transformers 4.x would take 65536 / 4096 = 16 as the factor, 5.x 40: refused
+    cfg["max_position_embeddings"] = 65536
+    with pytest.raises(ConfigError, match="transformers 4.x takes as the factor"):
+        check_hf_config(cfg, FLAVORS["deepseek-v3-671b"], str(tmp_path), "deepseek-v3-671b")
     cfg = {"model_type": "deepseek_v3", "rms_norm_eps": 1e-6, "rope_theta": 1e4,
            "rope_interleave": False}
     with pytest.raises(ConfigError, match="rope_interleave = false"):
@@ -284,12 +288,19 @@ def test_the_released_yarn_is_the_flavors_and_none_drops_it():
     from trainer.models.args import DEEPSEEK_V3_YARN, KIMI_K2_YARN
     from trainer.models.attention import attention_args
 
-    base = ["--job.config_file", str(REPO / "configs" / "kimi_k2.toml")]
-    for extra, want in (([], KIMI_K2_YARN), (["--model.rope_scaling", "none"], None)):
+    base = ["--job.config_file", str(REPO / "configs" / "kimi_k2.toml")]  # pretrains: none
+    for extra, want in (([], None), (["--model.rope_scaling", "flavor"], KIMI_K2_YARN)):
         cfg = load_config([*base, *extra])
         got = model_args(cfg.model.flavor, **attention_args(cfg.model, "cuda")).rope_scaling
         assert got == want
     assert FLAVORS["deepseek-v3-671b"].rope_scaling == DEEPSEEK_V3_YARN
+    # the released config.json values (Kimi K2: factor 32, beta_fast and beta_slow 1)
+    released = {"deepseek-v3-671b": (40.0, 4096, 32.0, 1.0, 1.0, 1.0),
+                "kimi-k2": (32.0, 4096, 1.0, 1.0, 1.0, 1.0)}
+    for flavor, want in released.items():
+        y = FLAVORS[flavor].rope_scaling
+        assert (y.factor, y.original_max_position_embeddings, y.beta_fast, y.beta_slow,
+                y.mscale, y.mscale_all_dim) == want, flavor
     assert DEEPSEEK_V3_YARN.softmax_gain == pytest.approx((0.1 * math.log(40) + 1) ** 2)
 
 

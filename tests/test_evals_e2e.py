@@ -32,7 +32,8 @@ def task_file(tmp_path_factory):
     return str(path)
 
 
-def test_evals_logged_at_the_configured_steps_and_equal_on_1_and_2_ranks(task_file, tmp_path):
+def test_evals_logged_at_the_configured_steps_and_equal_on_1_and_2_ranks_and_under_cp(
+        task_file, tmp_path):
     two = run_train(tmp_path / "two", *eval_args(task_file), "--training.steps", "4")
     for tag in TAGS:
         values = scalars(tmp_path / "two", tag)
@@ -43,9 +44,15 @@ def test_evals_logged_at_the_configured_steps_and_equal_on_1_and_2_ranks(task_fi
     lines = [ln for ln in two.stdout.splitlines() if ln.startswith("eval: step")]
     assert len(lines) == 2 and "stdlib_next_line acc " in lines[0] and "tiny acc " in lines[0]
     one = run_train(tmp_path / "one", *eval_args(task_file), "--training.steps", "2", nproc=1)
+    # context parallel 2: each cp rank scores its share of every request (widths padded to
+    # 2 x cp chunks), the sums added over cp
+    cp = run_train(tmp_path / "cp", *eval_args(task_file), "--training.steps", "2",
+                   "--parallelism.context_parallel_degree", "2")
+    assert "each cp rank scores its share of every request" in cp.stdout
     for tag in TAGS:
-        assert scalars(tmp_path / "one", tag)[2] == pytest.approx(
-            scalars(tmp_path / "two", tag)[2], abs=1e-6), tag
+        for other in ("two", "cp"):
+            assert scalars(tmp_path / "one", tag)[2] == pytest.approx(
+                scalars(tmp_path / other, tag)[2], abs=1e-6), (tag, other)
 
 
 def test_missing_task_file_is_one_line_before_training(tmp_path):

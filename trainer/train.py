@@ -193,7 +193,7 @@ def build_checks(cfg: JobConfig, parallel_dims: ParallelDims, loader, device):
     validator = agree_on_user_errors(Validator, cfg, train_loader=loader, log=log0,
                                      context=split, **shard) if cfg.validation.enable else None
     evaluator = agree_on_user_errors(Evaluator, cfg, tokenizer_path=loader.tokenizer_path,
-                                     **shard) if cfg.eval.enable else None
+                                     context=split, **shard) if cfg.eval.enable else None
     return validator, evaluator
 
 

@@ -30,8 +30,9 @@ from trainer.evals.tasks import load_tasks
 
 class Evaluator:
     def __init__(self, cfg, *, tokenizer_path: str, dp_rank: int, dp_size: int, dp_group,
-                 device: torch.device, loss_fn):
-        """`loss_fn`: the chunked head's loss (trainer.models.loss.scoring_loss)."""
+                 device: torch.device, loss_fn, context=None):
+        """`loss_fn`: the chunked head's loss (trainer.models.loss.scoring_loss); `context`:
+        context parallelism's split: each cp rank scores its share of every request."""
         from trainer.data.tokenizer import load_tokenizer
 
         e = cfg.eval
@@ -41,6 +42,7 @@ class Evaluator:
         self.freq, self.batch, self.device, self.loss_fn = e.freq, e.local_batch_size, device, \
             loss_fn
         self.dp_rank, self.dp_size, self.dp_group = dp_rank, dp_size, dp_group
+        self.context = context
         self.tasks = load_tasks(e)
         tokenizer = load_tokenizer(tokenizer_path)
         self.pad_id = max(tokenizer.pad_id, 0)
@@ -54,8 +56,9 @@ class Evaluator:
         tasks = ", ".join(f"{t.name} ({len(t.examples)} examples, {len(r)} sequences)"
                           for t, r in zip(self.tasks, self.requests))
         passes = sum(-(-len(b) // self.dp_size) for b in self.blocks)
+        split = "; each cp rank scores its share of every request" if self.context else ""
         return (f"eval: {tasks} every {self.freq} steps and at the last step ({passes} forward "
-                f"passes of <= {self.batch} per rank)")
+                f"passes of <= {self.batch} per rank{split})")
 
     def due(self, step: int, last: bool) -> bool:
         return step % self.freq == 0 or last
@@ -86,11 +89,12 @@ class Evaluator:
         for p in range(-(-len(blocks) // self.dp_size)):
             k = p * self.dp_size + self.dp_rank
             if k >= len(blocks):  # padding: the same forward count on every rank
-                padding_pass(model, self.device, self.loss_fn, self.pad_id, self.batch)
+                padding_pass(model, self.device, self.loss_fn, self.pad_id, self.batch,
+                             self.context)
                 continue
             idx = blocks[k]
             scores = score_batch(model, [reqs[i] for i in idx], self.device, self.loss_fn,
-                                 self.pad_id, self.batch)
+                                 self.pad_id, self.batch, self.context)
             lls[torch.from_numpy(idx + base).to(self.device)] = scores
 
 

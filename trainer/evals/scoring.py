@@ -75,14 +75,31 @@ def build_requests(task, tokenizer, seq_len: int, add_bos: bool) -> list[Request
 
 
 def forward_one_document(model, inputs: torch.Tensor, labels: torch.Tensor,
-                         loss_fn) -> torch.Tensor:
+                         loss_fn, context=None) -> torch.Tensor:
     """The summed loss of each row (`RowLoss`), rows that are each one document (a request,
     or a padding pass): a model with block_causal attention or document positions is told
-    so (document 0 everywhere)."""
+    so (document 0 everywhere). `context`: context parallelism's split (trainer/parallel/
+    context_parallel.py): each cp rank scores its share of every row, summed over cp."""
     row_loss = RowLoss(loss_fn)
-    if getattr(model, "uses_documents", False):
-        return model(inputs, labels, row_loss, doc_ids=torch.zeros_like(inputs))
+    doc_ids = torch.zeros_like(inputs) if getattr(model, "uses_documents", False) else None
+    if context is not None:
+        import torch.distributed as dist
+
+        split = context.for_width(inputs.shape[1])
+        local, local_labels, positions = split.split(inputs, labels, doc_ids)
+        rows = model(local, local_labels, row_loss, positions=positions,
+                     attention=split.attention(doc_ids))
+        dist.all_reduce(rows, group=split.group)
+        return rows
+    if doc_ids is not None:
+        return model(inputs, labels, row_loss, doc_ids=doc_ids)
     return model(inputs, labels, row_loss)
+
+
+def width_multiple(model, context=None) -> int:
+    """What an eval forward's width must be a multiple of: the tp ranks' sequence shards
+    (`sequence_multiple`), times the 2 x cp chunks of context parallelism's split."""
+    return getattr(model, "sequence_multiple", 1) * (2 * context.cp if context else 1)
 
 
 FLEX_MIN_WIDTH = 128  # FlexAttention's tile
@@ -97,32 +114,34 @@ def fixed_shapes(model) -> bool:
         getattr(model, "uses_documents", False)
 
 
-def eval_shape(model, rows: int, width: int, batch: int | None) -> tuple[int, int]:
-    """(rows, width) of an eval forward: as given, or for `fixed_shapes` models the eval batch
+def eval_shape(model, rows: int, width: int, batch: int | None,
+               multiple: int | None = None) -> tuple[int, int]:
+    """(rows, width) of an eval forward: as given (the width rounded up to `multiple`, default
+    `width_multiple`), or for `fixed_shapes` models the eval batch
     `batch` and the width rounded up to a power of two of at least 128 (at most the model's
     max_seq_len): <= 7 widths up to 8192, within torch's 8 recompiles. Rows and positions
     added are padding: causal attention and the ignored labels leave every real score alone."""
+    multiple = multiple or width_multiple(model)
     if not fixed_shapes(model):
-        return rows, width
+        return rows, -(-width // multiple) * multiple
     bucket = max(FLEX_MIN_WIDTH, 1 << (width - 1).bit_length())
-    multiple = getattr(model, "sequence_multiple", 1)
     cap = -(-max(model.args.max_seq_len, width) // multiple) * multiple
     return max(rows, batch or rows), min(-(-bucket // multiple) * multiple, cap)
 
 
 @torch.no_grad()
 def score_batch(model, requests: list[Request], device, loss_fn,
-                pad_id: int = 0, batch: int | None = None) -> torch.Tensor:
+                pad_id: int = 0, batch: int | None = None, context=None) -> torch.Tensor:
     """Summed continuation log-likelihood of each request, float64 [len(requests)]: minus the
     cross-entropy of its continuation's tokens, through the chunked head (`loss_fn`,
     trainer.models.loss.scoring_loss: one chunk of logits at a time). The batch is
     right-padded to its longest input (causal attention: padding changes no real logit),
     rounded up to the model's `sequence_multiple` (sequence parallelism shards the sequence
     evenly over the tp ranks); for a model compiled per shape, to `eval_shape` (`batch`: the
-    eval batch, padding rows added)."""
-    multiple = getattr(model, "sequence_multiple", 1)
-    width = -(-max(len(r.tokens) - 1 for r in requests) // multiple) * multiple
-    rows, width = eval_shape(model, len(requests), width, batch)
+    eval batch, padding rows added); under context parallelism (`context`) to 2 x cp chunks."""
+    multiple = width_multiple(model, context)
+    width = max(len(r.tokens) - 1 for r in requests)
+    rows, width = eval_shape(model, len(requests), width, batch, multiple)
     inputs = torch.full((rows, width), pad_id, dtype=torch.long)
     targets = torch.zeros((rows, width), dtype=torch.long)
     mask = torch.zeros((rows, width), dtype=torch.bool)
@@ -132,16 +151,20 @@ def score_batch(model, requests: list[Request], device, loss_fn,
         targets[i, :n] = torch.tensor(r.tokens[1:])
         mask[i, n - r.n_cont:n] = True
     labels = torch.where(mask, targets, IGNORE_INDEX)  # only the continuation is scored
-    cross_entropy = forward_one_document(model, inputs.to(device), labels.to(device), loss_fn)
+    cross_entropy = forward_one_document(model, inputs.to(device), labels.to(device), loss_fn,
+                                         context)
     return -cross_entropy[:len(requests)].double()
 
 
-def padding_pass(model, device, loss_fn, pad_id: int = 0, batch: int | None = None) -> None:
+def padding_pass(model, device, loss_fn, pad_id: int = 0, batch: int | None = None,
+                 context=None) -> None:
     """A forward that scores nothing: ranks with fewer batches run it so that every rank
     makes the same collectives (FSDP's all-gathers)."""
-    inputs = torch.full(eval_shape(model, 1, 1, batch), pad_id, dtype=torch.long, device=device)
+    shape = eval_shape(model, 1, 1, batch, width_multiple(model, context))
+    inputs = torch.full(shape, pad_id, dtype=torch.long, device=device)
     with torch.no_grad():
-        forward_one_document(model, inputs, torch.full_like(inputs, IGNORE_INDEX), loss_fn)
+        forward_one_document(model, inputs, torch.full_like(inputs, IGNORE_INDEX), loss_fn,
+                             context)
 
 
 def choice_metrics(lls: np.ndarray, examples) -> dict[str, float]:

@@ -132,7 +132,6 @@ class Validator:
                 out.update(_loss_and_perplexity(f"validation_metrics/{name}", sums[i]))
         return out
 
-
     def _score(self, model, inputs, labels, doc_ids) -> tuple[torch.Tensor, torch.Tensor]:
         """(the summed loss of the pass's tokens on this rank, their labels)."""
         if self.context is None:

@@ -77,6 +77,14 @@ def deepseek_config(args: ModelArgs) -> dict:
             "topk_method": "noaux_tc"}
 
 
+def yarn_ratio(s: dict, cfg: dict) -> float | None:
+    """max_position_embeddings / original_max_position_embeddings, which transformers 4.x
+    takes as YaRN's factor whenever the original is given (5.x only where factor is not)."""
+    original, longest = s.get("original_max_position_embeddings"), \
+        cfg.get("max_position_embeddings")
+    return longest / original if original and longest else None
+
+
 def unsupported(cfg: dict) -> str | None:
     """Why a deepseek_v3 config.json cannot be loaded exactly here, or None."""
     rope = cfg.get("rope_scaling") or cfg.get("rope_parameters") or {}
@@ -84,6 +92,12 @@ def unsupported(cfg: dict) -> str | None:
     if kind not in ("default", "yarn"):
         return (f"its RoPE is {kind!r}-scaled, which this trainer does not implement for MLA "
                 "(plain RoPE and YaRN, as DeepSeek-V3 and Kimi K2 are released)")
+    ratio = yarn_ratio(rope, cfg) if kind == "yarn" else None
+    if ratio and rope.get("factor") and abs(ratio - float(rope["factor"])) > 1e-6:
+        return (f"its YaRN factor {rope['factor']} is not max_position_embeddings / "
+                f"original_max_position_embeddings = {ratio:g}, which transformers 4.x takes "
+                "as the factor instead (5.x takes `factor`): the two would build different "
+                "models")
     if kind == "yarn" and rope.get("attention_factor") is not None:
         return ("its YaRN sets attention_factor, which DeepSeek's releases do not (they set "
                 "mscale and mscale_all_dim); this trainer derives the factor from those")

@@ -205,8 +205,8 @@ def hf_config(args: ModelArgs, *, dtype: str, bos_id: int | None, eos_id: int | 
                                "beta_fast": s.beta_fast, "beta_slow": s.beta_slow,
                                "mscale": s.mscale, "mscale_all_dim": s.mscale_all_dim,
                                "truncate": s.truncate}
-        cfg["max_position_embeddings"] = max(
-            args.max_seq_len, int(s.original_max_position_embeddings * s.factor))
+        # exactly original x factor: transformers 4.x takes the factor from this ratio
+        cfg["max_position_embeddings"] = int(s.original_max_position_embeddings * s.factor)
     elif s is not None:
         cfg["rope_scaling"] = {"rope_type": "llama3", "factor": s.factor,
                                "low_freq_factor": s.low_freq_factor,
@@ -294,7 +294,9 @@ def check_hf_config(cfg: dict, args: ModelArgs, folder: str, flavor: str) -> Non
         if value != ours[key]:
             raise ConfigError(f"{folder}/config.json does not fit model.flavor = {flavor!r}: "
                               f"{key} is {value} there and {ours[key]} here; choose the flavor "
-                              "the checkpoint was made with")
+                              "the checkpoint was made with"
+                              + (" (and model.rope_scaling = 'flavor')"
+                                 if key == "rope_scaling" and value else ""))
 
 
 def _scaling_tuple(s: dict, cfg: dict):
@@ -303,8 +305,9 @@ def _scaling_tuple(s: dict, cfg: dict):
     if kind == "default":
         return None
     if kind == "yarn":
-        return ("yarn", float(s["factor"]), int(s.get("original_max_position_embeddings")
-                                                or cfg.get("max_position_embeddings", 0)),
+        original = int(s.get("original_max_position_embeddings")
+                       or cfg.get("max_position_embeddings", 0))
+        return ("yarn", float(s.get("factor") or deepseek.yarn_ratio(s, cfg) or 0.0), original,
                 float(s.get("beta_fast") or 32.0), float(s.get("beta_slow") or 1.0),
                 float(s.get("mscale") or 0.0), float(s.get("mscale_all_dim") or 0.0),
                 bool(s.get("truncate", True)))

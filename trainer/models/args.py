@@ -37,18 +37,6 @@ class MoEArgs:
     n_group: int = 1
     topk_group: int = 1
 
-    def mtp_export_problem(self) -> str | None:
-        """Why a Hugging Face export or import cannot hold this model's MTP modules, or None
-        (DeepseekV3ForCausalLM leaves them out by design: trainer/hf/deepseek.py)."""
-        if not self.mtp_layers or self.mla is not None:
-            return None
-        hf_class = "Qwen3MoeForCausalLM" if self.moe is not None else "LlamaForCausalLM"
-        return (f"model.mtp_layers = {self.mtp_layers}, but {hf_class} has no multi-token "
-                "prediction modules, so an export would hold a different model than the one "
-                "trained (the DCP checkpoints keep them): train with model.mtp_layers = 0 to "
-                "exchange this model with Hugging Face, or use a deepseek_v3 flavor (its "
-                "export leaves the MTP modules out, which DeepseekV3ForCausalLM never runs)")
-
     def is_moe_layer(self, layer_id: int) -> bool:
         """Qwen3-MoE's rule ((i + 1) % step == 0) after the first dense layers."""
         return layer_id >= self.first_dense_layers and (layer_id + 1) % self.sparse_step == 0

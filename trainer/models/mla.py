@@ -9,7 +9,7 @@ through their own low-rank path (`wq_a`, `q_a_norm`, `wq_b`), or one projection 
 query/key width (nope + rope: 192 at full size) differs from its value width (128): the
 softmax scale is 1 / sqrt(query/key width), SDPA's default for these shapes, times YaRN's
 mscale^2 where the RoPE is YaRN-scaled (DeepSeek-V3 and Kimi K2 as released: 1.874 and
-1.815), applied to the queries. Which kernel takes such heads: on CUDA cuDNN or the
+1.813), applied to the queries. Which kernel takes such heads: on CUDA cuDNN or the
 memory-efficient one (flash needs equal widths; the startup summary names the one that
 runs), and FlexAttention for block_causal; on the CPU the values are zero-padded to the
 query width for the flash kernel and the padding sliced off (exact: trainer/models/

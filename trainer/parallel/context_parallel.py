@@ -25,7 +25,9 @@ The cp ranks of a dp rank read the same samples; each keeps its share of every s
   backward the cp ranks add their losses, so every rank reports its dp rank's whole loss and
   the loop, the guard and the logs are unchanged.
 - **Checkpoints** hold nothing of CP: any checkpoint resumes at any cp. Validation and evals
-  run whole sequences on every rank (exact; not yet split).
+  split their sequences too (`ContextSplit.for_width`: an eval's width is padded to 2 x cp
+  chunks), each cp rank scoring its share, the sums added over cp; under PP x CP their
+  forward-only passes take the whole samples on every cp rank.
 """
 
 from __future__ import annotations
@@ -114,7 +116,7 @@ class ContextAttention:
             self._additive.masked_fill_(~self.mask, float("-inf"))
         return F.scaled_dot_product_attention(q, k, v, attn_mask=self._additive, enable_gqa=gqa)
 
-    @torch.compiler.disable(recursive=False)  # also called from a block (MLA's latents)
+    @torch.compiler.disable  # also called from a block (MLA's latents); no compiled kernel
     def gather(self, t: torch.Tensor) -> torch.Tensor:
         """[b, local, h, d] from every cp rank -> [b, seq, h, d] in sequence order; the
         backward reduce-scatters the gradient in fp32."""
@@ -172,6 +174,7 @@ class ContextSplit:
 
     def __init__(self, cp_mesh, seq_len: int, device: torch.device, model_cfg):
         self.cp, self.group = cp_mesh.size(), cp_mesh.get_group()
+        self._remake, self._widths = (cp_mesh, device, model_cfg), {seq_len: self}
         rank = cp_mesh.get_local_rank()
         self.index = to_device(head_tail_index(seq_len, self.cp, rank), device)
         order = torch.cat([head_tail_index(seq_len, self.cp, r) for r in range(self.cp)])
@@ -179,6 +182,12 @@ class ContextSplit:
         self.block_causal = model_cfg.attn_mask_type == "block_causal"
         self.document_positions = model_cfg.positions == "document"
         self.kernel = kernel(device.type, model_cfg.attn_implementation)
+
+    def for_width(self, width: int) -> "ContextSplit":
+        """The split of sequences `width` long (evals: a multiple of 2 x cp), made once."""
+        if width not in self._widths:
+            self._widths[width] = ContextSplit(self._remake[0], width, *self._remake[1:])
+        return self._widths[width]
 
     def describe(self) -> str:
         return (f"context parallel: cp {self.cp}, each sequence cut into {2 * self.cp} chunks "

@@ -91,9 +91,9 @@ def build_forward_backward(model: torch.nn.Module, loss_fn: Loss, cfg, *, parall
 
 
 def forward_only_split(cfg, *, parallel_dims, device: torch.device):
-    """Context parallelism's split for forward-only passes (validation: each cp rank scores
-    its share of every sequence, trainer/evals/validate.py), or None: cp 1, or a pipeline
-    (whose stages take the whole samples in a forward-only call)."""
+    """Context parallelism's split for forward-only passes (validation and evals: each cp rank
+    scores its share of every sequence, trainer/evals/), or None: cp 1, or a pipeline (whose
+    stages take the whole samples in a forward-only call)."""
     if not parallel_dims.cp_enabled or parallel_dims.pp_enabled:
         return None
     return ContextSplit(parallel_dims.cp_mesh, cfg.training.seq_len, device, cfg.model)
