@@ -312,6 +312,11 @@ def moe_runs(tmp_path_factory):
                                                "2")),
                                ("ep2_ac", 2, (EP, "2", *OP_AC,
                                               "--training.gradient_accumulation_sync", "every")),
+                               # each cp rank routes its sequence shard; the aux statistics
+                               # summed over cp (x tp), the experts sharded over efsdp x cp
+                               ("cp2_ep2", 4, (EP, "2", CP, "2")),
+                               ("cp2_tp2", 4, (CP, "2", "--parallelism.tensor_parallel_degree",
+                                               "2")),
                                # stage 0 of the pp run holds only the dense layer 0
                                ("ref_no_aux", 1, NO_AUX),
                                ("pp2_dense_stage", 2, (*NO_AUX, PP, "2", SPLIT, "layers.1",
@@ -329,13 +334,14 @@ SPLIT = "--parallelism.pipeline_parallel_split_points"
 
 
 EP = "--parallelism.expert_parallel_degree"
+CP = "--parallelism.context_parallel_degree"
 REPLICAS = "--parallelism.data_parallel_replicate_degree"
 OP_AC = ("--activation_checkpoint.mode", "selective", "--activation_checkpoint.selective_ac_option",
          "op")
 
 
 @pytest.mark.parametrize("name", ["fsdp2", "hsdp", "ep2_fsdp2", "ep4", "hsdp2_ep2", "tp2_ep2",
-                                  "ep2_ac"])
+                                  "ep2_ac", "cp2_ep2", "cp2_tp2"])
 def test_moe_trains_as_one_rank_with_balancing_and_aux_losses(moe_runs, name):
     """FSDP 2, 2 replicas, and on 4 ranks EP 2 x FSDP 2, EP 4, HSDP 2 x EP 2 and TP 2 x EP 2
     (attention and the dense block tensor parallel, the MoE blocks not split), and EP 2 on 2
@@ -354,9 +360,14 @@ def test_moe_trains_as_one_rank_with_balancing_and_aux_losses(moe_runs, name):
         assert all(abs(have[s] - want[s]) <= 1e-4 * max(1.0, abs(want[s])) for s in want), tag
     assert scalars(ref, "moe/layer_1/load_imbalance")[1] > 1.0
     key = "model_optim.model.layers.2.feed_forward.router.expert_bias"
-    bias = load_dcp_tensors(got / "checkpoint" / "step-5")[key]
-    assert bias.abs().max() > 0
-    torch.testing.assert_close(bias, load_dcp_tensors(ref / "checkpoint" / "step-5")[key])
+    mine, theirs = (load_dcp_tensors(run / "checkpoint" / "step-5") for run in (got, ref))
+    assert mine[key].abs().max() > 0
+    torch.testing.assert_close(mine[key], theirs[key])
+    # The routers, whose gradients carry the aux losses: AdamW magnifies a mis-scaled aux
+    # gradient (an aux over cp ranks counted 1/cp: 16% off after 5 steps) that the losses
+    # and gradient norms show only at 1e-5.
+    for k in [k for k in theirs if k.startswith("model_optim.model.") and "router.gate" in k]:
+        torch.testing.assert_close(mine[k], theirs[k], rtol=1e-4, atol=1e-4 * theirs[k].abs().max())
 
 
 def test_a_pipeline_stage_without_moe_layers_trains_as_one_rank(moe_runs):

@@ -195,13 +195,6 @@ def check_moe(cfg: JobConfig) -> None:
     if hf and not flavor.hf_exportable and FLAVORS[cfg.model.flavor].mla is None:
         raise ConfigError(f"checkpoint.{hf[0]} = true, but model.flavor {cfg.model.flavor!r} "
                           f"has {flavor.NO_HF}")
-    if par.context_parallel_degree > 1 and (ep > 1 or cfg.moe.aux_loss_weight
-                                            or cfg.moe.router_z_loss_weight):
-        raise ConfigError(f"model.flavor {cfg.model.flavor!r} (mixture of experts) runs under "
-                          "context parallelism with expert_parallel_degree = 1 and the "
-                          "aux-loss-free balancing only (moe.aux_loss_weight and "
-                          "moe.router_z_loss_weight 0), not yet with expert parallelism or "
-                          "the aux losses")
     model_args(cfg.model.flavor, moe_config=cfg.moe).validate()  # experts, groups
     if par.pipeline_parallel_degree > 1 and (cfg.moe.aux_loss_weight or
                                              cfg.moe.router_z_loss_weight):

@@ -140,9 +140,13 @@ class MoE(nn.Module):
         # (routed rows sorted by expert, counts [E], experts) -> their outputs, the same rows:
         # set by trainer/parallel/expert_parallel.py, where the experts live on other ranks.
         self.dispatcher = None
-        # Under tensor parallelism each tp rank routes its own sequence shard (trainer/parallel/
-        # tp.py): the group whose shards make up the microbatch, for the aux losses' sums.
+        # Under tensor and context parallelism each rank routes its own sequence shard
+        # (trainer/parallel/tp.py, parallelize.py): the group whose shards make up the
+        # microbatch, for the aux losses' sums; and the ranks among them whose router
+        # gradients are summed rather than averaged (tp: `sum_partial_grads`; cp ranks are
+        # averaged by FSDP like dp ranks, under a backward loss scaled by cp).
         self.token_group = None
+        self.aux_shards = 1
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
@@ -178,8 +182,7 @@ class MoE(nn.Module):
         if self.training and torch.is_grad_enabled():
             aux = self._aux(probs, logits, slots)
             if aux is not None:  # under TP every tp rank holds the same aux: 1/tp of it each
-                shards = 1 if self.token_group is None else self.token_group.size()
-                y = _AttachAux.apply(y, aux, self.aux_scale / shards)
+                y = _AttachAux.apply(y, aux, self.aux_scale / self.aux_shards)
         return y.reshape(shape)
 
     def _aux(self, probs, logits, slots) -> None:

@@ -41,6 +41,7 @@ from trainer.health import faults, heartbeat
 from trainer.models.attention import (_compiled_create_block_mask, _compiled_flex,
                                       document_positions)
 from trainer.models.loss import Loss
+from trainer.models.moe import set_aux_scale, take_aux_loss
 from trainer.parallel.fsdp import set_gradient_sync
 from trainer.parallel.seam import Losses
 from trainer.parallel.tp import sum_partial_grads
@@ -225,7 +226,8 @@ class ContextParallelLoop:
         log0(self.split.describe())
 
     def __call__(self, batches, global_tokens: torch.Tensor, step: int) -> Losses:
-        loss_sum = torch.zeros((), device=self.device)
+        loss_sum, aux = torch.zeros((), device=self.device), None
+        set_aux_scale(self.model, 1.0 / len(batches))  # MoE's aux losses: microbatch means
         for i, (inputs, labels) in enumerate(batches):
             set_gradient_sync(self.model, self.sync_mode, is_last=i == len(batches) - 1)
             inputs, labels = to_device(inputs, self.device), to_device(labels, self.device)
@@ -241,13 +243,16 @@ class ContextParallelLoop:
             if i == 0:
                 faults.armed().first_forward(step)  # a testing hook; nothing unless asked
             heartbeat.phase("backward")
+            extra = take_aux_loss(self.model)  # the same on every cp rank (summed statistics)
+            if extra is not None:
+                aux = extra / len(batches) if aux is None else aux + extra / len(batches)
             (loss * self.dp_size * self.cp).backward()
             loss_sum += loss.detach()
         sum_partial_grads(self.model)  # tp ranks' shares of the MoE gradients (tp.py)
         z_loss, mtp = self.loss_fn.take_z_loss(), self.loss_fn.take_mtp_loss()
         # Every cp rank reports its dp rank's whole loss, as without CP.
         loss_sum, z_loss, mtp = sum_over_cp(loss_sum, z_loss, self.group, mtp)
-        return Losses(loss_sum, z_loss, None, None if mtp is None else mtp / global_tokens)
+        return Losses(loss_sum, z_loss, aux, None if mtp is None else mtp / global_tokens)
 
 
 def sum_over_cp(loss: torch.Tensor, z_loss, group, mtp=None):

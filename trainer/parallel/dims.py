@@ -151,7 +151,14 @@ class ParallelDims:
         if self.cp_enabled:
             self._shard_mesh = self.world_mesh["dp_shard", "cp"]._flatten(
                 mesh_dim_name="dp_shard_cp")
+        self._flatten_cp_tp()
         return self.world_mesh
+
+    def _flatten_cp_tp(self) -> None:
+        """cp x tp as one group (`token_group`), made on every rank with the mesh: a group is
+        created collectively, never lazily."""
+        if self.cp_enabled and self.tp_enabled:
+            self._cp_tp = self.world_mesh["cp", "tp"]._flatten(mesh_dim_name="cp_tp")
 
     def _build_ep_mesh(self, device_type: str):
         """The 6-D mesh `("pp", "dp_replicate", "efsdp", "ep", "cp", "tp")` with `dp_shard` =
@@ -166,6 +173,14 @@ class ParallelDims:
         self.dp_mesh = self.world_mesh["dp_replicate", "efsdp", "ep"]._flatten(
             mesh_dim_name="dp")
         self._shard_mesh = self.world_mesh["efsdp", "ep"]._flatten(mesh_dim_name="dp_shard")
+        self._expert_mesh = self.world_mesh["efsdp"]
+        if self.cp_enabled:  # FSDP over the cp ranks too: the dense over dp_shard x cp, the
+            # experts (each cp rank routes its own sequence shard) over efsdp x cp
+            self._shard_mesh = self.world_mesh["efsdp", "ep", "cp"]._flatten(
+                mesh_dim_name="dp_shard_cp")
+            self._expert_mesh = self.world_mesh["efsdp", "cp"]._flatten(
+                mesh_dim_name="efsdp_cp")
+        self._flatten_cp_tp()
         return self.world_mesh
 
     @property
@@ -174,10 +189,31 @@ class ParallelDims:
 
     @property
     def expert_fsdp_mesh(self):
-        """What `fully_shard` takes for the experts under ep: `efsdp`, or (dp_replicate,
-        efsdp) with replicas."""
-        return (self.world_mesh["dp_replicate", "efsdp"] if self.hsdp
-                else self.world_mesh["efsdp"])
+        """What `fully_shard` takes for the experts under ep: `efsdp` (x cp), or
+        (dp_replicate, efsdp (x cp)) with replicas."""
+        if not self.hsdp:
+            return self._expert_mesh
+        import warnings
+
+        with warnings.catch_warnings():  # as in fsdp_mesh
+            warnings.filterwarnings("ignore", message="Slicing a flattened dim from root mesh")
+            return self.world_mesh["dp_replicate", "efsdp_cp" if self.cp_enabled else "efsdp"]
+
+    @property
+    def expert_grad_divisor(self) -> int:
+        """What the experts' reduced gradients are divided by: every rank's tokens reach them
+        (the all-to-all's backward), and the backward loss is scaled by dp (x cp)."""
+        return self.dp_size * self.cp
+
+    @property
+    def token_group(self):
+        """The ranks whose shards make up one microbatch's tokens (MoE's aux losses sum their
+        statistics over it): cp x tp, cp or tp; None when neither splits the sequence."""
+        if self.cp_enabled and self.tp_enabled:
+            return self._cp_tp.get_group()
+        if self.cp_enabled or self.tp_enabled:
+            return self.world_mesh["cp" if self.cp_enabled else "tp"].get_group()
+        return None
 
     @property
     def fsdp_mesh(self):

@@ -30,6 +30,7 @@ from torch.utils.checkpoint import (CheckpointPolicy, checkpoint,
 from trainer.parallel.expert_parallel import apply_ep
 from trainer.parallel.float8 import apply_float8
 from trainer.models.llama import Transformer
+from trainer.models.moe import moe_layers
 from trainer.parallel.fsdp import DTYPE, apply_fsdp, set_gradient_sync  # noqa: F401  (re-exported)
 from trainer.parallel.pipeline import split_model
 from trainer.parallel import recompute
@@ -159,6 +160,9 @@ def shard_model(model: Transformer, parallel_dims, cfg, *, device: torch.device,
         apply_tp(model, parallel_dims.tp_mesh,
                  float8_tensorwise=cfg.float8.enable and cfg.float8.recipe == "tensorwise",
                  async_tp=cfg.parallelism.enable_async_tensor_parallel)
+    if parallel_dims.cp_enabled:  # each cp rank routes its own sequence shard
+        for moe in moe_layers(model).values():
+            moe.token_group = parallel_dims.token_group  # the aux losses' statistics
     if cfg.activation_checkpoint.mode != "none":
         ac = cfg.activation_checkpoint
         apply_ac(model, ac.mode, ac.selective_ac_option, ac.selective_op_matmuls)
@@ -180,7 +184,7 @@ def shard_model(model: Transformer, parallel_dims, cfg, *, device: torch.device,
                    # run rejects offload (trainer.config.job), tests use it unpinned on CPU.
                    offload=(CPUOffloadPolicy(pin_memory=device.type == "cuda") if offload
                             else None),
-                   experts=((parallel_dims.expert_fsdp_mesh, parallel_dims.dp_size)
+                   experts=((parallel_dims.expert_fsdp_mesh, parallel_dims.expert_grad_divisor)
                             if parallel_dims.ep_enabled else None))
     return model
 

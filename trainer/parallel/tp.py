@@ -154,7 +154,7 @@ def _moe_style(moe, tp_mesh, model):
     saved activations. Its parameters are replicated over tp, each rank's gradient holds its
     own tokens' part, and `sum_partial_grads` adds them up once per step. The aux losses sum
     their statistics over the tp ranks first, so they are the whole microbatch's."""
-    moe.token_group = tp_mesh.get_group()
+    moe.token_group, moe.aux_shards = tp_mesh.get_group(), tp_mesh.size()
     partial = model.__dict__.setdefault("_tp_partial", [tp_mesh.get_group(), []])
     partial[1].append(moe)  # the module: FSDP replaces its parameters afterwards
     return PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Shard(1),),
