@@ -89,7 +89,7 @@ def all_to_all_volume(cfg, a: ModelArgs, pd, accum: int) -> float:
     if pd.ep == 1 or a.moe is None:
         return 0.0
     p, t = FP32 if cfg.training.mixed_precision_param == "float32" else 2, cfg.training  # auto: bf16 on GPUs
-    tokens = t.local_batch_size * t.seq_len // pd.tp  # under TP: this rank's sequence shard
+    tokens = t.local_batch_size * t.seq_len // (pd.tp * pd.cp)  # this rank's sequence shard
     one_way = a.moe.top_k * tokens * a.dim * p * (pd.ep - 1) / pd.ep
     ac = cfg.activation_checkpoint
     replay = 1 if ac.mode == "full" else 0  # op-level SAC keeps the all-to-all outputs

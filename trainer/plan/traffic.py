@@ -30,7 +30,8 @@ DIMS = ("tp", "cp", "dp_shard", "dp_replicate", "ep", "pp")
 # the mesh dimensions' and flattened meshes' names, as the plan groups them (FSDP shards over
 # dp_shard (x cp), experts over efsdp: both the plan's dp_shard; `dp` carries the loss's and
 # the token count's scalars)
-LABELS = {"dp_shard_cp": "dp_shard", "efsdp": "dp_shard", "dp": "dp_shard"}
+LABELS = {"dp_shard_cp": "dp_shard", "efsdp": "dp_shard", "efsdp_cp": "dp_shard",
+          "dp": "dp_shard", "cp_tp": "cp"}
 MIB = 2**20
 STEP_PHASES = ("tp_grads", "clip", "optimizer")  # once per step, after the microbatches
 
@@ -165,8 +166,11 @@ def group_labels(pd) -> dict[str, str]:
     mesh = pd.world_mesh
     for dim in mesh.mesh_dim_names:
         names[mesh[dim].get_group().group_name] = LABELS.get(dim, dim)
-    for flat, dim in ((pd.dp_mesh, "dp"), (pd._shard_mesh, "dp_shard")):
-        names[flat.get_group().group_name] = LABELS.get(dim, dim)
+    for flat, dim in ((pd.dp_mesh, "dp"), (pd._shard_mesh, "dp_shard"),
+                      (getattr(pd, "_expert_mesh", None), "efsdp_cp"),
+                      (getattr(pd, "_cp_tp", None), "cp_tp")):
+        if flat is not None:
+            names.setdefault(flat.get_group().group_name, LABELS.get(dim, dim))
     names.setdefault(dist.group.WORLD.group_name, "world")
     return names
 
