@@ -283,7 +283,9 @@ def test_the_405b_config_fits_with_pp():
 def test_accumulation_reduces_once_per_optimizer_step():
     """PP 2 x FSDP 2 with 4 accumulation microbatches (tests/scripts/pp_accum_probe.py): each
     FSDP group of a stage reduce-scatters once per optimizer step under sync 'last' (before:
-    once per schedule step, 4x), once per microbatch under 'every', to the same gradients."""
+    once per schedule step, 4x), once per microbatch under 'every', to the same gradients;
+    each group is all-gathered once per schedule step (no second gather of the head group:
+    the traced dry run's driver shows one, the real schedules do not)."""
     from torch.distributed.pipelining import PipelineStage
 
     from tests.helpers import torchrun
@@ -294,3 +296,4 @@ def test_accumulation_reduces_once_per_optimizer_step():
     proc = torchrun(REPO / "tests/scripts/pp_accum_probe.py", nproc=4, fork=True)
     assert proc.stdout.count("pp accum probe ok: 4 reduce-scatters per optimizer step") == 4, \
         proc.stdout + proc.stderr
+    assert proc.stdout.count("16 all-gathers") == 4, proc.stdout  # 4 groups x 4 steps

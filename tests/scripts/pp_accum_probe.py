@@ -1,7 +1,10 @@
 """Under torchrun (4 ranks, PP 2 x FSDP 2): one step of 4 accumulation microbatches through the
-real PipelineLoop, counting FSDP's reduce-scatters. With gradient_accumulation_sync 'last' each
-FSDP group of the rank's stage reduces once per optimizer step; with 'every', once per
-microbatch; the gradients agree. Prints "pp accum probe ok ..." when it passes."""
+real PipelineLoop, counting FSDP's reduce-scatters and all-gathers. With
+gradient_accumulation_sync 'last' each FSDP group of the rank's stage reduces once per
+optimizer step; with 'every', once per microbatch; the gradients agree. Each group is gathered
+once per schedule step (reshard 'never' under PP): no backward prefetch reaches into another
+microbatch's head group (trainer/parallel/fsdp.py `chain_backward_prefetch`). Prints "pp accum
+probe ok ..." when it passes."""
 
 import sys
 
@@ -17,14 +20,17 @@ from trainer.parallel.parallelize import parallelize
 
 VOCAB, SEQ, ACCUM = 256, 64, 4
 CALLS: list[str] = []
+GATHERS: list[str] = []
 
 
-def count_reduce_scatters() -> None:
+def count_collectives() -> None:
     """Wrap torch.distributed's reduce-scatters (FSDP2 calls reduce_scatter_single on torch
-    2.13, reduce_scatter_tensor before)."""
-    for name in [n for n in dir(dist) if n.startswith("reduce_scatter")]:
-        def counted(*args, __orig=getattr(dist, name), __name=name, **kwargs):
-            CALLS.append(__name)
+    2.13, reduce_scatter_tensor before) and all-gathers (all_gather_single, all_gather_into_tensor)."""
+    for name in [n for n in dir(dist) if n.startswith(("reduce_scatter", "all_gather_into", "all_gather_single"))]:
+        calls = CALLS if name.startswith("reduce") else GATHERS
+
+        def counted(*args, __orig=getattr(dist, name), __name=name, __calls=calls, **kwargs):
+            __calls.append(__name)
             return __orig(*args, **kwargs)
 
         setattr(dist, name, counted)
@@ -52,22 +58,26 @@ def step(sync: str):
     batches = [tuple(torch.randint(0, VOCAB, (2, SEQ), generator=gen) for _ in range(2))
                for _ in range(ACCUM)]
     CALLS.clear()
+    GATHERS.clear()
     fb(batches, torch.tensor(16.0 * SEQ), 1)
     grads = {n: p.grad.full_tensor() for n, p in model.named_parameters()}
-    return len(CALLS), groups, grads
+    gathers = len(GATHERS)
+    return len(CALLS), groups, grads, gathers
 
 
 def main(argv):
     dist.init_process_group("gloo")
-    count_reduce_scatters()
-    once, groups, g_last = step("last")
-    every, _, g_every = step("every")
+    count_collectives()
+    once, groups, g_last, gathers = step("last")
+    every, _, g_every, _ = step("every")
     assert groups > 0 and once == groups, (once, groups)
     assert every == ACCUM * groups, (every, groups)
+    assert gathers == ACCUM * groups, (dist.get_rank(), gathers, groups)  # once a schedule step
     for name, g in g_last.items():
         assert torch.allclose(g, g_every[name], rtol=1e-5, atol=1e-7), name
     print(f"pp accum probe ok: {once} reduce-scatters per optimizer step ({groups} FSDP groups, "
-          f"{ACCUM} microbatches; {every} with sync 'every')", flush=True)
+          f"{ACCUM} microbatches; {every} with sync 'every'), {gathers} all-gathers",
+          flush=True)
     dist.barrier()
     dist.destroy_process_group()
 
