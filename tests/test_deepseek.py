@@ -6,7 +6,7 @@ In one process: the routing rule, a random tiny DeepseekV3ForCausalLM saved by t
 a non-zero score-correction bias) imports with transformers' logits, the flavor sizes, the
 traced dry run of the 671B and Kimi K2 configs. Through run_train.sh (configs/debug_dsv3.toml,
 fp32, block_causal on the stdlib corpus, one MTP module, 5 steps): EP 2 x FSDP 2, TP 2 x FSDP 2,
-CP 2 x EP 2 x FSDP 2 and PP 2 x FSDP 2 give the 1-rank losses, MTP losses and gradient norms; the
+CP 2 x EP 2 and PP 2 x FSDP 2 give the 1-rank losses, MTP losses and gradient norms; the
 EP run's export loads in transformers with our logits; its checkpoint resumes at EP 4 and on
 one rank; bad settings are one line each.
 """
@@ -174,9 +174,9 @@ LAYOUTS = {  # name: (ranks, overrides); the config's EP 2 is set per layout
     "ref": (1, (EP, "1")),
     "ep2_fsdp2": (4, (EP, "2", "--checkpoint.last_save_in_hf", "true")),
     "tp2_fsdp2": (4, (EP, "1", "--parallelism.tensor_parallel_degree", "2")),
-    # CP 2 x FSDP 2 with the experts split over EP 2 (borrowed from dp_shard) and sharded
-    # over efsdp x cp
-    "cp2_ep2_fsdp2": (4, (EP, "2", "--parallelism.context_parallel_degree", "2")),
+    # CP 2 x EP 2: FSDP over dp_shard 2 x cp 2, the experts split over ep 2 (borrowed from
+    # dp_shard) and sharded over efsdp x cp
+    "cp2_ep2": (4, (EP, "2", "--parallelism.context_parallel_degree", "2")),
     "pp2_fsdp2": (4, (EP, "1", "--parallelism.pipeline_parallel_degree", "2")),
 }
 TAGS = ("loss_metrics/global_avg_loss", "loss_metrics/mtp_loss", "grad_norm")
@@ -196,7 +196,7 @@ def close(have: dict, want: dict, tol=1e-4) -> bool:
     return all(abs(have[s] - want[s]) <= tol * max(1.0, abs(want[s])) for s in want)
 
 
-@pytest.mark.parametrize("name", ["ep2_fsdp2", "tp2_fsdp2", "cp2_ep2_fsdp2", "pp2_fsdp2"])
+@pytest.mark.parametrize("name", ["ep2_fsdp2", "tp2_fsdp2", "cp2_ep2", "pp2_fsdp2"])
 def test_each_layout_trains_as_one_rank(dsv3_runs, name):
     ref, got = dsv3_runs["ref"][0], dsv3_runs[name][0]
     for tag in TAGS:

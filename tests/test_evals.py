@@ -293,6 +293,23 @@ def test_validation_and_evals_never_hold_a_batch_of_full_vocabulary_logits():
     assert got.tolist() == pytest.approx(want, rel=1e-5)
 
 
+def test_context_parallel_flex_is_scored_at_fixed_shapes_in_2cp_chunks():
+    """Under CP the split's kernel decides: FlexAttention (CUDA, any mask) gets the fixed
+    power-of-two widths, in whole 2 x cp chunks; SDPA (the CPU) only the chunks."""
+    import types
+
+    import trainer.evals.scoring as scoring
+    from trainer.models.args import model_args
+    from trainer.models.llama import build_model
+
+    model = build_model(model_args("debugmodel-tiny", vocab_size=64, max_seq_len=512))
+    for kernel, want in (("flex", (4, 128)), ("sdpa", (3, 60))):
+        split = types.SimpleNamespace(cp=2, kernel=kernel)
+        multiple = scoring.width_multiple(model, split)
+        assert multiple == 4
+        assert scoring.eval_shape(model, 3, 58, 4, multiple, split) == want
+
+
 def test_a_model_compiled_per_shape_is_scored_at_a_few_fixed_shapes(monkeypatch):
     """Compiled FlexAttention (dynamic=False) recompiles for every new (batch, width): for such
     a model an eval batch is padded to the eval batch size and a power-of-two width of at least
@@ -311,7 +328,7 @@ def test_a_model_compiled_per_shape_is_scored_at_a_few_fixed_shapes(monkeypatch)
     reqs = [Request((1, 2, 3, 4), 2), Request((5, 6), 1), Request(tuple(range(1, 60)), 3)]
     want = score_batch(model, reqs, torch.device("cpu"), CHUNKED, batch=4)
     assert shapes == [(3, 58)]
-    monkeypatch.setattr(scoring, "fixed_shapes", lambda m: True)
+    monkeypatch.setattr(scoring, "fixed_shapes", lambda m, context=None: True)
     got = score_batch(model, reqs, torch.device("cpu"), CHUNKED, batch=4)
     alone = score_batch(model, reqs[:1], torch.device("cpu"), CHUNKED, batch=4)
     scoring.padding_pass(model, torch.device("cpu"), CHUNKED, batch=4)

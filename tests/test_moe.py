@@ -366,7 +366,9 @@ def test_moe_trains_as_one_rank_with_balancing_and_aux_losses(moe_runs, name):
     # The routers, whose gradients carry the aux losses: AdamW magnifies a mis-scaled aux
     # gradient (an aux over cp ranks counted 1/cp: 16% off after 5 steps) that the losses
     # and gradient norms show only at 1e-5.
-    for k in [k for k in theirs if k.startswith("model_optim.model.") and "router.gate" in k]:
+    routers = [k for k in theirs if k.startswith("model_optim.model.") and "router.gate" in k]
+    assert routers
+    for k in routers:
         torch.testing.assert_close(mine[k], theirs[k], rtol=1e-4, atol=1e-4 * theirs[k].abs().max())
 
 

@@ -2,9 +2,8 @@
 real PipelineLoop, counting FSDP's reduce-scatters and all-gathers. With
 gradient_accumulation_sync 'last' each FSDP group of the rank's stage reduces once per
 optimizer step; with 'every', once per microbatch; the gradients agree. Each group is gathered
-once per schedule step (reshard 'never' under PP): no backward prefetch reaches into another
-microbatch's head group (trainer/parallel/fsdp.py `chain_backward_prefetch`). Prints "pp accum
-probe ok ..." when it passes."""
+once per schedule step (reshard 'never' under PP): FSDP2's implicit backward prefetch reaches
+into no other microbatch's head group. Prints "pp accum probe ok ..." when it passes."""
 
 import sys
 
@@ -25,8 +24,9 @@ GATHERS: list[str] = []
 
 def count_collectives() -> None:
     """Wrap torch.distributed's reduce-scatters (FSDP2 calls reduce_scatter_single on torch
-    2.13, reduce_scatter_tensor before) and all-gathers (all_gather_single, all_gather_into_tensor)."""
-    for name in [n for n in dir(dist) if n.startswith(("reduce_scatter", "all_gather_into", "all_gather_single"))]:
+    2.13, reduce_scatter_tensor before) and all-gathers (all_gather_single or _into_tensor)."""
+    kinds = ("reduce_scatter", "all_gather_into", "all_gather_single")
+    for name in [n for n in dir(dist) if n.startswith(kinds)]:
         calls = CALLS if name.startswith("reduce") else GATHERS
 
         def counted(*args, __orig=getattr(dist, name), __name=name, __calls=calls, **kwargs):
@@ -60,8 +60,8 @@ def step(sync: str):
     CALLS.clear()
     GATHERS.clear()
     fb(batches, torch.tensor(16.0 * SEQ), 1)
+    gathers = len(GATHERS)  # before full_tensor() below gathers the gradients
     grads = {n: p.grad.full_tensor() for n, p in model.named_parameters()}
-    gathers = len(GATHERS)
     return len(CALLS), groups, grads, gathers
 
 

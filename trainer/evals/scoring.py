@@ -105,24 +105,27 @@ def width_multiple(model, context=None) -> int:
 FLEX_MIN_WIDTH = 128  # FlexAttention's tile
 
 
-def fixed_shapes(model) -> bool:
+def fixed_shapes(model, context=None) -> bool:
     """Whether the model's attention is compiled per input shape (FlexAttention, dynamic=False:
     every new (batch, width) recompiles, and past torch's recompile limit it runs eagerly,
-    materialising the scores): then evals feed it a few fixed shapes (`eval_shape`)."""
+    materialising the scores): then evals feed it a few fixed shapes (`eval_shape`). Under
+    context parallelism its own kernel decides (FlexAttention on CUDA, causal models too)."""
+    if context is not None:
+        return context.kernel == "flex"
     args = getattr(model, "args", None)
     return getattr(args, "attn_implementation", None) == "flex" and \
         getattr(model, "uses_documents", False)
 
 
 def eval_shape(model, rows: int, width: int, batch: int | None,
-               multiple: int | None = None) -> tuple[int, int]:
+               multiple: int | None = None, context=None) -> tuple[int, int]:
     """(rows, width) of an eval forward: as given (the width rounded up to `multiple`, default
     `width_multiple`), or for `fixed_shapes` models the eval batch
     `batch` and the width rounded up to a power of two of at least 128 (at most the model's
     max_seq_len): <= 7 widths up to 8192, within torch's 8 recompiles. Rows and positions
     added are padding: causal attention and the ignored labels leave every real score alone."""
-    multiple = multiple or width_multiple(model)
-    if not fixed_shapes(model):
+    multiple = multiple or width_multiple(model, context)
+    if not fixed_shapes(model, context):
         return rows, -(-width // multiple) * multiple
     bucket = max(FLEX_MIN_WIDTH, 1 << (width - 1).bit_length())
     cap = -(-max(model.args.max_seq_len, width) // multiple) * multiple
@@ -141,7 +144,7 @@ def score_batch(model, requests: list[Request], device, loss_fn,
     eval batch, padding rows added); under context parallelism (`context`) to 2 x cp chunks."""
     multiple = width_multiple(model, context)
     width = max(len(r.tokens) - 1 for r in requests)
-    rows, width = eval_shape(model, len(requests), width, batch, multiple)
+    rows, width = eval_shape(model, len(requests), width, batch, multiple, context)
     inputs = torch.full((rows, width), pad_id, dtype=torch.long)
     targets = torch.zeros((rows, width), dtype=torch.long)
     mask = torch.zeros((rows, width), dtype=torch.bool)
@@ -160,7 +163,7 @@ def padding_pass(model, device, loss_fn, pad_id: int = 0, batch: int | None = No
                  context=None) -> None:
     """A forward that scores nothing: ranks with fewer batches run it so that every rank
     makes the same collectives (FSDP's all-gathers)."""
-    shape = eval_shape(model, 1, 1, batch, width_multiple(model, context))
+    shape = eval_shape(model, 1, 1, batch, width_multiple(model, context), context)
     inputs = torch.full(shape, pad_id, dtype=torch.long, device=device)
     with torch.no_grad():
         forward_one_document(model, inputs, torch.full_like(inputs, IGNORE_INDEX), loss_fn,

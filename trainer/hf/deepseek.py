@@ -93,7 +93,8 @@ def unsupported(cfg: dict) -> str | None:
         return (f"its RoPE is {kind!r}-scaled, which this trainer does not implement for MLA "
                 "(plain RoPE and YaRN, as DeepSeek-V3 and Kimi K2 are released)")
     ratio = yarn_ratio(rope, cfg) if kind == "yarn" else None
-    if ratio and rope.get("factor") and abs(ratio - float(rope["factor"])) > 1e-6:
+    original = rope.get("original_max_position_embeddings") or 1
+    if ratio and rope.get("factor") and abs(ratio - float(rope["factor"])) * original > 0.5:
         return (f"its YaRN factor {rope['factor']} is not max_position_embeddings / "
                 f"original_max_position_embeddings = {ratio:g}, which transformers 4.x takes "
                 "as the factor instead (5.x takes `factor`): the two would build different "

@@ -206,7 +206,7 @@ def hf_config(args: ModelArgs, *, dtype: str, bos_id: int | None, eos_id: int | 
                                "mscale": s.mscale, "mscale_all_dim": s.mscale_all_dim,
                                "truncate": s.truncate}
         # exactly original x factor: transformers 4.x takes the factor from this ratio
-        cfg["max_position_embeddings"] = int(s.original_max_position_embeddings * s.factor)
+        cfg["max_position_embeddings"] = round(s.original_max_position_embeddings * s.factor)
     elif s is not None:
         cfg["rope_scaling"] = {"rope_type": "llama3", "factor": s.factor,
                                "low_freq_factor": s.low_freq_factor,
@@ -296,7 +296,8 @@ def check_hf_config(cfg: dict, args: ModelArgs, folder: str, flavor: str) -> Non
                               f"{key} is {value} there and {ours[key]} here; choose the flavor "
                               "the checkpoint was made with"
                               + (" (and model.rope_scaling = 'flavor')"
-                                 if key == "rope_scaling" and value else ""))
+                                 if key == "rope_scaling" and value and ours[key] is None
+                                 else ""))
 
 
 def _scaling_tuple(s: dict, cfg: dict):

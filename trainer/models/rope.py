@@ -25,8 +25,9 @@ class YarnScaling:
     """YaRN RoPE scaling (Hugging Face `rope_scaling` of type "yarn", as DeepSeek-V3 and Kimi
     K2 are released): channel pairs that turn more than `beta_fast` times over
     original_max_position_embeddings keep their frequency, those that turn fewer than
-    `beta_slow` times are divided by `factor`, a linear ramp between; the attention logits are scaled by (0.1 x mscale_all_dim x ln(factor)
-    + 1)^2 (MLA's softmax scale) and cos/sin by mscale's ratio to mscale_all_dim's."""
+    `beta_slow` times are divided by `factor`, a linear ramp between; the attention logits
+    are scaled by (0.1 x mscale_all_dim x ln(factor) + 1)^2 (MLA's softmax scale) and cos/sin
+    by mscale's ratio to mscale_all_dim's."""
 
     factor: float = 40.0
     original_max_position_embeddings: int = 4096

@@ -48,7 +48,8 @@ def apply_fsdp(model: torch.nn.Module, mesh, *, param_dtype: str, reduce_dtype: 
         grouped = getattr(block.feed_forward, "experts", None)
         if experts is not None and grouped is not None:
             shard(grouped, mesh=experts[0], reshard_after_forward=bool(blocks),
-                  shard_placement_fn=functools.partial(expert_placement, shards=experts[0].size()))
+                  shard_placement_fn=functools.partial(expert_placement,
+                                                       shards=experts[0].size(-1)))
             grouped.set_gradient_divide_factor(float(experts[1]))
             if experts[0].device_type == "cpu" and experts[0].size(-1) > 1:
                 # gloo has no PREMUL_SUM: sum, then divide. (Not with one efsdp rank: FSDP

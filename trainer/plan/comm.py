@@ -188,7 +188,7 @@ def comm_volume(cfg: JobConfig, world_size: int) -> dict[str, float]:
     optimizer step over that mesh dimension, and `comm_microbatches` (m)."""
     pd, accum = cfg.resolve(world_size)
     a = plan_args(cfg, resolve_vocab(cfg)[0])
-    groups, full = fsdp_groups(a, pd.tp, pd.ep, pd.dp_shard), fsdp_groups(a, 1)
+    groups, full = fsdp_groups(a, pd.tp, pd.ep, pd.dp_shard * pd.cp), fsdp_groups(a, 1)
     pp_sends = 0.0
     if pd.pp_enabled:  # the busiest pp rank: its stages' parameters, its p2p sends
         p = BYTES[cfg.training.mixed_precision_param]

@@ -137,7 +137,8 @@ def fsdp_groups(args: ModelArgs, tp: int = 1, ep: int = 1,
     one per block, the embedding, and the final norm + output head. Built on meta: free.
     With tp > 1 each shape is one tp rank's part (`tp_local_shape`): FSDP shards that part
     over dp_shard (FSDP2's strided sharding of a colwise weight gives rank 0
-    ceil(rows / tp / dp_shard) rows, as `shard_numel` counts on the tp-local shape)."""
+    ceil(rows / tp / dp_shard) rows, as `shard_numel` counts on the tp-local shape). `shard`:
+    the FSDP ranks (dp_shard x cp); the experts shard over shard / ep of them (efsdp x cp)."""
     groups: dict[str, list[tuple[int, ...]]] = {}
     for name, p in build_model(args).named_parameters():
         shape = tuple(p.shape)
@@ -200,7 +201,7 @@ def memory_plan(cfg: JobConfig, world_size: int, pp_rank: int | None = None) -> 
     vocab, _ = resolve_vocab(cfg)
     a = plan_args(cfg, vocab)
     # Under CP, FSDP shards over dp_shard x cp and a rank holds 1/cp of each sequence.
-    groups, shard, tp, cp = fsdp_groups(a, pd.tp, pd.ep, pd.dp_shard), pd.dp_shard * pd.cp, \
+    groups, shard, tp, cp = fsdp_groups(a, pd.tp, pd.ep, pd.dp_shard * pd.cp), pd.dp_shard * pd.cp, \
         pd.tp, pd.cp
     p, r = BYTES[cfg.training.mixed_precision_param], BYTES[cfg.training.mixed_precision_reduce]
     batch, seq = cfg.training.local_batch_size, cfg.training.seq_len

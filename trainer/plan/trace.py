@@ -222,7 +222,9 @@ def trace_scoring(cfg: JobConfig, world_size: int, kind: str) -> TraceResult:
     """A validation (`kind` "validation": validation.local_batch_size sequences of seq_len) or
     eval ("eval": eval.local_batch_size requests as long as seq_len allows) forward of `cfg`,
     as trainer/evals scores them: no_grad, through the chunked, loss-parallel head. The peak
-    is of the model alone: in a run the optimizer's states are there too (`with_states`)."""
+    is of the model alone: in a run the optimizer's states are there too (`with_states`).
+    Under context parallelism it scores whole sequences, where a run splits them over cp: an
+    upper bound there."""
     from trainer.evals.scoring import Request, score_batch
     from trainer.models.loss import scoring_loss
 
