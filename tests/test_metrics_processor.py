@@ -176,12 +176,17 @@ def test_z_loss_is_its_own_tag_and_console_figure(tmp_path, clock, capsys):
     mp.step_timer()
     m = mp.log(2, global_avg_loss=7.25, global_max_loss=7.5, grad_norm=1, lr=1, tokens_seen=1,
                z_loss=0.0625)
+    mp.step_timer()
+    mp.log(3, global_avg_loss=7.0, global_max_loss=7.5, grad_norm=1, lr=1, tokens_seen=1,
+           mtp_loss=7.125)  # multi-token prediction: its own tag and figure too
     mp.close()
     out = capsys.readouterr().out.splitlines()
-    assert "loss:   7.5000 (max 7.5000)  " in out[-2]
-    assert "loss:   7.2500 (max 7.5000, z 6.25e-02)  " in out[-1]
+    assert "loss:   7.5000 (max 7.5000)  " in out[-3]
+    assert "loss:   7.2500 (max 7.5000, z 6.25e-02)  " in out[-2]
+    assert "loss:   7.0000 (max 7.5000, mtp 7.1250)  " in out[-1]
     assert m["loss_metrics/z_loss"] == 0.0625 and m["loss_metrics/global_avg_loss"] == 7.25
     assert values(events(tmp_path), "loss_metrics/z_loss") == {2: 0.0625}
+    assert values(events(tmp_path), "loss_metrics/mtp_loss") == {3: 7.125}
 
 
 def test_close_is_idempotent_and_flushes(tmp_path, clock):

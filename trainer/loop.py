@@ -114,15 +114,15 @@ class Loop:
         heartbeat.phase("log")
         step, loader, seq_len = self.state.step, self.loader, self.cfg.training.seq_len
         avg, mx = reduce_loss(r.loss_share, r.rank_loss, self.dp_group)
+        # MTP: the ranks' shares of the global mean per token (None without MTP modules)
+        mtp = reduce_z_loss(r.mtp_loss, self.dp_group)
         self.metrics.log(step, global_avg_loss=avg, global_max_loss=mx,
                          grad_norm=float(r.grad_norm), lr=r.lr,
                          tokens_seen=self.state.tokens_seen, local_loss=r.rank_loss.item(),
-                         z_loss=reduce_z_loss(r.z_loss, self.dp_group))
+                         z_loss=reduce_z_loss(r.z_loss, self.dp_group), mtp_loss=mtp)
         scalars = {k: float(v) for k, v in (r.scalars or {}).items() if k != AUX}
         if r.scalars and AUX in r.scalars:  # each rank's own microbatches: their dp mean
             scalars[AUX] = reduce_mean(r.scalars[AUX], self.dp_group)
-        if r.mtp_loss is not None:  # the ranks' shares: the global mean per token
-            scalars["loss_metrics/mtp_loss"] = reduce_z_loss(r.mtp_loss, self.dp_group)
         self.metrics.log_scalars(step, {
             **loader.metrics(), "batch_metrics/global_batch_size": loader.global_batch_size,
             "batch_metrics/step_tokens": seq_len * loader.global_batch_size, **scalars})

@@ -125,7 +125,9 @@ def format_line(step: int, m: dict[str, float], c: Colors) -> str:
         f"{c.red}step: {step:>5}",
         f"{c.green}loss: {m['loss_metrics/global_avg_loss']:8.4f} "
         f"(max {m['loss_metrics/global_max_loss']:.4f}"
-        + (f", z {m['loss_metrics/z_loss']:.2e})" if "loss_metrics/z_loss" in m else ")"),
+        + (f", z {m['loss_metrics/z_loss']:.2e}" if "loss_metrics/z_loss" in m else "")
+        + (f", mtp {m['loss_metrics/mtp_loss']:.4f}" if "loss_metrics/mtp_loss" in m else "")
+        + ")",
         f"{c.reset}grad_norm: {m['grad_norm']:7.4f}",
         f"lr: {m['lr']:.2e}",
         f"{c.yellow}{memory}",
@@ -335,7 +337,8 @@ class MetricsProcessor:
 
     def log(self, step: int, *, global_avg_loss: float, global_max_loss: float,
             grad_norm: float, lr: float, tokens_seen: int,
-            local_loss: float | None = None, z_loss: float | None = None) -> dict[str, float]:
+            local_loss: float | None = None, z_loss: float | None = None,
+            mtp_loss: float | None = None) -> dict[str, float]:
         """Close the interval; rank 0 writes its sinks (TensorBoard flushed, W&B) and prints
         one line.
 
@@ -344,7 +347,8 @@ class MetricsProcessor:
         rank also prints its own `local_loss` (to check the dp reduction, or find a rank whose
         data or weights diverge; show the ranks with LOG_RANK=0,1,...). `z_loss` (the global
         mean z-loss term per token, with `training.z_loss_weight`) is logged as
-        `loss_metrics/z_loss`; `global_avg_loss` is the cross-entropy alone.
+        `loss_metrics/z_loss`; `global_avg_loss` is the cross-entropy alone. `mtp_loss` (the
+        multi-token prediction modules' mean loss per token) is `loss_metrics/mtp_loss`.
         """
         if local_loss is not None and os.environ.get(DEBUG_RANK_LOSS_ENV):
             _write_line(f"rank {self.rank} step {step} local_loss {float(local_loss)!r}")
@@ -352,6 +356,7 @@ class MetricsProcessor:
             "loss_metrics/global_avg_loss": float(global_avg_loss),
             "loss_metrics/global_max_loss": float(global_max_loss),
             **({} if z_loss is None else {"loss_metrics/z_loss": float(z_loss)}),
+            **({} if mtp_loss is None else {"loss_metrics/mtp_loss": float(mtp_loss)}),
             "grad_norm": float(grad_norm),
             "lr": float(lr),
             "n_tokens_seen": float(tokens_seen),
