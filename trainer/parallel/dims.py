@@ -261,7 +261,8 @@ class ParallelDims:
               f"{'parallel' if self.loss_parallel else 'gathered'})" if self.tp_enabled else "")
         pp = f"PP {self.pp} (pipeline stages, p2p) x " if self.pp_enabled else ""
         ep = (f" x EP {self.ep} (experts split over ep, sharded over efsdp="
-              f"{self.dp_shard // self.ep}; all-to-all)" if self.ep_enabled else "")
+              f"{self.dp_shard // self.ep}{' x cp' if self.cp_enabled else ''}; all-to-all)"
+              if self.ep_enabled else "")
         return (f"{pp}{kind} mesh (dp_replicate={self.dp_replicate}, dp_shard={self.dp_shard})"
                 f"{ep}{cp}{tp}, dp={self.dp_size}, world={self.world_size}")
 
