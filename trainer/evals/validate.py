@@ -22,8 +22,7 @@ It reads its own loaders (never the training loader), samples no RNG and changes
 parameter, so a run with validation trains exactly as one without it.
 
 Under context parallelism each cp rank scores its share of every sequence (the training
-step's split and attention) and the sums add over cp; a pipeline's forward-only pass takes
-the whole samples on every cp rank.
+step's split and attention; under PP x CP the stages' own) and the sums add over cp.
 
 A streamed HF source (`data.val_split`, no store) has no global order: each rank reads its
 own stream, so its set depends on the dp size; the batches are read once and kept in memory,
@@ -137,7 +136,7 @@ class Validator:
         if self.context is None:
             return model(inputs, labels, self.loss_fn, doc_ids=doc_ids), labels
         local, labels, positions = self.context.split(inputs, labels, doc_ids)
-        return model(local, labels, self.loss_fn, positions=positions,
+        return model(local, labels, self.loss_fn, positions=positions, doc_ids=doc_ids,
                      attention=self.context.attention(doc_ids)), labels
 
 

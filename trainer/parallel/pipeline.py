@@ -128,8 +128,14 @@ class PipelinedModel(Transformer):
 
     def forward(self, tokens: torch.Tensor, labels: torch.Tensor | None = None, loss_fn=None,
                 *, doc_ids: torch.Tensor | None = None, positions=None, attention=None):
-        if positions is not None or attention is not None:
-            raise NotImplementedError("explicit positions or attention under pipeline parallelism")
+        """`positions` and `attention` (context parallelism's, for this rank's share of
+        sequences of the training length: validation): the stages attend through their own
+        split (`StageModule.cp`), from the positions and the whole samples' `doc_ids`."""
+        cp = [m.cp for m in self.pipeline_stages]
+        if attention is not None and (positions is None or None in cp
+                                      or tokens.shape[1] != cp[0].index.numel()):
+            raise NotImplementedError("context parallel attention under pipeline parallelism "
+                                      "other than the training split (PP x CP, seq_len)")
         group, me = self.pp_group, dist.get_rank(self.pp_group)
         mine = {m.spec.index: m for m in self.pipeline_stages}
         h, out = tokens, None
@@ -138,7 +144,8 @@ class PipelinedModel(Transformer):
                 continue
             if s > 0 and self.stage_ranks[s - 1] != me:
                 h = _recv(dist.get_global_rank(group, self.stage_ranks[s - 1]), group)
-            h = mine[s](h, labels=labels, doc_ids=doc_ids, loss_fn=loss_fn)
+            h = mine[s](h, labels=labels, doc_ids=doc_ids, loss_fn=loss_fn,
+                        positions=positions if attention is not None else None)
             if s + 1 < len(self.stage_ranks) and self.stage_ranks[s + 1] != me:
                 _send(h, dist.get_global_rank(group, self.stage_ranks[s + 1]), group)
             out = h if s == len(self.stage_ranks) - 1 else None
