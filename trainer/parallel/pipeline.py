@@ -158,7 +158,7 @@ def _defer_reduction(stage, loop: "PipelineLoop") -> None:
     step's last microbatch the stage only reshards its parameters and keeps its unsharded
     gradients accumulating, as FSDP does under `set_requires_gradient_sync(False)`. A torch
     without `perform_reduce_grad` reduces per schedule step, as before."""
-    from torch.distributed.fsdp import FSDPModule, fully_shard
+    from torch.distributed.fsdp import FSDPModule
 
     original = getattr(stage, "perform_reduce_grad", None)
     if original is None or not isinstance(stage.submod, FSDPModule):
@@ -167,17 +167,25 @@ def _defer_reduction(stage, loop: "PipelineLoop") -> None:
     def perform_reduce_grad(grad_scale_factor: int):
         if loop.reduce_now:
             return original(grad_scale_factor)
-        module = stage.submod
-        module.set_is_last_backward(False)
-        module.set_reshard_after_backward(True)
-        module.set_requires_gradient_sync(False)
-        state = fully_shard.state(module)
-        for each in state._state_ctx.all_states:
-            for group in each._fsdp_param_groups:
-                group.post_backward()
-        state._root_post_backward_final_callback()
+        reduce_stage(stage.submod, now=False)
 
     stage.perform_reduce_grad = perform_reduce_grad
+
+
+def reduce_stage(module, now: bool) -> None:
+    """A stage's FSDP post-backward at the end of a schedule step, as torch's
+    `perform_reduce_grad` runs it (the schedule's backwards neither reshard nor reduce):
+    reshard, and reduce-scatter the accumulated gradients only when `now`."""
+    from torch.distributed.fsdp import fully_shard
+
+    module.set_is_last_backward(now)
+    module.set_reshard_after_backward(True)
+    module.set_requires_gradient_sync(now)
+    state = fully_shard.state(module)
+    for each in state._state_ctx.all_states:
+        for group in each._fsdp_param_groups:
+            group.post_backward()
+    state._root_post_backward_final_callback()
 
 
 _DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.float64, torch.int64]

@@ -13,8 +13,10 @@ at once,
     2. the K stage-microbatches the schedule keeps in flight on this rank (trainer/plan/
        pipeline.py `in_flight`: 1F1B's first stage pp of them, its last one), forwards only,
        on fake activations from the previous stage (tokens on the first);
-    3. their backwards, in order, on fake gradients from the next stage (the loss on the last);
-       each stage's last one syncs (FSDP's reduce-scatter), as the schedule's last does.
+    3. their backwards, in order, on fake gradients from the next stage (the loss on the last),
+       neither resharding nor reducing, as a schedule's backwards do; then each stage's FSDP
+       post-backward (`reduce_stage`, torch's `perform_reduce_grad`): reshard, and the
+       reduce-scatter on the optimizer step's last schedule step.
 
 The ranks traced are the first (the embedding, the most in flight under 1F1B), the last (the
 head and the loss) and the rank the analytic plan finds largest, if another.
@@ -34,6 +36,7 @@ import torch
 from torch.distributed.pipelining.microbatch import split_args_kwargs_into_chunks
 
 from trainer.health import heartbeat
+from trainer.parallel.pipeline import reduce_stage
 
 
 def traced_ranks(cfg, world_size: int) -> list[int]:
@@ -69,9 +72,10 @@ class StageDriver:
             self._backward(*self._forward(stage, mb_args, mb_kwargs, losses), sync=False)
         running = [self._forward(self.stages[j % len(self.stages)], mb_args, mb_kwargs, losses)
                    for j in range(self.held)]
-        last = {id(item[0]): i for i, item in enumerate(running)}
-        for i, item in enumerate(running):
-            self._backward(*item, sync=self.loop.reduce_now and last[id(item[0])] == i)
+        for item in running:
+            self._backward(*item, sync=False)
+        for stage in self.stages:  # the schedule step's end: torch's perform_reduce_grad
+            reduce_stage(stage, now=self.loop.reduce_now)
         self.traced += self.warm + self.held
 
     def _forward(self, stage, mb_args, mb_kwargs, losses):
