@@ -49,8 +49,13 @@ def test_evals_logged_at_the_configured_steps_and_equal_on_1_and_2_ranks_and_und
     cp = run_train(tmp_path / "cp", *eval_args(task_file), "--training.steps", "2",
                    "--parallelism.context_parallel_degree", "2", nproc=4)
     assert "each cp rank scores its share of every request" in cp.stdout
+    # PP 2 x CP 2: the pipeline's forward-only pass attends through the eval's split
+    pp_cp = run_train(tmp_path / "pp_cp", *eval_args(task_file), "--training.steps", "2",
+                      "--parallelism.context_parallel_degree", "2",
+                      "--parallelism.pipeline_parallel_degree", "2", nproc=4)
+    assert "each cp rank scores its share of every request" in pp_cp.stdout
     for tag in TAGS:
-        for other in ("two", "cp"):
+        for other in ("two", "cp", "pp_cp"):
             assert scalars(tmp_path / "one", tag)[2] == pytest.approx(
                 scalars(tmp_path / other, tag)[2], abs=1e-6), (tag, other)
 

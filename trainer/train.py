@@ -189,11 +189,11 @@ def build_checks(cfg: JobConfig, parallel_dims: ParallelDims, loader, device):
     loss_fn = scoring_loss(cfg.training.loss_chunk_size, parallel_dims.loss_parallel_group)
     shard = dict(dp_rank=dp_mesh.get_local_rank(), dp_size=dp_mesh.size(),
                  dp_group=dp_mesh.get_group(), device=device, loss_fn=loss_fn)
-    splits = forward_only_split(cfg, parallel_dims=parallel_dims, device=device)
+    split = forward_only_split(cfg, parallel_dims=parallel_dims, device=device)
     validator = agree_on_user_errors(Validator, cfg, train_loader=loader, log=log0,
-                                     context=splits[0], **shard) if cfg.validation.enable else None
+                                     context=split, **shard) if cfg.validation.enable else None
     evaluator = agree_on_user_errors(Evaluator, cfg, tokenizer_path=loader.tokenizer_path,
-                                     context=splits[1], **shard) if cfg.eval.enable else None
+                                     context=split, **shard) if cfg.eval.enable else None
     return validator, evaluator
 
 

@@ -22,7 +22,7 @@ It reads its own loaders (never the training loader), samples no RNG and changes
 parameter, so a run with validation trains exactly as one without it.
 
 Under context parallelism each cp rank scores its share of every sequence (the training
-step's split and attention; under PP x CP the stages' own) and the sums add over cp.
+step's split and attention, also through a pipeline's stages) and the sums add over cp.
 
 A streamed HF source (`data.val_split`, no store) has no global order: each rank reads its
 own stream, so its set depends on the dp size; the batches are read once and kept in memory,

@@ -26,8 +26,8 @@ The cp ranks of a dp rank read the same samples; each keeps its share of every s
   the loop, the guard and the logs are unchanged.
 - **Checkpoints** hold nothing of CP: any checkpoint resumes at any cp. Validation and evals
   split their sequences too (`ContextSplit.for_width`: an eval's width is padded to 2 x cp
-  chunks), each cp rank scoring its share, the sums added over cp; under PP x CP validation
-  splits through the stages' own split, evals (other widths) take whole samples per cp rank.
+  chunks), each cp rank scoring its share, the sums added over cp (under PP x CP too: the
+  stages attend through the pass's split).
 """
 
 from __future__ import annotations

@@ -91,11 +91,9 @@ def build_forward_backward(model: torch.nn.Module, loss_fn: Loss, cfg, *, parall
 
 
 def forward_only_split(cfg, *, parallel_dims, device: torch.device):
-    """Context parallelism's splits for forward-only passes, (validation's, evals'): each cp
-    rank scores its share of every sequence (trainer/evals/); None without cp. Under PP x CP
-    the stages attend through the training split (seq_len), so validation splits and evals
-    (other widths) take the whole samples on every cp rank."""
+    """Context parallelism's split for forward-only passes (validation and evals: each cp
+    rank scores its share of every sequence, trainer/evals/; a pipeline's stages attend
+    through it too), or None without cp."""
     if not parallel_dims.cp_enabled:
-        return None, None
-    split = ContextSplit(parallel_dims.cp_mesh, cfg.training.seq_len, device, cfg.model)
-    return split, None if parallel_dims.pp_enabled else split
+        return None
+    return ContextSplit(parallel_dims.cp_mesh, cfg.training.seq_len, device, cfg.model)

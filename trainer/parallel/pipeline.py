@@ -68,7 +68,7 @@ class StageModule(nn.Module):
     def forward(self, x: torch.Tensor, labels: torch.Tensor | None = None,
                 doc_ids: torch.Tensor | None = None, loss_fn=None,
                 positions: torch.Tensor | None = None,
-                future: torch.Tensor | None = None) -> torch.Tensor:
+                future: torch.Tensor | None = None, attention=None) -> torch.Tensor:
         """Tokens (first stage) or the previous stage's activations -> activations, or (last
         stage) the summed token loss with labels, the logits without. Under PP x CP a
         training step passes this rank's `positions` [b, local] and the whole samples'
@@ -77,7 +77,8 @@ class StageModule(nn.Module):
         With MTP modules (on the last stage), a training step's activations carry, after
         the hidden state, each depth's input token embeddings, looked up by the first stage
         (the embedding's gradient comes back the same way): [b, s, dim x (1 + depth)].
-        `future` [b, depth, s]: the MTP targets past `labels`."""
+        `future` [b, depth, s]: the MTP targets past `labels`. `attention`: a forward-only
+        pass's own context-parallel attention (evals: sequences of another width)."""
         root = self._root
         first = self.tok_embeddings is not None
         fn = loss_fn or self.loss_fn
@@ -93,9 +94,9 @@ class StageModule(nn.Module):
                                      if future is None else future)]
         else:
             h, *extra = x.chunk(1 + root.args.mtp_layers, dim=-1) if mtp else (x,)
-        if positions is not None and self.cp is not None:
+        if positions is not None and (self.cp is not None or attention is not None):
             cos, sin = root.rope_cos[positions], root.rope_sin[positions]
-            mask = self.cp.attention(doc_ids)
+            mask = attention if attention is not None else self.cp.attention(doc_ids)
         else:
             # Under sequence parallelism (TP) the activations hold seq / tp positions per rank.
             seq = x.shape[1] if first else x.shape[1] * root.sequence_multiple
@@ -128,14 +129,10 @@ class PipelinedModel(Transformer):
 
     def forward(self, tokens: torch.Tensor, labels: torch.Tensor | None = None, loss_fn=None,
                 *, doc_ids: torch.Tensor | None = None, positions=None, attention=None):
-        """`positions` and `attention` (context parallelism's, for this rank's share of
-        sequences of the training length: validation): the stages attend through their own
-        split (`StageModule.cp`), from the positions and the whole samples' `doc_ids`."""
-        cp = [m.cp for m in self.pipeline_stages]
-        if attention is not None and (positions is None or None in cp
-                                      or tokens.shape[1] != cp[0].index.numel()):
-            raise NotImplementedError("context parallel attention under pipeline parallelism "
-                                      "other than the training split (PP x CP, seq_len)")
+        """`positions` and `attention`: context parallelism's, for this rank's share of every
+        sequence (validation and evals under PP x CP): every stage attends through it."""
+        if (positions is None) != (attention is None):
+            raise ValueError("context parallel forward needs both positions and attention")
         group, me = self.pp_group, dist.get_rank(self.pp_group)
         mine = {m.spec.index: m for m in self.pipeline_stages}
         h, out = tokens, None
@@ -145,7 +142,7 @@ class PipelinedModel(Transformer):
             if s > 0 and self.stage_ranks[s - 1] != me:
                 h = _recv(dist.get_global_rank(group, self.stage_ranks[s - 1]), group)
             h = mine[s](h, labels=labels, doc_ids=doc_ids, loss_fn=loss_fn,
-                        positions=positions if attention is not None else None)
+                        positions=positions, attention=attention)
             if s + 1 < len(self.stage_ranks) and self.stage_ranks[s + 1] != me:
                 _send(h, dist.get_global_rank(group, self.stage_ranks[s + 1]), group)
             out = h if s == len(self.stage_ranks) - 1 else None
