@@ -85,11 +85,9 @@ def forward_one_document(model, inputs: torch.Tensor, labels: torch.Tensor,
     if context is not None:
         import torch.distributed as dist
 
-        split = context.for_width(inputs.shape[1])
-        local, local_labels, positions = split.split(inputs, labels, doc_ids)
-        rows = model(local, local_labels, row_loss, positions=positions,
-                     attention=split.attention(doc_ids))
-        dist.all_reduce(rows, group=split.group)
+        rows, _ = context.for_width(inputs.shape[1]).run(model, inputs, labels, row_loss,
+                                                         doc_ids)
+        dist.all_reduce(rows, group=context.group)
         return rows
     if doc_ids is not None:
         return model(inputs, labels, row_loss, doc_ids=doc_ids)

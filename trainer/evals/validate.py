@@ -135,9 +135,7 @@ class Validator:
         """(the summed loss of the pass's tokens on this rank, their labels)."""
         if self.context is None:
             return model(inputs, labels, self.loss_fn, doc_ids=doc_ids), labels
-        local, labels, positions = self.context.split(inputs, labels, doc_ids)
-        return model(local, labels, self.loss_fn, positions=positions, doc_ids=doc_ids,
-                     attention=self.context.attention(doc_ids)), labels
+        return self.context.run(model, inputs, labels, self.loss_fn, doc_ids)
 
 
 def _loss_and_perplexity(prefix: str, sums: torch.Tensor) -> dict[str, float]:

@@ -102,10 +102,11 @@ def expert_loop(x, counts, w1, w2, w3) -> torch.Tensor:
     once: indexing `w1[e]` per expert would make autograd build a zero gradient of the whole
     [E, ...] stack for every expert (E x 3 full-size buffers: minutes per step at 128 experts)."""
     outs, sizes = [], counts.tolist()
-    for xe, a, b, c in zip(x[:sum(sizes)].split(sizes), w1.unbind(0), w2.unbind(0), w3.unbind(0)):
+    counted = sum(sizes)
+    for xe, a, b, c in zip(x[:counted].split(sizes), w1.unbind(0), w2.unbind(0), w3.unbind(0)):
         outs.append((F.silu(xe @ a.t()) * (xe @ c.t())) @ b.t())
-    if x.shape[0] > sum(sizes):  # rows past the counted ones (capacity's padding): zeros
-        outs.append(x.new_zeros(x.shape[0] - sum(sizes), w2.shape[1]))
+    if x.shape[0] > counted:  # rows past the counted ones (capacity's padding): zeros
+        outs.append(x.new_zeros(x.shape[0] - counted, w2.shape[1]))
     return torch.cat(outs) if outs else x[:0]
 
 

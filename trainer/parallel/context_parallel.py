@@ -43,6 +43,7 @@ from trainer.models.attention import (_compiled_create_block_mask, _compiled_fle
 from trainer.models.loss import Loss
 from trainer.models.moe import set_aux_scale, take_aux_loss
 from trainer.parallel.fsdp import set_gradient_sync
+from trainer.parallel.recompute import SAVED_GATHER_GROUPS
 from trainer.parallel.seam import Losses
 from trainer.parallel.tp import sum_partial_grads
 from trainer.models.mtp import future_labels
@@ -135,9 +136,6 @@ class GatherSequence(torch.autograd.Function):
     def forward(ctx, t: torch.Tensor, group) -> torch.Tensor:
         import torch.distributed._functional_collectives as funcol
 
-        from trainer.parallel.recompute import SAVED_GATHER_GROUPS
-
-        SAVED_GATHER_GROUPS.add(group.group_name)
         ctx.group, ctx.dtype = group, t.dtype
         return funcol.wait_tensor(funcol.all_gather_tensor(t, 0, group))
 
@@ -175,6 +173,7 @@ class ContextSplit:
 
     def __init__(self, cp_mesh, seq_len: int, device: torch.device, model_cfg):
         self.cp, self.group = cp_mesh.size(), cp_mesh.get_group()
+        SAVED_GATHER_GROUPS.add(self.group.group_name)  # op-level AC keeps the K/V gathers
         self._remake, self._widths = (cp_mesh, device, model_cfg), {seq_len: self}
         rank = cp_mesh.get_local_rank()
         self.index = to_device(head_tail_index(seq_len, self.cp, rank), device)
@@ -200,6 +199,15 @@ class ContextSplit:
         positions = document_positions(doc_ids)[:, self.index] if self.document_positions \
             else self.index.expand(inputs.shape[0], -1)
         return inputs[:, self.index], labels[:, self.index], positions
+
+    def run(self, model, inputs: torch.Tensor, labels: torch.Tensor, loss_fn, doc_ids=None,
+            **kwargs) -> tuple[torch.Tensor, torch.Tensor]:
+        """`model`'s forward on this rank's share of the whole samples `inputs` (training,
+        validation and evals alike): (its result, the share's labels)."""
+        local, local_labels, positions = self.split(inputs, labels, doc_ids)
+        out = model(local, labels=local_labels, loss_fn=loss_fn, positions=positions,
+                    doc_ids=doc_ids, attention=self.attention(doc_ids), **kwargs)
+        return out, local_labels
 
     def future(self, labels: torch.Tensor, depth: int) -> torch.Tensor:
         """The MTP modules' targets [depth, b, local] at this rank's positions, shifted on the
@@ -232,13 +240,11 @@ class ContextParallelLoop:
             set_gradient_sync(self.model, self.sync_mode, is_last=i == len(batches) - 1)
             inputs, labels = to_device(inputs, self.device), to_device(labels, self.device)
             doc_ids = self.document_ids(inputs) if self.document_ids else None
-            local, local_labels, positions = self.split.split(inputs, labels, doc_ids)
             heartbeat.phase("forward", step)
             depth = self.model.args.mtp_layers  # MTP targets: cut from the whole sequence
             future = self.split.future(labels, depth) if depth else None
-            loss = self.model(local, labels=local_labels, loss_fn=self.loss_fn,
-                              positions=positions, attention=self.split.attention(doc_ids),
-                              future=future)
+            loss, _ = self.split.run(self.model, inputs, labels, self.loss_fn, doc_ids,
+                                     future=future)
             loss = loss / global_tokens
             if i == 0:
                 faults.armed().first_forward(step)  # a testing hook; nothing unless asked
