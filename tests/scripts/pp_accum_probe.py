@@ -16,6 +16,7 @@ from trainer.models.llama import build_model, model_args
 from trainer.models.loss import build_loss
 from trainer.parallel.microbatches import build_forward_backward
 from trainer.parallel.parallelize import parallelize
+from trainer.parallel.pipeline import fsdp_param_groups
 
 VOCAB, SEQ, ACCUM = 256, 64, 4
 CALLS: list[str] = []
@@ -48,10 +49,10 @@ def step(sync: str):
     model = parallelize(build_model(model_args(cfg.model.flavor, vocab_size=VOCAB,
                                                max_seq_len=SEQ)),
                         pd, cfg, device=torch.device("cpu"), param_dtype="float32")
-    groups = len({id(fully_shard.state(m)._fsdp_param_group)  # [norm, head] share one
+    groups = len({id(group)  # [norm, head] share one
                   for stage in model.pipeline_stages for m in stage.modules()
                   if isinstance(m, FSDPModule)
-                  and fully_shard.state(m)._fsdp_param_group is not None})
+                  for group in fsdp_param_groups(fully_shard.state(m))})
     fb = build_forward_backward(model, build_loss("chunked", 1024), cfg, parallel_dims=pd,
                                 device=torch.device("cpu"))
     gen = torch.Generator().manual_seed(dist.get_rank() // 2)  # one dp rank: the same data

@@ -37,7 +37,10 @@ class MTPModule(nn.Module):
         self.norm = RMSNorm(dim, eps)
 
     def forward(self, h, emb, cos, sin, mask=None):
-        x = self.proj(torch.cat([self.embed_norm(emb), self.hidden_norm(h)], dim=-1))
+        z = torch.cat([self.embed_norm(emb), self.hidden_norm(h)], dim=-1)
+        # On rows [b * s, 2 dim]: under TP the rows are this rank's sequence shard, and torch
+        # 2.11's DTensor cannot flatten a [b, s, 2 dim] input whose s is sharded.
+        x = self.proj(z.flatten(0, 1)).view(*z.shape[:-1], -1)
         return self.block(x, cos, sin, mask)
 
 

@@ -47,11 +47,12 @@ def apply_fsdp(model: torch.nn.Module, mesh, *, param_dtype: str, reduce_dtype: 
     for block in [*model.layers.values(), *(m.block for m in mtp)]:
         grouped = getattr(block.feed_forward, "experts", None)
         if experts is not None and grouped is not None:
+            # The innermost dim's size (efsdp, or efsdp x cp); size(-1) fails on torch 2.11.
+            efsdp = experts[0].size(experts[0].ndim - 1)
             shard(grouped, mesh=experts[0], reshard_after_forward=bool(blocks),
-                  shard_placement_fn=functools.partial(expert_placement,
-                                                       shards=experts[0].size(-1)))
+                  shard_placement_fn=functools.partial(expert_placement, shards=efsdp))
             grouped.set_gradient_divide_factor(float(experts[1]))
-            if experts[0].device_type == "cpu" and experts[0].size(-1) > 1:
+            if experts[0].device_type == "cpu" and efsdp > 1:
                 # gloo has no PREMUL_SUM: sum, then divide. (Not with one efsdp rank: FSDP
                 # then skips the reduce-scatter and, forced to sum, the division too.)
                 grouped.set_force_sum_reduction_for_comms(True)
@@ -69,7 +70,12 @@ def apply_fsdp(model: torch.nn.Module, mesh, *, param_dtype: str, reduce_dtype: 
     else:  # a pipeline stage (trainer/parallel/pipeline.py) may lack either end
         if model.tok_embeddings is not None:
             shard(model.tok_embeddings, reshard_after_forward=blocks)
-        if model.norm is not None:
+        if model.norm is not None and mtp:
+            # MTP calls the head once per depth more than the norm: a group of both would
+            # never see its last module finish on torch 2.11 (and stay sharded next forward).
+            shard(model.norm, reshard_after_forward=head)
+            shard(model.output, reshard_after_forward=head)
+        elif model.norm is not None:
             shard([model.norm, model.output], reshard_after_forward=head)
     shard(model, reshard_after_forward=blocks)
 

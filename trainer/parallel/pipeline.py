@@ -180,9 +180,17 @@ def reduce_stage(module, now: bool) -> None:
     module.set_requires_gradient_sync(now)
     state = fully_shard.state(module)
     for each in state._state_ctx.all_states:
-        for group in each._fsdp_param_groups:
+        for group in fsdp_param_groups(each):
             group.post_backward()
     state._root_post_backward_final_callback()
+
+
+def fsdp_param_groups(state) -> list:
+    """An FSDP state's parameter groups: a list on torch 2.13+, one optional group before
+    (torch 2.11's `_fsdp_param_group`)."""
+    if hasattr(state, "_fsdp_param_groups"):
+        return list(state._fsdp_param_groups)
+    return [state._fsdp_param_group] if state._fsdp_param_group is not None else []
 
 
 _DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.float64, torch.int64]

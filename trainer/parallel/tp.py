@@ -132,8 +132,9 @@ def _shard_mtp(module, tp_mesh) -> None:
     replicated weights whose gradients are summed over tp; its output norm hands the head a
     sequence-sharded DTensor, as the final norm does."""
     local = SequenceParallel(use_local_output=True)
+    rows = SequenceParallel(sequence_dim=0, use_local_output=True)  # proj sees [b * s, 2 dim]
     parallelize_module(module, tp_mesh, {"embed_norm": local, "hidden_norm": local,
-                                         "proj": local, "norm": SequenceParallel()})
+                                         "proj": rows, "norm": SequenceParallel()})
 
 
 def _qk_norm_styles(block) -> dict:

@@ -42,12 +42,13 @@ def _register_formulas() -> None:
     if hasattr(aten, "_scaled_dot_product_flash_attention_for_cpu"):
         @register_flop_formula(aten._scaled_dot_product_flash_attention_for_cpu)
         def _cpu_flash(query, key, value, *args, out_shape=None, **kwargs) -> int:
-            return sdpa_flop_count(query, key, value)
+            return sdpa_flop_count(query, _heads_of(query, key), _heads_of(query, value))
 
         @register_flop_formula(aten._scaled_dot_product_flash_attention_for_cpu_backward)
         def _cpu_flash_backward(grad_out, query, key, value, *args, out_shape=None,
                                 **kwargs) -> int:
-            return sdpa_backward_flop_count(grad_out, query, key, value)
+            return sdpa_backward_flop_count(grad_out, query, _heads_of(query, key),
+                                            _heads_of(query, value))
 
     if hasattr(aten, "_grouped_mm"):
         @register_flop_formula(aten._grouped_mm)
@@ -57,6 +58,12 @@ def _register_formulas() -> None:
             return 2 * a[0] * a[-1] * b[-1]  # rows of [N, K], each by its group's [K, M]
 
     _REGISTERED = True
+
+
+def _heads_of(query, kv):
+    """A key/value shape [b, h_kv, s, d] with the query's heads: GQA's kernels broadcast each
+    KV head over its query heads (torch 2.11's formula refuses h_kv != h_q; 2.13 does this)."""
+    return torch.Size([kv[0], query[1], *kv[2:]])
 
 
 def _local(x):
