@@ -7,6 +7,8 @@
 #   benchmarks/gpu_suite.sh 1b           # one shape; STEPS=50 WARMUP=15 to change the run
 #   VARIANTS_1B="compile float8-rowwise" benchmarks/gpu_suite.sh 1b
 #   OUT=$OUT benchmarks/gpu_suite.sh ahead   # issue 50's levers and the side-by-side, ~9 min
+#   OUT=$OUT benchmarks/gpu_suite.sh suite   # the test suite at -n 8 (SUITE_N), each result
+#                                            # streamed to $OUT/suite/suite.log (a cut-off keeps names)
 # 1b: compiled bf16 (production), eager, float8 tensorwise and rowwise; 1b-flex: block_causal
 # with FlexAttention and with SDPA on the stdlib corpus's documents; 3b: Llama 3.2 3B with and
 # without FSDP2 CPU offload; paths: every CUDA path's functional check (benchmarks/gpu_paths.py)
@@ -41,6 +43,7 @@ declare -A SHAPE=(
   [paths]=""
   [moe]=""
   [ahead]=""
+  [suite]=""
   [8b]="--model.flavor 8B $VOCAB --training.seq_len 4096 --training.local_batch_size 1 --activation_checkpoint.mode full --optimizer.implementation fused"
 )
 
@@ -145,14 +148,23 @@ run_ahead() {  # issue 50: each lever against this trainer's baseline and torcht
   grep -h '"bench": "train"' benchmarks/results.jsonl | tail -6 > "$LOGS/results.jsonl"
 }
 
+run_suite() {  # issue 50: the suite on the GPU machine; -v names each test as it ends
+  LOGS=${OUT:-/tmp}/suite; mkdir -p "$LOGS"
+  timeout "${SUITE_BUDGET:-540}" "$PYTHON" -u -m pytest -n "${SUITE_N:-8}" -p no:cacheprovider \
+    -v -rfE --durations=15 tests > "$LOGS/suite.log" 2>&1
+  echo "=== suite: rc $? (124: cut off at ${SUITE_BUDGET:-540} s)"
+  grep -E "(FAILED|ERROR) tests/" "$LOGS/suite.log" | sed "s/^\[gw[0-9]*\] \[ *[0-9]*%\] //" | sort -u | head -40
+  tail -2 "$LOGS/suite.log"
+}
+
 GPU=$(gpu_kind)
 START=$(date +%Y-%m-%dT%H:%M:%S)
 shapes=("$@")
 [ ${#shapes[@]} -gt 0 ] || shapes=(paths moe debug 1b 1b-flex 3b 8b)
 for shape in "${shapes[@]}"; do
-  [ -n "${SHAPE[$shape]+x}" ] || { echo "unknown shape $shape (paths, moe, debug, 1b, 1b-flex, 3b, 8b)"; exit 2; }
+  [ -n "${SHAPE[$shape]+x}" ] || { echo "unknown shape $shape (paths, moe, debug, 1b, 1b-flex, 3b, 8b, ahead, suite)"; exit 2; }
   case "$shape" in 1b|1b-flex|3b|paths|moe) run_big "$shape"; continue ;;
-    ahead) run_ahead; continue ;; esac
+    ahead) run_ahead; continue ;; suite) run_suite; continue ;; esac
   echo "=== $shape: memory plan on $GPU"
   # shellcheck disable=SC2086
   plan=$("$PYTHON" -m trainer.plan --config "$CONFIG" --ngpu 1 --gpu "$GPU" $COMMON ${SHAPE[$shape]})

@@ -30,8 +30,8 @@ def pytest_collection_modifyitems(config, items):
     items.sort(key=rank)  # stable: the order within a file, and of the other files, is kept
     if not HAS_DATASETS:
         skip = pytest.mark.skip(reason="needs Hugging Face `datasets`, not installed here")
-        for item in items:
-            if "needs_datasets" in item.keywords:
+        for item in items:  # json_cfg (and the stores built from it) reads jsonl through it
+            if "needs_datasets" in item.keywords or "json_cfg" in getattr(item, "fixturenames", ()):
                 item.add_marker(skip)
 
 
