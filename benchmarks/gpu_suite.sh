@@ -7,6 +7,7 @@
 #   benchmarks/gpu_suite.sh 1b           # one shape; STEPS=50 WARMUP=15 to change the run
 #   VARIANTS_1B="compile float8-rowwise" benchmarks/gpu_suite.sh 1b
 #   OUT=$OUT benchmarks/gpu_suite.sh ahead   # issue 50's levers and the side-by-side, ~9 min
+#   OUT=$OUT benchmarks/gpu_suite.sh levers  # 1B b7: the baseline, then each unmeasured lever
 #   OUT=$OUT benchmarks/gpu_suite.sh suite   # the test suite at -n 8 (SUITE_N), each result
 #                                            # streamed to $OUT/suite/suite.log (a cut-off keeps names)
 # 1b: compiled bf16 (production), eager, float8 tensorwise and rowwise; 1b-flex: block_causal
@@ -44,6 +45,7 @@ declare -A SHAPE=(
   [moe]=""
   [ahead]=""
   [suite]=""
+  [levers]=""
   [8b]="--model.flavor 8B $VOCAB --training.seq_len 4096 --training.local_batch_size 1 --activation_checkpoint.mode full --optimizer.implementation fused"
 )
 
@@ -148,6 +150,19 @@ run_ahead() {  # issue 50: each lever against this trainer's baseline and torcht
   grep -h '"bench": "train"' benchmarks/results.jsonl | tail -6 > "$LOGS/results.jsonl"
 }
 
+run_levers() {  # issue 50: levers built on CPU, not yet timed on a GPU, each beside the baseline
+  # shellcheck disable=SC2206
+  local common=($COMMON_1B) budget=${LEVERS_BUDGET:-540} b=${LOCAL_BATCH:-7}
+  LOGS=${OUT:-/tmp}/levers; mkdir -p "$LOGS"
+  ahead_bench "1b-base-b$b" --training.local_batch_size "$b"
+  # one GPU: no memory to save by resharding the blocks after forward, 16 re-gathers to save
+  [ $SECONDS -lt $((budget - 300)) ] && ahead_bench "1b-noreshard-b$b" \
+    --training.local_batch_size "$b" --parallelism.fsdp_reshard_after_forward never
+  [ $SECONDS -lt $((budget - 200)) ] && ahead_bench "1b-autotune-b$b" \
+    --training.local_batch_size "$b" --compile.mode max-autotune-no-cudagraphs
+  grep -h '"bench": "train"' benchmarks/results.jsonl | tail -3 > "$LOGS/results.jsonl"
+}
+
 run_suite() {  # issue 50: the suite on the GPU machine; -v names each test as it ends
   LOGS=${OUT:-/tmp}/suite; mkdir -p "$LOGS"
   timeout "${SUITE_BUDGET:-540}" "$PYTHON" -u -m pytest -n "${SUITE_N:-8}" -p no:cacheprovider \
@@ -162,9 +177,10 @@ START=$(date +%Y-%m-%dT%H:%M:%S)
 shapes=("$@")
 [ ${#shapes[@]} -gt 0 ] || shapes=(paths moe debug 1b 1b-flex 3b 8b)
 for shape in "${shapes[@]}"; do
-  [ -n "${SHAPE[$shape]+x}" ] || { echo "unknown shape $shape (paths, moe, debug, 1b, 1b-flex, 3b, 8b, ahead, suite)"; exit 2; }
+  [ -n "${SHAPE[$shape]+x}" ] || { echo "unknown shape $shape (paths, moe, debug, 1b, 1b-flex, 3b, 8b, ahead, levers, suite)"; exit 2; }
   case "$shape" in 1b|1b-flex|3b|paths|moe) run_big "$shape"; continue ;;
-    ahead) run_ahead; continue ;; suite) run_suite; continue ;; esac
+    ahead) run_ahead; continue ;; suite) run_suite; continue ;;
+    levers) run_levers; continue ;; esac
   echo "=== $shape: memory plan on $GPU"
   # shellcheck disable=SC2086
   plan=$("$PYTHON" -m trainer.plan --config "$CONFIG" --ngpu 1 --gpu "$GPU" $COMMON ${SHAPE[$shape]})

@@ -43,6 +43,8 @@ def test_ac_and_compile_train_to_the_same_losses(tmp_path):
         "ac_every_2nd": ["--activation_checkpoint.mode", "selective"],
         "compile_ac_op": ["--compile.enable", "true", "--activation_checkpoint.mode", "selective",
                           "--activation_checkpoint.selective_ac_option", "op"],
+        "compile_autotune": ["--compile.enable", "true",
+                             "--compile.mode", "max-autotune-no-cudagraphs"],
     }
     for name, extra in variants.items():
         run_train(tmp_path / name, *common, *extra, nproc=1, timeout=600)

@@ -60,6 +60,9 @@ def test_cli_forms_and_types():
      "model.sdpa_backends = 'cudnn,fash': 'fash' is not a backend; use 'auto' or a "
      "comma-separated order of cudnn, flash, efficient, math"),
     (["--model.sdpa_backends", "math,flash,math"], None, "names a backend twice"),
+    (["--compile.mode", "reduce-overhead"], None,  # CUDA graphs: FSDP re-allocates the params
+     "compile.mode = 'reduce-overhead' is not valid; choose one of 'default', "
+     "'max-autotune-no-cudagraphs'"),
 ])
 def test_errors_name_the_key(tmp_path, args, toml, needle):
     if toml is not None:

@@ -317,6 +317,10 @@ class Compile:
     """torch.compile of the transformer blocks (docs/performance.md)."""
 
     enable: bool = opt(False, "torch.compile each transformer block (after AC, before FSDP)")
+    mode: str = opt("default", "torch.compile mode of the blocks: default, or "
+                    "max-autotune-no-cudagraphs (benchmarks GEMM kernels, Triton templates with "
+                    "fused epilogues among them, at the first step: minutes longer to start)",
+                    choices=("default", "max-autotune-no-cudagraphs"))
 
 
 @dataclass

@@ -128,10 +128,12 @@ def apply_ac(model: Transformer, mode: str, option: str, op_matmuls: str = "all"
             _checkpoint_forward(block)
 
 
-def apply_compile(model: Transformer) -> None:
-    """Compile each block's forward (identical blocks share the compiled code)."""
+def apply_compile(model: Transformer, mode: str = "default") -> None:
+    """Compile each block's forward (identical blocks share the compiled code). No mode with
+    CUDA graphs: FSDP frees and re-allocates the unsharded parameters' memory every step, so a
+    graph would read a freed address."""
     for block in model.blocks():
-        block.forward = torch.compile(block.forward)
+        block.forward = torch.compile(block.forward, mode=None if mode == "default" else mode)
 
 
 def parallelize(model: Transformer, parallel_dims, cfg, *, device: torch.device,
@@ -167,7 +169,7 @@ def shard_model(model: Transformer, parallel_dims, cfg, *, device: torch.device,
         ac = cfg.activation_checkpoint
         apply_ac(model, ac.mode, ac.selective_ac_option, ac.selective_op_matmuls)
     if cfg.compile.enable:
-        apply_compile(model)
+        apply_compile(model, cfg.compile.mode)
     offload = cfg.parallelism.fsdp_offload == "cpu"
     reshard = cfg.parallelism.fsdp_reshard_after_forward
     if parallel_dims.pp_enabled and reshard == "default":
