@@ -137,13 +137,16 @@ class GatherSequence(torch.autograd.Function):
         import torch.distributed._functional_collectives as funcol
 
         ctx.group, ctx.dtype = group, t.dtype
-        return funcol.wait_tensor(funcol.all_gather_tensor(t, 0, group))
+        # *_single on torch 2.13+ (the *_tensor names warn there), *_tensor on 2.11: one op
+        gather = getattr(funcol, "all_gather_single", None) or funcol.all_gather_tensor
+        return funcol.wait_tensor(gather(t, 0, group))
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
         import torch.distributed._functional_collectives as funcol
 
-        summed = funcol.reduce_scatter_tensor(grad.float().contiguous(), "sum", 0, ctx.group)
+        scatter = getattr(funcol, "reduce_scatter_single", None) or funcol.reduce_scatter_tensor
+        summed = scatter(grad.float().contiguous(), "sum", 0, ctx.group)
         return funcol.wait_tensor(summed).to(ctx.dtype), None
 
 
