@@ -23,7 +23,7 @@ from trainer.errors import ConfigError
 from trainer.models.llama import Transformer, model_args
 from trainer.optim.muon import takes_muon
 from trainer.optim.optimizer import build_optimizer
-from trainer.parallel.pipeline import _SAME_RANK_STAGES
+from trainer.parallel.pipeline import _SAME_RANK_STAGES, _SPLIT_BACKWARD_THROUGH_FUNCTIONS
 
 MUON = ("--optimizer.name", "Muon", "--optimizer.muon_ns_dtype", "float32")
 
@@ -109,6 +109,8 @@ LAYOUTS = {  # name: (ranks, args)
     # 8 one-unit stages: rank 0 holds the embedding and the head, no Muon matrix at all
     "pp4_v": (4, (*DENSE, P + "pipeline_parallel_degree", "4", P + "pipeline_parallel_schedule",
                   "ZBVZeroBubble" if _SAME_RANK_STAGES else "Interleaved1F1B",
+                  *(() if _SPLIT_BACKWARD_THROUGH_FUNCTIONS or not _SAME_RANK_STAGES
+                    else ("--training.loss", "eager")),  # torch 2.12 (pipeline.check_torch)
                   "--training.local_batch_size", "8")),
     "cp2_fsdp2": (4, (*DENSE, P + "context_parallel_degree", "2")),
     "hsdp2x2": (4, (*DENSE, P + "data_parallel_replicate_degree", "2")),

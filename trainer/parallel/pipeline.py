@@ -47,6 +47,9 @@ try:  # torch >= 2.12: two stages on one rank pass activations without p2p (V sc
     _SAME_RANK_STAGES = True
 except ImportError:
     _SAME_RANK_STAGES = False
+# torch >= 2.13: the zero-bubble schedules' weight pass walks a custom autograd Function's node
+# (the chunked loss's); 2.11 and 2.12 fail there ("Attribute '_input_metadata' is invalid").
+_SPLIT_BACKWARD_THROUGH_FUNCTIONS = tuple(map(int, torch.__version__.split(".")[:2])) >= (2, 13)
 
 
 class StageModule(nn.Module):
@@ -280,16 +283,18 @@ def describe(cfg, n_microbatches: int) -> str:
 
 
 def check_torch(sched, cfg, pp_group) -> None:
-    """What torch 2.11's pipelining cannot do here (2.12 can), as config errors."""
+    """What this torch's pipelining cannot do (V schedules over gloo before 2.12, the
+    chunked loss under a split backward before 2.13), as config errors."""
     if sched.style == "v" and not _SAME_RANK_STAGES and \
             dist.get_backend(pp_group) == "gloo":
         raise ConfigError(f"parallelism.pipeline_parallel_schedule = {sched.name!r} on CPU "
                           f"ranks (gloo) needs torch >= 2.12: torch {torch.__version__}'s "
                           "V schedules send a stage's activations to its own rank, which "
                           "gloo cannot; use Interleaved1F1B or 1F1B here")
-    if sched.split_backward and not _SAME_RANK_STAGES and cfg.training.loss == "chunked":
+    if sched.split_backward and not _SPLIT_BACKWARD_THROUGH_FUNCTIONS and \
+            cfg.training.loss == "chunked":
         raise ConfigError(f"parallelism.pipeline_parallel_schedule = {sched.name!r} with "
-                          f"training.loss = 'chunked' needs torch >= 2.12: torch "
+                          f"training.loss = 'chunked' needs torch >= 2.13: torch "
                           f"{torch.__version__}'s split backward cannot walk the chunked "
                           "loss's autograd function; set training.loss = 'eager' (the same "
                           "loss, with the logits held) or choose 1F1B / Interleaved1F1B")
