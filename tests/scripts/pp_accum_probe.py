@@ -16,7 +16,7 @@ from trainer.models.llama import build_model, model_args
 from trainer.models.loss import build_loss
 from trainer.parallel.microbatches import build_forward_backward
 from trainer.parallel.parallelize import parallelize
-from trainer.parallel.pipeline import fsdp_param_groups
+from trainer.parallel.fsdp import fsdp_param_groups
 
 VOCAB, SEQ, ACCUM = 256, 64, 4
 CALLS: list[str] = []

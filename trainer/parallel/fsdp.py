@@ -108,3 +108,11 @@ def set_gradient_sync(model: FSDPModule, mode: str, is_last: bool) -> None:
     else:
         model.set_requires_gradient_sync(True)
         model.set_requires_all_reduce(is_last)
+
+
+def fsdp_param_groups(state) -> list:
+    """An FSDP state's parameter groups: a list on torch 2.13+, one optional group before
+    (torch 2.11's `_fsdp_param_group`)."""
+    if hasattr(state, "_fsdp_param_groups"):
+        return list(state._fsdp_param_groups)
+    return [state._fsdp_param_group] if state._fsdp_param_group is not None else []

@@ -35,6 +35,7 @@ from trainer.health import faults, heartbeat
 from trainer.models.llama import Transformer, model_args
 from trainer.models.mtp import future_labels, mtp_streams
 from trainer.parallel.context_parallel import ContextSplit
+from trainer.parallel.fsdp import fsdp_param_groups
 from trainer.parallel.seam import Losses
 from trainer.parallel.tp import sum_partial_grads
 from trainer.parallel.pp_layout import (StageSpec, bubble_fraction, check_microbatches,
@@ -186,14 +187,6 @@ def reduce_stage(module, now: bool) -> None:
         for group in fsdp_param_groups(each):
             group.post_backward()
     state._root_post_backward_final_callback()
-
-
-def fsdp_param_groups(state) -> list:
-    """An FSDP state's parameter groups: a list on torch 2.13+, one optional group before
-    (torch 2.11's `_fsdp_param_group`)."""
-    if hasattr(state, "_fsdp_param_groups"):
-        return list(state._fsdp_param_groups)
-    return [state._fsdp_param_group] if state._fsdp_param_group is not None else []
 
 
 _DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.float64, torch.int64]
