@@ -39,6 +39,7 @@ import torch
 import torch.nn.functional as F
 
 from trainer.errors import ConfigError
+from trainer.models import logits
 
 
 def resolve_implementation(mask_type: str, implementation: str, device_type: str) -> str:
@@ -113,13 +114,15 @@ def build_mask(doc_ids: torch.Tensor, implementation: str, dtype: torch.dtype):
 
 
 def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask=None,
-           gathered: bool = False) -> torch.Tensor:
+           gathered: bool = False, logit_max: torch.Tensor | None = None) -> torch.Tensor:
     """Attention of q [b, s, n_heads, d] over k, v [b, s, n_kv_heads, d or d_v]: [b, n_heads,
     s, d_v].
     `mask` None: causal; a BlockMask: FlexAttention; a float tensor: SDPA's additive mask; an
     integer tensor (the document ids): one causal SDPA per document; an object with `attend`
     (context parallelism's, trainer/parallel/context_parallel.py): its own attention, over
-    k and v of this rank's tokens, or of the whole sequence (`gathered`)."""
+    k and v of this rank's tokens, or of the whole sequence (`gathered`).
+    `logit_max` [heads] (QK-clip): raised in place to each head's largest logit here
+    (trainer/models/logits.py)."""
     width = v.shape[-1]
     if width < q.shape[-1] and q.device.type == "cpu":
         # MLA's values are narrower than its queries/keys, which only the CPU's math kernel
@@ -127,13 +130,17 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask=None,
         # attention with zeros after it (exact), through the flash kernel, tile by tile; on
         # CUDA the cuDNN and memory-efficient kernels take the two widths as they are.
         v = F.pad(v, (0, q.shape[-1] - width))
-        return attend(q, k, v, mask, gathered)[..., :width]
+        return attend(q, k, v, mask, gathered, logit_max)[..., :width]
     if hasattr(mask, "attend"):  # `gathered`: k, v already the whole sequence's (MLA)
+        if logit_max is not None:
+            return mask.attend(q, k, v, gathered=gathered, logit_max=logit_max)
         return mask.attend(q, k, v, gathered=gathered)
+    if logit_max is not None and not _kernel_maxima(mask, q):
+        logits.record(logit_max, logits.max_logits(q, k, logits.allowed_for(mask, q.shape[1])))
     groups = q.shape[2] // k.shape[2]
     q, k_t, v_t = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
     if mask is not None and not isinstance(mask, torch.Tensor):  # flex: GQA in the kernel
-        return _compiled_flex()(q, k_t, v_t, block_mask=mask, enable_gqa=groups > 1)
+        return flex(q, k_t, v_t, mask, groups > 1, logit_max)
     # GQA in the kernel (each kv head serves `groups` query heads): no repeated K/V copies
     gqa = groups > 1
     if mask is None:
@@ -141,6 +148,25 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask=None,
     if not mask.is_floating_point():
         return _per_document(q, k_t, v_t, mask, gqa)
     return F.scaled_dot_product_attention(q, k_t, v_t, attn_mask=mask, enable_gqa=gqa)
+
+
+def _kernel_maxima(mask, q: torch.Tensor) -> bool:
+    """Whether the kernel of this mask returns the logit maxima itself: FlexAttention on
+    CUDA (the CPU's raises 'Returning max scores is not supported on CPU')."""
+    return mask is not None and not isinstance(mask, torch.Tensor) and q.device.type == "cuda"
+
+
+def flex(q, k, v, block_mask, gqa: bool, logit_max: torch.Tensor | None = None):
+    """Compiled FlexAttention (q, k, v [b, h, s, d]); with `logit_max` on CUDA, the kernel's
+    own per-row maxima (AuxRequest) raise it."""
+    if logit_max is None or q.device.type != "cuda":
+        return _compiled_flex()(q, k, v, block_mask=block_mask, enable_gqa=gqa)
+    from torch.nn.attention.flex_attention import AuxRequest
+
+    out, aux = _compiled_flex()(q, k, v, block_mask=block_mask, enable_gqa=gqa,
+                                return_aux=AuxRequest(max_scores=True))
+    logits.record(logit_max, aux.max_scores.amax(dim=(0, 2)))
+    return out
 
 
 @torch.compiler.disable  # shapes change with every batch: a graph break, not recompiles

@@ -1,0 +1,138 @@
+"""QK-clip (MuonClip, Kimi K2; `optimizer.muon_qk_clip`): after each optimizer step, every
+attention head whose largest pre-softmax logit in the step exceeded the threshold tau has its
+query and key weights scaled so that the same inputs would give a largest logit of tau.
+
+Per head h with largest logit m_h > tau, gamma_h = tau / m_h, and (Kimi K2, section 2.1):
+- multi-head latent attention: the head's query rows and its own key rows (`wkv_b`'s key
+  part, the non-shared one) each x sqrt(gamma_h), the head's rotary query rows x gamma_h; the
+  rotary key, which every head shares, and the values are untouched;
+- standard attention with one key head per query head: the head's query and key rows each
+  x sqrt(gamma_h);
+- grouped-query attention (a key head serves several query heads): the query rows x gamma_h
+  and the shared key head untouched, so no other head's logits change.
+Heads at or under tau keep their weights. A skipped step (non-finite loss, a spike) skips the
+clip too, and a non-finite maximum never scales anything.
+
+The maxima come from the forward passes of the step (trainer/models/logits.py), every
+microbatch's: each attention layer raises a [local heads] buffer on the device. After the
+step one all-reduce (MAX) over the whole world of a [layers, heads] table (MTP modules'
+attention after the main layers) combines the data-parallel, context-parallel and
+pipeline-parallel ranks, and the tensor-parallel ranks' head shards (each tp rank writes its
+own heads): one collective of 4 x layers x heads bytes, and no host sync.
+"""
+
+from __future__ import annotations
+
+import re
+
+import torch
+import torch.distributed as dist
+
+
+def _layer_index(name: str, n_layers: int) -> int | None:
+    """The table row of an attention module named `name` (a stage's or the whole model's)."""
+    if m := re.search(r"(?:^|\.)layers\.(\d+)\.attention$", name):
+        return int(m.group(1))
+    if m := re.search(r"(?:^|\.)mtp\.(\d+)\.block\.attention$", name):
+        return n_layers + int(m.group(1))
+    return None
+
+
+def _tp_rank(param) -> int:
+    mesh = getattr(param, "device_mesh", None)
+    names = getattr(mesh, "mesh_dim_names", None) or ()
+    return mesh.get_local_rank("tp") if "tp" in names else 0
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    return t.to_local() if hasattr(t, "to_local") else t
+
+
+class QKClip:
+    """The attention modules of `model` (one stage's under PP) armed to record their maxima,
+    and the clip applied after each step."""
+
+    def __init__(self, model: torch.nn.Module, args, threshold: float):
+        self.threshold, self.heads = float(threshold), args.n_heads
+        self.rows = args.n_layers + args.mtp_layers
+        self.layers = []  # (row, module, first global head)
+        for name, module in model.named_modules():
+            row = _layer_index(name, args.n_layers)
+            if row is None:
+                continue
+            q = _query(module)
+            local = args.n_heads // _tp_size(q)  # tp shards whole heads, evenly
+            module.logit_max = torch.full((local,), float("-inf"), device=_local(q).device)
+            self.layers.append((row, module, _tp_rank(q) * local))
+        self.device = self.layers[0][1].logit_max.device if self.layers else torch.device("cpu")
+
+    def maxima(self) -> torch.Tensor:
+        """[layers, heads] fp32: every head's largest logit since the last call, over the
+        world (-inf where no forward ran); the buffers reset."""
+        table = torch.full((self.rows, self.heads), float("-inf"), device=self.device)
+        for row, module, first in self.layers:
+            buf = module.logit_max
+            table[row, first:first + buf.numel()] = buf
+            buf.fill_(float("-inf"))
+        if dist.is_initialized() and dist.get_world_size() > 1:
+            dist.all_reduce(table, op=dist.ReduceOp.MAX)
+        return table
+
+    @torch.no_grad()
+    def step(self, skip: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
+        """Clip after an optimizer step (`skip`: the device flag of a skipped step). Returns
+        device scalars to log: the largest logit and the number of heads clipped."""
+        table = self.maxima()
+        clip = torch.isfinite(table) & (table > self.threshold)
+        if skip is not None:
+            clip &= ~skip.to(device=table.device, dtype=torch.bool).reshape(())
+        gamma = torch.where(clip, self.threshold / table.clamp(min=self.threshold), 1.0)
+        for row, module, _ in self.layers:
+            scale_heads(module, gamma[row])
+        seen = torch.where(torch.isfinite(table), table, torch.zeros_like(table))
+        return {"qk_clip/max_logit": seen.max(), "qk_clip/heads_clipped": clip.sum().float()}
+
+
+def _query(module) -> torch.Tensor:
+    if getattr(module, "wq", None) is not None:
+        return module.wq.weight
+    return module.wq_b.weight
+
+
+def _tp_size(p) -> int:
+    mesh = getattr(p, "device_mesh", None)
+    names = getattr(mesh, "mesh_dim_names", None) or ()
+    return mesh.size(names.index("tp")) if "tp" in names else 1
+
+
+def scale_heads(module, gamma: torch.Tensor) -> None:
+    """Scale one attention module's query and key rows by the heads' gamma [heads] (1 where
+    not clipped), as the module docstring says."""
+    root = gamma.sqrt()
+    if hasattr(module, "wkv_b"):  # MLA
+        q_rows = torch.cat([root.unsqueeze(1).expand(-1, module.nope),
+                            gamma.unsqueeze(1).expand(-1, module.rope)], 1)  # [heads, qk]
+        kv_rows = torch.cat([root.unsqueeze(1).expand(-1, module.nope),
+                             torch.ones_like(root).unsqueeze(1).expand(-1, module.v_dim)], 1)
+        _scale_rows(_query(module), q_rows.reshape(-1))
+        _scale_rows(module.wkv_b.weight, kv_rows.reshape(-1))
+        return
+    width = module.head_dim
+    if module.n_kv_heads == module.n_heads:
+        _scale_rows(module.wq.weight, root.repeat_interleave(width))
+        _scale_rows(module.wk.weight, root.repeat_interleave(width))
+    else:
+        _scale_rows(module.wq.weight, gamma.repeat_interleave(width))
+
+
+def _scale_rows(param: torch.Tensor, rows: torch.Tensor) -> None:
+    """param[r, :] *= rows[r] on this rank's shard of the (possibly sharded) parameter:
+    each rank cuts its own block of the full scale, no communication."""
+    full = rows.to(torch.float32).unsqueeze(1).expand(param.shape)
+    if hasattr(param, "to_local"):
+        from torch.distributed.tensor import distribute_tensor
+
+        full = distribute_tensor(full, param.device_mesh, param.placements,
+                                 src_data_rank=None).to_local()
+    local = _local(param)
+    local.mul_(full.to(device=local.device, dtype=local.dtype))
