@@ -11,7 +11,10 @@ nothing else is recorded. In a window, a new document starts
 id of a position is the number of starts up to it, minus one: [B, S] int64, computed on the
 device from the input tokens (`document_ids`). The model turns ids into its block-causal mask
 and per-document positions (trainer/models/attention.py); the loader also uses the starts to drop the
-targets that begin a document when `data.predict_document_start = false`.
+targets that begin a document when `data.predict_document_start = false`. Multi-token
+prediction's targets reach one token past the inputs (the window's last label), whose document
+follows from the same rules (`window_document_ids`); `MicrobatchDocuments` computes, per
+training microbatch, only the ids that are used.
 
 A source without any delimiter (a store prepared with add_bos = add_eos = false, a tokenizer
 without BOS/EOS ids, the synthetic source) has no documents: `Delimiters` is None there, and a
@@ -88,6 +91,36 @@ def count_targets(labels: torch.Tensor) -> int:
 def document_ids(tokens: torch.Tensor, d: Delimiters) -> torch.Tensor:
     """Int64 [B, S]: 0 for the window's first (possibly partial) document, then 1, 2, ..."""
     return starts(tokens, d).cumsum(dim=1) - 1
+
+
+def window_document_ids(doc_ids: torch.Tensor, inputs: torch.Tensor, labels: torch.Tensor,
+                        d: Delimiters | None) -> torch.Tensor:
+    """Int64 [B, S + 1]: the document of each of the window's tokens, `doc_ids` [B, S] of the
+    inputs then token S (the last label): a new document if it is a BOS, follows an EOS, or
+    was masked as a document start (IGNORE_INDEX: data.predict_document_start = false)."""
+    last, new = labels[:, -1:], labels[:, -1:] == IGNORE_INDEX
+    if d is not None and d.bos is not None:
+        new = new | (last == d.bos)
+    if d is not None and d.eos is not None:
+        new = new | (inputs[:, -1:] == d.eos)
+    return torch.cat([doc_ids, doc_ids[:, -1:] + new], dim=1)
+
+
+class MicrobatchDocuments:
+    """The document ids one training microbatch needs, each computed only where used: the
+    model's [B, S] (`model`: block_causal attention, document positions) and the window's
+    [B, S + 1] (`mtp`: multi-token prediction's targets within documents). `ids`: inputs ->
+    [B, S] (the loader's `document_ids`)."""
+
+    def __init__(self, ids, delimiters: Delimiters | None, *, model: bool, mtp: bool):
+        self.ids, self.delimiters, self.model, self.mtp = ids, delimiters, model, mtp
+
+    def __call__(self, inputs: torch.Tensor, labels: torch.Tensor):
+        """(the model's doc ids or None, the window's or None)."""
+        ids = self.ids(inputs)
+        window = window_document_ids(ids, inputs, labels, self.delimiters) if self.mtp \
+            else None
+        return (ids if self.model else None), window
 
 
 def split_window(windows: torch.Tensor, d: Delimiters | None,

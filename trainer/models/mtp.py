@@ -8,6 +8,20 @@ model's other sparse blocks), gives h^k; its own final norm and the model's head
 is the embedding) predict token i + k + 1. The positions whose input or target falls past the
 window are ignored.
 
+**Within documents.** In a packed window, token i + k + 1 and the chain's inputs i + 1..i + k
+may belong to the next document. Where documents apply (the model keeps them apart:
+`attn_mask_type = "block_causal"` or `positions = "document"`; or the data masks the targets
+that start a document: `data.predict_document_start = false`), depth k's target at position i
+is kept only if token i + k + 1 lies in position i's document; document ids never decrease
+along a window, so every input of its chain does too. This is torchtitan's valid mask and
+Megatron's rolling within each packed sequence: a packed window's MTP loss is the sum of its
+documents' MTP losses, each taken alone. With plain causal attention and
+`predict_document_start = true` the window is one stream, as it is for the main head (which
+is trained there to predict a document's first token from the previous one's context), and
+the depths read across documents too. The targets come from the window's document ids
+[b, s + 1]: the inputs', then token s (the last label, past the inputs: trainer/data/
+documents.py `window_document_ids`).
+
 The training loss is the main loss plus `mtp_loss_weight` x the mean of the depths' losses
 (each summed over its tokens and divided by the step's token count, like the main loss); the
 MTP part is logged apart as `loss_metrics/mtp_loss` (the mean over depths, per token), and
@@ -44,13 +58,20 @@ class MTPModule(nn.Module):
         return self.block(x, cos, sin, mask)
 
 
-def future_labels(labels: torch.Tensor, depth: int) -> torch.Tensor:
+def future_labels(labels: torch.Tensor, depth: int,
+                  documents: torch.Tensor | None = None) -> torch.Tensor:
     """[depth, b, s]: labels shifted left by 1..depth along the sequence, IGNORE_INDEX past
-    the end: row j - 1 holds, at position i, the token i + j + 1 (MTP depth j's target)."""
+    the end: row j - 1 holds, at position i, the token i + j + 1 (MTP depth j's target).
+    `documents` [b, s + 1]: the document of each of the window's tokens (inputs, then the
+    last label); a target in another document than position i's is IGNORE_INDEX."""
     out = torch.full((depth, *labels.shape), IGNORE_INDEX, dtype=labels.dtype,
                      device=labels.device)
     for j in range(1, depth + 1):
-        out[j - 1, :, :-j] = labels[:, j:]
+        target = labels[:, j:]
+        if documents is not None:  # token i + j + 1 against token i
+            target = target.masked_fill(documents[:, j + 1:] != documents[:, :-j - 1],
+                                        IGNORE_INDEX)
+        out[j - 1, :, :-j] = target
     return out
 
 

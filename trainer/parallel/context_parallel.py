@@ -212,10 +212,11 @@ class ContextSplit:
                     doc_ids=doc_ids, attention=self.attention(doc_ids), **kwargs)
         return out, local_labels
 
-    def future(self, labels: torch.Tensor, depth: int) -> torch.Tensor:
+    def future(self, labels: torch.Tensor, depth: int, documents=None) -> torch.Tensor:
         """The MTP modules' targets [depth, b, local] at this rank's positions, shifted on the
-        whole samples (a position's next tokens may sit on another cp rank)."""
-        return future_labels(labels, depth)[:, :, self.index]
+        whole samples (a position's next tokens may sit on another cp rank); `documents`:
+        the whole window's document ids [b, s + 1] (targets within documents)."""
+        return future_labels(labels, depth, documents)[:, :, self.index]
 
     def attention(self, doc_ids) -> ContextAttention:
         """A microbatch's attention; `doc_ids` [b, seq] of the whole samples (block_causal)."""
@@ -229,9 +230,9 @@ class ContextParallelLoop:
 
     def __init__(self, model: torch.nn.Module, loss_fn: Loss, *, sync_mode: str, dp_size: int,
                  cp_mesh, seq_len: int, device: torch.device, model_cfg,
-                 document_ids=None):
+                 documents=None):
         self.model, self.loss_fn, self.sync_mode = model, loss_fn, sync_mode
-        self.dp_size, self.device, self.document_ids = dp_size, device, document_ids
+        self.dp_size, self.device, self.documents = dp_size, device, documents
         self.split = ContextSplit(cp_mesh, seq_len, device, model_cfg)
         self.cp, self.group = self.split.cp, self.split.group
         log0(self.split.describe())
@@ -242,10 +243,10 @@ class ContextParallelLoop:
         for i, (inputs, labels) in enumerate(batches):
             set_gradient_sync(self.model, self.sync_mode, is_last=i == len(batches) - 1)
             inputs, labels = to_device(inputs, self.device), to_device(labels, self.device)
-            doc_ids = self.document_ids(inputs) if self.document_ids else None
+            doc_ids, window = self.documents(inputs, labels) if self.documents else (None, None)
             heartbeat.phase("forward", step)
             depth = self.model.args.mtp_layers  # MTP targets: cut from the whole sequence
-            future = self.split.future(labels, depth) if depth else None
+            future = self.split.future(labels, depth, window) if depth else None
             loss, _ = self.split.run(self.model, inputs, labels, self.loss_fn, doc_ids,
                                      future=future)
             loss = loss / global_tokens

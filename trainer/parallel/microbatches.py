@@ -12,14 +12,15 @@ microbatches through a pipeline schedule. The loop does not change.
 
 from __future__ import annotations
 
-from typing import Callable
 
 import torch
 
+from trainer.data.documents import MicrobatchDocuments
 from trainer.distributed import to_device
 from trainer.health import faults, heartbeat
 from trainer.models.loss import Loss
 from trainer.models.moe import set_aux_scale, take_aux_loss
+from trainer.models.mtp import future_labels
 from trainer.parallel.context_parallel import ContextParallelLoop, ContextSplit
 from trainer.parallel.fsdp import set_gradient_sync
 from trainer.parallel.pipeline import PipelineLoop
@@ -38,10 +39,10 @@ class MicrobatchLoop:
     """
 
     def __init__(self, model: torch.nn.Module, loss_fn: Loss, *, sync_mode: str, dp_size: int,
-                 device: torch.device, document_ids: Callable | None = None):
+                 device: torch.device, documents: MicrobatchDocuments | None = None):
         self.model, self.loss_fn, self.sync_mode = model, loss_fn, sync_mode
         self.dp_size, self.device = dp_size, device
-        self.document_ids = document_ids  # inputs -> document ids, with documents (else None)
+        self.documents = documents  # (inputs, labels) -> document ids, with documents
 
     def __call__(self, batches, global_tokens: torch.Tensor, step: int) -> Losses:
         loss_sum, aux = torch.zeros((), device=self.device), None
@@ -49,11 +50,15 @@ class MicrobatchLoop:
         for i, (inputs, labels) in enumerate(batches):
             set_gradient_sync(self.model, self.sync_mode, is_last=i == len(batches) - 1)
             inputs, labels = to_device(inputs, self.device), to_device(labels, self.device)
+            doc_ids, window = self.documents(inputs, labels) if self.documents else (None, None)
             heartbeat.phase("forward", step)
             # The model's head computes the summed token loss (trainer/models/loss.py): no
-            # logits here. Document ids let the model mask and position per document.
-            loss = self.model(inputs, labels=labels, loss_fn=self.loss_fn,
-                              doc_ids=self.document_ids(inputs) if self.document_ids else None)
+            # logits here. Document ids let the model mask and position per document, and
+            # keep the MTP targets in their documents.
+            future = None if window is None else \
+                future_labels(labels, self.model.args.mtp_layers, window)
+            loss = self.model(inputs, labels=labels, loss_fn=self.loss_fn, doc_ids=doc_ids,
+                              future=future)
             loss = loss / global_tokens
             if i == 0:
                 faults.armed().first_forward(step)  # a testing hook; nothing unless asked
@@ -76,18 +81,33 @@ def build_forward_backward(model: torch.nn.Module, loss_fn: Loss, cfg, *, parall
     """The seam for `cfg`'s parallelism: a pipeline schedule with pp > 1 (trainer/parallel/
     pipeline.py), context parallelism's loop with cp > 1 (context_parallel.py), else the
     microbatch loop."""
-    documents = getattr(model, "uses_documents", False) and loader is not None
     common = dict(sync_mode=cfg.training.gradient_accumulation_sync,
                   dp_size=parallel_dims.dp_size, device=device,
-                  document_ids=loader.document_ids if documents else None)
+                  documents=microbatch_documents(model, loader))
     if parallel_dims.pp_enabled:
         return PipelineLoop(model, loss_fn, cfg, dp_size=parallel_dims.dp_size, device=device,
-                            document_ids=common["document_ids"],
+                            documents=common["documents"],
                             cp_mesh=parallel_dims.cp_mesh if parallel_dims.cp_enabled else None)
     if parallel_dims.cp_enabled:
         return ContextParallelLoop(model, loss_fn, cp_mesh=parallel_dims.cp_mesh,
                                    seq_len=cfg.training.seq_len, model_cfg=cfg.model, **common)
     return MicrobatchLoop(model, loss_fn, **common)
+
+
+def microbatch_documents(model: torch.nn.Module, loader) -> MicrobatchDocuments | None:
+    """Which document ids a training microbatch needs (None: none): the model's when it keeps
+    documents apart (`uses_documents`); the window's for the MTP targets when documents apply
+    to them (trainer/models/mtp.py): the model keeps documents apart, or the data masks the
+    targets that start one (data.predict_document_start = false)."""
+    if loader is None:
+        return None
+    keeps_apart = getattr(model, "uses_documents", False)
+    mtp = model.args.mtp_layers > 0 and (
+        keeps_apart or not getattr(loader, "predict_document_start", True))
+    if not (keeps_apart or mtp):
+        return None
+    return MicrobatchDocuments(loader.document_ids, getattr(loader, "delimiters", None),
+                               model=keeps_apart, mtp=mtp)
 
 
 def forward_only_split(cfg, *, parallel_dims, device: torch.device):

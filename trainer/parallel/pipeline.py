@@ -297,7 +297,7 @@ class PipelineLoop:
     """The step's forward and backward through a pipeline schedule (see the module docstring)."""
 
     def __init__(self, model: PipelinedModel, loss_fn, cfg, *, dp_size: int,
-                 device: torch.device, document_ids=None, cp_mesh=None):
+                 device: torch.device, documents=None, cp_mesh=None):
         from torch.distributed.pipelining import PipelineStage
         from torch.distributed.pipelining.schedules import (PipelineScheduleSingle,
                                                             get_schedule_class)
@@ -308,7 +308,7 @@ class PipelineLoop:
         self.n_microbatches = check_microbatches(par, cfg.training, sched, n_stages,
                                                  par.pipeline_parallel_degree)
         self.model, self.loss_fn, self.device = model, loss_fn, device
-        self.dp_size, self.document_ids = dp_size, document_ids
+        self.dp_size, self.documents = dp_size, documents
         self.pp_group = model.pp_group
         self.scale = None  # dp / the step's global token count
         # PP x CP: each stage attends over its cp rank's share of the sequence
@@ -370,7 +370,7 @@ class PipelineLoop:
         for i, (inputs, labels) in enumerate(batches):
             self.reduce_now = self.sync_mode != "last" or i == len(batches) - 1
             inputs, labels = to_device(inputs, self.device), to_device(labels, self.device)
-            doc_ids = self.document_ids(inputs) if self.document_ids is not None else None
+            doc_ids, window = self.documents(inputs, labels) if self.documents else (None, None)
             kwargs, whole_labels = {"labels": labels}, labels
             if self.cp is not None:  # this cp rank's tokens; the whole samples' documents
                 inputs, kwargs["labels"], kwargs["positions"] = self.cp.split(inputs, labels,
@@ -379,8 +379,8 @@ class PipelineLoop:
             if doc_ids is not None:
                 kwargs["doc_ids"] = doc_ids
             if self.mtp_layers:  # MTP targets [b, depth, s] (from the whole sequence under cp)
-                future = self.cp.future(whole_labels, self.mtp_layers) if self.cp else \
-                    future_labels(labels, self.mtp_layers)
+                future = self.cp.future(whole_labels, self.mtp_layers, window) if self.cp \
+                    else future_labels(labels, self.mtp_layers, window)
                 kwargs["future"] = future.transpose(0, 1).contiguous()
             heartbeat.phase("pipeline", step)
             losses: list[torch.Tensor] = []
