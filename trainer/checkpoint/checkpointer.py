@@ -42,14 +42,11 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict,
-                                                     get_optimizer_state_dict,
-                                                     set_model_state_dict,
-                                                     set_optimizer_state_dict)
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.stateful import Stateful
 
 from trainer.checkpoint import integrity, safe_load
+from trainer.checkpoint.optim_state import ModelAndOptimizer, changed_line
 from trainer.health import faults
 from trainer.errors import CheckpointError, ConfigError
 
@@ -76,36 +73,6 @@ class TrainState(Stateful):
         self.step, self.tokens_seen = int(sd["step"]), int(sd["tokens_seen"])
         self.loss_window = [float(x) for x in sd.get("loss_window", [])]
         self.rollback_steps = [int(s) for s in sd.get("rollback_steps", [])]
-
-
-class ModelAndOptimizer(Stateful):
-    """Model and optimizer state as sharded DTensors, keyed by parameter FQNs.
-
-    The optimizer's param groups are saved per parameter (`param_groups.<fqn>.lr`, DCP's
-    flattened form): grouped lists of names differ between pipeline stages, and DCP would keep
-    one rank's list. `flat = False` reads a checkpoint saved before, with numbered groups."""
-
-    def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer):
-        self.model, self.optimizer = model, optimizer
-        self.flat = True
-        self.model_only = False  # a load that starts the optimizer afresh (reset_optimizer)
-
-    def _options(self) -> StateDictOptions:
-        return StateDictOptions(flatten_optimizer_state_dict=self.flat)
-
-    def state_dict(self) -> dict:
-        if self.model_only:
-            return {"model": get_model_state_dict(self.model)}
-        return {"model": get_model_state_dict(self.model),
-                "optimizer": get_optimizer_state_dict(self.model, self.optimizer,
-                                                      options=self._options())}
-
-    def load_state_dict(self, sd: dict) -> None:
-        set_model_state_dict(self.model, sd["model"])
-        if self.model_only:
-            return
-        set_optimizer_state_dict(self.model, self.optimizer, optim_state_dict=sd["optimizer"],
-                                 options=self._options())
 
 
 class _Adapter(Stateful):
@@ -236,18 +203,22 @@ class Checkpointer:
         model_optim = self.states["model_optim"]
         model_optim.flat = "model_optim.optimizer.param_groups.0.lr" not in saved  # older
         fresh = model_optim.model_only = self._optimizer_switched(saved)  # reset_optimizer
+        prefix = "model_optim.optimizer."  # the optimizer's state loads, its settings are ours
+        model_optim.saved_keys = {k[len(prefix):] for k in saved if k.startswith(prefix)}
+        model_optim.changes = []
         try:
             load(states)
         finally:
-            model_optim.flat, model_optim.model_only = True, False
+            model_optim.flat, model_optim.model_only, model_optim.saved_keys = True, False, None
+        settings = None if fresh else changed_line(model_optim.changes)  # collective
         if fresh:
             self.log(f"checkpoint.reset_optimizer: {self._path(step)} holds another optimizer's "
                      "state; the model, data position and schedule resume, the optimizer "
                      "starts afresh")
         # Leniently: older checkpoints have no spike window nor rollbacks (TrainState).
         load({"train_state": train_state}, partial=True)
-        # After the optimizer, whose param groups come back with the saved lr: the schedule
-        # keeps this run's formula and sets the lr of the next step from it (trainer/optim/optimizer.py).
+        # After the optimizer: the schedule keeps this run's formula and sets the lr of the
+        # next step from it (trainer/optim/optimizer.py).
         load({"lr_scheduler": sched})
         # Leniently too: a CPU checkpoint has no CUDA RNG state to give a GPU run.
         load({"rng": rng}, partial=True)
@@ -259,9 +230,9 @@ class Checkpointer:
         if os.environ.get(integrity.DIGEST_ENV):
             model = self.states["model_optim"].model
             self.log(f"loaded weights digest {integrity.weights_digest(integrity.saved(model))}")
-        note = sched.obj.resume_note()
-        if note:
-            self.log(note)
+        for note in (settings, sched.obj.resume_note()):
+            if note:
+                self.log(note)
         return True
 
     def _check_model_shapes(self, path: str) -> None:
