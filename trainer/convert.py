@@ -1,5 +1,5 @@
 """Convert a committed DCP checkpoint into a Hugging Face LlamaForCausalLM folder (a Qwen3-MoE
-flavor: Qwen3MoeForCausalLM):
+flavor: Qwen3MoeForCausalLM; a deepseek_v3 one: DeepseekV3ForCausalLM with its MTP layers):
 
     python -m trainer.convert to-hf OUTPUTS/checkpoint/step-1000 OUT_DIR [--dtype bfloat16]
 
@@ -70,8 +70,7 @@ def to_hf(checkpoint_dir: str, out_dir: str, *, dtype: str, max_shard_gib: float
     saved = saved_shapes(checkpoint_dir, allow_pickle)
     cfg = read_run_config(checkpoint_dir, config_path)
     vocab = saved.get("tok_embeddings.weight", (0,))[0]
-    mtp = {k: v for k, v in saved.items() if k.startswith("mtp.")}  # not exported
-    saved = {k: v for k, v in saved.items() if k not in mtp}
+    mtp = {k: v for k, v in saved.items() if k.startswith("mtp.")}
     args = model_args(cfg.model.flavor, vocab_size=vocab, max_seq_len=cfg.training.seq_len,
                       moe_config=cfg.moe, mtp_layers=len({k.split(".")[1] for k in mtp}),
                       **rope_args(cfg.model))

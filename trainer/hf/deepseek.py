@@ -9,11 +9,17 @@ layout) or RoPE scaled otherwise than by YaRN (what DeepSeek-V3 and Kimi K2 are 
 with: trainer/models/layers.py) is refused in one line rather than loaded into different logits.
 The balancing bias of training (`moe.load_balance_coeff`) is DeepSeek-V3's
 `e_score_correction_bias`: it is exported and imported, so routing is the same on both sides.
-Multi-token prediction modules are not part of DeepseekV3ForCausalLM (transformers does not
-run them): exports leave them out, imports leave them at their seeded init, each with a line.
+
+Multi-token prediction module k (0-based) is the release's layer `num_hidden_layers + k`
+(`num_nextn_predict_layers` of them): `enorm`, `hnorm`, `eh_proj` (applied to [enorm(emb);
+hnorm(h)], our MTPModule's order), a decoder block under the usual names, `shared_head.norm`,
+and copies of the embedding (`embed_tokens`) and head (`shared_head.head`). transformers'
+DeepseekV3ForCausalLM does not build those layers and skips them when it loads.
 """
 
 from __future__ import annotations
+
+import re
 
 from trainer.models.args import ModelArgs
 
@@ -30,8 +36,53 @@ MLA_LAYER = {
     "feed_forward.shared_experts.w3.weight": "mlp.shared_experts.up_proj.weight",
     "feed_forward.router.expert_bias": "mlp.gate.e_score_correction_bias",
 }
-MTP_NOTE = ("the {n} multi-token prediction module(s) (model.mtp_layers) are not part of "
-            "DeepseekV3ForCausalLM, which does not run them: {what}")
+# An MTP module's own parameters (under `mtp.k.`) -> the release's names (under its layer)
+MTP_OWN = {"embed_norm.weight": "enorm.weight", "hidden_norm.weight": "hnorm.weight",
+           "proj.weight": "eh_proj.weight", "norm.weight": "shared_head.norm.weight"}
+# The copies of the main model's tensors that each MTP layer of the release holds
+MTP_COPIES = {"embed_tokens.weight": "model.embed_tokens.weight",
+              "shared_head.head.weight": "lm_head.weight"}
+_MTP_RE = re.compile(r"^mtp\.(\d+)\.(.+)$")
+
+
+def mtp_layer(args: ModelArgs, k: int) -> int:
+    """The release's layer number of MTP module k (0-based)."""
+    return args.n_layers + k
+
+
+def mtp_depth(name: str) -> int | None:
+    """k for a parameter under `mtp.k.`, else None."""
+    m = _MTP_RE.match(name)
+    return None if m is None else int(m.group(1))
+
+
+def mtp_release_name(name: str, args: ModelArgs) -> str:
+    """`mtp.k.block.X` -> `layers.{L + k}.X` (the block, then mapped as a layer's);
+    `mtp.k.proj.weight` etc. -> the release's full key; any other name unchanged."""
+    m = _MTP_RE.match(name)
+    if m is None:
+        return name
+    layer, rest = mtp_layer(args, int(m.group(1))), m.group(2)
+    if rest in MTP_OWN:
+        return f"model.layers.{layer}.{MTP_OWN[rest]}"
+    if rest.startswith("block."):
+        return f"layers.{layer}.{rest[len('block.'):]}"
+    raise KeyError(f"no Hugging Face name for parameter {name!r}")
+
+
+def mtp_copies(hf_key: str, args: ModelArgs) -> list[str]:
+    """The keys under which the MTP layers repeat the main model's tensor `hf_key`."""
+    depths = args.mtp_layers if args.mla is not None else 0
+    return [f"model.layers.{mtp_layer(args, k)}.{copy}" for k in range(depths)
+            for copy, main in MTP_COPIES.items() if main == hf_key]
+
+
+def mtp_shapes(args: ModelArgs, block: list[tuple[str, tuple[int, ...]]], k: int):
+    """(name, shape) of MTP module k's parameters; `block`: its block's, under `block.`."""
+    d = args.dim
+    return [(f"mtp.{k}.embed_norm.weight", (d,)), (f"mtp.{k}.hidden_norm.weight", (d,)),
+            (f"mtp.{k}.proj.weight", (d, 2 * d)),
+            *((f"mtp.{k}.block.{n}", s) for n, s in block), (f"mtp.{k}.norm.weight", (d,))]
 
 
 def mla_shapes(args: ModelArgs) -> list[tuple[str, tuple[int, ...]]]:
@@ -64,7 +115,7 @@ def deepseek_config(args: ModelArgs) -> dict:
            "q_lora_rank": m.q_lora_rank or None, "kv_lora_rank": m.kv_lora_rank,
            "qk_nope_head_dim": m.qk_nope_head_dim, "qk_rope_head_dim": m.qk_rope_head_dim,
            "v_head_dim": m.v_head_dim, "head_dim": m.qk_rope_head_dim,
-           "rope_interleave": True, "num_nextn_predict_layers": 0}
+           "rope_interleave": True, "num_nextn_predict_layers": args.mtp_layers}
     if moe is None:  # dense: every block's FFN is the dense one
         return {**cfg, "first_k_dense_replace": args.n_layers, "n_routed_experts": 1,
                 "num_experts_per_tok": 1, "n_shared_experts": 0, "moe_intermediate_size": 1,
@@ -108,19 +159,92 @@ def unsupported(cfg: dict) -> str | None:
     return None
 
 
+# What transformers' DeepseekV3Config builds for a key config.json leaves out (5.x; DeepSeek's
+# and Moonshot's own configuration_deepseek.py agree on these), so a minimal config.json is
+# compared with the model transformers would build, not with this trainer's defaults.
+# tests/test_hf_release.py checks the table against transformers.
+HF_DEFAULTS = {"num_hidden_layers": 61, "q_lora_rank": 1536, "first_k_dense_replace": 3,
+               "n_group": 8, "topk_group": 4, "routed_scaling_factor": 2.5,
+               "norm_topk_prob": True, "num_experts_per_tok": 8, "rms_norm_eps": 1e-6,
+               "rope_theta": 10000.0, "tie_word_embeddings": False, "hidden_act": "silu"}
+# config.json model types of the DeepseekV3ForCausalLM architecture: Kimi K2's is its own
+# (its remote code is DeepSeek-V3's, named through auto_map)
+MODEL_TYPES = ("deepseek_v3", "kimi_k2")
+
+
+def setting(cfg: dict, key: str):
+    """config.json's value of `key`, or transformers' default where it is left out."""
+    return cfg[key] if key in cfg else HF_DEFAULTS[key]
+
+
 def compare(cfg: dict, args: ModelArgs) -> tuple[dict, dict]:
     """(theirs, ours) for the settings that change a DeepSeek-V3 model without changing a
-    tensor shape."""
+    tensor shape of the blocks we load (and the number of blocks)."""
     moe = args.moe
-    theirs = {"first_k_dense_replace": int(cfg.get("first_k_dense_replace") or 0),
-              "n_group": int(cfg.get("n_group") or 1), "topk_group": int(cfg.get("topk_group") or 1),
-              "routed_scaling_factor": float(cfg.get("routed_scaling_factor", 1.0)),
-              "norm_topk_prob": bool(cfg.get("norm_topk_prob", False)),
-              "num_experts_per_tok": int(cfg.get("num_experts_per_tok") or 0)}
+    get = lambda key: setting(cfg, key)  # noqa: E731
+    theirs = {"num_hidden_layers": int(get("num_hidden_layers")),
+              "q_lora_rank": int(get("q_lora_rank") or 0),
+              "first_k_dense_replace": int(get("first_k_dense_replace") or 0),
+              "n_group": int(get("n_group") or 1), "topk_group": int(get("topk_group") or 1),
+              "routed_scaling_factor": float(get("routed_scaling_factor")),
+              "norm_topk_prob": bool(get("norm_topk_prob")),
+              "num_experts_per_tok": int(get("num_experts_per_tok") or 0),
+              "moe_layer_freq": int(cfg.get("moe_layer_freq") or 1),  # DeepSeek's own key
+              "scoring_func": cfg.get("scoring_func") or "sigmoid"}
+    ours = {"num_hidden_layers": args.n_layers, "q_lora_rank": args.mla.q_lora_rank}
     if moe is None:
-        return {"first_k_dense_replace": theirs["first_k_dense_replace"]}, \
-            {"first_k_dense_replace": args.n_layers}
-    ours = {"first_k_dense_replace": moe.first_dense_layers, "n_group": moe.n_group,
-            "topk_group": moe.topk_group, "routed_scaling_factor": float(moe.route_scale),
-            "norm_topk_prob": moe.norm_topk_prob, "num_experts_per_tok": moe.top_k}
+        keep = ("num_hidden_layers", "q_lora_rank", "first_k_dense_replace")
+        return {k: theirs[k] for k in keep}, {**ours, "first_k_dense_replace": args.n_layers}
+    ours.update({"first_k_dense_replace": moe.first_dense_layers, "n_group": moe.n_group,
+                 "topk_group": moe.topk_group, "routed_scaling_factor": float(moe.route_scale),
+                 "norm_topk_prob": moe.norm_topk_prob, "num_experts_per_tok": moe.top_k,
+                 "moe_layer_freq": moe.sparse_step, "scoring_func": moe.score_func})
     return theirs, ours
+
+
+def mtp_depths(has, args: ModelArgs) -> int:
+    """How many of our MTP modules the folder holds (its layers num_hidden_layers + k with an
+    `eh_proj`); `has(key)` says whether the folder stores a tensor."""
+    k = 0
+    while k < args.mtp_layers and has(f"model.layers.{mtp_layer(args, k)}.{MTP_OWN['proj.weight']}"):
+        k += 1
+    return k
+
+
+def mtp_import_note(has, args: ModelArgs, depths: int) -> str | None:
+    """The startup line on where the MTP modules' weights come from (None: no MTP anywhere)."""
+    if not args.mtp_layers:
+        first = f"model.layers.{mtp_layer(args, 0)}.{MTP_OWN['proj.weight']}"
+        return ("multi-token prediction: the folder's MTP layer(s) are not loaded "
+                "(model.mtp_layers = 0)") if has(first) else None
+    first = mtp_layer(args, 0)
+    loaded = (f"module(s) 0..{depths - 1} loaded from the folder's layer(s) "
+              f"{first}..{first + depths - 1}" if depths else "the folder holds none")
+    fresh = (f"; module(s) {depths}..{args.mtp_layers - 1} start from their seeded init"
+             if depths < args.mtp_layers else "")
+    return f"multi-token prediction (model.mtp_layers = {args.mtp_layers}): {loaded}{fresh}"
+
+
+def mtp_copy_warnings(hf, args: ModelArgs, depths: int) -> list[str]:
+    """One warning line per MTP layer's copy of the embedding or head that differs from the
+    main model's (the MTP modules here use the model's own, as DeepSeek-V3 trains them)."""
+    lines = []
+    for k in range(depths):
+        for copy, main in MTP_COPIES.items():
+            key = f"model.layers.{mtp_layer(args, k)}.{copy}"
+            if not (hf.has(key) and hf.has(main)):
+                continue
+            a, b = hf.tensor(key), hf.tensor(main)
+            diff = "shape" if a.shape != b.shape else max_abs_diff(a, b)
+            if diff:
+                what = (f"shape {list(a.shape)} against {list(b.shape)}" if diff == "shape"
+                        else f"max |difference| {diff:.3g}")
+                lines.append(f"warning: {key} differs from {main} ({what}); MTP module {k} "
+                             f"uses the model's own {main} (shared, as DeepSeek-V3 trains it)")
+    return lines
+
+
+def max_abs_diff(a, b, rows: int = 4096) -> float:
+    """max |a - b| in float32, a block of rows at a time (the tensors are memory-mapped)."""
+    return max((float((a[i:i + rows].float() - b[i:i + rows].float()).abs().max())
+                for i in range(0, a.shape[0], rows)), default=0.0)

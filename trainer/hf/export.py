@@ -1,5 +1,6 @@
-"""Write a Hugging Face LlamaForCausalLM folder: weights, config.json, generation_config.json
-and the run's tokenizer."""
+"""Write a Hugging Face folder (LlamaForCausalLM, Qwen3MoeForCausalLM or DeepseekV3ForCausalLM
+with its MTP layers): unquantized weights in the chosen dtype, config.json,
+generation_config.json and the run's tokenizer."""
 
 from __future__ import annotations
 
@@ -36,11 +37,11 @@ def write_hf_folder(out_dir: str, args, fetch, cfg, *, dtype: str,
     note = routing_bias_note(fetch(buffers)) if buffers and args.mla is None else None
     if note:
         log(note)
-    if args.mtp_layers:
-        from trainer.hf.deepseek import MTP_NOTE
-
-        log(MTP_NOTE.format(n=args.mtp_layers, what="left out of the export (the checkpoint "
-                            "keeps them)"))
+    if args.mtp_layers and args.mla is not None:
+        first = args.n_layers
+        log(f"multi-token prediction: module(s) 0..{args.mtp_layers - 1} exported as layer(s) "
+            f"{first}..{first + args.mtp_layers - 1} under the release's names "
+            f"(num_nextn_predict_layers = {args.mtp_layers}; transformers skips them)")
     files = write_weights(out_dir, args, export_shapes(args), fetch, dtype=dtype,
                           max_shard_bytes=max_shard_bytes)
     ids = {}
@@ -56,4 +57,5 @@ def write_hf_folder(out_dir: str, args, fetch, cfg, *, dtype: str,
                hf_config(args, dtype=dtype, bos_id=bos, eos_id=eos))
     write_json(os.path.join(out_dir, "generation_config.json"),
                {"bos_token_id": bos, "eos_token_id": eos})
-    log(f"wrote {', '.join(files)} and config.json to {out_dir}")
+    log(f"wrote {', '.join(files)} ({dtype}, unquantized: no quantization_config) and "
+        f"config.json to {out_dir}")

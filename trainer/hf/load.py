@@ -2,8 +2,9 @@
 `initial_load_in_hf = true`), or from the model of another run's DCP checkpoint. Export at the
 end of a run: `checkpoint.last_save_in_hf = true` writes `{dump_folder}/hf/`.
 
-Every rank reads each full tensor from the safetensors files (memory-mapped, one at a time) and
-keeps its own shard of it, so any FSDP/HSDP layout loads the same weights without collectives.
+Every rank reads each full tensor from the safetensors files (memory-mapped, one at a time;
+an fp8 one dequantized to float32) and keeps its own block of it, so any layout loads the same
+weights without collectives; of a layer's experts it reads only those it holds.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ import torch
 import torch.distributed as dist
 
 from trainer.errors import ConfigError
+from trainer.hf import deepseek
 from trainer.hf.mapping import (check_hf_config, export_shapes, from_hf_keys, hf_keys,
                                 stacked_experts)
 from trainer.hf.weights import HFFolder
@@ -40,19 +42,23 @@ def load_initial(model, cfg, *, log=print) -> bool:
 
 
 def load_hf(model, folder: str, *, flavor: str, log=print) -> None:
-    """Copy a Hugging Face Llama, Qwen3-MoE or DeepSeek-V3 folder's weights into `model`
-    (plain or sharded). DeepSeek-V3's routing biases load into the balancing bias; MTP
-    modules, which the folder does not hold, keep their seeded init."""
+    """Copy a Hugging Face Llama, Qwen3-MoE or DeepSeek-V3 / Kimi K2 folder's weights into
+    `model` (plain or sharded): fp8 blocks dequantized, DeepSeek-V3's routing biases into the
+    balancing bias, its MTP layers into the MTP modules (those it lacks keep their init)."""
     hf = HFFolder(folder)
     args = model.args
     check_hf_config(hf.config, args, folder, flavor)
-    shapes = export_shapes(args)
+    if hf.block is not None:
+        log(f"{folder} holds fp8 weights in {hf.block[0]} x {hf.block[1]} blocks "
+            "(quantization_config): each is dequantized to float32 as it is read")
+    depths = deepseek.mtp_depths(hf.has, args) if args.mla is not None else 0
+    note = deepseek.mtp_import_note(hf.has, args, depths) if args.mla is not None else None
+    if note:
+        log(note)
+    shapes = {n: s for n, s in export_shapes(args).items()
+              if deepseek.mtp_depth(n) is None or deepseek.mtp_depth(n) < depths}
     tensors = {**dict(model.named_parameters()), **dict(model.named_buffers())}
     params = {n: t for n, t in tensors.items() if n in shapes}
-    if args.mtp_layers:
-        from trainer.hf.deepseek import MTP_NOTE
-
-        log(MTP_NOTE.format(n=args.mtp_layers, what="they start from their seeded init"))
     for name, shape in shapes.items():  # every shape first: one error, no half-load
         keys = hf_keys(name, args)
         want = shape[1:] if stacked_experts(name) else shape  # experts: one tensor each
@@ -65,8 +71,47 @@ def load_hf(model, folder: str, *, flavor: str, log=print) -> None:
                     f"here ({name}); choose the flavor and model.vocab_size the checkpoint was "
                     "made with")
     for name, param in params.items():
-        full = from_hf_keys(name, [hf.tensor(k) for k in hf_keys(name, args)], args)
-        copy_full(param, full)
+        load_param(param, name, hf, args)
+    if depths and (not dist.is_initialized() or dist.get_rank() == 0):
+        for line in deepseek.mtp_copy_warnings(hf, args, depths):
+            log(line)
+
+
+@torch.no_grad()
+def load_param(param: torch.Tensor, name: str, hf: HFFolder, args) -> None:
+    """Set our parameter `name` (a DTensor shard or a plain tensor) from the folder, reading
+    only this rank's experts of a stacked expert tensor."""
+    from torch.distributed.tensor import DTensor
+
+    keys = hf_keys(name, args)
+    region = local_region(param)
+    if region is None:  # a strided layout (FSDP over TP on one dim): cut from the full tensor
+        copy_full(param, from_hf_keys(name, [hf.tensor(k) for k in keys], args))
+        return
+    local = param.to_local() if isinstance(param, DTensor) else param
+    if local.numel() == 0:
+        return
+    if stacked_experts(name):
+        piece = torch.stack([hf.tensor(keys[e])[region[1:]] for e in range(len(keys))[region[0]]])
+    else:
+        piece = from_hf_keys(name, [hf.tensor(keys[0])], args)[region]
+    local.copy_(piece.to(dtype=local.dtype))
+
+
+def local_region(param: torch.Tensor) -> tuple[slice, ...] | None:
+    """The block of the full tensor this rank holds (every index for a plain tensor), or None
+    where the placements are not plain Shard/Replicate (a strided shard is no block)."""
+    from torch.distributed.tensor import DTensor, Replicate, Shard
+
+    if not isinstance(param, DTensor):
+        return tuple(slice(None) for _ in param.shape)
+    if not all(type(p) in (Shard, Replicate) for p in param.placements):
+        return None
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+    shape, offset = compute_local_shape_and_global_offset(param.shape, param.device_mesh,
+                                                          param.placements)
+    return tuple(slice(o, o + n) for o, n in zip(offset, shape))
 
 
 @torch.no_grad()

@@ -39,10 +39,15 @@ _TOP = {"tok_embeddings.weight": "model.embed_tokens.weight", "norm.weight": "mo
 _LAYER_RE = re.compile(r"^layers\.(\d+)\.(.+)$")
 
 
-def hf_name(name: str) -> str:
-    """Our parameter name -> the Hugging Face state-dict key."""
+def hf_name(name: str, args: ModelArgs | None = None) -> str:
+    """Our parameter name -> the Hugging Face state-dict key (an MTP module's: with `args`,
+    as the release's layer num_hidden_layers + k)."""
     if name in _TOP:
         return _TOP[name]
+    if args is not None:
+        name = deepseek.mtp_release_name(name, args)
+        if name.startswith("model."):
+            return name
     m = _LAYER_RE.match(name)
     if m is None or m.group(2) not in _LAYER:
         raise KeyError(f"no Hugging Face name for parameter {name!r}")
@@ -52,9 +57,15 @@ def hf_name(name: str) -> str:
 def hf_tensors(name: str, tensor: torch.Tensor, args: ModelArgs) -> dict[str, torch.Tensor]:
     """Our full tensor -> its Hugging Face key(s) and tensor(s): one per expert for stacked
     experts, else one (`hf_name`, `to_hf`)."""
-    m = _EXPERTS_RE.match(name)
+    m = _EXPERTS_RE.match(deepseek.mtp_release_name(name, args))
     if m is None:
-        return {hf_name(name): to_hf(name, tensor, args)}
+        key = hf_name(name, args)
+        out = {key: to_hf(name, tensor, args)}
+        if args.mla is not None:  # the release's MTP layers repeat the embedding and head
+            names = [key] + (["lm_head.weight"] if key == "model.embed_tokens.weight"
+                             and args.tie_word_embeddings else [])
+            out.update({c: out[key] for n in names for c in deepseek.mtp_copies(n, args)})
+        return out
     layer, w = m.groups()
     return {f"model.layers.{layer}.mlp.experts.{e}.{_EXPERTS[w]}.weight": tensor[e]
             for e in range(tensor.shape[0])}
@@ -62,14 +73,14 @@ def hf_tensors(name: str, tensor: torch.Tensor, args: ModelArgs) -> dict[str, to
 
 def stacked_experts(name: str) -> bool:
     """Our parameter `name` stacks the experts ([E, ...]), one Hugging Face tensor each."""
-    return _EXPERTS_RE.match(name) is not None
+    return name.endswith(tuple(f"feed_forward.experts.{w}" for w in _EXPERTS))
 
 
 def hf_keys(name: str, args: ModelArgs) -> list[str]:
-    """The Hugging Face key(s) our parameter `name` is stored under."""
-    m = _EXPERTS_RE.match(name)
+    """The Hugging Face key(s) our parameter `name` is read from."""
+    m = _EXPERTS_RE.match(deepseek.mtp_release_name(name, args))
     if m is None:
-        return [hf_name(name)]
+        return [hf_name(name, args)]
     layer, w = m.groups()
     return [f"model.layers.{layer}.mlp.experts.{e}.{_EXPERTS[w]}.weight"
             for e in range(args.moe.n_experts)]
@@ -77,7 +88,7 @@ def hf_keys(name: str, args: ModelArgs) -> list[str]:
 
 def from_hf_keys(name: str, tensors: list[torch.Tensor], args: ModelArgs) -> torch.Tensor:
     """The inverse of `hf_tensors`: the experts stacked, or `from_hf` of the one tensor."""
-    if _EXPERTS_RE.match(name):
+    if stacked_experts(name):
         return torch.stack(tensors)
     return from_hf(name, tensors[0], args)
 
@@ -121,42 +132,54 @@ def from_hf(name: str, tensor: torch.Tensor, args: ModelArgs) -> torch.Tensor:
 
 
 def param_shapes(args: ModelArgs) -> dict[str, tuple[int, ...]]:
-    """Our parameter names and shapes, in model order, without building the model."""
-    q, kv, h = args.n_heads * args.head_dim, args.n_kv_heads * args.head_dim, args.hidden_dim
+    """Our parameter names and shapes, in model order, without building the model (MTP
+    modules where Hugging Face's architecture holds them: DeepSeek-V3's)."""
     shapes = {"tok_embeddings.weight": (args.vocab_size, args.dim)}
-    for i in range(args.n_layers):  # (MTP modules: not in Hugging Face's model)
-        attn = [("attention_norm.weight", (args.dim,))] + (deepseek.mla_shapes(args) if args.mla else [
-                ("attention.wq.weight", (q, args.dim)),
-                ("attention.wk.weight", (kv, args.dim)),
-                ("attention.wv.weight", (kv, args.dim)),
-                ("attention.wo.weight", (args.dim, q))])
-        if args.qk_norm:
-            attn += [("attention.q_norm.weight", (args.head_dim,)),
-                     ("attention.k_norm.weight", (args.head_dim,))]
-        if args.is_moe_layer(i):
-            e, eh = args.moe.n_experts, args.moe.hidden_dim
-            ffn = [("feed_forward.router.gate.weight", (e, args.dim)),
-                   ("feed_forward.experts.w1", (e, eh, args.dim)),
-                   ("feed_forward.experts.w2", (e, args.dim, eh)),
-                   ("feed_forward.experts.w3", (e, eh, args.dim))] + \
-                deepseek.shared_expert_shapes(args)
-        else:
-            ffn = [("feed_forward.w1.weight", (h, args.dim)),
-                   ("feed_forward.w2.weight", (args.dim, h)),
-                   ("feed_forward.w3.weight", (h, args.dim))]
-        for key, shape in attn + [("ffn_norm.weight", (args.dim,))] + ffn:
-            shapes[f"layers.{i}.{key}"] = shape
+    for i in range(args.n_layers):
+        shapes.update((f"layers.{i}.{key}", shape) for key, shape in _block_shapes(i, args))
     shapes["norm.weight"] = (args.dim,)
     if not args.tie_word_embeddings:
         shapes["output.weight"] = (args.vocab_size, args.dim)
+    for k in range(args.mtp_layers if args.mla is not None else 0):
+        block = _block_shapes(deepseek.mtp_layer(args, k), args)
+        shapes.update(deepseek.mtp_shapes(args, block, k))
     return shapes
+
+
+def _block_shapes(i: int, args: ModelArgs) -> list[tuple[str, tuple[int, ...]]]:
+    """(name under the block, shape) of block i's parameters."""
+    q, kv, h = args.n_heads * args.head_dim, args.n_kv_heads * args.head_dim, args.hidden_dim
+    attn = [("attention_norm.weight", (args.dim,))] + (deepseek.mla_shapes(args) if args.mla else [
+            ("attention.wq.weight", (q, args.dim)),
+            ("attention.wk.weight", (kv, args.dim)),
+            ("attention.wv.weight", (kv, args.dim)),
+            ("attention.wo.weight", (args.dim, q))])
+    if args.qk_norm:
+        attn += [("attention.q_norm.weight", (args.head_dim,)),
+                 ("attention.k_norm.weight", (args.head_dim,))]
+    if args.is_moe_layer(i):
+        e, eh = args.moe.n_experts, args.moe.hidden_dim
+        ffn = [("feed_forward.router.gate.weight", (e, args.dim)),
+               ("feed_forward.experts.w1", (e, eh, args.dim)),
+               ("feed_forward.experts.w2", (e, args.dim, eh)),
+               ("feed_forward.experts.w3", (e, eh, args.dim))] + \
+            deepseek.shared_expert_shapes(args)
+    else:
+        ffn = [("feed_forward.w1.weight", (h, args.dim)),
+               ("feed_forward.w2.weight", (args.dim, h)),
+               ("feed_forward.w3.weight", (h, args.dim))]
+    return attn + [("ffn_norm.weight", (args.dim,))] + ffn
 
 
 def buffer_shapes(args: ModelArgs) -> dict[str, tuple[int, ...]]:
     """The persistent buffers a checkpoint holds besides the parameters: each MoE layer's
     balancing bias, which Qwen3MoeForCausalLM has no place for (see `routing_bias_note`)."""
-    return {f"layers.{i}.feed_forward.router.expert_bias": (args.moe.n_experts,)
-            for i in range(args.n_layers) if args.is_moe_layer(i)}
+    bias = "feed_forward.router.expert_bias"
+    mtp = args.mtp_layers if args.mla is not None else 0
+    return {**{f"layers.{i}.{bias}": (args.moe.n_experts,)
+               for i in range(args.n_layers) if args.is_moe_layer(i)},
+            **{f"mtp.{k}.block.{bias}": (args.moe.n_experts,) for k in range(mtp)
+               if args.is_moe_layer(deepseek.mtp_layer(args, k))}}
 
 
 def export_shapes(args: ModelArgs) -> dict[str, tuple[int, ...]]:
@@ -260,13 +283,16 @@ def export_problem(args: ModelArgs) -> str | None:
 def check_hf_config(cfg: dict, args: ModelArgs, folder: str, flavor: str) -> None:
     """Settings that change the model without changing a tensor shape must agree too."""
     kind = cfg.get("model_type", "llama")
+    if kind in deepseek.MODEL_TYPES and "DeepseekV3ForCausalLM" in cfg.get("architectures",
+                                                                              []):
+        kind = "deepseek_v3"  # Kimi K2: DeepSeek-V3's architecture under its own model_type
     if kind != architecture(args):
         classes = ", ".join(cfg.get("architectures", []))
         raise ConfigError(f"{folder} holds a {kind!r} model ({classes}), but model.flavor "
                           f"{flavor!r} is {architecture(args)!r}; choose a flavor of that "
                           "architecture")
     scaling = cfg.get("rope_scaling") or cfg.get("rope_parameters") or {}
-    theirs = {
+    theirs = {  # the defaults of transformers' LlamaConfig, Qwen3MoeConfig, DeepseekV3Config
         "tie_word_embeddings": bool(cfg.get("tie_word_embeddings", False)),
         "rope_theta": float(cfg.get("rope_theta", scaling.get("rope_theta", 10000.0))),
         "rms_norm_eps": float(cfg.get("rms_norm_eps", 1e-6)),
@@ -286,7 +312,7 @@ def check_hf_config(cfg: dict, args: ModelArgs, folder: str, flavor: str) -> Non
         theirs.update(more[0])
         ours.update(more[1])
     elif args.moe is not None:
-        theirs["num_experts_per_tok"] = int(cfg.get("num_experts_per_tok", 0))
+        theirs["num_experts_per_tok"] = int(cfg.get("num_experts_per_tok", 8))
         theirs["norm_topk_prob"] = bool(cfg.get("norm_topk_prob", False))
         ours["num_experts_per_tok"], ours["norm_topk_prob"] = args.moe.top_k, \
             args.moe.norm_topk_prob

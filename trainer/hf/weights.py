@@ -1,5 +1,6 @@
 """Safetensors files of a Hugging Face model folder: written shard by shard (so at most one
-shard of converted tensors is in memory), read tensor by tensor."""
+shard of converted tensors is in memory), read tensor by tensor (block-scaled fp8 weights
+dequantized: trainer/hf/quant.py)."""
 
 from __future__ import annotations
 
@@ -10,20 +11,22 @@ from typing import Callable
 import torch
 
 from trainer.errors import ConfigError
-from trainer.hf.mapping import hf_tensors
+from trainer.hf.deepseek import mtp_copies
+from trainer.hf.mapping import hf_name, hf_tensors
+from trainer.hf.quant import FP8, SCALE_SUFFIX, dequantize, quant_block
 from trainer.models.args import ModelArgs
 
 SINGLE, INDEX = "model.safetensors", "model.safetensors.index.json"
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 
-def plan_shards(shapes: dict[str, tuple[int, ...]], itemsize: int,
+def plan_shards(numels: dict[str, int], itemsize: int,
                 max_shard_bytes: int) -> list[list[str]]:
     """Consecutive parameter names grouped into shards of at most max_shard_bytes (a tensor
-    larger than the limit gets a shard of its own)."""
+    larger than the limit gets a shard of its own); `numels`: the elements each name writes."""
     shards, current, size = [], [], 0
-    for name, shape in shapes.items():
-        nbytes = itemsize * int(torch.Size(shape).numel())
+    for name, numel in numels.items():
+        nbytes = itemsize * numel
         if current and size + nbytes > max_shard_bytes:
             shards.append(current)
             current, size = [], 0
@@ -43,7 +46,10 @@ def write_weights(out_dir: str, args: ModelArgs, shapes: dict[str, tuple[int, ..
     from safetensors.torch import save_file
 
     target = DTYPES[dtype]
-    shards = plan_shards(shapes, target.itemsize, max_shard_bytes)
+    numels = {n: int(torch.Size(s).numel()) * (1 + len(mtp_copies(hf_name(n), args)))
+              if n in ("tok_embeddings.weight", "output.weight") else int(torch.Size(s).numel())
+              for n, s in shapes.items()}  # the MTP layers' copies of the embedding and head
+    shards = plan_shards(numels, target.itemsize, max_shard_bytes)
     files = [SINGLE] if len(shards) == 1 else [
         f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))]
     weight_map, total = {}, 0
@@ -74,7 +80,7 @@ class HFFolder:
 
     def __init__(self, folder: str):
         self.folder = folder
-        self._open: dict[str, object] = {}
+        self._open: dict[str, object] = {}  # file name -> safe_open handle
         cfg_path = os.path.join(folder, "config.json")
         if not os.path.isfile(cfg_path):
             raise ConfigError(f"checkpoint.initial_load_path = {folder!r} is not a Hugging Face "
@@ -90,7 +96,7 @@ class HFFolder:
         else:
             raise ConfigError(f"checkpoint.initial_load_path = {folder!r} has no {SINGLE} or "
                               f"{INDEX} (only safetensors weights are read)")
-        self._open: dict[str, object] = {}
+        self.block = quant_block(self.config, folder)  # fp8 blocks, or None
 
     def _file(self, fname: str):
         if fname not in self._open:
@@ -104,7 +110,28 @@ class HFFolder:
         fname = self.weight_map.get(key)
         return None if fname is None else tuple(self._file(fname).get_slice(key).get_shape())
 
+    def has(self, key: str) -> bool:
+        return key in self.weight_map
+
     def tensor(self, key: str) -> torch.Tensor:
+        """The stored tensor (memory-mapped); an fp8 weight dequantized to float32 with its
+        `_scale_inv` blocks."""
+        t = self._read(key)
+        scale = key + SCALE_SUFFIX
+        if scale in self.weight_map:
+            if self.block is None:
+                raise ConfigError(f"{self.folder}: {key} has a {scale} but config.json no "
+                                  "quantization_config with its weight_block_size")
+            try:
+                return dequantize(t, self._read(scale), self.block)
+            except ValueError as e:
+                raise ConfigError(f"{self.folder}: {key}: {e}") from None
+        if t.dtype in FP8:
+            raise ConfigError(f"{self.folder}: {key} is {t.dtype} without a {scale}: no scale "
+                              "to dequantize it with")
+        return t
+
+    def _read(self, key: str) -> torch.Tensor:
         fname = self.weight_map[key]
         return _guarded(os.path.join(self.folder, fname),
                         lambda _: self._file(fname).get_tensor(key))

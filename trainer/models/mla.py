@@ -35,6 +35,10 @@ from trainer.models.args import ModelArgs
 from trainer.models.attention import attend
 from trainer.models.layers import RMSNorm, apply_rope
 
+# The latent norms' epsilon, whatever model.norm_eps: DeepSeek's reference code and
+# transformers' DeepseekV3Attention fix q_a_layernorm's and kv_a_layernorm's at 1e-6.
+LATENT_NORM_EPS = 1e-6
+
 
 class MLA(nn.Module):
     def __init__(self, args: ModelArgs):
@@ -47,12 +51,12 @@ class MLA(nn.Module):
         if m.q_lora_rank:
             self.wq = None
             self.wq_a = nn.Linear(args.dim, m.q_lora_rank, bias=False)
-            self.q_a_norm = RMSNorm(m.q_lora_rank, args.norm_eps)
+            self.q_a_norm = RMSNorm(m.q_lora_rank, LATENT_NORM_EPS)
             self.wq_b = nn.Linear(m.q_lora_rank, args.n_heads * self.head_dim, bias=False)
         else:
             self.wq = nn.Linear(args.dim, args.n_heads * self.head_dim, bias=False)
         self.wkv_a = nn.Linear(args.dim, m.kv_lora_rank + self.rope, bias=False)
-        self.kv_a_norm = RMSNorm(m.kv_lora_rank, args.norm_eps)
+        self.kv_a_norm = RMSNorm(m.kv_lora_rank, LATENT_NORM_EPS)
         self.wkv_b = nn.Linear(m.kv_lora_rank, args.n_heads * (self.nope + self.v_dim),
                                bias=False)
         self.wo = nn.Linear(args.n_heads * self.v_dim, args.dim, bias=False)

@@ -1,0 +1,61 @@
+"""Block-quantized FP8 folders (DeepSeek-V3 and Kimi K2 as released): dequantized on load.
+
+The releases store each projection weight `X.weight` as float8_e4m3fn with a float32
+`X.weight_scale_inv` of one entry per `weight_block_size` block ([128, 128]: shape
+[ceil(out / 128), ceil(in / 128)], the blocks at the right and bottom edges partial), and say
+so in config.json: `quantization_config = {"quant_method": "fp8", "fmt": "e4m3",
+"activation_scheme": "dynamic", "weight_block_size": [128, 128]}`. The weight is each fp8
+value times the scale of its block (DeepSeek's `weight_dequant`). Norms, the embedding, the
+head, the router and its correction bias are stored unquantized. Any other `quant_method`
+(GPTQ, AWQ, compressed-tensors, ...) is refused: this trainer would read its packed integers
+as weights.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from trainer.errors import ConfigError
+
+SCALE_SUFFIX = "_scale_inv"
+FP8 = (torch.float8_e4m3fn, torch.float8_e5m2)
+
+
+def quant_block(config: dict, folder: str) -> tuple[int, int] | None:
+    """The (rows, columns) of one quantization block of the folder's fp8 weights, or None for
+    an unquantized folder; a quantization this trainer cannot undo is one config line."""
+    q = config.get("quantization_config")
+    if not q:
+        return None
+    method = q.get("quant_method")
+    if method != "fp8":
+        raise ConfigError(f"{folder}/config.json: quantization_config.quant_method = "
+                          f"{method!r} cannot be loaded for training here (only DeepSeek's "
+                          "block-scaled 'fp8' is dequantized); give an unquantized (bf16/fp32) "
+                          "or fp8 folder")
+    block = q.get("weight_block_size")
+    if not (isinstance(block, list) and len(block) == 2 and all(
+            isinstance(b, int) and b > 0 for b in block)):
+        raise ConfigError(f"{folder}/config.json: quantization_config.weight_block_size = "
+                          f"{block!r}; the fp8 folders this trainer dequantizes give two "
+                          "positive block sizes, e.g. [128, 128]")
+    return block[0], block[1]
+
+
+@torch.no_grad()
+def dequantize(weight: torch.Tensor, scale_inv: torch.Tensor,
+               block: tuple[int, int]) -> torch.Tensor:
+    """float32 weight = fp8 value x the scale of its block, one row of blocks at a time (the
+    memory of the result plus one row of blocks)."""
+    rows, cols = weight.shape
+    br, bc = block
+    want = (-(-rows // br), -(-cols // bc))
+    if tuple(scale_inv.shape) != want:
+        raise ValueError(f"scale of shape {list(scale_inv.shape)} for a {rows} x {cols} weight "
+                         f"in {br} x {bc} blocks (expected {list(want)})")
+    out = torch.empty(rows, cols, dtype=torch.float32)
+    scale = scale_inv.float()
+    for i in range(want[0]):
+        r = slice(i * br, min((i + 1) * br, rows))
+        out[r] = weight[r].float() * scale[i].repeat_interleave(bc)[:cols]
+    return out
