@@ -74,12 +74,18 @@ class Optimizer:
                               choices=("match_rms_adamw", "original", "none"))
     muon_ns_dtype: str = opt("bfloat16", "Muon: Newton-Schulz dtype, bfloat16 (as torch's) or "
                              "float32", choices=("bfloat16", "float32"))
+    muon_lr: float = opt(-1.0, "Muon: peak lr of the matrices, scaled by the lr schedule like "
+                         "lr; -1 = optimizer.lr (right under match_rms_adamw; under original "
+                         "or none Muon wants ~0.02, AdamW ~3e-4)")
 
     def validate(self) -> None:
         for key in ("beta1", "beta2", "muon_momentum"):
             if getattr(self, key) >= 1.0:
                 raise ConfigError(f"optimizer.{key} = {getattr(self, key)} is out of range; it "
                                   "must be < 1 (e.g. 0.9 or 0.95)")
+        if self.muon_lr != -1 and not self.muon_lr > 0:
+            raise ConfigError(f"optimizer.muon_lr = {self.muon_lr} is not valid; it must be > 0 "
+                              "(Muon's peak lr), or -1 (use optimizer.lr)")
         if self.name != "Muon":
             changed = [f.name for f in dataclasses.fields(self) if f.name.startswith("muon_")
                        and getattr(self, f.name) != f.default]

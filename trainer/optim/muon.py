@@ -6,18 +6,21 @@ The math is `torch.optim.Muon`'s, step for step: the momentum buffer is an EMA o
 buffer without), orthogonalized by the quintic Newton-Schulz iteration (3.4445, -4.775, 2.0315;
 `ns_steps`, in `ns_dtype`: bf16 as torch's always is), weight decay decoupled
 (`p *= 1 - lr * wd`), and the lr scaled by the matrix's shape: `match_rms_adamw` 0.2 *
-sqrt(max(A, B)) (AdamW's lr carries over), `original` sqrt(max(1, A/B)), `none` 1. Which
-parameters take Muon: every parameter of a block (`layers.*`) with two or more dims; a stacked
-`[E, out, in]` expert tensor is E matrices. The embedding, the output head and every 1-D
-parameter take AdamW (torch's, with the `[optimizer]` AdamW keys), in the same optimizer: one
-state dict, one lr schedule.
+sqrt(max(A, B)) (AdamW's lr carries over), `original` sqrt(max(1, A/B)), `none` 1; Muon's
+group has its own peak lr (`optimizer.muon_lr`, default `optimizer.lr`), which the lr
+schedule scales like AdamW's. Which parameters take Muon: every parameter with two or more
+dims of a block (`layers.*`) or of an MTP module (`mtp.<k>.proj`, `mtp.<k>.block.*`); a
+stacked `[E, out, in]` expert tensor is E matrices, each orthogonalized on its own. The
+embedding, the output head and every 1-D parameter take AdamW (torch's, with the
+`[optimizer]` AdamW keys), in the same optimizer: one state dict, one lr schedule.
 
 Distributed: Newton-Schulz of a shard is not the shard of Newton-Schulz, so each matrix is
-orthogonalized whole, on one owner rank, the owners spread so every rank of the mesh runs a
-balanced share of the FLOPs: two all-to-alls per bucket of matrices on one mesh, the updates'
-shards to the owners and the results' shards back (trainer/optim/muon_dist.py). Parameters
-and their momentum buffers are DTensors over FSDP/HSDP, TP and EP meshes, sharded alike; the
-lr scale uses the whole matrix's shape. Under PP each stage's ranks own its matrices.
+orthogonalized whole: where it lives when a rank holds it whole (an expert under EP), else on
+one owner of the ranks that shard it, the owners balanced by FLOPs with the load carried over
+the buckets (trainer/optim/muon_layout.py), the transfers asynchronous and overlapped with the
+next bucket's Newton-Schulz (trainer/optim/muon_dist.py). Parameters and their momentum
+buffers are DTensors over FSDP/HSDP, TP and EP meshes, sharded alike; the lr scale uses the
+whole matrix's shape. Under PP each stage's ranks own its matrices.
 
 A step skipped on the device (`found_inf`, as the fused AdamW takes it) leaves parameters and
 momentum untouched without a host sync: the new values are committed through `torch.where`.
@@ -31,41 +34,30 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
-from trainer.optim.muon_dist import Layout, flat_groups, mesh_ranks, orthogonalize_sharded
+from trainer.optim.muon_dist import (Layout, orthogonalize_bucket, process_groups,
+                                     receive_results, send_pieces, spec_of)
+from trainer.optim.muon_layout import BUCKET_BYTES, MeshPlan, buckets
+from trainer.optim.newton_schulz import NS_COEFFICIENTS, NS_EPS, orthogonalize
 
-NS_COEFFICIENTS = (3.4445, -4.7750, 2.0315)
-NS_EPS = 1e-7
-BUCKET_BYTES = 512 * 2**20  # per rank: fp32 bytes of whole matrices an owner holds at once
 LR_ADJUST = ("match_rms_adamw", "original", "none")
 NS_DTYPES = ("bfloat16", "float32")
+__all__ = ["BUCKET_BYTES", "NS_COEFFICIENTS", "NS_EPS", "Muon", "build_muon", "newton_schulz",
+           "orthogonalize", "takes_muon"]
 
 
 def takes_muon(name: str, param) -> bool:
-    """A block's matrix (attention, FFN, router, shared and routed experts); `param` a tensor
-    or a shape."""
-    return ".layers." in f".{name}" and len(param.shape if hasattr(param, "shape") else param) >= 2
+    """A matrix of a block (attention, FFN, router, shared and routed experts) or of an MTP
+    module (its projection and its block); `param` a tensor or a shape."""
+    ndim = len(param.shape if hasattr(param, "shape") else param)
+    inside = ".layers." in f".{name}" or (name.startswith("mtp.") and (
+        ".block." in name or ".proj." in name))
+    return inside and ndim >= 2
 
 
 def newton_schulz(g: torch.Tensor, steps: int, dtype: torch.dtype) -> torch.Tensor:
     """torch.optim.Muon's orthogonalization of one matrix, in `dtype` (the same ops in the same
-    order: bitwise equal to torch's in bf16)."""
-    a, b, c = NS_COEFFICIENTS
-    x = g.to(dtype)
-    tall = g.size(0) > g.size(1)
-    if tall:
-        x = x.T
-    x.div_(x.norm().clamp(min=NS_EPS))
-    for _ in range(steps):
-        gram = x @ x.T
-        x = torch.addmm(x, torch.addmm(gram, gram, gram, beta=b, alpha=c), x, beta=a)
-    return x.T if tall else x
-
-
-def orthogonalize(g: torch.Tensor, steps: int, dtype: torch.dtype) -> torch.Tensor:
-    """Newton-Schulz of a matrix, or of each matrix of a stack `[E, out, in]`."""
-    if g.ndim == 2:
-        return newton_schulz(g, steps, dtype)
-    return torch.stack([newton_schulz(m, steps, dtype) for m in g.flatten(0, -3)]).view(g.shape)
+    order: bitwise equal to torch's in bf16); `orthogonalize` batches it over a stack."""
+    return orthogonalize(g, steps, dtype)
 
 
 def lr_scale(adjust: str, shape) -> float:
@@ -79,13 +71,15 @@ def lr_scale(adjust: str, shape) -> float:
 
 
 class Muon(torch.optim.Optimizer):
-    """Param group 0: Muon's matrices (`use_muon`); the rest: AdamW's groups, stepped by a
-    `torch.optim.AdamW` that shares this optimizer's groups and state."""
+    """Param group 0: Muon's matrices (`use_muon`, lr `muon_lr`); the rest: AdamW's groups,
+    stepped by a `torch.optim.AdamW` that shares this optimizer's groups and state. `names`:
+    the matrices' names (for the layout check's message)."""
 
-    def __init__(self, muon_params, adamw: torch.optim.AdamW | None, *, lr: float, weight_decay: float,
-                 momentum: float, nesterov: bool, ns_steps: int, lr_adjust: str,
-                 ns_dtype: str):
-        groups = [{"params": list(muon_params), "use_muon": True}]
+    def __init__(self, muon_params, adamw: torch.optim.AdamW | None, *, lr: float,
+                 weight_decay: float, momentum: float, nesterov: bool, ns_steps: int,
+                 lr_adjust: str, ns_dtype: str, names: list[str] | None = None):
+        muon_params = list(muon_params)
+        groups = [{"params": muon_params, "use_muon": True, "lr": lr}]
         for g in adamw.param_groups if adamw else []:  # the same dicts: the lr reaches AdamW
             g["use_muon"] = False
             groups.append(g)
@@ -94,9 +88,14 @@ class Muon(torch.optim.Optimizer):
                         fused=bool(adamw is None or adamw.defaults.get("fused")))
         super().__init__(groups, defaults)
         self._adamw = adamw
-        self._groups = flat_groups([p.device_mesh for p in groups[0]["params"]
-                                    if isinstance(p, DTensor)]) if dist.is_initialized() else {}
+        names = names or [f"matrix {i}" for i in range(len(muon_params))]
+        self._groups = process_groups(zip(names, muon_params)) if dist.is_initialized() else {}
+        self._plans: dict = {}  # mesh -> MeshPlan: owners, loads carried across buckets
         self._layouts: dict = {}
+
+    def process_groups(self) -> list:
+        """The process groups of Muon's gathers (the traced dry run books their traffic)."""
+        return list(self._groups.values())
 
     @torch.no_grad()
     def step(self, closure=None):
@@ -127,51 +126,52 @@ class Muon(torch.optim.Optimizer):
             updates.append(grad.lerp(new_buf, group["momentum"]) if group["nesterov"]
                            else new_buf)
             _commit(buf, new_buf, found_inf)
-        lr, decay = group["lr"], group["weight_decay"]
-        for bucket in self._buckets(params):
-            results = self._orthogonalized([updates[i] for i in bucket],
-                                           [params[i] for i in bucket], group["ns_steps"], dtype)
-            for i, o in zip(bucket, results):
-                p = params[i]
+
+        def apply(idx: list[int], results: dict) -> None:
+            lr, decay = group["lr"], group["weight_decay"]
+            for m, o in results.items():
+                p = params[idx[m]]
                 new_p = _local(p).mul(1 - lr * decay)
                 new_p.add_(o, alpha=-lr * lr_scale(group["lr_adjust"], p.shape))
                 _commit(_local(p), new_p, found_inf)
 
+        steps = group["ns_steps"]
+        work = [(self._layout(params, idx, steps), idx, [updates[i] for i in idx])
+                for idx in self._buckets(params)]
+        inflight = send_pieces(work[0][0], work[0][2]) if work else []
+        waiting = None  # the previous bucket's results on their way back
+        for k, (layout, idx, ups) in enumerate(work):  # bucket k + 1 travels while k computes
+            following = send_pieces(work[k + 1][0], work[k + 1][2]) if k + 1 < len(work) else []
+            back, local = orthogonalize_bucket(layout, ups, inflight, steps, dtype)
+            apply(idx, local)
+            if waiting is not None:
+                apply(waiting[1], receive_results(*waiting[0]))
+            waiting, inflight = ((layout, ups, back), idx), following
+        if waiting is not None:
+            apply(waiting[1], receive_results(*waiting[0]))
+
     def _buckets(self, params: list[torch.Tensor]) -> list[list[int]]:
-        """Indices of the parameters in buckets of one mesh, ~BUCKET_BYTES of whole fp32
-        matrices per rank of the mesh (at least one matrix)."""
+        """Indices of the parameters in buckets of one mesh (trainer/optim/muon_layout.py)."""
         by_mesh: dict = {}
         for i, p in enumerate(params):
-            key = (mesh_ranks(p.device_mesh), tuple(p.device_mesh.shape)) \
-                if isinstance(p, DTensor) else None
-            by_mesh.setdefault(key, []).append(i)
-        out = []
-        for key, members in by_mesh.items():
-            budget = BUCKET_BYTES * (len(key[0]) if key else 1)
-            bucket, size = [], 0
-            for i in members:
-                bucket.append(i)
-                size += 4 * params[i].numel()
-                if size >= budget:
-                    out.append(bucket)
-                    bucket, size = [], 0
-            if bucket:
-                out.append(bucket)
-        return out
+            spec, ranks = spec_of(p)
+            by_mesh.setdefault((ranks, spec.sizes), []).append(i)
+        return [[members[j] for j in b] for key, members in by_mesh.items()
+                for b in buckets([params[i].numel() for i in members], len(key[0]))]
 
-    def _orthogonalized(self, updates, params, steps: int, dtype) -> list[torch.Tensor]:
-        """Each update (a local shard) orthogonalized whole; returns this rank's shards."""
-        def fn(full):
-            return orthogonalize(full, steps, dtype)
-
-        if not isinstance(params[0], DTensor):
-            return [fn(u) for u in updates]
-        key = tuple(id(p) for p in params)
+    def _layout(self, params, idx: list[int], steps: int) -> Layout:
+        """The bucket's layout: its owners from its mesh's plan, loads carried over."""
+        key = tuple(id(params[i]) for i in idx)
         if key not in self._layouts:
-            self._layouts[key] = Layout(params, steps)
-        layout = self._layouts[key]
-        group = self._groups[tuple(sorted(layout.ranks))]
-        return orthogonalize_sharded(updates, layout, group, fn, dtype)
+            specs, ranks = zip(*(spec_of(params[i]) for i in idx))
+            mesh = (ranks[0], specs[0].sizes)
+            if mesh not in self._plans:
+                self._plans[mesh] = MeshPlan(specs[0].sizes, steps)
+            me = ranks[0].index(dist.get_rank()) if len(ranks[0]) > 1 else 0
+            assigned = self._plans[mesh].assign(list(specs), me)
+            self._layouts[key] = Layout([params[i] for i in idx], assigned, ranks[0],
+                                        self._groups)
+        return self._layouts[key]
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:
@@ -188,11 +188,16 @@ def _commit(target: torch.Tensor, new: torch.Tensor, found_inf: torch.Tensor | N
 
 def build_muon(model: torch.nn.Module, cfg, adamw_cls, **adamw_kwargs) -> Muon:
     """Muon over the blocks' matrices, `adamw_cls(**adamw_kwargs)` over the rest."""
-    muon, rest = [], []
+    muon, names, rest = [], [], []
     for name, p in model.named_parameters():
-        (muon if takes_muon(name, p) else rest).append(p)
+        if takes_muon(name, p):
+            muon.append(p)
+            names.append(name)
+        else:
+            rest.append(p)
     adamw = adamw_cls(rest, **adamw_kwargs) if rest else None  # a stage of blocks only
-    return Muon(muon, adamw, lr=cfg.lr, weight_decay=cfg.weight_decay,
+    lr = cfg.muon_lr if cfg.muon_lr > 0 else cfg.lr
+    return Muon(muon, adamw, lr=lr, weight_decay=cfg.weight_decay,
                 momentum=cfg.muon_momentum, nesterov=cfg.muon_nesterov,
                 ns_steps=cfg.muon_ns_steps, lr_adjust=cfg.muon_lr_adjust,
-                ns_dtype=cfg.muon_ns_dtype)
+                ns_dtype=cfg.muon_ns_dtype, names=names)

@@ -1,19 +1,21 @@
 """Muon's Newton-Schulz on whole matrices when the parameters are sharded (FSDP/HSDP, TP, EP).
 
-Per bucket of matrices on one mesh (trainer/optim/muon.py): each matrix gets one owner rank
-(greedy by Newton-Schulz FLOPs, so every rank of the mesh does a balanced share); one
-all-to-all sends every rank's shard of each update to the matrix's owner, which assembles the
-whole matrix and orthogonalizes it; a second all-to-all sends each rank its shard of every
-result. Per step a rank sends its local share of the updates (fp32) and receives its local
-share of the results (in Newton-Schulz's dtype): ~6 bytes per local parameter, the minimum
-for a whole-matrix Newton-Schulz, and no rank holds more than its own matrices whole.
+Per bucket of one mesh's parameters, the units (one matrix each; an expert of a stack is one)
+and their owners come from trainer/optim/muon_layout.py. A unit held whole here (experts split
+over ep and efsdp on dim 0, any matrix on one rank) is orthogonalized in place, no transfer. A
+unit cut over gather dims is gathered within its gather group only (the efsdp ranks of an
+expert cut on its width; the dp_shard x tp ranks of a dense matrix): one all-to-all per group
+sends every rank's pieces to the units' owners (fp32), which assemble and orthogonalize them;
+a second sends each rank its pieces of the results (in Newton-Schulz's dtype). Per step a rank
+sends ~(4 + 2) bytes per local gathered parameter and receives as much. Same-shape matrices
+are orthogonalized in one batched matmul chain (`orthogonalize`).
 
-Which part of a matrix a rank holds follows from the parameter's placements: each tensor dim
-is cut, torch.chunk-wise, by the mesh dims that shard it, plain `Shard` ones outermost and
-`_StridedShard` (FSDP's shard of a TP or EP shard) innermost; a `Replicate` dim (HSDP's
-replicas) holds the same block, which its coordinate-0 replica sends. The block is checked
-against the local tensor's shape. The all-to-alls run over one flat process group per mesh,
-created when the optimizer is built, by every rank of the world in the same order.
+The transfers are asynchronous (`all_to_all_single(async_op=True)`): bucket k + 1's pieces
+travel while bucket k is orthogonalized, and bucket k's results come back while bucket k + 1
+is (`Muon._muon_step`). The process groups (one per gather group) are created when the
+optimizer is built, by every rank of the world in the same order; there every rank checks its
+layout (the block each local shard should be) and a mismatch on any rank stops every rank with
+one config line, before any collective of a step.
 """
 
 from __future__ import annotations
@@ -22,40 +24,10 @@ import math
 
 import torch
 import torch.distributed as dist
-from torch.distributed.tensor import DTensor
-from torch.distributed.tensor.placement_types import Replicate, Shard
 
-try:
-    from torch.distributed.tensor.placement_types import _StridedShard
-except ImportError:  # pragma: no cover
-    _StridedShard = ()
-
-
-def _strided(p) -> bool:
-    return bool(_StridedShard) and isinstance(p, _StridedShard)
-
-
-def block(shape, placements, sizes, coord) -> tuple[slice, ...]:
-    """The global index block of the rank at mesh coordinate `coord`."""
-    ranges = [(0, n) for n in shape]
-    for tdim in range(len(shape)):
-        plain = [d for d, p in enumerate(placements)
-                 if isinstance(p, Shard) and not _strided(p) and p.dim == tdim]
-        inner = [d for d, p in enumerate(placements) if _strided(p) and p.dim == tdim]
-        for d in plain + inner:
-            lo, hi = ranges[tdim]
-            n, k = hi - lo, sizes[d]
-            step = -(-n // k)
-            ranges[tdim] = (lo + min(coord[d] * step, n), lo + min((coord[d] + 1) * step, n))
-    return tuple(slice(a, b) for a, b in ranges)
-
-
-def _coords(index: int, sizes) -> tuple[int, ...]:
-    out = []
-    for s in reversed(sizes):
-        out.append(index % s)
-        index //= s
-    return tuple(reversed(out))
+from trainer.errors import ConfigError
+from trainer.optim.muon_layout import Assigned, Spec, block, coords, gather_group
+from trainer.optim.newton_schulz import orthogonalize
 
 
 def mesh_ranks(mesh) -> tuple[int, ...]:
@@ -67,119 +39,185 @@ def mesh_ranks(mesh) -> tuple[int, ...]:
         return tuple(int(r) for r in mesh.mesh.flatten().tolist())
 
 
-def flat_groups(meshes) -> dict[tuple[int, ...], object]:
-    """{sorted mesh ranks: a process group over them} for each mesh of this rank's matrices.
-    Every rank of the world takes part (new_group is collective): the meshes of every rank
-    are gathered and the groups created in one sorted order. Under the traced dry run's fake
-    process group, which has nothing to agree on, only this rank's."""
-    mine = sorted({tuple(sorted(mesh_ranks(m))) for m in meshes})
+def spec_of(p) -> tuple[Spec, tuple[int, ...]]:
+    """(the assignment's view of parameter `p`, its mesh's global ranks); a plain tensor is
+    on a mesh of one rank."""
+    if hasattr(p, "device_mesh"):
+        return (Spec(tuple(p.shape), tuple(p.placements), tuple(p.device_mesh.shape)),
+                mesh_ranks(p.device_mesh))
+    return Spec(tuple(p.shape), (), ()), (dist.get_rank() if dist.is_initialized() else 0,)
+
+
+def layout_error(name: str, p) -> str | None:
+    """Why parameter `p`'s local shard is not the block its placements imply, or None."""
+    if not hasattr(p, "device_mesh"):
+        return None
+    spec, ranks = spec_of(p)
+    me = coords(ranks.index(dist.get_rank()), spec.sizes)
+    want = tuple(s.stop - s.start for s in block(spec.shape, spec.placements, spec.sizes, me))
+    got = tuple(p.to_local().shape)
+    if want == got:
+        return None
+    return (f"Muon cannot orthogonalize {name} on rank {dist.get_rank()}: its local shard is "
+            f"{got}, not the block {want} its placements {tuple(p.placements)} imply; train it "
+            "with optimizer.name = 'AdamW', or use a layout Muon reads (FSDP/HSDP, TP, EP)")
+
+
+def process_groups(named_params) -> dict[tuple[int, ...], object]:
+    """{sorted global ranks: a process group} for the gather groups of this rank's
+    parameters, after every rank has checked its layout (`layout_error`): a mismatch on any
+    rank raises the same ConfigError on every rank. Every rank of the world takes part
+    (new_group is collective): the groups are gathered and created in one sorted order. Under
+    the traced dry run's fake process group, which has nothing to agree on, only this rank's."""
+    errors, mine = [], set()
+    for name, p in named_params:
+        if (err := layout_error(name, p)) is not None:
+            errors.append(err)
+            continue
+        spec, ranks = spec_of(p)
+        group = gather_group(spec, ranks.index(dist.get_rank()))
+        if group:
+            mine.add(tuple(sorted(ranks[i] for i in group)))
     if dist.get_backend() == "fake":
-        return {key: dist.new_group(list(key)) for key in mine}
+        if errors:
+            raise ConfigError(errors[0])
+        return {key: dist.new_group(list(key)) for key in sorted(mine)}
     seen: list = [None] * dist.get_world_size()
-    dist.all_gather_object(seen, mine)
-    out = {}
-    for key in sorted({k for keys in seen for k in keys}):
-        group = dist.new_group(list(key))
-        if key in mine:
-            out[key] = group
-    return out
-
-
-def ns_flops(shape, steps: int) -> float:
-    """Newton-Schulz FLOPs of a parameter (each matrix of a stack): per iteration 2 m^2 n
-    for the Gram matrix, 2 m^3 for its square, 2 m^2 n for the product (m <= n)."""
-    m, n = sorted(shape[-2:])
-    count = math.prod(shape[:-2]) if len(shape) > 2 else 1
-    return count * steps * (4 * m * m * n + 2 * m ** 3)
-
-
-def owners(costs: list[float], ranks: int) -> list[int]:
-    """Greedy: each matrix, largest first, to the least loaded rank (the same on every rank)."""
-    load, owner = [0.0] * ranks, [0] * len(costs)
-    for i in sorted(range(len(costs)), key=lambda i: (-costs[i], i)):
-        r = min(range(ranks), key=lambda r: (load[r], r))
-        owner[i], load[r] = r, load[r] + costs[i]
-    return owner
+    dist.all_gather_object(seen, (sorted(mine), errors[:1]))
+    for _, errs in seen:
+        if errs:
+            raise ConfigError(errs[0])
+    return {key: group for key in sorted({k for keys, _ in seen for k in keys})
+            for group in [dist.new_group(list(key))] if key in mine}
 
 
 class Layout:
-    """Who holds which block of each matrix of a bucket, who owns it, and who sends it."""
+    """A bucket of one mesh's parameters as this rank sees it: for each, its units' owners
+    (`Assigned`) and the matrix block (rows, cols) each rank of its gather group holds."""
 
-    def __init__(self, params: list[DTensor], steps: int):
-        mesh = params[0].device_mesh
-        self.sizes = tuple(mesh.shape)
-        self.ranks = mesh_ranks(mesh)
-        self.world = len(self.ranks)
-        self.me = self.ranks.index(dist.get_rank())
-        # the collective's order is the group's (sorted global ranks), the blocks' the mesh's
-        self.order = [self.ranks.index(r) for r in sorted(self.ranks)]
-        self.shapes = [tuple(p.shape) for p in params]
-        self.owner = owners([ns_flops(s, steps) for s in self.shapes], self.world)
-        coords = [_coords(i, self.sizes) for i in range(self.world)]
-        self.blocks = [[block(p.shape, p.placements, self.sizes, c) for c in coords]
-                       for p in params]
-        replicated = [[d for d, pl in enumerate(p.placements) if isinstance(pl, Replicate)]
-                      for p in params]
-        self.sends = [[all(coords[i][d] == 0 for d in rep) for i in range(self.world)]
-                      for rep in replicated]
-        for p, blocks in zip(params, self.blocks):
-            want = tuple(s.stop - s.start for s in blocks[self.me])
-            if want != tuple(p.to_local().shape):
-                raise RuntimeError(f"Muon: the local shard of a {tuple(p.shape)} parameter "
-                                   f"with placements {p.placements} is "
-                                   f"{tuple(p.to_local().shape)}, not the block {want} its "
-                                   "layout implies")
+    def __init__(self, params, assigned: list[Assigned], ranks: tuple[int, ...], groups):
+        self.params, self.assigned, self.ranks = params, assigned, ranks
+        self.me = ranks.index(dist.get_rank()) if len(ranks) > 1 else 0
+        spec = [spec_of(p)[0] for p in params]
+        self.shapes = [s.shape[-2:] for s in spec]
+        self.blocks = [{i: block(s.shape, s.placements, s.sizes, coords(i, s.sizes))[-2:]
+                        for i in a.group} for s, a in zip(spec, assigned)]
+        self.local = [m for m, a in enumerate(assigned) if not a.group]
+        by_group: dict = {}
+        for m, a in enumerate(assigned):
+            if a.group:
+                by_group.setdefault(a.group, []).append(m)
+        # each gather group: (its members in the collective's order, its process group,
+        # its items (param, unit) in one order on every member)
+        self.exchanges = []
+        for members, ms in sorted(by_group.items()):
+            order = sorted(members, key=lambda i: ranks[i])
+            key = tuple(sorted(ranks[i] for i in members))
+            items = [(m, u) for m in ms for u in assigned[m].units]
+            self.exchanges.append((order, groups[key], items))
+
+    def piece(self, m: int, i: int) -> tuple[slice, slice]:
+        return self.blocks[m][i]
 
     def numel(self, m: int, i: int) -> int:
         return math.prod(s.stop - s.start for s in self.blocks[m][i])
 
+    def mine(self, m: int, u: int, t: torch.Tensor) -> torch.Tensor:
+        """This rank's piece of unit `u` of parameter `m` in its local tensor `t`."""
+        return t if t.ndim == 2 else t[u - self.assigned[m].units.start]
 
-def orthogonalize_sharded(updates: list[torch.Tensor], layout: Layout, group, fn,
-                          dtype: torch.dtype) -> list[torch.Tensor]:
-    """Each update (this rank's local shard, fp32) orthogonalized whole by `fn` on its owner;
-    returns this rank's shards of the results, in `dtype`."""
-    lay, me = layout, layout.me
-    mine = [m for m in range(len(updates)) if lay.owner[m] == me]
-    device = updates[0].device if updates else torch.device("cpu")
-    # 1. every rank's shard of each update to the matrix's owner
-    send = [[updates[m].reshape(-1) for m in range(len(updates))
-             if lay.owner[m] == dest and lay.sends[m][me]] for dest in lay.order]
-    recv_sizes = [sum(lay.numel(m, src) for m in mine if lay.sends[m][src])
-                  for src in lay.order]
-    received = _all_to_all(send, recv_sizes, torch.float32, device, group)
-    results = {}
-    for m in mine:
-        full = torch.empty(lay.shapes[m], dtype=torch.float32, device=device)
-        for k, src in enumerate(lay.order):
-            if lay.sends[m][src]:
-                n = lay.numel(m, src)
-                blk = lay.blocks[m][src]
-                full[blk] = received[k][:n].view(full[blk].shape)
-                received[k] = received[k][n:]
-        results[m] = fn(full)
-    # 2. each rank's shard of every result back from the owners
-    send = [[results[m][lay.blocks[m][dest]].reshape(-1) for m in mine]
-            for dest in lay.order]
-    recv_sizes = [sum(lay.numel(m, me) for m in range(len(updates)) if lay.owner[m] == src)
-                  for src in lay.order]
-    received = _all_to_all(send, recv_sizes, dtype, device, group)
-    out: list = [None] * len(updates)
-    for k, src in enumerate(lay.order):
-        for m in range(len(updates)):
-            if lay.owner[m] == src:
-                n = lay.numel(m, me)
-                out[m] = received[k][:n].view(updates[m].shape)
-                received[k] = received[k][n:]
+
+def _launch(send: list[list[torch.Tensor]], recv_sizes: list[int], dtype, device, group):
+    """An asynchronous all_to_all_single: `send[k]` (pieces, concatenated) to the group's rank
+    k; returns (its work, the flat output, the sizes received from each rank)."""
+    pieces = [torch.cat([t.reshape(-1).to(dtype) for t in s]) if s else
+              torch.empty(0, dtype=dtype, device=device) for s in send]
+    out = torch.empty(sum(recv_sizes), dtype=dtype, device=device)
+    work = dist.all_to_all_single(out, torch.cat(pieces), output_split_sizes=recv_sizes,
+                                  input_split_sizes=[p.numel() for p in pieces], group=group,
+                                  async_op=True)
+    return work, out, recv_sizes
+
+
+def send_pieces(layout: Layout, updates: list[torch.Tensor]) -> list:
+    """Start bucket's first transfers: every rank's pieces of each gathered unit to its owner
+    (fp32). Returns the works in flight, one per gather group."""
+    lay, me, out = layout, layout.me, []
+    device = updates[0].device
+    for order, group, items in lay.exchanges:
+        owner = {(m, u): lay.assigned[m].owner[u] for m, u in items}
+        send = [[lay.mine(m, u, updates[m]) for m, u in items if owner[m, u] == dest]
+                for dest in order]
+        recv = [sum(lay.numel(m, src) for m, u in items if owner[m, u] == me) for src in order]
+        out.append(_launch(send, recv, torch.float32, device, group))
     return out
 
 
-def _all_to_all(send: list[list[torch.Tensor]], recv_sizes: list[int], dtype, device,
-                group) -> list[torch.Tensor]:
-    """One all_to_all_single: `send[k]` (pieces, concatenated) to the group's rank k; returns
-    what each rank k sent here, one flat tensor each."""
-    pieces = [torch.cat([t.to(dtype) for t in s]) if s else
-              torch.empty(0, dtype=dtype, device=device) for s in send]
-    out = torch.empty(sum(recv_sizes), dtype=dtype, device=device)
-    dist.all_to_all_single(out, torch.cat(pieces), output_split_sizes=recv_sizes,
-                           input_split_sizes=[p.numel() for p in pieces], group=group)
-    return list(out.split(recv_sizes))
+def orthogonalize_bucket(layout: Layout, updates, inflight, steps: int,
+                         dtype: torch.dtype) -> tuple[list, dict]:
+    """Wait for the bucket's pieces, orthogonalize the owned and the local units (Newton-Schulz
+    of `steps` in `dtype`, same shapes batched), and start the results' way back. Returns (the
+    works in flight, {param: its local result} for the units held whole here)."""
+    lay, me, back = layout, layout.me, []
+    local = batched([updates[m] for m in lay.local], steps, dtype)
+    for (order, group, items), (work, flat, sizes) in zip(lay.exchanges, inflight):
+        work.wait()
+        received = list(flat.split(sizes))
+        owned = [(m, u) for m, u in items if lay.assigned[m].owner[u] == me]
+        full = {mu: torch.empty(lay.shapes[mu[0]], dtype=torch.float32, device=flat.device)
+                for mu in owned}
+        for k, src in enumerate(order):
+            offset = 0
+            for mu in owned:
+                n = lay.numel(mu[0], src)
+                rows, cols = lay.piece(mu[0], src)
+                full[mu][rows, cols] = received[k][offset:offset + n].view(
+                    rows.stop - rows.start, cols.stop - cols.start)
+                offset += n
+        done = dict(zip(owned, batched([full[mu] for mu in owned], steps, dtype)))
+        del full, received
+        send = [[done[mu][lay.piece(mu[0], dest)] for mu in owned] for dest in order]
+        recv = [sum(lay.numel(m, me) for m, u in items if lay.assigned[m].owner[u] == src)
+                for src in order]
+        back.append(_launch(send, recv, dtype, flat.device, group))
+    return back, dict(zip(lay.local, local))
+
+
+def receive_results(layout: Layout, updates, back) -> dict[int, torch.Tensor]:
+    """Wait for the results' pieces; {param: this rank's shard of its result}."""
+    lay, me, out = layout, layout.me, {}
+    for (order, _, items), (work, flat, sizes) in zip(lay.exchanges, back):
+        work.wait()
+        received = list(flat.split(sizes))
+        for m in {m for m, _ in items}:
+            out[m] = torch.empty(updates[m].shape, dtype=flat.dtype, device=flat.device)
+        for k, src in enumerate(order):
+            offset = 0
+            for m, u in items:
+                if lay.assigned[m].owner[u] == src:
+                    n = lay.numel(m, me)
+                    target = lay.mine(m, u, out[m])
+                    target.copy_(received[k][offset:offset + n].view(target.shape))
+                    offset += n
+    return out
+
+
+def batched(mats: list[torch.Tensor], steps: int, dtype: torch.dtype) -> list[torch.Tensor]:
+    """Newton-Schulz of each matrix or stack of `mats`, same-shape matrices in one batch (cast
+    to `dtype` before they are stacked): one result each, in `dtype`."""
+    by_shape: dict = {}
+    for k, t in enumerate(mats):
+        by_shape.setdefault(tuple(t.shape[-2:]), []).append(k)
+    out: list = [None] * len(mats)
+    for shape, ks in by_shape.items():
+        full = [k for k in ks if mats[k].numel()]
+        for k in set(ks) - set(full):
+            out[k] = torch.empty(mats[k].shape, dtype=dtype, device=mats[k].device)
+        if len(full) == 1:
+            out[full[0]] = orthogonalize(mats[full[0]], steps, dtype)
+        elif full:
+            counts = [math.prod(mats[k].shape[:-2]) for k in full]
+            stacked = torch.cat([mats[k].reshape(-1, *shape).to(dtype) for k in full])
+            for k, r in zip(full, orthogonalize(stacked, steps, dtype).split(counts)):
+                out[k] = r.view(mats[k].shape)
+    return out
