@@ -64,7 +64,8 @@ def hf_tensors(name: str, tensor: torch.Tensor, args: ModelArgs) -> dict[str, to
         if args.mla is not None:  # the release's MTP layers repeat the embedding and head
             names = [key] + (["lm_head.weight"] if key == "model.embed_tokens.weight"
                              and args.tie_word_embeddings else [])
-            out.update({c: out[key] for n in names for c in deepseek.mtp_copies(n, args)})
+            out.update({c: out[key].clone() for n in names  # safetensors stores no aliases
+                        for c in deepseek.mtp_copies(n, args)})
         return out
     layer, w = m.groups()
     return {f"model.layers.{layer}.mlp.experts.{e}.{_EXPERTS[w]}.weight": tensor[e]
