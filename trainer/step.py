@@ -70,11 +70,17 @@ class TrainStep:
     # called when this rank's own work of the step is done, before the collectives after the
     # optimizer step (the straggler watch's stop: trainer/health/stragglers.py)
     work_done: Callable | None = None
+    # The recipe's schedules, functions of the step (None: the config's constant): the MTP
+    # loss weight of the step, and the bias update speed after it (trainer/models/config.py)
+    mtp_loss_weight: Callable[[int], float] | None = None
+    balance_coeff: Callable[[int], float] | None = None
 
     def __call__(self, step: int, accum: int) -> StepResult:
         heartbeat.phase("step_start", step)
         faults.armed().step_start(step, self.loader)  # a testing hook; nothing unless asked
         batches = self.fetch(accum)
+        if self.mtp_loss_weight is not None:  # the weight the model's MTP loss uses
+            self.model.mtp_loss_weight = self.mtp_loss_weight(step)
         local_tokens = sum(count_targets(labels) for _, labels in batches)  # host tensors
         global_tokens = to_device(torch.tensor(float(local_tokens)), self.device)
         dist.all_reduce(global_tokens, group=self.dp_group)
@@ -90,9 +96,8 @@ class TrainStep:
         cross_entropy = loss_sum if z_loss is None else loss_sum - z_loss
         mtp_loss = None
         if mtp is not None:  # the MTP heads' mean loss per token (trainer/models/mtp.py)
-            a = self.model.args
-            mtp_loss = mtp / a.mtp_layers
-            cross_entropy = cross_entropy - a.mtp_loss_weight * mtp_loss
+            mtp_loss = mtp / self.model.args.mtp_layers
+            cross_entropy = cross_entropy - self.model.mtp_loss_weight * mtp_loss
         rank_loss = cross_entropy * global_tokens / max(local_tokens, 1)
         heartbeat.phase("optimizer")
         stepped, spike = self.optimizer_step(grad_norm, cross_entropy)
@@ -102,11 +107,26 @@ class TrainStep:
         self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
         self.metrics.count_tokens(local_tokens)
-        scalars = self.balance(self.model, stepped=stepped) if self.balance else None
+        scalars = self.balance(self.model, stepped=stepped, **self.balance_kwargs(step)) \
+            if self.balance else None
         if aux is not None:
             scalars = {**(scalars or {}), "moe/aux_loss": aux}
+        if self.scheduled(step):
+            scalars = {**(scalars or {}), **self.scheduled(step)}
         return StepResult(rank_loss, grad_norm, lr, stepped, z_loss, spike, cross_entropy,
                           scalars, mtp_loss)
+
+    def balance_kwargs(self, step: int) -> dict:
+        return {} if self.balance_coeff is None else {"coeff": self.balance_coeff(step)}
+
+    def scheduled(self, step: int) -> dict[str, float]:
+        """The scheduled values of the step, to log (none without a schedule)."""
+        out = {}
+        if self.mtp_loss_weight is not None:
+            out["loss_metrics/mtp_loss_weight"] = self.mtp_loss_weight(step)
+        if self.balance_coeff is not None:
+            out["moe/load_balance_coeff"] = self.balance_coeff(step)
+        return out
 
     def optimizer_step(self, grad_norm: torch.Tensor,
                        cross_entropy: torch.Tensor) -> tuple[bool | torch.Tensor, Spike | None]:

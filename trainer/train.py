@@ -217,7 +217,22 @@ def build_train_step(cfg: JobConfig, model, optimizer, scheduler, loader, metric
         balance=functools.partial(balance_experts, n_layers=model.args.n_blocks,
                                   coeff=cfg.moe.load_balance_coeff, device=device,
                                   moe_ids=model.args.moe_layer_ids),
-        pp=parallel_dims.pp)
+        pp=parallel_dims.pp, **recipe_schedules(cfg))
+
+
+def recipe_schedules(cfg: JobConfig) -> dict:
+    """The schedules set (MTP loss weight, bias update speed: functions of the step, so a
+    resume continues them exactly), said in one startup line each."""
+    out, m, moe = {}, cfg.model, cfg.moe
+    if m.mtp_loss_weight_until_step:
+        out["mtp_loss_weight"] = m.mtp_weight_at
+        log0(f"MTP loss weight {m.mtp_loss_weight} up to step {m.mtp_loss_weight_until_step}, "
+             f"then {m.mtp_loss_weight_later} (loss_metrics/mtp_loss_weight)")
+    if moe.load_balance_coeff_until_step:
+        out["balance_coeff"] = moe.balance_coeff_at
+        log0(f"expert bias update speed {moe.load_balance_coeff} up to step "
+             f"{moe.load_balance_coeff_until_step}, then 0 (moe/load_balance_coeff)")
+    return out
 
 
 def main(argv: list[str]) -> int:

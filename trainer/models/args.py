@@ -30,6 +30,7 @@ class MoEArgs:
     sparse_step: int = 1  # then every sparse_step-th block is MoE (Qwen3-MoE decoder_sparse_step)
     capacity_factor: float = 0.0  # 0 = dropless
     aux_loss_weight: float = 0.0
+    seq_aux_loss_weight: float = 0.0  # DeepSeek-V3's sequence-wise balance loss (alpha)
     router_z_loss_weight: float = 0.0
     # Group-limited routing (DeepSeek-V3): the experts form n_group groups; a token picks the
     # topk_group groups with the largest sum of their two best (biased) scores, then its
@@ -354,6 +355,7 @@ def model_args(flavor: str, *, vocab_size: int | None = None, max_seq_len: int |
         changes["moe"] = dataclasses.replace(
             args.moe, capacity_factor=moe_config.capacity_factor,
             aux_loss_weight=moe_config.aux_loss_weight,
+            seq_aux_loss_weight=moe_config.seq_aux_loss_weight,
             router_z_loss_weight=moe_config.router_z_loss_weight,
             n_experts=moe_config.num_experts or args.moe.n_experts,
             top_k=moe_config.top_k or args.moe.top_k,

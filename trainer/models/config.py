@@ -40,6 +40,12 @@ class Model:
                           "uses 1; docs/deepseek.md); 0 = off", min=0)
     mtp_loss_weight: float = opt(0.3, "Weight of the MTP modules' mean loss in the training "
                                  "loss (logged apart as loss_metrics/mtp_loss)", min=0.0)
+    mtp_loss_weight_until_step: int = opt(
+        0, "Train with mtp_loss_weight up to this step, then with mtp_loss_weight_later "
+        "(DeepSeek-V3: 0.3 for the first 10T tokens, then 0.1); 0 = mtp_loss_weight throughout",
+        min=0)
+    mtp_loss_weight_later: float = opt(0.1, "The MTP loss weight after "
+                                       "mtp_loss_weight_until_step (when that is set)", min=0.0)
     rope_scaling: str = opt("flavor", "RoPE frequency scaling: flavor (as the flavor is "
                             "released: Llama 3.1/3.2's, DeepSeek-V3's and Kimi K2's YaRN) or "
                             "none (plain RoPE, e.g. to pretrain a DeepSeek-V3 shape at 4K "
@@ -63,11 +69,20 @@ class Model:
             raise ConfigError(f"model.flavor = {self.flavor!r} is a {family} model, not "
                               f"model.name = {self.name!r}; set model.name = {family!r}, or "
                               f"choose a {self.name} flavor: {', '.join(same)}")
+        if self.mtp_loss_weight_until_step and not self.mtp_layers:
+            raise ConfigError(f"model.mtp_loss_weight_until_step = "
+                              f"{self.mtp_loss_weight_until_step} schedules the MTP loss, but "
+                              "model.mtp_layers = 0; set model.mtp_layers >= 1 or leave it 0")
         if self.positions == "document" and self.attn_mask_type == "causal":
             raise ConfigError("model.positions = 'document' needs model.attn_mask_type = "
                               "'block_causal': under a causal mask a token also sees earlier "
                               "documents, whose restarted positions would put them at wrong "
                               "relative distances")
+
+    def mtp_weight_at(self, step: int) -> float:
+        """The MTP loss weight of `step` (a function of the step alone: exact across resumes)."""
+        until = self.mtp_loss_weight_until_step
+        return self.mtp_loss_weight_later if until and step > until else self.mtp_loss_weight
 
 
 
@@ -79,8 +94,15 @@ class MoE:
     load_balance_coeff: float = opt(
         1e-3, "Aux-loss-free balancing (DeepSeek-V3): after each optimizer step every expert's "
         "routing bias moves by this toward balance, sign(mean load - load); 0 = off", min=0.0)
+    load_balance_coeff_until_step: int = opt(
+        0, "Move the balancing bias by load_balance_coeff up to this step, then not at all "
+        "(DeepSeek-V3: 0.001, then 0 for the last 500B tokens); 0 = throughout", min=0)
     aux_loss_weight: float = opt(0.0, "Weight of the global load-balancing loss (E x sum_i "
-                                 "f_i P_i per microbatch); 0 = off", min=0.0)
+                                 "f_i P_i per microbatch, raw scores); 0 = off", min=0.0)
+    seq_aux_loss_weight: float = opt(
+        0.0, "Weight (alpha) of DeepSeek-V3's complementary sequence-wise balance loss (scores "
+        "normalised over the experts, f_i P_i per sequence; 1e-4 in the 671B training); 0 = off",
+        min=0.0)
     router_z_loss_weight: float = opt(0.0, "Weight of the router z-loss (mean logsumexp of the "
                                       "router logits, squared); 0 = off", min=0.0)
     num_experts: int = opt(0, "Routed experts per MoE layer; 0 = the flavor's", min=0)
@@ -92,3 +114,8 @@ class MoE:
     capacity_factor: float = opt(0.0, "0 = dropless (every routed token computed); c > 0: an "
                                  "expert takes at most ceil(c x tokens x top_k / experts) and "
                                  "the rest are dropped (counted)", min=0.0)
+
+    def balance_coeff_at(self, step: int) -> float:
+        """The bias update speed after `step`'s optimizer step (a function of the step alone)."""
+        until = self.load_balance_coeff_until_step
+        return 0.0 if until and step > until else self.load_balance_coeff

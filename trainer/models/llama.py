@@ -116,6 +116,9 @@ class Transformer(nn.Module):
         self.mtp = nn.ModuleDict({str(k): MTPModule(args.dim, args.norm_eps,
                                                     TransformerBlock(args.n_layers + k, args))
                                   for k in range(args.mtp_layers)}) if args.mtp_layers else None
+        # The MTP loss's weight: args.mtp_loss_weight, or the step's (TrainStep sets it per step
+        # under model.mtp_loss_weight_until_step)
+        self.mtp_loss_weight = args.mtp_loss_weight
         # Filled by init_rope (init_weights calls it) once the model has a real device.
         table = (args.max_seq_len, args.rope_dim // 2)
         self.register_buffer("rope_cos", torch.empty(table), persistent=False)
@@ -161,7 +164,7 @@ class Transformer(nn.Module):
 
     def mtp_loss(self, h, labels, loss_fn, attention_inputs, future=None,
                  embeddings=None) -> torch.Tensor:
-        """mtp_loss_weight x the mean over depths of their summed token losses (the MTP
+        """The MTP loss weight x the mean over depths of their summed token losses (the MTP
         modules after the main model's last hidden state `h`; trainer/models/mtp.py).
         `future` [depth, b, s]: the targets past `labels` (default: `labels` shifted; context
         parallelism passes them, cut from the whole sequence). `embeddings`: each depth's
@@ -175,7 +178,7 @@ class Transformer(nn.Module):
         for module, emb, (_, target) in zip(self.mtp.values(), embeddings, streams):
             h = module(h, emb, *attention_inputs)
             total = total + self.head(module.norm(h), target, loss_fn)
-        return total * (a.mtp_loss_weight / a.mtp_layers)
+        return total * (self.mtp_loss_weight / a.mtp_layers)
 
     def blocks(self) -> list[nn.Module]:
         """Every transformer block: the layers', then the MTP modules' (parallelisms, AC and

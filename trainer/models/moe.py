@@ -15,6 +15,12 @@ trainer/models/args.py says which layers and how).
   rest are dropped (their weight is lost, as in Megatron's token dropping) and counted.
 - **Statistics** for balancing and metrics (`take_stats`): the tokens each expert received
   over the step, the dropped pairs, and the aux loss and router z-loss terms when weighted.
+- **Aux losses** (each off at weight 0; their weighted sum is logged as `moe/aux_loss`): the
+  global load-balancing loss (`aux_loss_weight`: Switch / Megatron, E x sum_i f_i P_i over a
+  microbatch's tokens, raw scores), DeepSeek-V3's complementary sequence-wise balance loss
+  (`seq_aux_loss_weight`, `sequence_balance_loss`: scores normalised over the experts, per
+  sequence) and the router z-loss. Each is exact on every layout: where cp or tp ranks hold
+  parts of the sequences, their sums are all-reduced over those ranks first.
 """
 
 from __future__ import annotations
@@ -181,21 +187,27 @@ class MoE(nn.Module):
         if self.shared_experts is not None:
             y = y + self.shared_experts(flat)
         if self.training and torch.is_grad_enabled():
-            aux = self._aux(probs, logits, slots)
+            aux = self._aux(probs, logits, chosen, shape[0] if len(shape) == 3 else 1)
             if aux is not None:  # under TP every tp rank holds the same aux: 1/tp of it each
                 y = _AttachAux.apply(y, aux, self.aux_scale / self.aux_shards)
         return y.reshape(shape)
 
-    def _aux(self, probs, logits, slots) -> None:
-        """The global load-balancing loss (Switch / Megatron `aux_loss`: E x sum_i f_i P_i over
-        this microbatch's tokens) and the router z-loss (mean logsumexp^2), weighted."""
+    def _aux(self, probs, logits, chosen, batch: int) -> torch.Tensor | None:
+        """The weighted aux terms of this microbatch: the global load-balancing loss (Switch /
+        Megatron `aux_loss`: E x sum_i f_i P_i over the microbatch's tokens, f_i the fraction
+        of the token-choices that went to expert i, P_i its mean raw score), DeepSeek-V3's
+        sequence-wise balance loss over its `batch` sequences, and the router z-loss (mean
+        logsumexp^2)."""
         m, terms, group = self.moe, [], self.token_group
         tokens = probs.shape[0] * (1 if group is None else group.size())  # equal shards
         if m.aux_loss_weight:
-            counts = expert_counts(slots, m.n_experts).float()
+            counts = expert_counts(chosen.reshape(-1), m.n_experts).float()
             frac = _summed(counts.detach(), group) / (tokens * m.top_k)
             terms.append(m.aux_loss_weight * m.n_experts *
                          (frac * _summed(probs.sum(0), group) / tokens).sum())
+        if m.seq_aux_loss_weight:
+            terms.append(m.seq_aux_loss_weight *
+                         sequence_balance_loss(probs, chosen, batch, m.n_experts, group))
         if m.router_z_loss_weight:
             z = _summed(logits.logsumexp(-1).square().sum(), group)
             terms.append(m.router_z_loss_weight * z / tokens)
@@ -212,6 +224,27 @@ class MoE(nn.Module):
         for buf in (self.tokens_per_expert, self.dropped, self.routed):
             buf.zero_()
         return stats
+
+
+def sequence_balance_loss(scores: torch.Tensor, chosen: torch.Tensor, batch: int,
+                          n_experts: int, group=None) -> torch.Tensor:
+    """DeepSeek-V3's complementary sequence-wise balance loss without its alpha (report, eq.
+    17-20): per sequence of T tokens, s'_{i,t} = s_{i,t} / sum_j s_{j,t}, P_i = mean_t
+    s'_{i,t}, f_i = E / (K T) x the tokens whose top K holds i; sum_i f_i P_i, averaged over
+    the `batch` sequences. `scores` [batch x t, E] and `chosen` [batch x t, K] are this rank's
+    tokens, sequence-major (t = T / group size: under cp and tp each rank holds part of every
+    sequence, and the per-sequence sums are all-reduced over `group`). The gradient reaches
+    the scores through P only."""
+    rows, k = chosen.shape
+    per_rank = rows // batch
+    seq_len = per_rank * (1 if group is None else group.size())
+    normed = scores / scores.sum(-1, keepdim=True)
+    p = _summed(normed.view(batch, per_rank, n_experts).sum(1), group) / seq_len  # [b, E]
+    seq = torch.arange(rows, device=chosen.device).div(per_rank, rounding_mode="floor")
+    slots = (seq[:, None] * n_experts + chosen).reshape(-1)
+    counts = expert_counts(slots, batch * n_experts).view(batch, n_experts).to(scores.dtype)
+    f = _summed(counts, group) * (n_experts / (k * seq_len))
+    return (f * p).sum(-1).mean()
 
 
 def _summed(t: torch.Tensor, group) -> torch.Tensor:
