@@ -3,11 +3,12 @@ routing, multi-token prediction, DeepseekV3ForCausalLM in and out.
 
 In one process: the routing rule, a random tiny DeepseekV3ForCausalLM saved by transformers
 (MLA with and without a query latent, 2 expert groups, a shared expert, a first dense layer,
-a non-zero score-correction bias) imports with transformers' logits, the flavor sizes, the
+a non-zero score-correction bias) imports with transformers' logits, and one training step
+(loss, gradients, AdamW) equals transformers', the flavor sizes, the
 traced dry run of the 671B and Kimi K2 configs. Through run_train.sh (configs/debug_dsv3.toml,
 fp32, block_causal on the stdlib corpus, one MTP module, 5 steps): EP 2 x FSDP 2, TP 2 x FSDP 2,
 CP 2 x EP 2 and PP 2 x FSDP 2 give the 1-rank losses, MTP losses and gradient norms; the
-EP run's export loads in transformers with our logits; its checkpoint resumes at EP 4 and on
+EP run's export (its MTP module as layer 4) loads in transformers with our logits; its checkpoint resumes at EP 4 and on
 one rank; bad settings are one line each.
 """
 
@@ -79,11 +80,10 @@ YARN = YarnScaling(factor=4.0, original_max_position_embeddings=16, mscale=1.0,
                    mscale_all_dim=0.707)
 
 
-@pytest.mark.parametrize("q_lora, yarn", [(32, None), (0, None), (32, YARN)])
-def test_a_transformers_model_imports_with_its_logits(tmp_path, q_lora, yarn):
-    """Random weights (norms away from 1, a non-zero e_score_correction_bias), saved by
-    transformers, loaded through checkpoint.initial_load_in_hf's code: logits within 1e-4;
-    also with YaRN-scaled RoPE (as DeepSeek-V3 and Kimi K2 are released)."""
+def random_pair(tmp_path, q_lora: int = 32, yarn=None):
+    """(transformers' DeepseekV3ForCausalLM with random weights: norms away from 1, a non-zero
+    e_score_correction_bias; saved by transformers and loaded into ours through
+    checkpoint.initial_load_in_hf's code, ours)."""
     from transformers import DeepseekV3ForCausalLM
 
     from trainer.hf.load import load_hf
@@ -92,7 +92,7 @@ def test_a_transformers_model_imports_with_its_logits(tmp_path, q_lora, yarn):
     args = model_args("debugmodel-dsv3", vocab_size=256, max_seq_len=64)
     args = dataclasses.replace(args, mla=dataclasses.replace(args.mla, q_lora_rank=q_lora),
                                rope_scaling=yarn)
-    theirs = DeepseekV3ForCausalLM(hf_config(args, 256, q_lora)).float().eval()
+    theirs = DeepseekV3ForCausalLM(hf_config(args, 256, q_lora)).float()
     if yarn is not None:  # transformers took the scaling: its table differs from plain RoPE
         assert theirs.model.rotary_emb.rope_type == "yarn"
     with torch.no_grad():
@@ -105,14 +105,77 @@ def test_a_transformers_model_imports_with_its_logits(tmp_path, q_lora, yarn):
     ours = build_model(args)
     ours.to_empty(device="cpu")
     ours.init_weights(0)
-    lines = []
-    load_hf(ours.eval(), str(tmp_path), flavor="debugmodel-dsv3", log=lines.append)
+    load_hf(ours, str(tmp_path), flavor="debugmodel-dsv3", log=lambda line: None)
+    return theirs, ours
+
+
+@pytest.mark.parametrize("q_lora, yarn", [(32, None), (0, None), (32, YARN)])
+def test_a_transformers_model_imports_with_its_logits(tmp_path, q_lora, yarn):
+    """Random weights, saved by transformers, loaded through checkpoint.initial_load_in_hf's
+    code: logits within 1e-4; also with YaRN-scaled RoPE (as DeepSeek-V3 and Kimi K2 are
+    released)."""
+    theirs, ours = random_pair(tmp_path, q_lora, yarn)
     tokens = torch.randint(0, 256, (2, 48), generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
-        diff = (theirs(tokens).logits - ours(tokens)).abs().max().item()
+        diff = (theirs.eval()(tokens).logits - ours.eval()(tokens)).abs().max().item()
     assert diff < 1e-4, diff
     bias = ours.layers["2"].feed_forward.router.expert_bias
     assert bias.abs().max() > 0  # the routing bias came in
+
+
+def theirs_of(name: str, tensors: dict, inter: int):
+    """transformers' tensor (parameter or gradient) for our parameter `name`: its stacked
+    experts are gate_up_proj [E, 2 I, D] (gate rows first) and down_proj [E, D, I]."""
+    from trainer.hf.mapping import hf_name
+
+    if ".feed_forward.experts." in name:
+        layer, w = name.split(".")[1], name.rsplit(".", 1)[1]
+        prefix = f"model.layers.{layer}.mlp.experts."
+        if w == "w2":
+            return tensors[prefix + "down_proj"]
+        gate_up = tensors[prefix + "gate_up_proj"]
+        return gate_up[:, :inter] if w == "w1" else gate_up[:, inter:]
+    return tensors[hf_name(name)]
+
+
+def test_one_training_step_equals_transformers(tmp_path):
+    """One step on the same batch, fp32: our training loss (the chunked loss over the summed
+    tokens / count) against cross-entropy of transformers' logits; every gradient; then the
+    trainer's AdamW (build_optimizer: fused on the CPU) against torch's for-loop AdamW on
+    transformers' parameters. eps 1e-4 keeps the first step's g / (|g| + eps) away from the
+    sign of near-zero gradients, which rounding could flip."""
+    import torch.nn.functional as F
+
+    from trainer.config.job import load_config
+    from trainer.models.loss import build_loss
+    from trainer.optim.optimizer import build_optimizer
+
+    theirs, ours = random_pair(tmp_path)
+    theirs.train(), ours.train()
+    cfg = load_config(["--job.config_file", CONFIG, "--optimizer.lr", "1e-2",
+                       "--optimizer.eps", "1e-4"]).optimizer
+    tokens = torch.randint(0, 256, (2, 49), generator=torch.Generator().manual_seed(2))
+    inputs, labels = tokens[:, :-1], tokens[:, 1:]
+    loss = ours(inputs, labels, build_loss("chunked", 32)) / labels.numel()
+    ref = F.cross_entropy(theirs(inputs).logits.flatten(0, 1), labels.flatten())
+    assert abs(loss.item() - ref.item()) < 1e-6, (loss.item(), ref.item())
+    loss.backward()
+    ref.backward()
+    inter = ours.args.moe.hidden_dim
+    grads = {n: p.grad for n, p in theirs.named_parameters()}
+    for name, p in ours.named_parameters():
+        want = theirs_of(name, grads, inter)
+        assert (p.grad - want).abs().max() <= 1e-5 * want.abs().max() + 1e-9, name
+    mine = build_optimizer(ours, cfg)
+    other = torch.optim.AdamW(theirs.parameters(), lr=cfg.lr, betas=(cfg.beta1, cfg.beta2),
+                              eps=cfg.eps, weight_decay=cfg.weight_decay, foreach=False)
+    before = {n: p.detach().clone() for n, p in ours.named_parameters()}
+    mine.step(), other.step()
+    params = dict(theirs.named_parameters())
+    for name, p in ours.named_parameters():
+        want = theirs_of(name, params, inter)
+        assert (p - want).abs().max() < 1e-3 * cfg.lr, name
+        assert (p - before[name]).abs().max() > 1e-3, name  # each tensor moved (lr 1e-2)
 
 
 def test_a_scaled_rope_folder_loads_only_as_yarn_and_only_into_its_flavor(tmp_path):
@@ -211,17 +274,18 @@ def test_each_layout_trains_as_one_rank(dsv3_runs, name):
 
 def test_the_export_loads_in_transformers_with_our_logits(dsv3_runs):
     """The EP 2 x FSDP 2 run's last_save_in_hf folder (its balancing bias moved): transformers
-    loads it with no code of ours, and its logits equal the checkpoint's model's; the MTP
-    module is left out, said in one line."""
+    loads it with no code of ours (skipping the MTP module, layer 4), and its logits equal the
+    checkpoint's model's; the MTP module is there under the release's names."""
+    from safetensors import safe_open
     from transformers import AutoModelForCausalLM
 
     from trainer.convert import dcp_fetch, saved_shapes
 
     dump, stdout = dsv3_runs["ep2_fsdp2"]
-    assert "multi-token prediction module(s) (model.mtp_layers) are not part of " \
-        "DeepseekV3ForCausalLM" in stdout
+    assert "module(s) 0..0 exported as layer(s) 4..4 under the release's names" in stdout
     hf = json.loads((dump / "hf" / "config.json").read_text())
     assert hf["architectures"] == ["DeepseekV3ForCausalLM"] and hf["n_group"] == 2
+    assert hf["num_nextn_predict_layers"] == 1
     theirs = AutoModelForCausalLM.from_pretrained(dump / "hf", dtype=torch.float32).eval()
     ckpt = str(dump / "checkpoint" / "step-5")
     shapes = saved_shapes(ckpt)
@@ -235,6 +299,10 @@ def test_the_export_loads_in_transformers_with_our_logits(dsv3_runs):
     tokens = torch.randint(0, 8192, (2, 64), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         assert (theirs(tokens).logits - ours.eval()(tokens)).abs().max() < 1e-4
+    with safe_open(dump / "hf" / "model.safetensors", "pt") as f:
+        assert torch.equal(f.get_tensor("model.layers.4.eh_proj.weight"), state["mtp.0.proj.weight"])
+        assert torch.equal(f.get_tensor("model.layers.4.mlp.experts.7.down_proj.weight"),
+                           state["mtp.0.block.feed_forward.experts.w2"][7])
 
 
 @pytest.mark.parametrize("name, nproc, extra", [("ep4", 4, (EP, "4")), ("one_rank", 1, (EP, "1"))])
@@ -266,7 +334,7 @@ def test_bad_settings_are_one_line(tmp_path, args, needle):
 def test_mtp_with_an_export_that_cannot_hold_it_is_refused():
     """A Llama or Qwen3-MoE flavor with MTP modules and a Hugging Face export or import:
     refused in one config line that says what the checkpoints keep; a deepseek_v3 flavor
-    exports (leaving the modules out, with a note). `trainer.convert to-hf` says the same."""
+    exports them (as the release's layers num_hidden_layers + k). `trainer.convert to-hf` says the same."""
     from trainer.config.job import load_config
     from trainer.hf.mapping import export_problem
 
