@@ -1,0 +1,185 @@
+"""Qwen3-Next (Qwen3NextForCausalLM) and Qwen3.5's MoE text model (Qwen3_5MoeForCausalLM)
+between this trainer (trainer/models/qwen3_next.py) and the releases' tensors and config.json.
+
+Most tensors are renamed (`LAYER`, `TOP`). The releases fuse what we keep apart:
+- Qwen3-Next's `linear_attn.in_proj_qkvz` holds, per key head, its q rows, k rows, then the v
+  and z rows of its value heads; `in_proj_ba` per key head its value heads' b then a rows.
+- Qwen3.5's `in_proj_qkv` is [q; k; v] (all heads each), with in_proj_z, _b, _a apart.
+- Both: `linear_attn.conv1d.weight` [q; k; v channels, 1, K] (ours: conv_q, conv_k, conv_v).
+- Experts: one tensor per expert (`mlp.experts.{e}.gate_proj.weight`, what save_pretrained
+  writes) or stacked (`mlp.experts.gate_up_proj` [E, 2 I, dim], `down_proj`): both are read;
+  ours are stacked w1, w3 [E, I, dim], w2 [E, dim, I].
+Qwen3.5's multimodal checkpoints put the text model under `model.language_model.`: read too.
+"""
+
+from __future__ import annotations
+
+import re
+
+import torch
+
+from trainer.errors import ConfigError
+from trainer.models.args import MoEArgs
+from trainer.models.qwen3_next import FULL, HybridArgs, Qwen3NextArgs
+
+# ours (under `layers.{i}.`) -> the release's (under `model.layers.{i}.`)
+LAYER = {
+    "attention_norm.weight": "input_layernorm.weight",
+    "ffn_norm.weight": "post_attention_layernorm.weight",
+    "attention.wq.weight": "self_attn.q_proj.weight",
+    "attention.wk.weight": "self_attn.k_proj.weight",
+    "attention.wv.weight": "self_attn.v_proj.weight",
+    "attention.wo.weight": "self_attn.o_proj.weight",
+    "attention.q_norm.weight": "self_attn.q_norm.weight",
+    "attention.k_norm.weight": "self_attn.k_norm.weight",
+    "linear_attention.A_log": "linear_attn.A_log",
+    "linear_attention.dt_bias": "linear_attn.dt_bias",
+    "linear_attention.norm.weight": "linear_attn.norm.weight",
+    "linear_attention.wo.weight": "linear_attn.out_proj.weight",
+    "feed_forward.w1.weight": "mlp.gate_proj.weight",
+    "feed_forward.w2.weight": "mlp.down_proj.weight",
+    "feed_forward.w3.weight": "mlp.up_proj.weight",
+    "feed_forward.router.gate.weight": "mlp.gate.weight",
+    "feed_forward.shared_expert.w1.weight": "mlp.shared_expert.gate_proj.weight",
+    "feed_forward.shared_expert.w2.weight": "mlp.shared_expert.down_proj.weight",
+    "feed_forward.shared_expert.w3.weight": "mlp.shared_expert.up_proj.weight",
+    "feed_forward.shared_expert_gate.weight": "mlp.shared_expert_gate.weight",
+}
+TOP = {"tok_embeddings.weight": "model.embed_tokens.weight", "norm.weight": "model.norm.weight",
+       "output.weight": "lm_head.weight"}
+_DELTA = ("wq", "wk", "wv", "wz", "wb", "wa")
+_CONV = ("conv_q", "conv_k", "conv_v")
+_EXPERTS = {"w1": "gate_proj", "w3": "up_proj", "w2": "down_proj"}
+ARCHITECTURES = {"qwen3_next": "Qwen3NextForCausalLM", "qwen3_5_moe_text": "Qwen3_5MoeForCausalLM"}
+
+
+def args_from_config(cfg: dict, **overrides) -> Qwen3NextArgs:
+    """Our args from a release's config.json (the text config of a multimodal Qwen3.5)."""
+    cfg = cfg.get("text_config", cfg)
+    kind = cfg.get("model_type")
+    if kind not in ARCHITECTURES:
+        raise ConfigError(f"config.json model_type {kind!r}: expected one of "
+                          f"{', '.join(ARCHITECTURES)}")
+    rope = cfg.get("rope_parameters") or {"rope_theta": cfg.get("rope_theta", 10000.0),
+                                         "partial_rotary_factor":
+                                             cfg.get("partial_rotary_factor", 0.25)}
+    if rope.get("rope_type", "default") != "default" or cfg.get("mlp_only_layers"):
+        raise ConfigError(f"config.json rope_type {rope.get('rope_type')!r} / mlp_only_layers "
+                          f"{cfg.get('mlp_only_layers')}: only default RoPE and no dense-only "
+                          "layers are supported")
+    hybrid = HybridArgs(
+        layer_types=tuple(cfg["layer_types"]),
+        full_attention_interval=cfg.get("full_attention_interval", 4),
+        partial_rotary_factor=rope.get("partial_rotary_factor", 0.25),
+        linear_k_heads=cfg["linear_num_key_heads"], linear_v_heads=cfg["linear_num_value_heads"],
+        linear_k_head_dim=cfg["linear_key_head_dim"],
+        linear_v_head_dim=cfg["linear_value_head_dim"], conv_kernel=cfg["linear_conv_kernel_dim"],
+        shared_expert_hidden=cfg.get("shared_expert_intermediate_size", 0))
+    moe = MoEArgs(n_experts=cfg["num_experts"], top_k=cfg["num_experts_per_tok"],
+                  hidden_dim=cfg["moe_intermediate_size"],
+                  norm_topk_prob=cfg.get("norm_topk_prob", True),
+                  sparse_step=cfg.get("decoder_sparse_step", 1)) if cfg.get("num_experts") else None
+    fields = dict(dim=cfg["hidden_size"], n_layers=cfg["num_hidden_layers"],
+                  n_heads=cfg["num_attention_heads"], n_kv_heads=cfg["num_key_value_heads"],
+                  vocab_size=cfg["vocab_size"], norm_eps=cfg["rms_norm_eps"],
+                  rope_theta=rope["rope_theta"], max_seq_len=cfg["max_position_embeddings"],
+                  tie_word_embeddings=cfg.get("tie_word_embeddings", False),
+                  explicit_head_dim=cfg.get("head_dim") or 0,
+                  explicit_hidden_dim=cfg.get("intermediate_size") or 0, qk_norm=True,
+                  moe=moe, hybrid=hybrid)
+    return Qwen3NextArgs(**{**fields, **overrides})
+
+
+def _groups(args: Qwen3NextArgs) -> tuple[int, list[int], list[int]]:
+    """(key heads, the row split of one key head's in_proj_qkvz group, of its in_proj_ba)."""
+    h = args.hybrid
+    r = h.linear_v_heads // h.linear_k_heads
+    dk, dv = h.linear_k_head_dim, h.linear_v_head_dim
+    return h.linear_k_heads, [dk, dk, r * dv, r * dv], [r, r]
+
+
+def from_release(tensors: dict[str, torch.Tensor], args: Qwen3NextArgs) -> dict[str, torch.Tensor]:
+    """A release's state dict (either family, experts per expert or stacked) -> ours."""
+    hf = {re.sub(r"^model\.language_model\.", "model.", k): v for k, v in tensors.items()}
+    ours = {name: hf[key] for name, key in TOP.items() if key in hf}
+    for i in range(args.n_layers):
+        pre, out = f"model.layers.{i}.", f"layers.{i}."
+        ours.update({out + name: hf[pre + key] for name, key in LAYER.items() if pre + key in hf})
+        if args.hybrid.layer_type(i) != FULL:
+            ours.update({out + "linear_attention." + n: t
+                         for n, t in _delta_from_release(hf, pre + "linear_attn.", args).items()})
+        if args.is_moe_layer(i):
+            ours.update({out + "feed_forward.experts." + w: t
+                         for w, t in _experts_from_release(hf, pre + "mlp.experts.", args).items()})
+            # the releases route by the scores alone: our balancing bias at zero
+            ours[out + "feed_forward.router.expert_bias"] = torch.zeros(args.moe.n_experts)
+    return ours
+
+
+def _delta_from_release(hf, pre: str, args: Qwen3NextArgs) -> dict[str, torch.Tensor]:
+    h = args.hybrid
+    keys, values = h.linear_k_heads * h.linear_k_head_dim, h.linear_v_heads * h.linear_v_head_dim
+    if pre + "in_proj_qkvz.weight" in hf:  # Qwen3-Next: grouped per key head
+        nk, qkvz, ba = _groups(args)
+        dim = args.dim
+        parts = hf[pre + "in_proj_qkvz.weight"].view(nk, sum(qkvz), dim).split(qkvz, dim=1)
+        parts += hf[pre + "in_proj_ba.weight"].view(nk, sum(ba), dim).split(ba, dim=1)
+        mats = [p.reshape(-1, dim) for p in parts]
+    else:  # Qwen3.5
+        mats = list(hf[pre + "in_proj_qkv.weight"].split([keys, keys, values]))
+        mats += [hf[pre + f"in_proj_{x}.weight"] for x in "zba"]
+    out = {f"{n}.weight": m.contiguous() for n, m in zip(_DELTA, mats)}
+    conv = hf[pre + "conv1d.weight"].squeeze(1).split([keys, keys, values])
+    out.update({n: c.contiguous() for n, c in zip(_CONV, conv)})
+    return out
+
+
+def _experts_from_release(hf, pre: str, args: Qwen3NextArgs) -> dict[str, torch.Tensor]:
+    if pre + "gate_up_proj" in hf:  # stacked: [E, 2 I, dim] = gate rows, then up rows
+        w1, w3 = hf[pre + "gate_up_proj"].chunk(2, dim=1)
+        return {"w1": w1.contiguous(), "w3": w3.contiguous(), "w2": hf[pre + "down_proj"]}
+    e = range(args.moe.n_experts)
+    return {w: torch.stack([hf[f"{pre}{j}.{proj}.weight"] for j in e])
+            for w, proj in _EXPERTS.items()}
+
+
+def to_release(ours: dict[str, torch.Tensor], args: Qwen3NextArgs,
+               family: str = "qwen3_next") -> dict[str, torch.Tensor]:
+    """Our full state dict -> the release's tensors (`family`: qwen3_next or
+    qwen3_5_moe_text), experts one tensor each (what save_pretrained writes)."""
+    if family not in ARCHITECTURES:
+        raise ConfigError(f"Hugging Face family {family!r}: expected one of "
+                          f"{', '.join(ARCHITECTURES)}")
+    hf = {TOP[n]: t for n, t in ours.items() if n in TOP}
+    for i in range(args.n_layers):
+        pre, mine = f"model.layers.{i}.", f"layers.{i}."
+        hf.update({pre + key: ours[mine + n] for n, key in LAYER.items() if mine + n in ours})
+        bias = ours.get(mine + "feed_forward.router.expert_bias")
+        if bias is not None and bias.any():
+            raise ConfigError("moe.load_balance_coeff: the experts' balancing bias is not zero, "
+                              f"and {ARCHITECTURES[family]} has no place for it (layer {i})")
+        if args.hybrid.layer_type(i) != FULL:
+            la = {n: ours[f"{mine}linear_attention.{n}"] for n in
+                  [f"{x}.weight" for x in _DELTA] + list(_CONV)}
+            hf.update(_delta_to_release(la, pre + "linear_attn.", args, family))
+        if args.is_moe_layer(i):
+            for w, proj in _EXPERTS.items():
+                stacked = ours[f"{mine}feed_forward.experts.{w}"]
+                hf.update({f"{pre}mlp.experts.{e}.{proj}.weight": stacked[e]
+                           for e in range(stacked.shape[0])})
+    return hf
+
+
+def _delta_to_release(la, pre: str, args: Qwen3NextArgs, family: str):
+    q, k, v, z, b, a = (la[f"{x}.weight"] for x in _DELTA)
+    conv = torch.cat([la[c] for c in _CONV]).unsqueeze(1)
+    if family == "qwen3_5_moe_text":
+        return {pre + "in_proj_qkv.weight": torch.cat((q, k, v)), pre + "in_proj_z.weight": z,
+                pre + "in_proj_b.weight": b, pre + "in_proj_a.weight": a,
+                pre + "conv1d.weight": conv}
+    nk, _, _ = _groups(args)
+    dim = args.dim
+    qkvz = torch.cat([t.reshape(nk, -1, dim) for t in (q, k, v, z)], dim=1).reshape(-1, dim)
+    ba = torch.cat([t.reshape(nk, -1, dim) for t in (b, a)], dim=1).reshape(-1, dim)
+    return {pre + "in_proj_qkvz.weight": qkvz, pre + "in_proj_ba.weight": ba,
+            pre + "conv1d.weight": conv}

@@ -1,0 +1,318 @@
+"""Qwen3-Next and Qwen3.5's hybrid decoder: Gated DeltaNet layers (trainer/models/deltanet.py)
+and gated softmax-attention layers in a fixed pattern (by default three linear layers, then one
+full), zero-centred RMSNorms, and a MoE whose shared expert is gated by a sigmoid.
+
+Computes what transformers 5.24's Qwen3NextForCausalLM and Qwen3_5MoeForCausalLM compute
+(tests/test_qwen3_next.py: logits within 1e-4). Our layout of the parameters:
+
+- Separate projections where the releases fuse them (Qwen3-Next's in_proj_qkvz groups q, k, v,
+  z per key head; Qwen3.5's in_proj_qkv concatenates): wq, wk, wv, wz, wb, wa and one
+  convolution weight per stream (conv_q, conv_k, conv_v), so tensor parallelism shards heads
+  (and their convolution channels) with plain row shards. trainer/hf/qwen3_next.py converts.
+- The gated attention's wq keeps the release's rows: per head, head_dim query rows then
+  head_dim gate rows (a row shard by heads keeps each head's gate with it).
+- RoPE as the releases rotate it: the two halves of the first `rope_dim` channels of each head
+  (partial_rotary_factor of head_dim), so q and k need no permutation on conversion.
+- Zero-centred RMSNorm: weight w stored, 1 + w applied (initialised to zeros), as released;
+  the DeltaNet's output norm is a plain RMSNorm (weight ones) gated by SiLU(z).
+
+Documents: under block_causal the full-attention layers use the window's mask, and the DeltaNet
+layers restart their state and convolution at every document (the same doc ids).
+"""
+
+from __future__ import annotations
+
+import zlib
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from trainer.models.args import ModelArgs
+from trainer.models.attention import attend
+from trainer.models.deltanet import gated_delta_rule, short_conv
+from trainer.models.layers import RMSNorm
+from trainer.models.llama import Head, Transformer, _init_std, trunc_normal
+from trainer.models.moe import FeedForward, MoE
+
+LINEAR, FULL = "linear_attention", "full_attention"
+
+
+@dataclass(frozen=True)
+class HybridArgs:
+    """The hybrid layers' shape (config.json's linear_* keys, layer_types)."""
+
+    layer_types: tuple[str, ...] = ()  # per layer LINEAR or FULL; () = by full_attention_interval
+    full_attention_interval: int = 4  # every interval-th layer is full attention (Qwen3-Next: 4)
+    partial_rotary_factor: float = 0.25  # the share of each head's channels RoPE rotates
+    linear_k_heads: int = 16  # Gated DeltaNet query/key heads
+    linear_v_heads: int = 32  # value heads (a multiple of the key heads)
+    linear_k_head_dim: int = 128
+    linear_v_head_dim: int = 128
+    conv_kernel: int = 4  # taps of the short causal convolution over q, k, v
+    shared_expert_hidden: int = 0  # the sigmoid-gated shared expert's SwiGLU width (0: none)
+
+    def layer_type(self, i: int) -> str:
+        if self.layer_types:
+            return self.layer_types[i]
+        return FULL if (i + 1) % self.full_attention_interval == 0 else LINEAR
+
+
+@dataclass(frozen=True)
+class Qwen3NextArgs(ModelArgs):
+    """ModelArgs with the hybrid layers (to become a `ModelArgs.hybrid` field in args.py)."""
+
+    hybrid: HybridArgs = HybridArgs()
+
+    @property
+    def rope_dim(self) -> int:
+        return int(self.head_dim * self.hybrid.partial_rotary_factor)
+
+    def validate(self) -> None:
+        from trainer.errors import ConfigError
+
+        super().validate()
+        h = self.hybrid
+        types = [h.layer_type(i) for i in range(self.n_layers)]
+        if set(types) - {LINEAR, FULL} or len(types) != self.n_layers:
+            raise ConfigError(f"model layer_types {types}: {self.n_layers} entries, each "
+                              f"{LINEAR!r} or {FULL!r}")
+        if h.linear_v_heads % h.linear_k_heads or self.rope_dim % 2:
+            raise ConfigError(f"model linear_v_heads {h.linear_v_heads} must be a multiple of "
+                              f"linear_k_heads {h.linear_k_heads}, and rope_dim {self.rope_dim} "
+                              "(head_dim x partial_rotary_factor) even")
+        if h.shared_expert_hidden and self.moe is not None and self.moe.n_shared_experts:
+            raise ConfigError("model: a gated shared expert (shared_expert_hidden "
+                              f"{h.shared_expert_hidden}) replaces moe.n_shared_experts "
+                              f"{self.moe.n_shared_experts}; set the latter to 0")
+        if self.mtp_layers:
+            raise ConfigError("model.mtp_layers: Qwen3-Next's MTP layers are not built yet; "
+                              "use model.mtp_layers = 0")
+
+
+class ZeroCentredRMSNorm(RMSNorm):
+    """RMSNorm whose weight w scales by 1 + w (in fp32, then cast: transformers' order)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        xf = x.float()
+        normed = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return (normed * (1.0 + self.weight.float())).type_as(x)
+
+
+class GatedRMSNorm(RMSNorm):
+    """RMSNorm(x) x weight x SiLU(z) per head (the DeltaNet's output norm)."""
+
+    def forward(self, x: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
+        xf = x.float()
+        normed = (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)).to(x.dtype)
+        return (self.weight * normed * F.silu(z.float())).to(x.dtype)
+
+
+def rope_halves(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate the first 2 cos.shape[-1] channels of x [b, s, h, d] as two halves (transformers'
+    rotate_half); the rest pass. cos/sin [s, r/2] or [b, s, r/2]."""
+    half = cos.shape[-1]
+    xf = x.float()
+    x1, x2, rest = xf[..., :half], xf[..., half:2 * half], xf[..., 2 * half:]
+    cos, sin = cos.unsqueeze(-2), sin.unsqueeze(-2)
+    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin, rest), dim=-1).type_as(x)
+
+
+class GatedAttention(nn.Module):
+    """GQA with q/k norms, partial RoPE and a sigmoid output gate per channel."""
+
+    def __init__(self, args: Qwen3NextArgs):
+        super().__init__()
+        d, self.head_dim = args.dim, args.head_dim
+        self.wq = nn.Linear(d, args.n_heads * 2 * self.head_dim, bias=False)  # query, gate
+        self.wk = nn.Linear(d, args.n_kv_heads * self.head_dim, bias=False)
+        self.wv = nn.Linear(d, args.n_kv_heads * self.head_dim, bias=False)
+        self.wo = nn.Linear(args.n_heads * self.head_dim, d, bias=False)
+        self.q_norm = ZeroCentredRMSNorm(self.head_dim, args.norm_eps)
+        self.k_norm = ZeroCentredRMSNorm(self.head_dim, args.norm_eps)
+
+    def forward(self, x, cos, sin, mask=None):
+        b, s, _ = x.shape
+        q, gate = self.wq(x).view(b, s, -1, 2 * self.head_dim).chunk(2, dim=-1)
+        q = rope_halves(self.q_norm(q), cos, sin)
+        k = rope_halves(self.k_norm(self.wk(x).view(b, s, -1, self.head_dim)), cos, sin)
+        v = self.wv(x).view(b, s, -1, self.head_dim)
+        out = attend(q, k, v, mask).transpose(1, 2).reshape(b, s, -1)
+        return self.wo(out * torch.sigmoid(gate.reshape(b, s, -1)))
+
+
+class GatedDeltaNet(nn.Module):
+    """The Gated DeltaNet layer: q, k, v through a short causal convolution and SiLU, the decay
+    g = -exp(A_log) softplus(a + dt_bias), beta = sigmoid(b), the gated delta rule over
+    L2-normalised q, k, a gated RMSNorm with z, the output projection."""
+
+    def __init__(self, args: Qwen3NextArgs):
+        super().__init__()
+        h, d = args.hybrid, args.dim
+        self.k_head_dim, self.v_head_dim = h.linear_k_head_dim, h.linear_v_head_dim
+        keys, values = h.linear_k_heads * h.linear_k_head_dim, h.linear_v_heads * h.linear_v_head_dim
+        self.wq = nn.Linear(d, keys, bias=False)
+        self.wk = nn.Linear(d, keys, bias=False)
+        self.wv = nn.Linear(d, values, bias=False)
+        self.wz = nn.Linear(d, values, bias=False)  # the output gate
+        self.wb = nn.Linear(d, h.linear_v_heads, bias=False)  # beta, per value head
+        self.wa = nn.Linear(d, h.linear_v_heads, bias=False)  # the decay's input
+        self.conv_q = nn.Parameter(torch.empty(keys, h.conv_kernel))
+        self.conv_k = nn.Parameter(torch.empty(keys, h.conv_kernel))
+        self.conv_v = nn.Parameter(torch.empty(values, h.conv_kernel))
+        self.A_log = nn.Parameter(torch.empty(h.linear_v_heads))
+        self.dt_bias = nn.Parameter(torch.empty(h.linear_v_heads))
+        self.norm = GatedRMSNorm(h.linear_v_head_dim, args.norm_eps)
+        self.wo = nn.Linear(values, d, bias=False)
+
+    def forward(self, x: torch.Tensor, doc_ids: torch.Tensor | None = None) -> torch.Tensor:
+        return self.mix(x, doc_ids)[0]
+
+    def mix(self, x, doc_ids=None, state=None):
+        """(output, the state after the window). `state`: None, or (the convolutions' prefixes
+        (q, k, v), the recurrent state) of the window before, whose last document continues
+        into this window's first (trainer/models/deltanet.py)."""
+        b, s, _ = x.shape
+        prefixes, recurrent = (None, None, None), None
+        if state is not None:
+            prefixes, recurrent = state
+        streams, tails = [], []
+        for proj, weight, prefix in zip((self.wq, self.wk, self.wv),
+                                        (self.conv_q, self.conv_k, self.conv_v), prefixes):
+            y, tail = short_conv(proj(x), weight, doc_ids, prefix)
+            streams.append(F.silu(y))
+            tails.append(tail)
+        q = streams[0].view(b, s, -1, self.k_head_dim)
+        k = streams[1].view(b, s, -1, self.k_head_dim)
+        v = streams[2].view(b, s, -1, self.v_head_dim)
+        beta = self.wb(x).sigmoid()
+        g = -self.A_log.float().exp() * F.softplus(self.wa(x).float() + self.dt_bias)
+        o, last = gated_delta_rule(q, k, v, g, beta, initial_state=recurrent,
+                                   output_final_state=state is not None, doc_ids=doc_ids)
+        z = self.wz(x).view(b, s, -1, self.v_head_dim)
+        out = self.wo(self.norm(o, z).reshape(b, s, -1))
+        return out, (tuple(tails), last)
+
+
+class GatedSharedMoE(MoE):
+    """The routed experts of trainer/models/moe.py (softmax top-k, renormalised: Qwen's
+    routing) plus one shared expert scaled per token by sigmoid(shared_expert_gate(x))."""
+
+    def __init__(self, dim: int, args: Qwen3NextArgs, layer_id: int):
+        super().__init__(dim, args.moe, layer_id)
+        self.shared_expert = FeedForward(dim, args.hybrid.shared_expert_hidden)
+        self.shared_expert_gate = nn.Linear(dim, 1, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return super().forward(x) + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
+
+
+class HybridBlock(nn.Module):
+    """A decoder layer: a Gated DeltaNet (`linear_attention`) or gated attention (`attention`),
+    then a MoE or SwiGLU feed-forward, each after a zero-centred RMSNorm, with residuals."""
+
+    def __init__(self, layer_id: int, args: Qwen3NextArgs):
+        super().__init__()
+        self.layer_id = layer_id
+        self.layer_type = args.hybrid.layer_type(layer_id)
+        self.attention_norm = ZeroCentredRMSNorm(args.dim, args.norm_eps)
+        if self.layer_type == FULL:
+            self.attention = GatedAttention(args)
+        else:
+            self.linear_attention = GatedDeltaNet(args)
+        self.ffn_norm = ZeroCentredRMSNorm(args.dim, args.norm_eps)
+        if not args.is_moe_layer(layer_id):
+            self.feed_forward = FeedForward(args.dim, args.hidden_dim)
+        elif args.hybrid.shared_expert_hidden:
+            self.feed_forward = GatedSharedMoE(args.dim, args, layer_id)
+        else:
+            self.feed_forward = MoE(args.dim, args.moe, layer_id)
+
+    def forward(self, x, cos, sin, mask=None, doc_ids=None):
+        h = self.attention_norm(x)
+        if self.layer_type == FULL:
+            h = self.attention(h, cos, sin, mask)
+        else:
+            h = self.linear_attention(h, doc_ids)
+        h = x + h
+        return h + self.feed_forward(self.ffn_norm(h))
+
+
+class Qwen3Next(Transformer):
+    """The hybrid model. Transformer's head (untied or tied), RoPE tables (of rope_dim
+    channels), documents and masks; its own blocks, forward and init."""
+
+    def __init__(self, args: Qwen3NextArgs):
+        nn.Module.__init__(self)  # not Transformer's: its blocks are Llama's
+        self.args = args
+        self.tok_embeddings = nn.Embedding(args.vocab_size, args.dim)
+        self.layers = nn.ModuleDict({str(i): HybridBlock(i, args) for i in range(args.n_layers)})
+        self.norm = ZeroCentredRMSNorm(args.dim, args.norm_eps)
+        self.output = (None if args.tie_word_embeddings
+                       else Head(args.dim, args.vocab_size, bias=False))
+        self.mtp = None
+        table = (args.max_seq_len, args.rope_dim // 2)
+        self.register_buffer("rope_cos", torch.empty(table), persistent=False)
+        self.register_buffer("rope_sin", torch.empty(table), persistent=False)
+
+    def forward(self, tokens: torch.Tensor, labels: torch.Tensor | None = None, loss_fn=None, *,
+                doc_ids: torch.Tensor | None = None, positions: torch.Tensor | None = None,
+                attention=None, future=None) -> torch.Tensor:
+        """Logits, or with labels and a loss the summed token loss (Transformer.forward's
+        contract; `attention` (context parallelism) is not supported yet)."""
+        if attention is not None:
+            raise NotImplementedError("context parallelism for the Gated DeltaNet layers")
+        h = self.tok_embeddings(tokens)
+        cos, sin, mask = self.attention_inputs(tokens.shape[1], doc_ids, positions, h.dtype)
+        docs = doc_ids if self.args.attn_mask_type == "block_causal" else None
+        for layer in self.layers.values():
+            h = layer(h, cos, sin, mask, docs)
+        return self.head(self.norm(h), labels, loss_fn)
+
+    @torch.no_grad()
+    def init_weights(self, seed: int) -> None:
+        """Deterministic and sharding-independent, as Transformer's: zero-centred norms at 0,
+        the gated norm at 1, A = exp(A_log) uniform in [0.01, 16], dt_bias 1 (transformers'),
+        convolutions as torch's Conv1d default (std (3 K)^-1/2), the rest by _init_std."""
+        self.init_rope()
+        k = self.args.hybrid.conv_kernel
+        for name, param in self.named_parameters():
+            if name.endswith("linear_attention.norm.weight") or name.endswith("dt_bias"):
+                _fill(param, name, seed, lambda t, gen: t.fill_(1.0))
+            elif name.endswith("norm.weight"):
+                _fill(param, name, seed, lambda t, gen: t.zero_())
+            elif name.endswith("A_log"):
+                _fill(param, name, seed, lambda t, gen: t.uniform_(0.01, 16.0, generator=gen).log_())
+            else:
+                std = (3 * k) ** -0.5 if ".conv_" in name else _init_std(name, self.args)
+                _fill(param, name, seed, lambda t, gen, std=std: trunc_normal(t, std, gen))
+        for module in self.modules():
+            if isinstance(module, MoE):
+                for buf in module.buffers():
+                    buf.zero_()
+
+
+def _fill(param: torch.Tensor, name: str, seed: int, draw) -> None:
+    """Fill the full tensor by `draw(tensor, generator seeded by (seed, name))`, then keep
+    this rank's shard (llama._fill's scheme, for any draw)."""
+    from torch.distributed.tensor import DTensor, distribute_tensor
+
+    is_dt = isinstance(param, DTensor)
+    where = param.device_mesh.device_type if is_dt else param.device
+    full = torch.empty(param.shape, dtype=param.dtype, device=where)
+    gen = torch.Generator(device=where)
+    gen.manual_seed(seed * 1_000_003 + zlib.crc32(name.encode()))
+    draw(full, gen)
+    if is_dt:
+        full = distribute_tensor(full, param.device_mesh, param.placements,
+                                 src_data_rank=None).to_local()
+    (param.to_local() if is_dt else param).copy_(full)
+
+
+def build_model(args: Qwen3NextArgs) -> Qwen3Next:
+    """On the meta device, as trainer.models.llama.build_model."""
+    args.validate()
+    with torch.device("meta"):
+        return Qwen3Next(args)
+
