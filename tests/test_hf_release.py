@@ -223,3 +223,56 @@ def test_a_folder_quantized_otherwise_is_one_line(release, tmp_path):
     assert lines[-1].startswith("config error: ") and "quant_method = 'gptq'" in lines[-1], \
         proc.stderr[-2000:]
     assert "Traceback" not in proc.stderr
+
+
+def test_a_kimi_k2_folder_imports_its_weights(tmp_path):
+    """model_type kimi_k2 with DeepseekV3ForCausalLM through auto_map, no MTP layer
+    (num_nextn_predict_layers 0) and a tiktoken tokenizer: the weights load, the MTP module
+    starts from its init, and one line says how to pass the tokenizer."""
+    from safetensors.torch import load_file
+
+    from trainer.hf.load import load_hf
+
+    source_folder(tmp_path, mtp_layers=0)
+    config = json.loads((tmp_path / "config.json").read_text())
+    config.update(model_type="kimi_k2", num_nextn_predict_layers=0, auto_map={
+        "AutoConfig": "configuration_deepseek.DeepseekV3Config",
+        "AutoModelForCausalLM": "modeling_deepseek.DeepseekV3ForCausalLM"})
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    (tmp_path / "tiktoken.model").write_text("IQ== 0\n")
+    ours = build_model(model_args("debugmodel-dsv3", vocab_size=VOCAB, max_seq_len=SEQ,
+                                  mtp_layers=1))
+    ours.to_empty(device="cpu")
+    ours.init_weights(0)
+    lines = []
+    load_hf(ours, str(tmp_path), flavor="debugmodel-dsv3", log=lines.append)
+    stored = load_file(tmp_path / "model.safetensors")
+    assert torch.equal(ours.layers["1"].attention.wkv_b.weight,
+                       stored["model.layers.1.self_attn.kv_b_proj.weight"])
+    assert any("the folder holds none; module(s) 0..0 start from their seeded init" in ln
+               for ln in lines), lines
+    assert any("tiktoken.model" in ln and "data.tokenizer_path" in ln for ln in lines), lines
+
+
+def test_keys_left_out_of_config_json_take_transformers_defaults(tmp_path):
+    """The table the config check fills missing keys from is transformers' DeepseekV3Config:
+    a config.json without norm_topk_prob (transformers: true) fits the flavor, one without
+    n_group (transformers: 8) does not fit a flavor with 2 groups."""
+    from transformers import DeepseekV3Config
+
+    from trainer.errors import ConfigError
+    from trainer.hf.deepseek import HF_DEFAULTS
+    from trainer.hf.mapping import check_hf_config
+
+    theirs = DeepseekV3Config().to_dict()
+    theirs["rope_theta"] = theirs.get("rope_parameters", {}).get("rope_theta")
+    assert {k: theirs[k] for k in HF_DEFAULTS} == HF_DEFAULTS
+    args = model_args("debugmodel-dsv3", vocab_size=VOCAB)
+    source_folder(tmp_path, mtp_layers=0)
+    config = json.loads((tmp_path / "config.json").read_text())
+    check_hf_config(config, args, str(tmp_path), "debugmodel-dsv3")
+    del config["norm_topk_prob"]  # transformers' True: the flavor's
+    check_hf_config(config, args, str(tmp_path), "debugmodel-dsv3")
+    del config["n_group"]
+    with pytest.raises(ConfigError, match="n_group is 8 there and 2 here"):
+        check_hf_config(config, args, str(tmp_path), "debugmodel-dsv3")

@@ -170,6 +170,13 @@ HF_DEFAULTS = {"num_hidden_layers": 61, "q_lora_rank": 1536, "first_k_dense_repl
 # config.json model types of the DeepseekV3ForCausalLM architecture: Kimi K2's is its own
 # (its remote code is DeepSeek-V3's, named through auto_map)
 MODEL_TYPES = ("deepseek_v3", "kimi_k2")
+# Kimi K2's tokenizer: tiktoken BPE ranks read by the folder's own tokenization_kimi.py
+TIKTOKEN = "tiktoken.model"
+TIKTOKEN_NOTE = ("{folder}: its tokenizer (tiktoken.model, read by the folder's "
+                 "tokenization_kimi.py) is not read here, only the weights: to train on its "
+                 "tokens, convert it to a tokenizer.json (pip install tiktoken; transformers' "
+                 "convert_slow_tokenizer.TikTokenConverter with the pat_str and special tokens "
+                 "of tokenization_kimi.py) and set data.tokenizer_path to it")
 
 
 def setting(cfg: dict, key: str):

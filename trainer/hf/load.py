@@ -51,6 +51,9 @@ def load_hf(model, folder: str, *, flavor: str, log=print) -> None:
     if hf.block is not None:
         log(f"{folder} holds fp8 weights in {hf.block[0]} x {hf.block[1]} blocks "
             "(quantization_config): each is dequantized to float32 as it is read")
+    if os.path.isfile(os.path.join(folder, deepseek.TIKTOKEN)) and \
+            not os.path.isfile(os.path.join(folder, "tokenizer.json")):
+        log(deepseek.TIKTOKEN_NOTE.format(folder=folder))
     depths = deepseek.mtp_depths(hf.has, args) if args.mla is not None else 0
     note = deepseek.mtp_import_note(hf.has, args, depths) if args.mla is not None else None
     if note:
