@@ -112,19 +112,22 @@ def recipe_runs(short_docs_store, tmp_path_factory):  # noqa: F811
     return out
 
 
-def close(have: dict, want: dict, tol=1e-4) -> bool:
-    return all(abs(have[s] - want[s]) <= tol * max(1.0, abs(want[s])) for s in want)
+def close(have: dict, want: dict, tol=1e-4, floor=1.0) -> bool:
+    return all(abs(have[s] - want[s]) <= tol * max(floor, abs(want[s])) for s in want)
 
 
 @pytest.mark.needs_datasets
 @pytest.mark.parametrize("name", ["cp2_ep2", "tp2"])
 def test_each_layout_gives_one_ranks_losses_with_the_sequence_wise_loss(recipe_runs, name):
     ref, got = recipe_runs["ref"][0], recipe_runs[name][0]
-    for tag in TAGS:
+    for tag in TAGS[:3]:
         want, have = scalars(ref, tag), scalars(got, tag)
         assert sorted(have) == [1, 2, 3, 4] and close(have, want), (tag, have, want)
-    aux = scalars(ref, "moe/aux_loss")
-    assert all(v > 0 for v in aux.values()), aux  # the sequence-wise loss alone, on
+    # The sequence-wise loss alone: ~1.0 per MoE layer near balance (5 layers x 0.01), the
+    # imbalance in its 4th digit; statistics of half sequences move it by ~1e-3 relative.
+    want, have = scalars(ref, TAGS[3]), scalars(got, TAGS[3])
+    assert sorted(have) == [1, 2, 3, 4] and close(have, want, tol=1e-5, floor=0.0), (have, want)
+    assert all(0.0499 < v < 0.0502 for v in want.values()), want
 
 
 @pytest.mark.needs_datasets
