@@ -83,7 +83,7 @@ class Spec:
     def gather_dims(self) -> tuple[int, ...]:
         nd = len(self.shape)
         return tuple(d for d, p in enumerate(self.placements) if self.sizes[d] > 1
-                     and isinstance(p, Shard) and p.dim >= nd - 2)
+                     and (isinstance(p, Shard) or _strided(p)) and p.dim >= nd - 2)
 
     @property
     def unit_flops(self) -> float:

@@ -59,6 +59,7 @@ import math
 
 from trainer.config.job import JobConfig
 from trainer.plan.moe import all_to_all_volume, gathered, moe_layers
+from trainer.plan.muon import muon_volume, ns_loads
 from trainer.plan.pipeline import p2p_bytes, rank_groups
 from trainer.plan.memory import BYTES, FP32, fsdp_groups, gathered_numel, plan_args, resolve_vocab, \
     shard_numel
@@ -162,27 +163,6 @@ def cp_volume(cfg: JobConfig, a, pd, accum: int) -> float:
     return accum * ring(pd.cp) * kv * (a.n_layers + grads + replayed)
 
 
-def muon_volume(cfg: JobConfig, groups, full_groups, pd) -> tuple[float, float]:
-    """Muon (trainer/optim/muon_dist.py): (bytes a rank sends per step in its two all-to-alls,
-    its share of the Newton-Schulz FLOPs). It sends its shard of each update (fp32) to the
-    matrix's owner and, as an owner, each rank its shard of the results (in muon_ns_dtype):
-    ~ring(n) * (4 + r) bytes per local Muon parameter, n the ranks a matrix is spread over.
-    `groups`: the rank's tp-local shapes; `full_groups`: the same groups' whole shapes."""
-    if cfg.optimizer.name != "Muon":
-        return 0.0, 0.0
-    from trainer.optim.muon import takes_muon
-    from trainer.optim.muon_dist import ns_flops
-
-    shard = pd.dp_shard * pd.cp
-    n = shard * pd.tp * pd.dp_replicate
-    shapes = [s for key, g in groups.items() for s in g if takes_muon(key + ".w", s)]
-    local = sum(shard_numel(s, shard) for s in shapes)
-    r = BYTES[cfg.optimizer.muon_ns_dtype]
-    flops = sum(ns_flops(s, cfg.optimizer.muon_ns_steps) for key, g in full_groups.items()
-                for s in g if takes_muon(key + ".w", s)) / n
-    return ring(n) * (4 + r) * local, flops
-
-
 def comm_volume(cfg: JobConfig, world_size: int) -> dict[str, float]:
     """{`comm_tp`, `comm_cp`, `comm_dp_shard`, `comm_dp_replicate`}: bytes each rank sends per
     optimizer step over that mesh dimension, and `comm_microbatches` (m)."""
@@ -197,12 +177,15 @@ def comm_volume(cfg: JobConfig, world_size: int) -> dict[str, float]:
         busiest = max(ranks, key=lambda rank: sum(
             math.prod(s) for v in rank_groups(groups, cfg, rank).values() for s in v))
         groups, full = rank_groups(groups, cfg, busiest), rank_groups(full, cfg, busiest)
-    muon_bytes, muon_flops = muon_volume(cfg, groups, full, pd)
+    muon = {}
+    if cfg.optimizer.name == "Muon":  # the optimizer's own owners (trainer/plan/muon.py)
+        loads = ns_loads(cfg, pd, a)
+        muon = {"comm_optimizer": max(muon_volume(cfg, pd, a, r) for r in range(pd.pp)),
+                "muon_ns_flops": max(loads), "muon_ns_flops_mean": sum(loads) / len(loads)}
     # tp and cp: a pp rank runs ~1/pp of the layers on the same tokens
     return {"comm_tp": tp_volume(cfg, a, pd, accum) / pd.pp,
             "comm_cp": cp_volume(cfg, a, pd, accum) / pd.pp,
             "comm_dp_shard": dp_shard_volume(cfg, groups, pd, accum),
             "comm_dp_replicate": dp_replicate_volume(cfg, groups, pd, accum),
             "comm_pp": pp_sends, "comm_ep": all_to_all_volume(cfg, a, pd, accum),
-            "comm_optimizer": muon_bytes, "muon_ns_flops": muon_flops,
-            "comm_microbatches": accum}
+            **muon, "comm_microbatches": accum}

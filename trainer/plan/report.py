@@ -129,7 +129,8 @@ def comm_report(b: dict) -> list[str]:
             f"    {'ep (routed tokens, all-to-all)':<50} {b.get('comm_ep', 0.0) / GIB:10.3f} GiB"] + (
             [f"    {'optimizer (Muon: updates to owners, results back)':<50} "
              f"{b['comm_optimizer'] / GIB:10.3f} GiB; Newton-Schulz "
-             f"{b['muon_ns_flops'] / 1e12:.2f} TFLOPs per rank"] if b.get("comm_optimizer") else [])
+             f"{b['muon_ns_flops'] / 1e12:.2f} TFLOPs on the busiest rank (mean "
+             f"{b['muon_ns_flops_mean'] / 1e12:.2f})"] if "muon_ns_flops" in b else [])
 
 
 def throughput_report(cfg: JobConfig, gpu: Gpu, mfu: float, accum: int) -> list[str]:
@@ -211,11 +212,15 @@ def print_json(cfg, world: int, b: dict, accum: int, gpu, mem_gib: float, best: 
     """`--json`: the plan (and trace) as one JSON object on stdout."""
     import json
 
-    dims = ("tp", "cp", "dp_shard", "dp_replicate", "ep", "pp")
+    dims = ("tp", "cp", "dp_shard", "dp_replicate", "ep", "pp", "optimizer")
     out = {"world_size": world, "accumulation": accum, "gpu": gpu.name, "memory_gib": mem_gib,
            "largest_local_batch": best,
            "plan": {"peak_gib": b["total"] / GIB, "fits": device_need(b["total"]) <= mem_gib * GIB,
-                    "comm_bytes": {d: b.get(f"comm_{d}", 0.0) for d in dims}, "bytes": b},
+                    "comm_bytes": {d: b.get(f"comm_{d}", 0.0) for d in dims}, "bytes": b,
+                    # Muon: Newton-Schulz FLOPs per step from the optimizer's owners
+                    "muon_ns_flops": {"busiest_rank": b["muon_ns_flops"],
+                                      "mean": b["muon_ns_flops_mean"]}
+                    if "muon_ns_flops" in b else None},
            "trace": None, "ideal_flops_per_rank": None}
     if trace:
         from trainer.plan.trace import trace_lines

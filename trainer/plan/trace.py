@@ -156,6 +156,8 @@ def trace_step(cfg: JobConfig, world_size: int, keep_all: bool = False,
     with fake_world(world_size, pp_rank * world_size // pp), tracking(trace):
         model, optimizer, pd, accum, args = build_traced(cfg, world_size, trace)
         trace.traffic = Traffic(pd)
+        for group in getattr(optimizer, "process_groups", list)():  # Muon's gathers
+            trace.traffic.names[group.group_name] = "optimizer"
         loader = FakeLoader(cfg, args.vocab_size, accum)
         loss_fn = build_loss(cfg.training.loss, cfg.training.loss_chunk_size,
                              z_loss_weight=cfg.training.z_loss_weight,

@@ -183,7 +183,7 @@ def traffic_lines(traced: dict[str, float], plan: dict[str, float],
                   who: str = "rank 0") -> list[str]:
     """The trace's bytes per step beside the plan's, and a warning per dimension where the
     rank sends more than the plan says."""
-    dims = [d for d in (*DIMS, "world", "other") if traced.get(d) or plan.get(d)]
+    dims = [d for d in (*DIMS, "optimizer", "world", "other") if traced.get(d) or plan.get(d)]
     if not dims:
         return [f"  traffic: {who} sends nothing (one rank)"]
     lines = [f"  traffic per optimizer step, {who} sends (traced / plan): " + ", ".join(

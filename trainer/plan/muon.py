@@ -1,0 +1,115 @@
+"""Muon in the plan: the optimizer's own owner assignment (trainer/optim/muon_layout.py) run
+over the meshes the trainer builds, for every rank of the world, without building anything.
+
+Each Muon matrix becomes a `Spec` on the mesh its parameter lives on (trainer/parallel/):
+- a matrix that TP splits (attention, a dense FFN): one mesh per pp stage,
+  (dp_replicate, dp_shard x cp, tp), replicated over dp_replicate, cut by FSDP (rows) and tp;
+- a MoE block's router and shared experts (TP leaves them whole) and, without ep, its
+  stacked experts: one mesh per tp rank, (dp_replicate, dp_shard x cp), FSDP's rows;
+- under ep the stacked experts: one mesh per tp rank, (dp_replicate, efsdp x cp, ep), split
+  over ep on dim 0 and over efsdp as `expert_placement` shards them (dim 0 when the local
+  experts divide efsdp: whole where they live; else their width: gathered over efsdp).
+With tp = 1 every matrix but the experts under ep is on the dp mesh, as in the trainer.
+`ns_loads` gives each rank's Newton-Schulz FLOPs per step (matrices replicated over tp or
+dp_replicate counted on every rank that computes them); `muon_volume` the bytes a rank sends.
+"""
+
+from __future__ import annotations
+
+import math
+
+from torch.distributed.tensor import Replicate, Shard
+
+from trainer.optim.muon import takes_muon
+from trainer.optim.muon_layout import MeshPlan, Spec, buckets
+from trainer.plan.moe import block_id, tp_splits
+
+
+def _stage_params(cfg, a, pp_rank: int) -> list[tuple[str, tuple[int, ...]]]:
+    """(name, whole shape) of the Muon matrices pp rank `pp_rank` holds, in model order."""
+    from trainer.models.llama import build_model
+    from trainer.plan.pipeline import rank_units
+
+    embedding, layers, head = rank_units(cfg, pp_rank) if \
+        cfg.parallelism.pipeline_parallel_degree > 1 else (True, list(range(a.n_layers)), True)
+    out = []
+    for name, p in build_model(a).named_parameters():
+        if not takes_muon(name, p):
+            continue
+        i = block_id(name, a)
+        if (i is not None and i < a.n_layers and i in layers) or (
+                name.startswith("mtp.") and head):
+            out.append((name, tuple(p.shape)))
+    return out
+
+
+def stage_meshes(cfg, pd, a, pp_rank: int) -> list[tuple[tuple, list[int], list[Spec]]]:
+    """(mesh sizes, its ranks (row-major; the stage's ranks numbered from 0), its Muon specs
+    in model order) for every mesh of one pp stage."""
+    R, CP, TP, ep = pd.dp_replicate, pd.cp, pd.tp, pd.ep
+    S = pd.dp_shard
+    F = S // ep
+
+    def rank(rep, s, c, t):
+        return ((rep * S + s) * CP + c) * TP + t
+
+    meshes: dict = {}
+
+    def add(key, sizes, ranks, spec):
+        meshes.setdefault(key, (sizes, ranks, []))[2].append(spec)
+
+    dp_ranks = [[rank(r, s, c, t) for r in range(R) for s in range(S) for c in range(CP)]
+                for t in range(TP)]
+    for name, shape in _stage_params(cfg, a, pp_rank):
+        expert = len(shape) == 3
+        if expert and ep > 1:
+            local = shape[0] // ep
+            dim = 0 if local % (F * CP) == 0 or shape[1] % (F * CP) else 1
+            for t in range(TP):
+                ranks = [rank(r, f * ep + e, c, t) for r in range(R) for f in range(F)
+                         for c in range(CP) for e in range(ep)]
+                add(("experts", t), (R, F * CP, ep), ranks,
+                    Spec(shape, (Replicate(), Shard(dim), Shard(0)), (R, F * CP, ep)))
+        elif TP > 1 and not expert and tp_splits(name, a):
+            add("tp", (R, S * CP, TP), list(range(R * S * CP * TP)),
+                Spec(shape, (Replicate(), Shard(0), Shard(1)), (R, S * CP, TP)))
+        else:
+            for t in range(TP):
+                add(("dp", t), (R, S * CP), dp_ranks[t],
+                    Spec(shape, (Replicate(), Shard(0)), (R, S * CP)))
+    return list(meshes.values())
+
+
+def ns_loads(cfg, pd, a) -> list[float]:
+    """Newton-Schulz FLOPs per step of every rank of the world, from the optimizer's owner
+    assignment (buckets in model order, the load carried over each mesh's buckets)."""
+    steps = cfg.optimizer.muon_ns_steps
+    per_stage = pd.dp_replicate * pd.dp_shard * pd.cp * pd.tp
+    loads = [0.0] * (per_stage * pd.pp)
+    for pp_rank in range(pd.pp):
+        for sizes, ranks, specs in stage_meshes(cfg, pd, a, pp_rank):
+            plan = MeshPlan(sizes, steps)
+            for b in buckets([math.prod(s.shape) for s in specs], len(ranks)):
+                plan.assign([specs[i] for i in b])
+            for i, r in enumerate(ranks):
+                loads[pp_rank * per_stage + r] += plan.load[i]
+    return loads
+
+
+def muon_volume(cfg, pd, a, pp_rank: int = 0) -> float:
+    """Bytes rank 0 of pp rank `pp_rank` sends per step in Muon's all-to-alls: for each matrix
+    gathered over n ranks, its local piece of the units others own (fp32) and the others'
+    pieces of the units it owns (muon_ns_dtype), balanced: (n - 1) / n x (4 + r) bytes per
+    local element. Matrices held whole send nothing."""
+    r = 2 if cfg.optimizer.muon_ns_dtype == "bfloat16" else 4
+    total = 0.0
+    for sizes, ranks, specs in stage_meshes(cfg, pd, a, pp_rank):
+        if 0 not in ranks:  # another tp rank's mesh, alike
+            continue
+        for s in specs:
+            n = math.prod(sizes[d] for d in s.gather_dims)
+            if n > 1:
+                local = math.prod(s.shape) / math.prod(
+                    sizes[d] for d, p in enumerate(s.placements) if isinstance(p, Shard))
+                total += (n - 1) / n * (4 + r) * local
+    return total
