@@ -45,17 +45,17 @@ def quant_block(config: dict, folder: str) -> tuple[int, int] | None:
 @torch.no_grad()
 def dequantize(weight: torch.Tensor, scale_inv: torch.Tensor,
                block: tuple[int, int]) -> torch.Tensor:
-    """float32 weight = fp8 value x the scale of its block, one row of blocks at a time (the
-    memory of the result plus one row of blocks)."""
+    """float32 weight = fp8 value x the scale of its block: converted once, then each row of
+    blocks scaled in place (the memory of the result and one row of scales per block row)."""
     rows, cols = weight.shape
     br, bc = block
     want = (-(-rows // br), -(-cols // bc))
     if tuple(scale_inv.shape) != want:
         raise ValueError(f"scale of shape {list(scale_inv.shape)} for a {rows} x {cols} weight "
                          f"in {br} x {bc} blocks (expected {list(want)})")
-    out = torch.empty(rows, cols, dtype=torch.float32)
-    scale = scale_inv.float()
+    out = weight.to(torch.float32)
+    # each row of blocks times its scales spread over the columns (the last block partial)
+    scale = scale_inv.float().repeat_interleave(bc, dim=1)[:, :cols]
     for i in range(want[0]):
-        r = slice(i * br, min((i + 1) * br, rows))
-        out[r] = weight[r].float() * scale[i].repeat_interleave(bc)[:cols]
+        out[i * br:(i + 1) * br].mul_(scale[i])
     return out
