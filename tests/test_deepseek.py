@@ -3,13 +3,13 @@ routing, multi-token prediction, DeepseekV3ForCausalLM in and out.
 
 In one process: the routing rule, a random tiny DeepseekV3ForCausalLM saved by transformers
 (MLA with and without a query latent, 2 expert groups, a shared expert, a first dense layer,
-a non-zero score-correction bias) imports with transformers' logits, and one training step
-(loss, gradients, AdamW) equals transformers', the flavor sizes, the
-traced dry run of the 671B and Kimi K2 configs. Through run_train.sh (configs/debug_dsv3.toml,
-fp32, block_causal on the stdlib corpus, one MTP module, 5 steps): EP 2 x FSDP 2, TP 2 x FSDP 2,
-CP 2 x EP 2 and PP 2 x FSDP 2 give the 1-rank losses, MTP losses and gradient norms; the
-EP run's export (its MTP module as layer 4) loads in transformers with our logits; its checkpoint resumes at EP 4 and on
-one rank; bad settings are one line each.
+a non-zero score-correction bias) imports with transformers' logits, one training step (loss,
+gradients, AdamW) equals transformers', the flavor sizes, the traced dry run of the 671B and
+Kimi K2 configs. Through run_train.sh (configs/debug_dsv3.toml, fp32, block_causal on the
+stdlib corpus, one MTP module, 5 steps): EP 2 x FSDP 2, TP 2 x FSDP 2, CP 2 x EP 2 and PP 2 x
+FSDP 2 give the 1-rank losses, MTP losses and gradient norms; the EP run's export (its MTP
+module as layer 4) loads in transformers with our logits; its checkpoint resumes at EP 4 and
+on one rank; bad settings are one line each.
 """
 
 import dataclasses
@@ -300,7 +300,8 @@ def test_the_export_loads_in_transformers_with_our_logits(dsv3_runs):
     with torch.no_grad():
         assert (theirs(tokens).logits - ours.eval()(tokens)).abs().max() < 1e-4
     with safe_open(dump / "hf" / "model.safetensors", "pt") as f:
-        assert torch.equal(f.get_tensor("model.layers.4.eh_proj.weight"), state["mtp.0.proj.weight"])
+        assert torch.equal(f.get_tensor("model.layers.4.eh_proj.weight"),
+                           state["mtp.0.proj.weight"])
         assert torch.equal(f.get_tensor("model.layers.4.mlp.experts.7.down_proj.weight"),
                            state["mtp.0.block.feed_forward.experts.w2"][7])
 
@@ -334,7 +335,8 @@ def test_bad_settings_are_one_line(tmp_path, args, needle):
 def test_mtp_with_an_export_that_cannot_hold_it_is_refused():
     """A Llama or Qwen3-MoE flavor with MTP modules and a Hugging Face export or import:
     refused in one config line that says what the checkpoints keep; a deepseek_v3 flavor
-    exports them (as the release's layers num_hidden_layers + k). `trainer.convert to-hf` says the same."""
+    exports them (as the release's layers num_hidden_layers + k). `trainer.convert to-hf`
+    says the same."""
     from trainer.config.job import load_config
     from trainer.hf.mapping import export_problem
 

@@ -213,7 +213,8 @@ def mtp_depths(has, args: ModelArgs) -> int:
     """How many of our MTP modules the folder holds (its layers num_hidden_layers + k with an
     `eh_proj`); `has(key)` says whether the folder stores a tensor."""
     k = 0
-    while k < args.mtp_layers and has(f"model.layers.{mtp_layer(args, k)}.{MTP_OWN['proj.weight']}"):
+    proj = MTP_OWN["proj.weight"]
+    while k < args.mtp_layers and has(f"model.layers.{mtp_layer(args, k)}.{proj}"):
         k += 1
     return k
 
