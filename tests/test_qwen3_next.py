@@ -50,7 +50,8 @@ def test_chunked_equals_recurrence_and_transformers(seq, with_state):
     kw = dict(initial_state=init, output_final_state=True)
     o, state = chunk_gated_delta_rule(q, k, v, g, beta, use_qk_l2norm=True, **kw)
     refs = [recurrent_gated_delta_rule(q, k, v, g, beta, use_qk_l2norm=True, **kw),
-            hf_q3n.torch_chunk_gated_delta_rule(q, k, v, g, beta, use_qk_l2norm_in_kernel=True, **kw),
+            hf_q3n.torch_chunk_gated_delta_rule(q, k, v, g, beta, use_qk_l2norm_in_kernel=True,
+                                                **kw),
             hf_q3n.torch_recurrent_gated_delta_rule(q, k, v, g, beta,
                                                     use_qk_l2norm_in_kernel=True, **kw)]
     for ref_o, ref_state in refs:

@@ -151,7 +151,8 @@ class GatedDeltaNet(nn.Module):
         super().__init__()
         h, d = args.hybrid, args.dim
         self.k_head_dim, self.v_head_dim = h.linear_k_head_dim, h.linear_v_head_dim
-        keys, values = h.linear_k_heads * h.linear_k_head_dim, h.linear_v_heads * h.linear_v_head_dim
+        keys = h.linear_k_heads * h.linear_k_head_dim
+        values = h.linear_v_heads * h.linear_v_head_dim
         self.wq = nn.Linear(d, keys, bias=False)
         self.wk = nn.Linear(d, keys, bias=False)
         self.wv = nn.Linear(d, values, bias=False)
@@ -205,7 +206,8 @@ class GatedSharedMoE(MoE):
         self.shared_expert_gate = nn.Linear(dim, 1, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return super().forward(x) + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
+        shared = torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
+        return super().forward(x) + shared
 
 
 class HybridBlock(nn.Module):
@@ -283,7 +285,8 @@ class Qwen3Next(Transformer):
             elif name.endswith("norm.weight"):
                 _fill(param, name, seed, lambda t, gen: t.zero_())
             elif name.endswith("A_log"):
-                _fill(param, name, seed, lambda t, gen: t.uniform_(0.01, 16.0, generator=gen).log_())
+                _fill(param, name, seed,
+                      lambda t, gen: t.uniform_(0.01, 16.0, generator=gen).log_())
             else:
                 std = (3 * k) ** -0.5 if ".conv_" in name else _init_std(name, self.args)
                 _fill(param, name, seed, lambda t, gen, std=std: trunc_normal(t, std, gen))
