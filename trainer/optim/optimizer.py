@@ -59,7 +59,8 @@ def build_optimizer(model: torch.nn.Module, cfg) -> torch.optim.Optimizer:
 class LRSchedule(LambdaLR):
     """A LambdaLR whose checkpoint restores only its position (the step): the factor formula and
     the peak lr stay this run's config, and the optimizer's lr is set from them on load. Load
-    it after the optimizer, whose param groups come back with the checkpoint's lr."""
+    it after the optimizer, whose param groups are this run's again after a load (every other
+    setting too: trainer/checkpoint/optim_state.py) but at the first step's lr."""
 
     #: After a load: (the resumed step, the lr the checkpoint's run would have used there, the
     #: lr this run uses)
