@@ -74,6 +74,9 @@ class TrainStep:
     # loss weight of the step, and the bias update speed after it (trainer/models/config.py)
     mtp_loss_weight: Callable[[int], float] | None = None
     balance_coeff: Callable[[int], float] | None = None
+    # after the optimizer step: QK-clip of the heads whose logits passed the threshold, and
+    # its metrics (trainer/optim/qk_clip.py; None when optimizer.muon_qk_clip = 0)
+    qk_clip: Callable | None = None
 
     def __call__(self, step: int, accum: int) -> StepResult:
         heartbeat.phase("step_start", step)
@@ -111,6 +114,8 @@ class TrainStep:
             if self.balance else None
         if aux is not None:
             scalars = {**(scalars or {}), "moe/aux_loss": aux}
+        if self.qk_clip is not None:
+            scalars = {**(scalars or {}), **self.qk_clip(stepped)}
         if self.scheduled(step):
             scalars = {**(scalars or {}), **self.scheduled(step)}
         return StepResult(rank_loss, grad_norm, lr, stepped, z_loss, spike, cross_entropy,

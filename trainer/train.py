@@ -57,6 +57,7 @@ from trainer.observe.metrics import MetricsProcessor
 from trainer.observe.profiling import StepProfiler
 from trainer.optim.batch_schedule import describe_ramp
 from trainer.optim.optimizer import build_lr_scheduler, build_optimizer
+from trainer.optim.qk_clip import build_qk_clip
 from trainer.parallel.dims import ParallelDims, check_async_tp, check_tp_shapes, describe_vocab
 from trainer.parallel.float8 import check_device as check_float8_device
 from trainer.parallel.microbatches import build_forward_backward, forward_only_split
@@ -217,7 +218,8 @@ def build_train_step(cfg: JobConfig, model, optimizer, scheduler, loader, metric
         balance=functools.partial(balance_experts, n_layers=model.args.n_blocks,
                                   coeff=cfg.moe.load_balance_coeff, device=device,
                                   moe_ids=model.args.moe_layer_ids),
-        pp=parallel_dims.pp, **recipe_schedules(cfg))
+        pp=parallel_dims.pp, qk_clip=build_qk_clip(model, cfg.optimizer, log=log0),
+        **recipe_schedules(cfg))
 
 
 def recipe_schedules(cfg: JobConfig) -> dict:

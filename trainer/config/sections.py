@@ -77,6 +77,9 @@ class Optimizer:
     muon_lr: float = opt(-1.0, "Muon: peak lr of the matrices, scaled by the lr schedule like "
                          "lr; -1 = optimizer.lr (right under match_rms_adamw; under original "
                          "or none Muon wants ~0.02, AdamW ~3e-4)")
+    muon_qk_clip: float = opt(0.0, "Muon: QK-clip (MuonClip, Kimi K2) threshold tau: after each "
+                              "step, the q/k weights of every head whose largest attention "
+                              "logit passed tau are scaled back to it; 0 = off", min=0.0)
 
     def validate(self) -> None:
         for key in ("beta1", "beta2", "muon_momentum"):

@@ -164,7 +164,7 @@ class ModelArgs:
 
     def mtp_export_problem(self) -> str | None:
         """Why a Hugging Face export or import cannot hold this model's MTP modules, or None
-        (DeepseekV3ForCausalLM leaves them out by design: trainer/hf/deepseek.py)."""
+        (a deepseek_v3 export writes them as the release's extra layers: trainer/hf/deepseek.py)."""
         if not self.mtp_layers or self.mla is not None:
             return None
         hf_class = "Qwen3MoeForCausalLM" if self.moe is not None else "LlamaForCausalLM"
@@ -172,7 +172,7 @@ class ModelArgs:
                 "prediction modules, so an export would hold a different model than the one "
                 "trained (the DCP checkpoints keep them): train with model.mtp_layers = 0 to "
                 "exchange this model with Hugging Face, or use a deepseek_v3 flavor (its "
-                "export leaves the MTP modules out, which DeepseekV3ForCausalLM never runs)")
+                "export writes the MTP modules as the release's layers num_hidden_layers + k)")
 
     def is_moe_layer(self, layer_id: int) -> bool:
         return self.moe is not None and self.moe.is_moe_layer(layer_id)

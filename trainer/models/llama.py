@@ -47,6 +47,7 @@ class Attention(nn.Module):
         # Qwen3: RMSNorm over each head's q and k before RoPE
         self.q_norm = RMSNorm(self.head_dim, args.norm_eps) if args.qk_norm else None
         self.k_norm = RMSNorm(self.head_dim, args.norm_eps) if args.qk_norm else None
+        self.logit_max: torch.Tensor | None = None  # QK-clip's per-head maxima (optim/qk_clip.py)
 
     def project(self, x: torch.Tensor, cos, sin):
         """(q, k, v) [b, s, heads, head_dim] after the norms and RoPE."""
@@ -62,7 +63,7 @@ class Attention(nn.Module):
     def forward(self, x, cos, sin, mask=None):
         """`mask`: None = causal; else the microbatch's block-causal mask (trainer/models/attention.py)."""
         b, s, _ = x.shape
-        out = attend(*self.project(x, cos, sin), mask)
+        out = attend(*self.project(x, cos, sin), mask, logit_max=self.logit_max)
         return self.wo(out.transpose(1, 2).reshape(b, s, -1))
 
 

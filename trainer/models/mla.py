@@ -62,6 +62,7 @@ class MLA(nn.Module):
         self.wo = nn.Linear(args.n_heads * self.v_dim, args.dim, bias=False)
         # Identity; under TP the RoPE key's gradient summed over the tp ranks (see above)
         self.shared_key = _identity
+        self.logit_max: torch.Tensor | None = None  # QK-clip's per-head maxima (optim/qk_clip.py)
         yarn = args.rope_scaling if hasattr(args.rope_scaling, "softmax_gain") else None
         self.softmax_gain = yarn.softmax_gain if yarn is not None else 1.0
 
@@ -104,7 +105,7 @@ class MLA(nn.Module):
         gathered = hasattr(mask, "attend")  # context parallelism's attention
         if gathered:
             latent = mask.gather(latent)
-        out = attend(q, *self.expand(latent), mask, gathered)
+        out = attend(q, *self.expand(latent), mask, gathered, self.logit_max)
         return self.wo(out.transpose(1, 2).reshape(b, s, -1))
 
 

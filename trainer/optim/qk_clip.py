@@ -78,6 +78,13 @@ class QKClip:
             dist.all_reduce(table, op=dist.ReduceOp.MAX)
         return table
 
+    def __call__(self, stepped) -> dict[str, torch.Tensor]:
+        """After an optimizer step that `stepped` (a bool, or the device's one-element flag
+        while only the device knows)."""
+        if isinstance(stepped, torch.Tensor):
+            return self.step(skip=~stepped.to(torch.bool))
+        return self.step(skip=None if stepped else torch.ones((), dtype=torch.bool))
+
     @torch.no_grad()
     def step(self, skip: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
         """Clip after an optimizer step (`skip`: the device flag of a skipped step). Returns
@@ -136,3 +143,12 @@ def _scale_rows(param: torch.Tensor, rows: torch.Tensor) -> None:
                                  src_data_rank=None).to_local()
     local = _local(param)
     local.mul_(full.to(device=local.device, dtype=local.dtype))
+
+
+def build_qk_clip(model: torch.nn.Module, cfg, log=print) -> QKClip | None:
+    """The clip of `[optimizer] muon_qk_clip` (None when 0), said in one startup line."""
+    if not cfg.muon_qk_clip:
+        return None
+    log(f"QK-clip: after each step, the query/key weights of every attention head whose "
+        f"largest logit passed {cfg.muon_qk_clip:g} are scaled back to it (qk_clip/*)")
+    return QKClip(model, model.args, cfg.muon_qk_clip)

@@ -38,8 +38,8 @@ import torch.nn.functional as F
 
 from trainer.distributed import log0, to_device
 from trainer.health import faults, heartbeat
-from trainer.models.attention import (_compiled_create_block_mask, _compiled_flex,
-                                      document_positions)
+from trainer.models import logits
+from trainer.models.attention import _compiled_create_block_mask, document_positions, flex
 from trainer.models.loss import Loss
 from trainer.models.moe import set_aux_scale, take_aux_loss
 from trainer.parallel.fsdp import set_gradient_sync
@@ -104,15 +104,20 @@ class ContextAttention:
     # FlexAttention it calls stays compiled.
     @torch.compiler.disable(recursive=False)
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-               gathered: bool = False) -> torch.Tensor:
+               gathered: bool = False, logit_max: torch.Tensor | None = None) -> torch.Tensor:
         """q [b, local, h, d] over the whole sequence's k, v: [b, h, local, d]. `gathered`:
-        k and v are already the whole sequence's (MLA expands them from gathered latents)."""
+        k and v are already the whole sequence's (MLA expands them from gathered latents).
+        `logit_max` (QK-clip): raised to each head's largest logit of this rank's queries."""
         if not gathered:
             k, v = self.gather(k), self.gather(v)
         gqa = q.shape[2] != k.shape[2]
+        if logit_max is not None and not (self.implementation == "flex" and q.is_cuda):
+            allowed = logits.block_mask(self.mask) if self.implementation == "flex" \
+                else logits.boolean(self.mask)
+            logits.record(logit_max, logits.max_logits(q, k, allowed))
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
         if self.implementation == "flex":
-            return _compiled_flex()(q, k, v, block_mask=self.mask, enable_gqa=gqa)
+            return flex(q, k, v, self.mask, gqa, logit_max)
         if self._additive is None or self._additive.dtype != q.dtype:  # once per microbatch
             self._additive = torch.zeros(self.mask.shape, dtype=q.dtype, device=q.device)
             self._additive.masked_fill_(~self.mask, float("-inf"))
