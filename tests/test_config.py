@@ -91,6 +91,14 @@ def test_world_size_dependent_errors(world, overrides, needle):
     assert needle in str(e.value)
 
 
+def test_moe_losses_are_refused_under_pp_before_any_process_group():
+    with pytest.raises(ConfigError) as e:
+        load_config(["--model.flavor", "debugmodel-moe", "--parallelism.pipeline_parallel_degree",
+                     "2", "--moe.seq_aux_loss_weight", "1e-4"])
+    assert "moe.seq_aux_loss_weight = 0.0001, but moe.aux_loss_weight, moe.seq_aux_loss_weight " \
+        "and moe.router_z_loss_weight are losses of every stage" in str(e.value)
+
+
 def test_effective_config_round_trips(tmp_path):
     cfg = load_config(["--training.steps", "5", "--job.description", 'a "quoted" \\ text',
                        "--data.dataset", "json", "--data.data_files", "x.json"])

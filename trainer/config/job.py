@@ -196,11 +196,14 @@ def check_moe(cfg: JobConfig) -> None:
         raise ConfigError(f"checkpoint.{hf[0]} = true, but model.flavor {cfg.model.flavor!r} "
                           f"has {flavor.NO_HF}")
     model_args(cfg.model.flavor, moe_config=cfg.moe).validate()  # experts, groups
-    if par.pipeline_parallel_degree > 1 and (cfg.moe.aux_loss_weight or
-                                             cfg.moe.router_z_loss_weight):
-        raise ConfigError("moe.aux_loss_weight and moe.router_z_loss_weight are losses of every "
-                          "stage, which a pipeline schedule cannot back-propagate from the "
-                          "last; under pp use moe.load_balance_coeff (aux-loss-free)")
+    losses = [k for k in ("aux_loss_weight", "seq_aux_loss_weight", "router_z_loss_weight")
+              if getattr(cfg.moe, k)]
+    if par.pipeline_parallel_degree > 1 and losses:
+        raise ConfigError(f"moe.{losses[0]} = {getattr(cfg.moe, losses[0])}, but moe.aux_loss_"
+                          "weight, moe.seq_aux_loss_weight and moe.router_z_loss_weight are "
+                          "losses of every stage, which a pipeline schedule cannot "
+                          "back-propagate from the last; under pp set them to 0 and use "
+                          "moe.load_balance_coeff (aux-loss-free)")
 
 
 def check_mtp(cfg: JobConfig) -> None:

@@ -319,10 +319,6 @@ class PipelineLoop:
         # Zero-bubble schedules run each backward twice: input gradients, later the weights'.
         loss_fn.split_backward = sched.split_backward
         check_torch(sched, cfg, self.pp_group)
-        if cfg.moe.seq_aux_loss_weight:  # as job.py's check of the other aux losses
-            raise ConfigError("moe.seq_aux_loss_weight is a loss of every stage, which a "
-                              "pipeline schedule cannot back-propagate from the last; under "
-                              "pp use moe.load_balance_coeff (aux-loss-free)")
         stages = [PipelineStage(m, m.spec.index, n_stages, device, group=self.pp_group,
                                 **self._shapes(m, cfg, device))
                   for m in model.pipeline_stages]
