@@ -15,6 +15,12 @@ one (linear between validation points) and their ratio; writes the plot with mat
 process, the same model: AdamW (fused) against Muon, and prints Muon's bytes per step and rank
 at --ngpu ranks (trainer/optim/muon_dist.py: each rank sends its shard of the updates to their
 owners and receives its shard of the results).
+
+    python benchmarks/bench_muon.py --ns [--experts 8] [--shape 96x64]
+
+Only Newton-Schulz of a stack of same-shape expert matrices (trainer/optim/newton_schulz.py):
+one batched bmm chain against a Python loop of one matrix at a time (torch.optim.Muon's way),
+fp32 and bf16, the median of 10 on this machine, and the largest difference between them.
 """
 
 from __future__ import annotations
@@ -37,6 +43,9 @@ def parse_args(argv):
     ap.add_argument("--lrs", default="1e-3,3e-3,1e-2")
     ap.add_argument("--ngpu", type=int, default=2)
     ap.add_argument("--png", default=str(REPO / "benchmarks" / "muon_vs_adamw.png"))
+    ap.add_argument("--ns", action="store_true", help="time batched Newton-Schulz only")
+    ap.add_argument("--experts", type=int, default=8)
+    ap.add_argument("--shape", default="96x64", help="one expert matrix, ROWSxCOLS")
     ap.add_argument("overrides", nargs=argparse.REMAINDER)
     args = ap.parse_args(argv)
     args.overrides = [a for a in args.overrides if a != "--"]
@@ -130,8 +139,44 @@ def step_cost(ngpu: int) -> list[str]:
     return rows
 
 
+def ns_batched_vs_loop(experts: int, rows: int, cols: int) -> list[str]:
+    """Newton-Schulz (5 steps) of `experts` [rows, cols] matrices: batched vs per matrix."""
+    import torch
+
+    from trainer.optim.newton_schulz import orthogonalize
+
+    g = torch.randn(experts, rows, cols, generator=torch.Generator().manual_seed(0))
+    out = [f"Newton-Schulz of {experts} experts of [{rows}, {cols}], 5 steps, "
+           f"{torch.get_num_threads()} threads (median of 10):"]
+    for dtype in (torch.float32, torch.bfloat16):
+        def loop():
+            return torch.stack([orthogonalize(m, 5, dtype) for m in g])
+
+        def batch():
+            return orthogonalize(g, 5, dtype)
+
+        times = {}
+        for name, fn in (("loop", loop), ("batched", batch)):
+            fn()
+            samples = []
+            for _ in range(10):
+                t0 = time.perf_counter()
+                fn()
+                samples.append(time.perf_counter() - t0)
+            times[name] = statistics.median(samples)
+        diff = (loop().float() - batch().float()).abs().max().item()
+        out.append(f"  {str(dtype).removeprefix('torch.'):8}: per-matrix loop "
+                   f"{times['loop'] * 1e3:.2f} ms, batched {times['batched'] * 1e3:.2f} ms "
+                   f"({times['loop'] / times['batched']:.2f}x); max difference {diff:.1e}")
+    return out
+
+
 def main(argv) -> int:
     args = parse_args(argv)
+    if args.ns:
+        rows, cols = (int(x) for x in args.shape.split("x"))
+        print("\n".join(ns_batched_vs_loop(args.experts, rows, cols)))
+        return 0
     runs = {}
     for name in ("AdamW", "Muon"):
         for lr in args.lrs.split(","):

@@ -115,17 +115,21 @@ class Muon(torch.optim.Optimizer):
 
     def _muon_step(self, group: dict, found_inf: torch.Tensor | None) -> None:
         params = [p for p in group["params"] if p.grad is not None]
-        dtype = getattr(torch, group["ns_dtype"])
-        updates = []
-        for p in params:  # elementwise, on each rank's own shard
-            state = self.state[p]
-            if "momentum_buffer" not in state:
-                state["momentum_buffer"] = torch.zeros_like(p)
-            buf, grad = _local(state["momentum_buffer"]), _local(p.grad)
-            new_buf = buf.lerp(grad, 1 - group["momentum"])
-            updates.append(grad.lerp(new_buf, group["momentum"]) if group["nesterov"]
+        dtype, steps = getattr(torch, group["ns_dtype"]), group["ns_steps"]
+
+        def momentum(idx: list[int]) -> list[torch.Tensor]:
+            """A bucket's updates (its momentum committed): elementwise, on each shard."""
+            out = []
+            for p in (params[i] for i in idx):
+                state = self.state[p]
+                if "momentum_buffer" not in state:
+                    state["momentum_buffer"] = torch.zeros_like(p)
+                buf, grad = _local(state["momentum_buffer"]), _local(p.grad)
+                new_buf = buf.lerp(grad, 1 - group["momentum"])
+                out.append(grad.lerp(new_buf, group["momentum"]) if group["nesterov"]
                            else new_buf)
-            _commit(buf, new_buf, found_inf)
+                _commit(buf, new_buf, found_inf)
+            return out
 
         def apply(idx: list[int], results: dict) -> None:
             lr, decay = group["lr"], group["weight_decay"]
@@ -135,18 +139,20 @@ class Muon(torch.optim.Optimizer):
                 new_p.add_(o, alpha=-lr * lr_scale(group["lr_adjust"], p.shape))
                 _commit(_local(p), new_p, found_inf)
 
-        steps = group["ns_steps"]
-        work = [(self._layout(params, idx, steps), idx, [updates[i] for i in idx])
-                for idx in self._buckets(params)]
-        inflight = send_pieces(work[0][0], work[0][2]) if work else []
+        work = [(self._layout(params, idx, steps), idx) for idx in self._buckets(params)]
+        ups = momentum(work[0][1]) if work else []
+        inflight = send_pieces(work[0][0], ups) if work else []
         waiting = None  # the previous bucket's results on their way back
-        for k, (layout, idx, ups) in enumerate(work):  # bucket k + 1 travels while k computes
-            following = send_pieces(work[k + 1][0], work[k + 1][2]) if k + 1 < len(work) else []
+        for k, (layout, idx) in enumerate(work):  # bucket k + 1 travels while k computes
+            following, nxt = [], []
+            if k + 1 < len(work):
+                nxt = momentum(work[k + 1][1])
+                following = send_pieces(work[k + 1][0], nxt)
             back, local = orthogonalize_bucket(layout, ups, inflight, steps, dtype)
             apply(idx, local)
             if waiting is not None:
                 apply(waiting[1], receive_results(*waiting[0]))
-            waiting, inflight = ((layout, ups, back), idx), following
+            waiting, inflight, ups = ((layout, back), idx), following, nxt
         if waiting is not None:
             apply(waiting[1], receive_results(*waiting[0]))
 

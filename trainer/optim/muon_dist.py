@@ -183,14 +183,15 @@ def orthogonalize_bucket(layout: Layout, updates, inflight, steps: int,
     return back, dict(zip(lay.local, local))
 
 
-def receive_results(layout: Layout, updates, back) -> dict[int, torch.Tensor]:
+def receive_results(layout: Layout, back) -> dict[int, torch.Tensor]:
     """Wait for the results' pieces; {param: this rank's shard of its result}."""
     lay, me, out = layout, layout.me, {}
     for (order, _, items), (work, flat, sizes) in zip(lay.exchanges, back):
         work.wait()
         received = list(flat.split(sizes))
         for m in {m for m, _ in items}:
-            out[m] = torch.empty(updates[m].shape, dtype=flat.dtype, device=flat.device)
+            out[m] = torch.empty(layout.params[m].to_local().shape, dtype=flat.dtype,
+                                 device=flat.device)
         for k, src in enumerate(order):
             offset = 0
             for m, u in items:
