@@ -19,8 +19,7 @@ import re
 import torch
 
 from trainer.errors import ConfigError
-from trainer.models.args import MoEArgs
-from trainer.models.qwen3_next import FULL, HybridArgs, Qwen3NextArgs
+from trainer.models.args import FULL, HybridArgs, ModelArgs, MoEArgs
 
 # ours (under `layers.{i}.`) -> the release's (under `model.layers.{i}.`)
 LAYER = {
@@ -53,7 +52,7 @@ _EXPERTS = {"w1": "gate_proj", "w3": "up_proj", "w2": "down_proj"}
 ARCHITECTURES = {"qwen3_next": "Qwen3NextForCausalLM", "qwen3_5_moe_text": "Qwen3_5MoeForCausalLM"}
 
 
-def args_from_config(cfg: dict, **overrides) -> Qwen3NextArgs:
+def args_from_config(cfg: dict, **overrides) -> ModelArgs:
     """Our args from a release's config.json (the text config of a multimodal Qwen3.5)."""
     cfg = cfg.get("text_config", cfg)
     kind = cfg.get("model_type")
@@ -87,10 +86,10 @@ def args_from_config(cfg: dict, **overrides) -> Qwen3NextArgs:
                   explicit_head_dim=cfg.get("head_dim") or 0,
                   explicit_hidden_dim=cfg.get("intermediate_size") or 0, qk_norm=True,
                   moe=moe, hybrid=hybrid)
-    return Qwen3NextArgs(**{**fields, **overrides})
+    return ModelArgs(**{**fields, **overrides})
 
 
-def _groups(args: Qwen3NextArgs) -> tuple[int, list[int], list[int]]:
+def _groups(args: ModelArgs) -> tuple[int, list[int], list[int]]:
     """(key heads, the row split of one key head's in_proj_qkvz group, of its in_proj_ba)."""
     h = args.hybrid
     r = h.linear_v_heads // h.linear_k_heads
@@ -98,7 +97,7 @@ def _groups(args: Qwen3NextArgs) -> tuple[int, list[int], list[int]]:
     return h.linear_k_heads, [dk, dk, r * dv, r * dv], [r, r]
 
 
-def from_release(tensors: dict[str, torch.Tensor], args: Qwen3NextArgs) -> dict[str, torch.Tensor]:
+def from_release(tensors: dict[str, torch.Tensor], args: ModelArgs) -> dict[str, torch.Tensor]:
     """A release's state dict (either family, experts per expert or stacked) -> ours."""
     hf = {re.sub(r"^model\.language_model\.", "model.", k): v for k, v in tensors.items()}
     ours = {name: hf[key] for name, key in TOP.items() if key in hf}
@@ -116,7 +115,7 @@ def from_release(tensors: dict[str, torch.Tensor], args: Qwen3NextArgs) -> dict[
     return ours
 
 
-def _delta_from_release(hf, pre: str, args: Qwen3NextArgs) -> dict[str, torch.Tensor]:
+def _delta_from_release(hf, pre: str, args: ModelArgs) -> dict[str, torch.Tensor]:
     h = args.hybrid
     keys, values = h.linear_k_heads * h.linear_k_head_dim, h.linear_v_heads * h.linear_v_head_dim
     if pre + "in_proj_qkvz.weight" in hf:  # Qwen3-Next: grouped per key head
@@ -134,7 +133,7 @@ def _delta_from_release(hf, pre: str, args: Qwen3NextArgs) -> dict[str, torch.Te
     return out
 
 
-def _experts_from_release(hf, pre: str, args: Qwen3NextArgs) -> dict[str, torch.Tensor]:
+def _experts_from_release(hf, pre: str, args: ModelArgs) -> dict[str, torch.Tensor]:
     if pre + "gate_up_proj" in hf:  # stacked: [E, 2 I, dim] = gate rows, then up rows
         w1, w3 = hf[pre + "gate_up_proj"].chunk(2, dim=1)
         return {"w1": w1.contiguous(), "w3": w3.contiguous(), "w2": hf[pre + "down_proj"]}
@@ -143,7 +142,7 @@ def _experts_from_release(hf, pre: str, args: Qwen3NextArgs) -> dict[str, torch.
             for w, proj in _EXPERTS.items()}
 
 
-def to_release(ours: dict[str, torch.Tensor], args: Qwen3NextArgs,
+def to_release(ours: dict[str, torch.Tensor], args: ModelArgs,
                family: str = "qwen3_next") -> dict[str, torch.Tensor]:
     """Our full state dict -> the release's tensors (`family`: qwen3_next or
     qwen3_5_moe_text), experts one tensor each (what save_pretrained writes)."""
@@ -170,7 +169,7 @@ def to_release(ours: dict[str, torch.Tensor], args: Qwen3NextArgs,
     return hf
 
 
-def _delta_to_release(la, pre: str, args: Qwen3NextArgs, family: str):
+def _delta_to_release(la, pre: str, args: ModelArgs, family: str):
     q, k, v, z, b, a = (la[f"{x}.weight"] for x in _DELTA)
     conv = torch.cat([la[c] for c in _CONV]).unsqueeze(1)
     if family == "qwen3_5_moe_text":

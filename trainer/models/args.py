@@ -10,6 +10,7 @@ import dataclasses
 import math
 from dataclasses import dataclass
 
+from trainer.models.hybrid import FULL, LINEAR, HybridArgs  # noqa: F401  (re-exported)
 from trainer.models.rope import (DEEPSEEK_V3_YARN, KIMI_K2_YARN, LLAMA3_ROPE_SCALING,  # noqa: F401
                                  LLAMA31_ROPE_SCALING, RopeScaling, YarnScaling)
 
@@ -145,6 +146,14 @@ class ModelArgs:
     # weight (from the [model] section)
     mtp_layers: int = 0
     mtp_loss_weight: float = 0.3
+    # Gated DeltaNet layers among gated attention layers (Qwen3-Next, Qwen3.5:
+    # trainer/models/qwen3_next.py); None: every layer softmax attention
+    hybrid: HybridArgs | None = None
+
+    @property
+    def family(self) -> str:
+        """The model.name this shape belongs to."""
+        return "qwen3_next" if self.hybrid else "deepseek_v3" if self.mla else "llama3"
 
     @property
     def head_dim(self) -> int:
@@ -159,7 +168,10 @@ class ModelArgs:
 
     @property
     def rope_dim(self) -> int:
-        """The channels RoPE rotates per head (MLA: only qk_rope_head_dim of them)."""
+        """The channels RoPE rotates per head (MLA: only qk_rope_head_dim of them; hybrid:
+        partial_rotary_factor of them)."""
+        if self.hybrid is not None:
+            return int(self.head_dim * self.hybrid.partial_rotary_factor)
         return self.mla.qk_rope_head_dim if self.mla is not None else self.head_dim
 
     def mtp_export_problem(self) -> str | None:
@@ -214,6 +226,13 @@ class ModelArgs:
                 ffn += (self.moe.active_ffn if active else self.moe.total_ffn)(self.dim)
         head = 0 if self.tie_word_embeddings else self.vocab_size * self.dim
         total = blocks * (attn + 2 * self.dim) + ffn + self.dim + head + mtp
+        h = self.hybrid
+        if h is not None:  # the mixers per layer type, and each MoE layer's shared expert
+            full = sum(h.layer_type(i) == FULL for i in range(self.n_layers))
+            total += full * h.full_params(self.dim, self.n_heads, self.n_kv_heads,
+                                          self.head_dim) - blocks * attn
+            total += (self.n_layers - full) * h.linear_params(self.dim)
+            total += h.shared_params(self.dim) * len(self.moe_layer_ids)
         return total + (self.vocab_size * self.dim if embeddings else 0)
 
     def validate(self) -> None:
@@ -227,12 +246,34 @@ class ModelArgs:
             raise ConfigError(f"model shape: dim {self.dim} must divide into n_heads "
                               f"{self.n_heads} (even head_dim), and n_heads into n_kv_heads "
                               f"{self.n_kv_heads}")
+        if self.hybrid is not None:
+            self._validate_hybrid()
         if (self.attn_mask_type not in ("causal", "block_causal")
                 or self.positions not in ("sequence", "document")
                 or self.attn_implementation not in ("sdpa", "flex", "per_document")):
             raise ConfigError(f"model attention: mask {self.attn_mask_type!r}, positions "
                               f"{self.positions!r}, implementation {self.attn_implementation!r}")
 
+
+    def _validate_hybrid(self) -> None:
+        from trainer.errors import ConfigError
+
+        h = self.hybrid
+        types = [h.layer_type(i) for i in range(self.n_layers)]
+        if set(types) - {LINEAR, FULL} or len(types) != self.n_layers:
+            raise ConfigError(f"model layer_types {types}: {self.n_layers} entries, each "
+                              f"{LINEAR!r} or {FULL!r}")
+        if h.linear_v_heads % h.linear_k_heads or self.rope_dim % 2:
+            raise ConfigError(f"model linear_v_heads {h.linear_v_heads} must be a multiple of "
+                              f"linear_k_heads {h.linear_k_heads}, and rope_dim {self.rope_dim} "
+                              "(head_dim x partial_rotary_factor) even")
+        if h.shared_expert_hidden and self.moe is not None and self.moe.n_shared_experts:
+            raise ConfigError("model: a gated shared expert (shared_expert_hidden "
+                              f"{h.shared_expert_hidden}) replaces moe.n_shared_experts "
+                              f"{self.moe.n_shared_experts}; set the latter to 0")
+        if self.mtp_layers:
+            raise ConfigError(f"model.mtp_layers = {self.mtp_layers}: Qwen3-Next's MTP layers "
+                              "are not built yet; use model.mtp_layers = 0")
 
 FLAVORS: dict[str, ModelArgs] = {
     "debugmodel": ModelArgs(dim=256, n_layers=6, n_heads=8, n_kv_heads=4, vocab_size=8192,
@@ -312,6 +353,30 @@ FLAVORS: dict[str, ModelArgs] = {
                     qk_rope_head_dim=64, v_head_dim=128),
         moe=MoEArgs(n_experts=384, top_k=8, hidden_dim=2048, n_shared_experts=1,
                     score_func="sigmoid", first_dense_layers=1, route_scale=2.827)),
+    # Qwen3-Next's hybrid (trainer/models/qwen3_next.py, docs/qwen3_next.md) at a CPU size:
+    # Gated DeltaNet, gated attention, DeltaNet, gated attention; every layer MoE (8 experts
+    # of width 96, top 2) with a gated shared expert. configs/debug_qwen3_next.toml.
+    "debugmodel-qwen3-next": ModelArgs(
+        dim=64, n_layers=4, n_heads=4, n_kv_heads=2, explicit_head_dim=16, vocab_size=8192,
+        norm_eps=1e-6, qk_norm=True, explicit_hidden_dim=192,
+        moe=MoEArgs(n_experts=8, top_k=2, hidden_dim=96),
+        hybrid=HybridArgs(full_attention_interval=2, linear_k_heads=2, linear_v_heads=4,
+                          linear_k_head_dim=16, linear_v_head_dim=16, shared_expert_hidden=96)),
+    # Qwen3-Next-80B-A3B's and Qwen3.5-35B-A3B's shapes: transformers 5.24's Qwen3NextConfig /
+    # Qwen3_5MoeTextConfig defaults (the releases' shapes); RoPE theta 1e7 as their config.json
+    # (transformers' default: 1e4). 48 (40) layers, 3 DeltaNet to 1 gated attention; 512 (256)
+    # experts of width 512, top 10 (8), plus the gated shared expert. The dense width (5,120 in
+    # the 80B's config.json) is unused: every layer is MoE.
+    "qwen3-next-80b-a3b": ModelArgs(
+        dim=2048, n_layers=48, n_heads=16, n_kv_heads=2, explicit_head_dim=256,
+        vocab_size=151936, norm_eps=1e-6, rope_theta=1e7, qk_norm=True,
+        explicit_hidden_dim=5120, moe=MoEArgs(n_experts=512, top_k=10, hidden_dim=512),
+        hybrid=HybridArgs(shared_expert_hidden=512)),
+    "qwen3.5-35b-a3b": ModelArgs(
+        dim=2048, n_layers=40, n_heads=16, n_kv_heads=2, explicit_head_dim=256,
+        vocab_size=248320, norm_eps=1e-6, rope_theta=1e7, qk_norm=True,
+        explicit_hidden_dim=512, moe=MoEArgs(n_experts=256, top_k=8, hidden_dim=512),
+        hybrid=HybridArgs(shared_expert_hidden=512)),
     # The debug shape with Llama-3.2's tied embeddings and RoPE scaling (tests, smoke runs).
     "debugmodel-3.2": ModelArgs(dim=256, n_layers=6, n_heads=8, n_kv_heads=4, vocab_size=8192,
                                 multiple_of=64, rope_scaling=LLAMA3_ROPE_SCALING,

@@ -19,9 +19,11 @@ class Model:
     """The architecture: family, flavor (size), vocabulary, attention mask and kernel
     (docs/data.md for documents, docs/moe.md for the MoE flavors)."""
 
-    name: str = opt("llama3", "Model family: llama3 (Llama 3, Qwen3-MoE: GQA) or deepseek_v3 "
-                    "(MLA: DeepSeek-V3, Kimi K2, Moonlight)", choices=("llama3", "deepseek_v3"))
-    flavor: str = opt("debugmodel", "Model size: debugmodel, debugmodel-tiny, debugmodel-narrow, debugmodel-3.2, 1B, llama3.2-1B, llama3.2-3B, 8B, 70B, 405B, llama3.1-8B, llama3.1-70B (RoPE-scaled, for long context); mixtures of experts: debugmodel-moe, debugmodel-moe-narrow, debugmodel-moe-shared, qwen3-30b-a3b; DeepSeek-V3 architecture (MLA, docs/deepseek.md): debugmodel-dsv3, deepseek-v3-16b, deepseek-v3-671b, kimi-k2")
+    name: str = opt("llama3", "Model family: llama3 (Llama 3, Qwen3-MoE: GQA), deepseek_v3 "
+                    "(MLA: DeepSeek-V3, Kimi K2, Moonlight) or qwen3_next (Gated DeltaNet "
+                    "hybrid: Qwen3-Next, Qwen3.5; docs/qwen3_next.md)",
+                    choices=("llama3", "deepseek_v3", "qwen3_next"))
+    flavor: str = opt("debugmodel", "Model size: debugmodel, debugmodel-tiny, debugmodel-narrow, debugmodel-3.2, 1B, llama3.2-1B, llama3.2-3B, 8B, 70B, 405B, llama3.1-8B, llama3.1-70B (RoPE-scaled, for long context); mixtures of experts: debugmodel-moe, debugmodel-moe-narrow, debugmodel-moe-shared, qwen3-30b-a3b; DeepSeek-V3 architecture (MLA, docs/deepseek.md): debugmodel-dsv3, deepseek-v3-16b, deepseek-v3-671b, kimi-k2; Qwen3-Next hybrid (docs/qwen3_next.md): debugmodel-qwen3-next, qwen3-next-80b-a3b, qwen3.5-35b-a3b")
     vocab_size: int = opt(0, "Model vocab; 0 = the tokenizer's, padded to vocab_size_multiple_of", min=0)
     vocab_size_multiple_of: int = opt(64, "Pad the model vocab up to a multiple of this", min=1)
     attn_mask_type: str = opt("causal", "causal: every earlier token of the window; block_causal: "
@@ -63,9 +65,9 @@ class Model:
         if self.flavor not in FLAVORS:
             raise ConfigError(f"model.flavor = {self.flavor!r} is not valid; choose one of "
                               f"{', '.join(repr(f) for f in FLAVORS)}{did_you_mean(self.flavor, FLAVORS)}")
-        family = "deepseek_v3" if FLAVORS[self.flavor].mla is not None else "llama3"
+        family = FLAVORS[self.flavor].family
         if self.name != family:
-            same = [f for f, a in FLAVORS.items() if (a.mla is not None) == (self.name != "llama3")]
+            same = [f for f, a in FLAVORS.items() if a.family == self.name]
             raise ConfigError(f"model.flavor = {self.flavor!r} is a {family} model, not "
                               f"model.name = {self.name!r}; set model.name = {family!r}, or "
                               f"choose a {self.name} flavor: {', '.join(same)}")

@@ -23,73 +23,16 @@ layers restart their state and convolution at every document (the same doc ids).
 from __future__ import annotations
 
 import zlib
-from dataclasses import dataclass
-
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from trainer.models.args import ModelArgs
+from trainer.models.args import FULL, LINEAR, HybridArgs, ModelArgs  # noqa: F401
 from trainer.models.attention import attend
 from trainer.models.deltanet import gated_delta_rule, short_conv
 from trainer.models.layers import RMSNorm
 from trainer.models.llama import Head, Transformer, _init_std, trunc_normal
 from trainer.models.moe import FeedForward, MoE
-
-LINEAR, FULL = "linear_attention", "full_attention"
-
-
-@dataclass(frozen=True)
-class HybridArgs:
-    """The hybrid layers' shape (config.json's linear_* keys, layer_types)."""
-
-    layer_types: tuple[str, ...] = ()  # per layer LINEAR or FULL; () = by full_attention_interval
-    full_attention_interval: int = 4  # every interval-th layer is full attention (Qwen3-Next: 4)
-    partial_rotary_factor: float = 0.25  # the share of each head's channels RoPE rotates
-    linear_k_heads: int = 16  # Gated DeltaNet query/key heads
-    linear_v_heads: int = 32  # value heads (a multiple of the key heads)
-    linear_k_head_dim: int = 128
-    linear_v_head_dim: int = 128
-    conv_kernel: int = 4  # taps of the short causal convolution over q, k, v
-    shared_expert_hidden: int = 0  # the sigmoid-gated shared expert's SwiGLU width (0: none)
-
-    def layer_type(self, i: int) -> str:
-        if self.layer_types:
-            return self.layer_types[i]
-        return FULL if (i + 1) % self.full_attention_interval == 0 else LINEAR
-
-
-@dataclass(frozen=True)
-class Qwen3NextArgs(ModelArgs):
-    """ModelArgs with the hybrid layers (to become a `ModelArgs.hybrid` field in args.py)."""
-
-    hybrid: HybridArgs = HybridArgs()
-
-    @property
-    def rope_dim(self) -> int:
-        return int(self.head_dim * self.hybrid.partial_rotary_factor)
-
-    def validate(self) -> None:
-        from trainer.errors import ConfigError
-
-        super().validate()
-        h = self.hybrid
-        types = [h.layer_type(i) for i in range(self.n_layers)]
-        if set(types) - {LINEAR, FULL} or len(types) != self.n_layers:
-            raise ConfigError(f"model layer_types {types}: {self.n_layers} entries, each "
-                              f"{LINEAR!r} or {FULL!r}")
-        if h.linear_v_heads % h.linear_k_heads or self.rope_dim % 2:
-            raise ConfigError(f"model linear_v_heads {h.linear_v_heads} must be a multiple of "
-                              f"linear_k_heads {h.linear_k_heads}, and rope_dim {self.rope_dim} "
-                              "(head_dim x partial_rotary_factor) even")
-        if h.shared_expert_hidden and self.moe is not None and self.moe.n_shared_experts:
-            raise ConfigError("model: a gated shared expert (shared_expert_hidden "
-                              f"{h.shared_expert_hidden}) replaces moe.n_shared_experts "
-                              f"{self.moe.n_shared_experts}; set the latter to 0")
-        if self.mtp_layers:
-            raise ConfigError("model.mtp_layers: Qwen3-Next's MTP layers are not built yet; "
-                              "use model.mtp_layers = 0")
-
 
 class ZeroCentredRMSNorm(RMSNorm):
     """RMSNorm whose weight w scales by 1 + w (in fp32, then cast: transformers' order)."""
@@ -122,7 +65,7 @@ def rope_halves(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.
 class GatedAttention(nn.Module):
     """GQA with q/k norms, partial RoPE and a sigmoid output gate per channel."""
 
-    def __init__(self, args: Qwen3NextArgs):
+    def __init__(self, args: ModelArgs):
         super().__init__()
         d, self.head_dim = args.dim, args.head_dim
         self.wq = nn.Linear(d, args.n_heads * 2 * self.head_dim, bias=False)  # query, gate
@@ -147,7 +90,7 @@ class GatedDeltaNet(nn.Module):
     g = -exp(A_log) softplus(a + dt_bias), beta = sigmoid(b), the gated delta rule over
     L2-normalised q, k, a gated RMSNorm with z, the output projection."""
 
-    def __init__(self, args: Qwen3NextArgs):
+    def __init__(self, args: ModelArgs):
         super().__init__()
         h, d = args.hybrid, args.dim
         self.k_head_dim, self.v_head_dim = h.linear_k_head_dim, h.linear_v_head_dim
@@ -200,7 +143,7 @@ class GatedSharedMoE(MoE):
     """The routed experts of trainer/models/moe.py (softmax top-k, renormalised: Qwen's
     routing) plus one shared expert scaled per token by sigmoid(shared_expert_gate(x))."""
 
-    def __init__(self, dim: int, args: Qwen3NextArgs, layer_id: int):
+    def __init__(self, dim: int, args: ModelArgs, layer_id: int):
         super().__init__(dim, args.moe, layer_id)
         self.shared_expert = FeedForward(dim, args.hybrid.shared_expert_hidden)
         self.shared_expert_gate = nn.Linear(dim, 1, bias=False)
@@ -214,7 +157,7 @@ class HybridBlock(nn.Module):
     """A decoder layer: a Gated DeltaNet (`linear_attention`) or gated attention (`attention`),
     then a MoE or SwiGLU feed-forward, each after a zero-centred RMSNorm, with residuals."""
 
-    def __init__(self, layer_id: int, args: Qwen3NextArgs):
+    def __init__(self, layer_id: int, args: ModelArgs):
         super().__init__()
         self.layer_id = layer_id
         self.layer_type = args.hybrid.layer_type(layer_id)
@@ -232,9 +175,15 @@ class HybridBlock(nn.Module):
             self.feed_forward = MoE(args.dim, args.moe, layer_id)
 
     def forward(self, x, cos, sin, mask=None, doc_ids=None):
+        """`doc_ids`: the window's documents under block_causal (the DeltaNet restarts at
+        each), else None. Under context parallelism (`mask` is its attention, x this rank's
+        tokens) the DeltaNet runs on the whole gathered sequence, and keeps this rank's
+        tokens of its output: exact, at cp times the layer's work (docs/qwen3_next.md)."""
         h = self.attention_norm(x)
         if self.layer_type == FULL:
             h = self.attention(h, cos, sin, mask)
+        elif hasattr(mask, "attend"):  # context parallelism's attention
+            h = self.linear_attention(mask.gather(h), doc_ids)[:, mask.index]
         else:
             h = self.linear_attention(h, doc_ids)
         h = x + h
@@ -245,7 +194,7 @@ class Qwen3Next(Transformer):
     """The hybrid model. Transformer's head (untied or tied), RoPE tables (of rope_dim
     channels), documents and masks; its own blocks, forward and init."""
 
-    def __init__(self, args: Qwen3NextArgs):
+    def __init__(self, args: ModelArgs):
         nn.Module.__init__(self)  # not Transformer's: its blocks are Llama's
         self.args = args
         self.tok_embeddings = nn.Embedding(args.vocab_size, args.dim)
@@ -262,15 +211,21 @@ class Qwen3Next(Transformer):
                 doc_ids: torch.Tensor | None = None, positions: torch.Tensor | None = None,
                 attention=None, future=None) -> torch.Tensor:
         """Logits, or with labels and a loss the summed token loss (Transformer.forward's
-        contract; `attention` (context parallelism) is not supported yet)."""
-        if attention is not None:
-            raise NotImplementedError("context parallelism for the Gated DeltaNet layers")
+        contract; under context parallelism `attention` is its attention and `doc_ids` the
+        whole samples' documents)."""
         h = self.tok_embeddings(tokens)
-        cos, sin, mask = self.attention_inputs(tokens.shape[1], doc_ids, positions, h.dtype)
-        docs = doc_ids if self.args.attn_mask_type == "block_causal" else None
+        if attention is not None:
+            cos, sin, mask = self.rope_cos[positions], self.rope_sin[positions], attention
+        else:
+            cos, sin, mask = self.attention_inputs(tokens.shape[1], doc_ids, positions, h.dtype)
+        docs = self.linear_documents(doc_ids)
         for layer in self.layers.values():
             h = layer(h, cos, sin, mask, docs)
         return self.head(self.norm(h), labels, loss_fn)
+
+    def linear_documents(self, doc_ids):
+        """The document ids the DeltaNet layers restart at (block_causal), else None."""
+        return doc_ids if self.args.attn_mask_type == "block_causal" else None
 
     @torch.no_grad()
     def init_weights(self, seed: int) -> None:
@@ -311,11 +266,3 @@ def _fill(param: torch.Tensor, name: str, seed: int, draw) -> None:
         full = distribute_tensor(full, param.device_mesh, param.placements,
                                  src_data_rank=None).to_local()
     (param.to_local() if is_dt else param).copy_(full)
-
-
-def build_model(args: Qwen3NextArgs) -> Qwen3Next:
-    """On the meta device, as trainer.models.llama.build_model."""
-    args.validate()
-    with torch.device("meta"):
-        return Qwen3Next(args)
-
