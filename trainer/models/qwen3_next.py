@@ -26,6 +26,7 @@ import zlib
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 from trainer.models.args import FULL, LINEAR, HybridArgs, ModelArgs  # noqa: F401
 from trainer.models.attention import attend
@@ -124,19 +125,26 @@ class GatedDeltaNet(nn.Module):
         streams, tails = [], []
         for proj, weight, prefix in zip((self.wq, self.wk, self.wv),
                                         (self.conv_q, self.conv_k, self.conv_v), prefixes):
-            y, tail = short_conv(proj(x), weight, doc_ids, prefix)
+            y, tail = short_conv(proj(x), _local(weight), doc_ids, prefix)
             streams.append(F.silu(y))
             tails.append(tail)
         q = streams[0].view(b, s, -1, self.k_head_dim)
         k = streams[1].view(b, s, -1, self.k_head_dim)
         v = streams[2].view(b, s, -1, self.v_head_dim)
         beta = self.wb(x).sigmoid()
-        g = -self.A_log.float().exp() * F.softplus(self.wa(x).float() + self.dt_bias)
+        a_log, dt_bias = _local(self.A_log), _local(self.dt_bias)
+        g = -a_log.float().exp() * F.softplus(self.wa(x).float() + dt_bias)
         o, last = gated_delta_rule(q, k, v, g, beta, initial_state=recurrent,
                                    output_final_state=state is not None, doc_ids=doc_ids)
         z = self.wz(x).view(b, s, -1, self.v_head_dim)
         out = self.wo(self.norm(o, z).reshape(b, s, -1))
         return out, (tuple(tails), last)
+
+
+def _local(param: torch.Tensor) -> torch.Tensor:
+    """A parameter's rows on this rank: under tensor parallelism the convolutions, A_log and
+    dt_bias are Shard(0) DTensors over tp (each rank's heads; trainer/parallel/tp.py)."""
+    return param.to_local() if isinstance(param, DTensor) else param
 
 
 class GatedSharedMoE(MoE):

@@ -85,6 +85,7 @@ class ContextAttention:
     def __init__(self, group, index: torch.Tensor, natural: torch.Tensor,
                  doc_ids: torch.Tensor | None, implementation: str):
         self.group, self.natural, self.implementation = group, natural, implementation
+        self.index = index  # this rank's global positions (a hybrid's DeltaNet keeps them)
         seq, batch = natural.numel(), 1 if doc_ids is None else doc_ids.shape[0]
         with torch.no_grad():
             if implementation == "flex":

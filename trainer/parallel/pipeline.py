@@ -105,8 +105,10 @@ class StageModule(nn.Module):
             # Under sequence parallelism (TP) the activations hold seq / tp positions per rank.
             seq = x.shape[1] if first else x.shape[1] * root.sequence_multiple
             cos, sin, mask = root.attention_inputs(seq, doc_ids, None, h.dtype)
+        # The hybrid's DeltaNet layers take the documents they restart at (qwen3_next.py)
+        docs = (root.linear_documents(doc_ids),) if hasattr(root, "linear_documents") else ()
         for layer in self.layers.values():
-            h = layer(h, cos, sin, mask)
+            h = layer(h, cos, sin, mask, *docs)
         if self.norm is None:
             return torch.cat([h, *extra], dim=-1) if extra else h
         main = self.output(self.norm(h), labels if fn is not None else None, fn)
@@ -123,12 +125,13 @@ class PipelinedModel(Transformer):
     activation_dtype = torch.float32  # what stages pass on: the compute dtype (parallelize)
     pp_group = None
     stage_ranks: list[int]  # stage -> pp rank
+    family: type = Transformer  # the unsplit model's class (its init_weights, its documents)
 
     def whole_model_shapes(self) -> list[tuple[str, tuple[int, ...]]]:
         """(name, shape) of every parameter of the unsplit model, in its order (a checkpoint's
         fingerprint: trainer/checkpoint/integrity.py)."""
         with torch.device("meta"):
-            whole = Transformer(self.args)
+            whole = self.family(self.args)
         return [(name, tuple(p.shape)) for name, p in whole.named_parameters()]
 
     def forward(self, tokens: torch.Tensor, labels: torch.Tensor | None = None, loss_fn=None,
@@ -250,7 +253,9 @@ def split_model(model: Transformer, cfg, pp_mesh) -> list[StageModule]:
         model.tok_embeddings = None
     if not any(spec.head for spec in mine):
         model.norm = model.output = model.mtp = None
-    model.__class__ = PipelinedModel
+    family = type(model)  # Qwen3Next keeps its own init and documents under the pipeline
+    model.__class__ = PipelinedModel if family is Transformer else type(
+        f"Pipelined{family.__name__}", (PipelinedModel, family), {"family": family})
     model.pp_group = pp_mesh.get_group()
     model.stage_ranks = [stage_rank(s, pp, sched.style) for s in range(len(specs))]
     model.pipeline_stages = [StageModule(model, spec) for spec in mine]
