@@ -272,3 +272,42 @@ def test_the_recompute_does_not_exchange_the_expert_counts_again(monkeypatch):
                        "--activation_checkpoint.mode", "full"])
     trace_step(cfg, 8)
     assert exchanges and set(exchanges) == {"forward"}, exchanges
+
+
+def test_muon_is_traced_with_its_gathers_booked_and_the_plans_owners():
+    """Muon on fake worlds (trainer/optim/muon.py, trainer/plan/muon.py): its all-to-alls are
+    booked as the optimizer's traffic (none "over other") and equal the plan's bytes within
+    5%; this rank's Newton-Schulz FLOPs under the optimizer's owners equal the plan's count
+    for it. MoE with experts gathered over efsdp (ep 2 x efsdp 8: FSDP's Shard(1)), EP x TP
+    (experts whole where they live, dense matrices over dp_shard x tp), HSDP (a group per
+    replica)."""
+    import multiprocessing
+
+    from trainer.plan.comm import comm_volume
+    from trainer.plan.memory import plan_args, resolve_vocab
+    from trainer.plan.muon import ns_loads
+
+    debug, moe = str(REPO / "configs" / "debug_model.toml"), str(REPO / "configs" /
+                                                                 "debug_moe.toml")
+    muon = ["--optimizer.name", "Muon"]
+    cases = [(moe, 16, ["--parallelism.expert_parallel_degree", "2",
+                        "--training.global_batch_size", "128"]),
+             (moe, 8, ["--parallelism.expert_parallel_degree", "2",
+                       "--parallelism.tensor_parallel_degree", "2",
+                       "--training.global_batch_size", "32"]),
+             (debug, 8, ["--parallelism.data_parallel_replicate_degree", "2",
+                         "--training.global_batch_size", "64"])]
+    configs = [load_config(["--job.config_file", c, *muon, *extra]) for c, _, extra in cases]
+    with multiprocessing.get_context("fork").Pool(2, maxtasksperchild=1) as pool:
+        results = pool.starmap(trace_step, [(cfg, w) for cfg, (_, w, _) in zip(configs, cases)],
+                               chunksize=1)
+    for (_, world, extra), cfg, r in zip(cases, configs, results):
+        plan = comm_volume(cfg, world)
+        traced = r.comm_bytes
+        assert not traced.get("other"), (extra, traced)  # Muon's groups are all known
+        want = plan["comm_optimizer"]
+        assert want > 0 and abs(traced["optimizer"] - want) <= 0.05 * want, (extra, traced, want)
+        pd = cfg.resolve(world)[0]
+        loads = ns_loads(cfg, pd, plan_args(cfg, resolve_vocab(cfg)[0]))
+        assert r.muon_ns_flops == loads[0], (extra, r.muon_ns_flops, loads[0])
+        assert plan["muon_ns_flops"] == max(loads) >= plan["muon_ns_flops_mean"] > 0

@@ -97,6 +97,11 @@ class Muon(torch.optim.Optimizer):
         """The process groups of Muon's gathers (the traced dry run books their traffic)."""
         return list(self._groups.values())
 
+    def ns_flops(self) -> float:
+        """This rank's Newton-Schulz FLOPs per step under the owners assigned so far."""
+        return sum(plan.load[ranks.index(dist.get_rank()) if len(ranks) > 1 else 0]
+                   for (ranks, _), plan in self._plans.items())
+
     @torch.no_grad()
     def step(self, closure=None):
         found_inf = getattr(self, "found_inf", None)

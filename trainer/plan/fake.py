@@ -195,6 +195,7 @@ class TraceResult:
     pp_rank: int = 0
     comm_bytes: dict = field(default_factory=dict)  # sent per step by dimension (traffic.py)
     comm_unknown: dict = field(default_factory=dict)  # collectives the books do not know
+    muon_ns_flops: float | None = None  # Muon: this rank's Newton-Schulz FLOPs (its owners)
 
 
 def summarize(trace: MemoryTrace, resident: set[int], grads: set[int], states: set[int],

@@ -131,6 +131,12 @@ def tp_local_shape(name: str, shape: tuple[int, ...], tp: int) -> tuple[int, ...
 
 
 @functools.lru_cache(maxsize=16)
+def muon_matrix(key: str, shape) -> bool:
+    """Whether a parameter of FSDP group `key` takes Muon: a block's matrix, or an MTP
+    module's (its group holds the projection and the norms)."""
+    return takes_muon(key + ".w", shape) or (key.startswith("mtp.") and len(shape) >= 2)
+
+
 def fsdp_groups(args: ModelArgs, tp: int = 1, ep: int = 1,
                 shard: int = 1) -> dict[str, list[tuple[int, ...]]]:
     """Parameter shapes per FSDP group, as trainer.parallel.parallelize.apply_fsdp forms the groups:
@@ -254,9 +260,12 @@ def memory_plan(cfg: JobConfig, world_size: int, pp_rank: int | None = None) -> 
     impl = implementation(cfg.optimizer.implementation)
     largest = max(FP32 * shard_numel(s, shard) for s in shapes)
     b["optimizer_step_temp"] = {"foreach": b["parameters"], "for-loop": 2 * largest}.get(impl, 0)
-    if cfg.optimizer.name == "Muon":  # + a bucket of whole fp32 updates and their results
-        b["optimizer_step_temp"] += 2 * min(muon_bucket_bytes, FP32 * tp * sum(
-            math.prod(s) for k, g in groups.items() for s in g if takes_muon(k + ".w", s)))
+    if cfg.optimizer.name == "Muon":  # ~6 x a rank's share of a bucket (trainer/optim/
+        # muon.py): bucket k + 1's updates, send and receive buffers in flight; bucket k's
+        # whole fp32 matrices, their Newton-Schulz and the results on their way back
+        b["optimizer_step_temp"] += 6 * min(muon_bucket_bytes, FP32 * sum(
+            shard_numel(s, shard) for k, g in groups.items() for s in g
+            if muon_matrix(k, s)))
     # With fsdp_offload the sharded state (params, grads, optimizer) is in host memory
     # (trainer/plan/host.py); the device holds the staging copies of `offload_staging`.
     on_device = 0 if cfg.parallelism.fsdp_offload == "cpu" else 1
@@ -346,7 +355,7 @@ def optimizer_state_bytes(cfg: JobConfig, groups, shard: int) -> int:
     out = 0
     for key, shapes in groups.items():
         for s in shapes:
-            muon = cfg.optimizer.name == "Muon" and takes_muon(key + ".w", s)
+            muon = cfg.optimizer.name == "Muon" and muon_matrix(key, s)
             out += (1 if muon else 2) * FP32 * shard_numel(s, shard) + (0 if muon else FP32)
     return out
 

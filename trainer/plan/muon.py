@@ -80,36 +80,44 @@ def stage_meshes(cfg, pd, a, pp_rank: int) -> list[tuple[tuple, list[int], list[
     return list(meshes.values())
 
 
+def _assign(cfg, pd, a, pp_rank: int):
+    """Each mesh of pp rank `pp_rank`'s stage with its plan and its ranks, and for each
+    parameter of it, the view of the stage's first rank (global rank 0 of the stage): the
+    owners as the optimizer assigns them, bucket by bucket."""
+    out = []
+    for sizes, ranks, specs in stage_meshes(cfg, pd, a, pp_rank):
+        plan, views = MeshPlan(sizes, cfg.optimizer.muon_ns_steps), []
+        me = ranks.index(0) if 0 in ranks else None
+        for b in buckets([math.prod(s.shape) for s in specs], len(ranks)):
+            views += zip([specs[i] for i in b], plan.assign([specs[i] for i in b], me))
+        out.append((ranks, plan, views if me is not None else []))
+    return out
+
+
 def ns_loads(cfg, pd, a) -> list[float]:
     """Newton-Schulz FLOPs per step of every rank of the world, from the optimizer's owner
     assignment (buckets in model order, the load carried over each mesh's buckets)."""
-    steps = cfg.optimizer.muon_ns_steps
     per_stage = pd.dp_replicate * pd.dp_shard * pd.cp * pd.tp
     loads = [0.0] * (per_stage * pd.pp)
     for pp_rank in range(pd.pp):
-        for sizes, ranks, specs in stage_meshes(cfg, pd, a, pp_rank):
-            plan = MeshPlan(sizes, steps)
-            for b in buckets([math.prod(s.shape) for s in specs], len(ranks)):
-                plan.assign([specs[i] for i in b])
+        for ranks, plan, _ in _assign(cfg, pd, a, pp_rank):
             for i, r in enumerate(ranks):
                 loads[pp_rank * per_stage + r] += plan.load[i]
     return loads
 
 
 def muon_volume(cfg, pd, a, pp_rank: int = 0) -> float:
-    """Bytes rank 0 of pp rank `pp_rank` sends per step in Muon's all-to-alls: for each matrix
-    gathered over n ranks, its local piece of the units others own (fp32) and the others'
-    pieces of the units it owns (muon_ns_dtype), balanced: (n - 1) / n x (4 + r) bytes per
-    local element. Matrices held whole send nothing."""
+    """Bytes the first rank of pp rank `pp_rank` sends per step in Muon's all-to-alls, under
+    the optimizer's owners: for each unit gathered over n ranks, its piece (1/n, fp32) to the
+    owner, or as the owner the others' pieces of the result (muon_ns_dtype). Units held whole
+    send nothing."""
     r = 2 if cfg.optimizer.muon_ns_dtype == "bfloat16" else 4
     total = 0.0
-    for sizes, ranks, specs in stage_meshes(cfg, pd, a, pp_rank):
-        if 0 not in ranks:  # another tp rank's mesh, alike
-            continue
-        for s in specs:
-            n = math.prod(sizes[d] for d in s.gather_dims)
-            if n > 1:
-                local = math.prod(s.shape) / math.prod(
-                    sizes[d] for d, p in enumerate(s.placements) if isinstance(p, Shard))
-                total += (n - 1) / n * (4 + r) * local
+    for ranks, _, views in _assign(cfg, pd, a, pp_rank):
+        me = ranks.index(0) if views else None
+        for spec, view in views:
+            n = len(view.group)
+            unit = math.prod(spec.shape[-2:])
+            for u in view.units if n > 1 else ():
+                total += r * unit * (n - 1) / n if view.owner[u] == me else 4 * unit / n
     return total

@@ -233,6 +233,7 @@ def print_json(cfg, world: int, b: dict, accum: int, gpu, mem_gib: float, best: 
                             "flops_per_rank": traced["flops"], "largest": traced["largest"],
                             "categories": traced["categories"], "seconds": traced["seconds"],
                             "comm_bytes": traced["comm_bytes"],
+                            "muon_ns_flops": traced["muon_ns_flops"],  # this rank's, traced
                             "lines": lines}
             out["ideal_flops_per_rank"] = traced["ideal_flops"]
         else:

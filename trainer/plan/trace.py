@@ -201,6 +201,7 @@ def trace_step(cfg: JobConfig, world_size: int, keep_all: bool = False,
             accum, micro, once=("dp_replicate",) if cfg.training.gradient_accumulation_sync
             == "hsdp_reduce_scatter" else ())
         result.comm_unknown = trace.traffic.unknown
+        result.muon_ns_flops = getattr(optimizer, "ns_flops", lambda: None)()
         trace.traffic = None
     heartbeat.phase("setup")
     result.seconds = time.monotonic() - t0
@@ -355,6 +356,7 @@ def trace_lines(cfg: JobConfig, world_size: int, plan: dict[str, int], mem_gib: 
                       comm_bytes=sends, largest=r.largest.describe() if r.largest else None,
                       flops=busiest.flops, ideal_flops=busiest.ideal_flops,
                       seconds=round(sum(x.seconds for x in results), 1),
+                      muon_ns_flops=r.muon_ns_flops,
                       pp_ranks=[{"pp_rank": x.pp_rank, "peak_gib": x.peak / GIB,
                                  "flops": x.flops, "ideal_flops": x.ideal_flops,
                                  "comm_bytes": x.comm_bytes} for x in results] if pp > 1 else None)
