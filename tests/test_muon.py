@@ -191,3 +191,34 @@ def test_a_step_skipped_on_the_device_changes_nothing():
             assert torch.equal(after[k][name], v), (k, name)
     step_unless(opt, torch.tensor([False]))
     assert not all(torch.equal(p, w) for p, w in zip(model.parameters(), weights))
+
+
+def test_mtp_matrices_take_muon_and_muon_lr_follows_the_schedule():
+    """The MTP module's projection and block matrices take Muon (its norms AdamW); Muon's
+    group starts at optimizer.muon_lr and the lr schedule scales it as it scales AdamW's."""
+    from trainer.optim.optimizer import build_lr_scheduler
+
+    model = Transformer(model_args("debugmodel-moe", mtp_layers=1, vocab_size=256,
+                                   max_seq_len=32))
+    mtp = {n: p for n, p in model.named_parameters() if n.startswith("mtp.")}
+    assert {n for n, p in mtp.items() if takes_muon(n, p)} == {
+        n for n, p in mtp.items() if p.ndim >= 2} and "mtp.0.proj.weight" in mtp
+    cfg = load_config(["--optimizer.name", "Muon", "--optimizer.lr", "3e-4",
+                       "--optimizer.muon_lr", "0.02", "--lr_scheduler.warmup_steps", "4",
+                       "--lr_scheduler.decay_type", "cosine", "--training.steps", "12"])
+    opt = build_optimizer(model, cfg.optimizer)
+    sched = build_lr_scheduler(opt, cfg.lr_scheduler, 12)
+    muon_params = {id(p) for p in opt.param_groups[0]["params"]}
+    assert all(id(p) in muon_params for n, p in mtp.items() if p.ndim >= 2)
+    seen = set()
+    for _ in range(12):
+        muon_lr, adamw_lr = opt.param_groups[0]["lr"], opt.param_groups[1]["lr"]
+        assert abs(muon_lr * 3e-4 - adamw_lr * 0.02) <= 1e-9 * muon_lr, (muon_lr, adamw_lr)
+        seen.add(round(muon_lr, 9))
+        opt.step()  # no gradients: nothing moves
+        sched.step()
+    assert len(seen) > 6 and max(seen) <= 0.02  # warmup and decay reached Muon's lr
+    assert load_config(["--optimizer.name", "Muon"]).optimizer.muon_lr == -1
+    with pytest.raises(ConfigError) as e:
+        load_config(["--optimizer.name", "Muon", "--optimizer.muon_lr", "0"])
+    assert "optimizer.muon_lr = 0.0 is not valid" in e.value.one_line()
