@@ -1,5 +1,5 @@
-"""Write a Hugging Face folder (LlamaForCausalLM, Qwen3MoeForCausalLM or DeepseekV3ForCausalLM
-with its MTP layers): unquantized weights in the chosen dtype, config.json,
+"""Write a Hugging Face folder (LlamaForCausalLM, Qwen3MoeForCausalLM, DeepseekV3ForCausalLM
+with its MTP layers, or Qwen3NextForCausalLM: trainer/hf/qwen3_next_io.py): unquantized weights in the chosen dtype, config.json,
 generation_config.json and the run's tokenizer."""
 
 from __future__ import annotations
@@ -33,17 +33,15 @@ def write_hf_folder(out_dir: str, args, fetch, cfg, *, dtype: str,
     """`fetch(names)` gives our full tensors by parameter name (see weights.write_weights);
     `cfg` is the run's JobConfig (for the tokenizer and the sequence length)."""
     os.makedirs(out_dir, exist_ok=True)
-    buffers = list(buffer_shapes(args))
-    note = routing_bias_note(fetch(buffers)) if buffers and args.mla is None else None
-    if note:
-        log(note)
-    if args.mtp_layers and args.mla is not None:
-        first = args.n_layers
-        log(f"multi-token prediction: module(s) 0..{args.mtp_layers - 1} exported as layer(s) "
-            f"{first}..{first + args.mtp_layers - 1} under the release's names "
-            f"(num_nextn_predict_layers = {args.mtp_layers}; transformers skips them)")
-    files = write_weights(out_dir, args, export_shapes(args), fetch, dtype=dtype,
-                          max_shard_bytes=max_shard_bytes)
+    if args.hybrid is not None:  # Qwen3NextForCausalLM's fused tensors
+        from trainer.hf.qwen3_next import release_config as config_of
+        from trainer.hf.qwen3_next_io import write_release
+
+        files = write_release(out_dir, args, fetch, dtype=dtype,
+                              max_shard_bytes=max_shard_bytes, log=log)
+    else:
+        config_of, files = hf_config, _write_llama_like(out_dir, args, fetch, dtype=dtype,
+                                                         max_shard_bytes=max_shard_bytes, log=log)
     ids = {}
     tok_path = run_tokenizer_path(cfg.data)
     if tok_path is None:
@@ -54,8 +52,24 @@ def write_hf_folder(out_dir: str, args, fetch, cfg, *, dtype: str,
         ids = export_tokenizer(tok_path, out_dir, model_max_length=cfg.training.seq_len)
     bos, eos = ids.get("bos_token"), ids.get("eos_token")
     write_json(os.path.join(out_dir, "config.json"),
-               hf_config(args, dtype=dtype, bos_id=bos, eos_id=eos))
+               config_of(args, dtype=dtype, bos_id=bos, eos_id=eos))
     write_json(os.path.join(out_dir, "generation_config.json"),
                {"bos_token_id": bos, "eos_token_id": eos})
     log(f"wrote {', '.join(files)} ({dtype}, unquantized: no quantization_config) and "
         f"config.json to {out_dir}")
+
+
+def _write_llama_like(out_dir: str, args, fetch, *, dtype: str, max_shard_bytes: int,
+                      log) -> list[str]:
+    """LlamaForCausalLM, Qwen3MoeForCausalLM or DeepseekV3ForCausalLM's tensors."""
+    buffers = list(buffer_shapes(args))
+    note = routing_bias_note(fetch(buffers)) if buffers and args.mla is None else None
+    if note:
+        log(note)
+    if args.mtp_layers and args.mla is not None:
+        first = args.n_layers
+        log(f"multi-token prediction: module(s) 0..{args.mtp_layers - 1} exported as layer(s) "
+            f"{first}..{first + args.mtp_layers - 1} under the release's names "
+            f"(num_nextn_predict_layers = {args.mtp_layers}; transformers skips them)")
+    return write_weights(out_dir, args, export_shapes(args), fetch, dtype=dtype,
+                         max_shard_bytes=max_shard_bytes)

@@ -42,11 +42,17 @@ def load_initial(model, cfg, *, log=print) -> bool:
 
 
 def load_hf(model, folder: str, *, flavor: str, log=print) -> None:
-    """Copy a Hugging Face Llama, Qwen3-MoE or DeepSeek-V3 / Kimi K2 folder's weights into
-    `model` (plain or sharded): fp8 blocks dequantized, DeepSeek-V3's routing biases into the
-    balancing bias, its MTP layers into the MTP modules (those it lacks keep their init)."""
+    """Copy a Hugging Face Llama, Qwen3-MoE, DeepSeek-V3 / Kimi K2 or Qwen3-Next / Qwen3.5
+    folder's weights into `model` (plain or sharded): fp8 blocks dequantized, DeepSeek-V3's
+    routing biases into the balancing bias, its MTP layers into the MTP modules (those it
+    lacks keep their init)."""
     hf = HFFolder(folder)
     args = model.args
+    if args.hybrid is not None:  # Qwen3-Next / Qwen3.5: fused tensors, read a layer at a time
+        from trainer.hf.qwen3_next_io import load_release
+
+        load_release(model, hf, folder, flavor)
+        return
     check_hf_config(hf.config, args, folder, flavor)
     if hf.block is not None:
         log(f"{folder} holds fp8 weights in {hf.block[0]} x {hf.block[1]} blocks "

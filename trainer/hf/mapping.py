@@ -135,6 +135,10 @@ def from_hf(name: str, tensor: torch.Tensor, args: ModelArgs) -> torch.Tensor:
 def param_shapes(args: ModelArgs) -> dict[str, tuple[int, ...]]:
     """Our parameter names and shapes, in model order, without building the model (MTP
     modules where Hugging Face's architecture holds them: DeepSeek-V3's)."""
+    if args.hybrid is not None:  # Qwen3-Next: the model's own (trainer/hf/qwen3_next.py)
+        from trainer.hf.qwen3_next import hybrid_shapes
+
+        return hybrid_shapes(args)
     shapes = {"tok_embeddings.weight": (args.vocab_size, args.dim)}
     for i in range(args.n_layers):
         shapes.update((f"layers.{i}.{key}", shape) for key, shape in _block_shapes(i, args))
@@ -189,14 +193,15 @@ def export_shapes(args: ModelArgs) -> dict[str, tuple[int, ...]]:
     return {**param_shapes(args), **(buffer_shapes(args) if args.mla is not None else {})}
 
 
-def routing_bias_note(biases: dict[str, torch.Tensor]) -> str | None:
+def routing_bias_note(biases: dict[str, torch.Tensor],
+                      architecture: str = "Qwen3MoeForCausalLM") -> str | None:
     """A warning line when a MoE model to export has a non-zero balancing bias: the exported
     model routes by its scores alone, so its choices of experts can differ from training's."""
     largest = max((float(t.abs().max()) for t in biases.values()), default=0.0)
     if largest == 0.0:
         return None
     return (f"warning: the experts' balancing bias (moe.load_balance_coeff; largest |bias| "
-            f"{largest:.3g}) is not part of Qwen3MoeForCausalLM and is left out: the exported "
+            f"{largest:.3g}) is not part of {architecture} and is left out: the exported "
             "model chooses experts by the router's scores alone, which can differ from the "
             "trained model's choices; train with moe.load_balance_coeff = 0 for an exact export")
 
@@ -268,6 +273,10 @@ def architecture(args: ModelArgs) -> str:
 
 def export_problem(args: ModelArgs) -> str | None:
     """Why no Hugging Face architecture here holds this model, or None."""
+    if args.hybrid is not None:
+        from trainer.hf.qwen3_next import export_problem as hybrid_problem
+
+        return hybrid_problem(args)
     if args.mtp_layers and args.mla is None:
         return args.mtp_export_problem()
     if args.mla is not None:

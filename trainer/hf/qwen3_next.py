@@ -15,6 +15,7 @@ Qwen3.5's multimodal checkpoints put the text model under `model.language_model.
 from __future__ import annotations
 
 import re
+from collections.abc import Mapping
 
 import torch
 
@@ -99,11 +100,20 @@ def _groups(args: ModelArgs) -> tuple[int, list[int], list[int]]:
 
 def from_release(tensors: dict[str, torch.Tensor], args: ModelArgs) -> dict[str, torch.Tensor]:
     """A release's state dict (either family, experts per expert or stacked) -> ours."""
-    hf = {re.sub(r"^model\.language_model\.", "model.", k): v for k, v in tensors.items()}
-    ours = {name: hf[key] for name, key in TOP.items() if key in hf}
+    ours = {}
+    for part in release_parts(tensors, args):
+        ours.update(part)
+    return ours
+
+
+def release_parts(tensors: Mapping[str, torch.Tensor], args: ModelArgs):
+    """Ours from a release's tensors (a mapping read on demand: `in` and `[]`), the top
+    tensors, then a layer at a time (an import holds one layer's tensors at once)."""
+    hf = _Text(tensors)
+    yield {name: hf[key] for name, key in TOP.items() if key in hf}
     for i in range(args.n_layers):
         pre, out = f"model.layers.{i}.", f"layers.{i}."
-        ours.update({out + name: hf[pre + key] for name, key in LAYER.items() if pre + key in hf})
+        ours = {out + name: hf[pre + key] for name, key in LAYER.items() if pre + key in hf}
         if args.hybrid.layer_type(i) != FULL:
             ours.update({out + "linear_attention." + n: t
                          for n, t in _delta_from_release(hf, pre + "linear_attn.", args).items()})
@@ -112,7 +122,25 @@ def from_release(tensors: dict[str, torch.Tensor], args: ModelArgs) -> dict[str,
                          for w, t in _experts_from_release(hf, pre + "mlp.experts.", args).items()})
             # the releases route by the scores alone: our balancing bias at zero
             ours[out + "feed_forward.router.expert_bias"] = torch.zeros(args.moe.n_experts)
-    return ours
+        yield ours
+
+
+class _Text:
+    """A release's tensors with Qwen3.5's multimodal prefix (`model.language_model.`) read
+    as the text model's `model.`."""
+
+    def __init__(self, tensors: Mapping[str, torch.Tensor]):
+        self.tensors = tensors
+
+    def _key(self, key: str) -> str:
+        other = re.sub(r"^model\.", "model.language_model.", key)
+        return key if key in self.tensors or other not in self.tensors else other
+
+    def __contains__(self, key: str) -> bool:
+        return self._key(key) in self.tensors
+
+    def __getitem__(self, key: str) -> torch.Tensor:
+        return self.tensors[self._key(key)]
 
 
 def _delta_from_release(hf, pre: str, args: ModelArgs) -> dict[str, torch.Tensor]:
@@ -182,3 +210,81 @@ def _delta_to_release(la, pre: str, args: ModelArgs, family: str):
     ba = torch.cat([t.reshape(nk, -1, dim) for t in (b, a)], dim=1).reshape(-1, dim)
     return {pre + "in_proj_qkvz.weight": qkvz, pre + "in_proj_ba.weight": ba,
             pre + "conv1d.weight": conv}
+
+
+def hybrid_shapes(args: ModelArgs, buffers: bool = False) -> dict[str, tuple[int, ...]]:
+    """Our parameter names and shapes (with `buffers`, the persistent buffers too: the MoE
+    balancing biases), from the model built on the meta device."""
+    from trainer.models.qwen3_next import Qwen3Next
+
+    with torch.device("meta"):
+        model = Qwen3Next(args)
+    tensors = model.state_dict().items() if buffers else model.named_parameters()
+    return {n: tuple(t.shape) for n, t in tensors}
+
+
+def export_problem(args: ModelArgs) -> str | None:
+    """Why Qwen3NextForCausalLM cannot hold this hybrid, or None."""
+    m = args.moe
+    if m is None or not args.hybrid.shared_expert_hidden or not m.hf_exportable \
+            or m.first_dense_layers:
+        return ("this hybrid flavor has no Hugging Face class: Qwen3NextForCausalLM needs MoE "
+                "layers with a softmax router and a gated shared expert (dense layers only by "
+                "decoder_sparse_step)")
+    return None
+
+
+def release_config(args: ModelArgs, *, dtype: str, bos_id, eos_id) -> dict:
+    """config.json of a Qwen3NextForCausalLM holding this model."""
+    h, m = args.hybrid, args.moe
+    return {
+        "architectures": ["Qwen3NextForCausalLM"], "model_type": "qwen3_next",
+        "hidden_size": args.dim, "intermediate_size": args.hidden_dim,
+        "num_hidden_layers": args.n_layers, "num_attention_heads": args.n_heads,
+        "num_key_value_heads": args.n_kv_heads, "head_dim": args.head_dim,
+        "vocab_size": args.vocab_size, "rms_norm_eps": args.norm_eps,
+        "rope_parameters": {"rope_type": "default", "rope_theta": args.rope_theta,
+                            "partial_rotary_factor": h.partial_rotary_factor},
+        "max_position_embeddings": args.max_seq_len,
+        "tie_word_embeddings": args.tie_word_embeddings, "hidden_act": "silu",
+        "attention_bias": False, "attention_dropout": 0.0, "initializer_range": 0.02,
+        "layer_types": [h.layer_type(i) for i in range(args.n_layers)],
+        "full_attention_interval": h.full_attention_interval,
+        "linear_num_key_heads": h.linear_k_heads, "linear_num_value_heads": h.linear_v_heads,
+        "linear_key_head_dim": h.linear_k_head_dim,
+        "linear_value_head_dim": h.linear_v_head_dim, "linear_conv_kernel_dim": h.conv_kernel,
+        "num_experts": m.n_experts, "num_experts_per_tok": m.top_k,
+        "moe_intermediate_size": m.hidden_dim, "shared_expert_intermediate_size":
+            h.shared_expert_hidden, "decoder_sparse_step": m.sparse_step, "mlp_only_layers": [],
+        "norm_topk_prob": m.norm_topk_prob, "output_router_logits": False,
+        "router_aux_loss_coef": m.aux_loss_weight, "use_cache": True,
+        "bos_token_id": bos_id, "eos_token_id": eos_id, "torch_dtype": dtype,
+    }
+
+
+def _shape_of(args: ModelArgs) -> dict:
+    """What a release's config.json fixes about the computation (no sequence length)."""
+    m, h = args.moe, args.hybrid
+    return {"hidden_size": args.dim, "num_hidden_layers": args.n_layers,
+            "num_attention_heads": args.n_heads, "num_key_value_heads": args.n_kv_heads,
+            "head_dim": args.head_dim, "rms_norm_eps": float(args.norm_eps),
+            "rope_theta": float(args.rope_theta), "tie_word_embeddings": args.tie_word_embeddings,
+            "layer_types": [h.layer_type(i) for i in range(args.n_layers)],
+            "partial_rotary_factor": h.partial_rotary_factor,
+            "linear heads (k, v, d_k, d_v, conv)": (h.linear_k_heads, h.linear_v_heads,
+                                                    h.linear_k_head_dim, h.linear_v_head_dim,
+                                                    h.conv_kernel),
+            "shared_expert_intermediate_size": h.shared_expert_hidden,
+            "experts (n, top-k, width, norm_topk_prob, sparse_step)":
+                m and (m.n_experts, m.top_k, m.hidden_dim, m.norm_topk_prob, m.sparse_step)}
+
+
+def check_release_config(cfg: dict, args: ModelArgs, folder: str, flavor: str) -> None:
+    """The folder's config.json describes the model of `flavor` (its vocab may differ: the
+    tensor shapes say)."""
+    theirs, ours = _shape_of(args_from_config(cfg)), _shape_of(args)
+    for key, value in theirs.items():
+        if value != ours[key]:
+            raise ConfigError(f"{folder}/config.json does not fit model.flavor = {flavor!r}: "
+                              f"{key} is {value} there and {ours[key]} here; choose the flavor "
+                              "the checkpoint was made with")
