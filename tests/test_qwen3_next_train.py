@@ -1,0 +1,153 @@
+"""Qwen3-Next trained by this trainer (docs/qwen3_next.md).
+
+In one process: each flavor's parameter count equals its built model's; a packed window's
+loss per document equals each document's alone (the DeltaNet's state and convolution restart,
+the full-attention layers masked); a run's export imports back into a plain model bit for bit.
+Through run_train.sh (configs/debug_qwen3_next.toml, fp32, block_causal on the stdlib corpus,
+5 steps): EP 2 x FSDP 2, TP 2 x FSDP 2, PP 2 x FSDP 2 and CP 2 x FSDP 2 give the 1-rank losses
+and gradient norms; the EP run's export (checkpoint.last_save_in_hf) loads in transformers as
+Qwen3NextForCausalLM with the checkpoint's logits; a flavor of another family is one line.
+"""
+
+import json
+
+import pytest
+import torch
+
+from tests.helpers import REPO, run_train, scalars
+from trainer.models.args import FLAVORS, model_args
+from trainer.models.build import build_model
+
+CONFIG = str(REPO / "configs" / "debug_qwen3_next.toml")
+FLAVOR = "debugmodel-qwen3-next"
+
+
+@pytest.mark.parametrize("flavor", ["debugmodel-qwen3-next", "qwen3-next-80b-a3b",
+                                    "qwen3.5-35b-a3b"])
+def test_the_parameter_count_is_the_models(flavor):
+    args = FLAVORS[flavor]
+    model = build_model(args)
+    assert args.num_params() == sum(p.numel() for p in model.parameters())
+    if flavor == "qwen3-next-80b-a3b":  # the release: 80B total
+        assert 79e9 < args.num_params() < 81e9
+
+
+def _model(**attention):
+    torch.manual_seed(0)
+    args = model_args(FLAVOR, max_seq_len=160, **attention)
+    model = build_model(args).to_empty(device="cpu")
+    model.init_weights(0)
+    return model.eval()
+
+
+def test_packed_documents_give_each_documents_own_loss():
+    """Three documents (lengths 70, 1, 89: a chunk boundary inside the first and the third)
+    packed in one 160-token window: the per-token loss of each equals its loss alone."""
+    model = _model(attn_mask_type="block_causal", attn_implementation="per_document")
+    lengths = (70, 1, 89)
+    gen = torch.Generator().manual_seed(1)
+    tokens = torch.randint(0, 8192, (1, sum(lengths) + 1), generator=gen)
+    inputs, labels = tokens[:, :-1], tokens[:, 1:]
+    doc_ids = torch.repeat_interleave(torch.arange(3), torch.tensor(lengths))[None]
+    with torch.no_grad():
+        packed = torch.nn.functional.cross_entropy(
+            model(inputs, doc_ids=doc_ids)[0], labels[0], reduction="none")
+        start = 0
+        for n in lengths:
+            piece = slice(start, start + n)
+            alone = model(inputs[:, piece], doc_ids=torch.zeros(1, n, dtype=torch.long))
+            own = torch.nn.functional.cross_entropy(alone[0], labels[0, piece],
+                                                    reduction="none")
+            assert (packed[piece] - own).abs().max() < 1e-6, (n, (packed[piece] - own).abs())
+            start += n
+    causal = _model()  # without documents the later ones see the earlier: not the same
+    with torch.no_grad():
+        mixed = causal(inputs)[0, 71:]
+        alone = causal(inputs[:, 71:])[0]
+    assert (mixed - alone).abs().max() > 1e-3
+
+
+# ------------------------------------------------------------------------------ end to end
+
+COMMON = ("--training.seq_len", "64", "--training.local_batch_size", "2",
+          "--training.global_batch_size", "8", "--training.mixed_precision_param", "float32",
+          "--metrics.log_freq", "1", "--lr_scheduler.warmup_steps", "2",
+          "--lr_scheduler.min_lr_factor", "1.0", "--training.steps", "5",
+          "--checkpoint.interval", "5", "--checkpoint.keep_latest_k", "0",
+          "--validation.enable", "false",
+          # the release routes by its scores alone: an exact export needs no balancing bias
+          "--moe.load_balance_coeff", "0")
+EP = "--parallelism.expert_parallel_degree"
+LAYOUTS = {  # name: (ranks, overrides); the config's EP 2 is set per layout
+    "ref": (1, (EP, "1")),
+    "ep2_fsdp2": (4, (EP, "2", "--checkpoint.last_save_in_hf", "true")),
+    "tp2_fsdp2": (4, (EP, "1", "--parallelism.tensor_parallel_degree", "2")),
+    "pp2_fsdp2": (4, (EP, "1", "--parallelism.pipeline_parallel_degree", "2")),
+    "cp2_fsdp2": (4, (EP, "1", "--parallelism.context_parallel_degree", "2")),
+}
+TAGS = ("loss_metrics/global_avg_loss", "grad_norm")
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    root = tmp_path_factory.mktemp("qwen3_next")
+    out = {}
+    for name, (nproc, overrides) in LAYOUTS.items():
+        env = {"OMP_NUM_THREADS": "1"} if nproc == 1 else None
+        proc = run_train(root / name, *COMMON, *overrides, nproc=nproc, config=CONFIG, env=env)
+        out[name] = (root / name, proc.stdout)
+    return out
+
+
+@pytest.mark.parametrize("name", ["ep2_fsdp2", "tp2_fsdp2", "pp2_fsdp2", "cp2_fsdp2"])
+def test_each_layout_trains_as_one_rank(runs, name):
+    ref, got = runs["ref"][0], runs[name][0]
+    for tag in TAGS:
+        want, have = scalars(ref, tag), scalars(got, tag)
+        assert sorted(have) == [1, 2, 3, 4, 5], (tag, have)
+        assert all(abs(have[s] - want[s]) <= 1e-4 * max(1.0, abs(want[s])) for s in want), \
+            (tag, have, want)
+    assert scalars(ref, TAGS[0])[5] < scalars(ref, TAGS[0])[1]
+    assert "Gated DeltaNet: torch chunked gated delta rule" in runs[name][1]
+
+
+def _checkpoint_state(dump):
+    from trainer.convert import dcp_fetch, saved_shapes
+
+    ckpt = str(dump / "checkpoint" / "step-5")
+    shapes = saved_shapes(ckpt)
+    return dcp_fetch(ckpt, shapes)(list(shapes))
+
+
+def test_the_export_loads_in_transformers_with_our_logits(runs):
+    from transformers import AutoModelForCausalLM
+
+    dump = runs["ep2_fsdp2"][0]
+    config = json.loads((dump / "hf" / "config.json").read_text())
+    assert config["architectures"] == ["Qwen3NextForCausalLM"]
+    assert config["layer_types"] == ["linear_attention", "full_attention"] * 2
+    theirs = AutoModelForCausalLM.from_pretrained(dump / "hf", dtype=torch.float32).eval()
+    ours = _model()
+    ours.load_state_dict(_checkpoint_state(dump), strict=True)
+    tokens = torch.randint(0, 8192, (2, 64), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        assert (theirs(tokens).logits - ours(tokens)).abs().max() < 1e-4
+
+
+def test_the_export_imports_back_bit_for_bit(runs):
+    from trainer.hf.load import load_hf
+
+    dump = runs["ep2_fsdp2"][0]
+    model = _model()
+    load_hf(model, str(dump / "hf"), flavor=FLAVOR)
+    state = _checkpoint_state(dump)
+    for name, tensor in model.state_dict().items():
+        assert torch.equal(tensor, state[name]), name
+
+
+def test_a_flavor_of_another_family_is_one_line(tmp_path):
+    proc = run_train(tmp_path, "--model.name", "llama3", config=CONFIG, check=False)
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    last = [ln for ln in proc.stderr.splitlines() if ln.strip()][-1]
+    assert last.startswith("config error: model.flavor = 'debugmodel-qwen3-next' is a "
+                           "qwen3_next model"), last
