@@ -99,7 +99,9 @@ BASE = ("--training.device", "cpu", "--model.flavor", "debugmodel-narrow",
          "--lr_scheduler.min_lr_factor", "1.0", "--data.dataset", "synthetic",
          "--training.steps", "5", "--checkpoint.enable", "true", "--checkpoint.interval", "3",
          "--checkpoint.keep_latest_k", "0", "--optimizer.lr", "0.01")
-DENSE = (*BASE, *MUON)
+# QK-clip on every layout: the debug models' largest logits are ~0.16, so most heads clip
+QK_CLIP = ("--optimizer.muon_qk_clip", "0.1")
+DENSE = (*BASE, *MUON, *QK_CLIP)
 MOE = (*DENSE[:3], "debugmodel-moe-narrow", *DENSE[4:])
 P = "--parallelism."
 LAYOUTS = {  # name: (ranks, args)
@@ -117,7 +119,8 @@ LAYOUTS = {  # name: (ranks, args)
     "moe_ref": (1, MOE),
     "moe_ep2_fsdp2": (4, (*MOE, P + "expert_parallel_degree", "2")),
 }
-TAGS = ("loss_metrics/global_avg_loss", "grad_norm")
+TAGS = ("loss_metrics/global_avg_loss", "grad_norm", "qk_clip/max_logit",
+        "qk_clip/heads_clipped")
 
 
 @pytest.fixture(scope="module")
@@ -139,6 +142,14 @@ def test_every_layout_equals_one_rank(runs, name):
     for tag in TAGS:
         want, got = scalars(ref, tag), scalars(runs / name, tag)
         assert len(want) == 5 and close(got, want), (name, tag, got, want)
+
+
+def test_qk_clip_clipped_heads_in_every_run(runs):
+    """QK-clip acted: heads were clipped at every step of the runs the layouts compare (a
+    layout whose clip scaled other heads or other rows than one rank's fails above)."""
+    for ref in ("ref", "moe_ref"):
+        clipped = scalars(runs / ref, "qk_clip/heads_clipped")
+        assert len(clipped) == 5 and all(n > 0 for n in clipped.values()), (ref, clipped)
 
 
 def test_a_tp_checkpoint_resumes_at_fsdp4_and_on_one_rank(runs, tmp_path):
