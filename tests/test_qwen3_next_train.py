@@ -15,6 +15,8 @@ import pytest
 import torch
 
 from tests.helpers import REPO, run_train, scalars
+from tests.test_data_fixtures import stdlib_texts, tokenizer_path  # noqa: F401
+from tests.test_doc_mask_e2e import short_docs_store  # noqa: F401
 from trainer.models.args import FLAVORS, model_args
 from trainer.models.build import build_model
 
@@ -32,9 +34,9 @@ def test_the_parameter_count_is_the_models(flavor):
         assert 79e9 < args.num_params() < 81e9
 
 
-def _model(**attention):
+def _model(vocab_size=None, **attention):
     torch.manual_seed(0)
-    args = model_args(FLAVOR, max_seq_len=160, **attention)
+    args = model_args(FLAVOR, vocab_size=vocab_size, max_seq_len=160, **attention)
     model = build_model(args).to_empty(device="cpu")
     model.init_weights(0)
     return model.eval()
@@ -89,24 +91,34 @@ TAGS = ("loss_metrics/global_avg_loss", "grad_norm")
 
 
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory):
+def runs(tmp_path_factory, short_docs_store):  # noqa: F811
+    """Every layout on short documents (several per 64-token window: the DeltaNet restarts
+    inside windows and across chunk and rank boundaries)."""
     root = tmp_path_factory.mktemp("qwen3_next")
+    data = ("--data.dataset", "json", "--data.store_path", short_docs_store)
     out = {}
     for name, (nproc, overrides) in LAYOUTS.items():
         env = {"OMP_NUM_THREADS": "1"} if nproc == 1 else None
-        proc = run_train(root / name, *COMMON, *overrides, nproc=nproc, config=CONFIG, env=env)
+        proc = run_train(root / name, *COMMON, *data, *overrides, nproc=nproc, config=CONFIG,
+                         env=env)
         out[name] = (root / name, proc.stdout)
     return out
 
 
+@pytest.mark.needs_datasets
 @pytest.mark.parametrize("name", ["ep2_fsdp2", "tp2_fsdp2", "pp2_fsdp2", "cp2_fsdp2"])
 def test_each_layout_trains_as_one_rank(runs, name):
+    """The losses and gradient norms of 5 steps, and the weights after them."""
     ref, got = runs["ref"][0], runs[name][0]
     for tag in TAGS:
         want, have = scalars(ref, tag), scalars(got, tag)
         assert sorted(have) == [1, 2, 3, 4, 5], (tag, have)
         assert all(abs(have[s] - want[s]) <= 1e-4 * max(1.0, abs(want[s])) for s in want), \
             (tag, have, want)
+    want, have = _checkpoint_state(ref), _checkpoint_state(got)
+    worst = max(((have[n] - t).abs().max().item(), n) for n, t in want.items())
+    print(name, "largest weight difference", worst)
+    assert worst[0] < 1e-4, worst
     assert scalars(ref, TAGS[0])[5] < scalars(ref, TAGS[0])[1]
     assert "Gated DeltaNet: torch chunked gated delta rule" in runs[name][1]
 
@@ -119,6 +131,7 @@ def _checkpoint_state(dump):
     return dcp_fetch(ckpt, shapes)(list(shapes))
 
 
+@pytest.mark.needs_datasets
 def test_the_export_loads_in_transformers_with_our_logits(runs):
     from transformers import AutoModelForCausalLM
 
@@ -127,20 +140,23 @@ def test_the_export_loads_in_transformers_with_our_logits(runs):
     assert config["architectures"] == ["Qwen3NextForCausalLM"]
     assert config["layer_types"] == ["linear_attention", "full_attention"] * 2
     theirs = AutoModelForCausalLM.from_pretrained(dump / "hf", dtype=torch.float32).eval()
-    ours = _model()
-    ours.load_state_dict(_checkpoint_state(dump), strict=True)
-    tokens = torch.randint(0, 8192, (2, 64), generator=torch.Generator().manual_seed(0))
+    state = _checkpoint_state(dump)
+    vocab = state["tok_embeddings.weight"].shape[0]  # the short documents' tokenizer's
+    ours = _model(vocab)
+    ours.load_state_dict(state, strict=True)
+    tokens = torch.randint(0, vocab, (2, 64), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         assert (theirs(tokens).logits - ours(tokens)).abs().max() < 1e-4
 
 
+@pytest.mark.needs_datasets
 def test_the_export_imports_back_bit_for_bit(runs):
     from trainer.hf.load import load_hf
 
     dump = runs["ep2_fsdp2"][0]
-    model = _model()
-    load_hf(model, str(dump / "hf"), flavor=FLAVOR)
     state = _checkpoint_state(dump)
+    model = _model(state["tok_embeddings.weight"].shape[0])
+    load_hf(model, str(dump / "hf"), flavor=FLAVOR)
     for name, tensor in model.state_dict().items():
         assert torch.equal(tensor, state[name]), name
 

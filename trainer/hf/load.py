@@ -49,9 +49,10 @@ def load_hf(model, folder: str, *, flavor: str, log=print) -> None:
     hf = HFFolder(folder)
     args = model.args
     if args.hybrid is not None:  # Qwen3-Next / Qwen3.5: fused tensors, read a layer at a time
-        from trainer.hf.qwen3_next_io import load_release
+        from trainer.hf.qwen3_next_io import release_into
 
-        load_release(model, hf, folder, flavor)
+        for param, full in release_into(model, hf, folder, flavor):
+            copy_full(param, full)
         return
     check_hf_config(hf.config, args, folder, flavor)
     if hf.block is not None:

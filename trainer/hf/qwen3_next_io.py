@@ -26,11 +26,10 @@ class _Folder:
         return self.hf.tensor(key)
 
 
-def load_release(model, hf, folder: str, flavor: str) -> None:
-    """Set every parameter (a DTensor shard or a plain tensor; a pipeline stage's only) and
-    balancing bias of `model` from the folder `hf` (trainer/hf/weights.HFFolder)."""
-    from trainer.hf.load import copy_full
-
+def release_into(model, hf, folder: str, flavor: str):
+    """(our tensor, its full value) for every parameter (a DTensor shard or a plain tensor; a
+    pipeline stage's only) and balancing bias of `model`, read from the folder `hf`
+    (trainer/hf/weights.HFFolder) a layer at a time: the caller copies each into place."""
     args = model.args
     qwen3_next.check_release_config(hf.config, args, folder, flavor)
     tensors = {**dict(model.named_parameters()), **dict(model.named_buffers())}
@@ -44,7 +43,7 @@ def load_release(model, hf, folder: str, flavor: str) -> None:
                                   f"has shape {list(full.shape)} there and "
                                   f"{list(tensors[name].shape)} here; choose the flavor and "
                                   "model.vocab_size the checkpoint was made with")
-            copy_full(tensors[name], full)
+            yield tensors[name], full
             wanted.discard(name)
     if wanted:
         raise ConfigError(f"{folder} lacks {len(wanted)} of this model's tensors (e.g. "
