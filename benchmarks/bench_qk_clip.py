@@ -66,6 +66,7 @@ def main() -> None:
         with_max = time_attention(seq, a.heads, a.head_dim, a.batch, a.repeat, True)
         print(f"| {seq} | {base:.2f} | {with_max:.2f} | {with_max / base:.2f}x |")
     common = ["--optimizer.name", "Muon", "--training.device", "cpu",
+              "--parallelism.expert_parallel_degree", str(a.ngpu),
               "--training.mixed_precision_param", "float32"]
     plain = step_time(common, a.ngpu, a.steps)
     clipped = step_time([*common, "--optimizer.muon_qk_clip", "100"], a.ngpu, a.steps)

@@ -28,13 +28,16 @@ def record(buffer: torch.Tensor, maxima: torch.Tensor) -> None:
 
 
 @torch.no_grad()
-def max_logits(q: torch.Tensor, k: torch.Tensor, allowed=None) -> torch.Tensor:
+def max_logits(q: torch.Tensor, k: torch.Tensor, allowed=None,
+               causal: bool = True) -> torch.Tensor:
     """[heads] fp32: each query head's largest logit over `q` [b, s, heads, d] and `k`
     [b, S, kv_heads, d] (kv heads serve heads / kv_heads query heads each, GQA).
 
     `allowed(rows)` gives the pairs that count for the query positions `rows` (a [rows]
     int64 tensor): a boolean tensor broadcastable to [b, 1, len(rows), S]; None: causal with
-    the queries at the last s of the S key positions (s == S without context parallelism)."""
+    the queries at the last s of the S key positions (s == S without context parallelism).
+    `causal`: no query attends past its own position (the query rows are in sequence
+    order), so a block of queries is scored against the keys up to its last one only."""
     b, s, heads, d = q.shape
     keys, kv_heads = k.shape[1], k.shape[2]
     scale = 1.0 / math.sqrt(d)
@@ -45,10 +48,12 @@ def max_logits(q: torch.Tensor, k: torch.Tensor, allowed=None) -> torch.Tensor:
     cols = torch.arange(keys, device=q.device)
     for start in range(0, s, CHUNK):
         rows = torch.arange(start, min(start + CHUNK, s), device=q.device)
-        scores = torch.matmul(q[:, start:start + len(rows)].transpose(1, 2).float(), kt)
-        scores.mul_(scale)  # [b, heads, rows, S]
-        mask = (cols[None, :] <= (rows + keys - s)[:, None]) if allowed is None \
-            else allowed(rows)
+        seen = min(start + len(rows) + keys - s, keys) if causal else keys
+        scores = torch.matmul(q[:, start:start + len(rows)].transpose(1, 2).float(),
+                              kt[..., :seen])
+        scores.mul_(scale)  # [b, heads, rows, seen]
+        mask = (cols[None, :seen] <= (rows + keys - s)[:, None]) if allowed is None \
+            else allowed(rows)[..., :seen]
         scores.masked_fill_(~mask, float("-inf"))
         out = torch.maximum(out, scores.amax(dim=(0, 2, 3)))
     return out

@@ -115,7 +115,8 @@ class ContextAttention:
         if logit_max is not None and not (self.implementation == "flex" and q.is_cuda):
             allowed = logits.block_mask(self.mask) if self.implementation == "flex" \
                 else logits.boolean(self.mask)
-            logits.record(logit_max, logits.max_logits(q, k, allowed))
+            # this rank's queries are head-tail chunks, not in sequence order: every key
+            logits.record(logit_max, logits.max_logits(q, k, allowed, causal=False))
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
         if self.implementation == "flex":
             return flex(q, k, v, self.mask, gqa, logit_max)
