@@ -167,3 +167,13 @@ def test_a_flavor_of_another_family_is_one_line(tmp_path):
     last = [ln for ln in proc.stderr.splitlines() if ln.strip()][-1]
     assert last.startswith("config error: model.flavor = 'debugmodel-qwen3-next' is a "
                            "qwen3_next model"), last
+
+
+def test_llama_blocks_are_not_built_for_the_hybrid():
+    """Tools that still build through trainer.models.llama (the plan, generation) refuse the
+    family in one line rather than plan or run Llama blocks in its place."""
+    from trainer.errors import ConfigError
+    from trainer.models.llama import build_model as llama_build
+
+    with pytest.raises(ConfigError, match="model.name = 'qwen3_next' is not supported by this"):
+        llama_build(FLAVORS[FLAVOR])
