@@ -6,7 +6,8 @@ the full-attention layers masked); a run's export imports back into a plain mode
 Through run_train.sh (configs/debug_qwen3_next.toml, fp32, block_causal on the stdlib corpus,
 5 steps): EP 2 x FSDP 2, TP 2 x FSDP 2, PP 2 x FSDP 2 and CP 2 x FSDP 2 give the 1-rank losses
 and gradient norms; the EP run's export (checkpoint.last_save_in_hf) loads in transformers as
-Qwen3NextForCausalLM with the checkpoint's logits; a flavor of another family is one line.
+Qwen3NextForCausalLM with the checkpoint's logits and its step-3 checkpoint resumes at CP 2 on
+2 ranks with the 1-rank steps 4 and 5; a flavor of another family is one line.
 """
 
 import json
@@ -14,7 +15,7 @@ import json
 import pytest
 import torch
 
-from tests.helpers import REPO, run_train, scalars
+from tests.helpers import REPO, run_train, scalars, stopped_after_save
 from tests.test_data_fixtures import stdlib_texts, tokenizer_path  # noqa: F401
 from tests.test_doc_mask_e2e import short_docs_store  # noqa: F401
 from trainer.models.args import FLAVORS, model_args
@@ -75,7 +76,7 @@ COMMON = ("--training.seq_len", "64", "--training.local_batch_size", "2",
           "--training.global_batch_size", "8", "--training.mixed_precision_param", "float32",
           "--metrics.log_freq", "1", "--lr_scheduler.warmup_steps", "2",
           "--lr_scheduler.min_lr_factor", "1.0", "--training.steps", "5",
-          "--checkpoint.interval", "5", "--checkpoint.keep_latest_k", "0",
+          "--checkpoint.interval", "3", "--checkpoint.keep_latest_k", "0",
           "--validation.enable", "false",
           # the release routes by its scores alone: an exact export needs no balancing bias
           "--moe.load_balance_coeff", "0")
@@ -123,6 +124,22 @@ def test_each_layout_trains_as_one_rank(runs, name):
     assert "Gated DeltaNet: torch chunked gated delta rule" in runs[name][1]
 
 
+@pytest.mark.needs_datasets
+def test_an_ep_checkpoint_resumes_under_cp_on_two_ranks(runs, short_docs_store, tmp_path):  # noqa: F811
+    """EP 2 x FSDP 2's step-3 checkpoint, resumed at CP 2 on 2 ranks, gives the 1-rank
+    steps 4 and 5."""
+    dump = stopped_after_save(runs["ep2_fsdp2"][0], tmp_path / "resumed", 5)
+    out = run_train(dump, *COMMON, "--data.dataset", "json", "--data.store_path",
+                    short_docs_store, EP, "1", "--parallelism.context_parallel_degree", "2",
+                    nproc=2, config=CONFIG).stdout
+    assert "resumed from" in out and "step-3" in out
+    for tag in TAGS:
+        want, have = scalars(runs["ref"][0], tag), scalars(dump, tag)
+        assert sorted(have) == [4, 5], (tag, have)
+        assert all(abs(have[s] - want[s]) <= 1e-4 * max(1.0, abs(want[s])) for s in have), \
+            (tag, have, want)
+
+
 def _checkpoint_state(dump):
     from trainer.convert import dcp_fetch, saved_shapes
 
@@ -167,13 +184,3 @@ def test_a_flavor_of_another_family_is_one_line(tmp_path):
     last = [ln for ln in proc.stderr.splitlines() if ln.strip()][-1]
     assert last.startswith("config error: model.flavor = 'debugmodel-qwen3-next' is a "
                            "qwen3_next model"), last
-
-
-def test_llama_blocks_are_not_built_for_the_hybrid():
-    """Tools that still build through trainer.models.llama (the plan, generation) refuse the
-    family in one line rather than plan or run Llama blocks in its place."""
-    from trainer.errors import ConfigError
-    from trainer.models.llama import build_model as llama_build
-
-    with pytest.raises(ConfigError, match="model.name = 'qwen3_next' is not supported by this"):
-        llama_build(FLAVORS[FLAVOR])

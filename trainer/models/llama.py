@@ -285,13 +285,7 @@ def _fill(param: torch.Tensor, name: str, seed: int, std: float | None) -> None:
 
 
 def build_model(args: ModelArgs) -> Transformer:
-    """Build on the meta device: no memory is allocated until `to_empty` after sharding.
-    Llama's blocks only: trainer.models.build.build_model builds every family."""
-    if args.hybrid is not None:  # Llama blocks in its place would be a silently wrong model
-        from trainer.errors import ConfigError
-
-        raise ConfigError("model.name = 'qwen3_next' is not supported by this tool yet (it "
-                          "builds Llama blocks); train, convert and export it (docs/qwen3_next.md)")
+    """Build on the meta device: no memory is allocated until `to_empty` after sharding."""
     args.validate()
     with torch.device("meta"):
         return Transformer(args)
