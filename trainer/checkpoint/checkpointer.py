@@ -8,8 +8,11 @@ dataloader position.
 
 A save is atomic: every rank writes into `step-N.partial`; once DCP has written the metadata,
 the ranks hash their share of the files and rank 0 writes `manifest.json` (see
-ckpt_integrity.py), then renames the folder to `step-N`. Only `step-N` folders are ever loaded,
-so a crash mid-save leaves the previous checkpoint as the latest. A save the storage refuses
+integrity.py), then renames the folder to `step-N`. Only `step-N` folders are ever loaded,
+so a crash mid-save leaves the previous checkpoint as the latest. On an object store
+(`checkpoint.folder = s3://...`, steps.py, storage.py), which cannot rename a folder, the ranks write
+under `step-N/` itself and the manifest, written by rank 0 after every rank's objects are,
+is the commit: only steps with a manifest are listed. A save the storage refuses
 (disk full, permissions, I/O error, on any rank) is agreed on by all ranks before anything is
 committed: the partial folder is removed and the run stops with one line, or warns and goes on
 (`on_save_error = "continue"`).
@@ -34,8 +37,6 @@ from __future__ import annotations
 
 import functools
 import os
-import re
-import shutil
 import time
 from dataclasses import dataclass, field
 
@@ -45,13 +46,12 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.stateful import Stateful
 
-from trainer.checkpoint import integrity, safe_load
+from trainer.checkpoint import integrity, safe_load, storage
 from trainer.checkpoint.optim_state import ModelAndOptimizer, changed_line
+from trainer.checkpoint.steps import StepFolder, abandoned_suffix
 from trainer.health import faults
 from trainer.errors import CheckpointError, ConfigError
 
-STEP_DIR = re.compile(r"^step-(\d+)$")
-# Testing hook: crash rank 0 after the data of this step's save is written, before the commit.
 
 
 @dataclass
@@ -107,7 +107,8 @@ class Checkpointer:
     def __init__(self, cfg, *, model, optimizer, scheduler, dataloader, train_state: TrainState,
                  log=print):
         self.cfg = cfg.checkpoint
-        self.root = os.path.join(cfg.job.dump_folder, self.cfg.folder)
+        self.folder = StepFolder(self.cfg.folder, cfg.job.dump_folder)  # local, or s3:// gs://
+        self.root = self.folder.root
         self.train_state, self.log = train_state, log
         self.states = {"model_optim": ModelAndOptimizer(model, optimizer),
                        "lr_scheduler": _Adapter(scheduler), "dataloader": _Adapter(dataloader),
@@ -126,13 +127,10 @@ class Checkpointer:
 
     # ----------------------------------------------------------------------------- listing
     def committed_steps(self) -> list[int]:
-        if not os.path.isdir(self.root):
-            return []
-        steps = (STEP_DIR.match(name) for name in os.listdir(self.root))
-        return sorted(int(m.group(1)) for m in steps if m)
+        return self.folder.committed()
 
     def _path(self, step: int) -> str:
-        return os.path.join(self.root, f"step-{step}")
+        return self.folder.path(step)
 
     # ----------------------------------------------------------------------------- load
     def step_to_load(self) -> int | None:
@@ -140,6 +138,8 @@ class Checkpointer:
         resume. Collective: the ranks verify the files together and agree."""
         if not self.cfg.enable:
             return None
+        storage.check_path(self.root, "checkpoint.folder")  # its client library is installed
+        storage.probe(self.root, "checkpoint.folder")  # the bucket is there and ours to use
         steps = self.committed_steps()
         step = self.cfg.load_step
         if step != -1 and step not in steps:
@@ -291,21 +291,21 @@ class Checkpointer:
         self.wait()  # at most one save in flight; commit the previous one first
         self.replacing = step if replace else None
         t0 = time.monotonic()
-        partial = self._path(step) + ".partial"
+        partial = self.folder.partial(step)
         if dist.get_rank() == 0:
-            shutil.rmtree(partial, ignore_errors=True)  # left over from an interrupted save
+            self.folder.clear_for_save(step, replace)  # what an interrupted save left
         dist.barrier()
         states = {**self.states, **integrity.marker()}
         writer = integrity.storage_writer(partial, step, dist.get_rank())
         if self.async_group is None:
             error = None
             try:
-                dcp.save(states, checkpoint_id=partial, storage_writer=writer)
+                dcp.save(states, storage_writer=writer)
             except (CheckpointException, OSError) as e:
                 error = integrity.describe_save_error(e, partial)
             self._commit(step, t0, error, writer)
         else:
-            future = dcp.async_save(states, checkpoint_id=partial, storage_writer=writer,
+            future = dcp.async_save(states, storage_writer=writer,
                                     process_group=self.async_group)
             self.log(f"checkpoint step-{step}: staged in {time.monotonic() - t0:.2f}s, "
                      "writing in the background")
@@ -320,7 +320,7 @@ class Checkpointer:
             try:
                 future.result()
             except (CheckpointException, OSError) as e:
-                error = integrity.describe_save_error(e, self._path(step) + ".partial")
+                error = integrity.describe_save_error(e, self.folder.partial(step))
             if time.monotonic() - waited > 0.01:
                 self.log(f"checkpoint step-{step}: training waited "
                          f"{time.monotonic() - waited:.2f}s for the background write")
@@ -328,7 +328,7 @@ class Checkpointer:
 
     def _commit(self, step: int, t0: float, error: str | None, writer) -> None:
         """Agree that every rank's write succeeded, record the manifest, rename; or give up."""
-        partial, rank, world = self._path(step) + ".partial", dist.get_rank(), dist.get_world_size()
+        partial, rank, world = self.folder.partial(step), dist.get_rank(), dist.get_world_size()
         faults.armed().before_commit(step)  # a testing hook: nothing unless asked
         files = {}
         if error is None:
@@ -342,11 +342,11 @@ class Checkpointer:
         if outcome[0] is None and rank == 0:
             try:
                 files = {k: v for _, f in seen for k, v in f.items()}
-                integrity.write_manifest(partial, step, self.fingerprint,
-                                         {**integrity.unrecorded(partial, files), **files})
                 self._move_aside_abandoned(step)
-                self._install(partial, step)
-                self._prune(keep=step)
+                integrity.write_manifest(partial, step, self.fingerprint,  # a store's commit
+                                         {**integrity.unrecorded(partial, files), **files})
+                self.folder.install(step, replacing=self.replacing == step)
+                self.folder.prune(self.cfg.keep_latest_k, keep=step)
             except OSError as e:
                 outcome = [str(e)]
         dist.broadcast_object_list(outcome, src=0)
@@ -360,7 +360,8 @@ class Checkpointer:
 
     def _save_failed(self, step: int, partial: str, error: str) -> None:
         if dist.get_rank() == 0:
-            shutil.rmtree(partial, ignore_errors=True)  # frees the space a partial write took
+            storage.remove_tree(partial)  # frees the space a partial write took
+            self.folder.restore_superseded(step)  # a store's step the save was to replace
         dist.barrier()
         steps = self.committed_steps()
         latest = self._path(steps[-1]) if steps else "none"
@@ -378,35 +379,9 @@ class Checkpointer:
         later = [s for s in self.committed_steps()
                  if s > self.branch_point or (s == step and s != self.replacing)]
         if later:
-            stamp = time.strftime("%Y%m%d-%H%M%S")
+            suffix = abandoned_suffix()
             for s in later:
-                os.replace(self._path(s), f"{self._path(s)}.abandoned-{stamp}")
+                self.folder.set_aside(s, suffix)
             self.log(f"this run resumed from step {self.branch_point}: moved the later "
                      f"checkpoint(s) {', '.join(f'step-{s}' for s in later)} aside as "
-                     f"step-N.abandoned-{stamp} (never resumed from nor pruned)")
-
-    def _install(self, partial: str, step: int) -> None:
-        """Rename `partial` to `step-N`. A rollback's re-save replaces `step-N`: the old folder
-        is renamed aside, then deleted (a crash between the two renames leaves the same weights
-        in `step-N.superseded`, which no resume reads: rename it back by hand)."""
-        final = self._path(step)
-        if self.replacing != step or not os.path.isdir(final):
-            os.replace(partial, final)
-            return
-        old = f"{final}.superseded"
-        shutil.rmtree(old, ignore_errors=True)
-        os.replace(final, old)
-        try:
-            os.replace(partial, final)
-        except OSError:
-            os.replace(old, final)  # the save failed: the reloaded step stays as it was
-            raise
-        shutil.rmtree(old, ignore_errors=True)
-
-    def _prune(self, keep: int) -> None:
-        """Keep the newest k steps, and always `keep` (just committed)."""
-        k = self.cfg.keep_latest_k
-        if k > 0:
-            for old in self.committed_steps()[:-k]:
-                if old != keep:
-                    shutil.rmtree(self._path(old), ignore_errors=True)
+                     f"step-N{suffix} (never resumed from nor pruned)")

@@ -24,16 +24,16 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import functools
 import zlib
 from concurrent.futures import ThreadPoolExecutor
 import hashlib
 import json
 import os
 
-import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.filesystem import FileSystem
 
-from trainer.checkpoint import safe_load
+from trainer.checkpoint import safe_load, storage
 from trainer.data.store import file_blake2b
 from trainer.health import faults
 
@@ -107,31 +107,29 @@ def _my_share(names: list[str], rank: int, world: int) -> list[str]:
 def unrecorded(folder: str, recorded: dict[str, dict]) -> dict[str, dict]:
     """{file: {bytes, crc32}} of the folder's files that no rank's writer recorded (none,
     with DCP's writer as it is: a safety net, read by rank 0; raises OSError)."""
-    names = [n for n in os.listdir(folder) if n != MANIFEST and n not in recorded]
-    return {name: {"bytes": os.path.getsize(os.path.join(folder, name)),
-                   CHECKSUM: file_checksum(os.path.join(folder, name))} for name in names}
+    names = [n for n in storage.listdir(folder) if n != MANIFEST and n not in recorded]
+    return {name: {"bytes": storage.size(storage.join(folder, name)),
+                   CHECKSUM: file_checksum(storage.join(folder, name))} for name in names}
 
 
 def write_manifest(folder: str, step: int, fingerprint: str, files: dict[str, dict]) -> None:
-    """Write `manifest.json` durably (temp file, fsync, rename); raises OSError."""
+    """Write `manifest.json` durably (temp file, fsync, rename; on a store one object);
+    raises OSError."""
     manifest = {"format": FORMAT, "version": VERSION, "step": step,
                 "model_fingerprint": fingerprint, "files": dict(sorted(files.items()))}
-    tmp = os.path.join(folder, MANIFEST + ".tmp")
-    with open(tmp, "w") as fh:
-        json.dump(manifest, fh, indent=1)
-        fh.flush()
-        os.fsync(fh.fileno())
-    os.replace(tmp, os.path.join(folder, MANIFEST))
+    storage.write_durably(storage.join(folder, MANIFEST), json.dumps(manifest, indent=1))
 
 
 def storage_writer(path: str, step: int, rank: int):
-    """DCP's file system writer, hashing what it writes (HashingFileSystem); or (an injected
-    fault, health/faults.py) one that fails like a broken disk."""
+    """DCP's writer for a folder or URL, hashing what it writes (HashingFileSystem); or (an
+    injected fault, health/faults.py) one that fails like a broken disk."""
+    if storage.is_url(path):
+        writer = storage.dcp_writer(path, _hashing_fsspec_class())
+    else:
+        writer = storage.dcp_writer(path, HashingFileSystem)
     err = faults.armed().save_fails(step)
     if err is not None:
-        return _FailingWriter(path, err)
-    writer = dcp.FileSystemWriter(path)
-    writer.fs = HashingFileSystem()
+        writer.write_data = functools.partial(_fail, storage.join(path, "__injected.distcp"), err)
     return writer
 
 
@@ -142,16 +140,16 @@ def written_files(writer) -> dict[str, dict]:
     records = dict(getattr(fs, "written", {}))
     for name, record in records.items():
         if record is None:
-            path = os.path.join(str(writer.path), name)
-            records[name] = {"bytes": os.path.getsize(path), CHECKSUM: file_checksum(path)}
+            path = storage.join(str(writer.path), name)
+            records[name] = {"bytes": storage.size(path), CHECKSUM: file_checksum(path)}
     return records
 
 
-class HashingFileSystem(FileSystem):
-    """DCP's local file system, with each file's size and CRC-32 taken from the bytes as they
-    are written: the manifest needs no read of the checkpoint, and in an async save the
-    hashing runs on the writer's thread, off the training loop. Each rank records only the
-    files it wrote (rank 0 also `.metadata`, through its temporary name)."""
+class _Hashing:
+    """A DCP file system (local or fsspec) with each file's size and CRC-32 taken from the
+    bytes as they are written: the manifest needs no read of the checkpoint, and in an async
+    save the hashing runs on the writer's thread, off the training loop. Each rank records only
+    the files it wrote (rank 0 also `.metadata`, through its temporary name)."""
 
     def __init__(self):
         super().__init__()
@@ -165,13 +163,23 @@ class HashingFileSystem(FileSystem):
                 return
             tee = _HashingStream(stream)
             yield tee
-        self.written[os.path.basename(str(path))] = tee.record()
+        self.written[storage.basename(path)] = tee.record()
 
     def rename(self, path, new_path) -> None:
         super().rename(path, new_path)
-        record = self.written.pop(os.path.basename(str(path)), None)
+        record = self.written.pop(storage.basename(path), None)
         if record is not None:
-            self.written[os.path.basename(str(new_path))] = record
+            self.written[storage.basename(new_path)] = record
+
+
+class HashingFileSystem(_Hashing, FileSystem):
+    """DCP's local file system, hashing what it writes."""
+
+
+@functools.cache
+def _hashing_fsspec_class():
+    """DCP's fsspec file system, hashing what it writes (its import needs fsspec)."""
+    return type("HashingFsspecFileSystem", (_Hashing, storage.fsspec_base()), {})
 
 
 class _HashingStream:
@@ -216,20 +224,14 @@ def file_checksum(path: str, kind: str = "crc32") -> str:
     if kind == "blake2b":
         return file_blake2b(path)
     crc = 0
-    with open(path, "rb") as fh:
+    with storage.open_file(path, "rb") as fh:
         for chunk in iter(lambda: fh.read(1 << 22), b""):
             crc = zlib.crc32(chunk, crc)
     return f"{crc:08x}"
 
 
-class _FailingWriter(dcp.FileSystemWriter):
-    def __init__(self, path: str, err: int):
-        super().__init__(path)
-        self.err = err
-
-    def write_data(self, plan, planner):
-        target = os.path.join(str(self.path), "__injected.distcp")
-        raise OSError(self.err, os.strerror(self.err), target)
+def _fail(target: str, err: int, plan, planner):
+    raise OSError(err, os.strerror(err), target)
 
 
 def describe_save_error(exc: BaseException, folder: str) -> str:
@@ -244,6 +246,8 @@ def describe_save_error(exc: BaseException, folder: str) -> str:
         return str(os_error)
     inner = errors[1] if len(errors) > 1 else exc
     what = f"{type(inner).__name__}: {str(inner).strip()}".splitlines()[0]
+    if storage.is_url(folder):  # the store's client named its error already
+        return what
     # One probe per process: the ranks of a job probe the same shared folder at once.
     probe = os.path.join(folder, f".write-probe-{os.getpid()}")
     try:
@@ -265,7 +269,7 @@ def describe_save_error(exc: BaseException, folder: str) -> str:
 def saved_fingerprint(folder: str) -> str | None:
     """The model fingerprint a verified checkpoint's manifest records (None: no manifest)."""
     try:
-        with open(os.path.join(folder, MANIFEST)) as fh:
+        with storage.open_file(storage.join(folder, MANIFEST), "r") as fh:
             return json.load(fh).get("model_fingerprint")
     except FileNotFoundError:
         return None
@@ -277,14 +281,14 @@ def check_share(folder: str, step: int, verify: str, rank: int, world: int,
     without a manifest that looks whole, else what is wrong (one phrase). A `.metadata` that
     would run code is wrong too, manifest or not: the manifest guards against damage, and
     anyone who can plant a file can re-hash it (trainer/checkpoint/safe_load.py)."""
-    manifest_path = os.path.join(folder, MANIFEST)
-    if not os.path.exists(manifest_path):
+    manifest_path = storage.join(folder, MANIFEST)
+    if not storage.exists(manifest_path):
         return _check_legacy(folder, rank, world, allow_pickle)
     meta = _read_metadata(folder, allow_pickle)
     if isinstance(meta, str):
         return meta
     try:
-        with open(manifest_path) as fh:
+        with storage.open_file(manifest_path, "r") as fh:
             manifest = json.load(fh)
         files = manifest["files"]
         assert manifest["format"] == FORMAT and isinstance(files, dict)
@@ -296,16 +300,16 @@ def check_share(folder: str, step: int, verify: str, rank: int, world: int,
         total = sum(int(f["bytes"]) for f in files.values())
         verify = "checksums" if total <= AUTO_CHECKSUM_BYTES else "sizes"
     for name in _my_share(list(files), rank, world):
-        problem = _check_file(os.path.join(folder, name), files[name], verify)
+        problem = _check_file(storage.join(folder, name), files[name], verify)
         if problem:
             return problem
     return None
 
 
 def _check_file(path: str, want: dict, verify: str) -> str | None:
-    name = os.path.basename(path)
+    name = storage.basename(path)
     try:
-        size = os.path.getsize(path)
+        size = storage.size(path)
         if size != want["bytes"]:
             return f"{name} has {size} bytes, the manifest says {want['bytes']}"
         kind = CHECKSUM if CHECKSUM in want else "blake2b"
@@ -342,7 +346,7 @@ def _check_legacy(folder: str, rank: int, world: int, allow_pickle: bool) -> str
         extents[info.relative_path] = max(end, extents.get(info.relative_path, 0))
     for name in _my_share(list(extents), rank, world):
         try:
-            size = os.path.getsize(os.path.join(folder, name))
+            size = storage.size(storage.join(folder, name))
         except OSError:
             return f"{name} is missing"
         if size < extents[name]:

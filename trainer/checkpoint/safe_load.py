@@ -23,6 +23,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
 
+from trainer.checkpoint import storage
 from trainer.errors import CheckpointError
 
 OPT_OUT = "checkpoint.allow_pickle"
@@ -67,12 +68,10 @@ def untrusted(path: str, what: str, detail: str) -> UntrustedCheckpoint:
     return err
 
 
-class SafeReader(dcp.FileSystemReader):
-    """DCP's file system reader with `.metadata` read through the allow-list."""
+class _SafeMetadata:
+    """`.metadata` read through the allow-list (mixed into DCP's local or fsspec reader)."""
 
-    def __init__(self, path, allow_pickle: bool = False):
-        super().__init__(path)
-        self.allow_pickle = allow_pickle
+    allow_pickle = False
 
     def read_metadata(self, *args, **kwargs) -> Metadata:
         if self.allow_pickle:
@@ -116,8 +115,28 @@ class SafeLoadPlanner(DefaultLoadPlanner):
             self.state_dict[fqn] = obj
 
 
+class SafeReader(_SafeMetadata, dcp.FileSystemReader):
+    """DCP's file system reader with `.metadata` read through the allow-list."""
+
+    def __init__(self, path, allow_pickle: bool = False):
+        super().__init__(path)
+        self.allow_pickle = allow_pickle
+
+
+def reader(path: str, allow_pickle: bool = False):
+    """A SafeReader for a folder, or its fsspec twin for an s3:// or gs:// URL."""
+    if not storage.is_url(path):
+        return SafeReader(path, allow_pickle)
+    from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader
+
+    safe = type("SafeFsspecReader", (_SafeMetadata, FsspecReader), {})(
+        path, use_listings_cache=False)
+    safe.allow_pickle = allow_pickle
+    return safe
+
+
 def read_metadata(path: str, allow_pickle: bool = False) -> Metadata:
-    return SafeReader(path, allow_pickle).read_metadata()
+    return reader(path, allow_pickle).read_metadata()
 
 
 def load(state_dict: dict, path: str, *, allow_pickle: bool = False, partial: bool = False,
@@ -128,7 +147,7 @@ def load(state_dict: dict, path: str, *, allow_pickle: bool = False, partial: bo
     # First on its own: dcp.load swallows a reader's error (it falls back to per-rank
     # metadata files) and would bury the refusal in its own.
     read_metadata(path, allow_pickle)
-    dcp.load(state_dict, storage_reader=SafeReader(path, allow_pickle),
+    dcp.load(state_dict, storage_reader=reader(path, allow_pickle),
              planner=SafeLoadPlanner(allow_partial_load=partial, allow_pickle=allow_pickle,
                                      path=path),
              no_dist=no_dist)

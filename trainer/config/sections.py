@@ -338,7 +338,8 @@ class Checkpoint:
     (docs/checkpoints.md)."""
 
     enable: bool = opt(False, "Save Distributed Checkpoints and resume from them")
-    folder: str = opt("checkpoint", "Checkpoint folder, relative to job.dump_folder")
+    folder: str = opt("checkpoint", "Checkpoint folder, relative to job.dump_folder, or an "
+                      "object store URL: s3://bucket/prefix, gs://bucket/prefix")
     interval: int = opt(500, "Save every this many steps (and at the last step)", min=1)
     keep_latest_k: int = opt(10, "Keep the newest k checkpoints; 0 = keep all", min=0)
     load_step: int = opt(-1, "Resume from this step instead of the latest; -1 = latest", min=-1)
@@ -348,7 +349,8 @@ class Checkpoint:
     async_mode: str = opt("disabled", "disabled, or async: write in a background thread while training",
                           choices=("disabled", "async"))
     initial_load_path: str = opt("", "A fresh run (no checkpoint of its own) starts from this model: "
-                                 "a Hugging Face folder or a DCP step-N folder")
+                                 "a Hugging Face folder or a DCP step-N folder (s3:// or gs:// "
+                                 "for a DCP checkpoint)")
     initial_load_in_hf: bool = opt(False, "initial_load_path is a Hugging Face Llama folder "
                                    "(safetensors), not a DCP checkpoint")
     last_save_in_hf: bool = opt(False, "Also write the final model as a Hugging Face folder in "
@@ -369,6 +371,15 @@ class Checkpoint:
                               "true (loading is part of checkpointing)")
         if not self.folder:
             raise ConfigError("checkpoint.folder is empty; name a folder (e.g. 'checkpoint')")
+        for key, path in (("folder", self.folder), ("initial_load_path", self.initial_load_path)):
+            scheme = path.split("://", 1)[0] if "://" in path else None
+            if scheme not in (None, "s3", "gs"):
+                raise ConfigError(f"checkpoint.{key} = {path!r}: the scheme {scheme}:// is not "
+                                  "supported; use a local folder, s3://bucket/prefix or "
+                                  "gs://bucket/prefix")
+        if self.initial_load_in_hf and "://" in self.initial_load_path:
+            raise ConfigError(f"checkpoint.initial_load_path = {self.initial_load_path!r}: a "
+                              "Hugging Face folder must be local (URLs: DCP checkpoints only)")
         if self.initial_load_in_hf and not self.initial_load_path:
             raise ConfigError("checkpoint.initial_load_in_hf = true needs "
                               "checkpoint.initial_load_path (a Hugging Face model folder)")

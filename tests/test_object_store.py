@@ -1,0 +1,137 @@
+"""Checkpoints on an object store: a real S3 HTTP API (moto's server) on 127.0.0.1, 2 CPU ranks.
+
+One async run saves to s3://ckpt/run1 and stops at step 3, a second resumes it to step 6
+(past a step-6 whose save was cut off before its commit): steps 4-6 equal a local run's bit
+for bit. A 1-rank run then resumes step 3 from the bucket
+(the weights it loads equal what the 2 ranks loaded), sets the later step-6 aside and prunes.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+import time
+
+import pytest
+
+from tests.helpers import BASE_FP32, losses, run_train
+
+pytest.importorskip("s3fs", reason="s3fs is not installed (pip install -e '.[dev]')")
+pytest.importorskip("moto", reason="moto is not installed (pip install -e '.[dev]')")
+
+URL = "s3://ckpt/run1"
+COMMON = [*BASE_FP32, "--checkpoint.enable", "true", "--checkpoint.interval", "3",
+          "--checkpoint.async_mode", "async", "--checkpoint.keep_latest_k", "0"]
+DIGEST = {"TRAINER_DEBUG_WEIGHT_DIGEST": "1"}
+
+
+@pytest.fixture(scope="module")
+def s3():
+    """Environment variables that point boto3 and s3fs at a moto server on a free loopback
+    port, with the bucket `ckpt` created."""
+    import boto3
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    server = subprocess.Popen([sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p",
+                               str(port)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    env = {"AWS_ENDPOINT_URL": f"http://127.0.0.1:{port}", "AWS_ACCESS_KEY_ID": "test",
+           "AWS_SECRET_ACCESS_KEY": "test", "AWS_DEFAULT_REGION": "us-east-1"}
+    try:
+        deadline = time.monotonic() + 30
+        while True:
+            try:
+                with socket.create_connection(("127.0.0.1", port), timeout=1):
+                    break
+            except OSError:
+                if time.monotonic() > deadline:
+                    raise
+                time.sleep(0.1)
+        client = boto3.client("s3", endpoint_url=env["AWS_ENDPOINT_URL"],
+                              aws_access_key_id="test", aws_secret_access_key="test",
+                              region_name="us-east-1")
+        client.create_bucket(Bucket="ckpt")
+        env_before = {k: os.environ.get(k) for k in env}
+        os.environ.update(env)  # for this process's listings too
+        yield env, client
+        for key, value in env_before.items():
+            os.environ.pop(key) if value is None else os.environ.__setitem__(key, value)
+    finally:
+        server.terminate()
+        server.wait(timeout=10)
+
+
+def bucket(client) -> dict[str, set[str]]:
+    """{step folder: its object names} under s3://ckpt/run1."""
+    out: dict[str, set[str]] = {}
+    for page in client.get_paginator("list_objects_v2").paginate(Bucket="ckpt", Prefix="run1/"):
+        for obj in page.get("Contents", []):
+            _, folder, name = obj["Key"].split("/", 2)
+            out.setdefault(folder, set()).add(name)
+    return out
+
+
+@pytest.fixture(scope="module")
+def local(tmp_path_factory):
+    dump = tmp_path_factory.mktemp("local") / "run"
+    run_train(dump, *COMMON, "--training.steps", "6")
+    return dump
+
+
+@pytest.fixture(scope="module")
+def on_s3(s3, tmp_path_factory):
+    """(dump, stdout of the resume, the bucket after the first run, the bucket after both)."""
+    env, client = s3
+    dump = tmp_path_factory.mktemp("s3") / "run"
+    run_train(dump, *COMMON, "--checkpoint.folder", URL, "--training.steps", "3", env=env)
+    first = bucket(client)
+    for name in (".metadata", "__0_0.distcp", "__7_0.distcp"):  # a save cut off before its
+        client.put_object(Bucket="ckpt", Key=f"run1/step-6/{name}", Body=b"\0" * 64)  # commit
+    out = run_train(dump, *COMMON, "--checkpoint.folder", URL, "--training.steps", "6",
+                    env={**env, **DIGEST}).stdout
+    return dump, out, first, bucket(client)
+
+
+def test_resume_from_s3_is_bitwise_a_local_run(local, on_s3):
+    dump, out, first, both = on_s3
+    assert f"resumed from {URL}/step-3" in out
+    ref, got = losses(local), losses(dump)
+    assert [got[s] for s in (4, 5, 6)] == [ref[s] for s in (4, 5, 6)]
+    assert set(first) == {"step-3"} and set(both) == {"step-3", "step-6"}
+    # each rank's shard, the metadata, the manifest (the commit); the cut-off save's are gone
+    for names in both.values():
+        assert names == {"__0_0.distcp", "__1_0.distcp", ".metadata", "manifest.json"}
+    assert not (dump / "checkpoint").exists()
+    named = [os.path.join(d, n) for d, dirs, files in os.walk(dump.parent) for n in dirs + files
+             if n.startswith("s3") or n in ("ckpt", "run1")]
+    assert named == [], named
+
+
+def test_resume_on_one_rank_from_s3(s3, on_s3):
+    """Step 3 loads on 1 rank as it did on 2 (the same weights, gathered); the save of step 4
+    sets the later step-6 aside (a branch point) and keep_latest_k = 1 deletes step-3."""
+    env, client = s3
+    dump, two_ranks = on_s3[0], on_s3[1]
+    out = run_train(dump.parent / "one", *COMMON, "--checkpoint.folder", URL,
+                    "--checkpoint.load_step", "3", "--checkpoint.keep_latest_k", "1",
+                    "--training.steps", "4", nproc=1, env={**env, **DIGEST}).stdout
+    digest = [line.split()[-1] for line in out.splitlines() if "loaded weights digest" in line]
+    assert digest and digest == [line.split()[-1] for line in two_ranks.splitlines()
+                                 if "loaded weights digest" in line]
+    after = bucket(client)
+    assert "step-4" in after and "step-3" not in after and "step-6" not in after
+    assert any(name.startswith("step-6.abandoned-") for name in after), after
+
+
+def test_missing_bucket_is_one_line(s3, tmp_path):
+    env, _ = s3
+    proc = run_train(tmp_path / "run", *BASE_FP32, "--checkpoint.enable", "true",
+                     "--checkpoint.folder", "s3://no-such-bucket/run", "--training.steps", "1",
+                     nproc=1, env=env, check=False)
+    errors = [line for line in (proc.stdout + proc.stderr).splitlines() if "error:" in line]
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    assert len(errors) == 1 and "bucket 'no-such-bucket' does not exist" in errors[0], errors
+    assert "step 1" not in proc.stdout.lower()
