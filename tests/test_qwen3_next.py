@@ -153,3 +153,9 @@ def test_logits_equal_transformers(tmp_path, family):
     back = to_release(ours, args, family)
     assert back.keys() == released.keys()
     assert all(torch.equal(back[k], released[k]) for k in released)
+    # a run's import (checkpoint.initial_load_in_hf): the folder, a layer at a time
+    from trainer.hf.load import load_hf
+
+    imported = Qwen3Next(args)
+    load_hf(imported, str(tmp_path), flavor="tiny")
+    assert all(torch.equal(t, model.state_dict()[k]) for k, t in imported.state_dict().items())
