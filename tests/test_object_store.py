@@ -16,7 +16,7 @@ import time
 
 import pytest
 
-from tests.helpers import BASE_FP32, losses, run_train
+from tests.helpers import BASE_FP32, losses, run_train, subprocess_env
 
 pytest.importorskip("s3fs", reason="s3fs is not installed (pip install -e '.[dev]')")
 pytest.importorskip("moto", reason="moto is not installed (pip install -e '.[dev]')")
@@ -135,3 +135,28 @@ def test_missing_bucket_is_one_line(s3, tmp_path):
     assert proc.returncode == 2, proc.stderr[-2000:]
     assert len(errors) == 1 and "bucket 'no-such-bucket' does not exist" in errors[0], errors
     assert "step 1" not in proc.stdout.lower()
+
+
+def test_other_schemes_refused_and_no_client_imported_without_a_url():
+    """In a fresh process: other schemes are config errors naming the valid ones, and the
+    trainer, its checkpointer and a local checkpoint folder's config import no store client."""
+    code = """if True:
+        import sys
+        import trainer.train, trainer.checkpoint.checkpointer
+        from trainer.config.job import load_config
+        from trainer.errors import ConfigError
+        load_config(["--checkpoint.enable", "true"])
+        for key, url in (("folder", "http://host/ckpt"), ("initial_load_path", "hdfs://nn/x")):
+            try:
+                load_config([f"--checkpoint.{key}", url])
+            except ConfigError as e:
+                print(e.one_line())
+        print(sorted(m for m in ("s3fs", "gcsfs", "fsspec", "boto3") if m in sys.modules))
+    """
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         env=subprocess_env(), check=True).stdout.splitlines()
+    assert out == [
+        "config error: checkpoint.folder = 'http://host/ckpt': the scheme http:// is not "
+        "supported; use a local folder, s3://bucket/prefix or gs://bucket/prefix",
+        "config error: checkpoint.initial_load_path = 'hdfs://nn/x': the scheme hdfs:// is not "
+        "supported; use a local folder, s3://bucket/prefix or gs://bucket/prefix", "[]"]
