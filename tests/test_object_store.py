@@ -8,6 +8,7 @@ for bit. A 1-rank run then resumes step 3 from the bucket
 
 from __future__ import annotations
 
+import json
 import os
 import socket
 import subprocess
@@ -69,8 +70,8 @@ def bucket(client) -> dict[str, set[str]]:
     out: dict[str, set[str]] = {}
     for page in client.get_paginator("list_objects_v2").paginate(Bucket="ckpt", Prefix="run1/"):
         for obj in page.get("Contents", []):
-            _, folder, name = obj["Key"].split("/", 2)
-            out.setdefault(folder, set()).add(name)
+            _, folder, *name = obj["Key"].split("/", 2)
+            out.setdefault(folder, set()).update(name)
     return out
 
 
@@ -100,7 +101,7 @@ def test_resume_from_s3_is_bitwise_a_local_run(local, on_s3):
     assert f"resumed from {URL}/step-3" in out
     ref, got = losses(local), losses(dump)
     assert [got[s] for s in (4, 5, 6)] == [ref[s] for s in (4, 5, 6)]
-    assert set(first) == {"step-3"} and set(both) == {"step-3", "step-6"}
+    assert set(first) == {"step-3"} and set(both) == {"step-3", "step-6"}  # lease released
     # each rank's shard, the metadata, the manifest (the commit); the cut-off save's are gone
     for names in both.values():
         assert names == {"__0_0.distcp", "__1_0.distcp", ".metadata", "manifest.json"}
@@ -160,3 +161,49 @@ def test_other_schemes_refused_and_no_client_imported_without_a_url():
         "supported; use a local folder, s3://bucket/prefix or gs://bucket/prefix",
         "config error: checkpoint.initial_load_path = 'hdfs://nn/x': the scheme hdfs:// is not "
         "supported; use a local folder, s3://bucket/prefix or gs://bucket/prefix", "[]"]
+
+
+def lease_record(**changes) -> bytes:
+    record = {"host": "elsewhere", "job": "slurm 1", "pid": 1, "start": "", "since": time.time(),
+              "heartbeat": time.time(), "token": "theirs"}
+    return json.dumps({**record, **changes}).encode()
+
+
+def test_a_live_run_holding_the_bucket_folder_keeps_another_out(s3, on_s3, tmp_path):
+    """Another dump folder, the same s3:// checkpoint folder: refused in one line while the
+    holder's heartbeat is fresh (the lease is taken with If-None-Match: *)."""
+    env, client = s3
+    client.put_object(Bucket="ckpt", Key="run2/lease.json", Body=lease_record())
+    proc = run_train(tmp_path / "run", *BASE_FP32, "--checkpoint.enable", "true",
+                     "--checkpoint.folder", "s3://ckpt/run2", "--training.steps", "1",
+                     nproc=1, env=env, check=False)
+    errors = [line for line in (proc.stdout + proc.stderr).splitlines() if "error:" in line]
+    assert proc.returncode == 2 and len(errors) == 1, proc.stderr[-2000:]
+    assert "checkpoint.folder s3://ckpt/run2 is in use by another run: slurm 1 on elsewhere" \
+        in errors[0]
+
+
+def test_store_lease_takes_over_a_stale_one_and_releases(s3):
+    """In this process against the server: a stale lease is replaced with If-Match (the ETag
+    judged stale), a refresh after another run's takeover finds it lost, a release deletes
+    only its own."""
+    from trainer.checkpoint.store_lease import StoreLease
+
+    _, client = s3
+    client.put_object(Bucket="ckpt", Key="run3/lease.json",
+                      Body=lease_record(heartbeat=time.time() - 1000))
+    said = []
+    mine = StoreLease("s3://ckpt/run3", timeout=60, log=said.append)
+    mine.acquire()
+    assert "taking over the lease of slurm 1 on elsewhere" in said[0] and "no heartbeat" in said[0]
+    held = json.loads(client.get_object(Bucket="ckpt", Key="run3/lease.json")["Body"].read())
+    assert held["token"] == mine.me.token
+    client.put_object(Bucket="ckpt", Key="run3/lease.json", Body=lease_record())  # taken over
+    mine.release()  # not ours any more: stays
+    assert json.loads(client.get_object(Bucket="ckpt", Key="run3/lease.json")["Body"].read()
+                      )["token"] == "theirs"
+    client.delete_object(Bucket="ckpt", Key="run3/lease.json")
+    again = StoreLease("s3://ckpt/run3", timeout=60)
+    again.acquire()
+    again.release()
+    assert "Contents" not in client.list_objects_v2(Bucket="ckpt", Prefix="run3/")

@@ -46,7 +46,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.stateful import Stateful
 
-from trainer.checkpoint import integrity, safe_load, storage
+from trainer.checkpoint import integrity, safe_load, storage, store_lease
 from trainer.checkpoint.optim_state import ModelAndOptimizer, changed_line
 from trainer.checkpoint.steps import StepFolder, abandoned_suffix
 from trainer.health import faults
@@ -109,6 +109,7 @@ class Checkpointer:
         self.cfg = cfg.checkpoint
         self.folder = StepFolder(self.cfg.folder, cfg.job.dump_folder)  # local, or s3:// gs://
         self.root = self.folder.root
+        self.lease_timeout, self.store_lease = cfg.job.lease_timeout_seconds, None
         self.train_state, self.log = train_state, log
         self.states = {"model_optim": ModelAndOptimizer(model, optimizer),
                        "lr_scheduler": _Adapter(scheduler), "dataloader": _Adapter(dataloader),
@@ -140,6 +141,9 @@ class Checkpointer:
             return None
         storage.check_path(self.root, "checkpoint.folder")  # its client library is installed
         storage.probe(self.root, "checkpoint.folder")  # the bucket is there and ours to use
+        if self.folder.url and self.store_lease is None:  # one run per folder (store_lease.py)
+            self.store_lease = store_lease.take(self.root, self.lease_timeout, dist.get_rank(),
+                                                log=self.log)
         steps = self.committed_steps()
         step = self.cfg.load_step
         if step != -1 and step not in steps:

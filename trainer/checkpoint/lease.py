@@ -36,7 +36,7 @@ from dataclasses import asdict, dataclass
 from trainer.errors import ConfigError
 
 LEASE_FILE = "lease.json"
-_held: dict = {"lease": None}
+_held: dict = {"lease": None, "others": []}  # others: an s3:// checkpoint folder's (store_lease)
 
 
 @dataclass
@@ -316,8 +316,15 @@ def take(folder: str, timeout: float, rank: int, log=print) -> Lease | None:
     return lease
 
 
+def hold(other) -> None:
+    """Release `other` (a lease with `release()`) with this process's own, at its exit."""
+    _held["others"].append(other)
+
+
 def release_held() -> None:
-    """Release this process's lease, if it holds one (train.main's exit path)."""
+    """Release this process's leases, if it holds any (train.main's exit path)."""
+    while _held["others"]:
+        _held["others"].pop().release()
     lease = _held["lease"]
     if lease is not None:
         lease.release()
