@@ -89,6 +89,12 @@ LAYOUTS = {  # name: (ranks, overrides); the config's EP 2 is set per layout
     "cp2_fsdp2": (4, (EP, "1", "--parallelism.context_parallel_degree", "2")),
 }
 TAGS = ("loss_metrics/global_avg_loss", "grad_norm")
+# Under CP the DeltaNet composes its pieces' state transitions (SplitDeltaNet): the same
+# function (equal to 1e-17 in float64), but the fp32 gradients of the decay's parameters
+# (A_log, dt_bias, its input projection wa) differ from one rank's by ~5e-4 relative (the
+# transitions' exp(cumulative decay) products), so after 5 AdamW steps those weights agree
+# to 1e-3, the rest to 1e-4.
+DECAY = ("linear_attention.A_log", "linear_attention.dt_bias", "linear_attention.wa.weight")
 
 
 @pytest.fixture(scope="module")
@@ -117,9 +123,15 @@ def test_each_layout_trains_as_one_rank(runs, name):
         assert all(abs(have[s] - want[s]) <= 1e-4 * max(1.0, abs(want[s])) for s in want), \
             (tag, have, want)
     want, have = _checkpoint_state(ref), _checkpoint_state(got)
-    worst = max(((have[n] - t).abs().max().item(), n) for n, t in want.items())
+    worst = max(((have[n] - t).abs().max().item(), n) for n, t in want.items()
+                if not (name == "cp2_fsdp2" and n.endswith(DECAY)))
     print(name, "largest weight difference", worst)
     assert worst[0] < 1e-4, worst
+    if name == "cp2_fsdp2":  # the decay's gradients by the composed pieces: fp32 rounding
+        decay = max((have[n] - t).abs().max().item() for n, t in want.items()
+                    if n.endswith(DECAY))
+        print(name, "largest decay-parameter difference", decay)
+        assert decay < 1e-3
     assert scalars(ref, TAGS[0])[5] < scalars(ref, TAGS[0])[1]
     assert "Gated DeltaNet: torch chunked gated delta rule" in runs[name][1]
 

@@ -141,6 +141,82 @@ class GatedDeltaNet(nn.Module):
         return out, (tuple(tails), last)
 
 
+class SplitDeltaNet:
+    """A Gated DeltaNet layer under context parallelism, exact, each cp rank computing only its
+    tokens: its two pieces of the sequence (chunks r and 2cp - 1 - r of 2cp, `split`:
+    trainer/parallel/context_parallel.ContextAttention).
+
+    (1) Each piece's state transition: the value columns of the delta rule evolve apart, so a
+    piece run from the entering state [0 | I] with zero values beside its own gives its end
+    state [S0 | A], S_end = A S_in + S0 for any entering S_in. (2) These gathered over cp and
+    composed in sequence order (zeroed where a document starts at a piece) give each piece's
+    entering state. (3) Each piece again from its entering state. The convolution reads the
+    K - 1 inputs before each piece from the rank that holds them."""
+
+    def __init__(self, layer: "GatedDeltaNet", split):
+        self.layer, self.split = layer, split
+
+    def __call__(self, x: torch.Tensor, doc_ids: torch.Tensor | None) -> torch.Tensor:
+        layer, (b, n, dim) = self.layer, x.shape
+        size, taps = n // 2, layer.conv_q.shape[-1]
+        chunks = sum(self.split.own_chunks()) + 1  # r + (2cp - 1 - r) + 1
+        docs = doc_ids if doc_ids is not None else torch.zeros(  # causal: one document
+            b, chunks * size, dtype=torch.long, device=x.device)
+        pieces = x.view(b, 2, size, dim)
+        before = self.split.gather_chunks(pieces[:, :, size - (taps - 1):])
+        inputs = [self.inputs(pieces[:, p], c, before, docs, size)
+                  for p, c in enumerate(self.split.own_chunks())]
+        entering = self.entering(inputs, docs, size)
+        outs = [gated_delta_rule(*streams, initial_state=entering[p], doc_ids=piece_docs)[0]
+                for p, (streams, piece_docs) in enumerate(inputs)]
+        z = layer.wz(x).view(b, n, -1, layer.v_head_dim)
+        return layer.wo(layer.norm(torch.cat(outs, dim=1), z).reshape(b, n, -1))
+
+    def inputs(self, x, chunk: int, before, docs, size):
+        """((q, k, v, g, beta), the piece's document ids) of the piece `x`, sequence chunk
+        `chunk`, its convolution fed the K - 1 inputs before it."""
+        layer, taps = self.layer, self.layer.conv_q.shape[-1]
+        lo = chunk * size
+        if chunk:
+            prefix, prefix_docs = before[:, chunk - 1], docs[:, lo - (taps - 1):lo]
+        else:
+            prefix, prefix_docs = torch.zeros_like(before[:, 0]), docs[:, :1].expand(-1, taps - 1)
+        ext = torch.cat((prefix, x), dim=1)
+        ext_docs = torch.cat((prefix_docs, docs[:, lo:lo + size]), dim=1)
+        b = x.shape[0]
+        streams = [F.silu(short_conv(proj(ext), _local(w), ext_docs)[0][:, taps - 1:])
+                   for proj, w in ((layer.wq, layer.conv_q), (layer.wk, layer.conv_k),
+                                   (layer.wv, layer.conv_v))]
+        q = streams[0].view(b, size, -1, layer.k_head_dim)
+        k = streams[1].view(b, size, -1, layer.k_head_dim)
+        v = streams[2].view(b, size, -1, layer.v_head_dim)
+        a_log, dt_bias = _local(layer.A_log), _local(layer.dt_bias)
+        g = -a_log.float().exp() * F.softplus(layer.wa(x).float() + dt_bias)
+        return (q, k, v, g, layer.wb(x).sigmoid()), docs[:, lo:lo + size]
+
+    def entering(self, inputs, docs, size) -> list[torch.Tensor]:
+        """The state entering each of this rank's pieces."""
+        ends = []
+        for (q, k, v, g, beta), piece_docs in inputs:
+            b, _, hv, dv = v.shape
+            dk = k.shape[-1]
+            eye = torch.eye(dk, device=v.device).expand(b, hv, dk, dk)
+            start = torch.cat((eye.new_zeros(b, hv, dk, dv), eye), dim=-1)
+            wide = torch.cat((v, v.new_zeros(*v.shape[:-1], dk)), dim=-1)
+            ends.append(gated_delta_rule(q, k, wide, g, beta, initial_state=start,
+                                         output_final_state=True, doc_ids=piece_docs)[1])
+        every = self.split.gather_chunks(torch.stack(ends, dim=1))  # [b, 2cp, hv, dk, dv + dk]
+        mine = self.split.own_chunks()
+        state, out = torch.zeros_like(every[:, 0, ..., :dv]), {}
+        for c in range(max(mine) + 1):
+            if c:  # a document starting at the piece starts from zero
+                same = (docs[:, c * size] == docs[:, c * size - 1]).float()
+                state = state * same[:, None, None, None]
+            out[c] = state
+            state = every[:, c, ..., dv:] @ state + every[:, c, ..., :dv]
+        return [out[c] for c in mine]
+
+
 def _local(param: torch.Tensor) -> torch.Tensor:
     """A parameter's rows on this rank: under tensor parallelism the convolutions, A_log and
     dt_bias are Shard(0) DTensors over tp (each rank's heads; trainer/parallel/tp.py)."""
@@ -185,13 +261,12 @@ class HybridBlock(nn.Module):
     def forward(self, x, cos, sin, mask=None, doc_ids=None):
         """`doc_ids`: the window's documents under block_causal (the DeltaNet restarts at
         each), else None. Under context parallelism (`mask` is its attention, x this rank's
-        tokens) the DeltaNet runs on the whole gathered sequence, and keeps this rank's
-        tokens of its output: exact, at cp times the layer's work (docs/qwen3_next.md)."""
+        tokens) the DeltaNet passes its state between the ranks (`SplitDeltaNet`)."""
         h = self.attention_norm(x)
         if self.layer_type == FULL:
             h = self.attention(h, cos, sin, mask)
-        elif hasattr(mask, "attend"):  # context parallelism's attention
-            h = self.linear_attention(mask.gather(h), doc_ids)[:, mask.index]
+        elif hasattr(mask, "attend"):  # context parallelism's attention: its pieces
+            h = SplitDeltaNet(self.linear_attention, mask)(h, doc_ids)
         else:
             h = self.linear_attention(h, doc_ids)
         h = x + h

@@ -85,7 +85,6 @@ class ContextAttention:
     def __init__(self, group, index: torch.Tensor, natural: torch.Tensor,
                  doc_ids: torch.Tensor | None, implementation: str):
         self.group, self.natural, self.implementation = group, natural, implementation
-        self.index = index  # this rank's global positions (a hybrid's DeltaNet keeps them)
         seq, batch = natural.numel(), 1 if doc_ids is None else doc_ids.shape[0]
         with torch.no_grad():
             if implementation == "flex":
@@ -131,6 +130,22 @@ class ContextAttention:
         backward reduce-scatters the gradient in fp32."""
         full = GatherSequence.apply(t.transpose(0, 1).contiguous(), self.group)
         return full.index_select(0, self.natural).transpose(0, 1)
+
+
+    def own_chunks(self) -> tuple[int, int]:
+        """The sequence's 2cp chunks this rank holds: (head, tail) = (r, 2cp - 1 - r)."""
+        cp, rank = dist.get_world_size(self.group), dist.get_rank(self.group)
+        return rank, 2 * cp - 1 - rank
+
+    @torch.compiler.disable
+    def gather_chunks(self, t: torch.Tensor) -> torch.Tensor:
+        """[b, 2, ...]: something of this rank's head and tail chunks -> [b, 2cp, ...] of every
+        chunk in sequence order (a hybrid's DeltaNet: states, convolution inputs); the backward
+        reduce-scatters the gradient in fp32."""
+        cp = dist.get_world_size(self.group)
+        full = GatherSequence.apply(t.transpose(0, 1).contiguous(), self.group)  # rank-major
+        order = [2 * c if c < cp else 2 * (2 * cp - 1 - c) + 1 for c in range(2 * cp)]
+        return full[order].transpose(0, 1)
 
 
 class GatherSequence(torch.autograd.Function):
