@@ -211,16 +211,23 @@ def test_store_lease_takes_over_a_stale_one_and_releases(s3):
 
 def test_rollback_resaves_its_step_in_the_bucket(s3, tmp_path):
     """A loss spike at step 6 reloads step-4 from the bucket and saves it again (set aside as
-    step-4.superseded while the new one is written, then deleted); the run ends at step 8."""
+    step-4.superseded while the new one is written, then deleted); the save of step 8 fails
+    (an injected I/O error) and the run ends with step-6 the latest (on_save_error)."""
     env, client = s3
     out = run_train(tmp_path / "run", *BASE_FP32, "--checkpoint.enable", "true",
                     "--checkpoint.folder", "s3://ckpt/run4", "--checkpoint.interval", "2",
                     "--checkpoint.keep_latest_k", "0", "--training.spike_window", "3",
-                    "--training.on_spike", "rollback", "--training.steps", "8", nproc=1,
-                    env={**env, "TRAINER_TEST_SPIKE_LOSS": "0:6:20"}).stdout
+                    "--training.on_spike", "rollback", "--training.steps", "8",
+                    "--checkpoint.on_save_error", "continue", nproc=1,
+                    env={**env, "TRAINER_TEST_SPIKE_LOSS": "0:6:20",
+                         "TRAINER_TEST_SAVE_ERROR": "8:5"}).stdout
     assert "rolled back to checkpoint step-4" in out, out
+    assert ("warning: checkpoint step-8 not saved ([Errno 5] Input/output error: "
+            "'s3://ckpt/run4/step-8/__injected.distcp'); training goes on "
+            "(checkpoint.on_save_error = 'continue'); the latest checkpoint is "
+            "s3://ckpt/run4/step-6") in out, out
     keys = {o["Key"] for o in client.list_objects_v2(Bucket="ckpt", Prefix="run4/")["Contents"]}
-    assert {k.split("/")[1] for k in keys} == {"step-2", "step-4", "step-6", "step-8"}, keys
+    assert {k.split("/")[1] for k in keys} == {"step-2", "step-4", "step-6"}, keys
     manifest = json.loads(client.get_object(Bucket="ckpt", Key="run4/step-4/manifest.json")
                           ["Body"].read())
     assert manifest["step"] == 4 and set(manifest["files"]) == {".metadata", "__0_0.distcp"}
