@@ -55,6 +55,13 @@ class Holder:
                 f"holding it since {time.strftime('%Y-%m-%d %H:%M:%S', time.localtime(self.since))}")
 
 
+def new_holder() -> Holder:
+    """This process's record, as a lease it takes names it (a fresh token)."""
+    pid, now = os.getpid(), time.time()
+    return Holder(host=socket.gethostname(), job=job_id(), pid=pid, start=_start_time(pid),
+                  since=now, heartbeat=now, token=uuid.uuid4().hex)
+
+
 class LeaseHeld(ConfigError):
     """Another live run owns the dump folder."""
 
@@ -146,11 +153,7 @@ class Lease:
     def __init__(self, folder: str, timeout: float, log=print):
         self.folder, self.timeout, self.log = folder, float(timeout), log
         self.path = os.path.join(folder, LEASE_FILE)
-        pid = os.getpid()
-        now = time.time()
-        self.me = Holder(host=socket.gethostname(), job=job_id(), pid=pid,
-                         start=_start_time(pid), since=now, heartbeat=now,
-                         token=uuid.uuid4().hex)
+        self.me = new_holder()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self.lost = False

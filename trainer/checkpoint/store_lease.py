@@ -42,7 +42,7 @@ class StoreLease:
         self.bucket, _, prefix = bucket_and_prefix.partition("/")
         self.key = f"{prefix}/{LEASE_FILE}" if prefix else LEASE_FILE
         self.client = boto3.client("s3")
-        self.me = local_lease.Lease(url, timeout).me  # the same holder record as lease.json's
+        self.me = local_lease.new_holder()  # the same record as the dump folder's lease
         self.etag: str | None = None
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
