@@ -10,9 +10,9 @@ A save is atomic: every rank writes into `step-N.partial`; once DCP has written 
 the ranks hash their share of the files and rank 0 writes `manifest.json` (see
 integrity.py), then renames the folder to `step-N`. Only `step-N` folders are ever loaded,
 so a crash mid-save leaves the previous checkpoint as the latest. On an object store
-(`checkpoint.folder = s3://...`, steps.py, storage.py), which cannot rename a folder, the ranks write
-under `step-N/` itself and the manifest, written by rank 0 after every rank's objects are,
-is the commit: only steps with a manifest are listed. A save the storage refuses
+(`checkpoint.folder = s3://...`; steps.py, storage.py), which cannot rename a folder, the
+ranks write under `step-N/` itself and the manifest, written by rank 0 after every rank's
+objects are, is the commit: only steps with a manifest are listed. A save the storage refuses
 (disk full, permissions, I/O error, on any rank) is agreed on by all ranks before anything is
 committed: the partial folder is removed and the run stops with one line, or warns and goes on
 (`on_save_error = "continue"`).
@@ -51,7 +51,6 @@ from trainer.checkpoint.optim_state import ModelAndOptimizer, changed_line
 from trainer.checkpoint.steps import StepFolder, abandoned_suffix
 from trainer.health import faults
 from trainer.errors import CheckpointError, ConfigError
-
 
 
 @dataclass

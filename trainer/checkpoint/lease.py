@@ -36,7 +36,7 @@ from dataclasses import asdict, dataclass
 from trainer.errors import ConfigError
 
 LEASE_FILE = "lease.json"
-_held: dict = {"lease": None, "others": []}  # others: an s3:// checkpoint folder's (store_lease)
+_held: dict = {"lease": None, "others": []}  # others: an s3:// folder's (store_lease.py)
 
 
 @dataclass
