@@ -37,7 +37,8 @@ from trainer.config.job import load_config
 from trainer.data import build_dataloader, padded_vocab_size
 from trainer.device import resolve_compute_dtype
 from trainer.models.loss import build_loss
-from trainer.models.llama import build_model, model_args
+from trainer.models.build import build_model
+from trainer.models.llama import model_args
 from trainer.optim.optimizer import build_lr_scheduler, build_optimizer
 from trainer.parallel.parallelize import parallelize
 from trainer.distributed import init_distributed

@@ -35,7 +35,8 @@ import torch.nn.functional as F
 
 from trainer.config.job import load_config
 from trainer.device import resolve_compute_dtype
-from trainer.models.llama import Transformer, build_model, model_args
+from trainer.models.build import build_model
+from trainer.models.llama import Transformer, model_args
 from trainer.optim.optimizer import build_lr_scheduler, build_optimizer
 from trainer.parallel.parallelize import parallelize
 from trainer.models.loss import build_loss

@@ -28,8 +28,7 @@ from trainer.models.args import ModelArgs  # noqa: E402
 from trainer.models.deltanet import kernel_name  # noqa: E402
 from trainer.models.layers import rope_tables  # noqa: E402
 from trainer.models.llama import Attention  # noqa: E402
-from trainer.models.qwen3_next import (GatedDeltaNet, HybridArgs, Qwen3NextArgs,  # noqa: E402
-                                       Qwen3Next)
+from trainer.models.qwen3_next import GatedDeltaNet, HybridArgs, Qwen3Next  # noqa: E402
 
 
 def layers(dim: int):
@@ -40,8 +39,8 @@ def layers(dim: int):
     hybrid = HybridArgs(layer_types=("linear_attention",), linear_k_heads=max(dim // 128, 1),
                         linear_v_heads=2 * max(dim // 128, 1), linear_k_head_dim=64,
                         linear_v_head_dim=64)
-    model = Qwen3Next(Qwen3NextArgs(dim=dim, n_layers=1, n_heads=heads, n_kv_heads=1,
-                                    vocab_size=256, max_seq_len=8, hybrid=hybrid))
+    model = Qwen3Next(ModelArgs(dim=dim, n_layers=1, n_heads=heads, n_kv_heads=1,
+                                vocab_size=256, max_seq_len=8, hybrid=hybrid))
     model.init_weights(seed=0)
     gqa = Attention(gqa_args)
     for p in gqa.parameters():

@@ -28,7 +28,7 @@ import time
 import torch
 
 from trainer.models.args import FLAVORS, MoEArgs
-from trainer.models.llama import build_model
+from trainer.models.build import build_model
 from trainer.models.loss import build_loss
 from trainer.models.moe import GroupedExperts
 

@@ -151,8 +151,8 @@ def test_the_loop_does_not_know_the_parallelisms():
 LAYER_0 = ("trainer.errors", "trainer.config.base", "trainer.health.faults")
 LAYER_1 = ("trainer.config.sections", "trainer.data.config", "trainer.evals.config",
            "trainer.parallel.dims", "trainer.parallel.float8", "trainer.parallel.pp_layout",
-           "trainer.models.args", "trainer.models.rope", "trainer.models.sdpa",
-           "trainer.models.config",
+           "trainer.models.args", "trainer.models.hybrid", "trainer.models.rope",
+           "trainer.models.sdpa", "trainer.models.config",
            "trainer.optim.batch_schedule", "trainer.optim.lr_schedule",
            "trainer.observe.wandb_logger", "trainer.device")
 TOP = ("trainer.step", "trainer.loop", "trainer.train", "trainer.launch")

@@ -61,7 +61,8 @@ def load_model(checkpoint: Path, cfg, *, token_vocab: int, max_len: int, device,
 
     from trainer.data import padded_vocab_size
     from trainer.models.attention import rope_args
-    from trainer.models.llama import build_model, model_args
+    from trainer.models.build import build_model
+    from trainer.models.llama import model_args
 
     vocab = cfg.model.vocab_size or padded_vocab_size(token_vocab, cfg.model.vocab_size_multiple_of)
     args = model_args(cfg.model.flavor, vocab_size=vocab,

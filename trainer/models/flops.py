@@ -41,12 +41,15 @@ from dataclasses import dataclass
 
 import torch
 
+from trainer.models.args import LINEAR
 from trainer.models.llama import ModelArgs
 
 
 def matmul_params(args: ModelArgs) -> int:
     """Weights used in a matmul for every token: all block Linears plus the output head; in a
     MoE block the router and the experts a token goes through (top_k + shared), not all E."""
+    if args.hybrid is not None:
+        return _hybrid_matmul_params(args)
     q_dim = args.n_heads * args.head_dim
     kv_dim = args.n_kv_heads * args.head_dim
     attention = args.dim * (q_dim + 2 * kv_dim) + q_dim * args.dim
@@ -61,11 +64,45 @@ def matmul_params(args: ModelArgs) -> int:
 
 
 def attention_flops_per_token(args: ModelArgs, seq_len: int, causal_half: bool = False) -> float:
-    """Score and value products, forward + backward, per token (see the module docstring)."""
+    """Score and value products, forward + backward, per token (see the module docstring);
+    the hybrid's Gated DeltaNet layers add their chunked recurrence instead (`deltanet_flops`,
+    which no causal halving applies to)."""
     # 2 products (q.k over head_dim channels, p.v over v_head_dim), 2 FLOPs per multiply-add,
     # x3 forward + backward: 12 * heads * head_dim when the two widths agree
-    full = 6 * args.n_blocks * args.n_heads * (args.head_dim + args.v_head_dim) * seq_len
-    return full / 2 if causal_half else float(full)
+    layers, linear = args.n_blocks, 0.0
+    if args.hybrid is not None:
+        n_linear = sum(args.hybrid.layer_type(i) == LINEAR for i in range(args.n_layers))
+        layers, linear = layers - n_linear, n_linear * deltanet_flops(args.hybrid)
+    full = 6 * layers * args.n_heads * (args.head_dim + args.v_head_dim) * seq_len
+    return (full / 2 if causal_half else float(full)) + linear
+
+
+def deltanet_flops(h, chunk: int = 64) -> float:
+    """One Gated DeltaNet layer's recurrence per token, forward + backward (x3), in the chunked
+    form (trainer/models/deltanet.py): per value head, with dk / dv its key / value widths,
+    the state's readout q.S, the correction k.S and the update k^T u (2 dk dv each), and
+    within the chunk the scores q.k^T and k.k^T (2 C dk each) and their products with the
+    values (2 C dv each). The UT transform's triangular solve (~C^2 / 3 per token) is left out."""
+    dk, dv, c = h.linear_k_head_dim, h.linear_v_head_dim, chunk
+    return 3.0 * h.linear_v_heads * (6 * dk * dv + 4 * c * dk + 4 * c * dv)
+
+
+def _hybrid_matmul_params(args: ModelArgs) -> int:
+    """The hybrid's matmul weights per token: each layer's mixer (the Gated DeltaNet's
+    projections, or the gated attention's with its gate rows), its FFN (routed experts a
+    token goes through, the router, the gated shared expert) and the head."""
+    h, d = args.hybrid, args.dim
+    k, v, nv = h.keys, h.values, h.linear_v_heads
+    linear = d * (2 * k + 3 * v + 2 * nv)  # wq, wk, wv, wz, wo; wb, wa
+    full = d * args.head_dim * (3 * args.n_heads + 2 * args.n_kv_heads)
+    total = d * args.vocab_size
+    for i in range(args.n_layers):
+        total += linear if h.layer_type(i) == LINEAR else full
+        if args.is_moe_layer(i):
+            total += args.moe.active_ffn(d) + h.shared_params(d)
+        else:
+            total += 3 * d * args.hidden_dim
+    return total
 
 
 def flops_per_token(args: ModelArgs, seq_len: int) -> float:

@@ -277,6 +277,10 @@ def check_tp_shapes(args, tp: int, flavor: str, vocab_source: str | None) -> Non
     dims = {f"model.flavor {flavor!r} n_heads": args.n_heads,
             f"model.flavor {flavor!r} n_kv_heads": args.n_kv_heads,
             f"model.flavor {flavor!r} FFN width": args.hidden_dim}
+    hybrid = getattr(args, "hybrid", None)
+    if hybrid is not None:  # the Gated DeltaNet's heads (trainer/models/qwen3_next.py)
+        dims[f"model.flavor {flavor!r} linear_k_heads"] = hybrid.linear_k_heads
+        dims[f"model.flavor {flavor!r} linear_v_heads"] = hybrid.linear_v_heads
     if vocab_source is not None:
         dims[f"the vocab ({vocab_source})"] = args.vocab_size
     for what, value in dims.items():

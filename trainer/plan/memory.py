@@ -51,7 +51,8 @@ from trainer.models.attention import attention_args, memory_bytes as attention_b
 from trainer.config.job import JobConfig
 from trainer.errors import ConfigError
 from trainer.models.flops import flops_per_token
-from trainer.models.llama import FLAVORS, ModelArgs, build_model, model_args
+from trainer.models.build import build_model
+from trainer.models.llama import FLAVORS, ModelArgs, model_args
 from trainer.plan.activations import (block_saved, block_saved_op_sac, block_split,  # noqa: F401
                                      blocks_activations, checkpointed_blocks,
                                      cp_attention_bytes, cp_saved_layers,

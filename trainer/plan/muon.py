@@ -27,7 +27,7 @@ from trainer.plan.moe import block_id, tp_splits
 
 def _stage_params(cfg, a, pp_rank: int) -> list[tuple[str, tuple[int, ...]]]:
     """(name, whole shape) of the Muon matrices pp rank `pp_rank` holds, in model order."""
-    from trainer.models.llama import build_model
+    from trainer.models.build import build_model
     from trainer.plan.pipeline import rank_units
 
     embedding, layers, head = rank_units(cfg, pp_rank) if \

@@ -112,7 +112,7 @@ class _Metrics:  # what TrainStep asks of the metrics: nothing to record here
 
 def build_traced(cfg: JobConfig, world_size: int, trace: MemoryTrace):
     """(model, optimizer, parallel dims, accum, args) on fake tensors, as train.py builds them."""
-    from trainer.models.llama import build_model
+    from trainer.models.build import build_model
     from trainer.optim.optimizer import build_optimizer
     from trainer.parallel.parallelize import materialize, shard_model
     from trainer.plan.memory import plan_args, resolve_vocab
