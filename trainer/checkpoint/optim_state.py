@@ -69,13 +69,17 @@ class ModelAndOptimizer(Stateful):
         return StateDictOptions(flatten_optimizer_state_dict=self.flat)
 
     def state_dict(self) -> dict:
+        # The model's first: its state-dict hook reshards FSDP groups a forward without a
+        # backward left unsharded (validation leaves the norm + head group so, whose
+        # unsharded parameters the optimizer's FQN mapping would not find: KeyError).
+        model = get_model_state_dict(self.model)
         if self.model_only:
-            return {"model": get_model_state_dict(self.model)}
+            return {"model": model}
         optim = get_optimizer_state_dict(self.model, self.optimizer, options=self._options())
         if self.saved_keys is not None and self.flat:
             self._unsaved = {k: optim.pop(k) for k in list(optim)
                              if k.startswith("param_groups.") and k not in self.saved_keys}
-        return {"model": get_model_state_dict(self.model), "optimizer": optim}
+        return {"model": model, "optimizer": optim}
 
     def load_state_dict(self, sd: dict) -> None:
         set_model_state_dict(self.model, sd["model"])
