@@ -111,6 +111,19 @@ def test_resume_from_s3_is_bitwise_a_local_run(local, on_s3):
     assert named == [], named
 
 
+def test_initial_load_path_reads_a_bucket_as_a_local_folder(s3, local, on_s3, tmp_path):
+    """checkpoint.initial_load_path = s3://.../step-3 (the model of another run): the first
+    step's loss is bitwise that of the same start from the local run's step-3."""
+    env, _ = s3
+    got = {}
+    for name, path in (("local", local / "checkpoint" / "step-3"), ("s3", f"{URL}/step-3")):
+        out = run_train(tmp_path / name, *BASE_FP32, "--checkpoint.initial_load_path",
+                        str(path), "--training.steps", "1", nproc=1, env=env).stdout
+        assert f"initialised the model from {path}" in out, out
+        got[name] = losses(tmp_path / name)
+    assert got["s3"] == got["local"] and len(got["s3"]) == 1
+
+
 def test_resume_on_one_rank_from_s3(s3, on_s3):
     """Step 3 loads on 1 rank as it did on 2 (the same weights, gathered); the save of step 4
     sets the later step-6 aside (a branch point) and keep_latest_k = 1 deletes step-3."""

@@ -30,8 +30,14 @@ def load_initial(model, cfg, *, log=print) -> bool:
     if not path:
         return False
     t0 = time.monotonic()
-    path = os.path.expanduser(path)
-    if not os.path.isdir(path):
+    from trainer.checkpoint import storage
+
+    if storage.is_url(path):  # a DCP checkpoint on object storage (docs/checkpoints.md)
+        storage.check_path(path, "checkpoint.initial_load_path")
+        storage.probe(path, "checkpoint.initial_load_path")
+    else:
+        path = os.path.expanduser(path)
+    if not storage.isdir(path):
         raise ConfigError(f"checkpoint.initial_load_path = {path!r}: no such folder")
     if cfg.checkpoint.initial_load_in_hf:
         load_hf(model, path, flavor=cfg.model.flavor, log=log)
@@ -141,10 +147,9 @@ def load_dcp_model(model, path: str, allow_pickle: bool = False) -> None:
     """The model (not the optimizer or data position) of a DCP `step-N` folder."""
     from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
 
-    from trainer.checkpoint import safe_load
+    from trainer.checkpoint import safe_load, storage
 
-    meta = os.path.join(path, ".metadata")
-    if not os.path.isfile(meta):
+    if not storage.exists(storage.join(path, ".metadata")):
         raise ConfigError(f"checkpoint.initial_load_path = {path!r} is not a DCP checkpoint "
                           "(no .metadata); set checkpoint.initial_load_in_hf = true for a "
                           "Hugging Face folder")
