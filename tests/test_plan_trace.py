@@ -64,7 +64,8 @@ def test_cli_trace_prints_the_trace_beside_the_plan():
     saved = json.loads(out.stdout)
     assert saved["world_size"] == 2 and saved["plan"]["peak_gib"] > 0
     assert set(saved["plan"]["comm_bytes"]) == {"tp", "cp", "dp_shard", "dp_replicate", "ep",
-                                                 "pp"}
+                                                 "pp", "optimizer"}  # optimizer: Muon's
+    assert saved["plan"]["comm_bytes"]["optimizer"] == 0  # AdamW sends nothing of its own
     assert saved["trace"]["peak_gib"] > 0
     assert 0.95 <= saved["trace"]["flops_per_rank"] / saved["ideal_flops_per_rank"] <= 1.1
 
