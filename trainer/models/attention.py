@@ -152,19 +152,28 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask=None,
 
 def _kernel_maxima(mask, q: torch.Tensor) -> bool:
     """Whether the kernel of this mask returns the logit maxima itself: FlexAttention on
-    CUDA (the CPU's raises 'Returning max scores is not supported on CPU')."""
-    return mask is not None and not isinstance(mask, torch.Tensor) and q.device.type == "cuda"
+    CUDA (the CPU's raises 'Returning max scores is not supported on CPU'), where torch has
+    `AuxRequest` (else the chunked reduction, from the BlockMask's mask_mod)."""
+    return mask is not None and not isinstance(mask, torch.Tensor) and \
+        q.device.type == "cuda" and _aux_request() is not None
+
+
+@functools.cache
+def _aux_request():
+    try:
+        from torch.nn.attention.flex_attention import AuxRequest
+    except ImportError:  # an older torch
+        return None
+    return AuxRequest
 
 
 def flex(q, k, v, block_mask, gqa: bool, logit_max: torch.Tensor | None = None):
     """Compiled FlexAttention (q, k, v [b, h, s, d]); with `logit_max` on CUDA, the kernel's
     own per-row maxima (AuxRequest) raise it."""
-    if logit_max is None or q.device.type != "cuda":
+    if logit_max is None or q.device.type != "cuda" or _aux_request() is None:
         return _compiled_flex()(q, k, v, block_mask=block_mask, enable_gqa=gqa)
-    from torch.nn.attention.flex_attention import AuxRequest
-
     out, aux = _compiled_flex()(q, k, v, block_mask=block_mask, enable_gqa=gqa,
-                                return_aux=AuxRequest(max_scores=True))
+                                return_aux=_aux_request()(max_scores=True))
     logits.record(logit_max, aux.max_scores.amax(dim=(0, 2)))
     return out
 

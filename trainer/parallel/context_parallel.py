@@ -39,7 +39,8 @@ import torch.nn.functional as F
 from trainer.distributed import log0, to_device
 from trainer.health import faults, heartbeat
 from trainer.models import logits
-from trainer.models.attention import _compiled_create_block_mask, document_positions, flex
+from trainer.models.attention import (_aux_request, _compiled_create_block_mask,
+                                      document_positions, flex)
 from trainer.models.loss import Loss
 from trainer.models.moe import set_aux_scale, take_aux_loss
 from trainer.parallel.fsdp import set_gradient_sync
@@ -111,7 +112,8 @@ class ContextAttention:
         if not gathered:
             k, v = self.gather(k), self.gather(v)
         gqa = q.shape[2] != k.shape[2]
-        if logit_max is not None and not (self.implementation == "flex" and q.is_cuda):
+        if logit_max is not None and not (self.implementation == "flex" and q.is_cuda
+                                          and _aux_request() is not None):
             allowed = logits.block_mask(self.mask) if self.implementation == "flex" \
                 else logits.boolean(self.mask)
             # this rank's queries are head-tail chunks, not in sequence order: every key
