@@ -12,7 +12,9 @@ replication. Context parallelism (trainer/parallel/context_parallel.py) splits e
 over `cp`; tensor parallelism (trainer/parallel/tp.py) shards each block's matmuls over `tp`;
 pipeline parallelism (trainer/parallel/pipeline.py) cuts the layers into stages over `pp`;
 expert parallelism (trainer/parallel/expert_parallel.py) splits dp_shard into (efsdp, ep) and
-places each MoE layer's experts over `ep`; each dimension is a no-op at degree 1.
+places each MoE layer's experts over `ep`; under tp, ep takes in the tp ranks too (ep =
+(ep_dp, tp) flattened, dp_shard = (efsdp, ep_dp)): every tp rank routes its own tokens, so the
+experts are split over them rather than repeated; each dimension is a no-op at degree 1.
 """
 
 from __future__ import annotations
@@ -37,7 +39,7 @@ class ParallelDims:
     tp: int = 1
     cp: int = 1
     pp: int = 1
-    ep: int = 1  # expert parallelism: borrows its ranks from dp_shard (trainer/parallel/expert_parallel.py)
+    ep: int = 1  # expert parallelism: ranks of dp_shard (x tp) (trainer/parallel/expert_parallel.py)
     loss_parallel: bool = True  # with tp > 1: the loss over vocab-sharded logits
     world_mesh: object = field(default=None, repr=False)
     dp_mesh: object = field(default=None, repr=False)
@@ -99,11 +101,45 @@ class ParallelDims:
             raise ConfigError(f"{both} multiply to {r * s * cp * tp}, but the world size{per} "
                               f"is {ws}; their product must equal it (e.g. set {SHARD_KEY} "
                               "= -1)")
-        if self.ep < 1 or s % self.ep:
-            divisors = [d for d in range(1, s + 1) if s % d == 0]
-            raise ConfigError(f"{EP_KEY} = {self.ep} does not divide dp_shard = {s} ({where}, "
-                              f"{REPLICATE_KEY} = {r}): the expert-parallel ranks are borrowed "
-                              f"from dp_shard; valid: {', '.join(map(str, divisors))}")
+        self._validate_ep(s, where, r)
+
+    def _validate_ep(self, s: int, where: str, r: int) -> None:
+        """ep borrows its ranks from dp_shard; with tp > 1 the tp ranks join it (ep = tp x a
+        divisor of dp_shard): every tp rank routes its own tokens, so the all-to-all spans them
+        as it spans dp ranks."""
+        ep, tp = self.ep, self.tp
+        if tp == 1 or ep <= 1:
+            if ep < 1 or s % ep:
+                divisors = [d for d in range(1, s + 1) if s % d == 0]
+                raise ConfigError(f"{EP_KEY} = {ep} does not divide dp_shard = {s} ({where}, "
+                                  f"{REPLICATE_KEY} = {r}): the expert-parallel ranks are "
+                                  f"borrowed from dp_shard; valid: "
+                                  f"{', '.join(map(str, divisors))}")
+            return
+        if ep % tp or s % (ep // tp):
+            valid = [1] + [tp * d for d in range(1, s + 1) if s % d == 0]
+            raise ConfigError(f"{EP_KEY} = {ep} is not {TP_KEY} = {tp} x a divisor of dp_shard "
+                              f"= {s} ({where}, {REPLICATE_KEY} = {r}): under tensor "
+                              f"parallelism the expert-parallel group takes in the tp ranks "
+                              f"and borrows ep / tp ranks from dp_shard; valid: "
+                              f"{', '.join(map(str, valid))}")
+
+    @property
+    def ep_dp(self) -> int:
+        """The dp_shard ranks of the ep group: ep / tp under tp (the tp ranks are the rest of
+        it), ep without; 1 without ep."""
+        return self.ep // self.tp if self.ep_enabled else 1
+
+    @property
+    def ep_tp(self) -> int:
+        """The tp ranks inside the ep group: tp under ep, 1 without ep (the experts then
+        replicated over tp, their gradients summed over it: trainer/parallel/tp.py)."""
+        return self.tp if self.ep_enabled else 1
+
+    @property
+    def efsdp(self) -> int:
+        """The dp_shard ranks the experts shard over (x cp): dp_shard / ep_dp."""
+        return self.dp_shard // self.ep_dp
 
     @property
     def dp_size(self) -> int:
@@ -163,29 +199,35 @@ class ParallelDims:
     def _build_ep_mesh(self, device_type: str):
         """The 6-D mesh `("pp", "dp_replicate", "efsdp", "ep", "cp", "tp")` with `dp_shard` =
         (efsdp, ep) and `dp` = (dp_replicate, efsdp, ep) flattened: dense parameters shard over
-        dp_shard as without ep; the experts split over `ep` and shard over `efsdp`."""
+        dp_shard as without ep; the experts split over `ep` and shard over `efsdp`. With tp > 1
+        the dp_shard part of ep is the dim `ep_dp`, and `ep` = (ep_dp, tp) flattened: the ep
+        ranks in increasing global order, tp innermost."""
         from torch.distributed.device_mesh import init_device_mesh
 
+        part = "ep" if self.tp == 1 else "ep_dp"  # ep's dp_shard dim
         self.world_mesh = init_device_mesh(
             device_type,
-            (self.pp, self.dp_replicate, self.dp_shard // self.ep, self.ep, self.cp, self.tp),
-            mesh_dim_names=("pp", "dp_replicate", "efsdp", "ep", "cp", "tp"))
-        self.dp_mesh = self.world_mesh["dp_replicate", "efsdp", "ep"]._flatten(
+            (self.pp, self.dp_replicate, self.efsdp, self.ep_dp, self.cp, self.tp),
+            mesh_dim_names=("pp", "dp_replicate", "efsdp", part, "cp", "tp"))
+        self.dp_mesh = self.world_mesh["dp_replicate", "efsdp", part]._flatten(
             mesh_dim_name="dp")
-        self._shard_mesh = self.world_mesh["efsdp", "ep"]._flatten(mesh_dim_name="dp_shard")
+        self._shard_mesh = self.world_mesh["efsdp", part]._flatten(mesh_dim_name="dp_shard")
         self._expert_mesh = self.world_mesh["efsdp"]
         if self.cp_enabled:  # FSDP over the cp ranks too: the dense over dp_shard x cp, the
             # experts (each cp rank routes its own sequence shard) over efsdp x cp
-            self._shard_mesh = self.world_mesh["efsdp", "ep", "cp"]._flatten(
+            self._shard_mesh = self.world_mesh["efsdp", part, "cp"]._flatten(
                 mesh_dim_name="dp_shard_cp")
             self._expert_mesh = self.world_mesh["efsdp", "cp"]._flatten(
                 mesh_dim_name="efsdp_cp")
+        self._ep_mesh = (self.world_mesh["ep"] if self.tp == 1 else
+                         self.world_mesh["ep_dp", "tp"]._flatten(mesh_dim_name="ep"))
         self._flatten_cp_tp()
         return self.world_mesh
 
     @property
     def ep_mesh(self):
-        return self.world_mesh["ep"]
+        """The 1-D ep mesh (`apply_ep`): ep_dp x tp flattened under tp, else the `ep` dim."""
+        return self._ep_mesh
 
     @property
     def expert_fsdp_mesh(self):
@@ -202,7 +244,9 @@ class ParallelDims:
     @property
     def expert_grad_divisor(self) -> int:
         """What the experts' reduced gradients are divided by: every rank's tokens reach them
-        (the all-to-all's backward), and the backward loss is scaled by dp (x cp)."""
+        (the all-to-all's backward), and the backward loss is scaled by dp (x cp). The tp ranks
+        in the ep group add nothing: their tokens are disjoint parts of one dp rank's loss, so
+        the sum over them is that loss's gradient, as the dense parameters' tp sum is."""
         return self.dp_size * self.cp
 
     @property
@@ -260,8 +304,10 @@ class ParallelDims:
         tp = (f" x TP {self.tp} (sequence parallel, loss "
               f"{'parallel' if self.loss_parallel else 'gathered'})" if self.tp_enabled else "")
         pp = f"PP {self.pp} (pipeline stages, p2p) x " if self.pp_enabled else ""
-        ep = (f" x EP {self.ep} (experts split over ep, sharded over efsdp="
-              f"{self.dp_shard // self.ep}{' x cp' if self.cp_enabled else ''}; all-to-all)"
+        over = (f"{self.ep_dp} dp_shard x {self.tp} tp ranks" if self.ep_tp > 1
+                else "dp_shard ranks")
+        ep = (f" x EP {self.ep} (experts split over ep = {over}, 1/{self.ep} each, sharded "
+              f"over efsdp={self.efsdp}{' x cp' if self.cp_enabled else ''}; all-to-all)"
               if self.ep_enabled else "")
         return (f"{pp}{kind} mesh (dp_replicate={self.dp_replicate}, dp_shard={self.dp_shard})"
                 f"{ep}{cp}{tp}, dp={self.dp_size}, world={self.world_size}")

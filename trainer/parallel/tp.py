@@ -6,7 +6,8 @@ Per block:
   n_kv_heads / tp key/value heads, whole heads), `wo` rowwise;
 - feed-forward: `w1`, `w3` colwise (hidden_dim / tp each), `w2` rowwise;
 - a MoE feed-forward: data parallel over tp, each rank routing its own sequence shard
-  (`_moe_style`; its gradients summed over tp once a step by `sum_partial_grads`);
+  (`_moe_style`; its router's and shared experts' gradients summed over tp once a step by
+  `sum_partial_grads`, and its experts', unless ep splits them over ep x tp);
 - `attention_norm`, `ffn_norm`: sequence parallel. Between the matmul regions the residual
   stream is sharded on the sequence ([b, s / tp, dim] per rank): the norms and residual adds
   run on 1/tp of the tokens, and instead of an all-reduce after `wo` and `w2` there is a
@@ -186,12 +187,18 @@ def _moe_style(moe, tp_mesh, model):
     """A MoE feed-forward (trainer/models/moe.py) is data parallel over tp: each tp rank
     routes its own sequence shard and runs the experts (or, under ep, dispatches its tokens
     to them) on plain tensors; no rank repeats another's routing, expert GEMMs, all-to-all or
-    saved activations. Its parameters are replicated over tp, each rank's gradient holds its
-    own tokens' part, and `sum_partial_grads` adds them up once per step. The aux losses sum
+    saved activations. Its router and shared experts (and without ep its experts) are
+    replicated over tp, each rank's gradient holds its own tokens' part, and
+    `sum_partial_grads` adds them up once per step; under ep the experts are split over the
+    ep group, which takes in the tp ranks (1/ep of them per rank). The aux losses sum
     their statistics over the tp ranks first, so they are the whole microbatch's."""
     moe.token_group, moe.aux_shards = tp_mesh.get_group(), tp_mesh.size()
     partial = model.__dict__.setdefault("_tp_partial", [tp_mesh.get_group(), []])
-    partial[1].append(moe)  # the module: FSDP replaces its parameters afterwards
+    # The modules: FSDP replaces their parameters afterwards. Under ep the experts are split
+    # over ep x tp (trainer/parallel/dims.py), not replicated over tp: the all-to-all's
+    # backward already brings them every tp rank's tokens' share, nothing to sum.
+    partial[1].extend([moe] if moe.dispatcher is None else
+                      [m for m in (moe.router, moe.shared_experts) if m is not None])
     return PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Shard(1),),
                               use_local_output=True)
 

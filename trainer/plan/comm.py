@@ -46,8 +46,9 @@ compute dtype p) and f = (tp - 1) / tp:
   'last' and 'hsdp_reduce_scatter'.
 
 - **ep** (expert parallelism, trainer/plan/moe.py): the routed tokens' all-to-all there and
-  back in forward and backward (and in the recompute under full AC); the experts' FSDP
-  traffic in dp_shard is 1/ep of their bytes over efsdp = dp_shard / ep ranks.
+  back in forward and backward (and in the recompute under full AC), over ep ranks (ep_dp
+  dp_shard ranks x tp); the experts' FSDP traffic in dp_shard is 1/ep of their bytes over
+  efsdp = dp_shard / ep_dp ranks.
 Not counted: the loss's scalar all-reduce over dp, gradient-norm clipping (a few scalars),
 checkpoints, and the data loader. Whether this traffic stays inside a node is a matter of the
 mesh: tp is innermost, so with tp <= GPUs per node it is NVLink traffic.
@@ -99,7 +100,8 @@ def tp_volume(cfg: JobConfig, a, pd, accum: int) -> float:
     tokens = cfg.training.local_batch_size * cfg.training.seq_len // pd.cp
     # a MoE feed-forward runs on the sequence shard (trainer/parallel/tp.py): no gather or
     # reduce-scatter around it (2 forward, 2 backward per MoE block), and its gradients, each
-    # tp rank's tokens' share, are all-reduced over tp once per step (fp32, 1/dp_shard each)
+    # tp rank's tokens' share, are all-reduced over tp once per step (fp32, 1/dp_shard each):
+    # under ep only the router's and shared experts' (the experts are split over ep x tp)
     n_moe = moe_layers(a)
     collectives = tp_collectives(cfg, a.n_layers) - 4 * n_moe
     activations = f * p * tokens * a.dim * collectives
@@ -108,7 +110,12 @@ def tp_volume(cfg: JobConfig, a, pd, accum: int) -> float:
     else:
         loss = 2 * f * p * a.vocab_size * a.dim
     norms = 2 * f * p * (2 * a.n_layers + 1) * a.dim
-    moe_grads = 2 * f * FP32 * n_moe * a.moe.total_ffn(a.dim) / pd.dp_shard if n_moe else 0
+    summed = 0
+    if n_moe:
+        m = a.moe
+        summed = a.dim * m.n_experts + 3 * a.dim * m.hidden_dim * m.n_shared_experts \
+            if pd.ep > 1 else m.total_ffn(a.dim)
+    moe_grads = 2 * f * FP32 * n_moe * summed / pd.dp_shard
     return accum * (activations + loss + norms) + moe_grads
 
 
@@ -116,10 +123,12 @@ def dp_shard_volume(cfg: JobConfig, groups, pd, accum: int) -> float:
     """Bytes per rank per step over dp_shard: FSDP all-gathers and reduce-scatters."""
     n = pd.dp_shard * pd.cp
     p, r = BYTES[cfg.training.mixed_precision_param], BYTES[cfg.training.mixed_precision_reduce]
-    # experts (under ep): 1/ep of them gathered over efsdp = n / ep ranks
-    g = {k: gathered(k, gathered_numel(v, n), pd.ep) * (ring(n // pd.ep) / ring(n)
-                                                         if pd.ep > 1 and k.endswith(".experts")
-                                                         else 1.0) for k, v in groups.items()}
+    # experts (under ep): a tp rank's part (`fsdp_groups`), 1/ep_dp of it gathered over
+    # efsdp (x cp) = n / ep_dp ranks
+    e = pd.ep_dp
+    g = {k: gathered(k, gathered_numel(v, n), e) * (ring(n // e) / ring(n)
+                                                    if e > 1 and k.endswith(".experts")
+                                                    else 1.0) for k, v in groups.items()}
     total, head = sum(g.values()), g.get("head", 0)  # a pipeline stage may lack the head
     policy = str(cfg.parallelism.fsdp_reshard_after_forward)
     if pd.pp_enabled and policy == "default":  # trainer/parallel/parallelize.py

@@ -145,13 +145,16 @@ def fsdp_groups(args: ModelArgs, tp: int = 1, ep: int = 1,
     With tp > 1 each shape is one tp rank's part (`tp_local_shape`): FSDP shards that part
     over dp_shard (FSDP2's strided sharding of a colwise weight gives rank 0
     ceil(rows / tp / dp_shard) rows, as `shard_numel` counts on the tp-local shape). `shard`:
-    the FSDP ranks (dp_shard x cp); the experts shard over shard / ep of them (efsdp x cp)."""
+    the FSDP ranks (dp_shard x cp); under ep (ep_dp dp_shard ranks x tp, trainer/parallel/
+    dims.py) the experts are a tp rank's 1/tp of them, sharded over shard / ep_dp ranks (efsdp x
+    cp): a gather then brings 1/ep_dp of the tp-local shape (`gathered`)."""
     groups: dict[str, list[tuple[int, ...]]] = {}
+    ep_dp = ep // tp if ep > 1 else 1
     for name, p in build_model(args).named_parameters():
         shape = tuple(p.shape)
         key = group_key(name, args)
         if key.endswith(".experts") and ep > 1:
-            shape = expert_shape(shape, ep, shard // ep)
+            shape = expert_shape((shape[0] // tp, *shape[1:]), ep_dp, shard // ep_dp)
         groups.setdefault(key, []).append(
             tp_local_shape(name, shape, tp) if tp_splits(name, args) else shape)
     return groups
@@ -252,11 +255,11 @@ def memory_plan(cfg: JobConfig, world_size: int, pp_rank: int | None = None) -> 
     loss = loss_region(cfg, a, p, tokens, tp, pd.loss_parallel) if head else dict.fromkeys(
         ("at_loss", "after", "at_head"), 0)
     b["logits_loss"], held_logits = loss["at_loss"], loss["after"]
-    b.update(fsdp_buffers(cfg, groups, shard, p, r, pipeline=pd.pp_enabled, ep=pd.ep))
+    b.update(fsdp_buffers(cfg, groups, shard, p, r, pipeline=pd.pp_enabled, ep=pd.ep_dp))
     # A pipeline schedule reduces the gradients at its last microbatch (sync 'last' within it)
     sync_last = cfg.training.gradient_accumulation_sync == "last" or pd.pp_enabled
     several = accum > 1 or (pd.pp_enabled and cfg.training.local_batch_size > batch)
-    b["grad_accumulation"] = r * sum(gathered(k, gathered_numel(v, shard), pd.ep)
+    b["grad_accumulation"] = r * sum(gathered(k, gathered_numel(v, shard), pd.ep_dp)
                                      for k, v in groups.items()) if several and sync_last else 0
     impl = implementation(cfg.optimizer.implementation)
     largest = max(FP32 * shard_numel(s, shard) for s in shapes)

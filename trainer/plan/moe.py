@@ -2,11 +2,13 @@
 routed tokens' activations and expert parallelism's all-to-all.
 
 - **Parameters.** Each MoE layer's experts are an FSDP group of their own,
-  `layers.<i>.experts` in `trainer.plan.memory.fsdp_groups` (full [E, ...] shapes). Under ep
-  they are split over ep and sharded over efsdp = dp_shard / ep, so a rank holds
-  E / (ep x efsdp) = E / dp_shard of them, as FSDP alone would; but a gather brings E / ep
-  experts, not E (`gathered`). Tensor parallelism does not split a MoE block's parameters
-  (trainer/parallel/tp.py), so they are whole on every tp rank.
+  `layers.<i>.experts` in `trainer.plan.memory.fsdp_groups`. Under ep they are split over
+  the ep ranks, ep_dp = ep / tp of dp_shard's and the tp ranks (trainer/parallel/dims.py), and
+  sharded over efsdp = dp_shard / ep_dp, so a rank holds E / (ep x efsdp) = E / (dp_shard x tp)
+  of them; a gather brings E / ep experts, not E. The plan books a tp rank's E / tp of them
+  (as it books a tp rank's part of a TP matmul) and gathers 1/ep_dp of that (`gathered`).
+  Without ep, tensor parallelism does not split a MoE block's parameters (trainer/parallel/
+  tp.py): they are whole on every tp rank, as the router and shared experts always are.
 - **Activations.** A MoE block saves, per token of the microbatch (the whole sequence: under
   TP each tp rank routes the gathered sequence), in place of the dense FFN's: the router's fp32
   logits and probabilities (2 x 4 x E), and for each of the top_k routed copies of the token
@@ -15,8 +17,9 @@ routed tokens' activations and expert parallelism's all-to-all.
   copy each way); the shared experts as a dense FFN of n_shared x hidden. Dropless routing
   at perfect balance: a skewed router puts more tokens on some ranks (their imbalance factor
   multiplies this term).
-- **All-to-all** (ep, per microbatch): each routed copy leaves its rank with probability
-  (ep - 1) / ep and comes back: 2 x top_k x tokens x dim x p x (ep - 1) / ep bytes per MoE
+- **All-to-all** (ep, per microbatch): each rank routes its own tokens (1 / (tp x cp) of the
+  microbatch), and each routed copy leaves its rank with probability (ep - 1) / ep (the ep
+  group takes in the tp ranks) and comes back: 2 x top_k x tokens x dim x p x (ep - 1) / ep bytes per MoE
   layer in forward, the same in backward, and again for each forward recomputed by AC.
 """
 
@@ -57,7 +60,8 @@ def tp_splits(name: str, args: ModelArgs) -> bool:
 
 
 def gathered(key: str, numel: int, ep: int) -> int:
-    """Elements a gather of group `key` brings: the experts' 1/ep under expert parallelism."""
+    """Elements a gather of group `key` brings: 1/ep of the experts' (tp-local) elements under
+    expert parallelism (`ep`: the ep ranks borrowed from dp_shard, ParallelDims.ep_dp)."""
     return numel // ep if key.endswith(".experts") else numel
 
 
