@@ -22,7 +22,8 @@ from torch.distributed.tensor import DTensor
 def _copies(grad: torch.Tensor, stage_world: int) -> int:
     """How many ranks hold this rank's piece of `grad`: its Replicate mesh dims' sizes
     multiplied, times the ranks of its pipeline stage (`stage_world`) outside its mesh (e.g.
-    the tp ranks for a MoE layer's parameters, which tp does not split: trainer/parallel/tp.py).
+    the tp ranks for a MoE layer's router, which tp does not split: trainer/parallel/tp.py;
+    under ep the experts' mesh, (efsdp, ep_dp x tp), holds the tp ranks: no copies there).
     A plain tensor is the same on every rank."""
     if not isinstance(grad, DTensor):
         return dist.get_world_size() if dist.is_initialized() else 1

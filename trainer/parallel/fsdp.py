@@ -35,10 +35,10 @@ def apply_fsdp(model: torch.nn.Module, mesh, *, param_dtype: str, reduce_dtype: 
     of a Transformer or a pipeline stage (the same attribute names, either end None).
     `offload`: e.g. CPUOffloadPolicy (sharded params, grads and optimizer state in host
     memory; the parameters must then be materialised on the CPU). `experts`: under expert
-    parallelism, (the experts' mesh, the dp size): each block's experts are a group of their
-    own over `efsdp` whose gradients are divided by the whole dp size (they hold the sum over
-    every ep rank's tokens; trainer/parallel/expert_parallel.py), all-gathered with their
-    block (explicit forward prefetch)."""
+    parallelism, (the experts' mesh, the divisor): each block's experts are a group of their
+    own over `efsdp` (x cp) whose gradients are divided by the whole dp size x cp (they hold
+    the sum over every ep rank's tokens, the tp ranks' among them: ParallelDims.
+    expert_grad_divisor), all-gathered with their block (explicit forward prefetch)."""
     mp = MixedPrecisionPolicy(param_dtype=DTYPE[param_dtype], reduce_dtype=DTYPE[reduce_dtype])
     shard = functools.partial(fully_shard, mesh=mesh, mp_policy=mp,
                               offload_policy=offload or OffloadPolicy())

@@ -77,19 +77,19 @@ def ring(n: int) -> float:
     return (n - 1) / n
 
 
-def tp_collectives(cfg: JobConfig, n_layers: int) -> int:
+def tp_collectives(cfg: JobConfig, n_layers: int, moe_ids=()) -> int:
     """[batch, seq, dim] all-gathers + reduce-scatters per microbatch over tp (forward,
-    backward and the forward collectives replayed by activation checkpointing)."""
+    backward and the forward collectives replayed by activation checkpointing). A MoE block
+    (its id in `moe_ids`) has those of its attention only: its feed-forward runs on the
+    sequence shard (trainer/parallel/tp.py), half the block's in each pass and replay."""
     ac = cfg.activation_checkpoint
-    if ac.mode == "full":
-        replayed = 4 * n_layers
-    elif ac.mode == "selective" and ac.selective_ac_option == "op":
-        replayed = 2 * n_layers  # the all-gathers; the reduce-scatters' outputs are kept
-    elif ac.mode == "selective":
-        replayed = 4 * -(-n_layers // int(ac.selective_ac_option))
-    else:
-        replayed = 0
-    return 8 * n_layers + 4 + replayed
+    ids = range(n_layers)
+    if ac.mode == "selective" and ac.selective_ac_option != "op":
+        ids = range(0, n_layers, int(ac.selective_ac_option))  # the checkpointed blocks
+    per = {"full": 4, "selective": 2 if ac.selective_ac_option == "op" else 4}.get(ac.mode, 0)
+    # op-level SAC replays the all-gathers; the reduce-scatters' outputs are kept
+    replayed = sum(per // 2 if i in moe_ids else per for i in ids)
+    return sum(4 if i in moe_ids else 8 for i in range(n_layers)) + 4 + replayed
 
 
 def tp_volume(cfg: JobConfig, a, pd, accum: int) -> float:
@@ -103,7 +103,8 @@ def tp_volume(cfg: JobConfig, a, pd, accum: int) -> float:
     # tp rank's tokens' share, are all-reduced over tp once per step (fp32, 1/dp_shard each):
     # under ep only the router's and shared experts' (the experts are split over ep x tp)
     n_moe = moe_layers(a)
-    collectives = tp_collectives(cfg, a.n_layers) - 4 * n_moe
+    moe_ids = {i for i in range(a.n_layers) if a.is_moe_layer(i)} if n_moe else set()
+    collectives = tp_collectives(cfg, a.n_layers, moe_ids)
     activations = f * p * tokens * a.dim * collectives
     if pd.loss_parallel:
         loss = 3 * 2 * f * FP32 * tokens

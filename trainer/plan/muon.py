@@ -6,9 +6,10 @@ Each Muon matrix becomes a `Spec` on the mesh its parameter lives on (trainer/pa
   (dp_replicate, dp_shard x cp, tp), replicated over dp_replicate, cut by FSDP (rows) and tp;
 - a MoE block's router and shared experts (TP leaves them whole) and, without ep, its
   stacked experts: one mesh per tp rank, (dp_replicate, dp_shard x cp), FSDP's rows;
-- under ep the stacked experts: one mesh per tp rank, (dp_replicate, efsdp x cp, ep), split
-  over ep on dim 0 and over efsdp as `expert_placement` shards them (dim 0 when the local
-  experts divide efsdp: whole where they live; else their width: gathered over efsdp).
+- under ep the stacked experts: one mesh, (dp_replicate, efsdp x cp, ep), ep = ep_dp x tp
+  (the tp ranks are in the ep group: trainer/parallel/dims.py), split over ep on dim 0 and
+  over efsdp as `expert_placement` shards them (dim 0 when the local experts divide efsdp:
+  whole where they live; else their width: gathered over efsdp).
 With tp = 1 every matrix but the experts under ep is on the dp mesh, as in the trainer.
 `ns_loads` gives each rank's Newton-Schulz FLOPs per step (matrices replicated over tp or
 dp_replicate counted on every rank that computes them); `muon_volume` the bytes a rank sends.
@@ -47,8 +48,8 @@ def stage_meshes(cfg, pd, a, pp_rank: int) -> list[tuple[tuple, list[int], list[
     """(mesh sizes, its ranks (row-major; the stage's ranks numbered from 0), its Muon specs
     in model order) for every mesh of one pp stage."""
     R, CP, TP, ep = pd.dp_replicate, pd.cp, pd.tp, pd.ep
-    S = pd.dp_shard
-    F = S // ep
+    S, EPD = pd.dp_shard, pd.ep_dp  # dp_shard = (efsdp, ep_dp); ep = (ep_dp, tp) under ep
+    F = S // EPD
 
     def rank(rep, s, c, t):
         return ((rep * S + s) * CP + c) * TP + t
@@ -65,11 +66,10 @@ def stage_meshes(cfg, pd, a, pp_rank: int) -> list[tuple[tuple, list[int], list[
         if expert and ep > 1:
             local = shape[0] // ep
             dim = 0 if local % (F * CP) == 0 or shape[1] % (F * CP) else 1
-            for t in range(TP):
-                ranks = [rank(r, f * ep + e, c, t) for r in range(R) for f in range(F)
-                         for c in range(CP) for e in range(ep)]
-                add(("experts", t), (R, F * CP, ep), ranks,
-                    Spec(shape, (Replicate(), Shard(dim), Shard(0)), (R, F * CP, ep)))
+            ranks = [rank(r, f * EPD + e, c, t) for r in range(R) for f in range(F)
+                     for c in range(CP) for e in range(EPD) for t in range(TP)]
+            add("experts", (R, F * CP, ep), ranks,
+                Spec(shape, (Replicate(), Shard(dim), Shard(0)), (R, F * CP, ep)))
         elif TP > 1 and not expert and tp_splits(name, a):
             add("tp", (R, S * CP, TP), list(range(R * S * CP * TP)),
                 Spec(shape, (Replicate(), Shard(0), Shard(1)), (R, S * CP, TP)))
