@@ -168,6 +168,7 @@ def group_labels(pd) -> dict[str, str]:
         names[mesh[dim].get_group().group_name] = LABELS.get(dim, dim)
     for flat, dim in ((pd.dp_mesh, "dp"), (pd._shard_mesh, "dp_shard"),
                       (getattr(pd, "_expert_mesh", None), "efsdp_cp"),
+                      (getattr(pd, "_ep_mesh", None), "ep"),  # ep_dp x tp flattened
                       (getattr(pd, "_cp_tp", None), "cp_tp")):
         if flat is not None:
             names.setdefault(flat.get_group().group_name, LABELS.get(dim, dim))
