@@ -38,6 +38,10 @@ class MoEArgs:
     # top_k experts within them. 1 group: plain top-k.
     n_group: int = 1
     topk_group: int = 1
+    # Expert parallelism (trainer/parallel/expert_parallel.py): the dispatch ("auto", "flat",
+    # "node") and whether the AC recompute reuses the dispatched rows.
+    dispatch: str = "auto"
+    save_dispatch: bool = True
 
     def is_moe_layer(self, layer_id: int) -> bool:
         """Qwen3-MoE's rule ((i + 1) % step == 0) after the first dense layers."""
@@ -425,5 +429,6 @@ def model_args(flavor: str, *, vocab_size: int | None = None, max_seq_len: int |
             n_experts=moe_config.num_experts or args.moe.n_experts,
             top_k=moe_config.top_k or args.moe.top_k,
             n_group=moe_config.n_group or args.moe.n_group,
-            topk_group=moe_config.topk_group or args.moe.topk_group)
+            topk_group=moe_config.topk_group or args.moe.topk_group,
+            dispatch=moe_config.dispatch, save_dispatch=moe_config.save_dispatch)
     return dataclasses.replace(args, **changes, **attention)

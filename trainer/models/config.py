@@ -116,6 +116,16 @@ class MoE:
     capacity_factor: float = opt(0.0, "0 = dropless (every routed token computed); c > 0: an "
                                  "expert takes at most ceil(c x tokens x top_k / experts) and "
                                  "the rest are dropped (counted)", min=0.0)
+    dispatch: str = opt(
+        "auto", "Expert parallelism's token dispatch: 'flat' (one all-to-all, a row per "
+        "(token, expert)), 'node' (node-limited: expert group g = node g's experts, a token "
+        "crosses to each chosen node once and fans out there; needs n_group = the ep group's "
+        "nodes), 'auto' (node when the ep group spans several nodes and n_group matches, flat "
+        "otherwise)", choices=("auto", "flat", "node"))
+    save_dispatch: bool = opt(
+        True, "Under activation checkpointing the recompute reuses the rows the dispatch "
+        "received (the inter-node stage's under node dispatch) instead of sending them again: "
+        "memory for bytes; false: send again")
 
     def balance_coeff_at(self, step: int) -> float:
         """The bias update speed after `step`'s optimizer step (a function of the step alone)."""

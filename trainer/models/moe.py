@@ -144,8 +144,9 @@ class MoE(nn.Module):
         self.register_buffer("routed", torch.zeros(()), persistent=False)
         self.aux_terms: list[torch.Tensor] = []  # weighted aux + z terms (values, to log)
         self.aux_scale = 1.0  # d(objective) / d(aux term): set per step by the microbatch loop
-        # (routed rows sorted by expert, counts [E], experts) -> their outputs, the same rows:
-        # set by trainer/parallel/expert_parallel.py, where the experts live on other ranks.
+        # (tokens, weights, chosen, keep, experts, side=shared experts) -> (the routed experts'
+        # weighted sum per token, the shared experts' output): set by trainer/parallel/
+        # expert_parallel.py, where the experts live on other ranks.
         self.dispatcher = None
         # Under tensor and context parallelism each rank routes its own sequence shard
         # (trainer/parallel/tp.py, parallelize.py): the group whose shards make up the
@@ -159,10 +160,9 @@ class MoE(nn.Module):
         shape = x.shape
         flat = x.reshape(-1, shape[-1])
         weights, chosen, probs, logits = self.router(flat)
-        e, k = self.moe.n_experts, self.moe.top_k
         slots = chosen.reshape(-1)  # (token, choice) pairs, token-major
-        counts = loads = expert_counts(slots, e)
-        keep = valid = None
+        counts = loads = expert_counts(slots, self.moe.n_experts)
+        keep = None  # [pairs] bool under a capacity: the pairs kept
         if self.moe.capacity_factor > 0:
             cap = capacity(self.moe, flat.shape[0])
             keep, counts = capacity_mask(slots, loads, cap)
@@ -172,25 +172,41 @@ class MoE(nn.Module):
                 self.routed += slots.numel()
                 if keep is not None:
                     self.dropped += (~keep).sum()
+        aux = None
+        if self.training and torch.is_grad_enabled():  # before any exchange: see below
+            aux = self._aux(probs, logits, chosen, shape[0] if len(shape) == 3 else 1)
+        if self.dispatcher is not None:  # expert parallel (trainer/parallel/ep_dispatch.py)
+            # Weighted and summed by token where the experts live; the shared experts run
+            # while the dispatch is in flight. Every saved-for-backward tensor of this layer
+            # precedes the combine, so activation checkpointing's recompute (which stops at
+            # the last one) never repeats it.
+            y, shared = self.dispatcher(flat, weights, chosen, keep, self.experts,
+                                        side=self.shared_experts)
+            y = y if shared is None else y + shared
+        else:
+            y = self._local(flat, weights, slots, counts, keep)
+            if self.shared_experts is not None:
+                y = y + self.shared_experts(flat)
+        if aux is not None:  # under TP every tp rank holds the same aux: 1/tp of it each
+            y = _AttachAux.apply(y, aux, self.aux_scale / self.aux_shards)
+        return y.reshape(shape)
+
+    def _local(self, flat, weights, slots, counts, keep) -> torch.Tensor:
+        """The routed experts on this rank: rows sorted by expert, weighted, summed by token."""
+        e, k = self.moe.n_experts, self.moe.top_k
+        valid = None
         if keep is None:
             order = slots.argsort(stable=True)
         else:
+            cap = capacity(self.moe, flat.shape[0])
             order, valid = kept_first(slots, keep, counts, min(slots.numel(), e * cap))
         token = order // k
         routed = flat[token] if valid is None else flat[token].masked_fill(~valid, 0)
-        out = (self.experts(routed, counts) if self.dispatcher is None  # the experts are here
-               else self.dispatcher(routed, counts, self.experts))  # expert parallel
+        out = self.experts(routed, counts)
         if valid is not None:  # rows past the kept ones: no expert wrote them
             out = out.masked_fill(~valid, 0)
-        out = out * weights.reshape(-1)[order, None].to(x.dtype)
-        y = torch.zeros_like(flat).index_add_(0, token, out)
-        if self.shared_experts is not None:
-            y = y + self.shared_experts(flat)
-        if self.training and torch.is_grad_enabled():
-            aux = self._aux(probs, logits, chosen, shape[0] if len(shape) == 3 else 1)
-            if aux is not None:  # under TP every tp rank holds the same aux: 1/tp of it each
-                y = _AttachAux.apply(y, aux, self.aux_scale / self.aux_shards)
-        return y.reshape(shape)
+        out = out * weights.reshape(-1)[order, None].to(flat.dtype)
+        return torch.zeros_like(flat).index_add_(0, token, out)
 
     def _aux(self, probs, logits, chosen, batch: int) -> torch.Tensor | None:
         """The weighted aux terms of this microbatch: the global load-balancing loss (Switch /

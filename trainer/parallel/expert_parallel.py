@@ -8,16 +8,18 @@ stacked weights become DTensors `Shard(0)` over `ep`, which FSDP shards further 
 (trainer/parallel/fsdp.py), so a checkpoint holds each as one full `[E, ...]` tensor and moves
 between ep degrees, dp sizes and layouts like a dense parameter.
 
-One MoE layer's forward on an ep rank (`AllToAllDispatch`):
-1. its routed rows, sorted by expert (so by destination rank: rank j holds experts
+One MoE layer's forward on an ep rank (`AllToAllDispatch`, the flat dispatch; the node-limited
+one is trainer/parallel/ep_dispatch.py's `NodeDispatch`, chosen by `moe.dispatch`):
+1. its (token, expert) pairs sorted by expert (so by destination rank: rank j holds experts
    j E/ep .. (j + 1) E/ep - 1), and the per-expert counts;
 2. the counts are exchanged (an all-to-all of E integers, and one host sync: the split sizes
-   must be known on the host), then the rows (an autograd-aware all-to-all with uneven splits;
-   its backward sends the gradients back the same way). Under activation checkpointing the
-   recompute replays the counts and split sizes its forward exchanged (trainer/parallel/
-   recompute.py): no second exchange or host sync;
+   must be known on the host), then the rows, each with its weight as one more column (an
+   all-to-all issued asynchronously: the shared experts run meanwhile; its backward sends the
+   gradients back the same way). Under activation checkpointing the recompute replays the
+   counts and split sizes, and (`moe.save_dispatch`) the received rows (trainer/parallel/
+   recompute.py): no second exchange, host sync or dispatch;
 3. the received rows, grouped by source rank, are re-sorted by local expert for the grouped
-   GEMM, and the outputs unsorted and returned by the reverse all-to-all.
+   GEMM, weighted, unsorted and returned by the reverse all-to-all, then summed per token.
 
 Expert gradients are the sum over every ep rank's tokens (the all-to-all's backward brings
 them), so FSDP's reduction over `efsdp` (x replicas) must divide by the whole dp size, as it does
@@ -29,67 +31,89 @@ from __future__ import annotations
 
 import torch
 from torch import nn
-from torch.distributed._functional_collectives import all_to_all_single_autograd
 from torch.distributed.tensor import Shard, distribute_tensor
 
-from trainer.models.moe import MoE, moe_layers
-from trainer.parallel import recompute
+from trainer.errors import ConfigError
+from trainer.models.moe import MoE, expert_counts, moe_layers
+from trainer.parallel.ep_dispatch import (Dispatcher, NodeDispatch, Route, exchange,
+                                          node_layout, scatter_sum)
 
 
-class AllToAllDispatch:
-    """An MoE layer's dispatcher over the ep process group (see the module docstring)."""
+class AllToAllDispatch(Dispatcher):
+    """An MoE layer's flat dispatcher over the ep process group (see the module docstring)."""
 
-    def __init__(self, group, ep: int, n_experts: int):
-        self.group, self.ep, self.local = group, ep, n_experts // ep
+    def describe(self) -> str:
+        return "flat: one all-to-all row per (token, expert)"
 
-    def __call__(self, rows: torch.Tensor, counts: torch.Tensor, experts: nn.Module):
-        import torch.distributed as dist
-
+    @torch.compiler.disable
+    def __call__(self, flat, weights, chosen, keep, experts, side=None):
         ep, local = self.ep, self.local
-        memo = recompute.current()  # under activation checkpointing: the forward's values
-        known = memo.replay() if memo is not None else None
-        if known is None:
-            received = torch.empty_like(counts)  # [ep x local]: per source, per local expert
-            dist.all_to_all_single(received, counts, group=self.group)
-            received = received.view(ep, local)
-            send, recv = self.split_sizes(rows, counts, received)
-            if memo is not None:
-                memo.record((received, send, recv))
-        else:  # the recompute: no second exchange, no second host sync
-            received, send, recv = known
-        extra = rows.shape[0] - sum(send)  # rows past the counted ones (capacity's padding)
-        if extra:
-            rows = rows[:-extra]
-        mine = all_to_all_single_autograd(rows, recv, send, self.group)
-        # Rows arrive grouped by source rank, then by local expert: sort by local expert
-        # (the output size is known from the splits: no second host sync).
-        expert_of_row = torch.arange(local, device=counts.device).repeat(ep).repeat_interleave(
-            received.reshape(-1), output_size=mine.shape[0])
-        order = expert_of_row.argsort(stable=True)
-        out = experts(mine[order], received.sum(0))[order.argsort()]
-        back = all_to_all_single_autograd(out, send, recv, self.group)
-        return torch.nn.functional.pad(back, (0, 0, 0, extra)) if extra else back
+        t, k = chosen.shape
+        n_experts = ep * local
+        slots = chosen.reshape(-1)
+        if keep is not None:  # capacity's dropped pairs sort last and are not sent
+            slots = slots + keep.logical_not() * n_experts
+        order = slots.argsort(stable=True)
+        counts = expert_counts(slots, 2 * n_experts)[:n_experts].view(ep, local)
+        received, (send, recv) = self.exchange_counts(counts, t * k)
+        pair = order[:sum(send)]
+        token = pair.div(k, rounding_mode="floor")
+        rows = torch.cat([flat[token], weights.reshape(-1)[pair, None].to(flat.dtype)], 1)
+        route = Route(self.group, send, recv)
+        mine, flight = exchange(rows, route, self.save)
+        self._mark("dispatch issued", flight)
+        shared = self.side(side, flat, flight)
+        flight.wait()
+        self._mark("dispatch received", flight)
+        out = self.run_experts(mine, received, experts)
+        back, flight = exchange(out, route.reverse())
+        flight.wait()
+        return scatter_sum(back, token, t), shared
 
-    def split_sizes(self, rows: torch.Tensor, counts: torch.Tensor,
-                    received: torch.Tensor) -> tuple[list[int], list[int]]:
-        """(rows sent to each ep rank, rows received from each): the layer's one host sync,
-        since the all-to-all's split sizes must be known on the host. The traced dry run
-        (trainer/plan/trace.py) replaces it with perfect balance: fake tensors have no data."""
-        splits = torch.stack([counts.view(self.ep, self.local).sum(1), received.sum(1)])
-        send, recv = splits.tolist()
-        return send, recv
+    def sizes(self, counts: torch.Tensor, received: torch.Tensor) -> torch.Tensor:
+        """[2, ep]: rows sent to each ep rank, rows received from each."""
+        return torch.stack([counts.sum(1), received.sum(1)])
+
+    def balanced(self, rows: int) -> list[list[int]]:
+        """Perfect balance (the traced dry run): an equal share of the rows to each rank."""
+        share = [rows // self.ep + (1 if r < rows % self.ep else 0) for r in range(self.ep)]
+        return [share, list(share)]
+
+
+def choose_dispatcher(group, moe) -> Dispatcher:
+    """`moe.dispatch` over the ep `group`: node-limited where asked (refused in one line when
+    the layout cannot) or, under "auto", where the group spans several nodes and the expert
+    groups match them; flat otherwise. The same decision on every rank."""
+    nodes, why = node_layout(group, moe.n_experts, moe.n_group)
+    if moe.dispatch == "node" and why:
+        raise ConfigError(f"moe.dispatch = 'node': {why}")
+    if moe.capacity_factor > 0 and moe.dispatch == "node":
+        raise ConfigError("moe.dispatch = 'node' is dropless: set moe.capacity_factor = 0 or "
+                          "moe.dispatch = 'flat'")
+    if moe.dispatch == "node" or (moe.dispatch == "auto" and nodes > 1 and not why
+                                  and moe.capacity_factor == 0):
+        return NodeDispatch(group, moe.n_experts, nodes, moe.topk_group, moe.top_k,
+                            moe.save_dispatch)
+    return AllToAllDispatch(group, moe.n_experts, moe.save_dispatch)
 
 
 def apply_ep(model: nn.Module, ep_mesh) -> None:
     """Place each MoE layer's experts `Shard(0)` over `ep_mesh` (on the meta device: nothing is
-    allocated) and install its all-to-all dispatcher."""
-    group, ep = ep_mesh.get_group(), ep_mesh.size()
+    allocated) and install its dispatcher (one line says which)."""
+    from trainer.distributed import log0
+
+    group = ep_mesh.get_group()
+    said = False
     for moe in moe_layers(model).values():
         experts = moe.experts
         for name, param in list(experts.named_parameters(recurse=False)):
             experts.register_parameter(name, nn.Parameter(distribute_tensor(
                 param, ep_mesh, [Shard(0)], src_data_rank=None)))
-        moe.dispatcher = AllToAllDispatch(group, ep, moe.moe.n_experts)
+        moe.dispatcher = choose_dispatcher(group, moe.moe)
+        if not said:
+            log0(f"expert parallel {ep_mesh.size()}, dispatch {moe.moe.dispatch}: "
+                 f"{moe.dispatcher.describe()}")
+            said = True
 
 
 def expert_modules(model: nn.Module) -> list[nn.Module]:

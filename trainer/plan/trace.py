@@ -64,24 +64,24 @@ def host_counts():
 
 @contextlib.contextmanager
 def balanced_dispatch():
-    """Expert parallelism's all-to-all split sizes are data (trainer/parallel/
-    expert_parallel.py reads them on the host); on the trace every rank sends an equal share
-    of its routed rows to each ep rank and receives as many: perfect balance, the steady state
-    load balancing aims at. A skewed router's receiving rank holds more."""
-    from trainer.parallel.expert_parallel import AllToAllDispatch
+    """Expert parallelism's all-to-all split sizes are data (trainer/parallel/ep_dispatch.py
+    reads them on the host); on the trace they are perfect balance, the steady state load
+    balancing aims at: under the flat dispatch every rank sends an equal share of its routed
+    rows to each ep rank and receives as many; under the node-limited one each token goes to
+    topk_group nodes, an equal share to each, and fans out evenly there. A skewed router's
+    receiving rank holds more."""
+    from trainer.parallel.ep_dispatch import Dispatcher
 
-    original = AllToAllDispatch.split_sizes
+    original = Dispatcher.host_lists
 
-    def even(self, rows, counts, received):
-        n, ep = rows.shape[0], self.ep
-        share = [n // ep + (1 if r < n % ep else 0) for r in range(ep)]
-        return share, list(share)
+    def even(self, sizes, tokens):
+        return self.balanced(tokens)
 
-    AllToAllDispatch.split_sizes = even
+    Dispatcher.host_lists = even
     try:
         yield
     finally:
-        AllToAllDispatch.split_sizes = original
+        Dispatcher.host_lists = original
 
 
 class FakeLoader:
