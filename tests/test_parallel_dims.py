@@ -1,6 +1,7 @@
 """ParallelDims: degree resolution and validation (pure), and the real mesh on 4 gloo ranks."""
 
 import json
+import re
 
 import pytest
 
@@ -110,3 +111,62 @@ def test_pipeline_stages_are_the_outermost_dimension(meshes, pp, replicate, shar
         stage = r // per_stage * per_stage
         assert set(info["dp_group"]) | set(info["tp_group"]) <= set(range(stage, stage + per_stage))
         assert info["dp_size"] == replicate * shard and len(info["tp_group"]) == tp
+
+
+@pytest.mark.parametrize("shard, tp, ep, world, needle", [
+    (-1, 2, 3, 8, "parallelism.expert_parallel_degree = 3 is not parallelism.tensor_parallel_degree"
+                  " = 2 x a divisor of dp_shard = 4 (world size 8, 4 dp ranks of tp 2, "),
+    (-1, 2, 6, 8, "under tensor parallelism the expert-parallel group takes in the tp ranks "
+                  "and borrows ep / tp ranks from dp_shard; valid: 1, 2, 4, 8"),
+    (-1, 2, 16, 8, "valid: 1, 2, 4, 8"),  # ep / tp = 8 does not divide dp_shard = 4
+    (-1, 4, 12, 8, "valid: 1, 4, 8"),
+    (-1, 1, 8, 4, "expert_parallel_degree = 8 does not divide dp_shard = 4"),  # tp 1: as before
+])
+def test_ep_under_tp_is_tp_times_a_divisor_of_dp_shard(shard, tp, ep, world, needle):
+    with pytest.raises(ConfigError, match=re.escape(needle)):
+        ParallelDims(1, shard, world, tp=tp, ep=ep)
+
+
+def test_ep_takes_in_the_tp_ranks():
+    """EP 4 x TP 2 on 8 ranks (dp_shard 4): ep = 2 dp_shard ranks x the 2 tp ranks, the experts
+    sharded over efsdp = 2; without tp ep stays all dp_shard's; ep 1 leaves tp alone."""
+    pd = ParallelDims(1, -1, 8, tp=2, ep=4)
+    assert (pd.ep_dp, pd.ep_tp, pd.efsdp, pd.dp_size) == (2, 2, 2, 4)
+    assert "EP 4 (experts split over ep = 2 dp_shard x 2 tp ranks, 1/4 each, sharded over " \
+           "efsdp=2; all-to-all)" in pd.describe()
+    assert (ParallelDims(1, -1, 8, ep=4).ep_dp, ParallelDims(1, -1, 8, ep=4).efsdp) == (4, 2)
+    assert (ParallelDims(1, -1, 8, tp=2).ep_dp, ParallelDims(1, -1, 8, tp=2).ep_tp) == (1, 1)
+
+
+def test_the_ep_group_over_dp_shard_and_tp_ranks():
+    """The mesh of EP 4 x TP 2 x FSDP 4 (and cp 2 under it) on a fake world, seen from rank 5:
+    ep = its dp_shard pair's 4 ranks in increasing order, tp innermost; the experts' FSDP
+    over efsdp (x cp); the dense FSDP mesh and dp as without ep."""
+    import subprocess
+    import sys
+
+    code = (
+        "import json, torch.distributed as dist\n"
+        "from trainer.parallel.dims import ParallelDims\n"
+        "from trainer.plan.fake import fake_world\n"
+        "out = {}\n"
+        "for cp, world in ((1, 8), (2, 16)):\n"
+        "    with fake_world(world, 5):\n"
+        "        pd = ParallelDims(1, -1, world, tp=2, cp=cp, ep=4); pd.build_mesh('cpu')\n"
+        "        g = lambda m: sorted(dist.get_process_group_ranks(m.get_group()))\n"
+        "        out[cp] = dict(ep=pd.ep_mesh.mesh.tolist(), efsdp=g(pd.expert_fsdp_mesh),\n"
+        "                       dense=g(pd.fsdp_mesh), dp=g(pd.dp_mesh), tp=g(pd.tp_mesh),\n"
+        "                       names=list(pd.world_mesh.mesh_dim_names))\n"
+        "print(json.dumps(out))\n")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          cwd=REPO, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    got = json.loads(proc.stdout.splitlines()[-1])
+    # world 8: rank = dp_shard index x 2 + tp; dp_shard = (efsdp 2, ep_dp 2)
+    assert got["1"] == {"ep": [4, 5, 6, 7], "efsdp": [1, 5], "dense": [1, 3, 5, 7],
+                        "dp": [1, 3, 5, 7], "tp": [4, 5],
+                        "names": ["pp", "dp_replicate", "efsdp", "ep_dp", "cp", "tp"]}
+    # world 16, cp 2: rank = (dp_shard index x 2 + cp) x 2 + tp; rank 5 = shard 1, cp 0, tp 1
+    assert got["2"]["ep"] == [0, 1, 4, 5] and got["2"]["tp"] == [4, 5]
+    assert got["2"]["efsdp"] == [5, 7, 13, 15]  # efsdp 2 x cp 2
+    assert got["2"]["dense"] == [1, 3, 5, 7, 9, 11, 13, 15] and got["2"]["dp"] == [1, 5, 9, 13]
