@@ -173,6 +173,8 @@ def check_moe(cfg: JobConfig) -> None:
                 if getattr(cfg.moe, f.name) != f.default]
     if par.expert_parallel_degree > 1:
         set_keys.append(f"{EP_KEY} = {par.expert_parallel_degree}")
+    if cfg.float8.moe:
+        set_keys.append("float8.moe = true")
     flavor = FLAVORS[cfg.model.flavor].moe
     if flavor is None:
         if set_keys:
@@ -196,6 +198,12 @@ def check_moe(cfg: JobConfig) -> None:
         raise ConfigError(f"checkpoint.{hf[0]} = true, but model.flavor {cfg.model.flavor!r} "
                           f"has {flavor.NO_HF}")
     model_args(cfg.model.flavor, moe_config=cfg.moe).validate()  # experts, groups
+    if cfg.float8.moe and not cfg.float8.moe_emulate:  # the float8 GEMMs' 16-element alignment
+        args = model_args(cfg.model.flavor, moe_config=cfg.moe)
+        for what, n in (("dim", args.dim), ("expert width", args.moe.hidden_dim)):
+            if n % 16:
+                raise ConfigError(f"float8.moe = true needs the experts' {what} to be a multiple "
+                                  f"of 16; model.flavor {cfg.model.flavor!r} has {n}")
     losses = [k for k in ("aux_loss_weight", "seq_aux_loss_weight", "router_z_loss_weight")
               if getattr(cfg.moe, k)]
     if par.pipeline_parallel_degree > 1 and losses:

@@ -33,10 +33,21 @@ class Float8:
         True, "tensorwise: all-gather the FSDP-sharded weights in float8 (half the bytes)")
     filter_fqns: list[str] = opt(["output"], "Linear layers whose name contains one of these "
                                  "stay in bf16 (the output head by default)")
+    moe: bool = opt(False, "MoE experts' grouped GEMMs in rowwise float8 (torch._scaled_grouped_mm, "
+                    "CUDA sm >= 90; trainer/parallel/float8_moe.py); independent of enable")
+    moe_emulate: bool = opt(False, "With moe: quantize as float8 but multiply dequantized values "
+                            "in fp32 (any device: tests of the numerics, no speed)")
 
 
 def check_config(f8: Float8, device: str) -> None:
     """Torch-free checks: not on the CPU, and torchao importable."""
+    if f8.moe_emulate and not f8.moe:
+        raise ConfigError("float8.moe_emulate = true emulates float8.moe, which is off; set "
+                          "float8.moe = true too, or turn moe_emulate off")
+    if f8.moe and not f8.moe_emulate and device == "cpu":
+        raise ConfigError("float8.moe = true needs a CUDA GPU with compute capability >= 9.0 "
+                          "(H100, H200, B200); training.device is 'cpu' (float8.moe_emulate = "
+                          "true checks the numerics on any device, without the speed)")
     if not f8.enable:
         return
     if device == "cpu":
@@ -51,6 +62,8 @@ def check_device(f8: Float8, device) -> None:
     """On the rank's device (a torch.device): float8 matmuls need CUDA sm >= 89."""
     import torch
 
+    if f8.moe and not f8.moe_emulate:
+        check_grouped_device(device)
     if not f8.enable:
         return
     if device.type != "cuda":
@@ -59,6 +72,22 @@ def check_device(f8: Float8, device) -> None:
     major, minor = torch.cuda.get_device_capability(device)
     if (major, minor) < (8, 9):
         raise ConfigError(f"float8.enable = true needs compute capability >= 8.9; "
+                          f"{torch.cuda.get_device_name(device)} has {major}.{minor}")
+
+
+def check_grouped_device(device) -> None:
+    """float8.moe on the rank's device: torch's rowwise float8 grouped GEMM needs CUDA sm >= 90."""
+    import torch
+
+    if device.type != "cuda":
+        raise ConfigError(f"float8.moe = true needs a CUDA GPU with compute capability >= 9.0; "
+                          f"this run is on {device.type}")
+    if not hasattr(torch, "_scaled_grouped_mm"):
+        raise ConfigError(f"float8.moe = true needs torch._scaled_grouped_mm, which torch "
+                          f"{torch.__version__} lacks (torch >= 2.8)")
+    major, minor = torch.cuda.get_device_capability(device)
+    if major < 9:
+        raise ConfigError(f"float8.moe = true needs compute capability >= 9.0; "
                           f"{torch.cuda.get_device_name(device)} has {major}.{minor}")
 
 

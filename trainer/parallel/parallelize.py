@@ -29,6 +29,7 @@ from torch.utils.checkpoint import (CheckpointPolicy, checkpoint,
 
 from trainer.parallel.expert_parallel import apply_ep
 from trainer.parallel.float8 import apply_float8
+from trainer.parallel.float8_moe import apply_float8_experts
 from trainer.models.llama import Transformer
 from trainer.models.moe import moe_layers
 from trainer.parallel.fsdp import DTYPE, apply_fsdp, set_gradient_sync  # noqa: F401  (re-exported)
@@ -156,6 +157,8 @@ def shard_model(model: Transformer, parallel_dims, cfg, *, device: torch.device,
         model.activation_dtype = DTYPE[param_dtype]
     if cfg.float8.enable:  # before AC and compile wrap the blocks (trainer/parallel/float8.py)
         apply_float8(model, cfg.float8)
+    if cfg.float8.moe:  # the experts' grouped GEMMs in float8 (trainer/parallel/float8_moe.py)
+        apply_float8_experts(model, emulate=cfg.float8.moe_emulate)
     if parallel_dims.ep_enabled:  # the experts split over ep, before FSDP wraps them
         apply_ep(model, parallel_dims.ep_mesh)
     if parallel_dims.tp_enabled:
