@@ -261,6 +261,10 @@ class Parallelism:
     pipeline_parallel_split_points: list[str] = opt(
         [], "Explicit cuts instead: a stage starts at each named layer, e.g. [\"layers.4\", "
         "\"layers.8\"] (on the command line: layers.4,layers.8)")
+    pipeline_parallel_overlap: bool = opt(
+        True, "DualPipeV: run each overlapped forward/backward pair on two threads, the "
+        "backward's collectives on twin groups, so one microbatch's MoE all-to-alls hide "
+        "behind another's compute; false: one after the other (also where tp or cp > 1)")
     disable_loss_parallel: bool = opt(
         False, "With TP: gather the output head's weight and compute the loss over the full "
         "vocab on every tp rank, instead of over vocab-sharded logits")

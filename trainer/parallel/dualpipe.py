@@ -73,11 +73,18 @@ def plan_overlap(cfg, schedule, ep_laned: bool | None = None) -> tuple[bool, str
 
 
 def dispatch_laned() -> bool:
-    """Whether the MoE dispatch (trainer/parallel/expert_parallel.py) sends its collectives
-    through `lane_group`: it must, or two threads would interleave on the ep group."""
+    """Whether the MoE dispatch (trainer/parallel/expert_parallel.py's dispatcher and the
+    classes it builds on) sends its collectives through `lane_group`: it must, or two threads
+    would interleave on the ep group."""
+    import sys
+
     import trainer.parallel.expert_parallel as ep
 
-    return any(value is lanes.lane_group or value is lanes for value in vars(ep).values())
+    dispatch = getattr(ep, "AllToAllDispatch", None)
+    modules = {sys.modules[k.__module__] for k in getattr(dispatch, "__mro__", ())
+               if k.__module__ in sys.modules} | {ep}
+    return any(value is lanes.lane_group or value is lanes
+               for module in modules for value in vars(module).values())
 
 
 def stage_groups(model) -> list:
