@@ -23,7 +23,7 @@ from tests.test_tp import saved_digest
 from trainer.config.job import load_config
 from trainer.errors import ConfigError
 from trainer.parallel.pp_layout import (SCHEDULES, bubble_fraction, rank_stages, split_stages,
-                                        stage_rank)
+                                        stage_rank, stage_work)
 from trainer.parallel.dims import ParallelDims
 from trainer.parallel.pipeline import _SAME_RANK_STAGES, _SPLIT_BACKWARD_THROUGH_FUNCTIONS
 
@@ -178,12 +178,41 @@ def test_balanced_split_counts_the_embedding_and_the_head():
     eight = split_stages(6, 8)  # one unit per stage
     assert eight[0].embedding and eight[0].layers == () and eight[7].head and eight[7].layers == ()
     assert [s.layers for s in eight[1:7]] == [(i,) for i in range(6)]
-    three = split_stages(6, 3)  # 8 units: 3, 3, 2
-    assert [s.layers for s in three] == [(0, 1), (2, 3, 4), (5,)]
+    three = split_stages(6, 3)  # 8 units of equal weight: 2, 3, 3 (the first stage lighter)
+    assert [s.layers for s in three] == [(0,), (1, 2, 3), (4, 5)]
     assert [s.layers for s in split_stages(6, 3, split_points=["layers.1", "layers.4"])] == [
         (0,), (1, 2, 3), (4, 5)]
     assert [s.layers for s in split_stages(6, 4, layers_per_stage=2)] == [
         (0,), (1, 2), (3, 4), (5,)]
+
+
+def test_the_default_split_balances_the_units_work():
+    """Weighted by their work, a free embedding and a head of 3.5 layers: 32 layers over 4
+    stages put 9 layers on the first stage and 5 beside the head; the heaviest stage is the
+    least any cut allows (an exhaustive search agrees), and explicit cuts ignore the weights."""
+    import itertools
+
+    weights = [0.0] + [1.0] * 32 + [3.5]
+    specs = split_stages(32, 4, weights=weights)
+    assert [len(s.layers) for s in specs] == [9, 9, 9, 5] and specs[3].head
+    work = stage_work(specs, weights)
+    best = min(max(sum(weights[a:b]) for a, b in zip((0, *cuts), (*cuts, 34)))
+               for cuts in itertools.combinations(range(1, 34), 3))
+    assert max(work) == best == 9.0
+    assert work == [9.0, 9.0, 9.0, 8.5]
+    # a light first unit run (DeepSeek's dense layers) draws more of them onto its stage
+    dense_first = [0.0] + [0.5] * 3 + [1.0] * 13 + [1.0]
+    assert [len(s.layers) for s in split_stages(16, 2, weights=dense_first)] == [9, 7]
+    assert [s.layers for s in split_stages(6, 3, split_points=["layers.1", "layers.4"],
+                                           weights=[0.0] + [1.0] * 6 + [9.0])] == [
+        (0,), (1, 2, 3), (4, 5)]
+    # the 70B's head weighs 1.06 layers: 80 layers over 4 stages as evenly as they go
+    from trainer.models.args import model_args
+    from trainer.models.flops import unit_flops
+
+    seventy = unit_flops(model_args("70B", vocab_size=128256), 8192)
+    assert 1.0 < seventy[-1] / seventy[1] < 1.1 and seventy[0] == 0.0
+    assert [len(s.layers) for s in split_stages(80, 4, weights=seventy)] == [20, 21, 20, 19]
 
 
 def test_v_and_looped_placements():

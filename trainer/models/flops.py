@@ -48,33 +48,63 @@ from trainer.models.llama import ModelArgs
 def matmul_params(args: ModelArgs) -> int:
     """Weights used in a matmul for every token: all block Linears plus the output head; in a
     MoE block the router and the experts a token goes through (top_k + shared), not all E."""
+    return sum(block_matmul_params(args, i) for i in range(_blocks(args))) + \
+        head_matmul_params(args)
+
+
+def _blocks(args: ModelArgs) -> int:
+    """The blocks the FLOPs count: the layers and the MTP modules' (the hybrid: its layers)."""
+    return args.n_layers if args.hybrid is not None else args.n_blocks
+
+
+def block_matmul_params(args: ModelArgs, i: int) -> int:
+    """Block `i`'s matmul weights per token: its attention (GQA, MLA without its two latent
+    norms, or the hybrid's Gated DeltaNet / gated attention) and its FFN (the routed experts a
+    token goes through, the router and the shared experts; a dense FFN's three matrices)."""
+    d = args.dim
     if args.hybrid is not None:
-        return _hybrid_matmul_params(args)
+        h = args.hybrid
+        if h.layer_type(i) == LINEAR:  # wq, wk, wv, wz, wo; wb, wa
+            mixer = d * (2 * h.keys + 3 * h.values + 2 * h.linear_v_heads)
+        else:
+            mixer = d * args.head_dim * (3 * args.n_heads + 2 * args.n_kv_heads)
+        ffn = (args.moe.active_ffn(d) + h.shared_params(d) if args.is_moe_layer(i)
+               else 3 * d * args.hidden_dim)
+        return mixer + ffn
     q_dim = args.n_heads * args.head_dim
     kv_dim = args.n_kv_heads * args.head_dim
-    attention = args.dim * (q_dim + 2 * kv_dim) + q_dim * args.dim
+    attention = d * (q_dim + 2 * kv_dim) + q_dim * d
     if args.mla is not None:  # MLA's projections, without its two latent norms
         m = args.mla
-        attention = m.params(args.dim, args.n_heads) - m.q_lora_rank - m.kv_lora_rank
-    blocks = args.n_blocks  # MTP modules: a block, the projection and the head each
-    ffn = sum(args.moe.active_ffn(args.dim) if args.is_moe_layer(i)
-              else 3 * args.dim * args.hidden_dim for i in range(blocks))
-    mtp = args.mtp_layers * (2 * args.dim * args.dim + args.dim * args.vocab_size)
-    return blocks * attention + ffn + args.dim * args.vocab_size + mtp
+        attention = m.params(d, args.n_heads) - m.q_lora_rank - m.kv_lora_rank
+    ffn = args.moe.active_ffn(d) if args.is_moe_layer(i) else 3 * d * args.hidden_dim
+    return attention + ffn
+
+
+def head_matmul_params(args: ModelArgs) -> int:
+    """The output head's weights, and each MTP module's projection and head."""
+    mtp = 0 if args.hybrid is not None else \
+        args.mtp_layers * (2 * args.dim * args.dim + args.dim * args.vocab_size)
+    return args.dim * args.vocab_size + mtp
+
+
+def block_attention_flops(args: ModelArgs, i: int, seq_len: int,
+                          causal_half: bool = False) -> float:
+    """Block `i`'s score and value products per token, forward + backward (see the module
+    docstring); a Gated DeltaNet layer's chunked recurrence instead (`deltanet_flops`, which
+    no causal halving applies to)."""
+    if args.hybrid is not None and args.hybrid.layer_type(i) == LINEAR:
+        return deltanet_flops(args.hybrid)
+    # 2 products (q.k over head_dim channels, p.v over v_head_dim), 2 FLOPs per multiply-add,
+    # x3 forward + backward: 12 * heads * head_dim when the two widths agree
+    full = 6 * args.n_heads * (args.head_dim + args.v_head_dim) * seq_len
+    return full / 2 if causal_half else float(full)
 
 
 def attention_flops_per_token(args: ModelArgs, seq_len: int, causal_half: bool = False) -> float:
-    """Score and value products, forward + backward, per token (see the module docstring);
-    the hybrid's Gated DeltaNet layers add their chunked recurrence instead (`deltanet_flops`,
-    which no causal halving applies to)."""
-    # 2 products (q.k over head_dim channels, p.v over v_head_dim), 2 FLOPs per multiply-add,
-    # x3 forward + backward: 12 * heads * head_dim when the two widths agree
-    layers, linear = args.n_blocks, 0.0
-    if args.hybrid is not None:
-        n_linear = sum(args.hybrid.layer_type(i) == LINEAR for i in range(args.n_layers))
-        layers, linear = layers - n_linear, n_linear * deltanet_flops(args.hybrid)
-    full = 6 * layers * args.n_heads * (args.head_dim + args.v_head_dim) * seq_len
-    return (full / 2 if causal_half else float(full)) + linear
+    """Score and value products, forward + backward, per token, over every block."""
+    return sum(block_attention_flops(args, i, seq_len, causal_half)
+               for i in range(_blocks(args)))
 
 
 def deltanet_flops(h, chunk: int = 64) -> float:
@@ -87,27 +117,30 @@ def deltanet_flops(h, chunk: int = 64) -> float:
     return 3.0 * h.linear_v_heads * (6 * dk * dv + 4 * c * dk + 4 * c * dv)
 
 
-def _hybrid_matmul_params(args: ModelArgs) -> int:
-    """The hybrid's matmul weights per token: each layer's mixer (the Gated DeltaNet's
-    projections, or the gated attention's with its gate rows), its FFN (routed experts a
-    token goes through, the router, the gated shared expert) and the head."""
-    h, d = args.hybrid, args.dim
-    k, v, nv = h.keys, h.values, h.linear_v_heads
-    linear = d * (2 * k + 3 * v + 2 * nv)  # wq, wk, wv, wz, wo; wb, wa
-    full = d * args.head_dim * (3 * args.n_heads + 2 * args.n_kv_heads)
-    total = d * args.vocab_size
-    for i in range(args.n_layers):
-        total += linear if h.layer_type(i) == LINEAR else full
-        if args.is_moe_layer(i):
-            total += args.moe.active_ffn(d) + h.shared_params(d)
-        else:
-            total += 3 * d * args.hidden_dim
-    return total
-
-
 def flops_per_token(args: ModelArgs, seq_len: int) -> float:
     """Forward + backward matmul FLOPs per token; causal attention counted in full."""
-    return 6.0 * matmul_params(args) + attention_flops_per_token(args, seq_len)
+    return sum(unit_flops(args, seq_len))
+
+
+def unit_flops(args: ModelArgs, seq_len: int) -> list[float]:
+    """Model FLOPs per token of each unit a pipeline places (trainer/parallel/pp_layout.py):
+    [the token embedding, layer 0 .. n - 1, the head]; they sum to `flops_per_token`. The
+    embedding is a lookup (0 FLOPs; its memory is the stages' concern, not its work); the
+    head is its matmul with the MTP modules that sit beside it (their blocks, projections
+    and heads); the loss is elementwise work that model FLOPs do not count."""
+    def block(i: int) -> float:
+        return 6.0 * block_matmul_params(args, i) + block_attention_flops(args, i, seq_len)
+
+    mtp = sum(block(i) for i in range(args.n_layers, _blocks(args)))
+    return [0.0, *(block(i) for i in range(args.n_layers)),
+            6.0 * head_matmul_params(args) + mtp]
+
+
+def layer_kind(args: ModelArgs, i: int) -> tuple:
+    """What makes block `i` differ in shape from another: MoE or dense FFN, and the hybrid's
+    linear (Gated DeltaNet) or full attention. Blocks of one kind do the same work."""
+    return (args.is_moe_layer(i), args.hybrid.layer_type(i) if args.hybrid is not None
+            else "attention")
 
 
 def tokens_per_device(dp_rank_tokens_per_s: float, tp: int = 1) -> float:

@@ -33,14 +33,15 @@ from trainer.distributed import log0, to_device
 from trainer.errors import ConfigError
 from trainer.health import faults, heartbeat
 from trainer.models.llama import Transformer, model_args
+from trainer.models.flops import unit_flops
 from trainer.models.mtp import future_labels, mtp_streams
 from trainer.parallel.context_parallel import ContextSplit
 from trainer.parallel.fsdp import fsdp_param_groups
 from trainer.parallel.seam import Losses
 from trainer.parallel.tp import sum_partial_grads
 from trainer.parallel.pp_layout import (StageSpec, bubble_fraction, check_microbatches,
-                                        check_pipeline, rank_stages, schedule as find_schedule,
-                                        stage_rank)
+                                        check_pipeline, describe_split, rank_stages,
+                                        schedule as find_schedule, stage_rank)
 
 
 try:  # torch >= 2.12: two stages on one rank pass activations without p2p (V schedules)
@@ -242,7 +243,8 @@ def split_model(model: Transformer, cfg, pp_mesh) -> list[StageModule]:
     PipelinedModel) and return their StageModules."""
     par = cfg.parallelism
     specs = check_pipeline(par, cfg.training, model.args.n_layers,
-                           model.args.tie_word_embeddings, cfg.model.flavor)
+                           model.args.tie_word_embeddings, cfg.model.flavor,
+                           unit_flops(model.args, cfg.training.seq_len))
     sched, pp = find_schedule(par.pipeline_parallel_schedule), par.pipeline_parallel_degree
     me = pp_mesh.get_local_rank()
     mine = [specs[s] for s in rank_stages(me, pp, len(specs), sched.style)]
@@ -262,13 +264,15 @@ def split_model(model: Transformer, cfg, pp_mesh) -> list[StageModule]:
     return model.pipeline_stages
 
 
-def describe(cfg, n_microbatches: int) -> str:
-    """One line: the schedule, its ideal bubble, and every pp rank's stages."""
+def describe(cfg, n_microbatches: int, args=None) -> str:
+    """One line: the schedule, its ideal bubble, every pp rank's stages and how the model
+    was cut (`args`: the model's, whose units' work balances the default split)."""
     par = cfg.parallelism
     pp, sched = par.pipeline_parallel_degree, find_schedule(par.pipeline_parallel_schedule)
-    args = model_args(cfg.model.flavor)
+    args = args or model_args(cfg.model.flavor)
+    weights = unit_flops(args, cfg.training.seq_len)
     specs = check_pipeline(par, cfg.training, args.n_layers, args.tie_word_embeddings,
-                           cfg.model.flavor)
+                           cfg.model.flavor, weights)
     per_rank = len(specs) // pp
     where = "; ".join(
         f"rank {r}: " + " + ".join(f"stage {s} ({specs[s].describe()})"
@@ -277,7 +281,10 @@ def describe(cfg, n_microbatches: int) -> str:
     bubble = bubble_fraction(sched, pp, n_microbatches, per_rank)
     return (f"pipeline: {sched.name}, {len(specs)} stages over pp {pp}, {n_microbatches} "
             f"microbatches of {par.pipeline_parallel_microbatch_size} per schedule step "
-            f"(ideal bubble {bubble:.1%}); {where}")
+            f"(ideal bubble {bubble:.1%}); {where}; "
+            + describe_split(specs, weights, "balanced by model FLOPs" if not (
+                par.pipeline_parallel_split_points or par.pipeline_parallel_layers_per_stage)
+                else "as configured"))
 
 
 def check_torch(sched, cfg, pp_group) -> None:
@@ -354,7 +361,7 @@ class PipelineLoop:
         self.first = any(m.spec.embedding for m in model.pipeline_stages)
         self.z_loss = bool(getattr(loss_fn, "z_loss_weight", 0.0))
         self.mtp_layers = model.args.mtp_layers
-        log0(describe(cfg, self.n_microbatches))
+        log0(describe(cfg, self.n_microbatches, model.args))
         if overlap:
             log0(overlap)
         if self.cp is not None:

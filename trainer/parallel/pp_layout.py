@@ -2,8 +2,11 @@
 stages, which rank holds which stage, and the checks a config must pass before any rank starts.
 
 A model is a row of units: the token embedding, the n transformer layers, then the final norm
-with the output head (and the loss). A stage is a contiguous run of units; the embedding and
-the head each weigh as one layer in the balanced default split, and may fill a stage alone.
+with the output head (and the loss). A stage is a contiguous run of units. The default split
+balances the stages' work: each unit weighs its model FLOPs per token (trainer/models/flops.py
+`unit_flops`: the embedding, a lookup, ~0; the head its matmul, e.g. 1.06 layers of Llama 3
+70B; a DeepSeek dense layer less than a MoE one), the heaviest stage is made as light as any
+contiguous cut allows, and the stages share what is left as evenly as that permits.
 Stage s lives on pp rank `stage_rank(s)`: s mod pp for the looped schedules (one stage per
 rank, or several "virtual" stages per rank for the interleaved ones), the V shape for ZBV and
 DualPipeV (rank r holds stages r and 2 pp - 1 - r, so the first and the last stage share a
@@ -12,6 +15,7 @@ rank).
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 
@@ -88,20 +92,20 @@ def stage_count(pp: int, sched: Schedule, n_layers: int, layers_per_stage: int,
 
 
 def split_stages(n_layers: int, n_stages: int, layers_per_stage: int = 0,
-                 split_points: list[str] | None = None) -> list[StageSpec]:
+                 split_points: list[str] | None = None,
+                 weights: list[float] | None = None) -> list[StageSpec]:
     """Cut the units [embedding, layer 0 .. n-1, head] into `n_stages` contiguous stages:
-    before each `layers.N` of `split_points`; every `layers_per_stage` units; or as evenly
-    as possible (the embedding and the head weigh one layer each; earlier stages take the
-    remainder's extra units)."""
+    before each `layers.N` of `split_points`; every `layers_per_stage` units; or balanced by
+    `weights`, one per unit (the work of each: `balanced_cuts`; None: every unit weighs 1)."""
     units = n_layers + 2
     if split_points:
         cuts = [1 + layer_of(p, n_layers) for p in split_points]
     elif layers_per_stage:
         cuts = [layers_per_stage * (i + 1) for i in range(n_stages - 1)]
     else:
-        base, extra = divmod(units, n_stages)
-        sizes = [base + (1 if i < extra else 0) for i in range(n_stages)]
-        cuts = [sum(sizes[:i + 1]) for i in range(n_stages - 1)]
+        if weights is not None and len(weights) != units:
+            raise ValueError(f"{len(weights)} unit weights for {units} units")
+        cuts = list(balanced_cuts(tuple(weights or [1.0] * units), n_stages))
     bounds = [0, *cuts, units]
     specs = []
     for i in range(n_stages):
@@ -109,6 +113,70 @@ def split_stages(n_layers: int, n_stages: int, layers_per_stage: int = 0,
         layers = tuple(u - 1 for u in range(lo, hi) if 1 <= u <= n_layers)
         specs.append(StageSpec(i, lo == 0, layers, hi == units))
     return specs
+
+
+@functools.lru_cache(maxsize=64)
+def balanced_cuts(weights: tuple[float, ...], n_stages: int) -> tuple[int, ...]:
+    """Where the stages start (units 1 .. n-1), `n_stages` non-empty contiguous runs of units:
+    first the least heaviest stage any cut gives (the pipeline runs at its slowest stage's
+    pace), found exactly among the runs' sums; then, from the last stage back, each stage
+    takes the units whose work comes closest to an even share of what is left (on a tie the
+    more units: the earlier stages, which hold more microbatches in flight under 1F1B and the
+    embedding, stay lighter), as long as the units before it still fit under that bound."""
+    n = len(weights)
+    if not 1 <= n_stages <= n:
+        raise ValueError(f"{n_stages} stages for {n} units")
+    prefix = [0.0]
+    for w in weights:
+        prefix.append(prefix[-1] + w)
+    sums = sorted({prefix[j] - prefix[i] for i in range(n) for j in range(i + 1, n + 1)})
+    lo, hi = 0, len(sums) - 1  # the least feasible bound: a binary search over the sums
+    while lo < hi:
+        mid = (lo + hi) // 2
+        lo, hi = (lo, mid) if _stages_needed(weights, n, sums[mid]) <= n_stages else (mid + 1, hi)
+    bound = sums[lo] * (1 + 1e-9) + 1e-12
+    cuts, end = [], n
+    for left in range(n_stages - 1, 0, -1):  # this stage is units [start, end); `left` before
+        share = prefix[end] / (left + 1)
+        fits = [s for s in range(left, end)
+                if prefix[end] - prefix[s] <= bound and
+                _stages_needed(weights, s, bound) <= left]
+        start = min(fits, key=lambda s: (abs(prefix[end] - prefix[s] - share), s))
+        cuts.append(start)
+        end = start
+    return tuple(reversed(cuts))
+
+
+def _stages_needed(weights, n: int, bound: float) -> int:
+    """How few stages hold units [0, n) with none heavier than `bound` (inf if one unit is)."""
+    count, run = 1, 0.0
+    for w in weights[n - 1::-1] if n else ():
+        if w > bound:
+            return 10**9
+        if run + w > bound:
+            count, run = count + 1, w
+        else:
+            run += w
+    return count
+
+
+def stage_work(specs: list[StageSpec], weights: list[float]) -> list[float]:
+    """Each stage's share of `weights` (one per unit, as `split_stages` takes them)."""
+    return [(weights[0] if s.embedding else 0.0) + sum(weights[1 + i] for i in s.layers) +
+            (weights[-1] if s.head else 0.0) for s in specs]
+
+
+def describe_split(specs: list[StageSpec], weights: list[float] | None, how: str) -> str:
+    """One line on how the stages were cut and, with `weights`, the heaviest stage's work
+    against an even share (the head's weight in layers of the model's heaviest layer)."""
+    if weights is None:
+        return f"split {how}"
+    work = stage_work(specs, weights)
+    layer = max(weights[1:-1], default=1.0) or 1.0
+    even = sum(work) / len(work)
+    return (f"split {how}: the head weighs {weights[-1] / layer:.2f} layers, the embedding "
+            f"{weights[0] / layer:.2f}; the heaviest stage {max(work) / even:.3f}x an even "
+            "share of the work")
 
 
 def layer_of(point: str, n_layers: int) -> int:
@@ -148,9 +216,12 @@ def bubble_fraction(sched: Schedule, pp: int, n_microbatches: int, stages_per_ra
     return idle / (3 * m + idle)
 
 
-def check_pipeline(par, training, n_layers: int, tied: bool, flavor: str) -> list[StageSpec]:
+def check_pipeline(par, training, n_layers: int, tied: bool, flavor: str,
+                   weights: list[float] | None = None) -> list[StageSpec]:
     """Every pipeline setting against the model and the batch (`par`: the parallelism section,
-    `training` the training section); returns the stages. ConfigErrors name the key."""
+    `training` the training section); returns the stages, the default split balanced by
+    `weights` (trainer/models/flops.py `unit_flops`; the checks do not depend on them).
+    ConfigErrors name the key."""
     pp = par.pipeline_parallel_degree
     sched = schedule(par.pipeline_parallel_schedule)
     if tied:
@@ -190,7 +261,7 @@ def check_pipeline(par, training, n_layers: int, tied: bool, flavor: str) -> lis
                           "layers, the embedding and the head); lower the pp degree or choose "
                           "a schedule with fewer stages per rank")
     specs = split_stages(n_layers, n_stages, par.pipeline_parallel_layers_per_stage,
-                         par.pipeline_parallel_split_points)
+                         par.pipeline_parallel_split_points, weights)
     points = par.pipeline_parallel_split_points
     if points and [layer_of(p, n_layers) for p in points] != sorted(
             {layer_of(p, n_layers) for p in points}):

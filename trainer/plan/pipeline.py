@@ -12,20 +12,55 @@ these and reports the largest.
 from __future__ import annotations
 
 from trainer.parallel.pp_layout import (bubble_fraction, check_microbatches, check_pipeline,
-                                        rank_stages, schedule as find_schedule)
+                                        describe_split, rank_stages, schedule as find_schedule,
+                                        stage_work)
 
 
 def layout(cfg) -> tuple[object, list, int]:
-    """(the schedule, the stage specs, the pipeline microbatches per schedule step)."""
-    from trainer.models.args import model_args
-
+    """(the schedule, the stage specs, the pipeline microbatches per schedule step), the
+    default split balanced by the units' work as train.py cuts it (`unit_weights`)."""
     par = cfg.parallelism
     sched = find_schedule(par.pipeline_parallel_schedule)
-    args = model_args(cfg.model.flavor)
+    args, weights = unit_weights(cfg)
     specs = check_pipeline(par, cfg.training, args.n_layers, args.tie_word_embeddings,
-                           cfg.model.flavor)
+                           cfg.model.flavor, weights)
     m = check_microbatches(par, cfg.training, sched, len(specs), par.pipeline_parallel_degree)
     return sched, specs, m
+
+
+def unit_weights(cfg) -> tuple[object, list[float]]:
+    """(the model's args as the plan builds it, the model FLOPs per token of each pipeline
+    unit: trainer/models/flops.py `unit_flops`, the weights of the default split)."""
+    from trainer.models.flops import unit_flops
+    from trainer.plan.memory import plan_args, resolve_vocab
+
+    args = plan_args(cfg, resolve_vocab(cfg)[0])
+    return args, unit_flops(args, cfg.training.seq_len)
+
+
+def rank_work(cfg) -> list[float]:
+    """Each pp rank's model FLOPs (its stages' units) against an even share of the model's:
+    what the split gives each rank before any repeated work (1.0 = its share)."""
+    sched, specs, _ = layout(cfg)
+    pp = cfg.parallelism.pipeline_parallel_degree
+    weights = unit_weights(cfg)[1]
+    work = stage_work(specs, weights)
+    per_rank = [sum(work[s] for s in rank_stages(r, pp, len(specs), sched.style))
+                for r in range(pp)]
+    return [w * pp / sum(weights) for w in per_rank]
+
+
+def rank_shape(cfg, rank: int) -> tuple:
+    """What pp rank `rank` builds, up to the ranks' in-flight counts: its stages' units, each
+    layer by its kind (trainer/models/flops.py `layer_kind`). Ranks of one shape do the
+    same work per stage-microbatch; the trace runs one of them."""
+    from trainer.models.flops import layer_kind
+
+    sched, specs, _ = layout(cfg)
+    args = unit_weights(cfg)[0]
+    pp = cfg.parallelism.pipeline_parallel_degree
+    return tuple((specs[s].embedding, tuple(layer_kind(args, i) for i in specs[s].layers),
+                  specs[s].head) for s in rank_stages(rank, pp, len(specs), sched.style))
 
 
 def rank_units(cfg, rank: int) -> tuple[bool, list[int], bool]:
@@ -86,7 +121,21 @@ def summary(cfg, rank_totals: list[int], gib: int) -> list[str]:
     pp = cfg.parallelism.pipeline_parallel_degree
     bubble = bubble_fraction(sched, pp, m, len(specs) // pp)
     peaks = ", ".join(f"{t / gib:.2f}" for t in rank_totals)
+    work = ", ".join(f"{w:.3f}" for w in rank_work(cfg))
     return [f"pipeline: {sched.name}, {len(specs)} stages over pp {pp}, {m} microbatch(es) per "
             f"schedule step; ideal bubble {bubble:.1%} of the step ({sched.cost})",
+            f"    {split_line(cfg, specs)}",
+            f"    model FLOPs per pp rank, of an even share: {work}",
             f"    peak per pp rank (GiB): {peaks}; the table is rank "
             f"{max(range(pp), key=rank_totals.__getitem__)}'s"]
+
+
+def split_line(cfg, specs) -> str:
+    """How the stages were cut (trainer/parallel/pp_layout.py `describe_split`)."""
+    par = cfg.parallelism
+    how = (f"at {', '.join(par.pipeline_parallel_split_points)} "
+           "(parallelism.pipeline_parallel_split_points)" if par.pipeline_parallel_split_points
+           else f"every {par.pipeline_parallel_layers_per_stage} units "
+           "(parallelism.pipeline_parallel_layers_per_stage)"
+           if par.pipeline_parallel_layers_per_stage else "balanced by model FLOPs")
+    return describe_split(specs, unit_weights(cfg)[1], how)
