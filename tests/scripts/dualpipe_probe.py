@@ -13,6 +13,7 @@ on the other thread, and which group each lane's collectives used.
 """
 
 import json
+import sys
 import threading
 import time
 
@@ -121,13 +122,15 @@ def main(argv=None) -> None:
     equal = all(torch.equal(seq["grads"][s], over["grads"][s]) for s in seq["grads"]) and \
         len(seq["losses"]) == len(over["losses"]) and \
         all(torch.equal(a, b) for a, b in zip(seq["losses"], over["losses"]))
-    print("result " + json.dumps({
+    line = "result " + json.dumps({
         "rank": dist.get_rank(), "pp_rank": pp_rank, "equal": equal,
         "n_losses": len(over["losses"]),
         "grad_norm": float(sum(g.square().sum() for g in over["grads"].values()) ** 0.5),
         "in_flight_s": {"sequential": seq["in_flight_s"], "overlap": over["in_flight_s"]},
         "seconds": {"sequential": seq["seconds"], "overlap": over["seconds"]},
-        "groups": {"sequential": seq["groups"], "overlap": over["groups"]}}), flush=True)
+        "groups": {"sequential": seq["groups"], "overlap": over["groups"]}})
+    sys.stdout.write(line + "\n")  # one write: the 4 ranks share the pipe
+    sys.stdout.flush()
     dist.barrier()
     dist.destroy_process_group()
 
