@@ -29,6 +29,9 @@ dispatch (trainer/models/moe.py), so `balance_experts` is the same with and with
 
 from __future__ import annotations
 
+import os
+import sys
+
 import torch
 from torch import nn
 from torch.distributed.tensor import Shard, distribute_tensor
@@ -110,9 +113,10 @@ def apply_ep(model: nn.Module, ep_mesh) -> None:
             experts.register_parameter(name, nn.Parameter(distribute_tensor(
                 param, ep_mesh, [Shard(0)], src_data_rank=None)))
         moe.dispatcher = choose_dispatcher(group, moe.moe)
-        if not said:
-            log0(f"expert parallel {ep_mesh.size()}, dispatch {moe.moe.dispatch}: "
-                 f"{moe.dispatcher.describe()}")
+        if not said:  # the startup line (stderr in the plan: its stdout may be JSON)
+            line = (f"expert parallel {ep_mesh.size()}, dispatch {moe.moe.dispatch}: "
+                    f"{moe.dispatcher.describe()}")
+            log0(line) if "RANK" in os.environ else print(line, file=sys.stderr)
             said = True
 
 

@@ -5,7 +5,9 @@ of `python -m trainer.plan` (trainer/plan/memory.py computes the plan)."""
 from __future__ import annotations
 
 import argparse
+import contextlib
 import math
+import os
 import sys
 
 from trainer.config.job import JobConfig, load_config
@@ -175,24 +177,53 @@ def parse_args(argv: list[str]):
 
 def main(argv: list[str]) -> int:
     args, overrides = parse_args(argv)
+    if args.json:  # stdout is the JSON object alone: whatever else is written goes to stderr
+        with stdout_to_stderr():
+            code, out = run(args, overrides)
+        if out is not None:
+            print(out, flush=True)
+        return code
+    return run(args, overrides)[0]
+
+
+@contextlib.contextmanager
+def stdout_to_stderr():
+    """stdout, Python's and its file descriptor's, sent to stderr for the block: the log lines
+    of the traced ranks' forked processes and any library's C-level prints."""
+    sys.stdout.flush()
+    saved = os.dup(1)
+    os.dup2(2, 1)
+    try:
+        with contextlib.redirect_stdout(sys.stderr):
+            yield
+    finally:
+        sys.stderr.flush()
+        os.dup2(saved, 1)
+        os.close(saved)
+
+
+def run(args, overrides: list[str]) -> tuple[int, str | None]:
+    """The report of `python -m trainer.plan` as text on stdout (None), or with `--json` the
+    JSON object to print; and the exit code."""
     try:
         if args.ngpu < 1 or args.nnodes < 1:
             raise ConfigError(f"--ngpu ({args.ngpu}) and --nnodes ({args.nnodes}) must be >= 1")
         cfg = load_config(["--job.config_file", args.config, *overrides])
         world = args.ngpu * args.nnodes
+        os.environ["LOCAL_WORLD_SIZE"] = str(args.ngpu)  # a node's ranks, as torchrun says
         header = describe(cfg, world, args.ngpu, args.nnodes)
         b = {**memory_plan(cfg, world), **comm_volume(cfg, world)}
         accum = cfg.resolve(world)[1]
     except UserError as e:
         print(e.one_line(), file=sys.stderr)
-        return e.exit_code
+        return e.exit_code, None
     gpu = GPUS[args.gpu]
     mem_gib = args.gpu_mem_gib or gpu.memory_gib
     host = (args.ngpu, *host_ram_gib(args.host_gib))
     best = largest_local_batch(cfg, world, mem_gib)
     fixed = cfg.training.global_batch_size != -1
     if args.json:
-        return print_json(cfg, world, b, accum, gpu, mem_gib, best, args.trace)
+        return 0, report_json(cfg, world, b, accum, gpu, mem_gib, best, args.trace)
     print("\n".join(header + report(cfg, b, accum, gpu, mem_gib, args.mfu, host) + [
         f"largest local_batch_size that fits: {best}"
         + (f" (of those dividing global_batch_size {cfg.training.global_batch_size})"
@@ -204,12 +235,13 @@ def main(argv: list[str]) -> int:
         from trainer.plan.trace import trace_lines
 
         print("\n".join(trace_lines(cfg, world, b, mem_gib, device_need)))
-    return 0
+    return 0, None
 
 
-def print_json(cfg, world: int, b: dict, accum: int, gpu, mem_gib: float, best: int,
-               trace: bool) -> int:
-    """`--json`: the plan (and trace) as one JSON object on stdout."""
+def report_json(cfg, world: int, b: dict, accum: int, gpu, mem_gib: float, best: int,
+                trace: bool) -> str:
+    """`--json`: the plan (and trace) as one JSON object (`trace.work`: the busiest traced
+    rank's work against its share and the measured factors, trainer/plan/work.py)."""
     import json
 
     dims = ("tp", "cp", "dp_shard", "dp_replicate", "ep", "pp", "optimizer")
@@ -233,10 +265,14 @@ def print_json(cfg, world: int, b: dict, accum: int, gpu, mem_gib: float, best: 
                             "flops_per_rank": traced["flops"], "largest": traced["largest"],
                             "categories": traced["categories"], "seconds": traced["seconds"],
                             "comm_bytes": traced["comm_bytes"],
+                            # GiB per rank per step to other nodes, by dimension (traffic.py)
+                            "internode_bytes": {k.removesuffix("@internode"): v / GIB for k, v
+                                                in traced["comm_bytes"].items()
+                                                if k.endswith("@internode")},
                             "muon_ns_flops": traced["muon_ns_flops"],  # this rank's, traced
+                            "work": traced["work"],
                             "lines": lines}
             out["ideal_flops_per_rank"] = traced["ideal_flops"]
         else:
             out["trace"] = {"lines": lines}
-    print(json.dumps(out, indent=1, default=float))
-    return 0
+    return json.dumps(out, indent=1, default=float)

@@ -11,6 +11,10 @@ bandwidth-optimal algorithm, as trainer/plan/comm.py counts them for the plan:
     all-reduce: 2 (n - 1) / n x the tensor  all-to-all: the rows sent to the other ranks
     send: the tensor                        broadcast: the tensor, from its root
 
+Each dimension's bytes to ranks on other nodes are booked apart as well (`dim@internode`,
+`internode_bytes`: exact for all-to-alls, a ring's share otherwise), for `--json`'s
+`trace.internode_bytes`.
+
 The trace runs one or two of a step's microbatches (trainer/plan/trace.py); `per_step` scales
 them to the step's `accum` as the loop would run them. A dimension where the rank sends more
 than the plan says (by 15%, and at least 1 MiB) gets a warning naming it.
@@ -33,6 +37,7 @@ DIMS = ("tp", "cp", "dp_shard", "dp_replicate", "ep", "pp")
 LABELS = {"dp_shard_cp": "dp_shard", "efsdp": "dp_shard", "efsdp_cp": "dp_shard",
           "dp": "dp_shard", "cp_tp": "cp"}
 MIB = 2**20
+INTERNODE = "@internode"  # a dimension's label + this: its bytes to ranks on other nodes
 STEP_PHASES = ("tp_grads", "clip", "optimizer")  # once per step, after the microbatches
 
 # op name -> (kind, the argument holding what this rank sends)
@@ -76,6 +81,15 @@ def _group(args):
     return None
 
 
+def _own(args) -> int:
+    """This rank's index in the op's group (0 when it cannot tell)."""
+    group = _group(args)
+    if group is None or not dist.is_initialized():
+        return 0
+    ranks = dist.get_process_group_ranks(group)
+    return ranks.index(dist.get_rank()) if dist.get_rank() in ranks else 0
+
+
 def sent_bytes(name: str, args, n: int) -> float:
     """What rank 0 (the first rank of each of its groups) sends in op `name` over n ranks."""
     kind, index = OPS[name]
@@ -89,8 +103,8 @@ def sent_bytes(name: str, args, n: int) -> float:
     if kind == "a2a":
         splits = {"all_to_all_single": 2, "alltoall_base_": 4}.get(name)
         sizes = list(args[splits]) if splits is not None else []
-        if sizes and sum(sizes) > 0:
-            return b * (1 - sizes[0] / sum(sizes))
+        if sizes and sum(sizes) > 0:  # all but this rank's own rows
+            return b * (1 - sizes[_own(args)] / sum(sizes))
         if name == "alltoall_":
             return b - _nbytes(args[index][0])
         return (n - 1) / n * b
@@ -98,6 +112,33 @@ def sent_bytes(name: str, args, n: int) -> float:
         root = args[2] if name == "broadcast_" else args[1]
         return float(b) if root == 0 else 0.0
     return float(b)  # send
+
+
+def internode_bytes(name: str, args, group, sent: float) -> float:
+    """Of the `sent` bytes of op `name` over `group`, those to ranks on other nodes (ranks
+    per node: LOCAL_WORLD_SIZE, which the plan sets from --ngpu; torchrun's ranks fill nodes in
+    order). An all-to-all: exactly, from its split sizes (this rank's row to each
+    destination); any other collective: a bandwidth-optimal ring over the group in rank order
+    crosses nodes on as many of its n edges as the group spans nodes, so that fraction."""
+    import os
+
+    per = int(os.environ.get("LOCAL_WORLD_SIZE") or 0)
+    ranks = dist.get_process_group_ranks(group)
+    if not per or not sent:
+        return 0.0
+    nodes = [r // per for r in ranks]
+    if len(set(nodes)) == 1:
+        return 0.0
+    kind, index = OPS[name]
+    me = ranks.index(dist.get_rank()) if dist.get_rank() in ranks else 0
+    if kind == "a2a":
+        splits = {"all_to_all_single": 2, "alltoall_base_": 4}.get(name)
+        sizes = list(args[splits]) if splits is not None else []
+        if not sizes or sum(sizes) == 0:
+            sizes = [1] * len(ranks)
+        away = sum(n for n, node in zip(sizes, nodes) if node != nodes[me])
+        return _nbytes(args[index]) * away / sum(sizes)
+    return sent * len(set(nodes)) / len(ranks)
 
 
 class Traffic:
@@ -139,7 +180,11 @@ class Traffic:
         if n == 1:
             return
         label = self.names.get(group.group_name, "other")
-        self.add(label, sent_bytes(name, args, n), OPS[name][0])
+        sent = sent_bytes(name, args, n)
+        self.add(label, sent, OPS[name][0])
+        crossing = internode_bytes(name, args, group, sent)
+        if crossing:
+            self.add(label + INTERNODE, crossing, OPS[name][0])
 
     def add(self, label: str, nbytes: float, kind: str = "send") -> None:
         seg = "step" if heartbeat._state["phase"] in STEP_PHASES else self.segment
@@ -154,7 +199,7 @@ class Traffic:
         out = dict.fromkeys(DIMS, 0.0)
         for seg, books in self.bytes.items():
             for (label, _), b in books.items():
-                w = 1 if seg == "step" or label in once else \
+                w = 1 if seg == "step" or label.removesuffix(INTERNODE) in once else \
                     (accum if traced == 1 else accum - 1 if seg == 1 else 1)
                 out[label] = out.get(label, 0.0) + w * b
         return out
