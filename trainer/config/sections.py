@@ -244,8 +244,9 @@ class Parallelism:
         "training.seq_len must divide into 2 x cp (x tp) chunks", min=1)
     expert_parallel_degree: int = opt(
         1, "Expert-parallel group size (ep, MoE flavors): each MoE layer's experts split over "
-        "this many ranks borrowed from dp_shard (tokens travel by all-to-all); must divide "
-        "dp_shard and the number of experts", min=1)
+        "this many ranks borrowed from dp_shard, and under tp the tp ranks too (tokens travel "
+        "by all-to-all); must divide the number of experts and be a divisor of dp_shard (x tp "
+        "under tp)", min=1)
     pipeline_parallel_degree: int = opt(
         1, "Pipeline stages (outermost mesh dim, pp): the layers cut into stages that pass "
         "activations point to point; must divide the world size", min=1)
