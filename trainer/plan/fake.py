@@ -196,6 +196,7 @@ class TraceResult:
     comm_bytes: dict = field(default_factory=dict)  # sent per step by dimension (traffic.py)
     comm_unknown: dict = field(default_factory=dict)  # collectives the books do not know
     muon_ns_flops: float | None = None  # Muon: this rank's Newton-Schulz FLOPs (its owners)
+    stands_for: list = field(default_factory=list)  # under pp: the ranks of this one's shape
 
 
 def summarize(trace: MemoryTrace, resident: set[int], grads: set[int], states: set[int],

@@ -18,8 +18,11 @@ at once,
        post-backward (`reduce_stage`, torch's `perform_reduce_grad`): reshard, and the
        reduce-scatter on the optimizer step's last schedule step.
 
-The ranks traced are the first (the embedding, the most in flight under 1F1B), the last (the
-head and the loss) and the rank the analytic plan finds largest, if another.
+Every pp rank whose stages differ in shape (trainer/plan/pipeline.py `rank_shape`: its units,
+each layer by its kind) is traced, once per shape: ranks of one shape do the same work per
+stage-microbatch and differ only in how many they hold at once, so the plan's memory-largest
+of them stands for the others (the 405B's middle ranks 1-6 are one trace). The busiest rank
+by the plan's work count is therefore always traced.
 
 Per optimizer step the books scale as the schedule would run them: the FSDP all-gathers once
 per schedule step (stages keep their parameters gathered over its microbatches), the gradient
@@ -39,13 +42,19 @@ from trainer.health import heartbeat
 from trainer.parallel.pipeline import reduce_stage
 
 
-def traced_ranks(cfg, world_size: int) -> list[int]:
-    """The pp ranks the trace runs: the first, the last and the plan's largest."""
+def traced_ranks(cfg, world_size: int) -> dict[int, list[int]]:
+    """The pp ranks the trace runs, each with the ranks of its shape it stands for: one per
+    shape, the plan's memory-largest of them (see the module docstring)."""
     from trainer.plan.memory import memory_plan
+    from trainer.plan.pipeline import rank_shape
 
     pp = cfg.parallelism.pipeline_parallel_degree
     totals = memory_plan(cfg, world_size)["pp_rank_totals"]
-    return sorted({0, pp - 1, max(range(pp), key=totals.__getitem__)})
+    shapes: dict[tuple, list[int]] = {}
+    for r in range(pp):
+        shapes.setdefault(rank_shape(cfg, r), []).append(r)
+    return dict(sorted((max(ranks, key=totals.__getitem__), ranks)
+                       for ranks in shapes.values()))
 
 
 class StageDriver:

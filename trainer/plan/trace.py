@@ -40,7 +40,7 @@ from trainer.plan.fake import (CATEGORIES, GIB, Allocation, MemoryTrace,  # noqa
                                TraceResult, fake_world, summarize, tracking)
 from trainer.plan.stages import StageDriver, traced_ranks
 from trainer.plan.traffic import Traffic, traffic_lines
-from trainer.plan.work import counting, ideal_flops, work_lines
+from trainer.plan.work import counting, ideal_flops, measure_factors, ranks_text, work_lines
 
 
 @contextlib.contextmanager
@@ -285,8 +285,11 @@ def trace_ranks(cfg: JobConfig, world_size: int) -> list[TraceResult]:
     ranks = traced_ranks(cfg, world_size)
     with multiprocessing.get_context("fork").Pool(min(len(ranks), os.cpu_count() or 1),
                                                   maxtasksperchild=1) as pool:
-        return pool.starmap(trace_step, [(cfg, world_size, False, k) for k in ranks],
-                            chunksize=1)
+        results = pool.starmap(trace_step, [(cfg, world_size, False, k) for k in ranks],
+                               chunksize=1)
+    for r in results:  # the ranks of its shape it stands for
+        r.stands_for = ranks[r.pp_rank]
+    return results
 
 
 def trainer_frame(e: BaseException) -> str:
@@ -307,6 +310,7 @@ def trace_lines(cfg: JobConfig, world_size: int, plan: dict[str, int], mem_gib: 
     if untraceable(cfg):
         return [f"traced dry run: not run: {untraceable(cfg)}"]
     pp = cfg.parallelism.pipeline_parallel_degree
+    measure_factors(cfg)  # the blocks' kernel and recompute factors, before any fork
     try:
         results = trace_ranks(cfg, world_size) if pp > 1 else [trace_step(cfg, world_size)]
     except DataDependentOutputException as e:
@@ -324,8 +328,11 @@ def trace_lines(cfg: JobConfig, world_size: int, plan: dict[str, int], mem_gib: 
     who = "rank 0"
     if pp > 1:
         how = "its stages' in-flight microbatches, trainer/plan/stages.py"
-        who = (f"pp ranks {', '.join(str(x.pp_rank) for x in results)} (the table: pp rank "
-               f"{r.pp_rank}, the largest)")
+        shared = [f"{x.pp_rank} for {ranks_text(x.stands_for).removeprefix('ranks ')}"
+                  for x in results if len(x.stands_for) > 1]
+        who = (f"pp ranks {', '.join(str(x.pp_rank) for x in results)}"
+               + (f" (one per shape: {'; '.join(shared)})" if shared else "")
+               + f" (the table: pp rank {r.pp_rank}, the largest)")
     lines = [f"traced dry run: one training step of {who} of {world_size} on fake tensors "
              f"({how}; {sum(x.seconds for x in results):.1f} s)",
              f"    {'':<34}{'traced':>12}{'plan':>12}"]
@@ -345,7 +352,9 @@ def trace_lines(cfg: JobConfig, world_size: int, plan: dict[str, int], mem_gib: 
         lines.append("  largest temporaries at the peak, by op: " + ", ".join(
             f"{op.removesuffix('.default')} {n / GIB:.2f} GiB" for op, n in r.top_ops))
     busiest = max(results, key=lambda x: x.flops / max(x.ideal_flops, 1.0))
-    lines += work_lines(cfg, [(x.pp_rank, x.flops, x.ideal_flops) for x in results], pp)
+    work: dict = {}
+    lines += work_lines(cfg, [(x.pp_rank, x.flops, x.ideal_flops, x.stands_for or [x.pp_rank])
+                              for x in results], pp, work)
     dims = {d for x in results for d in x.comm_bytes}
     sends = {d: max(x.comm_bytes.get(d, 0.0) for x in results) for d in dims}
     lines += traffic_lines(sends, {k.removeprefix("comm_"): v for k, v in plan.items()
@@ -356,9 +365,10 @@ def trace_lines(cfg: JobConfig, world_size: int, plan: dict[str, int], mem_gib: 
                       comm_bytes=sends, largest=r.largest.describe() if r.largest else None,
                       flops=busiest.flops, ideal_flops=busiest.ideal_flops,
                       seconds=round(sum(x.seconds for x in results), 1),
-                      muon_ns_flops=r.muon_ns_flops,
+                      muon_ns_flops=r.muon_ns_flops, work=work,
                       pp_ranks=[{"pp_rank": x.pp_rank, "peak_gib": x.peak / GIB,
                                  "flops": x.flops, "ideal_flops": x.ideal_flops,
+                                 "stands_for": x.stands_for,
                                  "comm_bytes": x.comm_bytes} for x in results] if pp > 1 else None)
     states = r.categories["optimizer_state"]
     for kind, on in (("validation", cfg.validation.enable), ("eval", cfg.eval.enable)):
