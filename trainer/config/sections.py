@@ -257,8 +257,9 @@ class Parallelism:
         1, "Samples per pipeline microbatch: each rank's local batch is cut into "
         "local_batch_size / this many microbatches per schedule step", min=1)
     pipeline_parallel_layers_per_stage: int = opt(
-        0, "Units per stage (the embedding and the head count as one layer each); 0 = a "
-        "balanced split into pp stages (2 pp for multi-stage schedules)", min=0)
+        0, "Units per stage (the embedding and the head count as one unit each); 0 = a split "
+        "into pp stages (2 pp for multi-stage schedules) balanced by the units' model FLOPs "
+        "(the embedding ~0, the head its matmul)", min=0)
     pipeline_parallel_split_points: list[str] = opt(
         [], "Explicit cuts instead: a stage starts at each named layer, e.g. [\"layers.4\", "
         "\"layers.8\"] (on the command line: layers.4,layers.8)")
