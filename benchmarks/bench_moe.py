@@ -10,6 +10,11 @@
     python benchmarks/bench_moe.py [--tokens 2048] [--repeats 5] [--device cuda --dtype bfloat16]
         [--layer-tokens 16384]
 
+With `--float8` it also times the experts' GEMMs in rowwise float8 (`float8.moe`,
+trainer/parallel/float8_moe.py) beside the same experts in `--dtype`, forward + backward, with
+the relative error of the outputs and input gradients (on the CPU the float8 GEMM is emulated:
+the error is what a GPU gives, the time is not).
+
 With `--layer-tokens N` it also times one whole Qwen3-30B-A3B MoE layer (router, top-8 of 128,
 grouped experts, combine; forward + backward) over N tokens and prints its TFLOP/s.
 
@@ -72,6 +77,42 @@ def experts_case(n_experts: int, dim: int, hidden: int, rows: int, repeats: int,
     return out[True], out[False]
 
 
+def float8_case(n_experts: int, dim: int, hidden: int, rows: int, repeats: int, device: str,
+                dtype: torch.dtype) -> None:
+    """The experts in `dtype` against float8 experts (emulated off CUDA), forward + backward."""
+    from trainer.parallel.float8_moe import Float8GroupedExperts
+
+    gen = torch.Generator().manual_seed(0)
+    base = GroupedExperts(dim, hidden, n_experts).to(device, dtype)
+    with torch.no_grad():
+        for p in base.parameters():
+            p.copy_(torch.randn(p.shape, generator=gen) * dim ** -0.5)
+    f8 = GroupedExperts(dim, hidden, n_experts).to(device, dtype)
+    f8.load_state_dict(base.state_dict())
+    f8.__class__, f8.emulate = Float8GroupedExperts, device != "cuda"
+    choice = torch.randint(0, n_experts, (rows,), generator=gen).sort().values
+    counts = torch.bincount(choice, minlength=n_experts).to(device)
+    x = torch.randn(rows, dim, generator=gen).to(device, dtype)
+    dy = torch.randn(rows, dim, generator=gen).to(device, dtype)
+    results = {}
+    for name, experts in (("base", base), ("float8", f8)):
+        xx = x.clone().requires_grad_()
+
+        def step():
+            xx.grad = None
+            (experts(xx, counts) * dy).sum().backward()
+        results[name] = (timed(step, repeats, device), experts(xx, counts).float(),
+                         xx.grad.float())
+    (tb, yb, gb), (tf, yf, gf) = results["base"], results["float8"]
+    flops = 6 * 3 * rows * dim * hidden
+    print(f"  float8 experts ({n_experts} of {hidden}, dim {dim}, {rows} rows): {dtype} "
+          f"{tb * 1e3:7.1f} ms ({flops / tb / 1e12:6.1f} TFLOP/s), float8"
+          f"{' (emulated)' if device != 'cuda' else ''} {tf * 1e3:7.1f} ms "
+          f"({flops / tf / 1e12:6.1f} TFLOP/s), {tb / tf:4.2f}x; rel. error out "
+          f"{((yf - yb).norm() / yb.norm()).item():.3f}, dx "
+          f"{((gf - gb).norm() / gb.norm()).item():.3f}")
+
+
 def layer_case(tokens: int, repeats: int, device: str, dtype: torch.dtype) -> None:
     """One Qwen3-30B-A3B MoE layer, forward + backward over `tokens` tokens: time and TFLOP/s."""
     from trainer.models.moe import MoE
@@ -129,6 +170,8 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))
+    ap.add_argument("--float8", action="store_true",
+                    help="also time the experts in rowwise float8 (float8.moe)")
     ap.add_argument("--layer-tokens", type=int, default=0,
                     help="also time a whole Qwen3-30B-A3B MoE layer over this many tokens")
     a = ap.parse_args()
@@ -144,6 +187,9 @@ def main() -> None:
         grouped, loop = experts_case(e, dim, hidden, rows, a.repeats, a.device, dtype)
         print(f"  {name:22} {e:4d} experts, {rows:6d} rows: grouped {grouped * 1e3:8.1f} ms, "
               f"loop {loop * 1e3:8.1f} ms, loop / grouped {loop / grouped:5.2f}x")
+    if a.float8:
+        float8_case(128, 2048, 768, a.tokens * 8, a.repeats, a.device, dtype)  # Qwen3-30B-A3B
+        float8_case(32, 7168, 2048, a.tokens * 8 // 8, a.repeats, a.device, dtype)  # DSV3, EP 8
     if a.layer_tokens:
         layer_case(a.layer_tokens, a.repeats, a.device, dtype)
     # A dense model with the MoE's active FFN: top_k experts of hidden + the router's E x dim.

@@ -112,7 +112,9 @@ run_big() {
         "${three[@]}" --training.local_batch_size "$batch" --parallelism.fsdp_offload cpu ;;
     moe)  # MoE kernels and a Qwen3-30B-A3B layer (one process, bf16)
       "$PYTHON" benchmarks/bench_moe.py --device cuda --dtype bfloat16 --tokens 16384 \
-        --layer-tokens 16384 --repeats 5 || echo "=== moe FAILED (rc $?)" ;;
+        --layer-tokens 16384 --repeats 5 --float8 || echo "=== moe FAILED (rc $?)"
+      # float8 experts against bf16 over 50 training steps (loss within 1e-2: issue 59)
+      "$PYTHON" benchmarks/float8_moe_train.py --steps 50 || echo "=== moe float8 FAILED (rc $?)" ;;
     paths)  # every CUDA path once, functional (20 steps each), and the flight recorder
       STEPS=20 "$PYTHON" benchmarks/gpu_paths.py || echo "=== paths FAILED (rc $?)"
       "$PYTHON" benchmarks/gpu_flight_recorder.py | tail -2 ;;
