@@ -43,6 +43,9 @@ def test_the_layout_decides_the_overlap_in_one_line():
     assert not on and "ep 2 (the MoE dispatch has no lanes)" in line
     on, line = plan_overlap(_cfg(), object())
     assert not on and "cannot register an OVERLAP_F_B function" in line
+    on, line = plan_overlap(_cfg(expert_parallel_degree=2), Runtime(), ep_laned=True,
+                            device_type="cuda")
+    assert not on and "run forward then backward on CUDA" in line
 
 
 @pytest.fixture(scope="module")

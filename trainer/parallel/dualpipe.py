@@ -22,9 +22,10 @@ Why it is safe:
   thread has its own.
 Layouts whose stages issue collectives that have no lane (TP's DTensor collectives, CP's K/V
 gathers, the MoE aux losses summed over them) run the pair one after the other, and the
-startup line says so (`plan_overlap`). On CUDA both threads use the caller's stream (as
-torchtitan's DualPipeV does): the host-side waits (the split sizes' sync) overlap with the other
-thread's kernel launches; kernels on one stream do not run concurrently.
+startup line says so (`plan_overlap`). So does CUDA for now: both threads would launch on one
+stream in an order of their own on each rank, and NCCL collectives of the two lanes could wait
+on each other across ranks (torchtitan orders the threads' launches with barrier hooks); the
+overlap runs on gloo, where each collective's wait is the thread's own.
 """
 
 from __future__ import annotations
@@ -46,10 +47,19 @@ def supported(schedule) -> bool:
         schedules, "_ComputationType") and hasattr(schedules._ComputationType, "OVERLAP_F_B")
 
 
-def plan_overlap(cfg, schedule, ep_laned: bool | None = None) -> tuple[bool, str]:
+def plan_overlap(cfg, schedule, ep_laned: bool | None = None,
+                 device_type: str = "cpu") -> tuple[bool, str]:
     """(overlap or not, the startup line), the same on every rank: decided from the config,
-    this torch and the code, never from the rank's stages."""
+    the device type, this torch and the code, never from the rank's stages."""
     par = cfg.parallelism
+    if device_type == "cuda":
+        # One stream, two threads: each rank's kernel launches interleave in its own order, so
+        # a rank's stream can wait on one lane's collective while its peer's waits on the
+        # other's: a cycle (torchtitan orders the two threads' launches with barrier hooks;
+        # none here yet). Correct, serial, and said.
+        return False, ("pipeline: DualPipeV's overlapped actions run forward then backward on "
+                       "CUDA (the two threads' kernel launches are not yet ordered across "
+                       "ranks; overlap runs on gloo)")
     if not supported(schedule):
         return False, (f"pipeline: DualPipeV's overlapped actions run forward then backward "
                        f"(torch {torch.__version__} cannot register an OVERLAP_F_B function)")

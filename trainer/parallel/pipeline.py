@@ -305,14 +305,14 @@ def check_torch(sched, cfg, pp_group) -> None:
                           "loss, with the logits held) or choose 1F1B / Interleaved1F1B")
 
 
-def overlap_dualpipe(schedule, model: PipelinedModel, cfg) -> str:
+def overlap_dualpipe(schedule, model: PipelinedModel, cfg, device_type: str) -> str:
     """Register DualPipeV's overlap function (trainer/parallel/dualpipe.py) where the layout
     allows it, the ep groups' backward-lane twins created on every rank; returns the startup
     line that says whether the overlapped actions overlap. The traced dry run's fake process
     group creates no twins (it drives the stages itself: trainer/plan/stages.py)."""
     from trainer.parallel import dualpipe
 
-    overlap, line = dualpipe.plan_overlap(cfg, schedule)
+    overlap, line = dualpipe.plan_overlap(cfg, schedule, device_type=device_type)
     if overlap and dist.get_backend() != "fake":
         dualpipe.install(schedule, dualpipe.stage_groups(model))
     return line
@@ -356,8 +356,8 @@ class PipelineLoop:
         single = issubclass(cls, PipelineScheduleSingle)
         self.schedule = cls(stages[0] if single else stages, self.n_microbatches,
                             loss_fn=self._scaled, scale_grads=False)
-        overlap = overlap_dualpipe(self.schedule, model, cfg) if sched.name == "DualPipeV" \
-            else None
+        overlap = (overlap_dualpipe(self.schedule, model, cfg, device.type)
+                   if sched.name == "DualPipeV" else None)
         self.first = any(m.spec.embedding for m in model.pipeline_stages)
         self.z_loss = bool(getattr(loss_fn, "z_loss_weight", 0.0))
         self.mtp_layers = model.args.mtp_layers
