@@ -43,5 +43,5 @@ def test_moe_with_ep_syncs_only_for_the_all_to_all_split_sizes(tmp_path):
         # 2 ranks x 2 sequences, global batch 8: two microbatches of 3 MoE layers each
         assert got["steps"][step] == 1 + 2 * 3, where[step]
         assert where[step][-1].startswith("tolist step_end loop.py"), where[step]
-        assert all(w.startswith("tolist forward parallel/expert_parallel.py")
+        assert all(w.startswith("tolist forward parallel/ep_dispatch.py")
                    for w in where[step][:-1]), where[step]
