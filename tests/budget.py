@@ -1,0 +1,136 @@
+"""The suite's time budget: a pytest plugin that fails the run when one test, or the session, is
+too slow for the machine it runs on.
+
+Each test's time is its setup + call + teardown as the reports give them (a module-scoped
+fixture's setup is charged to the first test that uses it, as pytest runs it there); under
+pytest-xdist the workers' reports reach the controller, which sums them. The session's time is
+the controller's wall time from session start to finish (collection and worker startup in it).
+
+Budgets are in seconds on the reference machine (the 2-core AMD EPYC, AVX2, torch 2.13 CPU, where
+the suite took ~1,800-2,000 s in November 2026) and scaled by a calibration measured at session
+start: a fixed pure-Python workload (no torch: ~0.5 s) timed against its reference time, so a
+machine half as fast gets twice the budget and fails on its own slowness no more than this one.
+
+Settings (environment first, then pyproject's [tool.pytest.ini_options]):
+    TRAINER_TEST_BUDGET=off          switch the guard off (local debugging; also off under --pdb)
+    TRAINER_TEST_BUDGET_PER_TEST=S   / ini budget_per_test: reference seconds per test
+    TRAINER_TEST_BUDGET_TOTAL=S      / ini budget_total: reference seconds for the session
+    TRAINER_TEST_BUDGET_SCALE=X      use this machine scale instead of calibrating
+
+Loaded by tests/conftest.py (pytest_plugins), or `-p tests.budget` with the repository on the path.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+
+import pytest
+
+# Reference seconds when the ini file names none (pyproject.toml sets the suite's own).
+DEFAULT_PER_TEST_S = 240.0
+DEFAULT_TOTAL_S = 2400.0
+# calibrate()'s time on the reference machine (best of 5: 0.084-0.097 s there; 0.11-0.15 s
+# typical while other processes load its two cores, which then slow the tests as well), and the
+# smallest scale granted: a machine with fast Python but slow matmuls must not fail by itself.
+REFERENCE_CALIBRATION_S = 0.090
+MIN_SCALE = 0.5
+OFF = {"0", "off", "false", "no"}
+
+
+def calibrate(repeats: int = 5) -> float:
+    """Seconds of a fixed pure-Python workload (dict, string formatting, sort: the interpreter
+    work that imports and launches are made of), the best of `repeats` so a moment of load
+    from elsewhere does not count."""
+    best = float("inf")
+    for _ in range(repeats):
+        start = time.perf_counter()
+        table = {"k%d" % i: (i * 7919) % 1009 for i in range(40000)}
+        rows = sorted(table.items(), key=lambda kv: (kv[1], kv[0]))
+        sum(len(k) * v for k, v in rows if v & 1)
+        best = min(best, time.perf_counter() - start)
+    return best
+
+
+def pytest_addoption(parser):
+    parser.addini("budget_per_test", "tests/budget.py: reference seconds one test may take",
+                  default=str(DEFAULT_PER_TEST_S))
+    parser.addini("budget_total", "tests/budget.py: reference seconds the session may take",
+                  default=str(DEFAULT_TOTAL_S))
+
+
+def pytest_configure(config):
+    """Register the guard on the process that sees every report: the controller under xdist
+    (a worker's reports go to it), the only process otherwise."""
+    if hasattr(config, "workerinput"):
+        return
+    if os.environ.get("TRAINER_TEST_BUDGET", "on").strip().lower() in OFF:
+        return
+    if config.getoption("usepdb", False) or config.getoption("trace", False):
+        return  # a debugger's pauses are not the tests' time
+    config.pluginmanager.register(Budget(config), "trainer-test-budget")
+
+
+def _setting(config, env: str, ini: str) -> float:
+    value = os.environ.get(env) or config.getini(ini)
+    try:
+        return float(value)
+    except ValueError:
+        raise pytest.UsageError(f"{env} / {ini}: expected seconds, got {value!r}") from None
+
+
+class Budget:
+    """Collects each test's seconds and the session's; over budget, sets the exit status to
+    TESTS_FAILED and names the offenders in the terminal summary."""
+
+    def __init__(self, config):
+        self.per_test_ref = _setting(config, "TRAINER_TEST_BUDGET_PER_TEST", "budget_per_test")
+        self.total_ref = _setting(config, "TRAINER_TEST_BUDGET_TOTAL", "budget_total")
+        self.seconds: dict[str, float] = {}
+        self.start = time.monotonic()
+        self.scale = self.calibration = None
+        self.over: list[str] = []
+        self.elapsed = 0.0
+
+    @pytest.hookimpl(tryfirst=True)
+    def pytest_sessionstart(self, session):
+        self.start = time.monotonic()
+        forced = os.environ.get("TRAINER_TEST_BUDGET_SCALE")
+        if forced:
+            self.scale = float(forced)
+        else:
+            self.calibration = calibrate()
+            self.scale = max(MIN_SCALE, self.calibration / REFERENCE_CALIBRATION_S)
+
+    def pytest_runtest_logreport(self, report):
+        self.seconds[report.nodeid] = self.seconds.get(report.nodeid, 0.0) + report.duration
+
+    @pytest.hookimpl(tryfirst=True)
+    def pytest_sessionfinish(self, session, exitstatus):
+        """Before the terminal summary is written (the terminal reporter wraps this hook)."""
+        self.elapsed = time.monotonic() - self.start
+        per_test, total = self.per_test_ref * self.scale, self.total_ref * self.scale
+        slow = sorted(((s, n) for n, s in self.seconds.items() if s > per_test), reverse=True)
+        self.over = [f"{name} took {s:.1f} s > {per_test:.1f} s per test" for s, name in slow]
+        if self.elapsed > total:
+            self.over.append(f"the session took {self.elapsed:.1f} s > {total:.1f} s in total")
+        if self.over and session.exitstatus in (pytest.ExitCode.OK, pytest.ExitCode.TESTS_FAILED):
+            session.exitstatus = pytest.ExitCode.TESTS_FAILED
+
+    def pytest_terminal_summary(self, terminalreporter):
+        per_test, total = self.per_test_ref * self.scale, self.total_ref * self.scale
+        how = (f"machine scale {self.scale:.2f}: calibration {self.calibration:.3f} s vs "
+               f"{REFERENCE_CALIBRATION_S:.3f} s on the reference" if self.calibration is not None
+               else f"machine scale {self.scale:.2f} from TRAINER_TEST_BUDGET_SCALE")
+        budgets = (f"budgets {self.per_test_ref:g} s per test and {self.total_ref:g} s in total on "
+                   f"the reference machine = {per_test:.1f} s and {total:.1f} s here ({how})")
+        write = terminalreporter.write_line
+        if self.over:
+            terminalreporter.write_sep("=", "test time budget exceeded", red=True, bold=True)
+            for line in self.over:
+                write(f"BUDGET EXCEEDED: {line}", red=True)
+            write(f"{budgets}; tests/budget.py; TRAINER_TEST_BUDGET=off switches it off")
+            return
+        slowest = max(self.seconds.items(), key=lambda kv: kv[1], default=("(no test)", 0.0))
+        write(f"test budget: slowest {slowest[0]} {slowest[1]:.1f} s, session {self.elapsed:.1f} s; "
+              f"{budgets}")
