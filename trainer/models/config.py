@@ -125,7 +125,7 @@ class MoE:
     save_dispatch: bool = opt(
         True, "Under activation checkpointing the recompute reuses the rows the dispatch "
         "received (the inter-node stage's under node dispatch) instead of sending them again: "
-        "memory for bytes; false: send again")
+        "memory for bytes, where the ep group spans several nodes; false: send again")
 
     def balance_coeff_at(self, step: int) -> float:
         """The bias update speed after `step`'s optimizer step (a function of the step alone)."""

@@ -93,11 +93,11 @@ def choose_dispatcher(group, moe) -> Dispatcher:
     if moe.capacity_factor > 0 and moe.dispatch == "node":
         raise ConfigError("moe.dispatch = 'node' is dropless: set moe.capacity_factor = 0 or "
                           "moe.dispatch = 'flat'")
+    save = moe.save_dispatch and nodes > 1  # within a node the bytes are cheap, memory not
     if moe.dispatch == "node" or (moe.dispatch == "auto" and nodes > 1 and not why
                                   and moe.capacity_factor == 0):
-        return NodeDispatch(group, moe.n_experts, nodes, moe.topk_group, moe.top_k,
-                            moe.save_dispatch)
-    return AllToAllDispatch(group, moe.n_experts, moe.save_dispatch)
+        return NodeDispatch(group, moe.n_experts, nodes, moe.topk_group, moe.top_k, save)
+    return AllToAllDispatch(group, moe.n_experts, save)
 
 
 def apply_ep(model: nn.Module, ep_mesh) -> None:
