@@ -54,10 +54,15 @@ def open_store(cfg: DataConfig):
 
         tokenizer_path, store_path = ensure_stdlib(cfg)
         return Store(store_path, cfg.verify_store), tokenizer_path
-    store = Store(cfg.store_path, cfg.verify_store)
+    store = Store(cfg.store_path, cfg.verify_store, **store_cache(cfg))
     if not cfg.tokenizer_path:
         return store, store.tokenizer_file
     return store, _matching_tokenizer(cfg, store, "")
+
+
+def store_cache(cfg: DataConfig) -> dict:
+    """The block cache of stores at a URL (trainer/data/remote.py)."""
+    return {"cache_dir": cfg.cache_dir, "cache_max_gib": cfg.cache_max_gib}
 
 
 def open_mix_stores(cfg: DataConfig) -> tuple[dict, str]:
@@ -68,7 +73,8 @@ def open_mix_stores(cfg: DataConfig) -> tuple[dict, str]:
     stores = {}
     for src in cfg.mix:
         try:
-            stores[src.name] = Store(src.store_path, cfg.verify_store)
+            stores[src.name] = Store(src.store_path, cfg.verify_store, **store_cache(cfg),
+                                     key=f"data.mix source {src.name!r} store_path")
         except DataError as e:
             raise DataError(f"data.mix source {src.name!r}: {e}") from None
     first = next(iter(stores))

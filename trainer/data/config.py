@@ -33,7 +33,8 @@ class MixSource:
 
     name: str = opt("", "Source name, used in logs and TensorBoard tags (letters, digits, "
                     "'_', '.', '-')")
-    store_path: str = opt("", "Token store of this source (python -m trainer.data.prepare)")
+    store_path: str = opt("", "Token store of this source, a directory or s3:// / gs:// URL "
+                          "(python -m trainer.data.prepare)")
     weight: float = opt(1.0, "Share of training tokens, normalised over the sources; 0 = not "
                         "trained on (still validated)")
     dataset: str = opt("", "prepare only: what to tokenize into store_path; '' = data.dataset")
@@ -59,9 +60,14 @@ class DataConfig:
                               "store's own, or a BPE model trained and cached for stdlib")
     vocab_size: int = opt(8192, "Vocab of the tokenizer trained for 'stdlib', and of 'synthetic'",
                           min=16, max=1 << 31)
-    store_path: str = opt("", "Prepared token store directory (it records its own source and "
-                          "tokenizer); '' = stream (HF), or the cached store (stdlib)")
-    cache_dir: str = opt("~/.cache/trainer", "Where the stdlib default's tokenizer and store live")
+    store_path: str = opt("", "Prepared token store directory or s3:// / gs:// URL (it records "
+                          "its own source and tokenizer); '' = stream (HF), or the cached store "
+                          "(stdlib)")
+    cache_dir: str = opt("~/.cache/trainer", "Where the stdlib default's tokenizer and store "
+                         "live, and the block cache of stores at s3:// or gs:// URLs")
+    cache_max_gib: float = opt(10.0, "Bound of the block cache of stores at URLs (per "
+                               "cache_dir, shared by the ranks of a node; least recently used "
+                               "blocks are evicted)", min=0.0)
     val_fraction: float = opt(0.01, "Fraction of the store's tokens (its tail) held out for "
                               "split='validation'", min=0.0, max=0.5)
     shuffle: bool = opt(True, "Visit windows in a seeded permutation per epoch (False: in order)")

@@ -250,6 +250,16 @@ class StoreLoader(GlobalOrderLoader):
     def _where(self) -> str:
         return str(self.store.path)
 
+    def metrics(self) -> dict[str, float]:
+        """A store at a URL: what this rank fetched and what its block cache holds."""
+        cache = getattr(self.store, "cache", None)
+        if cache is None:
+            return {}
+        return {"data_metrics/store_fetched_mib": cache.stats["fetched_bytes"] / (1 << 20),
+                "data_metrics/store_requests": float(cache.stats["requests"]),
+                "data_metrics/cache_evictions": float(cache.stats["evictions"]),
+                "data_metrics/cache_used_mib": cache.used_bytes() / (1 << 20)}
+
     def describe(self) -> str:
         return (f"{self.store.describe()}, {self.split} split: {self.n_windows:,} windows of "
                 f"{self.seq_len + 1} tokens; tokenizer {self.tokenizer_path} (vocab "

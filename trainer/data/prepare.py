@@ -28,6 +28,8 @@ __all__ = ["main", "prepare_one", "prepare_store"]
 def prepare_one(cfg: DataConfig, workers: int, shard_tokens: int = DEFAULT_SHARD_TOKENS,
                 overwrite: bool = False) -> str:
     """Prepare the store of one source config; returns the store's path."""
+    if "://" in cfg.store_path:
+        return _prepare_at_url(cfg, workers, shard_tokens, overwrite)
     if cfg.dataset == "stdlib" and not (cfg.tokenizer_path and cfg.store_path):
         from trainer.data.cache import ensure_stdlib  # the cached stdlib tokenizer
 
@@ -39,6 +41,38 @@ def prepare_one(cfg: DataConfig, workers: int, shard_tokens: int = DEFAULT_SHARD
                         "trainer.data.train_tokenizer) and --store_path (the output directory)")
     prepare_store(cfg, cfg.tokenizer_path, cfg.store_path, workers, shard_tokens, overwrite)
     return cfg.store_path
+
+
+def _prepare_at_url(cfg: DataConfig, workers: int, shard_tokens: int, overwrite: bool) -> str:
+    """A store at s3:// or gs://: prepared into a local staging folder under data.cache_dir
+    (resumed there if interrupted), then uploaded, the manifest last (remote.py), and the
+    staging folder deleted. A URL that already holds a finished store is left as it is
+    unless --overwrite."""
+    import hashlib
+    import shutil
+    from pathlib import Path
+
+    from trainer.checkpoint import storage
+    from trainer.data.remote import read_text, upload_store
+    from trainer.data.store import MANIFEST
+
+    url = cfg.store_path.rstrip("/")
+    storage.check_path(url, "data.store_path")
+    storage.probe(url, "data.store_path")
+    if read_text(storage.join(url, MANIFEST)) is not None:
+        if not overwrite:
+            print(f"{url} already holds a finished store; left as it is (--overwrite "
+                  "replaces it)", flush=True)
+            return url
+        storage.remove_tree(url)
+    staging = (Path(os.path.expanduser(cfg.cache_dir)) / "upload"
+               / hashlib.sha256(url.encode()).hexdigest()[:16])
+    staging.parent.mkdir(parents=True, exist_ok=True)
+    prepare_one(replace(cfg, store_path=str(staging)), workers, shard_tokens, overwrite=True)
+    upload_store(staging, url, MANIFEST)
+    shutil.rmtree(staging)
+    print(f"uploaded to {url}", flush=True)
+    return url
 
 
 def source_configs(cfg: DataConfig) -> list[tuple[str, DataConfig]]:

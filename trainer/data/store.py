@@ -52,8 +52,27 @@ def read_manifest(path: Path) -> dict:
                             "resume it")
         raise DataError(f"{path} is not a token store (no {MANIFEST}); prepare one with "
                         f"{PREPARE_HINT}")
+    return parse_manifest(manifest.read_text(), path, manifest)
+
+
+def read_remote_manifest(url: str) -> dict:
+    """read_manifest for a store at a URL: one GET (and one HEAD when it is missing)."""
+    from trainer.data.remote import read_text
+
+    text = read_text(f"{url}/{MANIFEST}")
+    if text is None:
+        if read_text(f"{url}/{PLAN}") is not None:
+            raise DataError(f"token store {url} is unfinished (its upload or preparation was "
+                            f"interrupted); rerun {PREPARE_HINT} with the same arguments")
+        raise DataError(f"token store not found: {url} (no {MANIFEST} there); prepare one "
+                        f"with {PREPARE_HINT} --store_path {url}")
+    return parse_manifest(text, url, f"{url}/{MANIFEST}")
+
+
+def parse_manifest(text: str, path, manifest) -> dict:
+    """The manifest's JSON, checked for this trainer's format and version."""
     try:
-        m = json.loads(manifest.read_text())
+        m = json.loads(text)
         ok = m.get("format") == FORMAT and isinstance(m.get("shards"), list)
     except (ValueError, AttributeError):
         ok = False
@@ -68,7 +87,13 @@ def read_manifest(path: Path) -> dict:
 class Store:
     """A finished store, checked and memory-mapped."""
 
-    def __init__(self, path: str | Path, verify: str = "auto"):
+    def __init__(self, path: str | Path, verify: str = "auto", *,
+                 cache_dir: str = "~/.cache/trainer", cache_max_gib: float = 10.0,
+                 key: str = "data.store_path"):
+        self.cache = None  # a remote store's BlockCache
+        if "://" in str(path):
+            self._open_remote(str(path).rstrip("/"), verify, cache_dir, cache_max_gib, key)
+            return
         self.path = Path(os.path.expanduser(str(path)))
         self.manifest = read_manifest(self.path)
         tok = self.manifest["tokenizer"]
@@ -108,6 +133,50 @@ class Store:
             raise DataError(f"corrupt shard {file}: checksum mismatch with the manifest; "
                             "re-prepare the store")
 
+    def _open_remote(self, url: str, verify: str, cache_dir: str, cache_max_gib: float,
+                     key: str) -> None:
+        """A store at s3:// or gs://: the bucket probed (one config error if it cannot be
+        reached), the manifest read, the sizes from one listing, the shards read on demand
+        through the block cache (remote.py). 'auto' is 'sizes' here: checking checksums
+        reads the whole store on every rank, so only data.verify_store = 'checksums' does."""
+        from trainer.checkpoint import storage
+        from trainer.data import remote
+
+        storage.check_path(url, key)
+        storage.probe(url, key)
+        self.path = url
+        self.manifest = read_remote_manifest(url)
+        tok = self.manifest["tokenizer"]
+        self.tokenizer_sha256, self.vocab_size = tok["sha256"], int(tok["vocab_size"])
+        self.dtype = np.dtype(self.manifest["dtype"])
+        self.verified = "sizes" if verify == "auto" else verify
+        self.cache = remote.BlockCache(cache_dir, int(cache_max_gib * (1 << 30)))
+        sizes_found = remote.listing(url)
+        self.maps, sizes = [], []
+        for shard in self.manifest["shards"]:
+            file = f"{url}/{shard['file']}"
+            expected = int(shard["tokens"]) * self.dtype.itemsize
+            if shard["file"] not in sizes_found:
+                raise DataError(f"missing shard {file} of token store {url}; re-upload it")
+            if sizes_found[shard["file"]] != expected:
+                raise DataError(f"truncated shard {file}: {sizes_found[shard['file']]} bytes "
+                                f"but the manifest says {shard['tokens']} tokens ({expected} "
+                                "bytes); re-upload the store")
+            if self.verified == "checksums" and remote.object_blake2b(file) != shard["blake2b"]:
+                raise DataError(f"corrupt shard {file}: checksum mismatch with the manifest; "
+                                "re-upload the store")
+            if shard["tokens"]:
+                self.maps.append(remote.RemoteShard(self.cache, file, shard["blake2b"],
+                                                    shard["tokens"], self.dtype))
+                sizes.append(int(shard["tokens"]))
+        self.tokenizer_file = remote.cached_tokenizer(f"{url}/{TOKENIZER_FILE}",
+                                                      self.tokenizer_sha256, cache_dir)
+        self.sizes = np.array(sizes, dtype=np.int64)
+        self.offsets = np.concatenate([[0], np.cumsum(self.sizes)]).astype(np.int64)
+        self.total_tokens = int(self.offsets[-1])
+        self.offset_list, self.size_list = self.offsets.tolist(), self.sizes.tolist()
+        self.fingerprint = self._fingerprint()
+
     def _fingerprint(self) -> str:
         """Identity of the token stream: same fingerprint, same tokens in the same order."""
         key = {"tokenizer": self.tokenizer_sha256, "dtype": self.manifest["dtype"],
@@ -121,7 +190,9 @@ class Store:
     def describe(self) -> str:
         src = self.manifest.get("source", {}).get("dataset", "?")
         return (f"token store {self.path} ({src}, {self.total_tokens:,} tokens, "
-                f"{len(self.maps)} shards, {self.manifest['dtype']}, {self.verified} verified)")
+                f"{len(self.maps)} shards, {self.manifest['dtype']}, {self.verified} verified"
+                + (f"; read through a {self.cache.max_bytes / (1 << 30):g} GiB block cache in "
+                   f"{self.cache.root}" if self.cache else "") + ")")
 
 
 def read_rows(stores: list[Store], which: np.ndarray, starts: np.ndarray,
