@@ -20,9 +20,11 @@ pytest_plugins = ["tests.budget"]
 HAS_DATASETS = importlib.util.find_spec("datasets") is not None
 
 # The longest files first, so that under xdist (pyproject's addopts) they overlap the many
-# short ones instead of running alone at the end (the MoE file: ~3 min on 2 CPU cores).
+# short ones instead of running alone at the end (the MoE file: ~3 min on 2 CPU cores; the
+# dualpipe, optimizer-resume, Qwen3-Next and DeepSeek-recipe files 1-2 min on the 2-core EPYC).
 LONGEST_FIRST = ["test_moe.py", "test_pipeline.py", "test_default_run.py", "test_context_parallel.py",
-                 "test_tp.py", "test_train_e2e.py", "test_mix_e2e.py", "test_faults.py",
+                 "test_tp.py", "test_dualpipe.py", "test_optim_resume.py", "test_qwen3_next_train.py",
+                 "test_deepseek_recipe.py", "test_train_e2e.py", "test_mix_e2e.py", "test_faults.py",
                  "test_heal.py", "test_slurm.py", "test_multinode.py", "test_device.py",
                  "test_ac_compile.py", "test_plan.py"]
 
