@@ -47,12 +47,12 @@ import functools
 import math
 from dataclasses import dataclass
 
-from trainer.models.attention import attention_args, memory_bytes as attention_bytes
+from trainer.models.attention import memory_bytes as attention_bytes
 from trainer.config.job import JobConfig
 from trainer.errors import ConfigError
 from trainer.models.flops import flops_per_token
 from trainer.models.build import build_model
-from trainer.models.llama import FLAVORS, ModelArgs, model_args
+from trainer.models.llama import ModelArgs
 from trainer.plan.activations import (block_saved, block_saved_op_sac, block_split,  # noqa: F401
                                      blocks_activations, checkpointed_blocks,
                                      cp_attention_bytes, cp_saved_layers,
@@ -61,6 +61,7 @@ from trainer.plan.activations import (block_saved, block_saved_op_sac, block_spl
 from trainer.plan.host import CPU_PROCESS_GIB, host_memory, offload_staging
 from trainer.plan.moe import gathered, group_key, moe_layers, per_block, tp_splits
 from trainer.plan.pipeline import in_flight, rank_groups
+from trainer.plan.planned import plan_args, resolve_vocab  # noqa: F401 (imported from here)
 from trainer.optim.muon import BUCKET_BYTES as muon_bucket_bytes, takes_muon
 from trainer.optim.optimizer import implementation
 
@@ -91,28 +92,7 @@ FRAGMENTATION = 0.07  # caching-allocator rounding and fragmentation, as a share
 # --------------------------------------------------------------------------- shapes
 
 
-def resolve_vocab(cfg: JobConfig) -> tuple[int, str]:
-    """The model vocab train.py will use, and where it comes from.
-
-    `[model] vocab_size` if set; for the stdlib and synthetic sources the tokenizer's vocab is
-    `[data] vocab_size`, padded as train.py pads it; any other tokenizer is only known once
-    loaded, so the flavor's own vocab stands in (set `[model] vocab_size` to be exact).
-    """
-    if cfg.model.vocab_size:
-        return cfg.model.vocab_size, "[model] vocab_size"
-    if cfg.data.dataset in ("stdlib", "synthetic"):
-        mult = cfg.model.vocab_size_multiple_of
-        return -(-cfg.data.vocab_size // mult) * mult, (
-            f"[data] vocab_size of the {cfg.data.dataset} tokenizer, padded to a multiple of "
-            f"{mult}")
-    return FLAVORS[cfg.model.flavor].vocab_size, (
-        f"the {cfg.model.flavor} flavor's (the tokenizer is not loaded; set [model] vocab_size)")
-
-
-def plan_args(cfg: JobConfig, vocab: int) -> ModelArgs:
-    """The model a run of `cfg` builds on a GPU (attention resolved for CUDA)."""
-    return model_args(cfg.model.flavor, vocab_size=vocab, max_seq_len=cfg.training.seq_len,
-                      moe_config=cfg.moe, **attention_args(cfg.model, "cuda"))
+# resolve_vocab and plan_args live in trainer/plan/planned.py (pipeline.py reads them too)
 
 
 # tp splits dim 0 (MLA: the up projections; its down projections are replicated)

@@ -32,7 +32,7 @@ def unit_weights(cfg) -> tuple[object, list[float]]:
     """(the model's args as the plan builds it, the model FLOPs per token of each pipeline
     unit: trainer/models/flops.py `unit_flops`, the weights of the default split)."""
     from trainer.models.flops import unit_flops
-    from trainer.plan.memory import plan_args, resolve_vocab
+    from trainer.plan.planned import plan_args, resolve_vocab
 
     args = plan_args(cfg, resolve_vocab(cfg)[0])
     return args, unit_flops(args, cfg.training.seq_len)
