@@ -14,6 +14,7 @@ import subprocess
 import sys
 
 import pytest
+import torch
 
 from tests.helpers import BASE_FP32, losses, run_train, scalars, subprocess_env
 from tests.s3_server import s3_server
@@ -58,35 +59,75 @@ def stores(s3, tmp_path_factory):
 
 def train(dump, store: str, env: dict, *extra: str):
     return run_train(dump, *BASE_FP32, "--data.dataset", "stdlib", "--data.store_path", store,
-                     "--training.steps", "3", *extra, env=env)
+                     "--training.steps", "3", "--checkpoint.last_save_in_hf", "true", *extra,
+                     env=env)
 
 
-def test_a_store_in_a_bucket_trains_as_on_disk_through_a_bounded_cache(s3, stores, tmp_path):
+SECRETS = {"AWS_ACCESS_KEY_ID": "AKIDH6KEYID", "AWS_SECRET_ACCESS_KEY": "h6-secret-key"}
+
+
+@pytest.fixture(scope="module")
+def runs(s3, stores, tmp_path_factory):
+    """(local run's dump, bucket run's dump, its process, its cache folder): 2 ranks, 3 steps
+    each; the bucket run reads s3://data/email and saves its checkpoints to s3://data/ckpt."""
     env, _ = s3
-    local, store_bytes = stores
-    train(tmp_path / "local", str(local), env)
-    cache = tmp_path / "cache"
-    secrets = {"AWS_ACCESS_KEY_ID": "AKIDH6KEYID", "AWS_SECRET_ACCESS_KEY": "h6-secret-key"}
-    proc = train(tmp_path / "s3", URL, {**env, **secrets}, "--data.cache_dir", str(cache),
-                 "--data.cache_max_gib", str(CACHE_GIB))
-    out = proc.stdout
-    assert f"token store {URL}" in out and "sizes verified" in out, out
-    ref, got = losses(tmp_path / "local"), losses(tmp_path / "s3")
+    base = tmp_path_factory.mktemp("runs")
+    train(base / "local", str(stores[0]), env)
+    proc = train(base / "s3", URL, {**env, **SECRETS}, "--data.cache_dir", str(base / "cache"),
+                 "--data.cache_max_gib", str(CACHE_GIB), "--checkpoint.enable", "true",
+                 "--checkpoint.folder", "s3://data/ckpt", "--checkpoint.interval", "3")
+    return base / "local", base / "s3", proc, base / "cache"
+
+
+def test_a_store_in_a_bucket_trains_as_on_disk_through_a_bounded_cache(stores, runs):
+    store_bytes = stores[1]
+    local, dump, proc, cache = runs
+    assert f"token store {URL}" in proc.stdout and "sizes verified" in proc.stdout, proc.stdout
+    ref, got = losses(local), losses(dump)
     assert len(got) == 3 and got == ref
-    fetched = scalars(tmp_path / "s3", "data_metrics/store_fetched_mib")
-    used = scalars(tmp_path / "s3", "data_metrics/cache_used_mib")
-    evicted = scalars(tmp_path / "s3", "data_metrics/cache_evictions")
-    bound = CACHE_GIB * 1024
+    fetched = scalars(dump, "data_metrics/store_fetched_mib")
+    used = scalars(dump, "data_metrics/cache_used_mib")
+    evicted = scalars(dump, "data_metrics/cache_evictions")
     assert 0 < fetched[3] < store_bytes / (1 << 20)  # rank 0 read part of the store
-    assert max(used.values()) <= bound and evicted[3] > 0, (used, evicted)
+    assert max(used.values()) <= CACHE_GIB * 1024 and evicted[3] > 0, (used, evicted)
     on_disk = sum(f.stat().st_size for f in (cache / "remote-blocks").iterdir()
                   if not f.name.startswith("."))
     assert 0 < on_disk <= CACHE_GIB * (1 << 30)
     # the effective config keeps the URL and nothing of the credentials; nor do the logs
-    saved = (tmp_path / "s3" / "config.toml").read_text()
+    saved = (dump / "config.toml").read_text()
     assert URL in saved
     for text in (saved, proc.stdout, proc.stderr):
-        assert not any(secret in text for secret in secrets.values())
+        assert not any(secret in text for secret in SECRETS.values())
+
+
+def objects(client, prefix: str) -> dict[str, bytes]:
+    listed = client.list_objects_v2(Bucket="data", Prefix=prefix + "/").get("Contents", [])
+    return {o["Key"].rsplit("/", 1)[1]: client.get_object(Bucket="data", Key=o["Key"])
+            ["Body"].read() for o in listed}
+
+
+def test_hf_folders_to_and_from_a_bucket_equal_the_local_ones(s3, runs, tmp_path):
+    """last_save_in_hf beside an s3:// checkpoint folder uploads the folder the local run
+    writes; `convert to-hf` from the bucket's step-3 to the bucket writes the same files; a
+    HF folder read from the bucket (ranged reads) gives the local folder's tensors."""
+    from trainer.hf.weights import HFFolder
+
+    env, client = s3
+    local, dump = runs[0] / "hf", runs[1] / "hf"
+    files = {p.name: p.read_bytes() for p in local.iterdir()}
+    assert "model.safetensors" in files and files == {p.name: p.read_bytes()
+                                                      for p in dump.iterdir()}
+    assert objects(client, "ckpt/hf") == files
+    proc = subprocess.run([sys.executable, "-m", "trainer.convert", "to-hf",
+                           "s3://data/ckpt/step-3", "s3://data/converted", "--config",
+                           str(runs[1] / "config.toml")], env=subprocess_env(env),
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert objects(client, "converted") == files
+    remote, here = HFFolder("s3://data/converted"), HFFolder(str(local))
+    assert remote.config == here.config and sorted(remote.weight_map) == sorted(here.weight_map)
+    for key in here.weight_map:
+        assert torch.equal(remote.tensor(key), here.tensor(key)), key
 
 
 def one_error_line(proc) -> str:

@@ -2,6 +2,10 @@
 flavor: Qwen3MoeForCausalLM; a deepseek_v3 one: DeepseekV3ForCausalLM with its MTP layers):
 
     python -m trainer.convert to-hf OUTPUTS/checkpoint/step-1000 OUT_DIR [--dtype bfloat16]
+    python -m trainer.convert to-hf s3://ckpt/run1/step-1000 s3://models/run1 --config OUTPUTS/config.toml
+
+Either folder may be an s3:// or gs:// URL: a checkpoint there is read by DCP's fsspec reader,
+an output there is written locally to a temporary folder and uploaded.
 
 The model shape and tokenizer come from the run's saved config (`{dump_folder}/config.toml`,
 two levels above the step folder, or --config). Runs on one process, whatever world size
@@ -25,6 +29,9 @@ PREFIX = "model_optim.model."
 def read_run_config(checkpoint_dir: str, config_path: str | None):
     from trainer.config.job import load_config
 
+    if not config_path and "://" in checkpoint_dir:
+        raise CheckpointError(f"{checkpoint_dir} is in an object store, away from its run's "
+                              "config.toml: pass --config {dump_folder}/config.toml")
     path = config_path or os.path.join(checkpoint_dir, os.pardir, os.pardir, "config.toml")
     if not os.path.isfile(path):
         raise CheckpointError(f"no run config {os.path.normpath(path)} (the dump folder's "
@@ -36,7 +43,9 @@ def saved_shapes(checkpoint_dir: str, allow_pickle: bool = False) -> dict[str, t
     """Our parameter names and shapes as saved in the DCP metadata."""
     from trainer.checkpoint import safe_load
 
-    if not os.path.isfile(os.path.join(checkpoint_dir, ".metadata")):
+    from trainer.checkpoint import storage
+
+    if not storage.exists(storage.join(checkpoint_dir, ".metadata")):
         raise CheckpointError(f"{checkpoint_dir} is not a committed DCP checkpoint (no "
                               ".metadata); give a {dump_folder}/checkpoint/step-N folder")
     meta = safe_load.read_metadata(checkpoint_dir, allow_pickle).state_dict_metadata
@@ -104,7 +113,14 @@ def main(argv: list[str]) -> int:
                    "(older torch): it can run code, so only for your own checkpoints")
     a = parser.parse_args(argv)
     try:
-        to_hf(os.path.abspath(a.checkpoint_dir), a.out_dir, dtype=a.dtype,
+        from trainer.checkpoint import storage
+
+        for key, path in (("checkpoint_dir", a.checkpoint_dir), ("out_dir", a.out_dir)):
+            storage.check_path(path, key)  # s3:// or gs:// (read and written through fsspec)
+            storage.probe(path, key)
+        source = a.checkpoint_dir.rstrip("/") if storage.is_url(a.checkpoint_dir) \
+            else os.path.abspath(a.checkpoint_dir)
+        to_hf(source, a.out_dir, dtype=a.dtype,
               max_shard_gib=a.max_shard_size, config_path=a.config, allow_pickle=a.allow_pickle)
     except UserError as e:
         print(e.one_line(), file=sys.stderr)

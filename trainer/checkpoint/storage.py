@@ -164,6 +164,16 @@ def move_tree(src: str, dst: str, first: str | None = None) -> None:
     fs.rm(src, recursive=True)
 
 
+def upload_folder(local: str, url: str) -> list[str]:
+    """Copy the files of a local folder (not its subfolders) to `url/<name>` (large files in
+    parts: s3fs uploads multipart beyond its block size); the names, sorted."""
+    fs = filesystem(url)
+    names = sorted(n for n in os.listdir(local) if os.path.isfile(os.path.join(local, n)))
+    for name in names:
+        fs.put_file(os.path.join(local, name), join(url, name))
+    return names
+
+
 # ----------------------------------------------------------------------------- DCP
 def dcp_writer(path: str, filesystem_class):
     """DCP's writer for `path` with `filesystem_class` (a hashing subclass of DCP's local or

@@ -22,6 +22,13 @@ def run_tokenizer_path(data) -> str | None:
     if data.store_path:
         from trainer.data.store import TOKENIZER_FILE
 
+        if "://" in data.store_path:  # the store's tokenizer, copied into the cache once
+            from trainer.data.remote import cached_tokenizer
+            from trainer.data.store import read_remote_manifest
+
+            url = data.store_path.rstrip("/")
+            sha = read_remote_manifest(url)["tokenizer"]["sha256"]
+            return cached_tokenizer(f"{url}/{TOKENIZER_FILE}", sha, data.cache_dir)
         return os.path.join(os.path.expanduser(data.store_path), TOKENIZER_FILE)
     from trainer.data.cache import stdlib_cache_dir
 
@@ -31,7 +38,18 @@ def run_tokenizer_path(data) -> str | None:
 def write_hf_folder(out_dir: str, args, fetch, cfg, *, dtype: str,
                     max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES, log=print) -> None:
     """`fetch(names)` gives our full tensors by parameter name (see weights.write_weights);
-    `cfg` is the run's JobConfig (for the tokenizer and the sequence length)."""
+    `cfg` is the run's JobConfig (for the tokenizer and the sequence length). An s3:// or
+    gs:// `out_dir` is written to a local temporary folder, then uploaded (trainer/hf/remote.py)."""
+    from trainer.checkpoint import storage
+
+    if storage.is_url(out_dir):
+        import tempfile
+
+        with tempfile.TemporaryDirectory(prefix="hf-export-") as tmp:
+            write_hf_folder(tmp, args, fetch, cfg, dtype=dtype, max_shard_bytes=max_shard_bytes,
+                            log=lambda line: log(line.replace(tmp, out_dir)))
+            storage.upload_folder(tmp, out_dir)
+        return
     os.makedirs(out_dir, exist_ok=True)
     if args.hybrid is not None:  # Qwen3NextForCausalLM's fused tensors
         from trainer.hf.qwen3_next import release_config as config_of

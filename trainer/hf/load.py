@@ -1,6 +1,8 @@
 """Import: start a run from Hugging Face Llama weights (`checkpoint.initial_load_path` with
 `initial_load_in_hf = true`), or from the model of another run's DCP checkpoint. Export at the
-end of a run: `checkpoint.last_save_in_hf = true` writes `{dump_folder}/hf/`.
+end of a run: `checkpoint.last_save_in_hf = true` writes `{dump_folder}/hf/` (and uploads it to
+`{checkpoint.folder}/hf/` when that is an s3:// or gs:// URL). A Hugging Face folder at a URL
+is read with ranged requests (trainer/hf/remote.py).
 
 Every rank reads each full tensor from the safetensors files (memory-mapped, one at a time;
 an fp8 one dequantized to float32) and keeps its own block of it, so any layout loads the same
@@ -175,11 +177,17 @@ def save_last_hf(model, cfg, *, log=print) -> None:
         full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True,
                                                                     cpu_offload=True))
     out = os.path.join(cfg.job.dump_folder, "hf")
+    from trainer.checkpoint import storage
+
+    remote = storage.is_url(cfg.checkpoint.folder)  # and a copy beside the checkpoints
     if dist.get_rank() == 0:
         write_hf_folder(out, model.args, lambda names: {n: full.pop(n) for n in names}, cfg,
                         dtype="float32", log=log)
+        if remote:
+            storage.upload_folder(out, storage.join(cfg.checkpoint.folder, "hf"))
     dist.barrier()
-    log(f"saved a Hugging Face model in {out} in {time.monotonic() - t0:.2f}s")
+    where = f"{out} and {storage.join(cfg.checkpoint.folder, 'hf')}" if remote else out
+    log(f"saved a Hugging Face model in {where} in {time.monotonic() - t0:.2f}s")
 
 
 def _gather_stages(model) -> dict:

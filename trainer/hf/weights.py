@@ -81,17 +81,17 @@ class HFFolder:
     def __init__(self, folder: str):
         self.folder = folder
         self._open: dict[str, object] = {}  # file name -> safe_open handle
-        cfg_path = os.path.join(folder, "config.json")
-        if not os.path.isfile(cfg_path):
+        from trainer.checkpoint import storage
+        from trainer.hf.remote import read_json
+
+        self.config = read_json(storage.join(folder, "config.json"))  # a URL: read remotely
+        if self.config is None:
             raise ConfigError(f"checkpoint.initial_load_path = {folder!r} is not a Hugging Face "
                               "model folder (no config.json)")
-        with open(cfg_path) as fh:
-            self.config = json.load(fh)
-        index = os.path.join(folder, INDEX)
-        if os.path.isfile(index):
-            with open(index) as fh:
-                self.weight_map = json.load(fh)["weight_map"]
-        elif os.path.isfile(os.path.join(folder, SINGLE)):
+        index = read_json(storage.join(folder, INDEX))
+        if index is not None:
+            self.weight_map = index["weight_map"]
+        elif storage.exists(storage.join(folder, SINGLE)):
             self.weight_map = {k: SINGLE for k in self._keys(SINGLE)}
         else:
             raise ConfigError(f"checkpoint.initial_load_path = {folder!r} has no {SINGLE} or "
@@ -100,7 +100,7 @@ class HFFolder:
 
     def _file(self, fname: str):
         if fname not in self._open:
-            self._open[fname] = _guarded(os.path.join(self.folder, fname), _safe_open)
+            self._open[fname] = _guarded(_join(self.folder, fname), _safe_open)
         return self._open[fname]
 
     def _keys(self, fname: str) -> list[str]:
@@ -133,11 +133,20 @@ class HFFolder:
 
     def _read(self, key: str) -> torch.Tensor:
         fname = self.weight_map[key]
-        return _guarded(os.path.join(self.folder, fname),
+        return _guarded(_join(self.folder, fname),
                         lambda _: self._file(fname).get_tensor(key))
 
 
+def _join(folder: str, name: str) -> str:
+    return f"{folder.rstrip('/')}/{name}" if "://" in folder else os.path.join(folder, name)
+
+
 def _safe_open(path: str):
+    """safetensors' handle of a local file; ranged reads of an object at a URL."""
+    if "://" in path:
+        from trainer.hf.remote import RemoteSafetensors
+
+        return RemoteSafetensors(path)
     from safetensors import safe_open
 
     return safe_open(path, framework="pt")
