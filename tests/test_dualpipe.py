@@ -89,6 +89,7 @@ COMMON = ("--model.flavor", "debugmodel-moe-narrow", "--training.seq_len", "64",
           "--training.mixed_precision_param", "float32", "--metrics.log_freq", "1",
           "--lr_scheduler.warmup_steps", "2", "--lr_scheduler.min_lr_factor", "1.0",
           "--data.dataset", "synthetic", "--training.steps", "3",
+          "--checkpoint.enable", "false",  # read through TensorBoard: no final save (~1 s each)
           "--moe.aux_loss_weight", "0", "--moe.router_z_loss_weight", "0")  # pp: none
 
 
