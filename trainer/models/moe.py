@@ -32,6 +32,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from trainer.models.args import MoEArgs
+from trainer.parallel import recompute
 
 GROUPED_MM = hasattr(torch, "_grouped_mm")
 
@@ -230,7 +231,9 @@ class MoE(nn.Module):
         if not terms:
             return None
         total = sum(terms)
-        self.aux_terms.append(total.detach())
+        memo = recompute.current()
+        if memo is None or not memo.replaying:  # logged once: not again by AC's recompute
+            self.aux_terms.append(total.detach())
         return total
 
     def take_stats(self) -> dict[str, torch.Tensor]:

@@ -12,6 +12,10 @@ order. Every ep rank recomputes the same blocks, so every rank skips the same ex
     memo = current()        # None outside a checkpointed block
     value = memo.replay() if memo else None
     if value is None: value = compute(); memo and memo.record(value)
+
+It also holds the expert parallel dispatch's received rows (trainer/parallel/ep_dispatch.py,
+`moe.save_dispatch`), popped by the recompute, and tells a layer that it is being recomputed
+(`replaying`: the MoE's logged aux terms are the first run's).
 """
 
 from __future__ import annotations
@@ -33,13 +37,16 @@ class HostMemo:
 
     def __init__(self):
         self.values: list = []
-        self.replaying = False
+        self.runs = 0
+        self.replaying = False  # a recompute: what the first run recorded (values, logged
+        # terms such as the MoE's aux losses) is not recorded again
         self.cursor = 0
 
     @contextlib.contextmanager
     def run(self):
         """One run of the block: the first records, any later one replays."""
-        self.replaying, self.cursor = bool(self.values), 0
+        self.runs += 1
+        self.replaying, self.cursor = self.runs > 1, 0
         token = _CURRENT.set(self)
         try:
             yield
