@@ -76,14 +76,16 @@ COMMON = ("--training.seq_len", "64", "--training.local_batch_size", "2",
           "--training.global_batch_size", "8", "--training.mixed_precision_param", "float32",
           "--metrics.log_freq", "1", "--lr_scheduler.warmup_steps", "2",
           "--lr_scheduler.min_lr_factor", "1.0", "--training.steps", "5",
-          "--checkpoint.interval", "3", "--checkpoint.keep_latest_k", "0",
+          # one save at the last step (the weights compared); the EP run also saves step 3
+          "--checkpoint.interval", "5", "--checkpoint.keep_latest_k", "0",
           "--validation.enable", "false",
           # the release routes by its scores alone: an exact export needs no balancing bias
           "--moe.load_balance_coeff", "0")
 EP = "--parallelism.expert_parallel_degree"
 LAYOUTS = {  # name: (ranks, overrides); the config's EP 2 is set per layout
     "ref": (1, (EP, "1")),
-    "ep2_fsdp2": (4, (EP, "2", "--checkpoint.last_save_in_hf", "true")),
+    "ep2_fsdp2": (4, (EP, "2", "--checkpoint.last_save_in_hf", "true",
+                      "--checkpoint.interval", "3")),  # step 3: resumed under CP
     "tp2_fsdp2": (4, (EP, "1", "--parallelism.tensor_parallel_degree", "2")),
     "pp2_fsdp2": (4, (EP, "1", "--parallelism.pipeline_parallel_degree", "2")),
     "cp2_fsdp2": (4, (EP, "1", "--parallelism.context_parallel_degree", "2")),
