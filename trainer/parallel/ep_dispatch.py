@@ -166,7 +166,9 @@ class Dispatcher:
             .repeat_interleave(per_source.reshape(-1), output_size=mine.shape[0])
         order = expert_of_row.argsort(stable=True)
         x = mine[order]
-        out = experts(x[:, :-1].contiguous(), per_source.sum(0)) * x[:, -1:]
+        rows = x[:, :-1]  # copied: the grouped GEMM wants 16-byte strides (an empty view not)
+        rows = rows.contiguous() if rows.shape[0] else rows.new_zeros(rows.shape)
+        out = experts(rows, per_source.sum(0)) * x[:, -1:]
         return out[order.argsort()]
 
     def side(self, fn, x, flight: Flight):
