@@ -59,7 +59,8 @@ from trainer.plan.activations import (block_saved, block_saved_op_sac, block_spl
                                      head_activations, head_saved, loss_region, op_sac_split,
                                      sp_tokens, split_bytes)
 from trainer.plan.host import CPU_PROCESS_GIB, host_memory, offload_staging
-from trainer.plan.moe import gathered, group_key, moe_layers, per_block, tp_splits
+from trainer.plan.moe import (gathered, group_key, moe_layers, per_block, saved_dispatch_bytes,
+                              tp_splits)
 from trainer.plan.pipeline import in_flight, rank_groups
 from trainer.plan.planned import plan_args, resolve_vocab  # noqa: F401 (imported from here)
 from trainer.optim.muon import BUCKET_BYTES as muon_bucket_bytes, takes_muon
@@ -226,6 +227,8 @@ def memory_plan(cfg: JobConfig, world_size: int, pp_rank: int | None = None) -> 
     b["activations"] = int(held * blocks_activations(cfg, blocks_a, p, tokens, tp=tp,
                                                        ep=pd.ep)) + act \
         + b["cp_kv"]
+    # under AC, the dispatched rows the recompute reuses where ep spans nodes (plan/moe.py)
+    b["activations"] += int(held * saved_dispatch_bytes(cfg, blocks_a, pd.ep, p, tokens // tp))
     recompute = cfg.activation_checkpoint.mode != "none" and blocks_a.n_layers > 0
     b["ac_recompute"] = split_bytes(block_split(a, p, tp, moe=moe_layers(a) > 0, ep=pd.ep),
                                     tokens, tp) + kv if recompute else 0

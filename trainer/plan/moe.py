@@ -98,3 +98,29 @@ def all_to_all_volume(cfg, a: ModelArgs, pd, accum: int) -> float:
     ac = cfg.activation_checkpoint
     replay = 1 if ac.mode == "full" else 0  # op-level SAC keeps the all-to-all outputs
     return accum * moe_layers(a) * 2 * one_way * (2 + replay) / pd.pp
+
+
+def saved_dispatch_bytes(cfg, a: ModelArgs, ep: int, p: int, tokens: int) -> int:
+    """Under full or block AC with `moe.save_dispatch`, where the ep group (`ep` ranks) spans
+    several nodes (LOCAL_WORLD_SIZE: the plan's --ngpu): the rows the dispatch received, kept
+    by each checkpointed MoE layer from its forward to its backward (trainer/parallel/
+    ep_dispatch.py) for this rank's `tokens`: the node-limited dispatch's inter-node stage
+    (topk_group rows per token, with top_k weight columns and int32 choices), or the flat
+    dispatch's top_k rows per token with their weight column. Perfect balance."""
+    import math
+    import os
+
+    m, ac = a.moe, cfg.activation_checkpoint
+    per = int(os.environ.get("LOCAL_WORLD_SIZE") or 0)
+    nodes = math.ceil(ep / per) if per else 1
+    if m is None or ep == 1 or nodes == 1 or not m.save_dispatch or ac.mode == "none" \
+            or (ac.mode == "selective" and ac.selective_ac_option == "op"):
+        return 0
+    layers = moe_layers(a)
+    if ac.mode == "selective":  # every k-th block is checkpointed
+        layers = math.ceil(layers / int(ac.selective_ac_option))
+    node = m.dispatch == "node" or (m.dispatch == "auto" and m.n_group == nodes
+                                    and m.capacity_factor == 0)
+    row = m.topk_group * ((a.dim + m.top_k) * p + 4 * m.top_k) if node else \
+        m.top_k * (a.dim + 1) * p
+    return layers * tokens * row
