@@ -37,7 +37,7 @@ from torch import nn
 from torch.distributed.tensor import Shard, distribute_tensor
 
 from trainer.errors import ConfigError
-from trainer.models.moe import MoE, expert_counts, moe_layers
+from trainer.models.moe import MoE, capacity, expert_counts, moe_layers
 from trainer.parallel.ep_dispatch import (Dispatcher, NodeDispatch, Route, exchange,
                                           node_layout, scatter_sum)
 
@@ -58,7 +58,9 @@ class AllToAllDispatch(Dispatcher):
             slots = slots + keep.logical_not() * n_experts
         order = slots.argsort(stable=True)
         counts = expert_counts(slots, 2 * n_experts)[:n_experts].view(ep, local)
-        received, (send, recv) = self.exchange_counts(counts, t * k)
+        # the kept pairs' static bound (what the traced dry run's perfect balance sends)
+        bound = t * k if keep is None else min(t * k, n_experts * capacity(self.moe, t))
+        received, (send, recv) = self.exchange_counts(counts, bound)
         pair = order[:sum(send)]
         token = pair.div(k, rounding_mode="floor")
         rows = torch.cat([flat[token], weights.reshape(-1)[pair, None].to(flat.dtype)], 1)
@@ -97,7 +99,9 @@ def choose_dispatcher(group, moe) -> Dispatcher:
     if moe.dispatch == "node" or (moe.dispatch == "auto" and nodes > 1 and not why
                                   and moe.capacity_factor == 0):
         return NodeDispatch(group, moe.n_experts, nodes, moe.topk_group, moe.top_k, save)
-    return AllToAllDispatch(group, moe.n_experts, save)
+    flat = AllToAllDispatch(group, moe.n_experts, save)
+    flat.moe = moe  # the capacity's bound on the trace
+    return flat
 
 
 def apply_ep(model: nn.Module, ep_mesh) -> None:
