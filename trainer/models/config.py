@@ -123,9 +123,9 @@ class MoE:
         "nodes), 'auto' (node when the ep group spans several nodes and n_group matches, flat "
         "otherwise)", choices=("auto", "flat", "node"))
     save_dispatch: bool = opt(
-        True, "Under activation checkpointing the recompute reuses the rows the dispatch "
-        "received (the inter-node stage's under node dispatch) instead of sending them again: "
-        "memory for bytes, where the ep group spans several nodes; false: send again")
+        True, "Under activation checkpointing the node-limited dispatch's recompute reuses the "
+        "rows its inter-node stage received instead of sending them again (memory for bytes; "
+        "the flat dispatch, top_k rows a token, always sends again); false: send again")
 
     def balance_coeff_at(self, step: int) -> float:
         """The bias update speed after `step`'s optimizer step (a function of the step alone)."""

@@ -95,11 +95,14 @@ def choose_dispatcher(group, moe) -> Dispatcher:
     if moe.capacity_factor > 0 and moe.dispatch == "node":
         raise ConfigError("moe.dispatch = 'node' is dropless: set moe.capacity_factor = 0 or "
                           "moe.dispatch = 'flat'")
-    save = moe.save_dispatch and nodes > 1  # within a node the bytes are cheap, memory not
+    # Only the node-limited dispatch keeps its inter-node rows for the recompute (topk_group
+    # rows per token); the flat dispatch's top_k rows per token would cost too much memory
+    # (Kimi K2 on 512 H100s: +52 GiB per rank, DOES NOT FIT), so it sends them again.
+    save = moe.save_dispatch and nodes > 1
     if moe.dispatch == "node" or (moe.dispatch == "auto" and nodes > 1 and not why
                                   and moe.capacity_factor == 0):
         return NodeDispatch(group, moe.n_experts, nodes, moe.topk_group, moe.top_k, save)
-    flat = AllToAllDispatch(group, moe.n_experts, save)
+    flat = AllToAllDispatch(group, moe.n_experts, False)
     flat.moe = moe  # the capacity's bound on the trace
     return flat
 

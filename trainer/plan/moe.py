@@ -105,8 +105,8 @@ def saved_dispatch_bytes(cfg, a: ModelArgs, ep: int, p: int, tokens: int) -> int
     several nodes (LOCAL_WORLD_SIZE: the plan's --ngpu): the rows the dispatch received, kept
     by each checkpointed MoE layer from its forward to its backward (trainer/parallel/
     ep_dispatch.py) for this rank's `tokens`: the node-limited dispatch's inter-node stage
-    (topk_group rows per token, with top_k weight columns and int32 choices), or the flat
-    dispatch's top_k rows per token with their weight column. Perfect balance."""
+    (topk_group rows per token, with top_k weight columns and int32 choices); the flat
+    dispatch keeps none. Perfect balance."""
     import math
     import os
 
@@ -121,6 +121,6 @@ def saved_dispatch_bytes(cfg, a: ModelArgs, ep: int, p: int, tokens: int) -> int
         layers = math.ceil(layers / int(ac.selective_ac_option))
     node = m.dispatch == "node" or (m.dispatch == "auto" and m.n_group == nodes
                                     and m.capacity_factor == 0)
-    row = m.topk_group * ((a.dim + m.top_k) * p + 4 * m.top_k) if node else \
-        m.top_k * (a.dim + 1) * p
-    return layers * tokens * row
+    if not node:  # the flat dispatch sends its rows again (trainer/parallel/expert_parallel.py)
+        return 0
+    return layers * tokens * m.topk_group * ((a.dim + m.top_k) * p + 4 * m.top_k)

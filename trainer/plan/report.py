@@ -204,7 +204,20 @@ def stdout_to_stderr():
 
 def run(args, overrides: list[str]) -> tuple[int, str | None]:
     """The report of `python -m trainer.plan` as text on stdout (None), or with `--json` the
-    JSON object to print; and the exit code."""
+    JSON object to print; and the exit code. LOCAL_WORLD_SIZE (a node's ranks, as torchrun
+    says: the dispatch and the traffic's nodes) is --ngpu while it runs, then restored: a
+    caller's later plans and traces in the same process see their own."""
+    saved = os.environ.get("LOCAL_WORLD_SIZE")
+    try:
+        return _run(args, overrides)
+    finally:
+        if saved is None:
+            os.environ.pop("LOCAL_WORLD_SIZE", None)
+        else:
+            os.environ["LOCAL_WORLD_SIZE"] = saved
+
+
+def _run(args, overrides: list[str]) -> tuple[int, str | None]:
     try:
         if args.ngpu < 1 or args.nnodes < 1:
             raise ConfigError(f"--ngpu ({args.ngpu}) and --nnodes ({args.nnodes}) must be >= 1")
