@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
 import time
@@ -31,38 +30,11 @@ DIGEST = {"TRAINER_DEBUG_WEIGHT_DIGEST": "1"}
 @pytest.fixture(scope="module")
 def s3():
     """Environment variables that point boto3 and s3fs at a moto server on a free loopback
-    port, with the bucket `ckpt` created."""
-    import boto3
+    port, with the bucket `ckpt` created (tests/s3_server.py)."""
+    from tests.s3_server import s3_server
 
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
-    server = subprocess.Popen([sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p",
-                               str(port)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    env = {"AWS_ENDPOINT_URL": f"http://127.0.0.1:{port}", "AWS_ACCESS_KEY_ID": "test",
-           "AWS_SECRET_ACCESS_KEY": "test", "AWS_DEFAULT_REGION": "us-east-1"}
-    try:
-        deadline = time.monotonic() + 30
-        while True:
-            try:
-                with socket.create_connection(("127.0.0.1", port), timeout=1):
-                    break
-            except OSError:
-                if time.monotonic() > deadline:
-                    raise
-                time.sleep(0.1)
-        client = boto3.client("s3", endpoint_url=env["AWS_ENDPOINT_URL"],
-                              aws_access_key_id="test", aws_secret_access_key="test",
-                              region_name="us-east-1")
-        client.create_bucket(Bucket="ckpt")
-        env_before = {k: os.environ.get(k) for k in env}
-        os.environ.update(env)  # for this process's listings too
-        yield env, client
-        for key, value in env_before.items():
-            os.environ.pop(key) if value is None else os.environ.__setitem__(key, value)
-    finally:
-        server.terminate()
-        server.wait(timeout=10)
+    with s3_server("ckpt") as served:
+        yield served
 
 
 def bucket(client) -> dict[str, set[str]]:
