@@ -29,7 +29,7 @@ def test_the_layout_decides_the_overlap_in_one_line():
         def register_custom_function(self, kind, fn):
             pass
 
-    on, line = plan_overlap(_cfg(expert_parallel_degree=2), Runtime(), ep_laned=True)
+    on, line = plan_overlap(_cfg(expert_parallel_degree=2), Runtime())
     assert on and "DualPipeV overlaps the ep all-to-alls" in line
     assert plan_overlap(_cfg(), Runtime())[0]  # dense: forward beside backward
     for par, needle in ((dict(tensor_parallel_degree=2), "under tp 2 have no backward lane"),
@@ -37,13 +37,11 @@ def test_the_layout_decides_the_overlap_in_one_line():
                          "under tp 2, cp 2 have no"),
                         (dict(pipeline_parallel_overlap=False),
                          "(parallelism.pipeline_parallel_overlap = false)")):
-        on, line = plan_overlap(_cfg(**par), Runtime(), ep_laned=True)
+        on, line = plan_overlap(_cfg(**par), Runtime())
         assert not on and "run forward then backward" in line and needle in line, line
-    on, line = plan_overlap(_cfg(expert_parallel_degree=2), Runtime(), ep_laned=False)
-    assert not on and "ep 2 (the MoE dispatch has no lanes)" in line
     on, line = plan_overlap(_cfg(), object())
     assert not on and "cannot register an OVERLAP_F_B function" in line
-    on, line = plan_overlap(_cfg(expert_parallel_degree=2), Runtime(), ep_laned=True,
+    on, line = plan_overlap(_cfg(expert_parallel_degree=2), Runtime(),
                             device_type="cuda")
     assert not on and "run forward then backward on CUDA" in line
 

@@ -47,10 +47,10 @@ def supported(schedule) -> bool:
         schedules, "_ComputationType") and hasattr(schedules._ComputationType, "OVERLAP_F_B")
 
 
-def plan_overlap(cfg, schedule, ep_laned: bool | None = None,
-                 device_type: str = "cpu") -> tuple[bool, str]:
+def plan_overlap(cfg, schedule, device_type: str = "cpu") -> tuple[bool, str]:
     """(overlap or not, the startup line), the same on every rank: decided from the config,
-    the device type, this torch and the code, never from the rank's stages."""
+    the device type and this torch, never from the rank's stages. The MoE dispatch
+    (trainer/parallel/ep_dispatch.py) sends every collective through `lanes.lane_group`."""
     par = cfg.parallelism
     if device_type == "cuda":
         # One stream, two threads: each rank's kernel launches interleave in its own order, so
@@ -69,9 +69,6 @@ def plan_overlap(cfg, schedule, ep_laned: bool | None = None,
     unlaned = [f"{name} {degree}" for name, degree in
                (("tp", par.tensor_parallel_degree), ("cp", par.context_parallel_degree))
                if degree > 1]
-    if par.expert_parallel_degree > 1 and not (dispatch_laned() if ep_laned is None
-                                               else ep_laned):
-        unlaned.append(f"ep {par.expert_parallel_degree} (the MoE dispatch has no lanes)")
     if unlaned:
         return False, ("pipeline: DualPipeV's overlapped actions run forward then backward: "
                        f"the stages' collectives under {', '.join(unlaned)} have no "
@@ -80,21 +77,6 @@ def plan_overlap(cfg, schedule, ep_laned: bool | None = None,
             f"forward" if par.expert_parallel_degree > 1 else
             "one microbatch's backward beside another's forward")
     return True, f"pipeline: DualPipeV overlaps {what} (two threads per rank)"
-
-
-def dispatch_laned() -> bool:
-    """Whether the MoE dispatch (trainer/parallel/expert_parallel.py's dispatcher and the
-    classes it builds on) sends its collectives through `lane_group`: it must, or two threads
-    would interleave on the ep group."""
-    import sys
-
-    import trainer.parallel.expert_parallel as ep
-
-    dispatch = getattr(ep, "AllToAllDispatch", None)
-    modules = {sys.modules[k.__module__] for k in getattr(dispatch, "__mro__", ())
-               if k.__module__ in sys.modules} | {ep}
-    return any(value is lanes.lane_group or value is lanes
-               for module in modules for value in vars(module).values())
 
 
 def stage_groups(model) -> list:
