@@ -17,13 +17,19 @@ Settings (environment first, then pyproject's [tool.pytest.ini_options]):
     TRAINER_TEST_BUDGET_TOTAL=S      / ini budget_total: reference seconds for the session
     TRAINER_TEST_BUDGET_SCALE=X      use this machine scale instead of calibrating
 
+Every run (the guard on or off) also ends with a per-file summary: seconds per test file, summed
+over its tests' setup + call + teardown, the slowest in a short "slowest files" section and all of
+them in `.pytest_cache/trainer-durations.json` (FileDurations), so each run shows where the time goes.
+
 Loaded by tests/conftest.py (pytest_plugins), or `-p tests.budget` with the repository on the path.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import time
+from pathlib import Path
 
 import pytest
 
@@ -36,6 +42,10 @@ DEFAULT_TOTAL_S = 2400.0
 REFERENCE_CALIBRATION_S = 0.090
 MIN_SCALE = 0.5
 OFF = {"0", "off", "false", "no"}
+# The per-file summary: where it is written (under the root directory), how many files the
+# terminal section names.
+DURATIONS_FILE = Path(".pytest_cache") / "trainer-durations.json"
+SLOWEST_FILES = 10
 
 
 def calibrate(repeats: int = 5) -> float:
@@ -64,6 +74,7 @@ def pytest_configure(config):
     (a worker's reports go to it), the only process otherwise."""
     if hasattr(config, "workerinput"):
         return
+    config.pluginmanager.register(FileDurations(config), "trainer-file-durations")
     if os.environ.get("TRAINER_TEST_BUDGET", "on").strip().lower() in OFF:
         return
     if config.getoption("usepdb", False) or config.getoption("trace", False):
@@ -134,3 +145,52 @@ class Budget:
         slowest = max(self.seconds.items(), key=lambda kv: kv[1], default=("(no test)", 0.0))
         write(f"test budget: slowest {slowest[0]} {slowest[1]:.1f} s, session {self.elapsed:.1f} s; "
               f"{budgets}")
+
+
+def per_file(seconds: dict[str, float]) -> dict[str, dict]:
+    """{file: {"seconds", "tests"}} from {nodeid: seconds}, the slowest file first."""
+    files: dict[str, dict] = {}
+    for nodeid, s in seconds.items():
+        entry = files.setdefault(nodeid.split("::", 1)[0], {"seconds": 0.0, "tests": 0})
+        entry["seconds"] += s
+        entry["tests"] += 1
+    ranked = sorted(files.items(), key=lambda kv: (-kv[1]["seconds"], kv[0]))
+    return {name: {"seconds": round(e["seconds"], 2), "tests": e["tests"]} for name, e in ranked}
+
+
+class FileDurations:
+    """Seconds per test file (setup + call + teardown of its tests, summed over the xdist
+    workers' reports on the controller): written to DURATIONS_FILE at session finish, its
+    slowest SLOWEST_FILES named in a "slowest files" terminal section."""
+
+    def __init__(self, config):
+        self.path = Path(str(config.rootpath)) / DURATIONS_FILE
+        self.seconds: dict[str, float] = {}
+        self.files: dict[str, dict] = {}
+        self.start = time.monotonic()
+
+    def pytest_runtest_logreport(self, report):
+        self.seconds[report.nodeid] = self.seconds.get(report.nodeid, 0.0) + report.duration
+
+    def pytest_sessionfinish(self, session, exitstatus):
+        self.files = per_file(self.seconds)
+        if not self.files:
+            return
+        summary = {"wall_s": round(time.monotonic() - self.start, 2),
+                   "tests_s": round(sum(self.seconds.values()), 2),
+                   "files": self.files,
+                   "tests": {n: round(s, 2) for n, s in
+                             sorted(self.seconds.items(), key=lambda kv: -kv[1])}}
+        try:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            self.path.write_text(json.dumps(summary, indent=1) + "\n")
+        except OSError:  # a read-only checkout still gets the terminal section
+            pass
+
+    def pytest_terminal_summary(self, terminalreporter):
+        if not self.files:
+            return
+        terminalreporter.write_sep("-", f"slowest files (setup + call + teardown; all in "
+                                        f"{DURATIONS_FILE})")
+        for name, entry in list(self.files.items())[:SLOWEST_FILES]:
+            terminalreporter.write_line(f"{entry['seconds']:8.1f} s  {entry['tests']:3d} tests  {name}")

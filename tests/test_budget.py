@@ -7,11 +7,13 @@ torch) and run at once, so the file takes a few seconds."""
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 
 import pytest
 
+from tests.budget import DURATIONS_FILE, per_file
 from tests.helpers import REPO, subprocess_env
 
 PLANTED = """
@@ -44,7 +46,8 @@ CASES = {
 
 @pytest.fixture(scope="module")
 def sessions(tmp_path_factory) -> dict[str, subprocess.CompletedProcess]:
-    """Every case's pytest session, run concurrently: {name: completed process}."""
+    """Every case's pytest session, run concurrently: {name: completed process, with the
+    planted file's `folder`}."""
     procs = {}
     for name, (sleep, env, args) in CASES.items():
         folder = tmp_path_factory.mktemp(name)
@@ -59,10 +62,12 @@ def sessions(tmp_path_factory) -> dict[str, subprocess.CompletedProcess]:
                str(folder / "test_planted.py")]
         procs[name] = subprocess.Popen(cmd, cwd=folder, env=subprocess_env({**base, **env}),
                                        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        procs[name].folder = folder
     out = {}
     for name, proc in procs.items():
         stdout, _ = proc.communicate(timeout=120)
         out[name] = subprocess.CompletedProcess(proc.args, proc.returncode, stdout, "")
+        out[name].folder = proc.folder
     assert str(REPO) in subprocess_env()["PYTHONPATH"]  # how `-p tests.budget` is found
     return out
 
@@ -100,3 +105,28 @@ def test_switched_off(sessions):
     run = sessions["off"]
     assert run.returncode == 0, run.stdout
     assert "budget" not in run.stdout, run.stdout
+
+
+def test_per_file_sums_a_files_tests_slowest_first():
+    seconds = {"tests/test_a.py::test_x": 1.0, "tests/test_a.py::test_y[p]": 2.5,
+               "tests/test_b.py::test_z": 3.0, "tests/sub/test_c.py::T::test_w": 0.25}
+    files = per_file(seconds)
+    assert list(files) == ["tests/test_a.py", "tests/test_b.py", "tests/sub/test_c.py"]
+    assert files["tests/test_a.py"] == {"seconds": 3.5, "tests": 2}
+    assert files["tests/sub/test_c.py"] == {"seconds": 0.25, "tests": 1}
+
+
+@pytest.mark.parametrize("case", ["per_test", "off"])
+def test_every_run_writes_its_seconds_per_file(sessions, case):
+    """Under xdist (per_test) the workers' reports are summed on the controller; the summary is
+    written with the guard switched off as well (off)."""
+    run = sessions[case]
+    summary = json.loads((run.folder / DURATIONS_FILE).read_text())
+    assert list(summary["files"]) == ["test_planted.py"], summary
+    entry = summary["files"]["test_planted.py"]
+    assert entry["tests"] == 2 and 1.5 <= entry["seconds"] < 1.5 + 5, summary
+    assert summary["tests"]["test_planted.py::test_slow"] >= 1.5, summary
+    assert list(summary["tests"])[0] == "test_planted.py::test_slow", summary  # slowest first
+    assert summary["wall_s"] >= entry["seconds"] - 0.5, summary
+    section = run.stdout.split("slowest files", 1)[1].splitlines()
+    assert "test_planted.py" in section[1] and " 2 tests " in section[1], run.stdout
