@@ -159,3 +159,224 @@ def test_logits_equal_transformers(tmp_path, family):
     imported = Qwen3Next(args)
     load_hf(imported, str(tmp_path), flavor="tiny")
     assert all(torch.equal(t, model.state_dict()[k]) for k, t in imported.state_dict().items())
+
+
+# ------------------------------------------------------------------- multi-token prediction
+
+MTP_TINY = dict(TINY, intermediate_size=96)  # every layer MoE (decoder_sparse_step 1: the release)
+
+
+@pytest.fixture(scope="module")
+def mtp_release(tmp_path_factory):
+    """A tiny Qwen3NextForCausalLM folder with the release's MTP module added by hand: its
+    block from transformers' own full-attention decoder layer (the release's `mtp.layers.0`
+    names and shapes), fc [dim, 2 dim] and three norms; every tensor away from its init."""
+    from safetensors.torch import load_file, save_file
+
+    folder = tmp_path_factory.mktemp("mtp_release")
+    torch.manual_seed(0)
+    cfg = transformers.Qwen3NextConfig(**MTP_TINY)
+    _randomised(transformers.Qwen3NextForCausalLM(cfg)).save_pretrained(folder)
+    tensors = load_file(folder / "model.safetensors")
+    block = hf_q3n.Qwen3NextDecoderLayer(cfg, layer_idx=1)  # layer 1: full attention
+    assert cfg.layer_types[1] == "full_attention"
+    layer = _randomised(block).state_dict()
+    gate, up = layer.pop("mlp.experts.gate_up_proj").chunk(2, dim=1)  # as the release: per expert
+    stacked = {"gate_proj": gate, "up_proj": up, "down_proj": layer.pop("mlp.experts.down_proj")}
+    layer.update({f"mlp.experts.{e}.{w}.weight": t[e] for w, t in stacked.items()
+                  for e in range(cfg.num_experts)})
+    # the names a main full-attention layer has in the saved folder (layer 1), under mtp.layers.0
+    assert {k.removeprefix("model.layers.1.") for k in tensors
+            if k.startswith("model.layers.1.")} == set(layer)
+    mtp = {f"mtp.layers.0.{n}": t.contiguous() for n, t in layer.items()}
+    d = cfg.hidden_size
+    gen = torch.Generator().manual_seed(5)
+    mtp["mtp.fc.weight"] = 0.05 * torch.randn(d, 2 * d, generator=gen)
+    for norm in ("pre_fc_norm_embedding", "pre_fc_norm_hidden", "norm"):
+        mtp[f"mtp.{norm}.weight"] = 0.2 * torch.randn(d, generator=gen)  # zero-centred
+    save_file({**tensors, **mtp}, folder / "model.safetensors", metadata={"format": "pt"})
+    return folder, mtp
+
+
+def _randomised(module):
+    with torch.no_grad():
+        for name, p in module.named_parameters():
+            if "norm" in name or "A_log" in name or "dt_bias" in name:
+                p.add_(0.2 * torch.randn_like(p))
+    return module.eval()
+
+
+def _mtp_model(folder):
+    from trainer.hf.load import load_hf
+
+    args = args_from_config(json.loads((folder / "config.json").read_text()), mtp_layers=1)
+    model = Qwen3Next(args)
+    lines = []
+    load_hf(model, str(folder), flavor="tiny", log=lines.append)
+    model.init_rope()
+    return model, lines
+
+
+def test_the_release_mtp_module_imports_and_exports_bit_for_bit(mtp_release):
+    from safetensors.torch import load_file
+
+    folder, mtp = mtp_release
+    model, lines = _mtp_model(folder)
+    assert any("module 0 from the release's mtp.*" in ln for ln in lines), lines
+    ours = model.state_dict()
+    pairs = {"mtp.0.proj.weight": "mtp.fc.weight",
+             "mtp.0.embed_norm.weight": "mtp.pre_fc_norm_embedding.weight",
+             "mtp.0.hidden_norm.weight": "mtp.pre_fc_norm_hidden.weight",
+             "mtp.0.norm.weight": "mtp.norm.weight",
+             "mtp.0.block.attention.wq.weight": "mtp.layers.0.self_attn.q_proj.weight",
+             "mtp.0.block.ffn_norm.weight": "mtp.layers.0.post_attention_layernorm.weight",
+             "mtp.0.block.feed_forward.shared_expert_gate.weight":
+                 "mtp.layers.0.mlp.shared_expert_gate.weight"}
+    for name, key in pairs.items():
+        assert torch.equal(ours[name], mtp[key]), name
+    assert torch.equal(ours["mtp.0.block.feed_forward.experts.w2"][3],
+                       mtp["mtp.layers.0.mlp.experts.3.down_proj.weight"])
+    released = load_file(folder / "model.safetensors")
+    back = to_release({n: t for n, t in ours.items()}, model.args)
+    assert back.keys() == released.keys()
+    assert all(torch.equal(back[k], released[k]) for k in released)
+    # the folder without its MTP module: the module keeps its init, said in one line
+    plain = Qwen3Next(model.args)
+    plain.init_weights(0)
+    before = plain.state_dict()["mtp.0.proj.weight"].clone()
+    from trainer.hf.load import load_hf
+    from safetensors.torch import save_file
+
+    bare = folder.parent / "bare"
+    bare.mkdir(exist_ok=True)
+    (bare / "config.json").write_text((folder / "config.json").read_text())
+    save_file({k: t for k, t in released.items() if not k.startswith("mtp.")},
+              bare / "model.safetensors", metadata={"format": "pt"})
+    lines = []
+    load_hf(plain, str(bare), flavor="tiny", log=lines.append)
+    assert torch.equal(plain.state_dict()["mtp.0.proj.weight"], before)
+    assert any("starts from its seeded init" in ln for ln in lines), lines
+
+
+def _zc_norm(x, w, eps):
+    return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * (1 + w)
+
+
+def _mtp_by_hand(t, h, next_tokens, cfg):
+    """Depth 1's logits [b, s, vocab] with plain torch ops from the release's tensors `t`:
+    h (the main model's last hidden state), the next tokens' embeddings -> the fc over the
+    zero-centred norms -> a gated-attention decoder layer with the gated-shared MoE -> norm
+    -> lm_head."""
+    eps, p = cfg["rms_norm_eps"], "mtp.layers.0."
+    b, s, d = h.shape
+    nh, nkv, hd = cfg["num_attention_heads"], cfg["num_key_value_heads"], cfg["head_dim"]
+    emb = t["model.embed_tokens.weight"][next_tokens]
+    x = torch.cat((_zc_norm(emb, t["mtp.pre_fc_norm_embedding.weight"], eps),
+                   _zc_norm(h, t["mtp.pre_fc_norm_hidden.weight"], eps)), -1) @ t["mtp.fc.weight"].T
+    a = _zc_norm(x, t[p + "input_layernorm.weight"], eps)
+    qg = (a @ t[p + "self_attn.q_proj.weight"].T).view(b, s, nh, 2 * hd)
+    q, gate = qg[..., :hd], qg[..., hd:].reshape(b, s, -1)
+    k = (a @ t[p + "self_attn.k_proj.weight"].T).view(b, s, nkv, hd)
+    v = (a @ t[p + "self_attn.v_proj.weight"].T).view(b, s, nkv, hd)
+    q, k = _zc_norm(q, t[p + "self_attn.q_norm.weight"], eps), \
+        _zc_norm(k, t[p + "self_attn.k_norm.weight"], eps)
+    r = int(hd * cfg["rope_parameters"]["partial_rotary_factor"]) // 2
+    inv = 1.0 / cfg["rope_parameters"]["rope_theta"] ** (torch.arange(r) * 2.0 / (2 * r))
+    ang = torch.arange(s)[:, None] * inv[None]
+    cos, sin = ang.cos()[:, None], ang.sin()[:, None]
+
+    def rope(z):
+        z1, z2 = z[..., :r], z[..., r:2 * r]
+        return torch.cat((z1 * cos - z2 * sin, z2 * cos + z1 * sin, z[..., 2 * r:]), -1)
+
+    q, k = rope(q).transpose(1, 2), rope(k).repeat_interleave(nh // nkv, 2).transpose(1, 2)
+    v = v.repeat_interleave(nh // nkv, 2).transpose(1, 2)
+    scores = (q @ k.transpose(-1, -2)) / hd ** 0.5
+    scores = scores.masked_fill(torch.ones(s, s).triu(1).bool(), float("-inf"))
+    att = (scores.softmax(-1) @ v).transpose(1, 2).reshape(b, s, -1)
+    x = x + (att * gate.sigmoid()) @ t[p + "self_attn.o_proj.weight"].T
+    m = _zc_norm(x, t[p + "post_attention_layernorm.weight"], eps)
+
+    def swiglu(z, pre):
+        return (torch.nn.functional.silu(z @ t[pre + "gate_proj.weight"].T)
+                * (z @ t[pre + "up_proj.weight"].T)) @ t[pre + "down_proj.weight"].T
+
+    probs = (m @ t[p + "mlp.gate.weight"].T).softmax(-1)
+    top, idx = probs.topk(cfg["num_experts_per_tok"], -1)
+    top = top / top.sum(-1, keepdim=True)
+    moe = sum(top[..., j:j + 1] * torch.stack([swiglu(m, f"{p}mlp.experts.{e}.") for e in
+                                               range(cfg["num_experts"])], -2).gather(
+        -2, idx[..., j:j + 1, None].expand(b, s, 1, d)).squeeze(-2)
+        for j in range(cfg["num_experts_per_tok"]))
+    shared = (m @ t[p + "mlp.shared_expert_gate.weight"].T).sigmoid() * \
+        swiglu(m, p + "mlp.shared_expert.")
+    x = x + moe + shared
+    return _zc_norm(x, t["mtp.norm.weight"], eps) @ t["lm_head.weight"].T
+
+
+def test_the_mtp_loss_equals_a_hand_computation(mtp_release):
+    """Depth 1 predicts token i + 2 at position i from the hidden state after the last layer
+    (before the final norm) and token i + 1's embedding: the model's MTP loss (its sum, and
+    its weighted share of the training loss) equals the same forward by hand."""
+    from safetensors.torch import load_file
+
+    from trainer.models.loss import build_loss
+
+    folder, _ = mtp_release
+    model, _ = _mtp_model(folder)
+    release = load_file(folder / "model.safetensors")
+    cfg = json.loads((folder / "config.json").read_text())
+    tokens = torch.randint(0, 128, (2, 41), generator=torch.Generator().manual_seed(3))
+    inputs, labels = tokens[:, :-1], tokens[:, 1:]
+    last = {}
+    model.layers["3"].register_forward_hook(lambda mod, args, out: last.update(h=out))
+    loss_fn = build_loss("chunked", 16)
+    total = model.train()(inputs, labels=labels, loss_fn=loss_fn).detach()  # a training forward
+    got = loss_fn.take_mtp_loss()
+    with torch.no_grad():
+        main = model.eval()(inputs, labels=labels, loss_fn=loss_fn)
+        logits = _mtp_by_hand(release, last["h"], labels, cfg)
+    want = torch.nn.functional.cross_entropy(logits[:, :-1].flatten(0, 1),
+                                             labels[:, 1:].flatten(), reduction="sum")
+    assert abs(got - want) <= 1e-5 * want, (got, want)
+    assert abs((total - main) - model.args.mtp_loss_weight * want) <= 1e-5 * want
+
+
+def test_packed_documents_give_their_documents_mtp_loss():
+    """tests/test_mtp_documents.py's check on the hybrid (block_causal, 2 depths): a packed
+    window's MTP loss equals its documents' taken alone, and it keeps exactly their targets."""
+    from types import SimpleNamespace
+
+    from tests.test_mtp_documents import EOS, documents_by_hand, mtp_sum, windows
+    from trainer.data.documents import Delimiters, document_ids, split_window
+    from trainer.models.args import model_args
+    from trainer.models.build import build_model
+    from trainer.models.loss import build_loss
+    from trainer.models.mtp import IGNORE_INDEX, future_labels
+    from trainer.parallel.microbatches import microbatch_documents
+
+    depth = 2
+    model = build_model(model_args("debugmodel-qwen3-next", max_seq_len=64, mtp_layers=depth,
+                                   attn_mask_type="block_causal"))
+    model.to_empty(device="cpu").init_weights(0)
+    model.train()
+    d, win = Delimiters(None, EOS), windows(None, EOS)
+    inputs, labels = split_window(win, d, True)
+    loader = SimpleNamespace(document_ids=lambda x: document_ids(x, d), delimiters=d,
+                             predict_document_start=True)
+    doc_ids, window = microbatch_documents(model, loader)(inputs, labels)
+    loss_fn = build_loss("chunked", 16)
+    future = future_labels(labels, depth, window)
+    packed = mtp_sum(model, loss_fn, inputs, labels, doc_ids, future)
+    alone, targets = 0.0, 0
+    for row in win.tolist():
+        for doc in documents_by_hand(row, None, EOS):
+            if len(doc) < 3:
+                continue
+            t = torch.tensor([doc])
+            alone += mtp_sum(model, loss_fn, t[:, :-1], t[:, 1:], torch.zeros_like(t[:, :-1]))
+            targets += sum(max(len(doc) - 1 - k, 0) for k in range(1, depth + 1))
+    assert abs(packed - alone) <= 1e-6 * alone, (packed, alone)
+    assert int((future != IGNORE_INDEX).sum()) == targets
+    crossing = mtp_sum(model, loss_fn, inputs, labels, doc_ids)  # targets not cut: differs
+    assert abs(crossing - alone) > 1e-3 * alone

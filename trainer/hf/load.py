@@ -59,7 +59,7 @@ def load_hf(model, folder: str, *, flavor: str, log=print) -> None:
     if args.hybrid is not None:  # Qwen3-Next / Qwen3.5: fused tensors, read a layer at a time
         from trainer.hf.qwen3_next_io import release_into
 
-        for param, full in release_into(model, hf, folder, flavor):
+        for param, full in release_into(model, hf, folder, flavor, log=log):
             copy_full(param, full)
         return
     check_hf_config(hf.config, args, folder, flavor)

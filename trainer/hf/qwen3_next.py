@@ -10,6 +10,13 @@ Most tensors are renamed (`LAYER`, `TOP`). The releases fuse what we keep apart:
   writes) or stacked (`mlp.experts.gate_up_proj` [E, 2 I, dim], `down_proj`): both are read;
   ours are stacked w1, w3 [E, I, dim], w2 [E, dim, I].
 Qwen3.5's multimodal checkpoints put the text model under `model.language_model.`: read too.
+
+MTP: the releases hold one module under `mtp.` (num_nextn_predict_layers = 1; transformers
+skips it): `pre_fc_norm_embedding`, `pre_fc_norm_hidden`, `fc` [dim, 2 dim] (applied to
+[norm(emb); norm(h)]), `layers.0` (a full-attention decoder layer with the MoE, its tensors
+named as a main layer's), `norm`, every norm zero-centred as the model's; ours is `mtp.0.`
+(`MTP_OWN`, its block as a layer). Read where the folder has it and model.mtp_layers = 1,
+written back under the same names.
 """
 
 from __future__ import annotations
@@ -47,6 +54,12 @@ LAYER = {
 }
 TOP = {"tok_embeddings.weight": "model.embed_tokens.weight", "norm.weight": "model.norm.weight",
        "output.weight": "lm_head.weight"}
+# The MTP module's own tensors: ours (under `mtp.0.`) -> the release's; its block `mtp.0.block.`
+# is the release's `mtp.layers.0.`, mapped as a layer's
+MTP_OWN = {"embed_norm.weight": "mtp.pre_fc_norm_embedding.weight",
+           "hidden_norm.weight": "mtp.pre_fc_norm_hidden.weight", "proj.weight": "mtp.fc.weight",
+           "norm.weight": "mtp.norm.weight"}
+MTP_BLOCK = ("mtp.0.block.", "mtp.layers.0.")  # ours, the release's
 _DELTA = ("wq", "wk", "wv", "wz", "wb", "wa")
 _CONV = ("conv_q", "conv_k", "conv_v")
 _EXPERTS = {"w1": "gate_proj", "w3": "up_proj", "w2": "down_proj"}
@@ -112,17 +125,29 @@ def release_parts(tensors: Mapping[str, torch.Tensor], args: ModelArgs):
     hf = _Text(tensors)
     yield {name: hf[key] for name, key in TOP.items() if key in hf}
     for i in range(args.n_layers):
-        pre, out = f"model.layers.{i}.", f"layers.{i}."
-        ours = {out + name: hf[pre + key] for name, key in LAYER.items() if pre + key in hf}
-        if args.hybrid.layer_type(i) != FULL:
-            ours.update({out + "linear_attention." + n: t
-                         for n, t in _delta_from_release(hf, pre + "linear_attn.", args).items()})
-        if args.is_moe_layer(i):
-            ours.update({out + "feed_forward.experts." + w: t
-                         for w, t in _experts_from_release(hf, pre + "mlp.experts.", args).items()})
-            # the releases route by the scores alone: our balancing bias at zero
-            ours[out + "feed_forward.router.expert_bias"] = torch.zeros(args.moe.n_experts)
-        yield ours
+        yield _layer_from_release(hf, f"model.layers.{i}.", f"layers.{i}.", i, args)
+    if args.mtp_layers and has_mtp(hf):  # the MTP module: block n_layers
+        ours = _layer_from_release(hf, MTP_BLOCK[1], MTP_BLOCK[0], args.n_layers, args)
+        yield {**ours, **{f"mtp.0.{n}": hf[key] for n, key in MTP_OWN.items()}}
+
+
+def has_mtp(tensors) -> bool:
+    """Whether a release's tensors (`in`) hold its MTP module."""
+    return MTP_OWN["proj.weight"] in tensors
+
+
+def _layer_from_release(hf, pre: str, out: str, block: int, args: ModelArgs) -> dict:
+    """Ours (under `out`) of block `block`, from the release's layer under `pre`."""
+    ours = {out + name: hf[pre + key] for name, key in LAYER.items() if pre + key in hf}
+    if args.hybrid_layer_type(block) != FULL:
+        ours.update({out + "linear_attention." + n: t
+                     for n, t in _delta_from_release(hf, pre + "linear_attn.", args).items()})
+    if args.is_moe_layer(block):
+        ours.update({out + "feed_forward.experts." + w: t
+                     for w, t in _experts_from_release(hf, pre + "mlp.experts.", args).items()})
+        # the releases route by the scores alone: our balancing bias at zero
+        ours[out + "feed_forward.router.expert_bias"] = torch.zeros(args.moe.n_experts)
+    return ours
 
 
 class _Text:
@@ -179,21 +204,29 @@ def to_release(ours: dict[str, torch.Tensor], args: ModelArgs,
                           f"{', '.join(ARCHITECTURES)}")
     hf = {TOP[n]: t for n, t in ours.items() if n in TOP}
     for i in range(args.n_layers):
-        pre, mine = f"model.layers.{i}.", f"layers.{i}."
-        hf.update({pre + key: ours[mine + n] for n, key in LAYER.items() if mine + n in ours})
-        bias = ours.get(mine + "feed_forward.router.expert_bias")
-        if bias is not None and bias.any():
-            raise ConfigError("moe.load_balance_coeff: the experts' balancing bias is not zero, "
-                              f"and {ARCHITECTURES[family]} has no place for it (layer {i})")
-        if args.hybrid.layer_type(i) != FULL:
-            la = {n: ours[f"{mine}linear_attention.{n}"] for n in
-                  [f"{x}.weight" for x in _DELTA] + list(_CONV)}
-            hf.update(_delta_to_release(la, pre + "linear_attn.", args, family))
-        if args.is_moe_layer(i):
-            for w, proj in _EXPERTS.items():
-                stacked = ours[f"{mine}feed_forward.experts.{w}"]
-                hf.update({f"{pre}mlp.experts.{e}.{proj}.weight": stacked[e]
-                           for e in range(stacked.shape[0])})
+        hf.update(_layer_to_release(ours, f"layers.{i}.", f"model.layers.{i}.", i, args, family))
+    if args.mtp_layers:  # the release's one MTP module (args.mtp_export_problem: at most 1)
+        hf.update(_layer_to_release(ours, *MTP_BLOCK, args.n_layers, args, family))
+        hf.update({key: ours[f"mtp.0.{n}"] for n, key in MTP_OWN.items()})
+    return hf
+
+
+def _layer_to_release(ours, mine: str, pre: str, block: int, args: ModelArgs, family: str):
+    """The release's tensors (under `pre`) of our block `block` (under `mine`)."""
+    hf = {pre + key: ours[mine + n] for n, key in LAYER.items() if mine + n in ours}
+    bias = ours.get(mine + "feed_forward.router.expert_bias")
+    if bias is not None and bias.any():
+        raise ConfigError("moe.load_balance_coeff: the experts' balancing bias is not zero, "
+                          f"and {ARCHITECTURES[family]} has no place for it ({mine[:-1]})")
+    if args.hybrid_layer_type(block) != FULL:
+        la = {n: ours[f"{mine}linear_attention.{n}"] for n in
+              [f"{x}.weight" for x in _DELTA] + list(_CONV)}
+        hf.update(_delta_to_release(la, pre + "linear_attn.", args, family))
+    if args.is_moe_layer(block):
+        for w, proj in _EXPERTS.items():
+            stacked = ours[f"{mine}feed_forward.experts.{w}"]
+            hf.update({f"{pre}mlp.experts.{e}.{proj}.weight": stacked[e]
+                       for e in range(stacked.shape[0])})
     return hf
 
 
@@ -224,7 +257,9 @@ def hybrid_shapes(args: ModelArgs, buffers: bool = False) -> dict[str, tuple[int
 
 
 def export_problem(args: ModelArgs) -> str | None:
-    """Why Qwen3NextForCausalLM cannot hold this hybrid, or None."""
+    """Why Qwen3NextForCausalLM (and its mtp.* tensors) cannot hold this hybrid, or None."""
+    if args.mtp_export_problem():
+        return args.mtp_export_problem()
     m = args.moe
     if m is None or not args.hybrid.shared_expert_hidden or not m.hf_exportable \
             or m.first_dense_layers:
@@ -258,6 +293,7 @@ def release_config(args: ModelArgs, *, dtype: str, bos_id, eos_id) -> dict:
             h.shared_expert_hidden, "decoder_sparse_step": m.sparse_step, "mlp_only_layers": [],
         "norm_topk_prob": m.norm_topk_prob, "output_router_logits": False,
         "router_aux_loss_coef": m.aux_loss_weight, "use_cache": True,
+        "num_nextn_predict_layers": args.mtp_layers,
         "bos_token_id": bos_id, "eos_token_id": eos_id, "torch_dtype": dtype,
     }
 

@@ -26,14 +26,24 @@ class _Folder:
         return self.hf.tensor(key)
 
 
-def release_into(model, hf, folder: str, flavor: str):
+def release_into(model, hf, folder: str, flavor: str, log=print):
     """(our tensor, its full value) for every parameter (a DTensor shard or a plain tensor; a
     pipeline stage's only) and balancing bias of `model`, read from the folder `hf`
-    (trainer/hf/weights.HFFolder) a layer at a time: the caller copies each into place."""
+    (trainer/hf/weights.HFFolder) a layer at a time: the caller copies each into place. The
+    release's MTP module goes into ours (model.mtp_layers = 1); `log` says where either
+    lacks it (a module the folder lacks keeps its init)."""
     args = model.args
+    problem = args.mtp_export_problem()
+    if problem:
+        raise ConfigError(f"{folder}: {problem}")
     qwen3_next.check_release_config(hf.config, args, folder, flavor)
     tensors = {**dict(model.named_parameters()), **dict(model.named_buffers())}
     wanted = {n for n in qwen3_next.hybrid_shapes(args, buffers=True) if n in tensors}
+    note = mtp_note(qwen3_next.has_mtp(_Folder(hf)), args.mtp_layers)
+    if note:
+        log(f"{folder}: {note}")
+    if not qwen3_next.has_mtp(_Folder(hf)):
+        wanted = {n for n in wanted if not n.startswith("mtp.")}
     for part in qwen3_next.release_parts(_Folder(hf), args):
         for name, full in part.items():
             if name not in wanted:
@@ -48,6 +58,17 @@ def release_into(model, hf, folder: str, flavor: str):
     if wanted:
         raise ConfigError(f"{folder} lacks {len(wanted)} of this model's tensors (e.g. "
                           f"{sorted(wanted)[0]}); is it a {flavor} checkpoint?")
+
+
+def mtp_note(has_mtp: bool, depths: int) -> str | None:
+    """What an import does with the release's MTP module, or None when nothing to say."""
+    if has_mtp and not depths:
+        return "its MTP module (mtp.*) is not loaded (model.mtp_layers = 0)"
+    if depths:
+        return ("multi-token prediction (model.mtp_layers = 1): module 0 "
+                + ("from the release's mtp.*" if has_mtp else
+                   "starts from its seeded init (the folder has no mtp.* tensors)"))
+    return None
 
 
 def write_release(out_dir: str, args, fetch, *, dtype: str, max_shard_bytes: int,
@@ -67,6 +88,10 @@ def write_release(out_dir: str, args, fetch, *, dtype: str, max_shard_bytes: int
     note = routing_bias_note(biases, "Qwen3NextForCausalLM")
     if note:
         log(note)
+    if args.mtp_layers:
+        log("multi-token prediction: module 0 exported under the release's names (mtp.fc, "
+            "mtp.pre_fc_norm_*, mtp.layers.0, mtp.norm; num_nextn_predict_layers = 1; "
+            "transformers skips them)")
     target = DTYPES[dtype]
     release = {k: t.to(target, copy=True).contiguous() for k, t in  # no shared storage
                qwen3_next.to_release(ours, args, "qwen3_next").items()}

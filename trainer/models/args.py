@@ -43,6 +43,11 @@ class MoEArgs:
     dispatch: str = "auto"
     save_dispatch: bool = True
 
+    def hybrid_layer_type(self, block: int) -> str:
+        """The hybrid's mixer in `block`: its layer's (layer_types), and full attention in an
+        MTP block (block >= n_layers), as Qwen3-Next's release has it (mtp.layers.0.self_attn)."""
+        return FULL if block >= self.n_layers else self.hybrid.layer_type(block)
+
     def is_moe_layer(self, layer_id: int) -> bool:
         """Qwen3-MoE's rule ((i + 1) % step == 0) after the first dense layers."""
         return layer_id >= self.first_dense_layers and (layer_id + 1) % self.sparse_step == 0
@@ -183,12 +188,23 @@ class ModelArgs:
         (a deepseek_v3 export writes them as the release's extra layers: trainer/hf/deepseek.py)."""
         if not self.mtp_layers or self.mla is not None:
             return None
+        if self.hybrid is not None:  # Qwen3-Next: one fc and set of norms (mtp.fc, mtp.norm)
+            return None if self.mtp_layers == 1 else (
+                f"model.mtp_layers = {self.mtp_layers}, but Qwen3-Next's release format holds "
+                "one MTP module (mtp.fc, mtp.pre_fc_norm_*, mtp.norm and mtp.layers.0; "
+                "num_nextn_predict_layers = 1), so an export or import could not hold the "
+                "others: use model.mtp_layers = 1 to exchange this model with Hugging Face")
         hf_class = "Qwen3MoeForCausalLM" if self.moe is not None else "LlamaForCausalLM"
         return (f"model.mtp_layers = {self.mtp_layers}, but {hf_class} has no multi-token "
                 "prediction modules, so an export would hold a different model than the one "
                 "trained (the DCP checkpoints keep them): train with model.mtp_layers = 0 to "
                 "exchange this model with Hugging Face, or use a deepseek_v3 flavor (its "
                 "export writes the MTP modules as the release's layers num_hidden_layers + k)")
+
+    def hybrid_layer_type(self, block: int) -> str:
+        """The hybrid's mixer in `block`: its layer's (layer_types), and full attention in an
+        MTP block (block >= n_layers), as Qwen3-Next's release has it (mtp.layers.0.self_attn)."""
+        return FULL if block >= self.n_layers else self.hybrid.layer_type(block)
 
     def is_moe_layer(self, layer_id: int) -> bool:
         return self.moe is not None and self.moe.is_moe_layer(layer_id)
@@ -232,10 +248,10 @@ class ModelArgs:
         total = blocks * (attn + 2 * self.dim) + ffn + self.dim + head + mtp
         h = self.hybrid
         if h is not None:  # the mixers per layer type, and each MoE layer's shared expert
-            full = sum(h.layer_type(i) == FULL for i in range(self.n_layers))
+            full = sum(self.hybrid_layer_type(i) == FULL for i in range(blocks))
             total += full * h.full_params(self.dim, self.n_heads, self.n_kv_heads,
                                           self.head_dim) - blocks * attn
-            total += (self.n_layers - full) * h.linear_params(self.dim)
+            total += (blocks - full) * h.linear_params(self.dim)
             total += h.shared_params(self.dim) * len(self.moe_layer_ids)
         return total + (self.vocab_size * self.dim if embeddings else 0)
 
@@ -275,9 +291,6 @@ class ModelArgs:
             raise ConfigError("model: a gated shared expert (shared_expert_hidden "
                               f"{h.shared_expert_hidden}) replaces moe.n_shared_experts "
                               f"{self.moe.n_shared_experts}; set the latter to 0")
-        if self.mtp_layers:
-            raise ConfigError(f"model.mtp_layers = {self.mtp_layers}: Qwen3-Next's MTP layers "
-                              "are not built yet; use model.mtp_layers = 0")
 
 FLAVORS: dict[str, ModelArgs] = {
     "debugmodel": ModelArgs(dim=256, n_layers=6, n_heads=8, n_kv_heads=4, vocab_size=8192,

@@ -53,8 +53,8 @@ def matmul_params(args: ModelArgs) -> int:
 
 
 def _blocks(args: ModelArgs) -> int:
-    """The blocks the FLOPs count: the layers and the MTP modules' (the hybrid: its layers)."""
-    return args.n_layers if args.hybrid is not None else args.n_blocks
+    """The blocks the FLOPs count: the layers and the MTP modules'."""
+    return args.n_blocks
 
 
 def block_matmul_params(args: ModelArgs, i: int) -> int:
@@ -64,7 +64,7 @@ def block_matmul_params(args: ModelArgs, i: int) -> int:
     d = args.dim
     if args.hybrid is not None:
         h = args.hybrid
-        if h.layer_type(i) == LINEAR:  # wq, wk, wv, wz, wo; wb, wa
+        if args.hybrid_layer_type(i) == LINEAR:  # wq, wk, wv, wz, wo; wb, wa
             mixer = d * (2 * h.keys + 3 * h.values + 2 * h.linear_v_heads)
         else:
             mixer = d * args.head_dim * (3 * args.n_heads + 2 * args.n_kv_heads)
@@ -83,8 +83,7 @@ def block_matmul_params(args: ModelArgs, i: int) -> int:
 
 def head_matmul_params(args: ModelArgs) -> int:
     """The output head's weights, and each MTP module's projection and head."""
-    mtp = 0 if args.hybrid is not None else \
-        args.mtp_layers * (2 * args.dim * args.dim + args.dim * args.vocab_size)
+    mtp = args.mtp_layers * (2 * args.dim * args.dim + args.dim * args.vocab_size)
     return args.dim * args.vocab_size + mtp
 
 
@@ -93,7 +92,7 @@ def block_attention_flops(args: ModelArgs, i: int, seq_len: int,
     """Block `i`'s score and value products per token, forward + backward (see the module
     docstring); a Gated DeltaNet layer's chunked recurrence instead (`deltanet_flops`, which
     no causal halving applies to)."""
-    if args.hybrid is not None and args.hybrid.layer_type(i) == LINEAR:
+    if args.hybrid is not None and args.hybrid_layer_type(i) == LINEAR:
         return deltanet_flops(args.hybrid)
     # 2 products (q.k over head_dim channels, p.v over v_head_dim), 2 FLOPs per multiply-add,
     # x3 forward + backward: 12 * heads * head_dim when the two widths agree
@@ -139,7 +138,7 @@ def unit_flops(args: ModelArgs, seq_len: int) -> list[float]:
 def layer_kind(args: ModelArgs, i: int) -> tuple:
     """What makes block `i` differ in shape from another: MoE or dense FFN, and the hybrid's
     linear (Gated DeltaNet) or full attention. Blocks of one kind do the same work."""
-    return (args.is_moe_layer(i), args.hybrid.layer_type(i) if args.hybrid is not None
+    return (args.is_moe_layer(i), args.hybrid_layer_type(i) if args.hybrid is not None
             else "attention")
 
 

@@ -40,15 +40,16 @@ IGNORE_INDEX = -100
 
 
 class MTPModule(nn.Module):
-    """One depth: two input norms, the projection, a transformer block, an output norm."""
+    """One depth: two input norms, the projection, a transformer block, an output norm.
+    `norm`: the norms' class (Qwen3-Next's are zero-centred: trainer/models/qwen3_next.py)."""
 
-    def __init__(self, dim: int, eps: float, block: nn.Module):
+    def __init__(self, dim: int, eps: float, block: nn.Module, norm: type = RMSNorm):
         super().__init__()
-        self.embed_norm = RMSNorm(dim, eps)
-        self.hidden_norm = RMSNorm(dim, eps)
+        self.embed_norm = norm(dim, eps)
+        self.hidden_norm = norm(dim, eps)
         self.proj = nn.Linear(2 * dim, dim, bias=False)
         self.block = block
-        self.norm = RMSNorm(dim, eps)
+        self.norm = norm(dim, eps)
 
     def forward(self, h, emb, cos, sin, mask=None):
         z = torch.cat([self.embed_norm(emb), self.hidden_norm(h)], dim=-1)

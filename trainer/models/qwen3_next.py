@@ -18,6 +18,10 @@ Computes what transformers 5.24's Qwen3NextForCausalLM and Qwen3_5MoeForCausalLM
 
 Documents: under block_causal the full-attention layers use the window's mask, and the DeltaNet
 layers restart their state and convolution at every document (the same doc ids).
+
+MTP (`model.mtp_layers`, trainer/models/mtp.py's design and loss, as for DeepSeek-V3): module
+k's norms are zero-centred and its block is a gated full-attention layer with the MoE (the
+release's `mtp.layers.0`: block n_layers + k, full attention whatever layer_types says).
 """
 
 from __future__ import annotations
@@ -34,6 +38,7 @@ from trainer.models.deltanet import gated_delta_rule, short_conv
 from trainer.models.layers import RMSNorm
 from trainer.models.llama import Head, Transformer, _init_std, trunc_normal
 from trainer.models.moe import FeedForward, MoE
+from trainer.models.mtp import MTPModule
 
 class ZeroCentredRMSNorm(RMSNorm):
     """RMSNorm whose weight w scales by 1 + w (in fp32, then cast: transformers' order)."""
@@ -244,7 +249,7 @@ class HybridBlock(nn.Module):
     def __init__(self, layer_id: int, args: ModelArgs):
         super().__init__()
         self.layer_id = layer_id
-        self.layer_type = args.hybrid.layer_type(layer_id)
+        self.layer_type = args.hybrid_layer_type(layer_id)  # an MTP block: full attention
         self.attention_norm = ZeroCentredRMSNorm(args.dim, args.norm_eps)
         if self.layer_type == FULL:
             self.attention = GatedAttention(args)
@@ -285,7 +290,12 @@ class Qwen3Next(Transformer):
         self.norm = ZeroCentredRMSNorm(args.dim, args.norm_eps)
         self.output = (None if args.tie_word_embeddings
                        else Head(args.dim, args.vocab_size, bias=False))
-        self.mtp = None
+        # Multi-token prediction: Transformer's loss (mtp_loss), the release's module shape
+        self.mtp = nn.ModuleDict({
+            str(k): MTPModule(args.dim, args.norm_eps, HybridBlock(args.n_layers + k, args),
+                              norm=ZeroCentredRMSNorm)
+            for k in range(args.mtp_layers)}) if args.mtp_layers else None
+        self.mtp_loss_weight = args.mtp_loss_weight  # TrainStep sets it per step if scheduled
         table = (args.max_seq_len, args.rope_dim // 2)
         self.register_buffer("rope_cos", torch.empty(table), persistent=False)
         self.register_buffer("rope_sin", torch.empty(table), persistent=False)
@@ -294,8 +304,8 @@ class Qwen3Next(Transformer):
                 doc_ids: torch.Tensor | None = None, positions: torch.Tensor | None = None,
                 attention=None, future=None) -> torch.Tensor:
         """Logits, or with labels and a loss the summed token loss (Transformer.forward's
-        contract; under context parallelism `attention` is its attention and `doc_ids` the
-        whole samples' documents)."""
+        contract, the MTP loss added in training; under context parallelism `attention` is
+        its attention and `doc_ids` the whole samples' documents)."""
         h = self.tok_embeddings(tokens)
         if attention is not None:
             cos, sin, mask = self.rope_cos[positions], self.rope_sin[positions], attention
@@ -304,7 +314,10 @@ class Qwen3Next(Transformer):
         docs = self.linear_documents(doc_ids)
         for layer in self.layers.values():
             h = layer(h, cos, sin, mask, docs)
-        return self.head(self.norm(h), labels, loss_fn)
+        main = self.head(self.norm(h), labels, loss_fn)
+        if not self.trains_mtp(labels, loss_fn):
+            return main
+        return main + self.mtp_loss(h, labels, loss_fn.for_mtp(), (cos, sin, mask), future)
 
     def linear_documents(self, doc_ids):
         """The document ids the DeltaNet layers restart at (block_causal), else None."""
