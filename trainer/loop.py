@@ -11,6 +11,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from trainer.checkpoint import retry as store_retry
 from trainer.checkpoint.checkpointer import Checkpointer
 from trainer.distributed import (log0, reduce_loss, reduce_mean, reduce_z_loss,
                                  set_collective_timeout, to_device)
@@ -124,8 +125,15 @@ class Loop:
         if r.scalars and AUX in r.scalars:  # each rank's own microbatches: their dp mean
             scalars[AUX] = reduce_mean(r.scalars[AUX], self.dp_group)
         self.metrics.log_scalars(step, {
-            **loader.metrics(), "batch_metrics/global_batch_size": loader.global_batch_size,
+            **loader.metrics(), **store_retry.metrics(self._sum_over_ranks),
+            "batch_metrics/global_batch_size": loader.global_batch_size,
             "batch_metrics/step_tokens": seq_len * loader.global_batch_size, **scalars})
+
+    def _sum_over_ranks(self, values: list[float]) -> list[float]:
+        """Counts summed over every rank (object-store retries: each rank sends its own)."""
+        t = torch.tensor(values, dtype=torch.float64, device=self.device)
+        dist.all_reduce(t)
+        return t.tolist()
 
     def memory_fit(self, step: int) -> None:
         """On a GPU, rank 0 says the largest local batch that fits by this step's measured
@@ -197,3 +205,4 @@ class Loop:
             self.checkpointer.save(step)
         self.checkpointer.wait()
         raise Preempted(f"stopped at step {step} on a signal")
+

@@ -29,7 +29,7 @@ import sys
 import torch
 import torch.distributed as dist
 
-from trainer.checkpoint import lease
+from trainer.checkpoint import lease, retry as store_retry
 from trainer.checkpoint.checkpointer import Checkpointer, TrainState
 from trainer.config.job import JobConfig, load_config
 from trainer.data import build_dataloader, check_model_vocab, padded_vocab_size
@@ -102,6 +102,7 @@ def train(cfg: JobConfig) -> None:
     parallel_dims, accum = cfg.resolve(world_size)  # config errors before any process group
     restarts.check_restart(cfg.job.dump_folder, cfg.health.max_same_failures)
     faults.arm()  # the testing hooks asked of this rank, if any (trainer/health/faults.py)
+    store_retry.configure(cfg)  # object-store retries and their counts (checkpoint/retry.py)
     device = init_distributed(cfg)
     # One run per dump folder; nothing is written there before it is ours (lease.py).
     agree_on_user_errors(lease.take, cfg.job.dump_folder, cfg.job.lease_timeout_seconds,

@@ -21,6 +21,7 @@ import os
 import shutil
 from typing import IO
 
+from trainer.checkpoint import retry
 from trainer.errors import ConfigError
 
 SCHEMES = {"s3": "s3fs (pip install -e \".[s3]\")", "gs": "gcsfs (pip install -e \".[gcs]\")"}
@@ -47,10 +48,14 @@ def check_path(path: str, key: str) -> None:
 
 
 def filesystem(path: str):
-    """fsspec's file system for a URL (one instance per scheme, listings never cached)."""
+    """fsspec's file system for a URL (one instance per scheme, listings never cached; on
+    s3:// every request under retry.py's retries, counted)."""
     import fsspec
 
-    return fsspec.filesystem(str(path).split("://", 1)[0], use_listings_cache=False)
+    scheme = str(path).split("://", 1)[0]
+    if scheme == "s3":
+        retry.s3_filesystem_class()  # registered as fsspec's "s3" (DCP's reader uses it too)
+    return fsspec.filesystem(scheme, use_listings_cache=False)
 
 
 def join(root: str, *names: str) -> str:

@@ -21,6 +21,7 @@ import time
 from dataclasses import asdict
 
 from trainer.checkpoint import lease as local_lease
+from trainer.checkpoint import retry
 from trainer.checkpoint.lease import Holder, LeaseHeld, why_free
 
 LEASE_FILE = "lease.json"
@@ -35,13 +36,14 @@ class StoreLease:
     """Rank 0's lease on an s3:// checkpoint folder (see the module docstring)."""
 
     def __init__(self, url: str, timeout: float, log=print):
-        import boto3  # endpoint and credentials: AWS_ENDPOINT_URL, AWS_* variables, ~/.aws
 
         self.url, self.timeout, self.log = url.rstrip("/"), float(timeout), log
         bucket_and_prefix = self.url.split("://", 1)[1]
         self.bucket, _, prefix = bucket_and_prefix.partition("/")
         self.key = f"{prefix}/{LEASE_FILE}" if prefix else LEASE_FILE
-        self.client = boto3.client("s3")
+        # endpoint and credentials: AWS_ENDPOINT_URL, AWS_* variables, ~/.aws; the run's
+        # retries of throttling, 5xx, timeouts and resets, counted (retry.py)
+        self.client = retry.boto3_client()
         self.me = local_lease.new_holder()  # the same record as the dump folder's lease
         self.etag: str | None = None
         self._stop = threading.Event()

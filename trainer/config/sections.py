@@ -367,6 +367,9 @@ class Checkpoint:
     on_save_error: str = opt("stop", "A save the storage refuses (disk full, permissions, I/O "
                              "error): 'stop' the run with one line, or 'continue' training",
                              choices=("stop", "continue"))
+    store_retries: int = opt(5, "s3:// requests (checkpoints, token stores, HF folders) met by 503 "
+                             "SlowDown, a 5xx, a timeout or a reset: retries", min=0, max=50)
+    store_timeout_seconds: float = opt(60.0, "s3:// requests unanswered this long: retried", min=0.1)
     allow_pickle: bool = opt(False, "Load checkpoints whose metadata names classes outside DCP's "
                              "own (older torch versions): a pickle can run code, so only for "
                              "checkpoints you wrote yourself (docs/security.md)")
