@@ -58,6 +58,7 @@ from trainer.plan.activations import (block_saved, block_saved_op_sac, block_spl
                                      cp_attention_bytes, cp_saved_layers,
                                      head_activations, head_saved, loss_region, op_sac_split,
                                      sp_tokens, split_bytes)
+from trainer.plan.hybrid import largest_block
 from trainer.plan.host import CPU_PROCESS_GIB, host_memory, offload_staging
 from trainer.plan.moe import (gathered, group_key, moe_layers, per_block, saved_dispatch_bytes,
                               tp_splits)
@@ -230,8 +231,10 @@ def memory_plan(cfg: JobConfig, world_size: int, pp_rank: int | None = None) -> 
     # under AC, the dispatched rows the recompute reuses where ep spans nodes (plan/moe.py)
     b["activations"] += int(held * saved_dispatch_bytes(cfg, blocks_a, pd.ep, p, tokens // tp))
     recompute = cfg.activation_checkpoint.mode != "none" and blocks_a.n_layers > 0
-    b["ac_recompute"] = split_bytes(block_split(a, p, tp, moe=moe_layers(a) > 0, ep=pd.ep),
-                                    tokens, tp) + kv if recompute else 0
+    one = largest_block(a, p, tokens, tp, pd.ep, a.attn_mask_type == "block_causal",
+                        min(seq, tokens)) if a.hybrid is not None else split_bytes(
+        block_split(a, p, tp, moe=moe_layers(a) > 0, ep=pd.ep), tokens, tp)
+    b["ac_recompute"] = one + kv if recompute else 0
     # TP in a block's backward: the whole-sequence gradient of a colwise matmul's input and a
     # rowwise matmul's partial sum, [tokens, dim] each, live around their collectives.
     b["tp_buffers"] = 2 * p * tokens * a.dim if tp > 1 else 0
