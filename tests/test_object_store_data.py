@@ -130,6 +130,35 @@ def test_hf_folders_to_and_from_a_bucket_equal_the_local_ones(s3, runs, tmp_path
         assert torch.equal(remote.tensor(key), here.tensor(key)), key
 
 
+def generated(*args: str) -> tuple[int, str, str]:
+    """`python -m trainer.generate` in this process (the server's variables are set here):
+    (exit code, stdout, stderr)."""
+    import contextlib
+    import io
+
+    from trainer.generate import main
+
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        code = main(["--prompt", "def ", "--max_new_tokens", "12", *args])
+    return code, out.getvalue(), err.getvalue()
+
+
+def test_generate_reads_a_checkpoint_and_a_hf_folder_in_a_bucket(runs):
+    """The bucket run's step-3 (DCP at s3://) and its HF export at s3:// generate, greedily,
+    the text that its local HF folder does (the same fp32 weights); the run's tokenizer is the
+    store's at s3://, fetched through the cache. A URL without --config is one line."""
+    config = str(runs[1] / "config.toml")
+    local = generated("--checkpoint", str(runs[1] / "hf"))
+    assert local[0] == 0 and local[1].startswith("def ") and len(local[1]) > 8, local
+    for url in ("s3://data/ckpt/step-3", "s3://data/ckpt/hf"):
+        assert generated("--checkpoint", url, "--config", config)[:2] == local[:2], url
+    code, _, err = generated("--checkpoint", "s3://data/ckpt/step-3")
+    assert code == 2 and err.strip() == (
+        "config error: --checkpoint s3://data/ckpt/step-3 is in an object store, away from "
+        "its run's config.toml: pass --config {dump_folder}/config.toml"), err
+
+
 def one_error_line(proc) -> str:
     errors = [line for line in (proc.stdout + proc.stderr).splitlines() if "error:" in line]
     assert proc.returncode == 2 and len(errors) == 1, (proc.returncode, proc.stderr[-2000:])

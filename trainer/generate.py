@@ -5,8 +5,13 @@
 
 The model shape and the tokenizer come from the run's saved `config.toml` (found next to the
 checkpoint folder, or given with --config). The DCP checkpoint, saved sharded on any number of
-ranks, loads into one unsharded model (only the model weights are read). Tokens past the
-tokenizer's vocab (the model vocab's padding) are never generated.
+ranks, loads into one unsharded model (only the model weights are read). --checkpoint may also
+be a Hugging Face folder (config.json and safetensors, e.g. the run's `last_save_in_hf`
+export), read as `checkpoint.initial_load_in_hf` reads it. Either may be at an s3:// or gs://
+URL (read where it is: DCP's fsspec reader, or ranged reads of the safetensors; a run's
+config.toml stays in its local dump folder, so a URL needs --config); a tokenizer of a token
+store at a URL is copied into data.cache_dir once. Tokens past the tokenizer's vocab (the model
+vocab's padding) are never generated.
 
 Decoding: `--temperature 0` (the default) is greedy: deterministic, and each new token is the
 argmax of a full forward over the sequence so far. A KV cache (attention keys and values of the
@@ -30,9 +35,14 @@ import torch.nn.functional as F
 from trainer.errors import ConfigError, UserError
 
 
-def find_config(checkpoint: Path) -> Path:
+def find_config(checkpoint: str) -> Path:
     """The run's config.toml: in the first parent of the checkpoint folder that has one."""
-    for parent in list(checkpoint.resolve().parents)[:4]:
+    from trainer.checkpoint import storage
+
+    if storage.is_url(checkpoint):
+        raise ConfigError(f"--checkpoint {checkpoint} is in an object store, away from its "
+                          "run's config.toml: pass --config {dump_folder}/config.toml")
+    for parent in list(Path(checkpoint).resolve().parents)[:4]:
         if (parent / "config.toml").is_file():
             return parent / "config.toml"
     raise ConfigError(f"no config.toml of the run found above {checkpoint}; pass --config "
@@ -49,12 +59,43 @@ def load_tokenizer(data_cfg):
         return Tokenizer(os.path.expanduser(data_cfg.tokenizer_path))
     if data_cfg.store_path:
         from trainer.data.store import TOKENIZER_FILE
+        if "://" in data_cfg.store_path:  # the store's copy, fetched once into the cache
+            return Tokenizer(remote_store_tokenizer(data_cfg.store_path.rstrip("/"),
+                                                    data_cfg.cache_dir))
         return Tokenizer(Path(os.path.expanduser(data_cfg.store_path)) / TOKENIZER_FILE)
     from trainer.data.cache import ensure_stdlib  # the stdlib default: cached at training
     return Tokenizer(ensure_stdlib(data_cfg, show_progress=False)[0])
 
 
-def load_model(checkpoint: Path, cfg, *, token_vocab: int, max_len: int, device,
+def remote_store_tokenizer(url: str, cache_dir: str) -> str:
+    """The local copy of a URL store's tokenizer.model (checked against its manifest)."""
+    from trainer.checkpoint import storage
+    from trainer.data import remote
+    from trainer.data.store import TOKENIZER_FILE, read_remote_manifest
+
+    storage.check_path(url, "data.store_path")
+    storage.probe(url, "data.store_path")
+    sha256 = read_remote_manifest(url)["tokenizer"]["sha256"]
+    return remote.cached_tokenizer(f"{url}/{TOKENIZER_FILE}", sha256, cache_dir)
+
+
+def checkpoint_kind(checkpoint: str) -> str:
+    """'dcp' (a step-N folder: .metadata) or 'hf' (config.json), local or at a URL."""
+    from trainer.checkpoint import storage
+
+    if storage.is_url(checkpoint):
+        storage.check_path(checkpoint, "--checkpoint")
+        storage.probe(checkpoint, "--checkpoint")
+    if storage.exists(storage.join(checkpoint, ".metadata")):
+        return "dcp"
+    if storage.exists(storage.join(checkpoint, "config.json")):
+        return "hf"
+    raise ConfigError(f"--checkpoint {checkpoint} is neither a checkpoint (no .metadata) nor a "
+                      "Hugging Face folder (no config.json); use a committed "
+                      "{dump_folder}/checkpoint/step-N folder or an exported one")
+
+
+def load_model(checkpoint: str, cfg, *, token_vocab: int, max_len: int, device,
                allow_pickle: bool = False):
     """An unsharded fp32 Transformer with the checkpoint's weights, in eval mode."""
     from trainer.checkpoint import safe_load
@@ -70,9 +111,13 @@ def load_model(checkpoint: Path, cfg, *, token_vocab: int, max_len: int, device,
                       **rope_args(cfg.model))
     model = build_model(args).to_empty(device=device)
     model.init_rope()  # with the flavor's RoPE scaling, as in training
-    if not (checkpoint / ".metadata").is_file():
-        raise ConfigError(f"--checkpoint {checkpoint} is not a checkpoint (no .metadata); use "
-                          "a committed {dump_folder}/checkpoint/step-N folder")
+    if checkpoint_kind(checkpoint) == "hf":  # its shapes checked against the flavor there
+        from trainer.hf.load import load_hf
+
+        with torch.no_grad():
+            load_hf(model, checkpoint, flavor=cfg.model.flavor,
+                    log=lambda line: print(line, file=sys.stderr))
+        return model.eval()
     saved = safe_load.read_metadata(str(checkpoint), allow_pickle).state_dict_metadata
     weights = model.state_dict()
     for name, tensor in weights.items():
@@ -170,7 +215,8 @@ def generate(model, prompt: list[int], *, max_new_tokens: int, token_vocab: int,
 def parse_args(argv: list[str]) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m trainer.generate",
                                 description="Generate text from a training checkpoint.")
-    p.add_argument("--checkpoint", required=True, help="{dump_folder}/checkpoint/step-N")
+    p.add_argument("--checkpoint", required=True, help="{dump_folder}/checkpoint/step-N, or a "
+                   "Hugging Face folder; either may be an s3:// or gs:// URL")
     p.add_argument("--config", default="", help="the run's config.toml (default: found above "
                    "the checkpoint)")
     p.add_argument("--prompt", default="", help="text (token ids for a synthetic run)")
@@ -193,7 +239,7 @@ def main(argv: list[str]) -> int:
     try:
         if a.max_new_tokens < 1 or a.temperature < 0 or a.top_k < 0:
             raise ConfigError("--max_new_tokens must be >= 1, --temperature and --top_k >= 0")
-        checkpoint = Path(a.checkpoint)
+        checkpoint = a.checkpoint if "://" in a.checkpoint else os.path.expanduser(a.checkpoint)
         cfg = load_config(["--job.config_file", str(a.config or find_config(checkpoint))])
         tok = load_tokenizer(cfg.data)
         if tok is None:
