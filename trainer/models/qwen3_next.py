@@ -116,7 +116,13 @@ class GatedDeltaNet(nn.Module):
         self.norm = GatedRMSNorm(h.linear_v_head_dim, args.norm_eps)
         self.wo = nn.Linear(values, d, bias=False)
 
-    def forward(self, x: torch.Tensor, doc_ids: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, doc_ids: torch.Tensor | None = None, *,
+                split=None) -> torch.Tensor:
+        """`split`: context parallelism's attention (x: this rank's pieces; `SplitDeltaNet`).
+        Through this forward either way, so that tensor parallelism's input hook (the
+        sequence shards gathered: trainer/parallel/tp.py) applies under TP x CP too."""
+        if split is not None:
+            return SplitDeltaNet(self, split)(x, doc_ids)
         return self.mix(x, doc_ids)[0]
 
     def mix(self, x, doc_ids=None, state=None):
@@ -271,7 +277,7 @@ class HybridBlock(nn.Module):
         if self.layer_type == FULL:
             h = self.attention(h, cos, sin, mask)
         elif hasattr(mask, "attend"):  # context parallelism's attention: its pieces
-            h = SplitDeltaNet(self.linear_attention, mask)(h, doc_ids)
+            h = self.linear_attention(h, doc_ids, split=mask)
         else:
             h = self.linear_attention(h, doc_ids)
         h = x + h
