@@ -23,20 +23,22 @@ of 2 ranks loses a whole node (launcher and ranks, SIGKILL) at each fault, shrin
 grows back to 4 when a new launcher joins, each time from the newest committed checkpoint; its
 losses must be within 1e-4 of an uninterrupted 4-rank run (not bitwise: the world size changes)
 and every checkpoint left committed. `--kinds` does not apply; it runs only when named, e.g.
-`--layout fsdp,hsdp,tp,pp,cp,ep,node --nproc 4`. A table per layout and kind ends the output.
+`--layout fsdp,hsdp,tp,pp,cp,ep,node --nproc 4`. `--layout s3` (scripts/chaos_store.py): the
+checkpoint folder is an s3:// prefix on moto's server behind a fault proxy that answers a share
+(`--store-rate`) of the requests with 503 SlowDown, 500, a timeout or a reset, during saves and
+loads, while the schedule's faults go on; nothing may surface, all as bitwise as in fsdp.
+A table per layout and kind ends the output.
 """
 
 from __future__ import annotations
 
 import argparse
-import glob
+import contextlib
 import os
 import random
 import re
 import signal
-import subprocess
 import sys
-import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -44,39 +46,13 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from scripts.chaos_faults import (CLASSIC, ENDING, HEALING, KINDS, SLOW_SECONDS,  # noqa: E402
                                   Fault, damage, launch_env, schedule)
+from scripts.chaos_common import (HANG_TIMEOUT, LAYOUTS, REPO, Launch,  # noqa: E402,F401
+                                  checkpoint_of, committed, ino, partials, train_args)
+from scripts import chaos_store  # noqa: E402
+from scripts.chaos_node import node_steps, run_node_chaos  # noqa: E402
 from scripts.chaos_report import _figures, load_dcp_tensors, ok, report, table  # noqa: E402,F401
 
-REPO = Path(__file__).resolve().parents[1]
 MAX_RESTARTS = 1000  # every launch heals its killed and hung ranks itself
-HANG_TIMEOUT = 5  # comm.train_timeout_seconds: what a hung rank costs
-
-
-# --layout: the parallelism of the reference and the faulted runs (4 ranks for all but fsdp)
-LAYOUTS = {
-    "fsdp": [],
-    "hsdp": ["--parallelism.data_parallel_replicate_degree", "2"],
-    "tp": ["--parallelism.tensor_parallel_degree", "2"],
-    "pp": ["--parallelism.pipeline_parallel_degree", "2"],
-    "cp": ["--parallelism.context_parallel_degree", "2"],
-    "ep": ["--model.flavor", "debugmodel-moe-narrow", "--parallelism.expert_parallel_degree",
-           "2"],
-}
-
-
-def train_args(dump: Path, steps: int, interval: int, nproc: int,
-               async_mode: str = "disabled", layout: str = "fsdp") -> list[str]:
-    """The debug model in tiny fp32 settings on synthetic data (bitwise reproducible), in
-    `layout` (LAYOUTS)."""
-    extra = [] if async_mode == "disabled" else ["--checkpoint.async_mode", async_mode]
-    return [*extra, *LAYOUTS[layout], "--job.dump_folder", str(dump), "--training.steps", str(steps),
-            "--training.seq_len", "64", "--training.local_batch_size", "2",
-            "--training.global_batch_size", str(2 * nproc),
-            "--training.mixed_precision_param", "float32", "--metrics.log_freq", "1",
-            "--lr_scheduler.warmup_steps", "2", "--lr_scheduler.min_lr_factor", "1.0",
-            "--data.dataset", "synthetic", "--checkpoint.enable", "true",
-            "--checkpoint.interval", str(interval), "--checkpoint.keep_latest_k", "2",
-            "--comm.train_timeout_seconds", str(HANG_TIMEOUT), "--health.straggler_steps", "3",
-            "--health.max_same_failures", "0"]  # chaos may hit one step's save again and again
 
 
 @dataclass
@@ -92,118 +68,6 @@ class Record:
     exit_code: int | None = None  # None: the launch went on (healed in-job, or a slow rank)
     seconds: tuple = ()       # (launch to fault, fault to the exit or the restart's resume)
     note: str = ""            # what was damaged, which rank was named
-
-
-class Launch:
-    """One run_train.sh in its own session, its output collected by a thread."""
-
-    def __init__(self, args: list[str], nproc: int, env: dict | None = None,
-                 restarts: int = 0):
-        env = dict(os.environ, NGPU=str(nproc), LOG_RANK="0", HF_DATASETS_OFFLINE="1",
-                   MAX_RESTARTS=str(restarts), **(env or {}),
-                   PYTHONPATH=str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""))
-        self.t0 = time.monotonic()
-        self.proc = subprocess.Popen([str(REPO / "run_train.sh"), *args], env=env, text=True,
-                                     stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                     start_new_session=True)
-        self.lines: list[str] = []
-        self.steps: list[int] = []
-        self.resumes: list[int] = []    # per in-job restart: the step it resumed at
-        self.resume_at: list[int] = []  # ... and len(steps) then
-        self.reader = threading.Thread(target=self._read, daemon=True)
-        self.reader.start()
-
-    def _read(self) -> None:
-        for line in self.proc.stdout:
-            self.lines.append(line)
-            m = re.match(r"step:\s+(\d+)", line)
-            if m:
-                self.steps.append(int(m.group(1)))
-            m = re.match(r"restart \d+ of at most .*; resuming at step (\d+)$", line)
-            if m:
-                self.resume_at.append(len(self.steps))
-                self.resumes.append(int(m.group(1)))
-
-    def attempt_steps(self) -> list[int]:
-        return self.steps[self.resume_at[-1]:] if self.resume_at else self.steps
-
-    def attempt_start(self) -> int | None:
-        """The step the running attempt resumed from (None before it logged a step)."""
-        steps = self.attempt_steps()
-        if not steps:
-            return None
-        return self.resumes[-1] if self.resume_at else steps[0] - 1
-
-    def running(self) -> bool:
-        return self.proc.poll() is None
-
-    def ranks(self) -> list[int]:
-        """The trainer processes under the launcher (torchrun's workers)."""
-        out, todo = [], [self.proc.pid]
-        while todo:
-            pid = todo.pop()
-            for path in glob.glob(f"/proc/{pid}/task/*/children"):
-                try:
-                    kids = [int(p) for p in open(path).read().split()]
-                except OSError:
-                    continue
-                todo += kids
-                out += [k for k in kids if b"trainer.train" in _cmdline(k)]
-        return sorted(set(out))
-
-    def finish(self, timeout: float = 180) -> int:
-        try:
-            code = self.proc.wait(timeout=timeout)
-        except subprocess.TimeoutExpired:
-            os.killpg(self.proc.pid, signal.SIGKILL)  # our own session: a hung run
-            code = self.proc.wait()
-        self.reader.join(timeout=10)
-        _wait_session_gone(self.proc.pid)
-        return code
-
-    def text(self) -> str:
-        return "".join(self.lines)
-
-
-def _cmdline(pid: int) -> bytes:
-    try:
-        return open(f"/proc/{pid}/cmdline", "rb").read()
-    except OSError:
-        return b""
-
-
-def _wait_session_gone(sid: int, timeout: float = 60) -> None:
-    """Wait until no process of the launch's session is left (orphaned ranks), then kill."""
-    deadline = time.monotonic() + timeout
-    while True:
-        alive = [p for p in os.listdir("/proc") if p.isdigit() and _session(int(p)) == sid]
-        if not alive:
-            return
-        if time.monotonic() > deadline:
-            os.killpg(sid, signal.SIGKILL)
-            deadline = time.monotonic() + timeout
-        time.sleep(0.1)
-
-
-def _session(pid: int) -> int | None:
-    try:
-        return int(open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()[3])
-    except (OSError, IndexError, ValueError):
-        return None
-
-
-def committed(ckpt: Path) -> list[int]:
-    return sorted(int(p.name[5:]) for p in ckpt.glob("step-*") if re.fullmatch(r"step-\d+", p.name))
-
-
-def partials(ckpt: Path) -> set[tuple[str, int]]:
-    out = set()
-    for p in ckpt.glob("step-*.partial"):
-        try:
-            out.add((p.name, p.stat().st_ino))
-        except OSError:
-            pass
-    return out
 
 
 def saving(ckpt: Path, launch: "Launch", stale: set) -> int:
@@ -223,16 +87,9 @@ def wait_for(cond, launch: Launch, timeout: float = 600) -> bool:
     return cond()
 
 
-def intact(ckpt: Path, damaged: set) -> list[int]:
+def intact(ckpt: Path | str, damaged: set) -> list[int]:
     """The committed steps, less those this run damaged (until they are moved aside)."""
-    return [s for s in committed(ckpt) if (s, _ino(ckpt / f"step-{s}")) not in damaged]
-
-
-def _ino(path: Path) -> int | None:
-    try:
-        return path.stat().st_ino
-    except OSError:
-        return None
+    return [s for s in committed(ckpt) if (s, ino(ckpt, s)) not in damaged]
 
 
 def inject(launch: Launch, fault: Fault, ckpt: Path, rng: random.Random, steps: int,
@@ -270,7 +127,7 @@ def inject(launch: Launch, fault: Fault, ckpt: Path, rng: random.Random, steps: 
         rec.expected = rec.committed
     if fault.kind == "ckpt-damage" and rec.injected and rec.committed:
         rec.note = damage(ckpt, rec.committed, rng)
-        damaged.add((rec.committed, _ino(ckpt / f"step-{rec.committed}")))
+        damaged.add((rec.committed, ino(ckpt, rec.committed)))
         rec.expected = max(intact(ckpt, damaged), default=0)
     return rec
 
@@ -313,22 +170,25 @@ def _signal(launch: Launch, kind: str, rng: random.Random) -> bool:
 def run_chaos(workdir: Path, *, faults: int, min_during_save: int, steps: int, interval: int,
               nproc: int = 2, seed: int = 0, reference: Path | None = None,
               async_mode: str = "disabled", kinds=CLASSIC, min_each: int = 0,
-              layout: str = "fsdp", log=print) -> dict:
+              layout: str = "fsdp", store=None, log=print) -> dict:
     """Run the schedule; `reference`: the dump folder of an uninterrupted run of
-    train_args(..., steps, interval, nproc) made earlier (else one is made first)."""
+    train_args(..., steps, interval, nproc) made earlier (else one is made first). The s3
+    layout: `store` (chaos_store.Store) serves the bucket behind its fault proxy."""
     workdir.mkdir(parents=True, exist_ok=True)
     ref, dump = reference or workdir / "reference", workdir / "chaos"
     t0 = time.monotonic()
     slow = SLOW_SECONDS  # a slow rank's extra seconds per step: a step's worth, at least
     if reference is None:
-        code = Launch(train_args(ref, steps, interval, nproc, layout=layout),
+        ref_layout = "fsdp" if layout == "s3" else layout  # bitwise against a local folder
+        code = Launch(train_args(ref, steps, interval, nproc, layout=ref_layout),
                       nproc).finish(timeout=1800)
         assert code == 0, f"the reference run failed with exit code {code}"
         took = time.monotonic() - t0
         slow = max(slow, took / steps)  # the launch's start included: more than a step
         log(f"reference run: {steps} steps in {took:.1f}s; a slow rank sleeps {slow:.2f}s "
             "a step")
-    rng, ckpt, records, damaged = random.Random(seed + 1), dump / "checkpoint", [], set()
+    rng, ckpt, records, damaged = random.Random(seed + 1), checkpoint_of(dump, layout), [], set()
+    texts: list[str] = []  # every launch's output
     plan = schedule(seed, faults, min_during_save, kinds, min_each, nproc)
     restarts = MAX_RESTARTS if any(k in HEALING for k in kinds) else 0
     launch = None
@@ -339,28 +199,36 @@ def run_chaos(workdir: Path, *, faults: int, min_during_save: int, steps: int, i
                              slow)
             stale = partials(ckpt)
             launch = Launch(train_args(dump, steps, interval, nproc, async_mode, layout), nproc,
-                            env, restarts)
+                            {**env, **(store.env if store else {})}, restarts)
             if records:
                 _note_resume(records[-1], launch, damaged)
         if fault is None:
             code = launch.finish(timeout=1800)
+            texts.append(launch.text())
             assert code == 0, f"the last launch failed ({code}):\n{launch.text()[-3000:]}"
             break
         rec = inject(launch, fault, ckpt, rng, steps, stale, damaged)
         if not rec.injected:  # the run ended before its moment came
             assert launch.finish() == 0, launch.text()[-3000:]
+            texts.append(launch.text())
             break
         records.append(rec)
         if rec.resumed is not None and fault.kind in HEALING:
             rec.redone = max(0, rec.last_step - rec.resumed)
         stale = partials(ckpt)  # a killed attempt's partial save is no save in progress
         if rec.exit_code is not None:
+            texts.append(launch.text())
             launch = None
         log(f"fault {len(records)}: {fault.kind} {'during a save ' if rec.in_save else ''}"
             f"at step {rec.last_step} ({_outcome(rec)}; newest committed: step-{rec.committed}"
             f"{'; ' + rec.note if rec.note else ''}; {rec.seconds[0]}s to the fault, "
             f"{rec.seconds[1]}s to the exit or restart)")
-    return _figures(records, ref, dump, steps, interval, time.monotonic() - t0, kinds)
+    fig = _figures(records, ref, dump, steps, interval, time.monotonic() - t0, kinds,
+                   final=f"{ckpt}/step-{steps}" if store else None)
+    if store is None:
+        return fig
+    seen = store.figures(texts)  # a store fault that surfaced in a run is a fault not survived
+    return {**fig, "store": seen, "data_lost": fig["data_lost"] + seen["surfaced"]}
 
 
 def _outcome(rec: Record) -> str:
@@ -401,12 +269,15 @@ def main(argv: list[str] | None = None) -> int:
                    f"comma-separated list of {', '.join(KINDS)} (the lost node is a layout: "
                    "--layout node)")
     p.add_argument("--min-each", type=int, default=0, help="faults of each kind, at least")
+    p.add_argument("--store-rate", type=float, default=0.1,
+                   help="s3 layout: the share of object-store requests the proxy faults")
     p.add_argument("--workdir", type=Path, default=Path("outputs/chaos"))
     p.add_argument("--layout", default="fsdp",
                    help=f"the parallelism: {', '.join(LAYOUTS)}, or node (a lost node: two "
                    "elastic nodes of 2 ranks, fsdp, --kinds ignored), or a comma-separated list "
                    "that spreads the faults over several (one reference and one faulted job "
-                   "each); every layout but fsdp and node needs --nproc 4")
+                   "each); s3: fsdp with the checkpoints on an S3 server behind a fault "
+                   "proxy; every layout but fsdp, s3 and node needs --nproc 4")
     a = p.parse_args(argv)
     kinds = {"classic": CLASSIC, "all": KINDS}.get(a.kinds) or tuple(a.kinds.split(","))
     if set(kinds) - set(KINDS):
@@ -414,16 +285,17 @@ def main(argv: list[str] | None = None) -> int:
                 "node is --layout node)")
     layouts = a.layout.split(",")
     unknown = [x for x in layouts if x not in (*LAYOUTS, "node")]
-    if unknown or (a.nproc < 4 and set(layouts) - {"fsdp", "node"}):
-        p.error(f"--layout {a.layout!r}: choose from {', '.join(LAYOUTS)}, node (all but fsdp "
-                "and node with --nproc 4)")
+    if unknown or (a.nproc < 4 and set(layouts) - {"fsdp", "node", "s3"}):
+        p.error(f"--layout {a.layout!r}: choose from {', '.join(LAYOUTS)}, node (all but fsdp, "
+                "s3 and node with --nproc 4)")
+    if "s3" in layouts and "ckpt-damage" in kinds:
+        p.error("--layout s3: the kind ckpt-damage damages local files; leave it out")
     verdicts, results = [], []
     for i, layout in enumerate(layouts):
         share = lambda n: n // len(layouts) + (i < n % len(layouts))  # noqa: E731
         faults, in_save = share(a.faults), share(a.min_during_save)
         workdir = a.workdir / layout if len(layouts) > 1 else a.workdir
         if layout == "node":
-            from scripts.chaos_node import node_steps, run_node_chaos  # it imports this module
             steps = node_steps(faults, a.steps)
             print(f"=== layout node: {faults} lost nodes, 2 nodes of 2 ranks, {steps} steps",
                   flush=True)
@@ -431,10 +303,13 @@ def main(argv: list[str] | None = None) -> int:
                                  interval=a.interval, seed=a.seed + i, async_mode=a.async_mode)
         else:
             print(f"=== layout {layout}: {faults} faults on {a.nproc} ranks", flush=True)
-            fig = run_chaos(workdir, faults=faults, min_during_save=in_save, steps=a.steps,
-                            interval=a.interval, nproc=a.nproc, seed=a.seed + i,
-                            async_mode=a.async_mode, kinds=kinds, min_each=a.min_each,
-                            layout=layout)
+            with contextlib.ExitStack() as stack:
+                store = stack.enter_context(chaos_store.serve(a.store_rate, a.seed + i)) \
+                    if layout == "s3" else None
+                fig = run_chaos(workdir, faults=faults, min_during_save=in_save, steps=a.steps,
+                                interval=a.interval, nproc=a.nproc, seed=a.seed + i,
+                                async_mode=a.async_mode, kinds=kinds, min_each=a.min_each,
+                                layout=layout, store=store)
         print(report(fig, a.interval), flush=True)
         results.append((layout, fig))
         verdicts.append((layout, ok(fig, faults, in_save, 0 if layout == "node" else a.min_each)))

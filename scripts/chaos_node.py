@@ -39,7 +39,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from scripts.chaos import Launch, committed, partials, train_args  # noqa: E402
+from scripts.chaos_common import Launch, committed, partials, train_args  # noqa: E402
 from scripts.chaos_report import load_dcp_tensors, per_kind, tb_losses  # noqa: E402
 from tests.helpers import process_tree  # noqa: E402
 

@@ -12,13 +12,17 @@ from scripts.chaos_faults import HEALING
 REPO = Path(__file__).resolve().parents[1]
 
 
-def load_dcp_tensors(path: Path) -> dict:
+def load_dcp_tensors(path: Path | str) -> dict:
     """Every tensor of a DCP checkpoint, loaded on this one process (no process group)."""
     import torch
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
     from trainer.checkpoint import safe_load
 
+    from trainer.checkpoint import storage
+
+    if storage.is_url(path):
+        storage.filesystem(str(path))  # its retries (the fault proxy is not in this path)
     meta = safe_load.read_metadata(str(path))
     sd = {k: torch.empty(m.size, dtype=m.properties.dtype)
           for k, m in meta.state_dict_metadata.items() if isinstance(m, TensorStorageMetadata)}
@@ -36,8 +40,10 @@ def tb_losses(dump: Path) -> dict[int, float]:
 
 
 def _figures(records, ref: Path, dump: Path, steps: int, interval: int, seconds: float,
-             kinds) -> dict:
-    final_ref, final = ref / "checkpoint" / f"step-{steps}", dump / "checkpoint" / f"step-{steps}"
+             kinds, final: str | None = None) -> dict:
+    """`final`: the last checkpoint's URL when it is not in `dump` (the s3 layout)."""
+    final_ref = ref / "checkpoint" / f"step-{steps}"
+    final = final or dump / "checkpoint" / f"step-{steps}"
     a, b = load_dcp_tensors(final_ref), load_dcp_tensors(final)
     differing = sorted(k for k in a if k not in b or not bool((a[k] == b[k]).all())
                        or a[k].dtype != b[k].dtype)
@@ -113,9 +119,18 @@ def report(fig: dict, interval: int) -> str:
         + (f"; beyond one interval: {', '.join(fig['redone_beyond_interval'])}"
            if fig.get("redone_beyond_interval") else "") + ")",
         _final_state(fig),
+        *([_store_line(fig["store"])] if "store" in fig else []),
         f"data lost:       {fig['data_lost'] or 'none'}",
         f"wall time:       {fig['seconds']}s",
     ])
+
+
+def _store_line(store: dict) -> str:
+    kinds = ", ".join(f"{v} {k}" for k, v in store["injected"].items())
+    return (f"object store:    {store['total']} faults injected by the proxy ({kinds}; "
+            f"{store['during_saves']} during saves, {store['during_loads']} during loads and "
+            f"verification), {store['surfaced']} surfaced in a run (retried past "
+            "checkpoint.store_retries)")
 
 
 def _final_state(fig: dict) -> str:
@@ -151,10 +166,16 @@ def table(results: list[tuple[str, dict]]) -> str:
         for kind, k in fig["per_kind"].items():
             rows.append(f"| {layout} | {kind} | {k['survived']} of {k['faults']} | "
                         f"{k['during_save']} | {k['redone_max']} | {final} |")
+        if "store" in fig:  # the fault proxy's: retried within the request, nothing redone
+            st = fig["store"]
+            rows.append(f"| {layout} | object-store 503/500/timeout/reset | "
+                        f"{st['total'] - st['surfaced']} of {st['total']} | "
+                        f"{st['during_saves']} | 0 | {final} |")
     return "\n".join(rows)
 
 
 def ok(fig: dict, faults: int, min_during_save: int, min_each: int = 0) -> bool:
     return (fig["faults"] >= faults and fig["during_save"] >= min_during_save
             and all(n >= min_each for n in fig["kinds"].values())
-            and fig["survived"] == fig["faults"] and fig["max_redone_ok"] and fig["data_lost"] == 0)
+            and fig["survived"] == fig["faults"] and fig["max_redone_ok"] and fig["data_lost"] == 0
+            and ("store" not in fig or fig["store"]["total"] > 0))

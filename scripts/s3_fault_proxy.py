@@ -84,7 +84,7 @@ class FaultProxy:
         class Handler(_Handler):
             owner = proxy
 
-        self.server = http.server.ThreadingHTTPServer(("127.0.0.1", port), Handler)
+        self.server = _Server(("127.0.0.1", port), Handler)
         self.server.daemon_threads = True
         self.port = self.server.server_address[1]
         self.url = f"http://127.0.0.1:{self.port}"
@@ -118,6 +118,12 @@ class FaultProxy:
                     self.log.append(f"{kind} {line}")
                     return kind
         return None
+
+
+class _Server(http.server.ThreadingHTTPServer):
+    def handle_error(self, request, client_address) -> None:
+        """A client that gave up on an answer (its own timeout) closed the connection: the
+        write of the answer fails; nothing to report."""
 
 
 class _Handler(http.server.BaseHTTPRequestHandler):
