@@ -4,10 +4,12 @@ In one process: each flavor's parameter count equals its built model's; a packed
 loss per document equals each document's alone (the DeltaNet's state and convolution restart,
 the full-attention layers masked); a run's export imports back into a plain model bit for bit.
 Through run_train.sh (configs/debug_qwen3_next.toml, fp32, block_causal on the stdlib corpus,
-5 steps): EP 2 x FSDP 2, TP 2 x FSDP 2, PP 2 x FSDP 2 and CP 2 x FSDP 2 give the 1-rank losses
-and gradient norms; the EP run's export (checkpoint.last_save_in_hf) loads in transformers as
-Qwen3NextForCausalLM with the checkpoint's logits and its step-3 checkpoint resumes at CP 2 on
-2 ranks with the 1-rank steps 4 and 5; a flavor of another family is one line.
+5 steps, one MTP module): EP 2 x FSDP 2, TP 2 x FSDP 2, PP 2 x FSDP 2, CP 2 x FSDP 2 and TP 2 x
+CP 2 give the 1-rank losses, MTP losses and gradient norms; the EP run's export
+(checkpoint.last_save_in_hf, its mtp.* tensors included) loads in transformers as
+Qwen3NextForCausalLM with the checkpoint's logits and imports back bit for bit, and its step-3
+checkpoint resumes at CP 2 on 2 ranks with the 1-rank steps 4 and 5; a flavor of another family
+is one line.
 """
 
 import json
@@ -18,20 +20,21 @@ import torch
 from tests.helpers import REPO, run_train, scalars, stopped_after_save
 from tests.test_data_fixtures import stdlib_texts, tokenizer_path  # noqa: F401
 from tests.test_doc_mask_e2e import short_docs_store  # noqa: F401
-from trainer.models.args import FLAVORS, model_args
+from trainer.models.args import model_args
 from trainer.models.build import build_model
 
 CONFIG = str(REPO / "configs" / "debug_qwen3_next.toml")
 FLAVOR = "debugmodel-qwen3-next"
 
 
+@pytest.mark.parametrize("mtp", [0, 1])
 @pytest.mark.parametrize("flavor", ["debugmodel-qwen3-next", "qwen3-next-80b-a3b",
                                     "qwen3.5-35b-a3b"])
-def test_the_parameter_count_is_the_models(flavor):
-    args = FLAVORS[flavor]
+def test_the_parameter_count_is_the_models(flavor, mtp):
+    args = model_args(flavor, mtp_layers=mtp)
     model = build_model(args)
     assert args.num_params() == sum(p.numel() for p in model.parameters())
-    if flavor == "qwen3-next-80b-a3b":  # the release: 80B total
+    if flavor == "qwen3-next-80b-a3b" and not mtp:  # the release: 80B total
         assert 79e9 < args.num_params() < 81e9
 
 
@@ -78,7 +81,7 @@ COMMON = ("--training.seq_len", "64", "--training.local_batch_size", "2",
           "--lr_scheduler.min_lr_factor", "1.0", "--training.steps", "5",
           # one save at the last step (the weights compared); the EP run also saves step 3
           "--checkpoint.interval", "5", "--checkpoint.keep_latest_k", "0",
-          "--validation.enable", "false",
+          "--validation.enable", "false", "--model.mtp_layers", "1",
           # the release routes by its scores alone: an exact export needs no balancing bias
           "--moe.load_balance_coeff", "0")
 EP = "--parallelism.expert_parallel_degree"
@@ -89,14 +92,17 @@ LAYOUTS = {  # name: (ranks, overrides); the config's EP 2 is set per layout
     "tp2_fsdp2": (4, (EP, "1", "--parallelism.tensor_parallel_degree", "2")),
     "pp2_fsdp2": (4, (EP, "1", "--parallelism.pipeline_parallel_degree", "2")),
     "cp2_fsdp2": (4, (EP, "1", "--parallelism.context_parallel_degree", "2")),
+    "tp2_cp2": (4, (EP, "1", "--parallelism.tensor_parallel_degree", "2",
+                    "--parallelism.context_parallel_degree", "2")),
 }
-TAGS = ("loss_metrics/global_avg_loss", "grad_norm")
+TAGS = ("loss_metrics/global_avg_loss", "grad_norm", "loss_metrics/mtp_loss")
 # Under CP the DeltaNet composes its pieces' state transitions (SplitDeltaNet): the same
 # function (equal to 1e-17 in float64), but the fp32 gradients of the decay's parameters
 # (A_log, dt_bias, its input projection wa) differ from one rank's by ~5e-4 relative (the
 # transitions' exp(cumulative decay) products), so after 5 AdamW steps those weights agree
 # to 1e-3, the rest to 1e-4.
 DECAY = ("linear_attention.A_log", "linear_attention.dt_bias", "linear_attention.wa.weight")
+CP = ("cp2_fsdp2", "tp2_cp2")
 
 
 @pytest.fixture(scope="module")
@@ -115,7 +121,8 @@ def runs(tmp_path_factory, short_docs_store):  # noqa: F811
 
 
 @pytest.mark.needs_datasets
-@pytest.mark.parametrize("name", ["ep2_fsdp2", "tp2_fsdp2", "pp2_fsdp2", "cp2_fsdp2"])
+@pytest.mark.parametrize("name", ["ep2_fsdp2", "tp2_fsdp2", "pp2_fsdp2", "cp2_fsdp2",
+                                  "tp2_cp2"])
 def test_each_layout_trains_as_one_rank(runs, name):
     """The losses and gradient norms of 5 steps, and the weights after them."""
     ref, got = runs["ref"][0], runs[name][0]
@@ -126,10 +133,10 @@ def test_each_layout_trains_as_one_rank(runs, name):
             (tag, have, want)
     want, have = _checkpoint_state(ref), _checkpoint_state(got)
     worst = max(((have[n] - t).abs().max().item(), n) for n, t in want.items()
-                if not (name == "cp2_fsdp2" and n.endswith(DECAY)))
+                if not (name in CP and n.endswith(DECAY)))
     print(name, "largest weight difference", worst)
     assert worst[0] < 1e-4, worst
-    if name == "cp2_fsdp2":  # the decay's gradients by the composed pieces: fp32 rounding
+    if name in CP:  # the decay's gradients by the composed pieces: fp32 rounding
         decay = max((have[n] - t).abs().max().item() for n, t in want.items()
                     if n.endswith(DECAY))
         print(name, "largest decay-parameter difference", decay)
@@ -170,10 +177,11 @@ def test_the_export_loads_in_transformers_with_our_logits(runs):
     config = json.loads((dump / "hf" / "config.json").read_text())
     assert config["architectures"] == ["Qwen3NextForCausalLM"]
     assert config["layer_types"] == ["linear_attention", "full_attention"] * 2
+    assert config["num_nextn_predict_layers"] == 1
     theirs = AutoModelForCausalLM.from_pretrained(dump / "hf", dtype=torch.float32).eval()
     state = _checkpoint_state(dump)
     vocab = state["tok_embeddings.weight"].shape[0]  # the short documents' tokenizer's
-    ours = _model(vocab)
+    ours = _model(vocab, mtp_layers=1)  # the runs' model: one MTP module
     ours.load_state_dict(state, strict=True)
     tokens = torch.randint(0, vocab, (2, 64), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
@@ -184,12 +192,19 @@ def test_the_export_loads_in_transformers_with_our_logits(runs):
 def test_the_export_imports_back_bit_for_bit(runs):
     from trainer.hf.load import load_hf
 
+    from safetensors import safe_open
+
     dump = runs["ep2_fsdp2"][0]
     state = _checkpoint_state(dump)
-    model = _model(state["tok_embeddings.weight"].shape[0])
+    with safe_open(str(dump / "hf" / "model.safetensors"), "pt") as f:
+        assert torch.equal(f.get_tensor("mtp.fc.weight"), state["mtp.0.proj.weight"])
+        assert "mtp.layers.0.mlp.experts.7.down_proj.weight" in f.keys()
+    model = _model(state["tok_embeddings.weight"].shape[0], mtp_layers=1)
+    model.init_weights(1)  # not the run's: every tensor must come from the folder
     load_hf(model, str(dump / "hf"), flavor=FLAVOR)
     for name, tensor in model.state_dict().items():
         assert torch.equal(tensor, state[name]), name
+    assert any(n.startswith("mtp.0.block.") for n in model.state_dict())
 
 
 def test_a_flavor_of_another_family_is_one_line(tmp_path):
