@@ -28,8 +28,11 @@ from scripts.chaos_common import STORE_BUCKET, STORE_TIMEOUT  # noqa: E402
 from scripts.s3_fault_proxy import KINDS, FaultProxy, Rule  # noqa: E402
 
 # What a store fault that outlasted the retries looks like in a run's output.
+# A save refused past the retries may name only torch's zip writer ("unexpected pos"): any
+# failed save to the store counts, but the injected full disk of save-ENOSPC (errno 28).
 SURFACED = re.compile(r"reduce your request rate|encountered an internal error|Read timeout on "
-                      r"endpoint|Connection was closed before|could not refresh .*lease\.json")
+                      r"endpoint|Connection was closed before|could not refresh .*lease\.json|"
+                      r"saving s3://\S+ failed: (?!\[Errno 28\])|step-\d+ not saved \((?!\[Errno 28\])")
 
 
 @dataclass
