@@ -3,7 +3,8 @@
 One async run saves to s3://ckpt/run1 and stops at step 3, a second resumes it to step 6
 (past a step-6 whose save was cut off before its commit): steps 4-6 equal a local run's bit
 for bit. A 1-rank run then resumes step 3 from the bucket
-(the weights it loads equal what the 2 ranks loaded), sets the later step-6 aside and prunes.
+(the weights it loads equal what the 2 ranks loaded; the whole state, AdamW's moments included,
+read on one process equals the local folder's), sets the later step-6 aside and prunes.
 """
 
 from __future__ import annotations
@@ -96,11 +97,33 @@ def test_initial_load_path_reads_a_bucket_as_a_local_folder(s3, local, on_s3, tm
     assert got["s3"] == got["local"] and len(got["s3"]) == 1
 
 
-def test_resume_on_one_rank_from_s3(s3, on_s3):
-    """Step 3 loads on 1 rank as it did on 2 (the same weights, gathered); the save of step 4
-    sets the later step-6 aside (a branch point) and keep_latest_k = 1 deletes step-3."""
+def whole_state(path: str) -> dict:
+    """Every tensor of a checkpoint (weights, AdamW moments and steps), read on this one
+    process: DCP reshards the 2 ranks' save as a 1-rank resume reads it."""
+    import torch
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    from trainer.checkpoint import safe_load
+
+    meta = safe_load.read_metadata(path).state_dict_metadata
+    state = {k: torch.empty(m.size, dtype=m.properties.dtype) for k, m in meta.items()
+             if isinstance(m, TensorStorageMetadata) and k.startswith("model_optim.")}
+    safe_load.load(state, path, no_dist=True)
+    return state
+
+
+def test_resume_on_one_rank_from_s3(s3, local, on_s3):
+    """Step 3 loads on 1 rank as it did on 2 (the same weights, gathered), and the whole
+    state read on one process from the bucket is the local folder's, optimizer included; the
+    save of step 4 sets the later step-6 aside (a branch point) and keep_latest_k = 1 deletes
+    step-3."""
+    import torch
+
     env, client = s3
     dump, two_ranks = on_s3[0], on_s3[1]
+    here, there = whole_state(str(local / "checkpoint" / "step-3")), whole_state(f"{URL}/step-3")
+    assert sorted(here) == sorted(there) and any(".exp_avg_sq" in k for k in here)
+    assert all(torch.equal(here[k], there[k]) for k in here)
     out = run_train(dump.parent / "one", *COMMON, "--checkpoint.folder", URL,
                     "--checkpoint.load_step", "3", "--checkpoint.keep_latest_k", "1",
                     "--training.steps", "4", nproc=1, env={**env, **DIGEST}).stdout
