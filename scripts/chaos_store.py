@@ -52,8 +52,11 @@ class Store:
 
 
 def fault_rule(rate: float, seed: int) -> Rule:
-    """Every kind of fault, on any request to the chaos bucket, with probability `rate`."""
-    return Rule(match=rf"^(GET|PUT|POST|HEAD|DELETE) /{STORE_BUCKET}[/?]", kinds=KINDS,
+    """Every kind of fault, on any request to the chaos bucket, with probability `rate`; one
+    in seven a timeout (each costs the client's whole timeout)."""
+    kinds = (*("503", "500", "reset") * 2, "timeout")
+    assert set(kinds) == set(KINDS)
+    return Rule(match=rf"^(GET|PUT|POST|HEAD|DELETE) /{STORE_BUCKET}[/?]", kinds=kinds,
                 rate=rate, seed=seed)
 
 

@@ -11,8 +11,8 @@ SlowDown, 500 InternalError, no answer past the client's timeout, or a reset con
   and trains on (checkpoint.on_save_error = 'continue'); a second run resumes step 2 through
   faults on its loads, and its step-6 save failing stops it in one line ('stop'). Losses and the
   step-4 tensors are bitwise those of an uninterrupted local run.
-- `scripts/chaos.py --layout s3` in short: a killed rank and a stop signal on top of random
-  store faults; every fault survived, nothing lost.
+- `scripts/chaos.py --layout s3` in short: a stop signal during a save on top of random store
+  faults during every launch's saves and loads; every fault survived, nothing lost.
 """
 
 from __future__ import annotations
@@ -58,6 +58,11 @@ def reference(tmp_path_factory):
     dump = tmp_path_factory.mktemp("reference") / "reference"
     run_train(dump, *train_args(dump, STEPS, INTERVAL, 2))
     return dump
+
+
+def expected(rule: Rule, kind: str) -> int:
+    """The faults of `kind` a rule injected (it cycles through its kinds)."""
+    return sum(rule.kinds[i % len(rule.kinds)] == kind for i in range(rule.fired))
 
 
 def test_requests_are_retried_and_counted_by_kind(s3, proxy, monkeypatch, tmp_path):
@@ -111,14 +116,15 @@ def test_training_through_faults_counts_them_and_follows_on_save_error(s3, proxy
     first, second = tmp_path / "first", tmp_path / "second"
     url = checkpoint_of(first, "s3")
     common = ["--checkpoint.store_timeout_seconds", str(TIMEOUT)]
-    # 1: its step-2 save meets every kind of fault; its step-4 save is refused past the retries
-    saves = Rule(r"^(PUT|POST) /chaos/[^/]+/step-2/", KINDS, every=2)
+    # 1: its step-2 save meets faults (timeouts: the in-process test's, they cost seconds);
+    # its step-4 save is refused past the retries
+    saves = Rule(r"^(PUT|POST) /chaos/[^/]+/step-2/", ("503", "500", "reset"), every=2)
     proxy.set_rules(saves, Rule(r"^(PUT|POST) /chaos/[^/]+/step-4/", ("503",), every=1))
     out = run_train(first, *train_args(first, 4, INTERVAL, 2, layout="s3"), *common,
                     "--checkpoint.on_save_error", "continue", env=env).stdout
     counted_saves = {k: scalars(first, tag).get(4) for k, tag in TAGS.items()}
     # 2: resumes step 2 through faults on its reads; its step-6 save is refused: it stops
-    loads = Rule(r"^(GET|HEAD) /chaos/[^/]+/step-2/", KINDS, every=2)
+    loads = Rule(r"^(GET|HEAD) /chaos/[^/]+/step-2/", ("reset", "500", "503"), every=2)
     proxy.set_rules(loads, Rule(r"^(PUT|POST) /chaos/[^/]+/step-6/", ("500",), every=1))
     stopped = run_train(second, *train_args(second, STEPS, INTERVAL, 2, layout="s3"), *common,
                         "--checkpoint.folder", url, env=env, check=False)
@@ -129,8 +135,7 @@ def test_training_through_faults_counts_them_and_follows_on_save_error(s3, proxy
     assert f"the latest checkpoint is {url}/step-2" in out and "step:     4" in out
     assert [losses(first)[s] for s in (1, 2, 3, 4)] == [ref[s] for s in (1, 2, 3, 4)]
     assert saves.fired >= 3 and scalars(first, "store/retries")[4] == saves.fired
-    assert sum(counted_saves.values()) == saves.fired  # each by its kind below
-    assert counted_saves["503"] == len(range(0, saves.fired, 4))
+    assert counted_saves == {k: expected(saves, k) for k in KINDS}  # each by its kind
 
     assert stopped.returncode == 2, stopped.stderr[-3000:]
     assert f"resumed from {url}/step-2" in stopped.stdout
@@ -139,7 +144,8 @@ def test_training_through_faults_counts_them_and_follows_on_save_error(s3, proxy
     got = losses(second)
     assert [got[s] for s in (3, 4, 5, 6)] == [ref[s] for s in (3, 4, 5, 6)]
     assert loads.fired >= 3 and scalars(second, "store/retries")[3] == loads.fired
-    assert scalars(second, "store/resets")[3] == len(range(3, loads.fired, 4))
+    assert {k: scalars(second, tag)[3] for k, tag in TAGS.items()} == \
+        {k: expected(loads, k) for k in KINDS}
     assert committed(url) == [2, 4]  # step-6's objects were removed when it failed
     a, b = load_dcp_tensors(reference / "checkpoint" / "step-4"), load_dcp_tensors(f"{url}/step-4")
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
@@ -149,10 +155,10 @@ def test_chaos_with_store_faults_loses_nothing(s3, reference, tmp_path):
     from scripts import chaos_store
     from scripts.chaos import ok, report, run_chaos
 
-    with chaos_store.proxied(s3[0], rate=0.08, seed=3) as store:
-        fig = run_chaos(tmp_path, faults=2, min_during_save=1, steps=STEPS, interval=INTERVAL,
-                        kinds=("rank-SIGKILL", "launcher-SIGTERM"), min_each=1, layout="s3",
-                        store=store, reference=reference)
+    with chaos_store.proxied(s3[0], rate=0.05, seed=3) as store:
+        fig = run_chaos(tmp_path, faults=1, min_during_save=1, steps=STEPS, interval=INTERVAL,
+                        kinds=("launcher-SIGTERM",), layout="s3", store=store,
+                        reference=reference)
     print(report(fig, INTERVAL))
     assert fig["store"]["total"] >= 2 and fig["store"]["surfaced"] == 0, fig["store"]
-    assert ok(fig, 2, 1, 1), report(fig, INTERVAL)
+    assert ok(fig, 1, 1), report(fig, INTERVAL)
