@@ -380,3 +380,19 @@ def test_packed_documents_give_their_documents_mtp_loss():
     assert int((future != IGNORE_INDEX).sum()) == targets
     crossing = mtp_sum(model, loss_fn, inputs, labels, doc_ids)  # targets not cut: differs
     assert abs(crossing - alone) > 1e-3 * alone
+
+
+def test_more_mtp_modules_than_the_release_holds_are_refused_for_hugging_face():
+    """The release has one fc and one set of norms: model.mtp_layers = 2 trains, but an
+    export or import of it is one config error, before any rank starts."""
+    from tests.helpers import REPO
+    from trainer.config.job import load_config
+    from trainer.errors import ConfigError
+
+    base = ["--job.config_file", str(REPO / "configs" / "debug_qwen3_next.toml")]
+    assert load_config([*base, "--model.mtp_layers", "2"]).model.mtp_layers == 2
+    for hf in (["--checkpoint.last_save_in_hf", "true"],
+               ["--checkpoint.initial_load_in_hf", "true", "--checkpoint.initial_load_path",
+                "/nonexistent"]):
+        with pytest.raises(ConfigError, match="holds one MTP module"):
+            load_config([*base, "--model.mtp_layers", "2", *hf])
