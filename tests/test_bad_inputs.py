@@ -83,13 +83,26 @@ def test_corpus_not_utf8_or_binary(tmp_path, tokenizer_path):
     for i in range(3):
         (binary / f"part{i}.bin").write_bytes(rng.integers(0, 256, 50_000, np.uint8).tobytes())
 
+    # The four `python -m trainer.data.prepare` runs in one process that imports once and forks
+    # each (tests/scripts/forkcli.py: the same command line, exit status and stderr each).
+    cases = [("text", str(latin)), ("text", f"{binary}/*"), ("json", f"{binary}/*"),
+             ("text", str(binary))]
+    argv = []
+    for dataset, files in cases:
+        argv += ["--", "--dataset", dataset, "--data_files", files, "--tokenizer_path",
+                 tokenizer_path, "--store_path", str(tmp_path / dataset), "--workers", "2"]
+    proc = subprocess.run(
+        [sys.executable, str(REPO / "tests" / "scripts" / "forkcli.py"), "trainer.data.prepare",
+         "--preload", "trainer.data.prepare,trainer.data.cli,datasets", *argv], cwd=REPO,
+        env=subprocess_env(), capture_output=True, text=True, timeout=240)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    runs = json.loads(proc.stdout.splitlines()[-1])
+    lines = {case: one_line(subprocess.CompletedProcess([], r["returncode"], r["stdout"],
+                                                        r["stderr"]))
+             for case, r in zip(cases, runs)}
+
     def prepare(dataset: str, files: str) -> str:
-        proc = subprocess.run(
-            [sys.executable, "-m", "trainer.data.prepare", "--dataset", dataset, "--data_files",
-             files, "--tokenizer_path", tokenizer_path, "--store_path", str(tmp_path / dataset),
-             "--workers", "2"], cwd=REPO, env=subprocess_env(), capture_output=True, text=True,
-            timeout=120)
-        return one_line(proc)
+        return lines[(dataset, files)]
 
     assert prepare("text", str(latin)).startswith(f"data error: dataset {latin}: {latin} is "
                                                   "not UTF-8 text")
