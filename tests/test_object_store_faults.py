@@ -32,7 +32,8 @@ pytest.importorskip("s3fs", reason="s3fs is not installed (pip install -e '.[dev
 pytest.importorskip("moto", reason="moto is not installed (pip install -e '.[dev]')")
 
 STEPS, INTERVAL = 6, 2
-TIMEOUT = 4.0  # checkpoint.store_timeout_seconds here; the proxy's silence lasts longer
+TIMEOUT = 4.0  # the in-process test's store timeout; the proxy's silence lasts longer
+RUN_TIMEOUT = 60.0  # the runs': they meet no injected timeout, and none may be spurious
 TAGS = {"503": "store/throttled", "500": "store/server_errors", "timeout": "store/timeouts",
         "reset": "store/resets"}
 
@@ -115,7 +116,7 @@ def test_training_through_faults_counts_them_and_follows_on_save_error(s3, proxy
     env = {**s3[0], "AWS_ENDPOINT_URL": proxy.url}
     first, second = tmp_path / "first", tmp_path / "second"
     url = checkpoint_of(first, "s3")
-    common = ["--checkpoint.store_timeout_seconds", str(TIMEOUT)]
+    common = ["--checkpoint.store_timeout_seconds", str(RUN_TIMEOUT)]
     # 1: its step-2 save meets faults (timeouts: the in-process test's, they cost seconds);
     # its step-4 save is refused past the retries
     saves = Rule(r"^(PUT|POST) /chaos/[^/]+/step-2/", ("503", "500", "reset"), every=2)
