@@ -17,8 +17,9 @@ layer of this script that counts the S3 operations it serves):
   (c) put and get of one `--object-mib` object through raw HTTP (one unsigned request: the
       server's own ceiling), s3fs (what the trainer uses), obstore and s3torchconnector.
 Columns: MiB/s, the server's CPU seconds (moto is one Python process: when its CPU time is
-close to the wall time it is the bottleneck), this process's CPU seconds, and the S3
-operations the server saw (multipart uploads show as CreateMultipartUpload + UploadPart).
+close to the wall time it is the bottleneck), this process's CPU seconds, MiB per CPU second
+of both (what a loaded machine's wall time hides), and the S3 operations the server saw
+(multipart uploads show as CreateMultipartUpload + UploadPart).
 Optional clients missing (pip install obstore "s3torchconnector[dcp]") are skipped, said so.
 """
 
@@ -152,16 +153,19 @@ class Table:
         return out
 
     def print(self, title: str, labels: list[str]):
+        if not labels:
+            return
         print(f"\n{title}")
         print(f"{'':<52}{'MiB':>7}{'s':>8}{'MiB/s (range)':>20}{'srv CPU':>9}{'own CPU':>9}"
-              "  S3 operations (last repeat)")
+              f"{'MiB/CPU-s':>11}  S3 operations (last repeat)")
         for label in [x for x in self.order if x in labels]:
             rows = self.rows[label]
             rates = [m / s for m, s, *_ in rows]
             med = lambda i: statistics.median(r[i] for r in rows)  # noqa: E731
             ops = ", ".join(f"{k} {v}" for k, v in sorted(rows[-1][4].items()) if v > 0) or "-"
             print(f"{label:<52}{med(0):>7.1f}{med(1):>8.2f}{statistics.median(rates):>8.0f} "
-                  f"({min(rates):>4.0f}-{max(rates):<5.0f}){med(2):>9.2f}{med(3):>9.2f}  {ops}")
+                  f"({min(rates):>4.0f}-{max(rates):<5.0f}){med(2):>9.2f}{med(3):>9.2f}"
+                  f"{med(0) / max(med(2) + med(3), 1e-3):>11.0f}  {ops}")
 
 
 def _self_cpu() -> float:
