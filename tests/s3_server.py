@@ -44,6 +44,6 @@ def s3_server(*buckets: str):
         yield env, client
     finally:
         for key, value in env_before.items():
-            os.environ.pop(key) if value is None else os.environ.__setitem__(key, value)
+            os.environ.pop(key, None) if value is None else os.environ.__setitem__(key, value)
         server.terminate()
         server.wait(timeout=10)
