@@ -45,13 +45,55 @@ def subprocess_env(extra: dict | None = None) -> dict:
     return env
 
 
+# The launcher zygote (tests/scripts/zygote.py): run_train's CPU launches fork from one process
+# per pytest worker that imported torch and the trainer once, instead of starting Python and
+# importing anew (~3-6 CPU-s a launch). run_train.sh runs unchanged; its interpreter is the shim.
+# On for the files in ZYGOTE_FILES (each run green with it); TRAINER_TEST_ZYGOTE=all for every
+# file, =0 for none. Environment a launch is given that torch may read at import (TORCH_*,
+# OMP_*, ...) sends that launch through the real interpreter.
+ZYGOTE_OFF = {"0", "off", "false", "no"}
+ZYGOTE_ALL = {"1", "on", "all", "true", "yes"}
+ZYGOTE_FILES = {"test_tp.py", "test_moe.py", "test_bad_inputs.py"}
+ZYGOTE_UNSAFE_ENV = ("TORCH", "OMP_", "MKL_", "KMP_", "CUDA", "PYTORCH", "LD_", "PYTHON", "GLOO")
+_zygote: dict = {}
+
+
+def zygote_env(env: dict | None) -> dict:
+    """The environment that sends a run_train launch through the zygote (started on first
+    use), or {} where it must start as a fresh interpreter."""
+    mode = os.environ.get("TRAINER_TEST_ZYGOTE", "files").strip().lower()
+    test_file = os.environ.get("PYTEST_CURRENT_TEST", "").split("::")[0].rsplit("/", 1)[-1]
+    if mode in ZYGOTE_OFF or (mode not in ZYGOTE_ALL and test_file not in ZYGOTE_FILES) or any(
+            k.startswith(ZYGOTE_UNSAFE_ENV) for k in (env or {})):
+        return {}
+    if _zygote.get("pid") != os.getpid():  # none yet in this process (or a fork's copy)
+        import atexit
+        import tempfile
+
+        folder = tempfile.mkdtemp(prefix="trainer-zygote-")
+        sock, wrapper = os.path.join(folder, "socket"), os.path.join(folder, "python")
+        with open(wrapper, "w") as fh:  # run_train.sh execs "$PYTHON": one executable path
+            fh.write(f'#!/bin/sh\nexec {sys.executable} -S '
+                     f'{REPO / "tests" / "scripts" / "zygote_shim.py"} "$@"\n')
+        os.chmod(wrapper, 0o755)
+        proc = subprocess.Popen([sys.executable, str(REPO / "tests" / "scripts" / "zygote.py"),
+                                 sock], env=subprocess_env(), stdout=subprocess.PIPE, text=True)
+        if proc.stdout.readline().strip() != "ready":
+            proc.kill()
+            raise AssertionError("tests/scripts/zygote.py did not start")
+        atexit.register(lambda: (proc.terminate(), proc.wait(), shutil.rmtree(folder, True)))
+        _zygote.update(pid=os.getpid(), socket=sock, wrapper=wrapper, server=proc.pid)
+    return {"PYTHON": _zygote["wrapper"], "TRAINER_TEST_ZYGOTE_SOCKET": _zygote["socket"],
+            "TRAINER_TEST_ZYGOTE_PYTHON": os.environ.get("PYTHON", sys.executable)}
+
+
 def run_train(dump: Path | str, *overrides: str, nproc: int | None = 2, env: dict | None = None,
               config: str | None = None, timeout: float = 300, check: bool = True,
               log_rank: str = "0", device: str | None = "cpu") -> subprocess.CompletedProcess:
     """`NGPU=nproc ./run_train.sh --training.device cpu --job.dump_folder dump <overrides>`;
     returns the completed run. `nproc=None` leaves NGPU unset; `device=None` leaves the
-    config's device (auto)."""
-    extra = {"LOG_RANK": log_rank, **(env or {})}
+    config's device (auto). CPU launches start from the launcher zygote (zygote_env)."""
+    extra = {"LOG_RANK": log_rank, **(zygote_env(env) if device == "cpu" else {}), **(env or {})}
     if nproc is not None:
         extra["NGPU"] = str(nproc)
     if config:

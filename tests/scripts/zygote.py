@@ -1,0 +1,150 @@
+"""A launcher zygote for the tests' run_train.sh launches: one process per pytest worker that
+imports torch and the trainer once, then forks `python -m trainer.launch ...` for each launch.
+
+run_train.sh runs unchanged (bash, its exports, its command line); only its interpreter is
+tests/scripts/zygote_shim.py (PYTHON=, set by tests/helpers.py's run_train), which hands its
+argv, environment, working directory and stdin/stdout/stderr to this server and exits with the
+launch's status. The launch is a fork of this process that runs trainer.launch as `__main__`
+(what `python -m` does) with that argv, environment, folder and streams: the ~3-6 CPU-s of
+interpreter start and imports of every launch are paid once (the launcher then forks its CPU
+ranks as usual). If the shim goes away (a test's timeout killed it), its launch's process
+group is killed.
+
+    python tests/scripts/zygote.py SOCKET_PATH        (started by tests/helpers.py)
+"""
+
+import array
+import gc
+import json
+import os
+import select
+import signal
+import socket
+import sys
+
+gc.disable()  # while torch and the trainer import, as trainer.launch does
+os.environ["TORCH_CPP_LOG_LEVEL"] = "ERROR"  # the launcher's own level (trainer/launch.py)
+
+import torch  # noqa: E402,F401
+import torch._dynamo  # noqa: E402,F401
+import trainer.train  # noqa: E402,F401
+from torch.distributed.run import config_from_args, elastic_launch, parse_args  # noqa: E402,F401
+
+import trainer.launch  # noqa: E402,F401  (its imports; run afresh as __main__ per launch)
+
+gc.enable()
+
+
+def receive(conn: socket.socket) -> tuple[dict, list[int]]:
+    """One request: a JSON line {argv, env, cwd} with the shim's fds 0, 1, 2."""
+    fds = array.array("i")
+    data = b""
+    while not data.endswith(b"\n"):
+        msg, ancdata, _, _ = conn.recvmsg(1 << 20, socket.CMSG_LEN(3 * fds.itemsize))
+        if not msg:
+            raise ConnectionError("the shim went away")
+        data += msg
+        for level, kind, payload in ancdata:
+            if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
+                fds.frombytes(payload[:len(payload) - len(payload) % fds.itemsize])
+    return json.loads(data), list(fds)
+
+
+def launch(request: dict, fds: list[int]) -> None:
+    """In the forked launch: become `python -m trainer.launch ARGS` and never return."""
+    code = 1
+    try:
+        os.setpgid(0, 0)  # its own group, so a lost shim's launch dies whole
+        for target, fd in enumerate(fds):
+            os.dup2(fd, target)
+        for fd in fds:
+            if fd > 2:
+                os.close(fd)
+        os.chdir(request["cwd"])
+        os.environ.clear()
+        os.environ.update(request["env"])
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+        sys.argv = ["trainer/launch.py", *request["argv"]]  # [0]: runpy sets the file
+        sys.modules.pop("trainer.launch", None)
+        import runpy
+        runpy.run_module("trainer.launch", run_name="__main__", alter_sys=True)
+        code = 0  # trainer.launch ends with os._exit; this is never reached normally
+    except SystemExit as stop:
+        code = stop.code if isinstance(stop.code, int) else 1
+    except BaseException:
+        import traceback
+        traceback.print_exc()
+    finally:
+        try:
+            sys.stdout.flush()
+            sys.stderr.flush()
+        finally:
+            os._exit(code)
+
+
+def handle(conn: socket.socket) -> None:
+    """In a forked handler: start the launch, tell the shim its pid, wait for it (killing its
+    group if the shim goes away) and send its exit status."""
+    request, fds = receive(conn)
+    pid = os.fork()
+    if pid == 0:
+        conn.close()
+        launch(request, fds)
+    for fd in fds:
+        os.close(fd)
+    conn.sendall(json.dumps({"pid": pid}).encode() + b"\n")
+    while True:
+        done, status = os.waitpid(pid, os.WNOHANG)
+        if done:
+            break
+        readable, _, _ = select.select([conn], [], [], 0.05)
+        if readable and not conn.recv(1):  # EOF: the shim was killed
+            try:
+                os.killpg(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+            os.waitpid(pid, 0)
+            return
+    code = os.waitstatus_to_exitcode(status)
+    conn.sendall(json.dumps({"returncode": code}).encode() + b"\n")
+
+
+def reap(block: bool) -> None:
+    """Wait for the finished handlers (all of them if `block`)."""
+    while True:
+        try:
+            pid, _ = os.waitpid(-1, 0 if block else os.WNOHANG)
+        except ChildProcessError:
+            return
+        if pid == 0:
+            return
+
+
+def serve(path: str) -> None:
+    parent = os.getppid()
+    server = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    server.bind(path)
+    server.listen(16)
+    # SIGTERM (tests/helpers.py at exit): reap every handler, then exit, so that the launches'
+    # CPU time reaches the pytest process's children's (time -v, RUSAGE_CHILDREN) through ours.
+    signal.signal(signal.SIGTERM, lambda *_: (reap(block=True), os._exit(0)))
+    gc.freeze()  # the imported heap: out of every later collection, in every fork
+    print("ready", flush=True)
+    while os.getppid() == parent:  # the pytest worker that started it is alive
+        reap(block=False)
+        readable, _, _ = select.select([server], [], [], 1.0)
+        if not readable:
+            continue
+        conn, _ = server.accept()
+        if os.fork() == 0:
+            server.close()
+            signal.signal(signal.SIGTERM, signal.SIG_DFL)
+            try:
+                handle(conn)
+            finally:
+                os._exit(0)
+        conn.close()
+
+
+if __name__ == "__main__":
+    serve(sys.argv[1])

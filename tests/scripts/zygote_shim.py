@@ -1,0 +1,49 @@
+"""run_train.sh's interpreter under tests/helpers.py's run_train (PYTHON=this file): hands
+`-m trainer.launch ARGS` to the launcher zygote (tests/scripts/zygote.py; its socket in
+TRAINER_TEST_ZYGOTE_SOCKET) with this process's environment, folder and stdin/stdout/stderr,
+and exits with the launch's status. Anything else, or no zygote, runs the real interpreter
+(TRAINER_TEST_ZYGOTE_PYTHON) on the same arguments. Imports nothing heavy: it starts in
+~20 ms."""
+
+import json
+import os
+import socket
+import sys
+
+
+def real_python() -> None:
+    python = os.environ["TRAINER_TEST_ZYGOTE_PYTHON"]
+    os.execv(python, [python, *sys.argv[1:]])
+
+
+def main() -> None:
+    path = os.environ.get("TRAINER_TEST_ZYGOTE_SOCKET")
+    if sys.argv[1:3] != ["-m", "trainer.launch"] or not path:
+        real_python()
+    conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        conn.connect(path)
+    except OSError:
+        real_python()
+    env = dict(os.environ)  # the launch sees the environment run_train.sh gave it, with the
+    env["PYTHON"] = env.pop("TRAINER_TEST_ZYGOTE_PYTHON")  # real interpreter as its PYTHON
+    env.pop("TRAINER_TEST_ZYGOTE_SOCKET")
+    request = {"argv": sys.argv[3:], "env": env, "cwd": os.getcwd()}  # after -m trainer.launch
+    conn.sendmsg([json.dumps(request).encode() + b"\n"],
+                 [(socket.SOL_SOCKET, socket.SCM_RIGHTS, bytes(memoryview(
+                     __import__("array").array("i", [0, 1, 2]))))])
+    reader = conn.makefile("rb")
+    for line in reader:
+        reply = json.loads(line)
+        if "returncode" in reply:
+            code = reply["returncode"]
+            if code < 0:  # killed by a signal: so is this process, as the launcher was
+                import signal
+                signal.signal(-code, signal.SIG_DFL)
+                os.kill(os.getpid(), -code)
+            os._exit(code if code >= 0 else 128 - code)
+    os._exit(1)  # the zygote went away mid-launch
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,47 @@
+"""The launcher zygote (tests/scripts/zygote.py, tests/helpers.py's zygote_env): a run_train
+launch forked from it says what a fresh interpreter's says, exits with its status, gets the
+environment run_train gave it, and dies whole when the test's timeout kills run_train.sh."""
+
+import subprocess
+import time
+
+import pytest
+
+from tests import helpers
+from tests.helpers import TINY, process_tree, run_train
+
+
+def test_a_refused_launch_is_the_same_one_line(monkeypatch, tmp_path):
+    bad = ("--training.steps", "-1")
+    monkeypatch.setenv("TRAINER_TEST_ZYGOTE", "0")
+    fresh = run_train(tmp_path / "a", *TINY, *bad, check=False)
+    monkeypatch.setenv("TRAINER_TEST_ZYGOTE", "all")
+    assert helpers.zygote_env(None)  # this launch goes through the zygote
+    forked = run_train(tmp_path / "b", *TINY, *bad, check=False)
+    assert fresh.returncode == forked.returncode == 2, (fresh.stderr, forked.stderr)
+    assert fresh.stderr.strip() and fresh.stderr == forked.stderr, (fresh.stderr, forked.stderr)
+    assert fresh.stdout == forked.stdout
+
+
+def test_a_launch_trains_with_the_environment_it_was_given(monkeypatch, tmp_path):
+    monkeypatch.setenv("TRAINER_TEST_ZYGOTE", "all")
+    proc = run_train(tmp_path / "run", *TINY, "--training.steps", "1",
+                     "--checkpoint.enable", "false", env={"TRAINER_DEBUG_DATA_HASHES": "1"},
+                     log_rank="0,1")
+    assert "training done at step 1" in proc.stdout, proc.stdout
+    assert len(helpers.global_batches(proc.stdout)) == 1  # both ranks saw the variable
+    assert "zygote" not in proc.stdout + proc.stderr
+
+
+def test_a_timeout_kills_the_launch_and_its_ranks(monkeypatch, tmp_path):
+    monkeypatch.setenv("TRAINER_TEST_ZYGOTE", "all")
+    helpers.zygote_env(None)
+    server = helpers._zygote["server"]
+    with pytest.raises(subprocess.TimeoutExpired):
+        # no step lines: a launch left running would not die of a write to the closed pipe
+        run_train(tmp_path / "slow", *TINY, "--training.steps", "100000",
+                  "--metrics.log_freq", "1000000", "--checkpoint.enable", "false", timeout=6)
+    deadline = time.monotonic() + 15
+    while time.monotonic() < deadline and len(process_tree(server)) > 1:
+        time.sleep(0.2)
+    assert process_tree(server) == [server]  # no launch, rank or handler left
