@@ -18,8 +18,8 @@ Settings (environment first, then pyproject's [tool.pytest.ini_options]):
     TRAINER_TEST_BUDGET_SCALE=X      use this machine scale instead of calibrating
 
 Every run (the guard on or off) also ends with a per-file summary: seconds per test file, summed
-over its tests' setup + call + teardown, the slowest in a short "slowest files" section and all of
-them in `.pytest_cache/trainer-durations.json` (FileDurations), so each run shows where the time goes.
+over its tests' setup + call + teardown, the slowest in a short "slowest files" section and all
+of them in `.pytest_cache/trainer-durations.json` (FileDurations): where each run's time went.
 
 Loaded by tests/conftest.py (pytest_plugins), or `-p tests.budget` with the repository on the path.
 """
@@ -193,4 +193,5 @@ class FileDurations:
         terminalreporter.write_sep("-", f"slowest files (setup + call + teardown; all in "
                                         f"{DURATIONS_FILE})")
         for name, entry in list(self.files.items())[:SLOWEST_FILES]:
-            terminalreporter.write_line(f"{entry['seconds']:8.1f} s  {entry['tests']:3d} tests  {name}")
+            terminalreporter.write_line(
+                f"{entry['seconds']:8.1f} s  {entry['tests']:3d} tests  {name}")
