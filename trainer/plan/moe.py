@@ -20,7 +20,9 @@ routed tokens' activations and expert parallelism's all-to-all.
 - **All-to-all** (ep, per microbatch): each rank routes its own tokens (1 / (tp x cp) of the
   microbatch), and each routed copy leaves its rank with probability (ep - 1) / ep (the ep
   group takes in the tp ranks) and comes back: 2 x top_k x tokens x dim x p x (ep - 1) / ep bytes per MoE
-  layer in forward, the same in backward, and again for each forward recomputed by AC.
+  layer in forward, the same in backward, and the dispatch's half again for each forward
+  recomputed by AC (`recompute_share`: the combine is not recomputed; a kept dispatch is not
+  sent again).
 """
 
 from __future__ import annotations
@@ -95,9 +97,25 @@ def all_to_all_volume(cfg, a: ModelArgs, pd, accum: int) -> float:
     p, t = FP32 if cfg.training.mixed_precision_param == "float32" else 2, cfg.training  # auto: bf16 on GPUs
     tokens = t.local_batch_size * t.seq_len // (pd.tp * pd.cp)  # this rank's sequence shard
     one_way = a.moe.top_k * tokens * a.dim * p * (pd.ep - 1) / pd.ep
+    return accum * moe_layers(a) * 2 * one_way * (2 + recompute_share(cfg, a, pd)) / pd.pp
+
+
+def recompute_share(cfg, a: ModelArgs, pd) -> float:
+    """The all-to-all an AC recompute sends again, as a share of a forward's (dispatch and
+    combine): the dispatch only, in the checkpointed layers (torch's checkpoint stops once the
+    last saved tensor is recomputed, and nothing after the combine is saved); none where the
+    node-limited dispatch keeps its received rows (`saved_dispatch_bytes`) or op-level SAC
+    keeps the all-to-all outputs."""
+    import math
+
     ac = cfg.activation_checkpoint
-    replay = 1 if ac.mode == "full" else 0  # op-level SAC keeps the all-to-all outputs
-    return accum * moe_layers(a) * 2 * one_way * (2 + replay) / pd.pp
+    if ac.mode == "none" or (ac.mode == "selective" and ac.selective_ac_option == "op"):
+        return 0.0
+    layers = moe_layers(a)
+    checkpointed = layers if ac.mode == "full" else math.ceil(layers / int(ac.selective_ac_option))
+    if saved_dispatch_bytes(cfg, a, pd.ep, 2, 1):  # any rows kept: none sent again
+        return 0.0
+    return 0.5 * checkpointed / layers
 
 
 def saved_dispatch_bytes(cfg, a: ModelArgs, ep: int, p: int, tokens: int) -> int:
