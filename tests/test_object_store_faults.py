@@ -10,7 +10,8 @@ SlowDown, 500 InternalError, no answer past the client's timeout, or a reset con
   TensorBoard (store/*, summed over the ranks), and, when its step-4 save keeps failing, warns
   and trains on (checkpoint.on_save_error = 'continue'); a second run resumes step 2 through
   faults on its loads, and its step-6 save failing stops it in one line ('stop'). Losses and the
-  step-4 tensors are bitwise those of an uninterrupted local run.
+  step-4 tensors are bitwise those of an uninterrupted local run. A third, whose reads of the
+  latest step keep failing past the retries, stops in one line rather than resume an older step.
 - `scripts/chaos.py --layout s3` in short: a stop signal during a save on top of random store
   faults during every launch's saves and loads; every fault survived, nothing lost.
 """
@@ -150,6 +151,19 @@ def test_training_through_faults_counts_them_and_follows_on_save_error(s3, proxy
     assert committed(url) == [2, 4]  # step-6's objects were removed when it failed
     a, b = load_dcp_tensors(reference / "checkpoint" / "step-4"), load_dcp_tensors(f"{url}/step-4")
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+    # 3: the store keeps refusing step-4's reads past the retries: the resume stops in one line
+    # instead of taking step-4 for damaged and silently resuming from step-2
+    proxy.set_rules(Rule(r"^(GET|HEAD) /chaos/[^/]+/step-4/", ("503",), every=1))
+    third = tmp_path / "third"
+    refused = run_train(third, *train_args(third, STEPS, INTERVAL, 2, layout="s3"), *common,
+                        "--checkpoint.folder", url, "--checkpoint.store_retries", "1", env=env,
+                        check=False)
+    proxy.set_rules()
+    text = refused.stdout + refused.stderr
+    assert refused.returncode == 2, text[-3000:]
+    assert f"the object store did not answer while {url}/step-4 was checked" in text
+    assert "resuming from the newest intact one" not in text and "step:" not in text
 
 
 def test_chaos_with_store_faults_loses_nothing(s3, reference, tmp_path):

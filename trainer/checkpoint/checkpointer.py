@@ -46,11 +46,14 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.stateful import Stateful
 
-from trainer.checkpoint import integrity, safe_load, storage, store_lease
+from trainer.checkpoint import integrity, retry, safe_load, storage, store_lease
 from trainer.checkpoint.optim_state import ModelAndOptimizer, changed_line
 from trainer.checkpoint.steps import StepFolder, abandoned_suffix
 from trainer.health import faults
 from trainer.errors import CheckpointError, ConfigError
+
+# Marks a rank's check that met a store fault outlasting its retries (trainer/checkpoint/retry.py).
+STORE_FAILED = "store failed: "
 
 
 @dataclass
@@ -168,8 +171,16 @@ class Checkpointer:
     def _verify(self, step: int) -> str | None:
         """What is wrong with checkpoint `step` on any rank (each checks its share), or None."""
         rank, world = dist.get_rank(), dist.get_world_size()
-        local = integrity.check_share(self._path(step), step, self.cfg.verify, rank, world,
-                                      allow_pickle=self.cfg.allow_pickle)
+        gave_up = retry.counts()["gave_up"]
+        try:
+            local = integrity.check_share(self._path(step), step, self.cfg.verify, rank, world,
+                                          allow_pickle=self.cfg.allow_pickle)
+        except OSError as e:  # a listing or probe the store kept refusing: said below
+            if retry.counts()["gave_up"] == gave_up:
+                raise
+            local = str(e)
+        if local not in (None, integrity.LEGACY) and retry.counts()["gave_up"] > gave_up:
+            local = STORE_FAILED + local  # the store failed to answer: not damage
         seen = [None] * world
         dist.all_gather_object(seen, (step, local))
         if any(s != step for s, _ in seen):
@@ -177,6 +188,13 @@ class Checkpointer:
                               f"{[s for s, _ in seen]}; the dump folder must be on storage that "
                               "every node shares")
         problems = [p for _, p in seen if p not in (None, integrity.LEGACY)]
+        failed = [p[len(STORE_FAILED):] for p in problems if p.startswith(STORE_FAILED)]
+        if failed:  # falling back to an older step would silently lose the newer one
+            raise CheckpointError(
+                f"the object store did not answer while {self._path(step)} was checked, past "
+                f"checkpoint.store_retries = {retry.settings()['retries']} retries "
+                f"({failed[0]}); it was not treated as damaged: resume again once the store "
+                "answers")
         if problems:
             return problems[0]
         if any(p == integrity.LEGACY for _, p in seen):
