@@ -54,7 +54,8 @@ def subprocess_env(extra: dict | None = None) -> dict:
 ZYGOTE_OFF = {"0", "off", "false", "no"}
 ZYGOTE_ALL = {"1", "on", "all", "true", "yes"}
 ZYGOTE_FILES = {"test_tp.py", "test_moe.py", "test_bad_inputs.py", "test_evals_e2e.py",
-                "test_lr_schedule.py", "test_pipeline.py", "test_deepseek.py"}
+                "test_lr_schedule.py", "test_pipeline.py", "test_deepseek.py",
+                "test_context_parallel.py", "test_muon.py", "test_optim_resume.py"}
 ZYGOTE_UNSAFE_ENV = ("TORCH", "OMP_", "MKL_", "KMP_", "CUDA", "PYTORCH", "LD_", "PYTHON", "GLOO")
 _zygote: dict = {}
 
