@@ -39,7 +39,7 @@ class Model:
         "an additive [batch, 1, seq, seq] mask) or per_document (one causal SDPA per document); "
         "causal always uses SDPA's causal kernel", choices=ATTN_IMPLEMENTATIONS)
     mtp_layers: int = opt(0, "Multi-token prediction modules after the last layer (DeepSeek-V3 "
-                          "uses 1; docs/deepseek.md); 0 = off", min=0)
+                          "and Qwen3-Next use 1; docs/deepseek.md, docs/qwen3_next.md); 0 = off", min=0)
     mtp_loss_weight: float = opt(0.3, "Weight of the MTP modules' mean loss in the training "
                                  "loss (logged apart as loss_metrics/mtp_loss)", min=0.0)
     mtp_loss_weight_until_step: int = opt(
