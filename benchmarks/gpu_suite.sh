@@ -4,6 +4,7 @@
 # `datasets` needed); each run appends to benchmarks/results.jsonl; a table at the end.
 #
 #   benchmarks/gpu_suite.sh              # paths, moe, debug, 1b, 1b-flex, 3b and 8b
+#   OUT=$OUT benchmarks/gpu_suite.sh hybrid  # Gated DeltaNet vs GQA layer, 4k-128k (bench_linear_attention.py)
 #   benchmarks/gpu_suite.sh 1b           # one shape; STEPS=50 WARMUP=15 to change the run
 #   VARIANTS_1B="compile float8-rowwise" benchmarks/gpu_suite.sh 1b
 #   OUT=$OUT benchmarks/gpu_suite.sh ahead   # issue 50's levers and the side-by-side, ~9 min
@@ -43,6 +44,7 @@ declare -A SHAPE=(
   [3b]=""
   [paths]=""
   [moe]=""
+  [hybrid]=""
   [ahead]=""
   [suite]=""
   [levers]=""
@@ -115,6 +117,9 @@ run_big() {
         --layer-tokens 16384 --repeats 5 --float8 || echo "=== moe FAILED (rc $?)"
       # float8 experts against bf16 over 50 training steps (loss within 1e-2: issue 59)
       "$PYTHON" benchmarks/float8_moe_train.py --steps 50 || echo "=== moe float8 FAILED (rc $?)" ;;
+    hybrid)  # one Gated DeltaNet layer against one GQA layer at 4k, 32k, 128k (issue 61)
+      "$PYTHON" benchmarks/bench_linear_attention.py --device cuda --dtype bfloat16 \
+        --seqs 4096 32768 131072 || echo "=== hybrid FAILED (rc $?)" ;;
     paths)  # every CUDA path once, functional (20 steps each), and the flight recorder
       STEPS=20 "$PYTHON" benchmarks/gpu_paths.py || echo "=== paths FAILED (rc $?)"
       "$PYTHON" benchmarks/gpu_flight_recorder.py | tail -2 ;;
@@ -179,8 +184,8 @@ START=$(date +%Y-%m-%dT%H:%M:%S)
 shapes=("$@")
 [ ${#shapes[@]} -gt 0 ] || shapes=(paths moe debug 1b 1b-flex 3b 8b)
 for shape in "${shapes[@]}"; do
-  [ -n "${SHAPE[$shape]+x}" ] || { echo "unknown shape $shape (paths, moe, debug, 1b, 1b-flex, 3b, 8b, ahead, levers, suite)"; exit 2; }
-  case "$shape" in 1b|1b-flex|3b|paths|moe) run_big "$shape"; continue ;;
+  [ -n "${SHAPE[$shape]+x}" ] || { echo "unknown shape $shape (paths, moe, hybrid, debug, 1b, 1b-flex, 3b, 8b, ahead, levers, suite)"; exit 2; }
+  case "$shape" in 1b|1b-flex|3b|paths|moe|hybrid) run_big "$shape"; continue ;;
     ahead) run_ahead; continue ;; suite) run_suite; continue ;;
     levers) run_levers; continue ;; esac
   echo "=== $shape: memory plan on $GPU"
