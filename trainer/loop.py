@@ -205,4 +205,3 @@ class Loop:
             self.checkpointer.save(step)
         self.checkpointer.wait()
         raise Preempted(f"stopped at step {step} on a signal")
-
