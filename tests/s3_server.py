@@ -41,9 +41,19 @@ def s3_server(*buckets: str):
         for name in buckets:
             client.create_bucket(Bucket=name)
         os.environ.update(env)  # for this process's own reads and listings too
+        _forget_clients()
         yield env, client
     finally:
+        _forget_clients()
         for key, value in env_before.items():
             os.environ.pop(key, None) if value is None else os.environ.__setitem__(key, value)
         server.terminate()
         server.wait(timeout=10)
+
+
+def _forget_clients() -> None:
+    """Drop fsspec's cached s3 file systems: one made for another module's server (DCP's
+    readers and writers key theirs on the URL alone) would still point at its dead port."""
+    import fsspec
+
+    fsspec.get_filesystem_class("s3").clear_instance_cache()

@@ -239,3 +239,16 @@ def test_rollback_resaves_its_step_in_the_bucket(s3, tmp_path):
     manifest = json.loads(client.get_object(Bucket="ckpt", Key="run4/step-4/manifest.json")
                           ["Body"].read())
     assert manifest["step"] == 4 and set(manifest["files"]) == {".metadata", "__0_0.distcp"}
+
+
+def test_a_changed_endpoint_gets_a_client_of_its_own(monkeypatch):
+    """fsspec caches one file system per argument set: the endpoint is one of them, so a client
+    made for an endpoint that went away (another server) never serves a later one."""
+    from trainer.checkpoint import storage
+
+    monkeypatch.setenv("AWS_ENDPOINT_URL", "http://127.0.0.1:1")
+    first = storage.filesystem("s3://b/x")
+    assert storage.filesystem("s3://b/y") is first  # one per endpoint, reused
+    monkeypatch.setenv("AWS_ENDPOINT_URL", "http://127.0.0.1:2")
+    second = storage.filesystem("s3://b/x")
+    assert second is not first and second.endpoint_url == "http://127.0.0.1:2"

@@ -48,14 +48,19 @@ def check_path(path: str, key: str) -> None:
 
 
 def filesystem(path: str):
-    """fsspec's file system for a URL (one instance per scheme, listings never cached; on
-    s3:// every request under retry.py's retries, counted)."""
+    """fsspec's file system for a URL (one instance per scheme and endpoint, listings never
+    cached; on s3:// every request under retry.py's retries, counted). The endpoint of the
+    moment is part of fsspec's instance key, so a changed AWS_ENDPOINT_URL never reaches a
+    client made for the old one."""
     import fsspec
 
     scheme = str(path).split("://", 1)[0]
+    options = {"use_listings_cache": False}
     if scheme == "s3":
         retry.s3_filesystem_class()  # registered as fsspec's "s3" (DCP's reader uses it too)
-    return fsspec.filesystem(scheme, use_listings_cache=False)
+        if os.environ.get("AWS_ENDPOINT_URL"):
+            options["endpoint_url"] = os.environ["AWS_ENDPOINT_URL"]
+    return fsspec.filesystem(scheme, **options)
 
 
 def join(root: str, *names: str) -> str:
