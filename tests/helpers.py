@@ -48,14 +48,10 @@ def subprocess_env(extra: dict | None = None) -> dict:
 # The launcher zygote (tests/scripts/zygote.py): run_train's CPU launches fork from one process
 # per pytest worker that imported torch and the trainer once, instead of starting Python and
 # importing anew (~3-6 CPU-s a launch). run_train.sh runs unchanged; its interpreter is the shim.
-# On for the files in ZYGOTE_FILES (each run green with it); TRAINER_TEST_ZYGOTE=all for every
-# file, =0 for none. Environment a launch is given that torch may read at import (TORCH_*,
-# OMP_*, ...) sends that launch through the real interpreter.
+# On for every test file (the whole suite ran green with it, session 23); TRAINER_TEST_ZYGOTE=0
+# for none. Environment a launch is given that torch may read at import (TORCH_*, OMP_*, ...)
+# sends that launch through the real interpreter.
 ZYGOTE_OFF = {"0", "off", "false", "no"}
-ZYGOTE_ALL = {"1", "on", "all", "true", "yes"}
-ZYGOTE_FILES = {"test_tp.py", "test_moe.py", "test_bad_inputs.py", "test_evals_e2e.py",
-                "test_lr_schedule.py", "test_pipeline.py", "test_deepseek.py",
-                "test_context_parallel.py", "test_muon.py", "test_optim_resume.py"}
 ZYGOTE_UNSAFE_ENV = ("TORCH", "OMP_", "MKL_", "KMP_", "CUDA", "PYTORCH", "LD_", "PYTHON", "GLOO")
 _zygote: dict = {}
 
@@ -63,10 +59,8 @@ _zygote: dict = {}
 def zygote_env(env: dict | None) -> dict:
     """The environment that sends a run_train launch through the zygote (started on first
     use), or {} where it must start as a fresh interpreter."""
-    mode = os.environ.get("TRAINER_TEST_ZYGOTE", "files").strip().lower()
-    test_file = os.environ.get("PYTEST_CURRENT_TEST", "").split("::")[0].rsplit("/", 1)[-1]
-    if mode in ZYGOTE_OFF or (mode not in ZYGOTE_ALL and test_file not in ZYGOTE_FILES) or any(
-            k.startswith(ZYGOTE_UNSAFE_ENV) for k in (env or {})):
+    mode = os.environ.get("TRAINER_TEST_ZYGOTE", "on").strip().lower()
+    if mode in ZYGOTE_OFF or any(k.startswith(ZYGOTE_UNSAFE_ENV) for k in (env or {})):
         return {}
     if _zygote.get("pid") != os.getpid():  # none yet in this process (or a fork's copy)
         import atexit

@@ -15,7 +15,7 @@ def test_a_refused_launch_is_the_same_one_line(monkeypatch, tmp_path):
     bad = ("--training.steps", "-1")
     monkeypatch.setenv("TRAINER_TEST_ZYGOTE", "0")
     fresh = run_train(tmp_path / "a", *TINY, *bad, check=False)
-    monkeypatch.setenv("TRAINER_TEST_ZYGOTE", "all")
+    monkeypatch.setenv("TRAINER_TEST_ZYGOTE", "on")
     assert helpers.zygote_env(None)  # this launch goes through the zygote
     forked = run_train(tmp_path / "b", *TINY, *bad, check=False)
     assert fresh.returncode == forked.returncode == 2, (fresh.stderr, forked.stderr)
@@ -24,7 +24,7 @@ def test_a_refused_launch_is_the_same_one_line(monkeypatch, tmp_path):
 
 
 def test_a_launch_trains_with_the_environment_it_was_given(monkeypatch, tmp_path):
-    monkeypatch.setenv("TRAINER_TEST_ZYGOTE", "all")
+    monkeypatch.setenv("TRAINER_TEST_ZYGOTE", "on")
     proc = run_train(tmp_path / "run", *TINY, "--training.steps", "1",
                      "--checkpoint.enable", "false", env={"TRAINER_DEBUG_DATA_HASHES": "1"},
                      log_rank="0,1")
@@ -34,7 +34,7 @@ def test_a_launch_trains_with_the_environment_it_was_given(monkeypatch, tmp_path
 
 
 def test_a_timeout_kills_the_launch_and_its_ranks(monkeypatch, tmp_path):
-    monkeypatch.setenv("TRAINER_TEST_ZYGOTE", "all")
+    monkeypatch.setenv("TRAINER_TEST_ZYGOTE", "on")
     helpers.zygote_env(None)
     server = helpers._zygote["server"]
     with pytest.raises(subprocess.TimeoutExpired):
