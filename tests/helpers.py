@@ -364,12 +364,15 @@ def listening_addresses(pids: list[int]) -> list[str]:
 
 
 def process_tree(pid: int) -> list[int]:
-    """pid and its descendants."""
+    """pid and its descendants (one that exits while it is read is left out of its parent's)."""
     tree, todo = [], [pid]
     while todo:
         p = todo.pop()
         tree.append(p)
         for path in glob.glob(f"/proc/{p}/task/*/children"):
-            with open(path) as fh:
-                todo += [int(c) for c in fh.read().split()]
+            try:
+                with open(path) as fh:
+                    todo += [int(c) for c in fh.read().split()]
+            except OSError:  # p, or this thread of it, exited between the listing and the read
+                pass
     return tree
