@@ -8,6 +8,7 @@ import re
 import shutil
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
@@ -83,6 +84,23 @@ def zygote_env(env: dict | None) -> dict:
             "TRAINER_TEST_ZYGOTE_PYTHON": os.environ.get("PYTHON", sys.executable)}
 
 
+def log_launch(kind: str, nproc, seconds: float, stdout: str) -> None:
+    """With TRAINER_TEST_LAUNCH_LOG=FILE: one JSON line per launch (the test, its kind, ranks,
+    seconds, the steps and saves its rank-0 output shows) appended to FILE, to see where a
+    suite's time goes (docs/development.md)."""
+    path = os.environ.get("TRAINER_TEST_LAUNCH_LOG")
+    if not path:
+        return
+    import json
+
+    record = {"test": os.environ.get("PYTEST_CURRENT_TEST", "").rsplit(" ", 1)[0],
+              "kind": kind, "nproc": nproc, "seconds": round(seconds, 2),
+              "steps": len(re.findall(r"^step: ", stdout or "", re.M)),
+              "saves": len(re.findall(r"^saved checkpoint", stdout or "", re.M))}
+    with open(path, "a") as fh:
+        fh.write(json.dumps(record) + "\n")
+
+
 def run_train(dump: Path | str, *overrides: str, nproc: int | None = 2, env: dict | None = None,
               config: str | None = None, timeout: float = 300, check: bool = True,
               log_rank: str = "0", device: str | None = "cpu") -> subprocess.CompletedProcess:
@@ -95,8 +113,10 @@ def run_train(dump: Path | str, *overrides: str, nproc: int | None = 2, env: dic
     if config:
         extra["CONFIG_FILE"] = config
     first = ["--training.device", device] if device else []
+    start = time.monotonic()
     proc = subprocess.run([str(RUN_TRAIN), *first, "--job.dump_folder", str(dump), *overrides],
                           env=subprocess_env(extra), capture_output=True, text=True, timeout=timeout)
+    log_launch("run_train", nproc, time.monotonic() - start, proc.stdout)
     if check and proc.returncode != 0:
         raise AssertionError(f"run_train.sh exited {proc.returncode}\n--- stdout\n"
                              f"{proc.stdout[-4000:]}\n--- stderr\n{proc.stderr[-4000:]}")
@@ -110,7 +130,6 @@ def run_train_watched(dump: Path | str, *overrides: str, mark: str, timeout: flo
     follows it that a loaded machine's slow launch (imports, rendezvous) does not eat into.
     The whole run if `mark` never shows."""
     import threading
-    import time
 
     extra = {"LOG_RANK": "0", "NGPU": "2", **(env or {})}
     proc = subprocess.Popen([str(RUN_TRAIN), *CPU, "--job.dump_folder", str(dump), *overrides],
@@ -137,6 +156,7 @@ def run_train_watched(dump: Path | str, *overrides: str, mark: str, timeout: flo
         for r in readers:
             r.join()
     done = subprocess.CompletedProcess(proc.args, proc.returncode, "".join(out), "".join(err))
+    log_launch("run_train_watched", 2, time.monotonic() - t0, done.stdout)
     return done, time.monotonic() - seen[-1]
 
 
@@ -152,7 +172,9 @@ def torchrun(script: Path | str, *args: str, nproc: int = 2, timeout: float = 30
         cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "1",
                "--nproc_per_node", str(nproc), "--rdzv_backend", "c10d",
                "--rdzv_endpoint", "localhost:0", str(script), *args]
+    start = time.monotonic()
     proc = subprocess.run(cmd, env=subprocess_env(env), capture_output=True, text=True, timeout=timeout)
+    log_launch(f"torchrun {Path(script).name}", nproc, time.monotonic() - start, proc.stdout)
     if proc.returncode != 0:
         raise AssertionError(f"torchrun {script} exited {proc.returncode}\n--- stdout\n"
                              f"{proc.stdout[-4000:]}\n--- stderr\n{proc.stderr[-6000:]}")
