@@ -7,6 +7,11 @@ import os
 # no result and no solo timing; two concurrent 1-rank runs went from 17 s to 7 s here
 # (docs/development.md). Set before torch is imported, so the workers and every launch inherit it.
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+# And one intra-op thread per process: the launcher gives a 1-rank run both cores
+# (trainer/launch.py), which under the suite's two workers only oversubscribes them (a 1-rank
+# MoE run: ~7.8 CPU-s with 2 threads, ~7.0 with 1, the same wall time). Every launch inherits it,
+# through the zygote too (tests/helpers.py), so every run of a comparison uses the same count.
+os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 import pytest  # noqa: E402
 

@@ -54,6 +54,8 @@ def subprocess_env(extra: dict | None = None) -> dict:
 # sends that launch through the real interpreter.
 ZYGOTE_OFF = {"0", "off", "false", "no"}
 ZYGOTE_UNSAFE_ENV = ("TORCH", "OMP_", "MKL_", "KMP_", "CUDA", "PYTORCH", "LD_", "PYTHON", "GLOO")
+# ... except the ranks' thread count, which each rank sets itself (trainer/launch.py)
+ZYGOTE_SAFE_ENV = ("OMP_NUM_THREADS",)
 _zygote: dict = {}
 
 
@@ -61,7 +63,8 @@ def zygote_env(env: dict | None) -> dict:
     """The environment that sends a run_train launch through the zygote (started on first
     use), or {} where it must start as a fresh interpreter."""
     mode = os.environ.get("TRAINER_TEST_ZYGOTE", "on").strip().lower()
-    if mode in ZYGOTE_OFF or any(k.startswith(ZYGOTE_UNSAFE_ENV) for k in (env or {})):
+    if mode in ZYGOTE_OFF or any(k.startswith(ZYGOTE_UNSAFE_ENV) and k not in ZYGOTE_SAFE_ENV
+                                 for k in (env or {})):
         return {}
     if _zygote.get("pid") != os.getpid():  # none yet in this process (or a fork's copy)
         import atexit

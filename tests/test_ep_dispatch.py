@@ -86,13 +86,16 @@ def test_the_recompute_reuses_the_dispatch_and_its_split_sizes(probed):
 
 
 def test_the_shared_experts_run_while_the_dispatch_is_in_flight(probed):
-    """2048 x 512 rows per rank: on every rank the dispatch's all-to-all has not completed
-    when the shared expert starts, and it is read only after the shared expert ends."""
+    """2048 x 512 rows per rank: on every rank the dispatch's all-to-all is read only after
+    the shared expert ends, and has not completed when the shared expert starts (in one of
+    three forwards at least: a rank descheduled under load between the two may see a transfer
+    finish; a dispatch waited for before the side would be done in all three)."""
     for r, info in probed.items():
-        for name, events in info["timeline"].items():
-            names = [e[0] for e in events]
-            assert names == ["dispatch issued", "side start", "side end", "dispatch received"]
-            assert events[1][2], (r, name, events)  # still in flight at the side's start
+        for name, tries in info["timeline"].items():
+            for events in tries:
+                names = [e[0] for e in events]
+                assert names == ["dispatch issued", "side start", "side end", "dispatch received"]
+            assert any(events[1][2] for events in tries), (r, name, tries)  # in flight
 
 
 CHECK = """

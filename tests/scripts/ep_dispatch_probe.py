@@ -129,11 +129,14 @@ def main(out_dir: str) -> None:
     for name, dispatcher in (("flat", AllToAllDispatch(mesh.get_group(), 8, True)),
                              ("node", big.dispatcher)):
         big.dispatcher = dispatcher
-        dispatcher.timeline = []
-        with torch.no_grad():
-            big(torch.randn(big_tokens, big_dim))
-        t0 = dispatcher.timeline[0][1]
-        timelines[name] = [(e, round(t - t0, 6), busy) for e, t, busy in dispatcher.timeline]
+        timelines[name] = []
+        for _ in range(3):  # three tries: a rank descheduled under load may see one finish
+            dispatcher.timeline = []
+            with torch.no_grad():
+                big(torch.randn(big_tokens, big_dim))
+            t0 = dispatcher.timeline[0][1]
+            timelines[name].append([(e, round(t - t0, 6), busy)
+                                    for e, t, busy in dispatcher.timeline])
     report["timeline"] = timelines
     with open(f"{out_dir}/rank{rank}.json", "w") as f:
         json.dump(report, f)
