@@ -1,10 +1,11 @@
 """Under torchrun (2 ranks): trainer.optim.optimizer's Adam/AdamW, which step each DTensor's
 local shard, against torch.optim's, which step through DTensor's dispatch, on the same
 parameters and gradients: FSDP 2 (Shard(0)) and TP 2 (colwise Shard(0), rowwise Shard(1), a
-replicated norm weight), fused and foreach, 3 steps with the lr changing and one step skipped
-on the device (found_inf). Every parameter and moment equal to the bit; the moments are
-DTensors laid out as their parameters (what the checkpoint saves); and after the first step
-(which makes the moments) no op of the local step sees a DTensor, where torch's step does. Prints "adam probe ok <case>" per case."""
+replicated norm weight), fused and foreach, 4 steps with the lr changing (fused: the third
+skipped on the device, found_inf). Every parameter and moment equal to the bit; the moments
+are DTensors laid out as their parameters (what the checkpoint saves); and after the first
+step (which makes the moments) no op of the local step sees a DTensor, where torch's step
+does. Prints "adam probe ok <case>" per case."""
 
 import sys
 
@@ -12,10 +13,9 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
-from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import DTensor, Replicate
 from torch.distributed.tensor.parallel import (ColwiseParallel, RowwiseParallel,
                                                parallelize_module)
-
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
@@ -41,9 +41,10 @@ def layout(name: str, mesh) -> torch.nn.Module:
         fully_shard(net.up, mesh=mesh)
         fully_shard(net, mesh=mesh)
     else:
-        parallelize_module(net, mesh, {"up": ColwiseParallel(), "down": RowwiseParallel(use_local_output=False)})
+        parallelize_module(net, mesh, {"up": ColwiseParallel(),
+                                       "down": RowwiseParallel(use_local_output=False)})
         net.norm.weight = torch.nn.Parameter(
-            DTensor.from_local(net.norm.weight.detach(), mesh, [torch.distributed.tensor.Replicate()]))
+            DTensor.from_local(net.norm.weight.detach(), mesh, [Replicate()]))
     return net
 
 

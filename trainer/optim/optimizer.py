@@ -50,8 +50,8 @@ class _OnLocalShards:
     gradients and the moments stay DTensors (the checkpoint, the memory and the layout are
     torch's), and the update, elementwise, is the same to the bit. DTensor's own dispatch of the
     fused/foreach kernels over a list of N DTensors propagates shardings at ~N^2 cost the first
-    time (~0.7 s for 160 parameters on a CPU; minutes of fake-tensor time for a 671B trace) and
-    ~70 us per parameter on every step after it. A group whose gradients are not laid out as
+    time (160 tensors: 0.5 s fused, 2 s foreach on a CPU host; a third of a Kimi K2 trace) and
+    ~2x the host time of every step after it (benchmarks/bench_adam_local.py). A group whose gradients are not laid out as
     their parameters (which DTensor would redistribute) is left to DTensor."""
 
     def _init_group(self, group, *lists):
