@@ -20,6 +20,9 @@ Settings (environment first, then pyproject's [tool.pytest.ini_options]):
 Every run (the guard on or off) also ends with a per-file summary: seconds per test file, summed
 over its tests' setup + call + teardown, the slowest in a short "slowest files" section and all
 of them in `.pytest_cache/trainer-durations.json` (FileDurations): where each run's time went.
+Beside each test's wall seconds the file keeps its CPU seconds (the test process's own and its
+waited-for children's: the launches and their ranks): on two cores shared by two workers the
+suite is CPU-bound, so CPU seconds, not wall seconds, say which test the suite waits on.
 
 Loaded by tests/conftest.py (pytest_plugins), or `-p tests.budget` with the repository on the path.
 """
@@ -28,6 +31,7 @@ from __future__ import annotations
 
 import json
 import os
+import resource
 import time
 from pathlib import Path
 
@@ -80,6 +84,32 @@ def pytest_configure(config):
     if config.getoption("usepdb", False) or config.getoption("trace", False):
         return  # a debugger's pauses are not the tests' time
     config.pluginmanager.register(Budget(config), "trainer-test-budget")
+
+
+def cpu_seconds() -> float:
+    """User + system CPU seconds of this process and of its children that have been waited for
+    (a launch's launcher and ranks, once it ends)."""
+    own, children = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(
+        resource.RUSAGE_CHILDREN)
+    return own.ru_utime + own.ru_stime + children.ru_utime + children.ru_stime
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_protocol(item, nextitem):
+    """Where each test's CPU time starts: makereport charges each phase the CPU since."""
+    item._trainer_cpu_mark = cpu_seconds()
+    yield
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item, call):
+    """Each phase's report carries its CPU seconds (user_properties travel from an xdist worker
+    to the controller with the report)."""
+    now = cpu_seconds()
+    spent = now - getattr(item, "_trainer_cpu_mark", now)
+    item._trainer_cpu_mark = now
+    outcome = yield
+    outcome.get_result().user_properties.append(("cpu_s", spent))
 
 
 def _setting(config, env: str, ini: str) -> float:
@@ -166,21 +196,30 @@ class FileDurations:
     def __init__(self, config):
         self.path = Path(str(config.rootpath)) / DURATIONS_FILE
         self.seconds: dict[str, float] = {}
+        self.cpu: dict[str, float] = {}
         self.files: dict[str, dict] = {}
         self.start = time.monotonic()
 
     def pytest_runtest_logreport(self, report):
         self.seconds[report.nodeid] = self.seconds.get(report.nodeid, 0.0) + report.duration
+        cpu = sum(v for k, v in report.user_properties if k == "cpu_s")
+        self.cpu[report.nodeid] = self.cpu.get(report.nodeid, 0.0) + cpu
 
     def pytest_sessionfinish(self, session, exitstatus):
         self.files = per_file(self.seconds)
         if not self.files:
             return
+        cpu_files = per_file(self.cpu)
+        for name, entry in self.files.items():
+            entry["cpu_s"] = cpu_files.get(name, {}).get("seconds", 0.0)
         summary = {"wall_s": round(time.monotonic() - self.start, 2),
                    "tests_s": round(sum(self.seconds.values()), 2),
+                   "cpu_s": round(sum(self.cpu.values()), 2),
                    "files": self.files,
                    "tests": {n: round(s, 2) for n, s in
-                             sorted(self.seconds.items(), key=lambda kv: -kv[1])}}
+                             sorted(self.seconds.items(), key=lambda kv: -kv[1])},
+                   "tests_cpu_s": {n: round(s, 2) for n, s in
+                                   sorted(self.cpu.items(), key=lambda kv: -kv[1])}}
         try:
             self.path.parent.mkdir(parents=True, exist_ok=True)
             self.path.write_text(json.dumps(summary, indent=1) + "\n")
@@ -194,4 +233,5 @@ class FileDurations:
                                         f"{DURATIONS_FILE})")
         for name, entry in list(self.files.items())[:SLOWEST_FILES]:
             terminalreporter.write_line(
-                f"{entry['seconds']:8.1f} s  {entry['tests']:3d} tests  {name}")
+                f"{entry['seconds']:8.1f} s  {entry['cpu_s']:8.1f} CPU-s  {entry['tests']:3d} tests"
+                f"  {name}")
