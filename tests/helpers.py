@@ -83,14 +83,26 @@ def zygote_env(env: dict | None) -> dict:
             raise AssertionError("tests/scripts/zygote.py did not start")
         atexit.register(lambda: (proc.terminate(), proc.wait(), shutil.rmtree(folder, True)))
         _zygote.update(pid=os.getpid(), socket=sock, wrapper=wrapper, server=proc.pid)
+        os.environ["TRAINER_TEST_CPU_LEDGER"] = sock + ".cpu"  # tests/budget.py's
     return {"PYTHON": _zygote["wrapper"], "TRAINER_TEST_ZYGOTE_SOCKET": _zygote["socket"],
             "TRAINER_TEST_ZYGOTE_PYTHON": os.environ.get("PYTHON", sys.executable)}
 
 
-def log_launch(kind: str, nproc, seconds: float, stdout: str) -> None:
+def children_cpu() -> float:
+    """CPU seconds of this process's ended launches (its waited-for children, the zygote's)."""
+    import resource
+
+    from tests.budget import launched_cpu
+
+    used = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return used.ru_utime + used.ru_stime + launched_cpu()
+
+
+def log_launch(kind: str, nproc, seconds: float, stdout: str, cpu_from: float | None = None
+               ) -> None:
     """With TRAINER_TEST_LAUNCH_LOG=FILE: one JSON line per launch (the test, its kind, ranks,
-    seconds, the steps and saves its rank-0 output shows) appended to FILE, to see where a
-    suite's time goes (docs/development.md)."""
+    seconds, CPU seconds since children_cpu() was `cpu_from`, the steps and saves its rank-0
+    output shows) appended to FILE, to see where a suite's time goes (docs/development.md)."""
     path = os.environ.get("TRAINER_TEST_LAUNCH_LOG")
     if not path:
         return
@@ -98,6 +110,7 @@ def log_launch(kind: str, nproc, seconds: float, stdout: str) -> None:
 
     record = {"test": os.environ.get("PYTEST_CURRENT_TEST", "").rsplit(" ", 1)[0],
               "kind": kind, "nproc": nproc, "seconds": round(seconds, 2),
+              "cpu_s": None if cpu_from is None else round(children_cpu() - cpu_from, 2),
               "steps": len(re.findall(r"^step: ", stdout or "", re.M)),
               "saves": len(re.findall(r"^saved checkpoint", stdout or "", re.M))}
     with open(path, "a") as fh:
@@ -116,10 +129,10 @@ def run_train(dump: Path | str, *overrides: str, nproc: int | None = 2, env: dic
     if config:
         extra["CONFIG_FILE"] = config
     first = ["--training.device", device] if device else []
-    start = time.monotonic()
+    start, cpu = time.monotonic(), children_cpu()
     proc = subprocess.run([str(RUN_TRAIN), *first, "--job.dump_folder", str(dump), *overrides],
                           env=subprocess_env(extra), capture_output=True, text=True, timeout=timeout)
-    log_launch("run_train", nproc, time.monotonic() - start, proc.stdout)
+    log_launch("run_train", nproc, time.monotonic() - start, proc.stdout, cpu)
     if check and proc.returncode != 0:
         raise AssertionError(f"run_train.sh exited {proc.returncode}\n--- stdout\n"
                              f"{proc.stdout[-4000:]}\n--- stderr\n{proc.stderr[-4000:]}")
@@ -138,7 +151,7 @@ def run_train_watched(dump: Path | str, *overrides: str, mark: str, timeout: flo
     proc = subprocess.Popen([str(RUN_TRAIN), *CPU, "--job.dump_folder", str(dump), *overrides],
                             env=subprocess_env(extra), stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True)
-    t0 = time.monotonic()
+    t0, cpu = time.monotonic(), children_cpu()
     seen, out, err = [t0], [], []
 
     def read_out():
@@ -159,7 +172,7 @@ def run_train_watched(dump: Path | str, *overrides: str, mark: str, timeout: flo
         for r in readers:
             r.join()
     done = subprocess.CompletedProcess(proc.args, proc.returncode, "".join(out), "".join(err))
-    log_launch("run_train_watched", 2, time.monotonic() - t0, done.stdout)
+    log_launch("run_train_watched", 2, time.monotonic() - t0, done.stdout, cpu)
     return done, time.monotonic() - seen[-1]
 
 
@@ -175,9 +188,9 @@ def torchrun(script: Path | str, *args: str, nproc: int = 2, timeout: float = 30
         cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "1",
                "--nproc_per_node", str(nproc), "--rdzv_backend", "c10d",
                "--rdzv_endpoint", "localhost:0", str(script), *args]
-    start = time.monotonic()
+    start, cpu = time.monotonic(), children_cpu()
     proc = subprocess.run(cmd, env=subprocess_env(env), capture_output=True, text=True, timeout=timeout)
-    log_launch(f"torchrun {Path(script).name}", nproc, time.monotonic() - start, proc.stdout)
+    log_launch(f"torchrun {Path(script).name}", nproc, time.monotonic() - start, proc.stdout, cpu)
     if proc.returncode != 0:
         raise AssertionError(f"torchrun {script} exited {proc.returncode}\n--- stdout\n"
                              f"{proc.stdout[-4000:]}\n--- stderr\n{proc.stderr[-6000:]}")

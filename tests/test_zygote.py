@@ -24,13 +24,21 @@ def test_a_refused_launch_is_the_same_one_line(monkeypatch, tmp_path):
 
 
 def test_a_launch_trains_with_the_environment_it_was_given(monkeypatch, tmp_path):
+    """... and books its CPU seconds (launcher and ranks) in the ledger that tests/budget.py
+    charges to the test: the zygote's forks are not the pytest worker's children."""
+    from tests.budget import launched_cpu
+
     monkeypatch.setenv("TRAINER_TEST_ZYGOTE", "on")
+    helpers.zygote_env(None)
+    before = launched_cpu()
     proc = run_train(tmp_path / "run", *TINY, "--training.steps", "1",
                      "--checkpoint.enable", "false", env={"TRAINER_DEBUG_DATA_HASHES": "1"},
                      log_rank="0,1")
     assert "training done at step 1" in proc.stdout, proc.stdout
     assert len(helpers.global_batches(proc.stdout)) == 1  # both ranks saw the variable
     assert "zygote" not in proc.stdout + proc.stderr
+    # two forked ranks (nothing to import) set up and take a step: ~1.2 CPU-s here
+    assert launched_cpu() - before > 0.3, (before, launched_cpu())
 
 
 def test_a_timeout_kills_the_launch_and_its_ranks(monkeypatch, tmp_path):

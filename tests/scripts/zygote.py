@@ -85,9 +85,22 @@ def launch(request: dict, fds: list[int]) -> None:
             os._exit(code)
 
 
+def book_cpu(usage) -> None:
+    """Append a finished launch's CPU seconds (its launcher's and ranks': `usage`, wait4's
+    rusage) to the ledger beside
+    the socket (LEDGER): its CPU reaches the pytest worker's RUSAGE_CHILDREN only when the
+    zygote exits, so tests/budget.py adds the ledger to charge each test its launches."""
+    line = f"{usage.ru_utime + usage.ru_stime:.3f}\n".encode()
+    fd = os.open(LEDGER[0], os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+    try:
+        os.write(fd, line)  # one small O_APPEND write: whole, whatever runs beside it
+    finally:
+        os.close(fd)
+
+
 def handle(conn: socket.socket) -> None:
     """In a forked handler: start the launch, tell the shim its pid, wait for it (killing its
-    group if the shim goes away) and send its exit status."""
+    group if the shim goes away), book its CPU seconds and send its exit status."""
     request, fds = receive(conn)
     pid = os.fork()
     if pid == 0:
@@ -97,7 +110,7 @@ def handle(conn: socket.socket) -> None:
         os.close(fd)
     conn.sendall(json.dumps({"pid": pid}).encode() + b"\n")
     while True:
-        done, status = os.waitpid(pid, os.WNOHANG)
+        done, status, usage = os.wait4(pid, os.WNOHANG)
         if done:
             break
         readable, _, _ = select.select([conn], [], [], 0.05)
@@ -106,8 +119,9 @@ def handle(conn: socket.socket) -> None:
                 os.killpg(pid, signal.SIGKILL)
             except ProcessLookupError:
                 pass
-            os.waitpid(pid, 0)
+            book_cpu(os.wait4(pid, 0)[2])
             return
+    book_cpu(usage)
     code = os.waitstatus_to_exitcode(status)
     conn.sendall(json.dumps({"returncode": code}).encode() + b"\n")
 
@@ -123,8 +137,12 @@ def reap(block: bool) -> None:
             return
 
 
+LEDGER = [""]  # the CPU ledger's path: SOCKET_PATH + ".cpu"
+
+
 def serve(path: str) -> None:
     parent = os.getppid()
+    LEDGER[0] = path + ".cpu"
     server = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     server.bind(path)
     server.listen(16)
