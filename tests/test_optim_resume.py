@@ -22,7 +22,7 @@ import torch.distributed.checkpoint as dcp
 import torch.nn.functional as F
 
 from tests.helpers import BASE_FP32, run_train, scalars
-from trainer.checkpoint.optim_state import ModelAndOptimizer, changed_line
+from trainer.checkpoint.optim_state import ModelAndOptimizer, changed_line, saved_grouped
 from trainer.config.job import load_config
 from trainer.models.llama import Transformer, model_args
 from trainer.optim.muon import takes_muon
@@ -193,3 +193,51 @@ def test_the_resumed_momentum_is_the_configs_against_torch_muon(tmp_path):
     _train(ref, [muon, adamw], batches[3:])
     for (n, p), q in zip(resumed.named_parameters(), ref.parameters()):
         assert torch.equal(p, q), n
+
+
+@pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
+def test_settings_are_one_entry_per_parameter_and_older_checkpoints_still_load(tmp_path):
+    """AdamW's settings are saved as one DCP entry per parameter, not one per parameter and
+    setting (12 for AdamW); a checkpoint saved the older way still loads, found by its keys.
+    Either way the state loads exactly and a changed setting (weight decay) is this run's and
+    named."""
+    from torch.distributed.checkpoint import FileSystemReader
+
+    gen = torch.Generator().manual_seed(2)
+    batches = [torch.randint(0, 256, (2, 33), generator=gen) for _ in range(2)]
+
+    def built(weight_decay):
+        model = Transformer(model_args("debugmodel-narrow", vocab_size=256, max_seq_len=32))
+        model.init_weights(seed=0)
+        cfg = load_config(["--optimizer.implementation", "for-loop",
+                           "--optimizer.weight_decay", str(weight_decay)]).optimizer
+        return model, build_optimizer(model, cfg)
+
+    model, opt = built(0.1)
+    _train(model, [opt], batches)
+    names = [n for n, _ in model.named_parameters()]
+    prefix = "model_optim.optimizer.param_groups."
+    for grouped in (True, False):
+        folder = tmp_path / ("grouped" if grouped else "per_setting")
+        holder = ModelAndOptimizer(model, opt)
+        holder.grouped = grouped
+        dcp.save({"model_optim": holder}, checkpoint_id=str(folder))
+        keys = {k for k in FileSystemReader(str(folder)).read_metadata().state_dict_metadata
+                if k.startswith(prefix)}
+        per_setting = {f"{prefix}{n}.{s}" for n in names for s in ("lr", "betas", "eps")}
+        if grouped:
+            assert keys == {prefix + n for n in names}
+        else:
+            assert per_setting <= keys and len(keys) >= 10 * len(names)
+        assert saved_grouped({k[len("model_optim.optimizer."):] for k in keys}) == grouped
+
+        resumed, opt2 = built(0.05)
+        holder = ModelAndOptimizer(resumed, opt2)
+        holder.grouped = grouped
+        dcp.load({"model_optim": holder}, checkpoint_id=str(folder))
+        assert holder.changes == [("weight_decay", "0.1", "0.05")], (grouped, holder.changes)
+        assert {g["weight_decay"] for g in opt2.param_groups} == {0.05}
+        for (n, p), q in zip(model.named_parameters(), resumed.parameters()):
+            assert torch.equal(p, q), n
+            for k in ("exp_avg", "exp_avg_sq", "step"):
+                assert torch.equal(opt.state[p][k], opt2.state[q][k]), (n, k)

@@ -47,7 +47,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.stateful import Stateful
 
 from trainer.checkpoint import integrity, retry, safe_load, storage, store_lease
-from trainer.checkpoint.optim_state import ModelAndOptimizer, changed_line
+from trainer.checkpoint.optim_state import ModelAndOptimizer, changed_line, saved_grouped
 from trainer.checkpoint.steps import StepFolder, abandoned_suffix
 from trainer.health import faults
 from trainer.errors import CheckpointError, ConfigError
@@ -226,11 +226,13 @@ class Checkpointer:
         fresh = model_optim.model_only = self._optimizer_switched(saved)  # reset_optimizer
         prefix = "model_optim.optimizer."  # the optimizer's state loads, its settings are ours
         model_optim.saved_keys = {k[len(prefix):] for k in saved if k.startswith(prefix)}
+        model_optim.grouped = saved_grouped(model_optim.saved_keys)
         model_optim.changes = []
         try:
             load(states)
         finally:
             model_optim.flat, model_optim.model_only, model_optim.saved_keys = True, False, None
+            model_optim.grouped = True
         settings = None if fresh else changed_line(model_optim.changes)  # collective
         if fresh:
             self.log(f"checkpoint.reset_optimizer: {self._path(step)} holds another optimizer's "
