@@ -21,8 +21,9 @@ Exit code 0 when all of that holds.
 `--layout node`, the lost node (scripts/chaos_node.py): an elastic job of two torchrun "nodes"
 of 2 ranks loses a whole node (launcher and ranks, SIGKILL) at each fault, shrinks to 2 ranks and
 grows back to 4 when a new launcher joins, each time from the newest committed checkpoint; its
-losses must be within 1e-4 of an uninterrupted 4-rank run (not bitwise: the world size changes)
-and every checkpoint left committed. `--kinds` does not apply; it runs only when named, e.g.
+losses must be within 1e-4 of an uninterrupted 1-rank run of its global batch (not bitwise:
+the world size changes) and every checkpoint left committed. `--kinds` does not apply; it runs
+only when named, e.g.
 `--layout fsdp,hsdp,tp,pp,cp,ep,node --nproc 4`. `--layout s3` (scripts/chaos_store.py): the
 checkpoint folder is an s3:// prefix on moto's server behind a fault proxy that answers a share
 (`--store-rate`) of the requests with 503 SlowDown, 500, a timeout or a reset, during saves and

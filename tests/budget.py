@@ -202,10 +202,23 @@ def per_file(seconds: dict[str, float]) -> dict[str, dict]:
     return {name: {"seconds": round(e["seconds"], 2), "tests": e["tests"]} for name, e in ranked}
 
 
+def cpu_ticks() -> tuple[int, int] | None:
+    """(steal, total) clock ticks of every CPU since boot (/proc/stat), None where unreadable:
+    a virtual machine's stolen time makes the same tests take more CPU seconds."""
+    try:
+        with open("/proc/stat") as fh:
+            fields = [int(x) for x in fh.readline().split()[1:]]
+    except (OSError, ValueError):
+        return None
+    return (fields[7] if len(fields) > 7 else 0), sum(fields)
+
+
 class FileDurations:
     """Seconds per test file (setup + call + teardown of its tests, summed over the xdist
     workers' reports on the controller): written to DURATIONS_FILE at session finish, its
-    slowest SLOWEST_FILES named in a "slowest files" terminal section."""
+    slowest SLOWEST_FILES named in a "slowest files" terminal section. Beside them, what the
+    machine was like: calibrate()'s seconds at the start and the end, and the share of CPU
+    time the hypervisor stole, so two runs' figures can be compared honestly."""
 
     def __init__(self, config):
         self.path = Path(str(config.rootpath)) / DURATIONS_FILE
@@ -213,6 +226,11 @@ class FileDurations:
         self.cpu: dict[str, float] = {}
         self.files: dict[str, dict] = {}
         self.start = time.monotonic()
+        self.machine: dict = {}
+        self._ticks = cpu_ticks()
+
+    def pytest_sessionstart(self, session):
+        self.machine["calibration_start_s"] = round(calibrate(), 4)
 
     def pytest_runtest_logreport(self, report):
         self.seconds[report.nodeid] = self.seconds.get(report.nodeid, 0.0) + report.duration
@@ -223,12 +241,18 @@ class FileDurations:
         self.files = per_file(self.seconds)
         if not self.files:
             return
+        self.machine["calibration_end_s"] = round(calibrate(), 4)
+        ticks = cpu_ticks()
+        if ticks and self._ticks and ticks[1] > self._ticks[1]:
+            self.machine["steal_fraction"] = round(
+                (ticks[0] - self._ticks[0]) / (ticks[1] - self._ticks[1]), 4)
         cpu_files = per_file(self.cpu)
         for name, entry in self.files.items():
             entry["cpu_s"] = cpu_files.get(name, {}).get("seconds", 0.0)
         summary = {"wall_s": round(time.monotonic() - self.start, 2),
                    "tests_s": round(sum(self.seconds.values()), 2),
                    "cpu_s": round(sum(self.cpu.values()), 2),
+                   "machine": self.machine,
                    "files": self.files,
                    "tests": {n: round(s, 2) for n, s in
                              sorted(self.seconds.items(), key=lambda kv: -kv[1])},
@@ -243,8 +267,13 @@ class FileDurations:
     def pytest_terminal_summary(self, terminalreporter):
         if not self.files:
             return
+        m = self.machine
         terminalreporter.write_sep("-", f"slowest files (setup + call + teardown; all in "
                                         f"{DURATIONS_FILE})")
+        terminalreporter.write_line(
+            f"machine: calibration {m.get('calibration_start_s', 0):.3f} s at the start, "
+            f"{m.get('calibration_end_s', 0):.3f} s at the end; CPU stolen "
+            f"{100 * m.get('steal_fraction', 0):.1f}%")
         for name, entry in list(self.files.items())[:SLOWEST_FILES]:
             terminalreporter.write_line(
                 f"{entry['seconds']:8.1f} s  {entry['cpu_s']:8.1f} CPU-s  {entry['tests']:3d} tests"

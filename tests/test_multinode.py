@@ -198,7 +198,8 @@ def test_chaos_lost_nodes_shrink_the_job_and_new_nodes_grow_it_back(tmp_path):
     during a save. Each time the survivor goes on alone at world size 2 from the newest
     committed checkpoint with the same global batch (accumulation 2), and a node started later
     grows the job back to 4 ranks from the newest checkpoint. Every loss is within 1e-4 of an
-    uninterrupted 4-rank run; every checkpoint left is committed and loads."""
+    uninterrupted run of the same global batch (on one rank); every checkpoint left is
+    committed and loads."""
     proc = subprocess.run([sys.executable, str(REPO / "scripts" / "chaos.py"), "--layout", "node",
                            "--faults", "2", "--min-during-save", "1", "--seed", "0",
                            "--workdir", str(tmp_path)], env=env_for(), capture_output=True,
