@@ -143,6 +143,20 @@ def test_any_adamw_kernel_resumes_under_any_other(tmp_path):
 
 # ------------------------------------------------------------------------------ one process
 
+def _batches(seed: int, n: int) -> list[torch.Tensor]:
+    gen = torch.Generator().manual_seed(seed)
+    return [torch.randint(0, 256, (2, 33), generator=gen) for _ in range(n)]
+
+
+def _built(*overrides: str):
+    """debugmodel-narrow at vocab 256 and the optimizer of `overrides` (for-loop kernels):
+    (model, optimizer, its config)."""
+    model = Transformer(model_args("debugmodel-narrow", vocab_size=256, max_seq_len=32))
+    model.init_weights(seed=0)
+    cfg = load_config(["--optimizer.implementation", "for-loop", *overrides]).optimizer
+    return model, build_optimizer(model, cfg), cfg
+
+
 def _train(model, optimizers, batches):
     for t in batches:
         F.cross_entropy(model(t[:, :-1]).flatten(0, 1), t[:, 1:].flatten()).backward()
@@ -156,15 +170,10 @@ def test_the_resumed_momentum_is_the_configs_against_torch_muon(tmp_path):
     """Muon at 0.95 for 3 steps, saved; loaded by an optimizer built at momentum 0.8, 2 more
     steps: bitwise torch.optim.Muon at 0.8 (and AdamW) started from the saved weights and
     state."""
-    gen = torch.Generator().manual_seed(1)
-    batches = [torch.randint(0, 256, (2, 33), generator=gen) for _ in range(5)]
+    batches = _batches(seed=1, n=5)
 
     def built(momentum):
-        model = Transformer(model_args("debugmodel-narrow", vocab_size=256, max_seq_len=32))
-        model.init_weights(seed=0)
-        cfg = load_config(["--optimizer.name", "Muon", "--optimizer.implementation", "for-loop",
-                           "--optimizer.muon_momentum", str(momentum)]).optimizer
-        return model, build_optimizer(model, cfg), cfg
+        return _built("--optimizer.name", "Muon", "--optimizer.muon_momentum", str(momentum))
 
     model, opt, _ = built(0.95)
     _train(model, [opt], batches[:3])
@@ -203,15 +212,10 @@ def test_settings_are_one_entry_per_parameter_and_older_checkpoints_still_load(t
     named."""
     from torch.distributed.checkpoint import FileSystemReader
 
-    gen = torch.Generator().manual_seed(2)
-    batches = [torch.randint(0, 256, (2, 33), generator=gen) for _ in range(2)]
+    batches = _batches(seed=2, n=2)
 
     def built(weight_decay):
-        model = Transformer(model_args("debugmodel-narrow", vocab_size=256, max_seq_len=32))
-        model.init_weights(seed=0)
-        cfg = load_config(["--optimizer.implementation", "for-loop",
-                           "--optimizer.weight_decay", str(weight_decay)]).optimizer
-        return model, build_optimizer(model, cfg)
+        return _built("--optimizer.weight_decay", str(weight_decay))[:2]
 
     model, opt = built(0.1)
     _train(model, [opt], batches)
