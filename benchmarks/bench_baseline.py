@@ -178,7 +178,7 @@ def main(argv: list[str]) -> int:
                        "--training.global_batch_size", "-1",
                        "--training.mixed_precision_param", a.dtype, *overrides])
     args = model_args(cfg.model.flavor, vocab_size=cfg.model.vocab_size or cfg.data.vocab_size,
-                      max_seq_len=cfg.training.seq_len)
+                      max_seq_len=cfg.training.seq_len, n_layers=cfg.model.n_layers)
     gen = torch.Generator().manual_seed(0)
     shape = (cfg.training.local_batch_size, cfg.training.seq_len)
     batch = tuple(torch.randint(0, args.vocab_size, shape, generator=gen) for _ in range(2))

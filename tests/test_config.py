@@ -3,6 +3,7 @@
 import sys
 
 import pytest
+import torch
 
 from trainer.config.job import JobConfig, load_config, parse_cli
 from trainer.errors import ConfigError
@@ -60,6 +61,12 @@ def test_cli_forms_and_types():
      "model.sdpa_backends = 'cudnn,fash': 'fash' is not a backend; use 'auto' or a "
      "comma-separated order of cudnn, flash, efficient, math"),
     (["--model.sdpa_backends", "math,flash,math"], None, "names a backend twice"),
+    (["--model.flavor", "debugmodel-narrow", "--model.n_layers", "7"], None,
+     "model.n_layers = 7 is above the 6 blocks of model.flavor 'debugmodel-narrow'; valid: 1 "
+     "to 6, or 0 for all of them"),
+    (["--model.flavor", "debugmodel-moe-narrow", "--model.n_layers", "1"], None,
+     "model.n_layers = 1 keeps only dense blocks of model.flavor 'debugmodel-moe-narrow', whose "
+     "first MoE block is block 1; valid: 2 to 4, or 0 for all"),
     (["--compile.mode", "reduce-overhead"], None,  # CUDA graphs: FSDP re-allocates the params
      "compile.mode = 'reduce-overhead' is not valid; choose one of 'default', "
      "'max-autotune-no-cudagraphs'"),
@@ -89,6 +96,30 @@ def test_world_size_dependent_errors(world, overrides, needle):
     with pytest.raises(ConfigError) as e:
         cfg.validate(world)
     assert needle in str(e.value)
+
+
+def test_n_layers_keeps_the_flavors_first_blocks_in_every_model_a_config_builds():
+    """model.n_layers reaches each place a run's model is built from its config: the trained
+    model (attention_args), the plan's, and the pipeline's split (refused where it has fewer
+    blocks than stages)."""
+    from trainer.models.attention import attention_args
+    from trainer.models.build import build_model
+    from trainer.models.llama import model_args
+    from trainer.plan.planned import plan_args
+
+    cfg = load_config(["--model.flavor", "debugmodel-moe-narrow", "--model.n_layers", "2"])
+    args = model_args(cfg.model.flavor, vocab_size=64, max_seq_len=16,
+                      **attention_args(cfg.model, "cpu"))
+    assert (args.n_layers, args.moe_layer_ids) == (2, [1])
+    assert plan_args(cfg, 64).n_layers == 2
+    with torch.device("meta"):
+        model = build_model(args)
+    assert sorted(model.layers.keys()) == ["0", "1"]
+    pp = ["--model.flavor", "debugmodel-narrow", "--parallelism.pipeline_parallel_degree", "2",
+          "--parallelism.pipeline_parallel_schedule", "Interleaved1F1B"]
+    load_config([*pp, "--model.n_layers", "2"]).validate(2)  # 4 units: 2 blocks, embedding, head
+    with pytest.raises(ConfigError, match=r"only 3 units to place \(1 layers"):
+        load_config([*pp, "--model.n_layers", "1"]).validate(2)
 
 
 def test_moe_losses_are_refused_under_pp_before_any_process_group():

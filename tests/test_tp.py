@@ -1,5 +1,5 @@
 """Tensor parallelism end to end: run_train.sh on 4 CPU ranks (gloo, fp32, the debug model's
-layers and heads at dim 64: debugmodel-narrow).
+heads at dim 64, two of its blocks: debugmodel-narrow, model.n_layers 2).
 
 Every layout with TP (TP 2 x FSDP 2, TP 4, HSDP 2 x TP 2; with activation checkpointing and
 each gradient-accumulation sync mode) trains with the 1-rank losses and gradient norms; a
@@ -23,8 +23,10 @@ from trainer.checkpoint.integrity import weights_digest
 from trainer.config.job import load_config
 from trainer.errors import ConfigError
 
-# the debug model's 6 layers and heads (8 query, 4 KV: GQA) at dim 64: the layouts, not the width
-COMMON = ("--model.flavor", "debugmodel-narrow", "--training.steps", "5", "--training.seq_len", "64",
+# the debug model's heads (8 query, 4 KV: GQA) at dim 64, two of its blocks: what these runs
+# check is in each block alike (its sharded projections, norms, AC), not in the depth or width
+COMMON = ("--model.flavor", "debugmodel-narrow", "--model.n_layers", "2",
+          "--training.steps", "5", "--training.seq_len", "64",
           "--training.local_batch_size", "2",
           "--training.global_batch_size", "4", "--training.mixed_precision_param", "float32",
           "--metrics.log_freq", "1", "--data.dataset", "synthetic", "--checkpoint.enable", "true",

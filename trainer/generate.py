@@ -107,7 +107,8 @@ def load_model(checkpoint: str, cfg, *, token_vocab: int, max_len: int, device,
 
     vocab = cfg.model.vocab_size or padded_vocab_size(token_vocab, cfg.model.vocab_size_multiple_of)
     args = model_args(cfg.model.flavor, vocab_size=vocab,
-                      max_seq_len=max(cfg.training.seq_len, max_len), moe_config=cfg.moe,
+                      max_seq_len=max(cfg.training.seq_len, max_len),
+                      n_layers=cfg.model.n_layers, moe_config=cfg.moe,
                       **rope_args(cfg.model))
     model = build_model(args).to_empty(device=device)
     model.init_rope()  # with the flavor's RoPE scaling, as in training

@@ -109,7 +109,7 @@ class JobConfig:
                               "parallelism splits each sequence evenly over the tp ranks")
         check_context_parallel(self, pd)
         if pd.pp_enabled:
-            args = model_args(self.model.flavor)
+            args = model_args(self.model.flavor, n_layers=self.model.n_layers)
             check_pipeline(self.parallelism, self.training, args.n_layers,
                            args.tie_word_embeddings, self.model.flavor)
         accum = accumulation_steps(self.training, pd.dp_size)

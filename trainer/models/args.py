@@ -427,12 +427,14 @@ FLAVORS: dict[str, ModelArgs] = {
 
 
 def model_args(flavor: str, *, vocab_size: int | None = None, max_seq_len: int | None = None,
-               moe_config=None, **attention):
-    """The flavor's args with the run's vocab and length, the attention fields of
-    trainer.models.attention.attention_args (default: causal, sequence positions) and, for a
-    MoE flavor, the [moe] section's training knobs (`moe_config`)."""
+               n_layers: int = 0, moe_config=None, **attention):
+    """The flavor's args with the run's vocab and length, its first `n_layers` blocks (0: all;
+    model.n_layers), the attention fields of trainer.models.attention.attention_args (default:
+    causal, sequence positions) and, for a MoE flavor, the [moe] section's training knobs
+    (`moe_config`)."""
     args = FLAVORS[flavor]
-    changes = {k: v for k, v in (("vocab_size", vocab_size), ("max_seq_len", max_seq_len)) if v}
+    changes = {k: v for k, v in (("vocab_size", vocab_size), ("max_seq_len", max_seq_len),
+                                 ("n_layers", n_layers)) if v}
     if moe_config is not None and args.moe is not None:
         changes["moe"] = dataclasses.replace(
             args.moe, capacity_factor=moe_config.capacity_factor,

@@ -24,6 +24,9 @@ class Model:
                     "hybrid: Qwen3-Next, Qwen3.5; docs/qwen3_next.md)",
                     choices=("llama3", "deepseek_v3", "qwen3_next"))
     flavor: str = opt("debugmodel", "Model size: debugmodel, debugmodel-tiny, debugmodel-narrow, debugmodel-3.2, 1B, llama3.2-1B, llama3.2-3B, 8B, 70B, 405B, llama3.1-8B, llama3.1-70B (RoPE-scaled, for long context); mixtures of experts: debugmodel-moe, debugmodel-moe-narrow, debugmodel-moe-shared, qwen3-30b-a3b; DeepSeek-V3 architecture (MLA, docs/deepseek.md): debugmodel-dsv3, deepseek-v3-16b, deepseek-v3-671b, kimi-k2; Qwen3-Next hybrid (docs/qwen3_next.md): debugmodel-qwen3-next, qwen3-next-80b-a3b, qwen3.5-35b-a3b")
+    n_layers: int = opt(0, "Transformer blocks: the flavor's first n_layers (a shallower model of "
+                        "the same widths, for quick runs and tests); 0 = all of the flavor's",
+                        min=0)
     vocab_size: int = opt(0, "Model vocab; 0 = the tokenizer's, padded to vocab_size_multiple_of", min=0)
     vocab_size_multiple_of: int = opt(64, "Pad the model vocab up to a multiple of this", min=1)
     attn_mask_type: str = opt("causal", "causal: every earlier token of the window; block_causal: "
@@ -71,6 +74,7 @@ class Model:
             raise ConfigError(f"model.flavor = {self.flavor!r} is a {family} model, not "
                               f"model.name = {self.name!r}; set model.name = {family!r}, or "
                               f"choose a {self.name} flavor: {', '.join(same)}")
+        self.check_depth(FLAVORS[self.flavor])
         if self.mtp_loss_weight_until_step and not self.mtp_layers:
             raise ConfigError(f"model.mtp_loss_weight_until_step = "
                               f"{self.mtp_loss_weight_until_step} schedules the MTP loss, but "
@@ -80,6 +84,21 @@ class Model:
                               "'block_causal': under a causal mask a token also sees earlier "
                               "documents, whose restarted positions would put them at wrong "
                               "relative distances")
+
+    def check_depth(self, flavor) -> None:
+        """model.n_layers keeps the flavor's first blocks: at most all of them, and in a MoE
+        flavor at least one MoE block (else the [moe] and expert-parallel settings would
+        apply to a dense model)."""
+        if self.n_layers > flavor.n_layers:
+            raise ConfigError(f"model.n_layers = {self.n_layers} is above the {flavor.n_layers} "
+                              f"blocks of model.flavor {self.flavor!r}; valid: 1 to "
+                              f"{flavor.n_layers}, or 0 for all of them")
+        moe_blocks = [i for i in range(self.n_layers) if flavor.is_moe_layer(i)]
+        if self.n_layers and flavor.moe is not None and not moe_blocks:
+            first = next(i for i in range(flavor.n_layers) if flavor.is_moe_layer(i))
+            raise ConfigError(f"model.n_layers = {self.n_layers} keeps only dense blocks of "
+                              f"model.flavor {self.flavor!r}, whose first MoE block is block "
+                              f"{first}; valid: {first + 1} to {flavor.n_layers}, or 0 for all")
 
     def mtp_weight_at(self, step: int) -> float:
         """The MTP loss weight of `step` (a function of the step alone: exact across resumes)."""

@@ -269,7 +269,7 @@ def describe(cfg, n_microbatches: int, args=None) -> str:
     was cut (`args`: the model's, whose units' work balances the default split)."""
     par = cfg.parallelism
     pp, sched = par.pipeline_parallel_degree, find_schedule(par.pipeline_parallel_schedule)
-    args = args or model_args(cfg.model.flavor)
+    args = args or model_args(cfg.model.flavor, n_layers=cfg.model.n_layers)
     weights = unit_flops(args, cfg.training.seq_len)
     specs = check_pipeline(par, cfg.training, args.n_layers, args.tie_word_embeddings,
                            cfg.model.flavor, weights)
