@@ -27,8 +27,9 @@ def convert(ckpt, out, *extra) -> None:
 def trainer_model(flavor: str, state: dict, seq_len: int):
     from trainer.models.llama import build_model, model_args
 
+    blocks = len({k.split(".")[1] for k in state if k.startswith("layers.")})  # model.n_layers
     model = build_model(model_args(flavor, vocab_size=state["tok_embeddings.weight"].shape[0],
-                                   max_seq_len=seq_len))
+                                   max_seq_len=seq_len, n_layers=blocks))
     model.to_empty(device="cpu")
     model.init_weights(0)  # the RoPE tables
     model.load_state_dict(state, strict=True)
