@@ -75,7 +75,9 @@ def test_packed_documents_give_each_documents_own_loss():
 
 # ------------------------------------------------------------------------------ end to end
 
-COMMON = ("--training.seq_len", "64", "--training.local_batch_size", "2",
+# the debug hybrid's first 2 blocks: a Gated DeltaNet and a gated-attention block (and the MTP
+# module's), each layout's code paths once, at half the blocks to run, gather and save
+COMMON = ("--model.n_layers", "2", "--training.seq_len", "64", "--training.local_batch_size", "2",
           "--training.global_batch_size", "8", "--training.mixed_precision_param", "float32",
           "--metrics.log_freq", "1", "--lr_scheduler.warmup_steps", "2",
           "--lr_scheduler.min_lr_factor", "1.0", "--training.steps", "5",
@@ -176,12 +178,12 @@ def test_the_export_loads_in_transformers_with_our_logits(runs):
     dump = runs["ep2_fsdp2"][0]
     config = json.loads((dump / "hf" / "config.json").read_text())
     assert config["architectures"] == ["Qwen3NextForCausalLM"]
-    assert config["layer_types"] == ["linear_attention", "full_attention"] * 2
+    assert config["layer_types"] == ["linear_attention", "full_attention"]
     assert config["num_nextn_predict_layers"] == 1
     theirs = AutoModelForCausalLM.from_pretrained(dump / "hf", dtype=torch.float32).eval()
     state = _checkpoint_state(dump)
     vocab = state["tok_embeddings.weight"].shape[0]  # the short documents' tokenizer's
-    ours = _model(vocab, mtp_layers=1)  # the runs' model: one MTP module
+    ours = _model(vocab, mtp_layers=1, n_layers=2)  # the runs' model: 2 blocks, one MTP module
     ours.load_state_dict(state, strict=True)
     tokens = torch.randint(0, vocab, (2, 64), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
@@ -199,7 +201,7 @@ def test_the_export_imports_back_bit_for_bit(runs):
     with safe_open(str(dump / "hf" / "model.safetensors"), "pt") as f:
         assert torch.equal(f.get_tensor("mtp.fc.weight"), state["mtp.0.proj.weight"])
         assert "mtp.layers.0.mlp.experts.7.down_proj.weight" in f.keys()
-    model = _model(state["tok_embeddings.weight"].shape[0], mtp_layers=1)
+    model = _model(state["tok_embeddings.weight"].shape[0], mtp_layers=1, n_layers=2)
     model.init_weights(1)  # not the run's: every tensor must come from the folder
     load_hf(model, str(dump / "hf"), flavor=FLAVOR)
     for name, tensor in model.state_dict().items():
