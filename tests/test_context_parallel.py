@@ -1,5 +1,5 @@
 """Context parallelism (trainer/parallel/context_parallel.py) on CPU ranks: gloo, fp32, the
-debug model's layers and heads at dim 64 (debugmodel-narrow), seq 512.
+debug model's heads at dim 64, two of its blocks (debugmodel-narrow, model.n_layers 2), seq 512.
 
 Through run_train.sh on 4 ranks, 5 steps of 2 sequences: CP 2 x FSDP 2, CP 4 (with full AC, 2
 microbatches and per-microbatch gradient sync) and CP 2 x TP 2 give the 1-rank losses and
@@ -21,8 +21,10 @@ from trainer.errors import ConfigError
 from trainer.parallel.context_parallel import attention_pairs, contiguous_index, head_tail_index
 
 CP = "--parallelism.context_parallel_degree"
-# the debug model's 6 layers and heads at dim 64 (debugmodel-narrow): the layouts, not the width
-COMMON = ("--training.device", "cpu", "--model.flavor", "debugmodel-narrow", "--training.seq_len",
+# the debug model's heads at dim 64, two of its blocks (debugmodel-narrow): what these runs check
+# (each block's attention over the cp ranks' shares) is in every block alike
+COMMON = ("--training.device", "cpu", "--model.flavor", "debugmodel-narrow", "--model.n_layers",
+          "2", "--training.seq_len",
           "512", "--training.local_batch_size", "1", "--training.global_batch_size", "2",
           "--training.mixed_precision_param", "float32", "--metrics.log_freq", "1",
           "--lr_scheduler.warmup_steps", "2", "--lr_scheduler.min_lr_factor", "1.0",
