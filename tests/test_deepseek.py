@@ -226,7 +226,8 @@ def test_the_full_size_configs_are_traced_to_fit_h100s(config, ngpu):
 
 # ------------------------------------------------------------------------------ end to end
 
-COMMON = ("--training.seq_len", "64", "--training.local_batch_size", "2",
+# the debug DeepSeek-V3's first 3 blocks: its dense block 0 and 2 MoE blocks (+ the MTP module)
+COMMON = ("--model.n_layers", "3", "--training.seq_len", "64", "--training.local_batch_size", "2",
           "--training.global_batch_size", "8", "--training.mixed_precision_param", "float32",
           "--metrics.log_freq", "1", "--lr_scheduler.warmup_steps", "2",
           "--lr_scheduler.min_lr_factor", "1.0", "--model.attn_mask_type", "block_causal",
@@ -274,7 +275,7 @@ def test_each_layout_trains_as_one_rank(dsv3_runs, name):
 
 def test_the_export_loads_in_transformers_with_our_logits(dsv3_runs):
     """The EP 2 x FSDP 2 run's last_save_in_hf folder (its balancing bias moved): transformers
-    loads it with no code of ours (skipping the MTP module, layer 4), and its logits equal the
+    loads it with no code of ours (skipping the MTP module, layer 3), and its logits equal the
     checkpoint's model's; the MTP module is there under the release's names."""
     from safetensors import safe_open
     from transformers import AutoModelForCausalLM
@@ -282,7 +283,7 @@ def test_the_export_loads_in_transformers_with_our_logits(dsv3_runs):
     from trainer.convert import dcp_fetch, saved_shapes
 
     dump, stdout = dsv3_runs["ep2_fsdp2"]
-    assert "module(s) 0..0 exported as layer(s) 4..4 under the release's names" in stdout
+    assert "module(s) 0..0 exported as layer(s) 3..3 under the release's names" in stdout
     hf = json.loads((dump / "hf" / "config.json").read_text())
     assert hf["architectures"] == ["DeepseekV3ForCausalLM"] and hf["n_group"] == 2
     assert hf["num_nextn_predict_layers"] == 1
@@ -292,7 +293,7 @@ def test_the_export_loads_in_transformers_with_our_logits(dsv3_runs):
     state = dcp_fetch(ckpt, shapes)(list(shapes))
     assert max(v.abs().max() for k, v in state.items() if k.endswith("expert_bias")) > 0
     ours = build_model(model_args("debugmodel-dsv3", vocab_size=8192, max_seq_len=64,
-                                  mtp_layers=1))
+                                  mtp_layers=1, n_layers=3))
     ours.to_empty(device="cpu")
     ours.init_weights(0)  # the RoPE tables
     ours.load_state_dict(state, strict=True)
@@ -300,9 +301,9 @@ def test_the_export_loads_in_transformers_with_our_logits(dsv3_runs):
     with torch.no_grad():
         assert (theirs(tokens).logits - ours.eval()(tokens)).abs().max() < 1e-4
     with safe_open(dump / "hf" / "model.safetensors", "pt") as f:
-        assert torch.equal(f.get_tensor("model.layers.4.eh_proj.weight"),
+        assert torch.equal(f.get_tensor("model.layers.3.eh_proj.weight"),
                            state["mtp.0.proj.weight"])
-        assert torch.equal(f.get_tensor("model.layers.4.mlp.experts.7.down_proj.weight"),
+        assert torch.equal(f.get_tensor("model.layers.3.mlp.experts.7.down_proj.weight"),
                            state["mtp.0.block.feed_forward.experts.w2"][7])
 
 
