@@ -92,8 +92,10 @@ def test_the_trainers_model_on_one_rank_equals_torch_muon():
 
 # ------------------------------------------------------------------------------ end to end
 
+# 2 blocks of the debug model's shapes at dim 64 (what a layout does to Muon's matrices and
+# QK-clip's heads is in every block alike); PP 4's 8 one-unit stages need its 6
 BASE = ("--training.device", "cpu", "--model.flavor", "debugmodel-narrow",
-         "--training.seq_len", "64", "--training.local_batch_size", "2",
+         "--model.n_layers", "2", "--training.seq_len", "64", "--training.local_batch_size", "2",
          "--training.global_batch_size", "8", "--training.mixed_precision_param", "float32",
          "--metrics.log_freq", "1", "--lr_scheduler.warmup_steps", "2",
          "--lr_scheduler.min_lr_factor", "1.0", "--data.dataset", "synthetic",
@@ -102,14 +104,17 @@ BASE = ("--training.device", "cpu", "--model.flavor", "debugmodel-narrow",
 # QK-clip on every layout: the debug models' largest logits are ~0.16, so most heads clip
 QK_CLIP = ("--optimizer.muon_qk_clip", "0.1")
 DENSE = (*BASE, *MUON, *QK_CLIP)
-MOE = (*DENSE[:3], "debugmodel-moe-narrow", *DENSE[4:])
+MOE = (*DENSE[:3], "debugmodel-moe-narrow", *DENSE[4:], "--model.n_layers", "3")  # 2 MoE blocks
+SIX = ("--model.n_layers", "6")
 P = "--parallelism."
 LAYOUTS = {  # name: (ranks, args)
     "ref": (1, DENSE),
     "tp2_fsdp2": (4, (*DENSE, P + "tensor_parallel_degree", "2")),
     "pp2_fsdp2": (4, (*DENSE, P + "pipeline_parallel_degree", "2")),
+    "ref6": (1, (*DENSE, *SIX)),
     # 8 one-unit stages: rank 0 holds the embedding and the head, no Muon matrix at all
-    "pp4_v": (4, (*DENSE, P + "pipeline_parallel_degree", "4", P + "pipeline_parallel_schedule",
+    "pp4_v": (4, (*DENSE, *SIX, P + "pipeline_parallel_degree", "4",
+                  P + "pipeline_parallel_schedule",
                   "ZBVZeroBubble" if _SAME_RANK_STAGES else "Interleaved1F1B",
                   *(() if _SPLIT_BACKWARD_THROUGH_FUNCTIONS or not _SAME_RANK_STAGES
                     else ("--training.loss", "eager")),  # torch 2.12 (pipeline.check_torch)
@@ -138,7 +143,7 @@ def close(got: dict, want: dict, tol: float = 1e-4) -> bool:
 
 @pytest.mark.parametrize("name", [n for n in LAYOUTS if "ref" not in n])
 def test_every_layout_equals_one_rank(runs, name):
-    ref = runs / ("moe_ref" if name.startswith("moe") else "ref")
+    ref = runs / ("moe_ref" if name.startswith("moe") else "ref6" if name == "pp4_v" else "ref")
     for tag in TAGS:
         want, got = scalars(ref, tag), scalars(runs / name, tag)
         assert len(want) == 5 and close(got, want), (name, tag, got, want)
@@ -147,7 +152,7 @@ def test_every_layout_equals_one_rank(runs, name):
 def test_qk_clip_clipped_heads_in_every_run(runs):
     """QK-clip acted: heads were clipped at every step of the runs the layouts compare (a
     layout whose clip scaled other heads or other rows than one rank's fails above)."""
-    for ref in ("ref", "moe_ref"):
+    for ref in ("ref", "ref6", "moe_ref"):
         clipped = scalars(runs / ref, "qk_clip/heads_clipped")
         assert len(clipped) == 5 and all(n > 0 for n in clipped.values()), (ref, clipped)
 
