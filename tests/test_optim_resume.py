@@ -7,7 +7,7 @@ layout resuming its own checkpoint and handing one to another: TP 2 x FSDP 2 -> 
 CP -> HSDP 2 x 2 -> HSDP -> PP 4 ZBVZeroBubble (8 one-unit stages: rank 0 holds the embedding
 and the head, no Muon matrix) -> PP 4 -> one rank. Each resumed step's loss equals the
 uninterrupted run's (<= 1e-4). EP 2 x FSDP 2 (debugmodel-moe-narrow) resumes its own step 2 in
-its layout and on one rank. Settings: a resume with another muon_momentum trains with it (one
+its layout and on one rank (its first 3 blocks). Settings: a resume with another muon_momentum trains with it (one
 process, against torch.optim.Muon at the new momentum from the same state) and says so; AdamW
 saved with one kernel (optimizer.implementation) resumes under another, with the uninterrupted
 losses.
@@ -37,7 +37,7 @@ DENSE = ("--model.flavor", "debugmodel-narrow", "--training.seq_len", "64",
          "--lr_scheduler.warmup_steps", "2", "--lr_scheduler.min_lr_factor", "1.0",
          "--data.dataset", "synthetic", "--optimizer.lr", "0.01", *CKPT,
          "--optimizer.name", "Muon", "--optimizer.muon_ns_dtype", "float32")
-MOE = ("--model.flavor", "debugmodel-moe-narrow", *DENSE[2:])
+MOE = ("--model.flavor", "debugmodel-moe-narrow", "--model.n_layers", "3", *DENSE[2:])
 P = "--parallelism."
 LAYOUTS = {  # name: (ranks, args)
     "one": (1, ()),
