@@ -82,7 +82,8 @@ def test_the_schedules_are_functions_of_the_step():
 
 CONFIG = str(REPO / "configs" / "debug_dsv3.toml")
 EP, CP = "--parallelism.expert_parallel_degree", "--parallelism.context_parallel_degree"
-COMMON = ("--training.seq_len", "64", "--training.local_batch_size", "2",
+# the debug DeepSeek-V3's first 3 blocks (dense + 2 MoE) and 2 MTP modules: 4 MoE blocks
+COMMON = ("--model.n_layers", "3", "--training.seq_len", "64", "--training.local_batch_size", "2",
           "--training.global_batch_size", "8", "--training.mixed_precision_param", "float32",
           "--metrics.log_freq", "1", "--lr_scheduler.warmup_steps", "2",
           "--lr_scheduler.min_lr_factor", "1.0", "--training.steps", "4",
@@ -123,11 +124,11 @@ def test_each_layout_gives_one_ranks_losses_with_the_sequence_wise_loss(recipe_r
     for tag in TAGS[:3]:
         want, have = scalars(ref, tag), scalars(got, tag)
         assert sorted(have) == [1, 2, 3, 4] and close(have, want), (tag, have, want)
-    # The sequence-wise loss alone: ~1.0 per MoE layer near balance (5 layers x 0.01), the
+    # The sequence-wise loss alone: ~1.0 per MoE layer near balance (4 layers x 0.01), the
     # imbalance in its 4th digit; statistics of half sequences move it by ~1e-3 relative.
     want, have = scalars(ref, TAGS[3]), scalars(got, TAGS[3])
     assert sorted(have) == [1, 2, 3, 4] and close(have, want, tol=1e-5, floor=0.0), (have, want)
-    assert all(0.0499 < v < 0.0502 for v in want.values()), want
+    assert all(0.0399 < v < 0.0402 for v in want.values()), want
 
 
 @pytest.mark.needs_datasets
