@@ -21,14 +21,16 @@ PROBE = REPO / "tests" / "scripts" / "ep_dispatch_probe.py"
 @pytest.fixture(scope="module")
 def probed(tmp_path_factory):
     """One launch: 4 ranks as 2 nodes of 2 (two torchrun launchers, --nnodes 2, meeting
-    through a c10d rendezvous on 127.0.0.1: each sets its ranks' LOCAL_WORLD_SIZE = 2)."""
+    through a c10d rendezvous on 127.0.0.1: each sets its ranks' LOCAL_WORLD_SIZE = 2); the
+    ranks forked from their launcher (tests/scripts/forkrun.py: torchrun's agent, without
+    each rank importing torch anew)."""
     tmp = tmp_path_factory.mktemp("ep_dispatch")
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc_per_node",
-           "2", "--rdzv_backend", "c10d", "--rdzv_endpoint", f"127.0.0.1:{port}", "--rdzv_id",
-           uuid.uuid4().hex[:8], str(PROBE), str(tmp)]
+    cmd = [sys.executable, str(REPO / "tests" / "scripts" / "forkrun.py"), "--nnodes", "2",
+           "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", uuid.uuid4().hex[:8], "2",
+           str(PROBE), str(tmp)]
     env = subprocess_env({"OMP_NUM_THREADS": "1"})
     procs = [subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                               text=True) for _ in range(2)]

@@ -70,7 +70,8 @@ def run(block: Block, x: torch.Tensor, probe: torch.Tensor):
     return y.detach(), grads
 
 
-def main(out_dir: str) -> None:
+def main(argv: list[str]) -> None:
+    out_dir = argv[0]
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
     record()
@@ -145,7 +146,7 @@ def main(out_dir: str) -> None:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1])
+    main(sys.argv[1:])
     sys.stdout.flush()
     import os
     os._exit(0)

@@ -4,6 +4,8 @@ imports). The script defines `main(argv)`; every rank runs it, under the same el
 c10d rendezvous and environment (RANK, WORLD_SIZE, ...) as under torchrun.
 
     python tests/scripts/forkrun.py NPROC SCRIPT [ARGS ...]
+    python tests/scripts/forkrun.py --nnodes N --rdzv-endpoint HOST:PORT --rdzv-id ID NPROC ...
+        (one "node" of N: start one such launcher per node; they meet at the endpoint)
 """
 
 import gc
@@ -38,9 +40,22 @@ def rank(script: str, argv: list[str]) -> None:
         raise
 
 
+def options(args: list[str]) -> dict:
+    """The leading --nnodes / --rdzv-endpoint / --rdzv-id VALUE pairs of `args` (removed)."""
+    found = {"--nnodes": "1", "--rdzv-endpoint": "localhost:0", "--rdzv-id": "probe"}
+    while args and args[0] in found:
+        key = args.pop(0)
+        found[key] = args.pop(0)
+    return found
+
+
 if __name__ == "__main__":
-    nproc, script, argv = int(sys.argv[1]), sys.argv[2], sys.argv[3:]
-    config = LaunchConfig(min_nodes=1, max_nodes=1, nproc_per_node=nproc, run_id="probe",
-                          rdzv_backend="c10d", rdzv_endpoint="localhost:0", max_restarts=0,
+    args = sys.argv[1:]
+    opts = options(args)
+    nproc, script, argv = int(args[0]), args[1], args[2:]
+    nodes = int(opts["--nnodes"])
+    config = LaunchConfig(min_nodes=nodes, max_nodes=nodes, nproc_per_node=nproc,
+                          run_id=opts["--rdzv-id"], rdzv_backend="c10d",
+                          rdzv_endpoint=opts["--rdzv-endpoint"], max_restarts=0,
                           monitor_interval=0.1, start_method="fork")
     elastic_launch(config, rank)(script, argv)
