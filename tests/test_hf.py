@@ -5,6 +5,7 @@ the Llama-3.2 features (tied embeddings, llama3 RoPE scaling) and the exported t
 from __future__ import annotations
 
 import dataclasses
+import json
 
 import pytest
 import torch
@@ -188,3 +189,25 @@ def test_import_shape_mismatch_is_one_config_error(llama32):
     line = err.value.one_line()
     assert line.startswith("config error: ") and "\n" not in line
     assert "model.embed_tokens.weight has shape [512, 256] there and [1024, 256] here" in line
+
+
+def test_import_into_fewer_blocks_is_one_config_error(llama32):
+    """model.n_layers below the folder's num_hidden_layers would load only its first blocks:
+    one line naming both depths (not a silently truncated model)."""
+    from trainer.config.job import load_config
+    from trainer.errors import ConfigError
+    from trainer.hf.load import load_initial
+    from trainer.models.llama import build_model, model_args
+
+    folder, _ = llama32
+    cfg = load_config(["--model.flavor", "debugmodel-3.2", "--model.n_layers", "1",
+                       "--checkpoint.initial_load_in_hf", "--checkpoint.initial_load_path",
+                       str(folder)])
+    model = build_model(model_args("debugmodel-3.2", vocab_size=512, max_seq_len=64,
+                                   n_layers=1))
+    model.to_empty(device="cpu")
+    with pytest.raises(ConfigError) as err:
+        load_initial(model, cfg)
+    depth = json.loads((folder / "config.json").read_text())["num_hidden_layers"]
+    assert f"num_hidden_layers is {depth} there and 1 here" in err.value.one_line()
+    assert "model.n_layers = 0" in err.value.one_line()

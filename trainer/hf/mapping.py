@@ -314,6 +314,9 @@ def check_hf_config(cfg: dict, args: ModelArgs, folder: str, flavor: str) -> Non
         "rms_norm_eps": float(args.norm_eps), "hidden_act": "silu",
         "rope_scaling": _our_scaling(args.rope_scaling),
     }
+    if args.mla is None and "num_hidden_layers" in cfg:  # DeepSeek's: deepseek.compare
+        theirs["num_hidden_layers"] = int(cfg["num_hidden_layers"])
+        ours["num_hidden_layers"] = args.n_layers
     if args.mla is not None:
         why = deepseek.unsupported(cfg)
         if why:
@@ -333,7 +336,8 @@ def check_hf_config(cfg: dict, args: ModelArgs, folder: str, flavor: str) -> Non
                               "the checkpoint was made with"
                               + (" (and model.rope_scaling = 'flavor')"
                                  if key == "rope_scaling" and value and ours[key] is None
-                                 else ""))
+                                 else " (and model.n_layers = 0: all of its blocks)"
+                                 if key == "num_hidden_layers" else ""))
 
 
 def _scaling_tuple(s: dict, cfg: dict):
