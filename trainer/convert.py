@@ -81,7 +81,8 @@ def to_hf(checkpoint_dir: str, out_dir: str, *, dtype: str, max_shard_gib: float
     vocab = saved.get("tok_embeddings.weight", (0,))[0]
     mtp = {k: v for k, v in saved.items() if k.startswith("mtp.")}
     args = model_args(cfg.model.flavor, vocab_size=vocab, max_seq_len=cfg.training.seq_len,
-                      n_layers=cfg.model.n_layers, moe_config=cfg.moe, mtp_layers=len({k.split(".")[1] for k in mtp}),
+                      n_layers=cfg.model.n_layers, moe_config=cfg.moe,
+                      mtp_layers=len({k.split(".")[1] for k in mtp}),
                       **rope_args(cfg.model))
     problem = export_problem(args)
     if problem:

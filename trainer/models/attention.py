@@ -59,7 +59,8 @@ def resolve_implementation(mask_type: str, implementation: str, device_type: str
 def attention_args(model_cfg, device_type: str) -> dict:
     """The ModelArgs fields of a `[model]` config on this device (model_args(**...)): the
     depth, the attention's, the RoPE scaling's and the multi-token prediction's."""
-    return {"n_layers": model_cfg.n_layers, "attn_mask_type": model_cfg.attn_mask_type, "positions": model_cfg.positions,
+    return {"n_layers": model_cfg.n_layers, "attn_mask_type": model_cfg.attn_mask_type,
+            "positions": model_cfg.positions,
             "mtp_layers": model_cfg.mtp_layers, "mtp_loss_weight": model_cfg.mtp_loss_weight,
             "attn_implementation": resolve_implementation(
                 model_cfg.attn_mask_type, model_cfg.attn_implementation, device_type),
