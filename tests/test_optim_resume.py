@@ -6,9 +6,10 @@ TP 2 x FSDP 2 run of 10 steps, then a chain of resumes from its step 2, one step
 layout resuming its own checkpoint and handing one to another: TP 2 x FSDP 2 -> CP 2 x FSDP 2 ->
 CP -> HSDP 2 x 2 -> HSDP -> PP 4 ZBVZeroBubble (8 one-unit stages: rank 0 holds the embedding
 and the head, no Muon matrix) -> PP 4 -> one rank. Each resumed step's loss equals the
-uninterrupted run's (<= 1e-4). EP 2 x FSDP 2 (debugmodel-moe-narrow) resumes its own step 2 in
-its layout and on one rank (its first 3 blocks). Settings: a resume with another muon_momentum trains with it (one
-process, against torch.optim.Muon at the new momentum from the same state) and says so; AdamW
+uninterrupted run's (<= 1e-4). EP 2 x FSDP 2 (debugmodel-moe-narrow, its first 3 blocks)
+resumes its own step 2 in its layout and on one rank. Settings: a resume with another
+muon_momentum trains with it (one process, against torch.optim.Muon at the new momentum from
+the same state) and says so; AdamW
 saved with one kernel (optimizer.implementation) resumes under another, with the uninterrupted
 losses.
 """
