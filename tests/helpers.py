@@ -88,6 +88,17 @@ def zygote_env(env: dict | None) -> dict:
             "TRAINER_TEST_ZYGOTE_PYTHON": os.environ.get("PYTHON", sys.executable)}
 
 
+def fork_python(env: dict | None = None) -> tuple[str, dict]:
+    """(interpreter, environment) for a test's `python -m MODULE ...` or `python SCRIPT.py ...`
+    that need not start a fresh interpreter (a CLI's run, a probe's launcher): the zygote's
+    shim, which forks it from the process that imported torch and the trainer once (~3-6 CPU-s
+    less each); the real interpreter where zygote_env says a fresh one is needed. `env`: extra
+    variables, as subprocess_env takes them. A test of what a fresh process imports or prints
+    at its start runs sys.executable instead."""
+    forked = zygote_env(env)
+    return forked.get("PYTHON", sys.executable), subprocess_env({**forked, **(env or {})})
+
+
 def children_cpu() -> float:
     """CPU seconds of this process's ended launches (its waited-for children, the zygote's)."""
     import resource
@@ -181,15 +192,16 @@ def torchrun(script: Path | str, *args: str, nproc: int = 2, timeout: float = 30
     """Run a Python script under real torchrun (c10d rendezvous on a free localhost port);
     `fork`: its `main(argv)` on ranks forked from a launcher that imported torch and the
     trainer once (tests/scripts/forkrun.py: the same agent, ~4 s less per rank)."""
-    if fork:
-        cmd = [sys.executable, str(REPO / "tests" / "scripts" / "forkrun.py"), str(nproc),
-               str(script), *args]
+    python, run_env = fork_python(env) if fork else (sys.executable, subprocess_env(env))
+    if fork:  # forkrun.py's own imports: forked from the zygote too
+        cmd = [python, str(REPO / "tests" / "scripts" / "forkrun.py"), str(nproc), str(script),
+               *args]
     else:
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "1",
+        cmd = [python, "-m", "torch.distributed.run", "--nnodes", "1",
                "--nproc_per_node", str(nproc), "--rdzv_backend", "c10d",
                "--rdzv_endpoint", "localhost:0", str(script), *args]
     start, cpu = time.monotonic(), children_cpu()
-    proc = subprocess.run(cmd, env=subprocess_env(env), capture_output=True, text=True, timeout=timeout)
+    proc = subprocess.run(cmd, env=run_env, capture_output=True, text=True, timeout=timeout)
     log_launch(f"torchrun {Path(script).name}", nproc, time.monotonic() - start, proc.stdout, cpu)
     if proc.returncode != 0:
         raise AssertionError(f"torchrun {script} exited {proc.returncode}\n--- stdout\n"

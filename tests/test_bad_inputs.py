@@ -7,13 +7,12 @@ import json
 import os
 import shutil
 import subprocess
-import sys
 import time
 
 import numpy as np
 import pytest
 
-from tests.helpers import REPO, TINY, run_train, subprocess_env
+from tests.helpers import REPO, TINY, fork_python, run_train
 from tests.test_data_fixtures import *  # noqa: F401,F403  (corpus, tokenizer and store fixtures)
 
 
@@ -91,10 +90,11 @@ def test_corpus_not_utf8_or_binary(tmp_path, tokenizer_path):
     for dataset, files in cases:
         argv += ["--", "--dataset", dataset, "--data_files", files, "--tokenizer_path",
                  tokenizer_path, "--store_path", str(tmp_path / dataset), "--workers", "2"]
+    python, env = fork_python()  # forkcli.py itself forked from the zygote
     proc = subprocess.run(
-        [sys.executable, str(REPO / "tests" / "scripts" / "forkcli.py"), "trainer.data.prepare",
+        [python, str(REPO / "tests" / "scripts" / "forkcli.py"), "trainer.data.prepare",
          "--preload", "trainer.data.prepare,trainer.data.cli,datasets", *argv], cwd=REPO,
-        env=subprocess_env(), capture_output=True, text=True, timeout=240)
+        env=env, capture_output=True, text=True, timeout=240)
     assert proc.returncode == 0, proc.stderr[-3000:]
     runs = json.loads(proc.stdout.splitlines()[-1])
     lines = {case: one_line(subprocess.CompletedProcess([], r["returncode"], r["stdout"],

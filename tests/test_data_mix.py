@@ -8,14 +8,13 @@ from __future__ import annotations
 import json
 import shutil
 import subprocess
-import sys
 from collections import Counter
 
 import numpy as np
 import pytest
 import torch
 
-from tests.helpers import REPO, subprocess_env
+from tests.helpers import REPO, fork_python
 from tests.test_data_fixtures import *  # noqa: F401,F403
 from tests.test_data_fixtures import build, mix_cfg, row_hashes, run_global_batches
 from trainer.config.job import load_config
@@ -273,8 +272,9 @@ def test_a_source_too_small_for_its_validation_split(blend_cfg):
 
 # -- the commands ------------------------------------------------------------------------------
 def run_module(*args):
-    return subprocess.run([sys.executable, "-m", *args], env=subprocess_env(), cwd=REPO,
-                          capture_output=True, text=True, timeout=120)
+    python, env = fork_python()
+    return subprocess.run([python, "-m", *args], env=env, cwd=REPO, capture_output=True,
+                          text=True, timeout=120)
 
 
 def test_mix_command_prints_what_the_loader_delivers(mix_stores, blend_cfg, tmp_path):

@@ -6,13 +6,12 @@ import json
 import os
 import shutil
 import subprocess
-import sys
 from dataclasses import replace
 from pathlib import Path
 
 import pytest
 
-from tests.helpers import subprocess_env
+from tests.helpers import fork_python
 from tests.test_data_fixtures import *  # noqa: F401,F403
 from tests.test_data_fixtures import build, stdlib_texts
 from trainer.data import check_model_vocab, padded_vocab_size
@@ -194,8 +193,8 @@ def test_seq_len_longer_than_the_corpus(store_cfg, store_path):
 
 
 def test_prepare_cli_reports_one_line(tmp_path):
-    env = subprocess_env()
-    r = subprocess.run([sys.executable, "-m", "trainer.data.prepare", "--dataset", "json",
+    python, env = fork_python()
+    r = subprocess.run([python, "-m", "trainer.data.prepare", "--dataset", "json",
                         "--data_files", str(tmp_path / "x.jsonl"), "--tokenizer_path",
                         str(tmp_path / "t.model"), "--store_path", str(tmp_path / "s")],
                        capture_output=True, text=True, env=env, timeout=120)

@@ -4,12 +4,11 @@ from __future__ import annotations
 
 import json
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
-from tests.helpers import subprocess_env
+from tests.helpers import fork_python
 from tests.test_data_fixtures import *  # noqa: F401,F403
 from tests.test_data_fixtures import stdlib_texts
 from trainer.data.tokenizer import Tokenizer, train_bpe
@@ -57,8 +56,8 @@ def test_train_tokenizer_cli(tmp_path):
         for text in stdlib_texts(20):
             f.write(json.dumps({"body": text}) + "\n")
     out = tmp_path / "cli.model"
-    env = subprocess_env()
-    r = subprocess.run([sys.executable, "-m", "trainer.data.train_tokenizer", "--dataset", "json",
+    python, env = fork_python()
+    r = subprocess.run([python, "-m", "trainer.data.train_tokenizer", "--dataset", "json",
                         "--data_files", str(data), "--text_field", "body", "--vocab_size", "400",
                         "--output", str(out), "--threads", "1"],
                        capture_output=True, text=True, env=env, timeout=300)

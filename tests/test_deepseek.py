@@ -16,12 +16,11 @@ import dataclasses
 import json
 import math
 import subprocess
-import sys
 
 import pytest
 import torch
 
-from tests.helpers import REPO, losses, run_train, scalars, stopped_after_save, subprocess_env
+from tests.helpers import REPO, fork_python, losses, run_train, scalars, stopped_after_save
 from trainer.errors import ConfigError
 from trainer.models.args import FLAVORS, MoEArgs, YarnScaling
 from trainer.models.llama import build_model, model_args
@@ -213,11 +212,11 @@ def test_the_full_size_configs_are_traced_to_fit_h100s(config, ngpu):
     """The real step of rank 0 of 512 on fake tensors: fits an H100 with the reserve, the plan
     within 10% of the trace (MTP blocks, MLA's replicated latents and the experts' groups
     counted), in well under two minutes."""
-    out = subprocess.run([sys.executable, "-m", "trainer.plan", "--config",
+    python, env = fork_python()
+    out = subprocess.run([python, "-m", "trainer.plan", "--config",
                           str(REPO / "configs" / f"{config}.toml"), "--ngpu", str(ngpu),
                           "--nnodes", "64", "--gpu", "h100", "--host-gib", "2048", "--trace"],
-                         cwd=REPO, env=subprocess_env(), capture_output=True, text=True,
-                         timeout=300)
+                         cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-3000:]
     text = out.stdout
     assert "trace verdict: FITS" in text and "agreement: the plan is within 10%" in text, text

@@ -13,7 +13,7 @@ import uuid
 
 import pytest
 
-from tests.helpers import REPO, subprocess_env
+from tests.helpers import REPO, fork_python, subprocess_env
 
 PROBE = REPO / "tests" / "scripts" / "ep_dispatch_probe.py"
 
@@ -28,10 +28,10 @@ def probed(tmp_path_factory):
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    cmd = [sys.executable, str(REPO / "tests" / "scripts" / "forkrun.py"), "--nnodes", "2",
+    python, env = fork_python({"OMP_NUM_THREADS": "1"})  # forkrun's imports: the zygote's
+    cmd = [python, str(REPO / "tests" / "scripts" / "forkrun.py"), "--nnodes", "2",
            "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", uuid.uuid4().hex[:8], "2",
            str(PROBE), str(tmp)]
-    env = subprocess_env({"OMP_NUM_THREADS": "1"})
     procs = [subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                               text=True) for _ in range(2)]
     outs = [p.communicate(timeout=240)[0] for p in procs]

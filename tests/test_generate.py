@@ -3,12 +3,11 @@ greedy decoding is deterministic, the KV cache equals the full-forward reference
 new token is the argmax of a full forward over the sequence before it."""
 
 import subprocess
-import sys
 
 import pytest
 import torch
 
-from tests.helpers import REPO, subprocess_env
+from tests.helpers import REPO, fork_python
 from tests.test_data_fixtures import (corpus_dir, json_cfg, store_path,  # noqa: F401
                                       tokenizer_path)
 from tests.test_validation import val_run  # noqa: F401  (a 4-step FSDP run with checkpoints)
@@ -19,8 +18,9 @@ from trainer import generate as gen
 def test_generate_prints_text_deterministic_and_exact(val_run):  # noqa: F811
     ckpt = val_run[0] / "checkpoint" / "step-4"
     args = ["--checkpoint", str(ckpt), "--prompt", "def ", "--max_new_tokens", "24"]
-    proc = subprocess.run([sys.executable, "-m", "trainer.generate", *args], cwd=REPO,
-                          env=subprocess_env(), capture_output=True, text=True, timeout=120)
+    python, env = fork_python()
+    proc = subprocess.run([python, "-m", "trainer.generate", *args], cwd=REPO, env=env,
+                          capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr
     # After 4 steps the text is mostly newlines; a 200-step stdlib model writes code.
     assert proc.stdout.startswith("def ") and len(proc.stdout) > len("def \n"), proc.stdout

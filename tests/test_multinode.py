@@ -18,7 +18,7 @@ import time
 import uuid
 from pathlib import Path
 
-from tests.helpers import REPO, TINY, losses, run_train
+from tests.helpers import REPO, TINY, fork_python, losses, run_train
 from tests.helpers import subprocess_env as env_for
 
 PROBE = REPO / "tests" / "scripts" / "multinode_probe.py"
@@ -67,11 +67,13 @@ class Node:
 
 def launch_nodes(tmp: Path, *target: str, nnodes: int = 2, nproc: int = 2,
                  env: dict | None = None, elastic: tuple | None = None,
-                 first: int = 0) -> list[Node]:
+                 first: int = 0, forked: bool = False) -> list[Node]:
     """Start `nnodes` launchers that rendezvous on 127.0.0.1 and run `target` (torchrun's
     trailing arguments: a script or `-m module`, then its arguments). `elastic`: (the
     rendezvous endpoint and id to share, torchrun's options) for `--nnodes 1:2`-style jobs;
-    `first`: the log number of the first node."""
+    `first`: the log number of the first node; `forked`: the launchers forked from the tests'
+    zygote (tests/helpers.py fork_python: no imports of their own; their ranks are then not
+    the Popen's children, which Node.workers reads)."""
     endpoint, run_id = f"127.0.0.1:{_free_port()}", f"test-{uuid.uuid4().hex[:8]}"
     sizes, extra = [str(nnodes)], []
     if elastic is not None:
@@ -79,12 +81,14 @@ def launch_nodes(tmp: Path, *target: str, nnodes: int = 2, nproc: int = 2,
     nodes = []
     for i in range(first, first + nnodes):
         log = tmp / f"node{i}.log"
-        cmd = [sys.executable, "-m", "trainer.launch", "--nnodes", *sizes,
+        python, run_env = fork_python({**THREADS, **(env or {})}) if forked else \
+            (sys.executable, env_for({**THREADS, **(env or {})}))
+        cmd = [python, "-m", "trainer.launch", "--nnodes", *sizes,
                "--nproc_per_node", str(nproc), "--rdzv_backend", "c10d",
                "--rdzv_endpoint", endpoint, "--rdzv_id", run_id, *extra, *target]
         with open(log, "w") as fh:
-            proc = subprocess.Popen(cmd, env=env_for({**THREADS, **(env or {})}), stdout=fh,
-                                    stderr=subprocess.STDOUT, cwd=REPO)
+            proc = subprocess.Popen(cmd, env=run_env, stdout=fh, stderr=subprocess.STDOUT,
+                                    cwd=REPO)
         nodes.append(Node(proc, log))
     return nodes
 
@@ -104,7 +108,7 @@ def wait_all(nodes: list[Node], timeout: float = 240) -> list[int]:
 
 
 def train_two_nodes(tmp: Path, dump: Path, *overrides: str) -> list[Node]:
-    nodes = launch_nodes(tmp, *TRAIN, "--job.dump_folder", str(dump), *overrides)
+    nodes = launch_nodes(tmp, *TRAIN, "--job.dump_folder", str(dump), *overrides, forked=True)
     codes = wait_all(nodes)
     assert codes == [0, 0], "\n".join(n.output[-4000:] for n in nodes)
     return nodes

@@ -11,12 +11,11 @@ from __future__ import annotations
 
 import os
 import subprocess
-import sys
 
 import pytest
 import torch
 
-from tests.helpers import BASE_FP32, losses, run_train, scalars, subprocess_env
+from tests.helpers import BASE_FP32, fork_python, losses, run_train, scalars
 from tests.s3_server import s3_server
 
 pytest.importorskip("s3fs", reason="s3fs is not installed (pip install -e '.[dev]')")
@@ -48,10 +47,11 @@ def stores(s3, tmp_path_factory):
     cfg = DataConfig(dataset="stdlib", data_files=["email/**"], tokenizer_path=tok)
     manifest = prepare_store(cfg, tok, str(base / "local"), workers=1, shard_tokens=20000,
                              show_progress=False)
-    proc = subprocess.run([sys.executable, "-m", "trainer.data.prepare", *STORE_ARGS,
+    python, run_env = fork_python(env)
+    proc = subprocess.run([python, "-m", "trainer.data.prepare", *STORE_ARGS,
                            "--tokenizer_path", tok, "--store_path", URL,
                            "--cache_dir", str(base / "staging")],
-                          env=subprocess_env(env), capture_output=True, text=True)
+                          env=run_env, capture_output=True, text=True)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert f"uploaded to {URL}" in proc.stdout
     return base / "local", manifest["total_tokens"] * 2
@@ -118,9 +118,10 @@ def test_hf_folders_to_and_from_a_bucket_equal_the_local_ones(s3, runs, tmp_path
     assert "model.safetensors" in files and files == {p.name: p.read_bytes()
                                                       for p in dump.iterdir()}
     assert objects(client, "ckpt/hf") == files
-    proc = subprocess.run([sys.executable, "-m", "trainer.convert", "to-hf",
+    python, run_env = fork_python(env)
+    proc = subprocess.run([python, "-m", "trainer.convert", "to-hf",
                            "s3://data/ckpt/step-3", "s3://data/converted", "--config",
-                           str(runs[1] / "config.toml")], env=subprocess_env(env),
+                           str(runs[1] / "config.toml")], env=run_env,
                           capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert objects(client, "converted") == files
@@ -181,9 +182,10 @@ def test_an_unreachable_endpoint_is_one_line(s3, stores, tmp_path):
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]
     bad = {**env, "AWS_ENDPOINT_URL": f"http://127.0.0.1:{port}", "AWS_MAX_ATTEMPTS": "1"}
-    proc = subprocess.run([sys.executable, "-m", "trainer.data.prepare", *STORE_ARGS,
+    python, run_env = fork_python(bad)
+    proc = subprocess.run([python, "-m", "trainer.data.prepare", *STORE_ARGS,
                            "--tokenizer_path", str(stores[0] / "tokenizer.model"),
-                           "--store_path", "s3://data/other"], env=subprocess_env(bad),
+                           "--store_path", "s3://data/other"], env=run_env,
                           capture_output=True, text=True, timeout=120)
     line = one_error_line(proc)
     assert line.startswith("config error: data.store_path = 's3://data/other': cannot reach "

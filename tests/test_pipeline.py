@@ -13,12 +13,11 @@ The stage split, the schedules' bubbles and every bad setting (one line) are che
 
 import re
 import subprocess
-import sys
 
 import pytest
 
 from scripts.chaos import load_dcp_tensors
-from tests.helpers import REPO, losses, run_train, scalars, stopped_after_save
+from tests.helpers import REPO, fork_python, losses, run_train, scalars, stopped_after_save
 from tests.test_tp import saved_digest
 from trainer.config.job import load_config
 from trainer.errors import ConfigError
@@ -123,19 +122,21 @@ def test_hf_export_and_generation_read_a_pp_checkpoint(runs, tmp_path):
     pp_ckpt = runs["pp2_fsdp2"][0] / "checkpoint" / "step-3"
     ref_ckpt = runs["ref"][0] / "checkpoint" / "step-3"
     pp, ref = load_dcp_tensors(pp_ckpt), load_dcp_tensors(ref_ckpt)
+    python, env = fork_python()
     model_keys = [k for k in ref if ".model." in k]
     assert sorted(k for k in pp if ".model." in k) == sorted(model_keys)
     assert max(float((pp[k] - ref[k]).abs().max()) for k in model_keys) <= 1e-5
 
     def generated(ckpt):
-        return subprocess.run([sys.executable, "-m", "trainer.generate", "--checkpoint",
+        return subprocess.run([python, "-m", "trainer.generate", "--checkpoint",
                                str(ckpt), "--prompt", "1 2 3", "--max_new_tokens", "8"],
-                              cwd=REPO, capture_output=True, text=True, timeout=120,
+                              cwd=REPO, env=env, capture_output=True, text=True, timeout=120,
                               check=True).stdout
 
     assert generated(pp_ckpt) == generated(ref_ckpt)
-    subprocess.run([sys.executable, "-m", "trainer.convert", "to-hf", str(pp_ckpt),
-                    str(tmp_path / "hf")], cwd=REPO, check=True, capture_output=True, timeout=120)
+    subprocess.run([python, "-m", "trainer.convert", "to-hf", str(pp_ckpt),
+                    str(tmp_path / "hf")], cwd=REPO, env=env, check=True, capture_output=True,
+                   timeout=120)
     exported = load_file(tmp_path / "hf" / "model.safetensors")
     assert (exported["lm_head.weight"] == pp["model_optim.model.output.weight"]).all()
     want = load_file(runs["ref"][0] / "hf" / "model.safetensors")

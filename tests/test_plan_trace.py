@@ -3,12 +3,11 @@ tensors and a fake process group, in this process."""
 
 import math
 import subprocess
-import sys
 
 import pytest
 import torch
 
-from tests.helpers import REPO, subprocess_env
+from tests.helpers import REPO, fork_python
 from trainer.config.job import load_config
 from trainer.plan.memory import memory_plan
 from trainer.plan.trace import trace_scoring, trace_step
@@ -47,10 +46,10 @@ def test_8b_validation_and_eval_score_a_chunk_at_a_time_below_trainings_peak():
 def test_cli_trace_prints_the_trace_beside_the_plan():
     import json
 
-    out = subprocess.run([sys.executable, "-m", "trainer.plan", "--config",
+    python, env = fork_python()
+    out = subprocess.run([python, "-m", "trainer.plan", "--config",
                           str(REPO / "configs" / "debug_model.toml"), "--ngpu", "2", "--trace"],
-                         cwd=REPO, env=subprocess_env(), capture_output=True, text=True,
-                         timeout=300)
+                         cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr
     text = out.stdout
     assert "traced dry run: one training step of rank 0 of 2 on fake tensors" in text
@@ -59,10 +58,10 @@ def test_cli_trace_prints_the_trace_beside_the_plan():
     assert "work: rank 0 computes " in text
     # --json: the same report as one JSON object on stdout and nothing else, under PP too
     # (the traced ranks' forked processes log the pipeline's startup line: to stderr)
-    out = subprocess.run([sys.executable, "-m", "trainer.plan", "--config",
+    out = subprocess.run([python, "-m", "trainer.plan", "--config",
                           str(REPO / "configs" / "debug_model.toml"), "--ngpu", "2", "--trace",
                           "--json", "--parallelism.pipeline_parallel_degree", "2"], cwd=REPO,
-                         env=subprocess_env(), capture_output=True, text=True, timeout=300)
+                         env=env, capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr
     saved = json.loads(out.stdout)
     assert "pipeline: 1F1B, 2 stages over pp 2" in out.stderr, out.stderr

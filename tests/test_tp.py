@@ -13,12 +13,11 @@ full-vocabulary tensor (tests/scripts/tp_probe.py); impossible TP settings are o
 import re
 import shutil
 import subprocess
-import sys
 
 import pytest
 
 from scripts.chaos import load_dcp_tensors
-from tests.helpers import REPO, losses, run_train, scalars, torchrun
+from tests.helpers import REPO, fork_python, losses, run_train, scalars, torchrun
 from trainer.checkpoint.integrity import weights_digest
 from trainer.config.job import load_config
 from trainer.errors import ConfigError
@@ -122,18 +121,21 @@ def test_hf_export_and_generation_read_a_tp_checkpoint(runs, tmp_path):
     tp_ckpt = runs["tp2_fsdp2"][0] / "checkpoint" / "step-3"
     ref_ckpt = runs["ref"][0] / "checkpoint" / "step-3"
     tp, ref = load_dcp_tensors(tp_ckpt), load_dcp_tensors(ref_ckpt)
+    python, env = fork_python()
     for key in (k for k in ref if ".model." in k):  # the full tensors, as one rank saved them
         assert (tp[key] - ref[key]).abs().max() <= 1e-5, key
 
     def generated(ckpt):
-        proc = subprocess.run([sys.executable, "-m", "trainer.generate", "--checkpoint",
+        proc = subprocess.run([python, "-m", "trainer.generate", "--checkpoint",
                                str(ckpt), "--prompt", "1 2 3", "--max_new_tokens", "8"],
-                              cwd=REPO, capture_output=True, text=True, timeout=120, check=True)
+                              cwd=REPO, env=env, capture_output=True, text=True, timeout=120,
+                              check=True)
         return proc.stdout
 
     assert generated(tp_ckpt) == generated(ref_ckpt)
-    subprocess.run([sys.executable, "-m", "trainer.convert", "to-hf", str(tp_ckpt),
-                    str(tmp_path / "hf")], cwd=REPO, check=True, capture_output=True, timeout=120)
+    subprocess.run([python, "-m", "trainer.convert", "to-hf", str(tp_ckpt),
+                    str(tmp_path / "hf")], cwd=REPO, env=env, check=True, capture_output=True,
+                   timeout=120)
     from safetensors.torch import load_file
 
     hf = {}

@@ -6,12 +6,11 @@ import os
 import pickle
 import shutil
 import subprocess
-import sys
 
 import pytest
 import torch
 
-from tests.helpers import BASE_FP32, REPO, losses, run_train, subprocess_env
+from tests.helpers import BASE_FP32, REPO, fork_python, losses, run_train
 from trainer.checkpoint import integrity, safe_load
 from trainer.data.store import file_blake2b
 
@@ -146,11 +145,11 @@ def test_initial_load_generate_and_convert_refuse_doctored_folders(doctored):
     lines = [x for x in proc.stderr.splitlines() if "checkpoint error:" in x]
     assert len(lines) == 1 and "builtins.eval" in lines[0] and "allow_pickle" in lines[0], \
         proc.stderr
-    env = subprocess_env()
+    python, env = fork_python()
     config = str(doctored / "run" / "config.toml")
     for cmd in (["trainer.generate", "--checkpoint", str(bad), "--config", config],
                 ["trainer.convert", "to-hf", str(bad), str(doctored / "hf"), "--config", config]):
-        p = subprocess.run([sys.executable, "-m", *cmd], cwd=REPO, env=env, text=True,
+        p = subprocess.run([python, "-m", *cmd], cwd=REPO, env=env, text=True,
                            capture_output=True, timeout=120)
         assert p.returncode == 2, (cmd, p.stderr)
         assert p.stderr.strip().count("\n") == 0 and "builtins.eval" in p.stderr, p.stderr

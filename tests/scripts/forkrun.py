@@ -31,6 +31,9 @@ gc.enable()
 
 
 def rank(script: str, argv: list[str]) -> None:
+    # the rank's threads, as torch read OMP_NUM_THREADS at its start (this launcher may be a
+    # fork of the tests' zygote, whose torch started before the variable was set above)
+    torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
     try:
         runpy.run_path(script, run_name="forked_probe")["main"](argv)
     except Exception:  # its traceback, then wait as trainer.launch.forked_rank does: its

@@ -1,14 +1,17 @@
-"""A launcher zygote for the tests' run_train.sh launches: one process per pytest worker that
-imports torch and the trainer once, then forks `python -m trainer.launch ...` for each launch.
+"""A Python zygote for the tests' subprocesses: one process per pytest worker that imports torch
+and the trainer once, then forks each `python -m MODULE ...` or `python SCRIPT.py ...` it is
+handed: run_train.sh's `-m trainer.launch` launches, and the tests' own CLI runs and probe
+launchers (tests/helpers.py's fork_python: `-m trainer.plan`, tests/scripts/forkrun.py, ...).
 
 run_train.sh runs unchanged (bash, its exports, its command line); only its interpreter is
-tests/scripts/zygote_shim.py (PYTHON=, set by tests/helpers.py's run_train), which hands its
-argv, environment, working directory and stdin/stdout/stderr to this server and exits with the
-launch's status. The launch is a fork of this process that runs trainer.launch as `__main__`
-(what `python -m` does) with that argv, environment, folder and streams: the ~3-6 CPU-s of
-interpreter start and imports of every launch are paid once (the launcher then forks its CPU
-ranks as usual). If the shim goes away (a test's timeout killed it), its launch's process
-group is killed.
+tests/scripts/zygote_shim.py (PYTHON=, set by tests/helpers.py), which hands its argv,
+environment, working directory and stdin/stdout/stderr to this server and exits with the
+process's status. The process is a fork of this one that runs the module as `__main__` (what
+`python -m` does; the module's earlier import is dropped first) or the script as `__main__`
+(what `python SCRIPT` does), with that argv, environment, folder, streams, `sys.path[0]` and
+thread count: the ~3-6 CPU-s of interpreter start and imports of each are paid once (a
+launcher then forks its CPU ranks as usual). If the shim goes away (a test's timeout killed
+it), its process group is killed.
 
     python tests/scripts/zygote.py SOCKET_PATH        (started by tests/helpers.py)
 """
@@ -39,7 +42,8 @@ gc.enable()
 
 
 def receive(conn: socket.socket) -> tuple[dict, list[int]]:
-    """One request: a JSON line {argv, env, cwd} with the shim's fds 0, 1, 2."""
+    """One request: a JSON line {argv (after the interpreter), env, cwd} with the shim's fds
+    0, 1, 2."""
     fds = array.array("i")
     data = b""
     while not data.endswith(b"\n"):
@@ -54,7 +58,7 @@ def receive(conn: socket.socket) -> tuple[dict, list[int]]:
 
 
 def launch(request: dict, fds: list[int]) -> None:
-    """In the forked launch: become `python -m trainer.launch ARGS` and never return."""
+    """In the forked process: become `python ARGV` (run) and never return."""
     code = 1
     try:
         os.setpgid(0, 0)  # its own group, so a lost shim's launch dies whole
@@ -67,22 +71,54 @@ def launch(request: dict, fds: list[int]) -> None:
         os.environ.clear()
         os.environ.update(request["env"])
         signal.signal(signal.SIGTERM, signal.SIG_DFL)
-        sys.argv = ["trainer/launch.py", *request["argv"]]  # [0]: runpy sets the file
-        sys.modules.pop("trainer.launch", None)
-        import runpy
-        runpy.run_module("trainer.launch", run_name="__main__", alter_sys=True)
-        code = 0  # trainer.launch ends with os._exit; this is never reached normally
-    except SystemExit as stop:
-        code = stop.code if isinstance(stop.code, int) else 1
+        if os.environ.get("OMP_NUM_THREADS"):  # what torch reads at its start in a fresh one
+            torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
+        try:
+            run(request["argv"])
+            code = 0  # trainer.launch ends with os._exit; a CLI returns here or exits
+        except SystemExit as stop:  # as the interpreter treats it: None 0, a message 1
+            code = stop.code if isinstance(stop.code, int) else 0 if stop.code is None else 1
+            if not isinstance(stop.code, int) and stop.code is not None:
+                print(stop.code, file=sys.stderr)
+        except BaseException:
+            import traceback
+            traceback.print_exc()
+        import atexit
+        import threading
+
+        threading._shutdown()  # what a fresh interpreter does at its end: join its threads,
+        atexit._run_exitfuncs()  # then run the exit handlers (the script's and its imports')
     except BaseException:
         import traceback
         traceback.print_exc()
+        code = code or 1
     finally:
         try:
             sys.stdout.flush()
             sys.stderr.flush()
         finally:
             os._exit(code)
+
+
+def run(argv: list[str]) -> None:
+    """`python -m MODULE ARGS` or `python SCRIPT ARGS` in this (forked) process."""
+    import runpy
+
+    if argv[0] == "-m":
+        module = argv[1]
+        sys.path[0] = os.getcwd()  # as `python -m` puts the working folder first
+        sys.argv = [module, *argv[2:]]  # [0]: runpy sets the file
+        # the module that runs (a package's __main__) runs afresh, as in a fresh interpreter
+        loaded = sys.modules.get(module)
+        sys.modules.pop(module + ".__main__", None)
+        if loaded is not None and not hasattr(loaded, "__path__"):
+            sys.modules.pop(module)
+        runpy.run_module(module, run_name="__main__", alter_sys=True)
+    else:
+        script = os.path.abspath(argv[0])
+        sys.path[0] = os.path.dirname(script)  # as `python SCRIPT` puts the script's folder
+        sys.argv = [argv[0], *argv[1:]]
+        runpy.run_path(script, run_name="__main__")
 
 
 def book_cpu(usage) -> None:

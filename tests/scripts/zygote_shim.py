@@ -1,9 +1,10 @@
-"""run_train.sh's interpreter under tests/helpers.py's run_train (PYTHON=this file): hands
-`-m trainer.launch ARGS` to the launcher zygote (tests/scripts/zygote.py; its socket in
+"""The interpreter of the tests' subprocesses that need no fresh one (PYTHON=this file's
+wrapper, set by tests/helpers.py: run_train.sh's launches and fork_python's commands): hands
+`-m MODULE ARGS` or `SCRIPT.py ARGS` to the zygote (tests/scripts/zygote.py; its socket in
 TRAINER_TEST_ZYGOTE_SOCKET) with this process's environment, folder and stdin/stdout/stderr,
-and exits with the launch's status. Anything else, or no zygote, runs the real interpreter
-(TRAINER_TEST_ZYGOTE_PYTHON) on the same arguments. Imports nothing heavy: it starts in
-~20 ms."""
+and exits with that process's status. Anything else (`-c`, interpreter options), or no zygote,
+runs the real interpreter (TRAINER_TEST_ZYGOTE_PYTHON) on the same arguments. Imports nothing
+heavy: it starts in ~20 ms."""
 
 import json
 import os
@@ -18,7 +19,9 @@ def real_python() -> None:
 
 def main() -> None:
     path = os.environ.get("TRAINER_TEST_ZYGOTE_SOCKET")
-    if sys.argv[1:3] != ["-m", "trainer.launch"] or not path:
+    argv = sys.argv[1:]
+    forkable = (len(argv) >= 2 and argv[0] == "-m") or (argv and argv[0].endswith(".py"))
+    if not forkable or not path:
         real_python()
     conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     try:
@@ -28,7 +31,7 @@ def main() -> None:
     env = dict(os.environ)  # the launch sees the environment run_train.sh gave it, with the
     env["PYTHON"] = env.pop("TRAINER_TEST_ZYGOTE_PYTHON")  # real interpreter as its PYTHON
     env.pop("TRAINER_TEST_ZYGOTE_SOCKET")
-    request = {"argv": sys.argv[3:], "env": env, "cwd": os.getcwd()}  # after -m trainer.launch
+    request = {"argv": argv, "env": env, "cwd": os.getcwd()}
     conn.sendmsg([json.dumps(request).encode() + b"\n"],
                  [(socket.SOL_SOCKET, socket.SCM_RIGHTS, bytes(memoryview(
                      __import__("array").array("i", [0, 1, 2]))))])
