@@ -11,13 +11,12 @@ import os
 import signal
 import socket
 import subprocess
-import sys
 import time
 from pathlib import Path
 
 import pytest
 
-from tests.helpers import (BASE_FP32, REPO, RUN_TRAIN, listening_addresses, losses,
+from tests.helpers import (BASE_FP32, REPO, RUN_TRAIN, fork_python, listening_addresses, losses,
                            process_tree, run_train, subprocess_env)
 from trainer.checkpoint import lease as lease_mod
 from trainer.checkpoint.lease import LEASE_FILE, Holder, Lease, LeaseHeld, check_free
@@ -195,8 +194,9 @@ def test_two_runs_one_folder_a_killed_holder_and_a_refused_resume(tmp_path):
                                    f"run: {held['job']} on {held['host']} (pid {held['pid']})")
         assert took < 30, took
         # ...and by the trainer itself when started without it (plain torchrun or python).
-        direct = subprocess.run([sys.executable, "-m", "trainer.train", "--job.dump_folder",
-                                 str(folder), *RUN], cwd=REPO, env=subprocess_env(),
+        python, env = fork_python()  # `python -m trainer.train`, forked from the zygote
+        direct = subprocess.run([python, "-m", "trainer.train", "--job.dump_folder",
+                                 str(folder), *RUN], cwd=REPO, env=env,
                                 capture_output=True, text=True, timeout=120)
         assert direct.returncode == 2 and direct.stderr.strip().startswith(
             f"config error: job.dump_folder {folder} is in use by another run: {held['job']}")
