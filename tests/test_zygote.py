@@ -53,3 +53,20 @@ def test_a_timeout_kills_the_launch_and_its_ranks(monkeypatch, tmp_path):
     while time.monotonic() < deadline and len(process_tree(server)) > 1:
         time.sleep(0.2)
     assert process_tree(server) == [server]  # no launch, rank or handler left
+
+
+def test_a_forked_script_and_module_run_as_the_interpreter_runs_them(tmp_path):
+    """fork_python: a script gets its argv and its folder as sys.path[0]; its exit handlers run
+    and sys.exit("message") prints the message and exits 1; `-m` runs a module's __main__."""
+    script = tmp_path / "probe.py"
+    script.write_text("import atexit, sys\natexit.register(lambda: print('exit handler'))\n"
+                      "print(sys.argv[1:], sys.path[0])\nsys.exit('stopped here')\n")
+    python, env = helpers.fork_python()
+    assert python == helpers._zygote["wrapper"]  # forked, not a fresh interpreter
+    proc = subprocess.run([python, str(script), "a"], env=env, cwd=tmp_path,
+                          capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 1 and proc.stderr.strip() == "stopped here", proc.stderr
+    assert proc.stdout.splitlines() == [f"['a'] {tmp_path}", "exit handler"], proc.stdout
+    proc = subprocess.run([python, "-m", "trainer.config", "--help"], env=env, cwd=tmp_path,
+                          capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0 and "[checkpoint]" in proc.stdout, proc.stderr
