@@ -76,7 +76,10 @@ def test_overlap_equals_the_schedule_run_one_action_after_the_other(probe):
 @needs_v_on_gloo
 def test_a_backward_collective_is_in_flight_while_a_forward_computes(probe):
     """On every rank a backward collective (other thread, twin group) was in flight while a
-    forward matmul ran; run one action after the other, never."""
+    forward matmul ran; run one action after the other, never. The probe's handshake pins
+    the two threads' order, so a descheduled thread on a loaded machine cannot read as no
+    overlap; a pair run one after the other cannot complete it (a planted join right after
+    the backward thread's start fails this test)."""
     for r in probe:
         assert r["in_flight_s"]["sequential"] == 0, r
         assert r["in_flight_s"]["overlap"] > 0, r

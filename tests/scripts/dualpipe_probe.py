@@ -10,6 +10,13 @@ and the probe records, per thread, when each backward collective started and end
 each forward matmul ran. Prints one `result {json}` line per rank: the losses and gradients'
 bitwise equality, the seconds a backward collective was in flight while a forward matmul ran
 on the other thread, and which group each lane's collectives used.
+
+`Handshake` pins the two threads' order inside an overlapped action, so that the measure does
+not depend on the OS scheduler (on a loaded 2-core machine a thread can be descheduled for a
+whole action): the backward lane's first collective starts once the forward lane's matmul has
+started, and the matmul is recorded as ended once that collective has started. Only threads
+that really run at once can complete it: a pair run one after the other waits out the timeout
+once, the handshake is dropped, and the overlap measured is what the scheduler gave.
 """
 
 import json
@@ -28,16 +35,58 @@ from trainer.parallel.pp_layout import rank_stages
 DIM, ROWS, MICROBATCHES, PAYLOAD = 256, 64, 6, 1 << 20
 EVENTS: list = []  # (what, thread id, start, end)
 GROUPS: dict = {}  # lane -> set of "own" / "twin"
+TIMEOUT_S = 10.0
+
+
+class Handshake:
+    """Counts the overlapped forwards started and the backward-lane collectives started."""
+
+    def __init__(self):
+        self.cond, self.forwards, self.collectives, self.on = threading.Condition(), 0, 0, True
+
+    def _wait(self, ready) -> None:
+        with self.cond:
+            if self.on and not self.cond.wait_for(ready, TIMEOUT_S):
+                self.on = False  # not concurrent: measure without pinning from here on
+
+    def forward_started(self) -> None:
+        with self.cond:
+            self.forwards += 1
+            self.cond.notify_all()
+
+    def forward_may_end(self) -> None:
+        n = self.forwards
+        self._wait(lambda: self.collectives >= n)
+
+    def collective_may_start(self) -> None:
+        n = self.collectives
+        self._wait(lambda: self.forwards > n)
+
+    def collective_started(self) -> None:
+        with self.cond:
+            self.collectives += 1
+            self.cond.notify_all()
+
+
+HANDSHAKE = Handshake()
+
+
+def _overlapped_forward() -> bool:
+    """Whether this thread runs the forward of an overlapped action (its lane set explicitly:
+    the forward lane is every thread's default)."""
+    return getattr(lanes._LOCAL, "lane", None) == lanes.FORWARD
 
 
 def _record(what: str, start: float) -> None:
     EVENTS.append((what, threading.get_ident(), start, time.perf_counter()))
 
 
-def _all_reduce(t: torch.Tensor, group, what: str) -> torch.Tensor:
+def _all_reduce(t: torch.Tensor, group, what: str, pinned: bool = False) -> torch.Tensor:
     used = lanes.lane_group(group)
     GROUPS.setdefault(lanes.current_lane(), set()).add("own" if used is group else "twin")
     start = time.perf_counter()
+    if pinned:
+        HANDSHAKE.collective_started()
     dist.all_reduce(t, group=used)
     _record(what, start)
     return t
@@ -54,7 +103,10 @@ class Exchange(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad):
-        _all_reduce(torch.ones(PAYLOAD), ctx.group, "backward collective")
+        pinned = lanes.current_lane() == lanes.BACKWARD  # in an overlapped action
+        if pinned:
+            HANDSHAKE.collective_may_start()
+        _all_reduce(torch.ones(PAYLOAD), ctx.group, "backward collective", pinned)
         return grad + _all_reduce(grad.clone(), ctx.group, "backward collective"), None
 
 
@@ -65,10 +117,14 @@ class ProbeStage(nn.Module):
         self.group = group
 
     def forward(self, x):
-        start = time.perf_counter()
+        start, overlapped = time.perf_counter(), _overlapped_forward()
+        if overlapped:
+            HANDSHAKE.forward_started()
         h = x @ self.weight
         for _ in range(6):  # compute worth hiding a collective behind
             h = torch.tanh(h @ self.weight)
+        if overlapped:
+            HANDSHAKE.forward_may_end()
         _record("forward matmul", start)
         return Exchange.apply(h, self.group)
 
