@@ -24,8 +24,8 @@ import time
 def test_quick():
     pass
 
-def test_slow():  # a child process's CPU seconds (~0.1 s) are the test's; its sleep is not CPU
-    subprocess.run([sys.executable, "-c", "sum(i * i for i in range(1_000_000))"], check=True)
+def test_slow():  # a child process's CPU seconds (~0.1-0.3 s) are the test's; its sleep is not CPU
+    subprocess.run([sys.executable, "-c", "sum(i * i for i in range(3_000_000))"], check=True)
     time.sleep({sleep})
 """
 

@@ -34,17 +34,39 @@ def test_stdlib_corpus_is_the_local_standard_library():
 
 
 def test_concurrent_first_use_builds_once(tmp_path):
+    """Three processes start on an empty cache while the test holds its lock: each says it
+    waits; released, one builds and the other two wait for it (held so that a process whose
+    imports lag on a loaded machine cannot arrive after the build and say nothing)."""
+    import fcntl
+    import time
+
+    from trainer.data.cache import stdlib_cache_dir
+
     cache = tmp_path / "cache"
     env = subprocess_env({"OMP_NUM_THREADS": "1"})
-    procs = [subprocess.Popen([sys.executable, "-c", RANK, str(cache), str(r % 2)], env=env,
-                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-             for r in range(3)]
-    results = [p.communicate(timeout=300) + (p.returncode,) for p in procs]
+    errs = [tmp_path / f"err{r}" for r in range(3)]
+    with open(stdlib_cache_dir(DataConfig(cache_dir=str(cache), vocab_size=VOCAB)) / ".lock",
+              "a+") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        procs = []
+        for r in range(3):
+            with open(errs[r], "w") as err:
+                procs.append(subprocess.Popen([sys.executable, "-c", RANK, str(cache),
+                                               str(r % 2)], env=env, stdout=subprocess.PIPE,
+                                              stderr=err, text=True))
+        deadline = time.monotonic() + 300
+        while not all("waiting for another process" in e.read_text() for e in errs):
+            assert time.monotonic() < deadline and all(p.poll() is None for p in procs), \
+                [e.read_text() for e in errs]
+            time.sleep(0.1)
+        fcntl.flock(lock, fcntl.LOCK_UN)
+    results = [(p.communicate(timeout=300)[0], errs[r].read_text(), p.returncode)
+               for r, p in enumerate(procs)]
     for out, err, rc in results:
         assert rc == 0, err
     stderr = "".join(err for _, err, _ in results)
     assert stderr.count("training stdlib tokenizer") == 1, stderr
-    assert stderr.count("waiting for another process") == 2, stderr
+    assert stderr.count("waiting for another process") == 3, stderr
     outs = [out.split() for out, _, _ in results]
     assert outs[0][:2] == outs[1][:2] == outs[2][:2]  # one tokenizer, one store
     assert outs[0][2] == outs[2][2] != outs[1][2]  # ranks 0, 1, 0: the rank's own slice

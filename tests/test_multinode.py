@@ -173,7 +173,9 @@ def test_a_killed_rank_stops_every_node_and_the_rerun_resumes(tmp_path):
     for pid in workers.values():
         assert not Path(f"/proc/{pid}").exists() or "zombie" in _state(pid), pid
     print(f"all processes gone {gone:.1f}s after the SIGKILL (train timeout {timeout}s)")
-    assert gone < timeout + 5, "\n".join(n.output[-4000:] for n in nodes)
+    # the train timeout twice (a peer lost, then its peer) and a loaded machine's teardown:
+    # far below the launcher's 30 s SIGTERM wait and the 100 s default timeout
+    assert gone < 2 * timeout + 10, "\n".join(n.output[-4000:] for n in nodes)
     assert all(code != 0 for code in codes), codes
     summary = [ln for ln in nodes[1].output.splitlines() if ln.startswith("error: training failed")]
     assert summary == [f"error: training failed: rank {victim} (local rank {victim % 2} on "

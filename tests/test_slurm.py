@@ -41,12 +41,14 @@ class Cluster:
         self.env = {k: v for k, v in env.items() if k == "SLURM_CONF" or not k.startswith("SLURM_")}
 
     def run(self, *cmd: str, **kw) -> subprocess.CompletedProcess:
-        return subprocess.run(cmd, env=self.env, capture_output=True, text=True, timeout=60,
-                              check=True, **kw)
+        kw.setdefault("env", self.env)
+        return subprocess.run(cmd, capture_output=True, text=True, timeout=60, check=True, **kw)
 
-    def submit(self, workdir: Path, *overrides: str) -> str:
+    def submit(self, workdir: Path, *overrides: str, env: dict | None = None) -> str:
+        """Submit the script; `env`: more variables for the job (sbatch exports ours)."""
         workdir.mkdir(parents=True, exist_ok=True)
-        out = self.run("sbatch", "--parsable", *SBATCH, str(SCRIPT), *overrides, cwd=workdir)
+        out = self.run("sbatch", "--parsable", *SBATCH, str(SCRIPT), *overrides, cwd=workdir,
+                       env={**self.env, **(env or {})})
         return out.stdout.strip().split(";")[0]
 
     def job(self, job_id: str) -> dict[str, str]:
@@ -126,7 +128,10 @@ def test_sbatch_two_nodes_trains_to_completion(cluster, straight):
 
 def test_usr1_saves_requeues_and_resumes_to_the_same_losses(cluster, straight, tmp_path):
     dump = tmp_path / "dump"
-    job = cluster.submit(tmp_path, "--job.dump_folder", str(dump), *ARGS)
+    # rank 0 sleeps 1 s after each step (the losses are the same): the signal, sent once step
+    # 1 is logged, lands before the last step however fast the machine runs 5 tiny steps
+    job = cluster.submit(tmp_path, "--job.dump_folder", str(dump), *ARGS,
+                         env={"TRAINER_TEST_SLOW_RANK": "0:1"})
     log = tmp_path / f"trainer-{job}.out"
     deadline = time.monotonic() + 180
     while not (log.exists() and re.search(r"^step:\s+1\s", log.read_text(), re.M)):

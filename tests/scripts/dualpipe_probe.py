@@ -35,7 +35,7 @@ from trainer.parallel.pp_layout import rank_stages
 DIM, ROWS, MICROBATCHES, PAYLOAD = 256, 64, 6, 1 << 20
 EVENTS: list = []  # (what, thread id, start, end)
 GROUPS: dict = {}  # lane -> set of "own" / "twin"
-TIMEOUT_S = 10.0
+TIMEOUT_S = 30.0  # far past any stall of a working pair; a serial one pays it once
 
 
 class Handshake:

@@ -22,6 +22,8 @@ from trainer.parallel.parallelize import _checkpoint_forward
 
 CALLS: list[dict] = []
 PHASE = ["setup"]
+LATE = [None]  # the rank that issues its asynchronous all-to-alls LATE_S late (the overlap tries)
+LATE_S = 0.5
 
 
 def record() -> None:
@@ -32,6 +34,8 @@ def record() -> None:
         sends = in_splits or [inp.shape[0] // len(ranks)] * len(ranks)
         CALLS.append({"phase": PHASE[0], "dtype": str(inp.dtype),
                       "to": [r for r, n in zip(ranks, sends) if n and r != dist.get_rank()]})
+        if async_op and LATE[0] == dist.get_rank():
+            time.sleep(LATE_S)
         return original(out, inp, out_splits, in_splits, group=group, async_op=async_op)
 
     dist.all_to_all_single = wrapped
@@ -131,13 +135,18 @@ def main(argv: list[str]) -> None:
                              ("node", big.dispatcher)):
         big.dispatcher = dispatcher
         timelines[name] = []
-        for _ in range(3):  # three tries: a rank descheduled under load may see one finish
+        # One try per rank, each with another rank late to issue the dispatch: the others'
+        # transfers cannot complete before their shared experts start (a rank descheduled for
+        # LATE_S under load could still see one finish; the late rank itself may).
+        for late in range(dist.get_world_size()):
+            LATE[0] = late
             dispatcher.timeline = []
             with torch.no_grad():
                 big(torch.randn(big_tokens, big_dim))
             t0 = dispatcher.timeline[0][1]
             timelines[name].append([(e, round(t - t0, 6), busy)
                                     for e, t, busy in dispatcher.timeline])
+        LATE[0] = None
     report["timeline"] = timelines
     with open(f"{out_dir}/rank{rank}.json", "w") as f:
         json.dump(report, f)
