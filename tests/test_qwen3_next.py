@@ -180,6 +180,9 @@ def mtp_release(tmp_path_factory):
     tensors = load_file(folder / "model.safetensors")
     block = hf_q3n.Qwen3NextDecoderLayer(cfg, layer_idx=1)  # layer 1: full attention
     assert cfg.layer_types[1] == "full_attention"
+    with torch.no_grad():  # a bare layer skips _init_weights: its stacked experts are torch.empty
+        for p in (block.mlp.experts.gate_up_proj, block.mlp.experts.down_proj):  # (NaN at times)
+            p.normal_(0.0, cfg.initializer_range)
     layer = _randomised(block).state_dict()
     gate, up = layer.pop("mlp.experts.gate_up_proj").chunk(2, dim=1)  # as the release: per expert
     stacked = {"gate_proj": gate, "up_proj": up, "down_proj": layer.pop("mlp.experts.down_proj")}
