@@ -18,7 +18,7 @@ import pytest  # noqa: E402
 # The suite's time budget (tests/budget.py): the run fails when one test or the whole session is
 # slower than pyproject's budget_per_test / budget_total, scaled to this machine's speed.
 # TRAINER_TEST_BUDGET=off switches it off.
-pytest_plugins = ["tests.budget", "tests.lanes"]
+pytest_plugins = ["tests.budget"]
 
 # The GPU machines have no Hugging Face `datasets`: what reads text/json/hub data through it skips
 # there (marked needs_datasets); everything else runs.
