@@ -54,8 +54,9 @@ def subprocess_env(extra: dict | None = None) -> dict:
 # sends that launch through the real interpreter.
 ZYGOTE_OFF = {"0", "off", "false", "no"}
 ZYGOTE_UNSAFE_ENV = ("TORCH", "OMP_", "MKL_", "KMP_", "CUDA", "PYTORCH", "LD_", "PYTHON", "GLOO")
-# ... except the ranks' thread count, which each rank sets itself (trainer/launch.py)
-ZYGOTE_SAFE_ENV = ("OMP_NUM_THREADS",)
+# ... except the ranks' thread count, which each rank sets itself (trainer/launch.py), and
+# inductor's cache folder, which it reads at each compile (the zygote compiles nothing)
+ZYGOTE_SAFE_ENV = ("OMP_NUM_THREADS", "TORCHINDUCTOR_CACHE_DIR")
 _zygote: dict = {}
 
 

@@ -100,12 +100,16 @@ def test_a_warm_compile_cache_does_not_serve_another_orders_kernel(tmp_path):
     on the backend switches: without the order in the cache key, a math-only run, after a
     flash run, was served the cached flash graph."""
     import subprocess
-    import sys
 
-    from tests.helpers import subprocess_env
+    from tests.helpers import fork_python
 
-    env = subprocess_env({"TORCHINDUCTOR_CACHE_DIR": str(tmp_path / "cache")})
-    runs = [subprocess.run([sys.executable, "-c", PROBE, spec], env=env, capture_output=True,
-                           text=True, timeout=300) for spec in ("flash", "math")]
+    # Two processes forked from the zygote (torch imported, nothing compiled): each compiles
+    # afresh in memory, and they share only the on-disk cache, as two fresh interpreters would.
+    probe, cache = tmp_path / "probe.py", tmp_path / "cache"
+    probe.write_text(PROBE)
+    python, env = fork_python({"TORCHINDUCTOR_CACHE_DIR": str(cache)})
+    runs = [subprocess.run([python, str(probe), spec], env=env, capture_output=True, text=True,
+                           timeout=300) for spec in ("flash", "math")]
     assert [r.stdout.strip().splitlines()[-1] for r in runs] == ["flash", "math"], \
         [r.stderr[-2000:] for r in runs]
+    assert any(cache.rglob("*.py")), "the runs did not compile into the cache folder given"
