@@ -4,9 +4,8 @@ several ranks building at once into one cache (one builds, the others wait)."""
 from __future__ import annotations
 
 import subprocess
-import sys
 
-from tests.helpers import subprocess_env
+from tests.helpers import fork_python
 from tests.test_data_fixtures import *  # noqa: F401,F403
 from tests.test_data_fixtures import DataConfig, build
 from trainer.data.sources import stdlib_files
@@ -42,8 +41,10 @@ def test_concurrent_first_use_builds_once(tmp_path):
 
     from trainer.data.cache import stdlib_cache_dir
 
-    cache = tmp_path / "cache"
-    env = subprocess_env({"OMP_NUM_THREADS": "1"})
+    cache, script = tmp_path / "cache", tmp_path / "rank.py"
+    script.write_text(RANK)
+    # separate processes forked from the zygote (torch and the trainer imported, no cache read)
+    python, env = fork_python({"OMP_NUM_THREADS": "1"})
     errs = [tmp_path / f"err{r}" for r in range(3)]
     with open(stdlib_cache_dir(DataConfig(cache_dir=str(cache), vocab_size=VOCAB)) / ".lock",
               "a+") as lock:
@@ -51,9 +52,9 @@ def test_concurrent_first_use_builds_once(tmp_path):
         procs = []
         for r in range(3):
             with open(errs[r], "w") as err:
-                procs.append(subprocess.Popen([sys.executable, "-c", RANK, str(cache),
-                                               str(r % 2)], env=env, stdout=subprocess.PIPE,
-                                              stderr=err, text=True))
+                procs.append(subprocess.Popen([python, str(script), str(cache), str(r % 2)],
+                                              env=env, stdout=subprocess.PIPE, stderr=err,
+                                              text=True))
         deadline = time.monotonic() + 300
         while not all("waiting for another process" in e.read_text() for e in errs):
             assert time.monotonic() < deadline and all(p.poll() is None for p in procs), \
