@@ -130,8 +130,8 @@ def row_hashes(batch: torch.Tensor) -> list[str]:
 
 
 # Three stores of different sizes cut from the stdlib corpus by module globs, sharing the
-# cached stdlib tokenizer (vocab 8192): ~105k, ~14k and ~61k tokens.
-# json, the small one: one file (~4.5k tokens, ~69 windows of 65), to wrap within a few steps
+# cached stdlib tokenizer (vocab 8192): ~105k, ~4.5k and ~61k tokens; json, the small one, is
+# one file (~69 windows of 65 tokens), so that a blend wraps it within a few steps.
 MIX_PARTS = {"email": ["email/**"], "json": ["json/__init__.py"], "http": ["http/**"]}
 
 
