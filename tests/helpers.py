@@ -18,12 +18,22 @@ RUN_TRAIN = REPO / "run_train.sh"
 # (where "auto" would put NGPU ranks on fewer GPUs than that).
 CPU = ["--training.device", "cpu"]
 
+# The synthetic token stream at a 1,024-token vocab: at dim 64 the embedding and the output
+# projection are most of a tiny model (2 x 8,192 x 64 of debugmodel-tiny's 1.15M weights at
+# data.vocab_size's default), so its steps, all-gathers and saves are mostly the vocab's: a
+# 4-rank step ~52 -> ~38 CPU-ms a rank (docs/development.md). Still twice the 512 tokens the
+# stream visits (trainer/data/synthetic.py), so a model learns which ones first.
+SYNTHETIC = ("--data.dataset", "synthetic", "--data.vocab_size", "1024")
+# What a test that trains on the stdlib corpus after SYNTHETIC's settings puts back: the vocab
+# of the cached stdlib tokenizer (DataConfig's default), which the suite's stores are cut with.
+STDLIB = ("--data.dataset", "stdlib", "--data.vocab_size", "8192")
+
 # Small, fast settings shared by the end-to-end tests (debugmodel-tiny: a 2-layer, dim-64
 # slice of the debug model; a test that needs the debug shape names its flavor after these).
 TINY = [*CPU, "--model.flavor", "debugmodel-tiny",
     "--training.seq_len", "64", "--training.local_batch_size", "2",
     "--training.mixed_precision_param", "float32", "--metrics.log_freq", "1",
-    "--lr_scheduler.warmup_steps", "2", "--data.dataset", "synthetic",
+    "--lr_scheduler.warmup_steps", "2", *SYNTHETIC,
 ]
 
 

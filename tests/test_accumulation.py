@@ -10,10 +10,10 @@ import json
 import pytest
 import torch
 
-from tests.helpers import REPO, probe_cases_argv, torchrun
+from tests.helpers import REPO, SYNTHETIC, probe_cases_argv, torchrun
 
 PROBE = REPO / "tests/scripts/accum_probe.py"
-HSDP = ["--parallelism.data_parallel_replicate_degree", "2", "--data.dataset", "synthetic",
+HSDP = ["--parallelism.data_parallel_replicate_degree", "2", *SYNTHETIC,
         "--model.flavor", "debugmodel-tiny",
         "--training.seq_len", "32", "--training.global_batch_size", "16"]
 # Adam's first update is ~lr * sign(g): an eps above the rounding noise of near-zero gradients

@@ -12,7 +12,7 @@ import time
 import numpy as np
 import pytest
 
-from tests.helpers import REPO, TINY, fork_python, run_train
+from tests.helpers import REPO, STDLIB, TINY, fork_python, run_train
 from tests.test_data_fixtures import *  # noqa: F401,F403  (corpus, tokenizer and store fixtures)
 
 
@@ -163,7 +163,7 @@ def test_token_ids_beyond_the_vocab_with_sizes_only(tmp_path, store_path):
     for shard in manifest["shards"]:
         path = store / shard["file"]
         path.write_bytes(np.full(path.stat().st_size // 2, 60_000, np.uint16).tobytes())
-    proc = run_train(tmp_path / "out", *TINY, "--data.dataset", "stdlib", "--data.store_path",
+    proc = run_train(tmp_path / "out", *TINY, *STDLIB, "--data.store_path",
                      str(store), "--data.verify_store", "sizes", "--training.steps", "2",
                      check=False, timeout=120)
     line = one_line(proc)

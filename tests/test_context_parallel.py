@@ -13,7 +13,8 @@ settings are one line each.
 
 import pytest
 
-from tests.helpers import REPO, losses, run_train, scalars, stopped_after_save, torchrun
+from tests.helpers import (REPO, SYNTHETIC, losses, run_train, scalars, stopped_after_save,
+                           torchrun)
 from tests.test_data_fixtures import stdlib_texts, tokenizer_path  # noqa: F401
 from tests.test_doc_mask_e2e import short_docs_store  # noqa: F401
 from trainer.config.job import load_config
@@ -29,7 +30,7 @@ COMMON = ("--training.device", "cpu", "--model.flavor", "debugmodel-narrow", "--
           "--training.mixed_precision_param", "float32", "--metrics.log_freq", "1",
           "--lr_scheduler.warmup_steps", "2", "--lr_scheduler.min_lr_factor", "1.0",
           "--training.steps", "5", "--validation.enable", "false")
-CAUSAL = ("--data.dataset", "synthetic", "--checkpoint.enable", "true", "--checkpoint.interval",
+CAUSAL = (*SYNTHETIC, "--checkpoint.enable", "true", "--checkpoint.interval",
           "3", "--checkpoint.keep_latest_k", "0")
 DOCS = ("--data.dataset", "json", "--model.attn_mask_type", "block_causal",
         "--model.positions", "document", "--checkpoint.enable", "false",

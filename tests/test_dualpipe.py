@@ -9,7 +9,7 @@ import json
 
 import pytest
 
-from tests.helpers import REPO
+from tests.helpers import REPO, SYNTHETIC
 from trainer.parallel.pipeline import _SAME_RANK_STAGES
 
 # DualPipeV is a V schedule: torch 2.11 cannot run those over gloo (check_torch refuses them in
@@ -98,7 +98,7 @@ COMMON = ("--model.flavor", "debugmodel-moe-narrow", "--training.seq_len", "64",
           "--training.local_batch_size", "4", "--training.global_batch_size", "8",
           "--training.mixed_precision_param", "float32", "--metrics.log_freq", "1",
           "--lr_scheduler.warmup_steps", "2", "--lr_scheduler.min_lr_factor", "1.0",
-          "--data.dataset", "synthetic", "--training.steps", "3",
+          *SYNTHETIC, "--training.steps", "3",
           "--checkpoint.enable", "false",  # read through TensorBoard: no final save (~1 s each)
           "--moe.aux_loss_weight", "0", "--moe.router_z_loss_weight", "0")  # pp: none
 

@@ -14,7 +14,7 @@ import sys
 
 import pytest
 
-from tests.helpers import REPO, subprocess_env, torchrun
+from tests.helpers import REPO, SYNTHETIC, subprocess_env, torchrun
 from trainer.config.__main__ import main as config_main
 from trainer.config.job import load_config
 from trainer.plan.memory import memory_plan
@@ -28,7 +28,7 @@ OFFLOAD = "--parallelism.fsdp_offload"
 @pytest.fixture(scope="module")
 def probe(tmp_path_factory):
     out = tmp_path_factory.mktemp("fsdp_options")
-    torchrun(PROBE, str(out), "--data.dataset", "synthetic", "--training.seq_len", "32",
+    torchrun(PROBE, str(out), *SYNTHETIC, "--training.seq_len", "32",
              "--training.local_batch_size", "2", "--training.mixed_precision_param", "float32",
              nproc=4)
     return json.loads((out / "probe.json").read_text())

@@ -49,8 +49,8 @@ def test_divergence_stops_with_one_line_and_a_finite_checkpoint(tmp_path):
     from trainer.config.job import load_config
     from trainer.generate import load_model
     cfg = load_config(["--job.config_file", str(tmp_path / "config.toml")])
-    model = load_model(tmp_path / "checkpoint" / f"step-{ckpt}", cfg, token_vocab=8192,
-                       max_len=64, device=torch.device("cpu"))
+    model = load_model(tmp_path / "checkpoint" / f"step-{ckpt}", cfg,
+                       token_vocab=cfg.data.vocab_size, max_len=64, device=torch.device("cpu"))
     assert all(torch.isfinite(p).all() for p in model.parameters())
 
 

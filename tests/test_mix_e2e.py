@@ -11,12 +11,12 @@ from pathlib import Path
 
 import pytest
 
-from tests.helpers import BASE_FP32, global_batches, run_train, scalars
+from tests.helpers import BASE_FP32, STDLIB, global_batches, run_train, scalars
 from tests.test_data_fixtures import mix_stores  # noqa: F401
 
 HASHES = {"TRAINER_DEBUG_DATA_HASHES": "1"}
 # 15% held out: the json source (one file, ~69 windows) keeps the 8 validation samples asked
-COMMON = [*BASE_FP32, "--data.dataset", "stdlib", "--data.val_fraction", "0.15",
+COMMON = [*BASE_FP32, *STDLIB, "--data.val_fraction", "0.15",
           "--metrics.log_freq", "10", "--checkpoint.enable", "true",
           "--checkpoint.interval", "10"]
 VAL = ["--validation.enable", "true", "--validation.freq", "20", "--validation.steps", "2",
@@ -136,7 +136,7 @@ def test_validation_is_the_same_on_1_2_and_4_ranks_by_default(mix_stores, tmp_pa
     got = {}
     for nproc in (1, 2, 4):
         dump = tmp_path / f"n{nproc}"
-        proc = run_train(dump, *BASE_FP32, "--data.dataset", "stdlib", "--data.val_fraction",
+        proc = run_train(dump, *BASE_FP32, *STDLIB, "--data.val_fraction",
                          "0.1", "--optimizer.lr", "0", "--training.steps", "1",
                          "--validation.enable", "true", "--validation.freq", "1",
                          config=toml, nproc=nproc)
@@ -157,7 +157,7 @@ def test_blend_errors_are_one_line(mix_stores, tmp_path):  # noqa: F811
                          (["--data.mix_weights", "nope=1"], "config error: data.mix_weights "
                           "names an unknown source 'nope'; the sources in data.mix are: email, "
                           "json")):
-        proc = run_train(tmp_path / "run", *BASE_FP32, "--data.dataset", "stdlib",
+        proc = run_train(tmp_path / "run", *BASE_FP32, *STDLIB,
                          "--training.steps", "1", *extra, config=toml, check=False, timeout=120)
         lines = [ln for ln in proc.stderr.splitlines() if ln.strip()]
         assert proc.returncode == 2 and len(lines) == 1 and lines[0].startswith(start), \

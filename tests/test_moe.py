@@ -16,7 +16,7 @@ import re
 import pytest
 import torch
 
-from tests.helpers import REPO, scalars
+from tests.helpers import REPO, SYNTHETIC, scalars
 from trainer.config.job import load_config
 from trainer.models.args import FLAVORS, MoEArgs
 from trainer.models.moe import MoE, capacity, update_expert_bias
@@ -296,7 +296,7 @@ COMMON = ("--training.device", "cpu", "--model.flavor", NARROW, "--model.n_layer
           "64", "--training.local_batch_size", "2", "--training.global_batch_size", "8",
           "--training.mixed_precision_param", "float32", "--metrics.log_freq", "1",
           "--lr_scheduler.warmup_steps", "2", "--lr_scheduler.min_lr_factor", "1.0",
-          "--data.dataset", "synthetic", "--training.steps", "5",
+          *SYNTHETIC, "--training.steps", "5",
           "--moe.aux_loss_weight", "1e-2", "--moe.router_z_loss_weight", "1e-3",
           "--checkpoint.enable", "true", "--checkpoint.interval", "3",
           "--checkpoint.keep_latest_k", "0")

@@ -17,7 +17,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from tests.helpers import REPO, run_train, scalars, stopped_after_save, torchrun
+from tests.helpers import REPO, SYNTHETIC, run_train, scalars, stopped_after_save, torchrun
 from trainer.config.job import load_config
 from trainer.errors import ConfigError
 from trainer.models.llama import Transformer, model_args
@@ -98,7 +98,7 @@ BASE = ("--training.device", "cpu", "--model.flavor", "debugmodel-narrow",
          "--model.n_layers", "2", "--training.seq_len", "64", "--training.local_batch_size", "2",
          "--training.global_batch_size", "8", "--training.mixed_precision_param", "float32",
          "--metrics.log_freq", "1", "--lr_scheduler.warmup_steps", "2",
-         "--lr_scheduler.min_lr_factor", "1.0", "--data.dataset", "synthetic",
+         "--lr_scheduler.min_lr_factor", "1.0", *SYNTHETIC,
          "--training.steps", "5", "--checkpoint.enable", "true", "--checkpoint.interval", "3",
          "--checkpoint.keep_latest_k", "0", "--optimizer.lr", "0.01")
 # QK-clip on every layout: the debug models' largest logits are ~0.16, so most heads clip

@@ -15,7 +15,7 @@ import subprocess
 import pytest
 import torch
 
-from tests.helpers import BASE_FP32, fork_python, losses, run_train, scalars
+from tests.helpers import BASE_FP32, STDLIB, fork_python, losses, run_train, scalars
 from tests.s3_server import s3_server
 
 pytest.importorskip("s3fs", reason="s3fs is not installed (pip install -e '.[dev]')")
@@ -58,7 +58,7 @@ def stores(s3, tmp_path_factory):
 
 
 def train(dump, store: str, env: dict, *extra: str):
-    return run_train(dump, *BASE_FP32, "--data.dataset", "stdlib", "--data.store_path", store,
+    return run_train(dump, *BASE_FP32, *STDLIB, "--data.store_path", store,
                      "--training.steps", "3", "--checkpoint.last_save_in_hf", "true", *extra,
                      env=env)
 
@@ -168,7 +168,7 @@ def one_error_line(proc) -> str:
 
 def test_a_missing_bucket_is_one_line_before_any_step(s3, tmp_path):
     env, _ = s3
-    proc = run_train(tmp_path / "run", *BASE_FP32, "--data.dataset", "stdlib",
+    proc = run_train(tmp_path / "run", *BASE_FP32, *STDLIB,
                      "--data.store_path", "s3://no-such-bucket/store", "--training.steps", "1",
                      nproc=1, env=env, check=False)
     assert "data.store_path = 's3://no-such-bucket/store': the bucket 'no-such-bucket' does " \

@@ -14,8 +14,10 @@ from tests.helpers import TINY, run_train, zygote_env
 def test_out_of_memory_is_one_line(tmp_path, ranks):
     zygote_env(None)  # the launch zygote (a worker's first use starts it) outside the timing
     start = time.monotonic()
-    # The debug shape: the plan fits it on a 1.6 GiB device only below the batch it runs.
-    proc = run_train(tmp_path, *TINY, "--model.flavor", "debugmodel", "--training.steps", "4",
+    # The debug shape (and vocab): the plan fits it on a 1.6 GiB device only below the batch
+    # it runs.
+    proc = run_train(tmp_path, *TINY, "--model.flavor", "debugmodel", "--data.vocab_size", "8192",
+                     "--training.steps", "4",
                      check=False,
                      env={"TRAINER_TEST_OOM": f"{ranks}:2:1.6"}, timeout=120)
     assert proc.returncode == 5, proc.stderr

@@ -22,7 +22,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 import torch.nn.functional as F
 
-from tests.helpers import BASE_FP32, run_train, scalars
+from tests.helpers import BASE_FP32, SYNTHETIC, run_train, scalars
 from trainer.checkpoint.optim_state import ModelAndOptimizer, changed_line, saved_grouped
 from trainer.config.job import load_config
 from trainer.models.llama import Transformer, model_args
@@ -36,7 +36,7 @@ DENSE = ("--model.flavor", "debugmodel-narrow", "--training.seq_len", "64",
          "--training.local_batch_size", "2", "--training.global_batch_size", "8",
          "--training.mixed_precision_param", "float32", "--metrics.log_freq", "1",
          "--lr_scheduler.warmup_steps", "2", "--lr_scheduler.min_lr_factor", "1.0",
-         "--data.dataset", "synthetic", "--optimizer.lr", "0.01", *CKPT,
+         *SYNTHETIC, "--optimizer.lr", "0.01", *CKPT,
          "--optimizer.name", "Muon", "--optimizer.muon_ns_dtype", "float32")
 MOE = ("--model.flavor", "debugmodel-moe-narrow", "--model.n_layers", "3", *DENSE[2:])
 P = "--parallelism."

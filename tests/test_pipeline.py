@@ -17,7 +17,8 @@ import subprocess
 import pytest
 
 from scripts.chaos import load_dcp_tensors
-from tests.helpers import REPO, fork_python, losses, run_train, scalars, stopped_after_save
+from tests.helpers import (REPO, SYNTHETIC, fork_python, losses, run_train, scalars,
+                           stopped_after_save)
 from tests.test_tp import saved_digest
 from trainer.config.job import load_config
 from trainer.errors import ConfigError
@@ -38,7 +39,7 @@ COMMON = ("--training.device", "cpu", "--model.flavor", "debugmodel-narrow", "--
           "--training.local_batch_size", "2", "--training.global_batch_size", "8",
           "--training.mixed_precision_param", "float32", "--metrics.log_freq", "1",
           "--lr_scheduler.warmup_steps", "2", "--lr_scheduler.min_lr_factor", "1.0",
-          "--data.dataset", "synthetic", "--training.steps", "5",
+          *SYNTHETIC, "--training.steps", "5",
           "--training.z_loss_weight", "1e-3", "--validation.enable", "true",
           "--validation.freq", "5", "--validation.steps", "1",
           "--validation.local_batch_size", "2", "--checkpoint.enable", "true",
@@ -156,7 +157,7 @@ def test_hf_export_and_generation_read_a_pp_checkpoint(runs, tmp_path):
 
 ROLLBACK = ("--training.device", "cpu", "--model.flavor", "debugmodel-narrow", "--training.seq_len",
             "64", "--training.local_batch_size", "2", "--training.global_batch_size", "4",
-            "--training.mixed_precision_param", "float32", "--data.dataset", "synthetic",
+            "--training.mixed_precision_param", "float32", *SYNTHETIC,
             "--metrics.log_freq", "1", "--training.spike_window", "3",
             "--checkpoint.enable", "true", "--checkpoint.keep_latest_k", "0",
             "--training.on_spike", "rollback", "--checkpoint.interval", "2",

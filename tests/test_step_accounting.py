@@ -9,7 +9,7 @@ from dataclasses import replace
 
 import pytest
 
-from tests.helpers import BASE_FP32, losses, run_train
+from tests.helpers import BASE_FP32, STDLIB, losses, run_train
 from tests.test_data_fixtures import *  # noqa: F401,F403  (the corpus and tokenizer)
 from tests.test_data_fixtures import stdlib_texts
 
@@ -39,7 +39,7 @@ def test_logged_loss_is_token_weighted(tmp_path, short_documents_store):
     """Document starts masked out of the loss (predict_document_start = false) leave the two
     ranks different token counts: the 2-rank run logs the loss of the 1-rank run over the same
     samples, the mean over every trained token (the mean of the ranks' means is not)."""
-    common = [*BASE_FP32, "--data.dataset", "stdlib", "--data.store_path",
+    common = [*BASE_FP32, *STDLIB, "--data.store_path",
               short_documents_store, "--data.predict_document_start", "false",
               "--training.steps", "4"]
     run_train(tmp_path / "one", *common, nproc=1)

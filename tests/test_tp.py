@@ -17,7 +17,7 @@ import subprocess
 import pytest
 
 from scripts.chaos import load_dcp_tensors
-from tests.helpers import REPO, fork_python, losses, run_train, scalars, torchrun
+from tests.helpers import REPO, SYNTHETIC, fork_python, losses, run_train, scalars, torchrun
 from trainer.checkpoint.integrity import weights_digest
 from trainer.config.job import load_config
 from trainer.errors import ConfigError
@@ -28,7 +28,7 @@ COMMON = ("--model.flavor", "debugmodel-narrow", "--model.n_layers", "2",
           "--training.steps", "5", "--training.seq_len", "64",
           "--training.local_batch_size", "2",
           "--training.global_batch_size", "4", "--training.mixed_precision_param", "float32",
-          "--metrics.log_freq", "1", "--data.dataset", "synthetic", "--checkpoint.enable", "true",
+          "--metrics.log_freq", "1", *SYNTHETIC, "--checkpoint.enable", "true",
           "--checkpoint.interval", "3", "--checkpoint.keep_latest_k", "0",
           "--validation.enable", "false")
 TP = "--parallelism.tensor_parallel_degree"

@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 
 from tests.helpers import BASE_FP32 as BASE
-from tests.helpers import global_batches, losses, run_train, stopped_after_save
+from tests.helpers import STDLIB, global_batches, losses, run_train, stopped_after_save
 from tests.test_data_fixtures import corpus_dir, json_cfg, tokenizer_path  # noqa: F401
 
 
@@ -19,7 +19,7 @@ ASYNC = ["--checkpoint.async_mode", "async"]
 
 
 def common(cache) -> list[str]:
-    return [*BASE, "--data.dataset", "stdlib", "--data.cache_dir", str(cache),
+    return [*BASE, *STDLIB, "--data.cache_dir", str(cache),
             "--checkpoint.enable", "true", "--checkpoint.interval", "4"]
 
 
