@@ -24,9 +24,12 @@ CPU = ["--training.device", "cpu"]
 # 4-rank step ~52 -> ~38 CPU-ms a rank (docs/development.md). Still twice the 512 tokens the
 # stream visits (trainer/data/synthetic.py), so a model learns which ones first.
 SYNTHETIC = ("--data.dataset", "synthetic", "--data.vocab_size", "1024")
-# What a test that trains on the stdlib corpus after SYNTHETIC's settings puts back: the vocab
-# of the cached stdlib tokenizer (DataConfig's default), which the suite's stores are cut with.
-STDLIB = ("--data.dataset", "stdlib", "--data.vocab_size", "8192")
+# DataConfig's default vocab (tests/test_data_order.py checks it): the cached stdlib tokenizer's,
+# which the suite's stores are cut with. A test that trains on the stdlib corpus after
+# SYNTHETIC's settings puts it back with STDLIB; one that needs the debug model's own vocab
+# (a memory fit) with STDLIB_VOCAB.
+STDLIB_VOCAB = ("--data.vocab_size", "8192")
+STDLIB = ("--data.dataset", "stdlib", *STDLIB_VOCAB)
 
 # Small, fast settings shared by the end-to-end tests (debugmodel-tiny: a 2-layer, dim-64
 # slice of the debug model; a test that needs the debug shape names its flavor after these).

@@ -134,6 +134,14 @@ def test_validation_split_is_held_out(store_cfg):
     assert not t & v
 
 
+def test_the_suites_stdlib_vocab_is_datas_default():
+    """tests/helpers.py's STDLIB_VOCAB (what the tests that train on the stdlib corpus put back
+    after TINY's small synthetic vocab) is the default the suite's cached tokenizer is built at."""
+    from tests.helpers import STDLIB_VOCAB
+
+    assert STDLIB_VOCAB == ("--data.vocab_size", str(DataConfig().vocab_size))
+
+
 def test_synthetic_is_learnable_and_deterministic():
     cfg = DataConfig(dataset="synthetic", vocab_size=8192)
     a = run_global_batches([build(cfg, seq_len=64)], 2)

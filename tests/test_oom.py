@@ -7,7 +7,7 @@ import time
 
 import pytest
 
-from tests.helpers import TINY, run_train, zygote_env
+from tests.helpers import STDLIB_VOCAB, TINY, run_train, zygote_env
 
 
 @pytest.mark.parametrize("ranks", ["1", "0,1"])  # a peer waits in a collective / both fail
@@ -16,9 +16,8 @@ def test_out_of_memory_is_one_line(tmp_path, ranks):
     start = time.monotonic()
     # The debug shape (and vocab): the plan fits it on a 1.6 GiB device only below the batch
     # it runs.
-    proc = run_train(tmp_path, *TINY, "--model.flavor", "debugmodel", "--data.vocab_size", "8192",
-                     "--training.steps", "4",
-                     check=False,
+    proc = run_train(tmp_path, *TINY, "--model.flavor", "debugmodel", *STDLIB_VOCAB,
+                     "--training.steps", "4", check=False,
                      env={"TRAINER_TEST_OOM": f"{ranks}:2:1.6"}, timeout=120)
     assert proc.returncode == 5, proc.stderr
     lines = proc.stderr.strip().splitlines()
