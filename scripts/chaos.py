@@ -1,4 +1,4 @@
-"""Chaos run: train the debug model to step K while faulting it at random moments; nothing is lost.
+"""Chaos run: train a tiny model to step K while faulting it at random moments; nothing is lost.
 
     python scripts/chaos.py --faults 10 --min-during-save 3 --steps 16 --interval 2 --seed 0
     python scripts/chaos.py --kinds all --faults 100 --min-each 10 --min-during-save 30 --steps 80

@@ -30,6 +30,14 @@ LAYOUTS = {
            "2"],
     "s3": [],  # fsdp, its checkpoint folder on an S3 server behind a fault proxy (chaos_store.py)
 }
+# The model of every layout but ep (which names its own): what is checked (resumes, bitwise
+# state, steps redone) does not depend on its size, and the launches, restarts and saves of a
+# chaos run are most of its time; the debug model (dim 256, vocab 8,192) took ~1.5x the CPU.
+MODEL = ("--model.flavor", "debugmodel-tiny", "--data.vocab_size", "1024")
+# TRAINER_TEST_SAVE_HOLD (trainer/health/faults.py): every save of a chaos launch is held open
+# this long, so that a fault meant for "during a save" finds one in progress: the tiny model
+# saves in a few ms, less than the schedule's delay after it sees the save begin (<= 0.3 s).
+SAVE_HOLD = 0.4
 STORE_BUCKET = "chaos"
 STORE_TIMEOUT = 8.0  # checkpoint.store_timeout_seconds of the s3 layout (a loaded 2-core
 # machine answers some requests in seconds: a shorter one times out requests never faulted)
@@ -37,13 +45,15 @@ STORE_TIMEOUT = 8.0  # checkpoint.store_timeout_seconds of the s3 layout (a load
 
 def train_args(dump: Path, steps: int, interval: int, nproc: int,
                async_mode: str = "disabled", layout: str = "fsdp") -> list[str]:
-    """The debug model in tiny fp32 settings on synthetic data (bitwise reproducible), in
-    `layout` (LAYOUTS)."""
+    """The tiny debug model (MODEL) in fp32 on synthetic data (bitwise reproducible), in
+    `layout` (LAYOUTS: its own flavor, if it names one)."""
     extra = [] if async_mode == "disabled" else ["--checkpoint.async_mode", async_mode]
     if layout == "s3":
         extra += ["--checkpoint.folder", checkpoint_of(dump, layout),
                   "--checkpoint.store_timeout_seconds", str(STORE_TIMEOUT)]
-    return [*extra, *LAYOUTS[layout], "--job.dump_folder", str(dump), "--training.steps", str(steps),
+    model = MODEL[2:] if "--model.flavor" in LAYOUTS[layout] else MODEL
+    return [*extra, *LAYOUTS[layout], "--job.dump_folder", str(dump), *model,
+            "--training.steps", str(steps),
             "--training.seq_len", "64", "--training.local_batch_size", "2",
             "--training.global_batch_size", str(2 * nproc),
             "--training.mixed_precision_param", "float32", "--metrics.log_freq", "1",
@@ -64,7 +74,8 @@ class Launch:
     def __init__(self, args: list[str], nproc: int, env: dict | None = None,
                  restarts: int = 0):
         env = dict(os.environ, NGPU=str(nproc), LOG_RANK="0", HF_DATASETS_OFFLINE="1",
-                   MAX_RESTARTS=str(restarts), **(env or {}),
+                   MAX_RESTARTS=str(restarts), **{"TRAINER_TEST_SAVE_HOLD": str(SAVE_HOLD),
+                                                  **(env or {})},
                    PYTHONPATH=str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""))
         self.t0 = time.monotonic()
         self.proc = subprocess.Popen([str(REPO / "run_train.sh"), *args], env=env, text=True,

@@ -105,8 +105,9 @@ SlurmctldHost=$HOST
 SlurmUser=root
 SlurmdUser=root
 AuthType=auth/munge
-# Requeued jobs wait for the job credential to expire before they restart (default 120 s).
-AuthInfo=cred_expire=10
+# Requeued jobs wait for the job credential to expire before they restart (default 120 s;
+# 5 is the least slurm takes: below it, it says "invalid" and waits the 120 s).
+AuthInfo=cred_expire=5
 MailProg=/bin/true
 SlurmctldPort=$PORT
 SlurmdPort=$((PORT + 1))

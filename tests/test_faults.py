@@ -132,10 +132,12 @@ def mount_tmpfs(path, size):
 
 def test_full_file_system_stops_or_trains_on_and_the_previous_checkpoint_loads(reference,
                                                                              tmp_path):
-    # A file system that holds one checkpoint (~100 MB) but not two; without root to mount
-    # one, the storage writer's test seam fails the second save with ENOSPC instead.
+    # A file system that holds one checkpoint but not two (1.5 times the reference's step-2);
+    # without root to mount one, the storage writer's test seam fails the second save with
+    # ENOSPC instead.
     fs = tmp_path / "fs"
-    mounted = mount_tmpfs(fs, "150m")
+    one = sum(p.stat().st_size for p in (reference / "checkpoint" / "step-2").rglob("*"))
+    mounted = mount_tmpfs(fs, f"{3 * one // 2 // 1024}k")
     env = {} if mounted else {"TRAINER_TEST_SAVE_ERROR": "4:28"}
     try:
         dump = tmp_path / "run"

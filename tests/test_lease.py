@@ -151,9 +151,14 @@ def test_one_winner_among_racing_takers(tmp_path):
 
 RUN = [*BASE_FP32, "--training.steps", "6", "--checkpoint.enable", "--checkpoint.interval", "2",
        "--checkpoint.keep_latest_k", "0"]
-# rank 0 sleeps after each step: a run to collide with, still running (36 s) while a loaded
-# machine starts the two refused ones
-SLOW = {"TRAINER_TEST_SLOW_RANK": "0:6"}
+# rank 0 sleeps after each step while a gate file exists (at most 6 s a step): a run to
+# collide with, still running while a loaded machine starts the refused ones, and done soon
+# after the test removes the gate
+
+
+def slow(gate: Path) -> dict:
+    gate.touch()
+    return {"TRAINER_TEST_SLOW_RANK": f"0:6:{gate}"}
 
 
 def start(dump: Path, *overrides: str, env: dict | None = None) -> subprocess.Popen:
@@ -181,7 +186,7 @@ def snapshot(folder: Path) -> dict[str, str]:
 def test_two_runs_one_folder_a_killed_holder_and_a_refused_resume(tmp_path):
     first, folder = None, tmp_path / "shared"
     try:
-        first = start(folder, *RUN, env=SLOW)
+        first = start(folder, *RUN, env=slow(tmp_path / "first.gate"))
         held = wait_for_lease(folder, first)
         # A single-node run listens on loopback only: torchrun's two stores, gloo.
         addresses = listening_addresses(process_tree(first.pid))
@@ -205,7 +210,8 @@ def test_two_runs_one_folder_a_killed_holder_and_a_refused_resume(tmp_path):
 
         # A lease left by a SIGKILLed run is taken over by the next one at once.
         killed_folder = tmp_path / "killed"
-        killed = start(killed_folder, *RUN, "--checkpoint.enable", "false", env=SLOW)
+        killed = start(killed_folder, *RUN, "--checkpoint.enable", "false",
+                       env=slow(tmp_path / "killed.gate"))
         dead = wait_for_lease(killed_folder, killed)
         os.killpg(killed.pid, signal.SIGKILL)
         killed.wait()
@@ -215,6 +221,7 @@ def test_two_runs_one_folder_a_killed_holder_and_a_refused_resume(tmp_path):
                f"{dead['host']} (pid {dead['pid']})" in lone.stdout
         assert not (killed_folder / LEASE_FILE).exists()  # released at the end
 
+        (tmp_path / "first.gate").unlink()  # the checks are done: let it finish
         out, err = first.communicate(timeout=300)
         assert first.returncode == 0, err[-3000:]
     finally:

@@ -30,6 +30,7 @@ from concurrent.futures import ThreadPoolExecutor
 import hashlib
 import json
 import os
+import time
 
 from torch.distributed.checkpoint.filesystem import FileSystem
 
@@ -130,6 +131,8 @@ def storage_writer(path: str, step: int, rank: int):
     err = faults.armed().save_fails(step)
     if err is not None:
         writer.write_data = functools.partial(_fail, storage.join(path, "__injected.distcp"), err)
+    elif faults.armed().save_hold_s:
+        writer.write_data = functools.partial(_held, writer.write_data, faults.armed().save_hold_s)
     return writer
 
 
@@ -232,6 +235,16 @@ def file_checksum(path: str, kind: str = "crc32") -> str:
 
 def _fail(target: str, err: int, plan, planner):
     raise OSError(err, os.strerror(err), target)
+
+
+def _held(write_data, seconds: float, plan, planner):
+    """`write_data` of a save held open `seconds` (an injected slow disk): half before this
+    rank writes its files, half after they are written."""
+    time.sleep(seconds / 2)
+    written = write_data(plan, planner)
+    written.wait()
+    time.sleep(seconds / 2)
+    return written
 
 
 def describe_save_error(exc: BaseException, folder: str) -> str:

@@ -17,9 +17,13 @@ way at one step; nothing happens unless one is set. The step calls one hook per 
 - TRAINER_TEST_OOM="RANKS:STEP[:GIB]" (RANKS comma-separated): those ranks raise
   torch.OutOfMemoryError after the forward of the step's first microbatch; GIB stands in for
   the device's memory in the advice (on CPU there is none to read).
-- TRAINER_TEST_SLOW_RANK="RANK:SECONDS": that rank sleeps after every optimizer step.
+- TRAINER_TEST_SLOW_RANK="RANK:SECONDS[:PATH]": that rank sleeps after every optimizer step;
+  with PATH, only while the file PATH exists (a test removes it to let the run finish).
 - TRAINER_TEST_SAVE_ERROR="STEP:ERRNO[:RANK]": that rank's save at STEP fails with OSError
   ERRNO (default rank 0), like a broken or full disk.
+- TRAINER_TEST_SAVE_HOLD="SECONDS": every rank holds each save open that long (half before
+  writing its files, half after), like a slow disk: the chaos runs' tiny model saves in a few
+  ms, and their "during a save" faults need a save in progress to land in.
 - TRAINER_TEST_CRASH_BEFORE_COMMIT="STEP": rank 0 dies (exit 17) after writing the save of
   STEP and before committing it.
 - TRAINER_TEST_COLLECTIVE_TIMEOUT="SECONDS": the process groups' timeout during training,
@@ -41,6 +45,7 @@ SPIKE_ENV = "TRAINER_TEST_SPIKE_LOSS"
 OOM_ENV = "TRAINER_TEST_OOM"
 SLOW_ENV = "TRAINER_TEST_SLOW_RANK"
 SAVE_ERROR_ENV = "TRAINER_TEST_SAVE_ERROR"
+SAVE_HOLD_ENV = "TRAINER_TEST_SAVE_HOLD"
 CRASH_ENV = "TRAINER_TEST_CRASH_BEFORE_COMMIT"
 COLLECTIVE_TIMEOUT_ENV = "TRAINER_TEST_COLLECTIVE_TIMEOUT"
 
@@ -56,7 +61,9 @@ class Faults:
     oom_step: int | None = None
     device_gib: float = 0.0  # the device memory an injected OOM's advice assumes
     delay_s: float = 0.0
+    delay_gate: str = ""  # the file whose removal ends the delays ("": none)
     save_error: tuple[int, int] | None = None  # (step, errno)
+    save_hold_s: float = 0.0  # seconds each save is held open
     crash_before_commit: int | None = None
     collective_timeout_s: float = 0.0  # 0: the training timeout
     _spike_now: float = 1.0  # the factor of the step in flight
@@ -81,12 +88,13 @@ class Faults:
             f.device_gib = float(spec[2]) if len(spec) > 2 else 0.0
             if rank in spec[0].split(","):
                 f.oom_step = int(spec[1])
-        spec = env.get(SLOW_ENV, "").split(":")
-        if len(spec) == 2 and spec[0] == rank:
-            f.delay_s = float(spec[1])
+        spec = env.get(SLOW_ENV, "").split(":", 2)
+        if len(spec) >= 2 and spec[0] == rank:
+            f.delay_s, f.delay_gate = float(spec[1]), spec[2] if len(spec) > 2 else ""
         spec = env.get(SAVE_ERROR_ENV, "").split(":")
         if len(spec) >= 2 and int(spec[2] if len(spec) > 2 else 0) == int(rank):
             f.save_error = (int(spec[0]), int(spec[1]))
+        f.save_hold_s = float(env.get(SAVE_HOLD_ENV) or 0)
         if env.get(CRASH_ENV) and rank == "0":
             f.crash_before_commit = int(env[CRASH_ENV])
         f.collective_timeout_s = float(env.get(COLLECTIVE_TIMEOUT_ENV) or 0)
@@ -121,9 +129,15 @@ class Faults:
         return loss_sum
 
     def step_end(self) -> None:
-        """After the optimizer step: a slow rank sleeps here."""
-        if self.delay_s:
+        """After the optimizer step: a slow rank sleeps here (while its gate file exists)."""
+        if not self.delay_s:
+            return
+        if not self.delay_gate:
             time.sleep(self.delay_s)
+            return
+        deadline = time.monotonic() + self.delay_s
+        while os.path.exists(self.delay_gate) and time.monotonic() < deadline:
+            time.sleep(0.05)
 
     # -- the checkpointer's --
     def save_fails(self, step: int) -> int | None:
