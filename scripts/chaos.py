@@ -47,7 +47,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from scripts.chaos_faults import (CLASSIC, ENDING, HEALING, KINDS, SLOW_SECONDS,  # noqa: E402
                                   Fault, damage, launch_env, schedule)
-from scripts.chaos_common import (HANG_TIMEOUT, LAYOUTS, REPO, Launch,  # noqa: E402,F401
+from scripts.chaos_common import (HANG_TIMEOUT, LAYOUTS, PACE, REPO, Launch,  # noqa: E402,F401
                                   checkpoint_of, committed, ino, partials, train_args)
 from scripts import chaos_store  # noqa: E402
 from scripts.chaos_node import node_steps, run_node_chaos  # noqa: E402
@@ -200,7 +200,8 @@ def run_chaos(workdir: Path, *, faults: int, min_during_save: int, steps: int, i
                              slow)
             stale = partials(ckpt)
             launch = Launch(train_args(dump, steps, interval, nproc, async_mode, layout), nproc,
-                            {**env, **(store.env if store else {})}, restarts)
+                            {"TRAINER_TEST_SLOW_RANK": f"all:{PACE}", **env,
+                             **(store.env if store else {})}, restarts)
             if records:
                 _note_resume(records[-1], launch, damaged)
         if fault is None:

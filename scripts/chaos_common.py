@@ -38,6 +38,11 @@ MODEL = ("--model.flavor", "debugmodel-tiny", "--data.vocab_size", "1024")
 # this long, so that a fault meant for "during a save" finds one in progress: the tiny model
 # saves in a few ms, less than the schedule's delay after it sees the save begin (<= 0.3 s).
 SAVE_HOLD = 0.4
+# TRAINER_TEST_SLOW_RANK=all:PACE in the faulted launches: every rank sleeps this long after
+# each step (no straggler: all alike), so a step lasts about what the debug model's did on 2
+# cores and the schedule's moments (a step count, then up to 0.6 s) fall where they did: the
+# tiny model's ~20-50 ms steps would run several steps, or to the end, within one delay.
+PACE = 0.25
 STORE_BUCKET = "chaos"
 STORE_TIMEOUT = 8.0  # checkpoint.store_timeout_seconds of the s3 layout (a loaded 2-core
 # machine answers some requests in seconds: a shorter one times out requests never faulted)

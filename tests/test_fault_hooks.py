@@ -22,6 +22,8 @@ def test_the_slow_ranks_spec_takes_a_gate_path_with_colons():
     assert (other.delay_s, other.save_hold_s) == (0.0, 0.4)  # the hold is every rank's
     plain = faults.Faults.from_env({"RANK": "0", faults.SLOW_ENV: "0:0.5"})
     assert (plain.delay_s, plain.delay_gate, plain.save_hold_s) == (0.5, "", 0.0)
+    paced = [faults.Faults.from_env({"RANK": r, faults.SLOW_ENV: "all:0.25"}) for r in "03"]
+    assert [f.delay_s for f in paced] == [0.25, 0.25]  # every rank: a pace
 
 
 def test_a_gated_slow_rank_sleeps_until_its_gate_is_removed(tmp_path):

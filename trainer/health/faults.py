@@ -17,8 +17,9 @@ way at one step; nothing happens unless one is set. The step calls one hook per 
 - TRAINER_TEST_OOM="RANKS:STEP[:GIB]" (RANKS comma-separated): those ranks raise
   torch.OutOfMemoryError after the forward of the step's first microbatch; GIB stands in for
   the device's memory in the advice (on CPU there is none to read).
-- TRAINER_TEST_SLOW_RANK="RANK:SECONDS[:PATH]": that rank sleeps after every optimizer step;
-  with PATH, only while the file PATH exists (a test removes it to let the run finish).
+- TRAINER_TEST_SLOW_RANK="RANK:SECONDS[:PATH]": that rank (RANK "all": every rank, a pace
+  rather than a straggler) sleeps after every optimizer step; with PATH, only while the file
+  PATH exists (a test removes it to let the run finish).
 - TRAINER_TEST_SAVE_ERROR="STEP:ERRNO[:RANK]": that rank's save at STEP fails with OSError
   ERRNO (default rank 0), like a broken or full disk.
 - TRAINER_TEST_SAVE_HOLD="SECONDS": every rank holds each save open that long (half before
@@ -89,7 +90,7 @@ class Faults:
             if rank in spec[0].split(","):
                 f.oom_step = int(spec[1])
         spec = env.get(SLOW_ENV, "").split(":", 2)
-        if len(spec) >= 2 and spec[0] == rank:
+        if len(spec) >= 2 and spec[0] in (rank, "all"):
             f.delay_s, f.delay_gate = float(spec[1]), spec[2] if len(spec) > 2 else ""
         spec = env.get(SAVE_ERROR_ENV, "").split(":")
         if len(spec) >= 2 and int(spec[2] if len(spec) > 2 else 0) == int(rank):
