@@ -51,12 +51,12 @@ TOLERANCE = 1e-4  # the losses of the whole run against the uninterrupted one
 RDZV_CONF = ("join_timeout=120,last_call_timeout=2,is_host=false,"  # the store is apart
              "keep_alive_interval=1,keep_alive_max_attempt=5")  # a lost node: gone in 5 s
 MAX_RESTARTS = 1000  # every shrink is one restart of the survivor
-# Seconds every rank sleeps after each step (TRAINER_TEST_SLOW_RANK=all:PACE): the job's pace,
-# whatever the model's (the tiny one's steps take a few ms), so the survivor trains on while a
+# Seconds every rank sleeps after each step (TRAINER_TEST_SLOW_RANK=all:NODE_PACE): the job's
+# pace, whatever the model's (the tiny one's steps take a few ms), so the survivor trains on while a
 # new node starts. Costs no CPU.
-PACE = 0.3
+NODE_PACE = 0.3  # chaos_common.PACE (0.25) is chaos.py's; the survivor needs a little more
 # Steps a run needs per fault: a few at 4 ranks, and the survivor's at 2 ranks while the new
-# launcher starts (~5 s): 6-7 at PACE on 2 cores, a save every 2 steps.
+# launcher starts (~5 s): 6-7 at NODE_PACE on 2 cores, a save every 2 steps.
 STEPS_PER_FAULT = 9
 # A rendezvous store of its own, on loopback only; prints its port, then serves until SIGTERM.
 STORE = """
@@ -136,7 +136,7 @@ class Node:
                str(REPO / "configs" / "debug_model.toml"), *args]
         env = dict(os.environ, OMP_NUM_THREADS="1", LOG_RANK=f"0,{nproc}",  # a rank per node
                    HF_DATASETS_OFFLINE="1", TRAINER_TEST_SAVE_HOLD=str(SAVE_HOLD),
-                   TRAINER_TEST_SLOW_RANK=f"all:{PACE}",
+                   TRAINER_TEST_SLOW_RANK=f"all:{NODE_PACE}",
                    PYTHONPATH=str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""))
         self.log = open(workdir / f"node{number}.log", "w")
         self.proc = subprocess.Popen(cmd, env=env, text=True, stdout=subprocess.PIPE,
