@@ -52,8 +52,8 @@ RDZV_CONF = ("join_timeout=120,last_call_timeout=2,is_host=false,"  # the store 
              "keep_alive_interval=1,keep_alive_max_attempt=5")  # a lost node: gone in 5 s
 MAX_RESTARTS = 1000  # every shrink is one restart of the survivor
 # Seconds every rank sleeps after each step (TRAINER_TEST_SLOW_RANK=all:NODE_PACE): the job's
-# pace, whatever the model's (the tiny one's steps take a few ms), so the survivor trains on while a
-# new node starts. Costs no CPU.
+# pace, whatever the model's (the tiny one's steps take a few ms), so the survivor trains on
+# while a new node starts. Costs no CPU.
 NODE_PACE = 0.3  # chaos_common.PACE (0.25) is chaos.py's; the survivor needs a little more
 # Steps a run needs per fault: a few at 4 ranks, and the survivor's at 2 ranks while the new
 # launcher starts (~5 s): 6-7 at NODE_PACE on 2 cores, a save every 2 steps.
