@@ -121,13 +121,13 @@ def test_training_through_faults_counts_them_and_follows_on_save_error(s3, proxy
     common = ["--checkpoint.store_timeout_seconds", str(RUN_TIMEOUT)]
     # 1: its step-2 save meets faults (timeouts: the in-process test's, they cost seconds);
     # its step-4 save is refused past the retries
-    saves = Rule(r"^(PUT|POST) /chaos/[^/]+/step-2/", ("503", "500", "reset"), every=2)
+    saves = Rule(r"^(PUT|POST) /chaos/[^/]+/step-2/", ("503", "500", "reset"), every=2, limit=6)
     proxy.set_rules(saves, Rule(r"^(PUT|POST) /chaos/[^/]+/step-4/", ("503",), every=1))
     out = run_train(first, *train_args(first, 4, INTERVAL, 2, layout="s3"), *common,
                     "--checkpoint.on_save_error", "continue", env=env).stdout
     counted_saves = {k: scalars(first, tag).get(4) for k, tag in TAGS.items()}
     # 2: resumes step 2 through faults on its reads; its step-6 save is refused: it stops
-    loads = Rule(r"^(GET|HEAD) /chaos/[^/]+/step-2/", ("reset", "500", "503"), every=2)
+    loads = Rule(r"^(GET|HEAD) /chaos/[^/]+/step-2/", ("reset", "500", "503"), every=2, limit=6)
     proxy.set_rules(loads, Rule(r"^(PUT|POST) /chaos/[^/]+/step-6/", ("500",), every=1))
     stopped = run_train(second, *train_args(second, STEPS, INTERVAL, 2, layout="s3"), *common,
                         "--checkpoint.folder", url, env=env, check=False)
