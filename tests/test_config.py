@@ -151,3 +151,20 @@ def test_shipped_configs_are_valid():
         # the 405B layout, PP 8 x TP 8 x FSDP 8, and DeepSeek-V3 / Kimi K2 (EP 64) need 512 ranks
         cfg.validate({"debug_model.toml": 2, "llama3_405b.toml": 512, "deepseek_v3_671b.toml": 512,
                       "kimi_k2.toml": 512}.get(path.name, 8))
+
+
+def test_check_shows_the_checkpointing_for_the_slurm_script(capsys, tmp_path):
+    """`--check --show-checkpointing` (scripts/multinode_trainer.slurm reads its three lines):
+    the ranks per node, then the effective checkpoint.enable and dump folder; without the flag
+    only the ranks."""
+    from trainer.config.__main__ import main
+
+    dump = str(tmp_path / "a folder")
+    base = ["--check", "--nnodes", "2", "--nproc-per-node", "2", "--training.device", "cpu",
+            "--job.dump_folder", dump]
+    assert main([*base, "--show-checkpointing", "--checkpoint.enable", "false"]) == 0
+    assert capsys.readouterr().out == f"2\nFalse\n{dump}\n"
+    assert main([*base, "--show-checkpointing", "--checkpoint.enable", "true"]) == 0
+    assert capsys.readouterr().out.splitlines()[1:] == ["True", dump]
+    assert main(base) == 0
+    assert capsys.readouterr().out == "2\n"

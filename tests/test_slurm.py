@@ -62,7 +62,7 @@ class Cluster:
                 self.run("scancel", job_id)
                 raise AssertionError(f"job {job_id} still {info['JobState']} after {timeout}s\n"
                                      + self.explain(log))
-            time.sleep(1)
+            time.sleep(0.3)
         return info
 
     def explain(self, log: Path) -> str:
@@ -128,17 +128,27 @@ def test_sbatch_two_nodes_trains_to_completion(cluster, straight):
 
 def test_usr1_saves_requeues_and_resumes_to_the_same_losses(cluster, straight, tmp_path):
     dump = tmp_path / "dump"
-    # rank 0 sleeps 1 s after each step (the losses are the same): the signal, sent once step
-    # 1 is logged, lands before the last step however fast the machine runs 5 tiny steps
+    # rank 0 sleeps 1 s after each step while the gate file exists (the losses are the same):
+    # the signal, sent once step 1 is logged, lands before the last step however fast the
+    # machine runs 5 tiny steps; the gate goes once the ranks have seen it, so the requeued
+    # job's steps are not paced
+    gate = tmp_path / "pace"
+    gate.touch()
     job = cluster.submit(tmp_path, "--job.dump_folder", str(dump), *ARGS,
-                         env={"TRAINER_TEST_SLOW_RANK": "0:1"})
+                         env={"TRAINER_TEST_SLOW_RANK": f"0:1:{gate}"})
     log = tmp_path / f"trainer-{job}.out"
     deadline = time.monotonic() + 180
-    while not (log.exists() and re.search(r"^step:\s+1\s", log.read_text(), re.M)):
-        assert time.monotonic() < deadline and cluster.job(job)["JobState"] not in TERMINAL, \
-            cluster.explain(log)
-        time.sleep(0.2)
+
+    def until(pattern: str) -> None:
+        while not (log.exists() and re.search(pattern, log.read_text(), re.M)):
+            assert time.monotonic() < deadline and cluster.job(job)["JobState"] not in TERMINAL, \
+                cluster.explain(log)
+            time.sleep(0.2)
+
+    until(r"^step:\s+1\s")
     cluster.run("scancel", "--signal=USR1", job)  # what --signal=USR1@<s> does before the limit
+    until(r"^stop signal \(SIGUSR1\)")
+    gate.unlink()
 
     info = cluster.wait(job, log)
     text = log.read_text()
