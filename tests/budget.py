@@ -202,15 +202,17 @@ def per_file(seconds: dict[str, float]) -> dict[str, dict]:
     return {name: {"seconds": round(e["seconds"], 2), "tests": e["tests"]} for name, e in ranked}
 
 
-def cpu_ticks() -> tuple[int, int] | None:
-    """(steal, total) clock ticks of every CPU since boot (/proc/stat), None where unreadable:
-    a virtual machine's stolen time makes the same tests take more CPU seconds."""
+def cpu_ticks() -> tuple[int, int, int] | None:
+    """(steal, total, busy) clock ticks of every CPU since boot (/proc/stat), None where
+    unreadable: a virtual machine's stolen time makes the same tests take more CPU seconds;
+    busy (user, nice, system, irq, softirq) is every process's work, booked or not."""
     try:
         with open("/proc/stat") as fh:
             fields = [int(x) for x in fh.readline().split()[1:]]
     except (OSError, ValueError):
         return None
-    return (fields[7] if len(fields) > 7 else 0), sum(fields)
+    busy = sum(fields[i] for i in (0, 1, 2, 5, 6) if i < len(fields))
+    return (fields[7] if len(fields) > 7 else 0), sum(fields), busy
 
 
 class FileDurations:
@@ -246,6 +248,12 @@ class FileDurations:
         if ticks and self._ticks and ticks[1] > self._ticks[1]:
             self.machine["steal_fraction"] = round(
                 (ticks[0] - self._ticks[0]) / (ticks[1] - self._ticks[1]), 4)
+            # the machine's busy share: what the booked CPU-s miss (collection, the zygotes,
+            # SLURM's jobs, a launch killed unwaited) is the difference
+            self.machine["busy_fraction"] = round(
+                (ticks[2] - self._ticks[2]) / (ticks[1] - self._ticks[1]), 4)
+            self.machine["busy_cpu_s"] = round(
+                (ticks[2] - self._ticks[2]) / os.sysconf("SC_CLK_TCK"), 1)
         cpu_files = per_file(self.cpu)
         for name, entry in self.files.items():
             entry["cpu_s"] = cpu_files.get(name, {}).get("seconds", 0.0)
@@ -273,7 +281,9 @@ class FileDurations:
         terminalreporter.write_line(
             f"machine: calibration {m.get('calibration_start_s', 0):.3f} s at the start, "
             f"{m.get('calibration_end_s', 0):.3f} s at the end; CPU stolen "
-            f"{100 * m.get('steal_fraction', 0):.1f}%")
+            f"{100 * m.get('steal_fraction', 0):.1f}%; busy {100 * m.get('busy_fraction', 0):.0f}%"
+            f" ({m.get('busy_cpu_s', 0):,.0f} CPU-s, the tests booked "
+            f"{sum(e['cpu_s'] for e in self.files.values()):,.0f})")
         for name, entry in list(self.files.items())[:SLOWEST_FILES]:
             terminalreporter.write_line(
                 f"{entry['seconds']:8.1f} s  {entry['cpu_s']:8.1f} CPU-s  {entry['tests']:3d} tests"

@@ -140,6 +140,7 @@ def test_every_run_writes_its_seconds_per_file(sessions, case):
     assert 0 < summary["machine"]["calibration_start_s"] < 10, summary
     assert 0 < summary["machine"]["calibration_end_s"] < 10, summary
     assert 0 <= summary["machine"].get("steal_fraction", 0) < 1, summary
+    assert 0 < summary["machine"]["busy_fraction"] <= 1 and summary["machine"]["busy_cpu_s"] > 0
     section = run.stdout.split("slowest files", 1)[1].splitlines()
     assert section[1].startswith("machine: calibration ") and "CPU stolen" in section[1]
     assert "test_planted.py" in section[2] and " 2 tests " in section[2], run.stdout
