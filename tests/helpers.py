@@ -6,6 +6,7 @@ import glob
 import os
 import re
 import shutil
+import signal
 import subprocess
 import sys
 import time
@@ -50,6 +51,7 @@ def subprocess_env(extra: dict | None = None) -> dict:
     env.setdefault("PYTHON", sys.executable)  # run_train.sh's interpreter: the one running tests
     env.setdefault("HF_DATASETS_OFFLINE", "1")
     env.setdefault("HF_HUB_OFFLINE", "1")
+    env.setdefault("PYTHONFAULTHANDLER", "1")  # a hung launch's stacks (run_or_dump_stacks)
     env["PYTHONPATH"] = str(REPO) + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
     for key, value in (extra or {}).items():  # None removes a variable
         if value is None:
@@ -155,13 +157,52 @@ def run_train(dump: Path | str, *overrides: str, nproc: int | None = 2, env: dic
         extra["CONFIG_FILE"] = config
     first = ["--training.device", device] if device else []
     start, cpu = time.monotonic(), children_cpu()
-    proc = subprocess.run([str(RUN_TRAIN), *first, "--job.dump_folder", str(dump), *overrides],
-                          env=subprocess_env(extra), capture_output=True, text=True, timeout=timeout)
+    proc = run_or_dump_stacks([str(RUN_TRAIN), *first, "--job.dump_folder", str(dump), *overrides],
+                              env=subprocess_env(extra), timeout=timeout)
     log_launch("run_train", nproc, time.monotonic() - start, proc.stdout, cpu)
     if check and proc.returncode != 0:
         raise AssertionError(f"run_train.sh exited {proc.returncode}\n--- stdout\n"
                              f"{proc.stdout[-4000:]}\n--- stderr\n{proc.stderr[-4000:]}")
     return proc
+
+
+def run_or_dump_stacks(cmd: list[str], env: dict, timeout: float) -> subprocess.CompletedProcess:
+    """subprocess.run(cmd, capture_output, text, timeout), except that a launch past its timeout
+    is first asked for its stacks: SIGABRT to each of its processes (its launcher and ranks,
+    forked from the zygote or started from cmd), whose faulthandler (torchrun's elastic agent
+    enables it in the launcher and the ranks; PYTHONFAULTHANDLER from subprocess_env in any
+    other interpreter) prints every thread's Python stack to the launch's stderr; the
+    LaunchTimeout's message ends with that output, so a hung launch names where it hung."""
+    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True)
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        if env.get("PYTHON") == _zygote.get("wrapper") and _zygote.get("pid") == os.getpid():
+            # proc is the shim; the zygote's handlers (its children) wait for the launches below
+            launch = [p for h in children(_zygote["server"]) for p in process_tree(h)[1:]]
+        else:
+            launch = process_tree(proc.pid)  # run_train.sh execs the launcher
+        for pid in launch:
+            try:
+                os.kill(pid, signal.SIGABRT)
+            except ProcessLookupError:
+                pass
+        time.sleep(1)  # the dumps are written (in the signal handler), the processes die of them
+        proc.kill()
+        out, err = proc.communicate()
+        raise LaunchTimeout(cmd, timeout, output=out,
+                            stderr=f"{err}\n[{len(launch)} processes of the launch sent SIGABRT "
+                                   f"for their stacks, above]") from None
+    return subprocess.CompletedProcess(cmd, proc.returncode, out, err)
+
+
+class LaunchTimeout(subprocess.TimeoutExpired):
+    """A TimeoutExpired whose message ends with the launch's output: its stacks."""
+
+    def __str__(self) -> str:
+        return (f"{super().__str__()}\n--- stdout\n{(self.stdout or '')[-3000:]}\n"
+                f"--- stderr (the stacks)\n{(self.stderr or '')[-12000:]}")
 
 
 def run_train_watched(dump: Path | str, *overrides: str, mark: str, timeout: float = 300,
@@ -425,6 +466,18 @@ def listening_addresses(pids: list[int]) -> list[str]:
                 words = struct.unpack(f"<{width // 4}I", raw)  # stored as host-order words
                 out.append(str(ipaddress.ip_address(struct.pack(f">{width // 4}I", *words))))
     return out
+
+
+def children(pid: int) -> list[int]:
+    """pid's child processes (none if it is gone)."""
+    found = []
+    for path in glob.glob(f"/proc/{pid}/task/*/children"):
+        try:
+            with open(path) as fh:
+                found += [int(c) for c in fh.read().split()]
+        except OSError:
+            pass
+    return found
 
 
 def process_tree(pid: int) -> list[int]:

@@ -45,13 +45,18 @@ def test_a_timeout_kills_the_launch_and_its_ranks(monkeypatch, tmp_path):
     monkeypatch.setenv("TRAINER_TEST_ZYGOTE", "on")
     helpers.zygote_env(None)
     server = helpers._zygote["server"]
-    with pytest.raises(subprocess.TimeoutExpired):
+    with pytest.raises(subprocess.TimeoutExpired) as timed_out:
         # no step lines: a launch left running would not die of a write to the closed pipe
         # and its ranks sleep between steps (TRAINER_TEST_SLOW_RANK): the timeout finds them
         # running, not burning the cores the other worker's tests share
         run_train(tmp_path / "slow", *TINY, "--training.steps", "100000",
                   "--metrics.log_freq", "1000000", "--checkpoint.enable", "false", timeout=6,
                   env={"TRAINER_TEST_SLOW_RANK": "all:2"})
+    # before it was killed, each process of the launch printed its threads' stacks (SIGABRT,
+    # faulthandler): where a hung launch hung, in the test's failure
+    message = str(timed_out.value)
+    assert "processes of the launch sent SIGABRT" in message, message
+    assert 'in forked_rank' in message and 'trainer/launch.py", line' in message, message
     deadline = time.monotonic() + 15
     while time.monotonic() < deadline and len(process_tree(server)) > 1:
         time.sleep(0.2)
