@@ -183,11 +183,12 @@ def run_or_dump_stacks(cmd: list[str], env: dict, timeout: float) -> subprocess.
             launch = [p for h in children(_zygote["server"]) for p in process_tree(h)[1:]]
         else:
             launch = process_tree(proc.pid)  # run_train.sh execs the launcher
-        for pid in launch:
+        for pid in launch:  # one at a time: the dumps share the launch's stderr
             try:
                 os.kill(pid, signal.SIGABRT)
             except ProcessLookupError:
                 pass
+            time.sleep(0.2)
         time.sleep(1)  # the dumps are written (in the signal handler), the processes die of them
         proc.kill()
         out, err = proc.communicate()

@@ -56,7 +56,8 @@ def test_a_timeout_kills_the_launch_and_its_ranks(monkeypatch, tmp_path):
     # faulthandler): where a hung launch hung, in the test's failure
     message = str(timed_out.value)
     assert "processes of the launch sent SIGABRT" in message, message
-    assert 'in forked_rank' in message and 'trainer/launch.py", line' in message, message
+    # (a name or a path is one write of faulthandler's: whole even where two dumps interleave)
+    assert "forked_rank" in message and "trainer/launch.py" in message, message
     deadline = time.monotonic() + 15
     while time.monotonic() < deadline and len(process_tree(server)) > 1:
         time.sleep(0.2)
