@@ -476,7 +476,7 @@ def children(pid: int) -> list[int]:
         try:
             with open(path) as fh:
                 found += [int(c) for c in fh.read().split()]
-        except OSError:
+        except OSError:  # pid, or this thread of it, exited between the listing and the read
             pass
     return found
 
@@ -487,10 +487,5 @@ def process_tree(pid: int) -> list[int]:
     while todo:
         p = todo.pop()
         tree.append(p)
-        for path in glob.glob(f"/proc/{p}/task/*/children"):
-            try:
-                with open(path) as fh:
-                    todo += [int(c) for c in fh.read().split()]
-            except OSError:  # p, or this thread of it, exited between the listing and the read
-                pass
+        todo += children(p)
     return tree
