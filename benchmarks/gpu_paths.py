@@ -25,6 +25,7 @@ from pathlib import Path
 from common import REPO, env, tb_scalars
 
 DEBUG = str(REPO / "configs" / "debug_model.toml")
+DSV3 = str(REPO / "configs" / "debug_dsv3.toml")
 ONE_B = str(REPO / "configs" / "llama3_1b.toml")
 MOE = str(REPO / "configs" / "debug_moe.toml")
 ONE_GPU_MOE = ["--parallelism.expert_parallel_degree", "1"]  # one GPU: no expert parallelism
@@ -42,6 +43,7 @@ class Path_:
     expect_rc: int = 0
     expect_line: str = ""          # a substring of the output that must appear
     expect_file: str = ""          # a glob under the dump folder that must match
+    positive_tag: str = ""         # a TensorBoard tag that must log a value above 0
     loss_falls: bool = True
 
 
@@ -83,6 +85,13 @@ PATHS = [
                            "--activation_checkpoint.mode", "selective",
                            "--activation_checkpoint.selective_ac_option", "op"],
           "debugmodel-moe, capacity factor 1 (drops counted) and op-level AC", config=MOE),
+    Path_("dsv3-flex-muon-qkclip", [*ONE_GPU_MOE, "--model.attn_mask_type", "block_causal",
+                                    "--model.attn_implementation", "flex", "--optimizer.name",
+                                    "Muon", "--optimizer.muon_qk_clip", "0.05",
+                                    "--compile.enable", "true"],
+          "DeepSeek-V3 debug (MLA, MTP): FlexAttention's own logit maxima (AuxRequest) feed "
+          "Muon's QK-clip, compiled (tau 0.05: the init's largest logit is ~0.08)",
+          config=DSV3, positive_tag="qk_clip/heads_clipped"),
     Path_("oom-one-line", ["--model.flavor", "1B", "--training.seq_len", "4096",
                            "--training.local_batch_size", "48", "--data.dataset", "synthetic",
                            "--model.vocab_size", "128256"],
@@ -108,6 +117,8 @@ def run_path(p: Path_, steps: int) -> dict:
             problems.append(f"no line with {p.expect_line!r}")
         if p.expect_file and not list(Path(dump).glob(p.expect_file)):
             problems.append(f"no file {p.expect_file}")
+        if p.positive_tag and not any(v > 0 for v in tb_scalars(dump, p.positive_tag).values()):
+            problems.append(f"no {p.positive_tag} above 0")
         first = last = float("nan")
         if p.loss_falls:
             finite = [x for x in losses if x == x]

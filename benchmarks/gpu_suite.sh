@@ -9,6 +9,8 @@
 #   VARIANTS_1B="compile float8-rowwise" benchmarks/gpu_suite.sh 1b
 #   OUT=$OUT benchmarks/gpu_suite.sh ahead   # issue 50's levers and the side-by-side, ~9 min
 #   OUT=$OUT benchmarks/gpu_suite.sh levers  # 1B b7: the baseline, then each unmeasured lever
+#                                            # (no resharding, Muon's step, max-autotune)
+#   benchmarks/gpu_suite.sh mla              # MLA + YaRN under every attention kernel vs fp32
 #   OUT=$OUT benchmarks/gpu_suite.sh suite   # the test suite at -n 8 (SUITE_N), each result
 #                                            # streamed to $OUT/suite/suite.log (a cut-off keeps names)
 # 1b: compiled bf16 (production), eager, float8 tensorwise and rowwise; 1b-flex: block_causal
@@ -45,6 +47,7 @@ declare -A SHAPE=(
   [paths]=""
   [moe]=""
   [hybrid]=""
+  [mla]=""
   [ahead]=""
   [suite]=""
   [levers]=""
@@ -117,11 +120,16 @@ run_big() {
         --layer-tokens 16384 --repeats 5 --float8 || echo "=== moe FAILED (rc $?)"
       # float8 experts against bf16 over 50 training steps (loss within 1e-2: issue 59)
       "$PYTHON" benchmarks/float8_moe_train.py --steps 50 || echo "=== moe float8 FAILED (rc $?)" ;;
+    mla)  # DeepSeek-V3's MLA with YaRN under each SDPA backend and FlexAttention, against an
+          # fp32 reference: outputs, gradients, QK-clip maxima and times (~1 min)
+      "$PYTHON" benchmarks/gpu_mla_attention.py --heads "${MLA_HEADS:-16}" --seq 4096 \
+        || echo "=== mla FAILED (rc $?)" ;;
     hybrid)  # one Gated DeltaNet layer against one GQA layer at 4k, 32k, 128k (issue 61)
       "$PYTHON" benchmarks/bench_linear_attention.py --device cuda --dtype bfloat16 \
         --seqs 4096 32768 131072 || echo "=== hybrid FAILED (rc $?)" ;;
     paths)  # every CUDA path once, functional (20 steps each), and the flight recorder
       STEPS=20 "$PYTHON" benchmarks/gpu_paths.py || echo "=== paths FAILED (rc $?)"
+      run_big mla
       "$PYTHON" benchmarks/gpu_flight_recorder.py | tail -2 ;;
   esac
 }
@@ -165,9 +173,12 @@ run_levers() {  # issue 50: levers built on CPU, not yet timed on a GPU, each be
   # one GPU: no memory to save by resharding the blocks after forward, 16 re-gathers to save
   [ $SECONDS -lt $((budget - 300)) ] && ahead_bench "1b-noreshard-b$b" \
     --training.local_batch_size "$b" --parallelism.fsdp_reshard_after_forward never
+  # Muon's whole step beside AdamW's (bf16 Newton-Schulz over the blocks' matrices)
+  [ $SECONDS -lt $((budget - 240)) ] && ahead_bench "1b-muon-b$b" \
+    --training.local_batch_size "$b" --optimizer.name Muon
   [ $SECONDS -lt $((budget - 200)) ] && ahead_bench "1b-autotune-b$b" \
     --training.local_batch_size "$b" --compile.mode max-autotune-no-cudagraphs
-  grep -h '"bench": "train"' benchmarks/results.jsonl | tail -3 > "$LOGS/results.jsonl"
+  grep -h '"bench": "train"' benchmarks/results.jsonl | tail -4 > "$LOGS/results.jsonl"
 }
 
 run_suite() {  # issue 50: the suite on the GPU machine; -v names each test as it ends
@@ -184,8 +195,8 @@ START=$(date +%Y-%m-%dT%H:%M:%S)
 shapes=("$@")
 [ ${#shapes[@]} -gt 0 ] || shapes=(paths moe debug 1b 1b-flex 3b 8b)
 for shape in "${shapes[@]}"; do
-  [ -n "${SHAPE[$shape]+x}" ] || { echo "unknown shape $shape (paths, moe, hybrid, debug, 1b, 1b-flex, 3b, 8b, ahead, levers, suite)"; exit 2; }
-  case "$shape" in 1b|1b-flex|3b|paths|moe|hybrid) run_big "$shape"; continue ;;
+  [ -n "${SHAPE[$shape]+x}" ] || { echo "unknown shape $shape (paths, mla, moe, hybrid, debug, 1b, 1b-flex, 3b, 8b, ahead, levers, suite)"; exit 2; }
+  case "$shape" in 1b|1b-flex|3b|paths|moe|hybrid|mla) run_big "$shape"; continue ;;
     ahead) run_ahead; continue ;; suite) run_suite; continue ;;
     levers) run_levers; continue ;; esac
   echo "=== $shape: memory plan on $GPU"
