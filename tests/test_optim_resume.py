@@ -125,6 +125,22 @@ def test_a_changed_momentum_applies_and_is_named(dense, tmp_path):
     assert abs(got[4] - want[4]) > 3e-4 and abs(got[5] - want[5]) > 1e-3, (got, want)
 
 
+def test_changed_lrs_of_muon_and_adamw_are_named_and_logged_apart(dense, tmp_path):
+    """From step 2 on one rank at optimizer.lr 0.005 and muon_lr 0.02 (0.01 both, saved): one
+    line names both lrs beside the checkpoint's; TensorBoard's `lr` is optimizer.lr's (AdamW's
+    parameters) and `lr_muon` the matrices', each x the schedule's factor (1 after warmup)."""
+    root, _ = dense
+    dump = resumable_at(root / "straight", tmp_path / "lrs", 2)
+    out = launch(dump, DENSE, "one", 3, "--optimizer.lr", "0.005", "--optimizer.muon_lr", "0.02")
+    assert ("lr schedule changed at the resume: step 3 trains at lr 0.005 and Muon's matrices "
+            "(optimizer.muon_lr) at lr 0.02 (this run's optimizer.lr, muon_lr, [lr_scheduler] "
+            "and training.steps); the checkpoint's run would have used 0.01 and 0.01") in out, out
+    assert scalars(dump, "lr") == {3: pytest.approx(0.005)}
+    assert scalars(dump, "lr_muon") == {3: pytest.approx(0.02)}
+    straight = scalars(root / "straight", "lr")
+    assert scalars(root / "straight", "lr_muon") == straight and straight[3] == pytest.approx(0.01)
+
+
 def test_any_adamw_kernel_resumes_under_any_other(tmp_path):
     """A for-loop AdamW run of 4 steps; from its step 2: auto (fused), then for-loop, a step
     each, with the uninterrupted losses."""

@@ -21,7 +21,7 @@ from trainer.distributed import DEBUG_DATA_ENV, print_sample_hashes, to_device
 from trainer.health import faults, heartbeat
 from trainer.health.guard import Spike, flag_nonfinite_loss
 from trainer.parallel.clip import clip_grad_norm_
-from trainer.optim.optimizer import skips_on_device, step_unless
+from trainer.optim.optimizer import group_lrs, skips_on_device, step_unless
 from trainer.parallel.microbatches import ForwardBackward
 
 
@@ -95,7 +95,7 @@ class TrainStep:
         heartbeat.phase("clip")
         grad_norm = clip_grad_norm_(self.model.parameters(), self.max_norm or math.inf,
                                     self.pp)
-        lr = self.optimizer.param_groups[0]["lr"]  # this step's (the scheduler steps after it)
+        lr, lr_muon = group_lrs(self.optimizer)  # this step's (the scheduler steps after it)
         cross_entropy = loss_sum if z_loss is None else loss_sum - z_loss
         mtp_loss = None
         if mtp is not None:  # the MTP heads' mean loss per token (trainer/models/mtp.py)
@@ -116,6 +116,8 @@ class TrainStep:
             scalars = {**(scalars or {}), "moe/aux_loss": aux}
         if self.qk_clip is not None:
             scalars = {**(scalars or {}), **self.qk_clip(stepped)}
+        if lr_muon is not None:  # Muon's matrices' lr (optimizer.muon_lr x the same factor)
+            scalars = {**(scalars or {}), "lr_muon": lr_muon}
         if self.scheduled(step):
             scalars = {**(scalars or {}), **self.scheduled(step)}
         return StepResult(rank_loss, grad_norm, lr, stepped, z_loss, spike, cross_entropy,

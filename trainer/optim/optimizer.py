@@ -92,9 +92,9 @@ class LRSchedule(LambdaLR):
     it after the optimizer, whose param groups are this run's again after a load (every other
     setting too: trainer/checkpoint/optim_state.py) but at the first step's lr."""
 
-    #: After a load: (the resumed step, the lr the checkpoint's run would have used there, the
-    #: lr this run uses)
-    resumed: tuple[int, float, float] | None = None
+    #: After a load: (the resumed step, the lrs the checkpoint's run would have used there, by
+    #: group, the lrs this run uses)
+    resumed: tuple[int, list[float], list[float]] | None = None
 
     def state_dict(self) -> dict:
         """LambdaLR's state without `resumed`, which describes this process, not the run."""
@@ -108,16 +108,42 @@ class LRSchedule(LambdaLR):
         for group, base, lr in zip(self.optimizer.param_groups, self.base_lrs, self._last_lr):
             group["initial_lr"], group["lr"] = base, lr
         saved = state_dict.get("_last_lr") or self._last_lr
-        self.resumed = (self.last_epoch + 1, float(saved[0]), float(self._last_lr[0]))
+        self.resumed = (self.last_epoch + 1, [float(x) for x in saved],
+                        [float(x) for x in self._last_lr])
 
     def resume_note(self) -> str | None:
-        """One line when the resumed step's lr differs from the checkpoint's next lr."""
-        if self.resumed is None or math.isclose(*self.resumed[1:], rel_tol=1e-9):
+        """One line when the resumed step's lr differs from the checkpoint's next lr, for
+        optimizer.lr's groups or (Muon) the matrices' optimizer.muon_lr group."""
+        if self.resumed is None:
             return None
         step, saved, now = self.resumed
-        return (f"lr schedule changed at the resume: step {step} trains at lr "
-                f"{now:.6g} (this run's optimizer.lr, [lr_scheduler] and training.steps); the "
-                f"checkpoint's run would have used {saved:.6g}")
+        muon = [bool(g.get("use_muon")) for g in self.optimizer.param_groups]
+        # Muon's group is the first of Muon's list, AdamW's groups the last of any list: a
+        # checkpoint of the other optimizer (checkpoint.reset_optimizer) compares by kind too.
+        pairs = {("Muon's matrices (optimizer.muon_lr)" if m else "lr"): (saved[0] if m else
+                                                                          saved[-1], lr)
+                 for m, lr in zip(muon, now)}
+        changed = {k: pairs[k] for k in sorted(pairs, key=lambda k: k != "lr")
+                   if not math.isclose(*pairs[k], rel_tol=1e-9)}
+        if not changed:
+            return None
+        what = " and ".join(f"lr {new:.6g}" if k == "lr" else f"{k} at lr {new:.6g}"
+                            for k, (_, new) in changed.items())
+        was = " and ".join(f"{old:.6g}" for old, _ in changed.values())
+        keys = "optimizer.lr, muon_lr" if any(muon) else "optimizer.lr"
+        return (f"lr schedule changed at the resume: step {step} trains at {what} (this run's "
+                f"{keys}, [lr_scheduler] and training.steps); the checkpoint's run would have "
+                f"used {was}")
+
+
+def group_lrs(optimizer: torch.optim.Optimizer) -> tuple[float, float | None]:
+    """(the lr of optimizer.lr's groups, Muon's matrices' lr or None without Muon) of the
+    step about to be taken. A pipeline stage of blocks alone under Muon has no optimizer.lr
+    group: its first lr stands in (rank 0, which logs, holds the embedding)."""
+    muon = next((g["lr"] for g in optimizer.param_groups if g.get("use_muon")), None)
+    rest = next((g["lr"] for g in optimizer.param_groups if not g.get("use_muon")),
+                optimizer.param_groups[0]["lr"])
+    return float(rest), None if muon is None else float(muon)
 
 
 def build_lr_scheduler(optimizer: torch.optim.Optimizer, cfg, total_steps: int) -> LRSchedule:
