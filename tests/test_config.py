@@ -67,6 +67,8 @@ def test_cli_forms_and_types():
     (["--model.flavor", "debugmodel-moe-narrow", "--model.n_layers", "1"], None,
      "model.n_layers = 1 keeps only dense blocks of model.flavor 'debugmodel-moe-narrow', whose "
      "first MoE block is block 1; valid: 2 to 4, or 0 for all"),
+    (["--job.dump_folder", ""], None, "job.dump_folder = '' names no folder; name one"),
+    ([], '[job]\ndump_folder = "  "\n', "job.dump_folder = '  ' names no folder"),
     (["--compile.mode", "reduce-overhead"], None,  # CUDA graphs: FSDP re-allocates the params
      "compile.mode = 'reduce-overhead' is not valid; choose one of 'default', "
      "'max-autotune-no-cudagraphs'"),
@@ -131,7 +133,8 @@ def test_moe_losses_are_refused_under_pp_before_any_process_group():
 
 
 def test_effective_config_round_trips(tmp_path):
-    cfg = load_config(["--training.steps", "5", "--job.description", 'a "quoted" \\ text',
+    cfg = load_config(["--training.steps", "5", "--job.description",
+                       'a "quoted" \\ text,\nanother line, a tab\t and a bell\x07',
                        "--data.dataset", "json", "--data.data_files", "x.json"])
     path = tmp_path / "out" / "config.toml"
     cfg.save(str(path))

@@ -74,9 +74,21 @@ def test_concurrent_first_use_builds_once(tmp_path):
     leftovers = [p for p in cache.rglob("*")  # lock files stay: unlinking them is racy
                  if (".partial" in p.name or ".tmp" in p.name) and p.suffix != ".lock"]
     assert not leftovers
-    # later runs reuse the cache: the same tokenizer, store and samples
-    loader = build(DataConfig(cache_dir=str(cache), vocab_size=VOCAB), seq_len=128,
-                   local_batch_size=2, global_batch_size=4, dp_size=2)
+    # later runs reuse the cache: the same tokenizer, store and samples, without taking the
+    # lock (held here: every rank of a later run used to queue on it, and say it waited)
+    import threading
+
+    got = []
+    with open(stdlib_cache_dir(DataConfig(cache_dir=str(cache), vocab_size=VOCAB)) / ".lock",
+              "a+") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        reader = threading.Thread(target=lambda: got.append(build(
+            DataConfig(cache_dir=str(cache), vocab_size=VOCAB), seq_len=128,
+            local_batch_size=2, global_batch_size=4, dp_size=2)), daemon=True)
+        reader.start()
+        reader.join(60)
+        assert got, "a built cache waited for its lock"
+    loader = got[0]
     assert loader.tokenizer_path == outs[0][0] and loader.vocab_size == VOCAB
     assert "stdlib" in loader.describe() and loader.store.total_tokens > 1_000_000
     manifest = loader.store.manifest  # prepared by 2 worker processes, every file once

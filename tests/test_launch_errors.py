@@ -97,3 +97,38 @@ def test_sigterm_while_the_rendezvous_waits(tmp_path):
     assert err.strip() == ("error: stopped on SIGTERM before any rank started (waiting in the "
                            "rendezvous): nothing to save")
     assert not process_tree(proc.pid)[1:]
+
+
+def _catches(pid: int, signum: int) -> bool:
+    """Whether process `pid` has a handler for `signum` (/proc/PID/status's SigCgt mask)."""
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            mask = next(line for line in f if line.startswith("SigCgt:")).split()[1]
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            launcher = b"trainer.launch" in f.read()
+    except (FileNotFoundError, StopIteration):
+        return False
+    return launcher and bool(int(mask, 16) >> (signum - 1) & 1)
+
+
+@pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM])
+def test_a_stop_while_the_launcher_imports_is_one_line(tmp_path, signum):
+    """Ctrl-C (or SIGTERM) in a launch's first seconds, while the launcher imports torch: one
+    line and code 3, as later before any rank starts (was a KeyboardInterrupt or RecursionError
+    traceback from inside the import, or for SIGTERM a silent death)."""
+    proc = subprocess.Popen([str(REPO / "run_train.sh"), "--job.dump_folder", str(tmp_path)],
+                            cwd=REPO, env=subprocess_env(), stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 30
+        while not _catches(proc.pid, signal.SIGTERM) and time.monotonic() < deadline:
+            assert proc.poll() is None, proc.communicate()
+            time.sleep(0.005)
+        proc.send_signal(signum)
+        out, err = proc.communicate(timeout=30)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert (proc.returncode, err.strip()) == (3, f"error: stopped on {signum.name} before any "
+                                              "rank started: nothing to save"), out + err
+    assert not list(tmp_path.iterdir())  # nothing started, nothing written

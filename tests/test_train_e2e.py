@@ -77,6 +77,11 @@ def test_resume_is_bitwise_and_survives_a_larger_world(tmp_path, straight):
     out = run_train(resumed, *cmn, *ASYNC, "--training.steps", "8").stdout
     assert re.search(r"resumed from \S*step-4 \(step 4\)", out), out
     assert losses(resumed) == {s: ref[s] for s in range(5, 9)}  # bitwise
+    # Relaunched at fewer steps than it has: nothing to do, and its config.toml stays the run's
+    saved = (resumed / "config.toml").read_text()
+    out = run_train(resumed, *cmn, "--training.steps", "6").stdout
+    assert "nothing to do: already at step 8 of 6" in out, out
+    assert (resumed / "config.toml").read_text() == saved and "steps = 8" in saved
 
     # A checkpoint written by 2 ranks (FSDP) continues on 4 ranks (HSDP 2x2).
     wide = stopped_at_4(straight[0], tmp_path / "wide")

@@ -50,6 +50,22 @@ import threading
 if __name__ == "__main__":
     gc.disable()
 
+
+def _stop_before_ranks(signum, frame) -> None:
+    """SIGINT or SIGTERM while the launcher imports torch and checks the config (~2 s): no rank
+    exists, nothing to save: one line and code 3, as _stop_without_workers says it later
+    (install_forwarding replaces this handler). Without it, Ctrl-C here printed a
+    KeyboardInterrupt (or RecursionError) traceback from inside an import and SIGTERM killed
+    the launcher silently."""
+    print(f"error: stopped on {signal.Signals(signum).name} before any rank started: nothing "
+          "to save", file=sys.stderr, flush=True)
+    os._exit(3)  # trainer.errors.PREEMPTED_EXIT_CODE (not imported yet)
+
+
+if __name__ == "__main__":
+    for _signum in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(_signum, _stop_before_ranks)
+
 # The agents' own C++ warnings (e.g. a TCPStore peer gone at shutdown after a failed or stopped
 # worker group) are noise in the launcher; c10 reads the level once, when torch loads, so set it
 # for this process only and give the workers the user's setting back.

@@ -150,8 +150,8 @@ def train(cfg: JobConfig) -> None:
         # The run goes on: only now does it write its config, TensorBoard and W&B files (a
         # refused resume leaves the dump folder as it was).
         agree_on_user_errors(metrics.open)
-        if dist.get_rank() == 0:
-            cfg.save(os.path.join(cfg.job.dump_folder, "config.toml"))
+        if dist.get_rank() == 0 and state.step < cfg.training.steps:  # else nothing to do:
+            cfg.save(os.path.join(cfg.job.dump_folder, "config.toml"))  # the run's stays
         restarts.note_restart(metrics, state.step, log0)
         for event in loader.pop_events():  # e.g. a blend resumed with other weights
             log0(f"data: resuming after step {state.step}: {event}")

@@ -168,4 +168,14 @@ def toml_value(v: Any) -> str:
     if dataclasses.is_dataclass(v):  # an inline table
         return "{" + ", ".join(f"{f.name} = {toml_value(getattr(v, f.name))}"
                                for f in dataclasses.fields(v)) + "}"
-    return '"' + str(v).replace("\\", "\\\\").replace('"', '\\"') + '"'
+    return '"' + "".join(_TOML_ESCAPES.get(c) or (f"\\u{ord(c):04x}" if _control(c) else c)
+                         for c in str(v)) + '"'
+
+
+# A TOML basic string escapes these, and every other control character as \uXXXX.
+_TOML_ESCAPES = {"\\": "\\\\", '"': '\\"', "\b": "\\b", "\t": "\\t", "\n": "\\n", "\f": "\\f",
+                 "\r": "\\r"}
+
+
+def _control(c: str) -> bool:
+    return ord(c) < 0x20 or ord(c) == 0x7F

@@ -39,6 +39,9 @@ class Job:
                                      min=5)
 
     def validate(self) -> None:
+        if not self.dump_folder.strip():
+            raise ConfigError(f"job.dump_folder = {self.dump_folder!r} names no folder; name one "
+                              "(e.g. './outputs/my_run'; it is created if missing)")
         if os.path.exists(self.dump_folder) and not os.path.isdir(self.dump_folder):
             raise ConfigError(f"job.dump_folder = {self.dump_folder!r} is a file, not a folder; "
                               "name a folder (it is created if missing)")

@@ -48,6 +48,9 @@ def ensure_stdlib(cfg: DataConfig, workers: int | None = None,
                   show_progress: bool = True) -> tuple[str, str]:
     """(tokenizer path, store path) of the stdlib default, building what is missing."""
     base = stdlib_cache_dir(cfg)
+    built = _built_stdlib(cfg, base)
+    if built is not None:  # every rank of every later run: no lock to queue on (and no
+        return built       # "waiting for another process" line while the ranks take turns)
     with file_lock(base / ".lock", f"waiting for another process to build the stdlib "
                                    f"tokenizer/store in {base}"):
         tok_path = cfg.tokenizer_path or str(base / f"tokenizer-bpe{cfg.vocab_size}.model")
@@ -61,6 +64,17 @@ def ensure_stdlib(cfg: DataConfig, workers: int | None = None,
             _prepare_stdlib_store(cfg, tok_path, store, workers or cfg.prepare_workers,
                                   show_progress)
     return tok_path, store
+
+
+def _built_stdlib(cfg: DataConfig, base) -> tuple[str, str] | None:
+    """(tokenizer, store) when both are built, else None. Safe without the lock: a store is
+    named by its tokenizer's hash and exists only once finished (renamed into place), so a
+    tokenizer being written hashes to no finished store."""
+    tok_path = cfg.tokenizer_path or str(base / f"tokenizer-bpe{cfg.vocab_size}.model")
+    if not os.path.isfile(tok_path):
+        return None
+    store = cfg.store_path or str(base / f"store-{file_sha256(tok_path)[:12]}")
+    return (tok_path, store) if os.path.isfile(os.path.join(store, MANIFEST)) else None
 
 
 def _train_stdlib_tokenizer(cfg: DataConfig, out: str, show_progress: bool) -> None:
