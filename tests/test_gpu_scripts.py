@@ -75,3 +75,14 @@ def test_the_mla_check_passes_the_kernels_and_fails_a_wrong_one(bench_modules, m
     monkeypatch.setattr(mla, "attend", lambda q, k, v, mask, **kw: real(q * 1.02, k, v, mask, **kw))
     assert mla.main(TINY) == 1
     assert capsys.readouterr().out.count("FAIL") == 4
+
+    def refused(*args, **kwargs):
+        raise RuntimeError("No available kernel. Aborting execution.")
+
+    # torch refusing a forced backend is n/a; the same error on a path a run takes fails
+    monkeypatch.setattr(mla, "attend", refused)
+    assert mla.main(TINY) == 1
+    rows = {line.split("  ")[0].strip(): line for line in capsys.readouterr().out.splitlines()}
+    assert "n/a" in rows["causal sdpa[math]"]
+    assert all("FAIL" in rows[k] for k in ("causal sdpa[auto]", "block_causal sdpa-mask",
+                                           "block_causal per_document"))

@@ -168,6 +168,42 @@ def test_resume_applies_the_new_schedule_from_the_resumed_step():
     assert opt3.param_groups[0]["lr"] == 1e-3 and sched3.resume_note() is None
 
 
+def test_a_muon_schedule_saves_the_same_on_every_rank():
+    """Muon at muon_lr 0.02 and lr 3e-4 under pipeline parallelism: rank 0 holds Muon's group
+    and AdamW's, a stage of blocks Muon's alone. DCP saves one rank's copy of the schedule,
+    not always rank 0's: both ranks save the same lrs by kind, and a resume with the same
+    config from the blocks rank's copy names no change (it named lr 3e-4 against 0.02); one
+    with another optimizer.lr names that alone."""
+    peaks = {"lr": 3e-4, "muon": 0.02}
+
+    def rank(kinds, lr=3e-4):
+        groups = [{"params": [torch.nn.Parameter(torch.zeros(2, 2))], "use_muon": True,
+                   "lr": 0.02}]
+        if kinds == 2:
+            groups.append({"params": [torch.nn.Parameter(torch.zeros(2))], "use_muon": False,
+                           "lr": lr})
+        opt = torch.optim.AdamW(groups)
+        sched = build_lr_scheduler(opt, LRScheduler(warmup_steps=2, decay_steps=4), 10,
+                                   {**peaks, "lr": lr})
+        for _ in range(7):  # the next, step 8, halfway down the decay: factor 0.5
+            opt.step()
+            sched.step()
+        return opt, sched
+
+    saved0, saved1 = rank(2)[1].state_dict(), rank(1)[1].state_dict()
+    assert saved0 == saved1 and saved1["_last_lr"] == pytest.approx([0.01, 1.5e-4])
+    _, again = rank(2)
+    again.load_state_dict(saved1)
+    assert again.resume_note() is None
+    opt, lower = rank(2, lr=1e-4)
+    lower.load_state_dict(saved1)
+    assert lower.resume_note() == (
+        "lr schedule changed at the resume: step 8 trains at lr 5e-05 (this run's "
+        "optimizer.lr, muon_lr, [lr_scheduler] and training.steps); the checkpoint's run "
+        "would have used 0.00015")
+    assert [g["lr"] for g in opt.param_groups] == pytest.approx([0.01, 5e-5])
+
+
 def test_unchanged_schedule_resumes_bit_for_bit_mid_decay():
     cfg = dict(warmup_steps=3, decay_steps=12, decay_type="cosine", min_lr_factor=0.1)
     straight = schedule_lrs(30, peak=3e-4, **cfg)

@@ -22,14 +22,10 @@ This is `torch.distributed.run` (the code behind `torchrun`) with these differen
   stop, training error, OOM, a repeated failure) ends the job, and each restart is one line.
   A stopped rank (SIGSTOP) is SIGKILLed at once when the workers are stopped, instead of 30 s
   after a SIGTERM it cannot act on (see guard_restarts; trainer/health/heartbeat.py names it).
-- Start: CPU ranks of the trainer (`-m trainer.train` with `training.device` cpu, or auto on a
-  machine without GPUs) are forked from this launcher once it has imported torch and the
-  trainer (torchrun's function-entrypoint path, start method "fork"), instead of each rank
-  importing them anew: ~4 s less per launch on 2 ranks, ~5 s on 4 (benchmarks/RESULTS.md).
-  They inherit this process's C++ log level (TORCH_CPP_LOG_LEVEL, else ERROR) and see no GPU
-  (CUDA_VISIBLE_DEVICES="", set before torchrun asks CUDA: `hide_gpus`). CUDA ranks, and
-  any other target, start as fresh processes, as under torchrun; so do CPU ranks with
-  TRAINER_FORK_RANKS=0.
+- Start: CPU ranks of the trainer are forked from this launcher once it has imported torch
+  and the trainer (start method "fork"): ~4 s less per launch on 2 ranks, ~5 s on 4. They
+  see no GPU (`hide_gpus`). CUDA ranks, any other target, and CPU ranks with
+  TRAINER_FORK_RANKS=0 start as fresh processes, as under torchrun.
 """
 
 from __future__ import annotations
@@ -44,25 +40,19 @@ import socket
 import sys
 import threading
 
-# Run as the launcher: no garbage collection while torch and the trainer are imported (the
-# collector would walk the growing heap again and again: 0.45 s of a 2.7 s import here);
-# main() turns it back on. Imported as a module, nothing changes.
-if __name__ == "__main__":
-    gc.disable()
-
 
 def _stop_before_ranks(signum, frame) -> None:
-    """SIGINT or SIGTERM while the launcher imports torch and checks the config (~2 s): no rank
-    exists, nothing to save: one line and code 3, as _stop_without_workers says it later
-    (install_forwarding replaces this handler). Without it, Ctrl-C here printed a
-    KeyboardInterrupt (or RecursionError) traceback from inside an import and SIGTERM killed
-    the launcher silently."""
+    """SIGINT/SIGTERM while the launcher imports and checks (~2 s, until install_forwarding): no
+    rank exists, nothing to save: one line and code 3 (not a traceback from inside an import)."""
     print(f"error: stopped on {signal.Signals(signum).name} before any rank started: nothing "
           "to save", file=sys.stderr, flush=True)
-    os._exit(3)  # trainer.errors.PREEMPTED_EXIT_CODE (not imported yet)
+    os._exit(3)  # trainer.errors.PREEMPTED_EXIT_CODE, not imported yet
 
 
+# As the launcher: no garbage collection during the imports (0.45 s of a 2.7 s import here;
+# main() turns it back on), and a stop before any rank is one line. As a module: neither.
 if __name__ == "__main__":
+    gc.disable()
     for _signum in (signal.SIGINT, signal.SIGTERM):
         signal.signal(_signum, _stop_before_ranks)
 
@@ -132,13 +122,13 @@ def install_forwarding() -> None:
     """Our handlers for the forwarded signals; torchrun keeps its own for the rest. Every
     signal also reaches _stop_without_workers through the wakeup fd."""
     os.environ["TORCHELASTIC_SIGNALS_TO_HANDLE"] = "SIGQUIT"
-    for name in FORWARDED:
-        signal.signal(getattr(signal, name), _forward)
-    read_fd, write_fd = os.pipe()
+    read_fd, write_fd = os.pipe()  # first: a stop after _forward is in reaches the thread
     os.set_blocking(write_fd, False)
     signal.set_wakeup_fd(write_fd, warn_on_full_buffer=False)
     threading.Thread(target=_stop_without_workers, args=(read_fd,), daemon=True,
                      name="launcher-signals").start()
+    for name in FORWARDED:
+        signal.signal(getattr(signal, name), _forward)
 
 
 def _stop_without_workers(read_fd: int) -> None:

@@ -58,7 +58,7 @@ from trainer.models.sdpa import setup as setup_sdpa
 from trainer.observe.metrics import MetricsProcessor
 from trainer.observe.profiling import StepProfiler
 from trainer.optim.batch_schedule import describe_ramp
-from trainer.optim.optimizer import build_lr_scheduler, build_optimizer
+from trainer.optim.optimizer import build_lr_scheduler, build_optimizer, lr_peaks
 from trainer.optim.qk_clip import build_qk_clip
 from trainer.parallel.dims import ParallelDims, check_async_tp, check_tp_shapes, describe_vocab
 from trainer.parallel.float8 import check_device as check_float8_device
@@ -125,7 +125,8 @@ def train(cfg: JobConfig) -> None:
     model = parallelize(build_model(args), parallel_dims, cfg, device=device,
                         param_dtype=precision.param)
     optimizer = build_optimizer(model, cfg.optimizer)
-    scheduler = build_lr_scheduler(optimizer, cfg.lr_scheduler, cfg.training.steps)
+    scheduler = build_lr_scheduler(optimizer, cfg.lr_scheduler, cfg.training.steps,
+                                   lr_peaks(cfg.optimizer))
     state = TrainState()
     metrics = MetricsProcessor(cfg, model_args=args, seq_len=cfg.training.seq_len, device=device,
                                rank=dist.get_rank(), parallel_desc=parallel_dims.describe(),
@@ -150,8 +151,10 @@ def train(cfg: JobConfig) -> None:
         # The run goes on: only now does it write its config, TensorBoard and W&B files (a
         # refused resume leaves the dump folder as it was).
         agree_on_user_errors(metrics.open)
-        if dist.get_rank() == 0 and state.step < cfg.training.steps:  # else nothing to do:
-            cfg.save(os.path.join(cfg.job.dump_folder, "config.toml"))  # the run's stays
+        saved = os.path.join(cfg.job.dump_folder, "config.toml")
+        if dist.get_rank() == 0 and (state.step < cfg.training.steps  # else nothing to do:
+                                     or not os.path.isfile(saved)):  # the run's own stays
+            cfg.save(saved)
         restarts.note_restart(metrics, state.step, log0)
         for event in loader.pop_events():  # e.g. a blend resumed with other weights
             log0(f"data: resuming after step {state.step}: {event}")

@@ -13,6 +13,7 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import math
+import os
 import typing
 from typing import Any
 
@@ -156,6 +157,16 @@ def from_cli(key: str, raw: str | None, tp) -> Any:
 
 def _article(tp) -> str:
     return "an" if type_name(tp)[0] in "aeiou" else "a"
+
+
+def check_folder(key: str, path: str) -> None:
+    """A folder key names a folder, existing or to create; ConfigError otherwise."""
+    if not path.strip():
+        raise ConfigError(f"{key} = {path!r} names no folder; name one (e.g. "
+                          "'./outputs/my_run'; it is created if missing)")
+    if os.path.exists(path) and not os.path.isdir(path):
+        raise ConfigError(f"{key} = {path!r} is a file, not a folder; name a folder (it is "
+                          "created if missing)")
 
 
 def toml_value(v: Any) -> str:

@@ -8,10 +8,9 @@ trainer/evals/config.py, trainer/parallel/float8.py, trainer/models/config.py)."
 from __future__ import annotations
 
 import dataclasses
-import os
 from dataclasses import dataclass
 
-from trainer.config.base import did_you_mean, opt
+from trainer.config.base import check_folder, did_you_mean, opt
 from trainer.errors import STOP_SIGNALS, ConfigError
 from trainer.models.config import (ATTN_IMPLEMENTATIONS, ATTN_MASK_TYPES, POSITIONS,  # noqa: F401
                                    Model, MoE)
@@ -39,12 +38,7 @@ class Job:
                                      min=5)
 
     def validate(self) -> None:
-        if not self.dump_folder.strip():
-            raise ConfigError(f"job.dump_folder = {self.dump_folder!r} names no folder; name one "
-                              "(e.g. './outputs/my_run'; it is created if missing)")
-        if os.path.exists(self.dump_folder) and not os.path.isdir(self.dump_folder):
-            raise ConfigError(f"job.dump_folder = {self.dump_folder!r} is a file, not a folder; "
-                              "name a folder (it is created if missing)")
+        check_folder("job.dump_folder", self.dump_folder)
         for name in self.stop_signals:
             if name not in STOP_SIGNALS:
                 raise ConfigError(f"job.stop_signals has {name!r}; valid signals: "

@@ -2,7 +2,8 @@
 with it before any launch; trainer/optim/optimizer.py applies it).
 
 The lr of step s (1-based, the step the TensorBoard tag `lr` is logged at) of a run of
-T = training.steps steps is `optimizer.lr * factor(s)`, with W = lr_scheduler.warmup_steps,
+T = training.steps steps is `optimizer.lr * factor(s)` (Muon's matrices: muon_lr * factor(s),
+tag `lr_muon`), with W = lr_scheduler.warmup_steps,
 f = lr_scheduler.min_lr_factor and K the number of decay steps:
 
     K = decay_steps                    if lr_scheduler.decay_steps >= 0
@@ -15,11 +16,12 @@ f = lr_scheduler.min_lr_factor and K the number of decay steps:
 
     shape(p) = 1 - p (linear) | (1 + cos(pi * p)) / 2 (cosine) | 1 - sqrt(p) (sqrt)
 
-So the decay covers steps T - K + 1 .. T, and the last step T trains at exactly f * lr. The
+So the decay covers steps T - K + 1 .. T, and when K > 0 the last step T trains at exactly
+f * lr (with K = 0 no step decays). The
 config requires W + K <= T when decay_steps or decay_ratio is set.
 
 Changing the schedule at a resume: a checkpoint restores only the schedule's position (the
-step). The formula and optimizer.lr are the resumed run's config, and the first step after a
+step). The formula, optimizer.lr and muon_lr are the resumed run's config, and the first step after a
 resume from step N trains at `optimizer.lr * factor(N + 1)` of that config (the checkpoint's
 next lr is printed next to it when the two differ). Hence:
 

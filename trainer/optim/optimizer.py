@@ -92,13 +92,27 @@ class LRSchedule(LambdaLR):
     it after the optimizer, whose param groups are this run's again after a load (every other
     setting too: trainer/checkpoint/optim_state.py) but at the first step's lr."""
 
-    #: After a load: (the resumed step, the lrs the checkpoint's run would have used there, by
-    #: group, the lrs this run uses)
-    resumed: tuple[int, list[float], list[float]] | None = None
+    #: After a load: (the resumed step, the lr the checkpoint's run would have used there and
+    #: the lr this run uses, by kind of group: 'lr' (optimizer.lr's), 'muon' (Muon's matrices))
+    resumed: tuple[int, dict[str, float], dict[str, float]] | None = None
+    #: This run's peak lr by kind (build_lr_scheduler): saved in place of the rank's own groups
+    peaks: dict[str, float] | None = None
 
     def state_dict(self) -> dict:
-        """LambdaLR's state without `resumed`, which describes this process, not the run."""
-        return {k: v for k, v in super().state_dict().items() if k != "resumed"}
+        """LambdaLR's state without `resumed` (this process's, not the run's). With `peaks`, its
+        base_lrs and _last_lr are per kind, Muon's first, the same on every rank: DCP saves
+        one rank's copy, not always rank 0's, and a pipeline stage of blocks has no
+        optimizer.lr group of its own."""
+        out = {k: v for k, v in super().state_dict().items() if k not in ("resumed", "peaks")}
+        if self.peaks:
+            base = [self.peaks[k] for k in ("muon", "lr") if k in self.peaks]
+            out["base_lrs"], out["_last_lr"] = base, [b * self._factor() for b in base]
+            out["lr_lambdas"] = [None] * len(base)  # LambdaLR's per group (a function: None)
+        return out
+
+    def _factor(self) -> float:
+        """The schedule's factor at the next step (every group's lr is its peak x this)."""
+        return self._last_lr[0] / self.base_lrs[0] if self.base_lrs[0] else 0.0
 
     def load_state_dict(self, state_dict: dict) -> None:
         self.last_epoch = int(state_dict["last_epoch"])
@@ -107,33 +121,46 @@ class LRSchedule(LambdaLR):
                          for base, fn in zip(self.base_lrs, self.lr_lambdas)]
         for group, base, lr in zip(self.optimizer.param_groups, self.base_lrs, self._last_lr):
             group["initial_lr"], group["lr"] = base, lr
-        saved = state_dict.get("_last_lr") or self._last_lr
-        self.resumed = (self.last_epoch + 1, [float(x) for x in saved],
-                        [float(x) for x in self._last_lr])
+        saved = [float(x) for x in state_dict.get("_last_lr") or self._last_lr]
+        # Muon's lr first in a Muon run's list, optimizer.lr's last in any run's (an older
+        # checkpoint's list is the saving rank's groups: the same order)
+        was = {"muon": saved[0], "lr": saved[-1]}
+        now = self._by_kind()
+        self.resumed = (self.last_epoch + 1, {k: was[k] for k in now}, now)
+
+    def _by_kind(self) -> dict[str, float]:
+        """This run's lr at the next step by kind of group, optimizer.lr's first."""
+        if self.peaks:
+            return {k: self.peaks[k] * self._factor() for k in ("lr", "muon") if k in self.peaks}
+        out: dict[str, float] = {}
+        for group in self.optimizer.param_groups:
+            out.setdefault("muon" if group.get("use_muon") else "lr", float(group["lr"]))
+        return dict(sorted(out.items(), key=lambda kv: kv[0] != "lr"))
 
     def resume_note(self) -> str | None:
         """One line when the resumed step's lr differs from the checkpoint's next lr, for
         optimizer.lr's groups or (Muon) the matrices' optimizer.muon_lr group."""
         if self.resumed is None:
             return None
-        step, saved, now = self.resumed
-        muon = [bool(g.get("use_muon")) for g in self.optimizer.param_groups]
-        # Muon's group is the first of Muon's list, AdamW's groups the last of any list: a
-        # checkpoint of the other optimizer (checkpoint.reset_optimizer) compares by kind too.
-        pairs = {("Muon's matrices (optimizer.muon_lr)" if m else "lr"): (saved[0] if m else
-                                                                          saved[-1], lr)
-                 for m, lr in zip(muon, now)}
-        changed = {k: pairs[k] for k in sorted(pairs, key=lambda k: k != "lr")
-                   if not math.isclose(*pairs[k], rel_tol=1e-9)}
+        step, was, now = self.resumed
+        changed = [k for k in now if not math.isclose(was[k], now[k], rel_tol=1e-9)]
         if not changed:
             return None
-        what = " and ".join(f"lr {new:.6g}" if k == "lr" else f"{k} at lr {new:.6g}"
-                            for k, (_, new) in changed.items())
-        was = " and ".join(f"{old:.6g}" for old, _ in changed.values())
-        keys = "optimizer.lr, muon_lr" if any(muon) else "optimizer.lr"
+        what = " and ".join(f"lr {now[k]:.6g}" if k == "lr" else
+                            f"Muon's matrices (optimizer.muon_lr) at lr {now[k]:.6g}"
+                            for k in changed)
+        keys = "optimizer.lr, muon_lr" if "muon" in now else "optimizer.lr"
         return (f"lr schedule changed at the resume: step {step} trains at {what} (this run's "
                 f"{keys}, [lr_scheduler] and training.steps); the checkpoint's run would have "
-                f"used {was}")
+                f"used {' and '.join(f'{was[k]:.6g}' for k in changed)}")
+
+
+def lr_peaks(cfg) -> dict[str, float]:
+    """The peak lr of each kind of param group under the `[optimizer]` config `cfg`:
+    optimizer.lr's ('lr') and, under Muon, the matrices' ('muon': muon_lr, or lr at -1)."""
+    if cfg.name != "Muon":
+        return {"lr": cfg.lr}
+    return {"lr": cfg.lr, "muon": cfg.muon_lr if cfg.muon_lr > 0 else cfg.lr}
 
 
 def group_lrs(optimizer: torch.optim.Optimizer) -> tuple[float, float | None]:
@@ -146,8 +173,10 @@ def group_lrs(optimizer: torch.optim.Optimizer) -> tuple[float, float | None]:
     return float(rest), None if muon is None else float(muon)
 
 
-def build_lr_scheduler(optimizer: torch.optim.Optimizer, cfg, total_steps: int) -> LRSchedule:
-    """The lr schedule of trainer/optim/lr_schedule.py (`cfg` is `[lr_scheduler]`)."""
+def build_lr_scheduler(optimizer: torch.optim.Optimizer, cfg, total_steps: int,
+                       peaks: dict[str, float] | None = None) -> LRSchedule:
+    """The lr schedule of trainer/optim/lr_schedule.py (`cfg` is `[lr_scheduler]`; `peaks`:
+    lr_peaks of the run's `[optimizer]`, what its checkpoints and resume line name)."""
     k = decay_steps(cfg, total_steps)
 
     def fn(done: int) -> float:  # LambdaLR passes the steps done; it sets the lr of the next
@@ -155,4 +184,6 @@ def build_lr_scheduler(optimizer: torch.optim.Optimizer, cfg, total_steps: int) 
                          total_steps=total_steps, decay_type=cfg.decay_type,
                          min_lr_factor=cfg.min_lr_factor)
 
-    return LRSchedule(optimizer, fn)
+    schedule = LRSchedule(optimizer, fn)
+    schedule.peaks = peaks
+    return schedule
