@@ -128,9 +128,11 @@ def test_missing_paths(store_cfg, json_cfg, tmp_path):
 
 
 @pytest.mark.needs_datasets
-def test_empty_corpus(json_cfg, tmp_path):
+@pytest.mark.parametrize("content", ['{"text": ""}\n{"text": ""}\n', ""])
+def test_empty_corpus(json_cfg, tmp_path, content):
+    """Documents without text, or a 0-byte file (the json builder raised StopIteration)."""
     empty = tmp_path / "empty.jsonl"
-    empty.write_text('{"text": ""}\n{"text": ""}\n')
+    empty.write_text(content)
     cfg = replace(json_cfg, data_files=[str(empty)])
     with pytest.raises(DataError) as e:
         prepare_store(cfg, cfg.tokenizer_path, str(tmp_path / "s"), workers=1,

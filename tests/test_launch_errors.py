@@ -132,3 +132,22 @@ def test_a_stop_while_the_launcher_imports_is_one_line(tmp_path, signum):
     assert (proc.returncode, err.strip()) == (3, f"error: stopped on {signum.name} before any "
                                               "rank started: nothing to save"), out + err
     assert not list(tmp_path.iterdir())  # nothing started, nothing written
+
+
+def test_a_node_that_never_comes_is_one_line(tmp_path):
+    """--nnodes 2 and only this node: after the join timeout, one line naming the endpoint,
+    id and timeout key, exit 1 (was torchrun's RendezvousTimeoutError traceback)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    proc = subprocess.run(
+        [sys.executable, "-m", "trainer.launch", "--nnodes", "2", "--nproc_per_node", "1",
+         "--rdzv_backend", "c10d", "--rdzv_endpoint", f"127.0.0.1:{port}", "--rdzv_id", "alone",
+         "--rdzv-conf", "join_timeout=2", "-m", "trainer.train", "--training.device", "cpu",
+         "--job.dump_folder", str(tmp_path / "out")], cwd=REPO, env=subprocess_env(),
+        capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 1 and proc.stderr.strip() == (
+        f"error: the rendezvous timed out (--rdzv_endpoint 127.0.0.1:{port}, --rdzv_id alone): "
+        "fewer than --nnodes 2 nodes joined within its join_timeout (--rdzv-conf "
+        "join_timeout=SECONDS, default 600): start every node with the same endpoint and id, "
+        "and check that each can reach the endpoint"), proc.stderr

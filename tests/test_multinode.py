@@ -149,6 +149,24 @@ def test_two_nodes_hsdp_replicates_across_nodes_and_matches_one_node(tmp_path):
     assert two == one
 
 
+def test_nodes_launched_with_other_overrides_are_refused(tmp_path):
+    """One node launched with another seq_len (it trained on, with other windows, or aborted
+    in gloo): every node exits 2 and rank 0's one line names the key and both values."""
+    shared = ((f"127.0.0.1:{_free_port()}", f"test-{uuid.uuid4().hex[:8]}"), "2", [])
+    run = [*TRAIN, "--job.dump_folder", str(tmp_path / "run"), *BASE, "--training.steps", "2"]
+    nodes = [*launch_nodes(tmp_path, *run, nnodes=1, nproc=1, elastic=shared, forked=True),
+             *launch_nodes(tmp_path, *run, "--training.seq_len", "32", nnodes=1, nproc=1,
+                           elastic=shared, first=1, forked=True)]
+    codes = wait_all(nodes, timeout=120)
+    out = "".join(n.output for n in nodes)
+    assert codes == [2, 2], out
+    found = re.search(r"config error: the ranks run different configs: rank 1 has "
+                      r"training.seq_len = (\d+) where rank 0 has (\d+); launch every node "
+                      r"with the same config file and overrides\n", out)
+    assert found and {found[1], found[2]} == {"32", "64"}, out  # rank 0: the first node to join
+    assert out.count("config error") == 1 and "Traceback" not in out, out
+
+
 def test_a_killed_rank_stops_every_node_and_the_rerun_resumes(tmp_path):
     timeout = 5
     dump = tmp_path / "dump"

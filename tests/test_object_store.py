@@ -179,14 +179,19 @@ def lease_record(**changes) -> bytes:
 
 def test_a_live_run_holding_the_bucket_folder_keeps_another_out(s3, on_s3, tmp_path):
     """Another dump folder, the same s3:// checkpoint folder: refused in one line while the
-    holder's heartbeat is fresh (the lease is taken with If-None-Match: *)."""
+    holder's heartbeat is fresh (the lease is taken with If-None-Match: *), on every rank
+    alike (rank 1 used to fail as if rank 0 had died, and record it in failures.jsonl)."""
     env, client = s3
     client.put_object(Bucket="ckpt", Key="run2/lease.json", Body=lease_record())
+    for name in on_s3[2]["step-3"]:  # a committed step: the ranks would verify it together
+        client.copy_object(Bucket="ckpt", Key=f"run2/step-3/{name}",
+                           CopySource={"Bucket": "ckpt", "Key": f"run1/step-3/{name}"})
     proc = run_train(tmp_path / "run", *BASE_FP32, "--checkpoint.enable", "true",
                      "--checkpoint.folder", "s3://ckpt/run2", "--training.steps", "1",
-                     nproc=1, env=env, check=False)
+                     nproc=2, env=env, check=False)
     errors = [line for line in (proc.stdout + proc.stderr).splitlines() if "error:" in line]
     assert proc.returncode == 2 and len(errors) == 1, proc.stderr[-2000:]
+    assert not (tmp_path / "run" / "failures.jsonl").exists()
     assert "checkpoint.folder s3://ckpt/run2 is in use by another run: slurm 1 on elsewhere" \
         in errors[0]
 

@@ -67,6 +67,33 @@ def agree_on_user_errors(fn, *args, same_result: bool = False, **kwargs):
     return result
 
 
+# Keys that may differ between the nodes of one run: a path to the same file, a node's cache
+LOCAL_KEYS = ("job.config_file", "data.cache_dir")
+
+
+def check_same_config(cfg) -> None:
+    """Every rank runs one config: a node launched with another override (seq_len, steps,
+    flavor) would train on, silently or into a gloo abort or a hang. One digest gathered; the
+    configs themselves only when they differ: a config error naming the keys, on every rank."""
+    mine = {k: v for k, v in cfg.flat().items() if k not in LOCAL_KEYS}
+    digest = hashlib.sha256(repr(sorted(mine.items())).encode()).hexdigest()
+    digests = [None] * dist.get_world_size()
+    dist.all_gather_object(digests, digest)
+    if len(set(digests)) == 1:
+        return
+    configs = [None] * dist.get_world_size()
+    dist.all_gather_object(configs, mine)
+    rank = next(r for r, d in enumerate(digests) if d != digests[0])
+    keys = [k for k in configs[0] if configs[rank].get(k) != configs[0][k]]
+    error = ConfigError(
+        f"the ranks run different configs: rank {rank} has {keys[0]} = {configs[rank][keys[0]]} "
+        f"where rank 0 has {configs[0][keys[0]]}"
+        + (f" (and {', '.join(keys[1:])})" if keys[1:] else "")
+        + "; launch every node with the same config file and overrides")
+    error.agreed = True  # every rank raises it: rank 0 reports it
+    raise error
+
+
 def reports_user_error(error: UserError) -> bool:
     """Whether this rank prints `error`'s line. One every rank raised alike (a config error
     before the process group, one agreed on above) is rank 0's to print; one raised after the

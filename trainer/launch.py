@@ -7,11 +7,10 @@ This is `torch.distributed.run` (the code behind `torchrun`) with these differen
 - Check first (`--check`, run_train.sh): the config and the launch checks run here before
   torchrun starts (check_first); a refused launch is one line and no process starts.
 
-- Failures: when a worker fails, torchrun raises ChildFailedError and prints a long report plus
-  its own traceback. A worker that stopped on a user error has already printed its one line
-  (`config error: ...`), and one stopped by a signal has saved and said so, so we exit with
-  its code silently; for any other failure we print one short summary naming the rank, host
-  and exit code (the worker's own traceback is above it).
+- Failures: torchrun prints a long report and its own traceback. A worker that stopped on a
+  user error (`config error: ...`) or a signal has said so: we exit with its code silently;
+  any other failure is one line naming the rank, host and exit code (the worker's own
+  traceback is above it), and a failed rendezvous (a node that never came) is one line too.
 - Signals: SLURM delivers SIGUSR1/SIGTERM to the launcher (srun's task), not to the workers.
   torchrun would die of SIGUSR1, or SIGTERM its workers and SIGKILL them 30 s later, possibly
   mid-save. We forward SIGTERM, SIGINT, SIGHUP, SIGUSR1 and SIGUSR2 to the workers and keep
@@ -70,12 +69,13 @@ else:
 
 from torch.distributed.elastic.multiprocessing.api import SignalException  # noqa: E402
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError  # noqa: E402
+from torch.distributed.elastic.rendezvous.api import RendezvousError  # noqa: E402
 from torch.distributed.run import config_from_args, elastic_launch, parse_args  # noqa: E402
 
-from trainer.health.elastic import note_elastic_world, rendezvous_anew_each_round  # noqa: E402
-from trainer.errors import (GAVE_UP_EXIT_CODE, HANG_EXIT_CODE,  # noqa: E402
-                            OUT_OF_MEMORY_EXIT_CODE, PREEMPTED_EXIT_CODE,
-                            TRAINING_ERROR_EXIT_CODE, USER_ERROR_EXIT_CODE)
+from trainer.health.elastic import (note_elastic_world, rendezvous_anew_each_round,  # noqa: E402
+                                    rendezvous_failure)
+from trainer.errors import (GAVE_UP_EXIT_CODE, HANG_EXIT_CODE, OUT_OF_MEMORY_EXIT_CODE,  # noqa
+                            PREEMPTED_EXIT_CODE, TRAINING_ERROR_EXIT_CODE, USER_ERROR_EXIT_CODE)
 
 # No restart cures these (MAX_RESTARTS): the job ends at once.
 FINAL_CODES = (USER_ERROR_EXIT_CODE, PREEMPTED_EXIT_CODE, TRAINING_ERROR_EXIT_CODE,
@@ -201,10 +201,9 @@ def forked_rank(argv: list[str]) -> None:
 
         traceback.print_exc()
         sys.stderr.flush()
-        # The launcher reports the first failed rank it finds, and finds ranks that ended within
-        # one poll in local-rank order. A rank killed by a signal (the OOM killer's SIGKILL)
-        # leaves no traceback, and its peers fail a moment later on the lost connection: give
-        # the launcher time to see, and name, the rank that ended first.
+        # The launcher names the first failed rank it finds in a poll, in local-rank order: a
+        # rank killed by a signal (the OOM killer's) leaves no traceback and its peers fail a
+        # moment later: give the launcher time to name the rank that ended first.
         time.sleep(FAILED_RANK_GRACE_S)
         raise
     sys.stdout.flush()
@@ -315,9 +314,8 @@ def listen_on_loopback() -> None:
 
 
 def _describe(rank: int, failure) -> str:
-    how = f"exit code {failure.exitcode}"
-    if failure.exitcode < 0:
-        how = f"signal {failure.signal_name()}"
+    how = (f"signal {failure.signal_name()}" if failure.exitcode < 0 else
+           f"exit code {failure.exitcode}")
     return (f"rank {rank} (local rank {failure.local_rank} on {socket.gethostname()}) ended "
             f"with {how}")
 
@@ -420,6 +418,9 @@ def main(argv: list[str]) -> int:
         print(f"error: training stopped at once on {signal.Signals(err.sigval).name}",
               file=sys.stderr, flush=True)
         return 128 + int(err.sigval)
+    except RendezvousError as err:  # e.g. a node that never came: one line, no traceback
+        print(rendezvous_failure(err, args), file=sys.stderr, flush=True)
+        return 1
     except ChildFailedError as err:
         rank, failure = err.get_first_failure()
         code = failure.exitcode if failure.exitcode and failure.exitcode > 0 else 1
@@ -436,8 +437,7 @@ if __name__ == "__main__":
     logging.getLogger("torch.distributed.elastic.multiprocessing.api").setLevel(logging.CRITICAL)
     logging.getLogger("torch.multiprocessing.spawn").setLevel(logging.CRITICAL)  # forked ranks
     logging.getLogger("torch.distributed.elastic.agent.server.api").setLevel(logging.CRITICAL)
-    logging.getLogger("torch.distributed.elastic.rendezvous.dynamic_rendezvous").setLevel(
-        logging.ERROR)
+    logging.getLogger("torch.distributed.elastic.rendezvous.dynamic_rendezvous").setLevel(40)
     code = main(sys.argv[1:])
     # Everything has ended and been reported: skip the interpreter's teardown (freeing torch's
     # modules took 0.8 s of every launch on a 2-core machine).

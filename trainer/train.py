@@ -36,7 +36,7 @@ from trainer.data import build_dataloader, check_model_vocab, padded_vocab_size
 from trainer.data.documents import check_documents
 from trainer.device import Precision, resolve_compute_dtype
 from trainer.distributed import (DEBUG_DATA_ENV, agree_on_user_errors,  # noqa: F401
-                                 init_distributed, log0, log_ranks,
+                                 check_same_config, init_distributed, log0, log_ranks,
                                  reports_user_error)
 from trainer.errors import HANG_EXIT_CODE, OUT_OF_MEMORY_EXIT_CODE, DataError, UserError
 from trainer.evals.evaluator import Evaluator
@@ -104,6 +104,7 @@ def train(cfg: JobConfig) -> None:
     faults.arm()  # the testing hooks asked of this rank, if any (trainer/health/faults.py)
     store_retry.configure(cfg)  # object-store retries and their counts (checkpoint/retry.py)
     device = init_distributed(cfg)
+    check_same_config(cfg)  # every node launched alike, before anything depends on it
     # One run per dump folder; nothing is written there before it is ours (lease.py).
     agree_on_user_errors(lease.take, cfg.job.dump_folder, cfg.job.lease_timeout_seconds,
                          rank=dist.get_rank(), log=log0)
@@ -145,6 +146,7 @@ def train(cfg: JobConfig) -> None:
                 log0(check.describe())
         checkpointer = Checkpointer(cfg, model=model, optimizer=optimizer, scheduler=scheduler,
                                     dataloader=loader, train_state=state, log=log0)
+        agree_on_user_errors(checkpointer.take_folder)  # e.g. another run's s3:// lease
         if not checkpointer.load(agree_on_user_errors(checkpointer.step_to_load,
                                                       same_result=True)):
             agree_on_user_errors(load_initial, model, cfg, log=log0)  # initial_load_path

@@ -112,6 +112,7 @@ class Checkpointer:
         self.folder = StepFolder(self.cfg.folder, cfg.job.dump_folder)  # local, or s3:// gs://
         self.root = self.folder.root
         self.lease_timeout, self.store_lease = cfg.job.lease_timeout_seconds, None
+        self._taken = False  # take_folder done
         self.train_state, self.log = train_state, log
         self.states = {"model_optim": ModelAndOptimizer(model, optimizer),
                        "lr_scheduler": _Adapter(scheduler), "dataloader": _Adapter(dataloader),
@@ -136,16 +137,25 @@ class Checkpointer:
         return self.folder.path(step)
 
     # ----------------------------------------------------------------------------- load
+    def take_folder(self) -> None:
+        """The folder's client library and bucket checked, and (s3://) its lease taken by rank
+        0: no collective, so a refusal can be every rank's before step_to_load's collectives
+        (train.py agrees on it: the other ranks no longer fail as if rank 0 had died)."""
+        if not self.cfg.enable or self._taken:
+            return
+        storage.check_path(self.root, "checkpoint.folder")  # its client library is installed
+        storage.probe(self.root, "checkpoint.folder")  # the bucket is there and ours to use
+        if self.folder.url:  # one run per folder (store_lease.py)
+            self.store_lease = store_lease.take(self.root, self.lease_timeout, dist.get_rank(),
+                                                log=self.log)
+        self._taken = True
+
     def step_to_load(self) -> int | None:
         """`load_step`, or the newest intact committed step; None when there is nothing to
         resume. Collective: the ranks verify the files together and agree."""
         if not self.cfg.enable:
             return None
-        storage.check_path(self.root, "checkpoint.folder")  # its client library is installed
-        storage.probe(self.root, "checkpoint.folder")  # the bucket is there and ours to use
-        if self.folder.url and self.store_lease is None:  # one run per folder (store_lease.py)
-            self.store_lease = store_lease.take(self.root, self.lease_timeout, dist.get_rank(),
-                                                log=self.log)
+        self.take_folder()
         steps = self.committed_steps()
         step = self.cfg.load_step
         if step != -1 and step not in steps:

@@ -117,6 +117,11 @@ class JobConfig:
         check_ramp(self.training, per_pass, per_pass * accum)
         return pd, accum
 
+    def flat(self) -> dict[str, str]:
+        """{'section.key': its TOML value} of every key."""
+        return {f"{section}.{f.name}": toml_value(getattr(getattr(self, section), f.name))
+                for section in sections(self) for f in dataclasses.fields(getattr(self, section))}
+
     def to_toml(self) -> str:
         out = []
         for section in sections(self):

@@ -119,8 +119,12 @@ def open_hf_stream(cfg: DataConfig, split: str):
     name = cfg.dataset
     kwargs: dict = {"split": split, "streaming": True}
     if name in LOCAL_BUILDERS:
-        kwargs["data_files"] = resolve_data_files(cfg)
         where = ", ".join(cfg.data_files)
+        # 0-byte files hold no document (the json builder raises StopIteration on one)
+        kwargs["data_files"] = [f for f in resolve_data_files(cfg) if os.path.getsize(f)]
+        if not kwargs["data_files"]:
+            raise DataError(f"empty corpus: {where} (data.data_files): every file is empty "
+                            "(0 bytes)")
     else:
         where = name
         if cfg.data_files:

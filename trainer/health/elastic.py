@@ -70,3 +70,18 @@ def note_elastic_world(args) -> None:
     nnodes, nproc = str(args.nnodes), str(args.nproc_per_node)
     if ":" in nnodes and nproc.isdigit():
         os.environ[MAX_WORLD_ENV] = str(int(nnodes.split(":")[1]) * int(nproc))
+
+
+def rendezvous_failure(err: Exception, args) -> str:
+    """One line for a rendezvous that failed (torchrun's `args`): a node that never came (the
+    join timeout), or a closed rendezvous; torchrun would print its traceback."""
+    from torch.distributed.elastic.rendezvous.api import RendezvousTimeoutError
+
+    where = f"--rdzv_endpoint {args.rdzv_endpoint}, --rdzv_id {args.rdzv_id}"
+    if isinstance(err, RendezvousTimeoutError):
+        return (f"error: the rendezvous timed out ({where}): fewer than --nnodes "
+                f"{args.nnodes} nodes joined within its join_timeout (--rdzv-conf "
+                "join_timeout=SECONDS, default 600): start every node with the same endpoint "
+                "and id, and check that each can reach the endpoint")
+    return f"error: the rendezvous failed ({where}): {type(err).__name__}: {err}"
+
