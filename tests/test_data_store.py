@@ -144,6 +144,22 @@ def test_empty_corpus(json_cfg, tmp_path, content):
 
 
 @pytest.mark.needs_datasets
+def test_documents_without_text_are_counted_apart(json_cfg, tmp_path):
+    """A row with an empty, null or missing text field is stored as nothing: the manifest's
+    total_docs counts the documents it holds (it counted every row), skipped_docs the rest."""
+    rows = tmp_path / "rows.jsonl"
+    rows.write_text('{"text": "def f(x):\\n    return x"}\n{"text": ""}\n{"other": 1}\n'
+                    '{"text": null}\n{"text": "import os"}\n')
+    cfg = replace(json_cfg, data_files=[str(rows)])
+    m = prepare_store(cfg, cfg.tokenizer_path, str(tmp_path / "s"), workers=1,
+                      show_progress=False)
+    assert (m["total_docs"], m["skipped_docs"]) == (2, 3)
+    import numpy as np
+    stream = np.concatenate([np.asarray(x) for x in Store(str(tmp_path / "s")).maps])
+    assert (stream == 2).sum() == 2  # one EOS per stored document
+
+
+@pytest.mark.needs_datasets
 def test_model_vocab_mismatch(store_cfg, store_path):
     loader = build(store_cfg)
     assert loader.vocab_size == 512

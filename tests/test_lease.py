@@ -241,3 +241,32 @@ def test_two_runs_one_folder_a_killed_holder_and_a_refused_resume(tmp_path):
     assert refused.returncode == 2, refused.stderr[-3000:]
     assert "seed" in refused.stderr
     assert snapshot(folder) == before
+
+
+def test_a_run_whose_folder_another_run_took_stops_without_saving(tmp_path):
+    """A run frozen past the timeout, whose folder another run then took (its lease replaced):
+    at the next step end every rank stops, exit 2, with rank 0's one line naming the folder
+    and the new holder; nothing more is saved there (its retention would delete the other
+    run's checkpoints: it went on training and saving) and the lease stays the other run's."""
+    folder, gate = tmp_path / "run", tmp_path / "gate"
+    gate.touch()  # rank 0 sleeps 2 s after each step: the lease's beat (every 0.83 s) sees it
+    proc = start(folder, *RUN, "--job.lease_timeout_seconds", "5",
+                 env={"TRAINER_TEST_SLOW_RANK": f"0:2:{gate}"})
+    try:
+        wait_for_lease(folder, proc)
+        deadline = time.monotonic() + 120
+        while not (folder / "checkpoint" / "step-2").is_dir():  # committed (renamed in place)
+            assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()
+            time.sleep(0.05)
+        thief = plant(folder)
+        out, err = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    lines = [line for line in err.splitlines() if line.strip()]
+    assert proc.returncode == 2, err[-3000:]
+    assert lines[-1].startswith(f"checkpoint error: this run lost the lease on {folder} (now "
+                                f"held by {thief.job} on {thief.host} (pid {thief.pid})"), err
+    assert lines[-1].endswith("stopping without saving, the folder is the other run's now")
+    assert sorted(p.name for p in (folder / "checkpoint").iterdir()) == ["step-2"]
+    assert json.loads((folder / LEASE_FILE).read_text())["token"] == thief.token

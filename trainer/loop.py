@@ -11,10 +11,11 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from trainer.checkpoint import retry as store_retry
+from trainer.checkpoint import lease, retry as store_retry
 from trainer.checkpoint.checkpointer import Checkpointer
 from trainer.distributed import (log0, reduce_loss, reduce_mean, reduce_z_loss,
                                  set_collective_timeout, to_device)
+from trainer.errors import CheckpointError
 from trainer.evals.evaluator import log_evals
 from trainer.evals.validate import log_validation
 from trainer.health import heartbeat
@@ -63,7 +64,9 @@ class Loop:
         """The duties after a step, in order. The step-end agreement comes first: it is the
         step's one host sync, and it says whether the optimizer stepped (on the device)."""
         step = self.state.step
-        stop_now, async_done, avg_loss, r = self.agree_at_step_end(r)
+        stop_now, async_done, avg_loss, r, lost = self.agree_at_step_end(r)
+        if lost:  # another run took the folder over (this one was frozen past the timeout)
+            raise lease_lost(step)
         log_step = step % self.cfg.metrics.log_freq == 0 or last or step == self.first_step
         if step == self.first_step + 1:  # before the log resets the peaks
             self.memory_fit(step)
@@ -170,30 +173,30 @@ class Loop:
             log_evals(self.state.step, e.run(self.train_step.model), e.seconds, self.metrics,
                       log0)
 
-    def agree_at_step_end(self, r: StepResult) -> tuple[bool, bool, float, StepResult]:
+    def agree_at_step_end(self, r: StepResult) -> tuple[bool, bool, float, StepResult, bool]:
         """One tiny all-reduce per step, the step's one host sync: (any rank got a stop
         signal, every rank's async save in flight has finished writing, so it can be committed
         now rather than at the next save, the token-weighted mean loss for the spike detector,
-        the step with `stepped` read from the device). It also gathers every rank's step time
-        for the straggler watch (one slot per rank)."""
+        the step with `stepped` read from the device, another run took a lease of rank 0's).
+        It also gathers every rank's step time for the straggler watch (one slot per rank)."""
         heartbeat.phase("step_end")
         stepped = r.stepped
         host = torch.tensor([1.0 if self.stop.received else 0.0,
                              0.0 if self.checkpointer.write_finished() else 1.0,
-                             0.0, 0.0, *self.watch.slots()])
+                             0.0, 0.0, 1.0 if lease.lost() else 0.0, *self.watch.slots()])
         flags = to_device(host, self.device)
         flags[2] = r.loss_share.detach().float().reshape(())
         if isinstance(stepped, torch.Tensor):  # the same on every rank (a reduced norm)
             flags[3] = (~stepped).float().reshape(())
         dist.all_reduce(flags)  # SUM: counts of ranks for the flags, each rank's own time slot
-        stop_now, not_done, loss_sum, skipped, *times = flags.tolist()
+        stop_now, not_done, loss_sum, skipped, lost, *times = flags.tolist()
         self.watch.update(self.state.step, times)
         if isinstance(stepped, torch.Tensor):
             r = r._replace(stepped=skipped == 0)
         # every dp rank's share once per model-parallel rank (tp) that holds it
         replicas = dist.get_world_size() // dist.get_world_size(self.dp_group)
         return (stop_now > 0, self.checkpointer.pending is not None and not_done == 0,
-                loss_sum / replicas, r)
+                loss_sum / replicas, r, lost > 0)
 
     def stop_and_save(self, saved: bool) -> None:
         """Save at this step boundary (unless the periodic save just did) and raise Preempted."""
@@ -205,3 +208,15 @@ class Loop:
             self.checkpointer.save(step)
         self.checkpointer.wait()
         raise Preempted(f"stopped at step {step} on a signal")
+
+
+def lease_lost(step: int) -> CheckpointError:
+    """Every rank's error after another run took this one's folder (rank 0 prints it): no
+    save into a folder that is not this run's any more, where its checkpoint retention
+    would delete the other run's."""
+    error = CheckpointError(f"this run lost the lease on {lease.lost() or 'its folder'} at "
+                            f"step {step}: stopping without saving, the folder is the other "
+                            "run's now")
+    error.agreed = True
+    return error
+

@@ -285,6 +285,7 @@ class Lease:
         if current != "partial" and (current is None or current.token != self.me.token):
             self.lost = True
             who = current.describe() if isinstance(current, Holder) else "nobody"
+            self.lost_to = f"{self.folder} (now held by {who})"
             self.log(f"warning: this run lost the lease on {self.folder} (now held by {who}); "
                      "another run may be writing there")
             return
@@ -317,6 +318,15 @@ def take(folder: str, timeout: float, rank: int, log=print) -> Lease | None:
     lease.acquire()
     lease.start()
     return lease
+
+
+def lost() -> str | None:
+    """Which of this process's leases another run took (the folder and the new holder), or
+    None: the training loop stops without saving into a folder that is no longer its own."""
+    for held in (_held["lease"], *_held["others"]):
+        if held is not None and getattr(held, "lost", False):
+            return held.lost_to
+    return None
 
 
 def hold(other) -> None:

@@ -109,6 +109,8 @@ class StoreLease:
                 self.etag = self._put(IfMatch=self.etag)
             except Exception as e:  # noqa: BLE001 - a lost lease, or the store unreachable
                 if _conflict(e):
+                    self.lost_to = f"{self.url} (another run took it over)"
+                    self.lost = True
                     self.log(f"warning: this run lost the lease on {self.url} (another run took "
                              "it over); another run may be writing there")
                     return

@@ -119,10 +119,13 @@ def _work(job: dict, report: Callable[[int, int], None]) -> None:
                 pending.append(np.asarray(next(ids), dtype=np.int64))
                 pending_tokens += len(pending[-1])
                 n_tokens += len(pending[-1])
-            pending_docs, docs_end = pending_docs + 1, docs_end + 1
+                pending_docs += 1
+            else:  # no text: nothing stored, counted apart (the manifest's skipped_docs)
+                journal["skipped"] = journal.get("skipped", 0) + 1
+            docs_end += 1
             if pending_tokens >= job["shard_tokens"]:
                 flush()
-        report(len(batch), n_tokens)
+        report(len(nonempty), n_tokens)
     if pending_tokens:
         flush()
     journal["done"] = True
@@ -264,7 +267,10 @@ def prepare_store(cfg: DataConfig, tokenizer_path: str, store_path: str, workers
                  "dtype": plan["dtype"], "shard_tokens": shard_tokens} for w in range(workers)]
         _run_workers(jobs, report)
         manifest = _finish(out, plan, workers)
-    progress.done(f"{manifest['total_docs']:,} docs, {manifest['total_tokens']:,} tokens "
+    skipped = manifest.get("skipped_docs", 0)
+    progress.done(f"{manifest['total_docs']:,} docs"
+                  + (f" ({skipped:,} more without text, skipped)" if skipped else "")
+                  + f", {manifest['total_tokens']:,} tokens "
                   f"({rate(counts['tokens'], progress.elapsed())} tok/s this run)"
                   + (" (resumed)" if state == "resume" else ""))
     return manifest
@@ -272,18 +278,19 @@ def prepare_store(cfg: DataConfig, tokenizer_path: str, store_path: str, workers
 
 def _finish(out: Path, plan: dict, workers: int) -> dict:
     """Collect the workers' journals into the manifest, written last and atomically."""
-    shards = []
+    shards, skipped = [], 0
     for w in range(workers):
         journal = _load_journal(out, w)
         assert journal["done"], f"worker {w} did not finish"
         shards += [{k: s[k] for k in ("file", "tokens", "docs", "blake2b")}
                    for s in journal["shards"]]
+        skipped += journal.get("skipped", 0)
     total = sum(s["tokens"] for s in shards)
     if total == 0:
         raise DataError(f"empty corpus: {_source_name(plan['source'])} produced no tokens "
                         f"(store {out})")
     manifest = {**plan, "shards": shards, "total_tokens": total,
-                "total_docs": sum(s["docs"] for s in shards),
+                "total_docs": sum(s["docs"] for s in shards), "skipped_docs": skipped,
                 "created": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
     write_json_atomic(out / MANIFEST, manifest)
     shutil.rmtree(out / "progress", ignore_errors=True)
