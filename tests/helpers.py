@@ -257,7 +257,7 @@ def torchrun(script: Path | str, *args: str, nproc: int = 2, timeout: float = 30
                "--nproc_per_node", str(nproc), "--rdzv_backend", "c10d",
                "--rdzv_endpoint", "localhost:0", str(script), *args]
     start, cpu = time.monotonic(), children_cpu()
-    proc = subprocess.run(cmd, env=run_env, capture_output=True, text=True, timeout=timeout)
+    proc = run_or_dump_stacks(cmd, run_env, timeout)  # a hung probe says where (LaunchTimeout)
     log_launch(f"torchrun {Path(script).name}", nproc, time.monotonic() - start, proc.stdout, cpu)
     if proc.returncode != 0:
         raise AssertionError(f"torchrun {script} exited {proc.returncode}\n--- stdout\n"

@@ -171,3 +171,36 @@ def test_check_shows_the_checkpointing_for_the_slurm_script(capsys, tmp_path):
     assert capsys.readouterr().out.splitlines()[1:] == ["True", dump]
     assert main(base) == 0
     assert capsys.readouterr().out == "2\n"
+
+
+def test_the_ranks_configs_are_compared_and_a_difference_named(monkeypatch):
+    """check_same_config as rank 0 sees a 2-rank gather: rank 1 launched with another
+    seq_len, or by a trainer version with a key this one lacks (was a KeyError traceback)."""
+    import trainer.distributed as d
+
+    cfg = load_config([])
+
+    def as_rank0(rank1: dict):
+        calls = []
+
+        def gather(out, obj):
+            calls.append(obj)
+            out[:] = [obj, "another digest" if isinstance(obj, str) else rank1]
+        monkeypatch.setattr(d.dist, "get_world_size", lambda *a: 2)
+        monkeypatch.setattr(d.dist, "all_gather_object", gather)
+        with pytest.raises(ConfigError) as e:
+            d.check_same_config(cfg)
+        assert e.value.agreed and len(calls) == 2
+        return e.value.one_line()
+
+    theirs = {k: v for k, v in load_config(["--training.seq_len", "64"]).flat().items()
+              if k not in d.LOCAL_KEYS}
+    assert as_rank0(theirs) == (
+        f"config error: the ranks run different configs: rank 1 has training.seq_len = 64 "
+        f"where rank 0 has {cfg.training.seq_len}; launch every node with the same config "
+        "file and overrides")
+    newer = {**{k: v for k, v in cfg.flat().items() if k not in d.LOCAL_KEYS}, "a.new_key": "1"}
+    assert "rank 1 has a.new_key = 1 where rank 0 has (no such key)" in as_rank0(newer)
+    monkeypatch.setattr(d.dist, "all_gather_object", lambda out, obj: out.__setitem__(
+        slice(None), [obj, obj]))
+    d.check_same_config(cfg)  # the same everywhere: nothing

@@ -148,6 +148,6 @@ def test_a_node_that_never_comes_is_one_line(tmp_path):
         capture_output=True, text=True, timeout=120)
     assert proc.returncode == 1 and proc.stderr.strip() == (
         f"error: the rendezvous timed out (--rdzv_endpoint 127.0.0.1:{port}, --rdzv_id alone): "
-        "fewer than --nnodes 2 nodes joined within its join_timeout (--rdzv-conf "
+        "too few nodes for --nnodes 2 joined within its join_timeout (--rdzv-conf "
         "join_timeout=SECONDS, default 600): start every node with the same endpoint and id, "
         "and check that each can reach the endpoint"), proc.stderr

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 import time
@@ -183,9 +184,12 @@ def test_a_live_run_holding_the_bucket_folder_keeps_another_out(s3, on_s3, tmp_p
     alike (rank 1 used to fail as if rank 0 had died, and record it in failures.jsonl)."""
     env, client = s3
     client.put_object(Bucket="ckpt", Key="run2/lease.json", Body=lease_record())
-    for name in on_s3[2]["step-3"]:  # a committed step: the ranks would verify it together
-        client.copy_object(Bucket="ckpt", Key=f"run2/step-3/{name}",
-                           CopySource={"Bucket": "ckpt", "Key": f"run1/step-3/{name}"})
+    now = bucket(client)  # the bucket as the module's earlier tests left it
+    step = max((f for f in now if re.fullmatch(r"step-\d+", f) and "manifest.json" in now[f]),
+               key=lambda f: int(f.split("-")[1]))
+    for name in now[step]:  # a committed step: the ranks would verify it together
+        client.copy_object(Bucket="ckpt", Key=f"run2/{step}/{name}",
+                           CopySource={"Bucket": "ckpt", "Key": f"run1/{step}/{name}"})
     proc = run_train(tmp_path / "run", *BASE_FP32, "--checkpoint.enable", "true",
                      "--checkpoint.folder", "s3://ckpt/run2", "--training.steps", "1",
                      nproc=2, env=env, check=False)
@@ -211,7 +215,10 @@ def test_store_lease_takes_over_a_stale_one_and_releases(s3):
     assert "taking over the lease of slurm 1 on elsewhere" in said[0] and "no heartbeat" in said[0]
     held = json.loads(client.get_object(Bucket="ckpt", Key="run3/lease.json")["Body"].read())
     assert held["token"] == mine.me.token
+    mine._put()  # a refresh that landed, its answer lost (the retry is refused: a stale ETag)
+    assert mine.refresh() and mine.refresh() and not getattr(mine, "lost", False)
     client.put_object(Bucket="ckpt", Key="run3/lease.json", Body=lease_record())  # taken over
+    assert not mine.refresh() and mine.lost_to == "s3://ckpt/run3 (another run took it over)"
     mine.release()  # not ours any more: stays
     assert json.loads(client.get_object(Bucket="ckpt", Key="run3/lease.json")["Body"].read()
                       )["token"] == "theirs"

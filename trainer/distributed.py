@@ -84,10 +84,12 @@ def check_same_config(cfg) -> None:
     configs = [None] * dist.get_world_size()
     dist.all_gather_object(configs, mine)
     rank = next(r for r, d in enumerate(digests) if d != digests[0])
-    keys = [k for k in configs[0] if configs[rank].get(k) != configs[0][k]]
+    theirs, ours = configs[rank], configs[0]  # a key only one has: another trainer version
+    keys = [k for k in sorted(theirs.keys() | ours.keys()) if theirs.get(k) != ours.get(k)]
     error = ConfigError(
-        f"the ranks run different configs: rank {rank} has {keys[0]} = {configs[rank][keys[0]]} "
-        f"where rank 0 has {configs[0][keys[0]]}"
+        f"the ranks run different configs: rank {rank} has {keys[0]} = "
+        f"{theirs.get(keys[0], '(no such key)')} where rank 0 has "
+        f"{ours.get(keys[0], '(no such key)')}"
         + (f" (and {', '.join(keys[1:])})" if keys[1:] else "")
         + "; launch every node with the same config file and overrides")
     error.agreed = True  # every rank raises it: rank 0 reports it

@@ -46,7 +46,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.stateful import Stateful
 
-from trainer.checkpoint import integrity, retry, safe_load, storage, store_lease
+from trainer.checkpoint import integrity, lease, retry, safe_load, storage, store_lease
 from trainer.checkpoint.optim_state import ModelAndOptimizer, changed_line, saved_grouped
 from trainer.checkpoint.steps import StepFolder, abandoned_suffix
 from trainer.health import faults
@@ -375,6 +375,8 @@ class Checkpointer:
         if outcome[0] is None and rank == 0:
             try:
                 files = {k: v for _, f in seen for k, v in f.items()}
+                if lease.lost():  # taken since the step end: no install nor prune there
+                    raise OSError(f"this run lost the lease on {lease.lost()}")
                 self._move_aside_abandoned(step)
                 integrity.write_manifest(partial, step, self.fingerprint,  # a store's commit
                                          {**integrity.unrecorded(partial, files), **files})

@@ -156,7 +156,7 @@ class Lease:
         self.me = new_holder()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
-        self.lost = False
+        self.lost, self.lost_to = False, None
 
     # -------------------------------------------------------------------------- taking it
 
@@ -283,9 +283,9 @@ class Lease:
         if current is None and self._create():  # removed by hand: ours again
             return
         if current != "partial" and (current is None or current.token != self.me.token):
-            self.lost = True
             who = current.describe() if isinstance(current, Holder) else "nobody"
             self.lost_to = f"{self.folder} (now held by {who})"
+            self.lost = True  # after lost_to: the loop reads both (lost())
             self.log(f"warning: this run lost the lease on {self.folder} (now held by {who}); "
                      "another run may be writing there")
             return

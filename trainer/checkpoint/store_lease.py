@@ -104,17 +104,37 @@ class StoreLease:
 
     def _beat(self) -> None:
         while not self._stop.wait(max(0.5, self.timeout / 6)):
-            self.me.heartbeat = time.time()
-            try:
-                self.etag = self._put(IfMatch=self.etag)
-            except Exception as e:  # noqa: BLE001 - a lost lease, or the store unreachable
-                if _conflict(e):
-                    self.lost_to = f"{self.url} (another run took it over)"
-                    self.lost = True
-                    self.log(f"warning: this run lost the lease on {self.url} (another run took "
-                             "it over); another run may be writing there")
-                    return
+            if not self.refresh():
+                return
+
+    def refresh(self) -> bool:
+        """One heartbeat; False once another run holds the lease."""
+        self.me.heartbeat = time.time()
+        try:
+            self.etag = self._put(IfMatch=self.etag)
+        except Exception as e:  # noqa: BLE001 - a lost lease, or the store unreachable
+            if not _conflict(e):
                 self.log(f"warning: could not refresh {self.url}/{LEASE_FILE}: {e}")
+            elif not self._still_ours():
+                self.lost_to = f"{self.url} (another run took it over)"
+                self.lost = True  # after lost_to: the loop reads both (lease.lost)
+                self.log(f"warning: this run lost the lease on {self.url} (another run took "
+                         "it over); another run may be writing there")
+                return False
+        return True
+
+    def _still_ours(self) -> bool:
+        """After a refused refresh: whether the lease still holds our token (a retried PUT
+        whose first try landed, its answer lost, is refused against the ETag it replaced):
+        then its current ETag is ours to refresh against."""
+        try:
+            holder, etag = self._read()
+        except Exception:  # noqa: BLE001 - unreachable now: judged again at the next beat
+            return True
+        if isinstance(holder, Holder) and holder.token == self.me.token:
+            self.etag = etag
+            return True
+        return False
 
     def release(self) -> None:
         """Stop refreshing and delete the lease if it is still ours."""

@@ -77,6 +77,8 @@ def _load_journal(out: Path, w: int) -> dict:
             journal["done"] = False
             break
         kept.append(s)
+    if not journal["done"]:  # the documents after the last intact shard are read again
+        journal["skipped"] = kept[-1].get("skipped_end", 0) if kept else 0
     journal["shards"] = kept
     journal["docs_end"] = kept[-1]["docs_end"] if kept else 0
     return journal
@@ -105,7 +107,8 @@ def _work(job: dict, report: Callable[[int, int], None]) -> None:
             os.fsync(f.fileno())
         os.replace(tmp, out / name)
         journal["shards"].append({"file": name, "tokens": pending_tokens, "docs": pending_docs,
-                                  "docs_end": docs_end, "blake2b": file_blake2b(out / name)})
+                                  "docs_end": docs_end, "skipped_end": journal.get("skipped", 0),
+                                  "blake2b": file_blake2b(out / name)})
         write_json_atomic(out / "progress" / f"worker_{w:03d}.json", journal)
         pending, pending_tokens, pending_docs = [], 0, 0
 
