@@ -153,6 +153,16 @@ def test_cli_config_errors_are_one_line(capsys):
     code, _, err = run_cli(capsys, "--ngpu", "3",  # global batch 8 does not split 3 ways
                            "--training.global_batch_size", "8")
     assert code == 2 and err.startswith("config error: training.global_batch_size")
+    # the plan's own flags: out of range (0 GiB was taken as "not given"), or argparse's
+    for flags, line in ((["--gpu-mem-gib", "0"], "--gpu-mem-gib = 0 is out of range"),
+                        (["--mfu", "2"], "--mfu = 2 is out of range: it must be > 0 and <= 1"),
+                        (["--host-gib", "-1"], "--host-gib = -1 is out of range"),
+                        (["--gpu", "v100"], "python -m trainer.plan: argument --gpu: invalid")):
+        try:
+            code, _, err = run_cli(capsys, "--ngpu", "2", *flags)
+        except SystemExit as e:  # argparse's error, one line
+            code, err = e.code, capsys.readouterr().err
+        assert code == 2 and err.count("\n") == 1 and err.startswith(f"config error: {line}")
 
 
 def test_hsdp_shards_over_dp_shard_only():

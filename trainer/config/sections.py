@@ -54,8 +54,8 @@ class Optimizer:
                     "with the keys below for embeddings, head and norms)",
                     choices=("AdamW", "Adam", "Muon"))
     lr: float = opt(8e-4, "Peak learning rate", min=0.0)
-    beta1: float = opt(0.9, "Adam beta1, in [0, 1)", min=0.0, max=1.0)
-    beta2: float = opt(0.95, "Adam beta2, in [0, 1)", min=0.0, max=1.0)
+    beta1: float = opt(0.9, "Adam beta1, in [0, 1)", min=0.0)  # < 1: validate
+    beta2: float = opt(0.95, "Adam beta2, in [0, 1)", min=0.0)  # < 1: validate
     eps: float = opt(1e-8, "Adam epsilon", min=0.0)
     weight_decay: float = opt(0.1, "Decoupled weight decay", min=0.0)
     implementation: str = opt("auto", "Kernel: auto (fused: skips a non-finite step on the "

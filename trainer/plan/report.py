@@ -153,18 +153,25 @@ def throughput_report(cfg: JobConfig, gpu: Gpu, mfu: float, accum: int) -> list[
             f"{step_s:.3g} s per optimizer step)"]
 
 
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str):  # one line, as every other user error (not the usage)
+        print(f"config error: python -m trainer.plan: {message} (--help lists the flags)",
+              file=sys.stderr, flush=True)
+        raise SystemExit(2)
+
+
 def parse_args(argv: list[str]):
     """Our flags; every other argument is a config override (`--section.key value`)."""
-    ap = argparse.ArgumentParser(prog="python -m trainer.plan", allow_abbrev=False,
-                                 description="Per-device memory plan and a fits/does-not-fit "
-                                             "verdict; other arguments are config overrides.")
+    ap = _Parser(prog="python -m trainer.plan", allow_abbrev=False,
+                 description="Per-device memory plan and a fits/does-not-fit verdict; other "
+                             "arguments are config overrides.")
     ap.add_argument("--config", required=True, help="TOML config file")
     ap.add_argument("--ngpu", type=int, required=True, help="GPUs per node")
     ap.add_argument("--nnodes", type=int, default=1, help="nodes (world = ngpu * nnodes)")
     ap.add_argument("--gpu", default="h100", choices=sorted(GPUS), help="GPU model")
-    ap.add_argument("--gpu-mem-gib", type=float, default=0.0, help="override the GPU's memory")
+    ap.add_argument("--gpu-mem-gib", type=float, help="override the GPU's memory (GiB)")
     ap.add_argument("--mfu", type=float, default=0.40, help="assumed MFU for tokens/s")
-    ap.add_argument("--host-gib", type=float, default=0.0,
+    ap.add_argument("--host-gib", type=float,
                     help="host RAM per node (default: this machine's MemTotal)")
     ap.add_argument("--json", action="store_true",
                     help="print the whole report (the plan, and the trace with --trace) as one "
@@ -221,6 +228,12 @@ def _run(args, overrides: list[str]) -> tuple[int, str | None]:
     try:
         if args.ngpu < 1 or args.nnodes < 1:
             raise ConfigError(f"--ngpu ({args.ngpu}) and --nnodes ({args.nnodes}) must be >= 1")
+        for flag, value in (("--gpu-mem-gib", args.gpu_mem_gib), ("--host-gib", args.host_gib),
+                            ("--mfu", args.mfu)):
+            if value is not None and not (0 < value and (flag != "--mfu" or value <= 1)):
+                raise ConfigError(f"{flag} = {value:g} is out of range: it must be > 0"
+                                  + (" and <= 1 (a fraction of the peak)" if flag == "--mfu"
+                                     else " (GiB)"))
         cfg = load_config(["--job.config_file", args.config, *overrides])
         world = args.ngpu * args.nnodes
         os.environ["LOCAL_WORLD_SIZE"] = str(args.ngpu)  # a node's ranks, as torchrun says
@@ -232,7 +245,7 @@ def _run(args, overrides: list[str]) -> tuple[int, str | None]:
         return e.exit_code, None
     gpu = GPUS[args.gpu]
     mem_gib = args.gpu_mem_gib or gpu.memory_gib
-    host = (args.ngpu, *host_ram_gib(args.host_gib))
+    host = (args.ngpu, *host_ram_gib(args.host_gib or 0.0))
     best = largest_local_batch(cfg, world, mem_gib)
     fixed = cfg.training.global_batch_size != -1
     if args.json:
