@@ -67,18 +67,22 @@ def test_data_error_inside_the_ranks_is_one_line(tmp_path):
                      "(data.store_path)"], proc.stderr
 
 
-def test_sigterm_while_the_rendezvous_waits(tmp_path):
-    """A launch whose rendezvous never completes (the second node never comes) ends within
-    5 s of a SIGTERM, before any rank exists, with exit code 3; its store listens on loopback."""
+def lone_node(tmp_path, host: str, *options: str) -> list[str]:
+    """The launcher of node 1 of 2 (the other never comes), its rendezvous on a free port."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "trainer.launch", "--nnodes", "2", "--nproc_per_node", "1",
-         "--rdzv_backend", "c10d", "--rdzv_endpoint", f"localhost:{port}", "--rdzv_id", "t",
-         "-m", "trainer.train", "--training.device", "cpu", "--job.dump_folder",
-         str(tmp_path / "out")], cwd=REPO, env=subprocess_env(), stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE, text=True)
+    return [sys.executable, "-m", "trainer.launch", "--nnodes", "2", "--nproc_per_node", "1",
+            "--rdzv_backend", "c10d", "--rdzv_endpoint", f"{host}:{port}", "--rdzv_id", "t",
+            *options, "-m", "trainer.train", "--training.device", "cpu", "--job.dump_folder",
+            str(tmp_path / "out")]
+
+
+def test_sigterm_while_the_rendezvous_waits(tmp_path):
+    """A launch whose rendezvous never completes (the second node never comes) ends within
+    5 s of a SIGTERM, before any rank exists, with exit code 3; its store listens on loopback."""
+    proc = subprocess.Popen(lone_node(tmp_path, "localhost"), cwd=REPO, env=subprocess_env(),
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         deadline = time.monotonic() + 60
         while not listening_addresses([proc.pid]) and time.monotonic() < deadline:
@@ -137,17 +141,12 @@ def test_a_stop_while_the_launcher_imports_is_one_line(tmp_path, signum):
 def test_a_node_that_never_comes_is_one_line(tmp_path):
     """--nnodes 2 and only this node: after the join timeout, one line naming the endpoint,
     id and timeout key, exit 1 (was torchrun's RendezvousTimeoutError traceback)."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    proc = subprocess.run(
-        [sys.executable, "-m", "trainer.launch", "--nnodes", "2", "--nproc_per_node", "1",
-         "--rdzv_backend", "c10d", "--rdzv_endpoint", f"127.0.0.1:{port}", "--rdzv_id", "alone",
-         "--rdzv-conf", "join_timeout=2", "-m", "trainer.train", "--training.device", "cpu",
-         "--job.dump_folder", str(tmp_path / "out")], cwd=REPO, env=subprocess_env(),
-        capture_output=True, text=True, timeout=120)
+    cmd = lone_node(tmp_path, "127.0.0.1", "--rdzv-conf", "join_timeout=2")
+    port = cmd[cmd.index("--rdzv_endpoint") + 1].rsplit(":", 1)[1]
+    proc = subprocess.run(cmd, cwd=REPO, env=subprocess_env(), capture_output=True, text=True,
+                          timeout=120)
     assert proc.returncode == 1 and proc.stderr.strip() == (
-        f"error: the rendezvous timed out (--rdzv_endpoint 127.0.0.1:{port}, --rdzv_id alone): "
+        f"error: the rendezvous timed out (--rdzv_endpoint 127.0.0.1:{port}, --rdzv_id t): "
         "too few nodes for --nnodes 2 joined within its join_timeout (--rdzv-conf "
         "join_timeout=SECONDS, default 600): start every node with the same endpoint and id, "
         "and check that each can reach the endpoint"), proc.stderr
