@@ -219,4 +219,3 @@ def lease_lost(step: int) -> CheckpointError:
                             "run's now")
     error.agreed = True
     return error
-

@@ -375,8 +375,8 @@ class Checkpointer:
         if outcome[0] is None and rank == 0:
             try:
                 files = {k: v for _, f in seen for k, v in f.items()}
-                if lease.lost():  # taken since the step end: no install nor prune there
-                    raise OSError(f"this run lost the lease on {lease.lost()}")
+                if taken := lease.lost():  # since the step end: no install nor prune there
+                    raise OSError(f"this run lost the lease on {taken}")
                 self._move_aside_abandoned(step)
                 integrity.write_manifest(partial, step, self.fingerprint,  # a store's commit
                                          {**integrity.unrecorded(partial, files), **files})

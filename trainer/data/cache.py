@@ -53,13 +53,13 @@ def ensure_stdlib(cfg: DataConfig, workers: int | None = None,
         return built       # "waiting for another process" line while the ranks take turns)
     with file_lock(base / ".lock", f"waiting for another process to build the stdlib "
                                    f"tokenizer/store in {base}"):
-        tok_path = cfg.tokenizer_path or str(base / f"tokenizer-bpe{cfg.vocab_size}.model")
+        tok_path = _tokenizer_path(cfg, base)
         if cfg.tokenizer_path:
             if not os.path.isfile(tok_path):
                 raise DataError(f"tokenizer not found: {tok_path} (data.tokenizer_path)")
         elif not os.path.isfile(tok_path):
             _train_stdlib_tokenizer(cfg, tok_path, show_progress)
-        store = cfg.store_path or str(base / f"store-{file_sha256(tok_path)[:12]}")
+        store = _store_path(cfg, base, tok_path)
         if not os.path.isfile(os.path.join(store, MANIFEST)):
             _prepare_stdlib_store(cfg, tok_path, store, workers or cfg.prepare_workers,
                                   show_progress)
@@ -70,11 +70,20 @@ def _built_stdlib(cfg: DataConfig, base) -> tuple[str, str] | None:
     """(tokenizer, store) when both are built, else None. Safe without the lock: a store is
     named by its tokenizer's hash and exists only once finished (renamed into place), so a
     tokenizer being written hashes to no finished store."""
-    tok_path = cfg.tokenizer_path or str(base / f"tokenizer-bpe{cfg.vocab_size}.model")
+    tok_path = _tokenizer_path(cfg, base)
     if not os.path.isfile(tok_path):
         return None
-    store = cfg.store_path or str(base / f"store-{file_sha256(tok_path)[:12]}")
+    store = _store_path(cfg, base, tok_path)
     return (tok_path, store) if os.path.isfile(os.path.join(store, MANIFEST)) else None
+
+
+def _tokenizer_path(cfg: DataConfig, base) -> str:
+    return cfg.tokenizer_path or str(base / f"tokenizer-bpe{cfg.vocab_size}.model")
+
+
+def _store_path(cfg: DataConfig, base, tok_path: str) -> str:
+    """The store of a tokenizer: named by its hash (a new tokenizer, a new store)."""
+    return cfg.store_path or str(base / f"store-{file_sha256(tok_path)[:12]}")
 
 
 def _train_stdlib_tokenizer(cfg: DataConfig, out: str, show_progress: bool) -> None:

@@ -77,8 +77,9 @@ def _load_journal(out: Path, w: int) -> dict:
             journal["done"] = False
             break
         kept.append(s)
-    if not journal["done"]:  # the documents after the last intact shard are read again
-        journal["skipped"] = kept[-1].get("skipped_end", 0) if kept else 0
+    # documents without text so far; after the last intact shard they are read again
+    journal["skipped"] = journal.get("skipped", 0) if journal["done"] else (
+        kept[-1].get("skipped_end", 0) if kept else 0)
     journal["shards"] = kept
     journal["docs_end"] = kept[-1]["docs_end"] if kept else 0
     return journal
@@ -107,7 +108,7 @@ def _work(job: dict, report: Callable[[int, int], None]) -> None:
             os.fsync(f.fileno())
         os.replace(tmp, out / name)
         journal["shards"].append({"file": name, "tokens": pending_tokens, "docs": pending_docs,
-                                  "docs_end": docs_end, "skipped_end": journal.get("skipped", 0),
+                                  "docs_end": docs_end, "skipped_end": journal["skipped"],
                                   "blake2b": file_blake2b(out / name)})
         write_json_atomic(out / "progress" / f"worker_{w:03d}.json", journal)
         pending, pending_tokens, pending_docs = [], 0, 0
@@ -124,7 +125,7 @@ def _work(job: dict, report: Callable[[int, int], None]) -> None:
                 n_tokens += len(pending[-1])
                 pending_docs += 1
             else:  # no text: nothing stored, counted apart (the manifest's skipped_docs)
-                journal["skipped"] = journal.get("skipped", 0) + 1
+                journal["skipped"] += 1
             docs_end += 1
             if pending_tokens >= job["shard_tokens"]:
                 flush()
@@ -287,7 +288,7 @@ def _finish(out: Path, plan: dict, workers: int) -> dict:
         assert journal["done"], f"worker {w} did not finish"
         shards += [{k: s[k] for k in ("file", "tokens", "docs", "blake2b")}
                    for s in journal["shards"]]
-        skipped += journal.get("skipped", 0)
+        skipped += journal["skipped"]
     total = sum(s["tokens"] for s in shards)
     if total == 0:
         raise DataError(f"empty corpus: {_source_name(plan['source'])} produced no tokens "

@@ -84,4 +84,3 @@ def rendezvous_failure(err: Exception, args) -> str:
                 "join_timeout=SECONDS, default 600): start every node with the same endpoint "
                 "and id, and check that each can reach the endpoint")
     return f"error: the rendezvous failed ({where}): {type(err).__name__}: {err}"
-

@@ -21,8 +21,8 @@ f * lr (with K = 0 no step decays). The
 config requires W + K <= T when decay_steps or decay_ratio is set.
 
 Changing the schedule at a resume: a checkpoint restores only the schedule's position (the
-step). The formula, optimizer.lr and muon_lr are the resumed run's config, and the first step after a
-resume from step N trains at `optimizer.lr * factor(N + 1)` of that config (the checkpoint's
+step). The formula, optimizer.lr and muon_lr are the resumed run's config, and the first step
+after a resume from step N trains at `optimizer.lr * factor(N + 1)` of that config (the checkpoint's
 next lr is printed next to it when the two differ). Hence:
 
 - With an explicit decay_steps, factor(s) depends only on (s, W, K, T) and the stable phase

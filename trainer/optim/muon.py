@@ -197,6 +197,11 @@ def _commit(target: torch.Tensor, new: torch.Tensor, found_inf: torch.Tensor | N
         target.copy_(torch.where(found_inf.to(torch.bool), target, new))
 
 
+def muon_peak_lr(cfg) -> float:
+    """The matrices' peak lr under the `[optimizer]` config: muon_lr, or lr at -1."""
+    return cfg.muon_lr if cfg.muon_lr > 0 else cfg.lr
+
+
 def build_muon(model: torch.nn.Module, cfg, adamw_cls, **adamw_kwargs) -> Muon:
     """Muon over the blocks' matrices, `adamw_cls(**adamw_kwargs)` over the rest."""
     muon, names, rest = [], [], []
@@ -207,7 +212,7 @@ def build_muon(model: torch.nn.Module, cfg, adamw_cls, **adamw_kwargs) -> Muon:
         else:
             rest.append(p)
     adamw = adamw_cls(rest, **adamw_kwargs) if rest else None  # a stage of blocks only
-    lr = cfg.muon_lr if cfg.muon_lr > 0 else cfg.lr
+    lr = muon_peak_lr(cfg)
     return Muon(muon, adamw, lr=lr, weight_decay=cfg.weight_decay,
                 momentum=cfg.muon_momentum, nesterov=cfg.muon_nesterov,
                 ns_steps=cfg.muon_ns_steps, lr_adjust=cfg.muon_lr_adjust,

@@ -15,7 +15,7 @@ from torch.distributed.tensor import DTensor
 from torch.optim.lr_scheduler import LambdaLR
 
 from trainer.optim.lr_schedule import decay_steps, lr_factor
-from trainer.optim.muon import build_muon
+from trainer.optim.muon import build_muon, muon_peak_lr
 
 
 def implementation(name: str) -> str:
@@ -160,7 +160,7 @@ def lr_peaks(cfg) -> dict[str, float]:
     optimizer.lr's ('lr') and, under Muon, the matrices' ('muon': muon_lr, or lr at -1)."""
     if cfg.name != "Muon":
         return {"lr": cfg.lr}
-    return {"lr": cfg.lr, "muon": cfg.muon_lr if cfg.muon_lr > 0 else cfg.lr}
+    return {"lr": cfg.lr, "muon": muon_peak_lr(cfg)}
 
 
 def group_lrs(optimizer: torch.optim.Optimizer) -> tuple[float, float | None]:
