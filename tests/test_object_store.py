@@ -116,8 +116,8 @@ def whole_state(path: str) -> dict:
 def test_resume_on_one_rank_from_s3(s3, local, on_s3):
     """Step 3 loads on 1 rank as it did on 2 (the same weights, gathered), and the whole
     state read on one process from the bucket is the local folder's, optimizer included; the
-    save of step 4 sets the later step-6 aside (a branch point) and keep_latest_k = 1 deletes
-    step-3."""
+    save of step 4 sets the later step-6 aside (a branch point: its manifest renamed, its data
+    left in place, nothing copied) and keep_latest_k = 1 deletes step-3."""
     import torch
 
     env, client = s3
@@ -132,8 +132,11 @@ def test_resume_on_one_rank_from_s3(s3, local, on_s3):
     assert digest and digest == [line.split()[-1] for line in two_ranks.splitlines()
                                  if "loaded weights digest" in line]
     after = bucket(client)
-    assert "step-4" in after and "step-3" not in after and "step-6" not in after
-    assert any(name.startswith("step-6.abandoned-") for name in after), after
+    assert "step-4" in after and "step-3" not in after and "manifest.json" in after["step-4"]
+    marker = [n for n in after["step-6"] if n.startswith("manifest.abandoned-")]
+    assert len(marker) == 1 and "manifest.json" not in after["step-6"], after
+    assert after["step-6"] - set(marker) == on_s3[3]["step-6"] - {"manifest.json"}  # in place
+    assert set(after) == {"step-4", "step-6"}, after
 
 
 def test_missing_bucket_is_one_line(s3, tmp_path):
@@ -230,8 +233,9 @@ def test_store_lease_takes_over_a_stale_one_and_releases(s3):
 
 
 def test_rollback_resaves_its_step_in_the_bucket(s3, tmp_path):
-    """A loss spike at step 6 reloads step-4 from the bucket and saves it again (set aside as
-    step-4.superseded while the new one is written, then deleted); the save of step 8 fails
+    """A loss spike at step 6 reloads step-4 from the bucket and saves it again to a fresh
+    prefix, step-4.2 (the old step-4 set aside by renaming its manifest, no data copied, and
+    deleted once the new one is committed); the save of step 8 fails
     (an injected I/O error) and the run ends with step-6 the latest (on_save_error)."""
     env, client = s3
     out = run_train(tmp_path / "run", *BASE_FP32, "--checkpoint.enable", "true",
@@ -247,8 +251,9 @@ def test_rollback_resaves_its_step_in_the_bucket(s3, tmp_path):
             "(checkpoint.on_save_error = 'continue'); the latest checkpoint is "
             "s3://ckpt/run4/step-6") in out, out
     keys = {o["Key"] for o in client.list_objects_v2(Bucket="ckpt", Prefix="run4/")["Contents"]}
-    assert {k.split("/")[1] for k in keys} == {"step-2", "step-4", "step-6"}, keys
-    manifest = json.loads(client.get_object(Bucket="ckpt", Key="run4/step-4/manifest.json")
+    assert {k.split("/")[1] for k in keys} == {"step-2", "step-4.2", "step-6"}, keys
+    assert "rolled back to checkpoint step-4" in out and "s3://ckpt/run4/step-4.2 in " in out
+    manifest = json.loads(client.get_object(Bucket="ckpt", Key="run4/step-4.2/manifest.json")
                           ["Body"].read())
     assert manifest["step"] == 4 and set(manifest["files"]) == {".metadata", "__0_0.distcp"}
 

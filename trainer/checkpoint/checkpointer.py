@@ -35,8 +35,10 @@ on the default group their collectives would interleave with training's and hang
 
 from __future__ import annotations
 
+import datetime
 import functools
 import os
+import threading
 import time
 from dataclasses import dataclass, field
 
@@ -54,6 +56,19 @@ from trainer.errors import CheckpointError, ConfigError
 
 # Marks a rank's check that met a store fault outlasting its retries (trainer/checkpoint/retry.py).
 STORE_FAILED = "store failed: "
+# On a store, the most requests rank 0 sends one after another while the other ranks wait for
+# it in one of the checkpoint's collectives (listing, setting a step aside, the manifest, the
+# clean-up it joins): their collectives wait this many requests' worst case (every retry).
+STORE_SERIAL_REQUESTS = 16
+
+
+def store_wait_seconds(cfg) -> float:
+    """How long the checkpoint's collectives on a store wait for a rank: the training timeout
+    plus STORE_SERIAL_REQUESTS requests through every retry (5 retries of 60 s: ~2 h; a hang
+    inside is still named by the heartbeat's watch)."""
+    c = cfg.checkpoint
+    budget = retry.request_budget(c.store_retries, c.store_timeout_seconds)
+    return cfg.comm.train_timeout_seconds + STORE_SERIAL_REQUESTS * budget
 
 
 @dataclass
@@ -112,15 +127,23 @@ class Checkpointer:
         self.folder = StepFolder(self.cfg.folder, cfg.job.dump_folder)  # local, or s3:// gs://
         self.root = self.folder.root
         self.lease_timeout, self.store_lease = cfg.job.lease_timeout_seconds, None
-        self._taken = False  # take_folder done
+        self._taken = self._recovered = False  # take_folder, _recover done
         self.train_state, self.log = train_state, log
         self.states = {"model_optim": ModelAndOptimizer(model, optimizer),
                        "lr_scheduler": _Adapter(scheduler), "dataloader": _Adapter(dataloader),
                        "train_state": train_state, "rng": RNGState()}
         self.fingerprint = integrity.model_fingerprint(model)
+        # On a store the checkpoint's collectives have a gloo group of their own, whose timeout
+        # covers rank 0's store requests through every retry (store_wait_seconds): a slow
+        # store is waited for, never taken for a hang. Locally: the default group.
+        self.group, self.group_timeout = None, None
+        if self.cfg.enable and self.folder.url:
+            self.group_timeout = datetime.timedelta(seconds=store_wait_seconds(cfg))
+            self.group = dist.new_group(backend="gloo", timeout=self.group_timeout)
         self.async_group = None
-        if self.cfg.enable and self.cfg.async_mode == "async":
-            self.async_group = dist.new_group(backend="gloo")  # collective: every rank, once
+        if self.cfg.enable and self.cfg.async_mode == "async":  # collective: every rank, once
+            self.async_group = self.group or dist.new_group(backend="gloo")
+        self._cleaning: threading.Thread | None = None  # rank 0's clean-up after a commit
         self.pending = None  # (step, future, start time) of an async save not yet committed
         # Later steps than this one belong to an abandoned branch: moved aside at the first save.
         self.branch_point: int | None = 0
@@ -156,6 +179,7 @@ class Checkpointer:
         if not self.cfg.enable:
             return None
         self.take_folder()
+        self._recover()
         steps = self.committed_steps()
         step = self.cfg.load_step
         if step != -1 and step not in steps:
@@ -178,6 +202,29 @@ class Checkpointer:
                                   f"{'; '.join(damaged)}; move them aside to start afresh")
         return None
 
+    def _recover(self) -> None:
+        """Rank 0 lists again a store's step whose rollback re-save never committed, and
+        aborts the multipart uploads a killed run left unfinished; the others wait."""
+        if not self.folder.url or self._recovered:
+            return
+        self._recovered = True
+        if dist.get_rank() == 0:
+            try:
+                self.folder.recover()
+                aborted = storage.abort_uploads(self.root)
+                if aborted:
+                    self.log(f"aborted {aborted} unfinished multipart upload(s) under {self.root} "
+                             "(left by a run that was stopped mid-save)")
+            except storage.store_errors() as e:
+                self.log(f"warning: could not tidy {self.root} before resuming ({e})")
+        self._collective_timeout()
+        dist.barrier(group=self.group)
+
+    def _collective_timeout(self) -> None:
+        """The checkpoint group's own timeout (set_collective_timeout sets every group's)."""
+        if self.group is not None:
+            dist.distributed_c10d._set_pg_timeout(self.group_timeout, self.group)
+
     def _verify(self, step: int) -> str | None:
         """What is wrong with checkpoint `step` on any rank (each checks its share), or None."""
         rank, world = dist.get_rank(), dist.get_world_size()
@@ -192,7 +239,8 @@ class Checkpointer:
         if local not in (None, integrity.LEGACY) and retry.counts()["gave_up"] > gave_up:
             local = STORE_FAILED + local  # the store failed to answer: not damage
         seen = [None] * world
-        dist.all_gather_object(seen, (step, local))
+        self._collective_timeout()
+        dist.all_gather_object(seen, (step, local), group=self.group)
         if any(s != step for s, _ in seen):
             raise ConfigError(f"ranks see different checkpoints in {self.root}: "
                               f"{[s for s, _ in seen]}; the dump folder must be on storage that "
@@ -321,20 +369,30 @@ class Checkpointer:
         """Write `step-N.partial` (in the background when async), then commit it as `step-N`.
         `replace`: a rollback saves the step it reloaded again, with its record added: the new
         folder replaces the old one (rather than moving it aside as an abandoned branch's)."""
-        self.wait()  # at most one save in flight; commit the previous one first
+        self.wait()  # at most one save in flight; commit the previous one (and its clean-up)
         self.replacing = step if replace else None
         t0 = time.monotonic()
-        partial = self.folder.partial(step)
+        target = [None, None]  # where the save writes, or why it cannot start (rank 0's)
         if dist.get_rank() == 0:
-            self.folder.clear_for_save(step, replace)  # what an interrupted save left
-        dist.barrier()
+            try:
+                target[0] = self.folder.prepare_save(step, replace)  # what an interrupted
+            except storage.store_errors() as e:  # save left is removed first
+                target[1] = f"preparing its folder: {e}"
+        self._collective_timeout()
+        dist.broadcast_object_list(target, src=0, group=self.group)
+        if target[1] is not None:
+            self.replacing = None
+            self._save_failed(step, self.folder.partial(step), target[1])
+            return
+        self.folder.writing(step, target[0])
+        partial = target[0]
         states = {**self.states, **integrity.marker()}
         writer = integrity.storage_writer(partial, step, dist.get_rank())
         if self.async_group is None:
             error = None
             try:
-                dcp.save(states, storage_writer=writer)
-            except (CheckpointException, OSError) as e:
+                dcp.save(states, storage_writer=writer, process_group=self.group)
+            except (CheckpointException, *storage.store_errors()) as e:
                 error = integrity.describe_save_error(e, partial)
             self._commit(step, t0, error, writer)
         else:
@@ -345,14 +403,21 @@ class Checkpointer:
             self.pending = (step, future, t0, writer)
 
     def wait(self) -> None:
-        """Finish and commit an async save in flight (call before exiting)."""
+        """Finish and commit an async save in flight, and the clean-up after the last commit
+        (call before exiting)."""
+        self._wait_for_save()
+        if self._cleaning is not None:
+            self._cleaning.join()
+            self._cleaning = None
+
+    def _wait_for_save(self) -> None:
         if self.pending is not None:
             step, future, t0, writer = self.pending
             self.pending = None
             waited, error = time.monotonic(), None
             try:
                 future.result()
-            except (CheckpointException, OSError) as e:
+            except (CheckpointException, *storage.store_errors()) as e:
                 error = integrity.describe_save_error(e, self.folder.partial(step))
             if time.monotonic() - waited > 0.01:
                 self.log(f"checkpoint step-{step}: training waited "
@@ -370,34 +435,60 @@ class Checkpointer:
             except OSError as e:
                 error = str(e)
         seen = [None] * world
-        dist.all_gather_object(seen, (error, files))  # also: every rank's data is on disk
-        outcome = [next((err for err, _ in seen if err), None)]
+        self._collective_timeout()
+        dist.all_gather_object(seen, (error, files), group=self.group)  # every rank's data
+        outcome = [next((err for err, _ in seen if err), None)]  # is written
         if outcome[0] is None and rank == 0:
             try:
-                files = {k: v for _, f in seen for k, v in f.items()}
-                if taken := lease.lost():  # since the step end: no install nor prune there
-                    raise OSError(f"this run lost the lease on {taken}")
-                self._move_aside_abandoned(step)
-                integrity.write_manifest(partial, step, self.fingerprint,  # a store's commit
-                                         {**integrity.unrecorded(partial, files), **files})
-                self.folder.install(step, replacing=self.replacing == step)
-                self.folder.prune(self.cfg.keep_latest_k, keep=step)
-            except OSError as e:
+                self._install(step, partial, {k: v for _, f in seen for k, v in f.items()})
+            except storage.store_errors() as e:
                 outcome = [str(e)]
-        dist.broadcast_object_list(outcome, src=0)
+        dist.broadcast_object_list(outcome, src=0, group=self.group)
         self.replacing = None
         if outcome[0] is not None:
             self._save_failed(step, partial, outcome[0])
-        else:
-            self.branch_point = None  # the abandoned branch (if any) is aside now
-            self.latest = step
-            self.log(f"saved checkpoint {self._path(step)} in {time.monotonic() - t0:.2f}s")
+            return
+        self.branch_point = None  # the abandoned branch (if any) is aside now
+        self.latest = step
+        self.log(f"saved checkpoint {self._path(step)} in {time.monotonic() - t0:.2f}s")
+        if rank == 0:
+            self._clean_up(step)
+
+    def _install(self, step: int, partial: str, files: dict) -> None:
+        """Rank 0 commits the step: the abandoned branch set aside, the manifest written (a
+        store's commit), the folder renamed (a local one's). Raises the storage's error."""
+        if taken := lease.lost():  # since the step end: nothing committed there
+            raise OSError(f"this run lost the lease on {taken}")
+        self._move_aside_abandoned(step)
+        integrity.write_manifest(partial, step, self.fingerprint,
+                                 {**integrity.unrecorded(partial, files), **files})
+        self.folder.install(step, replacing=self.replacing == step)
+
+    def _clean_up(self, step: int) -> None:
+        """After the commit of `step` (rank 0): the superseded and pruned steps deleted, and a
+        store's leftovers. A failure is a warning: the step is committed, and the next commit
+        cleans up again. On a store it runs in the background (joined at the next save)."""
+        def work() -> None:
+            try:
+                self.folder.clean_up(self.cfg.keep_latest_k, keep=step)
+            except storage.store_errors() as e:
+                self.log(f"warning: cleaning up after checkpoint step-{step} failed ({e}); "
+                         f"{self._path(step)} is committed; the next save cleans up again")
+
+        if not self.folder.url:
+            work()
+            return
+        self._cleaning = threading.Thread(target=work, name="checkpoint-clean-up")
+        self._cleaning.start()
 
     def _save_failed(self, step: int, partial: str, error: str) -> None:
         if dist.get_rank() == 0:
-            storage.remove_tree(partial)  # frees the space a partial write took
-            self.folder.restore_superseded(step)  # a store's step the save was to replace
-        dist.barrier()
+            try:  # frees the space a partial write took; a store's replaced step comes back
+                self.folder.discard(step)
+            except storage.store_errors() as e:
+                self.log(f"warning: could not remove {partial} ({e}); it is not listed")
+        self._collective_timeout()
+        dist.barrier(group=self.group)
         steps = self.committed_steps()
         latest = self._path(steps[-1]) if steps else "none"
         if self.cfg.on_save_error == "stop":

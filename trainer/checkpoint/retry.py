@@ -202,3 +202,10 @@ def metrics(all_ranks_sum=None) -> dict[str, float]:
     if all_ranks_sum is not None:
         values = all_ranks_sum(values)
     return {f"store/{n}": float(v) for n, v in zip(names, values)}
+
+
+def request_budget(retries: int, timeout: float) -> float:
+    """The longest one request may take through every retry: each attempt up to the timeout,
+    each backoff up to its cap."""
+    r, t = int(retries), float(timeout)
+    return (r + 1) * t + sum(min(MAX_SLEEP, BACKOFF * 2 ** (k - 1)) for k in range(1, r + 1))

@@ -174,6 +174,35 @@ def move_tree(src: str, dst: str, first: str | None = None) -> None:
     fs.rm(src, recursive=True)
 
 
+def store_errors() -> tuple[type[BaseException], ...]:
+    """The errors a storage operation may raise: OSError (s3fs maps most S3 errors to it) and
+    botocore's own (a connection closed or reset past the retries, a client error s3fs does
+    not map), when botocore is installed."""
+    try:
+        from botocore.exceptions import BotoCoreError, ClientError
+    except ImportError:
+        return (OSError,)
+    return (OSError, BotoCoreError, ClientError)
+
+
+def abort_uploads(root: str) -> int:
+    """Abort the unfinished multipart uploads under an s3:// prefix (left by a process killed
+    mid-upload: invisible, billed, never completed); how many. Call only while holding the
+    folder's lease: every upload there is then a dead run's."""
+    if not str(root).startswith("s3://"):
+        return 0
+    bucket, _, prefix = str(root)[len("s3://"):].partition("/")
+    client = retry.boto3_client()
+    aborted = 0
+    for page in client.get_paginator("list_multipart_uploads").paginate(
+            Bucket=bucket, Prefix=prefix.rstrip("/") + "/" if prefix else ""):
+        for upload in page.get("Uploads", []):
+            client.abort_multipart_upload(Bucket=bucket, Key=upload["Key"],
+                                          UploadId=upload["UploadId"])
+            aborted += 1
+    return aborted
+
+
 def upload_folder(local: str, url: str) -> list[str]:
     """Copy the files of a local folder (not its subfolders) to `url/<name>` (large files in
     parts: s3fs uploads multipart beyond its block size); the names, sorted."""
