@@ -69,6 +69,11 @@ def test_cli_forms_and_types():
      "first MoE block is block 1; valid: 2 to 4, or 0 for all"),
     (["--job.dump_folder", ""], None, "job.dump_folder = '' names no folder; name one"),
     ([], '[job]\ndump_folder = "  "\n', "job.dump_folder = '  ' names no folder"),
+    (["--checkpoint.folder", "s3://"], None,
+     "checkpoint.folder = 's3://' names no bucket; use s3://bucket/prefix"),
+    (["--checkpoint.initial_load_path", "gs:///step-3"], None,
+     "checkpoint.initial_load_path = 'gs:///step-3' names no bucket"),
+    (["--checkpoint.store_lease", "off"], None, "choose one of 'required', 'unchecked'"),
     (["--compile.mode", "reduce-overhead"], None,  # CUDA graphs: FSDP re-allocates the params
      "compile.mode = 'reduce-overhead' is not valid; choose one of 'default', "
      "'max-autotune-no-cudagraphs'"),

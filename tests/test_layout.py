@@ -149,8 +149,8 @@ def test_the_loop_does_not_know_the_parallelisms():
 # docs/architecture.md's "Who may import whom": a module imports only modules of its layer or
 # below (package __init__ files, which only document or re-export, are not counted).
 LAYER_0 = ("trainer.errors", "trainer.config.base", "trainer.health.faults")
-LAYER_1 = ("trainer.config.sections", "trainer.data.config", "trainer.evals.config",
-           "trainer.parallel.dims", "trainer.parallel.float8", "trainer.parallel.pp_layout",
+LAYER_1 = ("trainer.config.sections", "trainer.checkpoint.config", "trainer.data.config",
+           "trainer.evals.config", "trainer.parallel.dims", "trainer.parallel.float8", "trainer.parallel.pp_layout",
            "trainer.models.args", "trainer.models.hybrid", "trainer.models.rope",
            "trainer.models.sdpa", "trainer.models.config",
            "trainer.optim.batch_schedule", "trainer.optim.lr_schedule",

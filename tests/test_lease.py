@@ -94,6 +94,18 @@ def test_takeover(tmp_path, monkeypatch, case):
     assert sorted(os.listdir(tmp_path)) == [LEASE_FILE]
 
 
+def test_a_holder_on_another_machine_with_this_host_name_is_not_probed_here(tmp_path):
+    """Two machines (or containers) can share a host name; a pid that is gone here says
+    nothing of a process there: its lease stays held while its heartbeat is fresh."""
+    dead = subprocess.Popen(["true"])
+    dead.wait()
+    plant(tmp_path, host=socket.gethostname(), pid=dead.pid, machine="another-boot pid:[1]")
+    with pytest.raises(LeaseHeld, match="in use by another run"):
+        Lease(str(tmp_path), 60).acquire()
+    plant(tmp_path, host=socket.gethostname(), pid=dead.pid, machine=lease_mod.machine_id())
+    Lease(str(tmp_path), 60).acquire()  # this machine's record: the pid is probed, and free
+
+
 def test_a_holder_that_lost_its_lease_says_so(tmp_path):
     said = []
     lease = Lease(str(tmp_path), 60, log=said.append)

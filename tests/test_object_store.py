@@ -209,11 +209,16 @@ def test_store_lease_takes_over_a_stale_one_and_releases(s3):
     only its own."""
     from trainer.checkpoint.store_lease import StoreLease
 
+    from trainer.checkpoint.lease import LeaseHeld
+
     _, client = s3
     client.put_object(Bucket="ckpt", Key="run3/lease.json",
                       Body=lease_record(heartbeat=time.time() - 1000))
+    with pytest.raises(LeaseHeld, match="in use by another run"):  # the store's clock: fresh
+        StoreLease("s3://ckpt/run3", timeout=60).acquire()
+    time.sleep(2.5)  # the store's Date has whole seconds: at least 1.5 s old by its clock
     said = []
-    mine = StoreLease("s3://ckpt/run3", timeout=60, log=said.append)
+    mine = StoreLease("s3://ckpt/run3", timeout=1, log=said.append)
     mine.acquire()
     assert "taking over the lease of slurm 1 on elsewhere" in said[0] and "no heartbeat" in said[0]
     held = json.loads(client.get_object(Bucket="ckpt", Key="run3/lease.json")["Body"].read())

@@ -14,7 +14,7 @@ import pytest
 
 from scripts.chaos import load_dcp_tensors
 from tests.helpers import BASE_FP32, losses, run_train, scalars
-from trainer.checkpoint.checkpointer import TrainState
+from trainer.checkpoint.states import TrainState
 from trainer.config.job import JobConfig, load_config
 from trainer.errors import ConfigError, DataError, TrainingError
 from trainer.health.guard import LossGuard, Spike, spike_action

@@ -30,7 +30,8 @@ import torch
 import torch.distributed as dist
 
 from trainer.checkpoint import lease, retry as store_retry
-from trainer.checkpoint.checkpointer import Checkpointer, TrainState
+from trainer.checkpoint.checkpointer import Checkpointer
+from trainer.checkpoint.states import TrainState
 from trainer.config.job import JobConfig, load_config
 from trainer.data import build_dataloader, check_model_vocab, padded_vocab_size
 from trainer.data.documents import check_documents

@@ -11,17 +11,20 @@ the ranks hash their share of the files and rank 0 writes `manifest.json` (see
 integrity.py), then renames the folder to `step-N`. Only `step-N` folders are ever loaded,
 so a crash mid-save leaves the previous checkpoint as the latest. On an object store
 (`checkpoint.folder = s3://...`; steps.py, storage.py), which cannot rename a folder, the
-ranks write under `step-N/` itself and the manifest, written by rank 0 after every rank's
-objects are, is the commit: only steps with a manifest are listed. A save the storage refuses
+ranks write under a fresh prefix (`step-N`, or `step-N.K` while `step-N` holds a step set
+aside) and the manifest, written by rank 0 after every rank's objects are, is the commit: only
+steps with a manifest are listed. The clean-up after a commit (superseded and pruned steps) is
+separate work: its failure is a warning, never a failed save. A save the storage refuses
 (disk full, permissions, I/O error, on any rank) is agreed on by all ranks before anything is
 committed: the partial folder is removed and the run stops with one line, or warns and goes on
 (`on_save_error = "continue"`).
 
 Resume takes the newest checkpoint whose files match its manifest; a damaged one is named in
 one line and skipped (an explicit `load_step` of a damaged one is a checkpoint error). After a
-resume from an older step (`load_step`, or past a damaged one), the first save moves the later
-`step-M` folders aside as `step-M.abandoned-<time>`, so no later resume or pruning mistakes
-them for this run's checkpoints.
+resume from an older step (`load_step`, or past a damaged one), the first save sets the later
+steps aside (`step-M.abandoned-<time>`; on a store their manifest renamed
+`manifest.abandoned-<time>.json`, no data moved), so no later resume or pruning mistakes them
+for this run's checkpoints.
 
 A rollback (`training.on_spike = "rollback"`, trainer/health/spikes.py) reloads `latest`, the newest
 checkpoint of this run's branch (never a later step of an abandoned one), and saves that step
@@ -40,16 +43,15 @@ import functools
 import os
 import threading
 import time
-from dataclasses import dataclass, field
 
-import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
-from torch.distributed.checkpoint.stateful import Stateful
 
 from trainer.checkpoint import integrity, lease, retry, safe_load, storage, store_lease
-from trainer.checkpoint.optim_state import ModelAndOptimizer, changed_line, saved_grouped
+from trainer.checkpoint.optim_state import (ModelAndOptimizer, changed_line, check_fits,
+                                            optimizer_switched, saved_grouped)
+from trainer.checkpoint.states import Adapter, RNGState, TrainState
 from trainer.checkpoint.steps import StepFolder, abandoned_suffix
 from trainer.health import faults
 from trainer.errors import CheckpointError, ConfigError
@@ -71,55 +73,6 @@ def store_wait_seconds(cfg) -> float:
     return cfg.comm.train_timeout_seconds + STORE_SERIAL_REQUESTS * budget
 
 
-@dataclass
-class TrainState(Stateful):
-    """The loop's own state. Checkpoints from before the spike window and rollbacks lack those
-    keys: they load with the defaults (Checkpointer.load reads this part leniently)."""
-
-    step: int = 0
-    tokens_seen: int = 0
-    loss_window: list[float] = field(default_factory=list)  # the spike detector's (guard.py)
-    rollback_steps: list[int] = field(default_factory=list)  # one per rollback: the step that
-    # passes over a global batch (the one it spiked on)
-
-    def state_dict(self) -> dict:
-        return {"step": self.step, "tokens_seen": self.tokens_seen,
-                "loss_window": list(self.loss_window), "rollback_steps": list(self.rollback_steps)}
-
-    def load_state_dict(self, sd: dict) -> None:
-        self.step, self.tokens_seen = int(sd["step"]), int(sd["tokens_seen"])
-        self.loss_window = [float(x) for x in sd.get("loss_window", [])]
-        self.rollback_steps = [int(s) for s in sd.get("rollback_steps", [])]
-
-
-class _Adapter(Stateful):
-    """Wrap an object with state_dict/load_state_dict (scheduler, dataloader) for DCP."""
-
-    def __init__(self, obj):
-        self.obj = obj
-
-    def state_dict(self) -> dict:
-        return self.obj.state_dict()
-
-    def load_state_dict(self, sd: dict) -> None:
-        self.obj.load_state_dict(sd)
-
-
-class RNGState(Stateful):
-    """The RNG states. Every rank is seeded identically, so one copy serves all world sizes."""
-
-    def state_dict(self) -> dict:
-        sd = {"cpu": torch.get_rng_state()}
-        if torch.cuda.is_available():
-            sd["cuda"] = torch.cuda.get_rng_state()
-        return sd
-
-    def load_state_dict(self, sd: dict) -> None:
-        torch.set_rng_state(sd["cpu"])
-        if "cuda" in sd and torch.cuda.is_available():
-            torch.cuda.set_rng_state(sd["cuda"])
-
-
 class Checkpointer:
     def __init__(self, cfg, *, model, optimizer, scheduler, dataloader, train_state: TrainState,
                  log=print):
@@ -130,7 +83,7 @@ class Checkpointer:
         self._taken = self._recovered = False  # take_folder, _recover done
         self.train_state, self.log = train_state, log
         self.states = {"model_optim": ModelAndOptimizer(model, optimizer),
-                       "lr_scheduler": _Adapter(scheduler), "dataloader": _Adapter(dataloader),
+                       "lr_scheduler": Adapter(scheduler), "dataloader": Adapter(dataloader),
                        "train_state": train_state, "rng": RNGState()}
         self.fingerprint = integrity.model_fingerprint(model)
         # On a store the checkpoint's collectives have a gloo group of their own, whose timeout
@@ -170,7 +123,8 @@ class Checkpointer:
         storage.probe(self.root, "checkpoint.folder")  # the bucket is there and ours to use
         if self.folder.url:  # one run per folder (store_lease.py)
             self.store_lease = store_lease.take(self.root, self.lease_timeout, dist.get_rank(),
-                                                log=self.log)
+                                                log=self.log,
+                                                checked=self.cfg.store_lease == "required")
         self._taken = True
 
     def step_to_load(self) -> int | None:
@@ -232,7 +186,8 @@ class Checkpointer:
         try:
             local = integrity.check_share(self._path(step), step, self.cfg.verify, rank, world,
                                           allow_pickle=self.cfg.allow_pickle)
-        except OSError as e:  # a listing or probe the store kept refusing: said below
+        except storage.store_errors() as e:  # a listing or probe the store kept refusing
+
             if retry.counts()["gave_up"] == gave_up:
                 raise
             local = str(e)
@@ -268,7 +223,9 @@ class Checkpointer:
             return False
         t0 = time.monotonic()
         path = self._path(step)
-        self._check_model_shapes(path)
+        saved = safe_load.read_metadata(path, self.cfg.allow_pickle).state_dict_metadata
+        model_optim = self.states["model_optim"]
+        check_fits(path, saved, model_optim, self.fingerprint, self.cfg.reset_optimizer)
         states = dict(self.states)
         data, rng = states.pop("dataloader"), states.pop("rng")
         sched, train_state = states.pop("lr_scheduler"), states.pop("train_state")
@@ -278,10 +235,8 @@ class Checkpointer:
         # Nothing loaded runs code from the folder (trainer/checkpoint/safe_load.py).
         load = functools.partial(safe_load.load, path=path, allow_pickle=self.cfg.allow_pickle)
         load({"dataloader": data}, partial=True)
-        saved = safe_load.read_metadata(path, self.cfg.allow_pickle).state_dict_metadata
-        model_optim = self.states["model_optim"]
         model_optim.flat = "model_optim.optimizer.param_groups.0.lr" not in saved  # older
-        fresh = model_optim.model_only = self._optimizer_switched(saved)  # reset_optimizer
+        fresh = model_optim.model_only = optimizer_switched(saved, model_optim.optimizer)  # reset_optimizer
         prefix = "model_optim.optimizer."  # the optimizer's state loads, its settings are ours
         model_optim.saved_keys = {k[len(prefix):] for k in saved if k.startswith(prefix)}
         model_optim.grouped = saved_grouped(model_optim.saved_keys)
@@ -315,43 +270,6 @@ class Checkpointer:
             if note:
                 self.log(note)
         return True
-
-    def _check_model_shapes(self, path: str) -> None:
-        """A checkpoint of another model shape is a config error, not a DCP traceback."""
-        saved = safe_load.read_metadata(path, self.cfg.allow_pickle).state_dict_metadata
-        for name, param in self.states["model_optim"].model.named_parameters():
-            meta = saved.get(f"model_optim.model.{name}")
-            shape = tuple(meta.size) if meta is not None and hasattr(meta, "size") else None
-            if shape != tuple(param.shape):
-                raise ConfigError(
-                    f"checkpoint {path} does not fit this model: {name} has shape {shape} "
-                    f"there and {tuple(param.shape)} here; resume with the model.flavor, "
-                    "model.vocab_size and tokenizer it was saved with, or use another "
-                    "checkpoint.folder")
-        self._check_optimizer(path, saved)
-        saved_print = integrity.saved_fingerprint(path)  # also catches parameters we lack
-        if saved_print not in (None, self.fingerprint):
-            raise ConfigError(f"checkpoint {path} does not fit this model: it holds another set "
-                              "of parameters (model fingerprint differs); resume with the "
-                              "model.flavor it was saved with, or use another checkpoint.folder")
-
-    def _optimizer_switched(self, saved) -> bool:
-        """The checkpoint holds Muon's state (a momentum buffer) and this run is AdamW's (two
-        moments), or the reverse."""
-        was_muon = any(k.endswith(".momentum_buffer") for k in saved)
-        return was_muon != (type(self.states["model_optim"].optimizer).__name__ == "Muon")
-
-    def _check_optimizer(self, path: str, saved) -> None:
-        """A switched optimizer resumes only with checkpoint.reset_optimizer."""
-        if self.cfg.reset_optimizer or not self._optimizer_switched(saved):
-            return
-        was = "Muon" if type(self.states["model_optim"].optimizer).__name__ != "Muon" \
-            else "AdamW or Adam"
-        now = type(self.states["model_optim"].optimizer).__name__
-        raise ConfigError(f"checkpoint {path} holds {was} state and this run's optimizer is "
-                          f"{now}; keep the optimizer.name it was saved with, or set "
-                          "checkpoint.reset_optimizer = true to resume the model with a fresh "
-                          "optimizer")
 
     # ----------------------------------------------------------------------------- save
     def maybe_save(self, step: int, *, last: bool) -> bool:

@@ -48,6 +48,8 @@ class Holder:
     since: float    # when the lease was taken (unix time)
     heartbeat: float
     token: str      # unique per taking: tells leases apart
+    machine: str = ""  # machine_id(): two machines (or containers) with one host name are
+    # told apart before a pid is probed ("" in older leases)
 
     def describe(self, now: float | None = None) -> str:
         age = max(0.0, (now or time.time()) - self.heartbeat)
@@ -59,7 +61,30 @@ def new_holder() -> Holder:
     """This process's record, as a lease it takes names it (a fresh token)."""
     pid, now = os.getpid(), time.time()
     return Holder(host=socket.gethostname(), job=job_id(), pid=pid, start=_start_time(pid),
-                  since=now, heartbeat=now, token=uuid.uuid4().hex)
+                  since=now, heartbeat=now, token=uuid.uuid4().hex, machine=machine_id())
+
+
+def machine_id() -> str:
+    """Where a pid means one process: this kernel's boot id and this pid namespace (two
+    machines, or two containers, with the same host name differ in one of them); "" if
+    neither can be read."""
+    parts = []
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as fh:
+            parts.append(fh.read().strip())
+    except OSError:
+        pass
+    try:
+        parts.append(os.readlink("/proc/self/ns/pid"))
+    except OSError:
+        pass
+    return " ".join(parts)
+
+
+def on_this_machine(holder: Holder) -> bool:
+    """The holder's process runs here (its pid can be probed): same host name and, where the
+    lease records one, the same machine id."""
+    return holder.host == socket.gethostname() and holder.machine in ("", machine_id())
 
 
 class LeaseHeld(ConfigError):
@@ -123,7 +148,7 @@ def why_free(holder: Holder, timeout: float, job: str | None, now: float) -> str
     """Why a lease may be taken over, or None while its holder owns the folder."""
     if job is not None and holder.job == job:
         return "this job's own lease (a restart or requeue)"
-    if holder.host == socket.gethostname() and not _alive(holder):
+    if on_this_machine(holder) and not _alive(holder):
         return f"its process {holder.pid} on this host is gone"
     if now - holder.heartbeat > timeout:
         return f"no heartbeat for {now - holder.heartbeat:.0f}s > job.lease_timeout_seconds = {timeout:g}"

@@ -32,6 +32,9 @@ from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model
                                                      set_optimizer_state_dict)
 from torch.distributed.checkpoint.stateful import Stateful
 
+from trainer.checkpoint import integrity
+from trainer.errors import ConfigError
+
 # Param-group keys that are not settings: the parameters, and the lr, which the schedule sets
 # from this run's config and reports itself (LRSchedule.resume_note).
 NOT_SETTINGS = ("params", "param_names", "lr", "initial_lr")
@@ -224,3 +227,38 @@ def changed_line(changes: list[tuple[str, str, str]]) -> str | None:
     listed = ", ".join(f"optimizer.{key} {old} -> {new}" for key, old, new in union)
     return (f"optimizer settings changed at the resume: {listed} (this run's config applies; "
             "the optimizer state resumes as saved)")
+
+
+def optimizer_switched(saved, optimizer) -> bool:
+    """The checkpoint (its DCP metadata's keys, `saved`) holds Muon's state (a momentum buffer)
+    and `optimizer` is AdamW's (two moments), or the reverse."""
+    was_muon = any(k.endswith(".momentum_buffer") for k in saved)
+    return was_muon != (type(optimizer).__name__ == "Muon")
+
+
+def check_fits(path: str, saved, model_optim: "ModelAndOptimizer", fingerprint,
+               reset_optimizer: bool) -> None:
+    """Before a resume: a checkpoint of another model shape, another set of parameters, or
+    another optimizer (without checkpoint.reset_optimizer) is a config error, not a DCP
+    traceback."""
+    for name, param in model_optim.model.named_parameters():
+        meta = saved.get(f"model_optim.model.{name}")
+        shape = tuple(meta.size) if meta is not None and hasattr(meta, "size") else None
+        if shape != tuple(param.shape):
+            raise ConfigError(
+                f"checkpoint {path} does not fit this model: {name} has shape {shape} "
+                f"there and {tuple(param.shape)} here; resume with the model.flavor, "
+                "model.vocab_size and tokenizer it was saved with, or use another "
+                "checkpoint.folder")
+    if not reset_optimizer and optimizer_switched(saved, model_optim.optimizer):
+        now = type(model_optim.optimizer).__name__
+        was = "Muon" if now != "Muon" else "AdamW or Adam"
+        raise ConfigError(f"checkpoint {path} holds {was} state and this run's optimizer is "
+                          f"{now}; keep the optimizer.name it was saved with, or set "
+                          "checkpoint.reset_optimizer = true to resume the model with a fresh "
+                          "optimizer")
+    saved_print = integrity.saved_fingerprint(path)  # also catches parameters we lack
+    if saved_print not in (None, fingerprint):
+        raise ConfigError(f"checkpoint {path} does not fit this model: it holds another set "
+                          "of parameters (model fingerprint differs); resume with the "
+                          "model.flavor it was saved with, or use another checkpoint.folder")

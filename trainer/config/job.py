@@ -22,8 +22,9 @@ from trainer.config.base import (check_field, coerce, did_you_mean, from_cli, pa
                                   toml_value)
 from trainer.optim.batch_schedule import check_ramp
 from trainer.config.sections import (  # noqa: F401  (also importable from here)
-    ActivationCheckpoint, Checkpoint, Comm, Compile, Health, Job, LRScheduler,
+    ActivationCheckpoint, Comm, Compile, Health, Job, LRScheduler,
     Metrics, Model, MoE, Optimizer, Parallelism, Profiling, Training, Validation)
+from trainer.checkpoint.config import Checkpoint
 from trainer.data.config import DataConfig
 from trainer.errors import ConfigError
 from trainer.evals.config import Eval

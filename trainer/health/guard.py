@@ -40,7 +40,7 @@ from typing import Callable
 
 import torch
 
-from trainer.checkpoint.checkpointer import TrainState
+from trainer.checkpoint.states import TrainState
 from trainer.errors import TrainingError
 
 def flag_nonfinite_loss(model: torch.nn.Module, loss: torch.Tensor) -> None:

@@ -8,7 +8,8 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from trainer.checkpoint.checkpointer import Checkpointer, TrainState
+from trainer.checkpoint.checkpointer import Checkpointer
+from trainer.checkpoint.states import TrainState
 from trainer.distributed import log0, reduce_loss
 from trainer.errors import DataError, UserError
 from trainer.health.guard import LossGuard, Spike
