@@ -181,34 +181,40 @@ def checkpoint_of(dump: Path, layout: str = "fsdp") -> Path | str:
     return f"s3://{STORE_BUCKET}/{Path(dump).name}-{tag}"
 
 
-def _step_folders(url: str) -> dict[int, dict[str, float]]:
-    """{N: {object name: its mtime}} of the step-N/ folders under an s3:// prefix."""
+def _step_folders(url: str) -> dict[str, tuple[int, dict[str, float]]]:
+    """{prefix: (N, {object name: its mtime})} of the step-N and step-N.K prefixes under an
+    s3:// prefix (trainer/checkpoint/steps.py: a step re-saved after a rewind is written to a
+    fresh step-N.K)."""
     import boto3
 
     bucket, _, prefix = url.split("://", 1)[1].partition("/")
-    out: dict[int, dict[str, float]] = {}
+    out: dict[str, tuple[int, dict[str, float]]] = {}
     pages = boto3.client("s3").get_paginator("list_objects_v2").paginate(
         Bucket=bucket, Prefix=prefix + "/")
     for page in pages:
         for obj in page.get("Contents", []):
             folder, _, name = obj["Key"][len(prefix) + 1:].partition("/")
-            if re.fullmatch(r"step-\d+", folder) and name:
-                out.setdefault(int(folder[5:]), {})[name] = obj["LastModified"].timestamp()
+            m = re.fullmatch(r"step-(\d+)(?:\.\d+)?", folder)
+            if m and name:
+                out.setdefault(folder, (int(m.group(1)), {}))[1][name] = \
+                    obj["LastModified"].timestamp()
     return out
 
 
 def committed(ckpt: Path | str) -> list[int]:
     """The committed steps: `step-N` folders (local), steps with a manifest (s3://)."""
     if isinstance(ckpt, str):
-        return sorted(n for n, names in _step_folders(ckpt).items() if "manifest.json" in names)
+        return sorted({n for n, names in _step_folders(ckpt).values() if "manifest.json" in names})
     return sorted(int(p.name[5:]) for p in ckpt.glob("step-*") if re.fullmatch(r"step-\d+", p.name))
 
 
 def partials(ckpt: Path | str) -> set[tuple[str, int]]:
-    """The saves in progress or cut off: (`step-N.partial`, an id of that attempt)."""
+    """The saves in progress or cut off: (`step-N.partial`, an id of that attempt); on a store
+    the prefixes with neither a manifest nor a set-aside one (manifest.<reason>.json)."""
     if isinstance(ckpt, str):
         return {(f"step-{n}.partial", int(min(names.values()) * 1e6))
-                for n, names in _step_folders(ckpt).items() if "manifest.json" not in names}
+                for n, names in _step_folders(ckpt).values()
+                if not any(o.startswith("manifest.") for o in names)}
     out = set()
     for p in ckpt.glob("step-*.partial"):
         try:

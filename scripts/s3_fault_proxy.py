@@ -9,12 +9,21 @@ retry is the whole cure):
     500      500 InternalError
     timeout  no answer for `delay` seconds (set it past the client's read timeout), then closed
     reset    the connection reset (RST) without an answer
+    slow     forwarded after `delay` seconds (a request the store is slow to serve)
+    lost     forwarded, then the connection reset: the store did it, its answer never came
+    400timeout  400 RequestTimeout (the server gave up waiting on the client's socket)
+    baddigest   400 BadDigest (the body's checksum did not match: damaged on the way)
+    cut      the connection reset before the request's body is read (a reset while sending)
 
 A rule (`Rule`) picks requests by a regular expression over "METHOD /bucket/key?query" (GETs
-of DCP shards, PUTs of parts, the POSTs that start and complete a multipart upload...) and
+of DCP shards, PUTs of parts, the POSTs that start and complete a multipart upload...; a
+server-side copy has " copy-from=/bucket/key" appended (its x-amz-copy-source), a bulk delete
+" delete=key1,key2,..." (the keys its body names)) and
 fires on every n-th match or at random with probability `rate` (seeded), at most `limit`
 times, cycling through its kinds. Rules can be replaced while the proxy runs (`set_rules`);
-`stats()` counts what was injected, by kind and by rule.
+`stats()` counts what was injected, by kind and by rule. `ignore_conditions` drops the
+If-Match / If-None-Match headers on the way, as a store that ignores conditional writes does
+(GCS's S3 API, MinIO before 2025).
 
     python scripts/s3_fault_proxy.py --upstream http://127.0.0.1:5000 --port 5001 \\
         --match '^(PUT|POST) ' --rate 0.2 --kinds 503,500,reset,timeout --delay 3
@@ -34,16 +43,21 @@ import time
 from dataclasses import dataclass, field
 from urllib.parse import urlsplit
 
-KINDS = ("503", "500", "timeout", "reset")
+KINDS = ("503", "500", "timeout", "reset")  # the faults a store's own retries cure
+MORE = ("slow", "lost", "cut", "400timeout", "baddigest")  # also transient, less common
 HOP = {"connection", "keep-alive", "transfer-encoding", "expect", "proxy-connection", "te",
        "upgrade", "content-length"}
 _ERRORS = {"503": (503, "SlowDown", "Please reduce your request rate."),
-           "500": (500, "InternalError", "We encountered an internal error. Please try again.")}
+           "500": (500, "InternalError", "We encountered an internal error. Please try again."),
+           "400timeout": (400, "RequestTimeout", "Your socket connection to the server was not "
+                          "read from or written to within the timeout period."),
+           "baddigest": (400, "BadDigest", "The Content-MD5 you specified did not match what "
+                         "we received.")}
 
 
 @dataclass
 class Rule:
-    match: str = "."            # re.search over "METHOD /bucket/key?query"
+    match: str = "."            # re.search over "METHOD /bucket/key?query[ copy-from=...]"
     kinds: tuple = KINDS        # cycled through, one per injected fault
     every: int = 0              # fire on every n-th matching request (0: use rate)
     rate: float = 0.0           # else fire with this probability
@@ -71,11 +85,13 @@ class Rule:
 class FaultProxy:
     """The proxy, served by threads of this process (`start`, `stop`)."""
 
-    def __init__(self, upstream: str, delay: float = 3.0, port: int = 0):
+    def __init__(self, upstream: str, delay: float = 3.0, port: int = 0,
+                 ignore_conditions: bool = False):
         u = urlsplit(upstream)
         self.upstream, self.delay = (u.hostname, u.port), float(delay)
+        self.ignore_conditions = ignore_conditions
         self.rules: list[Rule] = []
-        self.injected: dict[str, int] = dict.fromkeys(KINDS, 0)
+        self.injected: dict[str, int] = dict.fromkeys((*KINDS, *MORE), 0)
         self.log: list[str] = []  # "kind METHOD path" per injected fault
         self.requests = 0
         self.lock = threading.Lock()
@@ -105,7 +121,7 @@ class FaultProxy:
     def stats(self) -> dict:
         with self.lock:
             return {"requests": self.requests, "injected": dict(self.injected),
-                    "total": sum(self.injected.values()),
+                    "total": sum(self.injected[k] for k in KINDS),
                     "rules": [(r.match, r.seen, r.fired) for r in self.rules]}
 
     def pick(self, line: str) -> str | None:
@@ -148,8 +164,20 @@ class _Handler(http.server.BaseHTTPRequestHandler):
         return self.rfile.read(n) if n else b""
 
     def _any(self) -> None:
-        body = self._body()
-        kind = self.owner.pick(f"{self.command} {self.path}")
+        line = f"{self.command} {self.path}"
+        if self.headers.get("x-amz-copy-source"):
+            line += f" copy-from={self.headers['x-amz-copy-source']}"
+        if self.command == "POST" and "?delete" in self.path:  # the keys are in its body
+            body = self._body()
+            line += " delete=" + ",".join(re.findall(r"<Key>([^<]*)</Key>", body.decode()))
+        else:
+            body = None
+        kind = self.owner.pick(line)
+        if kind == "cut":
+            self._reset()
+            return
+        if body is None:
+            body = self._body()
         if kind in _ERRORS:
             status, code, message = _ERRORS[kind]
             xml = (f'<?xml version="1.0" encoding="UTF-8"?>\n<Error><Code>{code}</Code>'
@@ -167,15 +195,22 @@ class _Handler(http.server.BaseHTTPRequestHandler):
             self.close_connection = True
             return
         if kind == "reset":
-            self.connection.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER,
-                                       struct.pack("ii", 1, 0))
-            self.close_connection = True
+            self._reset()
             return
-        self._forward(body)
+        if kind == "slow":
+            time.sleep(self.owner.delay)
+        self._forward(body, answer=kind != "lost")
+        if kind == "lost":
+            self._reset()
 
-    def _forward(self, body: bytes) -> None:
+    def _reset(self) -> None:
+        self.connection.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+        self.close_connection = True
+
+    def _forward(self, body: bytes, answer: bool = True) -> None:
         conn = http.client.HTTPConnection(*self.owner.upstream, timeout=120)
-        headers = {k: v for k, v in self.headers.items() if k.lower() not in HOP}
+        dropped = HOP | ({"if-match", "if-none-match"} if self.owner.ignore_conditions else set())
+        headers = {k: v for k, v in self.headers.items() if k.lower() not in dropped}
         if body or self.command in ("PUT", "POST"):
             headers["Content-Length"] = str(len(body))
         try:
@@ -184,6 +219,8 @@ class _Handler(http.server.BaseHTTPRequestHandler):
             data = resp.read()
         finally:
             conn.close()
+        if not answer:
+            return
         self.send_response_only(resp.status, resp.reason)
         for k, v in resp.getheaders():
             if k.lower() not in HOP:

@@ -15,12 +15,19 @@ request may cost and the counts are exactly the attempts sent again, never an es
 The policy (`checkpoint.store_retries`, `checkpoint.store_timeout_seconds`, set in every
 process by `configure` before the first request):
 - retried: HTTP 429 and 5xx answers (throttled: 503 SlowDown, 429, codes SlowDown /
-  Throttling*), read timeouts and connections closed or reset before the answer;
-- not retried: 4xx answers (a missing object, a denied request, a failed condition) and a
-  refused connection (a wrong endpoint is one config line at once, not a minute of backoff);
+  Throttling*), 408 and 400 RequestTimeout (timeouts), 400 BadDigest /
+  XAmzContentSHA256Mismatch / IncompleteBody (a body damaged on the way: counted with the
+  server errors), read and connect timeouts, and connections closed or reset before the
+  answer or while the body was sent;
+- not retried: other 4xx answers (a missing object, a denied request, a failed condition) and
+  a refused connection (a wrong endpoint is one config line at once, not a minute of backoff);
 - retry k waits uniform(0, min(20 s, 0.2 s x 2^(k-1))) first ("full jitter", as AWS advises:
   ranks that meet the same throttling do not come back in step; 5 retries wait ~3 s on
   average, at most 6.2 s).
+
+A CompleteMultipartUpload whose retry is answered NoSuchUpload (MinIO's answer when the first
+attempt completed the object and its answer was lost; AWS answers 200) is taken as done when
+the object's ETag is the one its parts make (`completed_already`), never on the name alone.
 
 Counts (per process, since it started): `counts()`; the loop logs their sum over the ranks
 as `store/*` scalars (`metrics`). gs:// uses gcsfs's own retries, not counted here.
@@ -29,6 +36,7 @@ as `store/*` scalars (`metrics`). gs:// uses gcsfs's own retries, not counted he
 from __future__ import annotations
 
 import functools
+import hashlib
 import random
 import threading
 
@@ -36,6 +44,10 @@ MAX_SLEEP = 20.0  # seconds: the backoff's cap
 BACKOFF = 0.2  # seconds: the first retry's longest wait, doubled at each retry
 THROTTLE_CODES = ("SlowDown", "Throttling", "ThrottlingException", "RequestLimitExceeded",
                   "TooManyRequests", "RequestThrottled")
+# 400s that S3 documents as the request's own bad luck, not the client's fault: the
+# connection idled past the server's wait, and a body damaged on the way (its checksum)
+TIMEOUT_CODES = ("RequestTimeout", "RequestTimeoutException")
+CORRUPTED_CODES = ("BadDigest", "XAmzContentSHA256Mismatch", "InvalidDigest", "IncompleteBody")
 KINDS = ("throttled", "server_errors", "timeouts", "resets")  # what a retry was for
 
 _settings = {"retries": 5, "timeout": 60.0}
@@ -77,17 +89,7 @@ def _count(kind: str | None) -> None:
 def classify(response, caught_exception) -> str | None:
     """Which transient fault an attempt met (KINDS), or None: not to be retried."""
     if caught_exception is not None:
-        from botocore.exceptions import (ConnectionClosedError, EndpointConnectionError,
-                                         HTTPClientError, ReadTimeoutError)
-
-        if isinstance(caught_exception, ReadTimeoutError):
-            return "timeouts"
-        if isinstance(caught_exception, EndpointConnectionError):
-            return None  # refused, no route, bad name: the endpoint is wrong, not busy
-        if isinstance(caught_exception, (ConnectionClosedError, HTTPClientError,
-                                         ConnectionError)):
-            return "resets"
-        return None
+        return _classify_error(caught_exception)
     if not response:
         return None
     http, parsed = response
@@ -95,9 +97,43 @@ def classify(response, caught_exception) -> str | None:
     code = (parsed or {}).get("Error", {}).get("Code", "")
     if status == 429 or code in THROTTLE_CODES or (status == 503 and code in ("", "503")):
         return "throttled"
-    if status >= 500:
+    if status == 408 or code in TIMEOUT_CODES:
+        return "timeouts"
+    if code in CORRUPTED_CODES or status >= 500:
         return "server_errors"
     return None
+
+
+def _classify_error(e: BaseException) -> str | None:
+    from botocore.exceptions import (ConnectionClosedError, ConnectTimeoutError,
+                                     EndpointConnectionError, HTTPClientError, ReadTimeoutError)
+
+    if isinstance(e, (ReadTimeoutError, ConnectTimeoutError)):
+        return "timeouts"
+    if isinstance(e, EndpointConnectionError):
+        # refused, no route, bad name: the endpoint is wrong, not busy; but aiohttp reports a
+        # connection reset while the body was being sent under this name too
+        return "resets" if _reset_while_sending(e) else None
+    if isinstance(e, (ConnectionClosedError, HTTPClientError, ConnectionError)):
+        return "resets"
+    return None
+
+
+def _reset_while_sending(e: BaseException) -> bool:
+    """An EndpointConnectionError whose cause is a connection that was open and then lost
+    (aiohttp's ClientOSError writing the body, a reset or broken pipe), not one never made."""
+    import socket
+
+    cause = (getattr(e, "kwargs", None) or {}).get("error") or e.__context__
+    try:
+        from aiohttp import ClientConnectorError
+    except ImportError:  # pragma: no cover - s3fs brings aiohttp
+        ClientConnectorError = ()  # noqa: N806
+    if cause is None or isinstance(cause, (ClientConnectorError, ConnectionRefusedError,
+                                           socket.gaierror)):
+        return False
+    return isinstance(cause, (ConnectionResetError, BrokenPipeError)) or \
+        "write request body" in str(cause)
 
 
 def backoff(attempt: int) -> float:
@@ -167,9 +203,41 @@ def s3_filesystem_class():
                 s3._trainer_retry = True
             return s3
 
+        async def _call_s3(self, method, *akwarglist, **kwargs):
+            try:
+                return await super()._call_s3(method, *akwarglist, **kwargs)
+            except FileNotFoundError:
+                if method != "complete_multipart_upload":
+                    raise
+                done = await completed_already(self, kwargs)
+                if done is None:
+                    raise
+                return done
+
     fsspec.register_implementation("s3", RetryingS3FileSystem, clobber=True)
     _s3_class = RetryingS3FileSystem
     return _s3_class
+
+
+def multipart_etag(parts: list[dict]) -> str:
+    """The ETag S3 gives an object completed from `parts` (CompleteMultipartUpload's list):
+    the MD5 of the parts' binary MD5s, then "-<number of parts>"."""
+    digests = b"".join(bytes.fromhex(p["ETag"].strip('"')) for p in parts)
+    return f'"{hashlib.md5(digests).hexdigest()}-{len(parts)}"'
+
+
+async def completed_already(fs, kwargs: dict) -> dict | None:
+    """A CompleteMultipartUpload answered NoSuchUpload: on some stores (MinIO) the answer to a
+    retry whose first attempt completed the object, its answer lost. The object is whole if its
+    ETag is the one those parts make: then that is the answer (else None: the error stands)."""
+    try:
+        head = await fs._call_s3("head_object", Bucket=kwargs["Bucket"], Key=kwargs["Key"])
+        expected = multipart_etag(kwargs["MultipartUpload"]["Parts"])
+    except (FileNotFoundError, KeyError, ValueError):
+        return None
+    if head.get("ETag") != expected:
+        return None
+    return {"Bucket": kwargs["Bucket"], "Key": kwargs["Key"], "ETag": head["ETag"]}
 
 
 @functools.lru_cache(maxsize=None)
