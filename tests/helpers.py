@@ -441,6 +441,26 @@ def wandb_series(launches: list[dict], tag: str) -> dict[int, float]:
             if tag in row}
 
 
+def free_port() -> int:
+    """A free loopback port for a rendezvous, below the kernel's ephemeral range (32768 and up
+    on Linux): a port the kernel hands out for some other test's outgoing connection (or a
+    port-0 bind) cannot take it between this check and the launcher's bind. (If it was taken,
+    torchrun would take the port's owner for the rendezvous host and wait on it.)"""
+    import random
+    import socket
+
+    rng = random.Random()
+    for _ in range(200):
+        port = rng.randrange(20000, 32768)
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
+    raise RuntimeError("no free port in 20000-32767")
+
+
 def listening_addresses(pids: list[int]) -> list[str]:
     """The local addresses ("127.0.0.1", "0.0.0.0", "::" ...) that these processes' TCP
     sockets listen on, from /proc (no `ss` needed)."""

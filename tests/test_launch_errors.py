@@ -1,15 +1,14 @@
 """Bad input through ./run_train.sh: one line naming the culprit, non-zero exit, no hang."""
 
 import signal
-import socket
 import subprocess
 import sys
 import time
 
 import pytest
 
-from tests.helpers import (REPO, listening_addresses, process_tree, run_train, subprocess_env,
-                           zygote_env)
+from tests.helpers import (REPO, free_port, listening_addresses, process_tree, run_train,
+                           subprocess_env, zygote_env)
 
 CASES = {
     "unknown key": ([], "--training.setps=3", "config error: unknown key 'training.setps' "
@@ -69,9 +68,7 @@ def test_data_error_inside_the_ranks_is_one_line(tmp_path):
 
 def lone_node(tmp_path, host: str, *options: str) -> list[str]:
     """The launcher of node 1 of 2 (the other never comes), its rendezvous on a free port."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     return [sys.executable, "-m", "trainer.launch", "--nnodes", "2", "--nproc_per_node", "1",
             "--rdzv_backend", "c10d", "--rdzv_endpoint", f"{host}:{port}", "--rdzv_id", "t",
             *options, "-m", "trainer.train", "--training.device", "cpu", "--job.dump_folder",

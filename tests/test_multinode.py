@@ -18,7 +18,7 @@ import time
 import uuid
 from pathlib import Path
 
-from tests.helpers import REPO, TINY, fork_python, losses, run_train
+from tests.helpers import REPO, TINY, fork_python, free_port, losses, run_train
 from tests.helpers import subprocess_env as env_for
 
 PROBE = REPO / "tests" / "scripts" / "multinode_probe.py"
@@ -28,12 +28,6 @@ HSDP = ["--parallelism.data_parallel_replicate_degree", "2"]
 # What run_train.sh launches: the trainer on the default config.
 TRAIN = ["-m", "trainer.train", "--job.config_file", str(REPO / "configs" / "debug_model.toml")]
 THREADS = {"OMP_NUM_THREADS": "1", "LOG_RANK": "0"}  # as run_train.sh gives 4 ranks on 2 cores
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class Node:
@@ -74,7 +68,7 @@ def launch_nodes(tmp: Path, *target: str, nnodes: int = 2, nproc: int = 2,
     `first`: the log number of the first node; `forked`: the launchers forked from the tests'
     zygote (tests/helpers.py fork_python: no imports of their own; their ranks are then not
     the Popen's children, which Node.workers reads)."""
-    endpoint, run_id = f"127.0.0.1:{_free_port()}", f"test-{uuid.uuid4().hex[:8]}"
+    endpoint, run_id = f"127.0.0.1:{free_port()}", f"test-{uuid.uuid4().hex[:8]}"
     sizes, extra = [str(nnodes)], []
     if elastic is not None:
         (endpoint, run_id), sizes, extra = elastic[0], [elastic[1]], list(elastic[2])
@@ -152,7 +146,7 @@ def test_two_nodes_hsdp_replicates_across_nodes_and_matches_one_node(tmp_path):
 def test_nodes_launched_with_other_overrides_are_refused(tmp_path):
     """One node launched with another seq_len (it trained on, with other windows, or aborted
     in gloo): every node exits 2 and rank 0's one line names the key and both values."""
-    shared = ((f"127.0.0.1:{_free_port()}", f"test-{uuid.uuid4().hex[:8]}"), "2", [])
+    shared = ((f"127.0.0.1:{free_port()}", f"test-{uuid.uuid4().hex[:8]}"), "2", [])
     run = [*TRAIN, "--job.dump_folder", str(tmp_path / "run"), *BASE, "--training.steps", "2"]
     nodes = [*launch_nodes(tmp_path, *run, nnodes=1, nproc=1, elastic=shared, forked=True),
              *launch_nodes(tmp_path, *run, "--training.seq_len", "32", nnodes=1, nproc=1,
