@@ -35,8 +35,13 @@ def model(n_params: int, mesh) -> torch.nn.Module:
 
 def timed(cls, n_params: int, impl: str, steps: int, mesh) -> tuple[float, float]:
     net = model(n_params, mesh)
-    opt = cls(net.parameters(), lr=1e-3, weight_decay=0.1, fused=impl == "fused",
-              foreach=impl == "foreach")
+    opt = cls(
+        net.parameters(),
+        lr=1e-3,
+        weight_decay=0.1,
+        fused=impl == "fused",
+        foreach=impl == "foreach",
+    )
     times = []
     for _ in range(steps):
         dist.barrier()
@@ -64,8 +69,10 @@ def main() -> None:
         print("| tensors | kernel | first step: torch / local | later steps: torch / local |")
         print("|---|---|---|---|")
         for n, impl, tf, of, tl, ol in rows:
-            print(f"| {n} | {impl} | {tf:.1f} / {of:.1f} ({tf / of:.0f}x) | "
-                  f"{tl:.2f} / {ol:.2f} ({tl / ol:.1f}x) |")
+            print(
+                f"| {n} | {impl} | {tf:.1f} / {of:.1f} ({tf / of:.0f}x) | "
+                f"{tl:.2f} / {ol:.2f} ({tl / ol:.1f}x) |"
+            )
     dist.destroy_process_group()
 
 

@@ -46,9 +46,12 @@ from trainer.parallel.microbatches import build_forward_backward
 from trainer.step import TrainStep
 
 BLOCK = ["--model.attn_mask_type", "block_causal"]
-VARIANTS = {"causal": [], "block_causal": BLOCK,
-            "block_causal, sdpa": [*BLOCK, "--model.attn_implementation", "sdpa"],
-            "block_causal+document": [*BLOCK, "--model.positions", "document"]}
+VARIANTS = {
+    "causal": [],
+    "block_causal": BLOCK,
+    "block_causal, sdpa": [*BLOCK, "--model.attn_implementation", "sdpa"],
+    "block_causal+document": [*BLOCK, "--model.positions", "document"],
+}
 
 
 class _Batch:
@@ -65,12 +68,18 @@ class _Batch:
 
 
 def build_step(cfg, batch, device, pd):
-    vocab = cfg.model.vocab_size or padded_vocab_size(batch.loader.vocab_size,
-                                                      cfg.model.vocab_size_multiple_of)
-    args = model_args(cfg.model.flavor, vocab_size=vocab, max_seq_len=cfg.training.seq_len,
-                      **attention_args(cfg.model, device.type))
-    param = resolve_compute_dtype(cfg.training.mixed_precision_param,
-                                  cfg.training.mixed_precision_reduce, device).param
+    vocab = cfg.model.vocab_size or padded_vocab_size(
+        batch.loader.vocab_size, cfg.model.vocab_size_multiple_of
+    )
+    args = model_args(
+        cfg.model.flavor,
+        vocab_size=vocab,
+        max_seq_len=cfg.training.seq_len,
+        **attention_args(cfg.model, device.type),
+    )
+    param = resolve_compute_dtype(
+        cfg.training.mixed_precision_param, cfg.training.mixed_precision_reduce, device
+    ).param
     model = parallelize(build_model(args), pd, cfg, device=device, param_dtype=param)
     opt = build_optimizer(model, cfg.optimizer)
     sched = build_lr_scheduler(opt, cfg.lr_scheduler, cfg.training.steps)
@@ -78,10 +87,18 @@ def build_step(cfg, batch, device, pd):
     group = pd.dp_mesh.get_group()
 
     train_step = TrainStep(
-        model, opt, sched, batch,
-        forward_backward=build_forward_backward(model, loss_fn, cfg, parallel_dims=pd,
-                                                device=device, loader=batch),
-        metrics=_NoMetrics(), dp_group=group, device=device, max_norm=cfg.training.max_norm)
+        model,
+        opt,
+        sched,
+        batch,
+        forward_backward=build_forward_backward(
+            model, loss_fn, cfg, parallel_dims=pd, device=device, loader=batch
+        ),
+        metrics=_NoMetrics(),
+        dp_group=group,
+        device=device,
+        max_norm=cfg.training.max_norm,
+    )
 
     def step() -> float:
         return float(train_step(0, accum=1)[0])
@@ -95,10 +112,15 @@ def step_times(base: list[str], steps: int, warmup: int) -> tuple[dict, dict]:
     device = init_distributed(first)
     pd, _ = first.resolve(1)
     pd.build_mesh(device.type)
-    loader = build_dataloader(first.data, seq_len=first.training.seq_len,
-                              local_batch_size=first.training.local_batch_size,
-                              global_batch_size=first.training.local_batch_size, dp_rank=0,
-                              dp_size=1, seed=first.job.seed)
+    loader = build_dataloader(
+        first.data,
+        seq_len=first.training.seq_len,
+        local_batch_size=first.training.local_batch_size,
+        global_batch_size=first.training.local_batch_size,
+        dp_rank=0,
+        dp_size=1,
+        seed=first.job.seed,
+    )
     batch = _Batch(loader)
     ids = loader.document_ids(batch.batch[0])
     docs = float((ids.max(dim=1).values + 1).float().mean()) if ids is not None else 1.0
@@ -106,14 +128,17 @@ def step_times(base: list[str], steps: int, warmup: int) -> tuple[dict, dict]:
     times = {clock: {name: [] for name in runs} for clock in ("wall", "cpu")}
     names = list(runs)
     for i in range(warmup + steps):
-        for name in names[i % len(names):] + names[:i % len(names)]:
+        for name in names[i % len(names) :] + names[: i % len(names)]:
             w0, c0 = time.perf_counter(), time.process_time()
             runs[name]()
             if i >= warmup:
                 times["wall"][name].append(time.perf_counter() - w0)
                 times["cpu"][name].append(time.process_time() - c0)
-    info = {"docs_per_row": docs, "batch": list(batch.batch[0].shape),
-            "compute_device": device.type}
+    info = {
+        "docs_per_row": docs,
+        "batch": list(batch.batch[0].shape),
+        "compute_device": device.type,
+    }
     return times, info
 
 
@@ -127,9 +152,11 @@ def op_times(reps: int = 7) -> list[dict]:
             doc = _doc_ids(2, seq, mean_doc)
             q, k, v = (torch.randn(2, 8, seq, 32, requires_grad=True) for _ in range(3))
             mask = build_mask(doc, "sdpa", torch.float32)
-            fns = {"causal": lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True),
-                   "masked": lambda: F.scaled_dot_product_attention(q, k, v, attn_mask=mask),
-                   "per_document": lambda: _per_document(q, k, v, doc)}
+            fns = {
+                "causal": lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True),
+                "masked": lambda: F.scaled_dot_product_attention(q, k, v, attn_mask=mask),
+                "per_document": lambda: _per_document(q, k, v, doc),
+            }
             row = {"seq": seq, "docs_per_row": float((doc.max(1).values + 1).float().mean())}
             for name, fn in fns.items():
                 ts = []
@@ -157,9 +184,10 @@ def _per_document(q, k, v, doc):
     out = []
     for b in range(q.shape[0]):
         counts = torch.unique_consecutive(doc[b], return_counts=True)[1].tolist()
-        parts = zip(*(t[b:b + 1].split(counts, dim=2) for t in (q, k, v)))
-        out.append(torch.cat([F.scaled_dot_product_attention(*p, is_causal=True)
-                              for p in parts], dim=2))
+        parts = zip(*(t[b : b + 1].split(counts, dim=2) for t in (q, k, v)))
+        out.append(
+            torch.cat([F.scaled_dot_product_attention(*p, is_causal=True) for p in parts], dim=2)
+        )
     return torch.cat(out)
 
 
@@ -174,33 +202,58 @@ def main(argv: list[str]) -> int:
     ap.add_argument("overrides", nargs=argparse.REMAINDER)
     a = ap.parse_args(argv)
     overrides = [x for x in a.overrides if x != "--"]
-    base = ["--job.config_file", a.config, "--training.global_batch_size", "-1",
-            "--training.mixed_precision_param", a.dtype, "--checkpoint.enable", "false",
-            "--metrics.enable_tensorboard", "false", *overrides]
+    base = [
+        "--job.config_file",
+        a.config,
+        "--training.global_batch_size",
+        "-1",
+        "--training.mixed_precision_param",
+        a.dtype,
+        "--checkpoint.enable",
+        "false",
+        "--metrics.enable_tensorboard",
+        "false",
+        *overrides,
+    ]
     times, info = step_times(base, a.steps, a.warmup)
-    print(f"{load_config(base).model.flavor}, batch {info['batch'][0]} x {info['batch'][1]} "
-          f"({info['docs_per_row']:.1f} documents per row), {a.dtype}, "
-          f"{info['compute_device']}, "
-          f"{torch.get_num_threads()} threads; {a.steps} rounds after {a.warmup} warm-up")
+    print(
+        f"{load_config(base).model.flavor}, batch {info['batch'][0]} x {info['batch'][1]} "
+        f"({info['docs_per_row']:.1f} documents per row), {a.dtype}, "
+        f"{info['compute_device']}, "
+        f"{torch.get_num_threads()} threads; {a.steps} rounds after {a.warmup} warm-up"
+    )
     result = {}
     for clock, per_variant in times.items():
         ref = per_variant["causal"]
         for name, ts in per_variant.items():
             s, r = spread(ts), spread([t / c for t, c in zip(ts, ref)])
             result.setdefault(name, {})[clock] = {"step": s, "ratio_to_causal": r}
-            print(f"  {clock:<4} {name:<21} median {s['median']:.4f} s/step (p10 "
-                  f"{s['p10']:.4f}, p90 {s['p90']:.4f}); {r['median']:.3f}x causal (median of "
-                  f"rounds)")
+            print(
+                f"  {clock:<4} {name:<21} median {s['median']:.4f} s/step (p10 "
+                f"{s['p10']:.4f}, p90 {s['p90']:.4f}); {r['median']:.3f}x causal (median of "
+                f"rounds)"
+            )
     ops = op_times() if a.ops else []
     for row in ops:
-        print(f"  op, seq {row['seq']:>5}, {row['docs_per_row']:5.1f} docs/row: "
-              + ", ".join(f"{k} {row[k] * 1e3:7.2f} ms" for k in ("causal", "masked",
-                                                                 "per_document")))
+        print(
+            f"  op, seq {row['seq']:>5}, {row['docs_per_row']:5.1f} docs/row: "
+            + ", ".join(f"{k} {row[k] * 1e3:7.2f} ms" for k in ("causal", "masked", "per_document"))
+        )
     if not a.no_record:
-        append_result({"bench": "attention", "config": a.config, "dtype": a.dtype,
-                       "overrides": overrides, "steps": a.steps, "warmup": a.warmup,
-                       "threads": torch.get_num_threads(), **info, "variants": result,
-                       "ops": ops})
+        append_result(
+            {
+                "bench": "attention",
+                "config": a.config,
+                "dtype": a.dtype,
+                "overrides": overrides,
+                "steps": a.steps,
+                "warmup": a.warmup,
+                "threads": torch.get_num_threads(),
+                **info,
+                "variants": result,
+                "ops": ops,
+            }
+        )
     return 0
 
 

@@ -67,8 +67,9 @@ class _FixedBatch:
 
 def precision(cfg, device):
     """The compute dtype the trainer would use here (training.mixed_precision_param may be auto)."""
-    return resolve_compute_dtype(cfg.training.mixed_precision_param,
-                                 cfg.training.mixed_precision_reduce, device)
+    return resolve_compute_dtype(
+        cfg.training.mixed_precision_param, cfg.training.mixed_precision_reduce, device
+    )
 
 
 def build_trainer_step(cfg, args, batch):
@@ -76,18 +77,27 @@ def build_trainer_step(cfg, args, batch):
     pd, _ = cfg.resolve(1)
     device = init_distributed(cfg)
     pd.build_mesh(device.type)
-    model = parallelize(build_model(args), pd, cfg, device=device,
-                        param_dtype=precision(cfg, device).param)
+    model = parallelize(
+        build_model(args), pd, cfg, device=device, param_dtype=precision(cfg, device).param
+    )
     opt = build_optimizer(model, cfg.optimizer)
     sched = build_lr_scheduler(opt, cfg.lr_scheduler, cfg.training.steps)
     loader, metrics, group = _FixedBatch(*batch), _NoMetrics(), pd.dp_mesh.get_group()
     loss_fn = build_loss(cfg.training.loss, cfg.training.loss_chunk_size)
 
     train_step = TrainStep(
-        model, opt, sched, loader,
-        forward_backward=build_forward_backward(model, loss_fn, cfg, parallel_dims=pd,
-                                                device=device),
-        metrics=metrics, dp_group=group, device=device, max_norm=cfg.training.max_norm)
+        model,
+        opt,
+        sched,
+        loader,
+        forward_backward=build_forward_backward(
+            model, loss_fn, cfg, parallel_dims=pd, device=device
+        ),
+        metrics=metrics,
+        dp_group=group,
+        device=device,
+        max_norm=cfg.training.max_norm,
+    )
 
     def step() -> float:
         return float(train_step(0, accum=1)[0])
@@ -109,8 +119,10 @@ def build_plain_step(cfg, args, batch):
         ctx = torch.autocast("cpu", dtype=torch.bfloat16) if bf16 else contextlib.nullcontext()
         with ctx:
             logits = model(inputs)
-        loss = F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(),
-                               reduction="sum") / labels.numel()
+        loss = (
+            F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(), reduction="sum")
+            / labels.numel()
+        )
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.training.max_norm, foreach=True)
         opt.step()
@@ -146,18 +158,25 @@ def run_pairs(steps: dict, n: int, warmup: int) -> dict[str, dict[str, list]]:
 def compare(r: dict, clock: str) -> dict:
     """Spreads of both sides' step times and of the per-pair ratio, on one clock."""
     t, p = r["trainer"][clock], r["plain"][clock]
-    return {"trainer": spread(t), "plain": spread(p),
-            "ratio": spread([x / y for x, y in zip(t, p)])}
+    return {
+        "trainer": spread(t),
+        "plain": spread(p),
+        "ratio": spread([x / y for x, y in zip(t, p)]),
+    }
 
 
 def print_comparison(name: str, c: dict) -> None:
     t, p, q = c["trainer"], c["plain"], c["ratio"]
-    print(f"{name}: trainer (FSDP, world 1) median {t['median']:.4f} s/step "
-          f"(p10 {t['p10']:.4f}, p90 {t['p90']:.4f}); plain loop median {p['median']:.4f} s/step "
-          f"(p10 {p['p10']:.4f}, p90 {p['p90']:.4f})")
-    print(f"    ratio trainer/plain: {q['median']:.3f}x median of pairs (p10 {q['p10']:.3f}, "
-          f"p90 {q['p90']:.3f}); {t['median'] / p['median']:.3f}x ratio of medians; "
-          f"goal <= 1.10x")
+    print(
+        f"{name}: trainer (FSDP, world 1) median {t['median']:.4f} s/step "
+        f"(p10 {t['p10']:.4f}, p90 {t['p90']:.4f}); plain loop median {p['median']:.4f} s/step "
+        f"(p10 {p['p10']:.4f}, p90 {p['p90']:.4f})"
+    )
+    print(
+        f"    ratio trainer/plain: {q['median']:.3f}x median of pairs (p10 {q['p10']:.3f}, "
+        f"p90 {q['p90']:.3f}); {t['median'] / p['median']:.3f}x ratio of medians; "
+        f"goal <= 1.10x"
+    )
 
 
 def main(argv: list[str]) -> int:
@@ -166,37 +185,69 @@ def main(argv: list[str]) -> int:
     ap.add_argument("--steps", type=int, default=20, help="timed pairs")
     ap.add_argument("--warmup", type=int, default=3, help="untimed pairs first")
     ap.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))
-    ap.add_argument("--threads", type=int, default=0,
-                    help="intra-op threads for both (default: torch's, i.e. the cores)")
+    ap.add_argument(
+        "--threads",
+        type=int,
+        default=0,
+        help="intra-op threads for both (default: torch's, i.e. the cores)",
+    )
     ap.add_argument("--no-record", action="store_true")
     ap.add_argument("overrides", nargs=argparse.REMAINDER)
     a = ap.parse_args(argv)
     overrides = [x for x in a.overrides if x != "--"]
     if a.threads:
         torch.set_num_threads(a.threads)
-    cfg = load_config(["--job.config_file", a.config, "--data.dataset", "synthetic",
-                       "--training.global_batch_size", "-1",
-                       "--training.mixed_precision_param", a.dtype, *overrides])
-    args = model_args(cfg.model.flavor, vocab_size=cfg.model.vocab_size or cfg.data.vocab_size,
-                      max_seq_len=cfg.training.seq_len, n_layers=cfg.model.n_layers)
+    cfg = load_config(
+        [
+            "--job.config_file",
+            a.config,
+            "--data.dataset",
+            "synthetic",
+            "--training.global_batch_size",
+            "-1",
+            "--training.mixed_precision_param",
+            a.dtype,
+            *overrides,
+        ]
+    )
+    args = model_args(
+        cfg.model.flavor,
+        vocab_size=cfg.model.vocab_size or cfg.data.vocab_size,
+        max_seq_len=cfg.training.seq_len,
+        n_layers=cfg.model.n_layers,
+    )
     gen = torch.Generator().manual_seed(0)
     shape = (cfg.training.local_batch_size, cfg.training.seq_len)
     batch = tuple(torch.randint(0, args.vocab_size, shape, generator=gen) for _ in range(2))
-    steps = {"trainer": build_trainer_step(cfg, args, batch),
-             "plain": build_plain_step(cfg, args, batch)}
+    steps = {
+        "trainer": build_trainer_step(cfg, args, batch),
+        "plain": build_plain_step(cfg, args, batch),
+    }
     r = run_pairs(steps, a.steps, a.warmup)
     loss_diff = max(abs(x - y) for x, y in zip(r["trainer"]["loss"], r["plain"]["loss"]))
     wall, cpu = compare(r, "wall"), compare(r, "cpu")
-    print(f"model: {cfg.model.flavor}, batch {shape[0]} x {shape[1]}, {a.dtype}, "
-          f"{torch.get_num_threads()} threads; {a.steps} pairs after {a.warmup} warm-up (ABBA)")
+    print(
+        f"model: {cfg.model.flavor}, batch {shape[0]} x {shape[1]}, {a.dtype}, "
+        f"{torch.get_num_threads()} threads; {a.steps} pairs after {a.warmup} warm-up (ABBA)"
+    )
     print_comparison("wall time", wall)
     print_comparison("CPU time ", cpu)
     print(f"max |loss difference| over {len(r['plain']['loss'])} steps: {loss_diff:.2e}")
     if not a.no_record:
-        append_result({"bench": "baseline", "config": cfg.job.config_file, "dtype": a.dtype,
-                       "overrides": overrides, "steps": a.steps, "warmup": a.warmup,
-                       "threads": torch.get_num_threads(), "wall": wall, "cpu": cpu,
-                       "max_loss_diff": loss_diff})
+        append_result(
+            {
+                "bench": "baseline",
+                "config": cfg.job.config_file,
+                "dtype": a.dtype,
+                "overrides": overrides,
+                "steps": a.steps,
+                "warmup": a.warmup,
+                "threads": torch.get_num_threads(),
+                "wall": wall,
+                "cpu": cpu,
+                "max_loss_diff": loss_diff,
+            }
+        )
     return 0
 
 

@@ -29,23 +29,36 @@ import tempfile
 
 from common import REPO, append_result, run_train, tb_scalars
 
-MODES = {"none": ["--checkpoint.enable", "false"],
-         "sync": ["--checkpoint.enable", "true", "--checkpoint.async_mode", "disabled"],
-         "async": ["--checkpoint.enable", "true", "--checkpoint.async_mode", "async"]}
+MODES = {
+    "none": ["--checkpoint.enable", "false"],
+    "sync": ["--checkpoint.enable", "true", "--checkpoint.async_mode", "disabled"],
+    "async": ["--checkpoint.enable", "true", "--checkpoint.async_mode", "async"],
+}
 
 
 def one_run(mode: str, a, overrides: list[str]) -> dict:
     """Step times {step: s} and the console's save timings for one run of one mode."""
     with tempfile.TemporaryDirectory(prefix="bench_ckpt_") as dump:
-        args = ["--training.steps", str(a.steps), "--metrics.log_freq", "1",
-                "--checkpoint.interval", str(a.interval), "--checkpoint.keep_latest_k", "2",
-                *MODES[mode], *overrides]
+        args = [
+            "--training.steps",
+            str(a.steps),
+            "--metrics.log_freq",
+            "1",
+            "--checkpoint.interval",
+            str(a.interval),
+            "--checkpoint.keep_latest_k",
+            "2",
+            *MODES[mode],
+            *overrides,
+        ]
         proc, _ = run_train(dump, args, ngpu=2, config=str(REPO / "configs" / "debug_model.toml"))
         steps = tb_scalars(dump, "time_metrics/end_to_end(s)")
     out = proc.stdout + proc.stderr
-    return {"steps": steps,
-            "saved_s": [float(x) for x in re.findall(r"saved checkpoint \S+ in ([\d.]+)s", out)],
-            "staged_s": [float(x) for x in re.findall(r"staged in ([\d.]+)s", out)]}
+    return {
+        "steps": steps,
+        "saved_s": [float(x) for x in re.findall(r"saved checkpoint \S+ in ([\d.]+)s", out)],
+        "staged_s": [float(x) for x in re.findall(r"staged in ([\d.]+)s", out)],
+    }
 
 
 def stalls(run: dict, a, none_median: float) -> dict:
@@ -55,9 +68,12 @@ def stalls(run: dict, a, none_median: float) -> dict:
     clean = [t for s, t in steps.items() if s > 1 and s not in hit]
     base = statistics.median(clean)
     timed = [t for s, t in steps.items() if s > 1]  # step 1 carries start-up costs
-    return {"direct": statistics.mean(steps[s] - base for s in hit) if hit else 0.0,
-            "total": (sum(timed) - len(timed) * none_median) / max(len(hit), 1),
-            "median_step": base, "saves_counted": len(hit)}
+    return {
+        "direct": statistics.mean(steps[s] - base for s in hit) if hit else 0.0,
+        "total": (sum(timed) - len(timed) * none_median) / max(len(hit), 1),
+        "median_step": base,
+        "saves_counted": len(hit),
+    }
 
 
 def main(argv: list[str]) -> int:
@@ -74,28 +90,46 @@ def main(argv: list[str]) -> int:
         for mode in MODES:
             runs[mode].append(one_run(mode, a, overrides))
             print(f"repeat {i + 1}/{a.repeats} {mode}: done", flush=True)
-    none_medians = [statistics.median(t for s, t in r["steps"].items() if s > 1)
-                    for r in runs["none"]]
+    none_medians = [
+        statistics.median(t for s, t in r["steps"].items() if s > 1) for r in runs["none"]
+    ]
     result = {"no_checkpoint_median_step_s": statistics.median(none_medians)}
-    print(f"debug model, 2 ranks, {a.steps} steps, save every {a.interval} "
-          f"({len(range(a.interval, a.steps, a.interval))} saves timed per run), "
-          f"{a.repeats} runs per mode, medians over runs")
+    print(
+        f"debug model, 2 ranks, {a.steps} steps, save every {a.interval} "
+        f"({len(range(a.interval, a.steps, a.interval))} saves timed per run), "
+        f"{a.repeats} runs per mode, medians over runs"
+    )
     print(f"  no checkpointing: median step {result['no_checkpoint_median_step_s']:.3f} s")
     for mode in ("sync", "async"):
         per_run = [stalls(r, a, nm) for r, nm in zip(runs[mode], none_medians)]
-        med = {k: statistics.median(p[k] for p in per_run) for k in ("direct", "total",
-                                                                     "median_step")}
-        console = {k: statistics.median(v for r in runs[mode] for v in r[k]) if any(
-            r[k] for r in runs[mode]) else None for k in ("saved_s", "staged_s")}
+        med = {
+            k: statistics.median(p[k] for p in per_run) for k in ("direct", "total", "median_step")
+        }
+        console = {
+            k: statistics.median(v for r in runs[mode] for v in r[k])
+            if any(r[k] for r in runs[mode])
+            else None
+            for k in ("saved_s", "staged_s")
+        }
         result[mode] = {**med, "console": console, "direct_runs": [p["direct"] for p in per_run]}
         extra = f", staged in {console['staged_s']:.3f} s" if console["staged_s"] else ""
-        print(f"  {mode:>5}: stall per save direct {med['direct']:.3f} s, total "
-              f"{med['total']:.3f} s (median step {med['median_step']:.3f} s; console: saved in "
-              f"{console['saved_s']:.3f} s{extra}); direct per run: "
-              + ", ".join(f"{p['direct']:.3f}" for p in per_run))
+        print(
+            f"  {mode:>5}: stall per save direct {med['direct']:.3f} s, total "
+            f"{med['total']:.3f} s (median step {med['median_step']:.3f} s; console: saved in "
+            f"{console['saved_s']:.3f} s{extra}); direct per run: "
+            + ", ".join(f"{p['direct']:.3f}" for p in per_run)
+        )
     if not a.no_record:
-        append_result({"bench": "checkpoint", "steps": a.steps, "interval": a.interval,
-                       "repeats": a.repeats, "overrides": overrides, **result})
+        append_result(
+            {
+                "bench": "checkpoint",
+                "steps": a.steps,
+                "interval": a.interval,
+                "repeats": a.repeats,
+                "overrides": overrides,
+                **result,
+            }
+        )
     return 0
 
 

@@ -73,17 +73,24 @@ def main() -> None:
             holder = ModelAndOptimizer(model, opt)
             holder.grouped = form == "grouped"
             folder = f"{box[0]}/{form.replace(' ', '_')}-{i}"
-            times[form]["save"].append(timed(lambda: dcp.save({"model_optim": holder},
-                                                              checkpoint_id=folder)))
-            times[form]["load"].append(timed(lambda: dcp.load({"model_optim": holder},
-                                                              checkpoint_id=folder)))
+            times[form]["save"].append(
+                timed(lambda: dcp.save({"model_optim": holder}, checkpoint_id=folder))
+            )
+            times[form]["load"].append(
+                timed(lambda: dcp.load({"model_optim": holder}, checkpoint_id=folder))
+            )
             entries[form] = len(dcp.FileSystemReader(folder).read_metadata().state_dict_metadata)
     if dist.get_rank() == 0:
-        print(f"{args.flavor}, FSDP over {dist.get_world_size()} ranks, AdamW; median of "
-              f"{args.repeats} (rank 0: CPU s, wall ms)")
+        print(
+            f"{args.flavor}, FSDP over {dist.get_world_size()} ranks, AdamW; median of "
+            f"{args.repeats} (rank 0: CPU s, wall ms)"
+        )
         for form, ops in times.items():
-            cells = [f"{op} {statistics.median(c for c, _ in t):.3f} CPU-s "
-                     f"{1000 * statistics.median(w for _, w in t):.0f} ms" for op, t in ops.items()]
+            cells = [
+                f"{op} {statistics.median(c for c, _ in t):.3f} CPU-s "
+                f"{1000 * statistics.median(w for _, w in t):.0f} ms"
+                for op, t in ops.items()
+            ]
             print(f"  {form:12s} {entries[form]:5d} entries  " + "  ".join(cells))
         shutil.rmtree(root, ignore_errors=True)
     dist.destroy_process_group()

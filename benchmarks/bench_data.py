@@ -34,9 +34,15 @@ from trainer.data.prepare import prepare_store  # noqa: E402
 
 def bench_loader(cfg: DataConfig, args) -> float:
     """Tokens/s of next_microbatch on one rank (the last of dp_size) for ~args.seconds."""
-    loader = build_dataloader(cfg, seq_len=args.seq_len, local_batch_size=args.local_batch_size,
-                              global_batch_size=args.local_batch_size * args.dp_size,
-                              dp_rank=args.dp_size - 1, dp_size=args.dp_size, seed=0)
+    loader = build_dataloader(
+        cfg,
+        seq_len=args.seq_len,
+        local_batch_size=args.local_batch_size,
+        global_batch_size=args.local_batch_size * args.dp_size,
+        dp_rank=args.dp_size - 1,
+        dp_size=args.dp_size,
+        seed=0,
+    )
     print(f"loader: {loader.describe()}")
     for _ in range(20):  # warm the page cache and the code paths
         loader.next_microbatch()
@@ -60,11 +66,21 @@ def bench_blend(cfg: DataConfig, store: str, args) -> tuple[float, float, float]
     """(single tok/s, blend tok/s, median blend/single ratio) over alternating slices."""
     from trainer.data.config import MixSource
 
-    blend_cfg = replace(cfg, mix=[MixSource(name=n, store_path=store, weight=w)
-                                  for n, w in (("web", 0.5), ("code", 0.3), ("math", 0.2))])
-    kw = dict(seq_len=args.seq_len, local_batch_size=args.local_batch_size,
-              global_batch_size=args.local_batch_size * args.dp_size,
-              dp_rank=args.dp_size - 1, dp_size=args.dp_size, seed=0)
+    blend_cfg = replace(
+        cfg,
+        mix=[
+            MixSource(name=n, store_path=store, weight=w)
+            for n, w in (("web", 0.5), ("code", 0.3), ("math", 0.2))
+        ],
+    )
+    kw = dict(
+        seq_len=args.seq_len,
+        local_batch_size=args.local_batch_size,
+        global_batch_size=args.local_batch_size * args.dp_size,
+        dp_rank=args.dp_size - 1,
+        dp_size=args.dp_size,
+        seed=0,
+    )
     single = build_dataloader(replace(cfg, store_path=store), **kw)
     blend = build_dataloader(blend_cfg, **kw)
     for loader in (single, blend):
@@ -110,21 +126,30 @@ def main() -> None:
         cfg = DataConfig(cache_dir=args.cache_dir or os.path.join(tmp, "cache"))
         start = time.perf_counter()
         tokenizer, _ = ensure_stdlib(cfg, workers=args.workers, show_progress=False)
-        print(f"stdlib tokenizer + store ready (first use, if not cached) in "
-              f"{time.perf_counter() - start:.1f}s")
-        rate, per_cpu, total = bench_prepare(replace(cfg, store_path=""), tokenizer,
-                                             os.path.join(tmp, "store"), args.workers)
-        print(f"prepare: {total:,} tokens with {args.workers} workers: {rate / 1e6:.2f}M tok/s "
-              f"(goal >= 1M); {per_cpu / 1e6:.2f}M tok per CPU-second; load average "
-              f"{os.getloadavg()[0]:.1f} on {os.cpu_count()} cores")
+        print(
+            f"stdlib tokenizer + store ready (first use, if not cached) in "
+            f"{time.perf_counter() - start:.1f}s"
+        )
+        rate, per_cpu, total = bench_prepare(
+            replace(cfg, store_path=""), tokenizer, os.path.join(tmp, "store"), args.workers
+        )
+        print(
+            f"prepare: {total:,} tokens with {args.workers} workers: {rate / 1e6:.2f}M tok/s "
+            f"(goal >= 1M); {per_cpu / 1e6:.2f}M tok per CPU-second; load average "
+            f"{os.getloadavg()[0]:.1f} on {os.cpu_count()} cores"
+        )
         rate = bench_loader(cfg, args)
-        print(f"loader: {rate / 1e6:.1f}M tok/s per rank (seq_len {args.seq_len}, local batch "
-              f"{args.local_batch_size}, dp rank {args.dp_size - 1}/{args.dp_size}; goal >= 5M)")
+        print(
+            f"loader: {rate / 1e6:.1f}M tok/s per rank (seq_len {args.seq_len}, local batch "
+            f"{args.local_batch_size}, dp rank {args.dp_size - 1}/{args.dp_size}; goal >= 5M)"
+        )
         _, store = ensure_stdlib(cfg, show_progress=False)
         single, blend, ratio = bench_blend(cfg, store, args)
-        print(f"blend of 3 sources vs one store, {args.rounds} alternating rounds of "
-              f"{args.slice}s: single {single / 1e6:.2f}M tok/s, blend {blend / 1e6:.2f}M tok/s "
-              f"per rank: {ratio:.3f}x (median of per-round ratios; goal >= 0.9x)")
+        print(
+            f"blend of 3 sources vs one store, {args.rounds} alternating rounds of "
+            f"{args.slice}s: single {single / 1e6:.2f}M tok/s, blend {blend / 1e6:.2f}M tok/s "
+            f"per rank: {ratio:.3f}x (median of per-round ratios; goal >= 0.9x)"
+        )
 
 
 if __name__ == "__main__":

@@ -37,10 +37,23 @@ def matmul_gflops(size: int, dtype: torch.dtype, repeats: int) -> list[float]:
 
 def debug_run_step_s(dtype: str, steps: int) -> float:
     with tempfile.TemporaryDirectory() as dump:
-        proc, _ = run_train(dump, ["--training.device", "cpu", "--training.steps", str(steps),
-                                   "--metrics.log_freq", "1", "--checkpoint.enable", "false",
-                                   "--training.mixed_precision_param", dtype],
-                            ngpu=2, config=str(REPO / "configs" / "debug_model.toml"))
+        proc, _ = run_train(
+            dump,
+            [
+                "--training.device",
+                "cpu",
+                "--training.steps",
+                str(steps),
+                "--metrics.log_freq",
+                "1",
+                "--checkpoint.enable",
+                "false",
+                "--training.mixed_precision_param",
+                dtype,
+            ],
+            ngpu=2,
+            config=str(REPO / "configs" / "debug_model.toml"),
+        )
     times = [float(t) for t in re.findall(r"time: ([\d.]+)s/step", proc.stdout)]
     return statistics.median(times[1:] or times)
 
@@ -53,23 +66,39 @@ def main() -> None:
     a = ap.parse_args()
     native, isa = cpu_native_bf16()
     auto = resolve_compute_dtype("auto", "float32", torch.device("cpu"))
-    print(f"cpu: {torch.backends.cpu.get_cpu_capability()}; native bf16: {native} ({isa}); "
-          f"auto picks {auto.param}; intra-op threads {torch.get_num_threads()}")
+    print(
+        f"cpu: {torch.backends.cpu.get_cpu_capability()}; native bf16: {native} ({isa}); "
+        f"auto picks {auto.param}; intra-op threads {torch.get_num_threads()}"
+    )
     fp32, bf16 = [], []
     for _ in range(a.repeats):  # interleaved, so a busy moment hits both
         fp32 += matmul_gflops(a.size, torch.float32, 1)
         bf16 += matmul_gflops(a.size, torch.bfloat16, 1)
     g32, g16 = statistics.median(fp32), statistics.median(bf16)
-    print(f"matmul {a.size}^3: float32 {g32:.2f} GFLOP/s, bfloat16 {g16:.2f} GFLOP/s "
-          f"(bf16 is {g32 / g16:.1f}x slower)" if g16 < g32 else
-          f"matmul {a.size}^3: float32 {g32:.2f} GFLOP/s, bfloat16 {g16:.2f} GFLOP/s "
-          f"(bf16 is {g16 / g32:.1f}x faster)")
+    print(
+        f"matmul {a.size}^3: float32 {g32:.2f} GFLOP/s, bfloat16 {g16:.2f} GFLOP/s "
+        f"(bf16 is {g32 / g16:.1f}x slower)"
+        if g16 < g32
+        else f"matmul {a.size}^3: float32 {g32:.2f} GFLOP/s, bfloat16 {g16:.2f} GFLOP/s "
+        f"(bf16 is {g16 / g32:.1f}x faster)"
+    )
     s32, s16 = debug_run_step_s("float32", a.steps), debug_run_step_s("bfloat16", a.steps)
-    print(f"debug run, 2 CPU ranks: float32 {s32:.3f} s/step, bfloat16 {s16:.3f} s/step; "
-          f"100 steps: ~{100 * s32 / 60:.1f} min vs ~{100 * s16 / 60:.1f} min")
-    append_result({"bench": "dtype", "native_bf16": native, "isa": isa, "auto": auto.param,
-                   "matmul_gflops_fp32": g32, "matmul_gflops_bf16": g16,
-                   "debug_step_s_fp32": s32, "debug_step_s_bf16": s16})
+    print(
+        f"debug run, 2 CPU ranks: float32 {s32:.3f} s/step, bfloat16 {s16:.3f} s/step; "
+        f"100 steps: ~{100 * s32 / 60:.1f} min vs ~{100 * s16 / 60:.1f} min"
+    )
+    append_result(
+        {
+            "bench": "dtype",
+            "native_bf16": native,
+            "isa": isa,
+            "auto": auto.param,
+            "matmul_gflops_fp32": g32,
+            "matmul_gflops_bf16": g16,
+            "debug_step_s_fp32": s32,
+            "debug_step_s_bf16": s16,
+        }
+    )
 
 
 if __name__ == "__main__":

@@ -25,17 +25,40 @@ from common import REPO, append_result, run_train, spread, tb_scalars
 
 
 def overrides(batch: int, steps: int, overlap: bool) -> list[str]:
-    return ["--training.device", "cpu", "--model.flavor", "debugmodel-moe",
-            "--training.seq_len", "128", "--training.local_batch_size", str(batch),
-            "--training.global_batch_size", str(2 * batch),
-            "--training.mixed_precision_param", "float32", "--data.dataset", "synthetic",
-            "--training.steps", str(steps), "--metrics.log_freq", "1",
-            "--metrics.enable_tensorboard", "true", "--checkpoint.enable", "false",
-            "--parallelism.pipeline_parallel_degree", "2",
-            "--parallelism.expert_parallel_degree", "2",
-            "--parallelism.pipeline_parallel_schedule", "DualPipeV",
-            "--parallelism.pipeline_parallel_split_points", "layers.1,layers.2,layers.3",
-            "--parallelism.pipeline_parallel_overlap", str(overlap).lower()]
+    return [
+        "--training.device",
+        "cpu",
+        "--model.flavor",
+        "debugmodel-moe",
+        "--training.seq_len",
+        "128",
+        "--training.local_batch_size",
+        str(batch),
+        "--training.global_batch_size",
+        str(2 * batch),
+        "--training.mixed_precision_param",
+        "float32",
+        "--data.dataset",
+        "synthetic",
+        "--training.steps",
+        str(steps),
+        "--metrics.log_freq",
+        "1",
+        "--metrics.enable_tensorboard",
+        "true",
+        "--checkpoint.enable",
+        "false",
+        "--parallelism.pipeline_parallel_degree",
+        "2",
+        "--parallelism.expert_parallel_degree",
+        "2",
+        "--parallelism.pipeline_parallel_schedule",
+        "DualPipeV",
+        "--parallelism.pipeline_parallel_split_points",
+        "layers.1,layers.2,layers.3",
+        "--parallelism.pipeline_parallel_overlap",
+        str(overlap).lower(),
+    ]
 
 
 def step_times(args: list[str], warmup: int) -> list[float]:
@@ -58,11 +81,12 @@ def main(argv: list[str]) -> int:
     times: dict[bool, list[float]] = {False: [], True: []}
     for _ in range(args.repeats):
         for overlap in (False, True):
-            times[overlap] += step_times(overrides(args.batch, args.steps, overlap),
-                                         args.warmup)
-    print(f"debugmodel-moe fp32, seq 128, PP 2 x EP 2 on 4 CPU ranks, DualPipeV, {args.batch} "
-          f"microbatches per step; median step time after {args.warmup} warm-up steps, "
-          f"{args.repeats} alternated runs each (p10-p90)")
+            times[overlap] += step_times(overrides(args.batch, args.steps, overlap), args.warmup)
+    print(
+        f"debugmodel-moe fp32, seq 128, PP 2 x EP 2 on 4 CPU ranks, DualPipeV, {args.batch} "
+        f"microbatches per step; median step time after {args.warmup} warm-up steps, "
+        f"{args.repeats} alternated runs each (p10-p90)"
+    )
     rows = []
     for overlap in (False, True):
         t, s = statistics.median(times[overlap]), spread(times[overlap])

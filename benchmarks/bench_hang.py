@@ -33,8 +33,12 @@ def hang(dump: Path, steps: int, timeout: int, at: int, restarts: int) -> dict:
         time.sleep(0.01)
     code = launch.finish()
     line = next((x.strip() for x in launch.lines if "stopped responding" in x), "")
-    return {"exit": code, "named_after_s": round(named or -1, 1), "line": line,
-            "ended_after_s": round(time.monotonic() - stopped, 1)}
+    return {
+        "exit": code,
+        "named_after_s": round(named or -1, 1),
+        "line": line,
+        "ended_after_s": round(time.monotonic() - stopped, 1),
+    }
 
 
 def main(argv=None) -> int:

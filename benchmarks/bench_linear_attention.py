@@ -34,13 +34,27 @@ from trainer.models.qwen3_next import GatedDeltaNet, HybridArgs, Qwen3Next  # no
 def layers(dim: int):
     """(GQA layer, Gated DeltaNet layer, the GQA's RoPE head_dim), weights drawn as our init."""
     heads = dim // 64
-    gqa_args = ModelArgs(dim=dim, n_layers=1, n_heads=heads, n_kv_heads=max(heads // 4, 1),
-                         vocab_size=256)
-    hybrid = HybridArgs(layer_types=("linear_attention",), linear_k_heads=max(dim // 128, 1),
-                        linear_v_heads=2 * max(dim // 128, 1), linear_k_head_dim=64,
-                        linear_v_head_dim=64)
-    model = Qwen3Next(ModelArgs(dim=dim, n_layers=1, n_heads=heads, n_kv_heads=1,
-                                vocab_size=256, max_seq_len=8, hybrid=hybrid))
+    gqa_args = ModelArgs(
+        dim=dim, n_layers=1, n_heads=heads, n_kv_heads=max(heads // 4, 1), vocab_size=256
+    )
+    hybrid = HybridArgs(
+        layer_types=("linear_attention",),
+        linear_k_heads=max(dim // 128, 1),
+        linear_v_heads=2 * max(dim // 128, 1),
+        linear_k_head_dim=64,
+        linear_v_head_dim=64,
+    )
+    model = Qwen3Next(
+        ModelArgs(
+            dim=dim,
+            n_layers=1,
+            n_heads=heads,
+            n_kv_heads=1,
+            vocab_size=256,
+            max_seq_len=8,
+            hybrid=hybrid,
+        )
+    )
     model.init_weights(seed=0)
     gqa = Attention(gqa_args)
     for p in gqa.parameters():
@@ -93,8 +107,10 @@ def main() -> None:
     dtype = getattr(torch, a.dtype)
     gqa, gdn, head_dim = layers(a.dim)
     gqa, gdn = gqa.to(a.device, dtype), gdn.to(a.device, dtype)
-    print(f"dim {a.dim}, {a.device} {a.dtype}, torch {torch.__version__}, threads "
-          f"{torch.get_num_threads()}; Gated DeltaNet kernel: {kernel_name(a.device)}")
+    print(
+        f"dim {a.dim}, {a.device} {a.dtype}, torch {torch.__version__}, threads "
+        f"{torch.get_num_threads()}; Gated DeltaNet kernel: {kernel_name(a.device)}"
+    )
     print(f"{'seq':>7} {'layer':<15} {'tokens/s':>10} {'ms':>9} {'saved MiB':>10} {'peak MiB':>9}")
     for seq in a.seqs:
         x = torch.randn(1, seq, a.dim, device=a.device, dtype=dtype, requires_grad=True)
@@ -102,8 +118,10 @@ def main() -> None:
         runs = {"GQA (SDPA)": lambda t: gqa(t, cos, sin), "Gated DeltaNet": gdn}
         for name, run in runs.items():
             sec, saved, peak = measure(run, x, a.device, a.reps)
-            print(f"{seq:>7} {name:<15} {seq / sec:>10.0f} {sec * 1e3:>9.1f} "
-                  f"{saved / 2**20:>10.1f} {peak / 2**20 if peak else float('nan'):>9.1f}")
+            print(
+                f"{seq:>7} {name:<15} {seq / sec:>10.0f} {sec * 1e3:>9.1f} "
+                f"{saved / 2**20:>10.1f} {peak / 2**20 if peak else float('nan'):>9.1f}"
+            )
 
 
 if __name__ == "__main__":

@@ -38,5 +38,7 @@ for kind in ("eager", "chunked"):
         fn(h, w, y).backward()
     snap = tracker.get_tracker_snapshot("peak")[torch.device("cpu")]
     peak = next(v for k, v in snap.items() if str(getattr(k, "value", k)) == "Total") / 2**20
-    print(f"{kind:8} tokens {a.tokens} dim {a.dim} vocab {a.vocab} chunk {a.chunk}: "
-          f"peak {peak:8.1f} MiB (incl. inputs+grads), median {sorted(times)[len(times)//2]:.2f} s")
+    print(
+        f"{kind:8} tokens {a.tokens} dim {a.dim} vocab {a.vocab} chunk {a.chunk}: "
+        f"peak {peak:8.1f} MiB (incl. inputs+grads), median {sorted(times)[len(times) // 2]:.2f} s"
+    )

@@ -82,8 +82,12 @@ def main() -> None:
     a = p.parse_args()
     n = a.mib * 2**20 // 4 // 64
     state = {f"t{i}": torch.randn(n) for i in range(64)}
-    modes = ["plain (no manifest)", "crc32 while written", "blake2b while written",
-             "read back and hashed"]
+    modes = [
+        "plain (no manifest)",
+        "crc32 while written",
+        "blake2b while written",
+        "read back and hashed",
+    ]
     times: dict[str, list[float]] = {m: [] for m in modes}
     for _ in range(a.repeats):
         for mode in modes:
@@ -96,8 +100,10 @@ def main() -> None:
     record = {"bench": "manifest", "mib": a.mib, "repeats": a.repeats}
     for mode in modes:
         med = statistics.median(times[mode])
-        print(f"{mode:>22}: {med:6.3f} s median ({a.mib / med:7.1f} MiB/s), "
-              f"{100 * (med / base - 1):+5.1f}% against the plain write")
+        print(
+            f"{mode:>22}: {med:6.3f} s median ({a.mib / med:7.1f} MiB/s), "
+            f"{100 * (med / base - 1):+5.1f}% against the plain write"
+        )
         record[mode] = round(med, 4)
     append_result(record)
 

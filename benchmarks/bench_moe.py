@@ -52,8 +52,15 @@ def timed(fn, repeats: int, device: str) -> float:
     return statistics.median(times)
 
 
-def experts_case(n_experts: int, dim: int, hidden: int, rows: int, repeats: int, device: str,
-                 dtype: torch.dtype = torch.float32):
+def experts_case(
+    n_experts: int,
+    dim: int,
+    hidden: int,
+    rows: int,
+    repeats: int,
+    device: str,
+    dtype: torch.dtype = torch.float32,
+):
     """(grouped s, loop s) for forward + backward over `rows` routed rows, balanced-ish."""
     gen = torch.Generator().manual_seed(0)
     experts = GroupedExperts(dim, hidden, n_experts).to(device, dtype)
@@ -69,6 +76,7 @@ def experts_case(n_experts: int, dim: int, hidden: int, rows: int, repeats: int,
 
         def step():
             experts(x, counts).square().mean().backward()
+
         try:
             out[grouped] = timed(step, repeats, device)
         except (RuntimeError, NotImplementedError) as e:  # e.g. a dtype the kernel lacks
@@ -77,8 +85,9 @@ def experts_case(n_experts: int, dim: int, hidden: int, rows: int, repeats: int,
     return out[True], out[False]
 
 
-def float8_case(n_experts: int, dim: int, hidden: int, rows: int, repeats: int, device: str,
-                dtype: torch.dtype) -> None:
+def float8_case(
+    n_experts: int, dim: int, hidden: int, rows: int, repeats: int, device: str, dtype: torch.dtype
+) -> None:
     """The experts in `dtype` against float8 experts (emulated off CUDA), forward + backward."""
     from trainer.parallel.float8_moe import Float8GroupedExperts
 
@@ -86,7 +95,7 @@ def float8_case(n_experts: int, dim: int, hidden: int, rows: int, repeats: int, 
     base = GroupedExperts(dim, hidden, n_experts).to(device, dtype)
     with torch.no_grad():
         for p in base.parameters():
-            p.copy_(torch.randn(p.shape, generator=gen) * dim ** -0.5)
+            p.copy_(torch.randn(p.shape, generator=gen) * dim**-0.5)
     f8 = GroupedExperts(dim, hidden, n_experts).to(device, dtype)
     f8.load_state_dict(base.state_dict())
     f8.__class__, f8.emulate = Float8GroupedExperts, device != "cuda"
@@ -101,21 +110,24 @@ def float8_case(n_experts: int, dim: int, hidden: int, rows: int, repeats: int, 
         def step():
             xx.grad = None
             (experts(xx, counts) * dy).sum().backward()
-        results[name] = (timed(step, repeats, device), experts(xx, counts).float(),
-                         xx.grad.float())
+
+        results[name] = (timed(step, repeats, device), experts(xx, counts).float(), xx.grad.float())
     (tb, yb, gb), (tf, yf, gf) = results["base"], results["float8"]
     flops = 6 * 3 * rows * dim * hidden
-    print(f"  float8 experts ({n_experts} of {hidden}, dim {dim}, {rows} rows): {dtype} "
-          f"{tb * 1e3:7.1f} ms ({flops / tb / 1e12:6.1f} TFLOP/s), float8"
-          f"{' (emulated)' if device != 'cuda' else ''} {tf * 1e3:7.1f} ms "
-          f"({flops / tf / 1e12:6.1f} TFLOP/s), {tb / tf:4.2f}x; rel. error out "
-          f"{((yf - yb).norm() / yb.norm()).item():.3f}, dx "
-          f"{((gf - gb).norm() / gb.norm()).item():.3f}")
+    print(
+        f"  float8 experts ({n_experts} of {hidden}, dim {dim}, {rows} rows): {dtype} "
+        f"{tb * 1e3:7.1f} ms ({flops / tb / 1e12:6.1f} TFLOP/s), float8"
+        f"{' (emulated)' if device != 'cuda' else ''} {tf * 1e3:7.1f} ms "
+        f"({flops / tf / 1e12:6.1f} TFLOP/s), {tb / tf:4.2f}x; rel. error out "
+        f"{((yf - yb).norm() / yb.norm()).item():.3f}, dx "
+        f"{((gf - gb).norm() / gb.norm()).item():.3f}"
+    )
 
 
 def layer_case(tokens: int, repeats: int, device: str, dtype: torch.dtype) -> None:
     """One Qwen3-30B-A3B MoE layer, forward + backward over `tokens` tokens: time and TFLOP/s."""
     from trainer.models.moe import MoE
+
     args = FLAVORS["qwen3-30b-a3b"]
     m = args.moe
     layer = MoE(args.dim, m).to(device)
@@ -131,21 +143,27 @@ def layer_case(tokens: int, repeats: int, device: str, dtype: torch.dtype) -> No
         def step():
             layer(x).square().mean().backward()
             layer.take_stats()
+
         try:
             t = timed(step, repeats, device)
         except (RuntimeError, NotImplementedError) as e:
-            print(f"  Qwen3-30B-A3B layer ({'grouped' if grouped else 'loop'}) failed: "
-                  f"{str(e).splitlines()[0][:200]}")
+            print(
+                f"  Qwen3-30B-A3B layer ({'grouped' if grouped else 'loop'}) failed: "
+                f"{str(e).splitlines()[0][:200]}"
+            )
             continue
         # 3 matmuls of dim x hidden per routed row, x3 for forward + backward, + the router.
         flops = 6 * tokens * (m.top_k * 3 * args.dim * m.hidden_dim + args.dim * m.n_experts)
-        print(f"  Qwen3-30B-A3B MoE layer, {tokens} tokens ({dtype}, "
-              f"{'grouped' if grouped else 'loop'}): {t * 1e3:8.1f} ms fwd+bwd, "
-              f"{flops / t / 1e12:6.1f} TFLOP/s, {tokens / t:,.0f} tokens/s")
+        print(
+            f"  Qwen3-30B-A3B MoE layer, {tokens} tokens ({dtype}, "
+            f"{'grouped' if grouped else 'loop'}): {t * 1e3:8.1f} ms fwd+bwd, "
+            f"{flops / t / 1e12:6.1f} TFLOP/s, {tokens / t:,.0f} tokens/s"
+        )
 
 
-def step_time(args, tokens: int, repeats: int, device: str,
-              dtype: torch.dtype = torch.float32) -> float:
+def step_time(
+    args, tokens: int, repeats: int, device: str, dtype: torch.dtype = torch.float32
+) -> float:
     model = build_model(args)
     model.to_empty(device=device)
     model.init_weights(0)
@@ -161,6 +179,7 @@ def step_time(args, tokens: int, repeats: int, device: str,
         for layer in model.modules():  # drop the MoE statistics and aux terms each step
             if hasattr(layer, "take_stats"):
                 layer.take_stats()
+
     return timed(step, repeats, device)
 
 
@@ -170,10 +189,15 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))
-    ap.add_argument("--float8", action="store_true",
-                    help="also time the experts in rowwise float8 (float8.moe)")
-    ap.add_argument("--layer-tokens", type=int, default=0,
-                    help="also time a whole Qwen3-30B-A3B MoE layer over this many tokens")
+    ap.add_argument(
+        "--float8", action="store_true", help="also time the experts in rowwise float8 (float8.moe)"
+    )
+    ap.add_argument(
+        "--layer-tokens",
+        type=int,
+        default=0,
+        help="also time a whole Qwen3-30B-A3B MoE layer over this many tokens",
+    )
     a = ap.parse_args()
     dtype = getattr(torch, a.dtype)
     torch.manual_seed(0)
@@ -181,12 +205,14 @@ def main() -> None:
     m = moe_args.moe
     print(f"grouped GEMM vs per-expert loop, forward + backward ({a.device}, {a.dtype})")
     for name, (e, dim, hidden, rows) in {
-            "debugmodel-moe layer": (m.n_experts, moe_args.dim, m.hidden_dim,
-                                     a.tokens * m.top_k),
-            "Qwen3-30B-A3B layer": (128, 2048, 768, a.tokens * 8 // 8)}.items():
+        "debugmodel-moe layer": (m.n_experts, moe_args.dim, m.hidden_dim, a.tokens * m.top_k),
+        "Qwen3-30B-A3B layer": (128, 2048, 768, a.tokens * 8 // 8),
+    }.items():
         grouped, loop = experts_case(e, dim, hidden, rows, a.repeats, a.device, dtype)
-        print(f"  {name:22} {e:4d} experts, {rows:6d} rows: grouped {grouped * 1e3:8.1f} ms, "
-              f"loop {loop * 1e3:8.1f} ms, loop / grouped {loop / grouped:5.2f}x")
+        print(
+            f"  {name:22} {e:4d} experts, {rows:6d} rows: grouped {grouped * 1e3:8.1f} ms, "
+            f"loop {loop * 1e3:8.1f} ms, loop / grouped {loop / grouped:5.2f}x"
+        )
     if a.float8:
         float8_case(128, 2048, 768, a.tokens * 8, a.repeats, a.device, dtype)  # Qwen3-30B-A3B
         float8_case(32, 7168, 2048, a.tokens * 8 // 8, a.repeats, a.device, dtype)  # DSV3, EP 8
@@ -194,17 +220,24 @@ def main() -> None:
         layer_case(a.layer_tokens, a.repeats, a.device, dtype)
     # A dense model with the MoE's active FFN: top_k experts of hidden + the router's E x dim.
     active_hidden = m.top_k * m.hidden_dim + round(m.n_experts / 3)
-    dense_args = dataclasses.replace(moe_args, moe=None, multiple_of=1,
-                                     ffn_dim_multiplier=active_hidden / int(2 * 4 * moe_args.dim
-                                                                            / 3))
+    dense_args = dataclasses.replace(
+        moe_args,
+        moe=None,
+        multiple_of=1,
+        ffn_dim_multiplier=active_hidden / int(2 * 4 * moe_args.dim / 3),
+    )
     active_moe, active_dense = moe_args.num_params(active=True), dense_args.num_params()
     t_moe = step_time(moe_args, a.tokens, a.repeats, a.device, dtype)
     t_dense = step_time(dense_args, a.tokens, a.repeats, a.device, dtype)
     print(f"training step, {a.tokens} tokens ({a.dtype}, forward + backward, {a.device}):")
-    print(f"  debugmodel-moe  {active_moe / 1e6:6.2f}M active of "
-          f"{moe_args.num_params() / 1e6:6.2f}M: {t_moe * 1e3:8.1f} ms")
-    print(f"  dense (FFN {dense_args.hidden_dim}) {active_dense / 1e6:6.2f}M: "
-          f"{t_dense * 1e3:8.1f} ms   moe / dense {t_moe / t_dense:5.2f}x")
+    print(
+        f"  debugmodel-moe  {active_moe / 1e6:6.2f}M active of "
+        f"{moe_args.num_params() / 1e6:6.2f}M: {t_moe * 1e3:8.1f} ms"
+    )
+    print(
+        f"  dense (FFN {dense_args.hidden_dim}) {active_dense / 1e6:6.2f}M: "
+        f"{t_dense * 1e3:8.1f} ms   moe / dense {t_moe / t_dense:5.2f}x"
+    )
 
 
 if __name__ == "__main__":

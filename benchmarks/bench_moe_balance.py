@@ -24,12 +24,27 @@ LAYERS = (1, 2, 3)  # debugmodel-moe: layer 0 is dense
 
 
 def run(dump: str, steps: int, ngpu: int, ep: int, coeff: float) -> dict[str, float]:
-    run_train(dump, ["--training.device", "cpu", "--training.steps", str(steps),
-                     "--training.mixed_precision_param", "float32",
-                     "--checkpoint.enable", "false", "--metrics.log_freq", "1",
-                     "--parallelism.expert_parallel_degree", str(ep),
-                     "--moe.load_balance_coeff", str(coeff)],
-              ngpu=ngpu, config=str(REPO / "configs" / "debug_moe.toml"))
+    run_train(
+        dump,
+        [
+            "--training.device",
+            "cpu",
+            "--training.steps",
+            str(steps),
+            "--training.mixed_precision_param",
+            "float32",
+            "--checkpoint.enable",
+            "false",
+            "--metrics.log_freq",
+            "1",
+            "--parallelism.expert_parallel_degree",
+            str(ep),
+            "--moe.load_balance_coeff",
+            str(coeff),
+        ],
+        ngpu=ngpu,
+        config=str(REPO / "configs" / "debug_moe.toml"),
+    )
     out = {}
     per_layer_first, per_layer_last = [], []
     for layer in LAYERS:
@@ -56,14 +71,26 @@ def main() -> None:
     coeffs = [float(c) for c in args.coeffs.split(",")]
     with tempfile.TemporaryDirectory() as tmp:
         runs = [run(f"{tmp}/{i}", args.steps, args.ngpu, args.ep, c) for i, c in enumerate(coeffs)]
-    print(f"debugmodel-moe, {args.steps} steps on {args.ngpu} CPU ranks, EP {args.ep}: "
-          "max / mean expert load (1.0 = balanced)")
+    print(
+        f"debugmodel-moe, {args.steps} steps on {args.ngpu} CPU ranks, EP {args.ep}: "
+        "max / mean expert load (1.0 = balanced)"
+    )
     print(f"{'load_balance_coeff':22}" + "".join(f"{c:>12g}" for c in coeffs))
-    for key in [f"layer_{i}_last50" for i in LAYERS] + ["mean_first10", "mean_last50",
-                                                         "loss_last10"]:
+    for key in [f"layer_{i}_last50" for i in LAYERS] + [
+        "mean_first10",
+        "mean_last50",
+        "loss_last10",
+    ]:
         print(f"{key:22}" + "".join(f"{r[key]:12.3f}" for r in runs))
-    append_result({"bench": "moe_balance", "steps": args.steps, "ngpu": args.ngpu,
-                   "ep": args.ep, "runs": dict(zip(map(str, coeffs), runs))})
+    append_result(
+        {
+            "bench": "moe_balance",
+            "steps": args.steps,
+            "ngpu": args.ngpu,
+            "ep": args.ep,
+            "runs": dict(zip(map(str, coeffs), runs)),
+        }
+    )
 
 
 if __name__ == "__main__":

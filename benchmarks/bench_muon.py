@@ -56,13 +56,32 @@ def curve(args, optimizer: str, lr: str) -> tuple[dict[int, float], float]:
     """{tokens: validation loss} of one run, and its wall time."""
     with tempfile.TemporaryDirectory(prefix="bench_muon_") as dump:
         t0 = time.perf_counter()
-        run_train(dump, ["--training.steps", str(args.steps), "--optimizer.name", optimizer,
-                         "--optimizer.lr", lr, "--validation.enable", "true",
-                         "--validation.freq", str(args.val_freq), "--validation.steps", "8",
-                         "--checkpoint.enable", "false", "--metrics.log_freq",
-                         str(args.val_freq), "--lr_scheduler.warmup_steps",
-                         str(max(1, args.steps // 10)), *args.overrides],
-                  ngpu=args.ngpu, config=str(REPO / "configs" / "debug_model.toml"))
+        run_train(
+            dump,
+            [
+                "--training.steps",
+                str(args.steps),
+                "--optimizer.name",
+                optimizer,
+                "--optimizer.lr",
+                lr,
+                "--validation.enable",
+                "true",
+                "--validation.freq",
+                str(args.val_freq),
+                "--validation.steps",
+                "8",
+                "--checkpoint.enable",
+                "false",
+                "--metrics.log_freq",
+                str(args.val_freq),
+                "--lr_scheduler.warmup_steps",
+                str(max(1, args.steps // 10)),
+                *args.overrides,
+            ],
+            ngpu=args.ngpu,
+            config=str(REPO / "configs" / "debug_model.toml"),
+        )
         wall = time.perf_counter() - t0
         tokens = tb_scalars(dump, "n_tokens_seen")
         return {int(tokens[s]): v for s, v in sorted(tb_scalars(dump, VAL).items())}, wall
@@ -88,12 +107,17 @@ def plot(path: str, best: dict[str, tuple[str, dict[int, float]]]) -> str:
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError:
-        return "plot: matplotlib is not installed (pip install -e \".[bench]\"); not written"
+        return 'plot: matplotlib is not installed (pip install -e ".[bench]"); not written'
     fig, ax = plt.subplots(figsize=(6, 4), dpi=120)
     for name, (lr, points) in best.items():
         xs = sorted(points)
-        ax.plot([x / 1e6 for x in xs], [points[x] for x in xs], marker="o", ms=3,
-                label=f"{name}, lr {lr}")
+        ax.plot(
+            [x / 1e6 for x in xs],
+            [points[x] for x in xs],
+            marker="o",
+            ms=3,
+            label=f"{name}, lr {lr}",
+        )
     ax.set_xlabel("training tokens (millions)")
     ax.set_ylabel("validation loss")
     ax.set_title("debug model on the stdlib corpus: AdamW vs Muon")
@@ -131,11 +155,15 @@ def step_cost(ngpu: int) -> list[str]:
         times[name] = statistics.median(samples)
     n = sum(p.numel() for name, p in model.named_parameters() if takes_muon(name, p))
     share = (ngpu - 1) / ngpu / ngpu  # a rank's shard, less the part it owns itself
-    rows.append(f"optimizer step alone (debug model, one process): AdamW {times['AdamW'] * 1e3:.1f}"
-                f" ms, Muon {times['Muon'] * 1e3:.1f} ms ({times['Muon'] / times['AdamW']:.1f}x)")
-    rows.append(f"Muon's traffic per step and rank at {ngpu} ranks (two all-to-alls): {n:,} "
-                f"matrix parameters x (4 B updates out + 2 B results in) x {share:.3f} = "
-                f"{6 * n * share / 2**20:.1f} MiB")
+    rows.append(
+        f"optimizer step alone (debug model, one process): AdamW {times['AdamW'] * 1e3:.1f}"
+        f" ms, Muon {times['Muon'] * 1e3:.1f} ms ({times['Muon'] / times['AdamW']:.1f}x)"
+    )
+    rows.append(
+        f"Muon's traffic per step and rank at {ngpu} ranks (two all-to-alls): {n:,} "
+        f"matrix parameters x (4 B updates out + 2 B results in) x {share:.3f} = "
+        f"{6 * n * share / 2**20:.1f} MiB"
+    )
     return rows
 
 
@@ -146,9 +174,12 @@ def ns_batched_vs_loop(experts: int, rows: int, cols: int) -> list[str]:
     from trainer.optim.newton_schulz import orthogonalize
 
     g = torch.randn(experts, rows, cols, generator=torch.Generator().manual_seed(0))
-    out = [f"Newton-Schulz of {experts} experts of [{rows}, {cols}], 5 steps, "
-           f"{torch.get_num_threads()} threads (median of 10):"]
+    out = [
+        f"Newton-Schulz of {experts} experts of [{rows}, {cols}], 5 steps, "
+        f"{torch.get_num_threads()} threads (median of 10):"
+    ]
     for dtype in (torch.float32, torch.bfloat16):
+
         def loop():
             return torch.stack([orthogonalize(m, 5, dtype) for m in g])
 
@@ -165,9 +196,11 @@ def ns_batched_vs_loop(experts: int, rows: int, cols: int) -> list[str]:
                 samples.append(time.perf_counter() - t0)
             times[name] = statistics.median(samples)
         diff = (loop().float() - batch().float()).abs().max().item()
-        out.append(f"  {str(dtype).removeprefix('torch.'):8}: per-matrix loop "
-                   f"{times['loop'] * 1e3:.2f} ms, batched {times['batched'] * 1e3:.2f} ms "
-                   f"({times['loop'] / times['batched']:.2f}x); max difference {diff:.1e}")
+        out.append(
+            f"  {str(dtype).removeprefix('torch.'):8}: per-matrix loop "
+            f"{times['loop'] * 1e3:.2f} ms, batched {times['batched'] * 1e3:.2f} ms "
+            f"({times['loop'] / times['batched']:.2f}x); max difference {diff:.1e}"
+        )
     return out
 
 
@@ -182,24 +215,37 @@ def main(argv) -> int:
         for lr in args.lrs.split(","):
             points, wall = curve(args, name, lr)
             runs[(name, lr)] = points
-            print(f"{name:5} lr {lr:>6}: " + " ".join(f"{v:.3f}" for _, v in sorted(points.items()))
-                  + f"  (final {points[max(points)]:.4f}, {wall:.0f} s)", flush=True)
+            print(
+                f"{name:5} lr {lr:>6}: "
+                + " ".join(f"{v:.3f}" for _, v in sorted(points.items()))
+                + f"  (final {points[max(points)]:.4f}, {wall:.0f} s)",
+                flush=True,
+            )
     best = {}
     for name in ("AdamW", "Muon"):
-        lr = min((lr for n, lr in runs if n == name), key=lambda lr: runs[(name, lr)][
-            max(runs[(name, lr)])])
+        lr = min(
+            (lr for n, lr in runs if n == name),
+            key=lambda lr: runs[(name, lr)][max(runs[(name, lr)])],
+        )
         best[name] = (lr, runs[(name, lr)])
     (a_lr, a), (m_lr, m) = best["AdamW"], best["Muon"]
     total = max(a)
-    print(f"\nbest: AdamW lr {a_lr} final {a[total]:.4f}; Muon lr {m_lr} final {m[max(m)]:.4f} "
-          f"({total:,} tokens each)")
+    print(
+        f"\nbest: AdamW lr {a_lr} final {a[total]:.4f}; Muon lr {m_lr} final {m[max(m)]:.4f} "
+        f"({total:,} tokens each)"
+    )
     print(f"{'tokens':>10} {'AdamW':>8} {'Muon':>8}")
     for t in sorted(a):
         print(f"{t:>10,} {a[t]:>8.4f} {m.get(t, float('nan')):>8.4f}")
     reach = tokens_to_reach(m, a[total])
-    print(f"Muon reaches AdamW's final validation loss {a[total]:.4f} at "
-          + (f"{reach:,.0f} tokens: {reach / total:.2f}x AdamW's tokens" if reach else
-             "no point of the run: it ends above it"))
+    print(
+        f"Muon reaches AdamW's final validation loss {a[total]:.4f} at "
+        + (
+            f"{reach:,.0f} tokens: {reach / total:.2f}x AdamW's tokens"
+            if reach
+            else "no point of the run: it ends above it"
+        )
+    )
     print(plot(args.png, best))
     for row in step_cost(args.ngpu):
         print(row)

@@ -58,6 +58,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from s3_loopback import BUCKET, Server  # noqa: E402
 
 MIB = 1 << 20
+
+
 class Table:
     """Rows of (MiB, seconds, server CPU, client CPU, operations) per label, over repeats."""
 
@@ -80,16 +82,20 @@ class Table:
         if not labels:
             return
         print(f"\n{title}")
-        print(f"{'':<52}{'MiB':>7}{'s':>8}{'MiB/s (range)':>20}{'srv CPU':>9}{'own CPU':>9}"
-              f"{'MiB/CPU-s':>11}  S3 operations (last repeat)")
+        print(
+            f"{'':<52}{'MiB':>7}{'s':>8}{'MiB/s (range)':>20}{'srv CPU':>9}{'own CPU':>9}"
+            f"{'MiB/CPU-s':>11}  S3 operations (last repeat)"
+        )
         for label in [x for x in self.order if x in labels]:
             rows = self.rows[label]
             rates = [m / s for m, s, *_ in rows]
             med = lambda i: statistics.median(r[i] for r in rows)  # noqa: E731
             ops = ", ".join(f"{k} {v}" for k, v in sorted(rows[-1][4].items()) if v > 0) or "-"
-            print(f"{label:<52}{med(0):>7.1f}{med(1):>8.2f}{statistics.median(rates):>8.0f} "
-                  f"({min(rates):>4.0f}-{max(rates):<5.0f}){med(2):>9.2f}{med(3):>9.2f}"
-                  f"{med(0) / max(med(2) + med(3), 1e-3):>11.0f}  {ops}")
+            print(
+                f"{label:<52}{med(0):>7.1f}{med(1):>8.2f}{statistics.median(rates):>8.0f} "
+                f"({min(rates):>4.0f}-{max(rates):<5.0f}){med(2):>9.2f}{med(3):>9.2f}"
+                f"{med(0) / max(med(2) + med(3), 1e-3):>11.0f}  {ops}"
+            )
 
 
 def _self_cpu() -> float:
@@ -114,18 +120,19 @@ def model_state(flavor: str) -> dict:
         model = build_model(model_args(flavor))
     torch.manual_seed(0)
     params = {n: torch.randn(p.shape) for n, p in model.named_parameters()}
-    moments = {n: {"exp_avg": torch.randn(p.shape), "exp_avg_sq": torch.rand(p.shape)}
-               for n, p in params.items()}
+    moments = {
+        n: {"exp_avg": torch.randn(p.shape), "exp_avg_sq": torch.rand(p.shape)}
+        for n, p in params.items()
+    }
     return {"model": params, "optim": moments}
 
 
 def _empty(sd):
-    return ({k: _empty(v) for k, v in sd.items()} if isinstance(sd, dict)
-            else torch.empty_like(sd))
+    return {k: _empty(v) for k, v in sd.items()} if isinstance(sd, dict) else torch.empty_like(sd)
 
 
 def _equal(a, b) -> bool:
-    return (all(_equal(a[k], b[k]) for k in a) if isinstance(a, dict) else torch.equal(a, b))
+    return all(_equal(a[k], b[k]) for k in a) if isinstance(a, dict) else torch.equal(a, b)
 
 
 def _s3tc_config():
@@ -137,29 +144,48 @@ def _s3tc_config():
 def dcp_repeat(t: Table, sd: dict, tmp: str, rep: int, s3tc: bool) -> None:
     """Saves, then loads (checked bit for bit), of each store; then deleted."""
     mib = sum(x.numel() * 4 for x in sd["model"].values()) * 3 / MIB
-    local, url, url2 = (os.path.join(tmp, f"step-{rep}"), f"s3://{BUCKET}/ckpt/step-{rep}",
-                        f"s3://{BUCKET}/s3tc/step-{rep}")
-    save = lambda path: dcp.save(sd, storage_writer=integrity.storage_writer(path, 0, 0),  # noqa
-                                 no_dist=True)
+    local, url, url2 = (
+        os.path.join(tmp, f"step-{rep}"),
+        f"s3://{BUCKET}/ckpt/step-{rep}",
+        f"s3://{BUCKET}/s3tc/step-{rep}",
+    )
+    save = lambda path: dcp.save(
+        sd,
+        storage_writer=integrity.storage_writer(path, 0, 0),  # noqa
+        no_dist=True,
+    )
     t.time("(a) save  local disk, trainer's writer", mib, save, local)
     t.time("(a) save  s3, trainer (DCP fsspec + s3fs)", mib, save, url)
     if s3tc:
         from s3torchconnector.dcp import S3StorageReader, S3StorageWriter
 
-        t.time("(a) save  s3, s3torchconnector S3StorageWriter", mib, lambda: dcp.save(
-            sd, storage_writer=S3StorageWriter("us-east-1", url2, _s3tc_config()), no_dist=True))
+        t.time(
+            "(a) save  s3, s3torchconnector S3StorageWriter",
+            mib,
+            lambda: dcp.save(
+                sd, storage_writer=S3StorageWriter("us-east-1", url2, _s3tc_config()), no_dist=True
+            ),
+        )
     for name in os.listdir(local):
         _drop_cache(os.path.join(local, name))
-    for label, path in (("local disk (cold cache), trainer's reader", local),
-                        ("s3, trainer (DCP fsspec + s3fs)", url)):
+    for label, path in (
+        ("local disk (cold cache), trainer's reader", local),
+        ("s3, trainer (DCP fsspec + s3fs)", url),
+    ):
         target = _empty(sd)
         t.time(f"(a) load  {label}", mib, lambda: safe_load.load(target, path, no_dist=True))
         assert _equal(target, sd), label
     if s3tc:
         target = _empty(sd)
-        t.time("(a) load  s3, s3torchconnector S3StorageReader", mib, lambda: dcp.load(
-            target, storage_reader=S3StorageReader("us-east-1", url2, _s3tc_config()),
-            no_dist=True))
+        t.time(
+            "(a) load  s3, s3torchconnector S3StorageReader",
+            mib,
+            lambda: dcp.load(
+                target,
+                storage_reader=S3StorageReader("us-east-1", url2, _s3tc_config()),
+                no_dist=True,
+            ),
+        )
         assert _equal(target, sd)
         storage.remove_tree(url2)
     shutil.rmtree(local)
@@ -190,13 +216,25 @@ def finish_store(folder: Path, shards: list[np.ndarray]) -> None:
     """tokenizer.model (a stand-in: only its sha256 is checked) and the manifest."""
     tok = b"bench tokenizer stand-in"
     (folder / TOKENIZER_FILE).write_bytes(tok)
-    entries = [{"file": f"shard_{i:05d}.bin", "tokens": a.size, "docs": 1,
-                "blake2b": hashlib.blake2b(a.data, digest_size=16).hexdigest()}
-               for i, a in enumerate(shards)]
-    manifest = {"format": FORMAT, "version": VERSION, "source": {"dataset": "bench"},
-                "tokenizer": {"sha256": hashlib.sha256(tok).hexdigest(), "vocab_size": 50000},
-                "dtype": "uint16", "shards": entries, "total_docs": len(entries),
-                "total_tokens": sum(e["tokens"] for e in entries)}
+    entries = [
+        {
+            "file": f"shard_{i:05d}.bin",
+            "tokens": a.size,
+            "docs": 1,
+            "blake2b": hashlib.blake2b(a.data, digest_size=16).hexdigest(),
+        }
+        for i, a in enumerate(shards)
+    ]
+    manifest = {
+        "format": FORMAT,
+        "version": VERSION,
+        "source": {"dataset": "bench"},
+        "tokenizer": {"sha256": hashlib.sha256(tok).hexdigest(), "vocab_size": 50000},
+        "dtype": "uint16",
+        "shards": entries,
+        "total_docs": len(entries),
+        "total_tokens": sum(e["tokens"] for e in entries),
+    }
     (folder / MANIFEST).write_text(json.dumps(manifest))
     for e in entries:
         _drop_cache(folder / e["file"])
@@ -207,42 +245,57 @@ def read_sequential(store: Store) -> np.ndarray:
     starts = np.arange(0, store.total_tokens - SEQ - 1, SEQ)
     last = None
     for i in range(0, len(starts), 64):
-        last = store.read(starts[i:i + 64], SEQ + 1)
+        last = store.read(starts[i : i + 64], SEQ + 1)
     return last
 
 
 def read_random(store: Store, starts: np.ndarray) -> np.ndarray:
-    return np.concatenate([store.read(starts[i:i + 8], WINDOW) for i in range(0, len(starts), 8)])
+    return np.concatenate([store.read(starts[i : i + 8], WINDOW) for i in range(0, len(starts), 8)])
 
 
-def store_repeat(t: Table, shards: list[np.ndarray], tmp: str, rep: int, cache_gib: float,
-                 windows: int) -> dict:
+def store_repeat(
+    t: Table, shards: list[np.ndarray], tmp: str, rep: int, cache_gib: float, windows: int
+) -> dict:
     folder, url = Path(tmp) / f"store-{rep}", f"s3://{BUCKET}/store-{rep}"
     mib = sum(a.nbytes for a in shards) / MIB
     t.time("(b) write local disk (shards + fsync)", mib, write_store, folder, shards)
     finish_store(folder, shards)
-    t.time("(b) write s3 (prepare's upload_store, s3fs)", mib, remote.upload_store, folder,
-           url, MANIFEST)
+    t.time(
+        "(b) write s3 (prepare's upload_store, s3fs)",
+        mib,
+        remote.upload_store,
+        folder,
+        url,
+        MANIFEST,
+    )
     here = Store(folder, verify="sizes")
-    there = Store(url, verify="sizes", cache_dir=os.path.join(tmp, f"cache-{rep}"),
-                  cache_max_gib=cache_gib)
+    there = Store(
+        url, verify="sizes", cache_dir=os.path.join(tmp, f"cache-{rep}"), cache_max_gib=cache_gib
+    )
     seq_mib = len(np.arange(0, here.total_tokens - SEQ - 1, SEQ)) * (SEQ + 1) * 2 / MIB
     a = t.time("(b) read sequential  local disk (memmap)", seq_mib, read_sequential, here)
-    b = t.time(f"(b) read sequential  s3 (ranged, {cache_gib:g} GiB cache)", seq_mib,
-               read_sequential, there)
+    b = t.time(
+        f"(b) read sequential  s3 (ranged, {cache_gib:g} GiB cache)",
+        seq_mib,
+        read_sequential,
+        there,
+    )
     assert np.array_equal(a, b)
     stats = dict(there.cache.stats)
     starts = np.random.default_rng(rep).integers(0, here.total_tokens - WINDOW, windows)
     for e in here.manifest["shards"]:
         _drop_cache(folder / e["file"])
-    cold = Store(url, verify="sizes", cache_dir=os.path.join(tmp, f"cache-r{rep}"),
-                 cache_max_gib=cache_gib)
+    cold = Store(
+        url, verify="sizes", cache_dir=os.path.join(tmp, f"cache-r{rep}"), cache_max_gib=cache_gib
+    )
     rmib = windows * WINDOW * 2 / MIB
     a = t.time(f"(b) read {windows} random windows  local disk", rmib, read_random, here, starts)
-    b = t.time(f"(b) read {windows} random windows  s3, cold cache", rmib, read_random, cold,
-               starts)
-    c = t.time(f"(b) read {windows} random windows  s3, warm cache", rmib, read_random, cold,
-               starts)
+    b = t.time(
+        f"(b) read {windows} random windows  s3, cold cache", rmib, read_random, cold, starts
+    )
+    c = t.time(
+        f"(b) read {windows} random windows  s3, warm cache", rmib, read_random, cold, starts
+    )
     assert np.array_equal(a, b) and np.array_equal(a, c)
     shutil.rmtree(folder)
     shutil.rmtree(os.path.join(tmp, f"cache-{rep}"))
@@ -276,8 +329,12 @@ def raw_http(server: Server, method: str, key: str, data: bytes | None = None) -
     """One unsigned request (moto does not check signatures; the object is put public-read
     so that an anonymous GET may read it): no client library at all."""
     conn = http.client.HTTPConnection("127.0.0.1", server.port, timeout=600)
-    conn.request(method, f"/{BUCKET}/{key}", body=data,
-                 headers={"x-amz-acl": "public-read"} if data is not None else {})
+    conn.request(
+        method,
+        f"/{BUCKET}/{key}",
+        body=data,
+        headers={"x-amz-acl": "public-read"} if data is not None else {},
+    )
     resp = conn.getresponse()
     body = resp.read()
     assert resp.status == 200, (resp.status, body[:300])
@@ -288,18 +345,25 @@ def raw_http(server: Server, method: str, key: str, data: bytes | None = None) -
 def clients(server: Server, s3tc: bool, obstore: bool) -> dict:
     """{name: (put(key, data), get(key) -> bytes)} of each client library available."""
     fs = storage.filesystem(f"s3://{BUCKET}")
-    out = {"raw HTTP (one unsigned PUT / GET)": (
-               lambda k, d: raw_http(server, "PUT", k, d), lambda k: raw_http(server, "GET", k)),
-           "s3fs 2026.9 (pipe_file / cat_file)": (
-               lambda k, d: fs.pipe_file(f"{BUCKET}/{k}", d),
-               lambda k: fs.cat_file(f"{BUCKET}/{k}"))}
+    out = {
+        "raw HTTP (one unsigned PUT / GET)": (
+            lambda k, d: raw_http(server, "PUT", k, d),
+            lambda k: raw_http(server, "GET", k),
+        ),
+        "s3fs 2026.9 (pipe_file / cat_file)": (
+            lambda k, d: fs.pipe_file(f"{BUCKET}/{k}", d),
+            lambda k: fs.cat_file(f"{BUCKET}/{k}"),
+        ),
+    }
     if obstore:
         import obstore as obs
         from obstore.store import S3Store
 
         store = S3Store(BUCKET, client_options={"allow_http": True})  # AWS_* from the env
-        out["obstore (put / get)"] = (lambda k, d: obs.put(store, k, d),
-                                      lambda k: bytes(obs.get(store, k).bytes()))
+        out["obstore (put / get)"] = (
+            lambda k, d: obs.put(store, k, d),
+            lambda k: bytes(obs.get(store, k).bytes()),
+        )
     if s3tc:
         from s3torchconnector._s3client import S3Client
 
@@ -311,12 +375,15 @@ def clients(server: Server, s3tc: bool, obstore: bool) -> dict:
             writer.close()
 
         out["s3torchconnector (put_object / get_object)"] = (
-            put, lambda k: client.get_object(BUCKET, k).read())
+            put,
+            lambda k: client.get_object(BUCKET, k).read(),
+        )
     return out
 
 
-def client_repeat(t: Table, server: Server, data: bytes, tmp: str, s3tc: bool,
-                  obstore: bool) -> None:
+def client_repeat(
+    t: Table, server: Server, data: bytes, tmp: str, s3tc: bool, obstore: bool
+) -> None:
     mib = len(data) / MIB
     t.time("(c) loopback TCP, one socket (no HTTP)", mib, loopback_tcp, data)
     path = os.path.join(tmp, "object.bin")
@@ -386,26 +453,37 @@ def main() -> None:
     p.add_argument("--only", default="abc", help="which parts: any of a, b, c")
     a = p.parse_args()
     warnings.filterwarnings("ignore")  # DCP's "torch.distributed is disabled", s3tc's notes
-    cpu = next((line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo")
-                if line.startswith("model name")), "?")
-    print(f"{os.cpu_count()} cores ({cpu}), load average {os.getloadavg()[0]:.1f} at start; "
-          f"{_versions()}")
+    cpu = next(
+        (
+            line.split(":", 1)[1].strip()
+            for line in open("/proc/cpuinfo")
+            if line.startswith("model name")
+        ),
+        "?",
+    )
+    print(
+        f"{os.cpu_count()} cores ({cpu}), load average {os.getloadavg()[0]:.1f} at start; "
+        f"{_versions()}"
+    )
     s3tc, obstore = _have("s3torchconnector.dcp"), _have("obstore")
     server = Server()
     try:
         note = probe_s3tc(server) if s3tc else "not installed: skipped"
         if s3tc and note:
-            print(f"s3torchconnector against moto as it is: {note}\n  -> moto answers "
-                  "CompleteMultipartUpload with <CompleteMultipartUploadResponse>, real S3 "
-                  "with <CompleteMultipartUploadResult>; every s3torchconnector put is a "
-                  "multipart upload, so this script's layer renames the root for it")
+            print(
+                f"s3torchconnector against moto as it is: {note}\n  -> moto answers "
+                "CompleteMultipartUpload with <CompleteMultipartUploadResponse>, real S3 "
+                "with <CompleteMultipartUploadResult>; every s3torchconnector put is a "
+                "multipart upload, so this script's layer renames the root for it"
+            )
             server.counts(compat=True)
             s3tc = not probe_s3tc(server)
         t = Table(server)
         sd = model_state(a.flavor) if "a" in a.only else None
         shards = make_shards(a.store_gib) if "b" in a.only else None
-        data = np.random.default_rng(1).integers(0, 256, a.object_mib * MIB,
-                                                 dtype=np.uint8).tobytes()
+        data = (
+            np.random.default_rng(1).integers(0, 256, a.object_mib * MIB, dtype=np.uint8).tobytes()
+        )
         stats = {}
         with tempfile.TemporaryDirectory(prefix="bench_store_") as tmp:
             for rep in range(a.repeats):
@@ -415,21 +493,30 @@ def main() -> None:
                     stats = store_repeat(t, shards, tmp, rep, a.cache_gib, a.windows)
                 if "c" in a.only:
                     client_repeat(t, server, data, tmp, s3tc, obstore)
-                print(f"repeat {rep + 1}/{a.repeats} done, load average "
-                      f"{os.getloadavg()[0]:.1f}", flush=True)
+                print(
+                    f"repeat {rep + 1}/{a.repeats} done, load average {os.getloadavg()[0]:.1f}",
+                    flush=True,
+                )
         labels = list(t.rows)
-        t.print(f"(a) DCP save/load of {a.flavor} (fp32 params + AdamW moments), one process",
-                [x for x in labels if x.startswith("(a)")])
-        t.print(f"(b) token store of {a.store_gib:g} GiB, {SHARD_MIB} MiB uint16 shards "
-                f"(sequential: windows of {SEQ + 1}; random: windows of {WINDOW}, 8 a read)",
-                [x for x in labels if x.startswith("(b)")])
+        t.print(
+            f"(a) DCP save/load of {a.flavor} (fp32 params + AdamW moments), one process",
+            [x for x in labels if x.startswith("(a)")],
+        )
+        t.print(
+            f"(b) token store of {a.store_gib:g} GiB, {SHARD_MIB} MiB uint16 shards "
+            f"(sequential: windows of {SEQ + 1}; random: windows of {WINDOW}, 8 a read)",
+            [x for x in labels if x.startswith("(b)")],
+        )
         for kind, s in stats.items():
-            print(f"  s3 {kind} read (last repeat): {s['fetched_bytes'] / MIB:.0f} MiB fetched "
-                  f"in {s['requests']} ranged GETs, {s['evictions']} blocks evicted")
-        t.print(f"(c) one object of {a.object_mib} MiB", [x for x in labels
-                                                          if x.startswith("(c)")])
-        print(f"\nmedian (range) of {a.repeats} repeats; load average {os.getloadavg()[0]:.1f} "
-              "at the end; srv CPU: the moto server process's CPU seconds")
+            print(
+                f"  s3 {kind} read (last repeat): {s['fetched_bytes'] / MIB:.0f} MiB fetched "
+                f"in {s['requests']} ranged GETs, {s['evictions']} blocks evicted"
+            )
+        t.print(f"(c) one object of {a.object_mib} MiB", [x for x in labels if x.startswith("(c)")])
+        print(
+            f"\nmedian (range) of {a.repeats} repeats; load average {os.getloadavg()[0]:.1f} "
+            "at the end; srv CPU: the moto server process's CPU seconds"
+        )
     finally:
         server.close()
 

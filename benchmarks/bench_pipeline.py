@@ -26,21 +26,50 @@ from common import REPO, append_result, run_train, spread, tb_scalars
 from trainer.config.job import load_config
 from trainer.parallel.pp_layout import SCHEDULES, bubble_fraction, check_pipeline
 
-SCHEDULE_NAMES = ["GPipe", "1F1B", "Interleaved1F1B", "LoopedBFS", "InterleavedZeroBubble",
-                  "ZBVZeroBubble", "DualPipeV"]
+SCHEDULE_NAMES = [
+    "GPipe",
+    "1F1B",
+    "Interleaved1F1B",
+    "LoopedBFS",
+    "InterleavedZeroBubble",
+    "ZBVZeroBubble",
+    "DualPipeV",
+]
 
 
 def overrides(batch: int, steps: int, pp: int, schedule: str | None) -> list[str]:
-    args = ["--training.device", "cpu", "--model.flavor", "debugmodel", "--training.seq_len",
-            "256", "--training.global_batch_size", str(batch),
-            "--training.mixed_precision_param", "float32", "--data.dataset", "synthetic",
-            "--training.steps", str(steps), "--metrics.log_freq", "1",
-            "--metrics.enable_tensorboard", "true", "--checkpoint.enable", "false"]
+    args = [
+        "--training.device",
+        "cpu",
+        "--model.flavor",
+        "debugmodel",
+        "--training.seq_len",
+        "256",
+        "--training.global_batch_size",
+        str(batch),
+        "--training.mixed_precision_param",
+        "float32",
+        "--data.dataset",
+        "synthetic",
+        "--training.steps",
+        str(steps),
+        "--metrics.log_freq",
+        "1",
+        "--metrics.enable_tensorboard",
+        "true",
+        "--checkpoint.enable",
+        "false",
+    ]
     if pp == 1:
         return args + ["--training.local_batch_size", str(batch // 4)]
-    return args + ["--training.local_batch_size", str(batch),
-                   "--parallelism.pipeline_parallel_degree", str(pp),
-                   "--parallelism.pipeline_parallel_schedule", schedule]
+    return args + [
+        "--training.local_batch_size",
+        str(batch),
+        "--parallelism.pipeline_parallel_degree",
+        str(pp),
+        "--parallelism.pipeline_parallel_schedule",
+        schedule,
+    ]
 
 
 def step_times(args: list[str], steps: int, warmup: int) -> list[float]:
@@ -64,21 +93,30 @@ def main(argv: list[str]) -> int:
     args = ap.parse_args(argv)
     base = step_times(overrides(args.batch, args.steps, 1, None), args.steps, args.warmup)
     b = statistics.median(base)
-    print(f"debug model fp32, seq 256, {args.batch} samples per step, 4 CPU ranks; median step "
-          f"time after {args.warmup} warm-up steps (p10-p90)")
-    print(f"  {'layout':<28} {'stages':>6} {'ideal bubble':>12} {'step s':>8} "
-          f"{'p10-p90':>13} {'efficiency':>10}")
-    print(f"  {'FSDP 4 (baseline)':<28} {'-':>6} {'-':>12} {b:>8.3f} "
-          f"{spread(base)['p10']:>6.3f}-{spread(base)['p90']:.3f} {1.0:>10.2f}")
+    print(
+        f"debug model fp32, seq 256, {args.batch} samples per step, 4 CPU ranks; median step "
+        f"time after {args.warmup} warm-up steps (p10-p90)"
+    )
+    print(
+        f"  {'layout':<28} {'stages':>6} {'ideal bubble':>12} {'step s':>8} "
+        f"{'p10-p90':>13} {'efficiency':>10}"
+    )
+    print(
+        f"  {'FSDP 4 (baseline)':<28} {'-':>6} {'-':>12} {b:>8.3f} "
+        f"{spread(base)['p10']:>6.3f}-{spread(base)['p90']:.3f} {1.0:>10.2f}"
+    )
     rows = [{"layout": "fsdp4", "step_s": b}]
     for name in SCHEDULE_NAMES:
         bubble, stages = ideal_bubble(args.batch, name)
         times = step_times(overrides(args.batch, args.steps, 4, name), args.steps, args.warmup)
         t, s = statistics.median(times), spread(times)
-        print(f"  {'PP 4 ' + name:<28} {stages:>6} {bubble:>12.1%} {t:>8.3f} "
-              f"{s['p10']:>6.3f}-{s['p90']:.3f} {b / t:>10.2f}")
-        rows.append({"layout": f"pp4_{name}", "stages": stages, "ideal_bubble": bubble,
-                     "step_s": t})
+        print(
+            f"  {'PP 4 ' + name:<28} {stages:>6} {bubble:>12.1%} {t:>8.3f} "
+            f"{s['p10']:>6.3f}-{s['p90']:.3f} {b / t:>10.2f}"
+        )
+        rows.append(
+            {"layout": f"pp4_{name}", "stages": stages, "ideal_bubble": bubble, "step_s": t}
+        )
     append_result({"bench": "pipeline", "batch": args.batch, "rows": rows})
     return 0
 

@@ -23,13 +23,16 @@ import torch
 from common import run_train, tb_scalars
 
 
-def time_attention(seq: int, heads: int, head_dim: int, batch: int, repeat: int,
-                   record: bool) -> float:
+def time_attention(
+    seq: int, heads: int, head_dim: int, batch: int, repeat: int, record: bool
+) -> float:
     from trainer.models.attention import attend
 
     gen = torch.Generator().manual_seed(0)
-    q, k, v = (torch.randn(batch, seq, heads, head_dim, generator=gen, requires_grad=True)
-               for _ in range(3))
+    q, k, v = (
+        torch.randn(batch, seq, heads, head_dim, generator=gen, requires_grad=True)
+        for _ in range(3)
+    )
     buf = torch.full((heads,), float("-inf")) if record else None
     times = []
     for _ in range(repeat + 2):
@@ -41,9 +44,20 @@ def time_attention(seq: int, heads: int, head_dim: int, batch: int, repeat: int,
 
 def step_time(overrides: list[str], ngpu: int, steps: int) -> float:
     with tempfile.TemporaryDirectory() as dump:
-        run_train(dump, ["--training.steps", str(steps), "--metrics.log_freq", "1",
-                         "--checkpoint.enable", "false", *overrides], ngpu=ngpu,
-                  config="configs/debug_dsv3.toml")
+        run_train(
+            dump,
+            [
+                "--training.steps",
+                str(steps),
+                "--metrics.log_freq",
+                "1",
+                "--checkpoint.enable",
+                "false",
+                *overrides,
+            ],
+            ngpu=ngpu,
+            config="configs/debug_dsv3.toml",
+        )
         secs = tb_scalars(dump, "time_metrics/end_to_end(s)")
         return statistics.median(list(secs.values())[5:]) if secs else float("nan")
 
@@ -65,14 +79,23 @@ def main() -> None:
         base = time_attention(seq, a.heads, a.head_dim, a.batch, a.repeat, False)
         with_max = time_attention(seq, a.heads, a.head_dim, a.batch, a.repeat, True)
         print(f"| {seq} | {base:.2f} | {with_max:.2f} | {with_max / base:.2f}x |")
-    common = ["--optimizer.name", "Muon", "--training.device", "cpu",
-              "--parallelism.expert_parallel_degree", str(a.ngpu),
-              "--training.mixed_precision_param", "float32"]
+    common = [
+        "--optimizer.name",
+        "Muon",
+        "--training.device",
+        "cpu",
+        "--parallelism.expert_parallel_degree",
+        str(a.ngpu),
+        "--training.mixed_precision_param",
+        "float32",
+    ]
     plain = step_time(common, a.ngpu, a.steps)
     clipped = step_time([*common, "--optimizer.muon_qk_clip", "100"], a.ngpu, a.steps)
-    print(f"\nstep (configs/debug_dsv3.toml, Muon, {a.ngpu} rank(s), median of steps 6-"
-          f"{a.steps}): {plain * 1e3:.0f} ms without QK-clip, {clipped * 1e3:.0f} ms with "
-          f"({clipped / plain:.3f}x)")
+    print(
+        f"\nstep (configs/debug_dsv3.toml, Muon, {a.ngpu} rank(s), median of steps 6-"
+        f"{a.steps}): {plain * 1e3:.0f} ms without QK-clip, {clipped * 1e3:.0f} ms with "
+        f"({clipped / plain:.3f}x)"
+    )
 
 
 if __name__ == "__main__":

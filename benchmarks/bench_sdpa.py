@@ -27,8 +27,12 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from trainer.models.args import model_args
 
-BACKENDS = {"cudnn": SDPBackend.CUDNN_ATTENTION, "flash": SDPBackend.FLASH_ATTENTION,
-            "efficient": SDPBackend.EFFICIENT_ATTENTION, "math": SDPBackend.MATH}
+BACKENDS = {
+    "cudnn": SDPBackend.CUDNN_ATTENTION,
+    "flash": SDPBackend.FLASH_ATTENTION,
+    "efficient": SDPBackend.EFFICIENT_ATTENTION,
+    "math": SDPBackend.MATH,
+}
 
 
 def timed(fn, repeats: int, device: torch.device) -> float:
@@ -55,18 +59,24 @@ def attention_rows(a, batch: int, seq: int, dtype, device, repeats: int) -> list
     g = torch.Generator(device=device).manual_seed(0)
     shape = lambda h: (batch, h, seq, a.head_dim)  # noqa: E731
     q = torch.randn(shape(a.n_heads), generator=g, device=device, dtype=dtype, requires_grad=True)
-    k, v = (torch.randn(shape(a.n_kv_heads), generator=g, device=device, dtype=dtype,
-                        requires_grad=True) for _ in range(2))
+    k, v = (
+        torch.randn(
+            shape(a.n_kv_heads), generator=g, device=device, dtype=dtype, requires_grad=True
+        )
+        for _ in range(2)
+    )
     dout = torch.randn(shape(a.n_heads), generator=g, device=device, dtype=dtype)
     names = ["cudnn", "flash", "efficient"] if device.type == "cuda" else ["flash", "math"]
     rows, ref = [], None
     for name in names:
+
         def step():
             q.grad = k.grad = v.grad = None
             with sdpa_kernel(BACKENDS[name]):
                 out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
             out.backward(dout)
             return out
+
         try:
             out = step()
         except RuntimeError as e:  # this backend does not take the shape or dtype
@@ -78,12 +88,20 @@ def attention_rows(a, batch: int, seq: int, dtype, device, repeats: int) -> list
             ref, ref_s, ref_name = got, seconds, name
             diff = "reference"
         else:
-            errs = [(x.float() - r.float()).abs().max().item() / r.float().abs().max().item()
-                    for x, r in zip(got, ref)]
-            diff = "vs " + ref_name + ": rel max diff out/dq/dk/dv " + \
-                   "/".join(f"{e:.1e}" for e in errs)
-        rows.append(f"attention {name:<10} {seconds * 1e3:8.3f} ms  {ref_s / seconds:5.2f}x "
-                    f"{ref_name}  {diff}")
+            errs = [
+                (x.float() - r.float()).abs().max().item() / r.float().abs().max().item()
+                for x, r in zip(got, ref)
+            ]
+            diff = (
+                "vs "
+                + ref_name
+                + ": rel max diff out/dq/dk/dv "
+                + "/".join(f"{e:.1e}" for e in errs)
+            )
+        rows.append(
+            f"attention {name:<10} {seconds * 1e3:8.3f} ms  {ref_s / seconds:5.2f}x "
+            f"{ref_name}  {diff}"
+        )
     return rows
 
 
@@ -91,14 +109,17 @@ def projection_rows(a, tokens: int, dtype, device, repeats: int) -> list[str]:
     g = torch.Generator(device=device).manual_seed(1)
     x = torch.randn(tokens, a.dim, generator=g, device=device, dtype=dtype, requires_grad=True)
     hidden = a.hidden_dim if a.moe is None else None
-    groups = {"q,k,v": [a.n_heads * a.head_dim, a.n_kv_heads * a.head_dim,
-                        a.n_kv_heads * a.head_dim]}
+    groups = {
+        "q,k,v": [a.n_heads * a.head_dim, a.n_kv_heads * a.head_dim, a.n_kv_heads * a.head_dim]
+    }
     if hidden:
         groups["w1,w3"] = [hidden, hidden]
     rows = []
     for label, outs in groups.items():
-        ws = [torch.randn(o, a.dim, generator=g, device=device, dtype=dtype,
-                          requires_grad=True) for o in outs]
+        ws = [
+            torch.randn(o, a.dim, generator=g, device=device, dtype=dtype, requires_grad=True)
+            for o in outs
+        ]
         fused = torch.cat([w.detach() for w in ws]).requires_grad_()
 
         def split_step():
@@ -112,9 +133,11 @@ def projection_rows(a, tokens: int, dtype, device, repeats: int) -> list[str]:
             y.backward(torch.ones_like(y))
 
         s, f = timed(split_step, repeats, device), timed(fused_step, repeats, device)
-        rows.append(f"projection {label:<8} separate {s * 1e3:8.3f} ms, fused {f * 1e3:8.3f} ms: "
-                    f"fused saves {100 * (1 - f / s):5.1f}% ({tokens} tokens, out "
-                    f"{'+'.join(map(str, outs))})")
+        rows.append(
+            f"projection {label:<8} separate {s * 1e3:8.3f} ms, fused {f * 1e3:8.3f} ms: "
+            f"fused saves {100 * (1 - f / s):5.1f}% ({tokens} tokens, out "
+            f"{'+'.join(map(str, outs))})"
+        )
     return rows
 
 
@@ -129,9 +152,11 @@ def main(argv: list[str]) -> int:
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     a = model_args(args.flavor, max_seq_len=args.seq)
     name = torch.cuda.get_device_name() if device.type == "cuda" else "CPU"
-    print(f"{name} | torch {torch.__version__} | {args.flavor}: {a.n_heads} heads, "
-          f"{a.n_kv_heads} kv, head dim {a.head_dim}, batch {args.batch}, seq {args.seq}, "
-          f"{str(dtype).split('.')[1]}; forward + backward, median of {args.repeats}")
+    print(
+        f"{name} | torch {torch.__version__} | {args.flavor}: {a.n_heads} heads, "
+        f"{a.n_kv_heads} kv, head dim {a.head_dim}, batch {args.batch}, seq {args.seq}, "
+        f"{str(dtype).split('.')[1]}; forward + backward, median of {args.repeats}"
+    )
     for row in attention_rows(a, args.batch, args.seq, dtype, device, args.repeats):
         print(row, flush=True)
     for row in projection_rows(a, args.batch * args.seq, dtype, device, args.repeats):

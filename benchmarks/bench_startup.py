@@ -55,6 +55,7 @@ def worker(argv: list[str]) -> None:
                 finally:
                     marks[f"{name}_end"] = time.time()
             return fn(*a, **k)
+
         return wrapper
 
     for name in PHASES:
@@ -75,11 +76,22 @@ def headline(overrides: list[str], ngpu: int, fork: bool = True) -> dict[str, fl
 
     with tempfile.TemporaryDirectory(prefix="bench_startup_") as dump:
         cpu0, t0 = os.times(), time.time()
-        proc = subprocess.Popen([str(REPO / "run_train.sh"), "--job.dump_folder", dump,
-                                 "--training.steps", "1", *overrides],
-                                env=env({"NGPU": str(ngpu), "LOG_RANK": "0",
-                                         "TRAINER_FORK_RANKS": "1" if fork else "0"}),
-                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        proc = subprocess.Popen(
+            [
+                str(REPO / "run_train.sh"),
+                "--job.dump_folder",
+                dump,
+                "--training.steps",
+                "1",
+                *overrides,
+            ],
+            env=env(
+                {"NGPU": str(ngpu), "LOG_RANK": "0", "TRAINER_FORK_RANKS": "1" if fork else "0"}
+            ),
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
         first = None
         for line in proc.stdout:
             if first is None and line.lstrip().startswith("step:"):
@@ -93,8 +105,10 @@ def headline(overrides: list[str], ngpu: int, fork: bool = True) -> dict[str, fl
 
 # run_train.sh's config check inside the launcher (trainer.launch --check), timed alone: what it
 # adds to a launcher that has imported torch already
-CHECK = ("import sys, time, trainer.launch as L; t = time.time(); "
-         "assert not isinstance(L.check_first(sys.argv[1:]), int); print(time.time() - t)")
+CHECK = (
+    "import sys, time, trainer.launch as L; t = time.time(); "
+    "assert not isinstance(L.check_first(sys.argv[1:]), int); print(time.time() - t)"
+)
 
 
 def breakdown(overrides: list[str], ngpu: int) -> dict[str, float]:
@@ -104,31 +118,73 @@ def breakdown(overrides: list[str], ngpu: int) -> dict[str, float]:
 
     config = str(REPO / "configs" / "debug_model.toml")
     with tempfile.TemporaryDirectory(prefix="bench_startup_") as dump:
-        args = ["--job.config_file", config, "--job.dump_folder", dump, "--training.steps", "1",
-                *overrides]
-        e = env({"LOG_RANK": "0", OUT_ENV: dump,
-                 "OMP_NUM_THREADS": str(max(1, os.cpu_count() // ngpu))})
-        check = subprocess.run([sys.executable, "-c", CHECK, "--nnodes", "1", "--nproc_per_node",
-                                str(ngpu), "-m", "trainer.train", *args], env=e, check=True,
-                               capture_output=True, text=True)
+        args = [
+            "--job.config_file",
+            config,
+            "--job.dump_folder",
+            dump,
+            "--training.steps",
+            "1",
+            *overrides,
+        ]
+        e = env(
+            {"LOG_RANK": "0", OUT_ENV: dump, "OMP_NUM_THREADS": str(max(1, os.cpu_count() // ngpu))}
+        )
+        check = subprocess.run(
+            [
+                sys.executable,
+                "-c",
+                CHECK,
+                "--nnodes",
+                "1",
+                "--nproc_per_node",
+                str(ngpu),
+                "-m",
+                "trainer.train",
+                *args,
+            ],
+            env=e,
+            check=True,
+            capture_output=True,
+            text=True,
+        )
         t_check = time.time()  # the launcher starts: as if after the check, which began at t0
         t0 = t_check - float(check.stdout.split()[-1])
-        subprocess.run([sys.executable, "-m", "trainer.launch", "--nnodes", "1",
-                        "--nproc_per_node", str(ngpu), "--rdzv_backend", "c10d",
-                        "--rdzv_endpoint", "localhost:0", __file__, "--worker", *args],
-                       env=e, check=True, stdout=subprocess.DEVNULL)
+        subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "trainer.launch",
+                "--nnodes",
+                "1",
+                "--nproc_per_node",
+                str(ngpu),
+                "--rdzv_backend",
+                "c10d",
+                "--rdzv_endpoint",
+                "localhost:0",
+                __file__,
+                "--worker",
+                *args,
+            ],
+            env=e,
+            check=True,
+            stdout=subprocess.DEVNULL,
+        )
         with open(os.path.join(dump, "rank0.json")) as fh:
             m = json.load(fh)
-    stages = {"config check (in the launcher)": t_check - t0,
-              "launcher to worker process": m["process_start"] - t_check,
-              "interpreter boot": m["script_start"] - m["process_start"],
-              "imports (torch, trainer)": m["imports_done"] - m["script_start"],
-              "process group": m["init_distributed_end"] - m["init_distributed_start"],
-              "mesh + data loader": m["build_dataloader_end"] - m["init_distributed_end"],
-              "model build (meta)": m["build_model_end"] - m["build_model_start"],
-              "parallelize (FSDP, init)": m["parallelize_end"] - m["parallelize_start"],
-              "optimizer, metrics, checkpoint": m["train_step_start"] - m["parallelize_end"],
-              "first step": m["train_step_end"] - m["train_step_start"]}
+    stages = {
+        "config check (in the launcher)": t_check - t0,
+        "launcher to worker process": m["process_start"] - t_check,
+        "interpreter boot": m["script_start"] - m["process_start"],
+        "imports (torch, trainer)": m["imports_done"] - m["script_start"],
+        "process group": m["init_distributed_end"] - m["init_distributed_start"],
+        "mesh + data loader": m["build_dataloader_end"] - m["init_distributed_end"],
+        "model build (meta)": m["build_model_end"] - m["build_model_start"],
+        "parallelize (FSDP, init)": m["parallelize_end"] - m["parallelize_start"],
+        "optimizer, metrics, checkpoint": m["train_step_start"] - m["parallelize_end"],
+        "first step": m["train_step_end"] - m["train_step_start"],
+    }
     stages["between the stages above"] = m["train_step_end"] - t0 - sum(stages.values())
     stages["total to first step"] = m["train_step_end"] - t0
     return stages
@@ -158,19 +214,33 @@ def main(argv: list[str]) -> int:
         fresh.append(headline(overrides, a.ngpu, fork=False))
         parts.append(breakdown(overrides, a.ngpu))
     h, f, b = median_of(heads), median_of(fresh), median_of(parts)
-    for name, m, runs in (("forked ranks (default)", h, heads),
-                          ("fresh processes (TRAINER_FORK_RANKS=0)", f, fresh)):
-        print(f"run_train.sh, {a.ngpu} ranks, {name}, median of {a.repeats} (after a warm-up "
-              f"launch): launch -> step 1 line {m['to_first_step']:.2f} s (goal <= 15 s); "
-              f"-> exit {m['to_exit']:.2f} s; CPU {m['cpu_s']:.1f} s; runs: "
-              + ", ".join(f"{r['to_first_step']:.2f}" for r in runs))
+    for name, m, runs in (
+        ("forked ranks (default)", h, heads),
+        ("fresh processes (TRAINER_FORK_RANKS=0)", f, fresh),
+    ):
+        print(
+            f"run_train.sh, {a.ngpu} ranks, {name}, median of {a.repeats} (after a warm-up "
+            f"launch): launch -> step 1 line {m['to_first_step']:.2f} s (goal <= 15 s); "
+            f"-> exit {m['to_exit']:.2f} s; CPU {m['cpu_s']:.1f} s; runs: "
+            + ", ".join(f"{r['to_first_step']:.2f}" for r in runs)
+        )
     print("breakdown (instrumented worker script, so fresh processes; medians):")
     for stage, s in b.items():
         print(f"  {stage:<34} {s:6.2f} s")
     if not a.no_record:
-        append_result({"bench": "startup", "ngpu": a.ngpu, "overrides": overrides,
-                       "repeats": a.repeats, "headline_s": h, "runs": heads,
-                       "fresh_processes_s": f, "fresh_runs": fresh, "breakdown_s": b})
+        append_result(
+            {
+                "bench": "startup",
+                "ngpu": a.ngpu,
+                "overrides": overrides,
+                "repeats": a.repeats,
+                "headline_s": h,
+                "runs": heads,
+                "fresh_processes_s": f,
+                "fresh_runs": fresh,
+                "breakdown_s": b,
+            }
+        )
     return 0
 
 

@@ -21,7 +21,7 @@ from trainer.health.stragglers import StragglerWatch
 
 
 def naive(times: list[float]) -> list[float]:
-    return [statistics.median(times[:r] + times[r + 1:]) for r in range(len(times))]
+    return [statistics.median(times[:r] + times[r + 1 :]) for r in range(len(times))]
 
 
 def timed(fn, repeats: int) -> float:
@@ -50,9 +50,11 @@ def main(argv) -> int:
 
     now = timed(update, args.repeats)
     before = timed(lambda: naive(times), max(3, args.repeats // 5))
-    print(f"straggler watch, {args.ranks} ranks: update {now * 1e3:.2f} ms per step "
-          f"(goal < 5 ms); the per-rank median of the others, as before: {before * 1e3:.1f} ms "
-          f"({before / now:.0f}x)")
+    print(
+        f"straggler watch, {args.ranks} ranks: update {now * 1e3:.2f} ms per step "
+        f"(goal < 5 ms); the per-rank median of the others, as before: {before * 1e3:.1f} ms "
+        f"({before / now:.0f}x)"
+    )
     return 0
 
 

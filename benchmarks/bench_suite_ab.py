@@ -43,9 +43,13 @@ def clone(rev: str, into: Path) -> Path:
 def run_files(root: Path, files: list[str]) -> dict[str, tuple[float, float]]:
     """{file: (wall s, CPU s)} of one `pytest -n 0` of `files` in the clone `root`."""
     env = dict(os.environ, TRAINER_TEST_BUDGET="off")
-    proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-n", "0", "-p",
-                           "no:cacheprovider", *files], cwd=root, env=env,
-                          capture_output=True, text=True)
+    proc = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-n", "0", "-p", "no:cacheprovider", *files],
+        cwd=root,
+        env=env,
+        capture_output=True,
+        text=True,
+    )
     out = proc.stdout + proc.stderr
     if proc.returncode != 0:
         raise SystemExit(f"pytest failed in {root} (exit {proc.returncode}):\n{out[-4000:]}")
@@ -65,9 +69,11 @@ def table(files: list[str], runs: dict[str, list[dict]]) -> list[dict]:
             row[side] = (statistics.median(w for w, _ in per), statistics.median(c for _, c in per))
         row["ratio"] = row["head"][1] / row["base"][1] if row["base"][1] else float("nan")
         rows.append(row)
-        print(f"{f:45s} wall {row['base'][0]:7.1f} -> {row['head'][0]:7.1f} s   CPU "
-              f"{row['base'][1]:7.1f} -> {row['head'][1]:7.1f} s   ({row['ratio']:.2f}x)",
-              flush=True)
+        print(
+            f"{f:45s} wall {row['base'][0]:7.1f} -> {row['head'][0]:7.1f} s   CPU "
+            f"{row['base'][1]:7.1f} -> {row['head'][1]:7.1f} s   ({row['ratio']:.2f}x)",
+            flush=True,
+        )
     return rows
 
 
@@ -80,17 +86,25 @@ def main(argv: list[str] | None = None) -> None:
     a = p.parse_args(argv)
     runs: dict[str, list[dict]] = {"base": [], "head": []}
     with tempfile.TemporaryDirectory(prefix="suite-ab-") as tmp:
-        roots = {side: clone(rev, Path(tmp) / side) for side, rev in
-                 (("base", a.base), ("head", a.head))}
+        roots = {
+            side: clone(rev, Path(tmp) / side) for side, rev in (("base", a.base), ("head", a.head))
+        }
         for i in range(a.repeats):
             for side in ("base", "head"):
                 runs[side].append(run_files(roots[side], a.files))
                 wall, cpu = map(sum, zip(*runs[side][-1].values()))
                 print(f"repeat {i + 1} {side}: {wall:.1f} s, {cpu:.1f} CPU-s", flush=True)
     rows = table(a.files, runs)
-    append_result({"benchmark": "suite_ab", "base": a.base, "head": a.head,
-                   "repeats": a.repeats, "rows": rows,
-                   "runs": {side: runs[side] for side in runs}})
+    append_result(
+        {
+            "benchmark": "suite_ab",
+            "base": a.base,
+            "head": a.head,
+            "repeats": a.repeats,
+            "rows": rows,
+            "runs": {side: runs[side] for side in runs},
+        }
+    )
 
 
 if __name__ == "__main__":

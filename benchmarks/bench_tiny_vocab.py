@@ -25,11 +25,26 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import REPO, append_result, run_train  # noqa: E402
 
-TINY = ["--training.device", "cpu", "--model.flavor", "debugmodel-tiny",
-        "--training.seq_len", "64", "--training.local_batch_size", "2",
-        "--training.mixed_precision_param", "float32", "--metrics.log_freq", "1",
-        "--lr_scheduler.warmup_steps", "2", "--data.dataset", "synthetic",
-        "--checkpoint.enable", "false"]
+TINY = [
+    "--training.device",
+    "cpu",
+    "--model.flavor",
+    "debugmodel-tiny",
+    "--training.seq_len",
+    "64",
+    "--training.local_batch_size",
+    "2",
+    "--training.mixed_precision_param",
+    "float32",
+    "--metrics.log_freq",
+    "1",
+    "--lr_scheduler.warmup_steps",
+    "2",
+    "--data.dataset",
+    "synthetic",
+    "--checkpoint.enable",
+    "false",
+]
 
 
 def children_cpu() -> float:
@@ -41,16 +56,25 @@ def launch_cpu(ngpu: int, vocab: int, steps: int) -> float:
     """CPU seconds of one run_train.sh launch (its process tree)."""
     with tempfile.TemporaryDirectory() as dump:
         before = children_cpu()
-        run_train(dump, [*TINY, "--data.vocab_size", str(vocab), "--training.steps", str(steps)],
-                  ngpu=ngpu, config=str(REPO / "configs" / "debug_model.toml"))
+        run_train(
+            dump,
+            [*TINY, "--data.vocab_size", str(vocab), "--training.steps", str(steps)],
+            ngpu=ngpu,
+            config=str(REPO / "configs" / "debug_model.toml"),
+        )
         return children_cpu() - before
 
 
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--ngpu", type=int, nargs="+", default=[1, 4], help="CPU rank counts")
-    p.add_argument("--vocab", type=int, nargs="+", default=[8192, 1024],
-                   help="data.vocab_size values; the first is the baseline")
+    p.add_argument(
+        "--vocab",
+        type=int,
+        nargs="+",
+        default=[8192, 1024],
+        help="data.vocab_size values; the first is the baseline",
+    )
     p.add_argument("--short", type=int, default=5)
     p.add_argument("--long", type=int, default=55)
     p.add_argument("--repeats", type=int, default=2)
@@ -66,14 +90,22 @@ def main(argv: list[str] | None = None) -> None:
         base = statistics.median(per[args.vocab[0]])
         for vocab in args.vocab:
             ms = statistics.median(per[vocab])
-            rows.append({"ngpu": ngpu, "vocab": vocab, "cpu_ms_per_rank_step": round(ms, 1),
-                         "of_baseline": round(ms / base, 2),
-                         "repeats": [round(x, 1) for x in per[vocab]]})
-            print(f"{ngpu} rank(s), vocab {vocab:>5}: {ms:6.1f} CPU-ms a rank-step "
-                  f"({ms / base:.2f}x vocab {args.vocab[0]}; repeats "
-                  f"{', '.join(f'{x:.1f}' for x in per[vocab])})", flush=True)
-    append_result({"bench": "tiny_vocab", "short": args.short, "long": args.long,
-                   "rows": rows})
+            rows.append(
+                {
+                    "ngpu": ngpu,
+                    "vocab": vocab,
+                    "cpu_ms_per_rank_step": round(ms, 1),
+                    "of_baseline": round(ms / base, 2),
+                    "repeats": [round(x, 1) for x in per[vocab]],
+                }
+            )
+            print(
+                f"{ngpu} rank(s), vocab {vocab:>5}: {ms:6.1f} CPU-ms a rank-step "
+                f"({ms / base:.2f}x vocab {args.vocab[0]}; repeats "
+                f"{', '.join(f'{x:.1f}' for x in per[vocab])})",
+                flush=True,
+            )
+    append_result({"bench": "tiny_vocab", "short": args.short, "long": args.long, "rows": rows})
 
 
 if __name__ == "__main__":

@@ -45,8 +45,9 @@ def parse_args(argv: list[str]):
     ap.add_argument("--no-record", action="store_true", help="do not append to results.jsonl")
     ap.add_argument("overrides", nargs=argparse.REMAINDER, help="-- then config overrides")
     args = ap.parse_args(argv)
-    args.overrides = [a for a in args.overrides if a != "--"] if args.overrides[:1] == ["--"] \
-        else args.overrides
+    args.overrides = (
+        [a for a in args.overrides if a != "--"] if args.overrides[:1] == ["--"] else args.overrides
+    )
     if args.steps <= args.warmup:
         ap.error(f"--steps ({args.steps}) must exceed --warmup ({args.warmup})")
     if not args.ngpu:
@@ -59,17 +60,31 @@ def parse_args(argv: list[str]):
 def one_run(args) -> dict:
     """Run once; per-step figures after the warm-up, and the run's effective config."""
     with tempfile.TemporaryDirectory(prefix="bench_train_") as dump:
-        fixed = ["--training.steps", str(args.steps), "--metrics.log_freq", "1",
-                 "--metrics.enable_tensorboard", "true", "--checkpoint.enable", "false"]
+        fixed = [
+            "--training.steps",
+            str(args.steps),
+            "--metrics.log_freq",
+            "1",
+            "--metrics.enable_tensorboard",
+            "true",
+            "--checkpoint.enable",
+            "false",
+        ]
         proc, wall = run_train(dump, fixed + args.overrides, ngpu=args.ngpu, config=args.config)
-        kept = lambda tag: [v for s, v in sorted(tb_scalars(dump, tag).items())  # noqa: E731
-                            if s > args.warmup]
-        run = {"wall_s": wall, "step_s": kept("time_metrics/end_to_end(s)"),
-               "tps": kept("throughput(tps)"), "mfu": kept("mfu(%)"),
-               "memory": {t: max(kept(t)) for t in MEMORY_TAGS if kept(t)},
-               "losses": [v for _, v in sorted(tb_scalars(dump, LOSS).items())],
-               "said": [line for line in proc.stdout.splitlines()
-                        if line.startswith(SAID)]}
+        kept = lambda tag: [
+            v
+            for s, v in sorted(tb_scalars(dump, tag).items())  # noqa: E731
+            if s > args.warmup
+        ]
+        run = {
+            "wall_s": wall,
+            "step_s": kept("time_metrics/end_to_end(s)"),
+            "tps": kept("throughput(tps)"),
+            "mfu": kept("mfu(%)"),
+            "memory": {t: max(kept(t)) for t in MEMORY_TAGS if kept(t)},
+            "losses": [v for _, v in sorted(tb_scalars(dump, LOSS).items())],
+            "said": [line for line in proc.stdout.splitlines() if line.startswith(SAID)],
+        }
         run["cfg"] = load_config(["--job.config_file", os.path.join(dump, "config.toml")])
     return run
 
@@ -84,8 +99,11 @@ def summarise(args, runs: list[dict]) -> dict:
         "mfu_pct": med([med(r["mfu"]) for r in runs if r["mfu"]]),
         "step_time_s": spread(step_all),
         "run_median_step_s": [med(r["step_s"]) for r in runs],
-        "peak_memory_gib": {t.split("/")[1]: max(r["memory"][t] for r in runs)
-                            for t in MEMORY_TAGS if t in runs[0]["memory"]},
+        "peak_memory_gib": {
+            t.split("/")[1]: max(r["memory"][t] for r in runs)
+            for t in MEMORY_TAGS
+            if t in runs[0]["memory"]
+        },
         "plan_peak_gib": plan["total"] / GIB,
     }
     active = out["peak_memory_gib"].get("max_active(GiB)")
@@ -97,19 +115,28 @@ def summarise(args, runs: list[dict]) -> dict:
 def print_summary(args, s: dict) -> None:
     st = s["step_time_s"]
     print(f"config: {args.config} {' '.join(args.overrides)}")
-    print(f"ranks: {args.ngpu}; steps: {args.steps} (first {args.warmup} left out) x "
-          f"{args.repeats} run(s)")
+    print(
+        f"ranks: {args.ngpu}; steps: {args.steps} (first {args.warmup} left out) x "
+        f"{args.repeats} run(s)"
+    )
     print(f"tokens/s per device: {s['tokens_per_s_per_device']:,.1f}")
-    print(f"MFU: {s['mfu_pct']:.2f}%" if s["mfu_pct"] is not None else
-          "MFU: not reported (no known peak for this device; set --metrics.peak_tflops)")
-    print(f"step time: median {st['median']:.4f} s, p10 {st['p10']:.4f} s, p90 {st['p90']:.4f} s "
-          f"(min {st['min']:.4f}, max {st['max']:.4f}, n={st['n']})")
+    print(
+        f"MFU: {s['mfu_pct']:.2f}%"
+        if s["mfu_pct"] is not None
+        else "MFU: not reported (no known peak for this device; set --metrics.peak_tflops)"
+    )
+    print(
+        f"step time: median {st['median']:.4f} s, p10 {st['p10']:.4f} s, p90 {st['p90']:.4f} s "
+        f"(min {st['min']:.4f}, max {st['max']:.4f}, n={st['n']})"
+    )
     for tag, gib in s["peak_memory_gib"].items():
         print(f"peak memory (rank 0): {tag} = {gib:.3f} GiB")
     line = f"memory plan peak: {s['plan_peak_gib']:.3f} GiB"
     if "plan_error_pct" in s:
-        line += f" vs measured max_active {s['peak_memory_gib']['max_active(GiB)']:.3f} GiB: " \
-                f"plan error {s['plan_error_pct']:+.1f}%"
+        line += (
+            f" vs measured max_active {s['peak_memory_gib']['max_active(GiB)']:.3f} GiB: "
+            f"plan error {s['plan_error_pct']:+.1f}%"
+        )
     else:
         line += " (CPU: peak RSS also holds the interpreter and libraries; compare on a GPU)"
     print(line)
@@ -122,18 +149,31 @@ def main(argv: list[str]) -> int:
         runs.append(one_run(args))
         for line in runs[-1]["said"]:
             print(f"run {i + 1}/{args.repeats} said: {line}")
-        print(f"run {i + 1}/{args.repeats} losses: "
-              + " ".join(f"{v:.4f}" for v in runs[-1]["losses"]))
-        print(f"run {i + 1}/{args.repeats}: median step "
-              f"{statistics.median(runs[-1]['step_s']):.4f} s, wall {runs[-1]['wall_s']:.1f} s",
-              flush=True)
+        print(
+            f"run {i + 1}/{args.repeats} losses: "
+            + " ".join(f"{v:.4f}" for v in runs[-1]["losses"])
+        )
+        print(
+            f"run {i + 1}/{args.repeats}: median step "
+            f"{statistics.median(runs[-1]['step_s']):.4f} s, wall {runs[-1]['wall_s']:.1f} s",
+            flush=True,
+        )
     summary = summarise(args, runs)
     print_summary(args, summary)
     if not args.no_record:
-        append_result({"bench": "train", "label": args.label,
-                       "config": os.path.relpath(args.config, REPO), "overrides": args.overrides,
-                       "ngpu": args.ngpu, "steps": args.steps, "warmup": args.warmup,
-                       "repeats": args.repeats, **summary})
+        append_result(
+            {
+                "bench": "train",
+                "label": args.label,
+                "config": os.path.relpath(args.config, REPO),
+                "overrides": args.overrides,
+                "ngpu": args.ngpu,
+                "steps": args.steps,
+                "warmup": args.warmup,
+                "repeats": args.repeats,
+                **summary,
+            }
+        )
     return 0
 
 

@@ -34,18 +34,24 @@ def env(extra: dict | None = None) -> dict:
     return out
 
 
-def run_train(dump: str, overrides: list[str], *, ngpu: int, config: str,
-              timeout: float = 1800) -> tuple[subprocess.CompletedProcess, float]:
+def run_train(
+    dump: str, overrides: list[str], *, ngpu: int, config: str, timeout: float = 1800
+) -> tuple[subprocess.CompletedProcess, float]:
     """`NGPU=ngpu CONFIG_FILE=config ./run_train.sh --job.dump_folder dump ...`: (result, wall s).
     Raises with the output's tail when the run fails, since a failed run has no figures."""
     t0 = time.perf_counter()
-    proc = subprocess.run([str(REPO / "run_train.sh"), "--job.dump_folder", dump, *overrides],
-                          env=env({"NGPU": str(ngpu), "CONFIG_FILE": config, "LOG_RANK": "0"}),
-                          capture_output=True, text=True, timeout=timeout)
+    proc = subprocess.run(
+        [str(REPO / "run_train.sh"), "--job.dump_folder", dump, *overrides],
+        env=env({"NGPU": str(ngpu), "CONFIG_FILE": config, "LOG_RANK": "0"}),
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
     wall = time.perf_counter() - t0
     if proc.returncode != 0:
-        raise SystemExit(f"run_train.sh exited {proc.returncode}\n{proc.stdout[-3000:]}\n"
-                         f"{proc.stderr[-3000:]}")
+        raise SystemExit(
+            f"run_train.sh exited {proc.returncode}\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
+        )
     return proc, wall
 
 
@@ -54,8 +60,10 @@ def tb_scalars(dump: str, tag: str) -> dict[int, float]:
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
     out: dict[int, float] = {}
-    for path in sorted(glob.glob(os.path.join(dump, "tb", "**", "events.out.tfevents.*"),
-                                 recursive=True), key=os.path.getmtime):
+    for path in sorted(
+        glob.glob(os.path.join(dump, "tb", "**", "events.out.tfevents.*"), recursive=True),
+        key=os.path.getmtime,
+    ):
         acc = EventAccumulator(os.path.dirname(path), size_guidance={"scalars": 0})
         acc.Reload()
         if tag in acc.Tags()["scalars"]:
@@ -70,8 +78,14 @@ def spread(values: list[float]) -> dict[str, float]:
     def pct(q: float) -> float:
         return v[min(len(v) - 1, max(0, round(q * (len(v) - 1))))]
 
-    return {"median": statistics.median(v), "p10": pct(0.10), "p90": pct(0.90),
-            "min": v[0], "max": v[-1], "n": len(v)}
+    return {
+        "median": statistics.median(v),
+        "p10": pct(0.10),
+        "p90": pct(0.90),
+        "min": v[0],
+        "max": v[-1],
+        "n": len(v),
+    }
 
 
 def device_name() -> str:
@@ -83,8 +97,9 @@ def device_name() -> str:
     model = platform.processor() or "CPU"
     try:
         with open("/proc/cpuinfo") as fh:
-            model = next(line.split(":", 1)[1].strip() for line in fh
-                         if line.startswith("model name"))
+            model = next(
+                line.split(":", 1)[1].strip() for line in fh if line.startswith("model name")
+            )
     except (OSError, StopIteration):
         pass
     return f"{model} ({len(os.sched_getaffinity(0))} cores)"
@@ -92,6 +107,7 @@ def device_name() -> str:
 
 def git_revision() -> str:
     """HEAD's hash, '+dirty' when tracked files differ from it (figures of uncommitted code)."""
+
     def git(*args: str) -> str:
         proc = subprocess.run(["git", *args], cwd=REPO, capture_output=True, text=True)
         return proc.stdout.strip()
@@ -104,8 +120,13 @@ def append_result(record: dict) -> None:
     """One JSON line per benchmark run in benchmarks/results.jsonl, with the environment."""
     import torch
 
-    record = {"time": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "device": device_name(),
-              "torch": torch.__version__, "git": git_revision(), **record}
+    record = {
+        "time": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+        "device": device_name(),
+        "torch": torch.__version__,
+        "git": git_revision(),
+        **record,
+    }
     with open(RESULTS, "a") as fh:
         fh.write(json.dumps(record, sort_keys=False) + "\n")
     print(f"appended to {RESULTS.relative_to(REPO)}")

@@ -29,17 +29,30 @@ SHAPES = [("llama3.1-8B", 16, 1), ("llama3.1-70B", 128, 8)]  # flavor, GPUs, tp
 
 def config(flavor: str, world: int, tp: int, cp: int, seq: int):
     dp = world // (tp * cp)
-    return load_config([
-        "--job.config_file", str(REPO / "configs" / "llama3_8b_128k.toml"),
-        "--model.flavor", flavor, "--training.seq_len", str(seq),
-        "--training.global_batch_size", str(dp), "--training.local_batch_size", "1",
-        "--parallelism.tensor_parallel_degree", str(tp),
-        "--parallelism.context_parallel_degree", str(cp)])
+    return load_config(
+        [
+            "--job.config_file",
+            str(REPO / "configs" / "llama3_8b_128k.toml"),
+            "--model.flavor",
+            flavor,
+            "--training.seq_len",
+            str(seq),
+            "--training.global_batch_size",
+            str(dp),
+            "--training.local_batch_size",
+            "1",
+            "--parallelism.tensor_parallel_degree",
+            str(tp),
+            "--parallelism.context_parallel_degree",
+            str(cp),
+        ]
+    )
 
 
 def longest(flavor: str, world: int, tp: int, cp: int, gpu_gib: float):
     """(seq, plan) for the longest multiple of STEP that fits, or (0, None): doubling, then
     bisection (the plan grows with seq)."""
+
     def fits(k: int):
         b = memory_plan(config(flavor, world, tp, cp, k * STEP), world)
         return b if device_need(b["total"]) <= gpu_gib * GIB else None
@@ -58,21 +71,25 @@ def main() -> None:
     ap.add_argument("--gpu", default="h100", choices=sorted(GPUS))
     args = ap.parse_args()
     gpu = GPUS[args.gpu]
-    print(f"| model | GPUs | layout | longest sequence (tokens) | planned peak GiB | with reserve "
-          f"GiB ({args.gpu} {gpu.memory_gib:.0f} GiB) | K/V all-gather per step, GiB per rank |")
+    print(
+        f"| model | GPUs | layout | longest sequence (tokens) | planned peak GiB | with reserve "
+        f"GiB ({args.gpu} {gpu.memory_gib:.0f} GiB) | K/V all-gather per step, GiB per rank |"
+    )
     print("|---|---|---|---|---|---|---|")
     for flavor, world, tp in SHAPES:
         for cp in (1, 2, 4, 8, 16):
             seq, b = longest(flavor, world, tp, cp, gpu.memory_gib)
             dp_shard = world // (tp * cp)
-            layout = (f"{'TP ' + str(tp) + ' x ' if tp > 1 else ''}CP {cp} x FSDP {dp_shard}")
+            layout = f"{'TP ' + str(tp) + ' x ' if tp > 1 else ''}CP {cp} x FSDP {dp_shard}"
             if not seq:
                 print(f"| {flavor} | {world} | {layout} | none fits | | | |")
                 continue
             comm = comm_volume(config(flavor, world, tp, cp, seq), world)["comm_cp"]
-            print(f"| {flavor} | {world} | {layout} | {seq:,} ({seq // 1024}k) | "
-                  f"{b['total'] / GIB:.1f} | {device_need(b['total']) / GIB:.1f} | "
-                  f"{comm / GIB:.1f} |")
+            print(
+                f"| {flavor} | {world} | {layout} | {seq:,} ({seq // 1024}k) | "
+                f"{b['total'] / GIB:.1f} | {device_need(b['total']) / GIB:.1f} | "
+                f"{comm / GIB:.1f} |"
+            )
 
 
 if __name__ == "__main__":

@@ -63,11 +63,14 @@ def write_task(args, out: Path) -> Path:
         examples = read_jsonl(args.tasks_jsonl, args.limit)
     else:
         from trainer.evals.stdlib_next_line import build_examples
-        examples = build_examples()[:args.limit]
+
+        examples = build_examples()[: args.limit]
     with open(path, "w") as fh:
         for e in examples:
-            fh.write(json.dumps({"context": e.context, "choices": list(e.choices),
-                                 "gold": e.gold}) + "\n")
+            fh.write(
+                json.dumps({"context": e.context, "choices": list(e.choices), "gold": e.gold})
+                + "\n"
+            )
     (out / "task" / f"{args.name}.yaml").write_text(TASK_YAML.format(name=args.name, path=path))
     return path
 
@@ -78,36 +81,75 @@ def ours(args, cfg, task_path: Path) -> tuple[dict, np.ndarray]:
     from trainer.models.loss import scoring_loss
 
     tok = load_tokenizer(cfg.data)
-    model = load_model(Path(args.checkpoint), cfg, token_vocab=tok.vocab_size,
-                       max_len=cfg.training.seq_len, device="cpu")
+    model = load_model(
+        Path(args.checkpoint),
+        cfg,
+        token_vocab=tok.vocab_size,
+        max_len=cfg.training.seq_len,
+        device="cpu",
+    )
     task = Task(args.name, read_jsonl(str(task_path)))
     reqs = build_requests(task, tok, cfg.training.seq_len, cfg.data.add_bos)
     lls = np.zeros(len(reqs))
     with torch.no_grad():
         for block in _blocks(reqs, 16):
-            lls[block] = score_batch(model, [reqs[i] for i in block], torch.device("cpu"),
-                                     scoring_loss(cfg.training.loss_chunk_size)).numpy()
+            lls[block] = score_batch(
+                model,
+                [reqs[i] for i in block],
+                torch.device("cpu"),
+                scoring_loss(cfg.training.loss_chunk_size),
+            ).numpy()
     return choice_metrics(lls, task.examples), lls
 
 
 def lm_eval(args, cfg, out: Path) -> tuple[dict, np.ndarray | None]:
     hf = out / "hf"
     if not (hf / "config.json").is_file():
-        subprocess.run([sys.executable, "-m", "trainer.convert", "to-hf", args.checkpoint,
-                        str(hf)], check=True)
-    model_args = (f"pretrained={hf},dtype=float32,max_length={cfg.training.seq_len},"
-                  f"add_bos_token={cfg.data.add_bos}")
-    cmd = [args.lm_eval, "--model", "hf", "--model_args", model_args, "--tasks", args.name,
-           "--include_path", str(out / "task"), "--device", "cpu", "--batch_size", "16",
-           "--output_path", str(out / "lm_eval"), "--log_samples"]
+        subprocess.run(
+            [sys.executable, "-m", "trainer.convert", "to-hf", args.checkpoint, str(hf)], check=True
+        )
+    model_args = (
+        f"pretrained={hf},dtype=float32,max_length={cfg.training.seq_len},"
+        f"add_bos_token={cfg.data.add_bos}"
+    )
+    cmd = [
+        args.lm_eval,
+        "--model",
+        "hf",
+        "--model_args",
+        model_args,
+        "--tasks",
+        args.name,
+        "--include_path",
+        str(out / "task"),
+        "--device",
+        "cpu",
+        "--batch_size",
+        "16",
+        "--output_path",
+        str(out / "lm_eval"),
+        "--log_samples",
+    ]
     print("$", " ".join(cmd), flush=True)
-    subprocess.run(cmd, check=True, env={**os.environ, "HF_DATASETS_OFFLINE": "1",
-                                         "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"})
-    result = sorted(glob.glob(str(out / "lm_eval" / "**" / "results_*.json"), recursive=True),
-                    key=os.path.getmtime)[-1]
+    subprocess.run(
+        cmd,
+        check=True,
+        env={
+            **os.environ,
+            "HF_DATASETS_OFFLINE": "1",
+            "HF_HUB_OFFLINE": "1",
+            "TOKENIZERS_PARALLELISM": "false",
+        },
+    )
+    result = sorted(
+        glob.glob(str(out / "lm_eval" / "**" / "results_*.json"), recursive=True),
+        key=os.path.getmtime,
+    )[-1]
     metrics = json.loads(Path(result).read_text())["results"][args.name]
-    samples = sorted(glob.glob(str(out / "lm_eval" / "**" / f"samples_{args.name}_*.jsonl"),
-                               recursive=True), key=os.path.getmtime)
+    samples = sorted(
+        glob.glob(str(out / "lm_eval" / "**" / f"samples_{args.name}_*.jsonl"), recursive=True),
+        key=os.path.getmtime,
+    )
     lls = None
     if samples:
         rows = sorted((json.loads(ln) for ln in open(samples[-1])), key=lambda r: r["doc_id"])
@@ -150,14 +192,20 @@ def main() -> None:
     t2 = time.monotonic()
     n = sum(1 for _ in open(task_path))
     print(f"\n{args.name}: {n} examples, checkpoint {args.checkpoint}")
-    print(f"trainer scoring (fp32, 1 process): acc {mine['acc']:.4f} acc_norm "
-          f"{mine['acc_norm']:.4f}  ({t1 - t0:.0f}s)")
-    print(f"lm_eval --model hf (fp32, CPU):     acc {theirs['acc']:.4f} acc_norm "
-          f"{theirs['acc_norm']:.4f}  ({t2 - t1:.0f}s)")
+    print(
+        f"trainer scoring (fp32, 1 process): acc {mine['acc']:.4f} acc_norm "
+        f"{mine['acc_norm']:.4f}  ({t1 - t0:.0f}s)"
+    )
+    print(
+        f"lm_eval --model hf (fp32, CPU):     acc {theirs['acc']:.4f} acc_norm "
+        f"{theirs['acc_norm']:.4f}  ({t2 - t1:.0f}s)"
+    )
     if their_lls is not None and len(their_lls) == len(my_lls):
         diff = np.abs(their_lls - my_lls)
-        print(f"per-request log-likelihoods: {len(diff)}, max |diff| {diff.max():.2e}, "
-              f"mean {diff.mean():.2e}")
+        print(
+            f"per-request log-likelihoods: {len(diff)}, max |diff| {diff.max():.2e}, "
+            f"mean {diff.mean():.2e}"
+        )
     if args.run_dump:
         step = int(Path(args.checkpoint).name.split("-")[-1])
         print(f"in-loop (TensorBoard, step {step}): {in_loop(args.run_dump, step, args.name)}")

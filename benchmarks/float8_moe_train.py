@@ -22,14 +22,33 @@ REPO = Path(__file__).resolve().parents[1]
 
 
 def run(dump: Path, args, extra: list[str]) -> tuple[dict[int, float], list[float]]:
-    env = {**os.environ, "NGPU": "1", "CONFIG_FILE": "configs/debug_moe.toml",
-           "PYTHON": sys.executable}
-    cmd = [str(REPO / "run_train.sh"), "--job.dump_folder", str(dump), "--training.steps",
-           str(args.steps), "--model.flavor", args.flavor, "--checkpoint.enable", "false",
-           "--parallelism.expert_parallel_degree", "1", "--metrics.log_freq", "1", *extra]
+    env = {
+        **os.environ,
+        "NGPU": "1",
+        "CONFIG_FILE": "configs/debug_moe.toml",
+        "PYTHON": sys.executable,
+    }
+    cmd = [
+        str(REPO / "run_train.sh"),
+        "--job.dump_folder",
+        str(dump),
+        "--training.steps",
+        str(args.steps),
+        "--model.flavor",
+        args.flavor,
+        "--checkpoint.enable",
+        "false",
+        "--parallelism.expert_parallel_degree",
+        "1",
+        "--metrics.log_freq",
+        "1",
+        *extra,
+    ]
     out = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True)
     if out.returncode:
-        sys.exit(f"{' '.join(extra) or 'baseline'} failed:\n{out.stdout[-3000:]}{out.stderr[-3000:]}")
+        sys.exit(
+            f"{' '.join(extra) or 'baseline'} failed:\n{out.stdout[-3000:]}{out.stderr[-3000:]}"
+        )
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
     events = EventAccumulator(str(next(dump.rglob("events.out.tfevents*")).parent))
@@ -56,12 +75,16 @@ def main() -> None:
     diffs = [abs(base[s] - quant[s]) for s in steps]
     for s in steps[::10] + steps[-1:]:
         print(f"step {s:4d}: {dtype[1]} {base[s]:.4f}  float8 experts {quant[s]:.4f}")
-    print(f"float8 experts vs {dtype[1]} over {len(steps)} steps: max |diff| {max(diffs):.4f}, "
-          f"mean {sum(diffs) / len(diffs):.4f}{'' if cuda else ' (emulated on the CPU)'}")
+    print(
+        f"float8 experts vs {dtype[1]} over {len(steps)} steps: max |diff| {max(diffs):.4f}, "
+        f"mean {sum(diffs) / len(diffs):.4f}{'' if cuda else ' (emulated on the CPU)'}"
+    )
     if tb and tq:
         half = len(tb) // 2
-        print(f"tokens/s (median of the second half): {dtype[1]} {sorted(tb[half:])[len(tb[half:]) // 2]:.0f}, "
-              f"float8 experts {sorted(tq[half:])[len(tq[half:]) // 2]:.0f}")
+        print(
+            f"tokens/s (median of the second half): {dtype[1]} {sorted(tb[half:])[len(tb[half:]) // 2]:.0f}, "
+            f"float8 experts {sorted(tq[half:])[len(tq[half:]) // 2]:.0f}"
+        )
 
 
 if __name__ == "__main__":

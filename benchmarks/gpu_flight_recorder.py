@@ -23,9 +23,13 @@ import torch.distributed as dist
 def main() -> int:
     folder = tempfile.mkdtemp(prefix="fr_")
     prefix = os.path.join(folder, "nccl_trace_rank_")
-    os.environ.update(TORCH_NCCL_TRACE_BUFFER_SIZE="2000", TORCH_NCCL_DUMP_ON_TIMEOUT="1",
-                      TORCH_NCCL_DEBUG_INFO_TEMP_FILE=prefix, MASTER_ADDR="127.0.0.1",
-                      MASTER_PORT="29533")
+    os.environ.update(
+        TORCH_NCCL_TRACE_BUFFER_SIZE="2000",
+        TORCH_NCCL_DUMP_ON_TIMEOUT="1",
+        TORCH_NCCL_DEBUG_INFO_TEMP_FILE=prefix,
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT="29533",
+    )
     torch.cuda.set_device(0)
     dist.init_process_group("nccl", rank=0, world_size=1, device_id=torch.device("cuda", 0))
     x = torch.ones(1 << 20, device="cuda")
@@ -39,9 +43,19 @@ def main() -> int:
         f.write(dump)
     dist.destroy_process_group()
     print(f"dump: {len(dump)} bytes at {prefix}0")
-    proc = subprocess.run([sys.executable, "-m", "torch.distributed.flight_recorder.fr_trace",
-                           "-p", "nccl_trace_rank_", "-j", folder],
-                          capture_output=True, text=True)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.flight_recorder.fr_trace",
+            "-p",
+            "nccl_trace_rank_",
+            "-j",
+            folder,
+        ],
+        capture_output=True,
+        text=True,
+    )
     text = proc.stdout + proc.stderr
     print(text[-4000:])
     seen = {op: text.count(op) for op in ("allreduce", "all_reduce", "allgather", "_allgather")}

@@ -67,11 +67,19 @@ def mla_inputs(args, device, dtype):
     layer = MLA(margs).to(device)
     with torch.no_grad():
         for name, p in layer.named_parameters():
-            p.copy_(torch.ones_like(p) if name.endswith("norm.weight") else
-                    torch.randn_like(p) * p.shape[-1] ** -0.5)
+            p.copy_(
+                torch.ones_like(p)
+                if name.endswith("norm.weight")
+                else torch.randn_like(p) * p.shape[-1] ** -0.5
+            )
     layer = layer.to(dtype)
-    cos, sin = rope_tables(margs.mla.qk_rope_head_dim, args.seq, margs.rope_theta, device=device,
-                           scaling=margs.rope_scaling)
+    cos, sin = rope_tables(
+        margs.mla.qk_rope_head_dim,
+        args.seq,
+        margs.rope_theta,
+        device=device,
+        scaling=margs.rope_scaling,
+    )
     x = torch.randn(args.batch, args.seq, args.dim, device=device, dtype=dtype)
     with torch.no_grad():
         q, k, v = layer.project(x, cos, sin)
@@ -95,8 +103,13 @@ def reference(q, k, v, doc_ids, grad_out):
     out = torch.softmax(scores, -1) @ vf
     out.backward(grad_out.float())
     maxima = scores.detach().amax(dim=(0, 2, 3))
-    return out.detach(), qf.grad.transpose(1, 2), kf.grad.transpose(1, 2), \
-        vf.grad.transpose(1, 2), maxima
+    return (
+        out.detach(),
+        qf.grad.transpose(1, 2),
+        kf.grad.transpose(1, 2),
+        vf.grad.transpose(1, 2),
+        maxima,
+    )
 
 
 def only_backend(name: str | None):
@@ -104,9 +117,17 @@ def only_backend(name: str | None):
     if name is None:
         return contextlib.nullcontext()
     from torch.nn.attention import SDPBackend, sdpa_kernel
-    return sdpa_kernel([{"cudnn": SDPBackend.CUDNN_ATTENTION, "flash": SDPBackend.FLASH_ATTENTION,
-                         "efficient": SDPBackend.EFFICIENT_ATTENTION,
-                         "math": SDPBackend.MATH}[name]])
+
+    return sdpa_kernel(
+        [
+            {
+                "cudnn": SDPBackend.CUDNN_ATTENTION,
+                "flash": SDPBackend.FLASH_ATTENTION,
+                "efficient": SDPBackend.EFFICIENT_ATTENTION,
+                "math": SDPBackend.MATH,
+            }[name]
+        ]
+    )
 
 
 def cases(device, dtype, doc_ids):
@@ -157,19 +178,30 @@ def main(argv) -> int:
     args = parse_args(argv)
     device, dtype = torch.device(args.device), getattr(torch, args.dtype)
     q, k, v, doc_ids, gain = mla_inputs(args, device, dtype)
-    grad_out = torch.randn(args.batch, args.heads, args.seq, v.shape[-1], device=device,
-                           dtype=dtype)
+    grad_out = torch.randn(
+        args.batch, args.heads, args.seq, v.shape[-1], device=device, dtype=dtype
+    )
     sdpa.apply("auto", device)  # as a run does: the cases without a backend run under it
-    picked = sdpa.chosen(dataclasses.replace(model_args(FLAVOR), n_heads=args.heads,
-                                             n_kv_heads=args.heads), device, dtype, args.seq)
-    refs = {"causal": reference(q, k, v, None, grad_out),
-            "block_causal": reference(q, k, v, doc_ids, grad_out)}
+    picked = sdpa.chosen(
+        dataclasses.replace(model_args(FLAVOR), n_heads=args.heads, n_kv_heads=args.heads),
+        device,
+        dtype,
+        args.seq,
+    )
+    refs = {
+        "causal": reference(q, k, v, None, grad_out),
+        "block_causal": reference(q, k, v, doc_ids, grad_out),
+    }
     name = torch.cuda.get_device_name() if device.type == "cuda" else "cpu"
-    print(f"{FLAVOR} attention (YaRN softmax gain {gain:.4f}), {args.heads} heads, q/k "
-          f"{q.shape[-1]} v {v.shape[-1]}, batch {args.batch} x {args.seq}, {args.dtype}, "
-          f"{name}, torch {torch.__version__}; auto runs the causal call on {picked}")
-    print(f"{'kernel':<28}{'out':>10}{'dq':>10}{'dk':>10}{'dv':>10}{'maxima':>10}"
-          f"{'fwd+bwd ms':>12}  verdict")
+    print(
+        f"{FLAVOR} attention (YaRN softmax gain {gain:.4f}), {args.heads} heads, q/k "
+        f"{q.shape[-1]} v {v.shape[-1]}, batch {args.batch} x {args.seq}, {args.dtype}, "
+        f"{name}, torch {torch.__version__}; auto runs the causal call on {picked}"
+    )
+    print(
+        f"{'kernel':<28}{'out':>10}{'dq':>10}{'dk':>10}{'dv':>10}{'maxima':>10}"
+        f"{'fwd+bwd ms':>12}  verdict"
+    )
     failed = 0
     for label, impl, backend, mask_type in cases(device, dtype, doc_ids):
         mask = None if impl is None else build_mask(doc_ids, impl, dtype)
@@ -186,8 +218,13 @@ def main(argv) -> int:
         errs = [rel(a, b) for a, b in zip(got, refs[mask_type])]
         ok = all(e <= args.tol for e in errs)
         failed += not ok
-        print(f"{label:<28}" + "".join(f"{e:>10.2e}" for e in errs) + f"{ms:>12.2f}  "
-              + ("ok" if ok else f"FAIL (> {args.tol:g})"), flush=True)
+        print(
+            f"{label:<28}"
+            + "".join(f"{e:>10.2e}" for e in errs)
+            + f"{ms:>12.2f}  "
+            + ("ok" if ok else f"FAIL (> {args.tol:g})"),
+            flush=True,
+        )
     return 1 if failed else 0
 
 

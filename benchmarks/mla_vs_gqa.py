@@ -36,8 +36,14 @@ def attention_saved(a, tp: int) -> int:
     """block_split's attention part: the whole block's bytes minus a dense FFN block's."""
     dense = dataclasses.replace(a, moe=None)
     shard, whole = block_split(dense, P, tp)
-    return shard + whole - 2 * (4 + P) * a.dim - 2 * P * a.dim - 4 * P * a.hidden_dim // tp \
+    return (
+        shard
+        + whole
+        - 2 * (4 + P) * a.dim
+        - 2 * P * a.dim
+        - 4 * P * a.hidden_dim // tp
         - 4 * a.n_heads // tp
+    )
 
 
 def gathered(a, tp: int) -> int:
@@ -54,13 +60,23 @@ def main() -> None:
     o = ap.parse_args()
     mla = FLAVORS[o.flavor]
     gqa = dataclasses.replace(mla, mla=None, n_kv_heads=o.kv_heads, explicit_head_dim=128)
-    rows = [("attention parameters per layer (M)", lambda a: attention_params(a) / 1e6, "{:.1f}"),
-            ("saved for backward per token per layer, bf16 (KiB)",
-             lambda a: attention_saved(a, o.tp) / 1024, "{:.1f}"),
-            ("all-gathered under CP / KV cache per token per layer (KiB)",
-             lambda a: gathered(a, o.tp) / 1024, "{:.2f}")]
-    print(f"{o.flavor}: dim {mla.dim}, {mla.n_heads} query heads, tp {o.tp}; GQA: head_dim 128, "
-          f"{o.kv_heads} KV heads")
+    rows = [
+        ("attention parameters per layer (M)", lambda a: attention_params(a) / 1e6, "{:.1f}"),
+        (
+            "saved for backward per token per layer, bf16 (KiB)",
+            lambda a: attention_saved(a, o.tp) / 1024,
+            "{:.1f}",
+        ),
+        (
+            "all-gathered under CP / KV cache per token per layer (KiB)",
+            lambda a: gathered(a, o.tp) / 1024,
+            "{:.2f}",
+        ),
+    ]
+    print(
+        f"{o.flavor}: dim {mla.dim}, {mla.n_heads} query heads, tp {o.tp}; GQA: head_dim 128, "
+        f"{o.kv_heads} KV heads"
+    )
     print(f"{'':62s}{'MLA':>10s}{'GQA':>10s}{'MLA/GQA':>10s}")
     for label, fn, fmt in rows:
         m, g = fn(mla), fn(gqa)

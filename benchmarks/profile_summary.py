@@ -39,8 +39,11 @@ def load(path: str) -> list[dict]:
     with opener(path, "rt") as f:
         trace = json.load(f)
     events = trace["traceEvents"] if isinstance(trace, dict) else trace
-    return [e for e in events if e.get("ph") == "X" and e.get("cat") in ("kernel", "gpu_memcpy",
-                                                                         "gpu_memset")]
+    return [
+        e
+        for e in events
+        if e.get("ph") == "X" and e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset")
+    ]
 
 
 def busy_us(kernels: list[dict]) -> float:
@@ -64,8 +67,10 @@ def main() -> None:
         raise SystemExit(f"no GPU kernels in {a.trace}")
     wall = max(k["ts"] + k["dur"] for k in kernels) - min(k["ts"] for k in kernels)
     busy = busy_us(kernels)
-    print(f"kernels: {len(kernels)}; span {wall / 1e3:.1f} ms, GPU busy {busy / 1e3:.1f} ms "
-          f"({100 * busy / wall:.1f}%), idle {(wall - busy) / 1e3:.1f} ms")
+    print(
+        f"kernels: {len(kernels)}; span {wall / 1e3:.1f} ms, GPU busy {busy / 1e3:.1f} ms "
+        f"({100 * busy / wall:.1f}%), idle {(wall - busy) / 1e3:.1f} ms"
+    )
     by_cat: dict[str, float] = defaultdict(float)
     by_name: dict[str, list[float]] = defaultdict(lambda: [0.0, 0])
     for k in kernels:
@@ -77,7 +82,7 @@ def main() -> None:
     for cat, us in sorted(by_cat.items(), key=lambda kv: -kv[1]):
         print(f"{cat:<20}{us / 1e3:>10.1f}{100 * us / total:>7.1f}")
     print(f"\n{'ms':>9}{'calls':>7}  kernel (top {a.top})")
-    for name, (us, n) in sorted(by_name.items(), key=lambda kv: -kv[1][0])[:a.top]:
+    for name, (us, n) in sorted(by_name.items(), key=lambda kv: -kv[1][0])[: a.top]:
         print(f"{us / 1e3:>9.2f}{n:>7}  {name[:110]}")
 
 

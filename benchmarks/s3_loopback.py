@@ -65,8 +65,11 @@ class Server:
         with socket.socket() as sock:
             sock.bind(("127.0.0.1", 0))
             self.port = sock.getsockname()[1]
-        self.proc = subprocess.Popen([sys.executable, "-c", SERVER, str(self.port)],
-                                     stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        self.proc = subprocess.Popen(
+            [sys.executable, "-c", SERVER, str(self.port)],
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )
         self.endpoint = f"http://127.0.0.1:{self.port}"
         for _ in range(300):
             try:
@@ -74,8 +77,14 @@ class Server:
                 break
             except OSError:
                 time.sleep(0.1)
-        os.environ.update({"AWS_ENDPOINT_URL": self.endpoint, "AWS_ACCESS_KEY_ID": "bench",
-                           "AWS_SECRET_ACCESS_KEY": "bench", "AWS_DEFAULT_REGION": "us-east-1"})
+        os.environ.update(
+            {
+                "AWS_ENDPOINT_URL": self.endpoint,
+                "AWS_ACCESS_KEY_ID": "bench",
+                "AWS_SECRET_ACCESS_KEY": "bench",
+                "AWS_DEFAULT_REGION": "us-east-1",
+            }
+        )
         import boto3
 
         boto3.client("s3").create_bucket(Bucket=BUCKET)

@@ -24,8 +24,14 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from trainer.config.job import load_config  # noqa: E402
 from trainer.errors import ConfigError  # noqa: E402
 from trainer.models.flops import table_peak_tflops  # noqa: E402
-from trainer.plan.memory import (GIB, GPUS, device_need, largest_local_batch, memory_plan,  # noqa: E402
-                          throughput)
+from trainer.plan.memory import (
+    GIB,
+    GPUS,
+    device_need,
+    largest_local_batch,
+    memory_plan,  # noqa: E402
+    throughput,
+)
 from trainer.plan.comm import comm_volume  # noqa: E402
 
 REPO = Path(__file__).resolve().parent.parent
@@ -37,9 +43,16 @@ def layout(config: str, tp: int):
     its own tp) times tp sequences per dp rank."""
     base = load_config(["--job.config_file", str(REPO / config)])
     per_gpu = max(1, base.training.local_batch_size // base.parallelism.tensor_parallel_degree)
-    cfg = load_config(["--job.config_file", str(REPO / config),
-                       "--parallelism.tensor_parallel_degree", str(tp),
-                       "--training.local_batch_size", str(per_gpu * tp)])
+    cfg = load_config(
+        [
+            "--job.config_file",
+            str(REPO / config),
+            "--parallelism.tensor_parallel_degree",
+            str(tp),
+            "--training.local_batch_size",
+            str(per_gpu * tp),
+        ]
+    )
     return cfg
 
 
@@ -59,9 +72,11 @@ def row(name: str, config: str, world: int, tp: int, gpu, mfu: float) -> str:
     step_s = t.local_batch_size * t.seq_len * accum / (tps * tp)
     bw = lambda v: f"{v / step_s / 1e9:.0f}"  # noqa: E731  GB/s
     mesh = f"{pd.dp_shard}" + (f" x tp {tp}" if tp > 1 else "")
-    return (f"| {name} | {world} | {label} | {mesh} | {need:.1f} {fits} | {best} | {accum} | "
-            f"{c['comm_tp'] / GIB:.0f} | {c['comm_dp_shard'] / GIB:.0f} | "
-            f"{bw(c['comm_tp'])} / {bw(c['comm_dp_shard'])} | {step_s:.1f} |")
+    return (
+        f"| {name} | {world} | {label} | {mesh} | {need:.1f} {fits} | {best} | {accum} | "
+        f"{c['comm_tp'] / GIB:.0f} | {c['comm_dp_shard'] / GIB:.0f} | "
+        f"{bw(c['comm_tp'])} / {bw(c['comm_dp_shard'])} | {step_s:.1f} |"
+    )
 
 
 def main(argv: list[str]) -> int:
@@ -72,9 +87,11 @@ def main(argv: list[str]) -> int:
     ap.add_argument("--gpu", default="h100", choices=sorted(GPUS))
     args = ap.parse_args(argv)
     gpu = GPUS[args.gpu]
-    print(f"| model | GPUs | layout | dp_shard (x tp) | GiB/GPU ({gpu.memory_gib:.1f}) | "
-          "max local batch (seqs per dp rank) | microbatches | tp GiB/step | dp_shard GiB/step | "
-          f"GB/s tp / dp_shard at {args.mfu:.0%} MFU | step s |")
+    print(
+        f"| model | GPUs | layout | dp_shard (x tp) | GiB/GPU ({gpu.memory_gib:.1f}) | "
+        "max local batch (seqs per dp rank) | microbatches | tp GiB/step | dp_shard GiB/step | "
+        f"GB/s tp / dp_shard at {args.mfu:.0%} MFU | step s |"
+    )
     print("|---|---|---|---|---|---|---|---|---|---|---|")
     for name, config in MODELS.items():
         for world in args.gpus:

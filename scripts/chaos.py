@@ -45,10 +45,29 @@ from dataclasses import dataclass
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from scripts.chaos_faults import (CLASSIC, ENDING, HEALING, KINDS, SLOW_SECONDS,  # noqa: E402
-                                  Fault, damage, launch_env, schedule)
-from scripts.chaos_common import (HANG_TIMEOUT, LAYOUTS, PACE, REPO, Launch,  # noqa: E402,F401
-                                  checkpoint_of, committed, ino, partials, train_args)
+from scripts.chaos_faults import (
+    CLASSIC,
+    ENDING,
+    HEALING,
+    KINDS,
+    SLOW_SECONDS,  # noqa: E402
+    Fault,
+    damage,
+    launch_env,
+    schedule,
+)
+from scripts.chaos_common import (
+    HANG_TIMEOUT,
+    LAYOUTS,
+    PACE,
+    REPO,
+    Launch,  # noqa: E402,F401
+    checkpoint_of,
+    committed,
+    ino,
+    partials,
+    train_args,
+)
 from scripts import chaos_store  # noqa: E402
 from scripts.chaos_node import node_steps, run_node_chaos  # noqa: E402
 from scripts.chaos_report import _figures, load_dcp_tensors, ok, report, table  # noqa: E402,F401
@@ -60,15 +79,15 @@ MAX_RESTARTS = 1000  # every launch heals its killed and hung ranks itself
 class Record:
     fault: Fault
     injected: bool = False
-    in_save: bool = False     # a step-N.partial folder existed when the signal was sent
-    last_step: int = 0        # the last step the run logged
-    committed: int = 0        # the newest committed step after the fault
-    expected: int = 0         # the step the next attempt should resume from
+    in_save: bool = False  # a step-N.partial folder existed when the signal was sent
+    last_step: int = 0  # the last step the run logged
+    committed: int = 0  # the newest committed step after the fault
+    expected: int = 0  # the step the next attempt should resume from
     resumed: int | None = None  # the step the next attempt resumed from
     redone: int = 0
     exit_code: int | None = None  # None: the launch went on (healed in-job, or a slow rank)
-    seconds: tuple = ()       # (launch to fault, fault to the exit or the restart's resume)
-    note: str = ""            # what was damaged, which rank was named
+    seconds: tuple = ()  # (launch to fault, fault to the exit or the restart's resume)
+    note: str = ""  # what was damaged, which rank was named
 
 
 def saving(ckpt: Path, launch: "Launch", stale: set) -> int:
@@ -93,8 +112,15 @@ def intact(ckpt: Path | str, damaged: set) -> list[int]:
     return [s for s in committed(ckpt) if (s, ino(ckpt, s)) not in damaged]
 
 
-def inject(launch: Launch, fault: Fault, ckpt: Path, rng: random.Random, steps: int,
-           stale: set, damaged: set) -> Record:
+def inject(
+    launch: Launch,
+    fault: Fault,
+    ckpt: Path,
+    rng: random.Random,
+    steps: int,
+    stale: set,
+    damaged: set,
+) -> Record:
     """Wait for the fault's moment (or the run's end) and inject it; then wait for the launch
     to end, or, for a killed or hung rank, for the job's own restart to resume. `stale`: the
     partial folders that were there before this launch or attempt."""
@@ -103,8 +129,9 @@ def inject(launch: Launch, fault: Fault, ckpt: Path, rng: random.Random, steps: 
         rec.exit_code = launch.finish()
         rec.injected = rec.in_save = rec.exit_code == 2 and "No space left" in launch.text()
     elif fault.kind == "slow-rank":  # set up at launch: it must be named
-        found = wait_for(lambda: any(x.startswith("straggler: rank") for x in launch.lines),
-                         launch, timeout=120)
+        found = wait_for(
+            lambda: any(x.startswith("straggler: rank") for x in launch.lines), launch, timeout=120
+        )
         rec.note = next((x.strip() for x in launch.lines if x.startswith("straggler:")), "")
         rec.injected = found or launch.running()
         rec.last_step = max(launch.steps, default=0)
@@ -121,8 +148,13 @@ def inject(launch: Launch, fault: Fault, ckpt: Path, rng: random.Random, steps: 
     if not launch.running() or fault.kind in ENDING:
         rec.exit_code = launch.finish()
     rec.seconds = (round(signalled - launch.t0, 1), round(time.monotonic() - signalled, 1))
-    rec.last_step = max(rec.last_step, *launch.steps, 0) if rec.exit_code is not None else \
-        max(rec.last_step, *(launch.steps[:launch.resume_at[-1]] if launch.resume_at else []), 0)
+    rec.last_step = (
+        max(rec.last_step, *launch.steps, 0)
+        if rec.exit_code is not None
+        else max(
+            rec.last_step, *(launch.steps[: launch.resume_at[-1]] if launch.resume_at else []), 0
+        )
+    )
     rec.committed = max(intact(ckpt, damaged), default=0)
     if fault.kind != "slow-rank":
         rec.expected = rec.committed
@@ -133,15 +165,24 @@ def inject(launch: Launch, fault: Fault, ckpt: Path, rng: random.Random, steps: 
     return rec
 
 
-def _signal_at_moment(launch: Launch, fault: Fault, ckpt: Path, rng: random.Random,
-                      steps: int, stale: set, rec: Record) -> None:
+def _signal_at_moment(
+    launch: Launch,
+    fault: Fault,
+    ckpt: Path,
+    rng: random.Random,
+    steps: int,
+    stale: set,
+    rec: Record,
+) -> None:
     # A hang needs the training timeout in force: it is set at the end of an attempt's first step.
     least = 2 if fault.kind == "rank-SIGSTOP" else 1
     while launch.running():
         start = launch.attempt_start()
         moment = start is not None and (
-            saving(ckpt, launch, stale) >= start + least if fault.during_save else
-            launch.attempt_steps()[-1] >= min(start + max(fault.offset, least), steps - 1))
+            saving(ckpt, launch, stale) >= start + least
+            if fault.during_save
+            else launch.attempt_steps()[-1] >= min(start + max(fault.offset, least), steps - 1)
+        )
         if moment and launch.ranks():
             time.sleep(fault.delay)
             in_save = saving(ckpt, launch, stale)
@@ -168,10 +209,23 @@ def _signal(launch: Launch, kind: str, rng: random.Random) -> bool:
     return True
 
 
-def run_chaos(workdir: Path, *, faults: int, min_during_save: int, steps: int, interval: int,
-              nproc: int = 2, seed: int = 0, reference: Path | None = None,
-              async_mode: str = "disabled", kinds=CLASSIC, min_each: int = 0,
-              layout: str = "fsdp", store=None, log=print) -> dict:
+def run_chaos(
+    workdir: Path,
+    *,
+    faults: int,
+    min_during_save: int,
+    steps: int,
+    interval: int,
+    nproc: int = 2,
+    seed: int = 0,
+    reference: Path | None = None,
+    async_mode: str = "disabled",
+    kinds=CLASSIC,
+    min_each: int = 0,
+    layout: str = "fsdp",
+    store=None,
+    log=print,
+) -> dict:
     """Run the schedule; `reference`: the dump folder of an uninterrupted run of
     train_args(..., steps, interval, nproc) made earlier (else one is made first). The s3
     layout: `store` (chaos_store.Store) serves the bucket behind its fault proxy."""
@@ -181,13 +235,13 @@ def run_chaos(workdir: Path, *, faults: int, min_during_save: int, steps: int, i
     slow = SLOW_SECONDS  # a slow rank's extra seconds per step: a step's worth, at least
     if reference is None:
         ref_layout = "fsdp" if layout == "s3" else layout  # bitwise against a local folder
-        code = Launch(train_args(ref, steps, interval, nproc, layout=ref_layout),
-                      nproc).finish(timeout=1800)
+        code = Launch(train_args(ref, steps, interval, nproc, layout=ref_layout), nproc).finish(
+            timeout=1800
+        )
         assert code == 0, f"the reference run failed with exit code {code}"
         took = time.monotonic() - t0
         slow = max(slow, took / steps)  # the launch's start included: more than a step
-        log(f"reference run: {steps} steps in {took:.1f}s; a slow rank sleeps {slow:.2f}s "
-            "a step")
+        log(f"reference run: {steps} steps in {took:.1f}s; a slow rank sleeps {slow:.2f}s a step")
     rng, ckpt, records, damaged = random.Random(seed + 1), checkpoint_of(dump, layout), [], set()
     texts: list[str] = []  # every launch's output
     plan = schedule(seed, faults, min_during_save, kinds, min_each, nproc)
@@ -196,12 +250,14 @@ def run_chaos(workdir: Path, *, faults: int, min_during_save: int, steps: int, i
     while True:
         fault = plan[len(records)] if len(records) < len(plan) else None
         if launch is None:
-            env = launch_env(fault, max(intact(ckpt, damaged), default=0), interval, steps,
-                             slow)
+            env = launch_env(fault, max(intact(ckpt, damaged), default=0), interval, steps, slow)
             stale = partials(ckpt)
-            launch = Launch(train_args(dump, steps, interval, nproc, async_mode, layout), nproc,
-                            {"TRAINER_TEST_SLOW_RANK": f"all:{PACE}", **env,
-                             **(store.env if store else {})}, restarts)
+            launch = Launch(
+                train_args(dump, steps, interval, nproc, async_mode, layout),
+                nproc,
+                {"TRAINER_TEST_SLOW_RANK": f"all:{PACE}", **env, **(store.env if store else {})},
+                restarts,
+            )
             if records:
                 _note_resume(records[-1], launch, damaged)
         if fault is None:
@@ -221,12 +277,22 @@ def run_chaos(workdir: Path, *, faults: int, min_during_save: int, steps: int, i
         if rec.exit_code is not None:
             texts.append(launch.text())
             launch = None
-        log(f"fault {len(records)}: {fault.kind} {'during a save ' if rec.in_save else ''}"
+        log(
+            f"fault {len(records)}: {fault.kind} {'during a save ' if rec.in_save else ''}"
             f"at step {rec.last_step} ({_outcome(rec)}; newest committed: step-{rec.committed}"
             f"{'; ' + rec.note if rec.note else ''}; {rec.seconds[0]}s to the fault, "
-            f"{rec.seconds[1]}s to the exit or restart)")
-    fig = _figures(records, ref, dump, steps, interval, time.monotonic() - t0, kinds,
-                   final=f"{ckpt}/step-{steps}" if store else None)
+            f"{rec.seconds[1]}s to the exit or restart)"
+        )
+    fig = _figures(
+        records,
+        ref,
+        dump,
+        steps,
+        interval,
+        time.monotonic() - t0,
+        kinds,
+        final=f"{ckpt}/step-{steps}" if store else None,
+    )
     if store is None:
         return fig
     seen = store.figures(texts)  # a store fault that surfaced in a run is a fault not survived
@@ -243,14 +309,21 @@ def _outcome(rec: Record) -> str:
 
 def _note_resume(rec: Record, launch: Launch, damaged: set) -> None:
     """Fill in where the launch after a fault resumed from (waits for its first step)."""
-    while launch.running() and not launch.steps and not any("nothing to do" in x
-                                                            for x in launch.lines):
+    while (
+        launch.running()
+        and not launch.steps
+        and not any("nothing to do" in x for x in launch.lines)
+    ):
         time.sleep(0.02)
     text = launch.text()
     m = re.search(r"resumed from \S+ \(step (\d+)\)", text)
     rec.resumed = int(m.group(1)) if m else 0
-    skipped = {int(n) for line in launch.lines if line.startswith("damaged checkpoint")
-               for n in re.findall(r"step-(\d+) \(", line)}
+    skipped = {
+        int(n)
+        for line in launch.lines
+        if line.startswith("damaged checkpoint")
+        for n in re.findall(r"step-(\d+) \(", line)
+    }
     if skipped - {step for step, _ in damaged}:
         rec.resumed = -1  # a fallback past a checkpoint this run did not damage: a loss
     rec.redone = max(0, rec.last_step - rec.resumed)
@@ -264,32 +337,50 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--interval", type=int, default=2)
     p.add_argument("--nproc", type=int, default=2)
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--async-mode", default="disabled", choices=("disabled", "async"),
-                   help="checkpoint.async_mode of the faulted runs (the reference saves sync)")
-    p.add_argument("--kinds", default="classic",
-                   help="classic (rank-SIGKILL, launcher-SIGTERM/SIGUSR1), all, or a "
-                   f"comma-separated list of {', '.join(KINDS)} (the lost node is a layout: "
-                   "--layout node)")
+    p.add_argument(
+        "--async-mode",
+        default="disabled",
+        choices=("disabled", "async"),
+        help="checkpoint.async_mode of the faulted runs (the reference saves sync)",
+    )
+    p.add_argument(
+        "--kinds",
+        default="classic",
+        help="classic (rank-SIGKILL, launcher-SIGTERM/SIGUSR1), all, or a "
+        f"comma-separated list of {', '.join(KINDS)} (the lost node is a layout: "
+        "--layout node)",
+    )
     p.add_argument("--min-each", type=int, default=0, help="faults of each kind, at least")
-    p.add_argument("--store-rate", type=float, default=0.1,
-                   help="s3 layout: the share of object-store requests the proxy faults")
+    p.add_argument(
+        "--store-rate",
+        type=float,
+        default=0.1,
+        help="s3 layout: the share of object-store requests the proxy faults",
+    )
     p.add_argument("--workdir", type=Path, default=Path("outputs/chaos"))
-    p.add_argument("--layout", default="fsdp",
-                   help=f"the parallelism: {', '.join(LAYOUTS)}, or node (a lost node: two "
-                   "elastic nodes of 2 ranks, fsdp, --kinds ignored), or a comma-separated list "
-                   "that spreads the faults over several (one reference and one faulted job "
-                   "each); s3: fsdp with the checkpoints on an S3 server behind a fault "
-                   "proxy; every layout but fsdp, s3 and node needs --nproc 4")
+    p.add_argument(
+        "--layout",
+        default="fsdp",
+        help=f"the parallelism: {', '.join(LAYOUTS)}, or node (a lost node: two "
+        "elastic nodes of 2 ranks, fsdp, --kinds ignored), or a comma-separated list "
+        "that spreads the faults over several (one reference and one faulted job "
+        "each); s3: fsdp with the checkpoints on an S3 server behind a fault "
+        "proxy; every layout but fsdp, s3 and node needs --nproc 4",
+    )
     a = p.parse_args(argv)
     kinds = {"classic": CLASSIC, "all": KINDS}.get(a.kinds) or tuple(a.kinds.split(","))
     if set(kinds) - set(KINDS):
-        p.error(f"--kinds {a.kinds!r}: choose from {', '.join(KINDS)}, classic or all (a lost "
-                "node is --layout node)")
+        p.error(
+            f"--kinds {a.kinds!r}: choose from {', '.join(KINDS)}, classic or all (a lost "
+            "node is --layout node)"
+        )
     layouts = a.layout.split(",")
     unknown = [x for x in layouts if x not in (*LAYOUTS, "node")]
     if unknown or (a.nproc < 4 and set(layouts) - {"fsdp", "node", "s3"}):
-        p.error(f"--layout {a.layout!r}: choose from {', '.join(LAYOUTS)}, node (all but fsdp, "
-                "s3 and node with --nproc 4)")
+        p.error(
+            f"--layout {a.layout!r}: choose from {', '.join(LAYOUTS)}, node (all but fsdp, "
+            "s3 and node with --nproc 4)"
+        )
     if "s3" in layouts and "ckpt-damage" in kinds:
         p.error("--layout s3: the kind ckpt-damage damages local files; leave it out")
     verdicts, results = [], []
@@ -299,19 +390,41 @@ def main(argv: list[str] | None = None) -> int:
         workdir = a.workdir / layout if len(layouts) > 1 else a.workdir
         if layout == "node":
             steps = node_steps(faults, a.steps)
-            print(f"=== layout node: {faults} lost nodes, 2 nodes of 2 ranks, {steps} steps",
-                  flush=True)
-            fig = run_node_chaos(workdir, faults=faults, min_during_save=in_save, steps=steps,
-                                 interval=a.interval, seed=a.seed + i, async_mode=a.async_mode)
+            print(
+                f"=== layout node: {faults} lost nodes, 2 nodes of 2 ranks, {steps} steps",
+                flush=True,
+            )
+            fig = run_node_chaos(
+                workdir,
+                faults=faults,
+                min_during_save=in_save,
+                steps=steps,
+                interval=a.interval,
+                seed=a.seed + i,
+                async_mode=a.async_mode,
+            )
         else:
             print(f"=== layout {layout}: {faults} faults on {a.nproc} ranks", flush=True)
             with contextlib.ExitStack() as stack:
-                store = stack.enter_context(chaos_store.serve(a.store_rate, a.seed + i)) \
-                    if layout == "s3" else None
-                fig = run_chaos(workdir, faults=faults, min_during_save=in_save, steps=a.steps,
-                                interval=a.interval, nproc=a.nproc, seed=a.seed + i,
-                                async_mode=a.async_mode, kinds=kinds, min_each=a.min_each,
-                                layout=layout, store=store)
+                store = (
+                    stack.enter_context(chaos_store.serve(a.store_rate, a.seed + i))
+                    if layout == "s3"
+                    else None
+                )
+                fig = run_chaos(
+                    workdir,
+                    faults=faults,
+                    min_during_save=in_save,
+                    steps=a.steps,
+                    interval=a.interval,
+                    nproc=a.nproc,
+                    seed=a.seed + i,
+                    async_mode=a.async_mode,
+                    kinds=kinds,
+                    min_each=a.min_each,
+                    layout=layout,
+                    store=store,
+                )
         print(report(fig, a.interval), flush=True)
         results.append((layout, fig))
         verdicts.append((layout, ok(fig, faults, in_save, 0 if layout == "node" else a.min_each)))

@@ -26,8 +26,7 @@ LAYOUTS = {
     "tp": ["--parallelism.tensor_parallel_degree", "2"],
     "pp": ["--parallelism.pipeline_parallel_degree", "2"],
     "cp": ["--parallelism.context_parallel_degree", "2"],
-    "ep": ["--model.flavor", "debugmodel-moe-narrow", "--parallelism.expert_parallel_degree",
-           "2"],
+    "ep": ["--model.flavor", "debugmodel-moe-narrow", "--parallelism.expert_parallel_degree", "2"],
     "s3": [],  # fsdp, its checkpoint folder on an S3 server behind a fault proxy (chaos_store.py)
 }
 # The model of every layout but ep (which names its own): what is checked (resumes, bitwise
@@ -48,47 +47,91 @@ STORE_TIMEOUT = 8.0  # checkpoint.store_timeout_seconds of the s3 layout (a load
 # machine answers some requests in seconds: a shorter one times out requests never faulted)
 
 
-def train_args(dump: Path, steps: int, interval: int, nproc: int,
-               async_mode: str = "disabled", layout: str = "fsdp") -> list[str]:
+def train_args(
+    dump: Path,
+    steps: int,
+    interval: int,
+    nproc: int,
+    async_mode: str = "disabled",
+    layout: str = "fsdp",
+) -> list[str]:
     """The tiny debug model (MODEL) in fp32 on synthetic data (bitwise reproducible), in
     `layout` (LAYOUTS: its own flavor, if it names one)."""
     extra = [] if async_mode == "disabled" else ["--checkpoint.async_mode", async_mode]
     if layout == "s3":
-        extra += ["--checkpoint.folder", checkpoint_of(dump, layout),
-                  "--checkpoint.store_timeout_seconds", str(STORE_TIMEOUT)]
+        extra += [
+            "--checkpoint.folder",
+            checkpoint_of(dump, layout),
+            "--checkpoint.store_timeout_seconds",
+            str(STORE_TIMEOUT),
+        ]
     model = MODEL[2:] if "--model.flavor" in LAYOUTS[layout] else MODEL
-    return [*extra, *LAYOUTS[layout], "--job.dump_folder", str(dump), *model,
-            "--training.steps", str(steps),
-            "--training.seq_len", "64", "--training.local_batch_size", "2",
-            "--training.global_batch_size", str(2 * nproc),
-            "--training.mixed_precision_param", "float32", "--metrics.log_freq", "1",
-            "--lr_scheduler.warmup_steps", "2", "--lr_scheduler.min_lr_factor", "1.0",
-            "--data.dataset", "synthetic", "--checkpoint.enable", "true",
-            "--checkpoint.interval", str(interval), "--checkpoint.keep_latest_k", "2",
-            "--comm.train_timeout_seconds", str(HANG_TIMEOUT), "--health.straggler_steps", "3",
-            "--health.max_same_failures", "0",  # chaos may hit one step's save again and again
-            # a rank's retried requests may keep the others waiting in a save's collective
-            *(["--comm.train_timeout_seconds", "60"] if layout == "s3" else [])]
-
-
+    return [
+        *extra,
+        *LAYOUTS[layout],
+        "--job.dump_folder",
+        str(dump),
+        *model,
+        "--training.steps",
+        str(steps),
+        "--training.seq_len",
+        "64",
+        "--training.local_batch_size",
+        "2",
+        "--training.global_batch_size",
+        str(2 * nproc),
+        "--training.mixed_precision_param",
+        "float32",
+        "--metrics.log_freq",
+        "1",
+        "--lr_scheduler.warmup_steps",
+        "2",
+        "--lr_scheduler.min_lr_factor",
+        "1.0",
+        "--data.dataset",
+        "synthetic",
+        "--checkpoint.enable",
+        "true",
+        "--checkpoint.interval",
+        str(interval),
+        "--checkpoint.keep_latest_k",
+        "2",
+        "--comm.train_timeout_seconds",
+        str(HANG_TIMEOUT),
+        "--health.straggler_steps",
+        "3",
+        "--health.max_same_failures",
+        "0",  # chaos may hit one step's save again and again
+        # a rank's retried requests may keep the others waiting in a save's collective
+        *(["--comm.train_timeout_seconds", "60"] if layout == "s3" else []),
+    ]
 
 
 class Launch:
     """One run_train.sh in its own session, its output collected by a thread."""
 
-    def __init__(self, args: list[str], nproc: int, env: dict | None = None,
-                 restarts: int = 0):
-        env = dict(os.environ, NGPU=str(nproc), LOG_RANK="0", HF_DATASETS_OFFLINE="1",
-                   MAX_RESTARTS=str(restarts), **{"TRAINER_TEST_SAVE_HOLD": str(SAVE_HOLD),
-                                                  **(env or {})},
-                   PYTHONPATH=str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    def __init__(self, args: list[str], nproc: int, env: dict | None = None, restarts: int = 0):
+        env = dict(
+            os.environ,
+            NGPU=str(nproc),
+            LOG_RANK="0",
+            HF_DATASETS_OFFLINE="1",
+            MAX_RESTARTS=str(restarts),
+            **{"TRAINER_TEST_SAVE_HOLD": str(SAVE_HOLD), **(env or {})},
+            PYTHONPATH=str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""),
+        )
         self.t0 = time.monotonic()
-        self.proc = subprocess.Popen([str(REPO / "run_train.sh"), *args], env=env, text=True,
-                                     stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                     start_new_session=True)
+        self.proc = subprocess.Popen(
+            [str(REPO / "run_train.sh"), *args],
+            env=env,
+            text=True,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
         self.lines: list[str] = []
         self.steps: list[int] = []
-        self.resumes: list[int] = []    # per in-job restart: the step it resumed at
+        self.resumes: list[int] = []  # per in-job restart: the step it resumed at
         self.resume_at: list[int] = []  # ... and len(steps) then
         self.reader = threading.Thread(target=self._read, daemon=True)
         self.reader.start()
@@ -105,7 +148,7 @@ class Launch:
                 self.resumes.append(int(m.group(1)))
 
     def attempt_steps(self) -> list[int]:
-        return self.steps[self.resume_at[-1]:] if self.resume_at else self.steps
+        return self.steps[self.resume_at[-1] :] if self.resume_at else self.steps
 
     def attempt_start(self) -> int | None:
         """The step the running attempt resumed from (None before it logged a step)."""
@@ -189,15 +232,19 @@ def _step_folders(url: str) -> dict[str, tuple[int, dict[str, float]]]:
 
     bucket, _, prefix = url.split("://", 1)[1].partition("/")
     out: dict[str, tuple[int, dict[str, float]]] = {}
-    pages = boto3.client("s3").get_paginator("list_objects_v2").paginate(
-        Bucket=bucket, Prefix=prefix + "/")
+    pages = (
+        boto3.client("s3")
+        .get_paginator("list_objects_v2")
+        .paginate(Bucket=bucket, Prefix=prefix + "/")
+    )
     for page in pages:
         for obj in page.get("Contents", []):
-            folder, _, name = obj["Key"][len(prefix) + 1:].partition("/")
+            folder, _, name = obj["Key"][len(prefix) + 1 :].partition("/")
             m = re.fullmatch(r"step-(\d+)(?:\.\d+)?", folder)
             if m and name:
-                out.setdefault(folder, (int(m.group(1)), {}))[1][name] = \
-                    obj["LastModified"].timestamp()
+                out.setdefault(folder, (int(m.group(1)), {}))[1][name] = obj[
+                    "LastModified"
+                ].timestamp()
     return out
 
 
@@ -212,9 +259,11 @@ def partials(ckpt: Path | str) -> set[tuple[str, int]]:
     """The saves in progress or cut off: (`step-N.partial`, an id of that attempt); on a store
     the prefixes with neither a manifest nor a set-aside one (manifest.<reason>.json)."""
     if isinstance(ckpt, str):
-        return {(f"step-{n}.partial", int(min(names.values()) * 1e6))
-                for n, names in _step_folders(ckpt).values()
-                if not any(o.startswith("manifest.") for o in names)}
+        return {
+            (f"step-{n}.partial", int(min(names.values()) * 1e6))
+            for n, names in _step_folders(ckpt).values()
+            if not any(o.startswith("manifest.") for o in names)
+        }
     out = set()
     for p in ckpt.glob("step-*.partial"):
         try:

@@ -23,8 +23,15 @@ import random
 from dataclasses import dataclass
 from pathlib import Path
 
-KINDS = ("rank-SIGKILL", "launcher-SIGTERM", "launcher-SIGUSR1", "rank-SIGSTOP", "ckpt-damage",
-         "save-ENOSPC", "slow-rank")
+KINDS = (
+    "rank-SIGKILL",
+    "launcher-SIGTERM",
+    "launcher-SIGUSR1",
+    "rank-SIGSTOP",
+    "ckpt-damage",
+    "save-ENOSPC",
+    "slow-rank",
+)
 CLASSIC = KINDS[:3]  # the kinds before in-job restarts (the default of --kinds)
 HEALING = ("rank-SIGKILL", "rank-SIGSTOP")
 ENDING = ("launcher-SIGTERM", "launcher-SIGUSR1", "ckpt-damage", "save-ENOSPC")
@@ -34,15 +41,16 @@ SLOW_SECONDS = 0.3
 
 @dataclass
 class Fault:
-    kind: str          # one of KINDS
+    kind: str  # one of KINDS
     during_save: bool  # wait for a save in progress (else: a step after the resume)
-    offset: int        # for a step fault: steps after the resume
-    delay: float       # seconds after the moment is reached
-    rank: int = 0      # save-ENOSPC, slow-rank: the rank it happens on
+    offset: int  # for a step fault: steps after the resume
+    delay: float  # seconds after the moment is reached
+    rank: int = 0  # save-ENOSPC, slow-rank: the rank it happens on
 
 
-def schedule(seed: int, faults: int, min_during_save: int, kinds=CLASSIC,
-             min_each: int = 0, nproc: int = 2) -> list[Fault]:
+def schedule(
+    seed: int, faults: int, min_during_save: int, kinds=CLASSIC, min_each: int = 0, nproc: int = 2
+) -> list[Fault]:
     """`faults` faults of `kinds`, each kind at least `min_each` times, at least
     `min_during_save` of them during a save (a save-ENOSPC always is)."""
     rng = random.Random(seed)
@@ -61,9 +69,16 @@ def schedule(seed: int, faults: int, min_during_save: int, kinds=CLASSIC,
     signalled = [i for i, k in enumerate(order) if k not in FRESH]
     wanted = max(0, min_during_save - order.count("save-ENOSPC"))
     saves = set(rng.sample(signalled, min(wanted, len(signalled))))
-    return [Fault(k, k == "save-ENOSPC" or i in saves or (k not in FRESH and rng.random() < 0.2),
-                  rng.randint(1, 3), rng.uniform(0.0, 0.3), rng.randrange(nproc))
-            for i, k in enumerate(order)]
+    return [
+        Fault(
+            k,
+            k == "save-ENOSPC" or i in saves or (k not in FRESH and rng.random() < 0.2),
+            rng.randint(1, 3),
+            rng.uniform(0.0, 0.3),
+            rng.randrange(nproc),
+        )
+        for i, k in enumerate(order)
+    ]
 
 
 def _classic(rng: random.Random, faults: int, min_during_save: int) -> list[Fault]:
@@ -72,13 +87,13 @@ def _classic(rng: random.Random, faults: int, min_during_save: int) -> list[Faul
     for i in range(faults):
         during = i in saves or rng.random() < 0.25
         kind = rng.choices(CLASSIC, weights=(0.6, 0.2, 0.2))[0]
-        out.append(Fault(kind, during, rng.randint(1, 3),
-                         rng.uniform(0.0, 0.3 if during else 0.6)))
+        out.append(Fault(kind, during, rng.randint(1, 3), rng.uniform(0.0, 0.3 if during else 0.6)))
     return out
 
 
-def launch_env(fault: Fault | None, newest: int, interval: int, steps: int,
-               slow: float = SLOW_SECONDS) -> dict:
+def launch_env(
+    fault: Fault | None, newest: int, interval: int, steps: int, slow: float = SLOW_SECONDS
+) -> dict:
     """The environment a launch needs for `fault` (a launch-opening kind), else {}. `slow`:
     the seconds a slow rank sleeps per step (a fraction of a step would not be a straggler:
     scaled to the reference run's step time)."""

@@ -41,15 +41,22 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from scripts.chaos_common import (SAVE_HOLD, Launch, committed, partials,  # noqa: E402
-                                  train_args)
+from scripts.chaos_common import (
+    SAVE_HOLD,
+    Launch,
+    committed,
+    partials,  # noqa: E402
+    train_args,
+)
 from scripts.chaos_report import load_dcp_tensors, per_kind, tb_losses  # noqa: E402
 from tests.helpers import process_tree  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 TOLERANCE = 1e-4  # the losses of the whole run against the uninterrupted one
-RDZV_CONF = ("join_timeout=120,last_call_timeout=2,is_host=false,"  # the store is apart
-             "keep_alive_interval=1,keep_alive_max_attempt=5")  # a lost node: gone in 5 s
+RDZV_CONF = (
+    "join_timeout=120,last_call_timeout=2,is_host=false,"  # the store is apart
+    "keep_alive_interval=1,keep_alive_max_attempt=5"
+)  # a lost node: gone in 5 s
 MAX_RESTARTS = 1000  # every shrink is one restart of the survivor
 # Seconds every rank sleeps after each step (TRAINER_TEST_SLOW_RANK=all:NODE_PACE): the job's
 # pace, whatever the model's (the tiny one's steps take a few ms), so the survivor trains on
@@ -81,31 +88,38 @@ def node_steps(faults: int, steps: int = 0) -> int:
 class NodeFault:
     during_save: bool  # wait for a save in progress (else: `offset` steps after the resume)
     offset: int
-    delay: float       # seconds after the moment is reached
-    victim: int        # 0: the older of the two nodes in the job, 1: the newer
+    delay: float  # seconds after the moment is reached
+    victim: int  # 0: the older of the two nodes in the job, 1: the newer
 
 
 def node_schedule(seed: int, faults: int, min_during_save: int) -> list[NodeFault]:
     rng = random.Random(seed)
     saves = set(rng.sample(range(faults), min(faults, max(min_during_save, 0))))
-    return [NodeFault(i in saves or rng.random() < 0.2, rng.randint(1, 3), rng.uniform(0, 0.3),
-                      rng.randrange(2)) for i in range(faults)]
+    return [
+        NodeFault(
+            i in saves or rng.random() < 0.2,
+            rng.randint(1, 3),
+            rng.uniform(0, 0.3),
+            rng.randrange(2),
+        )
+        for i in range(faults)
+    ]
 
 
 @dataclass
 class NodeRecord:
     fault: NodeFault
-    victim: int = -1            # the node killed (its number: node{N}.log)
-    in_save: int = 0            # the step of the save in progress at the kill (0: none)
-    last_step: int = 0          # the last step logged before the kill
-    committed: int = 0          # the newest committed step when the survivor resumed
+    victim: int = -1  # the node killed (its number: node{N}.log)
+    in_save: int = 0  # the step of the save in progress at the kill (0: none)
+    last_step: int = 0  # the last step logged before the kill
+    committed: int = 0  # the newest committed step when the survivor resumed
     resumed: int | None = None  # the step the survivor resumed from at 2 ranks
-    grow_committed: int = 0     # the newest committed step when the job grew back
-    grown: int | None = None    # the step the job resumed from at 4 ranks
-    redone: int = 0             # last_step - resumed
-    grow_redone: int = 0        # steps logged at 2 ranks and redone at 4 (the survivor saves)
-    shrink_s: float = 0.0       # seconds from the kill to the resume at 2 ranks
-    grow_s: float = 0.0         # seconds from the new node's start to the resume at 4 ranks
+    grow_committed: int = 0  # the newest committed step when the job grew back
+    grown: int | None = None  # the step the job resumed from at 4 ranks
+    redone: int = 0  # last_step - resumed
+    grow_redone: int = 0  # steps logged at 2 ranks and redone at 4 (the survivor saves)
+    shrink_s: float = 0.0  # seconds from the kill to the resume at 2 ranks
+    grow_s: float = 0.0  # seconds from the new node's start to the resume at 4 ranks
 
     @property
     def survived(self) -> bool:
@@ -115,6 +129,7 @@ class NodeRecord:
 @dataclass
 class Attempt:
     """One start of a node's ranks, as its output shows it."""
+
     t: float
     world: int
     stale: set = field(default_factory=set)  # the partial folders there when it began
@@ -126,21 +141,61 @@ class Node:
     """One launcher (`python -m trainer.launch --nnodes 1:2`) in its own session; its output
     goes to node{N}.log and is read into attempts."""
 
-    def __init__(self, number: int, workdir: Path, endpoint: str, run_id: str, nproc: int,
-                 args: list[str], ckpt: Path, t0: float):
+    def __init__(
+        self,
+        number: int,
+        workdir: Path,
+        endpoint: str,
+        run_id: str,
+        nproc: int,
+        args: list[str],
+        ckpt: Path,
+        t0: float,
+    ):
         self.number, self.attempts, self.done, self.ckpt, self.t0 = number, [], False, ckpt, t0
-        cmd = [sys.executable, "-m", "trainer.launch", "--nnodes", "1:2", "--nproc_per_node",
-               str(nproc), "--max-restarts", str(MAX_RESTARTS), "--rdzv_backend", "c10d",
-               "--rdzv_endpoint", endpoint, "--rdzv_id", run_id, "--rdzv-conf", RDZV_CONF,
-               "-m", "trainer.train", "--job.config_file",
-               str(REPO / "configs" / "debug_model.toml"), *args]
-        env = dict(os.environ, OMP_NUM_THREADS="1", LOG_RANK=f"0,{nproc}",  # a rank per node
-                   HF_DATASETS_OFFLINE="1", TRAINER_TEST_SAVE_HOLD=str(SAVE_HOLD),
-                   TRAINER_TEST_SLOW_RANK=f"all:{NODE_PACE}",
-                   PYTHONPATH=str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+        cmd = [
+            sys.executable,
+            "-m",
+            "trainer.launch",
+            "--nnodes",
+            "1:2",
+            "--nproc_per_node",
+            str(nproc),
+            "--max-restarts",
+            str(MAX_RESTARTS),
+            "--rdzv_backend",
+            "c10d",
+            "--rdzv_endpoint",
+            endpoint,
+            "--rdzv_id",
+            run_id,
+            "--rdzv-conf",
+            RDZV_CONF,
+            "-m",
+            "trainer.train",
+            "--job.config_file",
+            str(REPO / "configs" / "debug_model.toml"),
+            *args,
+        ]
+        env = dict(
+            os.environ,
+            OMP_NUM_THREADS="1",
+            LOG_RANK=f"0,{nproc}",  # a rank per node
+            HF_DATASETS_OFFLINE="1",
+            TRAINER_TEST_SAVE_HOLD=str(SAVE_HOLD),
+            TRAINER_TEST_SLOW_RANK=f"all:{NODE_PACE}",
+            PYTHONPATH=str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""),
+        )
         self.log = open(workdir / f"node{number}.log", "w")
-        self.proc = subprocess.Popen(cmd, env=env, text=True, stdout=subprocess.PIPE,
-                                     stderr=subprocess.STDOUT, start_new_session=True, cwd=REPO)
+        self.proc = subprocess.Popen(
+            cmd,
+            env=env,
+            text=True,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+            cwd=REPO,
+        )
         self.reader = threading.Thread(target=self._read, daemon=True)
         self.reader.start()
 
@@ -183,8 +238,9 @@ class Job:
 
     def __init__(self, workdir: Path, args: list[str], nproc: int, ckpt: Path):
         self.workdir, self.args, self.per_node, self.ckpt = workdir, args, nproc // 2, ckpt
-        self.store = subprocess.Popen([sys.executable, "-c", STORE], text=True,
-                                      stdout=subprocess.PIPE, start_new_session=True)
+        self.store = subprocess.Popen(
+            [sys.executable, "-c", STORE], text=True, stdout=subprocess.PIPE, start_new_session=True
+        )
         port = self.store.stdout.readline().strip()
         assert port.isdigit(), "the rendezvous store did not start"
         self.endpoint, self.run_id = f"127.0.0.1:{port}", f"chaos-node-{uuid.uuid4().hex[:8]}"
@@ -193,8 +249,16 @@ class Job:
         self.live: list[Node] = []  # the nodes not killed, oldest first
 
     def start_node(self) -> Node:
-        node = Node(len(self.nodes), self.workdir, self.endpoint, self.run_id, self.per_node,
-                    self.args, self.ckpt, self.t0)
+        node = Node(
+            len(self.nodes),
+            self.workdir,
+            self.endpoint,
+            self.run_id,
+            self.per_node,
+            self.args,
+            self.ckpt,
+            self.t0,
+        )
         self.nodes.append(node)
         self.live.append(node)
         return node
@@ -207,8 +271,12 @@ class Job:
     def attempt_after(self, t: float, world: int) -> Attempt | None:
         """The first attempt at `world` begun after `t` that resumed (or trained: the first
         attempt of a run without a checkpoint)."""
-        found = [a for n in self.live for a in n.attempts
-                 if a.t > t and a.world == world and (a.resumed is not None or a.steps)]
+        found = [
+            a
+            for n in self.live
+            for a in n.attempts
+            if a.t > t and a.world == world and (a.resumed is not None or a.steps)
+        ]
         return min(found, key=lambda a: a.t, default=None)
 
     def last_step(self, nodes: list[Node], before: float) -> int:
@@ -225,18 +293,24 @@ class Job:
 
 
 def describe(number: int, rec: NodeRecord) -> str:
-    out = (f"fault {number}: node {rec.victim} lost "
-           f"{f'during the save of step-{rec.in_save} ' if rec.in_save else ''}"
-           f"at step {rec.last_step}; ")
+    out = (
+        f"fault {number}: node {rec.victim} lost "
+        f"{f'during the save of step-{rec.in_save} ' if rec.in_save else ''}"
+        f"at step {rec.last_step}; "
+    )
     if rec.resumed is None:
         return out + "the job did not shrink"
-    out += (f"2 ranks resumed from step {rec.resumed} (newest committed: step-{rec.committed}), "
-            f"redoing {rec.redone}, {rec.shrink_s:.1f}s after the kill; ")
+    out += (
+        f"2 ranks resumed from step {rec.resumed} (newest committed: step-{rec.committed}), "
+        f"redoing {rec.redone}, {rec.shrink_s:.1f}s after the kill; "
+    )
     if rec.grown is None:
         return out + "it did not grow back"
-    return out + (f"grown back to 4 from step {rec.grown} (newest committed: "
-                  f"step-{rec.grow_committed}), redoing {rec.grow_redone}, {rec.grow_s:.1f}s "
-                  "after the new node started")
+    return out + (
+        f"grown back to 4 from step {rec.grown} (newest committed: "
+        f"step-{rec.grow_committed}), redoing {rec.grow_redone}, {rec.grow_s:.1f}s "
+        "after the new node started"
+    )
 
 
 def _wait(cond, job: Job, timeout: float):
@@ -260,11 +334,19 @@ def _lose_a_node(job: Job, fault: NodeFault, ckpt: Path, steps: int, log) -> Nod
     rec, attempt, deadline = NodeRecord(fault), None, time.monotonic() + 300
     while not job.ended() and time.monotonic() < deadline:  # a few steps, or the next save
         attempt = job.current()
-        if (len(job.live) == 2 and attempt is not None and attempt.world == 2 * job.per_node
-                and attempt.steps and committed(ckpt)):  # a checkpoint to lose work back to
+        if (
+            len(job.live) == 2
+            and attempt is not None
+            and attempt.world == 2 * job.per_node
+            and attempt.steps
+            and committed(ckpt)
+        ):  # a checkpoint to lose work back to
             start, reached = attempt.resumed or 0, attempt.steps[-1]
-            moment = (_saving(ckpt, attempt.stale, start, reached) if fault.during_save else
-                      reached >= min(start + fault.offset, steps - 1))
+            moment = (
+                _saving(ckpt, attempt.stale, start, reached)
+                if fault.during_save
+                else reached >= min(start + fault.offset, steps - 1)
+            )
             if moment:
                 time.sleep(fault.delay)
                 in_save = _saving(ckpt, attempt.stale, start, attempt.steps[-1])
@@ -294,17 +376,31 @@ def _lose_a_node(job: Job, fault: NodeFault, ckpt: Path, steps: int, log) -> Nod
     job.start_node()
     grown = _wait(lambda: job.attempt_after(joined, 2 * job.per_node), job, 180)
     if grown is not None:
-        small = [s for n in job.live for a in n.attempts if a.t >= shrunk.t
-                 and a.world == job.per_node for s in a.steps]
+        small = [
+            s
+            for n in job.live
+            for a in n.attempts
+            if a.t >= shrunk.t and a.world == job.per_node
+            for s in a.steps
+        ]
         rec.grown, rec.grow_committed = grown.resumed or 0, max(committed(ckpt), default=0)
         rec.grow_redone = max(0, max(small, default=0) - rec.grown)
         rec.grow_s = time.monotonic() - joined
     return rec
 
 
-def run_node_chaos(workdir: Path, *, faults: int, min_during_save: int, steps: int,
-                   interval: int, seed: int = 0, nproc: int = 4, async_mode: str = "disabled",
-                   log=print) -> dict:
+def run_node_chaos(
+    workdir: Path,
+    *,
+    faults: int,
+    min_during_save: int,
+    steps: int,
+    interval: int,
+    seed: int = 0,
+    nproc: int = 4,
+    async_mode: str = "disabled",
+    log=print,
+) -> dict:
     """The uninterrupted run, then the elastic job of two nodes of nproc/2 ranks that loses a
     node `faults` times (see the module's docstring); the figures of chaos_report.report."""
     workdir.mkdir(parents=True, exist_ok=True)
@@ -314,15 +410,19 @@ def run_node_chaos(workdir: Path, *, faults: int, min_during_save: int, steps: i
     common = ["--training.device", "cpu", "--comm.train_timeout_seconds", "30"]
     # Its saves are left out: they change nothing it logs, and only its losses are compared.
     # On one rank, the job's global batch by accumulation: the world sizes differ anyway.
-    code = Launch([*train_args(ref, steps, interval, nproc), *common, "--checkpoint.enable",
-                   "false"], 1).finish(timeout=3600)
+    code = Launch(
+        [*train_args(ref, steps, interval, nproc), *common, "--checkpoint.enable", "false"], 1
+    ).finish(timeout=3600)
     assert code == 0, f"the reference run failed with exit code {code}"
-    log(f"reference run: {steps} steps on 1 rank (the global batch of {nproc}) in "
-        f"{time.monotonic() - t0:.1f}s")
+    log(
+        f"reference run: {steps} steps on 1 rank (the global batch of {nproc}) in "
+        f"{time.monotonic() - t0:.1f}s"
+    )
 
     ckpt, records = dump / "checkpoint", []
-    job = Job(workdir, [*train_args(dump, steps, interval, nproc, async_mode), *common], nproc,
-              ckpt)
+    job = Job(
+        workdir, [*train_args(dump, steps, interval, nproc, async_mode), *common], nproc, ckpt
+    )
     try:
         job.start_node()
         job.start_node()
@@ -341,12 +441,21 @@ def run_node_chaos(workdir: Path, *, faults: int, min_during_save: int, steps: i
             if node.proc.poll() is None:
                 node.kill()
         job.close()
-    return node_figures(records, ref, dump, steps, interval, time.monotonic() - t0, codes,
-                        len(job.nodes))
+    return node_figures(
+        records, ref, dump, steps, interval, time.monotonic() - t0, codes, len(job.nodes)
+    )
 
 
-def node_figures(records: list[NodeRecord], ref: Path, dump: Path, steps: int, interval: int,
-                 seconds: float, codes: list[int], launchers: int) -> dict:
+def node_figures(
+    records: list[NodeRecord],
+    ref: Path,
+    dump: Path,
+    steps: int,
+    interval: int,
+    seconds: float,
+    codes: list[int],
+    launchers: int,
+) -> dict:
     """chaos_report._figures' keys for the lost node, with the losses compared within
     TOLERANCE and every checkpoint folder left checked."""
     want, have = tb_losses(ref), tb_losses(dump)
@@ -354,8 +463,11 @@ def node_figures(records: list[NodeRecord], ref: Path, dump: Path, steps: int, i
     beyond = [s for s in range(1, steps + 1) if s not in diffs or diffs[s] > TOLERANCE]
     folders = sorted((dump / "checkpoint").iterdir()) if (dump / "checkpoint").exists() else []
     bad = [f.name for f in folders if not re.fullmatch(r"step-\d+", f.name) or not _loads(f)]
-    final = load_dcp_tensors(dump / "checkpoint" / f"step-{steps}") if \
-        (dump / "checkpoint" / f"step-{steps}").exists() else {}
+    final = (
+        load_dcp_tensors(dump / "checkpoint" / f"step-{steps}")
+        if (dump / "checkpoint" / f"step-{steps}").exists()
+        else {}
+    )
     survived = [r for r in records if r.survived]
     return {
         "faults": len(records),
@@ -369,8 +481,11 @@ def node_figures(records: list[NodeRecord], ref: Path, dump: Path, steps: int, i
         "redone_total": sum(r.redone for r in records),
         "grow_redone": [r.grow_redone for r in records],
         "max_redone_ok": all(r.redone <= allowance(r, interval) for r in records),
-        "redone_beyond_interval": [f"node {r.redone} (the steps an async save of step-"
-                                   f"{r.in_save} let run)" for r in records if r.redone > interval],
+        "redone_beyond_interval": [
+            f"node {r.redone} (the steps an async save of step-{r.in_save} let run)"
+            for r in records
+            if r.redone > interval
+        ],
         "tensors": len(final),
         "tensors_differing": [],
         "tolerance": TOLERANCE,
@@ -379,7 +494,11 @@ def node_figures(records: list[NodeRecord], ref: Path, dump: Path, steps: int, i
         "checkpoints": len(folders),
         "checkpoints_bad": bad,
         "exit_codes": codes,
-        "data_lost": len(records) - len(survived) + len(beyond) + len(bad) + (not final)
+        "data_lost": len(records)
+        - len(survived)
+        + len(beyond)
+        + len(bad)
+        + (not final)
         + sum(c != 0 for c in codes),
         "seconds": round(seconds, 1),
     }

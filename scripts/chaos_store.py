@@ -30,25 +30,30 @@ from scripts.s3_fault_proxy import KINDS, FaultProxy, Rule  # noqa: E402
 # What a store fault that outlasted the retries looks like in a run's output.
 # A save refused past the retries may name only torch's zip writer ("unexpected pos"): any
 # failed save to the store counts, but the injected full disk of save-ENOSPC (errno 28).
-SURFACED = re.compile(r"reduce your request rate|encountered an internal error|Read timeout on "
-                      r"endpoint|Connection was closed before|could not refresh .*lease\.json|"
-                      r"saving s3://\S+ failed: (?!\[Errno 28\])|step-\d+ not saved \((?!\[Errno 28\])")
+SURFACED = re.compile(
+    r"reduce your request rate|encountered an internal error|Read timeout on "
+    r"endpoint|Connection was closed before|could not refresh .*lease\.json|"
+    r"saving s3://\S+ failed: (?!\[Errno 28\])|step-\d+ not saved \((?!\[Errno 28\])"
+)
 
 
 @dataclass
 class Store:
-    env: dict             # AWS_* variables that point a launch at the proxy
+    env: dict  # AWS_* variables that point a launch at the proxy
     proxy: FaultProxy
 
     def figures(self, texts: list[str]) -> dict:
         """What the proxy injected, when, and how many surfaced in the launches' `texts`."""
         st = self.proxy.stats()
         lines = list(self.proxy.log)
-        return {"injected": st["injected"], "total": st["total"], "requests": st["requests"],
-                "during_saves": sum(x.split()[1] in ("PUT", "POST") for x in lines),
-                "during_loads": sum(x.split()[1] in ("GET", "HEAD") and "/step-" in x
-                                    for x in lines),
-                "surfaced": sum(len(SURFACED.findall(t)) for t in texts)}
+        return {
+            "injected": st["injected"],
+            "total": st["total"],
+            "requests": st["requests"],
+            "during_saves": sum(x.split()[1] in ("PUT", "POST") for x in lines),
+            "during_loads": sum(x.split()[1] in ("GET", "HEAD") and "/step-" in x for x in lines),
+            "surfaced": sum(len(SURFACED.findall(t)) for t in texts),
+        }
 
 
 def fault_rule(rate: float, seed: int) -> Rule:
@@ -56,8 +61,9 @@ def fault_rule(rate: float, seed: int) -> Rule:
     in seven a timeout (each costs the client's whole timeout)."""
     kinds = (*("503", "500", "reset") * 2, "timeout")
     assert set(kinds) == set(KINDS)
-    return Rule(match=rf"^(GET|PUT|POST|HEAD|DELETE) /{STORE_BUCKET}[/?]", kinds=kinds,
-                rate=rate, seed=seed)
+    return Rule(
+        match=rf"^(GET|PUT|POST|HEAD|DELETE) /{STORE_BUCKET}[/?]", kinds=kinds, rate=rate, seed=seed
+    )
 
 
 @contextlib.contextmanager
@@ -80,4 +86,3 @@ def proxied(env: dict, rate: float, seed: int = 0):
         yield Store({**env, "AWS_ENDPOINT_URL": proxy.url}, proxy)
     finally:
         proxy.stop()
-

@@ -45,23 +45,40 @@ from urllib.parse import urlsplit
 
 KINDS = ("503", "500", "timeout", "reset")  # the faults a store's own retries cure
 MORE = ("slow", "lost", "cut", "400timeout", "baddigest")  # also transient, less common
-HOP = {"connection", "keep-alive", "transfer-encoding", "expect", "proxy-connection", "te",
-       "upgrade", "content-length"}
-_ERRORS = {"503": (503, "SlowDown", "Please reduce your request rate."),
-           "500": (500, "InternalError", "We encountered an internal error. Please try again."),
-           "400timeout": (400, "RequestTimeout", "Your socket connection to the server was not "
-                          "read from or written to within the timeout period."),
-           "baddigest": (400, "BadDigest", "The Content-MD5 you specified did not match what "
-                         "we received.")}
+HOP = {
+    "connection",
+    "keep-alive",
+    "transfer-encoding",
+    "expect",
+    "proxy-connection",
+    "te",
+    "upgrade",
+    "content-length",
+}
+_ERRORS = {
+    "503": (503, "SlowDown", "Please reduce your request rate."),
+    "500": (500, "InternalError", "We encountered an internal error. Please try again."),
+    "400timeout": (
+        400,
+        "RequestTimeout",
+        "Your socket connection to the server was not "
+        "read from or written to within the timeout period.",
+    ),
+    "baddigest": (
+        400,
+        "BadDigest",
+        "The Content-MD5 you specified did not match what we received.",
+    ),
+}
 
 
 @dataclass
 class Rule:
-    match: str = "."            # re.search over "METHOD /bucket/key?query[ copy-from=...]"
-    kinds: tuple = KINDS        # cycled through, one per injected fault
-    every: int = 0              # fire on every n-th matching request (0: use rate)
-    rate: float = 0.0           # else fire with this probability
-    limit: int = 1 << 30        # at most this many faults
+    match: str = "."  # re.search over "METHOD /bucket/key?query[ copy-from=...]"
+    kinds: tuple = KINDS  # cycled through, one per injected fault
+    every: int = 0  # fire on every n-th matching request (0: use rate)
+    rate: float = 0.0  # else fire with this probability
+    limit: int = 1 << 30  # at most this many faults
     seed: int = 0
     seen: int = 0
     fired: int = 0
@@ -85,8 +102,9 @@ class Rule:
 class FaultProxy:
     """The proxy, served by threads of this process (`start`, `stop`)."""
 
-    def __init__(self, upstream: str, delay: float = 3.0, port: int = 0,
-                 ignore_conditions: bool = False):
+    def __init__(
+        self, upstream: str, delay: float = 3.0, port: int = 0, ignore_conditions: bool = False
+    ):
         u = urlsplit(upstream)
         self.upstream, self.delay = (u.hostname, u.port), float(delay)
         self.ignore_conditions = ignore_conditions
@@ -120,9 +138,12 @@ class FaultProxy:
 
     def stats(self) -> dict:
         with self.lock:
-            return {"requests": self.requests, "injected": dict(self.injected),
-                    "total": sum(self.injected[k] for k in KINDS),
-                    "rules": [(r.match, r.seen, r.fired) for r in self.rules]}
+            return {
+                "requests": self.requests,
+                "injected": dict(self.injected),
+                "total": sum(self.injected[k] for k in KINDS),
+                "rules": [(r.match, r.seen, r.fired) for r in self.rules],
+            }
 
     def pick(self, line: str) -> str | None:
         with self.lock:
@@ -180,9 +201,10 @@ class _Handler(http.server.BaseHTTPRequestHandler):
             body = self._body()
         if kind in _ERRORS:
             status, code, message = _ERRORS[kind]
-            xml = (f'<?xml version="1.0" encoding="UTF-8"?>\n<Error><Code>{code}</Code>'
-                   f"<Message>{message}</Message><RequestId>fault-proxy</RequestId></Error>"
-                   ).encode()
+            xml = (
+                f'<?xml version="1.0" encoding="UTF-8"?>\n<Error><Code>{code}</Code>'
+                f"<Message>{message}</Message><RequestId>fault-proxy</RequestId></Error>"
+            ).encode()
             self.send_response(status)
             self.send_header("Content-Type", "application/xml")
             self.send_header("Content-Length", str(len(xml)))

@@ -67,10 +67,16 @@ def calibrate(repeats: int = 5) -> float:
 
 
 def pytest_addoption(parser):
-    parser.addini("budget_per_test", "tests/budget.py: reference seconds one test may take",
-                  default=str(DEFAULT_PER_TEST_S))
-    parser.addini("budget_total", "tests/budget.py: reference seconds the session may take",
-                  default=str(DEFAULT_TOTAL_S))
+    parser.addini(
+        "budget_per_test",
+        "tests/budget.py: reference seconds one test may take",
+        default=str(DEFAULT_PER_TEST_S),
+    )
+    parser.addini(
+        "budget_total",
+        "tests/budget.py: reference seconds the session may take",
+        default=str(DEFAULT_TOTAL_S),
+    )
 
 
 def pytest_configure(config):
@@ -103,8 +109,10 @@ def launched_cpu() -> float:
 def cpu_seconds() -> float:
     """User + system CPU seconds of this process, of its children that have been waited for (a
     launch's launcher and ranks, once it ends) and of the zygote's ended launches."""
-    own, children = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(
-        resource.RUSAGE_CHILDREN)
+    own, children = (
+        resource.getrusage(resource.RUSAGE_SELF),
+        resource.getrusage(resource.RUSAGE_CHILDREN),
+    )
     return own.ru_utime + own.ru_stime + children.ru_utime + children.ru_stime + launched_cpu()
 
 
@@ -174,11 +182,16 @@ class Budget:
 
     def pytest_terminal_summary(self, terminalreporter):
         per_test, total = self.per_test_ref * self.scale, self.total_ref * self.scale
-        how = (f"machine scale {self.scale:.2f}: calibration {self.calibration:.3f} s vs "
-               f"{REFERENCE_CALIBRATION_S:.3f} s on the reference" if self.calibration is not None
-               else f"machine scale {self.scale:.2f} from TRAINER_TEST_BUDGET_SCALE")
-        budgets = (f"budgets {self.per_test_ref:g} s per test and {self.total_ref:g} s in total on "
-                   f"the reference machine = {per_test:.1f} s and {total:.1f} s here ({how})")
+        how = (
+            f"machine scale {self.scale:.2f}: calibration {self.calibration:.3f} s vs "
+            f"{REFERENCE_CALIBRATION_S:.3f} s on the reference"
+            if self.calibration is not None
+            else f"machine scale {self.scale:.2f} from TRAINER_TEST_BUDGET_SCALE"
+        )
+        budgets = (
+            f"budgets {self.per_test_ref:g} s per test and {self.total_ref:g} s in total on "
+            f"the reference machine = {per_test:.1f} s and {total:.1f} s here ({how})"
+        )
         write = terminalreporter.write_line
         if self.over:
             terminalreporter.write_sep("=", "test time budget exceeded", red=True, bold=True)
@@ -187,8 +200,10 @@ class Budget:
             write(f"{budgets}; tests/budget.py; TRAINER_TEST_BUDGET=off switches it off")
             return
         slowest = max(self.seconds.items(), key=lambda kv: kv[1], default=("(no test)", 0.0))
-        write(f"test budget: slowest {slowest[0]} {slowest[1]:.1f} s, session {self.elapsed:.1f} s; "
-              f"{budgets}")
+        write(
+            f"test budget: slowest {slowest[0]} {slowest[1]:.1f} s, session {self.elapsed:.1f} s; "
+            f"{budgets}"
+        )
 
 
 def per_file(seconds: dict[str, float]) -> dict[str, dict]:
@@ -247,25 +262,32 @@ class FileDurations:
         ticks = cpu_ticks()
         if ticks and self._ticks and ticks[1] > self._ticks[1]:
             self.machine["steal_fraction"] = round(
-                (ticks[0] - self._ticks[0]) / (ticks[1] - self._ticks[1]), 4)
+                (ticks[0] - self._ticks[0]) / (ticks[1] - self._ticks[1]), 4
+            )
             # the machine's busy share: what the booked CPU-s miss (collection, the zygotes,
             # SLURM's jobs, a launch killed unwaited) is the difference
             self.machine["busy_fraction"] = round(
-                (ticks[2] - self._ticks[2]) / (ticks[1] - self._ticks[1]), 4)
+                (ticks[2] - self._ticks[2]) / (ticks[1] - self._ticks[1]), 4
+            )
             self.machine["busy_cpu_s"] = round(
-                (ticks[2] - self._ticks[2]) / os.sysconf("SC_CLK_TCK"), 1)
+                (ticks[2] - self._ticks[2]) / os.sysconf("SC_CLK_TCK"), 1
+            )
         cpu_files = per_file(self.cpu)
         for name, entry in self.files.items():
             entry["cpu_s"] = cpu_files.get(name, {}).get("seconds", 0.0)
-        summary = {"wall_s": round(time.monotonic() - self.start, 2),
-                   "tests_s": round(sum(self.seconds.values()), 2),
-                   "cpu_s": round(sum(self.cpu.values()), 2),
-                   "machine": self.machine,
-                   "files": self.files,
-                   "tests": {n: round(s, 2) for n, s in
-                             sorted(self.seconds.items(), key=lambda kv: -kv[1])},
-                   "tests_cpu_s": {n: round(s, 2) for n, s in
-                                   sorted(self.cpu.items(), key=lambda kv: -kv[1])}}
+        summary = {
+            "wall_s": round(time.monotonic() - self.start, 2),
+            "tests_s": round(sum(self.seconds.values()), 2),
+            "cpu_s": round(sum(self.cpu.values()), 2),
+            "machine": self.machine,
+            "files": self.files,
+            "tests": {
+                n: round(s, 2) for n, s in sorted(self.seconds.items(), key=lambda kv: -kv[1])
+            },
+            "tests_cpu_s": {
+                n: round(s, 2) for n, s in sorted(self.cpu.items(), key=lambda kv: -kv[1])
+            },
+        }
         try:
             self.path.parent.mkdir(parents=True, exist_ok=True)
             self.path.write_text(json.dumps(summary, indent=1) + "\n")
@@ -276,15 +298,18 @@ class FileDurations:
         if not self.files:
             return
         m = self.machine
-        terminalreporter.write_sep("-", f"slowest files (setup + call + teardown; all in "
-                                        f"{DURATIONS_FILE})")
+        terminalreporter.write_sep(
+            "-", f"slowest files (setup + call + teardown; all in {DURATIONS_FILE})"
+        )
         terminalreporter.write_line(
             f"machine: calibration {m.get('calibration_start_s', 0):.3f} s at the start, "
             f"{m.get('calibration_end_s', 0):.3f} s at the end; CPU stolen "
             f"{100 * m.get('steal_fraction', 0):.1f}%; busy {100 * m.get('busy_fraction', 0):.0f}%"
             f" ({m.get('busy_cpu_s', 0):,.0f} CPU-s, the tests booked "
-            f"{sum(e['cpu_s'] for e in self.files.values()):,.0f})")
+            f"{sum(e['cpu_s'] for e in self.files.values()):,.0f})"
+        )
         for name, entry in list(self.files.items())[:SLOWEST_FILES]:
             terminalreporter.write_line(
                 f"{entry['seconds']:8.1f} s  {entry['cpu_s']:8.1f} CPU-s  {entry['tests']:3d} tests"
-                f"  {name}")
+                f"  {name}"
+            )

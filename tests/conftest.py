@@ -29,14 +29,35 @@ HAS_DATASETS = importlib.util.find_spec("datasets") is not None
 # seconds in a whole suite on the 2-core EPYC (.pytest_cache/trainer-durations.json, session
 # 27: test_moe.py 275 s ... test_evals_e2e.py 39 s); test_default_run.py trains 100 steps where
 # .ci/run has not already (TRAINER_TEST_DEFAULT_RUN).
-LONGEST_FIRST = ["test_moe.py", "test_deepseek.py", "test_default_run.py", "test_multinode.py",
-                 "test_pipeline.py", "test_optim_resume.py", "test_plan_trace.py",
-                 "test_object_store_faults.py", "test_qwen3_next_train.py", "test_mix_e2e.py",
-                 "test_tp.py", "test_slurm.py", "test_muon.py", "test_train_e2e.py",
-                 "test_faults.py", "test_heal.py", "test_context_parallel.py", "test_plan.py",
-                 "test_object_store.py", "test_ep_dispatch.py", "test_bad_inputs.py",
-                 "test_deepseek_recipe.py", "test_sdpa.py", "test_device.py",
-                 "test_fsdp_options.py", "test_hf.py", "test_evals_e2e.py"]
+LONGEST_FIRST = [
+    "test_moe.py",
+    "test_deepseek.py",
+    "test_default_run.py",
+    "test_multinode.py",
+    "test_pipeline.py",
+    "test_optim_resume.py",
+    "test_plan_trace.py",
+    "test_object_store_faults.py",
+    "test_qwen3_next_train.py",
+    "test_mix_e2e.py",
+    "test_tp.py",
+    "test_slurm.py",
+    "test_muon.py",
+    "test_train_e2e.py",
+    "test_faults.py",
+    "test_heal.py",
+    "test_context_parallel.py",
+    "test_plan.py",
+    "test_object_store.py",
+    "test_ep_dispatch.py",
+    "test_bad_inputs.py",
+    "test_deepseek_recipe.py",
+    "test_sdpa.py",
+    "test_device.py",
+    "test_fsdp_options.py",
+    "test_hf.py",
+    "test_evals_e2e.py",
+]
 
 
 def pytest_collection_modifyitems(config, items):

@@ -34,10 +34,21 @@ STDLIB = ("--data.dataset", "stdlib", *STDLIB_VOCAB)
 
 # Small, fast settings shared by the end-to-end tests (debugmodel-tiny: a 2-layer, dim-64
 # slice of the debug model; a test that needs the debug shape names its flavor after these).
-TINY = [*CPU, "--model.flavor", "debugmodel-tiny",
-    "--training.seq_len", "64", "--training.local_batch_size", "2",
-    "--training.mixed_precision_param", "float32", "--metrics.log_freq", "1",
-    "--lr_scheduler.warmup_steps", "2", *SYNTHETIC,
+TINY = [
+    *CPU,
+    "--model.flavor",
+    "debugmodel-tiny",
+    "--training.seq_len",
+    "64",
+    "--training.local_batch_size",
+    "2",
+    "--training.mixed_precision_param",
+    "float32",
+    "--metrics.log_freq",
+    "1",
+    "--lr_scheduler.warmup_steps",
+    "2",
+    *SYNTHETIC,
 ]
 
 
@@ -52,7 +63,9 @@ def subprocess_env(extra: dict | None = None) -> dict:
     env.setdefault("HF_DATASETS_OFFLINE", "1")
     env.setdefault("HF_HUB_OFFLINE", "1")
     env.setdefault("PYTHONFAULTHANDLER", "1")  # a hung launch's stacks (run_or_dump_stacks)
-    env["PYTHONPATH"] = str(REPO) + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
+    env["PYTHONPATH"] = str(REPO) + (
+        os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else ""
+    )
     for key, value in (extra or {}).items():  # None removes a variable
         if value is None:
             env.pop(key, None)
@@ -79,8 +92,9 @@ def zygote_env(env: dict | None) -> dict:
     """The environment that sends a run_train launch through the zygote (started on first
     use), or {} where it must start as a fresh interpreter."""
     mode = os.environ.get("TRAINER_TEST_ZYGOTE", "on").strip().lower()
-    if mode in ZYGOTE_OFF or any(k.startswith(ZYGOTE_UNSAFE_ENV) and k not in ZYGOTE_SAFE_ENV
-                                 for k in (env or {})):
+    if mode in ZYGOTE_OFF or any(
+        k.startswith(ZYGOTE_UNSAFE_ENV) and k not in ZYGOTE_SAFE_ENV for k in (env or {})
+    ):
         return {}
     if _zygote.get("pid") != os.getpid():  # none yet in this process (or a fork's copy)
         import atexit
@@ -89,19 +103,28 @@ def zygote_env(env: dict | None) -> dict:
         folder = tempfile.mkdtemp(prefix="trainer-zygote-")
         sock, wrapper = os.path.join(folder, "socket"), os.path.join(folder, "python")
         with open(wrapper, "w") as fh:  # run_train.sh execs "$PYTHON": one executable path
-            fh.write(f'#!/bin/sh\nexec {sys.executable} -S '
-                     f'{REPO / "tests" / "scripts" / "zygote_shim.py"} "$@"\n')
+            fh.write(
+                f"#!/bin/sh\nexec {sys.executable} -S "
+                f'{REPO / "tests" / "scripts" / "zygote_shim.py"} "$@"\n'
+            )
         os.chmod(wrapper, 0o755)
-        proc = subprocess.Popen([sys.executable, str(REPO / "tests" / "scripts" / "zygote.py"),
-                                 sock], env=subprocess_env(), stdout=subprocess.PIPE, text=True)
+        proc = subprocess.Popen(
+            [sys.executable, str(REPO / "tests" / "scripts" / "zygote.py"), sock],
+            env=subprocess_env(),
+            stdout=subprocess.PIPE,
+            text=True,
+        )
         if proc.stdout.readline().strip() != "ready":
             proc.kill()
             raise AssertionError("tests/scripts/zygote.py did not start")
         atexit.register(lambda: (proc.terminate(), proc.wait(), shutil.rmtree(folder, True)))
         _zygote.update(pid=os.getpid(), socket=sock, wrapper=wrapper, server=proc.pid)
         os.environ["TRAINER_TEST_CPU_LEDGER"] = sock + ".cpu"  # tests/budget.py's
-    return {"PYTHON": _zygote["wrapper"], "TRAINER_TEST_ZYGOTE_SOCKET": _zygote["socket"],
-            "TRAINER_TEST_ZYGOTE_PYTHON": os.environ.get("PYTHON", sys.executable)}
+    return {
+        "PYTHON": _zygote["wrapper"],
+        "TRAINER_TEST_ZYGOTE_SOCKET": _zygote["socket"],
+        "TRAINER_TEST_ZYGOTE_PYTHON": os.environ.get("PYTHON", sys.executable),
+    }
 
 
 def fork_python(env: dict | None = None) -> tuple[str, dict]:
@@ -125,8 +148,9 @@ def children_cpu() -> float:
     return used.ru_utime + used.ru_stime + launched_cpu()
 
 
-def log_launch(kind: str, nproc, seconds: float, stdout: str, cpu_from: float | None = None
-               ) -> None:
+def log_launch(
+    kind: str, nproc, seconds: float, stdout: str, cpu_from: float | None = None
+) -> None:
     """With TRAINER_TEST_LAUNCH_LOG=FILE: one JSON line per launch (the test, its kind, ranks,
     seconds, CPU seconds since children_cpu() was `cpu_from`, the steps and saves its rank-0
     output shows) appended to FILE, to see where a suite's time goes (docs/development.md)."""
@@ -135,18 +159,30 @@ def log_launch(kind: str, nproc, seconds: float, stdout: str, cpu_from: float | 
         return
     import json
 
-    record = {"test": os.environ.get("PYTEST_CURRENT_TEST", "").rsplit(" ", 1)[0],
-              "kind": kind, "nproc": nproc, "seconds": round(seconds, 2),
-              "cpu_s": None if cpu_from is None else round(children_cpu() - cpu_from, 2),
-              "steps": len(re.findall(r"^step: ", stdout or "", re.M)),
-              "saves": len(re.findall(r"^saved checkpoint", stdout or "", re.M))}
+    record = {
+        "test": os.environ.get("PYTEST_CURRENT_TEST", "").rsplit(" ", 1)[0],
+        "kind": kind,
+        "nproc": nproc,
+        "seconds": round(seconds, 2),
+        "cpu_s": None if cpu_from is None else round(children_cpu() - cpu_from, 2),
+        "steps": len(re.findall(r"^step: ", stdout or "", re.M)),
+        "saves": len(re.findall(r"^saved checkpoint", stdout or "", re.M)),
+    }
     with open(path, "a") as fh:
         fh.write(json.dumps(record) + "\n")
 
 
-def run_train(dump: Path | str, *overrides: str, nproc: int | None = 2, env: dict | None = None,
-              config: str | None = None, timeout: float = 300, check: bool = True,
-              log_rank: str = "0", device: str | None = "cpu") -> subprocess.CompletedProcess:
+def run_train(
+    dump: Path | str,
+    *overrides: str,
+    nproc: int | None = 2,
+    env: dict | None = None,
+    config: str | None = None,
+    timeout: float = 300,
+    check: bool = True,
+    log_rank: str = "0",
+    device: str | None = "cpu",
+) -> subprocess.CompletedProcess:
     """`NGPU=nproc ./run_train.sh --training.device cpu --job.dump_folder dump <overrides>`;
     returns the completed run. `nproc=None` leaves NGPU unset; `device=None` leaves the
     config's device (auto). CPU launches start from the launcher zygote (zygote_env)."""
@@ -157,12 +193,17 @@ def run_train(dump: Path | str, *overrides: str, nproc: int | None = 2, env: dic
         extra["CONFIG_FILE"] = config
     first = ["--training.device", device] if device else []
     start, cpu = time.monotonic(), children_cpu()
-    proc = run_or_dump_stacks([str(RUN_TRAIN), *first, "--job.dump_folder", str(dump), *overrides],
-                              env=subprocess_env(extra), timeout=timeout)
+    proc = run_or_dump_stacks(
+        [str(RUN_TRAIN), *first, "--job.dump_folder", str(dump), *overrides],
+        env=subprocess_env(extra),
+        timeout=timeout,
+    )
     log_launch("run_train", nproc, time.monotonic() - start, proc.stdout, cpu)
     if check and proc.returncode != 0:
-        raise AssertionError(f"run_train.sh exited {proc.returncode}\n--- stdout\n"
-                             f"{proc.stdout[-4000:]}\n--- stderr\n{proc.stderr[-4000:]}")
+        raise AssertionError(
+            f"run_train.sh exited {proc.returncode}\n--- stdout\n"
+            f"{proc.stdout[-4000:]}\n--- stderr\n{proc.stderr[-4000:]}"
+        )
     return proc
 
 
@@ -173,8 +214,7 @@ def run_or_dump_stacks(cmd: list[str], env: dict, timeout: float) -> subprocess.
     enables it in the launcher and the ranks; PYTHONFAULTHANDLER from subprocess_env in any
     other interpreter) prints every thread's Python stack to the launch's stderr; the
     LaunchTimeout's message ends with that output, so a hung launch names where it hung."""
-    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            text=True)
+    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         out, err = proc.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
@@ -192,9 +232,13 @@ def run_or_dump_stacks(cmd: list[str], env: dict, timeout: float) -> subprocess.
         time.sleep(1)  # the dumps are written (in the signal handler), the processes die of them
         proc.kill()
         out, err = proc.communicate()
-        raise LaunchTimeout(cmd, timeout, output=out,
-                            stderr=f"{err}\n[{len(launch)} processes of the launch sent SIGABRT "
-                                   f"for their stacks, above]") from None
+        raise LaunchTimeout(
+            cmd,
+            timeout,
+            output=out,
+            stderr=f"{err}\n[{len(launch)} processes of the launch sent SIGABRT "
+            f"for their stacks, above]",
+        ) from None
     return subprocess.CompletedProcess(cmd, proc.returncode, out, err)
 
 
@@ -202,12 +246,15 @@ class LaunchTimeout(subprocess.TimeoutExpired):
     """A TimeoutExpired whose message ends with the launch's output: its stacks."""
 
     def __str__(self) -> str:
-        return (f"{super().__str__()}\n--- stdout\n{(self.stdout or '')[-3000:]}\n"
-                f"--- stderr (the stacks)\n{(self.stderr or '')[-12000:]}")
+        return (
+            f"{super().__str__()}\n--- stdout\n{(self.stdout or '')[-3000:]}\n"
+            f"--- stderr (the stacks)\n{(self.stderr or '')[-12000:]}"
+        )
 
 
-def run_train_watched(dump: Path | str, *overrides: str, mark: str, timeout: float = 300,
-                      env: dict | None = None) -> tuple[subprocess.CompletedProcess, float]:
+def run_train_watched(
+    dump: Path | str, *overrides: str, mark: str, timeout: float = 300, env: dict | None = None
+) -> tuple[subprocess.CompletedProcess, float]:
     """run_train (2 CPU ranks, not checked) that also returns how many seconds the run went on
     after its stdout first matched the regex `mark` (e.g. step 1's line): a bound on what
     follows it that a loaded machine's slow launch (imports, rendezvous) does not eat into.
@@ -215,9 +262,13 @@ def run_train_watched(dump: Path | str, *overrides: str, mark: str, timeout: flo
     import threading
 
     extra = {"LOG_RANK": "0", "NGPU": "2", **(env or {})}
-    proc = subprocess.Popen([str(RUN_TRAIN), *CPU, "--job.dump_folder", str(dump), *overrides],
-                            env=subprocess_env(extra), stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(
+        [str(RUN_TRAIN), *CPU, "--job.dump_folder", str(dump), *overrides],
+        env=subprocess_env(extra),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     t0, cpu = time.monotonic(), children_cpu()
     seen, out, err = [t0], [], []
 
@@ -227,8 +278,10 @@ def run_train_watched(dump: Path | str, *overrides: str, mark: str, timeout: flo
                 seen.append(time.monotonic())
             out.append(line)
 
-    readers = [threading.Thread(target=read_out),
-               threading.Thread(target=lambda: err.extend(proc.stderr))]
+    readers = [
+        threading.Thread(target=read_out),
+        threading.Thread(target=lambda: err.extend(proc.stderr)),
+    ]
     for r in readers:
         r.start()
     try:
@@ -243,25 +296,50 @@ def run_train_watched(dump: Path | str, *overrides: str, mark: str, timeout: flo
     return done, time.monotonic() - seen[-1]
 
 
-def torchrun(script: Path | str, *args: str, nproc: int = 2, timeout: float = 300,
-             env: dict | None = None, fork: bool = False) -> subprocess.CompletedProcess:
+def torchrun(
+    script: Path | str,
+    *args: str,
+    nproc: int = 2,
+    timeout: float = 300,
+    env: dict | None = None,
+    fork: bool = False,
+) -> subprocess.CompletedProcess:
     """Run a Python script under real torchrun (c10d rendezvous on a free localhost port);
     `fork`: its `main(argv)` on ranks forked from a launcher that imported torch and the
     trainer once (tests/scripts/forkrun.py: the same agent, ~4 s less per rank)."""
     python, run_env = fork_python(env) if fork else (sys.executable, subprocess_env(env))
     if fork:  # forkrun.py's own imports: forked from the zygote too
-        cmd = [python, str(REPO / "tests" / "scripts" / "forkrun.py"), str(nproc), str(script),
-               *args]
+        cmd = [
+            python,
+            str(REPO / "tests" / "scripts" / "forkrun.py"),
+            str(nproc),
+            str(script),
+            *args,
+        ]
     else:
-        cmd = [python, "-m", "torch.distributed.run", "--nnodes", "1",
-               "--nproc_per_node", str(nproc), "--rdzv_backend", "c10d",
-               "--rdzv_endpoint", "localhost:0", str(script), *args]
+        cmd = [
+            python,
+            "-m",
+            "torch.distributed.run",
+            "--nnodes",
+            "1",
+            "--nproc_per_node",
+            str(nproc),
+            "--rdzv_backend",
+            "c10d",
+            "--rdzv_endpoint",
+            "localhost:0",
+            str(script),
+            *args,
+        ]
     start, cpu = time.monotonic(), children_cpu()
     proc = run_or_dump_stacks(cmd, run_env, timeout)  # a hung probe says where (LaunchTimeout)
     log_launch(f"torchrun {Path(script).name}", nproc, time.monotonic() - start, proc.stdout, cpu)
     if proc.returncode != 0:
-        raise AssertionError(f"torchrun {script} exited {proc.returncode}\n--- stdout\n"
-                             f"{proc.stdout[-4000:]}\n--- stderr\n{proc.stderr[-6000:]}")
+        raise AssertionError(
+            f"torchrun {script} exited {proc.returncode}\n--- stdout\n"
+            f"{proc.stdout[-4000:]}\n--- stderr\n{proc.stderr[-6000:]}"
+        )
     return proc
 
 
@@ -291,9 +369,15 @@ def scalars(dump: Path | str, tag: str, tb_folder: str = "tb") -> dict[int, floa
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
     out: dict[int, float] = {}
-    runs = sorted({os.path.dirname(p) for p in
-                   glob.glob(os.path.join(str(dump), tb_folder, "**", "events.out.tfevents.*"),
-                             recursive=True)}, key=os.path.getmtime)
+    runs = sorted(
+        {
+            os.path.dirname(p)
+            for p in glob.glob(
+                os.path.join(str(dump), tb_folder, "**", "events.out.tfevents.*"), recursive=True
+            )
+        },
+        key=os.path.getmtime,
+    )
     for run in runs:
         acc = EventAccumulator(run, size_guidance={"scalars": 0})
         acc.Reload()
@@ -339,6 +423,7 @@ def wandb_or_skip():
 
     if os.environ.get("CI"):
         import wandb
+
         return wandb
     return pytest.importorskip("wandb", reason=WANDB_SKIP)
 
@@ -348,9 +433,12 @@ def wandb_offline_env(tmp: Path | str) -> dict:
     caller's WANDB_* settings and writes nothing outside `tmp` (wandb-core's debug logs and
     settings would go to ~/.cache/wandb and ~/.config/wandb)."""
     env: dict = {key: None for key in os.environ if key.startswith("WANDB_")}
-    env.update(WANDB_MODE="offline", WANDB_CACHE_DIR=os.path.join(str(tmp), "wandb_cache"),
-               WANDB_CONFIG_DIR=os.path.join(str(tmp), "wandb_config"),
-               WANDB_DATA_DIR=os.path.join(str(tmp), "wandb_data"))
+    env.update(
+        WANDB_MODE="offline",
+        WANDB_CACHE_DIR=os.path.join(str(tmp), "wandb_cache"),
+        WANDB_CONFIG_DIR=os.path.join(str(tmp), "wandb_config"),
+        WANDB_DATA_DIR=os.path.join(str(tmp), "wandb_data"),
+    )
     return env
 
 
@@ -368,8 +456,15 @@ def wandb_launches(root: Path | str) -> list[dict]:
 
     out = []
     for path in glob.glob(os.path.join(str(root), "*run-*", "run-*.wandb")):
-        launch = {"id": None, "config": {}, "history": [], "exit_code": None,
-                  "preempting": False, "start": 0, "path": path}
+        launch = {
+            "id": None,
+            "config": {},
+            "history": [],
+            "exit_code": None,
+            "preempting": False,
+            "start": 0,
+            "path": path,
+        }
         for record in _wandb_records(path):
             kind = record.WhichOneof("record_type")
             if kind == "run":
@@ -379,8 +474,10 @@ def wandb_launches(root: Path | str) -> list[dict]:
             elif kind == "config":
                 _config_update(launch["config"], record.config)
             elif kind == "history":
-                row = {item.key or "/".join(item.nested_key): json.loads(item.value_json)
-                       for item in record.history.item}
+                row = {
+                    item.key or "/".join(item.nested_key): json.loads(item.value_json)
+                    for item in record.history.item
+                }
                 launch["history"].append({k: v for k, v in row.items() if not k.startswith("_")})
             elif kind == "exit":
                 launch["exit_code"] = record.exit.exit_code
@@ -419,11 +516,11 @@ def _wandb_records(path: str):
         if room < 7:
             pos += room
             continue
-        crc, length, kind = struct.unpack("<IHB", data[pos:pos + 7])
+        crc, length, kind = struct.unpack("<IHB", data[pos : pos + 7])
         if kind == 0:  # zeros: the unwritten tail of a block or of a run still writing
             pos += room
             continue
-        chunk = data[pos + 7:pos + 7 + length]
+        chunk = data[pos + 7 : pos + 7 + length]
         assert zlib.crc32(chunk, zlib.crc32(bytes([kind]))) & 0xFFFFFFFF == crc, (path, pos)
         pos += 7 + length
         parts.append(chunk)
@@ -437,8 +534,7 @@ def _wandb_records(path: str):
 def wandb_series(launches: list[dict], tag: str) -> dict[int, float]:
     """{step: value} of one tag over the launches, a later launch's row replacing an earlier
     one of the same step (as `scalars` does for TensorBoard)."""
-    return {row["step"]: row[tag] for launch in launches for row in launch["history"]
-            if tag in row}
+    return {row["step"]: row[tag] for launch in launches for row in launch["history"] if tag in row}
 
 
 def free_port() -> int:

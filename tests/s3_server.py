@@ -20,10 +20,17 @@ def s3_server(*buckets: str):
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]
-    server = subprocess.Popen([sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p",
-                               str(port)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    env = {"AWS_ENDPOINT_URL": f"http://127.0.0.1:{port}", "AWS_ACCESS_KEY_ID": "test",
-           "AWS_SECRET_ACCESS_KEY": "test", "AWS_DEFAULT_REGION": "us-east-1"}
+    server = subprocess.Popen(
+        [sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    env = {
+        "AWS_ENDPOINT_URL": f"http://127.0.0.1:{port}",
+        "AWS_ACCESS_KEY_ID": "test",
+        "AWS_SECRET_ACCESS_KEY": "test",
+        "AWS_DEFAULT_REGION": "us-east-1",
+    }
     env_before = {k: os.environ.get(k) for k in env}
     try:
         deadline = time.monotonic() + 30
@@ -35,9 +42,13 @@ def s3_server(*buckets: str):
                 if time.monotonic() > deadline:
                     raise
                 time.sleep(0.1)
-        client = boto3.client("s3", endpoint_url=env["AWS_ENDPOINT_URL"],
-                              aws_access_key_id="test", aws_secret_access_key="test",
-                              region_name="us-east-1")
+        client = boto3.client(
+            "s3",
+            endpoint_url=env["AWS_ENDPOINT_URL"],
+            aws_access_key_id="test",
+            aws_secret_access_key="test",
+            region_name="us-east-1",
+        )
         for name in buckets:
             client.create_bucket(Bucket=name)
         os.environ.update(env)  # for this process's own reads and listings too

@@ -25,10 +25,16 @@ def count_block_forwards(mode: str, option: str = "2") -> int:
     return len(calls)
 
 
-@pytest.mark.parametrize("mode, option, expected", [
-    ("none", "2", 6), ("full", "2", 12), ("selective", "2", 9), ("selective", "3", 8),
-    ("selective", "op", 12),
-])
+@pytest.mark.parametrize(
+    "mode, option, expected",
+    [
+        ("none", "2", 6),
+        ("full", "2", 12),
+        ("selective", "2", 9),
+        ("selective", "3", 8),
+        ("selective", "op", 12),
+    ],
+)
 def test_ac_recomputes_the_chosen_blocks(mode, option, expected):
     # 6 blocks: full recomputes all, every-2nd recomputes 3, every-3rd 2; op-level reruns every
     # block's forward but replays the saved matmul outputs instead of recomputing them.
@@ -41,10 +47,20 @@ def test_ac_and_compile_train_to_the_same_losses(tmp_path):
         "plain": [],
         "ac_full": ["--activation_checkpoint.mode", "full"],
         "ac_every_2nd": ["--activation_checkpoint.mode", "selective"],
-        "compile_ac_op": ["--compile.enable", "true", "--activation_checkpoint.mode", "selective",
-                          "--activation_checkpoint.selective_ac_option", "op"],
-        "compile_autotune": ["--compile.enable", "true",
-                             "--compile.mode", "max-autotune-no-cudagraphs"],
+        "compile_ac_op": [
+            "--compile.enable",
+            "true",
+            "--activation_checkpoint.mode",
+            "selective",
+            "--activation_checkpoint.selective_ac_option",
+            "op",
+        ],
+        "compile_autotune": [
+            "--compile.enable",
+            "true",
+            "--compile.mode",
+            "max-autotune-no-cudagraphs",
+        ],
     }
     for name, extra in variants.items():
         run_train(tmp_path / name, *common, *extra, nproc=1, timeout=600)

@@ -8,7 +8,14 @@ from tests.helpers import REPO, torchrun
 
 def test_local_shard_steps_equal_torchs_dtensor_steps():
     out = torchrun(REPO / "tests" / "scripts" / "adam_probe.py", nproc=2, fork=True).stdout
-    cases = [f"{layout} {impl} {cls}" for layout in ("fsdp", "tp") for impl in ("fused", "foreach")
-             for cls in ("AdamW", "Adam")]
-    assert [line.removeprefix("adam probe ok ") for line in out.splitlines()
-            if line.startswith("adam probe ok")] == cases, out
+    cases = [
+        f"{layout} {impl} {cls}"
+        for layout in ("fsdp", "tp")
+        for impl in ("fused", "foreach")
+        for cls in ("AdamW", "Adam")
+    ]
+    assert [
+        line.removeprefix("adam probe ok ")
+        for line in out.splitlines()
+        if line.startswith("adam probe ok")
+    ] == cases, out

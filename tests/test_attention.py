@@ -16,11 +16,21 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from tests.test_data_fixtures import (corpus_dir, json_cfg, store_cfg, store_path,  # noqa: F401
-                                      tokenizer_path)
+from tests.test_data_fixtures import (
+    corpus_dir,
+    json_cfg,
+    store_cfg,
+    store_path,  # noqa: F401
+    tokenizer_path,
+)
 from trainer.models.attention import document_positions, resolve_implementation
-from trainer.data.documents import (IGNORE_INDEX, Delimiters, check_documents, document_ids,
-                                    split_window)
+from trainer.data.documents import (
+    IGNORE_INDEX,
+    Delimiters,
+    check_documents,
+    document_ids,
+    split_window,
+)
 from trainer.errors import ConfigError, DataError
 from trainer.models.llama import build_model, model_args
 from trainer.parallel.parallelize import _SAVE_OPS, apply_ac, apply_compile
@@ -28,8 +38,10 @@ from trainer.parallel.parallelize import _SAVE_OPS, apply_ac, apply_compile
 BOS, EOS, VOCAB, SEQ = 1, 2, 256, 48
 DELIMS = Delimiters(BOS, EOS)
 # Documents of each row (lengths include BOS/EOS); the first starts before the window.
-ROWS = [[("tail", 9), ("doc", 17), ("doc", 6), ("doc", 17)],
-        [("tail", 3), ("doc", 30), ("doc", 16)]]
+ROWS = [
+    [("tail", 9), ("doc", 17), ("doc", 6), ("doc", 17)],
+    [("tail", 3), ("doc", 30), ("doc", 16)],
+]
 
 
 def windows() -> torch.Tensor:
@@ -44,13 +56,19 @@ def windows() -> torch.Tensor:
                 body[0] = BOS
             body[-1] = EOS
             toks += body
-        rows.append(toks[:SEQ + 1])
+        rows.append(toks[: SEQ + 1])
     return torch.tensor(rows)
 
 
 def tiny(mask="block_causal", positions="sequence", impl="sdpa", flavor="debugmodel-tiny"):
-    args = model_args(flavor, vocab_size=VOCAB, max_seq_len=SEQ, attn_mask_type=mask,
-                      positions=positions, attn_implementation=impl)
+    args = model_args(
+        flavor,
+        vocab_size=VOCAB,
+        max_seq_len=SEQ,
+        attn_mask_type=mask,
+        positions=positions,
+        attn_implementation=impl,
+    )
     model = build_model(args)
     model.to_empty(device="cpu")
     model.init_weights(0)
@@ -59,8 +77,9 @@ def tiny(mask="block_causal", positions="sequence", impl="sdpa", flavor="debugmo
 
 def token_losses(model, inputs, labels, **kw) -> torch.Tensor:
     logits = model(inputs, **kw)
-    return F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(),
-                           reduction="none", ignore_index=IGNORE_INDEX).view(labels.shape)
+    return F.cross_entropy(
+        logits.flatten(0, 1).float(), labels.flatten(), reduction="none", ignore_index=IGNORE_INDEX
+    ).view(labels.shape)
 
 
 def test_document_ids_and_positions_for_each_framing():
@@ -97,7 +116,8 @@ def test_no_gradient_crosses_documents(positions, impl, flavor):
         """{(row, doc): d loss_doc / d input embeddings} for every document of the window."""
         kept = {}
         model.tok_embeddings.register_forward_hook(
-            lambda m, i, out: kept.setdefault("e", out.detach().requires_grad_()))
+            lambda m, i, out: kept.setdefault("e", out.detach().requires_grad_())
+        )
         losses = token_losses(model, inputs, labels, doc_ids=ids)
         out = {}
         for b in range(inputs.shape[0]):
@@ -111,8 +131,11 @@ def test_no_gradient_crosses_documents(positions, impl, flavor):
         mine[b] = ids[b] == d
         assert g[~mine].abs().max() == 0, (b, d)  # exactly zero outside the document
         assert g[mine].abs().max() > 0, (b, d)
-    leaks = [g[b][ids[b] < d].abs().max() for (b, d), g in grads(tiny("causal", flavor=flavor)).items()
-             if d]
+    leaks = [
+        g[b][ids[b] < d].abs().max()
+        for (b, d), g in grads(tiny("causal", flavor=flavor)).items()
+        if d
+    ]
     assert min(leaks) > 0  # causal: every later document depends on the earlier ones
 
 
@@ -127,7 +150,7 @@ def test_packed_window_equals_each_document_alone(positions, impl):
         for b in range(inputs.shape[0]):
             for d in ids[b].unique().tolist():
                 where = (ids[b] == d).nonzero().flatten()
-                x, y = inputs[b:b + 1, where], labels[b:b + 1, where]
+                x, y = inputs[b : b + 1, where], labels[b : b + 1, where]
                 at = where[None] if positions == "sequence" else where[None] - where[0]
                 alone = token_losses(model, x, y, doc_ids=torch.zeros_like(x), positions=at)
                 assert (packed[b, where] - alone[0]).abs().max() <= 1e-5, (b, d)
@@ -208,8 +231,16 @@ def test_configuration_errors_name_the_problem(tmp_path):
     with pytest.raises(ConfigError, match="positions = 'document' needs"):
         load_config(["--model.positions", "document"])
     with pytest.raises(ConfigError, match="flex' needs CUDA"):
-        load_config(["--model.attn_mask_type", "block_causal",
-                     "--model.attn_implementation", "flex", "--training.device", "cpu"])
+        load_config(
+            [
+                "--model.attn_mask_type",
+                "block_causal",
+                "--model.attn_implementation",
+                "flex",
+                "--training.device",
+                "cpu",
+            ]
+        )
     with pytest.raises(ConfigError, match="flex' needs CUDA"):
         resolve_implementation("block_causal", "flex", "cpu")
     assert resolve_implementation("block_causal", "auto", "cuda") == "flex"
@@ -231,13 +262,21 @@ def test_a_store_without_delimiters_is_refused(json_cfg, tmp_path):
     from trainer.data.prepare import prepare_store
 
     plain = str(tmp_path / "plain")
-    prepare_store(replace(json_cfg, add_bos=False, add_eos=False), json_cfg.tokenizer_path, plain,
-                  workers=1, show_progress=False)
+    prepare_store(
+        replace(json_cfg, add_bos=False, add_eos=False),
+        json_cfg.tokenizer_path,
+        plain,
+        workers=1,
+        show_progress=False,
+    )
     kw = dict(seq_len=32, local_batch_size=2, global_batch_size=2, dp_rank=0, dp_size=1, seed=0)
     loader = build_dataloader(replace(json_cfg, store_path=plain, tokenizer_path=""), **kw)
     assert loader.delimiters is None and loader.document_ids(torch.zeros(1, 2)) is None
-    with pytest.raises(DataError, match=r"needs document boundaries, but token store .*plain was "
-                                        r"prepared with add_bos = false and add_eos = false"):
+    with pytest.raises(
+        DataError,
+        match=r"needs document boundaries, but token store .*plain was "
+        r"prepared with add_bos = false and add_eos = false",
+    ):
         check_documents(Model(attn_mask_type="block_causal"), loader)
     check_documents(Model(), loader)  # causal needs nothing
     loader.predict_document_start = False
@@ -265,10 +304,15 @@ def test_store_loader_frames_and_masks_as_its_manifest_says(store_cfg):
     assert seen >= 3, seen
 
 
-
-@pytest.mark.parametrize("impl, positions, dtype", [
-    ("sdpa", "sequence", "bfloat16"), ("sdpa", "document", "float32"),
-    ("per_document", "sequence", "bfloat16"), ("per_document", "document", "float32")])
+@pytest.mark.parametrize(
+    "impl, positions, dtype",
+    [
+        ("sdpa", "sequence", "bfloat16"),
+        ("sdpa", "document", "float32"),
+        ("per_document", "sequence", "bfloat16"),
+        ("per_document", "document", "float32"),
+    ],
+)
 def test_plan_counts_the_mask_and_document_tables(impl, positions, dtype):
     """What forward leaves for backward under block_causal (the CPU's kernels), against the
     memory plan's formulas, within 0.5% (as tests/test_plan.py for causal). The per-block bf16
@@ -279,9 +323,14 @@ def test_plan_counts_the_mask_and_document_tables(impl, positions, dtype):
     from trainer.config.job import load_config
     from trainer.plan.memory import blocks_activations, head_saved
 
-    args = model_args("debugmodel-tiny", vocab_size=VOCAB, max_seq_len=SEQ,
-                      attn_mask_type="block_causal", positions=positions,
-                      attn_implementation=impl)
+    args = model_args(
+        "debugmodel-tiny",
+        vocab_size=VOCAB,
+        max_seq_len=SEQ,
+        attn_mask_type="block_causal",
+        positions=positions,
+        attn_implementation=impl,
+    )
     inputs, _ = split_window(windows(), DELIMS, True)
     ids = document_ids(inputs, DELIMS)
     p = torch.finfo(getattr(torch, dtype)).bits // 8
@@ -298,21 +347,26 @@ def test_plan_counts_the_mask_and_document_tables(impl, positions, dtype):
     assert loss.grad_fn is not None
     measured = next(v for k, v in snap.items() if getattr(k, "value", "") == "Activation")
     tokens = inputs.numel()
-    expected = (blocks_activations(load_config([]), args, p, tokens) + head_saved(args, p) * tokens
-                + memory_bytes(args, inputs.shape[0], SEQ, p) + (p + 4) * VOCAB * tokens)
+    expected = (
+        blocks_activations(load_config([]), args, p, tokens)
+        + head_saved(args, p) * tokens
+        + memory_bytes(args, inputs.shape[0], SEQ, p)
+        + (p + 4) * VOCAB * tokens
+    )
     assert abs(expected / measured - 1) < 0.005, (expected, measured)
 
 
 def test_a_single_document_computes_as_the_causal_model():
     """Generation and the HF export run the plain causal forward: for one document (a prompt
     starting with BOS) a block_causal, document-positions model gives the same logits."""
-    prompt = windows()[:1, 9:9 + 17]  # the first whole document: BOS ... EOS
+    prompt = windows()[:1, 9 : 9 + 17]  # the first whole document: BOS ... EOS
     assert prompt[0, 0] == BOS and prompt[0, -1] == EOS
     with torch.no_grad():
         ref = tiny("causal")(prompt)
         for impl in IMPLS:
-            got = tiny("block_causal", "document", impl)(prompt,
-                                                         doc_ids=document_ids(prompt, DELIMS))
+            got = tiny("block_causal", "document", impl)(
+                prompt, doc_ids=document_ids(prompt, DELIMS)
+            )
             assert (got - ref).abs().max() <= 1e-5, impl
 
 
@@ -327,15 +381,20 @@ def test_streamed_and_blended_sources_know_their_documents(json_cfg):
     from trainer.data.mix_loader import _blend_delimiters
 
     assert build(json_cfg).delimiters == Delimiters(1, 2)
-    eos_only = build(replace(json_cfg, add_bos=False, predict_document_start=False),
-                     seq_len=4096, global_batch_size=2)
+    eos_only = build(
+        replace(json_cfg, add_bos=False, predict_document_start=False),
+        seq_len=4096,
+        global_batch_size=2,
+    )
     assert eos_only.delimiters == Delimiters(None, 2)
     x, y = eos_only.next_microbatch()
     assert (x == EOS).any() and torch.equal(y == IGNORE_INDEX, x == EOS)  # after each EOS
     none = build(replace(json_cfg, add_bos=False, add_eos=False))
     assert none.delimiters is None and "framed by neither BOS nor EOS" in none.no_documents
-    src = {"a": SimpleNamespace(delimiters=Delimiters(1, None), no_documents=""),
-           "b": SimpleNamespace(delimiters=Delimiters(None, 2), no_documents="")}
+    src = {
+        "a": SimpleNamespace(delimiters=Delimiters(1, None), no_documents=""),
+        "b": SimpleNamespace(delimiters=Delimiters(None, 2), no_documents=""),
+    }
     assert _blend_delimiters(src) == (Delimiters(1, 2), "")
     src["c"] = SimpleNamespace(delimiters=None, no_documents="token store c was prepared ...")
     assert _blend_delimiters(src) == (None, "data.mix source 'c': token store c was prepared ...")

@@ -25,42 +25,58 @@ def one_line(proc: subprocess.CompletedProcess) -> str:
 # Each is refused by run_train.sh's config check, before any process starts.
 BEFORE_LAUNCH = {
     "CONFIG_FILE is a directory": (
-        {"CONFIG_FILE": "{tmp}"}, [],
-        "config error: job.config_file: '{tmp}' is a directory; name a .toml file"),
+        {"CONFIG_FILE": "{tmp}"},
+        [],
+        "config error: job.config_file: '{tmp}' is a directory; name a .toml file",
+    ),
     "TOML not UTF-8": (
-        {"CONFIG_FILE": "{tmp}/latin1.toml"}, [],
-        "config error: job.config_file '{tmp}/latin1.toml' is not UTF-8 text (byte 24)"),
+        {"CONFIG_FILE": "{tmp}/latin1.toml"},
+        [],
+        "config error: job.config_file '{tmp}/latin1.toml' is not UTF-8 text (byte 24)",
+    ),
     "dump_folder is a file": (
-        {}, ["--job.dump_folder", "{tmp}/latin1.toml"],
-        "config error: job.dump_folder = '{tmp}/latin1.toml' is a file, not a folder"),
+        {},
+        ["--job.dump_folder", "{tmp}/latin1.toml"],
+        "config error: job.dump_folder = '{tmp}/latin1.toml' is a file, not a folder",
+    ),
     "LOG_RANK not a rank": (
-        {"LOG_RANK": "foo"}, [],
+        {"LOG_RANK": "foo"},
+        [],
         "config error: LOG_RANK = 'foo': give the ranks whose output to show, separated by "
-        "commas (e.g. 0 or 0,1), each below the world size 2"),
+        "commas (e.g. 0 or 0,1), each below the world size 2",
+    ),
     "LOG_RANK beyond the ranks": ({"LOG_RANK": "0,2"}, [], "config error: LOG_RANK = '0,2'"),
     # ~100 TB of activations: beyond any machine's RAM.
     "CPU batch beyond RAM": (
-        {}, ["--training.local_batch_size", "65536", "--training.seq_len", "8192"],
+        {},
+        ["--training.local_batch_size", "65536", "--training.seq_len", "8192"],
         "config error: training.local_batch_size = 65536 cannot fit this machine's memory: the "
-        "plan needs"),
+        "plan needs",
+    ),
 }
 
 
 @pytest.mark.parametrize("case", list(BEFORE_LAUNCH))
 def test_refused_before_launch(tmp_path, case):
-    (tmp_path / "latin1.toml").write_bytes("[job]\ndescription = \"caf\xe9\"\n".encode("latin-1"))
+    (tmp_path / "latin1.toml").write_bytes('[job]\ndescription = "caf\xe9"\n'.encode("latin-1"))
     env, overrides, expected = BEFORE_LAUNCH[case]
     env = {k: v.format(tmp=tmp_path) for k, v in env.items()}
     t0 = time.monotonic()
-    proc = run_train(tmp_path / "out", *[o.format(tmp=tmp_path) for o in overrides],
-                     env=env, check=False, timeout=60)
+    proc = run_train(
+        tmp_path / "out",
+        *[o.format(tmp=tmp_path) for o in overrides],
+        env=env,
+        check=False,
+        timeout=60,
+    )
     line = one_line(proc)
     assert line.startswith(expected.format(tmp=tmp_path)), line
     assert time.monotonic() - t0 < 30
     assert not (tmp_path / "out").exists()  # nothing started, nothing written
     if case == "CPU batch beyond RAM":
-        assert "at most training.local_batch_size = " in line or "no training.local_batch_size" \
-            in line
+        assert (
+            "at most training.local_batch_size = " in line or "no training.local_batch_size" in line
+        )
 
 
 @pytest.mark.needs_datasets
@@ -69,12 +85,22 @@ def test_corpus_not_utf8_or_binary(tmp_path, tokenizer_path):
     given as text and as json to prepare; the folder itself as data_files."""
     latin = tmp_path / "latin1.txt"
     latin.write_bytes(("good line\n" * 50 + "caf\xe9 au lait\n").encode("latin-1"))
-    proc = run_train(tmp_path / "out", *TINY, "--data.dataset", "text", "--data.data_files",
-                     str(latin), "--data.tokenizer_path", tokenizer_path, check=False,
-                     timeout=120)
+    proc = run_train(
+        tmp_path / "out",
+        *TINY,
+        "--data.dataset",
+        "text",
+        "--data.data_files",
+        str(latin),
+        "--data.tokenizer_path",
+        tokenizer_path,
+        check=False,
+        timeout=120,
+    )
     assert one_line(proc) == (
         f"data error: dataset {latin}: {latin} is not UTF-8 text (byte {50 * 10 + 3}); convert "
-        "it to UTF-8 (e.g. iconv -f latin1 -t utf-8) or leave it out of data.data_files")
+        "it to UTF-8 (e.g. iconv -f latin1 -t utf-8) or leave it out of data.data_files"
+    )
 
     binary = tmp_path / "blobs"
     binary.mkdir()
@@ -84,36 +110,68 @@ def test_corpus_not_utf8_or_binary(tmp_path, tokenizer_path):
 
     # The four `python -m trainer.data.prepare` runs in one process that imports once and forks
     # each (tests/scripts/forkcli.py: the same command line, exit status and stderr each).
-    cases = [("text", str(latin)), ("text", f"{binary}/*"), ("json", f"{binary}/*"),
-             ("text", str(binary))]
+    cases = [
+        ("text", str(latin)),
+        ("text", f"{binary}/*"),
+        ("json", f"{binary}/*"),
+        ("text", str(binary)),
+    ]
     argv = []
     for dataset, files in cases:
-        argv += ["--", "--dataset", dataset, "--data_files", files, "--tokenizer_path",
-                 tokenizer_path, "--store_path", str(tmp_path / dataset), "--workers", "2"]
+        argv += [
+            "--",
+            "--dataset",
+            dataset,
+            "--data_files",
+            files,
+            "--tokenizer_path",
+            tokenizer_path,
+            "--store_path",
+            str(tmp_path / dataset),
+            "--workers",
+            "2",
+        ]
     python, env = fork_python()  # forkcli.py itself forked from the zygote
     proc = subprocess.run(
-        [python, str(REPO / "tests" / "scripts" / "forkcli.py"), "trainer.data.prepare",
-         "--preload", "trainer.data.prepare,trainer.data.cli,datasets", *argv], cwd=REPO,
-        env=env, capture_output=True, text=True, timeout=240)
+        [
+            python,
+            str(REPO / "tests" / "scripts" / "forkcli.py"),
+            "trainer.data.prepare",
+            "--preload",
+            "trainer.data.prepare,trainer.data.cli,datasets",
+            *argv,
+        ],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=240,
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     runs = json.loads(proc.stdout.splitlines()[-1])
-    lines = {case: one_line(subprocess.CompletedProcess([], r["returncode"], r["stdout"],
-                                                        r["stderr"]))
-             for case, r in zip(cases, runs)}
+    lines = {
+        case: one_line(subprocess.CompletedProcess([], r["returncode"], r["stdout"], r["stderr"]))
+        for case, r in zip(cases, runs)
+    }
 
     def prepare(dataset: str, files: str) -> str:
         return lines[(dataset, files)]
 
-    assert prepare("text", str(latin)).startswith(f"data error: dataset {latin}: {latin} is "
-                                                  "not UTF-8 text")
+    assert prepare("text", str(latin)).startswith(
+        f"data error: dataset {latin}: {latin} is not UTF-8 text"
+    )
     line = prepare("text", f"{binary}/*")
-    assert line.startswith(f"data error: dataset {binary}/*: {binary}/part") and \
-        "is not UTF-8 text" in line, line
+    assert (
+        line.startswith(f"data error: dataset {binary}/*: {binary}/part")
+        and "is not UTF-8 text" in line
+    ), line
     assert prepare("json", f"{binary}/*").startswith(
-        f"data error: dataset {binary}/* is not valid json: JSON parse error")
+        f"data error: dataset {binary}/* is not valid json: JSON parse error"
+    )
     assert prepare("text", str(binary)) == (
         f"data error: data.data_files {str(binary)!r} names folders only; give the files "
-        f"(e.g. {str(binary / '*.jsonl')!r})")
+        f"(e.g. {str(binary / '*.jsonl')!r})"
+    )
 
 
 def test_missing_datasets_is_one_line(tmp_path, tokenizer_path):
@@ -125,14 +183,25 @@ def test_missing_datasets_is_one_line(tmp_path, tokenizer_path):
     (shadow / "__init__.py").write_text("raise ImportError(\"No module named 'datasets'\")\n")
     corpus = tmp_path / "corpus.txt"
     corpus.write_text("a line of text\n" * 200)
-    proc = run_train(tmp_path / "out", *TINY, "--data.dataset", "text", "--data.data_files",
-                     str(corpus), "--data.tokenizer_path", tokenizer_path, check=False,
-                     timeout=120, env={"PYTHONPATH": f"{shadow.parent}{os.pathsep}{REPO}"})
+    proc = run_train(
+        tmp_path / "out",
+        *TINY,
+        "--data.dataset",
+        "text",
+        "--data.data_files",
+        str(corpus),
+        "--data.tokenizer_path",
+        tokenizer_path,
+        check=False,
+        timeout=120,
+        env={"PYTHONPATH": f"{shadow.parent}{os.pathsep}{REPO}"},
+    )
     assert proc.returncode == 2, proc.stderr[-2000:]
     assert one_line(proc) == (
         "config error: data.dataset = 'text' is read through Hugging Face `datasets`, which is "
         "not installed here: pip install datasets (or train from a prepared store, "
-        "data.store_path, or data.dataset = 'stdlib' or 'synthetic')")
+        "data.store_path, or data.dataset = 'stdlib' or 'synthetic')"
+    )
 
 
 def test_truncated_safetensors(tmp_path):
@@ -144,12 +213,20 @@ def test_truncated_safetensors(tmp_path):
     (folder / "config.json").write_text(json.dumps({"model_type": "llama"}))
     save_file({"model.embed_tokens.weight": torch.zeros(256, 64)}, folder / "model.safetensors")
     os.truncate(folder / "model.safetensors", (folder / "model.safetensors").stat().st_size // 2)
-    proc = run_train(tmp_path / "out", *TINY, "--checkpoint.initial_load_path", str(folder),
-                     "--checkpoint.initial_load_in_hf", check=False, timeout=120)
+    proc = run_train(
+        tmp_path / "out",
+        *TINY,
+        "--checkpoint.initial_load_path",
+        str(folder),
+        "--checkpoint.initial_load_in_hf",
+        check=False,
+        timeout=120,
+    )
     assert one_line(proc) == (
         f"config error: {folder}/model.safetensors cannot be read as safetensors, truncated or "
         "damaged (Error while deserializing header: incomplete metadata, file not fully "
-        "covered); copy or export it again")
+        "covered); copy or export it again"
+    )
 
 
 @pytest.mark.needs_datasets
@@ -163,9 +240,21 @@ def test_token_ids_beyond_the_vocab_with_sizes_only(tmp_path, store_path):
     for shard in manifest["shards"]:
         path = store / shard["file"]
         path.write_bytes(np.full(path.stat().st_size // 2, 60_000, np.uint16).tobytes())
-    proc = run_train(tmp_path / "out", *TINY, *STDLIB, "--data.store_path",
-                     str(store), "--data.verify_store", "sizes", "--training.steps", "2",
-                     check=False, timeout=120)
+    proc = run_train(
+        tmp_path / "out",
+        *TINY,
+        *STDLIB,
+        "--data.store_path",
+        str(store),
+        "--data.verify_store",
+        "sizes",
+        "--training.steps",
+        "2",
+        check=False,
+        timeout=120,
+    )
     line = one_line(proc)
-    assert line.startswith("data error: token id 60000 in samples ") and \
-        f"of {store} is beyond its vocabulary of 512: a damaged shard" in line, line
+    assert (
+        line.startswith("data error: token id 60000 in samples ")
+        and f"of {store} is beyond its vocabulary of 512: a damaged shard" in line
+    ), line

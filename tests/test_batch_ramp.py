@@ -13,8 +13,16 @@ from trainer.optim.batch_schedule import batch_at
 from trainer.config.job import load_config
 from trainer.errors import ConfigError
 
-RAMP = ["--training.local_batch_size", "1", "--training.global_batch_size", "8",
-        "--training.rampup_batch_start", "2", "--training.rampup_steps", "10"]
+RAMP = [
+    "--training.local_batch_size",
+    "1",
+    "--training.global_batch_size",
+    "8",
+    "--training.rampup_batch_start",
+    "2",
+    "--training.rampup_steps",
+    "10",
+]
 EXPECTED = [2, 2, 2, 2, 4, 4, 4, 6, 6, 6, 8, 8]  # 2 + 2 * floor(6 * (s-1)/10 / 2)
 
 
@@ -35,21 +43,40 @@ def test_token_ramp_depends_on_the_samples_consumed():
     assert got == [2, 2, 4, 6, 8, 8, 8, 8]
 
 
-@pytest.mark.parametrize("argv,message", [
-    (["--training.rampup_batch_start", "3", "--training.rampup_steps", "5"],
-     "training.rampup_batch_start = 3 must be a multiple of local_batch_size x dp size = 2"),
-    (["--training.rampup_batch_start", "2"],
-     "training.rampup_batch_start needs exactly one of training.rampup_steps or"),
-    (["--training.rampup_batch_start", "2", "--training.rampup_steps", "5",
-      "--training.rampup_tokens", "100"], "training.rampup_batch_start needs exactly one"),
-    (["--training.rampup_steps", "5"], "training.rampup_steps / rampup_tokens set without"),
-    (["--training.rampup_batch_start", "16", "--training.rampup_steps", "5"],
-     "training.rampup_batch_start = 16 must be a multiple of local_batch_size x dp size = 2 "
-     "and at most global_batch_size = 8; valid: 2, 4, 6, 8"),
-])
+@pytest.mark.parametrize(
+    "argv,message",
+    [
+        (
+            ["--training.rampup_batch_start", "3", "--training.rampup_steps", "5"],
+            "training.rampup_batch_start = 3 must be a multiple of local_batch_size x dp size = 2",
+        ),
+        (
+            ["--training.rampup_batch_start", "2"],
+            "training.rampup_batch_start needs exactly one of training.rampup_steps or",
+        ),
+        (
+            [
+                "--training.rampup_batch_start",
+                "2",
+                "--training.rampup_steps",
+                "5",
+                "--training.rampup_tokens",
+                "100",
+            ],
+            "training.rampup_batch_start needs exactly one",
+        ),
+        (["--training.rampup_steps", "5"], "training.rampup_steps / rampup_tokens set without"),
+        (
+            ["--training.rampup_batch_start", "16", "--training.rampup_steps", "5"],
+            "training.rampup_batch_start = 16 must be a multiple of local_batch_size x dp size = 2 "
+            "and at most global_batch_size = 8; valid: 2, 4, 6, 8",
+        ),
+    ],
+)
 def test_ramp_config_errors(argv, message):
-    cfg = load_config(["--training.local_batch_size", "1", "--training.global_batch_size", "8",
-                       *argv])
+    cfg = load_config(
+        ["--training.local_batch_size", "1", "--training.global_batch_size", "8", *argv]
+    )
     with pytest.raises(ConfigError) as e:
         cfg.resolve(2)
     assert str(e.value).startswith(message)
@@ -70,12 +97,22 @@ def step_batches(stdout: str) -> list[int]:
 
 def test_ramp_is_logged_and_resumes_on_the_same_samples(tmp_path):
     env = {"TRAINER_DEBUG_DATA_HASHES": "1"}
-    args = [*BASE_FP32, *RAMP, "--checkpoint.enable", "true", "--checkpoint.interval", "5",
-            "--checkpoint.keep_latest_k", "0"]
-    straight = run_train(tmp_path / "straight", *args, "--training.steps", "12", env=env,
-                         log_rank="0,1")
-    assert "batch ramp: global batch 2 -> 8 sequences over 10 steps, in steps of 2" in \
-        straight.stdout
+    args = [
+        *BASE_FP32,
+        *RAMP,
+        "--checkpoint.enable",
+        "true",
+        "--checkpoint.interval",
+        "5",
+        "--checkpoint.keep_latest_k",
+        "0",
+    ]
+    straight = run_train(
+        tmp_path / "straight", *args, "--training.steps", "12", env=env, log_rank="0,1"
+    )
+    assert (
+        "batch ramp: global batch 2 -> 8 sequences over 10 steps, in steps of 2" in straight.stdout
+    )
     batch = scalars(tmp_path / "straight", "batch_metrics/global_batch_size")
     assert [batch[s] for s in range(1, 13)] == EXPECTED
     tokens = scalars(tmp_path / "straight", "batch_metrics/step_tokens")

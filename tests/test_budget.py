@@ -33,17 +33,41 @@ def test_slow():  # a child process's CPU seconds (~0.1-0.3 s) are the test's; i
 CASES = {
     # per test 0.5 s on the reference at scale 2 = 1 s; the slow test sleeps 1.5 s; under xdist,
     # so its time comes from the worker's reports.
-    "per_test": (1.5, {"TRAINER_TEST_BUDGET_PER_TEST": "0.5", "TRAINER_TEST_BUDGET_SCALE": "2"},
-                 ["-n", "1"]),
+    "per_test": (
+        1.5,
+        {"TRAINER_TEST_BUDGET_PER_TEST": "0.5", "TRAINER_TEST_BUDGET_SCALE": "2"},
+        ["-n", "1"],
+    ),
     # the session over 0.2 s x 1 while no test is over its 30 s
-    "total": (0.5, {"TRAINER_TEST_BUDGET_PER_TEST": "30", "TRAINER_TEST_BUDGET_TOTAL": "0.2",
-                    "TRAINER_TEST_BUDGET_SCALE": "1"}, ["-n", "0"]),
+    "total": (
+        0.5,
+        {
+            "TRAINER_TEST_BUDGET_PER_TEST": "30",
+            "TRAINER_TEST_BUDGET_TOTAL": "0.2",
+            "TRAINER_TEST_BUDGET_SCALE": "1",
+        },
+        ["-n", "0"],
+    ),
     # under budget on this machine's own calibration (no scale given)
-    "under": (0.1, {"TRAINER_TEST_BUDGET_PER_TEST": "30", "TRAINER_TEST_BUDGET_TOTAL": "60",
-                    "TRAINER_TEST_BUDGET_SCALE": None}, ["-n", "0"]),
+    "under": (
+        0.1,
+        {
+            "TRAINER_TEST_BUDGET_PER_TEST": "30",
+            "TRAINER_TEST_BUDGET_TOTAL": "60",
+            "TRAINER_TEST_BUDGET_SCALE": None,
+        },
+        ["-n", "0"],
+    ),
     # the per_test case with the guard switched off
-    "off": (1.5, {"TRAINER_TEST_BUDGET": "off", "TRAINER_TEST_BUDGET_PER_TEST": "0.5",
-                  "TRAINER_TEST_BUDGET_SCALE": "2"}, ["-n", "0"]),
+    "off": (
+        1.5,
+        {
+            "TRAINER_TEST_BUDGET": "off",
+            "TRAINER_TEST_BUDGET_PER_TEST": "0.5",
+            "TRAINER_TEST_BUDGET_SCALE": "2",
+        },
+        ["-n", "0"],
+    ),
 }
 
 
@@ -57,15 +81,38 @@ def sessions(tmp_path_factory) -> dict[str, subprocess.CompletedProcess]:
         (folder / "test_planted.py").write_text(PLANTED.format(sleep=sleep))
         (folder / "pytest.ini").write_text("[pytest]\n")  # not the repository's addopts
         # only xdist and the guard: hypothesis's plugin alone imports for ~1 s
-        base = {"TRAINER_TEST_BUDGET": "on", "TRAINER_TEST_BUDGET_TOTAL": None,
-                "TRAINER_TEST_CPU_LEDGER": None,  # not this worker's launches
-                "PYTEST_DISABLE_PLUGIN_AUTOLOAD": "1"}
-        cmd = [sys.executable, "-m", "pytest", "-q", "-p", "xdist.plugin", "-p", "tests.budget",
-               "-p", "no:cacheprovider",
-               "-c", str(folder / "pytest.ini"), "--rootdir", str(folder), *args,
-               str(folder / "test_planted.py")]
-        procs[name] = subprocess.Popen(cmd, cwd=folder, env=subprocess_env({**base, **env}),
-                                       stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        base = {
+            "TRAINER_TEST_BUDGET": "on",
+            "TRAINER_TEST_BUDGET_TOTAL": None,
+            "TRAINER_TEST_CPU_LEDGER": None,  # not this worker's launches
+            "PYTEST_DISABLE_PLUGIN_AUTOLOAD": "1",
+        }
+        cmd = [
+            sys.executable,
+            "-m",
+            "pytest",
+            "-q",
+            "-p",
+            "xdist.plugin",
+            "-p",
+            "tests.budget",
+            "-p",
+            "no:cacheprovider",
+            "-c",
+            str(folder / "pytest.ini"),
+            "--rootdir",
+            str(folder),
+            *args,
+            str(folder / "test_planted.py"),
+        ]
+        procs[name] = subprocess.Popen(
+            cmd,
+            cwd=folder,
+            env=subprocess_env({**base, **env}),
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
         procs[name].folder = folder
     out = {}
     for name, proc in procs.items():
@@ -112,8 +159,12 @@ def test_switched_off(sessions):
 
 
 def test_per_file_sums_a_files_tests_slowest_first():
-    seconds = {"tests/test_a.py::test_x": 1.0, "tests/test_a.py::test_y[p]": 2.5,
-               "tests/test_b.py::test_z": 3.0, "tests/sub/test_c.py::T::test_w": 0.25}
+    seconds = {
+        "tests/test_a.py::test_x": 1.0,
+        "tests/test_a.py::test_y[p]": 2.5,
+        "tests/test_b.py::test_z": 3.0,
+        "tests/sub/test_c.py::T::test_w": 0.25,
+    }
     files = per_file(seconds)
     assert list(files) == ["tests/test_a.py", "tests/test_b.py", "tests/sub/test_c.py"]
     assert files["tests/test_a.py"] == {"seconds": 3.5, "tests": 2}

@@ -13,15 +13,20 @@ from trainer.data.store import file_blake2b
 
 
 def on_disk(folder) -> dict[str, dict]:
-    return {n: {"bytes": os.path.getsize(folder / n),
-                "crc32": integrity.file_checksum(folder / n)} for n in os.listdir(folder)}
+    return {
+        n: {"bytes": os.path.getsize(folder / n), "crc32": integrity.file_checksum(folder / n)}
+        for n in os.listdir(folder)
+    }
 
 
 def test_hashes_taken_while_writing_equal_the_files(tmp_path, monkeypatch):
     # "big": 4 MiB, checksummed on the helper thread while it is written
-    state = {"w": torch.randn(300, 70), "bf16": torch.randn(5, dtype=torch.bfloat16),
-             "big": torch.randn(1 << 20),
-             "extra": {"step": 7, "lrs": [0.1, 0.2], "name": "x"}}
+    state = {
+        "w": torch.randn(300, 70),
+        "bf16": torch.randn(5, dtype=torch.bfloat16),
+        "big": torch.randn(1 << 20),
+        "extra": {"step": 7, "lrs": [0.1, 0.2], "name": "x"},
+    }
     writer = integrity.storage_writer(str(tmp_path), 1, 0)
     dcp.save(state, storage_writer=writer, no_dist=True)
     reads, expected = [], on_disk(tmp_path)
@@ -52,7 +57,13 @@ def test_older_blake2b_manifests_are_still_checked(tmp_path):
     want = {"bytes": 5000, "blake2b": file_blake2b(path)}
     assert integrity._check_file(str(path), want, "checksums") is None
     path.write_bytes(b"x" * 4999 + b"y")
-    assert integrity._check_file(str(path), want, "checksums") == \
-        "__0_0.distcp does not match its checksum"
-    assert integrity._check_file(str(path), {"bytes": 5000, "crc32": integrity.file_checksum(
-        path)}, "checksums") is None
+    assert (
+        integrity._check_file(str(path), want, "checksums")
+        == "__0_0.distcp does not match its checksum"
+    )
+    assert (
+        integrity._check_file(
+            str(path), {"bytes": 5000, "crc32": integrity.file_checksum(path)}, "checksums"
+        )
+        is None
+    )

@@ -13,8 +13,7 @@ settings are one line each.
 
 import pytest
 
-from tests.helpers import (REPO, SYNTHETIC, losses, run_train, scalars, stopped_after_save,
-                           torchrun)
+from tests.helpers import REPO, SYNTHETIC, losses, run_train, scalars, stopped_after_save, torchrun
 from tests.test_data_fixtures import stdlib_texts, tokenizer_path  # noqa: F401
 from tests.test_doc_mask_e2e import short_docs_store  # noqa: F401
 from trainer.config.job import load_config
@@ -24,35 +23,97 @@ from trainer.parallel.context_parallel import attention_pairs, contiguous_index,
 CP = "--parallelism.context_parallel_degree"
 # the debug model's heads at dim 64, two of its blocks (debugmodel-narrow): what these runs check
 # (each block's attention over the cp ranks' shares) is in every block alike
-COMMON = ("--training.device", "cpu", "--model.flavor", "debugmodel-narrow", "--model.n_layers",
-          "2", "--training.seq_len",
-          "512", "--training.local_batch_size", "1", "--training.global_batch_size", "2",
-          "--training.mixed_precision_param", "float32", "--metrics.log_freq", "1",
-          "--lr_scheduler.warmup_steps", "2", "--lr_scheduler.min_lr_factor", "1.0",
-          "--training.steps", "5", "--validation.enable", "false")
-CAUSAL = (*SYNTHETIC, "--checkpoint.enable", "true", "--checkpoint.interval",
-          "3", "--checkpoint.keep_latest_k", "0")
-DOCS = ("--data.dataset", "json", "--model.attn_mask_type", "block_causal",
-        "--model.positions", "document", "--checkpoint.enable", "false",
-        # validated at step 5: under CP (not PP) each cp rank scores its share
-        "--validation.enable", "true", "--validation.freq", "5", "--validation.steps", "2",
-        "--validation.local_batch_size", "2")
+COMMON = (
+    "--training.device",
+    "cpu",
+    "--model.flavor",
+    "debugmodel-narrow",
+    "--model.n_layers",
+    "2",
+    "--training.seq_len",
+    "512",
+    "--training.local_batch_size",
+    "1",
+    "--training.global_batch_size",
+    "2",
+    "--training.mixed_precision_param",
+    "float32",
+    "--metrics.log_freq",
+    "1",
+    "--lr_scheduler.warmup_steps",
+    "2",
+    "--lr_scheduler.min_lr_factor",
+    "1.0",
+    "--training.steps",
+    "5",
+    "--validation.enable",
+    "false",
+)
+CAUSAL = (
+    *SYNTHETIC,
+    "--checkpoint.enable",
+    "true",
+    "--checkpoint.interval",
+    "3",
+    "--checkpoint.keep_latest_k",
+    "0",
+)
+DOCS = (
+    "--data.dataset",
+    "json",
+    "--model.attn_mask_type",
+    "block_causal",
+    "--model.positions",
+    "document",
+    "--checkpoint.enable",
+    "false",
+    # validated at step 5: under CP (not PP) each cp rank scores its share
+    "--validation.enable",
+    "true",
+    "--validation.freq",
+    "5",
+    "--validation.steps",
+    "2",
+    "--validation.local_batch_size",
+    "2",
+)
 LAYOUTS = {  # name: (ranks, overrides)
     "ref": (1, ()),
     "cp2_fsdp2": (4, (CP, "2")),
-    "cp4": (4, (CP, "4", "--activation_checkpoint.mode", "full",
-                "--training.gradient_accumulation_sync", "every")),
+    "cp4": (
+        4,
+        (
+            CP,
+            "4",
+            "--activation_checkpoint.mode",
+            "full",
+            "--training.gradient_accumulation_sync",
+            "every",
+        ),
+    ),
     "cp2_tp2": (4, (CP, "2", "--parallelism.tensor_parallel_degree", "2")),
 }
-DOC_LAYOUTS = {"ref": (1, ()), "cp2_fsdp2": (4, (CP, "2")), "cp4": (4, (CP, "4")),
-               # PP 2 x CP 2: the stages attend over their cp rank's share (2 microbatches)
-               "pp2_cp2": (4, (CP, "2", "--parallelism.pipeline_parallel_degree", "2",
-                               "--training.local_batch_size", "2"))}
+DOC_LAYOUTS = {
+    "ref": (1, ()),
+    "cp2_fsdp2": (4, (CP, "2")),
+    "cp4": (4, (CP, "4")),
+    # PP 2 x CP 2: the stages attend over their cp rank's share (2 microbatches)
+    "pp2_cp2": (
+        4,
+        (
+            CP,
+            "2",
+            "--parallelism.pipeline_parallel_degree",
+            "2",
+            "--training.local_batch_size",
+            "2",
+        ),
+    ),
+}
 
 
 def close(a: dict, b: dict, tol=1e-4) -> bool:
-    return sorted(a) == sorted(b) and all(abs(a[s] - b[s]) <= tol * max(1.0, abs(b[s]))
-                                          for s in b)
+    return sorted(a) == sorted(b) and all(abs(a[s] - b[s]) <= tol * max(1.0, abs(b[s])) for s in b)
 
 
 def same_training(ref, got, steps=range(1, 6)) -> None:
@@ -97,8 +158,15 @@ def doc_runs(short_docs_store, tmp_path_factory):  # noqa: F811
     root = tmp_path_factory.mktemp("cp_docs")
     out = {}
     for name, (nproc, overrides) in DOC_LAYOUTS.items():
-        proc = run_train(root / name, *COMMON, *DOCS, "--data.store_path", short_docs_store,
-                         *overrides, nproc=nproc)
+        proc = run_train(
+            root / name,
+            *COMMON,
+            *DOCS,
+            "--data.store_path",
+            short_docs_store,
+            *overrides,
+            nproc=nproc,
+        )
         out[name] = (root / name, proc.stdout)
     return out
 
@@ -133,22 +201,45 @@ def test_head_tail_split_balances_attention_work(seq, cp):
     assert covered == list(range(seq))
 
 
-@pytest.mark.parametrize("overrides,world,message", [
-    ([CP, "3"], 4, "config error: parallelism.context_parallel_degree = 3 does not divide world "
-                   "size 4; valid: 1, 2, 4"),
-    ([CP, "2", "--training.seq_len", "102"], 2,
-     "config error: training.seq_len = 102 does not cut into 2 x "
-     "parallelism.context_parallel_degree = 4 head-tail chunks: it must be a multiple of 4 "
-     "(e.g. 100)"),
-    ([CP, "2", "--parallelism.tensor_parallel_degree", "2", "--training.seq_len", "102"], 4,
-     "config error: training.seq_len = 102 does not cut into 2 x "
-     "parallelism.context_parallel_degree = 4 head-tail chunks x "
-     "parallelism.tensor_parallel_degree = 2 (sequence parallel): it must be a multiple of 8 "
-     "(e.g. 96)"),
-    ([CP, "2", "--model.attn_mask_type", "block_causal", "--model.attn_implementation",
-      "per_document"], 2, "config error: model.attn_implementation = 'per_document' cannot run "
-                          "under parallelism.context_parallel_degree = 2"),
-])
+@pytest.mark.parametrize(
+    "overrides,world,message",
+    [
+        (
+            [CP, "3"],
+            4,
+            "config error: parallelism.context_parallel_degree = 3 does not divide world "
+            "size 4; valid: 1, 2, 4",
+        ),
+        (
+            [CP, "2", "--training.seq_len", "102"],
+            2,
+            "config error: training.seq_len = 102 does not cut into 2 x "
+            "parallelism.context_parallel_degree = 4 head-tail chunks: it must be a multiple of 4 "
+            "(e.g. 100)",
+        ),
+        (
+            [CP, "2", "--parallelism.tensor_parallel_degree", "2", "--training.seq_len", "102"],
+            4,
+            "config error: training.seq_len = 102 does not cut into 2 x "
+            "parallelism.context_parallel_degree = 4 head-tail chunks x "
+            "parallelism.tensor_parallel_degree = 2 (sequence parallel): it must be a multiple of 8 "
+            "(e.g. 96)",
+        ),
+        (
+            [
+                CP,
+                "2",
+                "--model.attn_mask_type",
+                "block_causal",
+                "--model.attn_implementation",
+                "per_document",
+            ],
+            2,
+            "config error: model.attn_implementation = 'per_document' cannot run "
+            "under parallelism.context_parallel_degree = 2",
+        ),
+    ],
+)
 def test_impossible_settings_are_one_line(overrides, world, message):
     with pytest.raises(ConfigError) as err:
         load_config(overrides).resolve(world)
@@ -156,12 +247,15 @@ def test_impossible_settings_are_one_line(overrides, world, message):
 
 
 def test_bad_cp_is_refused_before_any_rank_starts(tmp_path):
-    proc = run_train(tmp_path / "out", "--training.device", "cpu", CP, "3", nproc=2,
-                     check=False, timeout=60)
+    proc = run_train(
+        tmp_path / "out", "--training.device", "cpu", CP, "3", nproc=2, check=False, timeout=60
+    )
     assert proc.returncode == 2
     lines = [ln for ln in proc.stderr.splitlines() if ln.strip()]
-    assert lines == ["config error: parallelism.context_parallel_degree = 3 does not divide "
-                     "world size 2; valid: 1, 2"], proc.stderr
+    assert lines == [
+        "config error: parallelism.context_parallel_degree = 3 does not divide "
+        "world size 2; valid: 1, 2"
+    ], proc.stderr
 
 
 def test_plan_divides_activations_by_cp_and_counts_the_kv_all_gather():
@@ -174,15 +268,25 @@ def test_plan_divides_activations_by_cp_and_counts_the_kv_all_gather():
     from trainer.plan.memory import memory_plan
 
     def plan(cp: int):
-        cfg = load_config(["--job.config_file", str(REPO / "configs" / "llama3_8b_128k.toml"),
-                           "--training.seq_len", "32768", "--training.global_batch_size",
-                           str(8 // cp), CP, str(cp)])
+        cfg = load_config(
+            [
+                "--job.config_file",
+                str(REPO / "configs" / "llama3_8b_128k.toml"),
+                "--training.seq_len",
+                "32768",
+                "--training.global_batch_size",
+                str(8 // cp),
+                CP,
+                str(cp),
+            ]
+        )
         return memory_plan(cfg, 8), comm_volume(cfg, 8)
 
     (one, comm1), (eight, comm8) = plan(1), plan(8)
     assert eight["parameters"] == one["parameters"] and eight["cp_kv"] == 0  # full AC
-    assert (eight["activations"] - eight["attention_inputs"]) * 8 == \
-        one["activations"] - one["attention_inputs"]
+    assert (eight["activations"] - eight["attention_inputs"]) * 8 == one["activations"] - one[
+        "attention_inputs"
+    ]
     kv = 2 * 2 * 32768 * 8 * 128  # K and V, bf16, 8 KV heads of 128, the whole sequence
     assert comm1["comm_cp"] == 0 and comm8["comm_cp"] == 7 / 8 * kv * (1 + 2 + 1) * 32
     assert eight["ac_recompute"] * 8 - kv * 8 == one["ac_recompute"]
@@ -198,12 +302,17 @@ def test_flex_mask_mod_is_the_sdpa_mask(documents):
     from trainer.parallel.context_parallel import ContextAttention, mask_mod
 
     seq, cp = 64, 4
-    docs = torch.tensor([[0] * 7 + [1] * 30 + [2] * 27, [0] * 40 + [1] * 24]) if documents \
-        else None
+    docs = torch.tensor([[0] * 7 + [1] * 30 + [2] * 27, [0] * 40 + [1] * 24]) if documents else None
     natural = torch.argsort(torch.cat([head_tail_index(seq, cp, r) for r in range(cp)]))
     for rank in range(cp):
         index = head_tail_index(seq, cp, rank)
         sdpa = ContextAttention(None, index, natural, docs, "sdpa").mask
-        flex = create_mask(mask_mod(index, docs), None if docs is None else 2, None,
-                           index.numel(), seq, device="cpu")
+        flex = create_mask(
+            mask_mod(index, docs),
+            None if docs is None else 2,
+            None,
+            index.numel(),
+            seq,
+            device="cpu",
+        )
         assert torch.equal(flex, sdpa.expand_as(flex)), rank

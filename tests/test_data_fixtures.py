@@ -31,8 +31,9 @@ def once(key: str, make):
 def hf_offline(tmp_path_factory):
     """No hub access ever: datasets offline, with a throwaway HF_HOME."""
     old = {k: os.environ.get(k) for k in ("HF_DATASETS_OFFLINE", "HF_HOME", "HF_HUB_OFFLINE")}
-    os.environ.update(HF_DATASETS_OFFLINE="1", HF_HUB_OFFLINE="1",
-                      HF_HOME=str(tmp_path_factory.mktemp("hf_home")))
+    os.environ.update(
+        HF_DATASETS_OFFLINE="1", HF_HUB_OFFLINE="1", HF_HOME=str(tmp_path_factory.mktemp("hf_home"))
+    )
     yield
     for k, v in old.items():
         if v is None:
@@ -53,6 +54,7 @@ def stdlib_texts(n: int = 120) -> list[str]:
 @pytest.fixture(scope="session")
 def corpus_dir(tmp_path_factory):
     """N_FILES jsonl files with a 'text' and an 'id' column."""
+
     def make():
         d = tmp_path_factory.mktemp("corpus")
         texts = stdlib_texts()
@@ -61,6 +63,7 @@ def corpus_dir(tmp_path_factory):
                 for i, text in enumerate(texts[k::N_FILES]):
                     f.write(json.dumps({"text": text, "id": f"{k}-{i}"}) + "\n")
         return d
+
     return once("corpus", make)
 
 
@@ -68,16 +71,26 @@ def corpus_dir(tmp_path_factory):
 def tokenizer_path(tmp_path_factory):
     from trainer.data.tokenizer import train_bpe
 
-    return once("tokenizer", lambda: train_bpe(
-        stdlib_texts(), 512, tmp_path_factory.mktemp("tok") / "tiny.model", num_threads=1))
+    return once(
+        "tokenizer",
+        lambda: train_bpe(
+            stdlib_texts(), 512, tmp_path_factory.mktemp("tok") / "tiny.model", num_threads=1
+        ),
+    )
 
 
 @pytest.fixture(scope="session")
 def json_cfg(corpus_dir, tokenizer_path, tmp_path_factory) -> DataConfig:
     """Streams the jsonl corpus (no store)."""
-    return once("json_cfg", lambda: DataConfig(
-        dataset="json", data_files=[str(corpus_dir / "*.jsonl")], tokenizer_path=tokenizer_path,
-        cache_dir=str(tmp_path_factory.mktemp("cache"))))
+    return once(
+        "json_cfg",
+        lambda: DataConfig(
+            dataset="json",
+            data_files=[str(corpus_dir / "*.jsonl")],
+            tokenizer_path=tokenizer_path,
+            cache_dir=str(tmp_path_factory.mktemp("cache")),
+        ),
+    )
 
 
 @pytest.fixture(scope="session")
@@ -87,9 +100,16 @@ def store_path(json_cfg, tmp_path_factory) -> str:
 
     def make():
         out = str(tmp_path_factory.mktemp("stores") / "tiny")
-        prepare_store(json_cfg, json_cfg.tokenizer_path, out, workers=1, shard_tokens=30_000,
-                      show_progress=False)
+        prepare_store(
+            json_cfg,
+            json_cfg.tokenizer_path,
+            out,
+            workers=1,
+            shard_tokens=30_000,
+            show_progress=False,
+        )
         return out
+
     return once("store", make)
 
 
@@ -98,12 +118,27 @@ def store_cfg(json_cfg, store_path) -> DataConfig:
     return replace(json_cfg, store_path=store_path, tokenizer_path="")
 
 
-def build(cfg: DataConfig, dp_rank: int = 0, dp_size: int = 1, *, seq_len: int = 32,
-          local_batch_size: int = 2, global_batch_size: int = 8, seed: int = 0,
-          split: str = "train"):
-    return build_dataloader(cfg, seq_len=seq_len, local_batch_size=local_batch_size,
-                            global_batch_size=global_batch_size, dp_rank=dp_rank,
-                            dp_size=dp_size, seed=seed, split=split)
+def build(
+    cfg: DataConfig,
+    dp_rank: int = 0,
+    dp_size: int = 1,
+    *,
+    seq_len: int = 32,
+    local_batch_size: int = 2,
+    global_batch_size: int = 8,
+    seed: int = 0,
+    split: str = "train",
+):
+    return build_dataloader(
+        cfg,
+        seq_len=seq_len,
+        local_batch_size=local_batch_size,
+        global_batch_size=global_batch_size,
+        dp_rank=dp_rank,
+        dp_size=dp_size,
+        seed=seed,
+        split=split,
+    )
 
 
 def run_global_batches(loaders: list, steps: int) -> list[torch.Tensor]:
@@ -145,9 +180,11 @@ def mix_stores(tmp_path_factory) -> dict[str, str]:
         base = DataConfig(cache_dir=str(root / "cache"))
         out = {}
         for name, patterns in MIX_PARTS.items():
-            out[name] = prepare_one(replace(base, data_files=patterns,
-                                            store_path=str(root / name)), workers=1)
+            out[name] = prepare_one(
+                replace(base, data_files=patterns, store_path=str(root / name)), workers=1
+            )
         return out
+
     return once("mix_stores", make)
 
 
@@ -155,7 +192,8 @@ def mix_cfg(stores: dict[str, str], weights: dict[str, float], **kw) -> DataConf
     """A checked blend config of some of the stores."""
     from trainer.data.config import MixSource
 
-    cfg = DataConfig(mix=[MixSource(name=n, store_path=stores[n], weight=w)
-                          for n, w in weights.items()], **kw)
+    cfg = DataConfig(
+        mix=[MixSource(name=n, store_path=stores[n], weight=w) for n, w in weights.items()], **kw
+    )
     cfg.validate()
     return cfg

@@ -35,9 +35,14 @@ def test_floor_sum_is_exact():
         assert _floor_sum(n, m, a, b) == sum((a * j + b) // m for j in range(n))
 
 
-@pytest.mark.parametrize("weights,seed", [({"web": 0.75, "code": 0.25}, 0),
-                                          ({"a": 5, "b": 3, "c": 2, "z": 0}, 7),
-                                          ({"x": 0.001, "y": 0.999}, 3)])
+@pytest.mark.parametrize(
+    "weights,seed",
+    [
+        ({"web": 0.75, "code": 0.25}, 0),
+        ({"a": 5, "b": 3, "c": 2, "z": 0}, 7),
+        ({"x": 0.001, "y": 0.999}, 3),
+    ],
+)
 def test_counts_are_closed_forms_of_a_low_discrepancy_assignment(weights, seed):
     blend = Blend(weights, seed)
     which = blend.index_of(np.arange(20_000))
@@ -70,8 +75,10 @@ def test_first_sample_reaching_inverts_count():
 
 # -- the global order -----------------------------------------------------------------------
 def mix_ranks(cfg, dp, local_batch_size=1):
-    return [build(cfg, r, dp, seq_len=64, local_batch_size=local_batch_size,
-                  global_batch_size=G) for r in range(dp)]
+    return [
+        build(cfg, r, dp, seq_len=64, local_batch_size=local_batch_size, global_batch_size=G)
+        for r in range(dp)
+    ]
 
 
 def take_ids(loaders, steps):
@@ -109,8 +116,10 @@ def test_realised_token_fractions_follow_the_weights_and_the_small_source_wraps(
     events = loader.pop_events()
     n_json = loader.sources["json"].n_windows
     assert by_source["json"] > n_json, "the fixture's small source should wrap"
-    assert events[0] == (f"source 'json' starts epoch 1 (all {n_json:,} of its windows seen 1 "
-                         "time; a new permutation)")
+    assert events[0] == (
+        f"source 'json' starts epoch 1 (all {n_json:,} of its windows seen 1 "
+        "time; a new permutation)"
+    )
     m = loader.metrics()
     assert m["data_metrics/tokens/json"] == by_source["json"] * 64
     assert m["data_metrics/epoch/json"] == (by_source["json"] - 1) // n_json
@@ -133,16 +142,30 @@ def test_resume_on_other_dp_sizes_continues_the_order(blend_cfg):
 
 def test_stage_changes_continue_every_source_and_never_repeat_a_window(mix_stores):
     stage0 = mix_cfg(mix_stores, {"email": 0.75, "json": 0.25}, val_fraction=0.05)
-    stage1 = mix_cfg(mix_stores, {"email": 0.75, "json": 0.25}, val_fraction=0.05,
-                     mix_weights=["email=0.25", "json=0.75"])  # the command-line override
+    stage1 = mix_cfg(
+        mix_stores,
+        {"email": 0.75, "json": 0.25},
+        val_fraction=0.05,
+        mix_weights=["email=0.25", "json=0.75"],
+    )  # the command-line override
     stage2 = mix_cfg(mix_stores, {"email": 0.25, "json": 0.75, "http": 0.5}, val_fraction=0.05)
     loader = mix_ranks(stage0, 2, local_batch_size=2)
     ids = take_ids(loader, 40)
-    for cfg, steps, line in ((stage1, 60, "stage 1 starts at sample 320: email 75.0% -> 25.0%, "
-                              "json 25.0% -> 75.0%; every source continues where it stopped"),
-                             (stage2, 60, "stage 2 starts at sample 800: email 25.0% -> 16.7%, "
-                              "http new 33.3%, json 75.0% -> 50.0%; every source continues "
-                              "where it stopped")):
+    for cfg, steps, line in (
+        (
+            stage1,
+            60,
+            "stage 1 starts at sample 320: email 75.0% -> 25.0%, "
+            "json 25.0% -> 75.0%; every source continues where it stopped",
+        ),
+        (
+            stage2,
+            60,
+            "stage 2 starts at sample 800: email 25.0% -> 16.7%, "
+            "http new 33.3%, json 75.0% -> 50.0%; every source continues "
+            "where it stopped",
+        ),
+    ):
         state = loader[0].state_dict()
         before = {n: json.loads(state["mix"])["sources"][n]["samples"] for n in ("email", "json")}
         loader = mix_ranks(cfg, 4)
@@ -171,20 +194,33 @@ def test_a_zero_weight_source_gets_no_samples(mix_stores):
 
 
 # -- errors, one line each -------------------------------------------------------------------
-@pytest.mark.parametrize("override,message", [
-    ("--data.mix_weights=web=1,nope=2", "data.mix_weights names an unknown source 'nope'; the "
-                                        "sources in data.mix are: web, code"),
-    ("--data.mix_weights=code=-0.5", "data.mix source 'code' has weight -0.5; a weight must be "
-                                     "a finite number >= 0 (0 drops the source)"),
-    ("--data.mix_weights=web=0,code=0", "data.mix: every weight is 0 (web, code); give at least "
-                                        "one source a positive weight"),
-    ("--data.mix_weights=web", "data.mix_weights entry 'web' is not name=weight"),
-    ("--data.store_path=/x", "data.store_path is set together with data.mix"),
-])
+@pytest.mark.parametrize(
+    "override,message",
+    [
+        (
+            "--data.mix_weights=web=1,nope=2",
+            "data.mix_weights names an unknown source 'nope'; the "
+            "sources in data.mix are: web, code",
+        ),
+        (
+            "--data.mix_weights=code=-0.5",
+            "data.mix source 'code' has weight -0.5; a weight must be "
+            "a finite number >= 0 (0 drops the source)",
+        ),
+        (
+            "--data.mix_weights=web=0,code=0",
+            "data.mix: every weight is 0 (web, code); give at least one source a positive weight",
+        ),
+        ("--data.mix_weights=web", "data.mix_weights entry 'web' is not name=weight"),
+        ("--data.store_path=/x", "data.store_path is set together with data.mix"),
+    ],
+)
 def test_config_errors(tmp_path, override, message):
     toml = tmp_path / "blend.toml"
-    toml.write_text('[[data.mix]]\nname = "web"\nstore_path = "/s/web"\nweight = 3\n\n'
-                    '[[data.mix]]\nname = "code"\nstore_path = "/s/code"\n')
+    toml.write_text(
+        '[[data.mix]]\nname = "web"\nstore_path = "/s/web"\nweight = 3\n\n'
+        '[[data.mix]]\nname = "code"\nstore_path = "/s/code"\n'
+    )
     with pytest.raises(ConfigError) as e:
         load_config(["--job.config_file", str(toml), override])
     assert str(e.value).startswith(message)
@@ -193,8 +229,11 @@ def test_config_errors(tmp_path, override, message):
 def test_table_errors_name_the_key(tmp_path):
     toml = tmp_path / "blend.toml"
     toml.write_text('[[data.mix]]\nname = "web"\nstore = "/s/web"\n')
-    with pytest.raises(ConfigError, match=r"unknown key data.mix\[0\].store \(did you mean "
-                                          r"'store_path'\?\)"):
+    with pytest.raises(
+        ConfigError,
+        match=r"unknown key data.mix\[0\].store \(did you mean "
+        r"'store_path'\?\)",
+    ):
         load_config(["--job.config_file", str(toml)])
     with pytest.raises(ConfigError, match="data.mix has two sources named 'a'"):
         load_config(["--data.mix", '[{name="a", store_path="/x"}, {name="a", store_path="/y"}]'])
@@ -205,8 +244,14 @@ def test_table_errors_name_the_key(tmp_path):
 
 
 def test_effective_config_records_the_weights_in_force(tmp_path):
-    cfg = load_config(["--data.mix", '[{name="web", store_path="/s/w", weight=3}, '
-                       '{name="code", store_path="/s/c"}]', "--data.mix_weights", "web=0.6"])
+    cfg = load_config(
+        [
+            "--data.mix",
+            '[{name="web", store_path="/s/w", weight=3}, {name="code", store_path="/s/c"}]',
+            "--data.mix_weights",
+            "web=0.6",
+        ]
+    )
     cfg.save(str(tmp_path / "config.toml"))
     again = load_config(["--job.config_file", str(tmp_path / "config.toml")])
     assert again.data.mix_weights == []
@@ -228,22 +273,29 @@ def test_store_and_tokenizer_errors(mix_stores, tmp_path):
     manifest = json.loads((other / "manifest.json").read_text())
     manifest["tokenizer"]["sha256"] = "f" * 64
     (other / "manifest.json").write_text(json.dumps(manifest))
-    with pytest.raises(DataError, match=r"^data.mix sources 'email' and 'json' were prepared "
-                                        r"with different tokenizers \(.*email/tokenizer.model"):
+    with pytest.raises(
+        DataError,
+        match=r"^data.mix sources 'email' and 'json' were prepared "
+        r"with different tokenizers \(.*email/tokenizer.model",
+    ):
         build(mix_cfg({**mix_stores, "json": str(other)}, {"email": 1, "json": 1}), seq_len=64)
 
 
 @pytest.mark.needs_datasets
 def test_resume_refusals(mix_stores, blend_cfg, store_cfg):
     state = mix_ranks(blend_cfg, 1, local_batch_size=G)[0].state_dict()
-    swapped = mix_cfg({**mix_stores, "json": mix_stores["http"]}, {"email": 0.75, "json": 0.25},
-                      val_fraction=0.05)
+    swapped = mix_cfg(
+        {**mix_stores, "json": mix_stores["http"]}, {"email": 0.75, "json": 0.25}, val_fraction=0.05
+    )
     with pytest.raises(DataError, match="data.mix source 'json' reads .* which is not the store"):
         mix_ranks(swapped, 1, local_batch_size=G)[0].load_state_dict(state)
-    unshuffled = mix_cfg(mix_stores, {"email": 0.75, "json": 0.25}, val_fraction=0.05,
-                         shuffle=False)
-    with pytest.raises(DataError, match="the checkpoint walked its windows with shuffle=True, "
-                                        "this run with shuffle=False"):
+    unshuffled = mix_cfg(
+        mix_stores, {"email": 0.75, "json": 0.25}, val_fraction=0.05, shuffle=False
+    )
+    with pytest.raises(
+        DataError,
+        match="the checkpoint walked its windows with shuffle=True, this run with shuffle=False",
+    ):
         mix_ranks(unshuffled, 1, local_batch_size=G)[0].load_state_dict(state)
     resplit = mix_cfg(mix_stores, {"email": 0.75, "json": 0.25}, val_fraction=0.1)
     with pytest.raises(DataError, match="data.mix source 'email': its train split has"):
@@ -264,34 +316,61 @@ def test_a_source_too_small_for_its_validation_split(blend_cfg):
     cfg = load_config(["--training.seq_len", "64", "--validation.steps", "100"])
     cfg.data = blend_cfg
     train = mix_ranks(blend_cfg, 1, local_batch_size=G)[0]
-    with pytest.raises(DataError, match=r"^data.mix source 'email': the validation split holds "
-                                        r"\d+ windows of 65 tokens, fewer than the 800 samples"):
-        Validator(cfg, train_loader=train, dp_rank=0, dp_size=1, dp_group=None,
-                  device=torch.device("cpu"), loss_fn=None)
+    with pytest.raises(
+        DataError,
+        match=r"^data.mix source 'email': the validation split holds "
+        r"\d+ windows of 65 tokens, fewer than the 800 samples",
+    ):
+        Validator(
+            cfg,
+            train_loader=train,
+            dp_rank=0,
+            dp_size=1,
+            dp_group=None,
+            device=torch.device("cpu"),
+            loss_fn=None,
+        )
 
 
 # -- the commands ------------------------------------------------------------------------------
 def run_module(*args):
     python, env = fork_python()
-    return subprocess.run([python, "-m", *args], env=env, cwd=REPO, capture_output=True,
-                          text=True, timeout=120)
+    return subprocess.run(
+        [python, "-m", *args], env=env, cwd=REPO, capture_output=True, text=True, timeout=120
+    )
 
 
 def test_mix_command_prints_what_the_loader_delivers(mix_stores, blend_cfg, tmp_path):
     toml = tmp_path / "blend.toml"
-    toml.write_text("".join(f'[[data.mix]]\nname = "{n}"\nstore_path = "{mix_stores[n]}"\n'
-                            f"weight = {w}\n" for n, w in (("email", 0.75), ("json", 0.25)))
-                    + "[training]\nseq_len = 64\nlocal_batch_size = 2\n")
-    proc = run_module("trainer.data.mix", "--config", str(toml), "--steps", "200",
-                      "--world-size", "4", "--data.val_fraction", "0.05")
+    toml.write_text(
+        "".join(
+            f'[[data.mix]]\nname = "{n}"\nstore_path = "{mix_stores[n]}"\nweight = {w}\n'
+            for n, w in (("email", 0.75), ("json", 0.25))
+        )
+        + "[training]\nseq_len = 64\nlocal_batch_size = 2\n"
+    )
+    proc = run_module(
+        "trainer.data.mix",
+        "--config",
+        str(toml),
+        "--steps",
+        "200",
+        "--world-size",
+        "4",
+        "--data.val_fraction",
+        "0.05",
+    )
     assert proc.returncode == 0, proc.stderr
     ids = [i for step in take_ids(mix_ranks(blend_cfg, 1, local_batch_size=G), 200) for i in step]
     rows = {line.split()[0]: line.split() for line in proc.stdout.splitlines()[2:]}
     for name in ("email", "json"):
         samples = sum(i.startswith(name + "/") for i in ids)
         assert rows[name][4] == f"{samples:,}" and rows[name][5] == f"{samples * 64:,}"
-    wrap = next(s for s, step in enumerate(take_ids(mix_ranks(blend_cfg, 1, local_batch_size=G),
-                                                    200)) if any("json/1/" in i for i in step))
+    wrap = next(
+        s
+        for s, step in enumerate(take_ids(mix_ranks(blend_cfg, 1, local_batch_size=G), 200))
+        if any("json/1/" in i for i in step)
+    )
     assert rows["json"][8].rstrip(",") == str(wrap + 1)
     bad = run_module("trainer.data.mix", "--config", str(toml), "--data.mix_weights", "x=1")
     assert bad.returncode == 2 and bad.stderr.startswith("config error: data.mix_weights names")
@@ -299,11 +378,13 @@ def test_mix_command_prints_what_the_loader_delivers(mix_stores, blend_cfg, tmp_
 
 def test_prepare_every_source_of_a_blend_in_one_command(tmp_path):
     toml = tmp_path / "blend.toml"
-    toml.write_text(f'[data]\ndataset = "stdlib"\ncache_dir = "{tmp_path / "cache"}"\n\n'
-                    f'[[data.mix]]\nname = "json"\nstore_path = "{tmp_path / "json"}"\n'
-                    'data_files = ["json/**"]\n\n'
-                    f'[[data.mix]]\nname = "tomllib"\nstore_path = "{tmp_path / "toml"}"\n'
-                    'data_files = ["tomllib/**"]\n')
+    toml.write_text(
+        f'[data]\ndataset = "stdlib"\ncache_dir = "{tmp_path / "cache"}"\n\n'
+        f'[[data.mix]]\nname = "json"\nstore_path = "{tmp_path / "json"}"\n'
+        'data_files = ["json/**"]\n\n'
+        f'[[data.mix]]\nname = "tomllib"\nstore_path = "{tmp_path / "toml"}"\n'
+        'data_files = ["tomllib/**"]\n'
+    )
     proc = run_module("trainer.data.prepare", "--config", str(toml), "--workers", "1")
     assert proc.returncode == 0, proc.stderr
     assert "== source 1/2 'json': stdlib json/** ->" in proc.stdout
@@ -315,11 +396,20 @@ def test_prepare_every_source_of_a_blend_in_one_command(tmp_path):
     again = run_module("trainer.data.prepare", "--config", str(toml), "--workers", "1")
     assert again.returncode == 0 and "prepared 2 sources" in again.stdout
     assert (tmp_path / "json" / "manifest.json").stat().st_mtime_ns == stamp  # reused as is
-    nothing = run_module("trainer.data.prepare", "--dataset", "stdlib", "--data_files",
-                         "nope/**", "--store_path", str(tmp_path / "x"),
-                         "--cache_dir", str(tmp_path / "cache"))
+    nothing = run_module(
+        "trainer.data.prepare",
+        "--dataset",
+        "stdlib",
+        "--data_files",
+        "nope/**",
+        "--store_path",
+        str(tmp_path / "x"),
+        "--cache_dir",
+        str(tmp_path / "cache"),
+    )
     assert nothing.returncode == 2 and nothing.stderr.startswith(
-        "data error: data.data_files pattern 'nope/**' matches no module")
+        "data error: data.data_files pattern 'nope/**' matches no module"
+    )
 
 
 @pytest.mark.needs_datasets
@@ -339,8 +429,9 @@ def test_permute_many_equals_permute_per_element():
     n_of, seed_of = [7, 1000, 1 << 20, 3], [5, 2**63 + 11, 0, 9]
     group, epoch = rng.integers(0, 4, 3000), rng.integers(0, 3, 3000)
     pos = np.array([rng.integers(0, n_of[g]) for g in group])
-    want = [permute(np.array([p]), n_of[g], seed_of[g], int(e))[0]
-            for p, g, e in zip(pos, group, epoch)]
+    want = [
+        permute(np.array([p]), n_of[g], seed_of[g], int(e))[0] for p, g, e in zip(pos, group, epoch)
+    ]
     assert permute_many(pos, group, epoch, n_of, seed_of).tolist() == want
 
 
@@ -355,5 +446,6 @@ def test_a_batch_ramp_takes_the_next_samples_of_the_global_order(blend_cfg):
         got += [i for step in take_ids(ranks, 1) for i in step]
     want = [i for step in take_ids(mix_ranks(blend_cfg, 1, local_batch_size=G), 4) for i in step]
     assert got == want[:28]
-    assert ranks[0].consumed_by_source() == {n: sum(i.startswith(n + "/") for i in got)
-                                             for n in ("email", "json")}
+    assert ranks[0].consumed_by_source() == {
+        n: sum(i.startswith(n + "/") for i in got) for n in ("email", "json")
+    }

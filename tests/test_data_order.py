@@ -19,19 +19,25 @@ G, STEPS = 8, 6
 
 @pytest.fixture(params=["synthetic", "store"])
 def cfg(request, store_cfg):
-    return DataConfig(dataset="synthetic", vocab_size=1000) if request.param == "synthetic" \
+    return (
+        DataConfig(dataset="synthetic", vocab_size=1000)
+        if request.param == "synthetic"
         else store_cfg
+    )
 
 
 def ranks(cfg, dp_size, local_batch_size=1, **kw):
-    return [build(cfg, r, dp_size, local_batch_size=local_batch_size, global_batch_size=G,
-                  **kw) for r in range(dp_size)]
+    return [
+        build(cfg, r, dp_size, local_batch_size=local_batch_size, global_batch_size=G, **kw)
+        for r in range(dp_size)
+    ]
 
 
 def reference(cfg, steps=STEPS, **kw):
     """One rank taking whole global batches: global batch s = samples [s*G, (s+1)*G)."""
-    return run_global_batches([build(cfg, 0, 1, local_batch_size=G, global_batch_size=G, **kw)],
-                              steps)
+    return run_global_batches(
+        [build(cfg, 0, 1, local_batch_size=G, global_batch_size=G, **kw)], steps
+    )
 
 
 @pytest.mark.parametrize("layout", LAYOUTS)
@@ -56,8 +62,9 @@ def test_rank_slices_and_microbatches(store_cfg):
     assert loader.sample_indices(3) == [28, 29, 30, 31]
 
 
-@pytest.mark.parametrize("before,after", [(("hsdp2x2", 1), ("fsdp2", 2)),
-                                          (("dp1", 4), ("fsdp8", 1))])
+@pytest.mark.parametrize(
+    "before,after", [(("hsdp2x2", 1), ("fsdp2", 2)), (("dp1", 4), ("fsdp8", 1))]
+)
 @pytest.mark.needs_datasets
 def test_resume_on_another_dp_size(cfg, before, after):
     """4 ranks (HSDP 2x2) -> 2 ranks, and 1 rank -> 8 ranks, continue with the next samples;

@@ -46,23 +46,33 @@ def test_concurrent_first_use_builds_once(tmp_path):
     # separate processes forked from the zygote (torch and the trainer imported, no cache read)
     python, env = fork_python({"OMP_NUM_THREADS": "1"})
     errs = [tmp_path / f"err{r}" for r in range(3)]
-    with open(stdlib_cache_dir(DataConfig(cache_dir=str(cache), vocab_size=VOCAB)) / ".lock",
-              "a+") as lock:
+    with open(
+        stdlib_cache_dir(DataConfig(cache_dir=str(cache), vocab_size=VOCAB)) / ".lock", "a+"
+    ) as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
         procs = []
         for r in range(3):
             with open(errs[r], "w") as err:
-                procs.append(subprocess.Popen([python, str(script), str(cache), str(r % 2)],
-                                              env=env, stdout=subprocess.PIPE, stderr=err,
-                                              text=True))
+                procs.append(
+                    subprocess.Popen(
+                        [python, str(script), str(cache), str(r % 2)],
+                        env=env,
+                        stdout=subprocess.PIPE,
+                        stderr=err,
+                        text=True,
+                    )
+                )
         deadline = time.monotonic() + 300
         while not all("waiting for another process" in e.read_text() for e in errs):
-            assert time.monotonic() < deadline and all(p.poll() is None for p in procs), \
-                [e.read_text() for e in errs]
+            assert time.monotonic() < deadline and all(p.poll() is None for p in procs), [
+                e.read_text() for e in errs
+            ]
             time.sleep(0.1)
         fcntl.flock(lock, fcntl.LOCK_UN)
-    results = [(p.communicate(timeout=300)[0], errs[r].read_text(), p.returncode)
-               for r, p in enumerate(procs)]
+    results = [
+        (p.communicate(timeout=300)[0], errs[r].read_text(), p.returncode)
+        for r, p in enumerate(procs)
+    ]
     for out, err, rc in results:
         assert rc == 0, err
     stderr = "".join(err for _, err, _ in results)
@@ -71,20 +81,33 @@ def test_concurrent_first_use_builds_once(tmp_path):
     outs = [out.split() for out, _, _ in results]
     assert outs[0][:2] == outs[1][:2] == outs[2][:2]  # one tokenizer, one store
     assert outs[0][2] == outs[2][2] != outs[1][2]  # ranks 0, 1, 0: the rank's own slice
-    leftovers = [p for p in cache.rglob("*")  # lock files stay: unlinking them is racy
-                 if (".partial" in p.name or ".tmp" in p.name) and p.suffix != ".lock"]
+    leftovers = [
+        p
+        for p in cache.rglob("*")  # lock files stay: unlinking them is racy
+        if (".partial" in p.name or ".tmp" in p.name) and p.suffix != ".lock"
+    ]
     assert not leftovers
     # later runs reuse the cache: the same tokenizer, store and samples, without taking the
     # lock (held here: every rank of a later run used to queue on it, and say it waited)
     import threading
 
     got = []
-    with open(stdlib_cache_dir(DataConfig(cache_dir=str(cache), vocab_size=VOCAB)) / ".lock",
-              "a+") as lock:
+    with open(
+        stdlib_cache_dir(DataConfig(cache_dir=str(cache), vocab_size=VOCAB)) / ".lock", "a+"
+    ) as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
-        reader = threading.Thread(target=lambda: got.append(build(
-            DataConfig(cache_dir=str(cache), vocab_size=VOCAB), seq_len=128,
-            local_batch_size=2, global_batch_size=4, dp_size=2)), daemon=True)
+        reader = threading.Thread(
+            target=lambda: got.append(
+                build(
+                    DataConfig(cache_dir=str(cache), vocab_size=VOCAB),
+                    seq_len=128,
+                    local_batch_size=2,
+                    global_batch_size=4,
+                    dp_size=2,
+                )
+            ),
+            daemon=True,
+        )
         reader.start()
         reader.join(60)
         assert got, "a built cache waited for its lock"

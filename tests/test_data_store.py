@@ -21,7 +21,6 @@ from trainer.data.tokenizer import train_bpe
 from trainer.errors import DataError
 
 
-
 def one_line(excinfo) -> str:
     msg = excinfo.value.one_line()
     assert msg.startswith("data error: ") and "\n" not in msg
@@ -49,17 +48,24 @@ def test_store_layout_and_manifest(store_path, tokenizer_path):
     store = Store(store_path)
     # windows that cross shard boundaries read the concatenated stream
     import numpy as np
+
     stream = np.concatenate([np.asarray(m_) for m_ in store.maps])
     starts = np.array([0, store.offsets[1] - 5, store.total_tokens - 40])
-    assert (store.read(starts, 40) == np.stack([stream[s:s + 40] for s in starts])).all()
+    assert (store.read(starts, 40) == np.stack([stream[s : s + 40] for s in starts])).all()
     assert stream[0] == 1 and (stream == 2).sum() == 120  # BOS first, one EOS per document
 
 
 @pytest.mark.needs_datasets
 def test_prepare_is_idempotent(json_cfg, store_path):
     before = shard_state(store_path)
-    m = prepare_store(json_cfg, json_cfg.tokenizer_path, store_path, workers=1,
-                      shard_tokens=30_000, show_progress=False)
+    m = prepare_store(
+        json_cfg,
+        json_cfg.tokenizer_path,
+        store_path,
+        workers=1,
+        shard_tokens=30_000,
+        show_progress=False,
+    )
     assert shard_state(store_path) == before and m["total_docs"] == 120
 
 
@@ -74,14 +80,27 @@ def test_unfinished_store_is_resumed(json_cfg, store_path, tmp_path):
             raise KeyboardInterrupt  # as if the user pressed Ctrl-C mid-way
 
     with pytest.raises(KeyboardInterrupt):
-        prepare_store(json_cfg, json_cfg.tokenizer_path, str(out), workers=1,
-                      shard_tokens=30_000, show_progress=False, on_progress=interrupt)
+        prepare_store(
+            json_cfg,
+            json_cfg.tokenizer_path,
+            str(out),
+            workers=1,
+            shard_tokens=30_000,
+            show_progress=False,
+            on_progress=interrupt,
+        )
     with pytest.raises(DataError, match="unfinished"):
         Store(out)
     written = shard_state(out)
     assert written
-    prepare_store(json_cfg, json_cfg.tokenizer_path, str(out), workers=1, shard_tokens=30_000,
-                  show_progress=False)
+    prepare_store(
+        json_cfg,
+        json_cfg.tokenizer_path,
+        str(out),
+        workers=1,
+        shard_tokens=30_000,
+        show_progress=False,
+    )
     after = shard_state(out)
     assert all(after[name] == state for name, state in written.items())  # kept, not redone
     assert Store(out).fingerprint == Store(store_path).fingerprint  # same as uninterrupted
@@ -91,17 +110,28 @@ def test_unfinished_store_is_resumed(json_cfg, store_path, tmp_path):
 def test_unfinished_store_of_another_plan_is_rebuilt(json_cfg, store_path, tmp_path):
     out = tmp_path / "store"
     with pytest.raises(KeyboardInterrupt):
-        prepare_store(json_cfg, json_cfg.tokenizer_path, str(out), workers=1,
-                      shard_tokens=10_000, show_progress=False,
-                      on_progress=lambda d, t: (_ for _ in ()).throw(KeyboardInterrupt))
-    prepare_store(json_cfg, json_cfg.tokenizer_path, str(out), workers=1, shard_tokens=30_000,
-                  show_progress=False)
+        prepare_store(
+            json_cfg,
+            json_cfg.tokenizer_path,
+            str(out),
+            workers=1,
+            shard_tokens=10_000,
+            show_progress=False,
+            on_progress=lambda d, t: (_ for _ in ()).throw(KeyboardInterrupt),
+        )
+    prepare_store(
+        json_cfg,
+        json_cfg.tokenizer_path,
+        str(out),
+        workers=1,
+        shard_tokens=30_000,
+        show_progress=False,
+    )
     assert Store(out).fingerprint == Store(store_path).fingerprint
 
 
 @pytest.mark.needs_datasets
-def test_foreign_directories_are_not_overwritten(json_cfg, store_path, tmp_path,
-                                                 other_tokenizer):
+def test_foreign_directories_are_not_overwritten(json_cfg, store_path, tmp_path, other_tokenizer):
     (tmp_path / "mine").mkdir()
     (tmp_path / "mine" / "notes.txt").write_text("keep me")
     with pytest.raises(DataError, match="not a token store"):
@@ -135,8 +165,7 @@ def test_empty_corpus(json_cfg, tmp_path, content):
     empty.write_text(content)
     cfg = replace(json_cfg, data_files=[str(empty)])
     with pytest.raises(DataError) as e:
-        prepare_store(cfg, cfg.tokenizer_path, str(tmp_path / "s"), workers=1,
-                      show_progress=False)
+        prepare_store(cfg, cfg.tokenizer_path, str(tmp_path / "s"), workers=1, show_progress=False)
     assert "empty corpus" in one_line(e) and str(empty) in one_line(e)
     with pytest.raises(DataError) as e:
         build(cfg)  # streaming finds out before the first step too
@@ -148,13 +177,15 @@ def test_documents_without_text_are_counted_apart(json_cfg, tmp_path):
     """A row with an empty, null or missing text field is stored as nothing: the manifest's
     total_docs counts the documents it holds (it counted every row), skipped_docs the rest."""
     rows = tmp_path / "rows.jsonl"
-    rows.write_text('{"text": "def f(x):\\n    return x"}\n{"text": ""}\n{"other": 1}\n'
-                    '{"text": null}\n{"text": "import os"}\n')
+    rows.write_text(
+        '{"text": "def f(x):\\n    return x"}\n{"text": ""}\n{"other": 1}\n'
+        '{"text": null}\n{"text": "import os"}\n'
+    )
     cfg = replace(json_cfg, data_files=[str(rows)])
-    m = prepare_store(cfg, cfg.tokenizer_path, str(tmp_path / "s"), workers=1,
-                      show_progress=False)
+    m = prepare_store(cfg, cfg.tokenizer_path, str(tmp_path / "s"), workers=1, show_progress=False)
     assert (m["total_docs"], m["skipped_docs"]) == (2, 3)
     import numpy as np
+
     stream = np.concatenate([np.asarray(x) for x in Store(str(tmp_path / "s")).maps])
     assert (stream == 2).sum() == 2  # one EOS per stored document
 
@@ -194,8 +225,9 @@ def test_truncated_or_corrupt_shard(store_cfg, store_path, tmp_path, damage):
     cfg = replace(store_cfg, store_path=str(copy))
     with pytest.raises(DataError) as e:
         build(cfg)
-    assert str(shard) in one_line(e) and ("truncated" if damage == "truncate" else "corrupt") \
-        in one_line(e)
+    assert str(shard) in one_line(e) and (
+        "truncated" if damage == "truncate" else "corrupt"
+    ) in one_line(e)
     if damage == "corrupt":  # the cheap check for huge stores only compares sizes
         build(replace(cfg, verify_store="sizes"))
 
@@ -212,10 +244,26 @@ def test_seq_len_longer_than_the_corpus(store_cfg, store_path):
 
 def test_prepare_cli_reports_one_line(tmp_path):
     python, env = fork_python()
-    r = subprocess.run([python, "-m", "trainer.data.prepare", "--dataset", "json",
-                        "--data_files", str(tmp_path / "x.jsonl"), "--tokenizer_path",
-                        str(tmp_path / "t.model"), "--store_path", str(tmp_path / "s")],
-                       capture_output=True, text=True, env=env, timeout=120)
+    r = subprocess.run(
+        [
+            python,
+            "-m",
+            "trainer.data.prepare",
+            "--dataset",
+            "json",
+            "--data_files",
+            str(tmp_path / "x.jsonl"),
+            "--tokenizer_path",
+            str(tmp_path / "t.model"),
+            "--store_path",
+            str(tmp_path / "s"),
+        ],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=120,
+    )
     assert r.returncode == 2
-    assert r.stderr.strip().splitlines() == [f"data error: tokenizer not found: "
-                                             f"{tmp_path / 't.model'} (data.tokenizer_path)"]
+    assert r.stderr.strip().splitlines() == [
+        f"data error: tokenizer not found: {tmp_path / 't.model'} (data.tokenizer_path)"
+    ]

@@ -20,8 +20,10 @@ SEQ, B = 32, 2
 
 
 def rank_loaders(cfg, dp):
-    return [build(cfg, r, dp, seq_len=SEQ, local_batch_size=B, global_batch_size=B * dp)
-            for r in range(dp)]
+    return [
+        build(cfg, r, dp, seq_len=SEQ, local_batch_size=B, global_batch_size=B * dp)
+        for r in range(dp)
+    ]
 
 
 def take(loader, n):
@@ -42,7 +44,7 @@ def test_ranks_read_disjoint_parts(json_cfg):
     tok = Tokenizer(json_cfg.tokenizer_path)
     for r, loader in enumerate(rank_loaders(json_cfg, 2)):
         got = take(loader, 4)
-        want = np.concatenate(tok.encode_docs(parts[r][:20]))[:len(got)]
+        want = np.concatenate(tok.encode_docs(parts[r][:20]))[: len(got)]
         assert got.tolist() == want.tolist()  # this rank's documents, packed in order
         assert "per-rank resume only" in loader.describe()
 
@@ -77,8 +79,12 @@ def test_resume_on_another_dp_size_fails_clearly(json_cfg):
 def test_wraps_around_at_the_end(json_cfg, tmp_path):
     tiny = tmp_path / "tiny.jsonl"
     tiny.write_text("".join(json.dumps({"text": f"doc {i} " * 5}) + "\n" for i in range(3)))
-    loader = build(replace(json_cfg, data_files=[str(tiny)]), seq_len=SEQ, local_batch_size=B,
-                   global_batch_size=B)
+    loader = build(
+        replace(json_cfg, data_files=[str(tiny)]),
+        seq_len=SEQ,
+        local_batch_size=B,
+        global_batch_size=B,
+    )
     take(loader, 5)
     assert loader.epoch >= 2
 

@@ -15,7 +15,6 @@ from trainer.data.tokenizer import Tokenizer, train_bpe
 from trainer.errors import ConfigError, DataError
 
 
-
 def test_trained_tokenizer_round_trips(tokenizer_path):
     tok = Tokenizer(tokenizer_path)
     assert (tok.vocab_size, tok.bos_id, tok.eos_id, tok.pad_id) == (512, 1, 2, 3)
@@ -57,10 +56,29 @@ def test_train_tokenizer_cli(tmp_path):
             f.write(json.dumps({"body": text}) + "\n")
     out = tmp_path / "cli.model"
     python, env = fork_python()
-    r = subprocess.run([python, "-m", "trainer.data.train_tokenizer", "--dataset", "json",
-                        "--data_files", str(data), "--text_field", "body", "--vocab_size", "400",
-                        "--output", str(out), "--threads", "1"],
-                       capture_output=True, text=True, env=env, timeout=300)
+    r = subprocess.run(
+        [
+            python,
+            "-m",
+            "trainer.data.train_tokenizer",
+            "--dataset",
+            "json",
+            "--data_files",
+            str(data),
+            "--text_field",
+            "body",
+            "--vocab_size",
+            "400",
+            "--output",
+            str(out),
+            "--threads",
+            "1",
+        ],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=300,
+    )
     assert r.returncode == 0, r.stderr
     assert "read 20 docs" in r.stderr and "BPE vocab 400" in r.stderr  # progress display
     assert Tokenizer(out).vocab_size == 400

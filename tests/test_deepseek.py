@@ -42,8 +42,11 @@ def test_group_limited_routing_picks_within_the_best_groups():
 def test_flavor_sizes():
     """As released: DeepSeek-V3 671B with 37B active (no MTP), Kimi K2 1.03T with 32.9B active,
     Moonlight 16B with 2.9B active."""
-    for name, total, active in (("deepseek-v3-671b", 671.0, 37.6), ("kimi-k2", 1026.4, 32.9),
-                                ("deepseek-v3-16b", 15.96, 2.91)):
+    for name, total, active in (
+        ("deepseek-v3-671b", 671.0, 37.6),
+        ("kimi-k2", 1026.4, 32.9),
+        ("deepseek-v3-16b", 15.96, 2.91),
+    ):
         a = FLAVORS[name]
         assert a.num_params() / 1e9 == pytest.approx(total, abs=0.1), name
         assert a.num_params(active=True) / 1e9 == pytest.approx(active, abs=0.1), name
@@ -54,17 +57,31 @@ def hf_config(args, vocab: int, q_lora: int):
 
     m, moe = args.mla, args.moe
     return DeepseekV3Config(
-        vocab_size=vocab, hidden_size=args.dim, intermediate_size=args.hidden_dim,
-        moe_intermediate_size=moe.hidden_dim, num_hidden_layers=args.n_layers,
-        num_attention_heads=args.n_heads, num_key_value_heads=args.n_heads,
-        n_shared_experts=moe.n_shared_experts, n_routed_experts=moe.n_experts,
-        routed_scaling_factor=moe.route_scale, kv_lora_rank=m.kv_lora_rank,
-        q_lora_rank=q_lora or None, qk_rope_head_dim=m.qk_rope_head_dim,
-        v_head_dim=m.v_head_dim, qk_nope_head_dim=m.qk_nope_head_dim, n_group=moe.n_group,
-        topk_group=moe.topk_group, num_experts_per_tok=moe.top_k,
-        first_k_dense_replace=moe.first_dense_layers, norm_topk_prob=True,
-        max_position_embeddings=64, rms_norm_eps=args.norm_eps, rope_theta=args.rope_theta,
-        rope_scaling=hf_config_json(args)["rope_scaling"])
+        vocab_size=vocab,
+        hidden_size=args.dim,
+        intermediate_size=args.hidden_dim,
+        moe_intermediate_size=moe.hidden_dim,
+        num_hidden_layers=args.n_layers,
+        num_attention_heads=args.n_heads,
+        num_key_value_heads=args.n_heads,
+        n_shared_experts=moe.n_shared_experts,
+        n_routed_experts=moe.n_experts,
+        routed_scaling_factor=moe.route_scale,
+        kv_lora_rank=m.kv_lora_rank,
+        q_lora_rank=q_lora or None,
+        qk_rope_head_dim=m.qk_rope_head_dim,
+        v_head_dim=m.v_head_dim,
+        qk_nope_head_dim=m.qk_nope_head_dim,
+        n_group=moe.n_group,
+        topk_group=moe.topk_group,
+        num_experts_per_tok=moe.top_k,
+        first_k_dense_replace=moe.first_dense_layers,
+        norm_topk_prob=True,
+        max_position_embeddings=64,
+        rms_norm_eps=args.norm_eps,
+        rope_theta=args.rope_theta,
+        rope_scaling=hf_config_json(args)["rope_scaling"],
+    )
 
 
 def hf_config_json(args):
@@ -75,8 +92,9 @@ def hf_config_json(args):
 
 # YaRN over 16 original positions (the test's 48 tokens reach past them), with mscale and
 # mscale_all_dim apart (DeepSeek-V2-Lite's kind): cos/sin and the softmax both scaled
-YARN = YarnScaling(factor=4.0, original_max_position_embeddings=16, mscale=1.0,
-                   mscale_all_dim=0.707)
+YARN = YarnScaling(
+    factor=4.0, original_max_position_embeddings=16, mscale=1.0, mscale_all_dim=0.707
+)
 
 
 def random_pair(tmp_path, q_lora: int = 32, yarn=None):
@@ -89,8 +107,9 @@ def random_pair(tmp_path, q_lora: int = 32, yarn=None):
 
     torch.manual_seed(0)
     args = model_args("debugmodel-dsv3", vocab_size=256, max_seq_len=64)
-    args = dataclasses.replace(args, mla=dataclasses.replace(args.mla, q_lora_rank=q_lora),
-                               rope_scaling=yarn)
+    args = dataclasses.replace(
+        args, mla=dataclasses.replace(args.mla, q_lora_rank=q_lora), rope_scaling=yarn
+    )
     theirs = DeepseekV3ForCausalLM(hf_config(args, 256, q_lora)).float()
     if yarn is not None:  # transformers took the scaling: its table differs from plain RoPE
         assert theirs.model.rotary_emb.rope_type == "yarn"
@@ -151,8 +170,9 @@ def test_one_training_step_equals_transformers(tmp_path):
 
     theirs, ours = random_pair(tmp_path)
     theirs.train(), ours.train()
-    cfg = load_config(["--job.config_file", CONFIG, "--optimizer.lr", "1e-2",
-                       "--optimizer.eps", "1e-4"]).optimizer
+    cfg = load_config(
+        ["--job.config_file", CONFIG, "--optimizer.lr", "1e-2", "--optimizer.eps", "1e-4"]
+    ).optimizer
     tokens = torch.randint(0, 256, (2, 49), generator=torch.Generator().manual_seed(2))
     inputs, labels = tokens[:, :-1], tokens[:, 1:]
     loss = ours(inputs, labels, build_loss("chunked", 32)) / labels.numel()
@@ -166,8 +186,14 @@ def test_one_training_step_equals_transformers(tmp_path):
         want = theirs_of(name, grads, inter)
         assert (p.grad - want).abs().max() <= 1e-5 * want.abs().max() + 1e-9, name
     mine = build_optimizer(ours, cfg)
-    other = torch.optim.AdamW(theirs.parameters(), lr=cfg.lr, betas=(cfg.beta1, cfg.beta2),
-                              eps=cfg.eps, weight_decay=cfg.weight_decay, foreach=False)
+    other = torch.optim.AdamW(
+        theirs.parameters(),
+        lr=cfg.lr,
+        betas=(cfg.beta1, cfg.beta2),
+        eps=cfg.eps,
+        weight_decay=cfg.weight_decay,
+        foreach=False,
+    )
     before = {n: p.detach().clone() for n, p in ours.named_parameters()}
     mine.step(), other.step()
     params = dict(theirs.named_parameters())
@@ -181,28 +207,50 @@ def test_a_scaled_rope_folder_loads_only_as_yarn_and_only_into_its_flavor(tmp_pa
     from trainer.hf.mapping import check_hf_config
 
     args = model_args("debugmodel-dsv3")
-    cfg = {"model_type": "deepseek_v3", "rms_norm_eps": 1e-6, "rope_theta": 1e4,
-           "rope_scaling": {"rope_type": "dynamic", "factor": 4}}
+    cfg = {
+        "model_type": "deepseek_v3",
+        "rms_norm_eps": 1e-6,
+        "rope_theta": 1e4,
+        "rope_scaling": {"rope_type": "dynamic", "factor": 4},
+    }
     with pytest.raises(ConfigError, match="'dynamic'-scaled"):
         check_hf_config(cfg, args, str(tmp_path), "debugmodel-dsv3")
     cfg["rope_scaling"] = {"rope_type": "yarn", "factor": 40}  # a flavor without YaRN
     with pytest.raises(ConfigError, match="rope_scaling is .'yarn', 40.0"):
         check_hf_config(cfg, args, str(tmp_path), "debugmodel-dsv3")
     # the released DeepSeek-V3 config.json's RoPE fits the deepseek-v3-671b flavor
-    cfg = {"model_type": "deepseek_v3", "rms_norm_eps": 1e-6, "rope_theta": 1e4,
-           "max_position_embeddings": 163840, "first_k_dense_replace": 3, "n_group": 8,
-           "topk_group": 4, "routed_scaling_factor": 2.5, "norm_topk_prob": True,
-           "num_experts_per_tok": 8,
-           "rope_scaling": {"beta_fast": 32, "beta_slow": 1, "factor": 40, "mscale": 1.0,
-                            "mscale_all_dim": 1.0, "original_max_position_embeddings": 4096,
-                            "type": "yarn"}}
+    cfg = {
+        "model_type": "deepseek_v3",
+        "rms_norm_eps": 1e-6,
+        "rope_theta": 1e4,
+        "max_position_embeddings": 163840,
+        "first_k_dense_replace": 3,
+        "n_group": 8,
+        "topk_group": 4,
+        "routed_scaling_factor": 2.5,
+        "norm_topk_prob": True,
+        "num_experts_per_tok": 8,
+        "rope_scaling": {
+            "beta_fast": 32,
+            "beta_slow": 1,
+            "factor": 40,
+            "mscale": 1.0,
+            "mscale_all_dim": 1.0,
+            "original_max_position_embeddings": 4096,
+            "type": "yarn",
+        },
+    }
     check_hf_config(cfg, FLAVORS["deepseek-v3-671b"], str(tmp_path), "deepseek-v3-671b")
     # transformers 4.x would take 65536 / 4096 = 16 as the factor, 5.x 40: refused
     cfg["max_position_embeddings"] = 65536
     with pytest.raises(ConfigError, match="transformers 4.x takes as the factor"):
         check_hf_config(cfg, FLAVORS["deepseek-v3-671b"], str(tmp_path), "deepseek-v3-671b")
-    cfg = {"model_type": "deepseek_v3", "rms_norm_eps": 1e-6, "rope_theta": 1e4,
-           "rope_interleave": False}
+    cfg = {
+        "model_type": "deepseek_v3",
+        "rms_norm_eps": 1e-6,
+        "rope_theta": 1e4,
+        "rope_interleave": False,
+    }
     with pytest.raises(ConfigError, match="rope_interleave = false"):
         check_hf_config(cfg, args, str(tmp_path), "debugmodel-dsv3")
 
@@ -213,10 +261,29 @@ def test_the_full_size_configs_are_traced_to_fit_h100s(config, ngpu):
     within 10% of the trace (MTP blocks, MLA's replicated latents and the experts' groups
     counted), in well under two minutes."""
     python, env = fork_python()
-    out = subprocess.run([python, "-m", "trainer.plan", "--config",
-                          str(REPO / "configs" / f"{config}.toml"), "--ngpu", str(ngpu),
-                          "--nnodes", "64", "--gpu", "h100", "--host-gib", "2048", "--trace"],
-                         cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+    out = subprocess.run(
+        [
+            python,
+            "-m",
+            "trainer.plan",
+            "--config",
+            str(REPO / "configs" / f"{config}.toml"),
+            "--ngpu",
+            str(ngpu),
+            "--nnodes",
+            "64",
+            "--gpu",
+            "h100",
+            "--host-gib",
+            "2048",
+            "--trace",
+        ],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert out.returncode == 0, out.stderr[-3000:]
     text = out.stdout
     assert "trace verdict: FITS" in text and "agreement: the plan is within 10%" in text, text
@@ -226,12 +293,34 @@ def test_the_full_size_configs_are_traced_to_fit_h100s(config, ngpu):
 # ------------------------------------------------------------------------------ end to end
 
 # the debug DeepSeek-V3's first 3 blocks: its dense block 0 and 2 MoE blocks (+ the MTP module)
-COMMON = ("--model.n_layers", "3", "--training.seq_len", "64", "--training.local_batch_size", "2",
-          "--training.global_batch_size", "8", "--training.mixed_precision_param", "float32",
-          "--metrics.log_freq", "1", "--lr_scheduler.warmup_steps", "2",
-          "--lr_scheduler.min_lr_factor", "1.0", "--model.attn_mask_type", "block_causal",
-          "--training.steps", "5", "--checkpoint.interval", "3",
-          "--checkpoint.keep_latest_k", "0", "--validation.enable", "false")
+COMMON = (
+    "--model.n_layers",
+    "3",
+    "--training.seq_len",
+    "64",
+    "--training.local_batch_size",
+    "2",
+    "--training.global_batch_size",
+    "8",
+    "--training.mixed_precision_param",
+    "float32",
+    "--metrics.log_freq",
+    "1",
+    "--lr_scheduler.warmup_steps",
+    "2",
+    "--lr_scheduler.min_lr_factor",
+    "1.0",
+    "--model.attn_mask_type",
+    "block_causal",
+    "--training.steps",
+    "5",
+    "--checkpoint.interval",
+    "3",
+    "--checkpoint.keep_latest_k",
+    "0",
+    "--validation.enable",
+    "false",
+)
 EP = "--parallelism.expert_parallel_degree"
 LAYOUTS = {  # name: (ranks, overrides); the config's EP 2 is set per layout
     "ref": (1, (EP, "1")),
@@ -291,8 +380,9 @@ def test_the_export_loads_in_transformers_with_our_logits(dsv3_runs):
     shapes = saved_shapes(ckpt)
     state = dcp_fetch(ckpt, shapes)(list(shapes))
     assert max(v.abs().max() for k, v in state.items() if k.endswith("expert_bias")) > 0
-    ours = build_model(model_args("debugmodel-dsv3", vocab_size=8192, max_seq_len=64,
-                                  mtp_layers=1, n_layers=3))
+    ours = build_model(
+        model_args("debugmodel-dsv3", vocab_size=8192, max_seq_len=64, mtp_layers=1, n_layers=3)
+    )
     ours.to_empty(device="cpu")
     ours.init_weights(0)  # the RoPE tables
     ours.load_state_dict(state, strict=True)
@@ -300,10 +390,13 @@ def test_the_export_loads_in_transformers_with_our_logits(dsv3_runs):
     with torch.no_grad():
         assert (theirs(tokens).logits - ours.eval()(tokens)).abs().max() < 1e-4
     with safe_open(dump / "hf" / "model.safetensors", "pt") as f:
-        assert torch.equal(f.get_tensor("model.layers.3.eh_proj.weight"),
-                           state["mtp.0.proj.weight"])
-        assert torch.equal(f.get_tensor("model.layers.3.mlp.experts.7.down_proj.weight"),
-                           state["mtp.0.block.feed_forward.experts.w2"][7])
+        assert torch.equal(
+            f.get_tensor("model.layers.3.eh_proj.weight"), state["mtp.0.proj.weight"]
+        )
+        assert torch.equal(
+            f.get_tensor("model.layers.3.mlp.experts.7.down_proj.weight"),
+            state["mtp.0.block.feed_forward.experts.w2"][7],
+        )
 
 
 @pytest.mark.parametrize("name, nproc, extra", [("ep4", 4, (EP, "4")), ("one_rank", 1, (EP, "1"))])
@@ -318,12 +411,15 @@ def test_an_ep_checkpoint_resumes_at_ep4_and_on_one_rank(dsv3_runs, tmp_path, na
     assert losses(dump)
 
 
-@pytest.mark.parametrize("args, needle", [
-    (("--moe.topk_group", "3"), "moe.topk_group = 3 must be between 1 and moe.n_group = 2"),
-    (("--moe.n_group", "3"), "moe.n_group = 3: the 8 experts (moe.num_experts) do not divide"),
-    (("--moe.n_group", "4", "--moe.top_k", "3"), "moe.top_k = 3 needs at most moe.topk_group"),
-    (("--model.name", "llama3"), "model.flavor = 'debugmodel-dsv3' is a deepseek_v3 model"),
-])
+@pytest.mark.parametrize(
+    "args, needle",
+    [
+        (("--moe.topk_group", "3"), "moe.topk_group = 3 must be between 1 and moe.n_group = 2"),
+        (("--moe.n_group", "3"), "moe.n_group = 3: the 8 experts (moe.num_experts) do not divide"),
+        (("--moe.n_group", "4", "--moe.top_k", "3"), "moe.top_k = 3 needs at most moe.topk_group"),
+        (("--model.name", "llama3"), "model.flavor = 'debugmodel-dsv3' is a deepseek_v3 model"),
+    ],
+)
 def test_bad_settings_are_one_line(tmp_path, args, needle):
     proc = run_train(tmp_path, *args, config=CONFIG, check=False)
     assert proc.returncode == 2, proc.stderr[-2000:]
@@ -340,13 +436,27 @@ def test_mtp_with_an_export_that_cannot_hold_it_is_refused():
     from trainer.config.job import load_config
     from trainer.hf.mapping import export_problem
 
-    base = ["--job.config_file", str(REPO / "configs" / "debug_model.toml"),
-            "--model.mtp_layers", "1"]
+    base = [
+        "--job.config_file",
+        str(REPO / "configs" / "debug_model.toml"),
+        "--model.mtp_layers",
+        "1",
+    ]
     for key in ("last_save_in_hf", "initial_load_in_hf"):
-        with pytest.raises(ConfigError, match=f"checkpoint.{key} = true with model.mtp_layers "
-                           "= 1, but LlamaForCausalLM has no multi-token prediction modules"):
-            load_config([*base, f"--checkpoint.{key}", "true",
-                         "--checkpoint.initial_load_path", "/some/hf/folder"])
+        with pytest.raises(
+            ConfigError,
+            match=f"checkpoint.{key} = true with model.mtp_layers "
+            "= 1, but LlamaForCausalLM has no multi-token prediction modules",
+        ):
+            load_config(
+                [
+                    *base,
+                    f"--checkpoint.{key}",
+                    "true",
+                    "--checkpoint.initial_load_path",
+                    "/some/hf/folder",
+                ]
+            )
     load_config(base)  # MTP without Hugging Face: fine
     load_config(["--job.config_file", CONFIG, "--checkpoint.last_save_in_hf", "true"])
     moe = model_args("debugmodel-moe", mtp_layers=1)
@@ -367,20 +477,32 @@ def test_the_released_yarn_is_the_flavors_and_none_drops_it():
         assert got == want
     assert FLAVORS["deepseek-v3-671b"].rope_scaling == DEEPSEEK_V3_YARN
     # the released config.json values (Kimi K2: factor 32, beta_fast and beta_slow 1)
-    released = {"deepseek-v3-671b": (40.0, 4096, 32.0, 1.0, 1.0, 1.0),
-                "kimi-k2": (32.0, 4096, 1.0, 1.0, 1.0, 1.0)}
+    released = {
+        "deepseek-v3-671b": (40.0, 4096, 32.0, 1.0, 1.0, 1.0),
+        "kimi-k2": (32.0, 4096, 1.0, 1.0, 1.0, 1.0),
+    }
     for flavor, want in released.items():
         y = FLAVORS[flavor].rope_scaling
-        assert (y.factor, y.original_max_position_embeddings, y.beta_fast, y.beta_slow,
-                y.mscale, y.mscale_all_dim) == want, flavor
+        assert (
+            y.factor,
+            y.original_max_position_embeddings,
+            y.beta_fast,
+            y.beta_slow,
+            y.mscale,
+            y.mscale_all_dim,
+        ) == want, flavor
     assert DEEPSEEK_V3_YARN.softmax_gain == pytest.approx((0.1 * math.log(40) + 1) ** 2)
 
 
 def test_mla_dims_that_do_not_add_up_are_one_line():
     from trainer.models.args import MLAArgs
 
-    for bad in ({"qk_rope_head_dim": 7}, {"kv_lora_rank": 0}, {"v_head_dim": 0},
-                {"q_lora_rank": -1}):
+    for bad in (
+        {"qk_rope_head_dim": 7},
+        {"kv_lora_rank": 0},
+        {"v_head_dim": 0},
+        {"q_lora_rank": -1},
+    ):
         with pytest.raises(ConfigError, match="model MLA dims do not add up"):
             MLAArgs(**bad).validate()
     MLAArgs(q_lora_rank=0).validate()
@@ -391,14 +513,18 @@ def test_cached_generation_equals_the_full_forward():
     prompt fed in two pieces equal one full forward's; the MTP module does not take part."""
     from trainer.generate import KVCache, forward_cached
 
-    model = build_model(model_args("debugmodel-dsv3", vocab_size=256, max_seq_len=32,
-                                   mtp_layers=1))
+    model = build_model(model_args("debugmodel-dsv3", vocab_size=256, max_seq_len=32, mtp_layers=1))
     model.to_empty(device="cpu")
     model.init_weights(0)
     model.eval()
     tokens = torch.randint(0, 256, (1, 20), generator=torch.Generator().manual_seed(0))
     cache = KVCache(model, 1, 32)
     with torch.no_grad():
-        pieces = torch.cat([forward_cached(model, tokens[:, :12], cache),
-                            forward_cached(model, tokens[:, 12:], cache)], dim=1)
+        pieces = torch.cat(
+            [
+                forward_cached(model, tokens[:, :12], cache),
+                forward_cached(model, tokens[:, 12:], cache),
+            ],
+            dim=1,
+        )
         assert (pieces - model(tokens)).abs().max() < 1e-5

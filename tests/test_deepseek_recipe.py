@@ -57,8 +57,9 @@ def test_the_sequence_wise_loss_is_the_reports_formula():
 
 def test_its_router_gradient_has_both_signs_unlike_the_raw_score_aux_loss():
     logits, scores, chosen = routed(batch=4, seq_len=32, n_experts=16, k=4, seed=1)
-    (grad,) = torch.autograd.grad(sequence_balance_loss(scores, chosen, 4, 16), logits,
-                                  retain_graph=True)
+    (grad,) = torch.autograd.grad(
+        sequence_balance_loss(scores, chosen, 4, 16), logits, retain_graph=True
+    )
     positive = float((grad > 0).double().mean())
     assert 0.2 < positive < 0.8, positive
     # moe.aux_loss_weight's loss: E x sum_i f_i P_i with raw sigmoid scores
@@ -69,8 +70,9 @@ def test_its_router_gradient_has_both_signs_unlike_the_raw_score_aux_loss():
 
 
 def test_the_schedules_are_functions_of_the_step():
-    model = ModelConfig(mtp_layers=1, mtp_loss_weight=0.3, mtp_loss_weight_until_step=10,
-                        mtp_loss_weight_later=0.1)
+    model = ModelConfig(
+        mtp_layers=1, mtp_loss_weight=0.3, mtp_loss_weight_until_step=10, mtp_loss_weight_later=0.1
+    )
     assert [model.mtp_weight_at(s) for s in (1, 10, 11, 500)] == [0.3, 0.3, 0.1, 0.1]
     assert ModelConfig(mtp_layers=1).mtp_weight_at(10**6) == 0.3  # default: no change
     moe = MoEConfig(load_balance_coeff=1e-3, load_balance_coeff_until_step=10)
@@ -83,18 +85,58 @@ def test_the_schedules_are_functions_of_the_step():
 CONFIG = str(REPO / "configs" / "debug_dsv3.toml")
 EP, CP = "--parallelism.expert_parallel_degree", "--parallelism.context_parallel_degree"
 # the debug DeepSeek-V3's first 3 blocks (dense + 2 MoE) and 2 MTP modules: 4 MoE blocks
-COMMON = ("--model.n_layers", "3", "--training.seq_len", "64", "--training.local_batch_size", "2",
-          "--training.global_batch_size", "8", "--training.mixed_precision_param", "float32",
-          "--metrics.log_freq", "1", "--lr_scheduler.warmup_steps", "2",
-          "--lr_scheduler.min_lr_factor", "1.0", "--training.steps", "4",
-          "--validation.enable", "false", "--checkpoint.enable", "false",
-          "--data.dataset", "json", "--model.attn_mask_type", "block_causal",
-          "--model.positions", "document", "--model.mtp_layers", "2",
-          "--model.mtp_loss_weight_until_step", "2", "--moe.load_balance_coeff_until_step", "2")
+COMMON = (
+    "--model.n_layers",
+    "3",
+    "--training.seq_len",
+    "64",
+    "--training.local_batch_size",
+    "2",
+    "--training.global_batch_size",
+    "8",
+    "--training.mixed_precision_param",
+    "float32",
+    "--metrics.log_freq",
+    "1",
+    "--lr_scheduler.warmup_steps",
+    "2",
+    "--lr_scheduler.min_lr_factor",
+    "1.0",
+    "--training.steps",
+    "4",
+    "--validation.enable",
+    "false",
+    "--checkpoint.enable",
+    "false",
+    "--data.dataset",
+    "json",
+    "--model.attn_mask_type",
+    "block_causal",
+    "--model.positions",
+    "document",
+    "--model.mtp_layers",
+    "2",
+    "--model.mtp_loss_weight_until_step",
+    "2",
+    "--moe.load_balance_coeff_until_step",
+    "2",
+)
 SEQ_AUX = ("--moe.seq_aux_loss_weight", "0.01")
 LAYOUTS = {  # name: (ranks, overrides)
-    "ref": (1, (EP, "1", *SEQ_AUX, "--checkpoint.enable", "true", "--checkpoint.interval", "2",
-                "--checkpoint.keep_latest_k", "0")),
+    "ref": (
+        1,
+        (
+            EP,
+            "1",
+            *SEQ_AUX,
+            "--checkpoint.enable",
+            "true",
+            "--checkpoint.interval",
+            "2",
+            "--checkpoint.keep_latest_k",
+            "0",
+        ),
+    ),
     "cp2_ep2": (4, (EP, "2", CP, "2", *SEQ_AUX)),
     "tp2": (2, (EP, "1", "--parallelism.tensor_parallel_degree", "2", *SEQ_AUX)),
     "pp2_cp2": (4, (EP, "1", CP, "2", "--parallelism.pipeline_parallel_degree", "2")),
@@ -107,8 +149,15 @@ def recipe_runs(short_docs_store, tmp_path_factory):  # noqa: F811
     root = tmp_path_factory.mktemp("recipe")
     out = {}
     for name, (nproc, overrides) in LAYOUTS.items():
-        proc = run_train(root / name, *COMMON, "--data.store_path", short_docs_store,
-                         *overrides, nproc=nproc, config=CONFIG)
+        proc = run_train(
+            root / name,
+            *COMMON,
+            "--data.store_path",
+            short_docs_store,
+            *overrides,
+            nproc=nproc,
+            config=CONFIG,
+        )
         out[name] = (root / name, proc.stdout)
     return out
 

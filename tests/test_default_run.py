@@ -26,8 +26,9 @@ def default_run(tmp_path: Path) -> tuple[Path, str]:
     env = subprocess_env({"HOME": str(home)})  # the stdlib tokenizer/store cache goes to ~/.cache
     for var in ("NGPU", "CONFIG_FILE", "OMP_NUM_THREADS"):
         env.pop(var, None)
-    proc = subprocess.run([str(RUN_TRAIN)], cwd=tmp_path, env=env, capture_output=True,
-                          text=True, timeout=600)
+    proc = subprocess.run(
+        [str(RUN_TRAIN)], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600
+    )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     return tmp_path, proc.stdout
 

@@ -16,38 +16,61 @@ import pytest
 import torch
 
 from tests.helpers import REPO, TINY, losses, run_train, stopped_after_save, subprocess_env
-from trainer.device import (Precision, cpu_native_bf16, local_ranks, resolve_compute_dtype,
-                            visible_gpus)
+from trainer.device import (
+    Precision,
+    cpu_native_bf16,
+    local_ranks,
+    resolve_compute_dtype,
+    visible_gpus,
+)
 from trainer.errors import ConfigError
 
 NATIVE_BF16, ISA = cpu_native_bf16()
 
 
-@pytest.mark.parametrize("device,ngpu,gpus,ranks", [
-    ("auto", None, 0, 2), ("auto", "", 0, 2), ("auto", "3", 0, 3),    # CPU: 2 unless NGPU
-    ("auto", None, 8, 8), ("auto", "4", 8, 4), ("cuda", None, 2, 2),  # GPU: all, or NGPU
-    ("cpu", None, 8, 2), ("cpu", "4", 1, 4),                         # CPU ranks on a GPU box
-])
+@pytest.mark.parametrize(
+    "device,ngpu,gpus,ranks",
+    [
+        ("auto", None, 0, 2),
+        ("auto", "", 0, 2),
+        ("auto", "3", 0, 3),  # CPU: 2 unless NGPU
+        ("auto", None, 8, 8),
+        ("auto", "4", 8, 4),
+        ("cuda", None, 2, 2),  # GPU: all, or NGPU
+        ("cpu", None, 8, 2),
+        ("cpu", "4", 1, 4),  # CPU ranks on a GPU box
+    ],
+)
 def test_ranks_per_node(device, ngpu, gpus, ranks):
     assert local_ranks(device, ngpu, gpus, "seen") == ranks
 
 
-@pytest.mark.parametrize("device,ngpu,gpus,message", [
-    ("auto", "4", 1, "NGPU=4 ranks per node but only 1 GPU visible (seen); set NGPU <= 1, or "
-                     "--training.device cpu to run 4 CPU ranks"),
-    ("cuda", "3", 2, "NGPU=3 ranks per node but only 2 GPUs visible (seen)"),
-    ("cuda", None, 0, "training.device = 'cuda' but no GPU is visible (seen)"),
-    ("auto", "0", 1, "NGPU='0' is not a positive integer"),
-    ("cpu", "two", 0, "NGPU='two' is not a positive integer"),
-])
+@pytest.mark.parametrize(
+    "device,ngpu,gpus,message",
+    [
+        (
+            "auto",
+            "4",
+            1,
+            "NGPU=4 ranks per node but only 1 GPU visible (seen); set NGPU <= 1, or "
+            "--training.device cpu to run 4 CPU ranks",
+        ),
+        ("cuda", "3", 2, "NGPU=3 ranks per node but only 2 GPUs visible (seen)"),
+        ("cuda", None, 0, "training.device = 'cuda' but no GPU is visible (seen)"),
+        ("auto", "0", 1, "NGPU='0' is not a positive integer"),
+        ("cpu", "two", 0, "NGPU='two' is not a positive integer"),
+    ],
+)
 def test_impossible_rank_counts(device, ngpu, gpus, message):
     with pytest.raises(ConfigError) as err:
         local_ranks(device, ngpu, gpus, "seen")
     assert str(err.value).startswith(message)
 
 
-@pytest.mark.parametrize("value,count", [("0,1", 2), ("", 0), ("-1", 0), ("0,-1,2", 1),
-                                         ("GPU-8c1c,GPU-77ee", 2), ("3", 1)])
+@pytest.mark.parametrize(
+    "value,count",
+    [("0,1", 2), ("", 0), ("-1", 0), ("0,-1,2", 1), ("GPU-8c1c,GPU-77ee", 2), ("3", 1)],
+)
 def test_cuda_visible_devices_decides(monkeypatch, value, count):
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", value)
     assert visible_gpus() == (count, f"CUDA_VISIBLE_DEVICES={value!r}")
@@ -59,8 +82,9 @@ def fake_gpu_machine(tmp_path, gpus: int) -> dict:
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir()
     smi = bin_dir / "nvidia-smi"
-    lines = "".join(f'echo "GPU {i}: NVIDIA H100 80GB HBM3 (UUID: GPU-{i:04d})"\n'
-                    for i in range(gpus))
+    lines = "".join(
+        f'echo "GPU {i}: NVIDIA H100 80GB HBM3 (UUID: GPU-{i:04d})"\n' for i in range(gpus)
+    )
     smi.write_text(f"#!/bin/sh\n{lines}")
     smi.chmod(0o755)
     return {"PATH": f"{bin_dir}:{subprocess_env()['PATH']}", "CUDA_VISIBLE_DEVICES": None}
@@ -75,8 +99,15 @@ def test_nvidia_smi_counts_the_machines_gpus(tmp_path, monkeypatch):
 
 def run_sh(tmp_path, *overrides, env: dict, nproc=None, device=None, timeout=60):
     """run_train.sh as a user runs it: NGPU and the device as given (unset by default)."""
-    return run_train(tmp_path / "out", *overrides, nproc=nproc, device=device, env=env,
-                     check=False, timeout=timeout)
+    return run_train(
+        tmp_path / "out",
+        *overrides,
+        nproc=nproc,
+        device=device,
+        env=env,
+        check=False,
+        timeout=timeout,
+    )
 
 
 def one_line(proc) -> str:
@@ -90,9 +121,11 @@ def test_more_ranks_than_gpus_is_one_config_error(tmp_path):
     t0 = time.monotonic()
     proc = run_sh(tmp_path, env=fake_gpu_machine(tmp_path, 1), nproc=4)
     assert proc.returncode == 2
-    assert one_line(proc) == ("config error: NGPU=4 ranks per node but only 1 GPU visible "
-                              "(nvidia-smi); set NGPU <= 1, or --training.device cpu to run 4 "
-                              "CPU ranks")
+    assert one_line(proc) == (
+        "config error: NGPU=4 ranks per node but only 1 GPU visible "
+        "(nvidia-smi); set NGPU <= 1, or --training.device cpu to run 4 "
+        "CPU ranks"
+    )
     # before any rank: no rank's error, and not the minutes 4 ranks' imports and startup
     # would take on an oversubscribed 2-core machine (one fresh import here: a few seconds)
     assert time.monotonic() - t0 < 45 and "invalid device ordinal" not in proc.stderr
@@ -101,18 +134,31 @@ def test_more_ranks_than_gpus_is_one_config_error(tmp_path):
 def test_cuda_without_a_gpu_is_one_config_error(tmp_path):
     proc = run_sh(tmp_path, "--training.device", "cuda", env={"CUDA_VISIBLE_DEVICES": ""})
     assert proc.returncode == 2
-    assert one_line(proc).startswith("config error: training.device = 'cuda' but no GPU is "
-                                     "visible (CUDA_VISIBLE_DEVICES='')")
+    assert one_line(proc).startswith(
+        "config error: training.device = 'cuda' but no GPU is visible (CUDA_VISIBLE_DEVICES='')"
+    )
 
 
 def test_ranks_check_the_device_too(tmp_path):
     """Started without run_train.sh's check, a rank still refuses in one line: no CUDA here, or
     more ranks on the node than GPUs on a GPU machine."""
     proc = subprocess.run(
-        [sys.executable, "-m", "trainer.train", "--training.device", "cuda", *TINY[2:],
-         "--job.dump_folder", str(tmp_path)],
-        env=subprocess_env({"LOCAL_WORLD_SIZE": "99"}), capture_output=True, text=True,
-        timeout=120, cwd=REPO)
+        [
+            sys.executable,
+            "-m",
+            "trainer.train",
+            "--training.device",
+            "cuda",
+            *TINY[2:],
+            "--job.dump_folder",
+            str(tmp_path),
+        ],
+        env=subprocess_env({"LOCAL_WORLD_SIZE": "99"}),
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=REPO,
+    )
     assert proc.returncode == 2
     line = one_line(proc)
     if torch.cuda.is_available():
@@ -150,18 +196,34 @@ def test_cpu_ranks_on_a_gpu_machine_and_the_auto_dtype(tmp_path):
     probe = tmp_path / "probe"
     probe.mkdir()
     (probe / "sitecustomize.py").write_text(CUDA_PROBE)
-    env = {**fake_gpu_machine(tmp_path, 1), "CUDA_PROBE_FILE": str(tmp_path / "cuda_queries"),
-           "PYTHONPATH": f"{probe}:{REPO}"}
-    proc = run_sh(tmp_path, *TINY, "--training.mixed_precision_param", "auto",
-                  "--training.steps", "1", "--checkpoint.enable", "false", env=env, timeout=120)
+    env = {
+        **fake_gpu_machine(tmp_path, 1),
+        "CUDA_PROBE_FILE": str(tmp_path / "cuda_queries"),
+        "PYTHONPATH": f"{probe}:{REPO}",
+    }
+    proc = run_sh(
+        tmp_path,
+        *TINY,
+        "--training.mixed_precision_param",
+        "auto",
+        "--training.steps",
+        "1",
+        "--checkpoint.enable",
+        "false",
+        env=env,
+        timeout=120,
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     queries = (tmp_path / "cuda_queries").read_text().splitlines()
     assert queries and all(q.endswith(" ''") for q in queries), queries
     assert len({q.split()[0] for q in queries}) >= 2, queries  # the launcher's and the ranks'
     assert "mesh: FSDP mesh (dp_replicate=1, dp_shard=2)" in proc.stdout
     assert "device: cpu (gloo)" in proc.stdout
-    want = ("compute dtype: bfloat16 (auto: this CPU computes bf16 natively" if NATIVE_BF16 else
-            "compute dtype: float32 (auto: this CPU has no native bf16")
+    want = (
+        "compute dtype: bfloat16 (auto: this CPU computes bf16 natively"
+        if NATIVE_BF16
+        else "compute dtype: float32 (auto: this CPU has no native bf16"
+    )
     assert want in proc.stdout, proc.stdout
     assert 'mixed_precision_param = "auto"' in (tmp_path / "out" / "config.toml").read_text()
     assert "warning:" not in proc.stderr
@@ -176,8 +238,9 @@ def test_auto_is_bf16_only_where_native(monkeypatch, native):
     cpu, cuda = torch.device("cpu"), torch.device("cuda", 0)
     got = resolve_compute_dtype("auto", "float32", cpu)
     assert got.param == ("bfloat16" if native else "float32") and not got.warning
-    assert resolve_compute_dtype("auto", "float32", cuda) == Precision("bfloat16", "float32",
-                                                                       "auto: CUDA")
+    assert resolve_compute_dtype("auto", "float32", cuda) == Precision(
+        "bfloat16", "float32", "auto: CUDA"
+    )
     explicit = resolve_compute_dtype("bfloat16", "float32", cpu)
     assert explicit.param == "bfloat16"  # an explicit choice is honoured, never changed
     assert bool(explicit.warning) is not native
@@ -187,9 +250,19 @@ def test_auto_is_bf16_only_where_native(monkeypatch, native):
 
 
 # bf16 runs are kept tiny: on CPUs without native bf16 (AVX2) each matmul is emulated.
-BF16 = [*TINY, "--training.mixed_precision_param", "bfloat16", "--training.seq_len", "16",
-        "--training.local_batch_size", "1", "--training.global_batch_size", "4",
-        "--lr_scheduler.min_lr_factor", "1.0"]
+BF16 = [
+    *TINY,
+    "--training.mixed_precision_param",
+    "bfloat16",
+    "--training.seq_len",
+    "16",
+    "--training.local_batch_size",
+    "1",
+    "--training.global_batch_size",
+    "4",
+    "--lr_scheduler.min_lr_factor",
+    "1.0",
+]
 
 
 def test_bf16_layout_parity_accumulation_and_resume(tmp_path):
@@ -198,10 +271,18 @@ def test_bf16_layout_parity_accumulation_and_resume(tmp_path):
     (reduction order differs); a resume is bitwise. The warning line: emulated bf16 only."""
     steps = ["--training.steps", "2"]
     ckpt = ["--checkpoint.enable", "true", "--checkpoint.interval", "1"]
-    runs = {"single": run_train(tmp_path / "single", *BF16, *steps, nproc=1),
-            "fsdp2": run_train(tmp_path / "fsdp2", *BF16, *ckpt, *steps),
-            "hsdp": run_train(tmp_path / "hsdp", *BF16, *steps,
-                              "--parallelism.data_parallel_replicate_degree", "2", nproc=4)}
+    runs = {
+        "single": run_train(tmp_path / "single", *BF16, *steps, nproc=1),
+        "fsdp2": run_train(tmp_path / "fsdp2", *BF16, *ckpt, *steps),
+        "hsdp": run_train(
+            tmp_path / "hsdp",
+            *BF16,
+            *steps,
+            "--parallelism.data_parallel_replicate_degree",
+            "2",
+            nproc=4,
+        ),
+    }
     assert "gradient accumulation steps: 4" in runs["single"].stdout
     assert "gradient accumulation steps: 1" in runs["hsdp"].stdout
     for proc in runs.values():
@@ -221,8 +302,10 @@ def test_bf16_layout_parity_accumulation_and_resume(tmp_path):
     assert losses(resumed) == {2: losses(tmp_path / "fsdp2")[2]}  # bitwise
 
 
-@pytest.mark.parametrize("cap, native_possible", [("AVX2", False), ("avx512_core", False),
-                                                  ("AVX512_CORE_BF16", True), ("", True)])
+@pytest.mark.parametrize(
+    "cap, native_possible",
+    [("AVX2", False), ("avx512_core", False), ("AVX512_CORE_BF16", True), ("", True)],
+)
 def test_a_onednn_isa_cap_below_bf16_means_no_native_bf16(monkeypatch, cap, native_possible):
     # oneDNN capped below AVX512_CORE_BF16 emulates bf16 matmuls even where the CPU has it,
     # so "auto" must not pick bf16 there (and the suite can emulate an AVX2-only machine).

@@ -72,8 +72,10 @@ def broken_links(page: Path, root: Path = REPO) -> list[str]:
 
 def test_slug_follows_github():
     assert slug("Weights & Biases") == "weights--biases"
-    assert slug("Documents in packed windows (`block_causal`)") == \
-        "documents-in-packed-windows-block_causal"
+    assert (
+        slug("Documents in packed windows (`block_causal`)")
+        == "documents-in-packed-windows-block_causal"
+    )
     assert slug("At scale: traced peak per GPU") == "at-scale-traced-peak-per-gpu"
     assert slug("See [the plan](plan.md) first") == "see-the-plan-first"
 
@@ -81,12 +83,16 @@ def test_slug_follows_github():
 def test_checker_finds_a_broken_link_and_anchor(tmp_path):
     page = tmp_path / "page.md"
     (tmp_path / "other.md").write_text("# Other\n## A section\n## A section\n")
-    page.write_text("# Page\n[ok](other.md#a-section-1) [self](#page) "
-                    "[gone](missing.md) [bad](other.md#nope)\n"
-                    "```\n[in code](nowhere.md)\n```\n`[inline](nowhere.md)`\n")
+    page.write_text(
+        "# Page\n[ok](other.md#a-section-1) [self](#page) "
+        "[gone](missing.md) [bad](other.md#nope)\n"
+        "```\n[in code](nowhere.md)\n```\n`[inline](nowhere.md)`\n"
+    )
     bad = broken_links(page, root=tmp_path)
     assert [b.split(": ", 1)[1] for b in bad] == [
-        "missing.md (no such file)", "other.md#nope (no heading with that anchor in other.md)"]
+        "missing.md (no such file)",
+        "other.md#nope (no heading with that anchor in other.md)",
+    ]
 
 
 @pytest.mark.parametrize("page", PAGES, ids=lambda p: p.name)
@@ -106,8 +112,9 @@ def test_readme_is_one_short_front_door():
 
 
 def test_config_page_is_generated_and_current():
-    assert gen_config_docs(["--check"]) == 0, \
+    assert gen_config_docs(["--check"]) == 0, (
         "docs/config.md is stale: run python scripts/gen_config_docs.py"
+    )
     assert PAGE.read_text() == markdown()
 
 

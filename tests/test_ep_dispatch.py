@@ -29,11 +29,23 @@ def probed(tmp_path_factory):
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     python, env = fork_python({"OMP_NUM_THREADS": "1"})  # forkrun's imports: the zygote's
-    cmd = [python, str(REPO / "tests" / "scripts" / "forkrun.py"), "--nnodes", "2",
-           "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", uuid.uuid4().hex[:8], "2",
-           str(PROBE), str(tmp)]
-    procs = [subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                              text=True) for _ in range(2)]
+    cmd = [
+        python,
+        str(REPO / "tests" / "scripts" / "forkrun.py"),
+        "--nnodes",
+        "2",
+        "--rdzv-endpoint",
+        f"127.0.0.1:{port}",
+        "--rdzv-id",
+        uuid.uuid4().hex[:8],
+        "2",
+        str(PROBE),
+        str(tmp),
+    ]
+    procs = [
+        subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        for _ in range(2)
+    ]
     outs = [p.communicate(timeout=240)[0] for p in procs]
     assert [p.returncode for p in procs] == [0, 0], "\n".join(o[-3000:] for o in outs)
     return {r: json.loads((tmp / f"rank{r}.json").read_text()) for r in range(4)}
@@ -46,8 +58,15 @@ def test_node_and_flat_dispatch_equal_one_rank(probed):
         assert info["auto"] == "NodeDispatch"  # 2 nodes, n_group 2: auto is node-limited
         for name in ("flat", "node"):
             diffs = info["diffs"][name]
-            assert {"output", "input", "moe.router.gate.weight", "moe.experts.w1",
-                    "moe.experts.w2", "moe.experts.w3", "moe.shared_experts.w1.weight"} <= set(diffs)
+            assert {
+                "output",
+                "input",
+                "moe.router.gate.weight",
+                "moe.experts.w1",
+                "moe.experts.w2",
+                "moe.experts.w3",
+                "moe.shared_experts.w1.weight",
+            } <= set(diffs)
             assert max(diffs.values()) <= 1e-4, (r, name, diffs)
 
 
@@ -77,13 +96,17 @@ def test_the_recompute_reuses_the_dispatch_and_its_split_sizes(probed):
             back = [c for c in calls[name] if c["phase"] == "backward"]
             back_ac = [c for c in calls[name + "_ac"] if c["phase"] == "backward"]
             assert all(c["dtype"] != "torch.int64" for c in back_ac)
-            assert [c for c in calls[name + "_ac"] if c["phase"] == "forward"] == \
-                [c for c in calls[name] if c["phase"] == "forward"]
+            assert [c for c in calls[name + "_ac"] if c["phase"] == "forward"] == [
+                c for c in calls[name] if c["phase"] == "forward"
+            ]
             extra = len(back_ac) - len(back)
             assert extra == (0 if name == "flat" else 1), (r, name, back_ac)
         from collections import Counter
-        ac, no_ac = (Counter(tuple(c["to"]) for c in calls[k] if c["phase"] == "backward")
-                     for k in ("node_ac", "node"))
+
+        ac, no_ac = (
+            Counter(tuple(c["to"]) for c in calls[k] if c["phase"] == "backward")
+            for k in ("node_ac", "node")
+        )
         assert list((ac - no_ac).elements()) == [(r ^ 1,)]  # the recompute's: within the node
 
 
@@ -121,25 +144,42 @@ except ConfigError as e:
 """
 
 
-@pytest.mark.parametrize("ranks,n_group,dispatch,want", [
-    ("0,1,2,3", 2, "auto", "NodeDispatch"),
-    ("0,1,2,3", 4, "auto", "AllToAllDispatch"),
-    ("0,1", 1, "auto", "AllToAllDispatch"),
-    ("0,1,2,3", 2, "flat", "AllToAllDispatch"),
-    ("0,1,2,3", 4, "node", "config error: moe.dispatch = 'node': moe.n_group = 4, but the ep "
-     "group's 4 ranks span 2 node(s) of 2 rank(s): node-limited dispatch needs one expert "
-     "group per node"),
-    ("0,1,2,3,4,5", 2, "node", "config error: moe.dispatch = 'node': expert group 1 (ep ranks "
-     "3..5, global [3, 4, 5]) spans several nodes: the ep group's ranks are not node-major"),
-])
+@pytest.mark.parametrize(
+    "ranks,n_group,dispatch,want",
+    [
+        ("0,1,2,3", 2, "auto", "NodeDispatch"),
+        ("0,1,2,3", 4, "auto", "AllToAllDispatch"),
+        ("0,1", 1, "auto", "AllToAllDispatch"),
+        ("0,1,2,3", 2, "flat", "AllToAllDispatch"),
+        (
+            "0,1,2,3",
+            4,
+            "node",
+            "config error: moe.dispatch = 'node': moe.n_group = 4, but the ep "
+            "group's 4 ranks span 2 node(s) of 2 rank(s): node-limited dispatch needs one expert "
+            "group per node",
+        ),
+        (
+            "0,1,2,3,4,5",
+            2,
+            "node",
+            "config error: moe.dispatch = 'node': expert group 1 (ep ranks "
+            "3..5, global [3, 4, 5]) spans several nodes: the ep group's ranks are not node-major",
+        ),
+    ],
+)
 def test_the_dispatch_is_chosen_from_the_ep_groups_nodes(ranks, n_group, dispatch, want):
     """Nodes of 2 ranks (LOCAL_WORLD_SIZE; 4 for the 6-rank group), 12 experts:
     node-limited where the expert groups are nodes,
     refused in one line where asked and they are not."""
     per_node = "4" if ranks == "0,1,2,3,4,5" else "2"
-    out = subprocess.run([sys.executable, "-c", CHECK, ranks, str(n_group), dispatch],
-                         env=subprocess_env({"LOCAL_WORLD_SIZE": per_node}), capture_output=True,
-                         text=True, timeout=60)
+    out = subprocess.run(
+        [sys.executable, "-c", CHECK, ranks, str(n_group), dispatch],
+        env=subprocess_env({"LOCAL_WORLD_SIZE": per_node}),
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert out.stdout.strip().splitlines()[-1] == want, out.stderr[-2000:]
 
 
@@ -151,14 +191,24 @@ def test_the_trace_books_inter_node_bytes_and_no_replayed_dispatch(monkeypatch):
     from trainer.plan.trace import trace_step
 
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
-    base = ["--job.config_file", str(REPO / "configs" / "debug_dsv3.toml"),
-            "--parallelism.expert_parallel_degree", "4", "--training.seq_len", "64",
-            "--training.local_batch_size", "2", "--training.global_batch_size", "16"]
+    base = [
+        "--job.config_file",
+        str(REPO / "configs" / "debug_dsv3.toml"),
+        "--parallelism.expert_parallel_degree",
+        "4",
+        "--training.seq_len",
+        "64",
+        "--training.local_batch_size",
+        "2",
+        "--training.global_batch_size",
+        "16",
+    ]
     got = {}
-    for name, extra in (("flat", ["--moe.dispatch", "flat", "--activation_checkpoint.mode",
-                                  "none"]),
-                        ("node", ["--activation_checkpoint.mode", "none"]),
-                        ("node_full_ac", ["--activation_checkpoint.mode", "full"])):
+    for name, extra in (
+        ("flat", ["--moe.dispatch", "flat", "--activation_checkpoint.mode", "none"]),
+        ("node", ["--activation_checkpoint.mode", "none"]),
+        ("node_full_ac", ["--activation_checkpoint.mode", "full"]),
+    ):
         got[name] = trace_step(load_config([*base, *extra]), 8).comm_bytes
     flat, node, full = (got[k]["ep@internode"] for k in ("flat", "node", "node_full_ac"))
     assert 0.45 * flat <= node <= 0.55 * flat, got

@@ -17,8 +17,14 @@ from torch.utils._pytree import tree_leaves
 from trainer.config.job import load_config
 from trainer.errors import ConfigError, DataError
 from trainer.evals.config import HFTask
-from trainer.evals.scoring import (Request, build_requests, choice_metrics, encode_pair,
-                                   make_request, score_batch)
+from trainer.evals.scoring import (
+    Request,
+    build_requests,
+    choice_metrics,
+    encode_pair,
+    make_request,
+    score_batch,
+)
 from trainer.evals.tasks import Example, Task, load_hf_task, read_jsonl
 from trainer.models.loss import IGNORE_INDEX, scoring_loss
 
@@ -34,7 +40,7 @@ def merging_encode(texts):
     for t in texts:
         ids, i = [], 0
         while i < len(t):
-            if t[i:i + 2] == " b":
+            if t[i : i + 2] == " b":
                 ids.append(1000)
                 i += 2
             else:
@@ -75,11 +81,11 @@ class Bigram(torch.nn.Module):
         weight = self.table.t()
         return F.linear(hidden, weight) if labels is None else loss_fn(hidden, weight, labels)
 
-
     def ll(self, tokens, n_cont):
         logp = torch.log_softmax(self.table.double(), -1)
-        return sum(float(logp[tokens[i - 1], tokens[i]]) for i in range(len(tokens) - n_cont,
-                                                                         len(tokens)))
+        return sum(
+            float(logp[tokens[i - 1], tokens[i]]) for i in range(len(tokens) - n_cont, len(tokens))
+        )
 
 
 CHUNKED = scoring_loss(chunk_size=3)  # smaller than a row: rows span chunks
@@ -97,17 +103,22 @@ def test_score_batch_sums_the_continuation_log_probs_whatever_the_padding():
 
 
 def test_acc_and_acc_norm_on_known_log_likelihoods():
-    examples = [Example("c", ("a", "bbbb"), 1),   # raw: a wins (-2 > -4); per char: bbbb wins
-                Example("c", ("aa", "b", "cc"), 0),  # raw: b wins; per char: aa (-0.5) wins
-                Example("c", ("x", "y"), 0)]      # a tie goes to the first choice (np.argmax)
+    examples = [
+        Example("c", ("a", "bbbb"), 1),  # raw: a wins (-2 > -4); per char: bbbb wins
+        Example("c", ("aa", "b", "cc"), 0),  # raw: b wins; per char: aa (-0.5) wins
+        Example("c", ("x", "y"), 0),
+    ]  # a tie goes to the first choice (np.argmax)
     lls = np.array([-2.0, -4.0, -1.0, -0.9, -3.0, -1.0, -1.0])
-    assert choice_metrics(lls, examples) == {"acc": pytest.approx(1 / 3),
-                                             "acc_norm": pytest.approx(1.0)}
+    assert choice_metrics(lls, examples) == {
+        "acc": pytest.approx(1 / 3),
+        "acc_norm": pytest.approx(1.0),
+    }
 
 
 def test_scoring_a_task_end_to_end_picks_the_model_s_favourite():
     """A bigram model that makes 'ab' likely and everything else not: the choice 'b' after
     the context 'a' wins; build_requests uses the tokenizer's BOS as lm-eval's prefix."""
+
     class Tok:
         bos_id, eos_id = 1, 2
 
@@ -132,8 +143,7 @@ def test_builtin_task_is_deterministic_and_not_solvable_by_length():
 
     examples = build_examples()
     assert len(examples) == N_EXAMPLES
-    assert all(len(e.choices) == N_CHOICES and len(set(e.choices)) == N_CHOICES
-               for e in examples)
+    assert all(len(e.choices) == N_CHOICES and len(set(e.choices)) == N_CHOICES for e in examples)
     assert all(e.context.count("\n") >= 1 and e.context[-1] != "\n" for e in examples)
     build_examples.cache_clear()
     assert build_examples() == examples
@@ -155,20 +165,25 @@ GOOD = {"context": "1 + 1 =", "choices": [" 2", " 3"], "gold": 0}
 
 def test_jsonl_task_reads_examples_and_limit(tmp_path):
     path = write_jsonl(tmp_path / "arith.jsonl", [GOOD, "", {**GOOD, "gold": 1}])
-    assert read_jsonl(path) == [Example("1 + 1 =", (" 2", " 3"), 0),
-                                Example("1 + 1 =", (" 2", " 3"), 1)]
+    assert read_jsonl(path) == [
+        Example("1 + 1 =", (" 2", " 3"), 0),
+        Example("1 + 1 =", (" 2", " 3"), 1),
+    ]
     assert len(read_jsonl(path, limit=1)) == 1
 
 
-@pytest.mark.parametrize("row, message", [
-    ("{not json", r"line 2: not valid JSON"),
-    ({"context": "x", "choices": ["a", "b"]}, r"line 2: missing key 'gold'"),
-    ({**GOOD, "gold": 2}, r"line 2: gold index 2 is out of range for 2 choices"),
-    ({**GOOD, "gold": -1}, r"line 2: gold index -1 is out of range"),
-    ({**GOOD, "choices": ["only"]}, r"line 2: 'choices' must be a list of at least 2"),
-    ({**GOOD, "gold": "zero"}, r"line 2: 'gold' must be an integer index"),
-    ([1, 2], r"line 2: expected a JSON object"),
-])
+@pytest.mark.parametrize(
+    "row, message",
+    [
+        ("{not json", r"line 2: not valid JSON"),
+        ({"context": "x", "choices": ["a", "b"]}, r"line 2: missing key 'gold'"),
+        ({**GOOD, "gold": 2}, r"line 2: gold index 2 is out of range for 2 choices"),
+        ({**GOOD, "gold": -1}, r"line 2: gold index -1 is out of range"),
+        ({**GOOD, "choices": ["only"]}, r"line 2: 'choices' must be a list of at least 2"),
+        ({**GOOD, "gold": "zero"}, r"line 2: 'gold' must be an integer index"),
+        ([1, 2], r"line 2: expected a JSON object"),
+    ],
+)
 def test_jsonl_errors_name_file_and_line(tmp_path, row, message):
     path = write_jsonl(tmp_path / "bad.jsonl", [GOOD, row])
     with pytest.raises(DataError, match=message) as e:
@@ -184,8 +199,11 @@ def test_missing_or_empty_task_file(tmp_path):
 
 
 def test_config_errors():
-    with pytest.raises(ConfigError, match=r"unknown built-in task 'stdlib_next_lin' \(did you "
-                                          r"mean 'stdlib_next_line'\?\)"):
+    with pytest.raises(
+        ConfigError,
+        match=r"unknown built-in task 'stdlib_next_lin' \(did you "
+        r"mean 'stdlib_next_line'\?\)",
+    ):
         load_config(["--eval.tasks", "stdlib_next_lin"])
     with pytest.raises(ConfigError, match="two tasks are named 'a'"):
         load_config(["--eval.tasks", "x/a.jsonl,y/a.jsonl"])
@@ -202,16 +220,31 @@ def test_hf_task_from_local_files_offline(tmp_path, monkeypatch):
     """The `datasets` path with HF_DATASETS_OFFLINE=1 on local JSON: a field mapping, a
     digit-string label (as HellaSwag's), lm-eval's ' ' delimiter and the limit."""
     monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
-    rows = [{"ctx": f"q{i}", "endings": ["yes", "no", "maybe"], "label": str(i % 3)}
-            for i in range(5)]
+    rows = [
+        {"ctx": f"q{i}", "endings": ["yes", "no", "maybe"], "label": str(i % 3)} for i in range(5)
+    ]
     path = write_jsonl(tmp_path / "hs.json", rows)
-    spec = HFTask(name="hs", dataset="json", split="train", data_files=[path],
-                  context_field="ctx", choices_field="endings", gold_field="label")
+    spec = HFTask(
+        name="hs",
+        dataset="json",
+        split="train",
+        data_files=[path],
+        context_field="ctx",
+        choices_field="endings",
+        gold_field="label",
+    )
     task = load_hf_task(spec, limit=4)
     assert task.name == "hs" and task.target_delimiter == " "
     assert task.examples == [Example(f"q{i}", ("yes", "no", "maybe"), i % 3) for i in range(4)]
-    bad = HFTask(name="hs", dataset="json", split="train", data_files=[path], gold_field="y",
-                 context_field="ctx", choices_field="endings")
+    bad = HFTask(
+        name="hs",
+        dataset="json",
+        split="train",
+        data_files=[path],
+        gold_field="y",
+        context_field="ctx",
+        choices_field="endings",
+    )
     with pytest.raises(DataError, match=r"example 0: missing key 'y'"):
         load_hf_task(bad)
     with pytest.raises(DataError, match="data file not found"):
@@ -227,8 +260,14 @@ def test_a_block_causal_model_scores_like_the_causal_one():
 
     models = {}
     for mask, positions in (("causal", "sequence"), ("block_causal", "document")):
-        args = model_args("debugmodel-tiny", vocab_size=64, max_seq_len=32, attn_mask_type=mask,
-                          positions=positions, attn_implementation="per_document")
+        args = model_args(
+            "debugmodel-tiny",
+            vocab_size=64,
+            max_seq_len=32,
+            attn_mask_type=mask,
+            positions=positions,
+            attn_implementation="per_document",
+        )
         models[mask] = build_model(args).to_empty(device="cpu")
         models[mask].init_weights(seed=0)
     reqs = [Request((1, 2, 3, 4), 2), Request((5, 6), 1), Request((7, 8, 9, 10, 11), 3)]
@@ -251,8 +290,12 @@ class VocabRows(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
         for t in tree_leaves(out):
-            if isinstance(t, torch.Tensor) and t.dim() and t.shape[-1] == self.vocab and \
-                    t.untyped_storage().data_ptr() not in self.params:
+            if (
+                isinstance(t, torch.Tensor)
+                and t.dim()
+                and t.shape[-1] == self.vocab
+                and t.untyped_storage().data_ptr() not in self.params
+            ):
                 self.rows = max(self.rows, t.numel() // self.vocab)
         return out
 
@@ -274,8 +317,12 @@ def test_validation_and_evals_never_hold_a_batch_of_full_vocabulary_logits():
     labels[:, :5] = IGNORE_INDEX
     loss_fn = scoring_loss(chunk)
     with torch.no_grad():
-        want = F.cross_entropy(model(inputs).flatten(0, 1), labels.flatten(),
-                               ignore_index=IGNORE_INDEX, reduction="sum")
+        want = F.cross_entropy(
+            model(inputs).flatten(0, 1),
+            labels.flatten(),
+            ignore_index=IGNORE_INDEX,
+            reduction="sum",
+        )
         with VocabRows(vocab, model.parameters()) as seen:
             got = model(inputs, labels, loss_fn)  # what validation calls
     assert seen.rows == chunk
@@ -284,9 +331,10 @@ def test_validation_and_evals_never_hold_a_batch_of_full_vocabulary_logits():
     reqs = [Request(tuple(range(1 + i, 40 + i)), 7) for i in range(4)]
     with torch.no_grad():
         full = F.log_softmax(model(torch.tensor([r.tokens[:-1] for r in reqs])), dim=-1)
-    want = [sum(full[i, t - 1, r.tokens[t]].item() for t in range(len(r.tokens) - 7,
-                                                                  len(r.tokens)))
-            for i, r in enumerate(reqs)]
+    want = [
+        sum(full[i, t - 1, r.tokens[t]].item() for t in range(len(r.tokens) - 7, len(r.tokens)))
+        for i, r in enumerate(reqs)
+    ]
     with VocabRows(vocab, model.parameters()) as seen:
         got = score_batch(model, reqs, torch.device("cpu"), loss_fn)
     assert 0 < seen.rows <= chunk
@@ -318,9 +366,14 @@ def test_a_model_compiled_per_shape_is_scored_at_a_few_fixed_shapes(monkeypatch)
     from trainer.models.args import model_args
     from trainer.models.llama import build_model
 
-    args = model_args("debugmodel-tiny", vocab_size=64, max_seq_len=512,
-                      attn_mask_type="block_causal", positions="document",
-                      attn_implementation="per_document")
+    args = model_args(
+        "debugmodel-tiny",
+        vocab_size=64,
+        max_seq_len=512,
+        attn_mask_type="block_causal",
+        positions="document",
+        attn_implementation="per_document",
+    )
     model = build_model(args).to_empty(device="cpu")
     model.init_weights(seed=0)
     shapes = []

@@ -107,8 +107,18 @@ def test_rewind_from_an_old_checkpoint_moves_later_steps_aside(reference, tmp_pa
     ckpt = dump / "checkpoint"
     make_legacy(ckpt / "step-2")
     assert check_share(str(ckpt / "step-2"), 2, "auto", 0, 1) == LEGACY
-    out = run_train(dump, *args(dump, "--checkpoint.load_step", "2", "--training.steps", "3",
-                                "--checkpoint.keep_latest_k", "1")).stdout
+    out = run_train(
+        dump,
+        *args(
+            dump,
+            "--checkpoint.load_step",
+            "2",
+            "--training.steps",
+            "3",
+            "--checkpoint.keep_latest_k",
+            "1",
+        ),
+    ).stdout
     assert re.search(r"checkpoint \S*step-2 has no manifest.json", out), out
     assert re.search(r"resumed from \S*step-2 \(step 2\)", out), out
     moved = [line for line in out.splitlines() if "moved the later checkpoint" in line]
@@ -123,15 +133,17 @@ def test_rewind_from_an_old_checkpoint_moves_later_steps_aside(reference, tmp_pa
 def mount_tmpfs(path, size):
     path.mkdir()
     try:
-        subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(path)],
-                       check=True, capture_output=True)
+        subprocess.run(
+            ["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(path)],
+            check=True,
+            capture_output=True,
+        )
         return True
     except (OSError, subprocess.CalledProcessError):
         return False
 
 
-def test_full_file_system_stops_or_trains_on_and_the_previous_checkpoint_loads(reference,
-                                                                             tmp_path):
+def test_full_file_system_stops_or_trains_on_and_the_previous_checkpoint_loads(reference, tmp_path):
     # A file system that holds one checkpoint but not two (1.5 times the reference's step-2);
     # without root to mount one, the storage writer's test seam fails the second save with
     # ENOSPC instead.
@@ -152,9 +164,20 @@ def test_full_file_system_stops_or_trains_on_and_the_previous_checkpoint_loads(r
         # on_save_error = continue, async: an I/O error on rank 1 at step 3 (the seam), then
         # the full disk at step 4; both warned about, training goes on from the intact step-2.
         env = {"TRAINER_TEST_SAVE_ERROR": "3:5:1"}
-        on = run_train(dump, *args(dump, *folder, "--checkpoint.on_save_error", "continue",
-                                   "--checkpoint.async_mode", "async",
-                                   "--checkpoint.interval", "1"), env=env)
+        on = run_train(
+            dump,
+            *args(
+                dump,
+                *folder,
+                "--checkpoint.on_save_error",
+                "continue",
+                "--checkpoint.async_mode",
+                "async",
+                "--checkpoint.interval",
+                "1",
+            ),
+            env=env,
+        )
         assert re.search(r"resumed from \S*step-2 \(step 2\)", on.stdout), on.stdout
         warned = [line for line in on.stdout.splitlines() if line.startswith("warning: checkp")]
         assert len(warned) == (2 if mounted else 1), on.stdout
@@ -169,8 +192,15 @@ def test_full_file_system_stops_or_trains_on_and_the_previous_checkpoint_loads(r
 
 
 def test_chaos_short(reference, tmp_path):
-    fig = run_chaos(tmp_path, faults=3, min_during_save=1, steps=STEPS, interval=INTERVAL,
-                    seed=3, reference=reference)
+    fig = run_chaos(
+        tmp_path,
+        faults=3,
+        min_during_save=1,
+        steps=STEPS,
+        interval=INTERVAL,
+        seed=3,
+        reference=reference,
+    )
     print(report(fig, INTERVAL))
     assert ok(fig, 3, 1), report(fig, INTERVAL)
 
@@ -188,7 +218,32 @@ def test_chaos_long(tmp_path, request):
     # main's verdict: each layout got its share of the faults and of those during saves (so
     # 200 and 60 in all), every kind of it at least 3 times, and nothing was lost. It prints
     # each layout's report and the table as it goes (-s shows them live, -rP afterwards).
-    assert main(["--layout", "fsdp,hsdp,tp,pp,cp,ep,node", "--kinds", "all", "--faults", "200",
-                 "--min-each", "3", "--min-during-save", "60", "--nproc", "4",
-                 "--async-mode", "async", "--steps", "100", "--interval", "2", "--seed", "0",
-                 "--workdir", str(tmp_path / uuid.uuid4().hex[:6])]) == 0
+    assert (
+        main(
+            [
+                "--layout",
+                "fsdp,hsdp,tp,pp,cp,ep,node",
+                "--kinds",
+                "all",
+                "--faults",
+                "200",
+                "--min-each",
+                "3",
+                "--min-during-save",
+                "60",
+                "--nproc",
+                "4",
+                "--async-mode",
+                "async",
+                "--steps",
+                "100",
+                "--interval",
+                "2",
+                "--seed",
+                "0",
+                "--workdir",
+                str(tmp_path / uuid.uuid4().hex[:6]),
+            ]
+        )
+        == 0
+    )

@@ -20,16 +20,19 @@ def check(capsys, *argv):
 def test_cpu_is_refused(capsys):
     code, err = check(capsys, "--float8.enable", "true", "--training.device", "cpu")
     assert code == 2 and err.count("\n") == 1
-    assert err.startswith("config error: float8.enable = true needs a CUDA GPU with compute "
-                          "capability >= 8.9")
+    assert err.startswith(
+        "config error: float8.enable = true needs a CUDA GPU with compute capability >= 8.9"
+    )
 
 
 @pytest.mark.skipif(importlib.util.find_spec("torchao") is not None, reason="torchao installed")
 def test_missing_torchao_is_refused(capsys):
     code, err = check(capsys, "--float8.enable", "true", "--training.device", "auto")
     assert code == 2 and err.count("\n") == 1
-    assert err.startswith("config error: float8.enable = true needs torchao") and \
-        'pip install -e ".[float8]"' in err
+    assert (
+        err.startswith("config error: float8.enable = true needs torchao")
+        and 'pip install -e ".[float8]"' in err
+    )
 
 
 def test_off_by_default_and_device_check():

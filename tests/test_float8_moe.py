@@ -7,8 +7,13 @@ import torch
 
 from trainer.config.__main__ import main
 from trainer.models.moe import GroupedExperts
-from trainer.parallel.float8_moe import (E4M3_MAX, Float8GroupedExperts, _Float8GroupedLinear,
-                                         padded_layout, quantize_rows)
+from trainer.parallel.float8_moe import (
+    E4M3_MAX,
+    Float8GroupedExperts,
+    _Float8GroupedLinear,
+    padded_layout,
+    quantize_rows,
+)
 
 
 def rel(a, b):
@@ -23,7 +28,7 @@ def test_rows_are_scaled_to_the_float8_range():
     amax = t.abs().amax(-1)
     assert torch.allclose(q.float().abs().amax(-1)[amax > 0], torch.tensor(E4M3_MAX))
     # e4m3 keeps 3 mantissa bits: every value within 1/16 of itself or of 2^-9 of the row max
-    assert ((back - t).abs() <= t.abs() / 16 + amax[:, None] * 2 ** -9 + 1e-30).all()
+    assert ((back - t).abs() <= t.abs() / 16 + amax[:, None] * 2**-9 + 1e-30).all()
     assert back[4].abs().max() == 0  # a zero row stays zero (no division by zero)
 
 
@@ -38,7 +43,7 @@ def experts_pair(dim=64, hidden=96, n=4):
     torch.manual_seed(0)
     ref = GroupedExperts(dim, hidden, n)
     for p in ref.parameters():
-        torch.nn.init.normal_(p, std=dim ** -0.5)
+        torch.nn.init.normal_(p, std=dim**-0.5)
     f8 = GroupedExperts(dim, hidden, n)
     f8.load_state_dict(ref.state_dict())
     f8.__class__, f8.emulate = Float8GroupedExperts, True
@@ -81,15 +86,31 @@ def check(capsys, *argv):
     return code, capsys.readouterr().err
 
 
-@pytest.mark.parametrize("argv, needle", [
-    (("--model.flavor", "debugmodel-moe", "--float8.moe", "true", "--training.device", "cpu"),
-     "float8.moe = true needs a CUDA GPU with compute capability >= 9.0 (H100, H200, B200); "
-     "training.device is 'cpu'"),
-    (("--float8.moe", "true", "--float8.moe_emulate", "true"),
-     "float8.moe = true is set, but model.flavor 'debugmodel' has no experts"),
-    (("--model.flavor", "debugmodel-moe", "--float8.moe_emulate", "true"),
-     "float8.moe_emulate = true emulates float8.moe, which is off"),
-])
+@pytest.mark.parametrize(
+    "argv, needle",
+    [
+        (
+            (
+                "--model.flavor",
+                "debugmodel-moe",
+                "--float8.moe",
+                "true",
+                "--training.device",
+                "cpu",
+            ),
+            "float8.moe = true needs a CUDA GPU with compute capability >= 9.0 (H100, H200, B200); "
+            "training.device is 'cpu'",
+        ),
+        (
+            ("--float8.moe", "true", "--float8.moe_emulate", "true"),
+            "float8.moe = true is set, but model.flavor 'debugmodel' has no experts",
+        ),
+        (
+            ("--model.flavor", "debugmodel-moe", "--float8.moe_emulate", "true"),
+            "float8.moe_emulate = true emulates float8.moe, which is off",
+        ),
+    ],
+)
 def test_impossible_float8_expert_settings_are_one_line(capsys, argv, needle):
     code, err = check(capsys, *argv)
     assert code == 2 and err.count("\n") == 1 and needle in err, err
@@ -103,8 +124,17 @@ def test_float8_experts_train_under_ep_close_to_full_precision(tmp_path):
 
     common = [*COMMON, "--training.steps", "3", "--checkpoint.enable", "false"]
     run_train(tmp_path / "ref", *common, nproc=1)
-    out = run_train(tmp_path / "f8", *common, "--parallelism.expert_parallel_degree", "2",
-                    "--float8.moe", "true", "--float8.moe_emulate", "true", nproc=2).stdout
+    out = run_train(
+        tmp_path / "f8",
+        *common,
+        "--parallelism.expert_parallel_degree",
+        "2",
+        "--float8.moe",
+        "true",
+        "--float8.moe_emulate",
+        "true",
+        nproc=2,
+    ).stdout
     assert "float8 experts: 2 MoE layers as rowwise float8 grouped GEMMs" in out
     ref, f8 = losses(tmp_path / "ref"), losses(tmp_path / "f8")
     assert sorted(ref) == sorted(f8) == [1, 2, 3]

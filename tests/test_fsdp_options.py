@@ -28,9 +28,18 @@ OFFLOAD = "--parallelism.fsdp_offload"
 @pytest.fixture(scope="module")
 def probe(tmp_path_factory):
     out = tmp_path_factory.mktemp("fsdp_options")
-    torchrun(PROBE, str(out), *SYNTHETIC, "--training.seq_len", "32",
-             "--training.local_batch_size", "2", "--training.mixed_precision_param", "float32",
-             nproc=4)
+    torchrun(
+        PROBE,
+        str(out),
+        *SYNTHETIC,
+        "--training.seq_len",
+        "32",
+        "--training.local_batch_size",
+        "2",
+        "--training.mixed_precision_param",
+        "float32",
+        nproc=4,
+    )
     return json.loads((out / "probe.json").read_text())
 
 
@@ -93,30 +102,49 @@ def test_offload_on_a_cpu_run_is_one_line(capsys, monkeypatch, tmp_path):
     code, err = check(capsys, "--nnodes", "1", "--nproc-per-node", "", OFFLOAD, "cpu")
     assert code == 2 and "needs a CUDA run, but no GPU is visible" in err
     # ... and a rank started without that check stops with the same one line.
-    proc = subprocess.run([sys.executable, "-m", "trainer.train", OFFLOAD, "cpu",
-                           "--job.dump_folder", str(tmp_path)],
-                          env=subprocess_env({"CUDA_VISIBLE_DEVICES": ""}), capture_output=True,
-                          text=True, timeout=120)
+    proc = subprocess.run(
+        [sys.executable, "-m", "trainer.train", OFFLOAD, "cpu", "--job.dump_folder", str(tmp_path)],
+        env=subprocess_env({"CUDA_VISIBLE_DEVICES": ""}),
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert proc.returncode == 2 and proc.stderr.strip().count("\n") == 0, proc.stderr
     assert "needs a CUDA run, but this rank computes on cpu" in proc.stderr
 
 
-LLAMA_8B = ["--job.config_file", str(REPO / "configs" / "llama3_8b.toml"),
-            "--training.global_batch_size", "-1", "--checkpoint.async_mode", "disabled"]
+LLAMA_8B = [
+    "--job.config_file",
+    str(REPO / "configs" / "llama3_8b.toml"),
+    "--training.global_batch_size",
+    "-1",
+    "--checkpoint.async_mode",
+    "disabled",
+]
 
 
-DEBUG = ["--data.dataset", "synthetic", "--training.global_batch_size", "-1",
-         "--training.mixed_precision_param", "bfloat16"]
+DEBUG = [
+    "--data.dataset",
+    "synthetic",
+    "--training.global_batch_size",
+    "-1",
+    "--training.mixed_precision_param",
+    "bfloat16",
+]
 
 
 def test_plan_counts_hpz_shards_kept_between_forward_and_backward():
     """N = 2 or 4 of 8: each rank keeps 1/2 of the blocks' and embedding's params (bf16) from
     forward to backward; 'never' keeps them whole, so hpZ adds exactly half of what 'never'
     adds over 'default' while a block is backpropagated."""
-    plans = {policy: memory_plan(load_config([*DEBUG, RESHARD, policy]), 8)
-             for policy in ("default", "never", "2", "4")}
-    extra = {k: plans[k]["peak_block_backward"] - plans["default"]["peak_block_backward"]
-             for k in ("never", "2", "4")}
+    plans = {
+        policy: memory_plan(load_config([*DEBUG, RESHARD, policy]), 8)
+        for policy in ("default", "never", "2", "4")
+    }
+    extra = {
+        k: plans[k]["peak_block_backward"] - plans["default"]["peak_block_backward"]
+        for k in ("never", "2", "4")
+    }
     assert extra["never"] > 0
     assert extra["2"] == extra["never"] // 2 and extra["4"] == extra["never"] // 4
     assert plans["2"]["parameters"] == plans["default"]["parameters"]
@@ -135,16 +163,26 @@ def test_plan_with_offload_moves_sharded_state_to_host():
     assert off["host_optimizer_state"] == base["optimizer_state"]
     assert off["parameters"] <= off["host_parameters"] < 2 * off["parameters"]
     assert pinned(3) == 4 and pinned(4) == 4 and pinned(2**20 + 1) == 2**21
-    assert off["host_total"] == sum(v for k, v in off.items()
-                                    if k.startswith("host_") and k != "host_total")
+    assert off["host_total"] == sum(
+        v for k, v in off.items() if k.startswith("host_") and k != "host_total"
+    )
 
 
 def test_plan_cli_checks_host_ram(capsys):
     from trainer.plan.report import main as plan_main
 
-    argv = ["--config", str(REPO / "configs" / "llama3_8b.toml"), "--ngpu", "1",
-            "--training.global_batch_size", "-1", "--checkpoint.async_mode", "disabled",
-            OFFLOAD, "cpu"]
+    argv = [
+        "--config",
+        str(REPO / "configs" / "llama3_8b.toml"),
+        "--ngpu",
+        "1",
+        "--training.global_batch_size",
+        "-1",
+        "--checkpoint.async_mode",
+        "disabled",
+        OFFLOAD,
+        "cpu",
+    ]
     assert plan_main([*argv, "--host-gib", "1024"]) == 0  # needs 129 GiB
     out = capsys.readouterr().out
     assert "verdict: FITS" in out and "host: " in out and "(--host-gib): fits" in out

@@ -8,8 +8,12 @@ import pytest
 import torch
 
 from tests.helpers import REPO, fork_python
-from tests.test_data_fixtures import (corpus_dir, json_cfg, store_path,  # noqa: F401
-                                      tokenizer_path)
+from tests.test_data_fixtures import (
+    corpus_dir,
+    json_cfg,
+    store_path,  # noqa: F401
+    tokenizer_path,
+)
 from tests.test_validation import val_run  # noqa: F401  (a 4-step FSDP run with checkpoints)
 from trainer import generate as gen
 
@@ -19,8 +23,14 @@ def test_generate_prints_text_deterministic_and_exact(val_run):  # noqa: F811
     ckpt = val_run[0] / "checkpoint" / "step-4"
     args = ["--checkpoint", str(ckpt), "--prompt", "def ", "--max_new_tokens", "24"]
     python, env = fork_python()
-    proc = subprocess.run([python, "-m", "trainer.generate", *args], cwd=REPO, env=env,
-                          capture_output=True, text=True, timeout=120)
+    proc = subprocess.run(
+        [python, "-m", "trainer.generate", *args],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert proc.returncode == 0, proc.stderr
     # After 4 steps the text is mostly newlines; a 200-step stdlib model writes code.
     assert proc.stdout.startswith("def ") and len(proc.stdout) > len("def \n"), proc.stdout
@@ -29,23 +39,45 @@ def test_generate_prints_text_deterministic_and_exact(val_run):  # noqa: F811
     # In process: the same text, the KV cache equals the no-cache reference, and each new
     # token is the argmax of one full forward over the final sequence.
     from trainer.config.job import load_config
+
     cfg = load_config(["--job.config_file", str(gen.find_config(ckpt))])
     tok = gen.load_tokenizer(cfg.data)
-    model = gen.load_model(ckpt, cfg, token_vocab=tok.vocab_size, max_len=64,
-                           device=torch.device("cpu"))
+    model = gen.load_model(
+        ckpt, cfg, token_vocab=tok.vocab_size, max_len=64, device=torch.device("cpu")
+    )
     prompt = tok.encode_docs(["def "], add_bos=True, add_eos=False)[0]
-    new = gen.generate(model, prompt, max_new_tokens=24, token_vocab=tok.vocab_size,
-                       eos_id=tok.eos_id)
+    new = gen.generate(
+        model, prompt, max_new_tokens=24, token_vocab=tok.vocab_size, eos_id=tok.eos_id
+    )
     assert tok.decode(prompt + new) + "\n" == proc.stdout
-    assert gen.generate(model, prompt, max_new_tokens=24, token_vocab=tok.vocab_size,
-                        eos_id=tok.eos_id, use_cache=False) == new
+    assert (
+        gen.generate(
+            model,
+            prompt,
+            max_new_tokens=24,
+            token_vocab=tok.vocab_size,
+            eos_id=tok.eos_id,
+            use_cache=False,
+        )
+        == new
+    )
     with torch.no_grad():
-        logits = model(torch.tensor([prompt + new[:-1]]))[0, len(prompt) - 1:, :tok.vocab_size]
+        logits = model(torch.tensor([prompt + new[:-1]]))[0, len(prompt) - 1 :, : tok.vocab_size]
     assert logits.argmax(-1).tolist() == new
 
     # Sampling: reproducible for a seed, and another seed gives another text.
-    sample = [gen.generate(model, prompt, max_new_tokens=24, token_vocab=tok.vocab_size,
-                           temperature=1.0, top_k=50, seed=s) for s in (0, 0, 1)]
+    sample = [
+        gen.generate(
+            model,
+            prompt,
+            max_new_tokens=24,
+            token_vocab=tok.vocab_size,
+            temperature=1.0,
+            top_k=50,
+            seed=s,
+        )
+        for s in (0, 0, 1)
+    ]
     assert sample[0] == sample[1] != sample[2]
 
 
@@ -60,8 +92,9 @@ def test_kv_cache_is_exact_for_a_tied_flavor():
     model.init_weights(0)
     model.eval()
     kw = dict(max_new_tokens=12, token_vocab=512)
-    assert generate(model, [1, 5, 9], use_cache=True, **kw) == \
-        generate(model, [1, 5, 9], use_cache=False, **kw)
+    assert generate(model, [1, 5, 9], use_cache=True, **kw) == generate(
+        model, [1, 5, 9], use_cache=False, **kw
+    )
 
 
 def test_load_model_keeps_the_flavors_rope_scaling(tmp_path):
@@ -76,12 +109,24 @@ def test_load_model_keeps_the_flavors_rope_scaling(tmp_path):
     trained = build_model(args)
     trained.to_empty(device="cpu")
     trained.init_weights(0)
-    dcp.save({"model_optim": {"model": trained.state_dict()}},
-             checkpoint_id=str(tmp_path / "step-1"), no_dist=True)
-    cfg = load_config(["--model.flavor", "debugmodel-3.2", "--model.vocab_size", "512",
-                       "--training.seq_len", "64"])
-    loaded = gen.load_model(tmp_path / "step-1", cfg, token_vocab=512, max_len=64,
-                            device=torch.device("cpu"))
+    dcp.save(
+        {"model_optim": {"model": trained.state_dict()}},
+        checkpoint_id=str(tmp_path / "step-1"),
+        no_dist=True,
+    )
+    cfg = load_config(
+        [
+            "--model.flavor",
+            "debugmodel-3.2",
+            "--model.vocab_size",
+            "512",
+            "--training.seq_len",
+            "64",
+        ]
+    )
+    loaded = gen.load_model(
+        tmp_path / "step-1", cfg, token_vocab=512, max_len=64, device=torch.device("cpu")
+    )
     unscaled, _ = rope_tables(args.head_dim, 64, args.rope_theta)
     assert not torch.equal(loaded.rope_cos, unscaled)  # the scaling changes these tables
     tokens = torch.tensor([[1, 5, 9, 42, 7]])

@@ -29,6 +29,7 @@ def bench_modules(monkeypatch):
     monkeypatch.syspath_prepend(str(BENCH))  # the scripts import their `common`
     import gpu_mla_attention
     import gpu_paths
+
     return gpu_paths, gpu_mla_attention
 
 
@@ -37,8 +38,13 @@ def test_every_override_the_gpu_suite_passes_is_a_key_with_a_valid_value():
     lines = [OVERRIDE.findall(line) for line in (BENCH / "gpu_suite.sh").read_text().splitlines()]
     pairs = [pair for line in lines for pair in line]
     assert len(pairs) > 30  # the regex still reads the script
-    keys = {"parallelism.fsdp_reshard_after_forward", "optimizer.name", "compile.mode",
-            "float8.recipe", "model.sdpa_backends"}
+    keys = {
+        "parallelism.fsdp_reshard_after_forward",
+        "optimizer.name",
+        "compile.mode",
+        "float8.recipe",
+        "model.sdpa_backends",
+    }
     assert keys <= {flag[2:] for flag, _ in pairs}
     for line in lines:
         for flag, _ in line:
@@ -58,8 +64,7 @@ def test_every_gpu_path_is_a_valid_config(bench_modules):
 TINY = ["--device", "cpu", "--heads", "2", "--seq", "64", "--dim", "128", "--repeats", "1"]
 
 
-def test_the_mla_check_passes_the_kernels_and_fails_a_wrong_one(bench_modules, monkeypatch,
-                                                                capsys):
+def test_the_mla_check_passes_the_kernels_and_fails_a_wrong_one(bench_modules, monkeypatch, capsys):
     """On the CPU: every kernel there (math, the auto order, the additive mask, per document)
     within the tolerance of the hand-written fp32 reference, YaRN's gain included; a kernel
     whose softmax scale is off by 2% (e.g. a default scale taken from the value width) fails."""
@@ -69,8 +74,11 @@ def test_the_mla_check_passes_the_kernels_and_fails_a_wrong_one(bench_modules, m
     assert "YaRN softmax gain 1.8739" in out and "q/k 192 v 128" in out
     rows = [line for line in out.splitlines() if line.endswith(" ok")]
     assert [r.split()[0] + " " + r.split()[1] for r in rows] == [
-        "causal sdpa[math]", "causal sdpa[auto]", "block_causal sdpa-mask",
-        "block_causal per_document"]
+        "causal sdpa[math]",
+        "causal sdpa[auto]",
+        "block_causal sdpa-mask",
+        "block_causal per_document",
+    ]
     real = mla.attend
     monkeypatch.setattr(mla, "attend", lambda q, k, v, mask, **kw: real(q * 1.02, k, v, mask, **kw))
     assert mla.main(TINY) == 1
@@ -84,5 +92,7 @@ def test_the_mla_check_passes_the_kernels_and_fails_a_wrong_one(bench_modules, m
     assert mla.main(TINY) == 1
     rows = {line.split("  ")[0].strip(): line for line in capsys.readouterr().out.splitlines()}
     assert "n/a" in rows["causal sdpa[math]"]
-    assert all("FAIL" in rows[k] for k in ("causal sdpa[auto]", "block_causal sdpa-mask",
-                                           "block_causal per_document"))
+    assert all(
+        "FAIL" in rows[k]
+        for k in ("causal sdpa[auto]", "block_causal sdpa-mask", "block_causal per_document")
+    )

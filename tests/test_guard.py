@@ -10,16 +10,34 @@ from tests.helpers import BASE_FP32, losses, run_train, scalars
 from trainer.config.job import JobConfig
 from trainer.errors import TrainingError
 
-VAL_EVERY_STEP = ["--validation.enable", "true", "--validation.freq", "1", "--validation.steps",
-                  "1", "--validation.local_batch_size", "2", "--validation.global_batch_size", "4"]
+VAL_EVERY_STEP = [
+    "--validation.enable",
+    "true",
+    "--validation.freq",
+    "1",
+    "--validation.steps",
+    "1",
+    "--validation.local_batch_size",
+    "2",
+    "--validation.global_batch_size",
+    "4",
+]
 
 
 def test_nan_on_one_rank_skips_the_step_on_every_rank(tmp_path):
     """Rank 1's loss is NaN at steps 2 and 3 (testing hook): both ranks skip those optimizer
     steps, so the weights are untouched (the validation loss, on fixed samples, is bitwise the
     same after steps 1, 2 and 3), and training goes on at step 4."""
-    proc = run_train(tmp_path, *BASE_FP32, *VAL_EVERY_STEP, "--training.steps", "4",
-                     "--checkpoint.enable", "false", env={"TRAINER_TEST_NAN_LOSS": "1:2,3"})
+    proc = run_train(
+        tmp_path,
+        *BASE_FP32,
+        *VAL_EVERY_STEP,
+        "--training.steps",
+        "4",
+        "--checkpoint.enable",
+        "false",
+        env={"TRAINER_TEST_NAN_LOSS": "1:2,3"},
+    )
     val = scalars(tmp_path, "validation_metrics/loss")
     assert val[1] == val[2] == val[3] and val[4] < val[3], val
     assert scalars(tmp_path, "loss_metrics/skipped_steps") == {2: 1.0, 3: 2.0}
@@ -31,14 +49,31 @@ def test_divergence_stops_with_one_line_and_a_finite_checkpoint(tmp_path):
     """lr 1e4 without clipping blows the weights up at step 1 (finite but huge); the gradients
     of step 2 on are non-finite. With max_skipped_steps 2 the run skips 2 steps and stops at
     the third, exit code 4, one line; the latest checkpoint holds finite weights."""
-    proc = run_train(tmp_path, *BASE_FP32, "--optimizer.lr", "1e4", "--training.max_norm", "0",
-                     "--training.max_skipped_steps", "2", "--training.steps", "20",
-                     "--checkpoint.enable", "true", "--checkpoint.interval", "1", check=False)
+    proc = run_train(
+        tmp_path,
+        *BASE_FP32,
+        "--optimizer.lr",
+        "1e4",
+        "--training.max_norm",
+        "0",
+        "--training.max_skipped_steps",
+        "2",
+        "--training.steps",
+        "20",
+        "--checkpoint.enable",
+        "true",
+        "--checkpoint.interval",
+        "1",
+        check=False,
+    )
     assert proc.returncode == 4, proc.stderr
     lines = [ln for ln in proc.stderr.splitlines() if ln.strip()]
     assert len(lines) == 1, proc.stderr
-    m = re.fullmatch(r"training error: non-finite (loss|grad norm) at steps (\d+)-(\d+); "
-                     r"last checkpoint step-(\d+)", lines[0])
+    m = re.fullmatch(
+        r"training error: non-finite (loss|grad norm) at steps (\d+)-(\d+); "
+        r"last checkpoint step-(\d+)",
+        lines[0],
+    )
     assert m, lines[0]
     first, last, ckpt = int(m.group(2)), int(m.group(3)), int(m.group(4))
     assert last - first == 2 and max(losses(tmp_path)) == last  # stopped at the third skip
@@ -48,9 +83,15 @@ def test_divergence_stops_with_one_line_and_a_finite_checkpoint(tmp_path):
 
     from trainer.config.job import load_config
     from trainer.generate import load_model
+
     cfg = load_config(["--job.config_file", str(tmp_path / "config.toml")])
-    model = load_model(tmp_path / "checkpoint" / f"step-{ckpt}", cfg,
-                       token_vocab=cfg.data.vocab_size, max_len=64, device=torch.device("cpu"))
+    model = load_model(
+        tmp_path / "checkpoint" / f"step-{ckpt}",
+        cfg,
+        token_vocab=cfg.data.vocab_size,
+        max_len=64,
+        device=torch.device("cpu"),
+    )
     assert all(torch.isfinite(p).all() for p in model.parameters())
 
 
@@ -69,9 +110,16 @@ def test_spikes_are_counted_and_logged(tmp_path):
     cfg = JobConfig()
     cfg.job.dump_folder = str(tmp_path)
     cfg.training.spike_window = 10
-    metrics = MetricsProcessor(cfg, model_args=model_args("debugmodel"), seq_len=64,
-                               device=torch.device("cpu"), rank=0, parallel_desc="1 process",
-                               accumulation_steps=1, num_params=1)
+    metrics = MetricsProcessor(
+        cfg,
+        model_args=model_args("debugmodel"),
+        seq_len=64,
+        device=torch.device("cpu"),
+        rank=0,
+        parallel_desc="1 process",
+        accumulation_steps=1,
+        num_params=1,
+    )
     metrics.open()
     printed = _Printed()
     guard = LossGuard(cfg.training, log=printed, metrics=metrics)

@@ -21,8 +21,18 @@ STEP_1 = r"^step:\s+1\s"
 
 
 def args(*extra):
-    return [*BASE_FP32, "--training.steps", str(STEPS), "--checkpoint.enable", "true",
-            "--checkpoint.interval", "2", "--comm.train_timeout_seconds", str(TIMEOUT), *extra]
+    return [
+        *BASE_FP32,
+        "--training.steps",
+        str(STEPS),
+        "--checkpoint.enable",
+        "true",
+        "--checkpoint.interval",
+        "2",
+        "--comm.train_timeout_seconds",
+        str(TIMEOUT),
+        *extra,
+    ]
 
 
 @pytest.fixture(scope="module")
@@ -33,13 +43,17 @@ def reference(tmp_path_factory):
 
 
 def test_a_hung_rank_is_named_in_one_line_and_the_job_ends(tmp_path):
-    proc, seconds = run_train_watched(tmp_path, *args(), mark=STEP_1,
-                                      env={"TRAINER_TEST_FAULT": "hang:1:3"})
+    proc, seconds = run_train_watched(
+        tmp_path, *args(), mark=STEP_1, env={"TRAINER_TEST_FAULT": "hang:1:3"}
+    )
     assert proc.returncode == HANG_EXIT_CODE, proc.stderr
     err = proc.stderr.strip()
     assert err.splitlines() == [err], proc.stderr  # one line, no traceback from any rank
-    assert re.match(rf"training error: rank 1 stopped responding at step 3 \(.+; no answer for "
-                    rf"{TIMEOUT} s\); its last heartbeat said step \d, ", err), err
+    assert re.match(
+        rf"training error: rank 1 stopped responding at step 3 \(.+; no answer for "
+        rf"{TIMEOUT} s\); its last heartbeat said step \d, ",
+        err,
+    ), err
     assert seconds < TIMEOUT + 30, seconds  # the stopped rank was killed, not waited for
     print(f"hang named and job ended {seconds:.1f}s after step 1 (timeout {TIMEOUT}s)")
 
@@ -48,14 +62,20 @@ def test_a_hang_is_named_even_when_no_collective_times_out(tmp_path):
     """The collective timeout far above the training timeout (as when nccl's watchdog would
     abort the process before any Python exception): the heartbeat thread's own watch still
     names the stopped rank in one line, exit 6, within the training timeout plus 30 s."""
-    proc, seconds = run_train_watched(tmp_path, *args(), mark=STEP_1,
-                                      env={"TRAINER_TEST_FAULT": "hang:1:3",
-                                           "TRAINER_TEST_COLLECTIVE_TIMEOUT": "600"})
+    proc, seconds = run_train_watched(
+        tmp_path,
+        *args(),
+        mark=STEP_1,
+        env={"TRAINER_TEST_FAULT": "hang:1:3", "TRAINER_TEST_COLLECTIVE_TIMEOUT": "600"},
+    )
     assert proc.returncode == HANG_EXIT_CODE, proc.stderr
     err = proc.stderr.strip()
     assert err.splitlines() == [err], proc.stderr
-    assert re.match(r"training error: rank 1 stopped responding at step 3 \(.+; no answer for "
-                    r"\d+ s\); its last heartbeat said step \d, ", err), err
+    assert re.match(
+        r"training error: rank 1 stopped responding at step 3 \(.+; no answer for "
+        r"\d+ s\); its last heartbeat said step \d, ",
+        err,
+    ), err
     assert seconds < TIMEOUT + 30, seconds
     assert "hang" in (tmp_path / "failures.jsonl").read_text()
 
@@ -85,8 +105,10 @@ def test_the_same_failure_at_the_same_step_stops_restarting(tmp_path):
     assert proc.returncode == GAVE_UP_EXIT_CODE, proc.stderr
     lines = proc.stderr.strip().splitlines()
     assert [line[:9] for line in lines] == ["restart 1", "restart 2", "training "], proc.stderr
-    assert lines[-1].startswith("training error: the same failure at step 3 2 times in a row, "
-                                "not restarting (health.max_same_failures = 2)"), lines[-1]
+    assert lines[-1].startswith(
+        "training error: the same failure at step 3 2 times in a row, "
+        "not restarting (health.max_same_failures = 2)"
+    ), lines[-1]
 
 
 def test_a_slow_rank_is_named_as_the_straggler(tmp_path):
@@ -94,8 +116,9 @@ def test_a_slow_rank_is_named_as_the_straggler(tmp_path):
     # 1.5x the other's W; spread: (W + s) / (W + s/2) > 1.2): 1 s keeps them on a loaded
     # machine, where W grows and the sleep does not.
     env = {"TRAINER_TEST_SLOW_RANK": "1:1.0"}
-    proc = run_train(tmp_path, *BASE_FP32, "--training.steps", "5", "--health.straggler_steps",
-                     "3", env=env)
+    proc = run_train(
+        tmp_path, *BASE_FP32, "--training.steps", "5", "--health.straggler_steps", "3", env=env
+    )
     named = [line for line in proc.stdout.splitlines() if line.startswith("straggler:")]
     assert len(named) == 1 and named[0].startswith("straggler: rank 1 slower"), proc.stdout
     slowest = scalars(tmp_path, "timing/slowest_rank")
@@ -114,7 +137,15 @@ def test_chaos_every_kind(tmp_path, request):
         pytest.skip("long chaos run: select it with -m chaos_long")
     from scripts.chaos import KINDS, ok, report, run_chaos
 
-    fig = run_chaos(tmp_path, faults=14, min_during_save=5, steps=32, interval=2, seed=1,
-                    kinds=KINDS, min_each=2)
+    fig = run_chaos(
+        tmp_path,
+        faults=14,
+        min_during_save=5,
+        steps=32,
+        interval=2,
+        seed=1,
+        kinds=KINDS,
+        min_each=2,
+    )
     print(report(fig, 2))
     assert ok(fig, 14, 5, 2), report(fig, 2)

@@ -29,8 +29,14 @@ def trainer_model(flavor: str, state: dict, seq_len: int):
     from trainer.models.llama import build_model, model_args
 
     blocks = len({k.split(".")[1] for k in state if k.startswith("layers.")})  # model.n_layers
-    model = build_model(model_args(flavor, vocab_size=state["tok_embeddings.weight"].shape[0],
-                                   max_seq_len=seq_len, n_layers=blocks))
+    model = build_model(
+        model_args(
+            flavor,
+            vocab_size=state["tok_embeddings.weight"].shape[0],
+            max_seq_len=seq_len,
+            n_layers=blocks,
+        )
+    )
     model.to_empty(device="cpu")
     model.init_weights(0)  # the RoPE tables
     model.load_state_dict(state, strict=True)
@@ -44,7 +50,7 @@ def max_diff(ours, hf_model, tokens) -> float:
 
 def real_lines(n: int = 1000) -> list[str]:
     lines = [line for text in stdlib_texts(60) for line in text.splitlines(keepends=True)]
-    return lines[1000:1000 + n]
+    return lines[1000 : 1000 + n]
 
 
 @pytest.mark.needs_datasets
@@ -57,10 +63,23 @@ def test_trained_debug_model_exports_to_transformers(tmp_path, json_cfg):  # noq
     from trainer.data.tokenizer import Tokenizer
 
     dump = tmp_path / "run"
-    run_train(dump, *TINY, "--model.flavor", "debugmodel", "--training.steps", "3",
-              "--checkpoint.enable",
-              "--data.dataset", "json", "--data.data_files", json_cfg.data_files[0],
-              "--data.tokenizer_path", json_cfg.tokenizer_path, "--model.vocab_size", str(VOCAB))
+    run_train(
+        dump,
+        *TINY,
+        "--model.flavor",
+        "debugmodel",
+        "--training.steps",
+        "3",
+        "--checkpoint.enable",
+        "--data.dataset",
+        "json",
+        "--data.data_files",
+        json_cfg.data_files[0],
+        "--data.tokenizer_path",
+        json_cfg.tokenizer_path,
+        "--model.vocab_size",
+        str(VOCAB),
+    )
     ckpt, out = dump / "checkpoint" / "step-3", tmp_path / "hf"
     convert(ckpt, out, "--dtype", "float32", "--max-shard-size", "0.002")
     assert (out / "model.safetensors.index.json").is_file()  # 2 MiB shards: an index
@@ -104,8 +123,14 @@ def test_random_llama32_1b_exports_to_transformers(tmp_path):
     cfg = JobConfig()
     cfg.data.dataset = "synthetic"
     sd = model.state_dict()
-    write_hf_folder(str(tmp_path), args, lambda names: {n: sd[n] for n in names}, cfg,
-                    dtype="bfloat16", log=lambda _: None)
+    write_hf_folder(
+        str(tmp_path),
+        args,
+        lambda names: {n: sd[n] for n in names},
+        cfg,
+        dtype="bfloat16",
+        log=lambda _: None,
+    )
     del sd
     hf_model = LlamaForCausalLM.from_pretrained(tmp_path, dtype=torch.float32).eval()
     tokens = torch.randint(0, args.vocab_size, (1, 12), generator=gen)
@@ -117,11 +142,24 @@ def llama32_style(folder) -> torch.nn.Module:
     from transformers import LlamaConfig, LlamaForCausalLM
 
     config = LlamaConfig(
-        vocab_size=VOCAB, hidden_size=256, intermediate_size=704, num_hidden_layers=6,
-        num_attention_heads=8, num_key_value_heads=4, rms_norm_eps=1e-5, rope_theta=500000.0,
-        max_position_embeddings=131072, tie_word_embeddings=True,
-        rope_scaling={"rope_type": "llama3", "factor": 32.0, "low_freq_factor": 1.0,
-                      "high_freq_factor": 4.0, "original_max_position_embeddings": 8192})
+        vocab_size=VOCAB,
+        hidden_size=256,
+        intermediate_size=704,
+        num_hidden_layers=6,
+        num_attention_heads=8,
+        num_key_value_heads=4,
+        rms_norm_eps=1e-5,
+        rope_theta=500000.0,
+        max_position_embeddings=131072,
+        tie_word_embeddings=True,
+        rope_scaling={
+            "rope_type": "llama3",
+            "factor": 32.0,
+            "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 8192,
+        },
+    )
     torch.manual_seed(0)
     model = LlamaForCausalLM(config).eval()
     with torch.no_grad():
@@ -135,16 +173,31 @@ def hf_loss(model) -> float:
     """transformers' loss on the batch a run's step 1 trains on (synthetic data, seed 0)."""
     from trainer.data.synthetic import SyntheticLoader
 
-    loader = SyntheticLoader(vocab_size=VOCAB, seq_len=64, local_batch_size=8,
-                             global_batch_size=8, dp_rank=0, dp_size=1, seed=0)
+    loader = SyntheticLoader(
+        vocab_size=VOCAB,
+        seq_len=64,
+        local_batch_size=8,
+        global_batch_size=8,
+        dp_rank=0,
+        dp_size=1,
+        seed=0,
+    )
     inputs, labels = loader.next_microbatch()
     with torch.no_grad():
         logits = model(inputs).logits
     return F.cross_entropy(logits.flatten(0, 1), labels.flatten()).item()
 
 
-IMPORT = [*BASE_FP32, "--model.flavor", "debugmodel-3.2", "--data.vocab_size", str(VOCAB),
-          "--checkpoint.initial_load_in_hf", "--training.steps", "1"]
+IMPORT = [
+    *BASE_FP32,
+    "--model.flavor",
+    "debugmodel-3.2",
+    "--data.vocab_size",
+    str(VOCAB),
+    "--checkpoint.initial_load_in_hf",
+    "--training.steps",
+    "1",
+]
 
 
 @pytest.fixture(scope="module")
@@ -159,9 +212,19 @@ def test_import_on_hsdp_2x2_and_round_trip_is_bitwise(tmp_path, llama32):
     from safetensors.torch import load_file
 
     folder, expected = llama32
-    run_train(tmp_path, *IMPORT, "--checkpoint.initial_load_path", str(folder),
-              "--parallelism.data_parallel_replicate_degree", "2", "--checkpoint.enable",
-              "--checkpoint.last_save_in_hf", "--optimizer.lr", "0", nproc=4)
+    run_train(
+        tmp_path,
+        *IMPORT,
+        "--checkpoint.initial_load_path",
+        str(folder),
+        "--parallelism.data_parallel_replicate_degree",
+        "2",
+        "--checkpoint.enable",
+        "--checkpoint.last_save_in_hf",
+        "--optimizer.lr",
+        "0",
+        nproc=4,
+    )
     assert abs(losses(tmp_path)[1] - expected) < 1e-4
     convert(tmp_path / "checkpoint" / "step-1", tmp_path / "converted")
     original = load_file(folder / "model.safetensors")
@@ -180,8 +243,15 @@ def test_import_shape_mismatch_is_one_config_error(llama32):
     from trainer.models.llama import build_model, model_args
 
     folder, _ = llama32
-    cfg = load_config(["--model.flavor", "debugmodel-3.2", "--checkpoint.initial_load_in_hf",
-                       "--checkpoint.initial_load_path", str(folder)])
+    cfg = load_config(
+        [
+            "--model.flavor",
+            "debugmodel-3.2",
+            "--checkpoint.initial_load_in_hf",
+            "--checkpoint.initial_load_path",
+            str(folder),
+        ]
+    )
     model = build_model(model_args("debugmodel-3.2", vocab_size=1024, max_seq_len=64))
     model.to_empty(device="cpu")
     with pytest.raises(ConfigError) as err:
@@ -200,11 +270,18 @@ def test_import_into_fewer_blocks_is_one_config_error(llama32):
     from trainer.models.llama import build_model, model_args
 
     folder, _ = llama32
-    cfg = load_config(["--model.flavor", "debugmodel-3.2", "--model.n_layers", "1",
-                       "--checkpoint.initial_load_in_hf", "--checkpoint.initial_load_path",
-                       str(folder)])
-    model = build_model(model_args("debugmodel-3.2", vocab_size=512, max_seq_len=64,
-                                   n_layers=1))
+    cfg = load_config(
+        [
+            "--model.flavor",
+            "debugmodel-3.2",
+            "--model.n_layers",
+            "1",
+            "--checkpoint.initial_load_in_hf",
+            "--checkpoint.initial_load_path",
+            str(folder),
+        ]
+    )
+    model = build_model(model_args("debugmodel-3.2", vocab_size=512, max_seq_len=64, n_layers=1))
     model.to_empty(device="cpu")
     with pytest.raises(ConfigError) as err:
         load_initial(model, cfg)

@@ -26,22 +26,51 @@ VOCAB, SEQ, BLOCK = 512, 64, (32, 48)
 LAYERS = 4  # debugmodel-dsv3's: the MTP module is layer 4
 # The names under DeepSeek-V3's MTP layer (model.layers.61.* of its model.safetensors.index.json;
 # experts per expert), written here by hand rather than taken from the code under test
-RELEASE_MTP = {"embed_tokens.weight", "enorm.weight", "hnorm.weight", "eh_proj.weight",
-               "input_layernorm.weight", "post_attention_layernorm.weight",
-               "self_attn.q_a_proj.weight", "self_attn.q_a_layernorm.weight",
-               "self_attn.q_b_proj.weight", "self_attn.kv_a_proj_with_mqa.weight",
-               "self_attn.kv_a_layernorm.weight", "self_attn.kv_b_proj.weight",
-               "self_attn.o_proj.weight", "mlp.gate.weight", "mlp.gate.e_score_correction_bias",
-               *(f"mlp.shared_experts.{p}_proj.weight" for p in ("gate", "up", "down")),
-               *(f"mlp.experts.{e}.{p}_proj.weight" for e in range(8)
-                 for p in ("gate", "up", "down")),
-               "shared_head.norm.weight", "shared_head.head.weight"}
-RUN = ("--data.dataset", "synthetic", "--data.vocab_size", str(VOCAB),
-       "--model.vocab_size", str(VOCAB), "--training.seq_len", str(SEQ),
-       "--training.steps", "1", "--training.mixed_precision_param", "float32",
-       "--optimizer.lr", "1e-12", "--moe.load_balance_coeff", "0",
-       "--checkpoint.enable", "false", "--metrics.log_freq", "1",
-       "--checkpoint.initial_load_in_hf", "true")
+RELEASE_MTP = {
+    "embed_tokens.weight",
+    "enorm.weight",
+    "hnorm.weight",
+    "eh_proj.weight",
+    "input_layernorm.weight",
+    "post_attention_layernorm.weight",
+    "self_attn.q_a_proj.weight",
+    "self_attn.q_a_layernorm.weight",
+    "self_attn.q_b_proj.weight",
+    "self_attn.kv_a_proj_with_mqa.weight",
+    "self_attn.kv_a_layernorm.weight",
+    "self_attn.kv_b_proj.weight",
+    "self_attn.o_proj.weight",
+    "mlp.gate.weight",
+    "mlp.gate.e_score_correction_bias",
+    *(f"mlp.shared_experts.{p}_proj.weight" for p in ("gate", "up", "down")),
+    *(f"mlp.experts.{e}.{p}_proj.weight" for e in range(8) for p in ("gate", "up", "down")),
+    "shared_head.norm.weight",
+    "shared_head.head.weight",
+}
+RUN = (
+    "--data.dataset",
+    "synthetic",
+    "--data.vocab_size",
+    str(VOCAB),
+    "--model.vocab_size",
+    str(VOCAB),
+    "--training.seq_len",
+    str(SEQ),
+    "--training.steps",
+    "1",
+    "--training.mixed_precision_param",
+    "float32",
+    "--optimizer.lr",
+    "1e-12",
+    "--moe.load_balance_coeff",
+    "0",
+    "--checkpoint.enable",
+    "false",
+    "--metrics.log_freq",
+    "1",
+    "--checkpoint.initial_load_in_hf",
+    "true",
+)
 
 
 def quantized(key: str) -> bool:
@@ -74,8 +103,7 @@ def source_folder(out, mtp_layers: int = 1):
     from trainer.config.job import load_config
     from trainer.hf.export import write_hf_folder
 
-    args = model_args("debugmodel-dsv3", vocab_size=VOCAB, max_seq_len=SEQ,
-                      mtp_layers=mtp_layers)
+    args = model_args("debugmodel-dsv3", vocab_size=VOCAB, max_seq_len=SEQ, mtp_layers=mtp_layers)
     model = build_model(args)
     model.to_empty(device="cpu")
     model.init_weights(0)
@@ -84,11 +112,20 @@ def source_folder(out, mtp_layers: int = 1):
     with torch.no_grad():
         for name, t in state.items():
             if t.dim() == 1:  # norms and the routing biases
-                t.copy_(torch.rand(t.shape, generator=gen) + 0.5 if "norm" in name
-                        else torch.randn(t.shape, generator=gen) * 0.1)
+                t.copy_(
+                    torch.rand(t.shape, generator=gen) + 0.5
+                    if "norm" in name
+                    else torch.randn(t.shape, generator=gen) * 0.1
+                )
     cfg = load_config(["--job.config_file", CONFIG, *RUN[:6]])
-    write_hf_folder(str(out), args, lambda names: {n: state[n] for n in names}, cfg,
-                    dtype="float32", log=lambda line: None)
+    write_hf_folder(
+        str(out),
+        args,
+        lambda names: {n: state[n] for n in names},
+        cfg,
+        dtype="float32",
+        log=lambda line: None,
+    )
     return model
 
 
@@ -108,15 +145,21 @@ def make_release(src, out):
     files = {f"model-{i + 1:05d}-of-00003.safetensors": keys[i::3] for i in range(3)}
     for fname, names in files.items():
         save_file({k: stored[k] for k in names}, out / fname, metadata={"format": "pt"})
-    (out / "model.safetensors.index.json").write_text(json.dumps(
-        {"metadata": {}, "weight_map": {k: f for f, ks in files.items() for k in ks}}))
+    (out / "model.safetensors.index.json").write_text(
+        json.dumps({"metadata": {}, "weight_map": {k: f for f, ks in files.items() for k in ks}})
+    )
     config = json.loads((src / "config.json").read_text())
-    config["quantization_config"] = {"quant_method": "fp8", "fmt": "e4m3",
-                                     "activation_scheme": "dynamic",
-                                     "weight_block_size": list(BLOCK)}
+    config["quantization_config"] = {
+        "quant_method": "fp8",
+        "fmt": "e4m3",
+        "activation_scheme": "dynamic",
+        "weight_block_size": list(BLOCK),
+    }
     (out / "config.json").write_text(json.dumps(config))
-    return {k: dequantize(stored[k], stored[k + "_scale_inv"]) if quantized(k) else stored[k]
-            for k in tensors}
+    return {
+        k: dequantize(stored[k], stored[k + "_scale_inv"]) if quantized(k) else stored[k]
+        for k in tensors
+    }
 
 
 @pytest.fixture(scope="module")
@@ -125,16 +168,27 @@ def release(tmp_path_factory):
     source_folder(root / "src")
     want = make_release(root / "src", root / "release")
     dump = root / "run"
-    proc = run_train(dump, *RUN, "--checkpoint.initial_load_path", str(root / "release"),
-                     "--checkpoint.last_save_in_hf", "true", nproc=2, config=CONFIG)
+    proc = run_train(
+        dump,
+        *RUN,
+        "--checkpoint.initial_load_path",
+        str(root / "release"),
+        "--checkpoint.last_save_in_hf",
+        "true",
+        nproc=2,
+        config=CONFIG,
+    )
     return root, want, dump, proc.stdout
 
 
 def test_the_release_folder_has_the_releases_names(release):
     root, want, _, _ = release
     index = json.loads((root / "release" / "model.safetensors.index.json").read_text())
-    mtp = {k[len(f"model.layers.{LAYERS}."):] for k in index["weight_map"]
-           if k.startswith(f"model.layers.{LAYERS}.") and not k.endswith("_scale_inv")}
+    mtp = {
+        k[len(f"model.layers.{LAYERS}.") :]
+        for k in index["weight_map"]
+        if k.startswith(f"model.layers.{LAYERS}.") and not k.endswith("_scale_inv")
+    }
     assert mtp == RELEASE_MTP
     # quantized, with a partial edge block (96 x 32 in 32 x 48 blocks: 3 x 1 scales)
     assert f"model.layers.{LAYERS}.self_attn.q_b_proj.weight_scale_inv" in index["weight_map"]
@@ -171,8 +225,9 @@ def test_transformers_loads_the_export_and_skips_the_mtp_layer(release):
     root, _, dump, _ = release
     theirs = AutoModelForCausalLM.from_pretrained(dump / "hf", dtype=torch.float32).eval()
     assert len(theirs.model.layers) == LAYERS
-    ours = build_model(model_args("debugmodel-dsv3", vocab_size=VOCAB, max_seq_len=SEQ,
-                                  mtp_layers=1))
+    ours = build_model(
+        model_args("debugmodel-dsv3", vocab_size=VOCAB, max_seq_len=SEQ, mtp_layers=1)
+    )
     ours.to_empty(device="cpu")
     ours.init_weights(0)
     load_hf(ours, str(root / "release"), flavor="debugmodel-dsv3", log=lambda line: None)
@@ -187,20 +242,26 @@ def test_the_mtp_layer_is_deepseeks_formula(release):
     from trainer.hf.load import load_hf
 
     root, want, _, _ = release
-    ours = build_model(model_args("debugmodel-dsv3", vocab_size=VOCAB, max_seq_len=SEQ,
-                                  mtp_layers=1))
+    ours = build_model(
+        model_args("debugmodel-dsv3", vocab_size=VOCAB, max_seq_len=SEQ, mtp_layers=1)
+    )
     ours.to_empty(device="cpu")
     ours.init_weights(0)
     load_hf(ours, str(root / "release"), flavor="debugmodel-dsv3", log=lambda line: None)
-    layer = {k.split(f"model.layers.{LAYERS}.")[1]: v for k, v in want.items()
-             if k.startswith(f"model.layers.{LAYERS}.")}
+    layer = {
+        k.split(f"model.layers.{LAYERS}.")[1]: v
+        for k, v in want.items()
+        if k.startswith(f"model.layers.{LAYERS}.")
+    }
 
     def rms(x, w):
         return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6) * w
 
     emb, h = torch.randn(3, 64), torch.randn(3, 64)
-    ref = torch.cat([rms(emb, layer["enorm.weight"]), rms(h, layer["hnorm.weight"])], -1) \
+    ref = (
+        torch.cat([rms(emb, layer["enorm.weight"]), rms(h, layer["hnorm.weight"])], -1)
         @ layer["eh_proj.weight"].T
+    )
     m = ours.mtp["0"]
     with torch.no_grad():
         have = m.proj(torch.cat([m.embed_norm(emb), m.hidden_norm(h)], -1))
@@ -215,13 +276,22 @@ def test_a_folder_quantized_otherwise_is_one_line(release, tmp_path):
     config = json.loads((bad / "config.json").read_text())
     config["quantization_config"] = {"quant_method": "gptq", "bits": 4}
     (bad / "config.json").write_text(json.dumps(config))
-    proc = run_train(tmp_path / "run", *RUN, "--checkpoint.initial_load_path", str(bad),
-                     "--parallelism.expert_parallel_degree", "1", nproc=1, config=CONFIG,
-                     check=False)
+    proc = run_train(
+        tmp_path / "run",
+        *RUN,
+        "--checkpoint.initial_load_path",
+        str(bad),
+        "--parallelism.expert_parallel_degree",
+        "1",
+        nproc=1,
+        config=CONFIG,
+        check=False,
+    )
     assert proc.returncode == 2, proc.stderr[-2000:]
     lines = [ln for ln in proc.stderr.splitlines() if ln.strip()]
-    assert lines[-1].startswith("config error: ") and "quant_method = 'gptq'" in lines[-1], \
+    assert lines[-1].startswith("config error: ") and "quant_method = 'gptq'" in lines[-1], (
         proc.stderr[-2000:]
+    )
     assert "Traceback" not in proc.stderr
 
 
@@ -235,22 +305,30 @@ def test_a_kimi_k2_folder_imports_its_weights(tmp_path):
 
     source_folder(tmp_path, mtp_layers=0)
     config = json.loads((tmp_path / "config.json").read_text())
-    config.update(model_type="kimi_k2", num_nextn_predict_layers=0, auto_map={
-        "AutoConfig": "configuration_deepseek.DeepseekV3Config",
-        "AutoModelForCausalLM": "modeling_deepseek.DeepseekV3ForCausalLM"})
+    config.update(
+        model_type="kimi_k2",
+        num_nextn_predict_layers=0,
+        auto_map={
+            "AutoConfig": "configuration_deepseek.DeepseekV3Config",
+            "AutoModelForCausalLM": "modeling_deepseek.DeepseekV3ForCausalLM",
+        },
+    )
     (tmp_path / "config.json").write_text(json.dumps(config))
     (tmp_path / "tiktoken.model").write_text("IQ== 0\n")
-    ours = build_model(model_args("debugmodel-dsv3", vocab_size=VOCAB, max_seq_len=SEQ,
-                                  mtp_layers=1))
+    ours = build_model(
+        model_args("debugmodel-dsv3", vocab_size=VOCAB, max_seq_len=SEQ, mtp_layers=1)
+    )
     ours.to_empty(device="cpu")
     ours.init_weights(0)
     lines = []
     load_hf(ours, str(tmp_path), flavor="debugmodel-dsv3", log=lines.append)
     stored = load_file(tmp_path / "model.safetensors")
-    assert torch.equal(ours.layers["1"].attention.wkv_b.weight,
-                       stored["model.layers.1.self_attn.kv_b_proj.weight"])
-    assert any("the folder holds none; module(s) 0..0 start from their seeded init" in ln
-               for ln in lines), lines
+    assert torch.equal(
+        ours.layers["1"].attention.wkv_b.weight, stored["model.layers.1.self_attn.kv_b_proj.weight"]
+    )
+    assert any(
+        "the folder holds none; module(s) 0..0 start from their seeded init" in ln for ln in lines
+    ), lines
     assert any("tiktoken.model" in ln and "data.tokenizer_path" in ln for ln in lines), lines
 
 

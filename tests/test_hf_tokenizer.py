@@ -9,8 +9,15 @@ from dataclasses import replace
 import pytest
 import torch
 
-from tests.test_data_fixtures import (build, corpus_dir, json_cfg, stdlib_texts,  # noqa: F401
-                                      store_cfg, store_path, tokenizer_path)
+from tests.test_data_fixtures import (
+    build,
+    corpus_dir,
+    json_cfg,
+    stdlib_texts,  # noqa: F401
+    store_cfg,
+    store_path,
+    tokenizer_path,
+)
 
 pytest.importorskip("tokenizers")
 
@@ -40,16 +47,24 @@ def test_tokenizer_json_encodes_like_sentencepiece(tokenizer_json, json_cfg):  #
 
 
 @pytest.mark.needs_datasets
-def test_streaming_and_prepare_with_tokenizer_json(tmp_path, tokenizer_json, json_cfg,  # noqa: F811
-                                                   store_cfg):  # noqa: F811
+def test_streaming_and_prepare_with_tokenizer_json(
+    tmp_path,
+    tokenizer_json,
+    json_cfg,  # noqa: F811
+    store_cfg,
+):  # noqa: F811
     from trainer.data.prepare import prepare_store
 
     streamed = replace(json_cfg, tokenizer_path=tokenizer_json)
-    assert all(torch.equal(a, b) for a, b in zip(batches(build(streamed)),
-                                                 batches(build(json_cfg))))
+    assert all(
+        torch.equal(a, b) for a, b in zip(batches(build(streamed)), batches(build(json_cfg)))
+    )
     out = str(tmp_path / "store")
-    prepare_store(streamed, tokenizer_json, out, workers=1, shard_tokens=30_000,
-                  show_progress=False)
+    prepare_store(
+        streamed, tokenizer_json, out, workers=1, shard_tokens=30_000, show_progress=False
+    )
     ours = replace(store_cfg, store_path=out, shuffle=False)
-    assert all(torch.equal(a, b) for a, b in zip(batches(build(ours)),
-                                                 batches(build(replace(store_cfg, shuffle=False)))))
+    assert all(
+        torch.equal(a, b)
+        for a, b in zip(batches(build(ours)), batches(build(replace(store_cfg, shuffle=False))))
+    )

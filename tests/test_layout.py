@@ -10,7 +10,7 @@ import textwrap
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TRAINER = os.path.join(REPO, "trainer")
-MAX_LINES = 450
+MAX_LINES = 600  # lines of a module as `ruff format` writes it
 MAX_TOP_LEVEL = 10
 
 
@@ -39,7 +39,7 @@ def import_graph(mods: dict[str, str]) -> dict[str, set[str]]:
             elif isinstance(node, ast.ImportFrom):
                 base = node.module or ""
                 if node.level:
-                    parts = package.split(".")[:len(package.split(".")) - node.level + 1]
+                    parts = package.split(".")[: len(package.split(".")) - node.level + 1]
                     base = ".".join(parts + ([node.module] if node.module else []))
                 for a in node.names:
                     targets.add(f"{base}.{a.name}" if f"{base}.{a.name}" in mods else base)
@@ -64,7 +64,7 @@ def find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
         path.append(node)
         for nxt in sorted(graph[node]):
             if state.get(nxt) == 1:
-                return path[path.index(nxt):] + [nxt]
+                return path[path.index(nxt) :] + [nxt]
             if nxt not in state and (found := visit(nxt)):
                 return found
         path.pop()
@@ -118,8 +118,13 @@ def test_every_module_imports_alone_in_a_fresh_interpreter():
         print("FAILED", " ".join(failed))
         sys.exit(1 if failed else 0)
     """)
-    proc = subprocess.run([sys.executable, "-c", script, *names], cwd=REPO, text=True,
-                          capture_output=True, timeout=300)
+    proc = subprocess.run(
+        [sys.executable, "-c", script, *names],
+        cwd=REPO,
+        text=True,
+        capture_output=True,
+        timeout=300,
+    )
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
 
 
@@ -135,10 +140,16 @@ def test_the_loop_does_not_know_the_parallelisms():
     """train.py, loop.py and step.py reach FSDP, TP, CP, PP and loss parallel only through the
     parallelize step and the step's seam (trainer/parallel/microbatches.py)."""
     graph = import_graph(modules())
-    specific = {"trainer.parallel.fsdp", "trainer.parallel.tp", "trainer.parallel.loss_parallel",
-                "trainer.parallel.context_parallel", "trainer.parallel.pipeline",
-                "torch.distributed.fsdp", "torch.distributed.tensor.parallel",
-                "torch.distributed.pipelining"}
+    specific = {
+        "trainer.parallel.fsdp",
+        "trainer.parallel.tp",
+        "trainer.parallel.loss_parallel",
+        "trainer.parallel.context_parallel",
+        "trainer.parallel.pipeline",
+        "torch.distributed.fsdp",
+        "torch.distributed.tensor.parallel",
+        "torch.distributed.pipelining",
+    }
     for name in ("trainer.train", "trainer.loop", "trainer.step"):
         source = open(modules()[name]).read()
         assert not graph[name] & specific, name
@@ -149,16 +160,33 @@ def test_the_loop_does_not_know_the_parallelisms():
 # docs/architecture.md's "Who may import whom": a module imports only modules of its layer or
 # below (package __init__ files, which only document or re-export, are not counted).
 LAYER_0 = ("trainer.errors", "trainer.config.base", "trainer.health.faults")
-LAYER_1 = ("trainer.config.sections", "trainer.checkpoint.config", "trainer.data.config",
-           "trainer.evals.config", "trainer.parallel.dims", "trainer.parallel.float8", "trainer.parallel.pp_layout",
-           "trainer.models.args", "trainer.models.hybrid", "trainer.models.rope",
-           "trainer.models.sdpa", "trainer.models.config",
-           "trainer.optim.batch_schedule", "trainer.optim.lr_schedule",
-           "trainer.observe.wandb_logger", "trainer.device")
+LAYER_1 = (
+    "trainer.config.sections",
+    "trainer.checkpoint.config",
+    "trainer.data.config",
+    "trainer.evals.config",
+    "trainer.parallel.dims",
+    "trainer.parallel.float8",
+    "trainer.parallel.pp_layout",
+    "trainer.models.args",
+    "trainer.models.hybrid",
+    "trainer.models.rope",
+    "trainer.models.sdpa",
+    "trainer.models.config",
+    "trainer.optim.batch_schedule",
+    "trainer.optim.lr_schedule",
+    "trainer.observe.wandb_logger",
+    "trainer.device",
+)
 TOP = ("trainer.step", "trainer.loop", "trainer.train", "trainer.launch")
-CLI = ("trainer.config.__main__", "trainer.plan.__main__", "trainer.plan.report",
-       "trainer.plan.trace",
-       "trainer.convert", "trainer.generate")
+CLI = (
+    "trainer.config.__main__",
+    "trainer.plan.__main__",
+    "trainer.plan.report",
+    "trainer.plan.trace",
+    "trainer.convert",
+    "trainer.generate",
+)
 
 
 def layer(name: str) -> float:
@@ -176,7 +204,10 @@ def layer(name: str) -> float:
 def test_imports_follow_the_layers():
     mods = modules()
     packages = {n for n, p in mods.items() if p.endswith("__init__.py")}
-    wrong = [f"{a} (layer {layer(a)}) imports {b} (layer {layer(b)})"
-             for a, targets in import_graph(mods).items() for b in targets
-             if b not in packages and layer(b) > layer(a)]
+    wrong = [
+        f"{a} (layer {layer(a)}) imports {b} (layer {layer(b)})"
+        for a, targets in import_graph(mods).items()
+        for b in targets
+        if b not in packages and layer(b) > layer(a)
+    ]
     assert wrong == []

@@ -16,8 +16,17 @@ from pathlib import Path
 
 import pytest
 
-from tests.helpers import (BASE_FP32, REPO, RUN_TRAIN, fork_python, listening_addresses, losses,
-                           process_tree, run_train, subprocess_env)
+from tests.helpers import (
+    BASE_FP32,
+    REPO,
+    RUN_TRAIN,
+    fork_python,
+    listening_addresses,
+    losses,
+    process_tree,
+    run_train,
+    subprocess_env,
+)
 from trainer.checkpoint import lease as lease_mod
 from trainer.checkpoint.lease import LEASE_FILE, Holder, Lease, LeaseHeld, check_free
 
@@ -31,8 +40,18 @@ def _own_job(monkeypatch):
 
 def plant(folder: Path, **fields) -> Holder:
     now = time.time()
-    holder = Holder(**{"host": "node-7", "job": "slurm 4242", "pid": 12345, "start": "1",
-                       "since": now - 100, "heartbeat": now, "token": "t" * 32, **fields})
+    holder = Holder(
+        **{
+            "host": "node-7",
+            "job": "slurm 4242",
+            "pid": 12345,
+            "start": "1",
+            "since": now - 100,
+            "heartbeat": now,
+            "token": "t" * 32,
+            **fields,
+        }
+    )
     folder.mkdir(parents=True, exist_ok=True)
     (folder / LEASE_FILE).write_text(json.dumps(holder.__dict__))
     return holder
@@ -58,8 +77,10 @@ def test_a_live_holder_is_named_and_nothing_is_touched(tmp_path):
     before = (tmp_path / LEASE_FILE).read_bytes()
     with pytest.raises(LeaseHeld) as e:
         Lease(str(tmp_path), 60).acquire()
-    assert str(e.value).startswith(f"job.dump_folder {tmp_path} is in use by another run: slurm "
-                                   "4242 on node-7 (pid 12345), heartbeat 0s ago")
+    assert str(e.value).startswith(
+        f"job.dump_folder {tmp_path} is in use by another run: slurm "
+        "4242 on node-7 (pid 12345), heartbeat 0s ago"
+    )
     with pytest.raises(LeaseHeld):
         check_free(str(tmp_path), 60, env={})
     assert (tmp_path / LEASE_FILE).read_bytes() == before
@@ -89,8 +110,9 @@ def test_takeover(tmp_path, monkeypatch, case):
         assert said == []
     else:
         (line,) = said
-        assert line.startswith(f"dump folder {tmp_path}: taking over the lease of ") and \
-            line.endswith(expected), line
+        assert line.startswith(
+            f"dump folder {tmp_path}: taking over the lease of "
+        ) and line.endswith(expected), line
     assert sorted(os.listdir(tmp_path)) == [LEASE_FILE]
 
 
@@ -112,8 +134,9 @@ def test_a_holder_that_lost_its_lease_says_so(tmp_path):
     lease.acquire()
     plant(tmp_path)  # another run took it (e.g. this one was frozen past the timeout)
     lease.refresh()
-    assert lease.lost and said[0].startswith(f"warning: this run lost the lease on {tmp_path} "
-                                             "(now held by slurm 4242 on node-7")
+    assert lease.lost and said[0].startswith(
+        f"warning: this run lost the lease on {tmp_path} (now held by slurm 4242 on node-7"
+    )
     lease.release()
     assert (tmp_path / LEASE_FILE).exists()  # not ours: left alone
 
@@ -145,8 +168,9 @@ def test_one_winner_among_racing_takers(tmp_path):
     ctx = multiprocessing.get_context("fork")
     results, done = ctx.Queue(), ctx.Event()
     start = time.time() + 0.5
-    procs = [ctx.Process(target=_contend, args=(str(tmp_path), start, results, done))
-             for _ in range(8)]
+    procs = [
+        ctx.Process(target=_contend, args=(str(tmp_path), start, results, done)) for _ in range(8)
+    ]
     for p in procs:
         p.start()
     outcome = [results.get(timeout=60) for _ in procs]
@@ -161,8 +185,16 @@ def test_one_winner_among_racing_takers(tmp_path):
 
 # --------------------------------------------------------------------------- real runs
 
-RUN = [*BASE_FP32, "--training.steps", "6", "--checkpoint.enable", "--checkpoint.interval", "2",
-       "--checkpoint.keep_latest_k", "0"]
+RUN = [
+    *BASE_FP32,
+    "--training.steps",
+    "6",
+    "--checkpoint.enable",
+    "--checkpoint.interval",
+    "2",
+    "--checkpoint.keep_latest_k",
+    "0",
+]
 # rank 0 sleeps after each step while a gate file exists (at most 6 s a step): a run to
 # collide with, still running while a loaded machine starts the refused ones, and done soon
 # after the test removes the gate
@@ -175,9 +207,14 @@ def slow(gate: Path) -> dict:
 
 def start(dump: Path, *overrides: str, env: dict | None = None) -> subprocess.Popen:
     extra = {"NGPU": "2", "LOG_RANK": "0", **(env or {})}
-    return subprocess.Popen([str(RUN_TRAIN), "--job.dump_folder", str(dump), *overrides],
-                            env=subprocess_env(extra), stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True, start_new_session=True)
+    return subprocess.Popen(
+        [str(RUN_TRAIN), "--job.dump_folder", str(dump), *overrides],
+        env=subprocess_env(extra),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    )
 
 
 def wait_for_lease(dump: Path, proc: subprocess.Popen) -> dict:
@@ -191,8 +228,11 @@ def wait_for_lease(dump: Path, proc: subprocess.Popen) -> dict:
 
 
 def snapshot(folder: Path) -> dict[str, str]:
-    return {str(p.relative_to(folder)): hashlib.sha256(p.read_bytes()).hexdigest()
-            for p in sorted(folder.rglob("*")) if p.is_file()}
+    return {
+        str(p.relative_to(folder)): hashlib.sha256(p.read_bytes()).hexdigest()
+        for p in sorted(folder.rglob("*"))
+        if p.is_file()
+    }
 
 
 def test_two_runs_one_folder_a_killed_holder_and_a_refused_resume(tmp_path):
@@ -209,28 +249,39 @@ def test_two_runs_one_folder_a_killed_holder_and_a_refused_resume(tmp_path):
         took = time.monotonic() - t0
         lines = [ln for ln in second.stderr.splitlines() if ln.strip()]
         assert second.returncode == 2 and len(lines) == 1, second.stderr
-        assert lines[0].startswith(f"config error: job.dump_folder {folder} is in use by another "
-                                   f"run: {held['job']} on {held['host']} (pid {held['pid']})")
+        assert lines[0].startswith(
+            f"config error: job.dump_folder {folder} is in use by another "
+            f"run: {held['job']} on {held['host']} (pid {held['pid']})"
+        )
         assert took < 30, took
         # ...and by the trainer itself when started without it (plain torchrun or python).
         python, env = fork_python()  # `python -m trainer.train`, forked from the zygote
-        direct = subprocess.run([python, "-m", "trainer.train", "--job.dump_folder",
-                                 str(folder), *RUN], cwd=REPO, env=env,
-                                capture_output=True, text=True, timeout=120)
+        direct = subprocess.run(
+            [python, "-m", "trainer.train", "--job.dump_folder", str(folder), *RUN],
+            cwd=REPO,
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
         assert direct.returncode == 2 and direct.stderr.strip().startswith(
-            f"config error: job.dump_folder {folder} is in use by another run: {held['job']}")
+            f"config error: job.dump_folder {folder} is in use by another run: {held['job']}"
+        )
 
         # A lease left by a SIGKILLed run is taken over by the next one at once.
         killed_folder = tmp_path / "killed"
-        killed = start(killed_folder, *RUN, "--checkpoint.enable", "false",
-                       env=slow(tmp_path / "killed.gate"))
+        killed = start(
+            killed_folder, *RUN, "--checkpoint.enable", "false", env=slow(tmp_path / "killed.gate")
+        )
         dead = wait_for_lease(killed_folder, killed)
         os.killpg(killed.pid, signal.SIGKILL)
         killed.wait()
         assert (killed_folder / LEASE_FILE).exists()
         lone = run_train(killed_folder, *RUN, timeout=300)
-        assert f"dump folder {killed_folder}: taking over the lease of {dead['job']} on " \
-               f"{dead['host']} (pid {dead['pid']})" in lone.stdout
+        assert (
+            f"dump folder {killed_folder}: taking over the lease of {dead['job']} on "
+            f"{dead['host']} (pid {dead['pid']})" in lone.stdout
+        )
         assert not (killed_folder / LEASE_FILE).exists()  # released at the end
 
         (tmp_path / "first.gate").unlink()  # the checks are done: let it finish
@@ -248,8 +299,9 @@ def test_two_runs_one_folder_a_killed_holder_and_a_refused_resume(tmp_path):
 
     # A resume refused (another seed) leaves every file of the folder byte-identical.
     before = snapshot(folder)
-    refused = run_train(folder, *RUN, "--training.steps", "8", "--job.seed", "1", check=False,
-                        timeout=120)
+    refused = run_train(
+        folder, *RUN, "--training.steps", "8", "--job.seed", "1", check=False, timeout=120
+    )
     assert refused.returncode == 2, refused.stderr[-3000:]
     assert "seed" in refused.stderr
     assert snapshot(folder) == before
@@ -262,8 +314,13 @@ def test_a_run_whose_folder_another_run_took_stops_without_saving(tmp_path):
     run's checkpoints: it went on training and saving) and the lease stays the other run's."""
     folder, gate = tmp_path / "run", tmp_path / "gate"
     gate.touch()  # rank 0 sleeps 2 s after each step: the lease's beat (every 0.83 s) sees it
-    proc = start(folder, *RUN, "--job.lease_timeout_seconds", "5",
-                 env={"TRAINER_TEST_SLOW_RANK": f"0:2:{gate}"})
+    proc = start(
+        folder,
+        *RUN,
+        "--job.lease_timeout_seconds",
+        "5",
+        env={"TRAINER_TEST_SLOW_RANK": f"0:2:{gate}"},
+    )
     try:
         wait_for_lease(folder, proc)
         deadline = time.monotonic() + 120
@@ -277,8 +334,10 @@ def test_a_run_whose_folder_another_run_took_stops_without_saving(tmp_path):
             os.killpg(proc.pid, signal.SIGKILL)
     lines = [line for line in err.splitlines() if line.strip()]
     assert proc.returncode == 2, err[-3000:]
-    assert lines[-1].startswith(f"checkpoint error: this run lost the lease on {folder} (now "
-                                f"held by {thief.job} on {thief.host} (pid {thief.pid})"), err
+    assert lines[-1].startswith(
+        f"checkpoint error: this run lost the lease on {folder} (now "
+        f"held by {thief.job} on {thief.host} (pid {thief.pid})"
+    ), err
     assert lines[-1].endswith("stopping without saving, the folder is the other run's now")
     assert sorted(p.name for p in (folder / "checkpoint").iterdir()) == ["step-2"]
     assert json.loads((folder / LEASE_FILE).read_text())["token"] == thief.token

@@ -60,8 +60,7 @@ def test_bf16_matches_eager_within_bf16_rounding(z):
 def test_no_grad_and_all_ignored():
     h, w, y = inputs()
     with torch.no_grad():
-        assert torch.allclose(chunked_loss(h, w, y, chunk_size=8), eager_loss(h, w, y),
-                              rtol=1e-6)
+        assert torch.allclose(chunked_loss(h, w, y, chunk_size=8), eager_loss(h, w, y), rtol=1e-6)
     y = torch.full_like(y, IGNORE_INDEX)
     loss, gh, gw = loss_and_grads(build_loss("chunked", 8), h, w, y)
     assert loss == 0 and not gh.any() and not gw.any()
@@ -72,8 +71,10 @@ def test_z_loss_chunked_matches_eager(chunk):
     """Loss, both gradients and the kept z-loss term agree; the term is w * sum(lse^2) over
     the non-ignored tokens, added to the cross-entropy."""
     h, w, y = inputs()
-    eager, chunked = (build_loss("eager", 0, z_loss_weight=Z),
-                      build_loss("chunked", chunk, z_loss_weight=Z))
+    eager, chunked = (
+        build_loss("eager", 0, z_loss_weight=Z),
+        build_loss("chunked", chunk, z_loss_weight=Z),
+    )
     ref, got = loss_and_grads(eager, h, w, y), loss_and_grads(chunked, h, w, y)
     z_ref, z_got = eager.take_z_loss(), chunked.take_z_loss()
     for a, b in zip(got, ref):
@@ -99,7 +100,7 @@ def previous_chunked(h, w, y, chunk, scale=0.37):
     grad_w = torch.zeros(w.shape, dtype=torch.float32)
     loss = torch.zeros((), dtype=torch.float32)
     for start in range(0, hf.shape[0], chunk):
-        hc, yc = hf[start:start + chunk], yf[start:start + chunk]
+        hc, yc = hf[start : start + chunk], yf[start : start + chunk]
         logits = F.linear(hc, w.detach()).float()
         valid = yc != IGNORE_INDEX
         target = torch.where(valid, yc, 0)[:, None]
@@ -108,7 +109,7 @@ def previous_chunked(h, w, y, chunk, scale=0.37):
         probs = logits.sub_(lse[:, None]).exp_()
         probs.scatter_add_(1, target, -valid[:, None].to(probs.dtype))
         g = probs.mul_(valid[:, None]).to(hc.dtype)
-        torch.mm(g, w.detach(), out=grad_h[start:start + chunk])
+        torch.mm(g, w.detach(), out=grad_h[start : start + chunk])
         if g.dtype == torch.float32:
             grad_w.addmm_(g.t(), hc)
         else:
@@ -127,8 +128,12 @@ def test_without_z_loss_results_are_unchanged_bit_for_bit(dtype):
             assert torch.equal(a, b)
         assert loss.take_z_loss() is None
     hh, ww = h.detach().clone().requires_grad_(), w.detach().clone().requires_grad_()
-    ref = F.cross_entropy(F.linear(hh, ww).flatten(0, 1).float(), y.flatten(),
-                          ignore_index=IGNORE_INDEX, reduction="sum")
+    ref = F.cross_entropy(
+        F.linear(hh, ww).flatten(0, 1).float(),
+        y.flatten(),
+        ignore_index=IGNORE_INDEX,
+        reduction="sum",
+    )
     (ref * 0.37).backward()
     got = loss_and_grads(build_loss("eager", 0), h, w, y)
     for a, b in zip(got, (ref.detach(), hh.grad, ww.grad)):
@@ -138,8 +143,7 @@ def test_without_z_loss_results_are_unchanged_bit_for_bit(dtype):
 def test_fsdp_head_tied_and_untied(tmp_path):
     """On 2 FSDP ranks with the head resharded after forward, the trainer's model returns the
     same loss and the same sharded gradients with either loss, tied or untied."""
-    out = torchrun(REPO / "tests" / "scripts" / "loss_probe.py", nproc=2, timeout=120,
-                   fork=True)
+    out = torchrun(REPO / "tests" / "scripts" / "loss_probe.py", nproc=2, timeout=120, fork=True)
     assert out.stdout.count("loss probe ok") == 8, out.stdout
 
 

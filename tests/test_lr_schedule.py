@@ -65,22 +65,24 @@ def test_wsd_values_by_hand(shape):
 
 
 @pytest.mark.parametrize("shape", ["linear", "cosine", "sqrt"])
-@pytest.mark.parametrize("T, W, sched", [
-    (50, 5, {}),                                  # default: decay over every step after W + 1
-    (50, 0, {}),
-    (50, 5, {"decay_steps": 12}),
-    (50, 5, {"decay_steps": 45}),                 # W + K = T: no step at the peak
-    (50, 5, {"decay_steps": 0}),                  # no decay at all
-    (50, 5, {"decay_ratio": 0.25}),               # K = round(12.5) = 12 (half to even)
-    (37, 3, {"decay_ratio": 0.3}),                # K = round(11.1) = 11
-    (4, 7, {}),                                   # the run ends in warmup
-])
+@pytest.mark.parametrize(
+    "T, W, sched",
+    [
+        (50, 5, {}),  # default: decay over every step after W + 1
+        (50, 0, {}),
+        (50, 5, {"decay_steps": 12}),
+        (50, 5, {"decay_steps": 45}),  # W + K = T: no step at the peak
+        (50, 5, {"decay_steps": 0}),  # no decay at all
+        (50, 5, {"decay_ratio": 0.25}),  # K = round(12.5) = 12 (half to even)
+        (37, 3, {"decay_ratio": 0.3}),  # K = round(11.1) = 11
+        (4, 7, {}),  # the run ends in warmup
+    ],
+)
 def test_every_step_matches_the_documented_formula(shape, T, W, sched):
     cfg = LRScheduler(warmup_steps=W, decay_type=shape, min_lr_factor=0.1, **sched)
     K = decay_steps(cfg, T)
     expected = [0.3 * documented(s, T, W, K, shape, 0.1) for s in range(1, T + 1)]
-    got = schedule_lrs(T, peak=0.3, warmup_steps=W, decay_type=shape, min_lr_factor=0.1,
-                       **sched)
+    got = schedule_lrs(T, peak=0.3, warmup_steps=W, decay_type=shape, min_lr_factor=0.1, **sched)
     assert got == pytest.approx(expected, rel=1e-12, abs=1e-15)
     if K:
         assert got[-1] == pytest.approx(0.3 * 0.1, rel=1e-12)  # min_lr_factor at the end
@@ -89,8 +91,12 @@ def test_every_step_matches_the_documented_formula(shape, T, W, sched):
 
 
 def test_decay_ratio_rounds_like_torchtitan():
-    assert [decay_steps(LRScheduler(decay_ratio=r), 50) for r in (0.25, 0.23, 0.0, 1.0)] == \
-        [12, 12, 0, 50]  # round(12.5) = 12, round(11.5) = 12: half to even
+    assert [decay_steps(LRScheduler(decay_ratio=r), 50) for r in (0.25, 0.23, 0.0, 1.0)] == [
+        12,
+        12,
+        0,
+        50,
+    ]  # round(12.5) = 12, round(11.5) = 12: half to even
 
 
 def previous_lr_factor(step, *, warmup_steps, total_steps, decay_type, min_lr_factor):
@@ -112,10 +118,17 @@ def test_default_is_the_previous_schedule_bit_for_bit(shape):
                 cfg = LRScheduler(warmup_steps=W, decay_type=shape, min_lr_factor=f)
                 K = decay_steps(cfg, T)
                 for s in range(1, T + 1):
-                    new = lr_factor(s, warmup_steps=W, decay_steps=K, total_steps=T,
-                                    decay_type=shape, min_lr_factor=f)
-                    old = previous_lr_factor(s - 1, warmup_steps=W, total_steps=T,
-                                             decay_type=shape, min_lr_factor=f)
+                    new = lr_factor(
+                        s,
+                        warmup_steps=W,
+                        decay_steps=K,
+                        total_steps=T,
+                        decay_type=shape,
+                        min_lr_factor=f,
+                    )
+                    old = previous_lr_factor(
+                        s - 1, warmup_steps=W, total_steps=T, decay_type=shape, min_lr_factor=f
+                    )
                     assert new == old, (T, W, f, s, new, old)
 
 
@@ -125,10 +138,10 @@ def test_raising_steps_in_the_stable_phase_changes_no_lr_used(K):
     20 and 40 with the same decay_steps; the decay moves to the new end."""
     short = schedule_lrs(20, warmup_steps=3, decay_steps=K, decay_type="cosine", min_lr_factor=0.1)
     long = schedule_lrs(40, warmup_steps=3, decay_steps=K, decay_type="cosine", min_lr_factor=0.1)
-    assert long[:20 - K] == short[:20 - K]
-    assert long[20 - K:40 - K] == [1.0] * 20
+    assert long[: 20 - K] == short[: 20 - K]
+    assert long[20 - K : 40 - K] == [1.0] * 20
     if K:
-        assert short[20 - K:] != long[20 - K:20]
+        assert short[20 - K :] != long[20 - K : 20]
     # The default ties the slope to training.steps: every lr after warmup + 1 moves.
     short = schedule_lrs(20, warmup_steps=3)
     long = schedule_lrs(40, warmup_steps=3)
@@ -157,8 +170,13 @@ def test_resume_applies_the_new_schedule_from_the_resumed_step():
     assert opt2.param_groups[0]["lr"] == 1e-3  # the checkpoint's lr, until the scheduler loads
     sched2.load_state_dict(saved[1])
     got = train(opt2, sched2, 6)  # the decay: steps 11..16, from the new peak
-    expected = [2e-3 * lr_factor(s, warmup_steps=2, decay_steps=6, total_steps=16,
-                                 decay_type="linear", min_lr_factor=0.0) for s in range(11, 17)]
+    expected = [
+        2e-3
+        * lr_factor(
+            s, warmup_steps=2, decay_steps=6, total_steps=16, decay_type="linear", min_lr_factor=0.0
+        )
+        for s in range(11, 17)
+    ]
     assert got == pytest.approx(expected, rel=1e-12) and got[-1] == 0.0
     assert "step 11 trains at lr 0.00166667" in sched2.resume_note()
     assert "would have used 0.001" in sched2.resume_note()
@@ -177,14 +195,15 @@ def test_a_muon_schedule_saves_the_same_on_every_rank():
     peaks = {"lr": 3e-4, "muon": 0.02}
 
     def rank(kinds, lr=3e-4):
-        groups = [{"params": [torch.nn.Parameter(torch.zeros(2, 2))], "use_muon": True,
-                   "lr": 0.02}]
+        groups = [{"params": [torch.nn.Parameter(torch.zeros(2, 2))], "use_muon": True, "lr": 0.02}]
         if kinds == 2:
-            groups.append({"params": [torch.nn.Parameter(torch.zeros(2))], "use_muon": False,
-                           "lr": lr})
+            groups.append(
+                {"params": [torch.nn.Parameter(torch.zeros(2))], "use_muon": False, "lr": lr}
+            )
         opt = torch.optim.AdamW(groups)
-        sched = build_lr_scheduler(opt, LRScheduler(warmup_steps=2, decay_steps=4), 10,
-                                   {**peaks, "lr": lr})
+        sched = build_lr_scheduler(
+            opt, LRScheduler(warmup_steps=2, decay_steps=4), 10, {**peaks, "lr": lr}
+        )
         for _ in range(7):  # the next, step 8, halfway down the decay: factor 0.5
             opt.step()
             sched.step()
@@ -200,7 +219,8 @@ def test_a_muon_schedule_saves_the_same_on_every_rank():
     assert lower.resume_note() == (
         "lr schedule changed at the resume: step 8 trains at lr 5e-05 (this run's "
         "optimizer.lr, muon_lr, [lr_scheduler] and training.steps); the checkpoint's run "
-        "would have used 0.00015")
+        "would have used 0.00015"
+    )
     assert [g["lr"] for g in opt.param_groups] == pytest.approx([0.01, 5e-5])
 
 
@@ -213,23 +233,48 @@ def test_unchanged_schedule_resumes_bit_for_bit_mid_decay():
     assert first + again == straight and straight[21] < 3e-4
 
 
-@pytest.mark.parametrize("args, needle", [
-    (["--lr_scheduler.decay_ratio", "1.5"],
-     "lr_scheduler.decay_ratio = 1.5 is out of range; it must be in [0, 1], or -1 (off)"),
-    (["--lr_scheduler.decay_ratio", "-0.5"], "lr_scheduler.decay_ratio = -0.5 is out of range"),
-    (["--lr_scheduler.decay_steps", "-2"], "lr_scheduler.decay_steps = -2 is out of range"),
-    (["--lr_scheduler.decay_steps", "10", "--lr_scheduler.decay_ratio", "0.1"],
-     "lr_scheduler.decay_steps = 10 and lr_scheduler.decay_ratio = 0.1 are both set"),
-    (["--training.steps", "100", "--lr_scheduler.warmup_steps", "10",
-      "--lr_scheduler.decay_steps", "91"],
-     "lr_scheduler.warmup_steps = 10 plus lr_scheduler.decay_steps = 91 exceed "
-     "training.steps = 100"),
-    (["--training.steps", "100", "--lr_scheduler.warmup_steps", "10",
-      "--lr_scheduler.decay_ratio", "0.95"],
-     "lr_scheduler.decay_ratio = 0.95 (round(0.95 * 100) = 95 decay steps) exceed"),
-    (["--lr_scheduler.decay_type", "exp"],
-     "lr_scheduler.decay_type = 'exp' is not valid; choose one of 'linear', 'cosine', 'sqrt'"),
-])
+@pytest.mark.parametrize(
+    "args, needle",
+    [
+        (
+            ["--lr_scheduler.decay_ratio", "1.5"],
+            "lr_scheduler.decay_ratio = 1.5 is out of range; it must be in [0, 1], or -1 (off)",
+        ),
+        (["--lr_scheduler.decay_ratio", "-0.5"], "lr_scheduler.decay_ratio = -0.5 is out of range"),
+        (["--lr_scheduler.decay_steps", "-2"], "lr_scheduler.decay_steps = -2 is out of range"),
+        (
+            ["--lr_scheduler.decay_steps", "10", "--lr_scheduler.decay_ratio", "0.1"],
+            "lr_scheduler.decay_steps = 10 and lr_scheduler.decay_ratio = 0.1 are both set",
+        ),
+        (
+            [
+                "--training.steps",
+                "100",
+                "--lr_scheduler.warmup_steps",
+                "10",
+                "--lr_scheduler.decay_steps",
+                "91",
+            ],
+            "lr_scheduler.warmup_steps = 10 plus lr_scheduler.decay_steps = 91 exceed "
+            "training.steps = 100",
+        ),
+        (
+            [
+                "--training.steps",
+                "100",
+                "--lr_scheduler.warmup_steps",
+                "10",
+                "--lr_scheduler.decay_ratio",
+                "0.95",
+            ],
+            "lr_scheduler.decay_ratio = 0.95 (round(0.95 * 100) = 95 decay steps) exceed",
+        ),
+        (
+            ["--lr_scheduler.decay_type", "exp"],
+            "lr_scheduler.decay_type = 'exp' is not valid; choose one of 'linear', 'cosine', 'sqrt'",
+        ),
+    ],
+)
 def test_config_errors_name_the_key(args, needle):
     with pytest.raises(ConfigError) as e:
         load_config(args)
@@ -239,8 +284,16 @@ def test_config_errors_name_the_key(args, needle):
 
 
 def test_fitting_schedules_are_valid():
-    load_config(["--training.steps", "100", "--lr_scheduler.warmup_steps", "10",
-                 "--lr_scheduler.decay_steps", "90"])  # W + K = T
+    load_config(
+        [
+            "--training.steps",
+            "100",
+            "--lr_scheduler.warmup_steps",
+            "10",
+            "--lr_scheduler.decay_steps",
+            "90",
+        ]
+    )  # W + K = T
     load_config(["--training.steps", "5", "--lr_scheduler.warmup_steps", "10"])  # default
     load_config(["--lr_scheduler.decay_ratio", "0", "--lr_scheduler.decay_type", "sqrt"])
 
@@ -248,9 +301,21 @@ def test_fitting_schedules_are_valid():
 # ----------------------------------------------------------------------------- end to end
 
 PEAK = 1e-3
-WSD = [*BASE_FP32, "--optimizer.lr", str(PEAK), "--lr_scheduler.decay_steps", "5",
-       "--lr_scheduler.decay_type", "sqrt", "--lr_scheduler.min_lr_factor", "0.1",
-       "--checkpoint.enable", "true", "--checkpoint.interval", "10"]
+WSD = [
+    *BASE_FP32,
+    "--optimizer.lr",
+    str(PEAK),
+    "--lr_scheduler.decay_steps",
+    "5",
+    "--lr_scheduler.decay_type",
+    "sqrt",
+    "--lr_scheduler.min_lr_factor",
+    "0.1",
+    "--checkpoint.enable",
+    "true",
+    "--checkpoint.interval",
+    "10",
+]
 
 
 # One rank, one thread: torchrun sets OMP_NUM_THREADS=1 only for several ranks, and a
@@ -285,18 +350,17 @@ def test_resume_extends_or_starts_the_decay(tmp_path):
     lr40 = scalars(longer, "lr")
     assert sorted(lr40) == list(range(11, 41))
     assert all(lr40[s] == lr[s] for s in range(11, 16))  # no jump, nothing used changes
-    assert lr40 == pytest.approx({s: v for s, v in expected_lrs(40, 5).items() if s > 10},
-                                 rel=1e-6)
+    assert lr40 == pytest.approx({s: v for s, v in expected_lrs(40, 5).items() if s > 10}, rel=1e-6)
     assert not scalars(longer, "loss_metrics/z_loss")
     ce = scalars(run, "loss_metrics/global_avg_loss")[11]
     assert scalars(longer, "loss_metrics/global_avg_loss")[11] == pytest.approx(ce, rel=1e-5)
     assert z[11] > 100 * 1e-5 * ce  # had the z-loss term been in it, that would have failed
 
     decay = stopped_after_save(run, tmp_path / "decay", 20)
-    out = run_train(decay, *WSD, "--training.steps", "16", "--lr_scheduler.decay_steps", "6",
-                    **ONE_RANK).stdout
+    out = run_train(
+        decay, *WSD, "--training.steps", "16", "--lr_scheduler.decay_steps", "6", **ONE_RANK
+    ).stdout
     assert "lr schedule changed at the resume: step 11 trains at lr" in out
     lr16 = scalars(decay, "lr")
-    assert lr16 == pytest.approx({s: v for s, v in expected_lrs(16, 6).items() if s > 10},
-                                 rel=1e-6)
+    assert lr16 == pytest.approx({s: v for s, v in expected_lrs(16, 6).items() if s > 10}, rel=1e-6)
     assert lr16[11] < PEAK and lr16[16] == pytest.approx(0.1 * PEAK, rel=1e-6)

@@ -4,8 +4,16 @@ from trainer.config.job import load_config
 from trainer.plan.measured import describe, measured_fit, split
 from trainer.plan.memory import GIB, device_need, largest_local_batch, memory_plan
 
-ONE_B = ["--job.config_file", "configs/llama3_1b.toml", "--data.dataset", "synthetic",
-         "--training.global_batch_size", "-1", "--training.local_batch_size", "7"]
+ONE_B = [
+    "--job.config_file",
+    "configs/llama3_1b.toml",
+    "--data.dataset",
+    "synthetic",
+    "--training.global_batch_size",
+    "-1",
+    "--training.local_batch_size",
+    "7",
+]
 
 
 def test_a_peak_equal_to_the_plan_gives_the_plans_answer():

@@ -19,22 +19,46 @@ from tests.helpers import TINY, run_train, scalars
 STEPS, LOG_FREQ, PEAK = 5, 2, 0.5
 LOGGED = [1, 2, 4, 5]  # the first step, every log_freq-th, and the last
 TAGS = [
-    "loss_metrics/global_avg_loss", "loss_metrics/global_max_loss", "grad_norm", "lr",
-    "n_tokens_seen", "throughput(tps)", "tflops", "mfu(%)", "time_metrics/end_to_end(s)",
-    "time_metrics/data_loading(s)", "time_metrics/data_loading(%)",
+    "loss_metrics/global_avg_loss",
+    "loss_metrics/global_max_loss",
+    "grad_norm",
+    "lr",
+    "n_tokens_seen",
+    "throughput(tps)",
+    "tflops",
+    "mfu(%)",
+    "time_metrics/end_to_end(s)",
+    "time_metrics/data_loading(s)",
+    "time_metrics/data_loading(%)",
 ]
-CUDA_TAGS = ["memory/max_active(GiB)", "memory/max_active(%)", "memory/max_reserved(GiB)",
-             "memory/max_reserved(%)", "memory/num_alloc_retries", "memory/num_ooms"]
+CUDA_TAGS = [
+    "memory/max_active(GiB)",
+    "memory/max_active(%)",
+    "memory/max_reserved(GiB)",
+    "memory/max_reserved(%)",
+    "memory/num_alloc_retries",
+    "memory/num_ooms",
+]
 CPU_TAGS = ["memory/max_rss(GiB)"]
 
 
 @pytest.fixture(scope="module")
 def run(tmp_path_factory):
     dump = tmp_path_factory.mktemp("metrics_e2e")
-    proc = run_train(dump, *TINY, "--training.steps", str(STEPS),
-                     "--metrics.log_freq", str(LOG_FREQ), "--metrics.peak_tflops", str(PEAK),
-                     "--checkpoint.enable", "false", log_rank="0,1",
-                     env={"TRAINER_DEBUG_RANK_LOSS": "1"})
+    proc = run_train(
+        dump,
+        *TINY,
+        "--training.steps",
+        str(STEPS),
+        "--metrics.log_freq",
+        str(LOG_FREQ),
+        "--metrics.peak_tflops",
+        str(PEAK),
+        "--checkpoint.enable",
+        "false",
+        log_rank="0,1",
+        env={"TRAINER_DEBUG_RANK_LOSS": "1"},
+    )
     return dump, proc.stdout
 
 
@@ -61,7 +85,8 @@ def test_global_avg_loss_is_the_mean_of_rank_losses(run):
     dump, stdout = run
     per_rank = rank_losses(stdout)
     assert sorted(per_rank) == LOGGED, (
-        "no per-rank loss lines: train.py must pass local_loss= to MetricsProcessor.log")
+        "no per-rank loss lines: train.py must pass local_loss= to MetricsProcessor.log"
+    )
     avg = scalars(dump, "loss_metrics/global_avg_loss")
     mx = scalars(dump, "loss_metrics/global_max_loss")
     for step, losses in per_rank.items():
@@ -94,9 +119,18 @@ def test_console_has_one_line_per_logged_step(run):
 def test_one_gpu_run_uses_nccl_bf16_cuda_memory_and_the_device_table(tmp_path):
     """The CUDA path for real: nccl, auto = bf16, the allocator's memory tags, and MFU against
     the device table's peak (no peak_tflops given)."""
-    proc = run_train(tmp_path, *TINY[2:], "--training.mixed_precision_param", "auto",
-                     "--training.steps", "3", "--checkpoint.enable", "false", nproc=1,
-                     device="cuda")
+    proc = run_train(
+        tmp_path,
+        *TINY[2:],
+        "--training.mixed_precision_param",
+        "auto",
+        "--training.steps",
+        "3",
+        "--checkpoint.enable",
+        "false",
+        nproc=1,
+        device="cuda",
+    )
     assert "device: cuda (nccl" in proc.stdout
     assert "compute dtype: bfloat16 (auto: CUDA)" in proc.stdout
     for tag in TAGS + CUDA_TAGS:

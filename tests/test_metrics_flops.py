@@ -20,20 +20,41 @@ import torch
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.utils.flop_counter import FlopCounterMode
 
-from trainer.models.flops import (attention_flops_per_token, flops_per_token, matmul_params,
-                           resolve_peak, table_peak_tflops)
+from trainer.models.flops import (
+    attention_flops_per_token,
+    flops_per_token,
+    matmul_params,
+    resolve_peak,
+    table_peak_tflops,
+)
 from trainer.models.llama import ModelArgs, build_model, model_args
 
 # (name, args, seq_len, batch): real dims of each flavor, fewer layers where the model is big.
 SHAPES = [
-    ("debugmodel", model_args("debugmodel"), 256, 2),                      # GQA 8q/4kv
-    ("1B", dataclasses.replace(model_args("1B"), n_layers=2), 512, 1),     # GQA 32q/8kv
-    ("8B", dataclasses.replace(model_args("8B"), n_layers=2), 512, 1),     # GQA 32q/8kv
-    ("70B", dataclasses.replace(model_args("70B"), n_layers=1), 256, 1),   # GQA 64q/8kv
-    ("MQA-odd", ModelArgs(dim=384, n_layers=3, n_heads=12, n_kv_heads=1, vocab_size=1000,
-                          multiple_of=32, ffn_dim_multiplier=1.3), 96, 3),
-    ("MHA", ModelArgs(dim=256, n_layers=2, n_heads=4, n_kv_heads=4, vocab_size=512,
-                      multiple_of=64), 128, 2),
+    ("debugmodel", model_args("debugmodel"), 256, 2),  # GQA 8q/4kv
+    ("1B", dataclasses.replace(model_args("1B"), n_layers=2), 512, 1),  # GQA 32q/8kv
+    ("8B", dataclasses.replace(model_args("8B"), n_layers=2), 512, 1),  # GQA 32q/8kv
+    ("70B", dataclasses.replace(model_args("70B"), n_layers=1), 256, 1),  # GQA 64q/8kv
+    (
+        "MQA-odd",
+        ModelArgs(
+            dim=384,
+            n_layers=3,
+            n_heads=12,
+            n_kv_heads=1,
+            vocab_size=1000,
+            multiple_of=32,
+            ffn_dim_multiplier=1.3,
+        ),
+        96,
+        3,
+    ),
+    (
+        "MHA",
+        ModelArgs(dim=256, n_layers=2, n_heads=4, n_kv_heads=4, vocab_size=512, multiple_of=64),
+        128,
+        2,
+    ),
 ]
 
 
@@ -81,8 +102,10 @@ def test_gqa_shrinks_projections_but_not_attention_products():
     kv_saved = 2 * mha.n_layers * mha.dim * (8 - 2) * mha.head_dim
     assert matmul_params(mha) - matmul_params(gqa) == kv_saved
     assert attention_flops_per_token(mha, 1024) == attention_flops_per_token(gqa, 1024)
-    assert attention_flops_per_token(gqa, 1024, causal_half=True) == \
-        attention_flops_per_token(gqa, 1024) / 2
+    assert (
+        attention_flops_per_token(gqa, 1024, causal_half=True)
+        == attention_flops_per_token(gqa, 1024) / 2
+    )
 
 
 def test_matmul_params_is_num_params_without_embedding_and_norms():
@@ -91,18 +114,29 @@ def test_matmul_params_is_num_params_without_embedding_and_norms():
         assert matmul_params(args) == args.num_params(embeddings=False) - norms
 
 
-@pytest.mark.parametrize("name,tflops", [
-    ("NVIDIA A100-SXM4-80GB", 312.0), ("NVIDIA A100 80GB PCIe", 312.0),
-    ("NVIDIA H100 80GB HBM3", 989.5), ("NVIDIA H100 PCIe", 756.5), ("NVIDIA H100 NVL", 835.5),
-    ("NVIDIA H200", 989.5), ("NVIDIA H200 NVL", 835.5), ("NVIDIA B200", 2250.0),
-    ("NVIDIA L40S", 362.05), ("AMD Instinct MI300X", 1307.4), ("AMD Instinct MI300X VF", 1307.4),
-])
+@pytest.mark.parametrize(
+    "name,tflops",
+    [
+        ("NVIDIA A100-SXM4-80GB", 312.0),
+        ("NVIDIA A100 80GB PCIe", 312.0),
+        ("NVIDIA H100 80GB HBM3", 989.5),
+        ("NVIDIA H100 PCIe", 756.5),
+        ("NVIDIA H100 NVL", 835.5),
+        ("NVIDIA H200", 989.5),
+        ("NVIDIA H200 NVL", 835.5),
+        ("NVIDIA B200", 2250.0),
+        ("NVIDIA L40S", 362.05),
+        ("AMD Instinct MI300X", 1307.4),
+        ("AMD Instinct MI300X VF", 1307.4),
+    ],
+)
 def test_peak_table_dense_bf16(name, tflops):
     assert table_peak_tflops(name)[0] == tflops
 
 
-@pytest.mark.parametrize("name", ["NVIDIA L40", "NVIDIA GH200 480GB", "NVIDIA GeForce RTX 4090",
-                                  "NVIDIA H800", ""])
+@pytest.mark.parametrize(
+    "name", ["NVIDIA L40", "NVIDIA GH200 480GB", "NVIDIA GeForce RTX 4090", "NVIDIA H800", ""]
+)
 def test_unknown_devices_get_no_peak(name):
     assert table_peak_tflops(name) is None
 

@@ -22,13 +22,24 @@ from trainer.models.llama import model_args
 ARGS = model_args("debugmodel")
 SEQ = 256
 BASE_TAGS = {
-    "loss_metrics/global_avg_loss", "loss_metrics/global_max_loss", "grad_norm", "lr",
-    "n_tokens_seen", "throughput(tps)", "tflops", "time_metrics/end_to_end(s)",
-    "time_metrics/data_loading(s)", "time_metrics/data_loading(%)",
+    "loss_metrics/global_avg_loss",
+    "loss_metrics/global_max_loss",
+    "grad_norm",
+    "lr",
+    "n_tokens_seen",
+    "throughput(tps)",
+    "tflops",
+    "time_metrics/end_to_end(s)",
+    "time_metrics/data_loading(s)",
+    "time_metrics/data_loading(%)",
 }
 CUDA_MEMORY_TAGS = {
-    "memory/max_active(GiB)", "memory/max_active(%)", "memory/max_reserved(GiB)",
-    "memory/max_reserved(%)", "memory/num_alloc_retries", "memory/num_ooms",
+    "memory/max_active(GiB)",
+    "memory/max_active(%)",
+    "memory/max_reserved(GiB)",
+    "memory/max_reserved(%)",
+    "memory/num_alloc_retries",
+    "memory/num_ooms",
     "memory/max_rss(GiB)",  # host memory too: with fsdp_offload the sharded state lives there
 }
 
@@ -54,9 +65,16 @@ def make(tmp_path, *, peak=0.0, rank=0, device=torch.device("cpu"), **metric_cfg
     cfg.metrics.peak_tflops = peak
     for k, v in metric_cfg.items():
         setattr(cfg.metrics, k, v)
-    mp = MetricsProcessor(cfg, model_args=ARGS, seq_len=SEQ, device=device, rank=rank,
-                          parallel_desc="FSDP dp_shard=2", accumulation_steps=2,
-                          num_params=ARGS.num_params())
+    mp = MetricsProcessor(
+        cfg,
+        model_args=ARGS,
+        seq_len=SEQ,
+        device=device,
+        rank=rank,
+        parallel_desc="FSDP dp_shard=2",
+        accumulation_steps=2,
+        num_params=ARGS.num_params(),
+    )
     mp.open()
     return mp
 
@@ -71,8 +89,14 @@ def run_steps(mp, clock, *, steps, tokens, step_s, data_s, first_step=1, log=Tru
         clock.t += step_s - data_s
     if log:
         step = first_step + steps - 1
-        return mp.log(step, global_avg_loss=5.0 + step, global_max_loss=6.0 + step,
-                      grad_norm=0.5, lr=1e-3, tokens_seen=step * tokens)
+        return mp.log(
+            step,
+            global_avg_loss=5.0 + step,
+            global_max_loss=6.0 + step,
+            grad_norm=0.5,
+            lr=1e-3,
+            tokens_seen=step * tokens,
+        )
 
 
 def events(tmp_path) -> EventAccumulator:
@@ -88,7 +112,7 @@ def values(acc, tag) -> dict[int, float]:
 
 def test_mfu_is_flops_per_token_times_tps_over_peak(tmp_path, clock):
     mp = make(tmp_path, peak=2.0)
-    run_steps(mp, clock, steps=4, tokens=1000, step_s=0.5, data_s=0.1)           # steps 1-4
+    run_steps(mp, clock, steps=4, tokens=1000, step_s=0.5, data_s=0.1)  # steps 1-4
     run_steps(mp, clock, steps=2, tokens=3000, step_s=2.0, data_s=1.0, first_step=5)  # 5-6
     mp.close()
     acc = events(tmp_path)
@@ -131,8 +155,10 @@ def test_no_peak_on_cpu_means_no_mfu(tmp_path, clock, capsys):
 
 def test_configured_peak_is_labelled_on_cpu(tmp_path, capsys):
     make(tmp_path, peak=3.5, enable_tensorboard=False).log_startup()
-    assert "3.5 TFLOPS bf16 per device, from the config ([metrics] peak_tflops" \
+    assert (
+        "3.5 TFLOPS bf16 per device, from the config ([metrics] peak_tflops"
         in capsys.readouterr().out
+    )
 
 
 def test_config_and_hparams_are_recorded(tmp_path, clock):
@@ -160,12 +186,14 @@ def test_only_rank0_writes_and_prints(tmp_path, clock, capsys):
 def test_rank_loss_debug_line(tmp_path, clock, capsys, monkeypatch):
     mp = make(tmp_path, rank=1)
     mp.step_timer()
-    mp.log(3, global_avg_loss=1, global_max_loss=1, grad_norm=1, lr=1, tokens_seen=1,
-           local_loss=0.1)
+    mp.log(
+        3, global_avg_loss=1, global_max_loss=1, grad_norm=1, lr=1, tokens_seen=1, local_loss=0.1
+    )
     assert capsys.readouterr().out == ""
     monkeypatch.setenv("TRAINER_DEBUG_RANK_LOSS", "1")
-    mp.log(4, global_avg_loss=1, global_max_loss=1, grad_norm=1, lr=1, tokens_seen=1,
-           local_loss=0.1)
+    mp.log(
+        4, global_avg_loss=1, global_max_loss=1, grad_norm=1, lr=1, tokens_seen=1, local_loss=0.1
+    )
     assert capsys.readouterr().out == "rank 1 step 4 local_loss 0.1\n"
 
 
@@ -174,11 +202,25 @@ def test_z_loss_is_its_own_tag_and_console_figure(tmp_path, clock, capsys):
     mp.step_timer()
     mp.log(1, global_avg_loss=7.5, global_max_loss=7.5, grad_norm=1, lr=1, tokens_seen=1)
     mp.step_timer()
-    m = mp.log(2, global_avg_loss=7.25, global_max_loss=7.5, grad_norm=1, lr=1, tokens_seen=1,
-               z_loss=0.0625)
+    m = mp.log(
+        2,
+        global_avg_loss=7.25,
+        global_max_loss=7.5,
+        grad_norm=1,
+        lr=1,
+        tokens_seen=1,
+        z_loss=0.0625,
+    )
     mp.step_timer()
-    mp.log(3, global_avg_loss=7.0, global_max_loss=7.5, grad_norm=1, lr=1, tokens_seen=1,
-           mtp_loss=7.125)  # multi-token prediction: its own tag and figure too
+    mp.log(
+        3,
+        global_avg_loss=7.0,
+        global_max_loss=7.5,
+        grad_norm=1,
+        lr=1,
+        tokens_seen=1,
+        mtp_loss=7.125,
+    )  # multi-token prediction: its own tag and figure too
     mp.close()
     out = capsys.readouterr().out.splitlines()
     assert "loss:   7.5000 (max 7.5000)  " in out[-3]
@@ -206,8 +248,12 @@ def test_each_launch_gets_its_own_run_folder(tmp_path):
 
 def fake_cuda(monkeypatch, name="NVIDIA H100 80GB HBM3"):
     """A CUDA device as seen through the torch.cuda calls metrics makes (no GPU here)."""
-    stats = {"active_bytes.all.peak": 20 * 2**30, "reserved_bytes.all.peak": 40 * 2**30,
-             "num_alloc_retries": 3, "num_ooms": 0}
+    stats = {
+        "active_bytes.all.peak": 20 * 2**30,
+        "reserved_bytes.all.peak": 40 * 2**30,
+        "num_alloc_retries": 3,
+        "num_ooms": 0,
+    }
     resets = []
 
     class Props:
@@ -254,12 +300,25 @@ def test_color_policy(monkeypatch):
 
 
 def test_console_line(tmp_path, clock):
-    m = run_steps(make(tmp_path, peak=1.0, enable_tensorboard=False), clock, steps=1,
-                  tokens=4096, step_s=2.0, data_s=0.5)
+    m = run_steps(
+        make(tmp_path, peak=1.0, enable_tensorboard=False),
+        clock,
+        steps=1,
+        tokens=4096,
+        step_s=2.0,
+        data_s=0.5,
+    )
     plain = format_line(10, m, metrics.Colors(False))
     assert "\033[" not in plain
-    for piece in ("step:    10", "loss:   6.0000 (max 7.0000)", "grad_norm:  0.5000",
-                  "tps: 2,048", "mfu: ", "(data 25.0%)", "rss: "):
+    for piece in (
+        "step:    10",
+        "loss:   6.0000 (max 7.0000)",
+        "grad_norm:  0.5000",
+        "tps: 2,048",
+        "mfu: ",
+        "(data 25.0%)",
+        "rss: ",
+    ):
         assert piece in plain, (piece, plain)
     colored = format_line(10, m, metrics.Colors(True))
     assert "\033[31m" in colored and colored.endswith("\033[0m")

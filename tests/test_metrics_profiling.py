@@ -36,11 +36,14 @@ def traced_steps(tmp_path) -> list[int]:
     return sorted(int(d.name.removeprefix("iteration_")) for d in root.iterdir())
 
 
-@pytest.mark.parametrize("start,stop,freq,expected", [
-    (0, 8, 3, [3, 6]),     # not 9: the run ends before it, and no half-recorded trace is saved
-    (4, 10, 3, [6, 9]),    # a resumed run traces the same step numbers
-    (0, 3, 1, [1, 2, 3]),
-])
+@pytest.mark.parametrize(
+    "start,stop,freq,expected",
+    [
+        (0, 8, 3, [3, 6]),  # not 9: the run ends before it, and no half-recorded trace is saved
+        (4, 10, 3, [6, 9]),  # a resumed run traces the same step numbers
+        (0, 3, 1, [1, 2, 3]),
+    ],
+)
 def test_traces_the_chosen_steps(tmp_path, capsys, start, stop, freq, expected):
     train(config(tmp_path, enable_profiling=True, profile_freq=freq), start=start, stop=stop)
     assert traced_steps(tmp_path) == expected
@@ -85,12 +88,19 @@ def test_a_run_that_dies_of_an_oom_dumps_the_snapshot(tmp_path, monkeypatch):
     dumped = []
     monkeypatch.setattr(torch.cuda.memory, "_record_memory_history", lambda *a, **k: None)
     monkeypatch.setattr(StepProfiler, "_dump_snapshot", lambda self, name: dumped.append(name))
-    for error, expected in ((OutOfMemory("CUDA out of memory at step 3 on rank 0"), True),
-                            (torch.OutOfMemoryError("raw"), True), (ValueError("bug"), False)):
+    for error, expected in (
+        (OutOfMemory("CUDA out of memory at step 3 on rank 0"), True),
+        (torch.OutOfMemoryError("raw"), True),
+        (ValueError("bug"), False),
+    ):
         dumped.clear()
         with pytest.raises(type(error)):
-            with StepProfiler(config(tmp_path, enable_memory_snapshot=True), rank=0,
-                              device=torch.device("cpu"), start_step=0) as prof:
+            with StepProfiler(
+                config(tmp_path, enable_memory_snapshot=True),
+                rank=0,
+                device=torch.device("cpu"),
+                start_step=0,
+            ) as prof:
                 prof.snapshot = True  # as on CUDA
                 prof.step(), prof.step()
                 raise error

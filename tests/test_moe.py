@@ -218,15 +218,26 @@ def test_qwen3_moe_round_trip_with_transformers(tmp_path):
     cfg = JobConfig()
     cfg.data.dataset = "synthetic"
     sd = ours.state_dict()
-    write_hf_folder(str(tmp_path / "out"), args, lambda names: {n: sd[n] for n in names}, cfg,
-                    dtype="float32", log=lambda _: None)
+    write_hf_folder(
+        str(tmp_path / "out"),
+        args,
+        lambda names: {n: sd[n] for n in names},
+        cfg,
+        dtype="float32",
+        log=lambda _: None,
+    )
     theirs = Qwen3MoeForCausalLM.from_pretrained(tmp_path / "out", dtype=torch.float32).eval()
     tokens = torch.randint(0, 512, (2, 16), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         assert (ours(tokens) - theirs(tokens).logits).abs().max().item() < 1e-4
 
-    config = Qwen3MoeConfig(**{k: v for k, v in theirs.config.to_dict().items()
-                               if k not in ("architectures", "transformers_version")})
+    config = Qwen3MoeConfig(
+        **{
+            k: v
+            for k, v in theirs.config.to_dict().items()
+            if k not in ("architectures", "transformers_version")
+        }
+    )
     torch.manual_seed(1)
     fresh = Qwen3MoeForCausalLM(config).eval()
     perturb_norms(fresh)
@@ -258,8 +269,14 @@ def test_one_expert_round_trips_with_transformers(tmp_path):
     cfg = JobConfig()
     cfg.data.dataset = "synthetic"
     sd = models[0].state_dict()
-    write_hf_folder(str(tmp_path), args, lambda names: {n: sd[n] for n in names}, cfg,
-                    dtype="float32", log=lambda _: None)
+    write_hf_folder(
+        str(tmp_path),
+        args,
+        lambda names: {n: sd[n] for n in names},
+        cfg,
+        dtype="float32",
+        log=lambda _: None,
+    )
     load_hf(models[1], str(tmp_path), flavor="debugmodel-moe")
     theirs = Qwen3MoeForCausalLM.from_pretrained(tmp_path, dtype=torch.float32).eval()
     tokens = torch.randint(0, 512, (2, 16), generator=torch.Generator().manual_seed(0))
@@ -274,15 +291,30 @@ def test_another_architecture_is_one_config_error(tmp_path):
     from trainer.hf.mapping import check_hf_config
 
     args, _ = random_moe("debugmodel-moe")
-    with pytest.raises(ConfigError, match="holds a 'llama' model .* but model.flavor "
-                                          "'debugmodel-moe' is 'qwen3_moe'"):
-        check_hf_config({"model_type": "llama", "architectures": ["LlamaForCausalLM"]}, args,
-                        str(tmp_path), "debugmodel-moe")
+    with pytest.raises(
+        ConfigError,
+        match="holds a 'llama' model .* but model.flavor 'debugmodel-moe' is 'qwen3_moe'",
+    ):
+        check_hf_config(
+            {"model_type": "llama", "architectures": ["LlamaForCausalLM"]},
+            args,
+            str(tmp_path),
+            "debugmodel-moe",
+        )
     # the same architecture with another top-k (no tensor shape shows it) is refused too
     with pytest.raises(ConfigError, match="num_experts_per_tok is 4 there and 2 here"):
-        check_hf_config({"model_type": "qwen3_moe", "rms_norm_eps": 1e-6, "rope_theta": 5e5,
-                         "num_experts_per_tok": 4, "norm_topk_prob": True}, args,
-                        str(tmp_path), "debugmodel-moe")
+        check_hf_config(
+            {
+                "model_type": "qwen3_moe",
+                "rms_norm_eps": 1e-6,
+                "rope_theta": 5e5,
+                "num_experts_per_tok": 4,
+                "norm_topk_prob": True,
+            },
+            args,
+            str(tmp_path),
+            "debugmodel-moe",
+        )
 
 
 # ------------------------------------------------------------------------------ end to end
@@ -291,15 +323,41 @@ def test_another_architecture_is_one_config_error(tmp_path):
 # a bias, load or gradient of one MoE layer applied to another still shows): what these runs
 # check does not depend on the width or on more blocks alike
 NARROW = "debugmodel-moe-narrow"
-COMMON = ("--training.device", "cpu", "--model.flavor", NARROW, "--model.n_layers", "3",
-          "--training.seq_len",
-          "64", "--training.local_batch_size", "2", "--training.global_batch_size", "8",
-          "--training.mixed_precision_param", "float32", "--metrics.log_freq", "1",
-          "--lr_scheduler.warmup_steps", "2", "--lr_scheduler.min_lr_factor", "1.0",
-          *SYNTHETIC, "--training.steps", "5",
-          "--moe.aux_loss_weight", "1e-2", "--moe.router_z_loss_weight", "1e-3",
-          "--checkpoint.enable", "true", "--checkpoint.interval", "3",
-          "--checkpoint.keep_latest_k", "0")
+COMMON = (
+    "--training.device",
+    "cpu",
+    "--model.flavor",
+    NARROW,
+    "--model.n_layers",
+    "3",
+    "--training.seq_len",
+    "64",
+    "--training.local_batch_size",
+    "2",
+    "--training.global_batch_size",
+    "8",
+    "--training.mixed_precision_param",
+    "float32",
+    "--metrics.log_freq",
+    "1",
+    "--lr_scheduler.warmup_steps",
+    "2",
+    "--lr_scheduler.min_lr_factor",
+    "1.0",
+    *SYNTHETIC,
+    "--training.steps",
+    "5",
+    "--moe.aux_loss_weight",
+    "1e-2",
+    "--moe.router_z_loss_weight",
+    "1e-3",
+    "--checkpoint.enable",
+    "true",
+    "--checkpoint.interval",
+    "3",
+    "--checkpoint.keep_latest_k",
+    "0",
+)
 
 
 @pytest.fixture(scope="module")
@@ -310,34 +368,49 @@ def moe_runs(tmp_path_factory):
     # Every run saves step 5 (the biases, routers and experts compared with ref's); step 3 only
     # where a resume starts from it (ref, fsdp2, ep2_fsdp2, tp2_ep4); ref_no_aux saves nothing.
     resumed_from = {"ref", "fsdp2", "ep2_fsdp2", "tp2_ep4"}
-    for name, nproc, extra in (("ref", 1, ()), ("fsdp2", 2, ()),
-                               ("hsdp", 2, (REPLICAS, "2")),
-                               ("ep2_fsdp2", 4, (EP, "2")), ("ep4", 4, (EP, "4")),
-                               ("hsdp2_ep2", 4, (EP, "2", REPLICAS, "2")),
-                               # the ep group takes in the tp ranks (trainer/parallel/
-                               # dims.py): ep = the tp group, efsdp 2; ep = 2 dp_shard x 2 tp
-                               ("tp2_ep2", 4, (EP, "2", TP, "2")), ("tp2_ep4", 4, (EP, "4", TP, "2")),
-                               ("ep2_ac", 2, (EP, "2", *OP_AC,
-                                              "--training.gradient_accumulation_sync", "every")),
-                               # each cp rank routes its sequence shard; the aux statistics
-                               # summed over cp (x tp), the experts sharded over efsdp x cp
-                               ("cp2_ep2", 4, (EP, "2", CP, "2")),
-                               ("cp2_tp2", 4, (CP, "2", "--parallelism.tensor_parallel_degree",
-                                               "2")),
-                               # stage 0 of the pp run holds only the dense layer 0
-                               ("ref_no_aux", 1, NO_AUX),
-                               ("pp2_dense_stage", 2, (*NO_AUX, PP, "2", SPLIT, "layers.1",
-                                                        "--checkpoint.last_save_in_hf", "true"))):
-        saves = (() if name in resumed_from else ("--checkpoint.interval", "5")) \
-            if name != "ref_no_aux" else ("--checkpoint.enable", "false")
+    for name, nproc, extra in (
+        ("ref", 1, ()),
+        ("fsdp2", 2, ()),
+        ("hsdp", 2, (REPLICAS, "2")),
+        ("ep2_fsdp2", 4, (EP, "2")),
+        ("ep4", 4, (EP, "4")),
+        ("hsdp2_ep2", 4, (EP, "2", REPLICAS, "2")),
+        # the ep group takes in the tp ranks (trainer/parallel/
+        # dims.py): ep = the tp group, efsdp 2; ep = 2 dp_shard x 2 tp
+        ("tp2_ep2", 4, (EP, "2", TP, "2")),
+        ("tp2_ep4", 4, (EP, "4", TP, "2")),
+        ("ep2_ac", 2, (EP, "2", *OP_AC, "--training.gradient_accumulation_sync", "every")),
+        # each cp rank routes its sequence shard; the aux statistics
+        # summed over cp (x tp), the experts sharded over efsdp x cp
+        ("cp2_ep2", 4, (EP, "2", CP, "2")),
+        ("cp2_tp2", 4, (CP, "2", "--parallelism.tensor_parallel_degree", "2")),
+        # stage 0 of the pp run holds only the dense layer 0
+        ("ref_no_aux", 1, NO_AUX),
+        (
+            "pp2_dense_stage",
+            2,
+            (*NO_AUX, PP, "2", SPLIT, "layers.1", "--checkpoint.last_save_in_hf", "true"),
+        ),
+    ):
+        saves = (
+            (() if name in resumed_from else ("--checkpoint.interval", "5"))
+            if name != "ref_no_aux"
+            else ("--checkpoint.enable", "false")
+        )
         run_train(root / name, *COMMON, *extra, *saves, nproc=nproc)
     return root
 
 
 LOSS = "loss_metrics/global_avg_loss"
 # pp: no aux losses; and no balancing bias, so the PP run's checkpoint exports exactly
-NO_AUX = ("--moe.aux_loss_weight", "0", "--moe.router_z_loss_weight", "0",
-          "--moe.load_balance_coeff", "0")
+NO_AUX = (
+    "--moe.aux_loss_weight",
+    "0",
+    "--moe.router_z_loss_weight",
+    "0",
+    "--moe.load_balance_coeff",
+    "0",
+)
 PP = "--parallelism.pipeline_parallel_degree"
 SPLIT = "--parallelism.pipeline_parallel_split_points"
 
@@ -346,12 +419,29 @@ EP = "--parallelism.expert_parallel_degree"
 TP = "--parallelism.tensor_parallel_degree"
 CP = "--parallelism.context_parallel_degree"
 REPLICAS = "--parallelism.data_parallel_replicate_degree"
-OP_AC = ("--activation_checkpoint.mode", "selective", "--activation_checkpoint.selective_ac_option",
-         "op")
+OP_AC = (
+    "--activation_checkpoint.mode",
+    "selective",
+    "--activation_checkpoint.selective_ac_option",
+    "op",
+)
 
 
-@pytest.mark.parametrize("name", ["fsdp2", "hsdp", "ep2_fsdp2", "ep4", "hsdp2_ep2", "tp2_ep2",
-                                  "tp2_ep4", "ep2_ac", "cp2_ep2", "cp2_tp2"])
+@pytest.mark.parametrize(
+    "name",
+    [
+        "fsdp2",
+        "hsdp",
+        "ep2_fsdp2",
+        "ep4",
+        "hsdp2_ep2",
+        "tp2_ep2",
+        "tp2_ep4",
+        "ep2_ac",
+        "cp2_ep2",
+        "cp2_tp2",
+    ],
+)
 def test_moe_trains_as_one_rank_with_balancing_and_aux_losses(moe_runs, name):
     """FSDP 2, 2 replicas, and on 4 ranks EP 2 x FSDP 2, EP 4, HSDP 2 x EP 2, TP 2 x EP 2 and
     TP 2 x EP 4 (attention and the dense block tensor parallel, each tp rank routing its own
@@ -364,8 +454,13 @@ def test_moe_trains_as_one_rank_with_balancing_and_aux_losses(moe_runs, name):
     from tests.helpers import scalars
 
     ref, got = moe_runs / "ref", moe_runs / name
-    for tag in ("loss_metrics/global_avg_loss", "grad_norm", "moe/layer_1/load_imbalance",
-                "moe/layer_2/dropped_fraction", "moe/aux_loss"):  # aux: the dp ranks' mean
+    for tag in (
+        "loss_metrics/global_avg_loss",
+        "grad_norm",
+        "moe/layer_1/load_imbalance",
+        "moe/layer_2/dropped_fraction",
+        "moe/aux_loss",
+    ):  # aux: the dp ranks' mean
         want, have = scalars(ref, tag), scalars(got, tag)
         assert sorted(have) == [1, 2, 3, 4, 5], (tag, have)
         assert all(abs(have[s] - want[s]) <= 1e-4 * max(1.0, abs(want[s])) for s in want), tag
@@ -397,7 +492,8 @@ def test_a_pipeline_stage_without_moe_layers_trains_as_one_rank(moe_runs):
     for layer in (1, 2):
         tag = f"moe/layer_{layer}/load_imbalance"
         assert scalars(moe_runs / "pp2_dense_stage", tag) == pytest.approx(
-            scalars(moe_runs / "ref_no_aux", tag), abs=1e-4)
+            scalars(moe_runs / "ref_no_aux", tag), abs=1e-4
+        )
 
 
 def test_qk_norms_train_as_one_rank_under_tp(moe_runs):
@@ -420,12 +516,27 @@ def test_a_step_skipped_on_a_spike_leaves_the_balancing_bias(tmp_path):
     from scripts.chaos import load_dcp_tensors
     from tests.helpers import run_train
 
-    run_train(tmp_path, *COMMON, "--moe.load_balance_coeff", "1e-3", "--checkpoint.interval",
-              "1", "--training.spike_window", "2", "--training.on_spike", "skip",
-              nproc=1, env={"TRAINER_TEST_SPIKE_LOSS": "0:4:20"})
+    run_train(
+        tmp_path,
+        *COMMON,
+        "--moe.load_balance_coeff",
+        "1e-3",
+        "--checkpoint.interval",
+        "1",
+        "--training.spike_window",
+        "2",
+        "--training.on_spike",
+        "skip",
+        nproc=1,
+        env={"TRAINER_TEST_SPIKE_LOSS": "0:4:20"},
+    )
     assert scalars(tmp_path, "loss_metrics/skipped_steps") == {4: 1.0}
     assert sorted(p.name for p in (tmp_path / "checkpoint").iterdir()) == [
-        "step-1", "step-2", "step-3", "step-5"]
+        "step-1",
+        "step-2",
+        "step-3",
+        "step-5",
+    ]
     before, after = (load_dcp_tensors(tmp_path / "checkpoint" / f"step-{s}") for s in (3, 5))
     keys = [k for k in before if k.endswith("router.expert_bias")]
     assert len(keys) == 2
@@ -452,8 +563,11 @@ def test_experts_are_saved_whole_under_ep(moe_runs):
     experts, width, dim = args.moe.n_experts, args.moe.hidden_dim, args.dim  # 8, 96, 64
     for name in ("w1", "w2", "w3"):
         key = f"model_optim.model.layers.2.feed_forward.experts.{name}"
-        assert saved[key].shape == ref[key].shape == (
-            (experts, width, dim) if name != "w2" else (experts, dim, width))
+        assert (
+            saved[key].shape
+            == ref[key].shape
+            == ((experts, width, dim) if name != "w2" else (experts, dim, width))
+        )
         torch.testing.assert_close(saved[key], ref[key], atol=1e-4, rtol=0)
 
 
@@ -473,19 +587,22 @@ def test_a_trained_checkpoint_exports_to_transformers(moe_runs, tmp_path, capsys
     shapes = saved_shapes(str(ckpt))
     ours = trainer_model(NARROW, dcp_fetch(str(ckpt), shapes)(list(shapes)), 64)
     theirs = Qwen3MoeForCausalLM.from_pretrained(tmp_path / "hf", dtype=torch.float32).eval()
-    tokens = torch.randint(0, theirs.config.vocab_size, (2, 64),
-                           generator=torch.Generator().manual_seed(0))
+    tokens = torch.randint(
+        0, theirs.config.vocab_size, (2, 64), generator=torch.Generator().manual_seed(0)
+    )
     assert max_diff(ours, theirs, tokens) < 1e-4
 
     convert(moe_runs / "ep2_fsdp2" / "checkpoint" / "step-5", tmp_path / "hf_bias")
     out = capsys.readouterr().out
-    assert "warning: the experts' balancing bias (moe.load_balance_coeff; largest |bias| " \
-        in out, out
+    assert "warning: the experts' balancing bias (moe.load_balance_coeff; largest |bias| " in out, (
+        out
+    )
     assert Qwen3MoeForCausalLM.from_pretrained(tmp_path / "hf_bias").config.num_experts == 8
 
 
-@pytest.mark.parametrize("name, nproc, extra", [
-    ("ep4", 4, (EP, "4")), ("fsdp4", 4, ()), ("one_rank", 1, ())])
+@pytest.mark.parametrize(
+    "name, nproc, extra", [("ep4", 4, (EP, "4")), ("fsdp4", 4, ()), ("one_rank", 1, ())]
+)
 def test_an_ep_checkpoint_resumes_at_another_layout(moe_runs, tmp_path, name, nproc, extra):
     """Saved at EP 2 x FSDP 2 (step 3), resumed at EP 4, at FSDP 4 without ep and on 1 rank:
     the loaded weights and balancing biases are the saved ones (digest), and steps 4-5
@@ -495,8 +612,9 @@ def test_an_ep_checkpoint_resumes_at_another_layout(moe_runs, tmp_path, name, np
 
     src = moe_runs / "ep2_fsdp2"
     dump = stopped_after_save(src, tmp_path / name, 5)
-    out = run_train(dump, *COMMON, *extra, nproc=nproc,
-                    env={"TRAINER_DEBUG_WEIGHT_DIGEST": "1"}).stdout
+    out = run_train(
+        dump, *COMMON, *extra, nproc=nproc, env={"TRAINER_DEBUG_WEIGHT_DIGEST": "1"}
+    ).stdout
     assert "resumed from" in out and "step-3" in out
     digest = saved_digest(src / "checkpoint" / "step-3")
     assert f"loaded weights digest {digest}" in out
@@ -527,31 +645,50 @@ def test_ep_is_dropless_under_a_skewed_router():
         assert r["capacity_expert_grad_diff"] <= 1e-6 * max(1.0, r["capacity_expert_grad_norm"])
 
 
-@pytest.mark.parametrize("args, needle", [
-    (("--model.flavor", "debugmodel", "--moe.capacity_factor", "1.25"),
-     "moe.capacity_factor is set, but model.flavor 'debugmodel' has no experts; MoE flavors: "
-     "debugmodel-moe, debugmodel-moe-narrow, debugmodel-moe-shared, qwen3-30b-a3b"),
-    (("--model.flavor", "debugmodel", EP, "2"),
-     "parallelism.expert_parallel_degree = 2 is set, but model.flavor 'debugmodel' has no "
-     "experts"),
-    (("--model.flavor", "debugmodel-moe", "--moe.num_experts", "6", EP, "4"),
-     "parallelism.expert_parallel_degree = 4 does not divide the 6 experts of model.flavor "
-     "'debugmodel-moe'; valid: 1, 2, 3, 6"),
-    (("--model.flavor", "debugmodel-moe", EP, "8"),
-     "parallelism.expert_parallel_degree = 8 does not divide dp_shard = 4"),
-    (("--model.flavor", "debugmodel-moe", EP, "4", REPLICAS, "2"),
-     "parallelism.expert_parallel_degree = 4 does not divide dp_shard = 2 (world size 4, "
-     "parallelism.data_parallel_replicate_degree = 2): the expert-parallel ranks are borrowed "
-     "from dp_shard; valid: 1, 2"),
-    (("--model.flavor", "debugmodel-moe-shared", "--checkpoint.last_save_in_hf", "true"),
-     "checkpoint.last_save_in_hf = true, but model.flavor 'debugmodel-moe-shared' has shared "
-     "experts, sigmoid scores or a routed scale: DeepSeek's router, whose Hugging Face "
-     "architecture (DeepseekV3ForCausalLM) also needs MLA"),
-    (("--moe.load_balance_coeff", "0.01"),
-     "moe.load_balance_coeff is set, but model.flavor 'debugmodel' has no experts"),
-    (("--model.flavor", "debugmodel-moe", "--moe.top_k", "9"),
-     "moe.top_k = 9 is above the 8 experts of model.flavor 'debugmodel-moe'; valid: 1 to 8"),
-])
+@pytest.mark.parametrize(
+    "args, needle",
+    [
+        (
+            ("--model.flavor", "debugmodel", "--moe.capacity_factor", "1.25"),
+            "moe.capacity_factor is set, but model.flavor 'debugmodel' has no experts; MoE flavors: "
+            "debugmodel-moe, debugmodel-moe-narrow, debugmodel-moe-shared, qwen3-30b-a3b",
+        ),
+        (
+            ("--model.flavor", "debugmodel", EP, "2"),
+            "parallelism.expert_parallel_degree = 2 is set, but model.flavor 'debugmodel' has no "
+            "experts",
+        ),
+        (
+            ("--model.flavor", "debugmodel-moe", "--moe.num_experts", "6", EP, "4"),
+            "parallelism.expert_parallel_degree = 4 does not divide the 6 experts of model.flavor "
+            "'debugmodel-moe'; valid: 1, 2, 3, 6",
+        ),
+        (
+            ("--model.flavor", "debugmodel-moe", EP, "8"),
+            "parallelism.expert_parallel_degree = 8 does not divide dp_shard = 4",
+        ),
+        (
+            ("--model.flavor", "debugmodel-moe", EP, "4", REPLICAS, "2"),
+            "parallelism.expert_parallel_degree = 4 does not divide dp_shard = 2 (world size 4, "
+            "parallelism.data_parallel_replicate_degree = 2): the expert-parallel ranks are borrowed "
+            "from dp_shard; valid: 1, 2",
+        ),
+        (
+            ("--model.flavor", "debugmodel-moe-shared", "--checkpoint.last_save_in_hf", "true"),
+            "checkpoint.last_save_in_hf = true, but model.flavor 'debugmodel-moe-shared' has shared "
+            "experts, sigmoid scores or a routed scale: DeepSeek's router, whose Hugging Face "
+            "architecture (DeepseekV3ForCausalLM) also needs MLA",
+        ),
+        (
+            ("--moe.load_balance_coeff", "0.01"),
+            "moe.load_balance_coeff is set, but model.flavor 'debugmodel' has no experts",
+        ),
+        (
+            ("--model.flavor", "debugmodel-moe", "--moe.top_k", "9"),
+            "moe.top_k = 9 is above the 8 experts of model.flavor 'debugmodel-moe'; valid: 1 to 8",
+        ),
+    ],
+)
 def test_bad_moe_settings_are_one_line(args, needle):
     from trainer.config.job import load_config
     from trainer.errors import ConfigError
@@ -569,13 +706,14 @@ def test_the_plan_counts_experts_routed_tokens_and_the_all_to_all():
     from trainer.plan.memory import memory_plan
 
     def cfg(ep: int):
-        return load_config(["--job.config_file", str(REPO / "configs" / "qwen3_30b_a3b.toml"),
-                            EP, str(ep)])
+        return load_config(
+            ["--job.config_file", str(REPO / "configs" / "qwen3_30b_a3b.toml"), EP, str(ep)]
+        )
 
     with_ep, without = memory_plan(cfg(8), 8), memory_plan(cfg(1), 8)
     assert with_ep["parameters"] == without["parameters"]
     assert with_ep["fsdp_block"] < without["fsdp_block"] / 4  # the experts are most of a block
-    assert with_ep["total"] < 70 * 2 ** 30  # + the reserve: fits 79.6 GiB (README)
+    assert with_ep["total"] < 70 * 2**30  # + the reserve: fits 79.6 GiB (README)
     a2a, none = comm_volume(cfg(8), 8), comm_volume(cfg(1), 8)
     assert none["comm_ep"] == 0.0
     # 8 microbatches x 48 MoE layers x there-and-back x (forward, backward, and the full-AC
@@ -594,8 +732,9 @@ def test_the_experts_are_gathered_before_the_dispatch():
 
     proc = torchrun(REPO / "tests/scripts/ep_prefetch_probe.py", nproc=4, fork=True)
     assert proc.stdout.count("ep prefetch probe ok") == 4, proc.stdout + proc.stderr
-    assert proc.stdout.count("expert shard probe ok: (Shard(dim=1), Shard(dim=0))") == 4, \
+    assert proc.stdout.count("expert shard probe ok: (Shard(dim=1), Shard(dim=0))") == 4, (
         proc.stdout + proc.stderr
+    )
 
 
 def test_under_tp_each_rank_routes_only_its_sequence_shard():
@@ -608,10 +747,20 @@ def test_under_tp_each_rank_routes_only_its_sequence_shard():
     from trainer.plan.memory import memory_plan
     from trainer.plan.trace import trace_step
 
-    cfg = load_config(["--job.config_file", str(REPO / "configs" / "qwen3_30b_a3b.toml"),
-                       "--parallelism.tensor_parallel_degree", "2",
-                       "--parallelism.expert_parallel_degree", "4",
-                       "--training.local_batch_size", "1", "--model.n_layers", "24"])
+    cfg = load_config(
+        [
+            "--job.config_file",
+            str(REPO / "configs" / "qwen3_30b_a3b.toml"),
+            "--parallelism.tensor_parallel_degree",
+            "2",
+            "--parallelism.expert_parallel_degree",
+            "4",
+            "--training.local_batch_size",
+            "1",
+            "--model.n_layers",
+            "24",
+        ]
+    )
     r = trace_step(cfg, 16, keep_all=True)
     tokens = cfg.training.seq_len
     shapes = {a.shape for a in r.allocations}
@@ -638,11 +787,14 @@ def test_moe_under_tp_trains_every_tensor_as_one_rank(moe_runs, name):
     got = load_dcp_tensors(moe_runs / name / "checkpoint" / "step-5")
     ref = load_dcp_tensors(moe_runs / "ref" / "checkpoint" / "step-5")
     keys = [k for k in ref if torch.is_floating_point(ref[k])]
-    assert sum(k.endswith(("experts.w1", "experts.w1.exp_avg", "experts.w1.exp_avg_sq"))
-               for k in keys) == 6  # 2 MoE blocks x (the weight, 2 moments)
+    assert (
+        sum(k.endswith(("experts.w1", "experts.w1.exp_avg", "experts.w1.exp_avg_sq")) for k in keys)
+        == 6
+    )  # 2 MoE blocks x (the weight, 2 moments)
     for key in keys:
-        torch.testing.assert_close(got[key], ref[key], rtol=0,
-                                   atol=1e-4 * ref[key].abs().max().item(), msg=key)
+        torch.testing.assert_close(
+            got[key], ref[key], rtol=0, atol=1e-4 * ref[key].abs().max().item(), msg=key
+        )
 
 
 @pytest.mark.parametrize("src, dst", [("tp2_ep4", "one"), ("ref", "tp2_ep4")])

@@ -33,8 +33,11 @@ def windows(bos: int | None, eos: int | None) -> torch.Tensor:
         body = torch.randint(10, 8000, (n,), generator=gen).tolist()
         stream += ([bos] if bos is not None else []) + body + ([eos] if eos is not None else [])
     last_of_6th, first_of_9th, long_doc = starts[6] - 1, starts[8], starts[9]
-    rows = [stream[last_of_6th - S:last_of_6th + 1], stream[first_of_9th - S:first_of_9th + 1],
-            stream[long_doc + 5:long_doc + 6 + S]]
+    rows = [
+        stream[last_of_6th - S : last_of_6th + 1],
+        stream[first_of_9th - S : first_of_9th + 1],
+        stream[long_doc + 5 : long_doc + 6 + S],
+    ]
     return torch.tensor(rows)
 
 
@@ -51,8 +54,15 @@ def documents_by_hand(row: list[int], bos, eos) -> list[list[int]]:
 @pytest.fixture(scope="module")
 def model():
     torch.manual_seed(0)
-    m = build_model(model_args("debugmodel-dsv3", max_seq_len=64, mtp_layers=DEPTH,
-                               attn_mask_type="block_causal", positions="document"))
+    m = build_model(
+        model_args(
+            "debugmodel-dsv3",
+            max_seq_len=64,
+            mtp_layers=DEPTH,
+            attn_mask_type="block_causal",
+            positions="document",
+        )
+    )
     m.to_empty(device="cpu")
     m.init_weights(0)
     return m.train()
@@ -63,19 +73,23 @@ def mtp_sum(model, loss_fn, inputs, labels, doc_ids, future=None) -> float:
     return float(loss_fn.take_mtp_loss())
 
 
-@pytest.mark.parametrize("bos, eos, predict_start", [
-    (None, EOS, True), (BOS, None, False), (BOS, EOS, True), (None, EOS, False)])
+@pytest.mark.parametrize(
+    "bos, eos, predict_start",
+    [(None, EOS, True), (BOS, None, False), (BOS, EOS, True), (None, EOS, False)],
+)
 def test_a_packed_window_gives_its_documents_mtp_loss(model, bos, eos, predict_start):
     d = Delimiters(bos, eos)
     win = windows(bos, eos)
     inputs, labels = split_window(win, d, predict_start)
-    loader = SimpleNamespace(document_ids=lambda x: document_ids(x, d), delimiters=d,
-                             predict_document_start=predict_start)
+    loader = SimpleNamespace(
+        document_ids=lambda x: document_ids(x, d),
+        delimiters=d,
+        predict_document_start=predict_start,
+    )
     docs = microbatch_documents(model, loader)
     loss_fn = build_loss("chunked", 16)
     doc_ids, window = docs(inputs, labels)
-    packed = mtp_sum(model, loss_fn, inputs, labels, doc_ids,
-                     future_labels(labels, DEPTH, window))
+    packed = mtp_sum(model, loss_fn, inputs, labels, doc_ids, future_labels(labels, DEPTH, window))
     alone, targets = 0.0, 0
     for row in win.tolist():
         for tokens in documents_by_hand(row, bos, eos):
@@ -98,10 +112,14 @@ def test_which_ids_a_step_computes():
     d = Delimiters(None, EOS)
 
     def decide(mask, positions, mtp, predict_start):
-        m = build_model(model_args("debugmodel-tiny", mtp_layers=mtp, attn_mask_type=mask,
-                                   positions=positions))
-        loader = SimpleNamespace(document_ids=lambda x: document_ids(x, d), delimiters=d,
-                                 predict_document_start=predict_start)
+        m = build_model(
+            model_args("debugmodel-tiny", mtp_layers=mtp, attn_mask_type=mask, positions=positions)
+        )
+        loader = SimpleNamespace(
+            document_ids=lambda x: document_ids(x, d),
+            delimiters=d,
+            predict_document_start=predict_start,
+        )
         docs = microbatch_documents(m, loader)
         return None if docs is None else (docs.model, docs.mtp)
 

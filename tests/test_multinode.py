@@ -53,15 +53,22 @@ class Node:
                     continue
                 ranks = [e[5:] for e in env if e.startswith(b"RANK=")]
                 if name.startswith("trainer-rank"):
-                    out[int(name[len("trainer-rank"):])] = pid
+                    out[int(name[len("trainer-rank") :])] = pid
                 elif ranks:
                     out[int(ranks[0])] = pid
         return out
 
 
-def launch_nodes(tmp: Path, *target: str, nnodes: int = 2, nproc: int = 2,
-                 env: dict | None = None, elastic: tuple | None = None,
-                 first: int = 0, forked: bool = False) -> list[Node]:
+def launch_nodes(
+    tmp: Path,
+    *target: str,
+    nnodes: int = 2,
+    nproc: int = 2,
+    env: dict | None = None,
+    elastic: tuple | None = None,
+    first: int = 0,
+    forked: bool = False,
+) -> list[Node]:
     """Start `nnodes` launchers that rendezvous on 127.0.0.1 and run `target` (torchrun's
     trailing arguments: a script or `-m module`, then its arguments). `elastic`: (the
     rendezvous endpoint and id to share, torchrun's options) for `--nnodes 1:2`-style jobs;
@@ -75,14 +82,30 @@ def launch_nodes(tmp: Path, *target: str, nnodes: int = 2, nproc: int = 2,
     nodes = []
     for i in range(first, first + nnodes):
         log = tmp / f"node{i}.log"
-        python, run_env = fork_python({**THREADS, **(env or {})}) if forked else \
-            (sys.executable, env_for({**THREADS, **(env or {})}))
-        cmd = [python, "-m", "trainer.launch", "--nnodes", *sizes,
-               "--nproc_per_node", str(nproc), "--rdzv_backend", "c10d",
-               "--rdzv_endpoint", endpoint, "--rdzv_id", run_id, *extra, *target]
+        python, run_env = (
+            fork_python({**THREADS, **(env or {})})
+            if forked
+            else (sys.executable, env_for({**THREADS, **(env or {})}))
+        )
+        cmd = [
+            python,
+            "-m",
+            "trainer.launch",
+            "--nnodes",
+            *sizes,
+            "--nproc_per_node",
+            str(nproc),
+            "--rdzv_backend",
+            "c10d",
+            "--rdzv_endpoint",
+            endpoint,
+            "--rdzv_id",
+            run_id,
+            *extra,
+            *target,
+        ]
         with open(log, "w") as fh:
-            proc = subprocess.Popen(cmd, env=run_env, stdout=fh, stderr=subprocess.STDOUT,
-                                    cwd=REPO)
+            proc = subprocess.Popen(cmd, env=run_env, stdout=fh, stderr=subprocess.STDOUT, cwd=REPO)
         nodes.append(Node(proc, log))
     return nodes
 
@@ -96,8 +119,9 @@ def wait_all(nodes: list[Node], timeout: float = 240) -> list[int]:
         except subprocess.TimeoutExpired:
             for n in nodes:
                 n.proc.kill()
-            raise AssertionError("launchers did not finish:\n" +
-                                 "\n".join(n.output[-3000:] for n in nodes)) from None
+            raise AssertionError(
+                "launchers did not finish:\n" + "\n".join(n.output[-3000:] for n in nodes)
+            ) from None
     return codes
 
 
@@ -113,8 +137,10 @@ def test_two_nodes_hsdp_replicates_across_nodes_and_matches_one_node(tmp_path):
     (tmp_path / "probe").mkdir()
     nodes = launch_nodes(tmp_path, str(PROBE), "2", str(tmp_path / "probe"))
     assert wait_all(nodes, timeout=120) == [0, 0], "\n".join(n.output for n in nodes)
-    info = {i["rank"]: i for i in (json.loads(p.read_text())
-                                   for p in (tmp_path / "probe").glob("rank*.json"))}
+    info = {
+        i["rank"]: i
+        for i in (json.loads(p.read_text()) for p in (tmp_path / "probe").glob("rank*.json"))
+    }
     assert sorted(info) == [0, 1, 2, 3]
     launchers = {n.proc.pid for n in nodes}
     node_of = {r: i["launcher_pid"] for r, i in info.items()}
@@ -135,8 +161,10 @@ def test_two_nodes_hsdp_replicates_across_nodes_and_matches_one_node(tmp_path):
     steps = ["--training.steps", "4"]
     nodes = train_two_nodes(tmp_path, tmp_path / "two_nodes", *BASE, *HSDP, *steps)
     # rank 0's line, on whichever node the rendezvous made node 0 (the first to join)
-    assert "mesh: HSDP mesh (dp_replicate=2, dp_shard=2), dp=4, world=4" in \
-        nodes[0].output + nodes[1].output
+    assert (
+        "mesh: HSDP mesh (dp_replicate=2, dp_shard=2), dp=4, world=4"
+        in nodes[0].output + nodes[1].output
+    )
     run_train(tmp_path / "one_node", *BASE, *HSDP, *steps, nproc=4)
     two, one = losses(tmp_path / "two_nodes"), losses(tmp_path / "one_node")
     assert sorted(one) == [1, 2, 3, 4]
@@ -148,15 +176,29 @@ def test_nodes_launched_with_other_overrides_are_refused(tmp_path):
     in gloo): every node exits 2 and rank 0's one line names the key and both values."""
     shared = ((f"127.0.0.1:{free_port()}", f"test-{uuid.uuid4().hex[:8]}"), "2", [])
     run = [*TRAIN, "--job.dump_folder", str(tmp_path / "run"), *BASE, "--training.steps", "2"]
-    nodes = [*launch_nodes(tmp_path, *run, nnodes=1, nproc=1, elastic=shared, forked=True),
-             *launch_nodes(tmp_path, *run, "--training.seq_len", "32", nnodes=1, nproc=1,
-                           elastic=shared, first=1, forked=True)]
+    nodes = [
+        *launch_nodes(tmp_path, *run, nnodes=1, nproc=1, elastic=shared, forked=True),
+        *launch_nodes(
+            tmp_path,
+            *run,
+            "--training.seq_len",
+            "32",
+            nnodes=1,
+            nproc=1,
+            elastic=shared,
+            first=1,
+            forked=True,
+        ),
+    ]
     codes = wait_all(nodes, timeout=120)
     out = "".join(n.output for n in nodes)
     assert codes == [2, 2], out
-    found = re.search(r"config error: the ranks run different configs: rank 1 has "
-                      r"training.seq_len = (\d+) where rank 0 has (\d+); launch every node "
-                      r"with the same config file and overrides\n", out)
+    found = re.search(
+        r"config error: the ranks run different configs: rank 1 has "
+        r"training.seq_len = (\d+) where rank 0 has (\d+); launch every node "
+        r"with the same config file and overrides\n",
+        out,
+    )
     assert found and {found[1], found[2]} == {"32", "64"}, out  # rank 0: the first node to join
     assert out.count("config error") == 1 and "Traceback" not in out, out
 
@@ -164,15 +206,27 @@ def test_nodes_launched_with_other_overrides_are_refused(tmp_path):
 def test_a_killed_rank_stops_every_node_and_the_rerun_resumes(tmp_path):
     timeout = 5
     dump = tmp_path / "dump"
-    common = [*BASE, *HSDP, "--checkpoint.enable", "true", "--checkpoint.interval", "2",
-              "--checkpoint.keep_latest_k", "0", "--comm.train_timeout_seconds", str(timeout)]
-    nodes = launch_nodes(tmp_path, *TRAIN, "--job.dump_folder", str(dump), *common,
-                         "--training.steps", "40")
+    common = [
+        *BASE,
+        *HSDP,
+        "--checkpoint.enable",
+        "true",
+        "--checkpoint.interval",
+        "2",
+        "--checkpoint.keep_latest_k",
+        "0",
+        "--comm.train_timeout_seconds",
+        str(timeout),
+    ]
+    nodes = launch_nodes(
+        tmp_path, *TRAIN, "--job.dump_folder", str(dump), *common, "--training.steps", "40"
+    )
     ckpt = dump / "checkpoint"
     deadline = time.monotonic() + 180
     while not (ckpt / "step-4").exists():  # mid-run: two checkpoints are committed
-        assert time.monotonic() < deadline and all(n.proc.poll() is None for n in nodes), \
-            "\n".join(n.output[-3000:] for n in nodes)
+        assert time.monotonic() < deadline and all(n.proc.poll() is None for n in nodes), "\n".join(
+            n.output[-3000:] for n in nodes
+        )
         time.sleep(0.1)
     workers = {**nodes[0].workers(), **nodes[1].workers()}
     assert sorted(workers) == [0, 1, 2, 3]
@@ -190,13 +244,16 @@ def test_a_killed_rank_stops_every_node_and_the_rerun_resumes(tmp_path):
     assert gone < 2 * timeout + 10, "\n".join(n.output[-4000:] for n in nodes)
     assert all(code != 0 for code in codes), codes
     summary = [ln for ln in nodes[1].output.splitlines() if ln.startswith("error: training failed")]
-    assert summary == [f"error: training failed: rank {victim} (local rank {victim % 2} on "
-                       f"{socket.gethostname()}) ended with signal SIGKILL; its output is above"]
+    assert summary == [
+        f"error: training failed: rank {victim} (local rank {victim % 2} on "
+        f"{socket.gethostname()}) ended with signal SIGKILL; its output is above"
+    ]
 
     # The rerun (one node, 4 ranks: a checkpoint reshards across layouts) resumes from the last
     # committed checkpoint; an interrupted save (step-N.partial) is ignored.
-    committed = sorted(int(m.group(1)) for p in ckpt.iterdir()
-                       if (m := re.fullmatch(r"step-(\d+)", p.name)))
+    committed = sorted(
+        int(m.group(1)) for p in ckpt.iterdir() if (m := re.fullmatch(r"step-(\d+)", p.name))
+    )
     last = committed[-1]
     assert last >= 4
     out = run_train(dump, *common, "--training.steps", str(last + 2), nproc=4).stdout
@@ -220,10 +277,26 @@ def test_chaos_lost_nodes_shrink_the_job_and_new_nodes_grow_it_back(tmp_path):
     grows the job back to 4 ranks from the newest checkpoint. Every loss is within 1e-4 of an
     uninterrupted run of the same global batch (on one rank); every checkpoint left is
     committed and loads."""
-    proc = subprocess.run([sys.executable, str(REPO / "scripts" / "chaos.py"), "--layout", "node",
-                           "--faults", "2", "--min-during-save", "1", "--seed", "0",
-                           "--workdir", str(tmp_path)], env=env_for(), capture_output=True,
-                          text=True, timeout=600)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            str(REPO / "scripts" / "chaos.py"),
+            "--layout",
+            "node",
+            "--faults",
+            "2",
+            "--min-during-save",
+            "1",
+            "--seed",
+            "0",
+            "--workdir",
+            str(tmp_path),
+        ],
+        env=env_for(),
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     out = proc.stdout
     assert proc.returncode == 0, out[-6000:] + proc.stderr[-3000:]
     lines = {line.split(":")[0]: line for line in out.splitlines() if ":" in line}
@@ -237,9 +310,13 @@ def test_chaos_lost_nodes_shrink_the_job_and_new_nodes_grow_it_back(tmp_path):
     assert lines["data lost"] == "data lost:       none", out
     assert re.search(r"^\| node \| node \| 2 of 2 \| [12] \| [0-2] \| within 0.0001", out, re.M)
     # Per fault: the shrink and the grow-back each resumed from the newest committed step.
-    faults = re.findall(r"^fault \d: node \d lost .*?at step (\d+); 2 ranks resumed from step "
-                        r"(\d+) \(newest committed: step-(\d+)\), redoing (\d), .*; grown back "
-                        r"to 4 from step (\d+) \(newest committed: step-(\d+)\)", out, re.M)
+    faults = re.findall(
+        r"^fault \d: node \d lost .*?at step (\d+); 2 ranks resumed from step "
+        r"(\d+) \(newest committed: step-(\d+)\), redoing (\d), .*; grown back "
+        r"to 4 from step (\d+) \(newest committed: step-(\d+)\)",
+        out,
+        re.M,
+    )
     assert len(faults) == 2, out
     for last, shrunk, newest, redone, grown, newest_then in faults:
         assert shrunk == newest and grown == newest_then and int(grown) > int(shrunk)

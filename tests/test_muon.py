@@ -35,19 +35,35 @@ def test_one_rank_equals_torch_muon_and_adamw():
     model = Transformer(a)
     model.init_weights(seed=0)
     ref = copy.deepcopy(model)
-    o = load_config(["--optimizer.name", "Muon", "--optimizer.implementation",
-                     "for-loop"]).optimizer
+    o = load_config(
+        ["--optimizer.name", "Muon", "--optimizer.implementation", "for-loop"]
+    ).optimizer
     opt = build_optimizer(model, o)
     names = dict(ref.named_parameters())
     muon = [p for n, p in names.items() if takes_muon(n, p)]
     rest = [p for n, p in names.items() if not takes_muon(n, p)]
     assert {n for n, p in names.items() if takes_muon(n, p)} == {
-        n for n in names if n.startswith("layers.") and names[n].ndim == 2}
+        n for n in names if n.startswith("layers.") and names[n].ndim == 2
+    }
     assert "tok_embeddings.weight" not in {n for n, p in names.items() if takes_muon(n, p)}
-    refs = [torch.optim.Muon(muon, lr=o.lr, weight_decay=o.weight_decay, momentum=0.95,
-                             nesterov=True, adjust_lr_fn="match_rms_adamw"),
-            torch.optim.AdamW(rest, lr=o.lr, betas=(o.beta1, o.beta2), eps=o.eps,
-                              weight_decay=o.weight_decay, foreach=False)]
+    refs = [
+        torch.optim.Muon(
+            muon,
+            lr=o.lr,
+            weight_decay=o.weight_decay,
+            momentum=0.95,
+            nesterov=True,
+            adjust_lr_fn="match_rms_adamw",
+        ),
+        torch.optim.AdamW(
+            rest,
+            lr=o.lr,
+            betas=(o.beta1, o.beta2),
+            eps=o.eps,
+            weight_decay=o.weight_decay,
+            foreach=False,
+        ),
+    ]
     gen = torch.Generator().manual_seed(1)
     for _ in range(10):
         t = torch.randint(0, 256, (2, 33), generator=gen)
@@ -63,15 +79,25 @@ def test_one_rank_equals_torch_muon_and_adamw():
     assert sum("exp_avg" in s for s in state.values()) == len(rest)
 
 
-@pytest.mark.parametrize("args, needle", [
-    (["--optimizer.muon_momentum", "0.9"], "optimizer.muon_momentum is a Muon key, but "
-     "optimizer.name = 'AdamW'; set optimizer.name = 'Muon' or remove it"),
-    (["--optimizer.name", "Muon", "--optimizer.muon_lr_adjust", "rms"],
-     "optimizer.muon_lr_adjust = 'rms' is not valid; choose one of 'match_rms_adamw', "
-     "'original', 'none'"),
-    (["--optimizer.name", "Muon", "--optimizer.muon_ns_dtype", "fp16"],
-     "optimizer.muon_ns_dtype = 'fp16' is not valid"),
-])
+@pytest.mark.parametrize(
+    "args, needle",
+    [
+        (
+            ["--optimizer.muon_momentum", "0.9"],
+            "optimizer.muon_momentum is a Muon key, but "
+            "optimizer.name = 'AdamW'; set optimizer.name = 'Muon' or remove it",
+        ),
+        (
+            ["--optimizer.name", "Muon", "--optimizer.muon_lr_adjust", "rms"],
+            "optimizer.muon_lr_adjust = 'rms' is not valid; choose one of 'match_rms_adamw', "
+            "'original', 'none'",
+        ),
+        (
+            ["--optimizer.name", "Muon", "--optimizer.muon_ns_dtype", "fp16"],
+            "optimizer.muon_ns_dtype = 'fp16' is not valid",
+        ),
+    ],
+)
 def test_muon_config_errors(args, needle):
     with pytest.raises(ConfigError) as e:
         load_config(args)
@@ -94,13 +120,39 @@ def test_the_trainers_model_on_one_rank_equals_torch_muon():
 
 # 2 blocks of the debug model's shapes at dim 64 (what a layout does to Muon's matrices and
 # QK-clip's heads is in every block alike); PP 4's 8 one-unit stages need its 6
-BASE = ("--training.device", "cpu", "--model.flavor", "debugmodel-narrow",
-         "--model.n_layers", "2", "--training.seq_len", "64", "--training.local_batch_size", "2",
-         "--training.global_batch_size", "8", "--training.mixed_precision_param", "float32",
-         "--metrics.log_freq", "1", "--lr_scheduler.warmup_steps", "2",
-         "--lr_scheduler.min_lr_factor", "1.0", *SYNTHETIC,
-         "--training.steps", "5", "--checkpoint.enable", "true", "--checkpoint.interval", "3",
-         "--checkpoint.keep_latest_k", "0", "--optimizer.lr", "0.01")
+BASE = (
+    "--training.device",
+    "cpu",
+    "--model.flavor",
+    "debugmodel-narrow",
+    "--model.n_layers",
+    "2",
+    "--training.seq_len",
+    "64",
+    "--training.local_batch_size",
+    "2",
+    "--training.global_batch_size",
+    "8",
+    "--training.mixed_precision_param",
+    "float32",
+    "--metrics.log_freq",
+    "1",
+    "--lr_scheduler.warmup_steps",
+    "2",
+    "--lr_scheduler.min_lr_factor",
+    "1.0",
+    *SYNTHETIC,
+    "--training.steps",
+    "5",
+    "--checkpoint.enable",
+    "true",
+    "--checkpoint.interval",
+    "3",
+    "--checkpoint.keep_latest_k",
+    "0",
+    "--optimizer.lr",
+    "0.01",
+)
 # QK-clip on every layout: the debug models' largest logits are ~0.16, so most heads clip
 QK_CLIP = ("--optimizer.muon_qk_clip", "0.1")
 DENSE = (*BASE, *MUON, *QK_CLIP)
@@ -113,19 +165,30 @@ LAYOUTS = {  # name: (ranks, args)
     "pp2_fsdp2": (4, (*DENSE, P + "pipeline_parallel_degree", "2")),
     "ref6": (1, (*DENSE, *SIX)),
     # 8 one-unit stages: rank 0 holds the embedding and the head, no Muon matrix at all
-    "pp4_v": (4, (*DENSE, *SIX, P + "pipeline_parallel_degree", "4",
-                  P + "pipeline_parallel_schedule",
-                  "ZBVZeroBubble" if _SAME_RANK_STAGES else "Interleaved1F1B",
-                  *(() if _SPLIT_BACKWARD_THROUGH_FUNCTIONS or not _SAME_RANK_STAGES
-                    else ("--training.loss", "eager")),  # torch 2.12 (pipeline.check_torch)
-                  "--training.local_batch_size", "8")),
+    "pp4_v": (
+        4,
+        (
+            *DENSE,
+            *SIX,
+            P + "pipeline_parallel_degree",
+            "4",
+            P + "pipeline_parallel_schedule",
+            "ZBVZeroBubble" if _SAME_RANK_STAGES else "Interleaved1F1B",
+            *(
+                ()
+                if _SPLIT_BACKWARD_THROUGH_FUNCTIONS or not _SAME_RANK_STAGES
+                else ("--training.loss", "eager")
+            ),  # torch 2.12 (pipeline.check_torch)
+            "--training.local_batch_size",
+            "8",
+        ),
+    ),
     "cp2_fsdp2": (4, (*DENSE, P + "context_parallel_degree", "2")),
     "hsdp2x2": (4, (*DENSE, P + "data_parallel_replicate_degree", "2")),
     "moe_ref": (1, MOE),
     "moe_ep2_fsdp2": (4, (*MOE, P + "expert_parallel_degree", "2")),
 }
-TAGS = ("loss_metrics/global_avg_loss", "grad_norm", "qk_clip/max_logit",
-        "qk_clip/heads_clipped")
+TAGS = ("loss_metrics/global_avg_loss", "grad_norm", "qk_clip/max_logit", "qk_clip/heads_clipped")
 
 
 @pytest.fixture(scope="module")
@@ -138,7 +201,8 @@ def runs(tmp_path_factory):
 
 def close(got: dict, want: dict, tol: float = 1e-4) -> bool:
     return sorted(got) == sorted(want) and all(
-        abs(got[s] - want[s]) <= tol * max(1.0, abs(want[s])) for s in want)
+        abs(got[s] - want[s]) <= tol * max(1.0, abs(want[s])) for s in want
+    )
 
 
 @pytest.mark.parametrize("name", [n for n in LAYOUTS if "ref" not in n])
@@ -177,7 +241,8 @@ def test_switching_optimizers_at_a_resume_is_refused_unless_reset(runs, tmp_path
     assert proc.stderr.strip().splitlines()[-1] == (
         f"config error: checkpoint {dump / 'checkpoint' / 'step-3'} holds Muon state and this "
         "run's optimizer is AdamW; keep the optimizer.name it was saved with, or set "
-        "checkpoint.reset_optimizer = true to resume the model with a fresh optimizer")
+        "checkpoint.reset_optimizer = true to resume the model with a fresh optimizer"
+    )
     out = run_train(dump, *adamw, "--checkpoint.reset_optimizer", "true", nproc=1).stdout
     assert "(step 3)" in out and "the optimizer starts afresh" in out, out
     assert sorted(scalars(dump, TAGS[0])) == [4, 5]
@@ -214,14 +279,27 @@ def test_mtp_matrices_take_muon_and_muon_lr_follows_the_schedule():
     group starts at optimizer.muon_lr and the lr schedule scales it as it scales AdamW's."""
     from trainer.optim.optimizer import build_lr_scheduler
 
-    model = Transformer(model_args("debugmodel-moe", mtp_layers=1, vocab_size=256,
-                                   max_seq_len=32))
+    model = Transformer(model_args("debugmodel-moe", mtp_layers=1, vocab_size=256, max_seq_len=32))
     mtp = {n: p for n, p in model.named_parameters() if n.startswith("mtp.")}
     assert {n for n, p in mtp.items() if takes_muon(n, p)} == {
-        n for n, p in mtp.items() if p.ndim >= 2} and "mtp.0.proj.weight" in mtp
-    cfg = load_config(["--optimizer.name", "Muon", "--optimizer.lr", "3e-4",
-                       "--optimizer.muon_lr", "0.02", "--lr_scheduler.warmup_steps", "4",
-                       "--lr_scheduler.decay_type", "cosine", "--training.steps", "12"])
+        n for n, p in mtp.items() if p.ndim >= 2
+    } and "mtp.0.proj.weight" in mtp
+    cfg = load_config(
+        [
+            "--optimizer.name",
+            "Muon",
+            "--optimizer.lr",
+            "3e-4",
+            "--optimizer.muon_lr",
+            "0.02",
+            "--lr_scheduler.warmup_steps",
+            "4",
+            "--lr_scheduler.decay_type",
+            "cosine",
+            "--training.steps",
+            "12",
+        ]
+    )
     opt = build_optimizer(model, cfg.optimizer)
     sched = build_lr_scheduler(opt, cfg.lr_scheduler, 12)
     muon_params = {id(p) for p in opt.param_groups[0]["params"]}

@@ -23,14 +23,25 @@ HP = dict(lr=0.05, weight_decay=0.1, momentum=0.95, nesterov=True)
 
 def test_expert_slices_equal_torch_muon_on_one_rank():
     gen = torch.Generator().manual_seed(0)
-    shapes = {"layers.1.feed_forward.experts.w1": (6, 24, 16),
-              "layers.0.attention.wq.weight": (16, 16), "layers.0.attention.wk.weight": (16, 16)}
+    shapes = {
+        "layers.1.feed_forward.experts.w1": (6, 24, 16),
+        "layers.0.attention.wq.weight": (16, 16),
+        "layers.0.attention.wk.weight": (16, 16),
+    }
     full = {n: torch.randn(s, generator=gen) for n, s in shapes.items()}
     params = [torch.nn.Parameter(t.clone()) for t in full.values()]
-    opt = Muon(params, None, ns_steps=5, lr_adjust="match_rms_adamw", ns_dtype="bfloat16",
-               names=list(full), **HP)
-    slices = [[torch.nn.Parameter(m.clone()) for m in (t if t.ndim == 3 else [t])]
-              for t in full.values()]
+    opt = Muon(
+        params,
+        None,
+        ns_steps=5,
+        lr_adjust="match_rms_adamw",
+        ns_dtype="bfloat16",
+        names=list(full),
+        **HP,
+    )
+    slices = [
+        [torch.nn.Parameter(m.clone()) for m in (t if t.ndim == 3 else [t])] for t in full.values()
+    ]
     ref = torch.optim.Muon([p for s in slices for p in s], adjust_lr_fn="match_rms_adamw", **HP)
     for _ in range(3):
         for p, s in zip(params, slices):

@@ -24,8 +24,17 @@ pytest.importorskip("s3fs", reason="s3fs is not installed (pip install -e '.[dev
 pytest.importorskip("moto", reason="moto is not installed (pip install -e '.[dev]')")
 
 URL = "s3://ckpt/run1"
-COMMON = [*BASE_FP32, "--checkpoint.enable", "true", "--checkpoint.interval", "3",
-          "--checkpoint.async_mode", "async", "--checkpoint.keep_latest_k", "0"]
+COMMON = [
+    *BASE_FP32,
+    "--checkpoint.enable",
+    "true",
+    "--checkpoint.interval",
+    "3",
+    "--checkpoint.async_mode",
+    "async",
+    "--checkpoint.keep_latest_k",
+    "0",
+]
 DIGEST = {"TRAINER_DEBUG_WEIGHT_DIGEST": "1"}
 
 
@@ -65,8 +74,9 @@ def on_s3(s3, tmp_path_factory):
     first = bucket(client)
     for name in (".metadata", "__0_0.distcp", "__7_0.distcp"):  # a save cut off before its
         client.put_object(Bucket="ckpt", Key=f"run1/step-6/{name}", Body=b"\0" * 64)  # commit
-    out = run_train(dump, *COMMON, "--checkpoint.folder", URL, "--training.steps", "6",
-                    env={**env, **DIGEST}).stdout
+    out = run_train(
+        dump, *COMMON, "--checkpoint.folder", URL, "--training.steps", "6", env={**env, **DIGEST}
+    ).stdout
     return dump, out, first, bucket(client)
 
 
@@ -80,8 +90,12 @@ def test_resume_from_s3_is_bitwise_a_local_run(local, on_s3):
     for names in both.values():
         assert names == {"__0_0.distcp", "__1_0.distcp", ".metadata", "manifest.json"}
     assert not (dump / "checkpoint").exists()
-    named = [os.path.join(d, n) for d, dirs, files in os.walk(dump.parent) for n in dirs + files
-             if n.startswith("s3") or n in ("ckpt", "run1")]
+    named = [
+        os.path.join(d, n)
+        for d, dirs, files in os.walk(dump.parent)
+        for n in dirs + files
+        if n.startswith("s3") or n in ("ckpt", "run1")
+    ]
     assert named == [], named
 
 
@@ -91,8 +105,16 @@ def test_initial_load_path_reads_a_bucket_as_a_local_folder(s3, local, on_s3, tm
     env, _ = s3
     got = {}
     for name, path in (("local", local / "checkpoint" / "step-3"), ("s3", f"{URL}/step-3")):
-        out = run_train(tmp_path / name, *BASE_FP32, "--checkpoint.initial_load_path",
-                        str(path), "--training.steps", "1", nproc=1, env=env).stdout
+        out = run_train(
+            tmp_path / name,
+            *BASE_FP32,
+            "--checkpoint.initial_load_path",
+            str(path),
+            "--training.steps",
+            "1",
+            nproc=1,
+            env=env,
+        ).stdout
         assert f"initialised the model from {path}" in out, out
         got[name] = losses(tmp_path / name)
     assert got["s3"] == got["local"] and len(got["s3"]) == 1
@@ -107,8 +129,11 @@ def whole_state(path: str) -> dict:
     from trainer.checkpoint import safe_load
 
     meta = safe_load.read_metadata(path).state_dict_metadata
-    state = {k: torch.empty(m.size, dtype=m.properties.dtype) for k, m in meta.items()
-             if isinstance(m, TensorStorageMetadata) and k.startswith("model_optim.")}
+    state = {
+        k: torch.empty(m.size, dtype=m.properties.dtype)
+        for k, m in meta.items()
+        if isinstance(m, TensorStorageMetadata) and k.startswith("model_optim.")
+    }
     safe_load.load(state, path, no_dist=True)
     return state
 
@@ -125,12 +150,24 @@ def test_resume_on_one_rank_from_s3(s3, local, on_s3):
     here, there = whole_state(str(local / "checkpoint" / "step-3")), whole_state(f"{URL}/step-3")
     assert sorted(here) == sorted(there) and any(".exp_avg_sq" in k for k in here)
     assert all(torch.equal(here[k], there[k]) for k in here)
-    out = run_train(dump.parent / "one", *COMMON, "--checkpoint.folder", URL,
-                    "--checkpoint.load_step", "3", "--checkpoint.keep_latest_k", "1",
-                    "--training.steps", "4", nproc=1, env={**env, **DIGEST}).stdout
+    out = run_train(
+        dump.parent / "one",
+        *COMMON,
+        "--checkpoint.folder",
+        URL,
+        "--checkpoint.load_step",
+        "3",
+        "--checkpoint.keep_latest_k",
+        "1",
+        "--training.steps",
+        "4",
+        nproc=1,
+        env={**env, **DIGEST},
+    ).stdout
     digest = [line.split()[-1] for line in out.splitlines() if "loaded weights digest" in line]
-    assert digest and digest == [line.split()[-1] for line in two_ranks.splitlines()
-                                 if "loaded weights digest" in line]
+    assert digest and digest == [
+        line.split()[-1] for line in two_ranks.splitlines() if "loaded weights digest" in line
+    ]
     after = bucket(client)
     assert "step-4" in after and "step-3" not in after and "manifest.json" in after["step-4"]
     marker = [n for n in after["step-6"] if n.startswith("manifest.abandoned-")]
@@ -141,9 +178,19 @@ def test_resume_on_one_rank_from_s3(s3, local, on_s3):
 
 def test_missing_bucket_is_one_line(s3, tmp_path):
     env, _ = s3
-    proc = run_train(tmp_path / "run", *BASE_FP32, "--checkpoint.enable", "true",
-                     "--checkpoint.folder", "s3://no-such-bucket/run", "--training.steps", "1",
-                     nproc=1, env=env, check=False)
+    proc = run_train(
+        tmp_path / "run",
+        *BASE_FP32,
+        "--checkpoint.enable",
+        "true",
+        "--checkpoint.folder",
+        "s3://no-such-bucket/run",
+        "--training.steps",
+        "1",
+        nproc=1,
+        env=env,
+        check=False,
+    )
     errors = [line for line in (proc.stdout + proc.stderr).splitlines() if "error:" in line]
     assert proc.returncode == 2, proc.stderr[-2000:]
     assert len(errors) == 1 and "bucket 'no-such-bucket' does not exist" in errors[0], errors
@@ -166,18 +213,32 @@ def test_other_schemes_refused_and_no_client_imported_without_a_url():
                 print(e.one_line())
         print(sorted(m for m in ("s3fs", "gcsfs", "fsspec", "boto3") if m in sys.modules))
     """
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                         env=subprocess_env(), check=True).stdout.splitlines()
+    out = subprocess.run(
+        [sys.executable, "-c", code],
+        capture_output=True,
+        text=True,
+        env=subprocess_env(),
+        check=True,
+    ).stdout.splitlines()
     assert out == [
         "config error: checkpoint.folder = 'http://host/ckpt': the scheme http:// is not "
         "supported; use a local folder, s3://bucket/prefix or gs://bucket/prefix",
         "config error: checkpoint.initial_load_path = 'hdfs://nn/x': the scheme hdfs:// is not "
-        "supported; use a local folder, s3://bucket/prefix or gs://bucket/prefix", "[]"]
+        "supported; use a local folder, s3://bucket/prefix or gs://bucket/prefix",
+        "[]",
+    ]
 
 
 def lease_record(**changes) -> bytes:
-    record = {"host": "elsewhere", "job": "slurm 1", "pid": 1, "start": "", "since": time.time(),
-              "heartbeat": time.time(), "token": "theirs"}
+    record = {
+        "host": "elsewhere",
+        "job": "slurm 1",
+        "pid": 1,
+        "start": "",
+        "since": time.time(),
+        "heartbeat": time.time(),
+        "token": "theirs",
+    }
     return json.dumps({**record, **changes}).encode()
 
 
@@ -188,19 +249,36 @@ def test_a_live_run_holding_the_bucket_folder_keeps_another_out(s3, on_s3, tmp_p
     env, client = s3
     client.put_object(Bucket="ckpt", Key="run2/lease.json", Body=lease_record())
     now = bucket(client)  # the bucket as the module's earlier tests left it
-    step = max((f for f in now if re.fullmatch(r"step-\d+", f) and "manifest.json" in now[f]),
-               key=lambda f: int(f.split("-")[1]))
+    step = max(
+        (f for f in now if re.fullmatch(r"step-\d+", f) and "manifest.json" in now[f]),
+        key=lambda f: int(f.split("-")[1]),
+    )
     for name in now[step]:  # a committed step: the ranks would verify it together
-        client.copy_object(Bucket="ckpt", Key=f"run2/{step}/{name}",
-                           CopySource={"Bucket": "ckpt", "Key": f"run1/{step}/{name}"})
-    proc = run_train(tmp_path / "run", *BASE_FP32, "--checkpoint.enable", "true",
-                     "--checkpoint.folder", "s3://ckpt/run2", "--training.steps", "1",
-                     nproc=2, env=env, check=False)
+        client.copy_object(
+            Bucket="ckpt",
+            Key=f"run2/{step}/{name}",
+            CopySource={"Bucket": "ckpt", "Key": f"run1/{step}/{name}"},
+        )
+    proc = run_train(
+        tmp_path / "run",
+        *BASE_FP32,
+        "--checkpoint.enable",
+        "true",
+        "--checkpoint.folder",
+        "s3://ckpt/run2",
+        "--training.steps",
+        "1",
+        nproc=2,
+        env=env,
+        check=False,
+    )
     errors = [line for line in (proc.stdout + proc.stderr).splitlines() if "error:" in line]
     assert proc.returncode == 2 and len(errors) == 1, proc.stderr[-2000:]
     assert not (tmp_path / "run" / "failures.jsonl").exists()
-    assert "checkpoint.folder s3://ckpt/run2 is in use by another run: slurm 1 on elsewhere" \
+    assert (
+        "checkpoint.folder s3://ckpt/run2 is in use by another run: slurm 1 on elsewhere"
         in errors[0]
+    )
 
 
 def test_store_lease_takes_over_a_stale_one_and_releases(s3):
@@ -212,8 +290,9 @@ def test_store_lease_takes_over_a_stale_one_and_releases(s3):
     from trainer.checkpoint.lease import LeaseHeld
 
     _, client = s3
-    client.put_object(Bucket="ckpt", Key="run3/lease.json",
-                      Body=lease_record(heartbeat=time.time() - 1000))
+    client.put_object(
+        Bucket="ckpt", Key="run3/lease.json", Body=lease_record(heartbeat=time.time() - 1000)
+    )
     with pytest.raises(LeaseHeld, match="in use by another run"):  # the store's clock: fresh
         StoreLease("s3://ckpt/run3", timeout=60).acquire()
     time.sleep(2.5)  # the store's Date has whole seconds: at least 1.5 s old by its clock
@@ -228,8 +307,10 @@ def test_store_lease_takes_over_a_stale_one_and_releases(s3):
     client.put_object(Bucket="ckpt", Key="run3/lease.json", Body=lease_record())  # taken over
     assert not mine.refresh() and mine.lost_to == "s3://ckpt/run3 (another run took it over)"
     mine.release()  # not ours any more: stays
-    assert json.loads(client.get_object(Bucket="ckpt", Key="run3/lease.json")["Body"].read()
-                      )["token"] == "theirs"
+    assert (
+        json.loads(client.get_object(Bucket="ckpt", Key="run3/lease.json")["Body"].read())["token"]
+        == "theirs"
+    )
     client.delete_object(Bucket="ckpt", Key="run3/lease.json")
     again = StoreLease("s3://ckpt/run3", timeout=60)
     again.acquire()
@@ -243,23 +324,41 @@ def test_rollback_resaves_its_step_in_the_bucket(s3, tmp_path):
     deleted once the new one is committed); the save of step 8 fails
     (an injected I/O error) and the run ends with step-6 the latest (on_save_error)."""
     env, client = s3
-    out = run_train(tmp_path / "run", *BASE_FP32, "--checkpoint.enable", "true",
-                    "--checkpoint.folder", "s3://ckpt/run4", "--checkpoint.interval", "2",
-                    "--checkpoint.keep_latest_k", "0", "--training.spike_window", "3",
-                    "--training.on_spike", "rollback", "--training.steps", "8",
-                    "--checkpoint.on_save_error", "continue", nproc=1,
-                    env={**env, "TRAINER_TEST_SPIKE_LOSS": "0:6:20",
-                         "TRAINER_TEST_SAVE_ERROR": "8:5"}).stdout
+    out = run_train(
+        tmp_path / "run",
+        *BASE_FP32,
+        "--checkpoint.enable",
+        "true",
+        "--checkpoint.folder",
+        "s3://ckpt/run4",
+        "--checkpoint.interval",
+        "2",
+        "--checkpoint.keep_latest_k",
+        "0",
+        "--training.spike_window",
+        "3",
+        "--training.on_spike",
+        "rollback",
+        "--training.steps",
+        "8",
+        "--checkpoint.on_save_error",
+        "continue",
+        nproc=1,
+        env={**env, "TRAINER_TEST_SPIKE_LOSS": "0:6:20", "TRAINER_TEST_SAVE_ERROR": "8:5"},
+    ).stdout
     assert "rolled back to checkpoint step-4" in out, out
-    assert ("warning: checkpoint step-8 not saved ([Errno 5] Input/output error: "
-            "'s3://ckpt/run4/step-8/__injected.distcp'); training goes on "
-            "(checkpoint.on_save_error = 'continue'); the latest checkpoint is "
-            "s3://ckpt/run4/step-6") in out, out
+    assert (
+        "warning: checkpoint step-8 not saved ([Errno 5] Input/output error: "
+        "'s3://ckpt/run4/step-8/__injected.distcp'); training goes on "
+        "(checkpoint.on_save_error = 'continue'); the latest checkpoint is "
+        "s3://ckpt/run4/step-6"
+    ) in out, out
     keys = {o["Key"] for o in client.list_objects_v2(Bucket="ckpt", Prefix="run4/")["Contents"]}
     assert {k.split("/")[1] for k in keys} == {"step-2", "step-4.2", "step-6"}, keys
     assert "rolled back to checkpoint step-4" in out and "s3://ckpt/run4/step-4.2 in " in out
-    manifest = json.loads(client.get_object(Bucket="ckpt", Key="run4/step-4.2/manifest.json")
-                          ["Body"].read())
+    manifest = json.loads(
+        client.get_object(Bucket="ckpt", Key="run4/step-4.2/manifest.json")["Body"].read()
+    )
     assert manifest["step"] == 4 and set(manifest["files"]) == {".metadata", "__0_0.distcp"}
 
 

@@ -23,8 +23,16 @@ pytest.importorskip("moto", reason="moto is not installed (pip install -e '.[dev
 
 URL = "s3://data/email"
 CACHE_GIB = 0.00003  # ~32 KiB: 4 KiB blocks, 7 of them fit
-STORE_ARGS = ["--dataset", "stdlib", "--data_files", "email/**", "--workers", "1",
-              "--shard_tokens", "20000"]
+STORE_ARGS = [
+    "--dataset",
+    "stdlib",
+    "--data_files",
+    "email/**",
+    "--workers",
+    "1",
+    "--shard_tokens",
+    "20000",
+]
 
 
 @pytest.fixture(scope="module")
@@ -45,22 +53,46 @@ def stores(s3, tmp_path_factory):
     base = tmp_path_factory.mktemp("stores")
     tok = str(train_bpe(stdlib_texts(30), 512, base / "tok.model", num_threads=1))
     cfg = DataConfig(dataset="stdlib", data_files=["email/**"], tokenizer_path=tok)
-    manifest = prepare_store(cfg, tok, str(base / "local"), workers=1, shard_tokens=20000,
-                             show_progress=False)
+    manifest = prepare_store(
+        cfg, tok, str(base / "local"), workers=1, shard_tokens=20000, show_progress=False
+    )
     python, run_env = fork_python(env)
-    proc = subprocess.run([python, "-m", "trainer.data.prepare", *STORE_ARGS,
-                           "--tokenizer_path", tok, "--store_path", URL,
-                           "--cache_dir", str(base / "staging")],
-                          env=run_env, capture_output=True, text=True)
+    proc = subprocess.run(
+        [
+            python,
+            "-m",
+            "trainer.data.prepare",
+            *STORE_ARGS,
+            "--tokenizer_path",
+            tok,
+            "--store_path",
+            URL,
+            "--cache_dir",
+            str(base / "staging"),
+        ],
+        env=run_env,
+        capture_output=True,
+        text=True,
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert f"uploaded to {URL}" in proc.stdout
     return base / "local", manifest["total_tokens"] * 2
 
 
 def train(dump, store: str, env: dict, *extra: str):
-    return run_train(dump, *BASE_FP32, *STDLIB, "--data.store_path", store,
-                     "--training.steps", "3", "--checkpoint.last_save_in_hf", "true", *extra,
-                     env=env)
+    return run_train(
+        dump,
+        *BASE_FP32,
+        *STDLIB,
+        "--data.store_path",
+        store,
+        "--training.steps",
+        "3",
+        "--checkpoint.last_save_in_hf",
+        "true",
+        *extra,
+        env=env,
+    )
 
 
 SECRETS = {"AWS_ACCESS_KEY_ID": "AKIDH6KEYID", "AWS_SECRET_ACCESS_KEY": "h6-secret-key"}
@@ -73,9 +105,21 @@ def runs(s3, stores, tmp_path_factory):
     env, _ = s3
     base = tmp_path_factory.mktemp("runs")
     train(base / "local", str(stores[0]), env)
-    proc = train(base / "s3", URL, {**env, **SECRETS}, "--data.cache_dir", str(base / "cache"),
-                 "--data.cache_max_gib", str(CACHE_GIB), "--checkpoint.enable", "true",
-                 "--checkpoint.folder", "s3://data/ckpt", "--checkpoint.interval", "3")
+    proc = train(
+        base / "s3",
+        URL,
+        {**env, **SECRETS},
+        "--data.cache_dir",
+        str(base / "cache"),
+        "--data.cache_max_gib",
+        str(CACHE_GIB),
+        "--checkpoint.enable",
+        "true",
+        "--checkpoint.folder",
+        "s3://data/ckpt",
+        "--checkpoint.interval",
+        "3",
+    )
     return base / "local", base / "s3", proc, base / "cache"
 
 
@@ -90,8 +134,9 @@ def test_a_store_in_a_bucket_trains_as_on_disk_through_a_bounded_cache(stores, r
     evicted = scalars(dump, "data_metrics/cache_evictions")
     assert 0 < fetched[3] < store_bytes / (1 << 20)  # rank 0 read part of the store
     assert max(used.values()) <= CACHE_GIB * 1024 and evicted[3] > 0, (used, evicted)
-    on_disk = sum(f.stat().st_size for f in (cache / "remote-blocks").iterdir()
-                  if not f.name.startswith("."))
+    on_disk = sum(
+        f.stat().st_size for f in (cache / "remote-blocks").iterdir() if not f.name.startswith(".")
+    )
     assert 0 < on_disk <= CACHE_GIB * (1 << 30)
     # the effective config keeps the URL and nothing of the credentials; nor do the logs
     saved = (dump / "config.toml").read_text()
@@ -102,8 +147,10 @@ def test_a_store_in_a_bucket_trains_as_on_disk_through_a_bounded_cache(stores, r
 
 def objects(client, prefix: str) -> dict[str, bytes]:
     listed = client.list_objects_v2(Bucket="data", Prefix=prefix + "/").get("Contents", [])
-    return {o["Key"].rsplit("/", 1)[1]: client.get_object(Bucket="data", Key=o["Key"])
-            ["Body"].read() for o in listed}
+    return {
+        o["Key"].rsplit("/", 1)[1]: client.get_object(Bucket="data", Key=o["Key"])["Body"].read()
+        for o in listed
+    }
 
 
 def test_hf_folders_to_and_from_a_bucket_equal_the_local_ones(s3, runs, tmp_path):
@@ -115,14 +162,27 @@ def test_hf_folders_to_and_from_a_bucket_equal_the_local_ones(s3, runs, tmp_path
     env, client = s3
     local, dump = runs[0] / "hf", runs[1] / "hf"
     files = {p.name: p.read_bytes() for p in local.iterdir()}
-    assert "model.safetensors" in files and files == {p.name: p.read_bytes()
-                                                      for p in dump.iterdir()}
+    assert "model.safetensors" in files and files == {
+        p.name: p.read_bytes() for p in dump.iterdir()
+    }
     assert objects(client, "ckpt/hf") == files
     python, run_env = fork_python(env)
-    proc = subprocess.run([python, "-m", "trainer.convert", "to-hf",
-                           "s3://data/ckpt/step-3", "s3://data/converted", "--config",
-                           str(runs[1] / "config.toml")], env=run_env,
-                          capture_output=True, text=True, timeout=300)
+    proc = subprocess.run(
+        [
+            python,
+            "-m",
+            "trainer.convert",
+            "to-hf",
+            "s3://data/ckpt/step-3",
+            "s3://data/converted",
+            "--config",
+            str(runs[1] / "config.toml"),
+        ],
+        env=run_env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert objects(client, "converted") == files
     remote, here = HFFolder("s3://data/converted"), HFFolder(str(local))
@@ -157,7 +217,8 @@ def test_generate_reads_a_checkpoint_and_a_hf_folder_in_a_bucket(runs):
     code, _, err = generated("--checkpoint", "s3://data/ckpt/step-3")
     assert code == 2 and err.strip() == (
         "config error: --checkpoint s3://data/ckpt/step-3 is in an object store, away from "
-        "its run's config.toml: pass --config {dump_folder}/config.toml"), err
+        "its run's config.toml: pass --config {dump_folder}/config.toml"
+    ), err
 
 
 def one_error_line(proc) -> str:
@@ -168,11 +229,22 @@ def one_error_line(proc) -> str:
 
 def test_a_missing_bucket_is_one_line_before_any_step(s3, tmp_path):
     env, _ = s3
-    proc = run_train(tmp_path / "run", *BASE_FP32, *STDLIB,
-                     "--data.store_path", "s3://no-such-bucket/store", "--training.steps", "1",
-                     nproc=1, env=env, check=False)
-    assert "data.store_path = 's3://no-such-bucket/store': the bucket 'no-such-bucket' does " \
-           "not exist" in one_error_line(proc)
+    proc = run_train(
+        tmp_path / "run",
+        *BASE_FP32,
+        *STDLIB,
+        "--data.store_path",
+        "s3://no-such-bucket/store",
+        "--training.steps",
+        "1",
+        nproc=1,
+        env=env,
+        check=False,
+    )
+    assert (
+        "data.store_path = 's3://no-such-bucket/store': the bucket 'no-such-bucket' does "
+        "not exist" in one_error_line(proc)
+    )
     assert "step 1" not in proc.stdout.lower()
 
 
@@ -183,11 +255,25 @@ def test_an_unreachable_endpoint_is_one_line(s3, stores, tmp_path):
         port = sock.getsockname()[1]
     bad = {**env, "AWS_ENDPOINT_URL": f"http://127.0.0.1:{port}", "AWS_MAX_ATTEMPTS": "1"}
     python, run_env = fork_python(bad)
-    proc = subprocess.run([python, "-m", "trainer.data.prepare", *STORE_ARGS,
-                           "--tokenizer_path", str(stores[0] / "tokenizer.model"),
-                           "--store_path", "s3://data/other"], env=run_env,
-                          capture_output=True, text=True, timeout=120)
+    proc = subprocess.run(
+        [
+            python,
+            "-m",
+            "trainer.data.prepare",
+            *STORE_ARGS,
+            "--tokenizer_path",
+            str(stores[0] / "tokenizer.model"),
+            "--store_path",
+            "s3://data/other",
+        ],
+        env=run_env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     line = one_error_line(proc)
-    assert line.startswith("config error: data.store_path = 's3://data/other': cannot reach "
-                           f"the store at http://127.0.0.1:{port}"), line
+    assert line.startswith(
+        "config error: data.store_path = 's3://data/other': cannot reach "
+        f"the store at http://127.0.0.1:{port}"
+    ), line
     assert "test" not in line  # no credentials

@@ -36,8 +36,12 @@ STEPS, INTERVAL = 6, 2
 TIMEOUT = 8.0  # the in-process test's store timeout (a loaded machine answers some requests
 # in seconds: a shorter one times out requests never faulted); the proxy's silence lasts longer
 RUN_TIMEOUT = 60.0  # the runs': they meet no injected timeout, and none may be spurious
-TAGS = {"503": "store/throttled", "500": "store/server_errors", "timeout": "store/timeouts",
-        "reset": "store/resets"}
+TAGS = {
+    "503": "store/throttled",
+    "500": "store/server_errors",
+    "timeout": "store/timeouts",
+    "reset": "store/resets",
+}
 
 
 @pytest.fixture(scope="module")
@@ -74,10 +78,18 @@ def test_requests_are_retried_and_counted_by_kind(s3, proxy, monkeypatch, tmp_pa
     from trainer.hf.remote import RemoteSafetensors
 
     monkeypatch.setenv("AWS_ENDPOINT_URL", proxy.url)
-    ck = types.SimpleNamespace(store_retries=3, store_timeout_seconds=TIMEOUT, enable=False,
-                               folder="", initial_load_path="")
-    retry.configure(types.SimpleNamespace(checkpoint=ck, data=types.SimpleNamespace(
-        store_path="s3://faults/store", mix=[])))
+    ck = types.SimpleNamespace(
+        store_retries=3,
+        store_timeout_seconds=TIMEOUT,
+        enable=False,
+        folder="",
+        initial_load_path="",
+    )
+    retry.configure(
+        types.SimpleNamespace(
+            checkpoint=ck, data=types.SimpleNamespace(store_path="s3://faults/store", mix=[])
+        )
+    )
     fs = storage.filesystem("s3://faults/x")
     from safetensors.torch import save_file
 
@@ -86,15 +98,20 @@ def test_requests_are_retried_and_counted_by_kind(s3, proxy, monkeypatch, tmp_pa
     big = os.urandom(11 << 20)
     before, proxy.log[:] = retry.counts(), []
     # every other request faulted; one timeout in ten faults (each costs TIMEOUT seconds)
-    proxy.set_rules(Rule(r"^(GET|PUT|POST|HEAD) /faults/", ("503", "500", "reset", "timeout",
-                                                            *("503", "500", "reset") * 2), every=2))
+    proxy.set_rules(
+        Rule(
+            r"^(GET|PUT|POST|HEAD) /faults/",
+            ("503", "500", "reset", "timeout", *("503", "500", "reset") * 2),
+            every=2,
+        )
+    )
     with fs.open("s3://faults/x/big", "wb", block_size=5 << 20) as f:  # 3 parts, multipart
         f.write(big)
     cache = BlockCache(tmp_path / "cache", 1 << 20)
     blocks = [cache.get("s3://faults/x/big", "k", i, len(big)) for i in (0, 5, 9)]
     tensor = RemoteSafetensors("s3://faults/hf/m.safetensors").get_tensor("w")
     proxy.set_rules()
-    assert blocks == [big[i * cache.block:(i + 1) * cache.block] for i in (0, 5, 9)]
+    assert blocks == [big[i * cache.block : (i + 1) * cache.block] for i in (0, 5, 9)]
     assert torch.equal(tensor, torch.arange(6.0).reshape(2, 3))
     after = retry.counts()
     kinds = [line.split()[0] for line in proxy.log]
@@ -113,8 +130,10 @@ def test_requests_are_retried_and_counted_by_kind(s3, proxy, monkeypatch, tmp_pa
     assert retry.counts()["gave_up"] == after["gave_up"] + 1
     fs.clear_instance_cache()  # its client points at the proxy
 
-def test_training_through_faults_counts_them_and_follows_on_save_error(s3, proxy, reference,
-                                                                       tmp_path):
+
+def test_training_through_faults_counts_them_and_follows_on_save_error(
+    s3, proxy, reference, tmp_path
+):
     env = {**s3[0], "AWS_ENDPOINT_URL": proxy.url}
     first, second = tmp_path / "first", tmp_path / "second"
     url = checkpoint_of(first, "s3")
@@ -123,14 +142,27 @@ def test_training_through_faults_counts_them_and_follows_on_save_error(s3, proxy
     # its step-4 save is refused past the retries
     saves = Rule(r"^(PUT|POST) /chaos/[^/]+/step-2/", ("503", "500", "reset"), every=2, limit=6)
     proxy.set_rules(saves, Rule(r"^(PUT|POST) /chaos/[^/]+/step-4/", ("503",), every=1))
-    out = run_train(first, *train_args(first, 4, INTERVAL, 2, layout="s3"), *common,
-                    "--checkpoint.on_save_error", "continue", env=env).stdout
+    out = run_train(
+        first,
+        *train_args(first, 4, INTERVAL, 2, layout="s3"),
+        *common,
+        "--checkpoint.on_save_error",
+        "continue",
+        env=env,
+    ).stdout
     counted_saves = {k: scalars(first, tag).get(4) for k, tag in TAGS.items()}
     # 2: resumes step 2 through faults on its reads; its step-6 save is refused: it stops
     loads = Rule(r"^(GET|HEAD) /chaos/[^/]+/step-2/", ("reset", "500", "503"), every=2, limit=6)
     proxy.set_rules(loads, Rule(r"^(PUT|POST) /chaos/[^/]+/step-6/", ("500",), every=1))
-    stopped = run_train(second, *train_args(second, STEPS, INTERVAL, 2, layout="s3"), *common,
-                        "--checkpoint.folder", url, env=env, check=False)
+    stopped = run_train(
+        second,
+        *train_args(second, STEPS, INTERVAL, 2, layout="s3"),
+        *common,
+        "--checkpoint.folder",
+        url,
+        env=env,
+        check=False,
+    )
     proxy.set_rules()
     ref = losses(reference)
 
@@ -147,8 +179,9 @@ def test_training_through_faults_counts_them_and_follows_on_save_error(s3, proxy
     got = losses(second)
     assert [got[s] for s in (3, 4, 5, 6)] == [ref[s] for s in (3, 4, 5, 6)]
     assert loads.fired >= 3 and scalars(second, "store/retries")[3] == loads.fired
-    assert {k: scalars(second, tag)[3] for k, tag in TAGS.items()} == \
-        {k: expected(loads, k) for k in KINDS}
+    assert {k: scalars(second, tag)[3] for k, tag in TAGS.items()} == {
+        k: expected(loads, k) for k in KINDS
+    }
     assert committed(url) == [2, 4]  # step-6's objects were removed when it failed
     a, b = load_dcp_tensors(reference / "checkpoint" / "step-4"), load_dcp_tensors(f"{url}/step-4")
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
@@ -157,9 +190,17 @@ def test_training_through_faults_counts_them_and_follows_on_save_error(s3, proxy
     # instead of taking step-4 for damaged and silently resuming from step-2
     proxy.set_rules(Rule(r"^(GET|HEAD) /chaos/[^/]+/step-4/", ("503",), every=1))
     third = tmp_path / "third"
-    refused = run_train(third, *train_args(third, STEPS, INTERVAL, 2, layout="s3"), *common,
-                        "--checkpoint.folder", url, "--checkpoint.store_retries", "1", env=env,
-                        check=False)
+    refused = run_train(
+        third,
+        *train_args(third, STEPS, INTERVAL, 2, layout="s3"),
+        *common,
+        "--checkpoint.folder",
+        url,
+        "--checkpoint.store_retries",
+        "1",
+        env=env,
+        check=False,
+    )
     proxy.set_rules()
     text = refused.stdout + refused.stderr
     assert refused.returncode == 2, text[-3000:]
@@ -172,9 +213,17 @@ def test_chaos_with_store_faults_loses_nothing(s3, reference, tmp_path):
     from scripts.chaos import ok, report, run_chaos
 
     with chaos_store.proxied(s3[0], rate=0.05, seed=3) as store:
-        fig = run_chaos(tmp_path, faults=1, min_during_save=1, steps=STEPS, interval=INTERVAL,
-                        kinds=("launcher-SIGTERM",), layout="s3", store=store,
-                        reference=reference)
+        fig = run_chaos(
+            tmp_path,
+            faults=1,
+            min_during_save=1,
+            steps=STEPS,
+            interval=INTERVAL,
+            kinds=("launcher-SIGTERM",),
+            layout="s3",
+            store=store,
+            reference=reference,
+        )
     print(report(fig, INTERVAL))
     assert fig["store"]["total"] >= 2 and fig["store"]["surfaced"] == 0, fig["store"]
     assert ok(fig, 1, 1), report(fig, INTERVAL)

@@ -30,8 +30,17 @@ from tests.helpers import BASE_FP32, losses, run_train
 pytest.importorskip("s3fs", reason="s3fs is not installed (pip install -e '.[dev]')")
 pytest.importorskip("moto", reason="moto is not installed (pip install -e '.[dev]')")
 
-SAVES = [*BASE_FP32, "--checkpoint.enable", "true", "--checkpoint.interval", "2",
-         "--checkpoint.store_timeout_seconds", "30", "--checkpoint.store_retries", "1"]
+SAVES = [
+    *BASE_FP32,
+    "--checkpoint.enable",
+    "true",
+    "--checkpoint.interval",
+    "2",
+    "--checkpoint.store_timeout_seconds",
+    "30",
+    "--checkpoint.store_retries",
+    "1",
+]
 
 
 @pytest.fixture(scope="module")
@@ -52,10 +61,9 @@ def proxy(s3):
 def prefixes(client, run: str) -> dict[str, set[str]]:
     """{prefix under s3://safe/<run>: the names of its objects}."""
     out: dict[str, set[str]] = {}
-    for page in client.get_paginator("list_objects_v2").paginate(Bucket="safe",
-                                                                  Prefix=f"{run}/"):
+    for page in client.get_paginator("list_objects_v2").paginate(Bucket="safe", Prefix=f"{run}/"):
         for obj in page.get("Contents", []):
-            folder, _, name = obj["Key"][len(run) + 1:].partition("/")
+            folder, _, name = obj["Key"][len(run) + 1 :].partition("/")
             out.setdefault(folder, set()).add(name)
     return out
 
@@ -94,15 +102,26 @@ def test_a_rewind_on_a_slow_store_copies_nothing_and_times_out_nothing(s3, proxy
     env, client = s3
     url = "s3://safe/rewind"
     keep = ["--checkpoint.keep_latest_k", "0"]
-    run_train(tmp_path / "a", *SAVES, *keep, "--checkpoint.folder", url, "--training.steps", "6",
-              env=env)
+    run_train(
+        tmp_path / "a", *SAVES, *keep, "--checkpoint.folder", url, "--training.steps", "6", env=env
+    )
     copies = Rule(r" copy-from=", ("slow",), every=1)
     proxy.set_rules(copies)
     t0 = time.monotonic()
-    out = run_train(tmp_path / "b", *SAVES, *keep, "--checkpoint.folder", url,
-                    "--checkpoint.load_step",
-                    "2", "--training.steps", "4", "--comm.train_timeout_seconds", "10",
-                    env={**env, "AWS_ENDPOINT_URL": proxy.url}).stdout
+    out = run_train(
+        tmp_path / "b",
+        *SAVES,
+        *keep,
+        "--checkpoint.folder",
+        url,
+        "--checkpoint.load_step",
+        "2",
+        "--training.steps",
+        "4",
+        "--comm.train_timeout_seconds",
+        "10",
+        env={**env, "AWS_ENDPOINT_URL": proxy.url},
+    ).stdout
     took = time.monotonic() - t0
     proxy.set_rules()
     copied = [line.split("copy-from=")[1] for line in proxy.log if "copy-from=" in line]
@@ -122,10 +141,12 @@ def lease_client(proxy: FaultProxy):
     """Point this process's store requests at the proxy, with one retry of 3 s each."""
     from trainer.checkpoint import retry
 
-    ck = types.SimpleNamespace(store_retries=1, store_timeout_seconds=3.0, enable=False,
-                               folder="", initial_load_path="")
-    retry.configure(types.SimpleNamespace(checkpoint=ck, data=types.SimpleNamespace(
-        store_path="", mix=[])))
+    ck = types.SimpleNamespace(
+        store_retries=1, store_timeout_seconds=3.0, enable=False, folder="", initial_load_path=""
+    )
+    retry.configure(
+        types.SimpleNamespace(checkpoint=ck, data=types.SimpleNamespace(store_path="", mix=[]))
+    )
 
 
 def test_a_lease_heartbeat_through_20s_of_resets(s3, proxy, monkeypatch):
@@ -194,14 +215,17 @@ def test_a_store_that_ignores_conditional_writes_is_refused(s3, tmp_path):
         via = {**env, "AWS_ENDPOINT_URL": blind.url}
         args = [*SAVES, "--checkpoint.folder", "s3://safe/blind", "--training.steps", "2"]
         refused = run_train(tmp_path / "a", *args, nproc=1, env=via, check=False)
-        unchecked = run_train(tmp_path / "b", *args, "--checkpoint.store_lease", "unchecked",
-                              nproc=1, env=via)
+        unchecked = run_train(
+            tmp_path / "b", *args, "--checkpoint.store_lease", "unchecked", nproc=1, env=via
+        )
     finally:
         blind.stop()
     lines = [ln for ln in refused.stderr.splitlines() if ln.strip()]
     assert refused.returncode == 2 and len(lines) == 1, refused.stderr
-    assert lines[0].startswith("config error: checkpoint.folder s3://safe/blind: this store "
-                               "ignores conditional writes (If-None-Match)"), lines[0]
+    assert lines[0].startswith(
+        "config error: checkpoint.folder s3://safe/blind: this store "
+        "ignores conditional writes (If-None-Match)"
+    ), lines[0]
     assert "warning: s3://safe/blind: the store ignores conditional writes" in unchecked.stdout
     assert committed("s3://safe/blind") == [2]
     assert not [k for k in prefixes(client, "blind") if k.startswith("lease.json")]
@@ -222,11 +246,20 @@ def test_every_transient_fault_is_retried_and_counted(s3, proxy, monkeypatch):
     fs = storage.filesystem("s3://safe/x")
     fs.clear_instance_cache()
     body = os.urandom(4 << 20)
-    for kind, counted in (("cut", "resets"), ("400timeout", "timeouts"),
-                          ("baddigest", "server_errors")):
-        for name, send in (("s3fs", lambda k: fs.pipe_file(f"s3://safe/retried/{k}", body)),
-                           ("boto3", lambda k: retry.boto3_client().put_object(
-                               Bucket="safe", Key=f"retried/{k}", Body=body))):
+    for kind, counted in (
+        ("cut", "resets"),
+        ("400timeout", "timeouts"),
+        ("baddigest", "server_errors"),
+    ):
+        for name, send in (
+            ("s3fs", lambda k: fs.pipe_file(f"s3://safe/retried/{k}", body)),
+            (
+                "boto3",
+                lambda k: retry.boto3_client().put_object(
+                    Bucket="safe", Key=f"retried/{k}", Body=body
+                ),
+            ),
+        ):
             before = retry.counts()
             rule = Rule(r"^PUT /safe/retried/", (kind,), every=1, limit=1)
             proxy.set_rules(rule)
@@ -252,17 +285,30 @@ def test_a_completed_upload_whose_answer_was_lost_is_taken_as_done(s3):
 
     _, client = s3
     up = client.create_multipart_upload(Bucket="safe", Key="mpu/obj")
-    parts = [{"PartNumber": i + 1, "ETag": client.upload_part(
-        Bucket="safe", Key="mpu/obj", UploadId=up["UploadId"], PartNumber=i + 1,
-        Body=bytes([i]) * (5 << 20))["ETag"]} for i in range(2)]
-    client.complete_multipart_upload(Bucket="safe", Key="mpu/obj", UploadId=up["UploadId"],
-                                     MultipartUpload={"Parts": parts})
+    parts = [
+        {
+            "PartNumber": i + 1,
+            "ETag": client.upload_part(
+                Bucket="safe",
+                Key="mpu/obj",
+                UploadId=up["UploadId"],
+                PartNumber=i + 1,
+                Body=bytes([i]) * (5 << 20),
+            )["ETag"],
+        }
+        for i in range(2)
+    ]
+    client.complete_multipart_upload(
+        Bucket="safe", Key="mpu/obj", UploadId=up["UploadId"], MultipartUpload={"Parts": parts}
+    )
     fs = storage.filesystem("s3://safe/mpu")
     ask = {"Bucket": "safe", "Key": "mpu/obj", "UploadId": up["UploadId"]}
-    done = fsspec.asyn.sync(fs.loop, retry.completed_already, fs,
-                            {**ask, "MultipartUpload": {"Parts": parts}})
+    done = fsspec.asyn.sync(
+        fs.loop, retry.completed_already, fs, {**ask, "MultipartUpload": {"Parts": parts}}
+    )
     assert done["ETag"] == client.head_object(Bucket="safe", Key="mpu/obj")["ETag"]
     assert done["ETag"] == retry.multipart_etag(parts) and done["ETag"].endswith('-2"')
-    other = fsspec.asyn.sync(fs.loop, retry.completed_already, fs,
-                             {**ask, "MultipartUpload": {"Parts": parts[:1]}})
+    other = fsspec.asyn.sync(
+        fs.loop, retry.completed_already, fs, {**ask, "MultipartUpload": {"Parts": parts[:1]}}
+    )
     assert other is None  # another object than these parts make: the error stands

@@ -32,12 +32,32 @@ from trainer.parallel.pipeline import _SAME_RANK_STAGES, _SPLIT_BACKWARD_THROUGH
 
 LOSS = "loss_metrics/global_avg_loss"
 CKPT = ("--checkpoint.enable", "true", "--checkpoint.keep_latest_k", "0")
-DENSE = ("--model.flavor", "debugmodel-narrow", "--training.seq_len", "64",
-         "--training.local_batch_size", "2", "--training.global_batch_size", "8",
-         "--training.mixed_precision_param", "float32", "--metrics.log_freq", "1",
-         "--lr_scheduler.warmup_steps", "2", "--lr_scheduler.min_lr_factor", "1.0",
-         *SYNTHETIC, "--optimizer.lr", "0.01", *CKPT,
-         "--optimizer.name", "Muon", "--optimizer.muon_ns_dtype", "float32")
+DENSE = (
+    "--model.flavor",
+    "debugmodel-narrow",
+    "--training.seq_len",
+    "64",
+    "--training.local_batch_size",
+    "2",
+    "--training.global_batch_size",
+    "8",
+    "--training.mixed_precision_param",
+    "float32",
+    "--metrics.log_freq",
+    "1",
+    "--lr_scheduler.warmup_steps",
+    "2",
+    "--lr_scheduler.min_lr_factor",
+    "1.0",
+    *SYNTHETIC,
+    "--optimizer.lr",
+    "0.01",
+    *CKPT,
+    "--optimizer.name",
+    "Muon",
+    "--optimizer.muon_ns_dtype",
+    "float32",
+)
 MOE = ("--model.flavor", "debugmodel-moe-narrow", "--model.n_layers", "3", *DENSE[2:])
 P = "--parallelism."
 LAYOUTS = {  # name: (ranks, args)
@@ -45,11 +65,22 @@ LAYOUTS = {  # name: (ranks, args)
     "tp2_fsdp2": (4, (P + "tensor_parallel_degree", "2")),
     "cp2_fsdp2": (4, (P + "context_parallel_degree", "2")),
     "hsdp2x2": (4, (P + "data_parallel_replicate_degree", "2")),
-    "pp4_v": (4, (P + "pipeline_parallel_degree", "4", P + "pipeline_parallel_schedule",
-                  "ZBVZeroBubble" if _SAME_RANK_STAGES else "Interleaved1F1B",
-                  *(() if _SPLIT_BACKWARD_THROUGH_FUNCTIONS or not _SAME_RANK_STAGES
-                    else ("--training.loss", "eager")),  # torch 2.12 (pipeline.check_torch)
-                  "--training.local_batch_size", "8")),
+    "pp4_v": (
+        4,
+        (
+            P + "pipeline_parallel_degree",
+            "4",
+            P + "pipeline_parallel_schedule",
+            "ZBVZeroBubble" if _SAME_RANK_STAGES else "Interleaved1F1B",
+            *(
+                ()
+                if _SPLIT_BACKWARD_THROUGH_FUNCTIONS or not _SAME_RANK_STAGES
+                else ("--training.loss", "eager")
+            ),  # torch 2.12 (pipeline.check_torch)
+            "--training.local_batch_size",
+            "8",
+        ),
+    ),
     "ep2_fsdp2": (4, (P + "expert_parallel_degree", "2")),
 }
 # Steps 3..10, one per launch, from the uninterrupted run's step 2 (saved by TP 2 x FSDP 2).
@@ -58,8 +89,17 @@ CHAIN = ("tp2_fsdp2", "cp2_fsdp2", "cp2_fsdp2", "hsdp2x2", "hsdp2x2", "pp4_v", "
 
 def launch(dump, base, layout, steps, *extra, interval=100):
     nproc, args = LAYOUTS[layout]
-    return run_train(dump, *base, *args, "--training.steps", str(steps),
-                     "--checkpoint.interval", str(interval), *extra, nproc=nproc).stdout
+    return run_train(
+        dump,
+        *base,
+        *args,
+        "--training.steps",
+        str(steps),
+        "--checkpoint.interval",
+        str(interval),
+        *extra,
+        nproc=nproc,
+    ).stdout
 
 
 def resumable_at(run, dest, step):
@@ -75,7 +115,8 @@ def resumable_at(run, dest, step):
 
 def close(got: dict, want: dict, tol: float = 1e-4) -> bool:
     return sorted(got) == sorted(want) and all(
-        abs(got[s] - want[s]) <= tol * max(1.0, abs(want[s])) for s in want)
+        abs(got[s] - want[s]) <= tol * max(1.0, abs(want[s])) for s in want
+    )
 
 
 @pytest.fixture(scope="module")
@@ -118,8 +159,10 @@ def test_a_changed_momentum_applies_and_is_named(dense, tmp_path):
     root, _ = dense
     dump = resumable_at(root / "straight", tmp_path / "m08", 2)
     out = launch(dump, DENSE, "one", 5, "--optimizer.muon_momentum", "0.8")
-    assert ("optimizer settings changed at the resume: optimizer.muon_momentum 0.95 -> 0.8 "
-            "(this run's config applies; the optimizer state resumes as saved)") in out, out
+    assert (
+        "optimizer settings changed at the resume: optimizer.muon_momentum 0.95 -> 0.8 "
+        "(this run's config applies; the optimizer state resumes as saved)"
+    ) in out, out
     want, got = scalars(root / "straight", LOSS), scalars(dump, LOSS)
     assert close({3: got[3]}, {3: want[3]}), (got, want)
     assert abs(got[4] - want[4]) > 3e-4 and abs(got[5] - want[5]) > 1e-3, (got, want)
@@ -132,9 +175,11 @@ def test_changed_lrs_of_muon_and_adamw_are_named_and_logged_apart(dense, tmp_pat
     root, _ = dense
     dump = resumable_at(root / "straight", tmp_path / "lrs", 2)
     out = launch(dump, DENSE, "one", 3, "--optimizer.lr", "0.005", "--optimizer.muon_lr", "0.02")
-    assert ("lr schedule changed at the resume: step 3 trains at lr 0.005 and Muon's matrices "
-            "(optimizer.muon_lr) at lr 0.02 (this run's optimizer.lr, muon_lr, [lr_scheduler] "
-            "and training.steps); the checkpoint's run would have used 0.01 and 0.01") in out, out
+    assert (
+        "lr schedule changed at the resume: step 3 trains at lr 0.005 and Muon's matrices "
+        "(optimizer.muon_lr) at lr 0.02 (this run's optimizer.lr, muon_lr, [lr_scheduler] "
+        "and training.steps); the checkpoint's run would have used 0.01 and 0.01"
+    ) in out, out
     assert scalars(dump, "lr") == {3: pytest.approx(0.005)}
     assert scalars(dump, "lr_muon") == {3: pytest.approx(0.02)}
     straight = scalars(root / "straight", "lr")
@@ -145,20 +190,25 @@ def test_any_adamw_kernel_resumes_under_any_other(tmp_path):
     """A for-loop AdamW run of 4 steps; from its step 2: auto (fused), then for-loop, a step
     each, with the uninterrupted losses."""
     base = (*BASE_FP32, *CKPT)
-    launch(tmp_path / "straight", base, "one", 4, "--optimizer.implementation", "for-loop",
-           interval=2)
+    launch(
+        tmp_path / "straight", base, "one", 4, "--optimizer.implementation", "for-loop", interval=2
+    )
     want = scalars(tmp_path / "straight", LOSS)
     dump = resumable_at(tmp_path / "straight", tmp_path / "chain", 2)
-    for step, impl, change in ((3, "auto", "for-loop -> fused"),
-                               (4, "for-loop", "fused -> for-loop")):
+    for step, impl, change in (
+        (3, "auto", "for-loop -> fused"),
+        (4, "for-loop", "fused -> for-loop"),
+    ):
         out = launch(dump, base, "one", step, "--optimizer.implementation", impl)
-        assert ("optimizer settings changed at the resume: optimizer.implementation "
-                f"{change} (") in out, out
+        assert (
+            f"optimizer settings changed at the resume: optimizer.implementation {change} ("
+        ) in out, out
     got = scalars(dump, LOSS)
     assert close(got, {s: want[s] for s in (3, 4)}), (got, want)
 
 
 # ------------------------------------------------------------------------------ one process
+
 
 def _batches(seed: int, n: int) -> list[torch.Tensor]:
     gen = torch.Generator().manual_seed(seed)
@@ -204,15 +254,26 @@ def test_the_resumed_momentum_is_the_configs_against_torch_muon(tmp_path):
     dcp.load({"model_optim": holder}, checkpoint_id=str(tmp_path))
     assert holder.changes == [("muon_momentum", "0.95", "0.8")]
     assert changed_line(holder.changes).startswith(
-        "optimizer settings changed at the resume: optimizer.muon_momentum 0.95 -> 0.8 (")
+        "optimizer settings changed at the resume: optimizer.muon_momentum 0.95 -> 0.8 ("
+    )
     assert opt2.param_groups[0]["momentum"] == 0.8
 
-    muon = torch.optim.Muon([p for n, p in named.items() if takes_muon(n, p)], lr=cfg.lr,
-                            weight_decay=cfg.weight_decay, momentum=0.8, nesterov=True,
-                            adjust_lr_fn="match_rms_adamw")
-    adamw = torch.optim.AdamW([p for n, p in named.items() if not takes_muon(n, p)], lr=cfg.lr,
-                              betas=(cfg.beta1, cfg.beta2), eps=cfg.eps,
-                              weight_decay=cfg.weight_decay, foreach=False)
+    muon = torch.optim.Muon(
+        [p for n, p in named.items() if takes_muon(n, p)],
+        lr=cfg.lr,
+        weight_decay=cfg.weight_decay,
+        momentum=0.8,
+        nesterov=True,
+        adjust_lr_fn="match_rms_adamw",
+    )
+    adamw = torch.optim.AdamW(
+        [p for n, p in named.items() if not takes_muon(n, p)],
+        lr=cfg.lr,
+        betas=(cfg.beta1, cfg.beta2),
+        eps=cfg.eps,
+        weight_decay=cfg.weight_decay,
+        foreach=False,
+    )
     for n, p in named.items():
         (muon if takes_muon(n, p) else adamw).state[p] = copy.deepcopy(state[n])
     _train(resumed, [opt2], batches[3:])
@@ -243,14 +304,17 @@ def test_settings_are_one_entry_per_parameter_and_older_checkpoints_still_load(t
         holder = ModelAndOptimizer(model, opt)
         holder.grouped = grouped
         dcp.save({"model_optim": holder}, checkpoint_id=str(folder))
-        keys = {k for k in FileSystemReader(str(folder)).read_metadata().state_dict_metadata
-                if k.startswith(prefix)}
+        keys = {
+            k
+            for k in FileSystemReader(str(folder)).read_metadata().state_dict_metadata
+            if k.startswith(prefix)
+        }
         per_setting = {f"{prefix}{n}.{s}" for n in names for s in ("lr", "betas", "eps")}
         if grouped:
             assert keys == {prefix + n for n in names}
         else:
             assert per_setting <= keys and len(keys) >= 10 * len(names)
-        assert saved_grouped({k[len("model_optim.optimizer."):] for k in keys}) == grouped
+        assert saved_grouped({k[len("model_optim.optimizer.") :] for k in keys}) == grouped
 
         resumed, opt2 = built(0.05)
         holder = ModelAndOptimizer(resumed, opt2)

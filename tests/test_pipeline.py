@@ -17,57 +17,109 @@ import subprocess
 import pytest
 
 from scripts.chaos import load_dcp_tensors
-from tests.helpers import (REPO, SYNTHETIC, fork_python, losses, run_train, scalars,
-                           stopped_after_save)
+from tests.helpers import (
+    REPO,
+    SYNTHETIC,
+    fork_python,
+    losses,
+    run_train,
+    scalars,
+    stopped_after_save,
+)
 from tests.test_tp import saved_digest
 from trainer.config.job import load_config
 from trainer.errors import ConfigError
-from trainer.parallel.pp_layout import (SCHEDULES, bubble_fraction, rank_stages, split_stages,
-                                        stage_rank, stage_work)
+from trainer.parallel.pp_layout import (
+    SCHEDULES,
+    bubble_fraction,
+    rank_stages,
+    split_stages,
+    stage_rank,
+    stage_work,
+)
 from trainer.parallel.dims import ParallelDims
 from trainer.parallel.pipeline import _SAME_RANK_STAGES, _SPLIT_BACKWARD_THROUGH_FUNCTIONS
 
 # torch 2.11 (the GPU machines) cannot run V schedules over gloo (trainer/parallel/pipeline.py
 # check_torch): there the 8-stage PP 4 runs interleaved instead; torch 2.12 runs ZBV, but its
 # weight pass cannot walk the chunked loss's Function: the eager loss there (the same losses)
-V = ("ZBVZeroBubble", *(() if _SPLIT_BACKWARD_THROUGH_FUNCTIONS else ("--training.loss", "eager"))) \
-    if _SAME_RANK_STAGES else ("Interleaved1F1B",)
+V = (
+    ("ZBVZeroBubble", *(() if _SPLIT_BACKWARD_THROUGH_FUNCTIONS else ("--training.loss", "eager")))
+    if _SAME_RANK_STAGES
+    else ("Interleaved1F1B",)
+)
 
 PP, SCHED = "--parallelism.pipeline_parallel_degree", "--parallelism.pipeline_parallel_schedule"
 # the debug model's 6 layers and heads at dim 64 (debugmodel-narrow): the layouts, not the width
-COMMON = ("--training.device", "cpu", "--model.flavor", "debugmodel-narrow", "--training.seq_len", "64",
-          "--training.local_batch_size", "2", "--training.global_batch_size", "8",
-          "--training.mixed_precision_param", "float32", "--metrics.log_freq", "1",
-          "--lr_scheduler.warmup_steps", "2", "--lr_scheduler.min_lr_factor", "1.0",
-          *SYNTHETIC, "--training.steps", "5",
-          "--training.z_loss_weight", "1e-3", "--validation.enable", "true",
-          "--validation.freq", "5", "--validation.steps", "1",
-          "--validation.local_batch_size", "2", "--checkpoint.enable", "true",
-          "--checkpoint.interval", "3", "--checkpoint.keep_latest_k", "0",
-          "--checkpoint.last_save_in_hf", "true")
+COMMON = (
+    "--training.device",
+    "cpu",
+    "--model.flavor",
+    "debugmodel-narrow",
+    "--training.seq_len",
+    "64",
+    "--training.local_batch_size",
+    "2",
+    "--training.global_batch_size",
+    "8",
+    "--training.mixed_precision_param",
+    "float32",
+    "--metrics.log_freq",
+    "1",
+    "--lr_scheduler.warmup_steps",
+    "2",
+    "--lr_scheduler.min_lr_factor",
+    "1.0",
+    *SYNTHETIC,
+    "--training.steps",
+    "5",
+    "--training.z_loss_weight",
+    "1e-3",
+    "--validation.enable",
+    "true",
+    "--validation.freq",
+    "5",
+    "--validation.steps",
+    "1",
+    "--validation.local_batch_size",
+    "2",
+    "--checkpoint.enable",
+    "true",
+    "--checkpoint.interval",
+    "3",
+    "--checkpoint.keep_latest_k",
+    "0",
+    "--checkpoint.last_save_in_hf",
+    "true",
+)
 LAYOUTS = {  # name: (ranks, overrides)
     "ref": (1, ()),
     "pp2_fsdp2": (4, (PP, "2")),
     "pp2_tp2": (4, (PP, "2", "--parallelism.tensor_parallel_degree", "2")),
     "pp2_interleaved_fsdp2": (4, (PP, "2", SCHED, "Interleaved1F1B")),
     "pp4_zbv": (4, (PP, "4", SCHED, *V)),
-    "pp2_gpipe_replicas": (4, (PP, "2", SCHED, "GPipe",
-                               "--parallelism.data_parallel_replicate_degree", "2")),
+    "pp2_gpipe_replicas": (
+        4,
+        (PP, "2", SCHED, "GPipe", "--parallelism.data_parallel_replicate_degree", "2"),
+    ),
 }
 TAGS = ("loss_metrics/global_avg_loss", "grad_norm", "loss_metrics/z_loss")
 
 
 def close(a: dict, b: dict, tol=1e-4) -> bool:
-    return sorted(a) == sorted(b) and all(abs(a[s] - b[s]) <= tol * max(1.0, abs(b[s]))
-                                          for s in b)
+    return sorted(a) == sorted(b) and all(abs(a[s] - b[s]) <= tol * max(1.0, abs(b[s])) for s in b)
 
 
 # What each run saves: step 3 where a resume or the step-3 comparison reads it, the last step
 # (and its HF export) where the export is compared, nothing where only the logs are.
-SAVES = {"ref": (), "pp2_fsdp2": (), "pp2_tp2": ("--checkpoint.interval", "5"),
-         "pp4_zbv": ("--checkpoint.interval", "5"),
-         "pp2_interleaved_fsdp2": ("--checkpoint.enable", "false"),
-         "pp2_gpipe_replicas": ("--checkpoint.enable", "false")}
+SAVES = {
+    "ref": (),
+    "pp2_fsdp2": (),
+    "pp2_tp2": ("--checkpoint.interval", "5"),
+    "pp4_zbv": ("--checkpoint.interval", "5"),
+    "pp2_interleaved_fsdp2": ("--checkpoint.enable", "false"),
+    "pp2_gpipe_replicas": ("--checkpoint.enable", "false"),
+}
 
 
 @pytest.fixture(scope="module")
@@ -104,23 +156,29 @@ def test_the_stage_line_says_where_each_stage_lives(runs):
     assert "rank 0: stage 0 (embedding) + stage 7 (norm+head)" in line, line
 
 
-@pytest.mark.parametrize("source, name, nproc, overrides", [
-    ("pp2_fsdp2", "fsdp4", 4, ()), ("pp2_fsdp2", "pp4", 4, (PP, "4", SCHED, *V)),
-    ("pp2_fsdp2", "one", 1, ()),
-    ("ref", "one-to-pp2-tp2", 4, (PP, "2", "--parallelism.tensor_parallel_degree", "2"))])
-def test_pp_checkpoint_resumes_on_other_layouts(runs, tmp_path, source, name, nproc,
-                                                overrides):
+@pytest.mark.parametrize(
+    "source, name, nproc, overrides",
+    [
+        ("pp2_fsdp2", "fsdp4", 4, ()),
+        ("pp2_fsdp2", "pp4", 4, (PP, "4", SCHED, *V)),
+        ("pp2_fsdp2", "one", 1, ()),
+        ("ref", "one-to-pp2-tp2", 4, (PP, "2", "--parallelism.tensor_parallel_degree", "2")),
+    ],
+)
+def test_pp_checkpoint_resumes_on_other_layouts(runs, tmp_path, source, name, nproc, overrides):
     """Saved at PP 2 x FSDP 2: at FSDP 4, PP 4 and on 1 rank; and the other way, a 1-rank
     checkpoint under PP 2 x TP 2."""
     saved = runs[source][0]
     dump = stopped_after_save(saved, tmp_path / name, 5)
-    out = run_train(dump, *COMMON, *overrides, nproc=nproc,
-                    env={"TRAINER_DEBUG_WEIGHT_DIGEST": "1"}).stdout
+    out = run_train(
+        dump, *COMMON, *overrides, nproc=nproc, env={"TRAINER_DEBUG_WEIGHT_DIGEST": "1"}
+    ).stdout
     assert re.search(r"resumed from \S*step-3 \(step 3\)", out), out
     assert f"loaded weights digest {saved_digest(saved / 'checkpoint' / 'step-3')}" in out, out
     for tag in TAGS:
-        assert close(scalars(dump, tag), {s: v for s, v in scalars(saved, tag).items()
-                                          if s > 3}), tag
+        assert close(scalars(dump, tag), {s: v for s, v in scalars(saved, tag).items() if s > 3}), (
+            tag
+        )
 
 
 def test_hf_export_and_generation_read_a_pp_checkpoint(runs, tmp_path):
@@ -137,15 +195,35 @@ def test_hf_export_and_generation_read_a_pp_checkpoint(runs, tmp_path):
     assert max(float((pp[k] - ref[k]).abs().max()) for k in model_keys) <= 1e-5
 
     def generated(ckpt):
-        return subprocess.run([python, "-m", "trainer.generate", "--checkpoint",
-                               str(ckpt), "--prompt", "1 2 3", "--max_new_tokens", "8"],
-                              cwd=REPO, env=env, capture_output=True, text=True, timeout=120,
-                              check=True).stdout
+        return subprocess.run(
+            [
+                python,
+                "-m",
+                "trainer.generate",
+                "--checkpoint",
+                str(ckpt),
+                "--prompt",
+                "1 2 3",
+                "--max_new_tokens",
+                "8",
+            ],
+            cwd=REPO,
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=120,
+            check=True,
+        ).stdout
 
     assert generated(pp_ckpt) == generated(ref_ckpt)
-    subprocess.run([python, "-m", "trainer.convert", "to-hf", str(pp_ckpt),
-                    str(tmp_path / "hf")], cwd=REPO, env=env, check=True, capture_output=True,
-                   timeout=120)
+    subprocess.run(
+        [python, "-m", "trainer.convert", "to-hf", str(pp_ckpt), str(tmp_path / "hf")],
+        cwd=REPO,
+        env=env,
+        check=True,
+        capture_output=True,
+        timeout=120,
+    )
     exported = load_file(tmp_path / "hf" / "model.safetensors")
     assert (exported["lm_head.weight"] == pp["model_optim.model.output.weight"]).all()
     want = load_file(runs["ref"][0] / "hf" / "model.safetensors")
@@ -155,13 +233,37 @@ def test_hf_export_and_generation_read_a_pp_checkpoint(runs, tmp_path):
         assert max(float((got[k] - want[k]).abs().max()) for k in want) <= 1e-4, name
 
 
-ROLLBACK = ("--training.device", "cpu", "--model.flavor", "debugmodel-narrow", "--training.seq_len",
-            "64", "--training.local_batch_size", "2", "--training.global_batch_size", "4",
-            "--training.mixed_precision_param", "float32", *SYNTHETIC,
-            "--metrics.log_freq", "1", "--training.spike_window", "3",
-            "--checkpoint.enable", "true", "--checkpoint.keep_latest_k", "0",
-            "--training.on_spike", "rollback", "--checkpoint.interval", "2",
-            "--training.steps", "8", PP, "2")
+ROLLBACK = (
+    "--training.device",
+    "cpu",
+    "--model.flavor",
+    "debugmodel-narrow",
+    "--training.seq_len",
+    "64",
+    "--training.local_batch_size",
+    "2",
+    "--training.global_batch_size",
+    "4",
+    "--training.mixed_precision_param",
+    "float32",
+    *SYNTHETIC,
+    "--metrics.log_freq",
+    "1",
+    "--training.spike_window",
+    "3",
+    "--checkpoint.enable",
+    "true",
+    "--checkpoint.keep_latest_k",
+    "0",
+    "--training.on_spike",
+    "rollback",
+    "--checkpoint.interval",
+    "2",
+    "--training.steps",
+    "8",
+    PP,
+    "2",
+)
 
 
 def test_a_spike_rolled_back_under_pp_ends_where_skipping_its_batch_ends(tmp_path):
@@ -181,19 +283,29 @@ def test_a_spike_rolled_back_under_pp_ends_where_skipping_its_batch_ends(tmp_pat
 
 # ------------------------------------------------------------------------------- in-process
 
+
 def test_balanced_split_counts_the_embedding_and_the_head():
     two = split_stages(6, 2)
     assert [(s.embedding, s.layers, s.head) for s in two] == [
-        (True, (0, 1, 2), False), (False, (3, 4, 5), True)]
+        (True, (0, 1, 2), False),
+        (False, (3, 4, 5), True),
+    ]
     eight = split_stages(6, 8)  # one unit per stage
     assert eight[0].embedding and eight[0].layers == () and eight[7].head and eight[7].layers == ()
     assert [s.layers for s in eight[1:7]] == [(i,) for i in range(6)]
     three = split_stages(6, 3)  # 8 units of equal weight: 2, 3, 3 (the first stage lighter)
     assert [s.layers for s in three] == [(0,), (1, 2, 3), (4, 5)]
     assert [s.layers for s in split_stages(6, 3, split_points=["layers.1", "layers.4"])] == [
-        (0,), (1, 2, 3), (4, 5)]
+        (0,),
+        (1, 2, 3),
+        (4, 5),
+    ]
     assert [s.layers for s in split_stages(6, 4, layers_per_stage=2)] == [
-        (0,), (1, 2), (3, 4), (5,)]
+        (0,),
+        (1, 2),
+        (3, 4),
+        (5,),
+    ]
 
 
 def test_the_default_split_balances_the_units_work():
@@ -206,16 +318,21 @@ def test_the_default_split_balances_the_units_work():
     specs = split_stages(32, 4, weights=weights)
     assert [len(s.layers) for s in specs] == [9, 9, 9, 5] and specs[3].head
     work = stage_work(specs, weights)
-    best = min(max(sum(weights[a:b]) for a, b in zip((0, *cuts), (*cuts, 34)))
-               for cuts in itertools.combinations(range(1, 34), 3))
+    best = min(
+        max(sum(weights[a:b]) for a, b in zip((0, *cuts), (*cuts, 34)))
+        for cuts in itertools.combinations(range(1, 34), 3)
+    )
     assert max(work) == best == 9.0
     assert work == [9.0, 9.0, 9.0, 8.5]
     # a light first unit run (DeepSeek's dense layers) draws more of them onto its stage
     dense_first = [0.0] + [0.5] * 3 + [1.0] * 13 + [1.0]
     assert [len(s.layers) for s in split_stages(16, 2, weights=dense_first)] == [9, 7]
-    assert [s.layers for s in split_stages(6, 3, split_points=["layers.1", "layers.4"],
-                                           weights=[0.0] + [1.0] * 6 + [9.0])] == [
-        (0,), (1, 2, 3), (4, 5)]
+    assert [
+        s.layers
+        for s in split_stages(
+            6, 3, split_points=["layers.1", "layers.4"], weights=[0.0] + [1.0] * 6 + [9.0]
+        )
+    ] == [(0,), (1, 2, 3), (4, 5)]
     # the 70B's head weighs 1.06 layers: 80 layers over 4 stages as evenly as they go
     from trainer.models.args import model_args
     from trainer.models.flops import unit_flops
@@ -246,26 +363,36 @@ def error(world: int, *args: str) -> str:
 
 
 def test_bad_pipeline_settings_are_one_line_each():
-    assert error(4, PP, "3") == ("parallelism.pipeline_parallel_degree = 3 does not divide "
-                                 "world size 4; valid: 1, 2, 4")
+    assert error(4, PP, "3") == (
+        "parallelism.pipeline_parallel_degree = 3 does not divide world size 4; valid: 1, 2, 4"
+    )
     assert "model.flavor 'debugmodel-tiny' has only 4 units to place" in error(
-        4, PP, "4", SCHED, "ZBVZeroBubble", "--model.flavor", "debugmodel-tiny")
+        4, PP, "4", SCHED, "ZBVZeroBubble", "--model.flavor", "debugmodel-tiny"
+    )
     assert "needs at least 4 microbatches per step, but training.local_batch_size 2" in error(
-        4, PP, "4", "--training.local_batch_size", "2")
+        4, PP, "4", "--training.local_batch_size", "2"
+    )
     msg = error(2, PP, "2", SCHED, "zb")
-    assert msg.startswith("parallelism.pipeline_parallel_schedule = 'zb' is not a schedule; "
-                          "valid: GPipe, 1F1B, Interleaved1F1B"), msg
+    assert msg.startswith(
+        "parallelism.pipeline_parallel_schedule = 'zb' is not a schedule; "
+        "valid: GPipe, 1F1B, Interleaved1F1B"
+    ), msg
     assert "'layers.9', which names no layer" in error(
-        2, PP, "2", "--parallelism.pipeline_parallel_split_points", "layers.9")
+        2, PP, "2", "--parallelism.pipeline_parallel_split_points", "layers.9"
+    )
     assert "tied to the token embedding" in error(2, PP, "2", "--model.flavor", "debugmodel-3.2")
     assert "cannot be used with it" in error(
-        4, PP, "2", SCHED, "ZBVZeroBubble", "--parallelism.fsdp_reshard_after_forward", "always")
+        4, PP, "2", SCHED, "ZBVZeroBubble", "--parallelism.fsdp_reshard_after_forward", "always"
+    )
     assert "must divide training.local_batch_size" in error(
-        2, PP, "2", "--parallelism.pipeline_parallel_microbatch_size", "3")
+        2, PP, "2", "--parallelism.pipeline_parallel_microbatch_size", "3"
+    )
     assert "runs 1 stage(s) per rank (2 stages at pp 2), but the split gives 4" in error(
-        2, PP, "2", "--parallelism.pipeline_parallel_split_points", "layers.1,layers.2,layers.4")
+        2, PP, "2", "--parallelism.pipeline_parallel_split_points", "layers.1,layers.2,layers.4"
+    )
     assert "with 3 stages: the stages must divide evenly over the pp ranks" in error(
-        2, PP, "2", "--parallelism.pipeline_parallel_split_points", "layers.2,layers.4")
+        2, PP, "2", "--parallelism.pipeline_parallel_split_points", "layers.2,layers.4"
+    )
     # PP 4 with ZBV, 8 stages, fits the 6-layer debug model
     load_config(["--training.device", "cpu", PP, "4", SCHED, "ZBVZeroBubble"]).resolve(4)
 
@@ -280,7 +407,8 @@ def test_a_bad_degree_fails_before_any_rank_starts(tmp_path):
     assert proc.returncode == 2
     assert proc.stderr.strip().splitlines()[-1] == (
         "config error: parallelism.pipeline_parallel_degree = 3 does not divide world size 4; "
-        "valid: 1, 2, 4")
+        "valid: 1, 2, 4"
+    )
 
 
 def plan_cfg(*args: str):
@@ -294,12 +422,22 @@ def test_the_plan_is_per_pp_rank():
     from trainer.plan.memory import memory_plan
     from trainer.plan.pipeline import in_flight
 
-    cfg = plan_cfg(PP, "4", "--training.local_batch_size", "8", "--training.global_batch_size",
-                   "8", "--parallelism.tensor_parallel_degree", "8")
+    cfg = plan_cfg(
+        PP,
+        "4",
+        "--training.local_batch_size",
+        "8",
+        "--training.global_batch_size",
+        "8",
+        "--parallelism.tensor_parallel_degree",
+        "8",
+    )
     assert [in_flight(cfg, r) for r in range(4)] == [4, 3, 2, 1]
     ranks = [memory_plan(cfg, 32, r) for r in range(4)]
-    whole = memory_plan(plan_cfg("--training.local_batch_size", "8",
-                                 "--parallelism.tensor_parallel_degree", "8"), 32)
+    whole = memory_plan(
+        plan_cfg("--training.local_batch_size", "8", "--parallelism.tensor_parallel_degree", "8"),
+        32,
+    )
     # dp_shard = 1 at pp 4 x tp 8 on 32 GPUs, 4 without pp: the same bytes per device in sum
     assert sum(b["parameters"] for b in ranks) == pytest.approx(4 * whole["parameters"], 1e-3)
     assert ranks[0]["activations"] > ranks[3]["activations"] - ranks[3]["logits_loss"]
@@ -332,9 +470,12 @@ def test_accumulation_reduces_once_per_optimizer_step():
     from tests.helpers import torchrun
 
     if not hasattr(PipelineStage, "perform_reduce_grad"):
-        pytest.skip("this torch's schedules reduce inside each schedule step (no "
-                    "perform_reduce_grad to defer)")
+        pytest.skip(
+            "this torch's schedules reduce inside each schedule step (no "
+            "perform_reduce_grad to defer)"
+        )
     proc = torchrun(REPO / "tests/scripts/pp_accum_probe.py", nproc=4, fork=True)
-    assert proc.stdout.count("pp accum probe ok: 4 reduce-scatters per optimizer step") == 4, \
+    assert proc.stdout.count("pp accum probe ok: 4 reduce-scatters per optimizer step") == 4, (
         proc.stdout + proc.stderr
+    )
     assert proc.stdout.count(", 16 all-gathers") == 4, proc.stdout  # 4 groups x 4 steps

@@ -21,26 +21,54 @@ from trainer.config.job import load_config
 from trainer.models.llama import ModelArgs, build_model
 from trainer.parallel.parallelize import apply_ac
 from trainer.plan.comm import comm_volume
-from trainer.plan.memory import (FP32, GIB, GPUS, accumulation_sync_note, block_split,
-                                 blocks_activations, device_need, fsdp_groups, head_saved,
-                                 loss_region, memory_plan, plan_args, shard_numel, split_bytes)
+from trainer.plan.memory import (
+    FP32,
+    GIB,
+    GPUS,
+    accumulation_sync_note,
+    block_split,
+    blocks_activations,
+    device_need,
+    fsdp_groups,
+    head_saved,
+    loss_region,
+    memory_plan,
+    plan_args,
+    shard_numel,
+    split_bytes,
+)
 from trainer.plan.report import main
 
 PROBE = REPO / "tests" / "scripts" / "plan_probe.py"
 # Vocab 8195 is odd: the embedding and output rows split 2049 x 3 / 2048 over 4 shards, so the
 # uneven-shard rule (rank 0 holds ceil(rows / shard), FSDP2 pads the others) is exercised.
 # bf16 compute, as on the GPUs the plan is for ("auto" would be float32 on some CPUs).
-SMALL = ["--data.dataset", "synthetic", "--model.vocab_size", "8195",
-         "--training.mixed_precision_param", "bfloat16",
-         "--training.global_batch_size", "-1", "--training.local_batch_size", "2"]
+SMALL = [
+    "--data.dataset",
+    "synthetic",
+    "--model.vocab_size",
+    "8195",
+    "--training.mixed_precision_param",
+    "bfloat16",
+    "--training.global_batch_size",
+    "-1",
+    "--training.local_batch_size",
+    "2",
+]
 
 
 NPROC = 4
 CASES = {
     "fsdp": ["--training.seq_len", "64", "--training.loss", "eager"],
     # The chunked loss (the default), 128 tokens in chunks of 48, 48 and 32.
-    "hsdp": ["--training.seq_len", "64", "--training.loss_chunk_size", "48",
-             "--parallelism.data_parallel_replicate_degree", "2"],
+    "hsdp": [
+        "--training.seq_len",
+        "64",
+        "--training.loss_chunk_size",
+        "48",
+        "--parallelism.data_parallel_replicate_degree",
+        "2",
+    ],
 }
 
 
@@ -61,8 +89,11 @@ def check_resident(plan: dict, ranks: list[dict]) -> None:
     """Rank 0 holds exactly the plan; other ranks' shards are at most that, and FSDP2 pads the
     storage of parameters and gradients to rank 0's size (AdamW's states are not padded)."""
     r0 = ranks[0]
-    for key, name in (("params", "parameters"), ("grads", "gradients"),
-                      ("optimizer", "optimizer_state")):
+    for key, name in (
+        ("params", "parameters"),
+        ("grads", "gradients"),
+        ("optimizer", "optimizer_state"),
+    ):
         assert r0[key]["local"] == plan[name], key
         assert r0[key]["storage"] == plan[name], key
         for r in ranks[1:]:
@@ -94,21 +125,37 @@ def test_hsdp_two_by_two(probes):
 
 
 @pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
-@pytest.mark.parametrize("mode, option, matmuls", [
-    ("none", "2", "all"), ("full", "2", "all"), ("selective", "2", "all"),
-    ("selective", "3", "all"), ("selective", "op", "all"), ("selective", "op", "every_other")])
+@pytest.mark.parametrize(
+    "mode, option, matmuls",
+    [
+        ("none", "2", "all"),
+        ("full", "2", "all"),
+        ("selective", "2", "all"),
+        ("selective", "3", "all"),
+        ("selective", "op", "all"),
+        ("selective", "op", "every_other"),
+    ],
+)
 def test_activations_match_saved_tensors(mode, option, matmuls, dtype):
     """What forward leaves alive for backward (the plan's activations, plus the logits and
     the fp32 log-probabilities train.py's loss keeps), measured within 0.5%. A small GQA
     model with 3 blocks keeps it fast; the formulas are per shape, not per flavor."""
     from torch.distributed._tools.mem_tracker import MemTracker
 
-    args = ModelArgs(dim=64, n_layers=3, n_heads=4, n_kv_heads=2, vocab_size=512,
-                     multiple_of=32, max_seq_len=64)
+    args = ModelArgs(
+        dim=64, n_layers=3, n_heads=4, n_kv_heads=2, vocab_size=512, multiple_of=32, max_seq_len=64
+    )
     batch, tokens = 2, 2 * args.max_seq_len
-    cfg = load_config(["--activation_checkpoint.mode", mode,
-                       "--activation_checkpoint.selective_ac_option", option,
-                       "--activation_checkpoint.selective_op_matmuls", matmuls])
+    cfg = load_config(
+        [
+            "--activation_checkpoint.mode",
+            mode,
+            "--activation_checkpoint.selective_ac_option",
+            option,
+            "--activation_checkpoint.selective_op_matmuls",
+            matmuls,
+        ]
+    )
     p = torch.finfo(getattr(torch, dtype)).bits // 8
     model = build_model(args)
     model.to_empty(device="cpu")
@@ -125,8 +172,11 @@ def test_activations_match_saved_tensors(mode, option, matmuls, dtype):
         snap = tracker.get_tracker_snapshot("current")[torch.device("cpu")]
     assert loss.grad_fn is not None  # the graph, and what it saved, was alive when measured
     measured = next(v for k, v in snap.items() if getattr(k, "value", "") == "Activation")
-    expected = (blocks_activations(cfg, args, p, tokens) + head_saved(args, p) * tokens
-                + (p + 4) * args.vocab_size * tokens)
+    expected = (
+        blocks_activations(cfg, args, p, tokens)
+        + head_saved(args, p) * tokens
+        + (p + 4) * args.vocab_size * tokens
+    )
     assert abs(expected / measured - 1) < 0.005, (expected, measured)
 
 
@@ -140,9 +190,19 @@ def test_cli_verdicts(capsys):
     code, out, _ = run_cli(capsys, "--ngpu", "2")
     assert code == 0 and "verdict: FITS" in out and "tokens/s per device" in out
     assert "from [data] vocab_size of the stdlib tokenizer" in out
-    code, out, _ = run_cli(capsys, "--ngpu", "1", "--model.flavor", "70B",
-                           "--data.dataset", "synthetic", "--model.vocab_size", "128256",
-                           "--training.global_batch_size", "-1")
+    code, out, _ = run_cli(
+        capsys,
+        "--ngpu",
+        "1",
+        "--model.flavor",
+        "70B",
+        "--data.dataset",
+        "synthetic",
+        "--model.vocab_size",
+        "128256",
+        "--training.global_batch_size",
+        "-1",
+    )
     assert code == 0 and "verdict: DOES NOT FIT" in out and "from [model] vocab_size" in out
 
 
@@ -150,14 +210,21 @@ def test_cli_config_errors_are_one_line(capsys):
     code, out, err = run_cli(capsys, "--ngpu", "2", "--training.seq_lenx", "3")
     assert code == 2 and err.strip().count("\n") == 0
     assert err.startswith("config error: unknown key 'training.seq_lenx'")
-    code, _, err = run_cli(capsys, "--ngpu", "3",  # global batch 8 does not split 3 ways
-                           "--training.global_batch_size", "8")
+    code, _, err = run_cli(
+        capsys,
+        "--ngpu",
+        "3",  # global batch 8 does not split 3 ways
+        "--training.global_batch_size",
+        "8",
+    )
     assert code == 2 and err.startswith("config error: training.global_batch_size")
     # the plan's own flags: out of range (0 GiB was taken as "not given"), or argparse's
-    for flags, line in ((["--gpu-mem-gib", "0"], "--gpu-mem-gib = 0 is out of range"),
-                        (["--mfu", "2"], "--mfu = 2 is out of range: it must be > 0 and <= 1"),
-                        (["--host-gib", "-1"], "--host-gib = -1 is out of range"),
-                        (["--gpu", "v100"], "python -m trainer.plan: argument --gpu: invalid")):
+    for flags, line in (
+        (["--gpu-mem-gib", "0"], "--gpu-mem-gib = 0 is out of range"),
+        (["--mfu", "2"], "--mfu = 2 is out of range: it must be > 0 and <= 1"),
+        (["--host-gib", "-1"], "--host-gib = -1 is out of range"),
+        (["--gpu", "v100"], "python -m trainer.plan: argument --gpu: invalid"),
+    ):
         try:
             code, _, err = run_cli(capsys, "--ngpu", "2", *flags)
         except SystemExit as e:  # argparse's error, one line
@@ -169,8 +236,7 @@ def test_hsdp_shards_over_dp_shard_only():
     """HSDP replicates over dp_replicate: per-device bytes depend only on the shard degree."""
     base = ["--data.dataset", "synthetic", "--training.global_batch_size", "-1"]
     fsdp = memory_plan(load_config(base), 4)
-    hsdp = memory_plan(load_config([*base, "--parallelism.data_parallel_replicate_degree", "2"]),
-                       8)
+    hsdp = memory_plan(load_config([*base, "--parallelism.data_parallel_replicate_degree", "2"]), 8)
     assert hsdp["parameters"] == fsdp["parameters"] and hsdp["total"] == fsdp["total"]
 
 
@@ -178,8 +244,12 @@ def test_hsdp_shards_over_dp_shard_only():
 # Pure arithmetic on the plan (no ranks): the TP runtime is checked by its own tests.
 
 
-BASE_8B = ["--job.config_file", str(REPO / "configs" / "llama3_8b.toml"),
-           "--training.global_batch_size", "-1"]
+BASE_8B = [
+    "--job.config_file",
+    str(REPO / "configs" / "llama3_8b.toml"),
+    "--training.global_batch_size",
+    "-1",
+]
 TP = "--parallelism.tensor_parallel_degree"
 
 
@@ -206,8 +276,7 @@ def test_sp_activations_by_hand():
     token) do not, and all attention and FFN tensors shrink by tp."""
     cfg = load_config([*BASE_8B, "--activation_checkpoint.mode", "full"])
     a, p, tokens = plan_args(cfg, 128256), 2, 8192
-    assert blocks_activations(cfg, a, p, tokens, tp=4) * 4 == blocks_activations(cfg, a, p,
-                                                                                  tokens)
+    assert blocks_activations(cfg, a, p, tokens, tp=4) * 4 == blocks_activations(cfg, a, p, tokens)
     sp1, whole1 = block_split(a, p)
     sp4, whole4 = block_split(a, p, 4)
     assert sp4 == sp1 == 2 * (4 + p) * a.dim
@@ -215,8 +284,10 @@ def test_sp_activations_by_hand():
     assert split_bytes((sp4, whole4), tokens, 4) == sp4 * tokens // 4 + whole4 * tokens
     # The 8B shape without AC: 5.1x less per rank at TP 8 (not 8x: the gathered inputs).
     none = [*BASE_8B, "--activation_checkpoint.mode", "none"]
-    ratio = (memory_plan(load_config(none), 8)["activations"]
-             / memory_plan(load_config([*none, TP, "8"]), 64)["activations"])
+    ratio = (
+        memory_plan(load_config(none), 8)["activations"]
+        / memory_plan(load_config([*none, TP, "8"]), 64)["activations"]
+    )
     assert 5.0 < ratio < 5.2, ratio
 
 
@@ -246,9 +317,21 @@ def test_tp_volume_by_hand():
     64 = 8192 bytes; each rank sends half of it in each of 8 per layer + 4 (embedding, head)
     collectives; loss parallel all-reduces 3 fp32 per token; the 5 norm weights' gradients
     are all-reduced."""
-    cfg = load_config([*SMALL, "--model.flavor", "debugmodel-tiny", "--model.vocab_size", "8192",
-                       "--training.seq_len", "32", "--activation_checkpoint.mode", "none", TP,
-                       "2"])
+    cfg = load_config(
+        [
+            *SMALL,
+            "--model.flavor",
+            "debugmodel-tiny",
+            "--model.vocab_size",
+            "8192",
+            "--training.seq_len",
+            "32",
+            "--activation_checkpoint.mode",
+            "none",
+            TP,
+            "2",
+        ]
+    )
     c = comm_volume(cfg, 2)
     acts = (8 * 2 + 4) * 0.5 * 8192
     loss = 3 * 2 * 0.5 * 4 * 64
@@ -256,9 +339,24 @@ def test_tp_volume_by_hand():
     assert c["comm_tp"] == acts + loss + norms == 83328
     assert c["comm_dp_shard"] == 0 == c["comm_dp_replicate"]
     # Full AC replays each block's 4 forward collectives in backward.
-    full = comm_volume(load_config([*SMALL, "--model.flavor", "debugmodel-tiny",
-                                    "--model.vocab_size", "8192", "--training.seq_len", "32",
-                                    "--activation_checkpoint.mode", "full", TP, "2"]), 2)
+    full = comm_volume(
+        load_config(
+            [
+                *SMALL,
+                "--model.flavor",
+                "debugmodel-tiny",
+                "--model.vocab_size",
+                "8192",
+                "--training.seq_len",
+                "32",
+                "--activation_checkpoint.mode",
+                "full",
+                TP,
+                "2",
+            ]
+        ),
+        2,
+    )
     assert full["comm_tp"] - c["comm_tp"] == 2 * 4 * 0.5 * 8192
 
 
@@ -266,17 +364,32 @@ def test_fsdp_volume_by_hand():
     """FSDP over 4 and HSDP 2 x 2 of the same model, one microbatch, reshard 'default', bf16
     params and fp32 reduce: forward gathers all groups, backward all but the head, one
     reduce-scatter; HSDP all-reduces the fp32 gradient shard across the 2 replicas."""
-    cfg = load_config([*SMALL, "--model.flavor", "debugmodel-tiny",
-                       "--training.mixed_precision_reduce", "float32"])
+    cfg = load_config(
+        [
+            *SMALL,
+            "--model.flavor",
+            "debugmodel-tiny",
+            "--training.mixed_precision_reduce",
+            "float32",
+        ]
+    )
     a = plan_args(cfg, 8195)
     groups = fsdp_groups(a)
     g = {k: sum(4 * shard_numel(s, 4) for s in v) for k, v in groups.items()}  # gathered
     total = sum(g.values())
     expected = 0.75 * (2 * total + 2 * (total - g["head"])) + 0.75 * 4 * total
     assert comm_volume(cfg, 4)["comm_dp_shard"] == pytest.approx(expected)
-    hsdp = load_config([*SMALL, "--model.flavor", "debugmodel-tiny",
-                        "--training.mixed_precision_reduce", "float32",
-                        "--parallelism.data_parallel_replicate_degree", "2"])
+    hsdp = load_config(
+        [
+            *SMALL,
+            "--model.flavor",
+            "debugmodel-tiny",
+            "--training.mixed_precision_reduce",
+            "float32",
+            "--parallelism.data_parallel_replicate_degree",
+            "2",
+        ]
+    )
     shard = sum(shard_numel(s, 2) for v in groups.values() for s in v)
     assert comm_volume(hsdp, 4)["comm_dp_replicate"] == 2 * 0.5 * 4 * shard
 
@@ -307,8 +420,16 @@ def test_70b_config_tp8_fits_and_fsdp_only():
 def test_cli_reports_tp_comm_and_per_device_throughput(capsys):
     """The report names the TP mesh, prints the three volumes, and keeps tokens/s per device:
     at the same tokens per GPU, TP 8 and FSDP alone need the same time per step."""
-    cfg70 = ["--config", str(REPO / "configs" / "llama3_70b.toml"), "--ngpu", "8", "--nnodes",
-             "8", "--host-gib", "2048"]
+    cfg70 = [
+        "--config",
+        str(REPO / "configs" / "llama3_70b.toml"),
+        "--ngpu",
+        "8",
+        "--nnodes",
+        "8",
+        "--host-gib",
+        "2048",
+    ]
     assert main(cfg70) == 0
     tp8 = capsys.readouterr().out
     assert "x TP 8 (sequence parallel, loss parallel)" in tp8 and "verdict: FITS" in tp8
@@ -327,12 +448,31 @@ def test_accumulation_sync_last_warns_where_every_fits(capsys):
     cfg8b = ["--job.config_file", str(REPO / "configs" / "llama3_8b.toml")]
     last = load_config([*cfg8b, "--training.gradient_accumulation_sync", "last"])
     note = accumulation_sync_note(last, 8, GPUS["h100"].memory_gib)
-    assert note.startswith("warning: training.gradient_accumulation_sync = 'last' holds 29.9 "
-                           "GiB of unsharded gradients across 16 microbatches"), note
+    assert note.startswith(
+        "warning: training.gradient_accumulation_sync = 'last' holds 29.9 "
+        "GiB of unsharded gradients across 16 microbatches"
+    ), note
     assert accumulation_sync_note(load_config(cfg8b), 8, GPUS["h100"].memory_gib) is None
-    one = load_config([*cfg8b, "--training.gradient_accumulation_sync", "last",
-                       "--training.global_batch_size", "8"])
+    one = load_config(
+        [
+            *cfg8b,
+            "--training.gradient_accumulation_sync",
+            "last",
+            "--training.global_batch_size",
+            "8",
+        ]
+    )
     assert accumulation_sync_note(one, 8, GPUS["h100"].memory_gib) is None
-    code = main(["--config", str(REPO / "configs" / "llama3_8b.toml"), "--ngpu", "8",
-                 "--host-gib", "2048", "--training.gradient_accumulation_sync", "last"])
+    code = main(
+        [
+            "--config",
+            str(REPO / "configs" / "llama3_8b.toml"),
+            "--ngpu",
+            "8",
+            "--host-gib",
+            "2048",
+            "--training.gradient_accumulation_sync",
+            "last",
+        ]
+    )
     assert code == 0 and note in capsys.readouterr().out

@@ -22,10 +22,20 @@ def small_hybrid():
     """A hybrid whose widths differ from each other (keys != values, h_k != h_v, d_k != d_v),
     so that a term counted on the wrong width shows; bf16 as on a GPU."""
     a = FLAVORS["debugmodel-qwen3-next"]
-    h = dataclasses.replace(a.hybrid, linear_k_heads=2, linear_v_heads=6, linear_k_head_dim=16,
-                            linear_v_head_dim=24)
-    a = dataclasses.replace(a, dim=80, n_layers=2, n_heads=5, n_kv_heads=1,
-                            explicit_head_dim=16, vocab_size=256, max_seq_len=S, hybrid=h)
+    h = dataclasses.replace(
+        a.hybrid, linear_k_heads=2, linear_v_heads=6, linear_k_head_dim=16, linear_v_head_dim=24
+    )
+    a = dataclasses.replace(
+        a,
+        dim=80,
+        n_layers=2,
+        n_heads=5,
+        n_kv_heads=1,
+        explicit_head_dim=16,
+        vocab_size=256,
+        max_seq_len=S,
+        hybrid=h,
+    )
     model = build_model(a)
     model.to_empty(device="cpu")
     model.init_weights(0)
@@ -64,9 +74,11 @@ def test_hybrid_terms_equal_what_autograd_saves(documents):
         "gated attention": saved_per_token(model, lambda: full.attention(x, cos, sin)),
         "norm": saved_per_token(model, lambda: linear.attention_norm(x)),
     }
-    planned = {"deltanet": hybrid.deltanet_bytes(a, p, S, documents=documents),
-               "gated attention": hybrid.gated_attention_bytes(a, p),
-               "norm": hybrid.norm_bytes(a.dim)}
+    planned = {
+        "deltanet": hybrid.deltanet_bytes(a, p, S, documents=documents),
+        "gated attention": hybrid.gated_attention_bytes(a, p),
+        "norm": hybrid.norm_bytes(a.dim),
+    }
     for key, want in measured.items():  # within 0.5%: the RoPE tables and [h] scalars
         assert abs(planned[key] / want - 1) < 0.005, (key, planned[key], want)
     # the kernel's terms are most of a DeltaNet layer: 12 [h, d_k] + 6 [h, d_v] fp32 ...
@@ -77,8 +89,16 @@ def test_debug_config_plan_within_10_percent_of_its_trace():
     """configs/debug_qwen3_next.toml on 2 ranks (EP 2), documents kept apart (SDPA with the
     window's mask: FlexAttention is not traced on a CPU), no AC: the blocks' saved tensors
     are a fifth of the peak (under full AC the loss dominates at this size)."""
-    cfg = load_config(["--job.config_file", str(REPO / "configs" / "debug_qwen3_next.toml"),
-                       "--model.attn_implementation", "sdpa", "--training.seq_len", "512"])
+    cfg = load_config(
+        [
+            "--job.config_file",
+            str(REPO / "configs" / "debug_qwen3_next.toml"),
+            "--model.attn_implementation",
+            "sdpa",
+            "--training.seq_len",
+            "512",
+        ]
+    )
     traced = trace_step(cfg, 2).peak
     plan = memory_plan(cfg, 2)["total"]
     assert abs(plan / traced - 1) <= 0.10, (plan, traced)

@@ -18,13 +18,24 @@ VOCAB = 128256  # the 8B flavor's
 def logits_like(allocations, vocab: int, chunk: int):
     """Allocations with the vocabulary as their last dim for more than one chunk of tokens
     (weights and their gradients are [vocab, dim]: the vocabulary first)."""
-    return [a for a in allocations
-            if a.shape and a.shape[-1] == vocab and math.prod(a.shape[:-1]) > chunk]
+    return [
+        a
+        for a in allocations
+        if a.shape and a.shape[-1] == vocab and math.prod(a.shape[:-1]) > chunk
+    ]
 
 
 def test_8b_validation_and_eval_score_a_chunk_at_a_time_below_trainings_peak():
-    cfg = load_config(["--job.config_file", str(REPO / "configs" / "llama3_8b.toml"),
-                       "--validation.local_batch_size", "8", "--eval.local_batch_size", "8"])
+    cfg = load_config(
+        [
+            "--job.config_file",
+            str(REPO / "configs" / "llama3_8b.toml"),
+            "--validation.local_batch_size",
+            "8",
+            "--eval.local_batch_size",
+            "8",
+        ]
+    )
     chunk = cfg.training.loss_chunk_size
     train = trace_step(cfg, 8, keep_all=True)
     assert logits_like(train.allocations, VOCAB, chunk) == []
@@ -47,9 +58,23 @@ def test_cli_trace_prints_the_trace_beside_the_plan():
     import json
 
     python, env = fork_python()
-    out = subprocess.run([python, "-m", "trainer.plan", "--config",
-                          str(REPO / "configs" / "debug_model.toml"), "--ngpu", "2", "--trace"],
-                         cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+    out = subprocess.run(
+        [
+            python,
+            "-m",
+            "trainer.plan",
+            "--config",
+            str(REPO / "configs" / "debug_model.toml"),
+            "--ngpu",
+            "2",
+            "--trace",
+        ],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert out.returncode == 0, out.stderr
     text = out.stdout
     assert "traced dry run: one training step of rank 0 of 2 on fake tensors" in text
@@ -58,16 +83,39 @@ def test_cli_trace_prints_the_trace_beside_the_plan():
     assert "work: rank 0 computes " in text
     # --json: the same report as one JSON object on stdout and nothing else, under PP too
     # (the traced ranks' forked processes log the pipeline's startup line: to stderr)
-    out = subprocess.run([python, "-m", "trainer.plan", "--config",
-                          str(REPO / "configs" / "debug_model.toml"), "--ngpu", "2", "--trace",
-                          "--json", "--parallelism.pipeline_parallel_degree", "2"], cwd=REPO,
-                         env=env, capture_output=True, text=True, timeout=300)
+    out = subprocess.run(
+        [
+            python,
+            "-m",
+            "trainer.plan",
+            "--config",
+            str(REPO / "configs" / "debug_model.toml"),
+            "--ngpu",
+            "2",
+            "--trace",
+            "--json",
+            "--parallelism.pipeline_parallel_degree",
+            "2",
+        ],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert out.returncode == 0, out.stderr
     saved = json.loads(out.stdout)
     assert "pipeline: 1F1B, 2 stages over pp 2" in out.stderr, out.stderr
     assert saved["world_size"] == 2 and saved["plan"]["peak_gib"] > 0
-    assert set(saved["plan"]["comm_bytes"]) == {"tp", "cp", "dp_shard", "dp_replicate", "ep",
-                                                 "pp", "optimizer"}  # optimizer: Muon's
+    assert set(saved["plan"]["comm_bytes"]) == {
+        "tp",
+        "cp",
+        "dp_shard",
+        "dp_replicate",
+        "ep",
+        "pp",
+        "optimizer",
+    }  # optimizer: Muon's
     assert saved["plan"]["comm_bytes"]["optimizer"] == 0  # AdamW sends nothing of its own
     assert saved["trace"]["peak_gib"] > 0 and saved["trace"]["comm_bytes"]["pp"] > 0
     # every pp rank traced (the two differ in shape); the head's rank is the busiest, by the
@@ -98,8 +146,10 @@ def test_a_host_sync_in_the_step_stops_the_trace_at_its_line(monkeypatch):
     monkeypatch.setattr(step.TrainStep, "optimizer_step", syncing)
     cfg = load_config(["--job.config_file", str(REPO / "configs" / "debug_model.toml")])
     lines = trace_lines(cfg, 2, {"total": 1}, 80.0, lambda peak: peak)
-    assert lines[0].startswith("traced dry run stopped: the step reads a device value on the "
-                               "host (a host sync, aten._local_scalar_dense.default) at "), lines
+    assert lines[0].startswith(
+        "traced dry run stopped: the step reads a device value on the "
+        "host (a host sync, aten._local_scalar_dense.default) at "
+    ), lines
 
 
 def test_flex_attention_is_not_traced_on_a_cpu():
@@ -109,10 +159,23 @@ def test_flex_attention_is_not_traced_on_a_cpu():
 
     debug = ["--job.config_file", str(REPO / "configs" / "debug_model.toml")]
     assert untraceable(load_config(debug)) is None
-    assert "FlexAttention" in untraceable(load_config([*debug, "--model.attn_mask_type",
-                                                       "block_causal"]))
-    assert untraceable(load_config([*debug, "--model.attn_mask_type", "block_causal",
-                                    "--model.attn_implementation", "sdpa"])) is None
+    assert "FlexAttention" in untraceable(
+        load_config([*debug, "--model.attn_mask_type", "block_causal"])
+    )
+    assert (
+        untraceable(
+            load_config(
+                [
+                    *debug,
+                    "--model.attn_mask_type",
+                    "block_causal",
+                    "--model.attn_implementation",
+                    "sdpa",
+                ]
+            )
+        )
+        is None
+    )
 
 
 def test_moe_with_ep_is_traced_at_qwen3_30b_a3b_shapes():
@@ -124,7 +187,7 @@ def test_moe_with_ep_is_traced_at_qwen3_30b_a3b_shapes():
     r = trace_step(cfg, 8, keep_all=True)
     plan = memory_plan(cfg, 8)
     assert abs(plan["total"] / r.peak - 1) <= 0.10, (plan["total"], r.peak)
-    assert r.peak < 70 * 2 ** 30  # + the reserve: fits 79.6 GiB (README)
+    assert r.peak < 70 * 2**30  # + the reserve: fits 79.6 GiB (README)
     tokens = cfg.training.local_batch_size * cfg.training.seq_len
     routed = [a for a in r.allocations if a.shape == (tokens * 8, 2048)]
     assert routed, "no routed-token buffers in the trace"
@@ -136,19 +199,27 @@ def test_a_capacity_factor_is_traced_at_its_static_rows():
     known before the data (no host sync); the dropless step routes every pair."""
     from trainer.plan.trace import untraceable
 
-    moe = ["--job.config_file", str(REPO / "configs" / "debug_moe.toml"),
-           "--parallelism.expert_parallel_degree", "2"]
+    moe = [
+        "--job.config_file",
+        str(REPO / "configs" / "debug_moe.toml"),
+        "--parallelism.expert_parallel_degree",
+        "2",
+    ]
     capped = load_config([*moe, "--moe.capacity_factor", "0.5"])
     assert untraceable(capped) is None
     from trainer.plan.memory import plan_args, resolve_vocab
 
     args = plan_args(capped, resolve_vocab(capped)[0])
     pairs = capped.training.local_batch_size * capped.training.seq_len * args.moe.top_k
-    shapes = [{a.shape for a in trace_step(cfg, 2, keep_all=True).allocations}
-              for cfg in (load_config(moe), capped)]
+    shapes = [
+        {a.shape for a in trace_step(cfg, 2, keep_all=True).allocations}
+        for cfg in (load_config(moe), capped)
+    ]
     for got, rows in zip(shapes, (pairs, pairs // 2)):  # the experts' hidden activations
-        assert (rows, args.moe.hidden_dim) in got and (pairs + pairs // 2 - rows,
-                                                       args.moe.hidden_dim) not in got
+        assert (rows, args.moe.hidden_dim) in got and (
+            pairs + pairs // 2 - rows,
+            args.moe.hidden_dim,
+        ) not in got
     assert (pairs, args.dim) in shapes[0] and (pairs, args.dim) not in shapes[1]  # routed
 
 
@@ -161,20 +232,27 @@ def test_the_work_line_sets_each_rank_against_its_share():
     from trainer.plan.work import expected_ratio, work_lines
 
     for config, world in (("llama3_8b.toml", 8), ("llama3_70b.toml", 64)):
-        cfg = load_config(["--job.config_file", str(REPO / "configs" / config),
-                           "--model.n_layers", "4"])
+        cfg = load_config(
+            ["--job.config_file", str(REPO / "configs" / config), "--model.n_layers", "4"]
+        )
         r = trace_step(cfg, world)
         ratio = r.flops / r.ideal_flops
         assert 0.98 <= ratio / expected_ratio(cfg) <= 1.02, (config, ratio)
-        assert not [x for x in work_lines(cfg, [(0, r.flops, r.ideal_flops)], 1)
-                    if "warning" in x]
+        assert not [x for x in work_lines(cfg, [(0, r.flops, r.ideal_flops)], 1) if "warning" in x]
     # the 70B's full AC, measured: ~1.25x (not 4/3) x the attention backward's ~1.02x (its
     # 80 blocks: at 4 the head's share is larger, ~1.22x)
-    assert 1.22 <= expected_ratio(load_config(
-        ["--job.config_file", str(REPO / "configs" / "llama3_70b.toml")])) <= 1.30
+    assert (
+        1.22
+        <= expected_ratio(
+            load_config(["--job.config_file", str(REPO / "configs" / "llama3_70b.toml")])
+        )
+        <= 1.30
+    )
     lines = work_lines(cfg, [(0, 2.9 * r.ideal_flops, r.ideal_flops)], 1)
-    assert f"warning: rank 0 does {2.9 / expected_ratio(cfg):.2f}x its share of the model's " \
-        "work" in lines[-1], lines
+    assert (
+        f"warning: rank 0 does {2.9 / expected_ratio(cfg):.2f}x its share of the model's "
+        "work" in lines[-1]
+    ), lines
 
 
 def test_the_recompute_factor_is_measured_on_a_block():
@@ -186,12 +264,22 @@ def test_the_recompute_factor_is_measured_on_a_block():
     from trainer.plan.memory import plan_args, resolve_vocab
     from trainer.plan.work import count_block, measure_factors
 
-    cfg = load_config(["--job.config_file", str(REPO / "configs" / "debug_model.toml"),
-                       "--training.seq_len", "64", "--activation_checkpoint.mode", "full"])
+    cfg = load_config(
+        [
+            "--job.config_file",
+            str(REPO / "configs" / "debug_model.toml"),
+            "--training.seq_len",
+            "64",
+            "--activation_checkpoint.mode",
+            "full",
+        ]
+    )
     a = plan_args(cfg, resolve_vocab(cfg)[0])
     t = 64
-    rest, bare, wrapped = (count_block(cfg, a, layer, mode) * t for layer, mode in
-                           ((None, "none"), (0, "none"), (0, "full")))
+    rest, bare, wrapped = (
+        count_block(cfg, a, layer, mode) * t
+        for layer, mode in ((None, "none"), (0, "none"), (0, "full"))
+    )
     q, kv = a.n_heads * a.head_dim, a.n_kv_heads * a.head_dim
     matmuls = 2 * t * (a.dim * (q + 2 * kv) + q * a.dim + 2 * a.dim * a.hidden_dim)
     scores_and_values = 2 * (2 * a.n_heads * t * t * a.head_dim)
@@ -199,8 +287,9 @@ def test_the_recompute_factor_is_measured_on_a_block():
     factor = (wrapped - rest) / (bare - rest)
     assert 1.0 < factor < 1.5
     f = measure_factors(cfg)  # every debug block is of one kind: the model's factor is close
-    assert f.blocks[(False, "attention")][1] / f.blocks[(False, "attention")][0] == \
-        pytest.approx(factor)
+    assert f.blocks[(False, "attention")][1] / f.blocks[(False, "attention")][0] == pytest.approx(
+        factor
+    )
     assert 1.0 < f.recompute < factor
 
 
@@ -217,24 +306,56 @@ def test_the_trace_counts_what_rank_0_sends_per_mesh_dimension_as_the_plan_does(
     (MoE): a collective repeated or missed on either side shows."""
     from trainer.plan.comm import comm_volume
 
-    debug, moe = str(REPO / "configs" / "debug_model.toml"), str(REPO / "configs" /
-                                                                 "debug_moe.toml")
-    cases = [(debug, []), (debug, ["--parallelism.tensor_parallel_degree", "2"]),
-             (debug, ["--parallelism.data_parallel_replicate_degree", "2",
-                      "--training.global_batch_size", "64"]),
-             (debug, ["--parallelism.context_parallel_degree", "2",
-                      "--parallelism.data_parallel_replicate_degree", "2",
-                      "--training.global_batch_size", "64",
-                      "--training.gradient_accumulation_sync", "hsdp_reduce_scatter"]),
-             (moe, ["--parallelism.expert_parallel_degree", "2",
-                    "--parallelism.tensor_parallel_degree", "2",
-                    "--training.global_batch_size", "32",
-                    "--training.gradient_accumulation_sync", "every"])]
+    debug, moe = (
+        str(REPO / "configs" / "debug_model.toml"),
+        str(REPO / "configs" / "debug_moe.toml"),
+    )
+    cases = [
+        (debug, []),
+        (debug, ["--parallelism.tensor_parallel_degree", "2"]),
+        (
+            debug,
+            [
+                "--parallelism.data_parallel_replicate_degree",
+                "2",
+                "--training.global_batch_size",
+                "64",
+            ],
+        ),
+        (
+            debug,
+            [
+                "--parallelism.context_parallel_degree",
+                "2",
+                "--parallelism.data_parallel_replicate_degree",
+                "2",
+                "--training.global_batch_size",
+                "64",
+                "--training.gradient_accumulation_sync",
+                "hsdp_reduce_scatter",
+            ],
+        ),
+        (
+            moe,
+            [
+                "--parallelism.expert_parallel_degree",
+                "2",
+                "--parallelism.tensor_parallel_degree",
+                "2",
+                "--training.global_batch_size",
+                "32",
+                "--training.gradient_accumulation_sync",
+                "every",
+            ],
+        ),
+    ]
     import multiprocessing
 
     # 2 dense blocks, or the dense block and 2 MoE blocks: the formulas go per block
-    configs = [load_config(["--job.config_file", config, *extra, *depth(config)])
-               for config, extra in cases]
+    configs = [
+        load_config(["--job.config_file", config, *extra, *depth(config)])
+        for config, extra in cases
+    ]
     # a process per world: DTensor's caches outlive a destroyed fake world's groups
     with multiprocessing.get_context("fork").Pool(2, maxtasksperchild=1) as pool:
         results = pool.starmap(trace_step, [(cfg, 8) for cfg in configs], chunksize=1)
@@ -251,8 +372,12 @@ def test_pipeline_configs_are_traced_stage_by_stage():
     really on under PP: half the activations per rank; the stages' p2p sends counted."""
     from trainer.plan.trace import trace_lines, trace_ranks
 
-    base = ["--job.config_file", str(REPO / "configs" / "debug_model.toml"),
-            "--parallelism.pipeline_parallel_degree", "2"]
+    base = [
+        "--job.config_file",
+        str(REPO / "configs" / "debug_model.toml"),
+        "--parallelism.pipeline_parallel_degree",
+        "2",
+    ]
     pp = trace_ranks(load_config(base), 2)
     both = trace_ranks(load_config([*base, "--parallelism.context_parallel_degree", "2"]), 4)
     assert [r.pp_rank for r in pp] == [0, 1] == [r.pp_rank for r in both]
@@ -267,8 +392,10 @@ def test_pipeline_configs_are_traced_stage_by_stage():
     cfg = load_config(base)
     lines = trace_lines(cfg, 2, memory_plan(cfg, 2), 80.0, lambda peak: peak)
     assert lines[0].startswith("traced dry run: one training step of pp ranks 0, 1"), lines
-    assert any(x.startswith("    per traced pp rank, x its share (the split's model FLOPs): "
-                            "rank 0 0.") for x in lines), lines
+    assert any(
+        x.startswith("    per traced pp rank, x its share (the split's model FLOPs): rank 0 0.")
+        for x in lines
+    ), lines
     assert lines[-1].startswith("trace verdict: FITS"), lines
 
 
@@ -292,10 +419,18 @@ def test_cp_gathers_kv_once_under_op_sac_and_reduces_their_gradients_in_fp32(mon
     from trainer.parallel import recompute
 
     monkeypatch.setattr(traffic.Traffic, "record", record)
-    cfg = load_config(["--job.config_file", str(REPO / "configs" / "debug_model.toml"),
-                       "--parallelism.context_parallel_degree", "2",
-                       "--activation_checkpoint.mode", "selective",
-                       "--activation_checkpoint.selective_ac_option", "op"])
+    cfg = load_config(
+        [
+            "--job.config_file",
+            str(REPO / "configs" / "debug_model.toml"),
+            "--parallelism.context_parallel_degree",
+            "2",
+            "--activation_checkpoint.mode",
+            "selective",
+            "--activation_checkpoint.selective_ac_option",
+            "op",
+        ]
+    )
     trace_step(cfg, 2)
     layers = 6  # debugmodel
     gathers = [s for s in seen if s[0].startswith("all_gather")]
@@ -318,15 +453,25 @@ def test_the_recompute_does_not_exchange_the_expert_counts_again(monkeypatch):
     def record(self, func, args):
         group = traffic._group(args)
         # the counts' exchange (an int64 table), not the rows' legs (the backward sends those)
-        if func._schema.name.endswith("alltoall_base_") and group.size() == 2 and \
-                args[1].dtype == torch.int64:
+        if (
+            func._schema.name.endswith("alltoall_base_")
+            and group.size() == 2
+            and args[1].dtype == torch.int64
+        ):
             exchanges.append(heartbeat._state["phase"])
         return original(self, func, args)
 
     monkeypatch.setattr(traffic.Traffic, "record", record)
-    cfg = load_config(["--job.config_file", str(REPO / "configs" / "debug_moe.toml"),
-                       "--parallelism.expert_parallel_degree", "2",
-                       "--activation_checkpoint.mode", "full"])
+    cfg = load_config(
+        [
+            "--job.config_file",
+            str(REPO / "configs" / "debug_moe.toml"),
+            "--parallelism.expert_parallel_degree",
+            "2",
+            "--activation_checkpoint.mode",
+            "full",
+        ]
+    )
     trace_step(cfg, 8)
     assert exchanges and set(exchanges) == {"forward"}, exchanges
 
@@ -344,21 +489,47 @@ def test_muon_is_traced_with_its_gathers_booked_and_the_plans_owners():
     from trainer.plan.memory import plan_args, resolve_vocab
     from trainer.plan.muon import ns_loads
 
-    debug, moe = str(REPO / "configs" / "debug_model.toml"), str(REPO / "configs" /
-                                                                 "debug_moe.toml")
+    debug, moe = (
+        str(REPO / "configs" / "debug_model.toml"),
+        str(REPO / "configs" / "debug_moe.toml"),
+    )
     muon = ["--optimizer.name", "Muon"]
-    cases = [(moe, 16, ["--parallelism.expert_parallel_degree", "2",
-                        "--training.global_batch_size", "128"]),
-             (moe, 8, ["--parallelism.expert_parallel_degree", "2",
-                       "--parallelism.tensor_parallel_degree", "2",
-                       "--training.global_batch_size", "32"]),
-             (debug, 8, ["--parallelism.data_parallel_replicate_degree", "2",
-                         "--training.global_batch_size", "64"])]
-    configs = [load_config(["--job.config_file", c, *muon, *extra, *depth(c)])
-               for c, _, extra in cases]
+    cases = [
+        (
+            moe,
+            16,
+            ["--parallelism.expert_parallel_degree", "2", "--training.global_batch_size", "128"],
+        ),
+        (
+            moe,
+            8,
+            [
+                "--parallelism.expert_parallel_degree",
+                "2",
+                "--parallelism.tensor_parallel_degree",
+                "2",
+                "--training.global_batch_size",
+                "32",
+            ],
+        ),
+        (
+            debug,
+            8,
+            [
+                "--parallelism.data_parallel_replicate_degree",
+                "2",
+                "--training.global_batch_size",
+                "64",
+            ],
+        ),
+    ]
+    configs = [
+        load_config(["--job.config_file", c, *muon, *extra, *depth(c)]) for c, _, extra in cases
+    ]
     with multiprocessing.get_context("fork").Pool(2, maxtasksperchild=1) as pool:
-        results = pool.starmap(trace_step, [(cfg, w) for cfg, (_, w, _) in zip(configs, cases)],
-                               chunksize=1)
+        results = pool.starmap(
+            trace_step, [(cfg, w) for cfg, (_, w, _) in zip(configs, cases)], chunksize=1
+        )
     for (_, world, extra), cfg, r in zip(cases, configs, results):
         plan = comm_volume(cfg, world)
         traced = r.comm_bytes

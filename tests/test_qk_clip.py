@@ -34,8 +34,11 @@ def test_maxima_equal_the_masked_score_matrix(monkeypatch, heads, kv):
     causal = torch.ones(s, s).tril().bool()[None]
     docs = torch.tensor([[0] * 5 + [1] * 7, [0] * 3 + [1] * 4 + [2] * 5])
     same = docs[:, :, None] == docs[:, None, :]
-    for mask, allowed in ((None, causal), (docs, same & causal),
-                          (build_mask(docs, "sdpa", torch.float32), same & causal)):
+    for mask, allowed in (
+        (None, causal),
+        (docs, same & causal),
+        (build_mask(docs, "sdpa", torch.float32), same & causal),
+    ):
         got = logits.max_logits(q, k, logits.allowed_for(mask, s))
         torch.testing.assert_close(got.double(), masked_max(scores, allowed), atol=1e-5, rtol=0)
     # context parallelism's shape: the last 4 queries over all 12 keys, causal
@@ -102,10 +105,20 @@ def test_clip_scales_the_heads_over_the_threshold_and_no_other(flavor):
         g = gamma[i]
         if a.mla is not None:
             m = a.mla
-            q_rows = torch.cat([g.sqrt()[:, None].expand(-1, m.qk_nope_head_dim),
-                                g[:, None].expand(-1, m.qk_rope_head_dim)], 1).reshape(-1)
-            k_rows = torch.cat([g.sqrt()[:, None].expand(-1, m.qk_nope_head_dim),
-                                torch.ones(a.n_heads, m.v_head_dim)], 1).reshape(-1)
+            q_rows = torch.cat(
+                [
+                    g.sqrt()[:, None].expand(-1, m.qk_nope_head_dim),
+                    g[:, None].expand(-1, m.qk_rope_head_dim),
+                ],
+                1,
+            ).reshape(-1)
+            k_rows = torch.cat(
+                [
+                    g.sqrt()[:, None].expand(-1, m.qk_nope_head_dim),
+                    torch.ones(a.n_heads, m.v_head_dim),
+                ],
+                1,
+            ).reshape(-1)
             q_name = "wq_b" if m.q_lora_rank else "wq"
             expect = {f"{name}.{q_name}.weight": q_rows, f"{name}.wkv_b.weight": k_rows}
         elif a.n_kv_heads == a.n_heads:
@@ -122,8 +135,9 @@ def test_clip_scales_the_heads_over_the_threshold_and_no_other(flavor):
     # the same inputs now give at most tau on the clipped heads, and the rest as before
     with torch.no_grad():
         after = _hand_maxima(model, tokens)
-    torch.testing.assert_close(after[0][over[0]], torch.full_like(after[0][over[0]], tau),
-                               rtol=1e-5, atol=0)
+    torch.testing.assert_close(
+        after[0][over[0]], torch.full_like(after[0][over[0]], tau), rtol=1e-5, atol=0
+    )
 
 
 def test_a_skipped_step_and_a_non_finite_maximum_clip_nothing():

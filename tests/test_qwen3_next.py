@@ -19,18 +19,30 @@ import pytest
 import torch
 
 from trainer.hf.qwen3_next import args_from_config, from_release, to_release
-from trainer.models.deltanet import (chunk_gated_delta_rule, kernel_name,
-                                     recurrent_gated_delta_rule)
+from trainer.models.deltanet import chunk_gated_delta_rule, kernel_name, recurrent_gated_delta_rule
 from trainer.models.qwen3_next import GatedDeltaNet, Qwen3Next
 
 transformers = pytest.importorskip("transformers")
 from transformers.models.qwen3_next import modeling_qwen3_next as hf_q3n  # noqa: E402
 
-TINY = dict(vocab_size=128, hidden_size=64, num_hidden_layers=4, num_attention_heads=4,
-            num_key_value_heads=2, head_dim=16, linear_num_key_heads=2, linear_num_value_heads=4,
-            linear_key_head_dim=8, linear_value_head_dim=8, num_experts=4, num_experts_per_tok=2,
-            moe_intermediate_size=32, shared_expert_intermediate_size=48,
-            full_attention_interval=2, max_position_embeddings=256)
+TINY = dict(
+    vocab_size=128,
+    hidden_size=64,
+    num_hidden_layers=4,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=16,
+    linear_num_key_heads=2,
+    linear_num_value_heads=4,
+    linear_key_head_dim=8,
+    linear_value_head_dim=8,
+    num_experts=4,
+    num_experts_per_tok=2,
+    moe_intermediate_size=32,
+    shared_expert_intermediate_size=48,
+    full_attention_interval=2,
+    max_position_embeddings=256,
+)
 
 
 def _inputs(b=2, s=150, hk=2, hv=4, dk=16, dv=8, seed=0):
@@ -49,11 +61,13 @@ def test_chunked_equals_recurrence_and_transformers(seq, with_state):
     init = h0 if with_state else None
     kw = dict(initial_state=init, output_final_state=True)
     o, state = chunk_gated_delta_rule(q, k, v, g, beta, use_qk_l2norm=True, **kw)
-    refs = [recurrent_gated_delta_rule(q, k, v, g, beta, use_qk_l2norm=True, **kw),
-            hf_q3n.torch_chunk_gated_delta_rule(q, k, v, g, beta, use_qk_l2norm_in_kernel=True,
-                                                **kw),
-            hf_q3n.torch_recurrent_gated_delta_rule(q, k, v, g, beta,
-                                                    use_qk_l2norm_in_kernel=True, **kw)]
+    refs = [
+        recurrent_gated_delta_rule(q, k, v, g, beta, use_qk_l2norm=True, **kw),
+        hf_q3n.torch_chunk_gated_delta_rule(q, k, v, g, beta, use_qk_l2norm_in_kernel=True, **kw),
+        hf_q3n.torch_recurrent_gated_delta_rule(
+            q, k, v, g, beta, use_qk_l2norm_in_kernel=True, **kw
+        ),
+    ]
     for ref_o, ref_state in refs:
         torch.testing.assert_close(o, ref_o, atol=1e-5, rtol=0)
         torch.testing.assert_close(state, ref_state, atol=1e-5, rtol=0)
@@ -70,15 +84,15 @@ def test_documents_restart_the_kernel_state():
     ref_o, ref_state = recurrent_gated_delta_rule(q, k, v, g, beta, **kw)
     torch.testing.assert_close(o, ref_o, atol=1e-5, rtol=0)
     torch.testing.assert_close(state, ref_state, atol=1e-5, rtol=0)
-    for row, (a, b) in [(0, (0, 30)), (0, (30, 64)), (0, (64, 65)), (0, (65, 150)),
-                        (1, (64, 150))]:
-        part = [x[row:row + 1, a:b] for x in (q, k, v, g, beta)]
-        init = h0[row:row + 1] if a == 0 else None  # the initial state enters the first document
-        alone, last = chunk_gated_delta_rule(*part, initial_state=init, output_final_state=True,
-                                             use_qk_l2norm=True)
-        torch.testing.assert_close(o[row:row + 1, a:b], alone, atol=1e-6, rtol=0)
+    for row, (a, b) in [(0, (0, 30)), (0, (30, 64)), (0, (64, 65)), (0, (65, 150)), (1, (64, 150))]:
+        part = [x[row : row + 1, a:b] for x in (q, k, v, g, beta)]
+        init = h0[row : row + 1] if a == 0 else None  # the initial state enters the first document
+        alone, last = chunk_gated_delta_rule(
+            *part, initial_state=init, output_final_state=True, use_qk_l2norm=True
+        )
+        torch.testing.assert_close(o[row : row + 1, a:b], alone, atol=1e-6, rtol=0)
         if b == 150:
-            torch.testing.assert_close(state[row:row + 1], last, atol=1e-6, rtol=0)
+            torch.testing.assert_close(state[row : row + 1], last, atol=1e-6, rtol=0)
 
 
 @pytest.fixture(scope="module")
@@ -101,8 +115,8 @@ def test_packed_documents_equal_each_document_alone(layer: GatedDeltaNet):
         packed = layer(x, docs)
         spans = [(0, 0, 20), (0, 20, 22), (0, 22, 90), (1, 0, 90)]
         for row, a, b in spans:
-            alone = layer(x[row:row + 1, a:b])
-            torch.testing.assert_close(packed[row:row + 1, a:b], alone, atol=1e-6, rtol=0)
+            alone = layer(x[row : row + 1, a:b])
+            torch.testing.assert_close(packed[row : row + 1, a:b], alone, atol=1e-6, rtol=0)
         assert (packed[0, 22:] - layer(x[:1])[0, 22:]).abs().max() > 1e-3  # documents matter
 
 
@@ -148,8 +162,7 @@ def test_logits_equal_transformers(tmp_path, family):
     model.init_rope()
     tokens = torch.randint(0, 128, (2, 80))
     with torch.no_grad():
-        torch.testing.assert_close(model.eval()(tokens), hf_model(tokens).logits,
-                                   atol=1e-4, rtol=0)
+        torch.testing.assert_close(model.eval()(tokens), hf_model(tokens).logits, atol=1e-4, rtol=0)
     back = to_release(ours, args, family)
     assert back.keys() == released.keys()
     assert all(torch.equal(back[k], released[k]) for k in released)
@@ -186,11 +199,17 @@ def mtp_release(tmp_path_factory):
     layer = _randomised(block).state_dict()
     gate, up = layer.pop("mlp.experts.gate_up_proj").chunk(2, dim=1)  # as the release: per expert
     stacked = {"gate_proj": gate, "up_proj": up, "down_proj": layer.pop("mlp.experts.down_proj")}
-    layer.update({f"mlp.experts.{e}.{w}.weight": t[e] for w, t in stacked.items()
-                  for e in range(cfg.num_experts)})
+    layer.update(
+        {
+            f"mlp.experts.{e}.{w}.weight": t[e]
+            for w, t in stacked.items()
+            for e in range(cfg.num_experts)
+        }
+    )
     # the names a main full-attention layer has in the saved folder (layer 1), under mtp.layers.0
-    assert {k.removeprefix("model.layers.1.") for k in tensors
-            if k.startswith("model.layers.1.")} == set(layer)
+    assert {
+        k.removeprefix("model.layers.1.") for k in tensors if k.startswith("model.layers.1.")
+    } == set(layer)
     mtp = {f"mtp.layers.0.{n}": t.contiguous() for n, t in layer.items()}
     d = cfg.hidden_size
     gen = torch.Generator().manual_seed(5)
@@ -227,18 +246,21 @@ def test_the_release_mtp_module_imports_and_exports_bit_for_bit(mtp_release):
     model, lines = _mtp_model(folder)
     assert any("module 0 from the release's mtp.*" in ln for ln in lines), lines
     ours = model.state_dict()
-    pairs = {"mtp.0.proj.weight": "mtp.fc.weight",
-             "mtp.0.embed_norm.weight": "mtp.pre_fc_norm_embedding.weight",
-             "mtp.0.hidden_norm.weight": "mtp.pre_fc_norm_hidden.weight",
-             "mtp.0.norm.weight": "mtp.norm.weight",
-             "mtp.0.block.attention.wq.weight": "mtp.layers.0.self_attn.q_proj.weight",
-             "mtp.0.block.ffn_norm.weight": "mtp.layers.0.post_attention_layernorm.weight",
-             "mtp.0.block.feed_forward.shared_expert_gate.weight":
-                 "mtp.layers.0.mlp.shared_expert_gate.weight"}
+    pairs = {
+        "mtp.0.proj.weight": "mtp.fc.weight",
+        "mtp.0.embed_norm.weight": "mtp.pre_fc_norm_embedding.weight",
+        "mtp.0.hidden_norm.weight": "mtp.pre_fc_norm_hidden.weight",
+        "mtp.0.norm.weight": "mtp.norm.weight",
+        "mtp.0.block.attention.wq.weight": "mtp.layers.0.self_attn.q_proj.weight",
+        "mtp.0.block.ffn_norm.weight": "mtp.layers.0.post_attention_layernorm.weight",
+        "mtp.0.block.feed_forward.shared_expert_gate.weight": "mtp.layers.0.mlp.shared_expert_gate.weight",
+    }
     for name, key in pairs.items():
         assert torch.equal(ours[name], mtp[key]), name
-    assert torch.equal(ours["mtp.0.block.feed_forward.experts.w2"][3],
-                       mtp["mtp.layers.0.mlp.experts.3.down_proj.weight"])
+    assert torch.equal(
+        ours["mtp.0.block.feed_forward.experts.w2"][3],
+        mtp["mtp.layers.0.mlp.experts.3.down_proj.weight"],
+    )
     released = load_file(folder / "model.safetensors")
     back = to_release({n: t for n, t in ours.items()}, model.args)
     assert back.keys() == released.keys()
@@ -253,8 +275,11 @@ def test_the_release_mtp_module_imports_and_exports_bit_for_bit(mtp_release):
     bare = folder.parent / "bare"
     bare.mkdir(exist_ok=True)
     (bare / "config.json").write_text((folder / "config.json").read_text())
-    save_file({k: t for k, t in released.items() if not k.startswith("mtp.")},
-              bare / "model.safetensors", metadata={"format": "pt"})
+    save_file(
+        {k: t for k, t in released.items() if not k.startswith("mtp.")},
+        bare / "model.safetensors",
+        metadata={"format": "pt"},
+    )
     lines = []
     load_hf(plain, str(bare), flavor="tiny", log=lines.append)
     assert torch.equal(plain.state_dict()["mtp.0.proj.weight"], before)
@@ -274,45 +299,61 @@ def _mtp_by_hand(t, h, next_tokens, cfg):
     b, s, d = h.shape
     nh, nkv, hd = cfg["num_attention_heads"], cfg["num_key_value_heads"], cfg["head_dim"]
     emb = t["model.embed_tokens.weight"][next_tokens]
-    x = torch.cat((_zc_norm(emb, t["mtp.pre_fc_norm_embedding.weight"], eps),
-                   _zc_norm(h, t["mtp.pre_fc_norm_hidden.weight"], eps)), -1) @ t["mtp.fc.weight"].T
+    x = (
+        torch.cat(
+            (
+                _zc_norm(emb, t["mtp.pre_fc_norm_embedding.weight"], eps),
+                _zc_norm(h, t["mtp.pre_fc_norm_hidden.weight"], eps),
+            ),
+            -1,
+        )
+        @ t["mtp.fc.weight"].T
+    )
     a = _zc_norm(x, t[p + "input_layernorm.weight"], eps)
     qg = (a @ t[p + "self_attn.q_proj.weight"].T).view(b, s, nh, 2 * hd)
     q, gate = qg[..., :hd], qg[..., hd:].reshape(b, s, -1)
     k = (a @ t[p + "self_attn.k_proj.weight"].T).view(b, s, nkv, hd)
     v = (a @ t[p + "self_attn.v_proj.weight"].T).view(b, s, nkv, hd)
-    q, k = _zc_norm(q, t[p + "self_attn.q_norm.weight"], eps), \
-        _zc_norm(k, t[p + "self_attn.k_norm.weight"], eps)
+    q, k = (
+        _zc_norm(q, t[p + "self_attn.q_norm.weight"], eps),
+        _zc_norm(k, t[p + "self_attn.k_norm.weight"], eps),
+    )
     r = int(hd * cfg["rope_parameters"]["partial_rotary_factor"]) // 2
     inv = 1.0 / cfg["rope_parameters"]["rope_theta"] ** (torch.arange(r) * 2.0 / (2 * r))
     ang = torch.arange(s)[:, None] * inv[None]
     cos, sin = ang.cos()[:, None], ang.sin()[:, None]
 
     def rope(z):
-        z1, z2 = z[..., :r], z[..., r:2 * r]
-        return torch.cat((z1 * cos - z2 * sin, z2 * cos + z1 * sin, z[..., 2 * r:]), -1)
+        z1, z2 = z[..., :r], z[..., r : 2 * r]
+        return torch.cat((z1 * cos - z2 * sin, z2 * cos + z1 * sin, z[..., 2 * r :]), -1)
 
     q, k = rope(q).transpose(1, 2), rope(k).repeat_interleave(nh // nkv, 2).transpose(1, 2)
     v = v.repeat_interleave(nh // nkv, 2).transpose(1, 2)
-    scores = (q @ k.transpose(-1, -2)) / hd ** 0.5
+    scores = (q @ k.transpose(-1, -2)) / hd**0.5
     scores = scores.masked_fill(torch.ones(s, s).triu(1).bool(), float("-inf"))
     att = (scores.softmax(-1) @ v).transpose(1, 2).reshape(b, s, -1)
     x = x + (att * gate.sigmoid()) @ t[p + "self_attn.o_proj.weight"].T
     m = _zc_norm(x, t[p + "post_attention_layernorm.weight"], eps)
 
     def swiglu(z, pre):
-        return (torch.nn.functional.silu(z @ t[pre + "gate_proj.weight"].T)
-                * (z @ t[pre + "up_proj.weight"].T)) @ t[pre + "down_proj.weight"].T
+        return (
+            torch.nn.functional.silu(z @ t[pre + "gate_proj.weight"].T)
+            * (z @ t[pre + "up_proj.weight"].T)
+        ) @ t[pre + "down_proj.weight"].T
 
     probs = (m @ t[p + "mlp.gate.weight"].T).softmax(-1)
     top, idx = probs.topk(cfg["num_experts_per_tok"], -1)
     top = top / top.sum(-1, keepdim=True)
-    moe = sum(top[..., j:j + 1] * torch.stack([swiglu(m, f"{p}mlp.experts.{e}.") for e in
-                                               range(cfg["num_experts"])], -2).gather(
-        -2, idx[..., j:j + 1, None].expand(b, s, 1, d)).squeeze(-2)
-        for j in range(cfg["num_experts_per_tok"]))
-    shared = (m @ t[p + "mlp.shared_expert_gate.weight"].T).sigmoid() * \
-        swiglu(m, p + "mlp.shared_expert.")
+    moe = sum(
+        top[..., j : j + 1]
+        * torch.stack([swiglu(m, f"{p}mlp.experts.{e}.") for e in range(cfg["num_experts"])], -2)
+        .gather(-2, idx[..., j : j + 1, None].expand(b, s, 1, d))
+        .squeeze(-2)
+        for j in range(cfg["num_experts_per_tok"])
+    )
+    shared = (m @ t[p + "mlp.shared_expert_gate.weight"].T).sigmoid() * swiglu(
+        m, p + "mlp.shared_expert."
+    )
     x = x + moe + shared
     return _zc_norm(x, t["mtp.norm.weight"], eps) @ t["lm_head.weight"].T
 
@@ -339,8 +380,9 @@ def test_the_mtp_loss_equals_a_hand_computation(mtp_release):
     with torch.no_grad():
         main = model.eval()(inputs, labels=labels, loss_fn=loss_fn)
         logits = _mtp_by_hand(release, last["h"], labels, cfg)
-    want = torch.nn.functional.cross_entropy(logits[:, :-1].flatten(0, 1),
-                                             labels[:, 1:].flatten(), reduction="sum")
+    want = torch.nn.functional.cross_entropy(
+        logits[:, :-1].flatten(0, 1), labels[:, 1:].flatten(), reduction="sum"
+    )
     assert abs(got - want) <= 1e-5 * want, (got, want)
     assert abs((total - main) - model.args.mtp_loss_weight * want) <= 1e-5 * want
 
@@ -359,14 +401,18 @@ def test_packed_documents_give_their_documents_mtp_loss():
     from trainer.parallel.microbatches import microbatch_documents
 
     depth = 2
-    model = build_model(model_args("debugmodel-qwen3-next", max_seq_len=64, mtp_layers=depth,
-                                   attn_mask_type="block_causal"))
+    model = build_model(
+        model_args(
+            "debugmodel-qwen3-next", max_seq_len=64, mtp_layers=depth, attn_mask_type="block_causal"
+        )
+    )
     model.to_empty(device="cpu").init_weights(0)
     model.train()
     d, win = Delimiters(None, EOS), windows(None, EOS)
     inputs, labels = split_window(win, d, True)
-    loader = SimpleNamespace(document_ids=lambda x: document_ids(x, d), delimiters=d,
-                             predict_document_start=True)
+    loader = SimpleNamespace(
+        document_ids=lambda x: document_ids(x, d), delimiters=d, predict_document_start=True
+    )
     doc_ids, window = microbatch_documents(model, loader)(inputs, labels)
     loss_fn = build_loss("chunked", 16)
     future = future_labels(labels, depth, window)
@@ -394,8 +440,14 @@ def test_more_mtp_modules_than_the_release_holds_are_refused_for_hugging_face():
 
     base = ["--job.config_file", str(REPO / "configs" / "debug_qwen3_next.toml")]
     assert load_config([*base, "--model.mtp_layers", "2"]).model.mtp_layers == 2
-    for hf in (["--checkpoint.last_save_in_hf", "true"],
-               ["--checkpoint.initial_load_in_hf", "true", "--checkpoint.initial_load_path",
-                "/nonexistent"]):
+    for hf in (
+        ["--checkpoint.last_save_in_hf", "true"],
+        [
+            "--checkpoint.initial_load_in_hf",
+            "true",
+            "--checkpoint.initial_load_path",
+            "/nonexistent",
+        ],
+    ):
         with pytest.raises(ConfigError, match="holds one MTP module"):
             load_config([*base, "--model.mtp_layers", "2", *hf])

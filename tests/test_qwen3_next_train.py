@@ -28,8 +28,9 @@ FLAVOR = "debugmodel-qwen3-next"
 
 
 @pytest.mark.parametrize("mtp", [0, 1])
-@pytest.mark.parametrize("flavor", ["debugmodel-qwen3-next", "qwen3-next-80b-a3b",
-                                    "qwen3.5-35b-a3b"])
+@pytest.mark.parametrize(
+    "flavor", ["debugmodel-qwen3-next", "qwen3-next-80b-a3b", "qwen3.5-35b-a3b"]
+)
 def test_the_parameter_count_is_the_models(flavor, mtp):
     args = model_args(flavor, mtp_layers=mtp)
     model = build_model(args)
@@ -57,13 +58,13 @@ def test_packed_documents_give_each_documents_own_loss():
     doc_ids = torch.repeat_interleave(torch.arange(3), torch.tensor(lengths))[None]
     with torch.no_grad():
         packed = torch.nn.functional.cross_entropy(
-            model(inputs, doc_ids=doc_ids)[0], labels[0], reduction="none")
+            model(inputs, doc_ids=doc_ids)[0], labels[0], reduction="none"
+        )
         start = 0
         for n in lengths:
             piece = slice(start, start + n)
             alone = model(inputs[:, piece], doc_ids=torch.zeros(1, n, dtype=torch.long))
-            own = torch.nn.functional.cross_entropy(alone[0], labels[0, piece],
-                                                    reduction="none")
+            own = torch.nn.functional.cross_entropy(alone[0], labels[0, piece], reduction="none")
             assert (packed[piece] - own).abs().max() < 1e-6, (n, (packed[piece] - own).abs())
             start += n
     causal = _model()  # without documents the later ones see the earlier: not the same
@@ -77,25 +78,59 @@ def test_packed_documents_give_each_documents_own_loss():
 
 # the debug hybrid's first 2 blocks: a Gated DeltaNet and a gated-attention block (and the MTP
 # module's), each layout's code paths once, at half the blocks to run, gather and save
-COMMON = ("--model.n_layers", "2", "--training.seq_len", "64", "--training.local_batch_size", "2",
-          "--training.global_batch_size", "8", "--training.mixed_precision_param", "float32",
-          "--metrics.log_freq", "1", "--lr_scheduler.warmup_steps", "2",
-          "--lr_scheduler.min_lr_factor", "1.0", "--training.steps", "5",
-          # one save at the last step (the weights compared); the EP run also saves step 3
-          "--checkpoint.interval", "5", "--checkpoint.keep_latest_k", "0",
-          "--validation.enable", "false", "--model.mtp_layers", "1",
-          # the release routes by its scores alone: an exact export needs no balancing bias
-          "--moe.load_balance_coeff", "0")
+COMMON = (
+    "--model.n_layers",
+    "2",
+    "--training.seq_len",
+    "64",
+    "--training.local_batch_size",
+    "2",
+    "--training.global_batch_size",
+    "8",
+    "--training.mixed_precision_param",
+    "float32",
+    "--metrics.log_freq",
+    "1",
+    "--lr_scheduler.warmup_steps",
+    "2",
+    "--lr_scheduler.min_lr_factor",
+    "1.0",
+    "--training.steps",
+    "5",
+    # one save at the last step (the weights compared); the EP run also saves step 3
+    "--checkpoint.interval",
+    "5",
+    "--checkpoint.keep_latest_k",
+    "0",
+    "--validation.enable",
+    "false",
+    "--model.mtp_layers",
+    "1",
+    # the release routes by its scores alone: an exact export needs no balancing bias
+    "--moe.load_balance_coeff",
+    "0",
+)
 EP = "--parallelism.expert_parallel_degree"
 LAYOUTS = {  # name: (ranks, overrides); the config's EP 2 is set per layout
     "ref": (1, (EP, "1")),
-    "ep2_fsdp2": (4, (EP, "2", "--checkpoint.last_save_in_hf", "true",
-                      "--checkpoint.interval", "3")),  # step 3: resumed under CP
+    "ep2_fsdp2": (
+        4,
+        (EP, "2", "--checkpoint.last_save_in_hf", "true", "--checkpoint.interval", "3"),
+    ),  # step 3: resumed under CP
     "tp2_fsdp2": (4, (EP, "1", "--parallelism.tensor_parallel_degree", "2")),
     "pp2_fsdp2": (4, (EP, "1", "--parallelism.pipeline_parallel_degree", "2")),
     "cp2_fsdp2": (4, (EP, "1", "--parallelism.context_parallel_degree", "2")),
-    "tp2_cp2": (4, (EP, "1", "--parallelism.tensor_parallel_degree", "2",
-                    "--parallelism.context_parallel_degree", "2")),
+    "tp2_cp2": (
+        4,
+        (
+            EP,
+            "1",
+            "--parallelism.tensor_parallel_degree",
+            "2",
+            "--parallelism.context_parallel_degree",
+            "2",
+        ),
+    ),
 }
 TAGS = ("loss_metrics/global_avg_loss", "grad_norm", "loss_metrics/mtp_loss")
 # Under CP the DeltaNet composes its pieces' state transitions (SplitDeltaNet): the same
@@ -116,31 +151,36 @@ def runs(tmp_path_factory, short_docs_store):  # noqa: F811
     out = {}
     for name, (nproc, overrides) in LAYOUTS.items():
         env = {"OMP_NUM_THREADS": "1"} if nproc == 1 else None
-        proc = run_train(root / name, *COMMON, *data, *overrides, nproc=nproc, config=CONFIG,
-                         env=env)
+        proc = run_train(
+            root / name, *COMMON, *data, *overrides, nproc=nproc, config=CONFIG, env=env
+        )
         out[name] = (root / name, proc.stdout)
     return out
 
 
 @pytest.mark.needs_datasets
-@pytest.mark.parametrize("name", ["ep2_fsdp2", "tp2_fsdp2", "pp2_fsdp2", "cp2_fsdp2",
-                                  "tp2_cp2"])
+@pytest.mark.parametrize("name", ["ep2_fsdp2", "tp2_fsdp2", "pp2_fsdp2", "cp2_fsdp2", "tp2_cp2"])
 def test_each_layout_trains_as_one_rank(runs, name):
     """The losses and gradient norms of 5 steps, and the weights after them."""
     ref, got = runs["ref"][0], runs[name][0]
     for tag in TAGS:
         want, have = scalars(ref, tag), scalars(got, tag)
         assert sorted(have) == [1, 2, 3, 4, 5], (tag, have)
-        assert all(abs(have[s] - want[s]) <= 1e-4 * max(1.0, abs(want[s])) for s in want), \
-            (tag, have, want)
+        assert all(abs(have[s] - want[s]) <= 1e-4 * max(1.0, abs(want[s])) for s in want), (
+            tag,
+            have,
+            want,
+        )
     want, have = _checkpoint_state(ref), _checkpoint_state(got)
-    worst = max(((have[n] - t).abs().max().item(), n) for n, t in want.items()
-                if not (name in CP and n.endswith(DECAY)))
+    worst = max(
+        ((have[n] - t).abs().max().item(), n)
+        for n, t in want.items()
+        if not (name in CP and n.endswith(DECAY))
+    )
     print(name, "largest weight difference", worst)
     assert worst[0] < 1e-4, worst
     if name in CP:  # the decay's gradients by the composed pieces: fp32 rounding
-        decay = max((have[n] - t).abs().max().item() for n, t in want.items()
-                    if n.endswith(DECAY))
+        decay = max((have[n] - t).abs().max().item() for n, t in want.items() if n.endswith(DECAY))
         print(name, "largest decay-parameter difference", decay)
         assert decay < 1e-3
     assert scalars(ref, TAGS[0])[5] < scalars(ref, TAGS[0])[1]
@@ -152,15 +192,29 @@ def test_an_ep_checkpoint_resumes_under_cp_on_two_ranks(runs, short_docs_store, 
     """EP 2 x FSDP 2's step-3 checkpoint, resumed at CP 2 on 2 ranks, gives the 1-rank
     steps 4 and 5."""
     dump = stopped_after_save(runs["ep2_fsdp2"][0], tmp_path / "resumed", 5)
-    out = run_train(dump, *COMMON, "--data.dataset", "json", "--data.store_path",
-                    short_docs_store, EP, "1", "--parallelism.context_parallel_degree", "2",
-                    nproc=2, config=CONFIG).stdout
+    out = run_train(
+        dump,
+        *COMMON,
+        "--data.dataset",
+        "json",
+        "--data.store_path",
+        short_docs_store,
+        EP,
+        "1",
+        "--parallelism.context_parallel_degree",
+        "2",
+        nproc=2,
+        config=CONFIG,
+    ).stdout
     assert "resumed from" in out and "step-3" in out
     for tag in TAGS:
         want, have = scalars(runs["ref"][0], tag), scalars(dump, tag)
         assert sorted(have) == [4, 5], (tag, have)
-        assert all(abs(have[s] - want[s]) <= 1e-4 * max(1.0, abs(want[s])) for s in have), \
-            (tag, have, want)
+        assert all(abs(have[s] - want[s]) <= 1e-4 * max(1.0, abs(want[s])) for s in have), (
+            tag,
+            have,
+            want,
+        )
 
 
 def _checkpoint_state(dump):
@@ -213,5 +267,6 @@ def test_a_flavor_of_another_family_is_one_line(tmp_path):
     proc = run_train(tmp_path, "--model.name", "llama3", config=CONFIG, check=False)
     assert proc.returncode == 2, proc.stderr[-2000:]
     last = [ln for ln in proc.stderr.splitlines() if ln.strip()][-1]
-    assert last.startswith("config error: model.flavor = 'debugmodel-qwen3-next' is a "
-                           "qwen3_next model"), last
+    assert last.startswith(
+        "config error: model.flavor = 'debugmodel-qwen3-next' is a qwen3_next model"
+    ), last

@@ -16,8 +16,10 @@ CPU = torch.device("cpu")
 @pytest.fixture(autouse=True)
 def restore_sdpa_state():
     order = torch._C._get_sdp_priority_order()
-    switches = {name: getattr(torch.backends.cuda, f"{name}_sdp_enabled")()
-                for name in ("flash", "mem_efficient", "math", "cudnn")}
+    switches = {
+        name: getattr(torch.backends.cuda, f"{name}_sdp_enabled")()
+        for name in ("flash", "mem_efficient", "math", "cudnn")
+    }
     yield
     torch._C._set_sdp_priority_order(order)
     for name, on in switches.items():
@@ -58,8 +60,13 @@ def test_chosen_names_the_kernel_torch_runs_and_the_line_says_it():
     line = sdpa.setup("math", a, CPU, "float32", 64)
     assert line == ("SDPA kernel: math (unfused) (order math; model.sdpa_backends = 'math')")
     assert sdpa.chosen(a, CPU, torch.float32, 64) == "math"
-    masked = model_args("debugmodel", vocab_size=256, max_seq_len=64,
-                        attn_mask_type="block_causal", attn_implementation="flex")
+    masked = model_args(
+        "debugmodel",
+        vocab_size=256,
+        max_seq_len=64,
+        attn_mask_type="block_causal",
+        attn_implementation="flex",
+    )
     assert sdpa.chosen(masked, CPU, torch.float32, 64) == "flex"
 
 
@@ -108,8 +115,13 @@ def test_a_warm_compile_cache_does_not_serve_another_orders_kernel(tmp_path):
     probe, cache = tmp_path / "probe.py", tmp_path / "cache"
     probe.write_text(PROBE)
     python, env = fork_python({"TORCHINDUCTOR_CACHE_DIR": str(cache)})
-    runs = [subprocess.run([python, str(probe), spec], env=env, capture_output=True, text=True,
-                           timeout=300) for spec in ("flash", "math")]
-    assert [r.stdout.strip().splitlines()[-1] for r in runs] == ["flash", "math"], \
-        [r.stderr[-2000:] for r in runs]
+    runs = [
+        subprocess.run(
+            [python, str(probe), spec], env=env, capture_output=True, text=True, timeout=300
+        )
+        for spec in ("flash", "math")
+    ]
+    assert [r.stdout.strip().splitlines()[-1] for r in runs] == ["flash", "math"], [
+        r.stderr[-2000:] for r in runs
+    ]
     assert any(cache.rglob("*.py")), "the runs did not compile into the cache folder given"

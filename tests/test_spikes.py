@@ -37,8 +37,7 @@ class _Out:
             self.tb.setdefault(tag, {})[step] = value
 
 
-def guard_for(on_spike="skip", window=3, threshold=6.0, max_skipped=5, max_rollbacks=3,
-              state=None):
+def guard_for(on_spike="skip", window=3, threshold=6.0, max_skipped=5, max_rollbacks=3, state=None):
     cfg = JobConfig().training
     cfg.on_spike, cfg.spike_window, cfg.spike_threshold = on_spike, window, threshold
     cfg.max_skipped_steps, cfg.max_rollbacks = max_skipped, max_rollbacks
@@ -90,10 +89,12 @@ def test_skipped_spikes_stay_out_of_the_window_and_count_in_the_streak():
     guard.skipped_spike(spike, "step-2")
     assert list(guard.window) == state.loss_window == [5.0, 5.1, 4.9]  # not polluted
     assert out.tb == {"loss_metrics/spikes": {4: 1}, "loss_metrics/skipped_steps": {4: 1}}
-    assert out.lines == ["loss spike at step 4: 50.0000 > mean 5.0000 + 6 x std 0.0816 of the "
-                         "previous 3 steps (1 so far); skipped its optimizer step "
-                         "(training.on_spike = 'skip'); 1 in a row, at most 1 allowed "
-                         "(training.max_skipped_steps); no checkpoint is saved at a skipped step"]
+    assert out.lines == [
+        "loss spike at step 4: 50.0000 > mean 5.0000 + 6 x std 0.0816 of the "
+        "previous 3 steps (1 so far); skipped its optimizer step "
+        "(training.on_spike = 'skip'); 1 in a row, at most 1 allowed "
+        "(training.max_skipped_steps); no checkpoint is saved at a skipped step"
+    ]
 
     # A lasting rise stays a spike (the window keeps the old level): the streak stops the run.
     with pytest.raises(TrainingError) as e:
@@ -127,10 +128,12 @@ def test_rollbacks_are_counted_in_the_state_and_bounded():
     guard.rolled_back(spike)
     assert list(guard.window) == [5.0, 5.1, 4.9] and guard.streak == []
     assert out.tb["loss_metrics/rollbacks"] == {6: 1}
-    assert out.lines[-1] == ("loss spike at step 6: 50.0000 > mean 5.0000 + 6 x std 0.0816 of "
-                             "the previous 3 steps (2 so far); rolled back to checkpoint step-4 "
-                             "(rollback 1, at most 2: training.max_rollbacks); step 6 will pass "
-                             "over one global batch, the one it spiked on")
+    assert out.lines[-1] == (
+        "loss spike at step 6: 50.0000 > mean 5.0000 + 6 x std 0.0816 of "
+        "the previous 3 steps (2 so far); rolled back to checkpoint step-4 "
+        "(rollback 1, at most 2: training.max_rollbacks); step 6 will pass "
+        "over one global batch, the one it spiked on"
+    )
 
     state.rollback_steps.append(7)
     spike = guard.before_update(8, 50.0, newest)
@@ -138,7 +141,8 @@ def test_rollbacks_are_counted_in_the_state_and_bounded():
     assert guard.rollbacks_exhausted(spike).one_line() == (
         "training error: loss spike at step 8: 50.0000 > mean 5.0000 + 6 x std 0.0816 of the "
         "previous 3 steps, after 2 rollbacks (at most 2: training.max_rollbacks); last "
-        "checkpoint step-4")
+        "checkpoint step-4"
+    )
     assert out.tb["loss_metrics/spikes"] == {4: 1, 6: 2, 8: 3}
 
 
@@ -163,21 +167,34 @@ def test_train_state_of_an_older_checkpoint_loads_with_no_window_nor_rollbacks()
     assert state == TrainState(9, 90, [2.5], [4, 4])
 
 
-@pytest.mark.parametrize("args, message", [
-    (["--training.on_spike", "rollback"],
-     "config error: training.on_spike = 'rollback' needs checkpoint.enable = true (a rollback "
-     "reloads the latest checkpoint); without checkpoints use on_spike = 'skip' or 'log'"),
-    (["--training.on_spike", "skip", "--training.spike_window", "0"],
-     "config error: training.on_spike = 'skip' needs the spike detector, which "
-     "training.spike_window = 0 turns off; set a window (e.g. 50) or on_spike = 'log'"),
-    (["--training.on_spike", "restart"],
-     "config error: training.on_spike = 'restart' is not valid; choose one of 'log', 'skip', "
-     "'rollback'"),
-    (["--training.skip_data_steps", "4,0"],
-     "config error: training.skip_data_steps has 0; steps count from 1"),
-    (["--training.max_rollbacks", "-1"],
-     "config error: training.max_rollbacks = -1 is out of range; it must be >= 0"),
-])
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (
+            ["--training.on_spike", "rollback"],
+            "config error: training.on_spike = 'rollback' needs checkpoint.enable = true (a rollback "
+            "reloads the latest checkpoint); without checkpoints use on_spike = 'skip' or 'log'",
+        ),
+        (
+            ["--training.on_spike", "skip", "--training.spike_window", "0"],
+            "config error: training.on_spike = 'skip' needs the spike detector, which "
+            "training.spike_window = 0 turns off; set a window (e.g. 50) or on_spike = 'log'",
+        ),
+        (
+            ["--training.on_spike", "restart"],
+            "config error: training.on_spike = 'restart' is not valid; choose one of 'log', 'skip', "
+            "'rollback'",
+        ),
+        (
+            ["--training.skip_data_steps", "4,0"],
+            "config error: training.skip_data_steps has 0; steps count from 1",
+        ),
+        (
+            ["--training.max_rollbacks", "-1"],
+            "config error: training.max_rollbacks = -1 is out of range; it must be >= 0",
+        ),
+    ],
+)
 def test_config_errors_name_the_key(args, message):
     with pytest.raises(ConfigError) as e:
         load_config(args)
@@ -189,8 +206,11 @@ def test_a_streamed_dataset_cannot_pass_over_batches():
         pass
 
     cfg = load_config(["--training.skip_data_steps", "5"]).training
-    with pytest.raises(DataError, match=r"^training.skip_data_steps passes over global batches, "
-                                        r"which needs a data source with a global order"):
+    with pytest.raises(
+        DataError,
+        match=r"^training.skip_data_steps passes over global batches, "
+        r"which needs a data source with a global order",
+    ):
         check_data_skips(cfg, Streamed())
     cfg = load_config(["--training.on_spike", "rollback", "--checkpoint.enable", "true"]).training
     with pytest.raises(DataError, match=r"^training.on_spike = 'rollback' passes over"):
@@ -201,17 +221,45 @@ def test_a_streamed_dataset_cannot_pass_over_batches():
 # ------------------------------------------------------------------------------ end to end
 
 SPIKE = 6  # the step whose data spikes (on rank 1, x20)
-COMMON = [*BASE_FP32, "--training.spike_window", "3", "--checkpoint.enable", "true",
-          "--checkpoint.keep_latest_k", "0", "--metrics.log_freq", "1"]
-ROLLBACK = [*COMMON, "--training.on_spike", "rollback", "--checkpoint.interval", "2",
-            "--training.steps", "8"]
+COMMON = [
+    *BASE_FP32,
+    "--training.spike_window",
+    "3",
+    "--checkpoint.enable",
+    "true",
+    "--checkpoint.keep_latest_k",
+    "0",
+    "--metrics.log_freq",
+    "1",
+]
+ROLLBACK = [
+    *COMMON,
+    "--training.on_spike",
+    "rollback",
+    "--checkpoint.interval",
+    "2",
+    "--training.steps",
+    "8",
+]
 HOOKS = {"TRAINER_TEST_SPIKE_LOSS": f"1:{SPIKE}:20", "TRAINER_DEBUG_DATA_HASHES": "1"}
-VAL_EVERY_STEP = ["--validation.enable", "true", "--validation.freq", "1", "--validation.steps",
-                  "1", "--validation.local_batch_size", "2", "--validation.global_batch_size", "4"]
-ROLLBACK_LINE = (rf"^loss spike at step {SPIKE}: ([\d.]+) > mean ([\d.]+) \+ 6 x std [\d.]+ of "
-                 r"the previous 3 steps \(1 so far\); rolled back to checkpoint step-4 \(rollback "
-                 rf"1, at most 3: training.max_rollbacks\); step {SPIKE} will pass over one "
-                 "global batch, the one it spiked on$")
+VAL_EVERY_STEP = [
+    "--validation.enable",
+    "true",
+    "--validation.freq",
+    "1",
+    "--validation.steps",
+    "1",
+    "--validation.local_batch_size",
+    "2",
+    "--validation.global_batch_size",
+    "4",
+]
+ROLLBACK_LINE = (
+    rf"^loss spike at step {SPIKE}: ([\d.]+) > mean ([\d.]+) \+ 6 x std [\d.]+ of "
+    r"the previous 3 steps \(1 so far\); rolled back to checkpoint step-4 \(rollback "
+    rf"1, at most 3: training.max_rollbacks\); step {SPIKE} will pass over one "
+    "global batch, the one it spiked on$"
+)
 
 
 def batches(stdout: str) -> list[str]:
@@ -226,35 +274,41 @@ def straight(tmp_path_factory):
     dump = tmp_path_factory.mktemp("straight")
     out = run_train(dump, *ROLLBACK, "--training.skip_data_steps", str(SPIKE), env=HOOKS).stdout
     assert "loss spike" not in out, out
-    assert f"step {SPIKE}: passed over 1 global batch, samples 40-47 " \
-           "(training.skip_data_steps)" in out, out
+    assert (
+        f"step {SPIKE}: passed over 1 global batch, samples 40-47 (training.skip_data_steps)" in out
+    ), out
     return dump, out
 
 
-def test_rollback_ends_bitwise_where_skip_data_steps_ends_even_across_a_crash(straight,
-                                                                            tmp_path):
+def test_rollback_ends_bitwise_where_skip_data_steps_ends_even_across_a_crash(straight, tmp_path):
     """Step 6 spikes: every rank reloads step-4 and re-saves it with the rollback recorded,
     trains 5 again and passes over step 6's batch. Then rank 0 dies while committing step-6;
     the resume from step-4 knows to pass over that batch (no second spike), and the run ends
     with the same weights and optimizer state, bit for bit, as the uninterrupted run."""
     ref_dump, ref_out = straight
-    crashed = run_train(tmp_path, *ROLLBACK, check=False,
-                        env={**HOOKS, "TRAINER_TEST_CRASH_BEFORE_COMMIT": str(SPIKE)})
+    crashed = run_train(
+        tmp_path,
+        *ROLLBACK,
+        check=False,
+        env={**HOOKS, "TRAINER_TEST_CRASH_BEFORE_COMMIT": str(SPIKE)},
+    )
     assert crashed.returncode == 17, crashed.stderr  # the crash hook, after the rollback
     out = crashed.stdout
     lines = [ln for ln in out.splitlines() if "rolled back" in ln]
     assert len(lines) == 1 and re.match(ROLLBACK_LINE, lines[0]), out
     spiked, mean = map(float, re.match(ROLLBACK_LINE, lines[0]).groups())
     assert spiked > 5 * mean
-    assert f"step {SPIKE}: passed over 1 global batch, samples 40-47 (a rollback from a spike " \
-           "at this step)" in out, out
+    assert (
+        f"step {SPIKE}: passed over 1 global batch, samples 40-47 (a rollback from a spike "
+        "at this step)" in out
+    ), out
     assert scalars(tmp_path, "loss_metrics/rollbacks") == {SPIKE: 1.0}
     assert scalars(tmp_path, "loss_metrics/spikes") == {SPIKE: 1.0}
     # Steps 1-5, 6 (the spiking batch), 5 again, then 6 on the batch after: straight's batches
     # but the spiking one, and its losses.
     got, ref = batches(out), batches(ref_out)
     assert len(got) == SPIKE + 2 and got[SPIKE - 1] not in ref, got
-    assert got[:SPIKE - 1] + got[SPIKE:] == ref[:SPIKE - 1] + ref[SPIKE - 2:SPIKE]
+    assert got[: SPIKE - 1] + got[SPIKE:] == ref[: SPIKE - 1] + ref[SPIKE - 2 : SPIKE]
     assert losses(tmp_path) == {s: v for s, v in losses(ref_dump).items() if s <= SPIKE}
     ckpt = tmp_path / "checkpoint"  # step-4 replaced in place: nothing abandoned or superseded
     assert sorted(p.name for p in ckpt.iterdir()) == ["step-2", "step-4", f"step-{SPIKE}.partial"]
@@ -275,20 +329,34 @@ def test_skip_leaves_the_weights_and_consumes_the_batch(straight, tmp_path):
     those after step 3 (validation on fixed samples, bitwise), no checkpoint at step 4, and
     step 5 trains on the next batch of the global order (the one straight trains at 5)."""
     _, ref_out = straight
-    out = run_train(tmp_path, *COMMON, *VAL_EVERY_STEP, "--training.on_spike", "skip",
-                    "--checkpoint.interval", "1", "--training.steps", "5",
-                    env={**HOOKS, "TRAINER_TEST_SPIKE_LOSS": "1:4:20"}).stdout
+    out = run_train(
+        tmp_path,
+        *COMMON,
+        *VAL_EVERY_STEP,
+        "--training.on_spike",
+        "skip",
+        "--checkpoint.interval",
+        "1",
+        "--training.steps",
+        "5",
+        env={**HOOKS, "TRAINER_TEST_SPIKE_LOSS": "1:4:20"},
+    ).stdout
     val, loss = scalars(tmp_path, "validation_metrics/loss"), losses(tmp_path)
     assert val[4] == val[3] and val[5] != val[4], val
     assert loss[4] > 5 * loss[3], loss
     assert scalars(tmp_path, "loss_metrics/skipped_steps") == {4: 1.0}
     assert scalars(tmp_path, "loss_metrics/spikes") == {4: 1.0}
     spike_lines = [ln for ln in out.splitlines() if "spike" in ln]
-    assert len(spike_lines) == 1 and spike_lines[0].startswith("loss spike at step 4: ") and \
-        spike_lines[0].endswith("(1 so far); skipped its optimizer step (training.on_spike = "
-                                "'skip'); 1 in a row, at most 5 allowed "
-                                "(training.max_skipped_steps); no checkpoint is saved at a "
-                                "skipped step"), out
+    assert (
+        len(spike_lines) == 1
+        and spike_lines[0].startswith("loss spike at step 4: ")
+        and spike_lines[0].endswith(
+            "(1 so far); skipped its optimizer step (training.on_spike = "
+            "'skip'); 1 in a row, at most 5 allowed "
+            "(training.max_skipped_steps); no checkpoint is saved at a "
+            "skipped step"
+        )
+    ), out
     assert batches(out) == batches(ref_out)[:5]
     names = sorted(p.name for p in (tmp_path / "checkpoint").iterdir())
     assert names == ["step-1", "step-2", "step-3", "step-5"]
@@ -300,22 +368,38 @@ def test_spikes_beyond_max_rollbacks_stop_with_one_line(tmp_path):
     (its spike window comes from step-5): step 6 rolls back to step-5, a checkpoint written
     before any load, and passes over its batch, so step 7 trains step 8's data and spikes:
     exit 4, one line."""
-    args = [*COMMON, "--training.on_spike", "rollback", "--training.max_rollbacks", "1",
-            "--checkpoint.interval", "5"]
+    args = [
+        *COMMON,
+        "--training.on_spike",
+        "rollback",
+        "--training.max_rollbacks",
+        "1",
+        "--checkpoint.interval",
+        "5",
+    ]
     env = {"TRAINER_TEST_SPIKE_LOSS": "1:4,6,8:20"}
     first = run_train(tmp_path, *args, "--training.steps", "5", env=env).stdout
-    assert re.search(r"^loss spike at step 4: .*; no checkpoint to roll back to yet: skipped its "
-                     r"optimizer step instead \(training.on_spike = 'rollback'\);", first,
-                     re.M), first
+    assert re.search(
+        r"^loss spike at step 4: .*; no checkpoint to roll back to yet: skipped its "
+        r"optimizer step instead \(training.on_spike = 'rollback'\);",
+        first,
+        re.M,
+    ), first
 
     proc = run_train(tmp_path, *args, "--training.steps", "10", env=env, check=False)
     assert proc.returncode == 4, proc.stderr
-    assert re.fullmatch(r"training error: loss spike at step 7: [\d.]+ > mean [\d.]+ \+ 6 x std "
-                        r"[\d.]+ of the previous 3 steps, after 1 rollback \(at most 1: "
-                        r"training.max_rollbacks\); last checkpoint step-5",
-                        proc.stderr.strip()), proc.stderr
-    assert re.search(r"^loss spike at step 6: .*; rolled back to checkpoint step-5 \(rollback 1, "
-                     r"at most 1", proc.stdout, re.M), proc.stdout
+    assert re.fullmatch(
+        r"training error: loss spike at step 7: [\d.]+ > mean [\d.]+ \+ 6 x std "
+        r"[\d.]+ of the previous 3 steps, after 1 rollback \(at most 1: "
+        r"training.max_rollbacks\); last checkpoint step-5",
+        proc.stderr.strip(),
+    ), proc.stderr
+    assert re.search(
+        r"^loss spike at step 6: .*; rolled back to checkpoint step-5 \(rollback 1, "
+        r"at most 1",
+        proc.stdout,
+        re.M,
+    ), proc.stdout
     assert scalars(tmp_path, "loss_metrics/skipped_steps") == {4: 1.0}
     assert scalars(tmp_path, "loss_metrics/rollbacks") == {6: 1.0}
     assert scalars(tmp_path, "loss_metrics/spikes") == {4: 1.0, 6: 1.0, 7: 2.0}  # per launch

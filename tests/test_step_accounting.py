@@ -29,8 +29,7 @@ def short_documents_store(json_cfg, tmp_path_factory) -> str:
                 fh.write(json.dumps({"text": text[:cut]}) + "\n")
                 text = text[cut:]
     cfg = replace(json_cfg, data_files=[str(folder / "docs.jsonl")])
-    prepare_store(cfg, cfg.tokenizer_path, str(folder / "store"), workers=1,
-                  show_progress=False)
+    prepare_store(cfg, cfg.tokenizer_path, str(folder / "store"), workers=1, show_progress=False)
     return str(folder / "store")
 
 
@@ -39,9 +38,16 @@ def test_logged_loss_is_token_weighted(tmp_path, short_documents_store):
     """Document starts masked out of the loss (predict_document_start = false) leave the two
     ranks different token counts: the 2-rank run logs the loss of the 1-rank run over the same
     samples, the mean over every trained token (the mean of the ranks' means is not)."""
-    common = [*BASE_FP32, *STDLIB, "--data.store_path",
-              short_documents_store, "--data.predict_document_start", "false",
-              "--training.steps", "4"]
+    common = [
+        *BASE_FP32,
+        *STDLIB,
+        "--data.store_path",
+        short_documents_store,
+        "--data.predict_document_start",
+        "false",
+        "--training.steps",
+        "4",
+    ]
     run_train(tmp_path / "one", *common, nproc=1)
     run_train(tmp_path / "two", *common, nproc=2)
     a, b = losses(tmp_path / "one"), losses(tmp_path / "two")
@@ -53,10 +59,19 @@ def test_logged_loss_is_token_weighted(tmp_path, short_documents_store):
 def test_skipped_last_step_still_saves(tmp_path):
     """Step 3, the last, has a NaN loss: its optimizer step is skipped, and the run still ends
     with a checkpoint of step 3 (exit 0, one line saying so)."""
-    proc = run_train(tmp_path, *BASE_FP32, "--training.steps", "3", "--checkpoint.enable",
-                     "--checkpoint.interval", "10", env={"TRAINER_TEST_NAN_LOSS": "0:3"})
+    proc = run_train(
+        tmp_path,
+        *BASE_FP32,
+        "--training.steps",
+        "3",
+        "--checkpoint.enable",
+        "--checkpoint.interval",
+        "10",
+        env={"TRAINER_TEST_NAN_LOSS": "0:3"},
+    )
     assert "step 3: skipped the optimizer step" in proc.stdout
-    assert "step 3, the last, skipped its optimizer step: saved its checkpoint anyway" \
-        in proc.stdout
+    assert (
+        "step 3, the last, skipped its optimizer step: saved its checkpoint anyway" in proc.stdout
+    )
     assert (tmp_path / "checkpoint" / "step-3" / "manifest.json").is_file()
     assert "training done at step 3" in proc.stdout

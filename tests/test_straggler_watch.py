@@ -12,8 +12,10 @@ def test_medians_of_others_equal_the_median_of_a_copy():
     for n in (1, 2, 3, 4, 5, 8, 33):
         for _ in range(20):
             times = [rng.choice([0.1, 0.2, rng.random()]) for _ in range(n)]
-            want = [statistics.median(times[:r] + times[r + 1:]) if n > 1 else times[r]
-                    for r in range(n)]
+            want = [
+                statistics.median(times[:r] + times[r + 1 :]) if n > 1 else times[r]
+                for r in range(n)
+            ]
             assert medians_of_others(times) == want, times
 
 
@@ -23,5 +25,7 @@ def test_a_slow_rank_is_named_after_the_steps_in_a_row():
     for step in (1, 2, 3):
         scalars = watch.update(step, [1.0, 1.0, 2.0, 1.1])
     assert scalars["timing/slowest_rank"] == 2.0 and scalars["timing/step_time_max"] == 2.0
-    assert lines == ["straggler: rank 2 slower than the other ranks' median by more than 1.5x "
-                     "for 2 steps in a row (step 2: 2.000s against 1.000s)"]
+    assert lines == [
+        "straggler: rank 2 slower than the other ranks' median by more than 1.5x "
+        "for 2 steps in a row (step 2: 2.000s against 1.000s)"
+    ]

@@ -24,23 +24,65 @@ from trainer.errors import ConfigError
 
 # the debug model's heads (8 query, 4 KV: GQA) at dim 64, two of its blocks: what these runs
 # check is in each block alike (its sharded projections, norms, AC), not in the depth or width
-COMMON = ("--model.flavor", "debugmodel-narrow", "--model.n_layers", "2",
-          "--training.steps", "5", "--training.seq_len", "64",
-          "--training.local_batch_size", "2",
-          "--training.global_batch_size", "4", "--training.mixed_precision_param", "float32",
-          "--metrics.log_freq", "1", *SYNTHETIC, "--checkpoint.enable", "true",
-          "--checkpoint.interval", "3", "--checkpoint.keep_latest_k", "0",
-          "--validation.enable", "false")
+COMMON = (
+    "--model.flavor",
+    "debugmodel-narrow",
+    "--model.n_layers",
+    "2",
+    "--training.steps",
+    "5",
+    "--training.seq_len",
+    "64",
+    "--training.local_batch_size",
+    "2",
+    "--training.global_batch_size",
+    "4",
+    "--training.mixed_precision_param",
+    "float32",
+    "--metrics.log_freq",
+    "1",
+    *SYNTHETIC,
+    "--checkpoint.enable",
+    "true",
+    "--checkpoint.interval",
+    "3",
+    "--checkpoint.keep_latest_k",
+    "0",
+    "--validation.enable",
+    "false",
+)
 TP = "--parallelism.tensor_parallel_degree"
 LAYOUTS = {  # name: (ranks, overrides)
     "ref": (1, ()),
     "tp2_fsdp2": (4, (TP, "2")),
-    "tp4": (4, (TP, "4", "--activation_checkpoint.mode", "selective",
-                "--activation_checkpoint.selective_ac_option", "op",
-                "--training.gradient_accumulation_sync", "every")),
-    "hsdp2_tp2": (4, (TP, "2", "--parallelism.data_parallel_replicate_degree", "2",
-                      "--training.local_batch_size", "1", "--activation_checkpoint.mode", "full",
-                      "--training.gradient_accumulation_sync", "hsdp_reduce_scatter")),
+    "tp4": (
+        4,
+        (
+            TP,
+            "4",
+            "--activation_checkpoint.mode",
+            "selective",
+            "--activation_checkpoint.selective_ac_option",
+            "op",
+            "--training.gradient_accumulation_sync",
+            "every",
+        ),
+    ),
+    "hsdp2_tp2": (
+        4,
+        (
+            TP,
+            "2",
+            "--parallelism.data_parallel_replicate_degree",
+            "2",
+            "--training.local_batch_size",
+            "1",
+            "--activation_checkpoint.mode",
+            "full",
+            "--training.gradient_accumulation_sync",
+            "hsdp_reduce_scatter",
+        ),
+    ),
 }
 
 
@@ -50,8 +92,14 @@ def runs(tmp_path_factory):
     out = {}
     for name, (nproc, overrides) in LAYOUTS.items():
         env = {"TRAINER_DEBUG_DATA_HASHES": "1"} if name == "tp2_fsdp2" else None
-        proc = run_train(root / name, *COMMON, *overrides, nproc=nproc, env=env,
-                         log_rank="0,1,2,3" if env else "0")
+        proc = run_train(
+            root / name,
+            *COMMON,
+            *overrides,
+            nproc=nproc,
+            env=env,
+            log_rank="0,1,2,3" if env else "0",
+        )
         out[name] = (root / name, proc.stdout)
     return out
 
@@ -89,19 +137,23 @@ def resume(runs, tmp_path, source: str, name: str, nproc: int, *overrides: str):
     shutil.copytree(runs[source][0], dump)
     shutil.rmtree(dump / "checkpoint" / "step-5")
     shutil.rmtree(dump / "tb")
-    proc = run_train(dump, *COMMON, *overrides, nproc=nproc,
-                     env={"TRAINER_DEBUG_WEIGHT_DIGEST": "1"})
+    proc = run_train(
+        dump, *COMMON, *overrides, nproc=nproc, env={"TRAINER_DEBUG_WEIGHT_DIGEST": "1"}
+    )
     return dump, proc.stdout
 
 
 def saved_digest(step_dir) -> str:
     prefix = "model_optim.model."
-    return weights_digest((k[len(prefix):], t) for k, t in load_dcp_tensors(step_dir).items()
-                          if k.startswith(prefix))
+    return weights_digest(
+        (k[len(prefix) :], t) for k, t in load_dcp_tensors(step_dir).items() if k.startswith(prefix)
+    )
 
 
-@pytest.mark.parametrize("name, nproc, overrides", [
-    ("fsdp4", 4, ("--training.local_batch_size", "1")), ("tp4", 4, (TP, "4"))])
+@pytest.mark.parametrize(
+    "name, nproc, overrides",
+    [("fsdp4", 4, ("--training.local_batch_size", "1")), ("tp4", 4, (TP, "4"))],
+)
 def test_tp_checkpoint_resumes_at_another_degree(runs, tmp_path, name, nproc, overrides):
     dump, stdout = resume(runs, tmp_path, "tp2_fsdp2", name, nproc, *overrides)
     # the loaded weights, gathered on the new layout, are bitwise the saved ones
@@ -112,8 +164,9 @@ def test_tp_checkpoint_resumes_at_another_degree(runs, tmp_path, name, nproc, ov
 
 def test_one_rank_checkpoint_resumes_under_tp(runs, tmp_path):
     dump, stdout = resume(runs, tmp_path, "ref", "ref-to-tp", 4, TP, "2")
-    assert f"loaded weights digest {saved_digest(runs['ref'][0] / 'checkpoint' / 'step-3')}" \
-        in stdout
+    assert (
+        f"loaded weights digest {saved_digest(runs['ref'][0] / 'checkpoint' / 'step-3')}" in stdout
+    )
     assert close(losses(dump), losses(runs["ref"][0]), [4, 5])
 
 
@@ -126,16 +179,36 @@ def test_hf_export_and_generation_read_a_tp_checkpoint(runs, tmp_path):
         assert (tp[key] - ref[key]).abs().max() <= 1e-5, key
 
     def generated(ckpt):
-        proc = subprocess.run([python, "-m", "trainer.generate", "--checkpoint",
-                               str(ckpt), "--prompt", "1 2 3", "--max_new_tokens", "8"],
-                              cwd=REPO, env=env, capture_output=True, text=True, timeout=120,
-                              check=True)
+        proc = subprocess.run(
+            [
+                python,
+                "-m",
+                "trainer.generate",
+                "--checkpoint",
+                str(ckpt),
+                "--prompt",
+                "1 2 3",
+                "--max_new_tokens",
+                "8",
+            ],
+            cwd=REPO,
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=120,
+            check=True,
+        )
         return proc.stdout
 
     assert generated(tp_ckpt) == generated(ref_ckpt)
-    subprocess.run([python, "-m", "trainer.convert", "to-hf", str(tp_ckpt),
-                    str(tmp_path / "hf")], cwd=REPO, env=env, check=True, capture_output=True,
-                   timeout=120)
+    subprocess.run(
+        [python, "-m", "trainer.convert", "to-hf", str(tp_ckpt), str(tmp_path / "hf")],
+        cwd=REPO,
+        env=env,
+        check=True,
+        capture_output=True,
+        timeout=120,
+    )
     from safetensors.torch import load_file
 
     hf = {}
@@ -150,25 +223,60 @@ def test_loss_parallel_never_holds_the_full_vocabulary():
     assert proc.stdout.count("tp probe ok") == 2 * 9, proc.stdout
 
 
-@pytest.mark.parametrize("world, overrides, needle", [
-    (4, [TP, "3"], "tensor_parallel_degree = 3 does not divide world size 4; valid: 1, 2, 4"),
-    (8, [TP, "8"], "does not divide model.flavor 'debugmodel' n_kv_heads = 4; valid tp "
-                   "degrees for this model: 1, 2, 4"),
-    (16, [TP, "16", "--model.flavor", "llama3.2-3B"], "does not divide model.flavor "
-                                                      "'llama3.2-3B' n_heads = 24"),
-    (4, [TP, "4", "--model.vocab_size", "8190"], "does not divide the vocab (model.vocab_size) "
-                                                 "= 8190"),
-    (4, [TP, "4", "--training.seq_len", "66"], "training.seq_len = 66 is not a multiple of "
-                                               "parallelism.tensor_parallel_degree = 4"),
-    (4, [TP, "2", "--parallelism.data_parallel_shard_degree", "4"], "multiply to 8, but the "
-                                                                     "world size is 4"),
-    (4, [TP, "2", "--parallelism.enable_async_tensor_parallel", "true"],
-     "enable_async_tensor_parallel = true needs CUDA, but this run computes on cpu"),
-    (4, [TP, "2", "--parallelism.enable_async_tensor_parallel", "true", "--training.device",
-         "cuda"], "needs compile.enable = true"),
-    (4, ["--parallelism.enable_async_tensor_parallel", "true"], "needs "
-                                                                "parallelism.tensor_parallel_degree > 1"),
-])
+@pytest.mark.parametrize(
+    "world, overrides, needle",
+    [
+        (4, [TP, "3"], "tensor_parallel_degree = 3 does not divide world size 4; valid: 1, 2, 4"),
+        (
+            8,
+            [TP, "8"],
+            "does not divide model.flavor 'debugmodel' n_kv_heads = 4; valid tp "
+            "degrees for this model: 1, 2, 4",
+        ),
+        (
+            16,
+            [TP, "16", "--model.flavor", "llama3.2-3B"],
+            "does not divide model.flavor 'llama3.2-3B' n_heads = 24",
+        ),
+        (
+            4,
+            [TP, "4", "--model.vocab_size", "8190"],
+            "does not divide the vocab (model.vocab_size) = 8190",
+        ),
+        (
+            4,
+            [TP, "4", "--training.seq_len", "66"],
+            "training.seq_len = 66 is not a multiple of parallelism.tensor_parallel_degree = 4",
+        ),
+        (
+            4,
+            [TP, "2", "--parallelism.data_parallel_shard_degree", "4"],
+            "multiply to 8, but the world size is 4",
+        ),
+        (
+            4,
+            [TP, "2", "--parallelism.enable_async_tensor_parallel", "true"],
+            "enable_async_tensor_parallel = true needs CUDA, but this run computes on cpu",
+        ),
+        (
+            4,
+            [
+                TP,
+                "2",
+                "--parallelism.enable_async_tensor_parallel",
+                "true",
+                "--training.device",
+                "cuda",
+            ],
+            "needs compile.enable = true",
+        ),
+        (
+            4,
+            ["--parallelism.enable_async_tensor_parallel", "true"],
+            "needs parallelism.tensor_parallel_degree > 1",
+        ),
+    ],
+)
 def test_impossible_tp_settings_are_one_config_error(world, overrides, needle):
     with pytest.raises(ConfigError) as e:
         load_config(["--training.device", "cpu", *overrides]).validate(world)
@@ -180,4 +288,5 @@ def test_a_tp_error_stops_run_train_before_any_rank_starts(tmp_path):
     assert proc.returncode == 2
     assert proc.stderr.strip().splitlines() == [
         "config error: parallelism.tensor_parallel_degree = 3 does not divide world size 4; "
-        "valid: 1, 2, 4"]
+        "valid: 1, 2, 4"
+    ]

@@ -19,16 +19,31 @@ ASYNC = ["--checkpoint.async_mode", "async"]
 
 
 def common(cache) -> list[str]:
-    return [*BASE, *STDLIB, "--data.cache_dir", str(cache),
-            "--checkpoint.enable", "true", "--checkpoint.interval", "4"]
+    return [
+        *BASE,
+        *STDLIB,
+        "--data.cache_dir",
+        str(cache),
+        "--checkpoint.enable",
+        "true",
+        "--checkpoint.interval",
+        "4",
+    ]
 
 
 @pytest.fixture(scope="module")
 def straight(tmp_path_factory):
     """(dump, stdout, cache dir) of the uninterrupted reference run."""
     root = tmp_path_factory.mktemp("e2e")
-    out = run_train(root / "straight", *common(root / "cache"), *ASYNC, "--training.steps", "8",
-                    env=HASHES, log_rank="0,1").stdout
+    out = run_train(
+        root / "straight",
+        *common(root / "cache"),
+        *ASYNC,
+        "--training.steps",
+        "8",
+        env=HASHES,
+        log_rank="0,1",
+    ).stdout
     return root / "straight", out, root / "cache"
 
 
@@ -36,9 +51,17 @@ def straight(tmp_path_factory):
 def hsdp4(straight, tmp_path_factory):
     """(dump, stdout) of 4 steps on 4 ranks (HSDP 2x2), same data and batch, saved at step 4."""
     dump = tmp_path_factory.mktemp("hsdp4") / "run"
-    out = run_train(dump, *common(straight[2]), "--training.steps", "4",
-                    "--parallelism.data_parallel_replicate_degree", "2", nproc=4, env=HASHES,
-                    log_rank="0,1,2,3").stdout
+    out = run_train(
+        dump,
+        *common(straight[2]),
+        "--training.steps",
+        "4",
+        "--parallelism.data_parallel_replicate_degree",
+        "2",
+        nproc=4,
+        env=HASHES,
+        log_rank="0,1,2,3",
+    ).stdout
     return dump, out
 
 
@@ -50,8 +73,14 @@ def stopped_at_4(run: Path, dest: Path) -> Path:
 def test_parity_one_process_fsdp2_hsdp4(tmp_path, straight, hsdp4):
     """One process (4 microbatches, started as a fresh process: TRAINER_FORK_RANKS=0), FSDP 2
     and HSDP 2x2 (forked ranks): the same step-1 loss, then equal to rounding."""
-    single = run_train(tmp_path / "single", *common(straight[2]), "--training.steps", "3",
-                       nproc=1, env={"TRAINER_FORK_RANKS": "0"})
+    single = run_train(
+        tmp_path / "single",
+        *common(straight[2]),
+        "--training.steps",
+        "3",
+        nproc=1,
+        env={"TRAINER_FORK_RANKS": "0"},
+    )
     assert "gradient accumulation steps: 4" in single.stdout  # 8 samples, 2 per microbatch
     assert "HSDP mesh (dp_replicate=2, dp_shard=2)" in hsdp4[1]
     ref = losses(tmp_path / "single")
@@ -85,8 +114,15 @@ def test_resume_is_bitwise_and_survives_a_larger_world(tmp_path, straight):
 
     # A checkpoint written by 2 ranks (FSDP) continues on 4 ranks (HSDP 2x2).
     wide = stopped_at_4(straight[0], tmp_path / "wide")
-    run_train(wide, *cmn, "--training.steps", "8",
-              "--parallelism.data_parallel_replicate_degree", "2", nproc=4)
+    run_train(
+        wide,
+        *cmn,
+        "--training.steps",
+        "8",
+        "--parallelism.data_parallel_replicate_degree",
+        "2",
+        nproc=4,
+    )
     got = losses(wide)
     assert sorted(got) == [5, 6, 7, 8]
     for step in range(5, 9):
@@ -94,13 +130,27 @@ def test_resume_is_bitwise_and_survives_a_larger_world(tmp_path, straight):
 
 
 def test_interrupted_save_leaves_the_previous_checkpoint(tmp_path):
-    common = [*BASE, "--checkpoint.enable", "true", "--checkpoint.interval", "2",
-              "--checkpoint.keep_latest_k", "0", "--training.steps", "6"]
-    crashed = run_train(tmp_path, *common, env={"TRAINER_TEST_CRASH_BEFORE_COMMIT": "4"},
-                        check=False)
+    common = [
+        *BASE,
+        "--checkpoint.enable",
+        "true",
+        "--checkpoint.interval",
+        "2",
+        "--checkpoint.keep_latest_k",
+        "0",
+        "--training.steps",
+        "6",
+    ]
+    crashed = run_train(
+        tmp_path, *common, env={"TRAINER_TEST_CRASH_BEFORE_COMMIT": "4"}, check=False
+    )
     assert crashed.returncode == 17  # the hook's os._exit(17) on rank 0, reported in one line
-    assert re.search(r"^error: training failed: rank 0 \(local rank 0 on \S+\) ended with exit "
-                     r"code 17; its output is above$", crashed.stderr, re.M), crashed.stderr
+    assert re.search(
+        r"^error: training failed: rank 0 \(local rank 0 on \S+\) ended with exit "
+        r"code 17; its output is above$",
+        crashed.stderr,
+        re.M,
+    ), crashed.stderr
     ckpt = tmp_path / "checkpoint"
     assert sorted(p.name for p in ckpt.iterdir()) == ["step-2", "step-4.partial"]
     assert (ckpt / "step-4.partial" / ".metadata").exists()  # the data was all written
@@ -110,8 +160,9 @@ def test_interrupted_save_leaves_the_previous_checkpoint(tmp_path):
     assert sorted(p.name for p in ckpt.iterdir()) == ["step-2", "step-4", "step-6"]
 
     # Resuming with a model of another shape is a config error naming the parameter.
-    other = run_train(tmp_path, *common, "--model.vocab_size", "8256", "--training.steps", "8",
-                      check=False)
+    other = run_train(
+        tmp_path, *common, "--model.vocab_size", "8256", "--training.steps", "8", check=False
+    )
     assert other.returncode == 2
     assert other.stderr.strip().splitlines() == [other.stderr.strip()], other.stderr
     assert other.stderr.startswith("config error: checkpoint ") and "tok_embeddings" in other.stderr
@@ -122,8 +173,9 @@ def test_elastic_resume_hsdp4_to_fsdp2_sees_exactly_the_next_samples(tmp_path, s
     stop, resume on 2 ranks (FSDP) to step 8 == an uninterrupted 8-step run on 2 ranks."""
     dump = tmp_path / "run"
     shutil.copytree(hsdp4[0], dump)
-    second = run_train(dump, *common(straight[2]), "--training.steps", "8", env=HASHES,
-                       log_rank="0,1").stdout
+    second = run_train(
+        dump, *common(straight[2]), "--training.steps", "8", env=HASHES, log_rank="0,1"
+    ).stdout
     want = global_batches(straight[1])
     assert len(want) == 8 and len({h for batch in want for h in batch}) == 64  # no repeats
     assert global_batches(hsdp4[1]) == want[:4]
@@ -137,8 +189,14 @@ def test_elastic_resume_hsdp4_to_fsdp2_sees_exactly_the_next_samples(tmp_path, s
 def test_streamed_source_resumes_only_on_the_same_dp_size(tmp_path, json_cfg):
     """A streamed HF source (local jsonl) keeps per-rank positions: it resumes on the same dp
     size, and on another it stops with a data error that says to prepare a store."""
-    data = ["--data.dataset", "json", "--data.data_files", json_cfg.data_files[0],
-            "--data.tokenizer_path", json_cfg.tokenizer_path]
+    data = [
+        "--data.dataset",
+        "json",
+        "--data.data_files",
+        json_cfg.data_files[0],
+        "--data.tokenizer_path",
+        json_cfg.tokenizer_path,
+    ]
     common = [*BASE, *data, "--checkpoint.enable", "true", "--checkpoint.interval", "2"]
     run_train(tmp_path, *common, "--training.steps", "2")
     same = run_train(tmp_path, *common, "--training.steps", "3").stdout

@@ -45,8 +45,10 @@ def plant_payload_then_metadata(folder, marker) -> None:
     manifest_path = os.path.join(folder, integrity.MANIFEST)
     if os.path.exists(manifest_path):
         manifest = json.load(open(manifest_path))
-        manifest["files"][".metadata"] = {"bytes": os.path.getsize(path),
-                                          "blake2b": file_blake2b(path)}
+        manifest["files"][".metadata"] = {
+            "bytes": os.path.getsize(path),
+            "blake2b": file_blake2b(path),
+        }
         json.dump(manifest, open(manifest_path, "w"))
 
 
@@ -66,7 +68,12 @@ def test_safe_load_reads_a_real_checkpoint_and_refuses_payloads(tmp_path):
     import torch.distributed.checkpoint as dcp
 
     folder = str(tmp_path / "ckpt")
-    saved = {"w": torch.arange(6.0).reshape(2, 3), "lr": 0.25, "name": "adamw", "betas": (0.9, 0.95)}
+    saved = {
+        "w": torch.arange(6.0).reshape(2, 3),
+        "lr": 0.25,
+        "name": "adamw",
+        "betas": (0.9, 0.95),
+    }
     dcp.save(saved, checkpoint_id=folder, no_dist=True)
     state = {"w": torch.zeros(2, 3), "lr": 0.0, "name": "", "betas": (0.0, 0.0)}
     safe_load.load(state, folder, no_dist=True)
@@ -101,8 +108,14 @@ def test_byte_entries_load_weights_only(tmp_path):
     buf.seek(0)
     planner = safe_load.SafeLoadPlanner(path="ckpt")
     planner.set_up_planner({"lr": 0.0}, None, True)
-    item = ReadItem(type=LoadItemType.BYTE_IO, dest_index=MetadataIndex("lr"), dest_offsets=(),
-                    storage_index=MetadataIndex("lr"), storage_offsets=(), lengths=())
+    item = ReadItem(
+        type=LoadItemType.BYTE_IO,
+        dest_index=MetadataIndex("lr"),
+        dest_offsets=(),
+        storage_index=MetadataIndex("lr"),
+        storage_offsets=(),
+        lengths=(),
+    )
     with pytest.raises(safe_load.UntrustedCheckpoint, match="the entry lr"):
         planner.load_bytes(item, buf)
     assert not marker.exists()
@@ -114,8 +127,18 @@ def doctored(tmp_path_factory):
     real metadata, forged manifest) and a payload-only step-6 planted beside them."""
     root = tmp_path_factory.mktemp("untrusted")
     run = root / "run"
-    run_train(run, *BASE_FP32, "--training.steps", "4", "--checkpoint.enable", "true",
-              "--checkpoint.interval", "2", "--checkpoint.keep_latest_k", "0")
+    run_train(
+        run,
+        *BASE_FP32,
+        "--training.steps",
+        "4",
+        "--checkpoint.enable",
+        "true",
+        "--checkpoint.interval",
+        "2",
+        "--checkpoint.keep_latest_k",
+        "0",
+    )
     ckpt = run / "checkpoint"
     shutil.copytree(ckpt / "step-4", root / "clean-step-4")
     plant_payload_then_metadata(ckpt / "step-4", root / "marker")
@@ -127,8 +150,18 @@ def doctored(tmp_path_factory):
 
 def test_resume_skips_doctored_checkpoints(doctored):
     run = doctored / "run"
-    proc = run_train(run, *BASE_FP32, "--training.steps", "6", "--checkpoint.enable", "true",
-                     "--checkpoint.interval", "2", "--checkpoint.keep_latest_k", "0")
+    proc = run_train(
+        run,
+        *BASE_FP32,
+        "--training.steps",
+        "6",
+        "--checkpoint.enable",
+        "true",
+        "--checkpoint.interval",
+        "2",
+        "--checkpoint.keep_latest_k",
+        "0",
+    )
     assert not (doctored / "marker").exists()
     assert "resuming from the newest intact one, step-2" in proc.stdout, proc.stdout
     assert "untrusted: .metadata names builtins.eval" in proc.stdout
@@ -139,18 +172,29 @@ def test_initial_load_generate_and_convert_refuse_doctored_folders(doctored):
     bad = doctored / "bad-step-4"  # a resume may have replaced the run's own step-4
     shutil.copytree(doctored / "clean-step-4", bad)
     plant_payload_then_metadata(bad, doctored / "marker")
-    proc = run_train(doctored / "fresh", *BASE_FP32, "--training.steps", "1",
-                     "--checkpoint.initial_load_path", str(bad), check=False)
+    proc = run_train(
+        doctored / "fresh",
+        *BASE_FP32,
+        "--training.steps",
+        "1",
+        "--checkpoint.initial_load_path",
+        str(bad),
+        check=False,
+    )
     assert proc.returncode == 2, proc.stderr
     lines = [x for x in proc.stderr.splitlines() if "checkpoint error:" in x]
-    assert len(lines) == 1 and "builtins.eval" in lines[0] and "allow_pickle" in lines[0], \
+    assert len(lines) == 1 and "builtins.eval" in lines[0] and "allow_pickle" in lines[0], (
         proc.stderr
+    )
     python, env = fork_python()
     config = str(doctored / "run" / "config.toml")
-    for cmd in (["trainer.generate", "--checkpoint", str(bad), "--config", config],
-                ["trainer.convert", "to-hf", str(bad), str(doctored / "hf"), "--config", config]):
-        p = subprocess.run([python, "-m", *cmd], cwd=REPO, env=env, text=True,
-                           capture_output=True, timeout=120)
+    for cmd in (
+        ["trainer.generate", "--checkpoint", str(bad), "--config", config],
+        ["trainer.convert", "to-hf", str(bad), str(doctored / "hf"), "--config", config],
+    ):
+        p = subprocess.run(
+            [python, "-m", *cmd], cwd=REPO, env=env, text=True, capture_output=True, timeout=120
+        )
         assert p.returncode == 2, (cmd, p.stderr)
         assert p.stderr.strip().count("\n") == 0 and "builtins.eval" in p.stderr, p.stderr
     assert not (doctored / "marker").exists()

@@ -9,8 +9,7 @@ import sys
 import pytest
 import torch
 
-from tests.helpers import (scalars, wandb_launches, wandb_offline_env, wandb_or_skip,
-                           wandb_series)
+from tests.helpers import scalars, wandb_launches, wandb_offline_env, wandb_or_skip, wandb_series
 from trainer.config.__main__ import main as config_main
 from trainer.config.job import JobConfig
 from trainer.errors import ConfigError
@@ -19,8 +18,10 @@ from trainer.models.llama import model_args
 from trainer.health.preemption import Preempted
 from trainer.observe.wandb_logger import RUN_ID_FILE, init_kwargs, run_id, save_run_id
 
-MISSING = ('config error: metrics.enable_wandb = true needs the wandb package, which is not '
-           'installed: pip install -e ".[wandb]" (or pip install wandb)')
+MISSING = (
+    "config error: metrics.enable_wandb = true needs the wandb package, which is not "
+    'installed: pip install -e ".[wandb]" (or pip install wandb)'
+)
 
 
 @pytest.fixture
@@ -33,8 +34,11 @@ def no_wandb(monkeypatch):
 def offline(monkeypatch, tmp_path_factory):
     """Offline W&B, quiet, without wrapping pytest's captured console."""
     wandb_or_skip()
-    env = {**wandb_offline_env(tmp_path_factory.mktemp("wandb_home")),
-           "WANDB_SILENT": "true", "WANDB_CONSOLE": "off"}
+    env = {
+        **wandb_offline_env(tmp_path_factory.mktemp("wandb_home")),
+        "WANDB_SILENT": "true",
+        "WANDB_CONSOLE": "off",
+    }
     for key, value in env.items():
         if value is None:
             monkeypatch.delenv(key)
@@ -59,9 +63,16 @@ def config(tmp_path, **metrics) -> JobConfig:
 
 def make(cfg: JobConfig, rank: int = 0) -> MetricsProcessor:
     args = model_args("debugmodel-tiny")
-    mp = MetricsProcessor(cfg, model_args=args, seq_len=64, device=torch.device("cpu"),
-                          rank=rank, parallel_desc="1 process", accumulation_steps=1,
-                          num_params=args.num_params())
+    mp = MetricsProcessor(
+        cfg,
+        model_args=args,
+        seq_len=64,
+        device=torch.device("cpu"),
+        rank=rank,
+        parallel_desc="1 process",
+        accumulation_steps=1,
+        num_params=args.num_params(),
+    )
     mp.open()
     return mp
 
@@ -70,8 +81,14 @@ def log_steps(mp: MetricsProcessor, steps) -> None:
     for step in steps:
         mp.step_timer()
         mp.count_tokens(128)
-        mp.log(step, global_avg_loss=10.0 - step, global_max_loss=11.0 - step, grad_norm=0.5,
-               lr=1e-3, tokens_seen=128 * step)
+        mp.log(
+            step,
+            global_avg_loss=10.0 - step,
+            global_max_loss=11.0 - step,
+            grad_norm=0.5,
+            lr=1e-3,
+            tokens_seen=128 * step,
+        )
         mp.log_scalars(step, {"batch_metrics/global_batch_size": 2})
 
 
@@ -92,9 +109,12 @@ def test_missing_package_is_one_config_error_line(no_wandb, capsys):
 def test_project_name_that_wandb_refuses_is_a_config_error():
     cfg = JobConfig()
     cfg.metrics.wandb_project = "team/llama"
-    with pytest.raises(ConfigError, match=r"^metrics.wandb_project = 'team/llama' is not a "
-                                          r"valid W&B project name \(it has /\); use at most "
-                                          r"128 characters, none of / \\ # \? % :$"):
+    with pytest.raises(
+        ConfigError,
+        match=r"^metrics.wandb_project = 'team/llama' is not a "
+        r"valid W&B project name \(it has /\); use at most "
+        r"128 characters, none of / \\ # \? % :$",
+    ):
         cfg.validate()
     cfg.metrics.wandb_project = "x" * 129
     with pytest.raises(ConfigError, match=r"\(it has 129 characters\)"):
@@ -107,18 +127,41 @@ def test_project_name_that_wandb_refuses_is_a_config_error():
 def test_names_come_from_the_config_then_the_environment_then_defaults(tmp_path):
     cfg = config(tmp_path / "llama_run")
     kw = init_kwargs(cfg, "abc", env={})
-    assert kw == {"project": "trainer", "entity": None, "name": "llama_run", "notes": None,
-                  "dir": str(tmp_path / "llama_run"), "id": "abc", "resume": "allow"}
-    env = {"WANDB_PROJECT": "p-env", "WANDB_ENTITY": "e-env", "WANDB_NAME": "n-env",
-           "WANDB_DIR": "/scratch/wandb", "WANDB_RESUME": "must", "WANDB_NOTES": "env notes"}
+    assert kw == {
+        "project": "trainer",
+        "entity": None,
+        "name": "llama_run",
+        "notes": None,
+        "dir": str(tmp_path / "llama_run"),
+        "id": "abc",
+        "resume": "allow",
+    }
+    env = {
+        "WANDB_PROJECT": "p-env",
+        "WANDB_ENTITY": "e-env",
+        "WANDB_NAME": "n-env",
+        "WANDB_DIR": "/scratch/wandb",
+        "WANDB_RESUME": "must",
+        "WANDB_NOTES": "env notes",
+    }
     kw = init_kwargs(cfg, "abc", env=env)
     assert (kw["project"], kw["entity"], kw["name"], kw["dir"], kw["resume"], kw["notes"]) == (
-        "p-env", "e-env", "n-env", "/scratch/wandb", "must", "env notes")
+        "p-env",
+        "e-env",
+        "n-env",
+        "/scratch/wandb",
+        "must",
+        "env notes",
+    )
     cfg.metrics.wandb_project, cfg.metrics.wandb_entity = "p-cfg", "e-cfg"
     cfg.metrics.wandb_run_name, cfg.job.description = "n-cfg", "what this run tries"
     kw = init_kwargs(cfg, "abc", env=env)
     assert (kw["project"], kw["entity"], kw["name"], kw["notes"]) == (
-        "p-cfg", "e-cfg", "n-cfg", "what this run tries")
+        "p-cfg",
+        "e-cfg",
+        "n-cfg",
+        "what this run tries",
+    )
 
 
 def test_run_id_is_kept_in_the_dump_folder(tmp_path):
@@ -154,8 +197,10 @@ def test_same_scalars_as_tensorboard_config_and_exit_code(tmp_path, offline, cap
             log_steps(mp, [1, 2, 3])
             raise Preempted("stopped at step 3 on a signal")
     rid = (tmp_path / RUN_ID_FILE).read_text().strip()
-    assert f"wandb: offline run '{tmp_path.name}', id {rid} (first in this dump folder), " \
-           f"project trainer; local files {tmp_path}/wandb/offline-run-" in capsys.readouterr().out
+    assert (
+        f"wandb: offline run '{tmp_path.name}', id {rid} (first in this dump folder), "
+        f"project trainer; local files {tmp_path}/wandb/offline-run-" in capsys.readouterr().out
+    )
     (launch,) = wandb_launches(tmp_path / "wandb")
     assert launch["id"] == rid
     assert launch["exit_code"] == 3 and launch["preempting"]  # a signalled stop
@@ -194,6 +239,7 @@ def test_a_run_that_cannot_start_is_one_config_error(tmp_path, offline, monkeypa
         make(config(tmp_path, enable_wandb=True))
     assert e.value.one_line() == (
         "config error: metrics.enable_wandb = true, but wandb.init failed: UsageError: "
-        "api_key not configured (no-tty) (to log without a server: WANDB_MODE=offline)")
+        "api_key not configured (no-tty) (to log without a server: WANDB_MODE=offline)"
+    )
     # W&B opens first: no TensorBoard folder, and no run id that was never used.
     assert not (tmp_path / "tb").exists() and not (tmp_path / RUN_ID_FILE).exists()

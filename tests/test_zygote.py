@@ -31,9 +31,16 @@ def test_a_launch_trains_with_the_environment_it_was_given(monkeypatch, tmp_path
     monkeypatch.setenv("TRAINER_TEST_ZYGOTE", "on")
     helpers.zygote_env(None)
     before = launched_cpu()
-    proc = run_train(tmp_path / "run", *TINY, "--training.steps", "1",
-                     "--checkpoint.enable", "false", env={"TRAINER_DEBUG_DATA_HASHES": "1"},
-                     log_rank="0,1")
+    proc = run_train(
+        tmp_path / "run",
+        *TINY,
+        "--training.steps",
+        "1",
+        "--checkpoint.enable",
+        "false",
+        env={"TRAINER_DEBUG_DATA_HASHES": "1"},
+        log_rank="0,1",
+    )
     assert "training done at step 1" in proc.stdout, proc.stdout
     assert len(helpers.global_batches(proc.stdout)) == 1  # both ranks saw the variable
     assert "zygote" not in proc.stdout + proc.stderr
@@ -49,9 +56,18 @@ def test_a_timeout_kills_the_launch_and_its_ranks(monkeypatch, tmp_path):
         # no step lines: a launch left running would not die of a write to the closed pipe
         # and its ranks sleep between steps (TRAINER_TEST_SLOW_RANK): the timeout finds them
         # running, not burning the cores the other worker's tests share
-        run_train(tmp_path / "slow", *TINY, "--training.steps", "100000",
-                  "--metrics.log_freq", "1000000", "--checkpoint.enable", "false", timeout=6,
-                  env={"TRAINER_TEST_SLOW_RANK": "all:2"})
+        run_train(
+            tmp_path / "slow",
+            *TINY,
+            "--training.steps",
+            "100000",
+            "--metrics.log_freq",
+            "1000000",
+            "--checkpoint.enable",
+            "false",
+            timeout=6,
+            env={"TRAINER_TEST_SLOW_RANK": "all:2"},
+        )
     # before it was killed, each process of the launch printed its threads' stacks (SIGABRT,
     # faulthandler): where a hung launch hung, in the test's failure
     message = str(timed_out.value)
@@ -68,14 +84,28 @@ def test_a_forked_script_and_module_run_as_the_interpreter_runs_them(tmp_path):
     """fork_python: a script gets its argv and its folder as sys.path[0]; its exit handlers run
     and sys.exit("message") prints the message and exits 1; `-m` runs a module's __main__."""
     script = tmp_path / "probe.py"
-    script.write_text("import atexit, sys\natexit.register(lambda: print('exit handler'))\n"
-                      "print(sys.argv[1:], sys.path[0])\nsys.exit('stopped here')\n")
+    script.write_text(
+        "import atexit, sys\natexit.register(lambda: print('exit handler'))\n"
+        "print(sys.argv[1:], sys.path[0])\nsys.exit('stopped here')\n"
+    )
     python, env = helpers.fork_python()
     assert python == helpers._zygote["wrapper"]  # forked, not a fresh interpreter
-    proc = subprocess.run([python, str(script), "a"], env=env, cwd=tmp_path,
-                          capture_output=True, text=True, timeout=60)
+    proc = subprocess.run(
+        [python, str(script), "a"],
+        env=env,
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert proc.returncode == 1 and proc.stderr.strip() == "stopped here", proc.stderr
     assert proc.stdout.splitlines() == [f"['a'] {tmp_path}", "exit handler"], proc.stdout
-    proc = subprocess.run([python, "-m", "trainer.config", "--help"], env=env, cwd=tmp_path,
-                          capture_output=True, text=True, timeout=60)
+    proc = subprocess.run(
+        [python, "-m", "trainer.config", "--help"],
+        env=env,
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert proc.returncode == 0 and "[checkpoint]" in proc.stdout, proc.stderr

@@ -72,8 +72,12 @@ def gpu_memory_gib() -> float:
     if smi is None:
         return 0.0
     try:
-        out = subprocess.run([smi, "--query-gpu=memory.total", "--format=csv,noheader,nounits"],
-                             capture_output=True, text=True, timeout=30)
+        out = subprocess.run(
+            [smi, "--query-gpu=memory.total", "--format=csv,noheader,nounits"],
+            capture_output=True,
+            text=True,
+            timeout=30,
+        )
         return float(out.stdout.split()[0]) / 1024 if out.returncode == 0 else 0.0
     except (OSError, subprocess.SubprocessError, ValueError, IndexError):
         return 0.0
@@ -95,14 +99,17 @@ def local_ranks(device: str, ngpu: str | None, gpus: int, seen: str) -> int:
     if not on_gpu:
         return ranks or CPU_RANKS_DEFAULT
     if gpus == 0:
-        raise ConfigError(f"training.device = 'cuda' but no GPU is visible ({seen}); use "
-                          "--training.device cpu (or auto) to train on the CPU")
+        raise ConfigError(
+            f"training.device = 'cuda' but no GPU is visible ({seen}); use "
+            "--training.device cpu (or auto) to train on the CPU"
+        )
     if ranks is None:
         return gpus
     if ranks > gpus:
         raise ConfigError(
             f"NGPU={ranks} ranks per node but only {gpus} GPU{'s' if gpus > 1 else ''} visible "
-            f"({seen}); set NGPU <= {gpus}, or --training.device cpu to run {ranks} CPU ranks")
+            f"({seen}); set NGPU <= {gpus}, or --training.device cpu to run {ranks} CPU ranks"
+        )
     return ranks
 
 
@@ -119,22 +126,33 @@ def resolve_device(setting: str):
     if setting == "cpu" or (setting == "auto" and not has_cuda):
         return torch.device("cpu")
     if not has_cuda:
-        raise ConfigError(f"training.device = 'cuda' but torch {torch.__version__} sees no CUDA "
-                          f"device (CUDA build: {torch.version.cuda or 'none, a CPU-only build'})"
-                          "; use --training.device cpu or auto")
+        raise ConfigError(
+            f"training.device = 'cuda' but torch {torch.__version__} sees no CUDA "
+            f"device (CUDA build: {torch.version.cuda or 'none, a CPU-only build'})"
+            "; use --training.device cpu or auto"
+        )
     count = torch.cuda.device_count()
     local_world = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
     if local_world > count:
-        raise ConfigError(f"{local_world} ranks on this node but torch sees {count} GPU"
-                          f"{'s' if count > 1 else ''}; set NGPU <= {count}, or "
-                          "--training.device cpu for CPU ranks")
+        raise ConfigError(
+            f"{local_world} ranks on this node but torch sees {count} GPU"
+            f"{'s' if count > 1 else ''}; set NGPU <= {count}, or "
+            "--training.device cpu for CPU ranks"
+        )
     return torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
 
 
 # oneDNN's instruction-set caps (ONEDNN_MAX_CPU_ISA, or DNNL_MAX_CPU_ISA) that stop below its
 # bf16 dot products: under them oneDNN emulates bf16 even on a CPU that has AVX512-BF16.
-_ONEDNN_NO_BF16 = {"sse41", "avx", "avx2", "avx2_vnni", "avx2_vnni_2", "avx512_core",
-                   "avx512_core_vnni"}
+_ONEDNN_NO_BF16 = {
+    "sse41",
+    "avx",
+    "avx2",
+    "avx2_vnni",
+    "avx2_vnni_2",
+    "avx512_core",
+    "avx512_core_vnni",
+}
 
 
 def _onednn_isa_cap() -> str:
@@ -174,7 +192,7 @@ def _arm_bf16() -> bool:
 class Precision:
     """The dtypes a run computes and reduces in, and why."""
 
-    param: str   # "bfloat16" or "float32": the unsharded compute params
+    param: str  # "bfloat16" or "float32": the unsharded compute params
     reduce: str  # gradient reduction dtype
     reason: str  # one line for the startup summary
     warning: str = ""  # set when an explicit choice is known to be slow here
@@ -203,10 +221,13 @@ def resolve_compute_dtype(param: str, reduce: str, device, native_everywhere=Non
     if param == "auto":
         if native:
             return Precision("bfloat16", reduce, f"auto: this CPU computes bf16 natively ({isa})")
-        return Precision("float32", reduce,
-                         f"auto: this CPU has no native bf16 ({isa}); {SLOW_BF16}")
+        return Precision(
+            "float32", reduce, f"auto: this CPU has no native bf16 ({isa}); {SLOW_BF16}"
+        )
     warning = ""
     if param == "bfloat16" and not native:
-        warning = (f"warning: training.mixed_precision_param = 'bfloat16' on a CPU without native "
-                   f"bf16 ({isa}): {SLOW_BF16}; 'auto' would pick float32")
+        warning = (
+            f"warning: training.mixed_precision_param = 'bfloat16' on a CPU without native "
+            f"bf16 ({isa}): {SLOW_BF16}; 'auto' would pick float32"
+        )
     return Precision(param, reduce, "set in the config", warning)

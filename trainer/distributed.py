@@ -28,10 +28,13 @@ def log_ranks(value: str, world_size: int) -> set[int] | None:
     if not value.strip():
         return None
     parts = [p.strip() for p in value.split(",")]
-    if not all(p.isascii() and p.isdigit() for p in parts) or \
-            any(int(p) >= world_size for p in parts):
-        raise ConfigError(f"LOG_RANK = {value!r}: give the ranks whose output to show, separated "
-                          f"by commas (e.g. 0 or 0,1), each below the world size {world_size}")
+    if not all(p.isascii() and p.isdigit() for p in parts) or any(
+        int(p) >= world_size for p in parts
+    ):
+        raise ConfigError(
+            f"LOG_RANK = {value!r}: give the ranks whose output to show, separated "
+            f"by commas (e.g. 0 or 0,1), each below the world size {world_size}"
+        )
     return {int(p) for p in parts}
 
 
@@ -53,8 +56,10 @@ def agree_on_user_errors(fn, *args, same_result: bool = False, **kwargs):
     except UserError as e:
         error = e
     outcomes = [None] * dist.get_world_size()
-    dist.all_gather_object(outcomes, (None if error is None else (type(error), str(error)),
-                                      result if same_result else None))
+    dist.all_gather_object(
+        outcomes,
+        (None if error is None else (type(error), str(error)), result if same_result else None),
+    )
     first = next((err for err, _ in outcomes if err is not None), None)
     if first is not None:
         agreed = first[0](first[1])
@@ -62,8 +67,10 @@ def agree_on_user_errors(fn, *args, same_result: bool = False, **kwargs):
         raise agreed
     if same_result and any(res != outcomes[0][1] for _, res in outcomes):
         seen = {rank: res for rank, (_, res) in enumerate(outcomes)}
-        raise ConfigError(f"ranks disagree on {fn.__name__}: {seen}; the dump folder must be "
-                          "on storage that every node shares")
+        raise ConfigError(
+            f"ranks disagree on {fn.__name__}: {seen}; the dump folder must be "
+            "on storage that every node shares"
+        )
     return result
 
 
@@ -91,7 +98,8 @@ def check_same_config(cfg) -> None:
         f"{theirs.get(keys[0], '(no such key)')} where rank 0 has "
         f"{ours.get(keys[0], '(no such key)')}"
         + (f" (and {', '.join(keys[1:])})" if keys[1:] else "")
-        + "; launch every node with the same config file and overrides")
+        + "; launch every node with the same config file and overrides"
+    )
     error.agreed = True  # every rank raises it: rank 0 reports it
     raise error
 
@@ -126,8 +134,7 @@ def reduce_mean(value: torch.Tensor, dp_group) -> float:
     return total.item() / dist.get_world_size(dp_group)
 
 
-def reduce_loss(loss_share: torch.Tensor, rank_loss: torch.Tensor,
-                dp_group) -> tuple[float, float]:
+def reduce_loss(loss_share: torch.Tensor, rank_loss: torch.Tensor, dp_group) -> tuple[float, float]:
     """(the token-weighted global mean, the largest rank mean) over the dp ranks: each rank's
     `loss_share` is its summed loss / the global token count (trainer/step.py), so their sum
     weighs every token alike, however unevenly the ranks' tokens fall (ignored labels,
@@ -170,11 +177,19 @@ def init_distributed(cfg) -> torch.device:
         torch.cuda.set_device(device)
     timeout = datetime.timedelta(seconds=cfg.comm.init_timeout_seconds)
     if "RANK" not in os.environ:  # plain `python -m trainer.train`: a world of one
-        os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1",
-                          MASTER_PORT=str(_free_port()))
+        os.environ.update(
+            RANK="0",
+            LOCAL_RANK="0",
+            WORLD_SIZE="1",
+            MASTER_ADDR="127.0.0.1",
+            MASTER_PORT=str(_free_port()),
+        )
     store = restarts.attempt_store(timeout)  # under torchrun: this attempt's own keys
-    world = {} if store is None else dict(rank=int(os.environ["RANK"]),
-                                          world_size=int(os.environ["WORLD_SIZE"]))
+    world = (
+        {}
+        if store is None
+        else dict(rank=int(os.environ["RANK"]), world_size=int(os.environ["WORLD_SIZE"]))
+    )
     dist.init_process_group(backend, timeout=timeout, store=store, **world)
     torch.manual_seed(cfg.job.seed)
     return device
@@ -191,8 +206,11 @@ def _free_port() -> int:
 def print_sample_hashes(batches, dp_group, ids: list[str]) -> None:
     """One line per rank and step: its dp rank and a short hash of each sample, in order; and
     where each comes from when the loader knows (a blend: source/epoch/window, a second line)."""
-    hashes = [hashlib.sha1(torch.cat([x[i], y[i, -1:]]).numpy().tobytes()).hexdigest()[:12]
-              for x, y in batches for i in range(x.shape[0])]
+    hashes = [
+        hashlib.sha1(torch.cat([x[i], y[i, -1:]]).numpy().tobytes()).hexdigest()[:12]
+        for x, y in batches
+        for i in range(x.shape[0])
+    ]
     rank = dist.get_rank(dp_group)
     lines = f"data dp_rank {rank} samples {','.join(hashes)}\n"
     if any(ids):  # a line of its own: the samples line keeps its format

@@ -40,13 +40,17 @@ def find_config(checkpoint: str) -> Path:
     from trainer.checkpoint import storage
 
     if storage.is_url(checkpoint):
-        raise ConfigError(f"--checkpoint {checkpoint} is in an object store, away from its "
-                          "run's config.toml: pass --config {dump_folder}/config.toml")
+        raise ConfigError(
+            f"--checkpoint {checkpoint} is in an object store, away from its "
+            "run's config.toml: pass --config {dump_folder}/config.toml"
+        )
     for parent in list(Path(checkpoint).resolve().parents)[:4]:
         if (parent / "config.toml").is_file():
             return parent / "config.toml"
-    raise ConfigError(f"no config.toml of the run found above {checkpoint}; pass --config "
-                      "{dump_folder}/config.toml")
+    raise ConfigError(
+        f"no config.toml of the run found above {checkpoint}; pass --config "
+        "{dump_folder}/config.toml"
+    )
 
 
 def load_tokenizer(data_cfg):
@@ -59,11 +63,14 @@ def load_tokenizer(data_cfg):
         return Tokenizer(os.path.expanduser(data_cfg.tokenizer_path))
     if data_cfg.store_path:
         from trainer.data.store import TOKENIZER_FILE
+
         if "://" in data_cfg.store_path:  # the store's copy, fetched once into the cache
-            return Tokenizer(remote_store_tokenizer(data_cfg.store_path.rstrip("/"),
-                                                    data_cfg.cache_dir))
+            return Tokenizer(
+                remote_store_tokenizer(data_cfg.store_path.rstrip("/"), data_cfg.cache_dir)
+            )
         return Tokenizer(Path(os.path.expanduser(data_cfg.store_path)) / TOKENIZER_FILE)
     from trainer.data.cache import ensure_stdlib  # the stdlib default: cached at training
+
     return Tokenizer(ensure_stdlib(data_cfg, show_progress=False)[0])
 
 
@@ -90,13 +97,16 @@ def checkpoint_kind(checkpoint: str) -> str:
         return "dcp"
     if storage.exists(storage.join(checkpoint, "config.json")):
         return "hf"
-    raise ConfigError(f"--checkpoint {checkpoint} is neither a checkpoint (no .metadata) nor a "
-                      "Hugging Face folder (no config.json); use a committed "
-                      "{dump_folder}/checkpoint/step-N folder or an exported one")
+    raise ConfigError(
+        f"--checkpoint {checkpoint} is neither a checkpoint (no .metadata) nor a "
+        "Hugging Face folder (no config.json); use a committed "
+        "{dump_folder}/checkpoint/step-N folder or an exported one"
+    )
 
 
-def load_model(checkpoint: str, cfg, *, token_vocab: int, max_len: int, device,
-               allow_pickle: bool = False):
+def load_model(
+    checkpoint: str, cfg, *, token_vocab: int, max_len: int, device, allow_pickle: bool = False
+):
     """An unsharded fp32 Transformer with the checkpoint's weights, in eval mode."""
     from trainer.checkpoint import safe_load
 
@@ -106,30 +116,41 @@ def load_model(checkpoint: str, cfg, *, token_vocab: int, max_len: int, device,
     from trainer.models.llama import model_args
 
     vocab = cfg.model.vocab_size or padded_vocab_size(token_vocab, cfg.model.vocab_size_multiple_of)
-    args = model_args(cfg.model.flavor, vocab_size=vocab,
-                      max_seq_len=max(cfg.training.seq_len, max_len),
-                      n_layers=cfg.model.n_layers, moe_config=cfg.moe,
-                      **rope_args(cfg.model))
+    args = model_args(
+        cfg.model.flavor,
+        vocab_size=vocab,
+        max_seq_len=max(cfg.training.seq_len, max_len),
+        n_layers=cfg.model.n_layers,
+        moe_config=cfg.moe,
+        **rope_args(cfg.model),
+    )
     model = build_model(args).to_empty(device=device)
     model.init_rope()  # with the flavor's RoPE scaling, as in training
     if checkpoint_kind(checkpoint) == "hf":  # its shapes checked against the flavor there
         from trainer.hf.load import load_hf
 
         with torch.no_grad():
-            load_hf(model, checkpoint, flavor=cfg.model.flavor,
-                    log=lambda line: print(line, file=sys.stderr))
+            load_hf(
+                model,
+                checkpoint,
+                flavor=cfg.model.flavor,
+                log=lambda line: print(line, file=sys.stderr),
+            )
         return model.eval()
     saved = safe_load.read_metadata(str(checkpoint), allow_pickle).state_dict_metadata
     weights = model.state_dict()
     for name, tensor in weights.items():
         meta = saved.get(f"model_optim.model.{name}")
         if meta is None or tuple(getattr(meta, "size", ())) != tuple(tensor.shape):
-            raise ConfigError(f"checkpoint {checkpoint} does not fit the model of its "
-                              f"config.toml: {name} differs; pass the run's --config")
+            raise ConfigError(
+                f"checkpoint {checkpoint} does not fit the model of its "
+                f"config.toml: {name} differs; pass the run's --config"
+            )
     with warnings.catch_warnings():  # "assuming the intent is to load in a single process"
         warnings.filterwarnings("ignore", message=".*single process")
-        safe_load.load({"model_optim": {"model": weights}}, str(checkpoint),
-                       allow_pickle=allow_pickle)
+        safe_load.load(
+            {"model_optim": {"model": weights}}, str(checkpoint), allow_pickle=allow_pickle
+        )
     return model.eval()
 
 
@@ -153,8 +174,10 @@ def forward_cached(model, tokens: torch.Tensor, cache: KVCache) -> torch.Tensor:
     end = start + seq
     cos, sin = model.rope_cos[start:end], model.rope_sin[start:end]
     # Query at position start+i sees keys at positions <= start+i.
-    mask = (torch.arange(end, device=tokens.device)[None, :]
-            <= torch.arange(start, end, device=tokens.device)[:, None])
+    mask = (
+        torch.arange(end, device=tokens.device)[None, :]
+        <= torch.arange(start, end, device=tokens.device)[:, None]
+    )
     h = model.tok_embeddings(tokens)
     for i, layer in enumerate(model.layers.values()):
         attn, x = layer.attention, layer.attention_norm(h)
@@ -166,8 +189,9 @@ def forward_cached(model, tokens: torch.Tensor, cache: KVCache) -> torch.Tensor:
         if groups > 1:
             keys = keys.repeat_interleave(groups, dim=2)
             values = values.repeat_interleave(groups, dim=2)
-        out = F.scaled_dot_product_attention(q.transpose(1, 2), keys.transpose(1, 2),
-                                             values.transpose(1, 2), attn_mask=mask)
+        out = F.scaled_dot_product_attention(
+            q.transpose(1, 2), keys.transpose(1, 2), values.transpose(1, 2), attn_mask=mask
+        )
         h = h + attn.wo(out.transpose(1, 2).reshape(b, seq, -1))
         h = h + layer.feed_forward(layer.ffn_norm(h))
     cache.length = end
@@ -176,8 +200,14 @@ def forward_cached(model, tokens: torch.Tensor, cache: KVCache) -> torch.Tensor:
     return model.output(h) if model.output is not None else F.linear(h, model.tok_embeddings.weight)
 
 
-def pick(logits: torch.Tensor, *, token_vocab: int, temperature: float, top_k: int,
-         generator: torch.Generator | None) -> int:
+def pick(
+    logits: torch.Tensor,
+    *,
+    token_vocab: int,
+    temperature: float,
+    top_k: int,
+    generator: torch.Generator | None,
+) -> int:
     """The next token from the last position's logits [vocab]: argmax, or a top-k sample."""
     logits = logits[:token_vocab].float()
     if temperature <= 0:
@@ -191,9 +221,18 @@ def pick(logits: torch.Tensor, *, token_vocab: int, temperature: float, top_k: i
 
 
 @torch.no_grad()
-def generate(model, prompt: list[int], *, max_new_tokens: int, token_vocab: int,
-             temperature: float = 0.0, top_k: int = 0, seed: int = 0, use_cache: bool = True,
-             eos_id: int = -1) -> list[int]:
+def generate(
+    model,
+    prompt: list[int],
+    *,
+    max_new_tokens: int,
+    token_vocab: int,
+    temperature: float = 0.0,
+    top_k: int = 0,
+    seed: int = 0,
+    use_cache: bool = True,
+    eos_id: int = -1,
+) -> list[int]:
     """The new token ids after `prompt` (stops early at `eos_id`)."""
     device = next(model.parameters()).device
     generator = torch.Generator().manual_seed(seed) if temperature > 0 else None
@@ -203,8 +242,13 @@ def generate(model, prompt: list[int], *, max_new_tokens: int, token_vocab: int,
     for _ in range(max_new_tokens):
         tokens = torch.tensor([pending if use_cache else ids], device=device)
         logits = forward_cached(model, tokens, cache) if use_cache else model(tokens)
-        token = pick(logits[0, -1], token_vocab=token_vocab, temperature=temperature,
-                     top_k=top_k, generator=generator)
+        token = pick(
+            logits[0, -1],
+            token_vocab=token_vocab,
+            temperature=temperature,
+            top_k=top_k,
+            generator=generator,
+        )
         ids.append(token)
         new.append(token)
         pending = [token]
@@ -214,12 +258,18 @@ def generate(model, prompt: list[int], *, max_new_tokens: int, token_vocab: int,
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="python -m trainer.generate",
-                                description="Generate text from a training checkpoint.")
-    p.add_argument("--checkpoint", required=True, help="{dump_folder}/checkpoint/step-N, or a "
-                   "Hugging Face folder; either may be an s3:// or gs:// URL")
-    p.add_argument("--config", default="", help="the run's config.toml (default: found above "
-                   "the checkpoint)")
+    p = argparse.ArgumentParser(
+        prog="python -m trainer.generate", description="Generate text from a training checkpoint."
+    )
+    p.add_argument(
+        "--checkpoint",
+        required=True,
+        help="{dump_folder}/checkpoint/step-N, or a "
+        "Hugging Face folder; either may be an s3:// or gs:// URL",
+    )
+    p.add_argument(
+        "--config", default="", help="the run's config.toml (default: found above the checkpoint)"
+    )
     p.add_argument("--prompt", default="", help="text (token ids for a synthetic run)")
     p.add_argument("--max_new_tokens", type=int, default=64)
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
@@ -227,9 +277,13 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--no_cache", action="store_true", help="full forward for every token")
     p.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"))
-    p.add_argument("--allow_pickle", "--allow-pickle", action="store_true",
-                   help="load a checkpoint whose metadata names classes outside DCP's own "
-                   "(older torch): it can run code, so only for your own checkpoints")
+    p.add_argument(
+        "--allow_pickle",
+        "--allow-pickle",
+        action="store_true",
+        help="load a checkpoint whose metadata names classes outside DCP's own "
+        "(older torch): it can run code, so only for your own checkpoints",
+    )
     return p.parse_args(argv)
 
 
@@ -253,16 +307,28 @@ def main(argv: list[str]) -> int:
             raise ConfigError("--prompt is empty and the tokenizer adds no BOS; give a prompt")
         auto = "cuda" if torch.cuda.is_available() else "cpu"
         device = torch.device(auto if a.device == "auto" else a.device)
-        model = load_model(checkpoint, cfg, token_vocab=token_vocab,
-                           max_len=len(prompt) + a.max_new_tokens, device=device,
-                           allow_pickle=a.allow_pickle)
+        model = load_model(
+            checkpoint,
+            cfg,
+            token_vocab=token_vocab,
+            max_len=len(prompt) + a.max_new_tokens,
+            device=device,
+            allow_pickle=a.allow_pickle,
+        )
     except (UserError, ValueError) as e:
-        print(e.one_line() if isinstance(e, UserError) else f"config error: {e}",
-              file=sys.stderr)
+        print(e.one_line() if isinstance(e, UserError) else f"config error: {e}", file=sys.stderr)
         return 2
-    new = generate(model, prompt, max_new_tokens=a.max_new_tokens, token_vocab=token_vocab,
-                   temperature=a.temperature, top_k=a.top_k, seed=a.seed,
-                   use_cache=not a.no_cache, eos_id=eos)
+    new = generate(
+        model,
+        prompt,
+        max_new_tokens=a.max_new_tokens,
+        token_vocab=token_vocab,
+        temperature=a.temperature,
+        top_k=a.top_k,
+        seed=a.seed,
+        use_cache=not a.no_cache,
+        eos_id=eos,
+    )
     print(" ".join(map(str, prompt + new)) if tok is None else tok.decode(prompt + new))
     return 0
 

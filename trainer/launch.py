@@ -43,8 +43,11 @@ import threading
 def _stop_before_ranks(signum, frame) -> None:
     """SIGINT/SIGTERM while the launcher imports and checks (~2 s, until install_forwarding): no
     rank exists, nothing to save: one line and code 3 (not a traceback from inside an import)."""
-    print(f"error: stopped on {signal.Signals(signum).name} before any rank started: nothing "
-          "to save", file=sys.stderr, flush=True)
+    print(
+        f"error: stopped on {signal.Signals(signum).name} before any rank started: nothing to save",
+        file=sys.stderr,
+        flush=True,
+    )
     os._exit(3)  # trainer.errors.PREEMPTED_EXIT_CODE, not imported yet
 
 
@@ -72,14 +75,28 @@ from torch.distributed.elastic.multiprocessing.errors import ChildFailedError  #
 from torch.distributed.elastic.rendezvous.api import RendezvousError  # noqa: E402
 from torch.distributed.run import config_from_args, elastic_launch, parse_args  # noqa: E402
 
-from trainer.health.elastic import (note_elastic_world, rendezvous_anew_each_round,  # noqa: E402
-                                    rendezvous_failure)
-from trainer.errors import (GAVE_UP_EXIT_CODE, HANG_EXIT_CODE, OUT_OF_MEMORY_EXIT_CODE,  # noqa
-                            PREEMPTED_EXIT_CODE, TRAINING_ERROR_EXIT_CODE, USER_ERROR_EXIT_CODE)
+from trainer.health.elastic import (
+    note_elastic_world,
+    rendezvous_anew_each_round,  # noqa: E402
+    rendezvous_failure,
+)
+from trainer.errors import (
+    GAVE_UP_EXIT_CODE,
+    HANG_EXIT_CODE,
+    OUT_OF_MEMORY_EXIT_CODE,  # noqa
+    PREEMPTED_EXIT_CODE,
+    TRAINING_ERROR_EXIT_CODE,
+    USER_ERROR_EXIT_CODE,
+)
 
 # No restart cures these (MAX_RESTARTS): the job ends at once.
-FINAL_CODES = (USER_ERROR_EXIT_CODE, PREEMPTED_EXIT_CODE, TRAINING_ERROR_EXIT_CODE,
-               OUT_OF_MEMORY_EXIT_CODE, GAVE_UP_EXIT_CODE)
+FINAL_CODES = (
+    USER_ERROR_EXIT_CODE,
+    PREEMPTED_EXIT_CODE,
+    TRAINING_ERROR_EXIT_CODE,
+    OUT_OF_MEMORY_EXIT_CODE,
+    GAVE_UP_EXIT_CODE,
+)
 QUIET_CODES = (*FINAL_CODES, HANG_EXIT_CODE)
 
 
@@ -102,8 +119,9 @@ def _forward(signum, frame) -> None:
     _received[signum] = _received.get(signum, 0) + 1
     if signum in (signal.SIGINT, signal.SIGTERM) and _received[signum] > 1:
         _signal_children(signal.SIGKILL)  # the ranks would only record it: stop them now
-        raise SignalException(f"second {signal.Signals(signum).name}: stopping now",
-                              signal.Signals(signum))
+        raise SignalException(
+            f"second {signal.Signals(signum).name}: stopping now", signal.Signals(signum)
+        )
     _signal_children(signum)
 
 
@@ -125,8 +143,9 @@ def install_forwarding() -> None:
     read_fd, write_fd = os.pipe()  # first: a stop after _forward is in reaches the thread
     os.set_blocking(write_fd, False)
     signal.set_wakeup_fd(write_fd, warn_on_full_buffer=False)
-    threading.Thread(target=_stop_without_workers, args=(read_fd,), daemon=True,
-                     name="launcher-signals").start()
+    threading.Thread(
+        target=_stop_without_workers, args=(read_fd,), daemon=True, name="launcher-signals"
+    ).start()
     for name in FORWARDED:
         signal.signal(getattr(signal, name), _forward)
 
@@ -140,9 +159,12 @@ def _stop_without_workers(read_fd: int) -> None:
     while True:
         for signum in os.read(read_fd, 64):
             if signum in (signal.SIGINT, signal.SIGTERM) and not _children():
-                print(f"error: stopped on {signal.Signals(signum).name} before any rank "
-                      "started (waiting in the rendezvous): nothing to save", file=sys.stderr,
-                      flush=True)
+                print(
+                    f"error: stopped on {signal.Signals(signum).name} before any rank "
+                    "started (waiting in the rendezvous): nothing to save",
+                    file=sys.stderr,
+                    flush=True,
+                )
                 os._exit(PREEMPTED_EXIT_CODE)
 
 
@@ -150,9 +172,16 @@ def forkable_trainer_args(args) -> list[str] | None:
     """The trainer's arguments when the ranks may be forked from this launcher: torchrun's
     `args` run `-m trainer.train`, its config puts the ranks on CPU, and TRAINER_FORK_RANKS is
     not 0. (A CUDA rank starts as a fresh process, as torchrun starts any script.)"""
-    if not (args.module and not args.no_python and not args.run_path
-            and args.training_script == "trainer.train" and getattr(args, "use_env", True)) \
-            or os.environ.get(FORK_ENV, "1") == "0":
+    if (
+        not (
+            args.module
+            and not args.no_python
+            and not args.run_path
+            and args.training_script == "trainer.train"
+            and getattr(args, "use_env", True)
+        )
+        or os.environ.get(FORK_ENV, "1") == "0"
+    ):
         return None
     from trainer.config.job import load_config
     from trainer.device import visible_gpus
@@ -185,6 +214,7 @@ def forked_rank(argv: list[str]) -> None:
     from trainer import train
 
     _name_process(f"trainer-rank{os.environ.get('RANK', '?')}")
+
     def record(signum, frame) -> None:
         train.EARLY_SIGNALS.append(signum)
 
@@ -228,16 +258,22 @@ def guard_restarts() -> None:
 
     def _monitor(self, worker_group):
         result = monitor(self, worker_group)
-        if result.state in (WorkerState.FAILED, WorkerState.UNHEALTHY) and \
-                self._remaining_restarts > 0:
+        if (
+            result.state in (WorkerState.FAILED, WorkerState.UNHEALTHY)
+            and self._remaining_restarts > 0
+        ):
             failures = sorted(result.failures.items(), key=lambda kv: kv[1].timestamp)
             if any(f.exitcode in FINAL_CODES for _, f in failures):
                 self._remaining_restarts = 0
             elif failures:
                 spec = worker_group.spec
-                print(f"restart {spec.max_restarts - self._remaining_restarts + 1} of "
-                      f"{spec.max_restarts}: {_describe(*failures[0])}; every rank restarts "
-                      "from the latest checkpoint", file=sys.stderr, flush=True)
+                print(
+                    f"restart {spec.max_restarts - self._remaining_restarts + 1} of "
+                    f"{spec.max_restarts}: {_describe(*failures[0])}; every rank restarts "
+                    "from the latest checkpoint",
+                    file=sys.stderr,
+                    flush=True,
+                )
         return result
 
     def _close(self, death_sig=None, timeout: int = 30) -> None:
@@ -251,6 +287,7 @@ def guard_restarts() -> None:
 
     join = getattr(ProcessContext, "_join_procs_with_timeout", None)
     if join is not None:
+
         def _join(self, timeout: float) -> None:
             _kill_stopped_children()
             join(self, timeout)
@@ -283,12 +320,21 @@ def _store(make, host: str, port: int, is_master: bool, **kwargs):
         listener.close()
         raise RuntimeError(f"the server socket has failed to bind: {e}") from None
     try:
-        store = make(host, listener.getsockname()[1], is_master=True,
-                     master_listen_fd=listener.fileno(), use_libuv=True, **kwargs)
+        store = make(
+            host,
+            listener.getsockname()[1],
+            is_master=True,
+            master_listen_fd=listener.fileno(),
+            use_libuv=True,
+            **kwargs,
+        )
     except (TypeError, RuntimeError, ValueError) as e:  # a torch without master_listen_fd
         listener.close()
-        print(f"note: torchrun's store listens on every interface ({type(e).__name__}: {e})",
-              file=sys.stderr, flush=True)
+        print(
+            f"note: torchrun's store listens on every interface ({type(e).__name__}: {e})",
+            file=sys.stderr,
+            flush=True,
+        )
         return make(host, port, is_master=True, **kwargs)
     _LISTENERS.append(listener)
     return store
@@ -314,10 +360,14 @@ def listen_on_loopback() -> None:
 
 
 def _describe(rank: int, failure) -> str:
-    how = (f"signal {failure.signal_name()}" if failure.exitcode < 0 else
-           f"exit code {failure.exitcode}")
-    return (f"rank {rank} (local rank {failure.local_rank} on {socket.gethostname()}) ended "
-            f"with {how}")
+    how = (
+        f"signal {failure.signal_name()}"
+        if failure.exitcode < 0
+        else f"exit code {failure.exitcode}"
+    )
+    return (
+        f"rank {rank} (local rank {failure.local_rank} on {socket.gethostname()}) ended with {how}"
+    )
 
 
 def _kill_stopped_children() -> None:
@@ -361,26 +411,34 @@ def check_first(argv: list[str]) -> list[str] | int:
 
     try:
         module = argv.index("-m")  # torchrun's options, then `-m trainer.train` and its args
-        opts, trainer_args = argv[:module], argv[module + 2:]
+        opts, trainer_args = argv[:module], argv[module + 2 :]
         nproc = opts.index("--nproc_per_node") + 1
         if {"--help", "-h"} & set(trainer_args):  # ./run_train.sh --help: every config key
             print(reference())
             return 0
         nnodes = opts[opts.index("--nnodes") + 1] if "--nnodes" in opts else "1"
-        ranks = check_launch([*trainer_args, "--nnodes", nnodes,
-                              "--nproc-per-node", opts[nproc]], LAUNCH_CHECKS)
+        ranks = check_launch(
+            [*trainer_args, "--nnodes", nnodes, "--nproc-per-node", opts[nproc]], LAUNCH_CHECKS
+        )
     except (ValueError, IndexError):
-        print("error: trainer.launch --check takes run_train.sh's arguments: --nproc_per_node "
-              "K (K may be '') and -m trainer.train ARGS", file=sys.stderr, flush=True)
+        print(
+            "error: trainer.launch --check takes run_train.sh's arguments: --nproc_per_node "
+            "K (K may be '') and -m trainer.train ARGS",
+            file=sys.stderr,
+            flush=True,
+        )
         return USER_ERROR_EXIT_CODE
     except UserError as e:
         print(e.one_line(), file=sys.stderr, flush=True)
         return e.exit_code
     if not os.environ.get("OMP_NUM_THREADS"):
-        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else \
-            os.cpu_count() or 1
+        cores = (
+            len(os.sched_getaffinity(0))
+            if hasattr(os, "sched_getaffinity")
+            else os.cpu_count() or 1
+        )
         os.environ["OMP_NUM_THREADS"] = str(max(cores // ranks, 1))
-    return [*opts[:nproc], str(ranks), *opts[nproc + 1:], *argv[module:]]
+    return [*opts[:nproc], str(ranks), *opts[nproc + 1 :], *argv[module:]]
 
 
 def main(argv: list[str]) -> int:
@@ -415,8 +473,11 @@ def main(argv: list[str]) -> int:
     try:
         elastic_launch(config=config, entrypoint=cmd)(*cmd_args)
     except SignalException as err:  # a second SIGINT/SIGTERM: torchrun tore the workers down
-        print(f"error: training stopped at once on {signal.Signals(err.sigval).name}",
-              file=sys.stderr, flush=True)
+        print(
+            f"error: training stopped at once on {signal.Signals(err.sigval).name}",
+            file=sys.stderr,
+            flush=True,
+        )
         return 128 + int(err.sigval)
     except RendezvousError as err:  # e.g. a node that never came: one line, no traceback
         print(rendezvous_failure(err, args), file=sys.stderr, flush=True)
@@ -425,8 +486,11 @@ def main(argv: list[str]) -> int:
         rank, failure = err.get_first_failure()
         code = failure.exitcode if failure.exitcode and failure.exitcode > 0 else 1
         if code not in QUIET_CODES:
-            print(f"error: training failed: {_describe(rank, failure)}; its output is above",
-                  file=sys.stderr, flush=True)
+            print(
+                f"error: training failed: {_describe(rank, failure)}; its output is above",
+                file=sys.stderr,
+                flush=True,
+            )
         return code
     return 0
 

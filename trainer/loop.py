@@ -13,8 +13,14 @@ import torch.distributed as dist
 
 from trainer.checkpoint import lease, retry as store_retry
 from trainer.checkpoint.checkpointer import Checkpointer
-from trainer.distributed import (log0, reduce_loss, reduce_mean, reduce_z_loss,
-                                 set_collective_timeout, to_device)
+from trainer.distributed import (
+    log0,
+    reduce_loss,
+    reduce_mean,
+    reduce_z_loss,
+    set_collective_timeout,
+    to_device,
+)
 from trainer.errors import CheckpointError
 from trainer.evals.evaluator import log_evals
 from trainer.evals.validate import log_validation
@@ -36,17 +42,36 @@ class Loop:
     """Train until `training.steps`, or until a stop signal (then save and raise Preempted),
     or until too many skipped steps in a row or spikes beyond the rollbacks (TrainingError)."""
 
-    def __init__(self, cfg, train_step: TrainStep, checkpointer: Checkpointer, metrics,
-                 profiler, state, guard: LossGuard, stop: StopSignals, *, validator=None,
-                 evaluator=None):
+    def __init__(
+        self,
+        cfg,
+        train_step: TrainStep,
+        checkpointer: Checkpointer,
+        metrics,
+        profiler,
+        state,
+        guard: LossGuard,
+        stop: StopSignals,
+        *,
+        validator=None,
+        evaluator=None,
+    ):
         self.cfg, self.train_step, self.checkpointer = cfg, train_step, checkpointer
         self.metrics, self.profiler, self.state, self.guard = metrics, profiler, state, guard
         self.stop, self.validator, self.evaluator = stop, validator, evaluator
-        self.loader, self.device, self.dp_group = \
-            train_step.loader, train_step.device, train_step.dp_group
+        self.loader, self.device, self.dp_group = (
+            train_step.loader,
+            train_step.device,
+            train_step.dp_group,
+        )
         self.first_step = state.step + 1
-        self.watch = StragglerWatch(cfg.health.straggler_factor, cfg.health.straggler_steps,
-                                    dist.get_rank(), dist.get_world_size(), log0)
+        self.watch = StragglerWatch(
+            cfg.health.straggler_factor,
+            cfg.health.straggler_steps,
+            dist.get_rank(),
+            dist.get_world_size(),
+            log0,
+        )
         train_step.work_done = self.watch.stop_step  # before post-step collectives
 
     def run(self) -> None:
@@ -81,8 +106,10 @@ class Loop:
         # A skipped step saves no checkpoint, but the last one does: the run ends with one.
         saved = (r.stepped or last) and self.checkpointer.maybe_save(step, last=last)
         if saved and not r.stepped:
-            log0(f"step {step}, the last, skipped its optimizer step: saved its checkpoint "
-                 f"anyway (the weights of the last step taken)")
+            log0(
+                f"step {step}, the last, skipped its optimizer step: saved its checkpoint "
+                f"anyway (the weights of the last step taken)"
+            )
         if log_step:  # every rank's time, gathered by the agreement
             self.metrics.log_scalars(step, self.watch.scalars)
         if r.stepped:
@@ -120,17 +147,30 @@ class Loop:
         avg, mx = reduce_loss(r.loss_share, r.rank_loss, self.dp_group)
         # MTP: the ranks' shares of the global mean per token (None without MTP modules)
         mtp = reduce_z_loss(r.mtp_loss, self.dp_group)
-        self.metrics.log(step, global_avg_loss=avg, global_max_loss=mx,
-                         grad_norm=float(r.grad_norm), lr=r.lr,
-                         tokens_seen=self.state.tokens_seen, local_loss=r.rank_loss.item(),
-                         z_loss=reduce_z_loss(r.z_loss, self.dp_group), mtp_loss=mtp)
+        self.metrics.log(
+            step,
+            global_avg_loss=avg,
+            global_max_loss=mx,
+            grad_norm=float(r.grad_norm),
+            lr=r.lr,
+            tokens_seen=self.state.tokens_seen,
+            local_loss=r.rank_loss.item(),
+            z_loss=reduce_z_loss(r.z_loss, self.dp_group),
+            mtp_loss=mtp,
+        )
         scalars = {k: float(v) for k, v in (r.scalars or {}).items() if k != AUX}
         if r.scalars and AUX in r.scalars:  # each rank's own microbatches: their dp mean
             scalars[AUX] = reduce_mean(r.scalars[AUX], self.dp_group)
-        self.metrics.log_scalars(step, {
-            **loader.metrics(), **store_retry.metrics(self._sum_over_ranks),
-            "batch_metrics/global_batch_size": loader.global_batch_size,
-            "batch_metrics/step_tokens": seq_len * loader.global_batch_size, **scalars})
+        self.metrics.log_scalars(
+            step,
+            {
+                **loader.metrics(),
+                **store_retry.metrics(self._sum_over_ranks),
+                "batch_metrics/global_batch_size": loader.global_batch_size,
+                "batch_metrics/step_tokens": seq_len * loader.global_batch_size,
+                **scalars,
+            },
+        )
 
     def _sum_over_ranks(self, values: list[float]) -> list[float]:
         """Counts summed over every rank (object-store retries: each rank sends its own)."""
@@ -155,23 +195,30 @@ class Loop:
         if r.spike is not None:
             return act_on_spike(r.spike, self.guard, self.checkpointer, self.state, self.metrics)
         if not r.stepped:
-            skipped_step(self.guard, self.checkpointer, self.state.step, r.loss_share,
-                         r.rank_loss, r.grad_norm, self.dp_group)
+            skipped_step(
+                self.guard,
+                self.checkpointer,
+                self.state.step,
+                r.loss_share,
+                r.rank_loss,
+                r.grad_norm,
+                self.dp_group,
+            )
         return False
 
     def validate(self, last: bool) -> None:
         heartbeat.phase("validation")
         v = self.validator
         if v is not None and v.due(self.state.step, last):
-            log_validation(self.state.step, v.run(self.train_step.model), v.seconds,
-                           self.metrics, log0)
+            log_validation(
+                self.state.step, v.run(self.train_step.model), v.seconds, self.metrics, log0
+            )
 
     def evaluate(self, last: bool) -> None:
         heartbeat.phase("eval")
         e = self.evaluator
         if e is not None and e.due(self.state.step, last):
-            log_evals(self.state.step, e.run(self.train_step.model), e.seconds, self.metrics,
-                      log0)
+            log_evals(self.state.step, e.run(self.train_step.model), e.seconds, self.metrics, log0)
 
     def agree_at_step_end(self, r: StepResult) -> tuple[bool, bool, float, StepResult, bool]:
         """One tiny all-reduce per step, the step's one host sync: (any rank got a stop
@@ -181,9 +228,16 @@ class Loop:
         It also gathers every rank's step time for the straggler watch (one slot per rank)."""
         heartbeat.phase("step_end")
         stepped = r.stepped
-        host = torch.tensor([1.0 if self.stop.received else 0.0,
-                             0.0 if self.checkpointer.write_finished() else 1.0,
-                             0.0, 0.0, 1.0 if lease.lost() else 0.0, *self.watch.slots()])
+        host = torch.tensor(
+            [
+                1.0 if self.stop.received else 0.0,
+                0.0 if self.checkpointer.write_finished() else 1.0,
+                0.0,
+                0.0,
+                1.0 if lease.lost() else 0.0,
+                *self.watch.slots(),
+            ]
+        )
         flags = to_device(host, self.device)
         flags[2] = r.loss_share.detach().float().reshape(())
         if isinstance(stepped, torch.Tensor):  # the same on every rank (a reduced norm)
@@ -195,15 +249,22 @@ class Loop:
             r = r._replace(stepped=skipped == 0)
         # every dp rank's share once per model-parallel rank (tp) that holds it
         replicas = dist.get_world_size() // dist.get_world_size(self.dp_group)
-        return (stop_now > 0, self.checkpointer.pending is not None and not_done == 0,
-                loss_sum / replicas, r, lost > 0)
+        return (
+            stop_now > 0,
+            self.checkpointer.pending is not None and not_done == 0,
+            loss_sum / replicas,
+            r,
+            lost > 0,
+        )
 
     def stop_and_save(self, saved: bool) -> None:
         """Save at this step boundary (unless the periodic save just did) and raise Preempted."""
         cfg, step = self.cfg, self.state.step
         what = "saving" if cfg.checkpoint.enable else "checkpointing is off, not saving"
-        log0(f"stop signal ({self.stop.received or 'on another rank'}) at step {step}: {what}, "
-             "exiting")
+        log0(
+            f"stop signal ({self.stop.received or 'on another rank'}) at step {step}: {what}, "
+            "exiting"
+        )
         if cfg.checkpoint.enable and not saved:
             self.checkpointer.save(step)
         self.checkpointer.wait()
@@ -214,8 +275,10 @@ def lease_lost(step: int) -> CheckpointError:
     """Every rank's error after another run took this one's folder (rank 0 prints it): no
     save into a folder that is not this run's any more, where its checkpoint retention
     would delete the other run's."""
-    error = CheckpointError(f"this run lost the lease on {lease.lost() or 'its folder'} at "
-                            f"step {step}: stopping without saving, the folder is the other "
-                            "run's now")
+    error = CheckpointError(
+        f"this run lost the lease on {lease.lost() or 'its folder'} at "
+        f"step {step}: stopping without saving, the folder is the other "
+        "run's now"
+    )
     error.agreed = True
     return error

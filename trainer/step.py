@@ -93,8 +93,7 @@ class TrainStep:
         loss_sum = faults.armed().loss(step, loss_sum)  # a spike or NaN, if asked
         flag_nonfinite_loss(self.model, loss_sum)  # a rank's bad loss makes the global norm NaN
         heartbeat.phase("clip")
-        grad_norm = clip_grad_norm_(self.model.parameters(), self.max_norm or math.inf,
-                                    self.pp)
+        grad_norm = clip_grad_norm_(self.model.parameters(), self.max_norm or math.inf, self.pp)
         lr, lr_muon = group_lrs(self.optimizer)  # this step's (the scheduler steps after it)
         cross_entropy = loss_sum if z_loss is None else loss_sum - z_loss
         mtp_loss = None
@@ -110,8 +109,11 @@ class TrainStep:
         self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
         self.metrics.count_tokens(local_tokens)
-        scalars = self.balance(self.model, stepped=stepped, **self.balance_kwargs(step)) \
-            if self.balance else None
+        scalars = (
+            self.balance(self.model, stepped=stepped, **self.balance_kwargs(step))
+            if self.balance
+            else None
+        )
         if aux is not None:
             scalars = {**(scalars or {}), "moe/aux_loss": aux}
         if self.qk_clip is not None:
@@ -120,8 +122,9 @@ class TrainStep:
             scalars = {**(scalars or {}), "lr_muon": lr_muon}
         if self.scheduled(step):
             scalars = {**(scalars or {}), **self.scheduled(step)}
-        return StepResult(rank_loss, grad_norm, lr, stepped, z_loss, spike, cross_entropy,
-                          scalars, mtp_loss)
+        return StepResult(
+            rank_loss, grad_norm, lr, stepped, z_loss, spike, cross_entropy, scalars, mtp_loss
+        )
 
     def balance_kwargs(self, step: int) -> dict:
         return {} if self.balance_coeff is None else {"coeff": self.balance_coeff(step)}
@@ -135,8 +138,9 @@ class TrainStep:
             out["moe/load_balance_coeff"] = self.balance_coeff(step)
         return out
 
-    def optimizer_step(self, grad_norm: torch.Tensor,
-                       cross_entropy: torch.Tensor) -> tuple[bool | torch.Tensor, Spike | None]:
+    def optimizer_step(
+        self, grad_norm: torch.Tensor, cross_entropy: torch.Tensor
+    ) -> tuple[bool | torch.Tensor, Spike | None]:
         """The optimizer step unless the grad norm (a reduced value: the same on every rank)
         is not finite or the spike check finds a spike. With the fused optimizer and no spike
         check (the defaults) the skip is decided on the device and `stepped` is a tensor the
@@ -157,8 +161,11 @@ class TrainStep:
         from is printed (if the order is global)."""
         debug_ids = None
         if os.environ.get(DEBUG_DATA_ENV):
-            debug_ids = self.loader.sample_ids(self.loader.sample_indices(0)) \
-                if hasattr(self.loader, "sample_indices") else []
+            debug_ids = (
+                self.loader.sample_ids(self.loader.sample_indices(0))
+                if hasattr(self.loader, "sample_indices")
+                else []
+            )
         with self.metrics.data_timer():
             batches = [self.loader.next_microbatch() for _ in range(accum)]
         if debug_ids is not None:

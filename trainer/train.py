@@ -36,9 +36,15 @@ from trainer.config.job import JobConfig, load_config
 from trainer.data import build_dataloader, check_model_vocab, padded_vocab_size
 from trainer.data.documents import check_documents
 from trainer.device import Precision, resolve_compute_dtype
-from trainer.distributed import (DEBUG_DATA_ENV, agree_on_user_errors,  # noqa: F401
-                                 check_same_config, init_distributed, log0, log_ranks,
-                                 reports_user_error)
+from trainer.distributed import (
+    DEBUG_DATA_ENV,
+    agree_on_user_errors,  # noqa: F401
+    check_same_config,
+    init_distributed,
+    log0,
+    log_ranks,
+    reports_user_error,
+)
 from trainer.errors import HANG_EXIT_CODE, OUT_OF_MEMORY_EXIT_CODE, DataError, UserError
 from trainer.evals.evaluator import Evaluator
 from trainer.evals.validate import Validator
@@ -88,9 +94,12 @@ def choose_precision(cfg: JobConfig, device: torch.device) -> Precision:
         dist.all_reduce(flag, op=dist.ReduceOp.MIN)
         return bool(flag.item())
 
-    precision = resolve_compute_dtype(cfg.training.mixed_precision_param,
-                                      cfg.training.mixed_precision_reduce, device,
-                                      native_everywhere=native_everywhere)
+    precision = resolve_compute_dtype(
+        cfg.training.mixed_precision_param,
+        cfg.training.mixed_precision_reduce,
+        device,
+        native_everywhere=native_everywhere,
+    )
     if precision.warning and dist.get_rank() == 0:
         print(precision.warning, file=sys.stderr, flush=True)
     return precision
@@ -107,8 +116,13 @@ def train(cfg: JobConfig) -> None:
     device = init_distributed(cfg)
     check_same_config(cfg)  # every node launched alike, before anything depends on it
     # One run per dump folder; nothing is written there before it is ours (lease.py).
-    agree_on_user_errors(lease.take, cfg.job.dump_folder, cfg.job.lease_timeout_seconds,
-                         rank=dist.get_rank(), log=log0)
+    agree_on_user_errors(
+        lease.take,
+        cfg.job.dump_folder,
+        cfg.job.lease_timeout_seconds,
+        rank=dist.get_rank(),
+        log=log0,
+    )
     heartbeat.note_timeout(cfg.comm.init_timeout_seconds)
     heartbeat.Heartbeat(cfg.health.heartbeat_seconds).start()
     precision = choose_precision(cfg, device)
@@ -116,59 +130,111 @@ def train(cfg: JobConfig) -> None:
     parallel_dims.build_mesh(device.type)
     loader, vocab = build_data(cfg, parallel_dims, accum)
     validator, evaluator = build_checks(cfg, parallel_dims, loader, device)
-    args = model_args(cfg.model.flavor, vocab_size=vocab, max_seq_len=cfg.training.seq_len,
-                      moe_config=cfg.moe, **attention_args(cfg.model, device.type))
-    agree_on_user_errors(check_tp_shapes, args, parallel_dims.tp, cfg.model.flavor,
-                         describe_vocab(cfg.model, loader.vocab_size))
+    args = model_args(
+        cfg.model.flavor,
+        vocab_size=vocab,
+        max_seq_len=cfg.training.seq_len,
+        moe_config=cfg.moe,
+        **attention_args(cfg.model, device.type),
+    )
+    agree_on_user_errors(
+        check_tp_shapes,
+        args,
+        parallel_dims.tp,
+        cfg.model.flavor,
+        describe_vocab(cfg.model, loader.vocab_size),
+    )
     agree_on_user_errors(check_async_tp, cfg.parallelism, cfg.compile.enable, device.type)
-    sdpa_line = agree_on_user_errors(setup_sdpa, cfg.model.sdpa_backends, args, device,
-                                     precision.param, cfg.training.seq_len)
+    sdpa_line = agree_on_user_errors(
+        setup_sdpa, cfg.model.sdpa_backends, args, device, precision.param, cfg.training.seq_len
+    )
 
-    model = parallelize(build_model(args), parallel_dims, cfg, device=device,
-                        param_dtype=precision.param)
+    model = parallelize(
+        build_model(args), parallel_dims, cfg, device=device, param_dtype=precision.param
+    )
     optimizer = build_optimizer(model, cfg.optimizer)
-    scheduler = build_lr_scheduler(optimizer, cfg.lr_scheduler, cfg.training.steps,
-                                   lr_peaks(cfg.optimizer))
+    scheduler = build_lr_scheduler(
+        optimizer, cfg.lr_scheduler, cfg.training.steps, lr_peaks(cfg.optimizer)
+    )
     state = TrainState()
-    metrics = MetricsProcessor(cfg, model_args=args, seq_len=cfg.training.seq_len, device=device,
-                               rank=dist.get_rank(), parallel_desc=parallel_dims.describe(),
-                               precision=precision, accumulation_steps=accum,
-                               num_params=args.num_params(),
-                               model_parallel=parallel_dims.model_parallel)
+    metrics = MetricsProcessor(
+        cfg,
+        model_args=args,
+        seq_len=cfg.training.seq_len,
+        device=device,
+        rank=dist.get_rank(),
+        parallel_desc=parallel_dims.describe(),
+        precision=precision,
+        accumulation_steps=accum,
+        num_params=args.num_params(),
+        model_parallel=parallel_dims.model_parallel,
+    )
     with metrics:  # its sinks closed with the run's exit code (W&B records it)
         metrics.log_startup()
-        log0(sdpa_line if args.hybrid is None
-             else f"{sdpa_line}; Gated DeltaNet: {deltanet_kernel(device.type)}")
+        log0(
+            sdpa_line
+            if args.hybrid is None
+            else f"{sdpa_line}; Gated DeltaNet: {deltanet_kernel(device.type)}"
+        )
         log0(f"data: {loader.describe()}")
         if cfg.training.rampup_batch_start:
             log0(describe_ramp(cfg.training, loader))
         for check in (validator, evaluator):
             if check is not None:
                 log0(check.describe())
-        checkpointer = Checkpointer(cfg, model=model, optimizer=optimizer, scheduler=scheduler,
-                                    dataloader=loader, train_state=state, log=log0)
+        checkpointer = Checkpointer(
+            cfg,
+            model=model,
+            optimizer=optimizer,
+            scheduler=scheduler,
+            dataloader=loader,
+            train_state=state,
+            log=log0,
+        )
         agree_on_user_errors(checkpointer.take_folder)  # e.g. another run's s3:// lease
-        if not checkpointer.load(agree_on_user_errors(checkpointer.step_to_load,
-                                                      same_result=True)):
+        if not checkpointer.load(agree_on_user_errors(checkpointer.step_to_load, same_result=True)):
             agree_on_user_errors(load_initial, model, cfg, log=log0)  # initial_load_path
         # The run goes on: only now does it write its config, TensorBoard and W&B files (a
         # refused resume leaves the dump folder as it was).
         agree_on_user_errors(metrics.open)
         saved = os.path.join(cfg.job.dump_folder, "config.toml")
-        if dist.get_rank() == 0 and (state.step < cfg.training.steps  # else nothing to do:
-                                     or not os.path.isfile(saved)):  # the run's own stays
+        if dist.get_rank() == 0 and (
+            state.step < cfg.training.steps  # else nothing to do:
+            or not os.path.isfile(saved)
+        ):  # the run's own stays
             cfg.save(saved)
         restarts.note_restart(metrics, state.step, log0)
         for event in loader.pop_events():  # e.g. a blend resumed with other weights
             log0(f"data: resuming after step {state.step}: {event}")
-        with StepProfiler(cfg, rank=dist.get_rank(), device=device,
-                          start_step=state.step) as profiler:
+        with StepProfiler(
+            cfg, rank=dist.get_rank(), device=device, start_step=state.step
+        ) as profiler:
             stop = StopSignals(cfg.job.stop_signals, early=EARLY_SIGNALS)
             guard = LossGuard(cfg.training, log=log0, metrics=metrics, state=state)
-            train_step = build_train_step(cfg, model, optimizer, scheduler, loader, metrics,
-                                          parallel_dims, device, guard, checkpointer)
-            Loop(cfg, train_step, checkpointer, metrics, profiler, state, guard, stop,
-                 validator=validator, evaluator=evaluator).run()
+            train_step = build_train_step(
+                cfg,
+                model,
+                optimizer,
+                scheduler,
+                loader,
+                metrics,
+                parallel_dims,
+                device,
+                guard,
+                checkpointer,
+            )
+            Loop(
+                cfg,
+                train_step,
+                checkpointer,
+                metrics,
+                profiler,
+                state,
+                guard,
+                stop,
+                validator=validator,
+                evaluator=evaluator,
+            ).run()
         if cfg.checkpoint.last_save_in_hf:
             save_last_hf(model, cfg, log=log0)
 
@@ -178,15 +244,24 @@ def build_data(cfg: JobConfig, parallel_dims: ParallelDims, accum: int):
     dp_mesh = parallel_dims.dp_mesh
     gbs = cfg.training.local_batch_size * parallel_dims.dp_size * accum
     loader = agree_on_user_errors(
-        build_dataloader, cfg.data, seq_len=cfg.training.seq_len,
-        local_batch_size=cfg.training.local_batch_size, global_batch_size=gbs,
-        dp_rank=dp_mesh.get_local_rank(), dp_size=dp_mesh.size(), seed=cfg.job.seed)
+        build_dataloader,
+        cfg.data,
+        seq_len=cfg.training.seq_len,
+        local_batch_size=cfg.training.local_batch_size,
+        global_batch_size=gbs,
+        dp_rank=dp_mesh.get_local_rank(),
+        dp_size=dp_mesh.size(),
+        seed=cfg.job.seed,
+    )
     if cfg.training.rampup_batch_start and not hasattr(loader, "set_global_batch_size"):
-        raise DataError("training.rampup_batch_start needs a data source with a global order "
-                        "(a token store, stdlib, synthetic or a blend); a streamed dataset "
-                        "cannot change its batch size: prepare a store")
-    vocab = cfg.model.vocab_size or padded_vocab_size(loader.vocab_size,
-                                                      cfg.model.vocab_size_multiple_of)
+        raise DataError(
+            "training.rampup_batch_start needs a data source with a global order "
+            "(a token store, stdlib, synthetic or a blend); a streamed dataset "
+            "cannot change its batch size: prepare a store"
+        )
+    vocab = cfg.model.vocab_size or padded_vocab_size(
+        loader.vocab_size, cfg.model.vocab_size_multiple_of
+    )
     agree_on_user_errors(check_model_vocab, vocab, loader)
     check_data_skips(cfg.training, loader)
     agree_on_user_errors(check_documents, cfg.model, loader)  # block_causal needs documents
@@ -198,38 +273,79 @@ def build_checks(cfg: JobConfig, parallel_dims: ParallelDims, loader, device):
     dp_mesh = parallel_dims.dp_mesh
     # Both score through the chunked head, loss-parallel under TP: no [tokens, vocab] logits.
     loss_fn = scoring_loss(cfg.training.loss_chunk_size, parallel_dims.loss_parallel_group)
-    shard = dict(dp_rank=dp_mesh.get_local_rank(), dp_size=dp_mesh.size(),
-                 dp_group=dp_mesh.get_group(), device=device, loss_fn=loss_fn)
+    shard = dict(
+        dp_rank=dp_mesh.get_local_rank(),
+        dp_size=dp_mesh.size(),
+        dp_group=dp_mesh.get_group(),
+        device=device,
+        loss_fn=loss_fn,
+    )
     split = forward_only_split(cfg, parallel_dims=parallel_dims, device=device)
-    validator = agree_on_user_errors(Validator, cfg, train_loader=loader, log=log0,
-                                     context=split, **shard) if cfg.validation.enable else None
-    evaluator = agree_on_user_errors(Evaluator, cfg, tokenizer_path=loader.tokenizer_path,
-                                     context=split, **shard) if cfg.eval.enable else None
+    validator = (
+        agree_on_user_errors(Validator, cfg, train_loader=loader, log=log0, context=split, **shard)
+        if cfg.validation.enable
+        else None
+    )
+    evaluator = (
+        agree_on_user_errors(
+            Evaluator, cfg, tokenizer_path=loader.tokenizer_path, context=split, **shard
+        )
+        if cfg.eval.enable
+        else None
+    )
     return validator, evaluator
 
 
-def build_train_step(cfg: JobConfig, model, optimizer, scheduler, loader, metrics,
-                     parallel_dims: ParallelDims, device, guard: LossGuard,
-                     checkpointer: Checkpointer) -> TrainStep:
+def build_train_step(
+    cfg: JobConfig,
+    model,
+    optimizer,
+    scheduler,
+    loader,
+    metrics,
+    parallel_dims: ParallelDims,
+    device,
+    guard: LossGuard,
+    checkpointer: Checkpointer,
+) -> TrainStep:
     """One optimizer step: the loss, the parallelism's forward/backward, the spike check."""
     # Compiling the loss's chunks pays on GPUs; on CPU it would only add compile time.
-    loss_fn = build_loss(cfg.training.loss, cfg.training.loss_chunk_size,
-                         z_loss_weight=cfg.training.z_loss_weight,
-                         compile_chunks=cfg.compile.enable and device.type == "cuda",
-                         vocab_parallel_group=parallel_dims.loss_parallel_group)
-    check = None if cfg.training.on_spike == "log" else spike_check(
-        guard, checkpointer, device, parallel_dims.dp_mesh.size())
+    loss_fn = build_loss(
+        cfg.training.loss,
+        cfg.training.loss_chunk_size,
+        z_loss_weight=cfg.training.z_loss_weight,
+        compile_chunks=cfg.compile.enable and device.type == "cuda",
+        vocab_parallel_group=parallel_dims.loss_parallel_group,
+    )
+    check = (
+        None
+        if cfg.training.on_spike == "log"
+        else spike_check(guard, checkpointer, device, parallel_dims.dp_mesh.size())
+    )
     return TrainStep(
-        model, optimizer, scheduler, loader,
-        forward_backward=build_forward_backward(model, loss_fn, cfg, device=device,
-                                                parallel_dims=parallel_dims, loader=loader),
-        metrics=metrics, dp_group=parallel_dims.dp_mesh.get_group(), device=device,
-        max_norm=cfg.training.max_norm, spike_check=check,
-        balance=functools.partial(balance_experts, n_layers=model.args.n_blocks,
-                                  coeff=cfg.moe.load_balance_coeff, device=device,
-                                  moe_ids=model.args.moe_layer_ids),
-        pp=parallel_dims.pp, qk_clip=build_qk_clip(model, cfg.optimizer, log=log0),
-        **recipe_schedules(cfg))
+        model,
+        optimizer,
+        scheduler,
+        loader,
+        forward_backward=build_forward_backward(
+            model, loss_fn, cfg, device=device, parallel_dims=parallel_dims, loader=loader
+        ),
+        metrics=metrics,
+        dp_group=parallel_dims.dp_mesh.get_group(),
+        device=device,
+        max_norm=cfg.training.max_norm,
+        spike_check=check,
+        balance=functools.partial(
+            balance_experts,
+            n_layers=model.args.n_blocks,
+            coeff=cfg.moe.load_balance_coeff,
+            device=device,
+            moe_ids=model.args.moe_layer_ids,
+        ),
+        pp=parallel_dims.pp,
+        qk_clip=build_qk_clip(model, cfg.optimizer, log=log0),
+        **recipe_schedules(cfg),
+    )
 
 
 def recipe_schedules(cfg: JobConfig) -> dict:
@@ -238,12 +354,16 @@ def recipe_schedules(cfg: JobConfig) -> dict:
     out, m, moe = {}, cfg.model, cfg.moe
     if m.mtp_loss_weight_until_step:
         out["mtp_loss_weight"] = m.mtp_weight_at
-        log0(f"MTP loss weight {m.mtp_loss_weight} up to step {m.mtp_loss_weight_until_step}, "
-             f"then {m.mtp_loss_weight_later} (loss_metrics/mtp_loss_weight)")
+        log0(
+            f"MTP loss weight {m.mtp_loss_weight} up to step {m.mtp_loss_weight_until_step}, "
+            f"then {m.mtp_loss_weight_later} (loss_metrics/mtp_loss_weight)"
+        )
     if moe.load_balance_coeff_until_step:
         out["balance_coeff"] = moe.balance_coeff_at
-        log0(f"expert bias update speed {moe.load_balance_coeff} up to step "
-             f"{moe.load_balance_coeff_until_step}, then 0 (moe/load_balance_coeff)")
+        log0(
+            f"expert bias update speed {moe.load_balance_coeff} up to step "
+            f"{moe.load_balance_coeff_until_step}, then 0 (moe/load_balance_coeff)"
+        )
     return out
 
 
@@ -266,7 +386,9 @@ def main(argv: list[str]) -> int:
         log0(str(e))
         code = e.exit_code
     except Exception as e:  # a peer that ran out of memory, hung or died has been reported
-        code = OUT_OF_MEMORY_EXIT_CODE if peer_ran_out_of_memory() else heartbeat.collective_failure(e)
+        code = (
+            OUT_OF_MEMORY_EXIT_CODE if peer_ran_out_of_memory() else heartbeat.collective_failure(e)
+        )
         if code is None:
             heartbeat.record_crash(e)  # MAX_RESTARTS stops repeating the same one
             raise

@@ -47,20 +47,28 @@ def probe(out_dir: str, argv: list[str]) -> None:
     pd.build_mesh("cpu")
     dp = pd.dp_mesh
     gbs = cfg.training.local_batch_size * pd.dp_size * accum
-    loader = build_dataloader(cfg.data, seq_len=cfg.training.seq_len,
-                              local_batch_size=cfg.training.local_batch_size,
-                              global_batch_size=gbs, dp_rank=dp.get_local_rank(),
-                              dp_size=dp.size(), seed=cfg.job.seed)
+    loader = build_dataloader(
+        cfg.data,
+        seq_len=cfg.training.seq_len,
+        local_batch_size=cfg.training.local_batch_size,
+        global_batch_size=gbs,
+        dp_rank=dp.get_local_rank(),
+        dp_size=dp.size(),
+        seed=cfg.job.seed,
+    )
     args = model_args(cfg.model.flavor, vocab_size=8192, max_seq_len=cfg.training.seq_len)
-    precision = resolve_compute_dtype(cfg.training.mixed_precision_param,
-                                      cfg.training.mixed_precision_reduce, torch.device("cpu"))
-    model = parallelize(build_model(args), pd, cfg, device=torch.device("cpu"),
-                        param_dtype=precision.param)
+    precision = resolve_compute_dtype(
+        cfg.training.mixed_precision_param, cfg.training.mixed_precision_reduce, torch.device("cpu")
+    )
+    model = parallelize(
+        build_model(args), pd, cfg, device=torch.device("cpu"), param_dtype=precision.param
+    )
     opt = build_optimizer(model, cfg.optimizer)
 
     forward_dtypes = set()
     model.layers["0"].attention.wq.register_forward_pre_hook(
-        lambda m, _: forward_dtypes.add(str(m.weight.dtype)))
+        lambda m, _: forward_dtypes.add(str(m.weight.dtype))
+    )
     per_micro, grads_present = [], []
     total_tokens = gbs * cfg.training.seq_len
     for i in range(accum):
@@ -82,9 +90,16 @@ def probe(out_dir: str, argv: list[str]) -> None:
         torch.save(full, os.path.join(out_dir, "params.pt"))
         torch.save(grads, os.path.join(out_dir, "grads.pt"))
         with open(os.path.join(out_dir, "probe.json"), "w") as fh:
-            json.dump({"per_micro": per_micro, "grads_present": grads_present,
-                       "forward_dtypes": sorted(forward_dtypes), "grad_dtypes": grad_dtypes,
-                       "accum": accum}, fh)
+            json.dump(
+                {
+                    "per_micro": per_micro,
+                    "grads_present": grads_present,
+                    "forward_dtypes": sorted(forward_dtypes),
+                    "grad_dtypes": grad_dtypes,
+                    "accum": accum,
+                },
+                fh,
+            )
     dist.barrier()
 
 

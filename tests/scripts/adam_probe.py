@@ -14,8 +14,7 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor, Replicate
-from torch.distributed.tensor.parallel import (ColwiseParallel, RowwiseParallel,
-                                               parallelize_module)
+from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
@@ -41,10 +40,12 @@ def layout(name: str, mesh) -> torch.nn.Module:
         fully_shard(net.up, mesh=mesh)
         fully_shard(net, mesh=mesh)
     else:
-        parallelize_module(net, mesh, {"up": ColwiseParallel(),
-                                       "down": RowwiseParallel(use_local_output=False)})
+        parallelize_module(
+            net, mesh, {"up": ColwiseParallel(), "down": RowwiseParallel(use_local_output=False)}
+        )
         net.norm.weight = torch.nn.Parameter(
-            DTensor.from_local(net.norm.weight.detach(), mesh, [Replicate()]))
+            DTensor.from_local(net.norm.weight.detach(), mesh, [Replicate()])
+        )
     return net
 
 
@@ -63,8 +64,13 @@ class DTensorOps(TorchDispatchMode):
 
 
 def run(net, cls, impl: str) -> tuple[torch.nn.Module, torch.optim.Optimizer, int]:
-    opt = cls(net.parameters(), lr=1e-2, weight_decay=0.1, foreach=impl == "foreach",
-              fused=impl == "fused")
+    opt = cls(
+        net.parameters(),
+        lr=1e-2,
+        weight_decay=0.1,
+        foreach=impl == "foreach",
+        fused=impl == "fused",
+    )
     grew = 0
     for step in range(4):
         torch.manual_seed(100 + step)
@@ -85,8 +91,10 @@ def main(argv):
     mesh = init_device_mesh("cpu", (2,))
     for name in ("fsdp", "tp"):
         for impl in ("fused", "foreach"):
-            for torch_cls, our_cls in ((torch.optim.AdamW, ours.AdamW),
-                                       (torch.optim.Adam, ours.Adam)):
+            for torch_cls, our_cls in (
+                (torch.optim.AdamW, ours.AdamW),
+                (torch.optim.Adam, ours.Adam),
+            ):
                 ref_net, ref_opt, ref_grew = run(layout(name, mesh), torch_cls, impl)
                 net, opt, grew = run(layout(name, mesh), our_cls, impl)
                 case = f"{name} {impl} {our_cls.__name__}"

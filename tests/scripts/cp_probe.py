@@ -48,16 +48,36 @@ def embeddings_grad(model, forward) -> tuple[torch.Tensor, torch.Tensor]:
 
 def run(mask: str) -> None:
     positions = "document" if mask == "block_causal" else "sequence"
-    cfg = load_config(["--parallelism.context_parallel_degree", "2", "--training.seq_len",
-                       str(SEQ), "--model.attn_mask_type", mask, "--model.positions", positions,
-                       "--model.attn_implementation", "sdpa" if mask == "block_causal" else "auto"])
+    cfg = load_config(
+        [
+            "--parallelism.context_parallel_degree",
+            "2",
+            "--training.seq_len",
+            str(SEQ),
+            "--model.attn_mask_type",
+            mask,
+            "--model.positions",
+            positions,
+            "--model.attn_implementation",
+            "sdpa" if mask == "block_causal" else "auto",
+        ]
+    )
     pd, _ = cfg.resolve(dist.get_world_size())
     pd.build_mesh("cpu")
-    args = dataclasses.replace(model_args("debugmodel", vocab_size=VOCAB, max_seq_len=SEQ,
-                                          attn_mask_type=mask, positions=positions,
-                                          attn_implementation="sdpa"), n_layers=2)
-    model = parallelize(build_model(args), pd, cfg, device=torch.device("cpu"),
-                        param_dtype="float32")
+    args = dataclasses.replace(
+        model_args(
+            "debugmodel",
+            vocab_size=VOCAB,
+            max_seq_len=SEQ,
+            attn_mask_type=mask,
+            positions=positions,
+            attn_implementation="sdpa",
+        ),
+        n_layers=2,
+    )
+    model = parallelize(
+        build_model(args), pd, cfg, device=torch.device("cpu"), param_dtype="float32"
+    )
     ref = Transformer(args)
     ref.init_weights(cfg.job.seed)
     ref.init_rope()
@@ -65,16 +85,20 @@ def run(mask: str) -> None:
     labels = torch.where(DOCS == 1, torch.roll(tokens, -1, 1), IGNORE_INDEX)
     loss_fn = build_loss("chunked", 1024)
 
-    want_loss, want_grad = embeddings_grad(
-        ref, lambda m: m(tokens, labels, loss_fn, doc_ids=DOCS))
+    want_loss, want_grad = embeddings_grad(ref, lambda m: m(tokens, labels, loss_fn, doc_ids=DOCS))
     rank, cp_group = pd.cp_mesh.get_local_rank(), pd.cp_mesh.get_group()
     index = head_tail_index(SEQ, 2, rank)
     order = torch.cat([head_tail_index(SEQ, 2, r) for r in range(2)])
     pos = document_positions(DOCS)[:, index] if positions == "document" else index
-    attention = ContextAttention(cp_group, index, torch.argsort(order),
-                                 DOCS if mask == "block_causal" else None, "sdpa")
-    local_loss, local_grad = embeddings_grad(model, lambda m: m(
-        tokens[:, index], labels[:, index], loss_fn, positions=pos, attention=attention))
+    attention = ContextAttention(
+        cp_group, index, torch.argsort(order), DOCS if mask == "block_causal" else None, "sdpa"
+    )
+    local_loss, local_grad = embeddings_grad(
+        model,
+        lambda m: m(
+            tokens[:, index], labels[:, index], loss_fn, positions=pos, attention=attention
+        ),
+    )
 
     loss = local_loss.clone()
     dist.all_reduce(loss, group=cp_group)
@@ -86,8 +110,9 @@ def run(mask: str) -> None:
     assert (grad - want_grad).abs().max() <= 1e-5 * scale, (grad - want_grad).abs().max()
     others = DOCS[0] != 1 if mask == "block_causal" else torch.arange(SEQ) >= 40
     local_others = others[index]
-    assert torch.count_nonzero(local_grad[0, local_others]) == 0, \
+    assert torch.count_nonzero(local_grad[0, local_others]) == 0, (
         f"rank {rank}: another document's embeddings got a gradient"
+    )
     assert (local_grad[0, DOCS[0, index] == 1].abs().sum(-1) > 0).all()
     for (name, p), (_, q) in zip(model.named_parameters(), ref.named_parameters()):
         g = p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad

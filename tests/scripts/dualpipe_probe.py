@@ -113,7 +113,7 @@ class Exchange(torch.autograd.Function):
 class ProbeStage(nn.Module):
     def __init__(self, group):
         super().__init__()
-        self.weight = nn.Parameter(torch.randn(DIM, DIM) / DIM ** 0.5)
+        self.weight = nn.Parameter(torch.randn(DIM, DIM) / DIM**0.5)
         self.group = group
 
     def forward(self, x):
@@ -137,10 +137,21 @@ def run(overlap: bool, pp_group, ep_group, pp_rank: int, ep_rank: int) -> dict:
     modules = [ProbeStage(ep_group) for _ in range(4)]
     mine = rank_stages(pp_rank, 2, 4, "v")
     act = torch.empty(ROWS, DIM, requires_grad=True)
-    stages = [PipelineStage(modules[s], s, 4, torch.device("cpu"), group=pp_group,
-                            input_args=(act,), output_args=(act,)) for s in mine]
-    schedule = ScheduleDualPipeV(stages, MICROBATCHES, loss_fn=lambda out, y: (out - y).square().mean(),
-                                 scale_grads=False)
+    stages = [
+        PipelineStage(
+            modules[s],
+            s,
+            4,
+            torch.device("cpu"),
+            group=pp_group,
+            input_args=(act,),
+            output_args=(act,),
+        )
+        for s in mine
+    ]
+    schedule = ScheduleDualPipeV(
+        stages, MICROBATCHES, loss_fn=lambda out, y: (out - y).square().mean(), scale_grads=False
+    )
     if overlap:
         dualpipe.install(schedule, [ep_group])
     g = torch.Generator().manual_seed(100 + ep_rank)  # each ep rank its own data
@@ -152,10 +163,13 @@ def run(overlap: bool, pp_group, ep_group, pp_rank: int, ep_rank: int) -> dict:
     start = time.perf_counter()
     schedule.step(*((x,) if 0 in mine else ()), target=y, losses=losses)
     seconds = time.perf_counter() - start
-    return {"grads": {s: modules[s].weight.grad.clone() for s in mine},
-            "losses": [loss.detach().clone() for loss in losses],
-            "in_flight_s": in_flight_while_computing(), "seconds": seconds,
-            "groups": {k: sorted(v) for k, v in GROUPS.items()}}
+    return {
+        "grads": {s: modules[s].weight.grad.clone() for s in mine},
+        "losses": [loss.detach().clone() for loss in losses],
+        "in_flight_s": in_flight_while_computing(),
+        "seconds": seconds,
+        "groups": {k: sorted(v) for k, v in GROUPS.items()},
+    }
 
 
 def in_flight_while_computing() -> float:
@@ -163,8 +177,12 @@ def in_flight_while_computing() -> float:
     matmul ran on another."""
     comm = [(t, a, b) for what, t, a, b in EVENTS if what == "backward collective"]
     compute = [(t, a, b) for what, t, a, b in EVENTS if what == "forward matmul"]
-    return sum(max(0.0, min(b1, b2) - max(a1, a2))
-               for t1, a1, b1 in comm for t2, a2, b2 in compute if t1 != t2)
+    return sum(
+        max(0.0, min(b1, b2) - max(a1, a2))
+        for t1, a1, b1 in comm
+        for t2, a2, b2 in compute
+        if t1 != t2
+    )
 
 
 def main(argv=None) -> None:
@@ -175,16 +193,23 @@ def main(argv=None) -> None:
     pp_rank, ep_rank = mesh["pp"].get_local_rank(), mesh["ep"].get_local_rank()
     seq = run(False, pp_group, ep_group, pp_rank, ep_rank)
     over = run(True, pp_group, ep_group, pp_rank, ep_rank)
-    equal = all(torch.equal(seq["grads"][s], over["grads"][s]) for s in seq["grads"]) and \
-        len(seq["losses"]) == len(over["losses"]) and \
-        all(torch.equal(a, b) for a, b in zip(seq["losses"], over["losses"]))
-    line = "result " + json.dumps({
-        "rank": dist.get_rank(), "pp_rank": pp_rank, "equal": equal,
-        "n_losses": len(over["losses"]),
-        "grad_norm": float(sum(g.square().sum() for g in over["grads"].values()) ** 0.5),
-        "in_flight_s": {"sequential": seq["in_flight_s"], "overlap": over["in_flight_s"]},
-        "seconds": {"sequential": seq["seconds"], "overlap": over["seconds"]},
-        "groups": {"sequential": seq["groups"], "overlap": over["groups"]}})
+    equal = (
+        all(torch.equal(seq["grads"][s], over["grads"][s]) for s in seq["grads"])
+        and len(seq["losses"]) == len(over["losses"])
+        and all(torch.equal(a, b) for a, b in zip(seq["losses"], over["losses"]))
+    )
+    line = "result " + json.dumps(
+        {
+            "rank": dist.get_rank(),
+            "pp_rank": pp_rank,
+            "equal": equal,
+            "n_losses": len(over["losses"]),
+            "grad_norm": float(sum(g.square().sum() for g in over["grads"].values()) ** 0.5),
+            "in_flight_s": {"sequential": seq["in_flight_s"], "overlap": over["in_flight_s"]},
+            "seconds": {"sequential": seq["seconds"], "overlap": over["seconds"]},
+            "groups": {"sequential": seq["groups"], "overlap": over["groups"]},
+        }
+    )
     sys.stdout.write(line + "\n")  # one write: the 4 ranks share the pipe
     sys.stdout.flush()
     dist.barrier()

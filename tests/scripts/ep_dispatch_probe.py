@@ -32,8 +32,13 @@ def record() -> None:
     def wrapped(out, inp, out_splits=None, in_splits=None, group=None, async_op=False):
         ranks = dist.get_process_group_ranks(group)
         sends = in_splits or [inp.shape[0] // len(ranks)] * len(ranks)
-        CALLS.append({"phase": PHASE[0], "dtype": str(inp.dtype),
-                      "to": [r for r, n in zip(ranks, sends) if n and r != dist.get_rank()]})
+        CALLS.append(
+            {
+                "phase": PHASE[0],
+                "dtype": str(inp.dtype),
+                "to": [r for r, n in zip(ranks, sends) if n and r != dist.get_rank()],
+            }
+        )
         if async_op and LATE[0] == dist.get_rank():
             time.sleep(LATE_S)
         return original(out, inp, out_splits, in_splits, group=group, async_op=async_op)
@@ -67,8 +72,10 @@ def run(block: Block, x: torch.Tensor, probe: torch.Tensor):
     PHASE[0] = "backward"
     (y * probe).sum().backward()
     PHASE[0] = "setup"
-    grads = {n: (p.grad.to_local() if hasattr(p.grad, "to_local") else p.grad).clone()
-             for n, p in block.named_parameters()}
+    grads = {
+        n: (p.grad.to_local() if hasattr(p.grad, "to_local") else p.grad).clone()
+        for n, p in block.named_parameters()
+    }
     grads["input"] = x.grad.clone()
     block.zero_grad()
     return y.detach(), grads
@@ -80,8 +87,16 @@ def main(argv: list[str]) -> None:
     rank, world = dist.get_rank(), dist.get_world_size()
     record()
     dim, tokens = 16, 12
-    args = MoEArgs(n_experts=8, top_k=3, hidden_dim=8, n_shared_experts=1,
-                   score_func="sigmoid", route_scale=2.5, n_group=2, topk_group=2)
+    args = MoEArgs(
+        n_experts=8,
+        top_k=3,
+        hidden_dim=8,
+        n_shared_experts=1,
+        score_func="sigmoid",
+        route_scale=2.5,
+        n_group=2,
+        topk_group=2,
+    )
     torch.manual_seed(1)
     x_all = torch.randn(world, tokens, dim)
     probe_all = torch.randn(world, tokens, dim)
@@ -96,8 +111,7 @@ def main(argv: list[str]) -> None:
     block = Block(layer(args, dim))
     apply_ep(block, mesh)  # auto: node-limited (2 nodes, n_group 2)
     local = args.n_experts // world
-    report = {"rank": rank, "auto": type(block.moe.dispatcher).__name__, "diffs": {},
-              "calls": {}}
+    report = {"rank": rank, "auto": type(block.moe.dispatcher).__name__, "diffs": {}, "calls": {}}
     flat = AllToAllDispatch(mesh.get_group(), args.n_experts, True)
     node = block.moe.dispatcher
     for name, dispatcher in (("flat", flat), ("node", node)):
@@ -109,7 +123,7 @@ def main(argv: list[str]) -> None:
         for key, g in grads.items():
             w = want[key]
             if key.startswith("moe.experts."):
-                w = w[rank * local:(rank + 1) * local]
+                w = w[rank * local : (rank + 1) * local]
             elif key != "input":  # replicated parameters: every rank's share summed
                 dist.all_reduce(g)
             diffs[key] = (g - w).abs().max().item()
@@ -122,17 +136,22 @@ def main(argv: list[str]) -> None:
         y_ac, grads_ac = run(ac, x, probe)
         report["calls"][name + "_ac"] = list(CALLS)
         report["diffs"][name + "_ac_vs_no_ac"] = max(
-            [(y_ac - y).abs().max().item()] +
-            [(grads_ac[k] - g).abs().max().item() for k, g in run(block, x, probe)[1].items()])
+            [(y_ac - y).abs().max().item()]
+            + [(grads_ac[k] - g).abs().max().item() for k, g in run(block, x, probe)[1].items()]
+        )
     # The overlap: a payload large enough that the dispatch is still on the wire while the
     # shared experts compute.
     big_dim, big_tokens = 512, 2048
-    big = MoE(big_dim, MoEArgs(n_experts=8, top_k=3, hidden_dim=64, n_shared_experts=1,
-                               n_group=2, topk_group=2))
+    big = MoE(
+        big_dim,
+        MoEArgs(n_experts=8, top_k=3, hidden_dim=64, n_shared_experts=1, n_group=2, topk_group=2),
+    )
     apply_ep(nn.ModuleDict({"m": big}), mesh)
     timelines = {}
-    for name, dispatcher in (("flat", AllToAllDispatch(mesh.get_group(), 8, True)),
-                             ("node", big.dispatcher)):
+    for name, dispatcher in (
+        ("flat", AllToAllDispatch(mesh.get_group(), 8, True)),
+        ("node", big.dispatcher),
+    ):
         big.dispatcher = dispatcher
         timelines[name] = []
         # One try per rank, each with another rank late to issue the dispatch: the others'
@@ -144,8 +163,9 @@ def main(argv: list[str]) -> None:
             with torch.no_grad():
                 big(torch.randn(big_tokens, big_dim))
             t0 = dispatcher.timeline[0][1]
-            timelines[name].append([(e, round(t - t0, 6), busy)
-                                    for e, t, busy in dispatcher.timeline])
+            timelines[name].append(
+                [(e, round(t - t0, 6), busy) for e, t, busy in dispatcher.timeline]
+            )
         LATE[0] = None
     report["timeline"] = timelines
     with open(f"{out_dir}/rank{rank}.json", "w") as f:
@@ -158,4 +178,5 @@ if __name__ == "__main__":
     main(sys.argv[1:])
     sys.stdout.flush()
     import os
+
     os._exit(0)

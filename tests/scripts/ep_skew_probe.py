@@ -54,8 +54,9 @@ def main(argv=None) -> None:
     x = torch.randn(3, 16, args.dim, generator=gen)
     probe = torch.randn(3, 16, args.dim, generator=gen)
     result = compare(*layers(args.moe, mesh), x, probe, rank)
-    capped = compare(*layers(dataclasses.replace(args.moe, capacity_factor=1.0), mesh), x, probe,
-                     rank)
+    capped = compare(
+        *layers(dataclasses.replace(args.moe, capacity_factor=1.0), mesh), x, probe, rank
+    )
     result.update({f"capacity_{k}": v for k, v in capped.items()})
     print("result " + json.dumps(result), flush=True)
     dist.destroy_process_group()
@@ -82,7 +83,7 @@ def compare(ref: MoE, ep_moe: MoE, x, probe, rank: int) -> dict:
         "grad_diff": (grads[0] - grads[1]).abs().max().item(),
         "tokens_without_grad": int((grads[1].flatten(0, 1).abs().sum(-1) == 0).sum()),
         "tokens": x.shape[0] * x.shape[1],
-        "expert_grad_diff": (w1_ref[lo:lo + local.shape[0]] - local).abs().max().item(),
+        "expert_grad_diff": (w1_ref[lo : lo + local.shape[0]] - local).abs().max().item(),
         "expert_grad_norm": local.norm().item(),
         "loads": stats["tokens_per_expert"].tolist(),
         "dropped": stats["dropped"].item(),

@@ -38,6 +38,7 @@ def run_one(module: str, args: list[str], folder: str, index: int) -> dict:
                 print(stop.code, file=sys.stderr)
         except BaseException:  # an uncaught error: its traceback, as the interpreter prints it
             import traceback
+
             traceback.print_exc()
         finally:
             for stream in (sys.stdout, sys.stderr):

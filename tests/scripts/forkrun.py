@@ -18,7 +18,9 @@ import traceback
 gc.disable()  # while torch and the trainer import, as trainer.launch (enabled before the fork)
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")  # as torchrun sets it for several local ranks
-os.environ["CUDA_VISIBLE_DEVICES"] = ""  # CPU ranks: no CUDA before the fork (trainer.launch.hide_gpus)
+os.environ["CUDA_VISIBLE_DEVICES"] = (
+    ""  # CPU ranks: no CUDA before the fork (trainer.launch.hide_gpus)
+)
 
 import torch  # noqa: E402,F401
 import torch._dynamo  # noqa: E402,F401  (DTensor imports it at its first use)
@@ -57,8 +59,15 @@ if __name__ == "__main__":
     opts = options(args)
     nproc, script, argv = int(args[0]), args[1], args[2:]
     nodes = int(opts["--nnodes"])
-    config = LaunchConfig(min_nodes=nodes, max_nodes=nodes, nproc_per_node=nproc,
-                          run_id=opts["--rdzv-id"], rdzv_backend="c10d",
-                          rdzv_endpoint=opts["--rdzv-endpoint"], max_restarts=0,
-                          monitor_interval=0.1, start_method="fork")
+    config = LaunchConfig(
+        min_nodes=nodes,
+        max_nodes=nodes,
+        nproc_per_node=nproc,
+        run_id=opts["--rdzv-id"],
+        rdzv_backend="c10d",
+        rdzv_endpoint=opts["--rdzv-endpoint"],
+        max_restarts=0,
+        monitor_interval=0.1,
+        start_method="fork",
+    )
     elastic_launch(config, rank)(script, argv)

@@ -37,17 +37,26 @@ def build(*extra: str):
     pd, _ = cfg.resolve(dist.get_world_size())
     pd.build_mesh("cpu")
     # A small GQA shape: what is checked is per tensor, not per size.
-    args = ModelArgs(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=512,
-                     multiple_of=32, max_seq_len=cfg.training.seq_len)
-    model = parallelize(build_model(args), pd, cfg, device=CPU,
-                        param_dtype=cfg.training.mixed_precision_param)
+    args = ModelArgs(
+        dim=64,
+        n_layers=2,
+        n_heads=4,
+        n_kv_heads=2,
+        vocab_size=512,
+        multiple_of=32,
+        max_seq_len=cfg.training.seq_len,
+    )
+    model = parallelize(
+        build_model(args), pd, cfg, device=CPU, param_dtype=cfg.training.mixed_precision_param
+    )
     return cfg, model, build_optimizer(model, cfg.optimizer)
 
 
 def batch(cfg, seed: int):
     gen = torch.Generator().manual_seed(seed * 100 + dist.get_rank())
-    return torch.randint(0, 512, (cfg.training.local_batch_size, cfg.training.seq_len + 1),
-                         generator=gen)
+    return torch.randint(
+        0, 512, (cfg.training.local_batch_size, cfg.training.seq_len + 1), generator=gen
+    )
 
 
 def step(model, opt, tokens, phase=None) -> torch.Tensor:
@@ -95,9 +104,14 @@ def flat_state(model, opt) -> dict:
     """Model and optimizer state as DCP sees it, one entry per tensor."""
     sd = ModelAndOptimizer(model, opt).state_dict()
     # the optimizer's part is flat (checkpointer.py): "state.<fqn>.<name>" -> tensor
-    return {**{f"model.{k}": v for k, v in sd["model"].items()},
-            **{f"optim.{k[len('state.'):]}": t for k, t in sd["optimizer"].items()
-               if k.startswith("state.") and isinstance(t, torch.Tensor)}}
+    return {
+        **{f"model.{k}": v for k, v in sd["model"].items()},
+        **{
+            f"optim.{k[len('state.') :]}": t
+            for k, t in sd["optimizer"].items()
+            if k.startswith("state.") and isinstance(t, torch.Tensor)
+        },
+    }
 
 
 def full(t) -> torch.Tensor:
@@ -109,9 +123,14 @@ for offload in ("none", "cpu"):
     cfg, model, opt = built[offload] = build("--parallelism.fsdp_offload", offload)
     step(model, opt, batch(cfg, 1))
     values[offload] = {k: full(v) for k, v in flat_state(model, opt).items()}
-    layouts[offload] = {k: [list(v.shape), str(getattr(v, "placements", None)),
-                            str(getattr(v, "device_mesh", None))]
-                        for k, v in flat_state(model, opt).items()}
+    layouts[offload] = {
+        k: [
+            list(v.shape),
+            str(getattr(v, "placements", None)),
+            str(getattr(v, "device_mesh", None)),
+        ]
+        for k, v in flat_state(model, opt).items()
+    }
     devices[offload] = sorted({str(p.to_local().device) for p in model.parameters()})
 # One more step for the offloaded model, so that the two states differ; then each
 # checkpoint loads into the other layout.
@@ -119,8 +138,10 @@ cfg, model, opt = built["cpu"]
 step(model, opt, batch(cfg, 2))
 values["cpu 2"] = {k: full(v) for k, v in flat_state(model, opt).items()}
 for offload, (cfg, model, opt) in built.items():
-    dcp.save(ModelAndOptimizer(model, opt).state_dict(),
-             checkpoint_id=os.path.join(out_dir, f"ckpt-{offload}"))
+    dcp.save(
+        ModelAndOptimizer(model, opt).state_dict(),
+        checkpoint_id=os.path.join(out_dir, f"ckpt-{offload}"),
+    )
 for src, dst in (("none", "cpu"), ("cpu", "none")):
     holder = ModelAndOptimizer(*built[dst][1:])
     state = holder.state_dict()
@@ -131,18 +152,26 @@ for src, dst in (("none", "cpu"), ("cpu", "none")):
 
 def equal(a: str, b: str) -> bool:
     return values[a].keys() == values[b].keys() and all(
-        torch.equal(values[a][k], values[b][k]) for k in values[a])
+        torch.equal(values[a][k], values[b][k]) for k in values[a]
+    )
 
 
 if dist.get_rank() == 0:
     with open(os.path.join(out_dir, "probe.json"), "w") as fh:
-        json.dump({"gathers": gathers, "loss_max_abs_diff": loss_diff.item(),
-                   "losses": {k: [x.item() for x in v] for k, v in step_losses.items()},
-                   "layouts": layouts, "devices": devices,
-                   "same_after_step": equal("none", "cpu"),
-                   "states_differ": not equal("none", "cpu 2"),
-                   "loaded_none_into_cpu": equal("none->cpu", "none"),
-                   "loaded_cpu_into_none": equal("cpu->none", "cpu 2")}, fh)
+        json.dump(
+            {
+                "gathers": gathers,
+                "loss_max_abs_diff": loss_diff.item(),
+                "losses": {k: [x.item() for x in v] for k, v in step_losses.items()},
+                "layouts": layouts,
+                "devices": devices,
+                "same_after_step": equal("none", "cpu"),
+                "states_differ": not equal("none", "cpu 2"),
+                "loaded_none_into_cpu": equal("none->cpu", "none"),
+                "loaded_cpu_into_none": equal("cpu->none", "cpu 2"),
+            },
+            fh,
+        )
 dist.barrier()
 dist.destroy_process_group()
 sys.stdout.flush()

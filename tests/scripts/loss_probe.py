@@ -27,13 +27,15 @@ def grads_after(model, loss_fn, inputs, labels):
 
 
 def check(flavor: str) -> None:
-    cfg = load_config(["--parallelism.fsdp_reshard_after_forward", "always",
-                       "--training.seq_len", "32"])
+    cfg = load_config(
+        ["--parallelism.fsdp_reshard_after_forward", "always", "--training.seq_len", "32"]
+    )
     pd, _ = cfg.resolve(dist.get_world_size())
     pd.build_mesh("cpu")
     args = dataclasses.replace(model_args(flavor, vocab_size=999, max_seq_len=32), n_layers=2)
-    model = parallelize(build_model(args), pd, cfg, device=torch.device("cpu"),
-                        param_dtype="float32")
+    model = parallelize(
+        build_model(args), pd, cfg, device=torch.device("cpu"), param_dtype="float32"
+    )
     gen = torch.Generator().manual_seed(dist.get_rank())
     inputs = torch.randint(0, 999, (2, 32), generator=gen)
     labels = torch.randint(0, 999, (2, 32), generator=gen)

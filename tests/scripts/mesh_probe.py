@@ -31,8 +31,9 @@ def main(argv: list[str]) -> None:
             "tp_group": dist.get_process_group_ranks(pd.tp_mesh.get_group()),
             "cp_group": dist.get_process_group_ranks(pd.cp_mesh.get_group()),
             # the ranks FSDP shards over (the fsdp mesh's last dimension)
-            "fsdp_shard_group": dist.get_process_group_ranks(pd.fsdp_mesh.get_group(
-                pd.fsdp_mesh.ndim - 1)),
+            "fsdp_shard_group": dist.get_process_group_ranks(
+                pd.fsdp_mesh.get_group(pd.fsdp_mesh.ndim - 1)
+            ),
             "dp_group": dist.get_process_group_ranks(pd.dp_mesh.get_group()),
             "pp_group": dist.get_process_group_ranks(pd.pp_mesh.get_group()),
             "fsdp_mesh_ndim": pd.fsdp_mesh.ndim,

@@ -25,28 +25,42 @@ from trainer.errors import ConfigError
 from trainer.optim.muon import Muon
 from trainer.optim.newton_schulz import orthogonalize
 
-LAYOUTS = {"layers.1.feed_forward.experts.w1": ((8, 24, 16), (Shard(1), Shard(0))),
-           "layers.1.feed_forward.experts.w2": ((8, 16, 24), (Shard(0), Shard(0))),
-           "layers.1.feed_forward.experts.w3": ((4, 16, 24), (Replicate(), Shard(2))),
-           "layers.0.attention.wq.weight": ((32, 16), (Shard(0), Shard(1)))}
+LAYOUTS = {
+    "layers.1.feed_forward.experts.w1": ((8, 24, 16), (Shard(1), Shard(0))),
+    "layers.1.feed_forward.experts.w2": ((8, 16, 24), (Shard(0), Shard(0))),
+    "layers.1.feed_forward.experts.w3": ((4, 16, 24), (Replicate(), Shard(2))),
+    "layers.0.attention.wq.weight": ((32, 16), (Shard(0), Shard(1))),
+}
 HP = dict(lr=0.05, weight_decay=0.1, momentum=0.95, nesterov=True)
 
 
 def muon(params, names) -> Muon:
-    return Muon(params, None, ns_steps=5, lr_adjust="match_rms_adamw", ns_dtype="bfloat16",
-                names=names, **HP)
+    return Muon(
+        params,
+        None,
+        ns_steps=5,
+        lr_adjust="match_rms_adamw",
+        ns_dtype="bfloat16",
+        names=names,
+        **HP,
+    )
 
 
 def check_slices(mesh) -> float:
     gen = torch.Generator().manual_seed(0)
     full = {n: torch.randn(shape, generator=gen) for n, (shape, _) in LAYOUTS.items()}
-    params = {n: torch.nn.Parameter(distribute_tensor(full[n], mesh, list(pl)))
-              for n, (_, pl) in LAYOUTS.items()}
+    params = {
+        n: torch.nn.Parameter(distribute_tensor(full[n], mesh, list(pl)))
+        for n, (_, pl) in LAYOUTS.items()
+    }
     opt = muon(list(params.values()), list(params))
-    slices = {n: [torch.nn.Parameter(m.clone()) for m in (t if t.ndim == 3 else [t])]
-              for n, t in full.items()}
-    ref = torch.optim.Muon([p for s in slices.values() for p in s],
-                           adjust_lr_fn="match_rms_adamw", **HP)
+    slices = {
+        n: [torch.nn.Parameter(m.clone()) for m in (t if t.ndim == 3 else [t])]
+        for n, t in full.items()
+    }
+    ref = torch.optim.Muon(
+        [p for s in slices.values() for p in s], adjust_lr_fn="match_rms_adamw", **HP
+    )
     for _ in range(3):
         grads = {n: torch.randn(t.shape, generator=gen) for n, t in full.items()}
         for n, p in params.items():
@@ -68,8 +82,9 @@ def check_slices(mesh) -> float:
 def check_refusal(mesh) -> str:
     shape, placements = (8, 16, 24), (Shard(0), Shard(0))
     local = torch.zeros(2, 16, 23 if dist.get_rank() == 3 else 24)
-    bad = DTensor.from_local(local, mesh, placements, run_check=False, shape=torch.Size(shape),
-                             stride=(16 * 24, 24, 1))
+    bad = DTensor.from_local(
+        local, mesh, placements, run_check=False, shape=torch.Size(shape), stride=(16 * 24, 24, 1)
+    )
     try:
         muon([torch.nn.Parameter(bad)], ["layers.1.feed_forward.experts.w2"])
     except ConfigError as e:
@@ -87,8 +102,11 @@ def main(argv: list[str]) -> None:
     dist.all_gather_object(lines, line)
     assert len(set(lines)) == 1 and "rank 3" in line and "(2, 16, 23)" in line, lines
     if dist.get_rank() == 0:
-        print(f"muon experts probe ok: bitwise torch.optim.Muon per expert slice; stacked as "
-              f"one matrix {gap:.1e} away; refused on every rank: {line}", flush=True)
+        print(
+            f"muon experts probe ok: bitwise torch.optim.Muon per expert slice; stacked as "
+            f"one matrix {gap:.1e} away; refused on every rank: {line}",
+            flush=True,
+        )
     dist.barrier()
     dist.destroy_process_group()
 

@@ -17,8 +17,12 @@ from trainer.optim.optimizer import build_optimizer
 from trainer.parallel.parallelize import parallelize
 
 VOCAB, SEQ = 256, 32
-MATRICES = ("attention.wq.weight", "attention.wo.weight", "feed_forward.w1.weight",
-            "feed_forward.w2.weight")
+MATRICES = (
+    "attention.wq.weight",
+    "attention.wo.weight",
+    "feed_forward.w1.weight",
+    "feed_forward.w2.weight",
+)
 
 
 def models(overrides: list[str]):
@@ -29,8 +33,9 @@ def models(overrides: list[str]):
     pd.build_mesh("cpu")
     narrow = model_args("debugmodel-narrow", vocab_size=VOCAB, max_seq_len=SEQ)
     args = dataclasses.replace(narrow, n_layers=2)
-    model = parallelize(build_model(args), pd, cfg, device=torch.device("cpu"),
-                        param_dtype="float32")
+    model = parallelize(
+        build_model(args), pd, cfg, device=torch.device("cpu"), param_dtype="float32"
+    )
     ref = Transformer(args)
     ref.init_weights(cfg.job.seed)
     return cfg, pd, model, ref
@@ -42,17 +47,30 @@ def one_rank() -> None:
     rest) on the same batches: fp32 weights, Newton-Schulz in bf16 (torch's), within 1e-6."""
     from trainer.optim.muon import takes_muon
 
-    cfg, _, model, ref = models(["--optimizer.name", "Muon", "--optimizer.implementation",
-                                 "for-loop"])
+    cfg, _, model, ref = models(
+        ["--optimizer.name", "Muon", "--optimizer.implementation", "for-loop"]
+    )
     o = cfg.optimizer
     opt = build_optimizer(model, o)
     names = dict(ref.named_parameters())
-    refs = [torch.optim.Muon([p for n, p in names.items() if takes_muon(n, p)], lr=o.lr,
-                             weight_decay=o.weight_decay, momentum=o.muon_momentum,
-                             nesterov=True, adjust_lr_fn="match_rms_adamw"),
-            torch.optim.AdamW([p for n, p in names.items() if not takes_muon(n, p)], lr=o.lr,
-                              betas=(o.beta1, o.beta2), eps=o.eps, weight_decay=o.weight_decay,
-                              foreach=False)]
+    refs = [
+        torch.optim.Muon(
+            [p for n, p in names.items() if takes_muon(n, p)],
+            lr=o.lr,
+            weight_decay=o.weight_decay,
+            momentum=o.muon_momentum,
+            nesterov=True,
+            adjust_lr_fn="match_rms_adamw",
+        ),
+        torch.optim.AdamW(
+            [p for n, p in names.items() if not takes_muon(n, p)],
+            lr=o.lr,
+            betas=(o.beta1, o.beta2),
+            eps=o.eps,
+            weight_decay=o.weight_decay,
+            foreach=False,
+        ),
+    ]
     gen = torch.Generator().manual_seed(0)
     loss_fn = build_loss("chunked", 24)
     worst = 0.0
@@ -70,8 +88,10 @@ def one_rank() -> None:
     for (name, p), q in zip(model.named_parameters(), ref.parameters()):
         assert (p.full_tensor() - q).abs().max().item() <= 1e-6, name
     assert worst <= 1e-6, worst
-    print(f"muon probe ok: one rank = torch.optim.Muon + AdamW over 10 steps (loss diff "
-          f"{worst:.1e})", flush=True)
+    print(
+        f"muon probe ok: one rank = torch.optim.Muon + AdamW over 10 steps (loss diff {worst:.1e})",
+        flush=True,
+    )
 
 
 def main(argv: list[str]) -> None:
@@ -80,10 +100,22 @@ def main(argv: list[str]) -> None:
         one_rank()
         dist.destroy_process_group()
         return
-    cfg, pd, model, ref = models(["--parallelism.tensor_parallel_degree", "2", "--optimizer.name",
-                                  "Muon", "--optimizer.muon_ns_dtype", "float32",
-                                  "--optimizer.muon_lr_adjust", "none",
-                                  "--optimizer.weight_decay", "0", "--optimizer.lr", "1.0"])
+    cfg, pd, model, ref = models(
+        [
+            "--parallelism.tensor_parallel_degree",
+            "2",
+            "--optimizer.name",
+            "Muon",
+            "--optimizer.muon_ns_dtype",
+            "float32",
+            "--optimizer.muon_lr_adjust",
+            "none",
+            "--optimizer.weight_decay",
+            "0",
+            "--optimizer.lr",
+            "1.0",
+        ]
+    )
     gen = torch.Generator().manual_seed(0)
     inputs, labels = (torch.randint(0, VOCAB, (2, SEQ), generator=gen) for _ in range(2))
     loss_fn = build_loss("chunked", 24, vocab_parallel_group=pd.loss_parallel_group)
@@ -104,15 +136,18 @@ def main(argv: list[str]) -> None:
         nesterov = g.lerp(g * (1 - m), m)  # step 1: the buffer is (1 - m) g
         whole = orthogonalize(nesterov, 5, torch.float32)
         dim = p.placements[-1].dim  # the tp shard's dim: 0 column-wise, 1 row-wise
-        shards = torch.cat([orthogonalize(s, 5, torch.float32)
-                            for s in nesterov.chunk(2, dim=dim)], dim=dim)
+        shards = torch.cat(
+            [orthogonalize(s, 5, torch.float32) for s in nesterov.chunk(2, dim=dim)], dim=dim
+        )
         scale = whole.abs().max()
         worst_whole = max(worst_whole, ((update - whole).abs().max() / scale).item())
         best_shard = min(best_shard, ((update - shards).abs().max() / scale).item())
     assert worst_whole < 1e-5, worst_whole
     assert best_shard > 1e-2, best_shard
-    print(f"muon probe ok: whole-matrix error {worst_whole:.1e}, per-shard {best_shard:.1e}",
-          flush=True)
+    print(
+        f"muon probe ok: whole-matrix error {worst_whole:.1e}, per-shard {best_shard:.1e}",
+        flush=True,
+    )
     dist.barrier()
     dist.destroy_process_group()
 

@@ -41,8 +41,10 @@ def sizes(tensors) -> dict:
     """Bytes of the local shards, and of the distinct storages behind them."""
     tensors = [local(t) for t in tensors]
     storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in tensors}
-    return {"local": sum(t.numel() * t.element_size() for t in tensors),
-            "storage": sum(storages.values())}
+    return {
+        "local": sum(t.numel() * t.element_size() for t in tensors),
+        "storage": sum(storages.values()),
+    }
 
 
 def snapshot(tracker, kind: str = "current") -> dict:
@@ -55,12 +57,20 @@ def probe(out_dir: str, argv: list[str]) -> None:
     cfg = load_config(argv)
     pd, _ = cfg.resolve(int(os.environ["WORLD_SIZE"]))
     pd.build_mesh("cpu")
-    args = model_args(cfg.model.flavor, vocab_size=cfg.model.vocab_size or None,
-                      max_seq_len=cfg.training.seq_len)
-    model = parallelize(build_model(args), pd, cfg, device=torch.device("cpu"),
-                    param_dtype=resolve_compute_dtype(
-                        cfg.training.mixed_precision_param, cfg.training.mixed_precision_reduce,
-                        torch.device("cpu")).param)
+    args = model_args(
+        cfg.model.flavor, vocab_size=cfg.model.vocab_size or None, max_seq_len=cfg.training.seq_len
+    )
+    model = parallelize(
+        build_model(args),
+        pd,
+        cfg,
+        device=torch.device("cpu"),
+        param_dtype=resolve_compute_dtype(
+            cfg.training.mixed_precision_param,
+            cfg.training.mixed_precision_reduce,
+            torch.device("cpu"),
+        ).param,
+    )
     opt = build_optimizer(model, cfg.optimizer)
     gen = torch.Generator().manual_seed(dist.get_rank())
     shape = (cfg.training.local_batch_size, cfg.training.seq_len)
@@ -88,10 +98,17 @@ def probe(out_dir: str, argv: list[str]) -> None:
     step_peak = snapshot(tracker, "peak")
     params = list(model.parameters())
     states = [v for p in params for v in opt.state[p].values() if isinstance(v, torch.Tensor)]
-    result = {"rank": dist.get_rank(), "params": sizes(params),
-              "grads": sizes([p.grad for p in params]), "optimizer": sizes(states),
-              "tracker": {"after_forward": after_forward, "backward_peak": backward_peak,
-                          "step_peak": step_peak}}
+    result = {
+        "rank": dist.get_rank(),
+        "params": sizes(params),
+        "grads": sizes([p.grad for p in params]),
+        "optimizer": sizes(states),
+        "tracker": {
+            "after_forward": after_forward,
+            "backward_peak": backward_peak,
+            "step_peak": step_peak,
+        },
+    }
     os.makedirs(out_dir, exist_ok=True)
     with open(os.path.join(out_dir, f"rank{dist.get_rank()}.json"), "w") as fh:
         json.dump(result, fh)

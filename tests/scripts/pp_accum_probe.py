@@ -38,26 +38,51 @@ def count_collectives() -> None:
 
 
 def step(sync: str):
-    cfg = load_config(["--parallelism.pipeline_parallel_degree", "2", "--model.flavor",
-                       "debugmodel-narrow", "--training.seq_len", str(SEQ),
-                       "--training.local_batch_size", "2", "--training.global_batch_size", "16",
-                       "--training.mixed_precision_param", "float32",
-                       "--training.gradient_accumulation_sync", sync])
+    cfg = load_config(
+        [
+            "--parallelism.pipeline_parallel_degree",
+            "2",
+            "--model.flavor",
+            "debugmodel-narrow",
+            "--training.seq_len",
+            str(SEQ),
+            "--training.local_batch_size",
+            "2",
+            "--training.global_batch_size",
+            "16",
+            "--training.mixed_precision_param",
+            "float32",
+            "--training.gradient_accumulation_sync",
+            sync,
+        ]
+    )
     pd, accum = cfg.resolve(dist.get_world_size())
     assert accum == ACCUM, accum
     pd.build_mesh("cpu")
-    model = parallelize(build_model(model_args(cfg.model.flavor, vocab_size=VOCAB,
-                                               max_seq_len=SEQ)),
-                        pd, cfg, device=torch.device("cpu"), param_dtype="float32")
-    groups = len({id(group)  # [norm, head] share one
-                  for stage in model.pipeline_stages for m in stage.modules()
-                  if isinstance(m, FSDPModule)
-                  for group in fsdp_param_groups(fully_shard.state(m))})
-    fb = build_forward_backward(model, build_loss("chunked", 1024), cfg, parallel_dims=pd,
-                                device=torch.device("cpu"))
+    model = parallelize(
+        build_model(model_args(cfg.model.flavor, vocab_size=VOCAB, max_seq_len=SEQ)),
+        pd,
+        cfg,
+        device=torch.device("cpu"),
+        param_dtype="float32",
+    )
+    groups = len(
+        {
+            id(group)  # [norm, head] share one
+            for stage in model.pipeline_stages
+            for m in stage.modules()
+            if isinstance(m, FSDPModule)
+            for group in fsdp_param_groups(fully_shard.state(m))
+        }
+    )
+    fb = build_forward_backward(
+        model, build_loss("chunked", 1024), cfg, parallel_dims=pd, device=torch.device("cpu")
+    )
     gen = torch.Generator().manual_seed(dist.get_rank() // 2)  # one dp rank: the same data
-    batches = [tuple(torch.randint(0, VOCAB, (2, SEQ), generator=gen) for _ in range(2))
-               for _ in range(ACCUM)]
+    batches = [
+        tuple(torch.randint(0, VOCAB, (2, SEQ), generator=gen) for _ in range(2))
+        for _ in range(ACCUM)
+    ]
     CALLS.clear()
     GATHERS.clear()
     fb(batches, torch.tensor(16.0 * SEQ), 1)
@@ -76,9 +101,11 @@ def main(argv):
     assert gathers == ACCUM * groups, (dist.get_rank(), gathers, groups)  # once a schedule step
     for name, g in g_last.items():
         assert torch.allclose(g, g_every[name], rtol=1e-5, atol=1e-7), name
-    print(f"pp accum probe ok: {once} reduce-scatters per optimizer step ({groups} FSDP groups, "
-          f"{ACCUM} microbatches; {every} with sync 'every'), {gathers} all-gathers",
-          flush=True)
+    print(
+        f"pp accum probe ok: {once} reduce-scatters per optimizer step ({groups} FSDP groups, "
+        f"{ACCUM} microbatches; {every} with sync 'every'), {gathers} all-gathers",
+        flush=True,
+    )
     dist.barrier()
     dist.destroy_process_group()
 

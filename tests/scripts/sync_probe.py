@@ -63,11 +63,16 @@ def main(argv: list[str]) -> None:
     code = train.main(args)
     dist.destroy_process_group = destroy
     if rank == 0:
-        Path(out).write_text(json.dumps({
-            "code": code,
-            "steps": {s: sum(p.values()) for s, p in COUNTS.items()},
-            "phases": {s: dict(p) for s, p in COUNTS.items()},
-            "where": dict(WHERE)}))
+        Path(out).write_text(
+            json.dumps(
+                {
+                    "code": code,
+                    "steps": {s: sum(p.values()) for s, p in COUNTS.items()},
+                    "phases": {s: dict(p) for s, p in COUNTS.items()},
+                    "where": dict(WHERE),
+                }
+            )
+        )
     if code:
         sys.exit(code)
 

@@ -45,16 +45,23 @@ class ShapeTracker(TorchDispatchMode):
 
 
 def run(flavor: str, kind: str, z: float, loss_parallel: bool, compile: bool = False) -> None:
-    overrides = ["--parallelism.tensor_parallel_degree", "2", "--training.seq_len", str(SEQ),
-                 "--compile.enable", str(compile).lower()]
+    overrides = [
+        "--parallelism.tensor_parallel_degree",
+        "2",
+        "--training.seq_len",
+        str(SEQ),
+        "--compile.enable",
+        str(compile).lower(),
+    ]
     if not loss_parallel:
         overrides += ["--parallelism.disable_loss_parallel", "true"]
     cfg = load_config(overrides)
     pd, _ = cfg.resolve(dist.get_world_size())
     pd.build_mesh("cpu")
     args = dataclasses.replace(model_args(flavor, vocab_size=VOCAB, max_seq_len=SEQ), n_layers=2)
-    model = parallelize(build_model(args), pd, cfg, device=torch.device("cpu"),
-                        param_dtype="float32")
+    model = parallelize(
+        build_model(args), pd, cfg, device=torch.device("cpu"), param_dtype="float32"
+    )
     ref = Transformer(args)
     ref.init_weights(cfg.job.seed)
     for (name, p), (_, q) in zip(model.named_parameters(), ref.named_parameters()):

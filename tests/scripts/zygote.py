@@ -31,6 +31,7 @@ os.environ["TORCH_CPP_LOG_LEVEL"] = "ERROR"  # the launcher's own level (trainer
 import torch  # noqa: E402,F401
 import torch._dynamo  # noqa: E402,F401
 import trainer.train  # noqa: E402,F401
+
 # Rank 0 imports TensorBoard's writer when it opens it (~0.2-0.3 s here: it pulls in boto3 and
 # fsspec for its own s3 support), on the path every other rank waits on at its first collective.
 import torch.utils.tensorboard  # noqa: E402,F401
@@ -53,7 +54,7 @@ def receive(conn: socket.socket) -> tuple[dict, list[int]]:
         data += msg
         for level, kind, payload in ancdata:
             if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
-                fds.frombytes(payload[:len(payload) - len(payload) % fds.itemsize])
+                fds.frombytes(payload[: len(payload) - len(payload) % fds.itemsize])
     return json.loads(data), list(fds)
 
 
@@ -82,6 +83,7 @@ def launch(request: dict, fds: list[int]) -> None:
                 print(stop.code, file=sys.stderr)
         except BaseException:
             import traceback
+
             traceback.print_exc()
         import atexit
         import threading
@@ -90,6 +92,7 @@ def launch(request: dict, fds: list[int]) -> None:
         atexit._run_exitfuncs()  # then run the exit handlers (the script's and its imports')
     except BaseException:
         import traceback
+
         traceback.print_exc()
         code = code or 1
     finally:

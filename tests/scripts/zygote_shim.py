@@ -32,9 +32,16 @@ def main() -> None:
     env["PYTHON"] = env.pop("TRAINER_TEST_ZYGOTE_PYTHON")  # real interpreter as its PYTHON
     env.pop("TRAINER_TEST_ZYGOTE_SOCKET")
     request = {"argv": argv, "env": env, "cwd": os.getcwd()}
-    conn.sendmsg([json.dumps(request).encode() + b"\n"],
-                 [(socket.SOL_SOCKET, socket.SCM_RIGHTS, bytes(memoryview(
-                     __import__("array").array("i", [0, 1, 2]))))])
+    conn.sendmsg(
+        [json.dumps(request).encode() + b"\n"],
+        [
+            (
+                socket.SOL_SOCKET,
+                socket.SCM_RIGHTS,
+                bytes(memoryview(__import__("array").array("i", [0, 1, 2]))),
+            )
+        ],
+    )
     reader = conn.makefile("rb")
     for line in reader:
         reply = json.loads(line)
@@ -42,6 +49,7 @@ def main() -> None:
             code = reply["returncode"]
             if code < 0:  # killed by a signal: so is this process, as the launcher was
                 import signal
+
                 signal.signal(-code, signal.SIG_DFL)
                 os.kill(os.getpid(), -code)
             os._exit(code if code >= 0 else 128 - code)

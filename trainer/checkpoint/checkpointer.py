@@ -49,8 +49,13 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 
 from trainer.checkpoint import integrity, lease, retry, safe_load, storage, store_lease
-from trainer.checkpoint.optim_state import (ModelAndOptimizer, changed_line, check_fits,
-                                            optimizer_switched, saved_grouped)
+from trainer.checkpoint.optim_state import (
+    ModelAndOptimizer,
+    changed_line,
+    check_fits,
+    optimizer_switched,
+    saved_grouped,
+)
 from trainer.checkpoint.states import Adapter, RNGState, TrainState
 from trainer.checkpoint.steps import StepFolder, abandoned_suffix
 from trainer.health import faults
@@ -74,17 +79,22 @@ def store_wait_seconds(cfg) -> float:
 
 
 class Checkpointer:
-    def __init__(self, cfg, *, model, optimizer, scheduler, dataloader, train_state: TrainState,
-                 log=print):
+    def __init__(
+        self, cfg, *, model, optimizer, scheduler, dataloader, train_state: TrainState, log=print
+    ):
         self.cfg = cfg.checkpoint
         self.folder = StepFolder(self.cfg.folder, cfg.job.dump_folder)  # local, or s3:// gs://
         self.root = self.folder.root
         self.lease_timeout, self.store_lease = cfg.job.lease_timeout_seconds, None
         self._taken = self._recovered = False  # take_folder, _recover done
         self.train_state, self.log = train_state, log
-        self.states = {"model_optim": ModelAndOptimizer(model, optimizer),
-                       "lr_scheduler": Adapter(scheduler), "dataloader": Adapter(dataloader),
-                       "train_state": train_state, "rng": RNGState()}
+        self.states = {
+            "model_optim": ModelAndOptimizer(model, optimizer),
+            "lr_scheduler": Adapter(scheduler),
+            "dataloader": Adapter(dataloader),
+            "train_state": train_state,
+            "rng": RNGState(),
+        }
         self.fingerprint = integrity.model_fingerprint(model)
         # On a store the checkpoint's collectives have a gloo group of their own, whose timeout
         # covers rank 0's store requests through every retry (store_wait_seconds): a slow
@@ -122,9 +132,13 @@ class Checkpointer:
         storage.check_path(self.root, "checkpoint.folder")  # its client library is installed
         storage.probe(self.root, "checkpoint.folder")  # the bucket is there and ours to use
         if self.folder.url:  # one run per folder (store_lease.py)
-            self.store_lease = store_lease.take(self.root, self.lease_timeout, dist.get_rank(),
-                                                log=self.log,
-                                                checked=self.cfg.store_lease == "required")
+            self.store_lease = store_lease.take(
+                self.root,
+                self.lease_timeout,
+                dist.get_rank(),
+                log=self.log,
+                checked=self.cfg.store_lease == "required",
+            )
         self._taken = True
 
     def step_to_load(self) -> int | None:
@@ -137,23 +151,31 @@ class Checkpointer:
         steps = self.committed_steps()
         step = self.cfg.load_step
         if step != -1 and step not in steps:
-            raise ConfigError(f"checkpoint.load_step = {step}: no checkpoint {self._path(step)}; "
-                              f"available steps: {steps or 'none'}")
+            raise ConfigError(
+                f"checkpoint.load_step = {step}: no checkpoint {self._path(step)}; "
+                f"available steps: {steps or 'none'}"
+            )
         damaged = []
-        for candidate in ([step] if step != -1 else steps[::-1]):
+        for candidate in [step] if step != -1 else steps[::-1]:
             problem = self._verify(candidate)
             if problem is None:
                 if damaged:
-                    self.log(f"damaged checkpoint {', '.join(damaged)} skipped: resuming "
-                             f"from the newest intact one, step-{candidate}")
+                    self.log(
+                        f"damaged checkpoint {', '.join(damaged)} skipped: resuming "
+                        f"from the newest intact one, step-{candidate}"
+                    )
                 return candidate
             if step != -1:
-                raise CheckpointError(f"{self._path(step)} is damaged ({problem}); resume from "
-                                      f"another step (available: {steps}) or with load_step = -1")
+                raise CheckpointError(
+                    f"{self._path(step)} is damaged ({problem}); resume from "
+                    f"another step (available: {steps}) or with load_step = -1"
+                )
             damaged.append(f"{self._path(candidate)} ({problem})")
         if damaged:
-            raise CheckpointError(f"no intact checkpoint in {self.root}: "
-                                  f"{'; '.join(damaged)}; move them aside to start afresh")
+            raise CheckpointError(
+                f"no intact checkpoint in {self.root}: "
+                f"{'; '.join(damaged)}; move them aside to start afresh"
+            )
         return None
 
     def _recover(self) -> None:
@@ -167,8 +189,10 @@ class Checkpointer:
                 self.folder.recover()
                 aborted = storage.abort_uploads(self.root)
                 if aborted:
-                    self.log(f"aborted {aborted} unfinished multipart upload(s) under {self.root} "
-                             "(left by a run that was stopped mid-save)")
+                    self.log(
+                        f"aborted {aborted} unfinished multipart upload(s) under {self.root} "
+                        "(left by a run that was stopped mid-save)"
+                    )
             except storage.store_errors() as e:
                 self.log(f"warning: could not tidy {self.root} before resuming ({e})")
         self._collective_timeout()
@@ -184,10 +208,15 @@ class Checkpointer:
         rank, world = dist.get_rank(), dist.get_world_size()
         gave_up = retry.counts()["gave_up"]
         try:
-            local = integrity.check_share(self._path(step), step, self.cfg.verify, rank, world,
-                                          allow_pickle=self.cfg.allow_pickle)
+            local = integrity.check_share(
+                self._path(step),
+                step,
+                self.cfg.verify,
+                rank,
+                world,
+                allow_pickle=self.cfg.allow_pickle,
+            )
         except storage.store_errors() as e:  # a listing or probe the store kept refusing
-
             if retry.counts()["gave_up"] == gave_up:
                 raise
             local = str(e)
@@ -197,23 +226,28 @@ class Checkpointer:
         self._collective_timeout()
         dist.all_gather_object(seen, (step, local), group=self.group)
         if any(s != step for s, _ in seen):
-            raise ConfigError(f"ranks see different checkpoints in {self.root}: "
-                              f"{[s for s, _ in seen]}; the dump folder must be on storage that "
-                              "every node shares")
+            raise ConfigError(
+                f"ranks see different checkpoints in {self.root}: "
+                f"{[s for s, _ in seen]}; the dump folder must be on storage that "
+                "every node shares"
+            )
         problems = [p for _, p in seen if p not in (None, integrity.LEGACY)]
-        failed = [p[len(STORE_FAILED):] for p in problems if p.startswith(STORE_FAILED)]
+        failed = [p[len(STORE_FAILED) :] for p in problems if p.startswith(STORE_FAILED)]
         if failed:  # falling back to an older step would silently lose the newer one
             raise CheckpointError(
                 f"the object store did not answer while {self._path(step)} was checked, past "
                 f"checkpoint.store_retries = {retry.settings()['retries']} retries "
                 f"({failed[0]}); it was not treated as damaged: resume again once the store "
-                "answers")
+                "answers"
+            )
         if problems:
             return problems[0]
         if any(p == integrity.LEGACY for _, p in seen):
-            self.log(f"checkpoint {self._path(step)} has no {integrity.MANIFEST} (written "
-                     "before integrity checks): loading it with its sizes checked against "
-                     ".metadata only")
+            self.log(
+                f"checkpoint {self._path(step)} has no {integrity.MANIFEST} (written "
+                "before integrity checks): loading it with its sizes checked against "
+                ".metadata only"
+            )
         return None
 
     def load(self, step: int | None, *, quiet: bool = False) -> bool:
@@ -236,9 +270,11 @@ class Checkpointer:
         load = functools.partial(safe_load.load, path=path, allow_pickle=self.cfg.allow_pickle)
         load({"dataloader": data}, partial=True)
         model_optim.flat = "model_optim.optimizer.param_groups.0.lr" not in saved  # older
-        fresh = model_optim.model_only = optimizer_switched(saved, model_optim.optimizer)  # reset_optimizer
+        fresh = model_optim.model_only = optimizer_switched(
+            saved, model_optim.optimizer
+        )  # reset_optimizer
         prefix = "model_optim.optimizer."  # the optimizer's state loads, its settings are ours
-        model_optim.saved_keys = {k[len(prefix):] for k in saved if k.startswith(prefix)}
+        model_optim.saved_keys = {k[len(prefix) :] for k in saved if k.startswith(prefix)}
         model_optim.grouped = saved_grouped(model_optim.saved_keys)
         model_optim.changes = []
         try:
@@ -248,9 +284,11 @@ class Checkpointer:
             model_optim.grouped = True
         settings = None if fresh else changed_line(model_optim.changes)  # collective
         if fresh:
-            self.log(f"checkpoint.reset_optimizer: {self._path(step)} holds another optimizer's "
-                     "state; the model, data position and schedule resume, the optimizer "
-                     "starts afresh")
+            self.log(
+                f"checkpoint.reset_optimizer: {self._path(step)} holds another optimizer's "
+                "state; the model, data position and schedule resume, the optimizer "
+                "starts afresh"
+            )
         # Leniently: older checkpoints have no spike window nor rollbacks (TrainState).
         load({"train_state": train_state}, partial=True)
         # After the optimizer: the schedule keeps this run's formula and sets the lr of the
@@ -261,8 +299,10 @@ class Checkpointer:
         self.branch_point = self.latest = step
         if quiet:
             return True
-        self.log(f"resumed from {self._path(step)} (step {self.train_state.step}) in "
-                 f"{time.monotonic() - t0:.2f}s")
+        self.log(
+            f"resumed from {self._path(step)} (step {self.train_state.step}) in "
+            f"{time.monotonic() - t0:.2f}s"
+        )
         if os.environ.get(integrity.DIGEST_ENV):
             model = self.states["model_optim"].model
             self.log(f"loaded weights digest {integrity.weights_digest(integrity.saved(model))}")
@@ -314,10 +354,11 @@ class Checkpointer:
                 error = integrity.describe_save_error(e, partial)
             self._commit(step, t0, error, writer)
         else:
-            future = dcp.async_save(states, storage_writer=writer,
-                                    process_group=self.async_group)
-            self.log(f"checkpoint step-{step}: staged in {time.monotonic() - t0:.2f}s, "
-                     "writing in the background")
+            future = dcp.async_save(states, storage_writer=writer, process_group=self.async_group)
+            self.log(
+                f"checkpoint step-{step}: staged in {time.monotonic() - t0:.2f}s, "
+                "writing in the background"
+            )
             self.pending = (step, future, t0, writer)
 
     def wait(self) -> None:
@@ -338,8 +379,10 @@ class Checkpointer:
             except (CheckpointException, *storage.store_errors()) as e:
                 error = integrity.describe_save_error(e, self.folder.partial(step))
             if time.monotonic() - waited > 0.01:
-                self.log(f"checkpoint step-{step}: training waited "
-                         f"{time.monotonic() - waited:.2f}s for the background write")
+                self.log(
+                    f"checkpoint step-{step}: training waited "
+                    f"{time.monotonic() - waited:.2f}s for the background write"
+                )
             self._commit(step, t0, error, writer)
 
     def _commit(self, step: int, t0: float, error: str | None, writer) -> None:
@@ -378,20 +421,24 @@ class Checkpointer:
         if taken := lease.lost():  # since the step end: nothing committed there
             raise OSError(f"this run lost the lease on {taken}")
         self._move_aside_abandoned(step)
-        integrity.write_manifest(partial, step, self.fingerprint,
-                                 {**integrity.unrecorded(partial, files), **files})
+        integrity.write_manifest(
+            partial, step, self.fingerprint, {**integrity.unrecorded(partial, files), **files}
+        )
         self.folder.install(step, replacing=self.replacing == step)
 
     def _clean_up(self, step: int) -> None:
         """After the commit of `step` (rank 0): the superseded and pruned steps deleted, and a
         store's leftovers. A failure is a warning: the step is committed, and the next commit
         cleans up again. On a store it runs in the background (joined at the next save)."""
+
         def work() -> None:
             try:
                 self.folder.clean_up(self.cfg.keep_latest_k, keep=step)
             except storage.store_errors() as e:
-                self.log(f"warning: cleaning up after checkpoint step-{step} failed ({e}); "
-                         f"{self._path(step)} is committed; the next save cleans up again")
+                self.log(
+                    f"warning: cleaning up after checkpoint step-{step} failed ({e}); "
+                    f"{self._path(step)} is committed; the next save cleans up again"
+                )
 
         if not self.folder.url:
             work()
@@ -410,22 +457,31 @@ class Checkpointer:
         steps = self.committed_steps()
         latest = self._path(steps[-1]) if steps else "none"
         if self.cfg.on_save_error == "stop":
-            raise CheckpointError(f"saving {partial} failed: {error}; the latest checkpoint is "
-                                  f"{latest} (checkpoint.on_save_error = 'continue' trains on)")
-        self.log(f"warning: checkpoint step-{step} not saved ({error}); training goes on "
-                 f"(checkpoint.on_save_error = 'continue'); the latest checkpoint is {latest}")
+            raise CheckpointError(
+                f"saving {partial} failed: {error}; the latest checkpoint is "
+                f"{latest} (checkpoint.on_save_error = 'continue' trains on)"
+            )
+        self.log(
+            f"warning: checkpoint step-{step} not saved ({error}); training goes on "
+            f"(checkpoint.on_save_error = 'continue'); the latest checkpoint is {latest}"
+        )
 
     def _move_aside_abandoned(self, step: int) -> None:
         """At this run's first commit, rename `step-M` folders later than the step it resumed
         from (and any `step-{step}`): they belong to the branch a rewind abandoned."""
         if self.branch_point is None:
             return
-        later = [s for s in self.committed_steps()
-                 if s > self.branch_point or (s == step and s != self.replacing)]
+        later = [
+            s
+            for s in self.committed_steps()
+            if s > self.branch_point or (s == step and s != self.replacing)
+        ]
         if later:
             suffix = abandoned_suffix()
             for s in later:
                 self.folder.set_aside(s, suffix)
-            self.log(f"this run resumed from step {self.branch_point}: moved the later "
-                     f"checkpoint(s) {', '.join(f'step-{s}' for s in later)} aside as "
-                     f"step-N{suffix} (never resumed from nor pruned)")
+            self.log(
+                f"this run resumed from step {self.branch_point}: moved the later "
+                f"checkpoint(s) {', '.join(f'step-{s}' for s in later)} aside as "
+                f"step-N{suffix} (never resumed from nor pruned)"
+            )

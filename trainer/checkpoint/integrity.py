@@ -59,8 +59,11 @@ def marker() -> dict:
 def model_fingerprint(model) -> str:
     """A short hash of every parameter's name and shape (what a checkpoint must fit): the
     whole model's, also where a rank holds only its pipeline stages (`whole_model_shapes`)."""
-    shapes = (model.whole_model_shapes() if hasattr(model, "whole_model_shapes")
-              else ((name, p.shape) for name, p in model.named_parameters()))
+    shapes = (
+        model.whole_model_shapes()
+        if hasattr(model, "whole_model_shapes")
+        else ((name, p.shape) for name, p in model.named_parameters())
+    )
     text = ";".join(f"{name}:{tuple(shape)}" for name, shape in shapes)
     return hashlib.sha256(text.encode()).hexdigest()[:16]
 
@@ -109,15 +112,25 @@ def unrecorded(folder: str, recorded: dict[str, dict]) -> dict[str, dict]:
     """{file: {bytes, crc32}} of the folder's files that no rank's writer recorded (none,
     with DCP's writer as it is: a safety net, read by rank 0; raises OSError)."""
     names = [n for n in storage.listdir(folder) if n != MANIFEST and n not in recorded]
-    return {name: {"bytes": storage.size(storage.join(folder, name)),
-                   CHECKSUM: file_checksum(storage.join(folder, name))} for name in names}
+    return {
+        name: {
+            "bytes": storage.size(storage.join(folder, name)),
+            CHECKSUM: file_checksum(storage.join(folder, name)),
+        }
+        for name in names
+    }
 
 
 def write_manifest(folder: str, step: int, fingerprint: str, files: dict[str, dict]) -> None:
     """Write `manifest.json` durably (temp file, fsync, rename; on a store one object);
     raises OSError."""
-    manifest = {"format": FORMAT, "version": VERSION, "step": step,
-                "model_fingerprint": fingerprint, "files": dict(sorted(files.items()))}
+    manifest = {
+        "format": FORMAT,
+        "version": VERSION,
+        "step": step,
+        "model_fingerprint": fingerprint,
+        "files": dict(sorted(files.items())),
+    }
     storage.write_durably(storage.join(folder, MANIFEST), json.dumps(manifest, indent=1))
 
 
@@ -288,8 +301,9 @@ def saved_fingerprint(folder: str) -> str | None:
         return None
 
 
-def check_share(folder: str, step: int, verify: str, rank: int, world: int,
-                allow_pickle: bool = False) -> str | None:
+def check_share(
+    folder: str, step: int, verify: str, rank: int, world: int, allow_pickle: bool = False
+) -> str | None:
     """None if this rank's share of checkpoint `folder` is intact, LEGACY for a checkpoint
     without a manifest that looks whole, else what is wrong (one phrase). A `.metadata` that
     would run code is wrong too, manifest or not: the manifest guards against damage, and

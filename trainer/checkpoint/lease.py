@@ -42,26 +42,36 @@ _held: dict = {"lease": None, "others": []}  # others: an s3:// folder's (store_
 @dataclass
 class Holder:
     host: str
-    job: str        # "slurm <id>", "torchrun <run id>", or "pid <pid>"
-    pid: int        # rank 0's process
-    start: str      # that process's start time (/proc/<pid>/stat), against pid reuse
-    since: float    # when the lease was taken (unix time)
+    job: str  # "slurm <id>", "torchrun <run id>", or "pid <pid>"
+    pid: int  # rank 0's process
+    start: str  # that process's start time (/proc/<pid>/stat), against pid reuse
+    since: float  # when the lease was taken (unix time)
     heartbeat: float
-    token: str      # unique per taking: tells leases apart
+    token: str  # unique per taking: tells leases apart
     machine: str = ""  # machine_id(): two machines (or containers) with one host name are
     # told apart before a pid is probed ("" in older leases)
 
     def describe(self, now: float | None = None) -> str:
         age = max(0.0, (now or time.time()) - self.heartbeat)
-        return (f"{self.job} on {self.host} (pid {self.pid}), heartbeat {age:.0f}s ago, "
-                f"holding it since {time.strftime('%Y-%m-%d %H:%M:%S', time.localtime(self.since))}")
+        return (
+            f"{self.job} on {self.host} (pid {self.pid}), heartbeat {age:.0f}s ago, "
+            f"holding it since {time.strftime('%Y-%m-%d %H:%M:%S', time.localtime(self.since))}"
+        )
 
 
 def new_holder() -> Holder:
     """This process's record, as a lease it takes names it (a fresh token)."""
     pid, now = os.getpid(), time.time()
-    return Holder(host=socket.gethostname(), job=job_id(), pid=pid, start=_start_time(pid),
-                  since=now, heartbeat=now, token=uuid.uuid4().hex, machine=machine_id())
+    return Holder(
+        host=socket.gethostname(),
+        job=job_id(),
+        pid=pid,
+        start=_start_time(pid),
+        since=now,
+        heartbeat=now,
+        token=uuid.uuid4().hex,
+        machine=machine_id(),
+    )
 
 
 def machine_id() -> str:
@@ -159,7 +169,8 @@ def refusal(folder: str, holder: Holder, timeout: float) -> LeaseHeld:
     return LeaseHeld(
         f"job.dump_folder {folder} is in use by another run: {holder.describe()}; give this run "
         f"another job.dump_folder, or stop that one (a lease whose heartbeat stops for "
-        f"job.lease_timeout_seconds = {timeout:g} is taken over; {os.path.join(folder, LEASE_FILE)})")
+        f"job.lease_timeout_seconds = {timeout:g} is taken over; {os.path.join(folder, LEASE_FILE)})"
+    )
 
 
 def check_free(folder: str, timeout: float, env=os.environ) -> None:
@@ -197,8 +208,10 @@ class Lease:
                 continue  # released meanwhile
             if holder == "partial":
                 if not self._partial_is_stale():
-                    raise LeaseHeld(f"job.dump_folder {self.folder} is being taken by another "
-                                    f"run ({self.path} is being written)")
+                    raise LeaseHeld(
+                        f"job.dump_folder {self.folder} is being taken by another "
+                        f"run ({self.path} is being written)"
+                    )
                 holder_desc, reason = "an unreadable lease", "written long ago"
             else:
                 reason = why_free(holder, self.timeout, self.me.job, time.time())
@@ -207,14 +220,16 @@ class Lease:
                 holder_desc = holder.describe()
             taken = self._take_over(holder)
             if taken and holder != "partial" and holder.job != self.me.job:
-                self.log(f"dump folder {self.folder}: taking over the lease of {holder_desc} "
-                         f"({reason})")
+                self.log(
+                    f"dump folder {self.folder}: taking over the lease of {holder_desc} ({reason})"
+                )
             if taken:
                 return
             if taken is None:
                 time.sleep(0.02)  # another contender holds the claim: see what it leaves
-        raise LeaseHeld(f"job.dump_folder {self.folder}: could not take {self.path} (other runs "
-                        "keep taking it)")
+        raise LeaseHeld(
+            f"job.dump_folder {self.folder}: could not take {self.path} (other runs keep taking it)"
+        )
 
     def _payload(self) -> str:
         return json.dumps(asdict(self.me), indent=1) + "\n"
@@ -311,8 +326,10 @@ class Lease:
             who = current.describe() if isinstance(current, Holder) else "nobody"
             self.lost_to = f"{self.folder} (now held by {who})"
             self.lost = True  # after lost_to: the loop reads both (lost())
-            self.log(f"warning: this run lost the lease on {self.folder} (now held by {who}); "
-                     "another run may be writing there")
+            self.log(
+                f"warning: this run lost the lease on {self.folder} (now held by {who}); "
+                "another run may be writing there"
+            )
             return
         self.me.heartbeat = time.time()
         tmp = f"{self.path}.{self.me.token}.tmp"

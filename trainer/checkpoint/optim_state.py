@@ -26,10 +26,13 @@ from typing import Iterator
 
 import torch
 import torch.distributed as dist
-from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict,
-                                                     get_optimizer_state_dict,
-                                                     set_model_state_dict,
-                                                     set_optimizer_state_dict)
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    get_optimizer_state_dict,
+    set_model_state_dict,
+    set_optimizer_state_dict,
+)
 from torch.distributed.checkpoint.stateful import Stateful
 
 from trainer.checkpoint import integrity
@@ -44,9 +47,15 @@ GROUPS = "param_groups."
 
 # Param-group key -> the [optimizer] key that sets it (a key not listed is named as the group's).
 CONFIG_KEYS = {
-    "momentum": "muon_momentum", "nesterov": "muon_nesterov", "ns_steps": "muon_ns_steps",
-    "ns_dtype": "muon_ns_dtype", "lr_adjust": "muon_lr_adjust", "weight_decay": "weight_decay",
-    "eps": "eps", "foreach": "implementation", "fused": "implementation",
+    "momentum": "muon_momentum",
+    "nesterov": "muon_nesterov",
+    "ns_steps": "muon_ns_steps",
+    "ns_dtype": "muon_ns_dtype",
+    "lr_adjust": "muon_lr_adjust",
+    "weight_decay": "weight_decay",
+    "eps": "eps",
+    "foreach": "implementation",
+    "fused": "implementation",
     "decoupled_weight_decay": "name",
 }
 
@@ -110,8 +119,9 @@ class ModelAndOptimizer(Stateful):
         elif self.flat:
             optim = {**optim, **self._unsaved}
         with settings_from_config(self.optimizer, self.changes):
-            set_optimizer_state_dict(self.model, self.optimizer, optim_state_dict=optim,
-                                     options=self._options())
+            set_optimizer_state_dict(
+                self.model, self.optimizer, optim_state_dict=optim, options=self._options()
+            )
         self._unsaved = {}
 
 
@@ -127,7 +137,7 @@ def group_settings(settings: dict) -> dict:
     dict or list would be flattened again) and loads with torch.load(weights_only=True)."""
     per_param: dict[str, list] = {}
     for key, value in settings.items():
-        fqn, setting = key[len(GROUPS):].rsplit(".", 1)
+        fqn, setting = key[len(GROUPS) :].rsplit(".", 1)
         per_param.setdefault(GROUPS + fqn, []).append((setting, value))
     return {key: tuple(pairs) for key, pairs in per_param.items()}
 
@@ -144,8 +154,9 @@ def ungroup_settings(optim: dict) -> dict:
 
 
 @contextlib.contextmanager
-def settings_from_config(optimizer: torch.optim.Optimizer,
-                         changes: list[tuple[str, str, str]]) -> Iterator[None]:
+def settings_from_config(
+    optimizer: torch.optim.Optimizer, changes: list[tuple[str, str, str]]
+) -> Iterator[None]:
     """Load the optimizer's state inside; on leaving, the optimizer's param groups are the ones
     it had before (this run's config), and `changes` gets (config key, checkpoint's value, this
     run's value) for each setting that differed on this rank."""
@@ -173,17 +184,25 @@ def _differences(saved: dict, mine: dict) -> list[tuple[str, str, str]]:
         if key in NOT_SETTINGS or key not in saved or saved[key] == mine[key]:
             continue
         if key == "betas":
-            out += [(f"beta{i + 1}", _text(a), _text(b))
-                    for i, (a, b) in enumerate(zip(saved[key], mine[key]))
-                    if a != b]
+            out += [
+                (f"beta{i + 1}", _text(a), _text(b))
+                for i, (a, b) in enumerate(zip(saved[key], mine[key]))
+                if a != b
+            ]
         elif key in ("foreach", "fused"):
             out.append(("implementation", _kernel(saved), _kernel(mine)))
         elif key == "decoupled_weight_decay":
-            out.append(("name", "AdamW" if saved[key] else "Adam",
-                        "AdamW" if mine[key] else "Adam"))
+            out.append(
+                ("name", "AdamW" if saved[key] else "Adam", "AdamW" if mine[key] else "Adam")
+            )
         else:
-            out.append((CONFIG_KEYS.get(key, f"(param group key {key!r})"),
-                        _text(saved[key]), _text(mine[key])))
+            out.append(
+                (
+                    CONFIG_KEYS.get(key, f"(param group key {key!r})"),
+                    _text(saved[key]),
+                    _text(mine[key]),
+                )
+            )
     return out
 
 
@@ -208,8 +227,11 @@ def _steps_where_the_kernel_wants_them(optimizer: torch.optim.Optimizer) -> None
             if not torch.is_tensor(step):
                 continue
             local = p.to_local() if hasattr(p, "to_local") else p
-            optimizer.state[p]["step"] = (step.to(device=local.device, dtype=torch.float32)
-                                          if on_device else step.to(device="cpu"))
+            optimizer.state[p]["step"] = (
+                step.to(device=local.device, dtype=torch.float32)
+                if on_device
+                else step.to(device="cpu")
+            )
 
 
 def changed_line(changes: list[tuple[str, str, str]]) -> str | None:
@@ -225,8 +247,10 @@ def changed_line(changes: list[tuple[str, str, str]]) -> str | None:
     if not union:
         return None
     listed = ", ".join(f"optimizer.{key} {old} -> {new}" for key, old, new in union)
-    return (f"optimizer settings changed at the resume: {listed} (this run's config applies; "
-            "the optimizer state resumes as saved)")
+    return (
+        f"optimizer settings changed at the resume: {listed} (this run's config applies; "
+        "the optimizer state resumes as saved)"
+    )
 
 
 def optimizer_switched(saved, optimizer) -> bool:
@@ -236,8 +260,9 @@ def optimizer_switched(saved, optimizer) -> bool:
     return was_muon != (type(optimizer).__name__ == "Muon")
 
 
-def check_fits(path: str, saved, model_optim: "ModelAndOptimizer", fingerprint,
-               reset_optimizer: bool) -> None:
+def check_fits(
+    path: str, saved, model_optim: "ModelAndOptimizer", fingerprint, reset_optimizer: bool
+) -> None:
     """Before a resume: a checkpoint of another model shape, another set of parameters, or
     another optimizer (without checkpoint.reset_optimizer) is a config error, not a DCP
     traceback."""
@@ -249,16 +274,21 @@ def check_fits(path: str, saved, model_optim: "ModelAndOptimizer", fingerprint,
                 f"checkpoint {path} does not fit this model: {name} has shape {shape} "
                 f"there and {tuple(param.shape)} here; resume with the model.flavor, "
                 "model.vocab_size and tokenizer it was saved with, or use another "
-                "checkpoint.folder")
+                "checkpoint.folder"
+            )
     if not reset_optimizer and optimizer_switched(saved, model_optim.optimizer):
         now = type(model_optim.optimizer).__name__
         was = "Muon" if now != "Muon" else "AdamW or Adam"
-        raise ConfigError(f"checkpoint {path} holds {was} state and this run's optimizer is "
-                          f"{now}; keep the optimizer.name it was saved with, or set "
-                          "checkpoint.reset_optimizer = true to resume the model with a fresh "
-                          "optimizer")
+        raise ConfigError(
+            f"checkpoint {path} holds {was} state and this run's optimizer is "
+            f"{now}; keep the optimizer.name it was saved with, or set "
+            "checkpoint.reset_optimizer = true to resume the model with a fresh "
+            "optimizer"
+        )
     saved_print = integrity.saved_fingerprint(path)  # also catches parameters we lack
     if saved_print not in (None, fingerprint):
-        raise ConfigError(f"checkpoint {path} does not fit this model: it holds another set "
-                          "of parameters (model fingerprint differs); resume with the "
-                          "model.flavor it was saved with, or use another checkpoint.folder")
+        raise ConfigError(
+            f"checkpoint {path} does not fit this model: it holds another set "
+            "of parameters (model fingerprint differs); resume with the "
+            "model.flavor it was saved with, or use another checkpoint.folder"
+        )

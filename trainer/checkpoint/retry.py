@@ -42,8 +42,14 @@ import threading
 
 MAX_SLEEP = 20.0  # seconds: the backoff's cap
 BACKOFF = 0.2  # seconds: the first retry's longest wait, doubled at each retry
-THROTTLE_CODES = ("SlowDown", "Throttling", "ThrottlingException", "RequestLimitExceeded",
-                  "TooManyRequests", "RequestThrottled")
+THROTTLE_CODES = (
+    "SlowDown",
+    "Throttling",
+    "ThrottlingException",
+    "RequestLimitExceeded",
+    "TooManyRequests",
+    "RequestThrottled",
+)
 # 400s that S3 documents as the request's own bad luck, not the client's fault: the
 # connection idled past the server's wait, and a body damaged on the way (its checksum)
 TIMEOUT_CODES = ("RequestTimeout", "RequestTimeoutException")
@@ -63,8 +69,12 @@ def configure(cfg) -> None:
     c = cfg.checkpoint
     _settings.update(retries=int(c.store_retries), timeout=float(c.store_timeout_seconds))
     data = cfg.data
-    urls = [c.folder if c.enable else "", c.initial_load_path, data.store_path,
-            *(getattr(m, "store_path", "") for m in (data.mix or []))]
+    urls = [
+        c.folder if c.enable else "",
+        c.initial_load_path,
+        data.store_path,
+        *(getattr(m, "store_path", "") for m in (data.mix or [])),
+    ]
     _active = any("://" in str(u) for u in urls)
 
 
@@ -105,8 +115,13 @@ def classify(response, caught_exception) -> str | None:
 
 
 def _classify_error(e: BaseException) -> str | None:
-    from botocore.exceptions import (ConnectionClosedError, ConnectTimeoutError,
-                                     EndpointConnectionError, HTTPClientError, ReadTimeoutError)
+    from botocore.exceptions import (
+        ConnectionClosedError,
+        ConnectTimeoutError,
+        EndpointConnectionError,
+        HTTPClientError,
+        ReadTimeoutError,
+    )
 
     if isinstance(e, (ReadTimeoutError, ConnectTimeoutError)):
         return "timeouts"
@@ -129,11 +144,13 @@ def _reset_while_sending(e: BaseException) -> bool:
         from aiohttp import ClientConnectorError
     except ImportError:  # pragma: no cover - s3fs brings aiohttp
         ClientConnectorError = ()  # noqa: N806
-    if cause is None or isinstance(cause, (ClientConnectorError, ConnectionRefusedError,
-                                           socket.gaierror)):
+    if cause is None or isinstance(
+        cause, (ClientConnectorError, ConnectionRefusedError, socket.gaierror)
+    ):
         return False
-    return isinstance(cause, (ConnectionResetError, BrokenPipeError)) or \
-        "write request body" in str(cause)
+    return isinstance(
+        cause, (ConnectionResetError, BrokenPipeError)
+    ) or "write request body" in str(cause)
 
 
 def backoff(attempt: int) -> float:
@@ -162,8 +179,11 @@ def hook(events) -> None:
 def client_config() -> dict:
     """botocore Config arguments: one attempt of botocore's own policy, this run's timeouts."""
     t = _settings["timeout"]
-    return {"retries": {"mode": "standard", "total_max_attempts": 1},
-            "read_timeout": t, "connect_timeout": min(t, 10.0)}
+    return {
+        "retries": {"mode": "standard", "total_max_attempts": 1},
+        "read_timeout": t,
+        "connect_timeout": min(t, 10.0),
+    }
 
 
 def boto3_client():
@@ -193,8 +213,11 @@ def s3_filesystem_class():
         retries = 1  # s3fs's own layer: off (one attempt); botocore's event decides
 
         def _prepare_config_kwargs(self):
-            return {**super()._prepare_config_kwargs(), **client_config(),
-                    "http_session_cls": _aiohttp_session_class()}
+            return {
+                **super()._prepare_config_kwargs(),
+                **client_config(),
+                "http_session_cls": _aiohttp_session_class(),
+            }
 
         async def set_session(self, refresh=False, kwargs={}):  # noqa: B006 - s3fs's signature
             s3 = await super().set_session(refresh, kwargs)

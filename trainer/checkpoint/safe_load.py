@@ -30,8 +30,15 @@ OPT_OUT = "checkpoint.allow_pickle"
 # What DCP's metadata is made of (torch 2.11-2.13): dataclasses, an enum, paths, sizes, dtypes.
 ALLOWED = {
     "torch.distributed.checkpoint.metadata": {
-        "Metadata", "TensorStorageMetadata", "BytesStorageMetadata", "ChunkStorageMetadata",
-        "TensorProperties", "MetadataIndex", "StorageMeta", "_MEM_FORMAT_ENCODING"},
+        "Metadata",
+        "TensorStorageMetadata",
+        "BytesStorageMetadata",
+        "ChunkStorageMetadata",
+        "TensorProperties",
+        "MetadataIndex",
+        "StorageMeta",
+        "_MEM_FORMAT_ENCODING",
+    },
     "torch.distributed.checkpoint.filesystem": {"_StorageInfo"},
     "torch.distributed.checkpoint._extension": {"StreamTransformExtension"},
     "torch.serialization": {"_get_layout"},
@@ -63,7 +70,8 @@ def untrusted(path: str, what: str, detail: str) -> UntrustedCheckpoint:
     err = UntrustedCheckpoint(
         f"{path}: {what} names {detail}, which a DCP checkpoint never holds; it was not loaded "
         f"(loading it could run code). If you wrote this checkpoint yourself with another torch "
-        f"version, set {OPT_OUT} = true (--allow-pickle for convert and generate)")
+        f"version, set {OPT_OUT} = true (--allow-pickle for convert and generate)"
+    )
     err.detail = f"{what} names {detail}"
     return err
 
@@ -104,8 +112,9 @@ class SafeLoadPlanner(DefaultLoadPlanner):
         try:
             obj = torch.load(value, weights_only=True)
         except pickle.UnpicklingError as e:
-            raise untrusted(self.path, f"the entry {read_item.dest_index.fqn}",
-                            str(e).splitlines()[0][:200]) from None
+            raise untrusted(
+                self.path, f"the entry {read_item.dest_index.fqn}", str(e).splitlines()[0][:200]
+            ) from None
         fqn = read_item.dest_index.fqn
         if self.flatten_state_dict:
             from torch.distributed.checkpoint._nested_dict import set_element
@@ -130,7 +139,8 @@ def reader(path: str, allow_pickle: bool = False):
     from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader
 
     safe = type("SafeFsspecReader", (_SafeMetadata, FsspecReader), {})(
-        path, use_listings_cache=False)
+        path, use_listings_cache=False
+    )
     safe.allow_pickle = allow_pickle
     return safe
 
@@ -139,15 +149,23 @@ def read_metadata(path: str, allow_pickle: bool = False) -> Metadata:
     return reader(path, allow_pickle).read_metadata()
 
 
-def load(state_dict: dict, path: str, *, allow_pickle: bool = False, partial: bool = False,
-         no_dist: bool = False) -> None:
+def load(
+    state_dict: dict,
+    path: str,
+    *,
+    allow_pickle: bool = False,
+    partial: bool = False,
+    no_dist: bool = False,
+) -> None:
     """`dcp.load` of `state_dict` from checkpoint folder `path`, without running its code.
     `partial`: keys missing from the checkpoint keep their current values."""
     path = os.fspath(path)
     # First on its own: dcp.load swallows a reader's error (it falls back to per-rank
     # metadata files) and would bury the refusal in its own.
     read_metadata(path, allow_pickle)
-    dcp.load(state_dict, storage_reader=reader(path, allow_pickle),
-             planner=SafeLoadPlanner(allow_partial_load=partial, allow_pickle=allow_pickle,
-                                     path=path),
-             no_dist=no_dist)
+    dcp.load(
+        state_dict,
+        storage_reader=reader(path, allow_pickle),
+        planner=SafeLoadPlanner(allow_partial_load=partial, allow_pickle=allow_pickle, path=path),
+        no_dist=no_dist,
+    )

@@ -22,8 +22,12 @@ class TrainState(Stateful):
     # passes over a global batch (the one it spiked on)
 
     def state_dict(self) -> dict:
-        return {"step": self.step, "tokens_seen": self.tokens_seen,
-                "loss_window": list(self.loss_window), "rollback_steps": list(self.rollback_steps)}
+        return {
+            "step": self.step,
+            "tokens_seen": self.tokens_seen,
+            "loss_window": list(self.loss_window),
+            "rollback_steps": list(self.rollback_steps),
+        }
 
     def load_state_dict(self, sd: dict) -> None:
         self.step, self.tokens_seen = int(sd["step"]), int(sd["tokens_seen"])

@@ -76,7 +76,7 @@ class StepFolder:
             rel = key.split("://", 1)[-1]
             if not rel.startswith(base):
                 continue
-            prefix, _, name = rel[len(base):].partition("/")
+            prefix, _, name = rel[len(base) :].partition("/")
             if STORE_STEP.match(prefix) and name and "/" not in name:
                 out.setdefault(prefix, set()).add(name)
         return out

@@ -24,7 +24,7 @@ from typing import IO
 from trainer.checkpoint import retry
 from trainer.errors import ConfigError
 
-SCHEMES = {"s3": "s3fs (pip install -e \".[s3]\")", "gs": "gcsfs (pip install -e \".[gcs]\")"}
+SCHEMES = {"s3": 's3fs (pip install -e ".[s3]")', "gs": 'gcsfs (pip install -e ".[gcs]")'}
 
 
 def is_url(path) -> bool:
@@ -37,8 +37,10 @@ def check_path(path: str, key: str) -> None:
         return
     scheme = str(path).split("://", 1)[0]
     if scheme not in SCHEMES:
-        raise ConfigError(f"{key} = {path!r}: the scheme {scheme}:// is not supported; use a "
-                          "local folder, s3://bucket/prefix or gs://bucket/prefix")
+        raise ConfigError(
+            f"{key} = {path!r}: the scheme {scheme}:// is not supported; use a "
+            "local folder, s3://bucket/prefix or gs://bucket/prefix"
+        )
     if not str(path).split("://", 1)[1].split("/", 1)[0]:
         raise ConfigError(f"{key} = {path!r} names no bucket; use {scheme}://bucket/prefix")
     try:
@@ -81,16 +83,22 @@ def probe(root: str, key: str) -> None:
     try:
         fs.ls(f"{str(root).split('://', 1)[0]}://{bucket}", detail=False)
     except FileNotFoundError:
-        raise ConfigError(f"{key} = {root!r}: the bucket {bucket!r} does not exist (or is not "
-                          "visible to these credentials); create it or name another") from None
+        raise ConfigError(
+            f"{key} = {root!r}: the bucket {bucket!r} does not exist (or is not "
+            "visible to these credentials); create it or name another"
+        ) from None
     except PermissionError as e:
-        raise ConfigError(f"{key} = {root!r}: access denied ({_first_line(e)}); check the "
-                          "credentials (AWS_* variables, ~/.aws, or Google's default "
-                          "credentials)") from None
+        raise ConfigError(
+            f"{key} = {root!r}: access denied ({_first_line(e)}); check the "
+            "credentials (AWS_* variables, ~/.aws, or Google's default "
+            "credentials)"
+        ) from None
     except Exception as e:  # noqa: BLE001 - connection refused, DNS, TLS: all 'unreachable'
         endpoint = os.environ.get("AWS_ENDPOINT_URL", "the default endpoint")
-        raise ConfigError(f"{key} = {root!r}: cannot reach the store at {endpoint} "
-                          f"({type(e).__name__}: {_first_line(e)})") from None
+        raise ConfigError(
+            f"{key} = {root!r}: cannot reach the store at {endpoint} "
+            f"({type(e).__name__}: {_first_line(e)})"
+        ) from None
 
 
 def _first_line(e: BaseException) -> str:
@@ -191,14 +199,16 @@ def abort_uploads(root: str) -> int:
     folder's lease: every upload there is then a dead run's."""
     if not str(root).startswith("s3://"):
         return 0
-    bucket, _, prefix = str(root)[len("s3://"):].partition("/")
+    bucket, _, prefix = str(root)[len("s3://") :].partition("/")
     client = retry.boto3_client()
     aborted = 0
     for page in client.get_paginator("list_multipart_uploads").paginate(
-            Bucket=bucket, Prefix=prefix.rstrip("/") + "/" if prefix else ""):
+        Bucket=bucket, Prefix=prefix.rstrip("/") + "/" if prefix else ""
+    ):
         for upload in page.get("Uploads", []):
-            client.abort_multipart_upload(Bucket=bucket, Key=upload["Key"],
-                                          UploadId=upload["UploadId"])
+            client.abort_multipart_upload(
+                Bucket=bucket, Key=upload["Key"], UploadId=upload["UploadId"]
+            )
             aborted += 1
     return aborted
 

@@ -103,9 +103,11 @@ class StoreLease:
             return self._lost_to
         silent = time.monotonic() - self._last_ok
         if self._thread is not None and silent > self.timeout:
-            return (f"{self.url} (its heartbeat has not reached the store for {silent:.0f}s, "
-                    f"past job.lease_timeout_seconds = {self.timeout:g}: another run may hold "
-                    "it now)")
+            return (
+                f"{self.url} (its heartbeat has not reached the store for {silent:.0f}s, "
+                f"past job.lease_timeout_seconds = {self.timeout:g}: another run may hold "
+                "it now)"
+            )
         return None
 
     def _lose(self, why: str, line: str) -> None:
@@ -115,8 +117,9 @@ class StoreLease:
     # -------------------------------------------------------------------------- requests
     def _put(self, **condition) -> str:
         body = json.dumps(asdict(self.me), indent=1).encode()
-        return self.client.put_object(Bucket=self.bucket, Key=self.key, Body=body,
-                                      **condition)["ETag"]
+        return self.client.put_object(Bucket=self.bucket, Key=self.key, Body=body, **condition)[
+            "ETag"
+        ]
 
     def _read(self) -> tuple[Holder | str | None, str | None, float | None]:
         """(holder, ETag, age by the store's clock); (None, None, None) if there is none."""
@@ -144,15 +147,23 @@ class StoreLease:
             holder, etag, age = self._read()
             if holder is None:
                 continue  # released meanwhile
-            reason = "unreadable" if holder == "unreadable" else why_free(
-                holder, self.timeout, self.me.job,
-                time.time() if age is None else holder.heartbeat + age)
+            reason = (
+                "unreadable"
+                if holder == "unreadable"
+                else why_free(
+                    holder,
+                    self.timeout,
+                    self.me.job,
+                    time.time() if age is None else holder.heartbeat + age,
+                )
+            )
             if reason is None:
                 raise LeaseHeld(
                     f"checkpoint.folder {self.url} is in use by another run: "
                     f"{holder.describe()}; give this run another checkpoint.folder, or stop that "
                     f"one (a lease whose heartbeat stops for job.lease_timeout_seconds = "
-                    f"{self.timeout:g} is taken over; {self.url}/{LEASE_FILE})")
+                    f"{self.timeout:g} is taken over; {self.url}/{LEASE_FILE})"
+                )
             try:
                 self.etag = self._put(IfMatch=etag)
             except Exception as e:  # noqa: BLE001
@@ -161,11 +172,14 @@ class StoreLease:
                 continue  # changed since it was judged: judge again
             self._last_ok = time.monotonic()
             if holder == "unreadable" or holder.job != self.me.job:
-                self.log(f"checkpoint folder {self.url}: taking over the lease of "
-                         f"{holder if holder == 'unreadable' else holder.describe()} ({reason})")
+                self.log(
+                    f"checkpoint folder {self.url}: taking over the lease of "
+                    f"{holder if holder == 'unreadable' else holder.describe()} ({reason})"
+                )
             return
-        raise LeaseHeld(f"checkpoint.folder {self.url}: could not take {LEASE_FILE} (other runs "
-                        "keep taking it)")
+        raise LeaseHeld(
+            f"checkpoint.folder {self.url}: could not take {LEASE_FILE} (other runs keep taking it)"
+        )
 
     def check_conditions(self) -> bool:
         """Whether the store refuses a write whose condition fails: a probe object next to the
@@ -198,9 +212,11 @@ class StoreLease:
                 if not self.refresh():
                     return
         except BaseException as e:  # noqa: BLE001 - a dead heartbeat must stop the run
-            self._lose(f"its heartbeat failed: {type(e).__name__}: {e}",
-                       f"warning: the lease heartbeat on {self.url} failed ({type(e).__name__}: "
-                       f"{e}); this run stops at the next step end")
+            self._lose(
+                f"its heartbeat failed: {type(e).__name__}: {e}",
+                f"warning: the lease heartbeat on {self.url} failed ({type(e).__name__}: "
+                f"{e}); this run stops at the next step end",
+            )
 
     def refresh(self) -> bool:
         """One heartbeat; False once another run holds the lease."""
@@ -234,15 +250,19 @@ class StoreLease:
         if self._still_ours():
             self._confirmed()
             return True
-        self._lose("another run took it over",
-                   f"warning: this run lost the lease on {self.url} (another run took it over); "
-                   "another run may be writing there")
+        self._lose(
+            "another run took it over",
+            f"warning: this run lost the lease on {self.url} (another run took it over); "
+            "another run may be writing there",
+        )
         return False
 
     def _unanswered(self, e: Exception) -> bool:
         if not self._failing:
-            self.log(f"warning: could not refresh {self.url}/{LEASE_FILE} "
-                     f"({type(e).__name__}: {e}); trying again")
+            self.log(
+                f"warning: could not refresh {self.url}/{LEASE_FILE} "
+                f"({type(e).__name__}: {e}); trying again"
+            )
         self._failing = True
         return True
 
@@ -271,15 +291,18 @@ class StoreLease:
             pass
 
 
-def take(url: str, timeout: float, rank: int, log=print, *,
-         checked: bool = True) -> StoreLease | None:
+def take(
+    url: str, timeout: float, rank: int, log=print, *, checked: bool = True
+) -> StoreLease | None:
     """Rank 0 takes and holds the lease of an s3:// folder (others, and gs://, get None).
     `checked`: refuse a store that ignores conditional writes (checkpoint.store_lease)."""
     if rank != 0:
         return None
     if not url.startswith("s3://"):
-        log(f"note: {url} has no lease of its own (conditional writes are used on s3:// only); "
-            "only the dump folder's lease keeps a second run out")
+        log(
+            f"note: {url} has no lease of its own (conditional writes are used on s3:// only); "
+            "only the dump folder's lease keeps a second run out"
+        )
         return None
     held = StoreLease(url, timeout, log=log)
     if not held.check_conditions():
@@ -287,10 +310,13 @@ def take(url: str, timeout: float, rank: int, log=print, *,
             raise UnconditionalStore(
                 f"checkpoint.folder {url}: this store ignores conditional writes (If-None-Match), "
                 "so no lease can keep a second run out of the folder; use a store that honours "
-                "them (AWS S3, MinIO 2025+, ...), or set checkpoint.store_lease = \"unchecked\" "
-                "to run without that guard")
-        log(f"warning: {url}: the store ignores conditional writes; running without a lease "
-            "that keeps other runs out (checkpoint.store_lease = \"unchecked\")")
+                'them (AWS S3, MinIO 2025+, ...), or set checkpoint.store_lease = "unchecked" '
+                "to run without that guard"
+            )
+        log(
+            f"warning: {url}: the store ignores conditional writes; running without a lease "
+            'that keeps other runs out (checkpoint.store_lease = "unchecked")'
+        )
     held.acquire()
     held.start()
     return held

@@ -6,4 +6,3 @@
 - `reference.py`: every key with its type, default and doc (`--help`, docs/config.md);
 - `__main__.py`: `python -m trainer.config` (the launchers' `--check`, `--help`).
 """
-

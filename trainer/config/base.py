@@ -20,8 +20,15 @@ from typing import Any
 from trainer.errors import ConfigError
 
 
-def opt(default: Any, help: str, *, choices: tuple | None = None, min: float | None = None,
-        max: float | None = None, int_as_str: bool = False) -> Any:
+def opt(
+    default: Any,
+    help: str,
+    *,
+    choices: tuple | None = None,
+    min: float | None = None,
+    max: float | None = None,
+    int_as_str: bool = False,
+) -> Any:
     """Declare a config field: its default, its one-line doc and optional simple constraints.
     `int_as_str`: a str field whose value may also be an integer (TOML `key = 2` reads as
     "2"); the section's `validate` checks the value."""
@@ -53,8 +60,10 @@ def parse_cli(argv: list[str]) -> dict[str, str | None]:
     while i < len(argv):
         arg = argv[i]
         if not arg.startswith("--") or "." not in arg.split("=", 1)[0]:
-            raise ConfigError(f"unexpected argument {arg!r}; overrides look like "
-                              "--section.key value or --section.key=value")
+            raise ConfigError(
+                f"unexpected argument {arg!r}; overrides look like "
+                "--section.key value or --section.key=value"
+            )
         if "=" in arg:
             key, value = arg[2:].split("=", 1)
         elif i + 1 < len(argv) and not argv[i + 1].startswith("--"):
@@ -91,17 +100,20 @@ def coerce(key: str, value: Any, tp, int_as_str: bool = False) -> Any:
         (item_tp,) = typing.get_args(tp)
         if dataclasses.is_dataclass(item_tp):
             if not isinstance(value, list):
-                raise ConfigError(f"{key} must be a list of tables ([[{key}]] in TOML), got "
-                                  f"{value!r}")
+                raise ConfigError(
+                    f"{key} must be a list of tables ([[{key}]] in TOML), got {value!r}"
+                )
             return [coerce_table(f"{key}[{i}]", v, item_tp) for i, v in enumerate(value)]
         if not isinstance(value, list):
             raise ConfigError(f"{key} must be a list of {item_tp.__name__}, got {value!r}")
         return [coerce(key, v, item_tp) for v in value]
     ok = (isinstance(value, tp) and not (tp is int and isinstance(value, bool))) or (
-        tp is float and isinstance(value, int) and not isinstance(value, bool))
+        tp is float and isinstance(value, int) and not isinstance(value, bool)
+    )
     if not ok:
-        raise ConfigError(f"{key} must be {_article(tp)} {type_name(tp)}, got "
-                          f"{type(value).__name__} {value!r}")
+        raise ConfigError(
+            f"{key} must be {_article(tp)} {type_name(tp)}, got {type(value).__name__} {value!r}"
+        )
     return float(value) if tp is float else value
 
 
@@ -109,15 +121,19 @@ def coerce_table(key: str, value: Any, tp) -> Any:
     """A TOML table (dict) into the dataclass `tp`: unknown keys, wrong types and the fields'
     declared constraints fail with the key named, e.g. data.mix[1].weight."""
     if not isinstance(value, dict):
-        raise ConfigError(f"{key} must be a table with keys "
-                          f"{', '.join(f.name for f in dataclasses.fields(tp))}, got {value!r}")
+        raise ConfigError(
+            f"{key} must be a table with keys "
+            f"{', '.join(f.name for f in dataclasses.fields(tp))}, got {value!r}"
+        )
     fields = {f.name: f for f in dataclasses.fields(tp)}
     hints = typing.get_type_hints(tp)
     kwargs = {}
     for name, v in value.items():
         if name not in fields:
-            raise ConfigError(f"unknown key {key}.{name}{did_you_mean(name, fields)}; valid "
-                              f"keys: {', '.join(fields)}")
+            raise ConfigError(
+                f"unknown key {key}.{name}{did_you_mean(name, fields)}; valid "
+                f"keys: {', '.join(fields)}"
+            )
         kwargs[name] = coerce(f"{key}.{name}", v, hints[name])
         check_field(key, fields[name], kwargs[name])
     return tp(**kwargs)
@@ -132,8 +148,10 @@ def from_cli(key: str, raw: str | None, tp) -> Any:
         try:
             value = tomllib.loads(f"value = {raw or '[]'}")["value"]
         except tomllib.TOMLDecodeError as e:
-            raise ConfigError(f"{key} must be a TOML inline array of tables, e.g. "
-                              f"'[{{name = \"a\", ...}}]'; got {raw!r} ({e})") from None
+            raise ConfigError(
+                f"{key} must be a TOML inline array of tables, e.g. "
+                f"'[{{name = \"a\", ...}}]'; got {raw!r} ({e})"
+            ) from None
         return coerce(key, value, tp)
     if typing.get_origin(tp) is list:
         (item_tp,) = typing.get_args(tp)
@@ -162,11 +180,14 @@ def _article(tp) -> str:
 def check_folder(key: str, path: str) -> None:
     """A folder key names a folder, existing or to create; ConfigError otherwise."""
     if not path.strip():
-        raise ConfigError(f"{key} = {path!r} names no folder; name one (e.g. "
-                          "'./outputs/my_run'; it is created if missing)")
+        raise ConfigError(
+            f"{key} = {path!r} names no folder; name one (e.g. "
+            "'./outputs/my_run'; it is created if missing)"
+        )
     if os.path.exists(path) and not os.path.isdir(path):
-        raise ConfigError(f"{key} = {path!r} is a file, not a folder; name a folder (it is "
-                          "created if missing)")
+        raise ConfigError(
+            f"{key} = {path!r} is a file, not a folder; name a folder (it is created if missing)"
+        )
 
 
 def toml_value(v: Any) -> str:
@@ -177,15 +198,32 @@ def toml_value(v: Any) -> str:
     if isinstance(v, list):
         return "[" + ", ".join(toml_value(x) for x in v) + "]"
     if dataclasses.is_dataclass(v):  # an inline table
-        return "{" + ", ".join(f"{f.name} = {toml_value(getattr(v, f.name))}"
-                               for f in dataclasses.fields(v)) + "}"
-    return '"' + "".join(_TOML_ESCAPES.get(c) or (f"\\u{ord(c):04x}" if _control(c) else c)
-                         for c in str(v)) + '"'
+        return (
+            "{"
+            + ", ".join(
+                f"{f.name} = {toml_value(getattr(v, f.name))}" for f in dataclasses.fields(v)
+            )
+            + "}"
+        )
+    return (
+        '"'
+        + "".join(
+            _TOML_ESCAPES.get(c) or (f"\\u{ord(c):04x}" if _control(c) else c) for c in str(v)
+        )
+        + '"'
+    )
 
 
 # A TOML basic string escapes these, and every other control character as \uXXXX.
-_TOML_ESCAPES = {"\\": "\\\\", '"': '\\"', "\b": "\\b", "\t": "\\t", "\n": "\\n", "\f": "\\f",
-                 "\r": "\\r"}
+_TOML_ESCAPES = {
+    "\\": "\\\\",
+    '"': '\\"',
+    "\b": "\\b",
+    "\t": "\\t",
+    "\n": "\\n",
+    "\f": "\\f",
+    "\r": "\\r",
+}
 
 
 def _control(c: str) -> bool:

@@ -36,9 +36,17 @@ def _default(f: dataclasses.Field):
 
 def _table_keys(section: str, table_name: str, table) -> list[Key]:
     hints = typing.get_type_hints(table)
-    return [Key(section, g.name, type_name(hints[g.name]), toml_value(_default(g)),
-                g.metadata.get("help", ""), table=table_name)
-            for g in dataclasses.fields(table)]
+    return [
+        Key(
+            section,
+            g.name,
+            type_name(hints[g.name]),
+            toml_value(_default(g)),
+            g.metadata.get("help", ""),
+            table=table_name,
+        )
+        for g in dataclasses.fields(table)
+    ]
 
 
 def keys() -> list[Key]:
@@ -49,8 +57,15 @@ def keys() -> list[Key]:
         hints = typing.get_type_hints(type(obj))
         for f in dataclasses.fields(obj):
             tp = hints[f.name]
-            out.append(Key(section, f.name, type_name(tp), toml_value(getattr(obj, f.name)),
-                           f.metadata.get("help", "")))
+            out.append(
+                Key(
+                    section,
+                    f.name,
+                    type_name(tp),
+                    toml_value(getattr(obj, f.name)),
+                    f.metadata.get("help", ""),
+                )
+            )
             args = typing.get_args(tp)
             if args and dataclasses.is_dataclass(args[0]):  # [[section.key]] tables
                 out.extend(_table_keys(section, f.name, args[0]))
@@ -100,20 +115,36 @@ def markdown() -> str:
     """docs/config.md: a section per TOML table, a row per key."""
     all_keys, docs = keys(), section_docs()
     names = list(dict.fromkeys(k.section for k in all_keys))
-    out = ["# Configuration reference", "",
-           "Every key of the TOML config, with its type, default and what it does, grouped by "
-           "section. Set a key in the TOML file (`[section]` then `key = value`) or on the "
-           "command line as `--section.key value` (command line > TOML > defaults). "
-           "`./run_train.sh --help` prints the same list.", "",
-           "Generated from the config dataclasses by `python scripts/gen_config_docs.py`; "
-           "`tests/test_docs.py` fails when this page is out of date. Do not edit it by hand.",
-           "", "Sections: " + ", ".join(f"[`[{n}]`](#{n})" for n in names) + ".", ""]
+    out = [
+        "# Configuration reference",
+        "",
+        "Every key of the TOML config, with its type, default and what it does, grouped by "
+        "section. Set a key in the TOML file (`[section]` then `key = value`) or on the "
+        "command line as `--section.key value` (command line > TOML > defaults). "
+        "`./run_train.sh --help` prints the same list.",
+        "",
+        "Generated from the config dataclasses by `python scripts/gen_config_docs.py`; "
+        "`tests/test_docs.py` fails when this page is out of date. Do not edit it by hand.",
+        "",
+        "Sections: " + ", ".join(f"[`[{n}]`](#{n})" for n in names) + ".",
+        "",
+    ]
     for name in names:
         own = [k for k in all_keys if k.section == name]
-        out += [f"## {name}", "", *([_linked(docs[name]), ""] if docs.get(name) else []),
-                *TABLE_HEAD, *(_row(k) for k in own if not k.table)]
+        out += [
+            f"## {name}",
+            "",
+            *([_linked(docs[name]), ""] if docs.get(name) else []),
+            *TABLE_HEAD,
+            *(_row(k) for k in own if not k.table),
+        ]
         for table in dict.fromkeys(k.table for k in own if k.table):  # [[section.table]] keys
-            out += ["", f"Each `[[{name}.{table}]]` entry:", "", *TABLE_HEAD,
-                    *(_row(k) for k in own if k.table == table)]
+            out += [
+                "",
+                f"Each `[[{name}.{table}]]` entry:",
+                "",
+                *TABLE_HEAD,
+                *(_row(k) for k in own if k.table == table),
+            ]
         out.append("")
     return "\n".join(out)

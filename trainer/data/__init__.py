@@ -8,4 +8,10 @@ from trainer.data.build import build_dataloader, check_model_vocab, padded_vocab
 from trainer.data.config import DataConfig
 from trainer.data.documents import count_targets
 
-__all__ = ["DataConfig", "build_dataloader", "check_model_vocab", "count_targets", "padded_vocab_size"]
+__all__ = [
+    "DataConfig",
+    "build_dataloader",
+    "check_model_vocab",
+    "count_targets",
+    "padded_vocab_size",
+]

@@ -17,16 +17,30 @@ from trainer.data.config import DataConfig
 from trainer.errors import DataError
 
 
-def build_dataloader(cfg: DataConfig, *, seq_len: int, local_batch_size: int,
-                     global_batch_size: int, dp_rank: int, dp_size: int, seed: int,
-                     split: str = "train"):
+def build_dataloader(
+    cfg: DataConfig,
+    *,
+    seq_len: int,
+    local_batch_size: int,
+    global_batch_size: int,
+    dp_rank: int,
+    dp_size: int,
+    seed: int,
+    split: str = "train",
+):
     """Build this dp rank's loader (see trainer/data/loader.py for the global order)."""
     if split not in ("train", "validation"):
         raise ValueError(f"split must be 'train' or 'validation', got {split!r}")
     cfg.validate()
-    kw = dict(seq_len=seq_len, local_batch_size=local_batch_size,
-              global_batch_size=global_batch_size, dp_rank=dp_rank, dp_size=dp_size, seed=seed,
-              predict_document_start=cfg.predict_document_start)
+    kw = dict(
+        seq_len=seq_len,
+        local_batch_size=local_batch_size,
+        global_batch_size=global_batch_size,
+        dp_rank=dp_rank,
+        dp_size=dp_size,
+        seed=seed,
+        predict_document_start=cfg.predict_document_start,
+    )
     if cfg.mix:
         if split != "train":
             raise ValueError("a blend's validation reads each source apart: mix_sources()")
@@ -40,8 +54,14 @@ def build_dataloader(cfg: DataConfig, *, seq_len: int, local_batch_size: int,
         from trainer.data.loader import StoreLoader
 
         store, tokenizer_path = open_store(cfg)
-        return StoreLoader(store, split=split, val_fraction=cfg.val_fraction,
-                           shuffle=cfg.shuffle, tokenizer_path=tokenizer_path, **kw)
+        return StoreLoader(
+            store,
+            split=split,
+            val_fraction=cfg.val_fraction,
+            shuffle=cfg.shuffle,
+            tokenizer_path=tokenizer_path,
+            **kw,
+        )
     return _streaming_loader(cfg, split, kw)
 
 
@@ -73,8 +93,12 @@ def open_mix_stores(cfg: DataConfig) -> tuple[dict, str]:
     stores = {}
     for src in cfg.mix:
         try:
-            stores[src.name] = Store(src.store_path, cfg.verify_store, **store_cache(cfg),
-                                     key=f"data.mix source {src.name!r} store_path")
+            stores[src.name] = Store(
+                src.store_path,
+                cfg.verify_store,
+                **store_cache(cfg),
+                key=f"data.mix source {src.name!r} store_path",
+            )
         except DataError as e:
             raise DataError(f"data.mix source {src.name!r}: {e}") from None
     first = next(iter(stores))
@@ -85,15 +109,17 @@ def open_mix_stores(cfg: DataConfig) -> tuple[dict, str]:
                 f"tokenizers ({stores[first].tokenizer_file}, sha256 "
                 f"{stores[first].tokenizer_sha256[:12]}; {store.tokenizer_file}, sha256 "
                 f"{store.tokenizer_sha256[:12]}); a blend needs one tokenizer: re-prepare one "
-                "of them with the other's tokenizer.model")
+                "of them with the other's tokenizer.model"
+            )
     if not cfg.tokenizer_path:
         return stores, stores[first].tokenizer_file
     tokenizer_path = _matching_tokenizer(cfg, stores[first], f"data.mix source {first!r}: ")
     return stores, tokenizer_path
 
 
-def mix_sources(cfg: DataConfig, stores: dict, *, split: str, seeds: dict[str, int] | None = None,
-                **kw) -> dict:
+def mix_sources(
+    cfg: DataConfig, stores: dict, *, split: str, seeds: dict[str, int] | None = None, **kw
+) -> dict:
     """{name: StoreLoader} over the `split` of each source's store."""
     from trainer.data.loader import StoreLoader
 
@@ -101,9 +127,14 @@ def mix_sources(cfg: DataConfig, stores: dict, *, split: str, seeds: dict[str, i
     for name, store in stores.items():
         seed = seeds[name] if seeds else kw["seed"]
         try:
-            out[name] = StoreLoader(store, split=split, val_fraction=cfg.val_fraction,
-                                    shuffle=cfg.shuffle, tokenizer_path="",
-                                    **{**kw, "seed": seed})
+            out[name] = StoreLoader(
+                store,
+                split=split,
+                val_fraction=cfg.val_fraction,
+                shuffle=cfg.shuffle,
+                tokenizer_path="",
+                **{**kw, "seed": seed},
+            )
         except DataError as e:
             raise DataError(f"data.mix source {name!r}: {e}") from None
     return out
@@ -133,7 +164,8 @@ def _matching_tokenizer(cfg: DataConfig, store, what: str) -> str:
             f"{what}store {store.path} was prepared with a different tokenizer (sha256 "
             f"{store.tokenizer_sha256[:12]}) than data.tokenizer_path = {tokenizer_path} "
             f"(sha256 {sha[:12]}); re-prepare the store with this tokenizer, or leave "
-            "data.tokenizer_path empty to use the store's own tokenizer.model")
+            "data.tokenizer_path empty to use the store's own tokenizer.model"
+        )
     return tokenizer_path
 
 
@@ -142,13 +174,17 @@ def _streaming_loader(cfg: DataConfig, split: str, kw: dict):
     from trainer.data.tokenizer import load_tokenizer
 
     if not cfg.tokenizer_path:
-        raise DataError(f"data.tokenizer_path is empty: streaming {cfg.dataset} needs a "
-                        "sentencepiece model (train one with python -m "
-                        "trainer.data.train_tokenizer) or a tokenizer.json, or set data.store_path to a store")
+        raise DataError(
+            f"data.tokenizer_path is empty: streaming {cfg.dataset} needs a "
+            "sentencepiece model (train one with python -m "
+            "trainer.data.train_tokenizer) or a tokenizer.json, or set data.store_path to a store"
+        )
     if split == "validation" and not cfg.val_split:
-        raise DataError(f"no validation data for streamed {cfg.dataset}: set data.val_split "
-                        "(a HF split such as 'validation') or prepare a store and set "
-                        "data.store_path (validation is then a held-out slice)")
+        raise DataError(
+            f"no validation data for streamed {cfg.dataset}: set data.val_split "
+            "(a HF split such as 'validation') or prepare a store and set "
+            "data.store_path (validation is then a held-out slice)"
+        )
     hf_split = cfg.split if split == "train" else cfg.val_split
     tok = load_tokenizer(os.path.expanduser(cfg.tokenizer_path))
     return StreamingLoader(cfg, tok, hf_split, **kw)
@@ -164,6 +200,8 @@ def check_model_vocab(model_vocab_size: int, loader) -> None:
     """Refuse a model whose embedding cannot hold every token id the tokenizer produces."""
     if model_vocab_size < loader.vocab_size:
         where = loader.tokenizer_path or f"the {loader.kind} data"
-        raise DataError(f"model vocab_size {model_vocab_size} is smaller than the tokenizer "
-                        f"vocab {loader.vocab_size} of {where}; set the model's vocab_size >= "
-                        f"{loader.vocab_size} (padding up to a multiple is fine)")
+        raise DataError(
+            f"model vocab_size {model_vocab_size} is smaller than the tokenizer "
+            f"vocab {loader.vocab_size} of {where}; set the model's vocab_size >= "
+            f"{loader.vocab_size} (padding up to a multiple is fine)"
+        )

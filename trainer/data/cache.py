@@ -34,25 +34,31 @@ STDLIB_TOKENIZER_CHARS = 10_000_000  # ~1/3 of the corpus; trains in ~2 s on 2 c
 
 def stdlib_cache_dir(cfg: DataConfig) -> Path:
     fingerprint = stdlib_fingerprint(stdlib_files())[:12]
-    base = (Path(os.path.expanduser(cfg.cache_dir)) / "stdlib"
-            / f"py{platform.python_version()}-{fingerprint}")
+    base = (
+        Path(os.path.expanduser(cfg.cache_dir))
+        / "stdlib"
+        / f"py{platform.python_version()}-{fingerprint}"
+    )
     try:
         base.mkdir(parents=True, exist_ok=True)
     except OSError as e:
-        raise DataError(f"cannot create cache directory {base} (data.cache_dir): "
-                        f"{e.strerror}") from None
+        raise DataError(
+            f"cannot create cache directory {base} (data.cache_dir): {e.strerror}"
+        ) from None
     return base
 
 
-def ensure_stdlib(cfg: DataConfig, workers: int | None = None,
-                  show_progress: bool = True) -> tuple[str, str]:
+def ensure_stdlib(
+    cfg: DataConfig, workers: int | None = None, show_progress: bool = True
+) -> tuple[str, str]:
     """(tokenizer path, store path) of the stdlib default, building what is missing."""
     base = stdlib_cache_dir(cfg)
     built = _built_stdlib(cfg, base)
     if built is not None:  # every rank of every later run: no lock to queue on (and no
-        return built       # "waiting for another process" line while the ranks take turns)
-    with file_lock(base / ".lock", f"waiting for another process to build the stdlib "
-                                   f"tokenizer/store in {base}"):
+        return built  # "waiting for another process" line while the ranks take turns)
+    with file_lock(
+        base / ".lock", f"waiting for another process to build the stdlib tokenizer/store in {base}"
+    ):
         tok_path = _tokenizer_path(cfg, base)
         if cfg.tokenizer_path:
             if not os.path.isfile(tok_path):
@@ -61,8 +67,9 @@ def ensure_stdlib(cfg: DataConfig, workers: int | None = None,
             _train_stdlib_tokenizer(cfg, tok_path, show_progress)
         store = _store_path(cfg, base, tok_path)
         if not os.path.isfile(os.path.join(store, MANIFEST)):
-            _prepare_stdlib_store(cfg, tok_path, store, workers or cfg.prepare_workers,
-                                  show_progress)
+            _prepare_stdlib_store(
+                cfg, tok_path, store, workers or cfg.prepare_workers, show_progress
+            )
     return tok_path, store
 
 
@@ -90,20 +97,32 @@ def _train_stdlib_tokenizer(cfg: DataConfig, out: str, show_progress: bool) -> N
     progress = Progress(f"training stdlib tokenizer {out}", show_progress)
     # The cached tokenizer serves every stdlib store: trained on the whole corpus, whatever
     # modules this store selects (data.data_files).
-    train_bpe(documents(replace(cfg, data_files=[])), cfg.vocab_size, out, max_chars=STDLIB_TOKENIZER_CHARS,
-              on_doc=lambda d, c: progress.update(f"read {d:,} files, {c / 1e6:.1f}M chars"))
+    train_bpe(
+        documents(replace(cfg, data_files=[])),
+        cfg.vocab_size,
+        out,
+        max_chars=STDLIB_TOKENIZER_CHARS,
+        on_doc=lambda d, c: progress.update(f"read {d:,} files, {c / 1e6:.1f}M chars"),
+    )
     progress.done(f"BPE vocab {cfg.vocab_size} trained")
 
 
-def _prepare_stdlib_store(cfg: DataConfig, tok_path: str, store: str, workers: int,
-                          show_progress: bool) -> None:
+def _prepare_stdlib_store(
+    cfg: DataConfig, tok_path: str, store: str, workers: int, show_progress: bool
+) -> None:
     """Prepare into <store>.partial, then rename: a store path exists only when finished."""
     from trainer.data.writer import prepare_store
 
     partial = store.rstrip("/") + ".partial"
-    prepare_store(replace(cfg, store_path=partial), tok_path, partial, workers=workers,
-                  show_progress=show_progress)
+    prepare_store(
+        replace(cfg, store_path=partial),
+        tok_path,
+        partial,
+        workers=workers,
+        show_progress=show_progress,
+    )
     if os.path.exists(store):  # an explicit, unfinished data.store_path: replace it
         import shutil
+
         shutil.rmtree(store)
     os.rename(partial, store)

@@ -22,13 +22,18 @@ def add_data_args(parser: argparse.ArgumentParser) -> None:
     for name, f in _FIELDS.items():
         kind = _TYPES[name]
         if kind is bool:
-            parser.add_argument(f"--{name}", action=argparse.BooleanOptionalAction, default=None,
-                                help=f.metadata["help"])
+            parser.add_argument(
+                f"--{name}",
+                action=argparse.BooleanOptionalAction,
+                default=None,
+                help=f.metadata["help"],
+            )
         elif kind is list[MixSource]:  # a TOML inline array of tables, as for the trainer
             parser.add_argument(f"--{name}", default=None, help=f.metadata["help"])
         elif kind in (list[str], list[int]):
-            parser.add_argument(f"--{name}", nargs="*", default=None, help=f.metadata["help"],
-                                type=kind.__args__[0])
+            parser.add_argument(
+                f"--{name}", nargs="*", default=None, help=f.metadata["help"], type=kind.__args__[0]
+            )
         else:
             parser.add_argument(f"--{name}", type=kind, default=None, help=f.metadata["help"])
 
@@ -45,13 +50,18 @@ def data_config_from_args(args: argparse.Namespace) -> DataConfig:
     unknown = sorted(set(values) - set(_FIELDS))
     if unknown:
         raise ConfigError(f"unknown key data.{unknown[0]} in {args.config}")
-    values = {k: coerce(f"data.{k}", v, _TYPES[k], _FIELDS[k].metadata.get("int_as_str", False))
-              for k, v in values.items()}
+    values = {
+        k: coerce(f"data.{k}", v, _TYPES[k], _FIELDS[k].metadata.get("int_as_str", False))
+        for k, v in values.items()
+    }
     for name in _FIELDS:
         if getattr(args, name, None) is not None:
             value = getattr(args, name)
-            values[name] = from_cli(f"data.{name}", value, _TYPES[name]) \
-                if _TYPES[name] is list[MixSource] else value
+            values[name] = (
+                from_cli(f"data.{name}", value, _TYPES[name])
+                if _TYPES[name] is list[MixSource]
+                else value
+            )
     cfg = DataConfig(**values)
     for name, f in _FIELDS.items():
         check_field("data", f, getattr(cfg, name))

@@ -41,13 +41,16 @@ class Delimiters:
     eos: int | None = None
 
     def describe(self) -> str:
-        parts = ([f"at each BOS (id {self.bos})"] if self.bos is not None else []) + \
-                ([f"after each EOS (id {self.eos})"] if self.eos is not None else [])
+        parts = ([f"at each BOS (id {self.bos})"] if self.bos is not None else []) + (
+            [f"after each EOS (id {self.eos})"] if self.eos is not None else []
+        )
         return "documents start " + " and ".join(parts)
 
     def union(self, other: Delimiters) -> Delimiters:
-        return Delimiters(self.bos if self.bos is not None else other.bos,
-                          self.eos if self.eos is not None else other.eos)
+        return Delimiters(
+            self.bos if self.bos is not None else other.bos,
+            self.eos if self.eos is not None else other.eos,
+        )
 
 
 def delimiters_of(bos_id: int, eos_id: int, add_bos: bool, add_eos: bool) -> Delimiters | None:
@@ -66,8 +69,10 @@ def store_delimiters(manifest: dict, where: str) -> tuple[Delimiters | None, str
     if found is not None:
         return found, ""
     if not (add_bos or add_eos):
-        return None, (f"{where} was prepared with add_bos = false and add_eos = false: nothing "
-                      "marks where one document ends and the next begins")
+        return None, (
+            f"{where} was prepared with add_bos = false and add_eos = false: nothing "
+            "marks where one document ends and the next begins"
+        )
     return None, f"{where} has a tokenizer without the BOS/EOS ids its framing asks for"
 
 
@@ -93,8 +98,9 @@ def document_ids(tokens: torch.Tensor, d: Delimiters) -> torch.Tensor:
     return starts(tokens, d).cumsum(dim=1) - 1
 
 
-def window_document_ids(doc_ids: torch.Tensor, inputs: torch.Tensor, labels: torch.Tensor,
-                        d: Delimiters | None) -> torch.Tensor:
+def window_document_ids(
+    doc_ids: torch.Tensor, inputs: torch.Tensor, labels: torch.Tensor, d: Delimiters | None
+) -> torch.Tensor:
     """Int64 [B, S + 1]: the document of each of the window's tokens, `doc_ids` [B, S] of the
     inputs then token S (the last label): a new document if it is a BOS, follows an EOS, or
     was masked as a document start (IGNORE_INDEX: data.predict_document_start = false)."""
@@ -118,13 +124,13 @@ class MicrobatchDocuments:
     def __call__(self, inputs: torch.Tensor, labels: torch.Tensor):
         """(the model's doc ids or None, the window's or None)."""
         ids = self.ids(inputs)
-        window = window_document_ids(ids, inputs, labels, self.delimiters) if self.mtp \
-            else None
+        window = window_document_ids(ids, inputs, labels, self.delimiters) if self.mtp else None
         return (ids if self.model else None), window
 
 
-def split_window(windows: torch.Tensor, d: Delimiters | None,
-                 predict_document_start: bool) -> tuple[torch.Tensor, torch.Tensor]:
+def split_window(
+    windows: torch.Tensor, d: Delimiters | None, predict_document_start: bool
+) -> tuple[torch.Tensor, torch.Tensor]:
     """(inputs, labels) of [B, S+1] windows; without `predict_document_start`, a label that
     is the first token of a document (predicted at the previous document's last position) is
     IGNORE_INDEX. Position 0 of the window is never a label, so the first start is skipped."""
@@ -139,8 +145,9 @@ def describe_documents(loader) -> str:
     d = loader.delimiters
     if d is None:
         return "; no document delimiters"
-    kept = ("kept" if loader.predict_document_start else
-            "masked (data.predict_document_start = false)")
+    kept = (
+        "kept" if loader.predict_document_start else "masked (data.predict_document_start = false)"
+    )
     return f"; {d.describe()}; targets that start a document {kept}"
 
 
@@ -148,17 +155,21 @@ def check_documents(model_cfg, loader) -> None:
     """Refuse `attn_mask_type = 'block_causal'`, `positions = 'document'` or
     `predict_document_start = false` on data whose documents cannot be told apart, naming the
     source and the reason (one line)."""
-    needs = [f"model.attn_mask_type = {model_cfg.attn_mask_type!r}"
-             if model_cfg.attn_mask_type != "causal" else "",
-             f"model.positions = {model_cfg.positions!r}"
-             if model_cfg.positions != "sequence" else ""]
+    needs = [
+        f"model.attn_mask_type = {model_cfg.attn_mask_type!r}"
+        if model_cfg.attn_mask_type != "causal"
+        else "",
+        f"model.positions = {model_cfg.positions!r}" if model_cfg.positions != "sequence" else "",
+    ]
     if not getattr(loader, "predict_document_start", True):
         needs.append("data.predict_document_start = false")
     needs = " and ".join(n for n in needs if n)
     if not needs or getattr(loader, "delimiters", None) is not None:
         return
     why = getattr(loader, "no_documents", "") or f"the {loader.kind} data has no documents"
-    raise DataError(f"{needs} needs document boundaries, but {why}; frame the documents with "
-                    "EOS or BOS (re-prepare a store with python -m trainer.data.prepare "
-                    "--add_eos; stream with data.add_eos = true), or set model.attn_mask_type "
-                    "= 'causal' and model.positions = 'sequence'")
+    raise DataError(
+        f"{needs} needs document boundaries, but {why}; frame the documents with "
+        "EOS or BOS (re-prepare a store with python -m trainer.data.prepare "
+        "--add_eos; stream with data.add_eos = true), or set model.attn_mask_type "
+        "= 'causal' and model.positions = 'sequence'"
+    )

@@ -14,8 +14,13 @@ import numbers
 import numpy as np
 import torch
 
-from trainer.data.documents import (Delimiters, describe_documents, document_ids, split_window,
-                                    store_delimiters)
+from trainer.data.documents import (
+    Delimiters,
+    describe_documents,
+    document_ids,
+    split_window,
+    store_delimiters,
+)
 from trainer.data.order import window_of_sample
 from trainer.errors import DataError
 
@@ -34,11 +39,23 @@ class GlobalOrderLoader:
     delimiters: Delimiters | None = None
     no_documents: str = ""
 
-    def __init__(self, *, seq_len: int, local_batch_size: int, global_batch_size: int,
-                 dp_rank: int, dp_size: int, seed: int, predict_document_start: bool = True):
+    def __init__(
+        self,
+        *,
+        seq_len: int,
+        local_batch_size: int,
+        global_batch_size: int,
+        dp_rank: int,
+        dp_size: int,
+        seed: int,
+        predict_document_start: bool = True,
+    ):
         assert dp_size >= 1 and 0 <= dp_rank < dp_size, (dp_rank, dp_size)
-        assert global_batch_size % (local_batch_size * dp_size) == 0, \
-            (global_batch_size, local_batch_size, dp_size)
+        assert global_batch_size % (local_batch_size * dp_size) == 0, (
+            global_batch_size,
+            local_batch_size,
+            dp_size,
+        )
         self.seq_len, self.seed = seq_len, seed
         self.local_batch_size, self.global_batch_size = local_batch_size, global_batch_size
         self.target_global_batch_size = global_batch_size  # a ramp's steps take fewer
@@ -78,8 +95,10 @@ class GlobalOrderLoader:
         if self.micro != 0:
             raise RuntimeError("set_global_batch_size mid-step")
         per_pass = self.local_batch_size * self.dp_size
-        assert global_batch_size >= per_pass and global_batch_size % per_pass == 0, \
-            (global_batch_size, per_pass)
+        assert global_batch_size >= per_pass and global_batch_size % per_pass == 0, (
+            global_batch_size,
+            per_pass,
+        )
         self.global_batch_size = global_batch_size
         self.per_rank = global_batch_size // self.dp_size
         self.accum_steps = self.per_rank // self.local_batch_size
@@ -107,20 +126,35 @@ class GlobalOrderLoader:
     def state_dict(self) -> dict:
         """Plain-python state; identical on every rank. Only valid at a step boundary."""
         if self.micro != 0:
-            raise RuntimeError(f"loader state taken mid-step ({self.micro} of "
-                               f"{self.accum_steps} microbatches delivered)")
+            raise RuntimeError(
+                f"loader state taken mid-step ({self.micro} of "
+                f"{self.accum_steps} microbatches delivered)"
+            )
         epoch = self.consumed // self.n_windows if self.n_windows else 0
-        return {"kind": self.kind, "samples_consumed": self.consumed, "seed": self.seed,
-                "epoch": epoch, "seq_len": self.seq_len, "windows_per_epoch": self.n_windows,
-                "fingerprint": self.fingerprint}
+        return {
+            "kind": self.kind,
+            "samples_consumed": self.consumed,
+            "seed": self.seed,
+            "epoch": epoch,
+            "seq_len": self.seq_len,
+            "windows_per_epoch": self.n_windows,
+            "fingerprint": self.fingerprint,
+        }
 
     def load_state_dict(self, sd: dict) -> None:
         """Resume at the saved global sample count; refuse states from another data setup."""
         self.consumed = self._checked_consumed(
-            sd, (("fingerprint", self.fingerprint), ("seq_len", self.seq_len),
-                 ("seed", self.seed), ("windows_per_epoch", self.n_windows)),
+            sd,
+            (
+                ("fingerprint", self.fingerprint),
+                ("seq_len", self.seq_len),
+                ("seed", self.seed),
+                ("windows_per_epoch", self.n_windows),
+            ),
             f"{self._where()} is a {self.kind!r} loader; resume with the data config it was "
-            "saved with", "resume with the same store, seq_len, seed and val_fraction")
+            "saved with",
+            "resume with the same store, seq_len, seed and val_fraction",
+        )
         self.micro, self._plan = 0, None
 
     def _checked_consumed(self, sd, checks, other_kind: str, hint: str) -> int:
@@ -131,9 +165,11 @@ class GlobalOrderLoader:
             raise DataError(f"checkpoint data state is for a {got!r} loader but {other_kind}")
         for key, mine in checks:
             if sd.get(key) != mine:
-                raise DataError(f"checkpoint data state has {key}={sd.get(key)!r} but "
-                                f"{self._where()} has {key}={mine!r}; the saved sample order "
-                                f"cannot be continued ({hint})")
+                raise DataError(
+                    f"checkpoint data state has {key}={sd.get(key)!r} but "
+                    f"{self._where()} has {key}={mine!r}; the saved sample order "
+                    f"cannot be continued ({hint})"
+                )
         consumed = sd.get("samples_consumed")
         if not isinstance(consumed, numbers.Integral) or consumed < 0:
             raise DataError(f"checkpoint data state has a bad samples_consumed={consumed!r}")
@@ -163,10 +199,12 @@ class GlobalOrderLoader:
         windows = self._located(indices)
         top = int(windows.max()) if windows.size else 0
         if top >= getattr(self, "vocab_size", top + 1):
-            raise DataError(f"token id {top} in samples {int(indices[0])}-{int(indices[-1])} "
-                            f"of {self._where()} is beyond its vocabulary of {self.vocab_size}: "
-                            "a damaged shard (data.verify_store = 'sizes' reads none of them); "
-                            "check it with data.verify_store = 'checksums' or re-prepare it")
+            raise DataError(
+                f"token id {top} in samples {int(indices[0])}-{int(indices[-1])} "
+                f"of {self._where()} is beyond its vocabulary of {self.vocab_size}: "
+                "a damaged shard (data.verify_store = 'sizes' reads none of them); "
+                "check it with data.verify_store = 'checksums' or re-prepare it"
+            )
         return windows
 
     def _located(self, indices: np.ndarray) -> np.ndarray:
@@ -187,9 +225,13 @@ class GlobalOrderLoader:
         """(indices, sources, token starts) of this rank's samples from `first` (in the
         current step) to the end of its slice of a later step."""
         steps = max(1, min(self.PLAN_AHEAD // self.per_rank, 65536 // self.global_batch_size))
-        slices = [np.arange(max(first, s), s + self.per_rank, dtype=np.int64) for s in
-                  (self.consumed + j * self.global_batch_size + self.dp_rank * self.per_rank
-                   for j in range(steps))]
+        slices = [
+            np.arange(max(first, s), s + self.per_rank, dtype=np.int64)
+            for s in (
+                self.consumed + j * self.global_batch_size + self.dp_rank * self.per_rank
+                for j in range(steps)
+            )
+        ]
         indices = np.concatenate(slices)
         return (indices, *self._locations(indices))
 
@@ -199,6 +241,7 @@ class GlobalOrderLoader:
 
     def _step_done(self, before: int, after: int) -> None:
         """Called once per optimizer step, on every rank, as `consumed` moves to `after`."""
+
     def _windows(self, indices: np.ndarray) -> np.ndarray:
         raise NotImplementedError
 
@@ -216,8 +259,9 @@ class StoreLoader(GlobalOrderLoader):
 
     kind = "store"
 
-    def __init__(self, store, *, split: str, val_fraction: float, shuffle: bool,
-                 tokenizer_path: str, **kw):
+    def __init__(
+        self, store, *, split: str, val_fraction: float, shuffle: bool, tokenizer_path: str, **kw
+    ):
         super().__init__(**kw)
         self.store, self.split, self.shuffle = store, split, shuffle
         self.vocab_size, self.tokenizer_path = store.vocab_size, tokenizer_path
@@ -230,11 +274,13 @@ class StoreLoader(GlobalOrderLoader):
                 f"seq_len {self.seq_len} is longer than the corpus can fill: the {split} split "
                 f"of store {store.path} has {self.hi - self.lo:,} tokens (val_fraction "
                 f"{val_fraction} of {total:,}), fewer than one window of {self.seq_len + 1}; "
-                "use a shorter seq_len or a bigger corpus")
+                "use a shorter seq_len or a bigger corpus"
+            )
         # The order depends on shuffle too: a resume with it toggled would repeat and skip windows.
         self.fingerprint = f"{store.fingerprint}:{split}:shuffle={shuffle}"
-        self.delimiters, self.no_documents = store_delimiters(store.manifest,
-                                                              f"token store {store.path}")
+        self.delimiters, self.no_documents = store_delimiters(
+            store.manifest, f"token store {store.path}"
+        )
 
     def _locations(self, indices: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """(source 0, the token offset of each sample's window in the store)."""
@@ -255,13 +301,16 @@ class StoreLoader(GlobalOrderLoader):
         cache = getattr(self.store, "cache", None)
         if cache is None:
             return {}
-        return {"data_metrics/store_fetched_mib": cache.stats["fetched_bytes"] / (1 << 20),
-                "data_metrics/store_requests": float(cache.stats["requests"]),
-                "data_metrics/cache_evictions": float(cache.stats["evictions"]),
-                "data_metrics/cache_used_mib": cache.used_bytes() / (1 << 20)}
+        return {
+            "data_metrics/store_fetched_mib": cache.stats["fetched_bytes"] / (1 << 20),
+            "data_metrics/store_requests": float(cache.stats["requests"]),
+            "data_metrics/cache_evictions": float(cache.stats["evictions"]),
+            "data_metrics/cache_used_mib": cache.used_bytes() / (1 << 20),
+        }
 
     def describe(self) -> str:
-        return (f"{self.store.describe()}, {self.split} split: {self.n_windows:,} windows of "
-                f"{self.seq_len + 1} tokens; tokenizer {self.tokenizer_path} (vocab "
-                f"{self.vocab_size}); dp rank {self.dp_rank}/{self.dp_size}"
-                + describe_documents(self))
+        return (
+            f"{self.store.describe()}, {self.split} split: {self.n_windows:,} windows of "
+            f"{self.seq_len + 1} tokens; tokenizer {self.tokenizer_path} (vocab "
+            f"{self.vocab_size}); dp rank {self.dp_rank}/{self.dp_size}" + describe_documents(self)
+        )

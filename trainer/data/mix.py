@@ -34,9 +34,17 @@ def plan_rows(cfg, steps: int, world_size: int) -> tuple[list[dict], int]:
     pd = ParallelDims.from_config(cfg.parallelism, world_size)
     gbs = cfg.training.local_batch_size * pd.dp_size * accumulation_steps(cfg.training, pd.dp_size)
     stores, _ = open_mix_stores(replace(cfg.data, verify_store="sizes"))
-    sources = mix_sources(cfg.data, stores, split="train", seq_len=cfg.training.seq_len,
-                          local_batch_size=1, global_batch_size=1, dp_rank=0, dp_size=1,
-                          seed=cfg.job.seed)
+    sources = mix_sources(
+        cfg.data,
+        stores,
+        split="train",
+        seq_len=cfg.training.seq_len,
+        local_batch_size=1,
+        global_batch_size=1,
+        dp_rank=0,
+        dp_size=1,
+        seed=cfg.job.seed,
+    )
     weights = cfg.data.mix_weights_by_name()
     blend = Blend({n: w for n, w in weights.items() if w > 0}, cfg.job.seed)
     total = steps * gbs
@@ -49,32 +57,50 @@ def plan_rows(cfg, steps: int, world_size: int) -> tuple[list[dict], int]:
                 wraps.append("...")
                 break
             wraps.append(str(blend.first_sample_reaching(name, epoch * n + 1, 0, 0) // gbs + 1))
-        rows.append({"name": name, "share": blend.fractions.get(name, 0.0),
-                     "store_tokens": src.store.total_tokens, "windows": n, "samples": k,
-                     "tokens": k * cfg.training.seq_len, "epochs": k / n, "wraps": wraps})
+        rows.append(
+            {
+                "name": name,
+                "share": blend.fractions.get(name, 0.0),
+                "store_tokens": src.store.total_tokens,
+                "windows": n,
+                "samples": k,
+                "tokens": k * cfg.training.seq_len,
+                "epochs": k / n,
+                "wraps": wraps,
+            }
+        )
     return rows, gbs
 
 
 def format_plan(rows: list[dict], steps: int, gbs: int, seq_len: int) -> str:
-    lines = [f"{steps:,} steps x {gbs:,} samples of {seq_len} tokens = {steps * gbs:,} samples, "
-             f"{steps * gbs * seq_len:,} training tokens",
-             f"{'source':<12}{'weight':>8}{'store tokens':>15}{'windows':>10}{'samples':>12}"
-             f"{'tokens':>15}{'realised':>10}{'epochs':>8}  new epoch at step"]
+    lines = [
+        f"{steps:,} steps x {gbs:,} samples of {seq_len} tokens = {steps * gbs:,} samples, "
+        f"{steps * gbs * seq_len:,} training tokens",
+        f"{'source':<12}{'weight':>8}{'store tokens':>15}{'windows':>10}{'samples':>12}"
+        f"{'tokens':>15}{'realised':>10}{'epochs':>8}  new epoch at step",
+    ]
     for r in rows:
         realised = r["samples"] / max(1, steps * gbs)
-        lines.append(f"{r['name']:<12}{r['share']:>8.1%}{r['store_tokens']:>15,}"
-                     f"{r['windows']:>10,}{r['samples']:>12,}{r['tokens']:>15,}"
-                     f"{realised:>10.2%}{r['epochs']:>8.2f}  {', '.join(r['wraps']) or '-'}")
+        lines.append(
+            f"{r['name']:<12}{r['share']:>8.1%}{r['store_tokens']:>15,}"
+            f"{r['windows']:>10,}{r['samples']:>12,}{r['tokens']:>15,}"
+            f"{realised:>10.2%}{r['epochs']:>8.2f}  {', '.join(r['wraps']) or '-'}"
+        )
     return "\n".join(lines)
 
 
 def main(argv: list[str]) -> int:
-    parser = argparse.ArgumentParser(prog="python -m trainer.data.mix",
-                                     description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(
+        prog="python -m trainer.data.mix", description=__doc__.split("\n\n")[0]
+    )
     parser.add_argument("--config", required=True, help="the run's TOML file")
     parser.add_argument("--steps", type=int, help="steps to plan (default: training.steps)")
-    parser.add_argument("--world-size", type=int, default=1,
-                        help="ranks of the run (the global batch may depend on it; default 1)")
+    parser.add_argument(
+        "--world-size",
+        type=int,
+        default=1,
+        help="ranks of the run (the global batch may depend on it; default 1)",
+    )
     args, overrides = parser.parse_known_args(argv)
     try:
         from trainer.config.job import load_config

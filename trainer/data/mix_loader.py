@@ -43,8 +43,9 @@ def source_seed(seed: int, name: str) -> int:
 class MixLoader(GlobalOrderLoader):
     kind = "mix"
 
-    def __init__(self, sources: dict[str, StoreLoader], weights: dict[str, float],
-                 tokenizer_path: str, **kw):
+    def __init__(
+        self, sources: dict[str, StoreLoader], weights: dict[str, float], tokenizer_path: str, **kw
+    ):
         super().__init__(**kw)
         self.sources, self.tokenizer_path = sources, tokenizer_path
         self.vocab_size = next(iter(sources.values())).vocab_size
@@ -57,8 +58,11 @@ class MixLoader(GlobalOrderLoader):
         self._seeds = [s.seed for s in blended]
         self._stores = [s.store for s in blended]
         self._shuffle = blended[0].shuffle
-        self.stage = {"start": 0, "weights": dict(self.blend.fractions),
-                      "base": {n: 0 for n in sources}}
+        self.stage = {
+            "start": 0,
+            "weights": dict(self.blend.fractions),
+            "base": {n: 0 for n in sources},
+        }
         self.history: list[dict] = []  # earlier stages: {"start", "weights"}
         self.retired: dict[str, dict] = {}  # checkpointed sources not in this config
         self._events: list[str] = []
@@ -69,8 +73,10 @@ class MixLoader(GlobalOrderLoader):
         """Samples of each blended source in [stage start, i), by blend position: the closed
         form (a few exact integer sums); the loop keeps `_at_consumed` instead."""
         start = self.stage["start"]
-        return np.array([self.blend.count(n, i) - self.blend.count(n, start)
-                         for n in self.blend.names], dtype=np.int64)
+        return np.array(
+            [self.blend.count(n, i) - self.blend.count(n, start) for n in self.blend.names],
+            dtype=np.int64,
+        )
 
     def _reset_counts(self) -> None:
         self._plan = None  # planned locations belong to the stage they were computed in
@@ -98,13 +104,20 @@ class MixLoader(GlobalOrderLoader):
         if len(indices) == 0:
             return indices.copy(), indices.copy()
         if indices[0] < self.stage["start"] or np.any(np.diff(indices) <= 0):
-            raise ValueError(f"indices must be increasing and in this stage (start "
-                             f"{self.stage['start']}): {indices[:8]}...")
+            raise ValueError(
+                f"indices must be increasing and in this stage (start "
+                f"{self.stage['start']}): {indices[:8]}..."
+            )
         lo, hi = int(indices[0]), int(indices[-1]) + 1
         if hi - lo > 1 << 22:  # scattered indices: the closed form, index by index
             which = self.blend.index_of(indices)
-            k = np.array([self._base[w] + self._counts_at(i)[w]
-                          for w, i in zip(which.tolist(), indices.tolist())], dtype=np.int64)
+            k = np.array(
+                [
+                    self._base[w] + self._counts_at(i)[w]
+                    for w, i in zip(which.tolist(), indices.tolist())
+                ],
+                dtype=np.int64,
+            )
             return which, k
         which_all = self.blend.index_of(np.arange(lo, hi, dtype=np.int64))
         offsets = indices - lo
@@ -122,8 +135,9 @@ class MixLoader(GlobalOrderLoader):
         permutation for every source."""
         which, k = self._locate(indices)
         epoch, pos = np.divmod(k, self._n[which])
-        window = permute_many(pos, which, epoch, self._n.tolist(), self._seeds) \
-            if self._shuffle else pos
+        window = (
+            permute_many(pos, which, epoch, self._n.tolist(), self._seeds) if self._shuffle else pos
+        )
         return which, self._lo[which] + window * (self.seq_len + 1)
 
     def _read(self, which: np.ndarray, starts: np.ndarray) -> np.ndarray:
@@ -154,9 +168,11 @@ class MixLoader(GlobalOrderLoader):
         for s, n in enumerate(self._n.tolist()):  # the source's k in [was, now) came this step
             name = self.blend.names[s]
             for epoch in range(max(1, -(-int(was[s]) // n)), (int(now[s]) - 1) // n + 1):
-                self._events.append(f"source {name!r} starts epoch {epoch} (all {n:,} of its "
-                                    f"windows seen {epoch} time{'s' if epoch > 1 else ''}; a new "
-                                    "permutation)")
+                self._events.append(
+                    f"source {name!r} starts epoch {epoch} (all {n:,} of its "
+                    f"windows seen {epoch} time{'s' if epoch > 1 else ''}; a new "
+                    "permutation)"
+                )
 
     def pop_events(self) -> list[str]:
         events, self._events = self._events, []
@@ -171,44 +187,67 @@ class MixLoader(GlobalOrderLoader):
         return out
 
     def describe(self) -> str:
-        lines = [f"blend of {len(self.sources)} token stores, windows of {self.seq_len + 1} "
-                 f"tokens; tokenizer {self.tokenizer_path} (vocab {self.vocab_size}); dp rank "
-                 f"{self.dp_rank}/{self.dp_size}" + describe_documents(self)]
+        lines = [
+            f"blend of {len(self.sources)} token stores, windows of {self.seq_len + 1} "
+            f"tokens; tokenizer {self.tokenizer_path} (vocab {self.vocab_size}); dp rank "
+            f"{self.dp_rank}/{self.dp_size}" + describe_documents(self)
+        ]
         width = max(len(n) for n in self.sources)
         for name, src in self.sources.items():
             share = self.blend.fractions.get(name, 0.0)
             note = "" if share else "  (weight 0: not trained on, still validated)"
-            lines.append(f"  {name:<{width}}  {share:6.1%}  {src.store.path}: "
-                         f"{src.store.total_tokens:,} tokens, {src.n_windows:,} train windows"
-                         f"{note}")
+            lines.append(
+                f"  {name:<{width}}  {share:6.1%}  {src.store.path}: "
+                f"{src.store.total_tokens:,} tokens, {src.n_windows:,} train windows"
+                f"{note}"
+            )
         return "\n".join(lines)
 
     # -- checkpoint ----------------------------------------------------------------------
     def state_dict(self) -> dict:
         if self.micro != 0:
-            raise RuntimeError(f"loader state taken mid-step ({self.micro} of "
-                               f"{self.accum_steps} microbatches delivered)")
+            raise RuntimeError(
+                f"loader state taken mid-step ({self.micro} of "
+                f"{self.accum_steps} microbatches delivered)"
+            )
         counts = self.consumed_by_source()
         sources = dict(self.retired)
         for name, src in self.sources.items():
-            sources[name] = {"fingerprint": src.fingerprint, "windows_per_epoch": src.n_windows,
-                             "samples": counts[name], "epoch": counts[name] // src.n_windows}
-        mix = {"stage": self.stage, "stages": [*self.history, {
-            "start": self.stage["start"], "weights": self.stage["weights"]}], "sources": sources}
+            sources[name] = {
+                "fingerprint": src.fingerprint,
+                "windows_per_epoch": src.n_windows,
+                "samples": counts[name],
+                "epoch": counts[name] // src.n_windows,
+            }
+        mix = {
+            "stage": self.stage,
+            "stages": [
+                *self.history,
+                {"start": self.stage["start"], "weights": self.stage["weights"]},
+            ],
+            "sources": sources,
+        }
         # One JSON string: DCP loads a leaf whatever its content, while nested keys would only
         # load where the current config has them (a removed source would be lost).
-        return {"kind": self.kind, "samples_consumed": self.consumed, "seed": self.seed,
-                "seq_len": self.seq_len, "mix": json.dumps(mix, sort_keys=True)}
+        return {
+            "kind": self.kind,
+            "samples_consumed": self.consumed,
+            "seed": self.seed,
+            "seq_len": self.seq_len,
+            "mix": json.dumps(mix, sort_keys=True),
+        }
 
     def _where(self) -> str:
         return "this blend"
 
     def load_state_dict(self, sd: dict) -> None:
         consumed = self._checked_consumed(
-            sd, (("seq_len", self.seq_len), ("seed", self.seed)),
+            sd,
+            (("seq_len", self.seq_len), ("seed", self.seed)),
             "data.mix is a blend; a run started on one store cannot continue as a blend "
             "(start blends as a data.mix of one source, then add sources)",
-            "resume with the same seq_len and job.seed")
+            "resume with the same seq_len and job.seed",
+        )
         saved = json.loads(sd["mix"])
         self._check_sources(saved["sources"])
         self.retired = {n: e for n, e in saved["sources"].items() if n not in self.sources}
@@ -216,8 +255,11 @@ class MixLoader(GlobalOrderLoader):
         old = saved["stage"]
         if _same_weights(old["weights"], self.blend.fractions):
             samples = {n: e["samples"] for n, e in saved["sources"].items()}
-            self.stage = {"start": old["start"], "weights": dict(self.blend.fractions),
-                          "base": {n: old["base"].get(n, samples.get(n, 0)) for n in self.sources}}
+            self.stage = {
+                "start": old["start"],
+                "weights": dict(self.blend.fractions),
+                "base": {n: old["base"].get(n, samples.get(n, 0)) for n in self.sources},
+            }
             self.history = saved["stages"][:-1]
             self._reset_counts()
             return
@@ -225,9 +267,11 @@ class MixLoader(GlobalOrderLoader):
         self.stage = {"start": self.consumed, "weights": dict(self.blend.fractions), "base": base}
         self.history = saved["stages"]
         self._reset_counts()
-        self._events.append(f"stage {len(self.history)} starts at sample {self.consumed:,}: "
-                            f"{_change(old['weights'], self.blend.fractions, self.retired)}; "
-                            "every source continues where it stopped")
+        self._events.append(
+            f"stage {len(self.history)} starts at sample {self.consumed:,}: "
+            f"{_change(old['weights'], self.blend.fractions, self.retired)}; "
+            "every source continues where it stopped"
+        )
 
     def _check_sources(self, saved: dict) -> None:
         for name, entry in saved.items():
@@ -235,22 +279,28 @@ class MixLoader(GlobalOrderLoader):
             if src is None:
                 continue
             saved_fp = str(entry.get("fingerprint"))
-            if saved_fp != src.fingerprint and \
-                    saved_fp.split(":")[0] == src.fingerprint.split(":")[0]:
-                raise DataError(f"data.mix source {name!r}: the checkpoint walked its windows "
-                                f"with {saved_fp.split(':')[-1]}, this run with "
-                                f"{src.fingerprint.split(':')[-1]}; resume with the "
-                                "data.shuffle it was saved with")
+            if (
+                saved_fp != src.fingerprint
+                and saved_fp.split(":")[0] == src.fingerprint.split(":")[0]
+            ):
+                raise DataError(
+                    f"data.mix source {name!r}: the checkpoint walked its windows "
+                    f"with {saved_fp.split(':')[-1]}, this run with "
+                    f"{src.fingerprint.split(':')[-1]}; resume with the "
+                    "data.shuffle it was saved with"
+                )
             if saved_fp != src.fingerprint:
                 raise DataError(
                     f"data.mix source {name!r} reads {src.store.path}, which is not the store "
                     f"this checkpoint trained it on; a source's store cannot change under the "
-                    f"same name: give the new store another name ({MIX_HINT})")
+                    f"same name: give the new store another name ({MIX_HINT})"
+                )
             if entry.get("windows_per_epoch") != src.n_windows:
                 raise DataError(
                     f"data.mix source {name!r}: its train split has {src.n_windows:,} windows "
                     f"here but {entry.get('windows_per_epoch')!r} in the checkpoint; resume with "
-                    "the data.val_fraction and data.shuffle it was saved with")
+                    "the data.val_fraction and data.shuffle it was saved with"
+                )
 
 
 def _same_weights(a: dict, b: dict) -> bool:

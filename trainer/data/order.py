@@ -64,8 +64,9 @@ def permute(j: np.ndarray, n: int, seed: int, epoch: int) -> np.ndarray:
     return out.astype(np.int64)
 
 
-def window_of_sample(samples: np.ndarray, n_windows: int, seed: int,
-                     shuffle: bool = True) -> np.ndarray:
+def window_of_sample(
+    samples: np.ndarray, n_windows: int, seed: int, shuffle: bool = True
+) -> np.ndarray:
     """Window index of each global sample index: epoch = i // n, then a per-epoch permutation."""
     samples = np.asarray(samples, dtype=np.int64)
     epochs, pos = np.divmod(samples, n_windows)
@@ -78,8 +79,9 @@ def window_of_sample(samples: np.ndarray, n_windows: int, seed: int,
     return out
 
 
-def permute_many(pos: np.ndarray, group: np.ndarray, epoch: np.ndarray, n_of: list[int],
-                 seed_of: list[int]) -> np.ndarray:
+def permute_many(
+    pos: np.ndarray, group: np.ndarray, epoch: np.ndarray, n_of: list[int], seed_of: list[int]
+) -> np.ndarray:
     """`permute` for elements of several orders at once: element e is position pos[e] of the
     permutation of range(n_of[g]) with seed seed_of[g] in epoch epoch[e], g = group[e].
     Equal to calling `permute` per element (same keys and rounds), in one vectorised pass:

@@ -25,8 +25,9 @@ from trainer.errors import DataError
 __all__ = ["main", "prepare_one", "prepare_store"]
 
 
-def prepare_one(cfg: DataConfig, workers: int, shard_tokens: int = DEFAULT_SHARD_TOKENS,
-                overwrite: bool = False) -> str:
+def prepare_one(
+    cfg: DataConfig, workers: int, shard_tokens: int = DEFAULT_SHARD_TOKENS, overwrite: bool = False
+) -> str:
     """Prepare the store of one source config; returns the store's path."""
     if "://" in cfg.store_path:
         return _prepare_at_url(cfg, workers, shard_tokens, overwrite)
@@ -37,8 +38,10 @@ def prepare_one(cfg: DataConfig, workers: int, shard_tokens: int = DEFAULT_SHARD
         print(f"stdlib store ready: {store} (tokenizer {tok})", flush=True)
         return store
     if not cfg.tokenizer_path or not cfg.store_path:
-        raise DataError("prepare needs --tokenizer_path (train one with python -m "
-                        "trainer.data.train_tokenizer) and --store_path (the output directory)")
+        raise DataError(
+            "prepare needs --tokenizer_path (train one with python -m "
+            "trainer.data.train_tokenizer) and --store_path (the output directory)"
+        )
     prepare_store(cfg, cfg.tokenizer_path, cfg.store_path, workers, shard_tokens, overwrite)
     return cfg.store_path
 
@@ -61,12 +64,17 @@ def _prepare_at_url(cfg: DataConfig, workers: int, shard_tokens: int, overwrite:
     storage.probe(url, "data.store_path")
     if read_text(storage.join(url, MANIFEST)) is not None:
         if not overwrite:
-            print(f"{url} already holds a finished store; left as it is (--overwrite "
-                  "replaces it)", flush=True)
+            print(
+                f"{url} already holds a finished store; left as it is (--overwrite replaces it)",
+                flush=True,
+            )
             return url
         storage.remove_tree(url)
-    staging = (Path(os.path.expanduser(cfg.cache_dir)) / "upload"
-               / hashlib.sha256(url.encode()).hexdigest()[:16])
+    staging = (
+        Path(os.path.expanduser(cfg.cache_dir))
+        / "upload"
+        / hashlib.sha256(url.encode()).hexdigest()[:16]
+    )
     staging.parent.mkdir(parents=True, exist_ok=True)
     prepare_one(replace(cfg, store_path=str(staging)), workers, shard_tokens, overwrite=True)
     upload_store(staging, url, MANIFEST)
@@ -83,11 +91,23 @@ def source_configs(cfg: DataConfig) -> list[tuple[str, DataConfig]]:
     for src in cfg.mix:
         dataset = src.dataset or cfg.dataset
         if dataset == "synthetic":
-            raise DataError(f"data.mix source {src.name!r}: 'synthetic' has no documents to "
-                            "tokenize; set its dataset (stdlib, json, text, ...)")
-        out.append((src.name, replace(cfg, mix=[], mix_weights=[], dataset=dataset,
-                                      data_files=list(src.data_files),
-                                      store_path=src.store_path)))
+            raise DataError(
+                f"data.mix source {src.name!r}: 'synthetic' has no documents to "
+                "tokenize; set its dataset (stdlib, json, text, ...)"
+            )
+        out.append(
+            (
+                src.name,
+                replace(
+                    cfg,
+                    mix=[],
+                    mix_weights=[],
+                    dataset=dataset,
+                    data_files=list(src.data_files),
+                    store_path=src.store_path,
+                ),
+            )
+        )
     for name, one in out:
         one.validate()
     return out
@@ -96,20 +116,27 @@ def source_configs(cfg: DataConfig) -> list[tuple[str, DataConfig]]:
 def main() -> None:
     from trainer.data.cli import add_data_args, data_config_from_args
 
-    parser = argparse.ArgumentParser(prog="python -m trainer.data.prepare",
-                                     description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(
+        prog="python -m trainer.data.prepare", description=__doc__.split("\n\n")[0]
+    )
     add_data_args(parser)
     parser.add_argument("--workers", type=int, default=max(1, min(8, os.cpu_count() or 1)))
     parser.add_argument("--shard_tokens", type=int, default=DEFAULT_SHARD_TOKENS)
-    parser.add_argument("--overwrite", action="store_true",
-                        help="replace a finished store of another source or tokenizer")
+    parser.add_argument(
+        "--overwrite",
+        action="store_true",
+        help="replace a finished store of another source or tokenizer",
+    )
     args = parser.parse_args()
     sources = source_configs(data_config_from_args(args))
     for i, (name, cfg) in enumerate(sources):
         if name:
-            print(f"== source {i + 1}/{len(sources)} {name!r}: {cfg.dataset}"
-                  f"{' ' + ', '.join(cfg.data_files) if cfg.data_files else ''} -> "
-                  f"{cfg.store_path}", flush=True)
+            print(
+                f"== source {i + 1}/{len(sources)} {name!r}: {cfg.dataset}"
+                f"{' ' + ', '.join(cfg.data_files) if cfg.data_files else ''} -> "
+                f"{cfg.store_path}",
+                flush=True,
+            )
         prepare_one(cfg, args.workers, args.shard_tokens, args.overwrite)
     if len(sources) > 1 or sources[0][0]:
         print(f"prepared {len(sources)} sources: {', '.join(n for n, _ in sources)}", flush=True)

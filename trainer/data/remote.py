@@ -52,8 +52,9 @@ class BlockCache:
         try:
             self.root.mkdir(parents=True, exist_ok=True)
         except OSError as e:
-            raise DataError(f"cannot create the cache folder {self.root} (data.cache_dir): "
-                            f"{e.strerror}") from None
+            raise DataError(
+                f"cannot create the cache folder {self.root} (data.cache_dir): {e.strerror}"
+            ) from None
         self.max_bytes, self.block = int(max_bytes), block_size(int(max_bytes))
         self.memory: OrderedDict[str, bytes] = OrderedDict()
         self.stats = {"fetched_bytes": 0, "requests": 0, "disk_hits": 0, "evictions": 0}
@@ -82,8 +83,10 @@ class BlockCache:
     def _fetch(self, url: str, start: int, stop: int) -> bytes:
         data = storage.filesystem(url).cat_file(url, start=start, end=stop)
         if len(data) != stop - start:
-            raise DataError(f"short read of {url} bytes {start}-{stop}: got {len(data)}; the "
-                            "object changed since its manifest was written? re-upload the store")
+            raise DataError(
+                f"short read of {url} bytes {start}-{stop}: got {len(data)}; the "
+                "object changed since its manifest was written? re-upload the store"
+            )
         self.stats["fetched_bytes"] += len(data)
         self.stats["requests"] += 1
         return data
@@ -148,11 +151,20 @@ class RemoteShard:
         size = self.dtype.itemsize
         lo, hi = start * size, max(start, stop) * size
         block = self.cache.block
-        parts = [self.cache.get(self.url, self.key, i, self.nbytes)
-                 for i in range(lo // block, -(-hi // block))] if hi > lo else [b""]
+        parts = (
+            [
+                self.cache.get(self.url, self.key, i, self.nbytes)
+                for i in range(lo // block, -(-hi // block))
+            ]
+            if hi > lo
+            else [b""]
+        )
         first = lo - (lo // block) * block
-        raw = parts[0][first:first + hi - lo] if len(parts) == 1 else \
-            b"".join(parts)[first:first + hi - lo]
+        raw = (
+            parts[0][first : first + hi - lo]
+            if len(parts) == 1
+            else b"".join(parts)[first : first + hi - lo]
+        )
         return np.frombuffer(raw, dtype=self.dtype)
 
 
@@ -169,8 +181,11 @@ def listing(url: str) -> dict[str, int]:
     """{name: size} of the objects directly under a prefix (one paginated LIST)."""
     fs = storage.filesystem(url)
     try:
-        return {storage.basename(e["name"]): int(e["size"])
-                for e in fs.ls(url, detail=True) if e.get("type") != "directory"}
+        return {
+            storage.basename(e["name"]): int(e["size"])
+            for e in fs.ls(url, detail=True)
+            if e.get("type") != "directory"
+        }
     except FileNotFoundError:
         return {}
 
@@ -197,8 +212,9 @@ def cached_tokenizer(url: str, sha256: str, cache_dir: str) -> str:
     except FileNotFoundError:
         raise DataError(f"missing {url} of the token store; re-upload the store") from None
     if hashlib.sha256(data).hexdigest() != sha256:
-        raise DataError(f"{url} does not match the manifest's tokenizer sha256; re-upload "
-                        "the store")
+        raise DataError(
+            f"{url} does not match the manifest's tokenizer sha256; re-upload the store"
+        )
     tmp = folder / f".{path.name}.tmp-{os.getpid()}-{time.monotonic_ns()}"
     tmp.write_bytes(data)
     os.replace(tmp, path)
@@ -210,8 +226,11 @@ def upload_store(local: str | Path, url: str, manifest_name: str) -> None:
     last, so a store at the URL is complete when its manifest is there."""
     fs = storage.filesystem(url)
     local = Path(local)
-    names = sorted(p.name for p in local.iterdir() if p.is_file() and p.name != manifest_name
-                   and not p.name.startswith("."))
+    names = sorted(
+        p.name
+        for p in local.iterdir()
+        if p.is_file() and p.name != manifest_name and not p.name.startswith(".")
+    )
     for name in names:
         fs.put_file(str(local / name), storage.join(url, name))
     fs.put_file(str(local / manifest_name), storage.join(url, manifest_name))

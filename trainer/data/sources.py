@@ -63,8 +63,10 @@ def stdlib_selection(patterns: list[str]) -> list[Path]:
     for pattern in patterns:
         hits = {i for i, r in enumerate(rel) if fnmatch.fnmatchcase(r, pattern)}
         if not hits:
-            raise DataError(f"data.data_files pattern {pattern!r} matches no module of the "
-                            f"standard library under {root} (e.g. 'email/**', 'json/*.py')")
+            raise DataError(
+                f"data.data_files pattern {pattern!r} matches no module of the "
+                f"standard library under {root} (e.g. 'email/**', 'json/*.py')"
+            )
         keep |= hits
     return [files[i] for i in sorted(keep)]
 
@@ -94,8 +96,10 @@ def resolve_data_files(cfg: DataConfig) -> list[str]:
             raise DataError(f"data file not found: {pattern} (data.data_files)")
         files = [m for m in matches if os.path.isfile(m)]
         if not files:
-            raise DataError(f"data.data_files {pattern!r} names folders only; give the files "
-                            f"(e.g. {os.path.join(pattern, '*.jsonl')!r})")
+            raise DataError(
+                f"data.data_files {pattern!r} names folders only; give the files "
+                f"(e.g. {os.path.join(pattern, '*.jsonl')!r})"
+            )
         out.extend(files)
     return out
 
@@ -105,10 +109,12 @@ def import_datasets(what: str):
     try:
         import datasets
     except ImportError:
-        raise ConfigError(f"{what} is read through Hugging Face `datasets`, which is not "
-                          "installed here: pip install datasets (or train from a prepared "
-                          "store, data.store_path, or data.dataset = 'stdlib' or "
-                          "'synthetic')") from None
+        raise ConfigError(
+            f"{what} is read through Hugging Face `datasets`, which is not "
+            "installed here: pip install datasets (or train from a prepared "
+            "store, data.store_path, or data.dataset = 'stdlib' or "
+            "'synthetic')"
+        ) from None
     return datasets
 
 
@@ -123,8 +129,9 @@ def open_hf_stream(cfg: DataConfig, split: str):
         # 0-byte files hold no document (the json builder raises StopIteration on one)
         kwargs["data_files"] = [f for f in resolve_data_files(cfg) if os.path.getsize(f)]
         if not kwargs["data_files"]:
-            raise DataError(f"empty corpus: {where} (data.data_files): every file is empty "
-                            "(0 bytes)")
+            raise DataError(
+                f"empty corpus: {where} (data.data_files): every file is empty (0 bytes)"
+            )
     else:
         where = name
         if cfg.data_files:
@@ -141,8 +148,9 @@ def open_hf_stream(cfg: DataConfig, split: str):
         raise DataError(f"cannot open dataset {where} split {split!r}: {msg}") from None
 
 
-def hf_documents(cfg: DataConfig, split: str, part: int = 0, n_parts: int = 1,
-                 ds=None) -> Iterator[str]:
+def hf_documents(
+    cfg: DataConfig, split: str, part: int = 0, n_parts: int = 1, ds=None
+) -> Iterator[str]:
     """Texts of one part of a HF dataset (split_dataset_by_node: by files when the number of
     files divides evenly, else every n-th example)."""
     from datasets.distributed import split_dataset_by_node
@@ -160,15 +168,18 @@ def examples(ds, cfg: DataConfig) -> Iterator[dict]:
     try:
         yield from ds
     except UnicodeDecodeError as e:
-        raise DataError(f"dataset {_where(cfg)}: {_not_utf8(cfg, e)}; convert it to UTF-8 "
-                        "(e.g. iconv -f latin1 -t utf-8) or leave it out of data.data_files") \
-            from None
+        raise DataError(
+            f"dataset {_where(cfg)}: {_not_utf8(cfg, e)}; convert it to UTF-8 "
+            "(e.g. iconv -f latin1 -t utf-8) or leave it out of data.data_files"
+        ) from None
     except ValueError as e:  # pyarrow cannot parse a json/csv/parquet file
         if not type(e).__module__.startswith("pyarrow"):
             raise
-        raise DataError(f"dataset {_where(cfg)} is not valid {cfg.dataset}: "
-                        f"{str(e).splitlines()[0]} (data.dataset = {cfg.dataset!r} reads "
-                        f"{cfg.dataset} files)") from None
+        raise DataError(
+            f"dataset {_where(cfg)} is not valid {cfg.dataset}: "
+            f"{str(e).splitlines()[0]} (data.dataset = {cfg.dataset!r} reads "
+            f"{cfg.dataset} files)"
+        ) from None
 
 
 def _where(cfg: DataConfig) -> str:
@@ -199,8 +210,10 @@ def text_of(example: dict, cfg: DataConfig) -> str:
         text = example[cfg.text_field]
     except KeyError:
         cols = ", ".join(sorted(example))
-        raise DataError(f"dataset {cfg.dataset} has no column {cfg.text_field!r} "
-                        f"(data.text_field); columns are: {cols}") from None
+        raise DataError(
+            f"dataset {cfg.dataset} has no column {cfg.text_field!r} "
+            f"(data.text_field); columns are: {cols}"
+        ) from None
     return text if isinstance(text, str) else ("" if text is None else str(text))
 
 
@@ -220,11 +233,19 @@ def source_record(cfg: DataConfig) -> dict:
     """What the manifest records about the source (enough to tell two sources apart)."""
     if cfg.dataset == "stdlib":
         files = stdlib_selection(cfg.data_files)
-        rec = {"dataset": "stdlib", "root": str(stdlib_root()), "files": len(files),
-               "fingerprint": stdlib_fingerprint(files)}
+        rec = {
+            "dataset": "stdlib",
+            "root": str(stdlib_root()),
+            "files": len(files),
+            "fingerprint": stdlib_fingerprint(files),
+        }
         return {**rec, "patterns": list(cfg.data_files)} if cfg.data_files else rec
-    rec = {"dataset": cfg.dataset, "dataset_config": cfg.dataset_config, "split": cfg.split,
-           "text_field": cfg.text_field}
+    rec = {
+        "dataset": cfg.dataset,
+        "dataset_config": cfg.dataset_config,
+        "split": cfg.split,
+        "text_field": cfg.text_field,
+    }
     if cfg.data_files:
         files = resolve_data_files(cfg) if cfg.dataset in LOCAL_BUILDERS else cfg.data_files
         rec["data_files"] = [os.path.abspath(f) if os.path.exists(f) else f for f in files]

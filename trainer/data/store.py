@@ -47,11 +47,14 @@ def read_manifest(path: Path) -> dict:
     manifest = path / MANIFEST
     if not manifest.is_file():
         if (path / PLAN).is_file():
-            raise DataError(f"token store {path} is unfinished (its preparation was "
-                            f"interrupted); rerun {PREPARE_HINT} with the same arguments to "
-                            "resume it")
-        raise DataError(f"{path} is not a token store (no {MANIFEST}); prepare one with "
-                        f"{PREPARE_HINT}")
+            raise DataError(
+                f"token store {path} is unfinished (its preparation was "
+                f"interrupted); rerun {PREPARE_HINT} with the same arguments to "
+                "resume it"
+            )
+        raise DataError(
+            f"{path} is not a token store (no {MANIFEST}); prepare one with {PREPARE_HINT}"
+        )
     return parse_manifest(manifest.read_text(), path, manifest)
 
 
@@ -62,10 +65,14 @@ def read_remote_manifest(url: str) -> dict:
     text = read_text(f"{url}/{MANIFEST}")
     if text is None:
         if read_text(f"{url}/{PLAN}") is not None:
-            raise DataError(f"token store {url} is unfinished (its upload or preparation was "
-                            f"interrupted); rerun {PREPARE_HINT} with the same arguments")
-        raise DataError(f"token store not found: {url} (no {MANIFEST} there); prepare one "
-                        f"with {PREPARE_HINT} --store_path {url}")
+            raise DataError(
+                f"token store {url} is unfinished (its upload or preparation was "
+                f"interrupted); rerun {PREPARE_HINT} with the same arguments"
+            )
+        raise DataError(
+            f"token store not found: {url} (no {MANIFEST} there); prepare one "
+            f"with {PREPARE_HINT} --store_path {url}"
+        )
     return parse_manifest(text, url, f"{url}/{MANIFEST}")
 
 
@@ -79,17 +86,25 @@ def parse_manifest(text: str, path, manifest) -> dict:
     if not ok:
         raise DataError(f"corrupt store manifest {manifest}; re-prepare the store")
     if m.get("version") != VERSION:
-        raise DataError(f"store {path} has format version {m.get('version')}, this trainer "
-                        f"reads version {VERSION}; re-prepare it with {PREPARE_HINT}")
+        raise DataError(
+            f"store {path} has format version {m.get('version')}, this trainer "
+            f"reads version {VERSION}; re-prepare it with {PREPARE_HINT}"
+        )
     return m
 
 
 class Store:
     """A finished store, checked and memory-mapped."""
 
-    def __init__(self, path: str | Path, verify: str = "auto", *,
-                 cache_dir: str = "~/.cache/trainer", cache_max_gib: float = 10.0,
-                 key: str = "data.store_path"):
+    def __init__(
+        self,
+        path: str | Path,
+        verify: str = "auto",
+        *,
+        cache_dir: str = "~/.cache/trainer",
+        cache_max_gib: float = 10.0,
+        key: str = "data.store_path",
+    ):
         self.cache = None  # a remote store's BlockCache
         if "://" in str(path):
             self._open_remote(str(path).rstrip("/"), verify, cache_dir, cache_max_gib, key)
@@ -109,9 +124,16 @@ class Store:
             self._check_shard(shard, verify)
             if shard["tokens"]:
                 # a plain ndarray view of the map: slicing a np.memmap costs ~2 us per row
-                self.maps.append(np.asarray(np.memmap(self.path / shard["file"],
-                                                      dtype=self.dtype, mode="r",
-                                                      shape=(shard["tokens"],))))
+                self.maps.append(
+                    np.asarray(
+                        np.memmap(
+                            self.path / shard["file"],
+                            dtype=self.dtype,
+                            mode="r",
+                            shape=(shard["tokens"],),
+                        )
+                    )
+                )
                 sizes.append(int(shard["tokens"]))
         self.sizes = np.array(sizes, dtype=np.int64)
         self.offsets = np.concatenate([[0], np.cumsum(self.sizes)]).astype(np.int64)
@@ -127,14 +149,18 @@ class Store:
         expected = int(shard["tokens"]) * self.dtype.itemsize
         size = file.stat().st_size
         if size != expected:
-            raise DataError(f"truncated shard {file}: {size} bytes but the manifest says "
-                            f"{shard['tokens']} tokens ({expected} bytes); re-prepare the store")
+            raise DataError(
+                f"truncated shard {file}: {size} bytes but the manifest says "
+                f"{shard['tokens']} tokens ({expected} bytes); re-prepare the store"
+            )
         if verify == "checksums" and file_blake2b(file) != shard["blake2b"]:
-            raise DataError(f"corrupt shard {file}: checksum mismatch with the manifest; "
-                            "re-prepare the store")
+            raise DataError(
+                f"corrupt shard {file}: checksum mismatch with the manifest; re-prepare the store"
+            )
 
-    def _open_remote(self, url: str, verify: str, cache_dir: str, cache_max_gib: float,
-                     key: str) -> None:
+    def _open_remote(
+        self, url: str, verify: str, cache_dir: str, cache_max_gib: float, key: str
+    ) -> None:
         """A store at s3:// or gs://: the bucket probed (one config error if it cannot be
         reached), the manifest read, the sizes from one listing, the shards read on demand
         through the block cache (remote.py). 'auto' is 'sizes' here: checking checksums
@@ -159,18 +185,26 @@ class Store:
             if shard["file"] not in sizes_found:
                 raise DataError(f"missing shard {file} of token store {url}; re-upload it")
             if sizes_found[shard["file"]] != expected:
-                raise DataError(f"truncated shard {file}: {sizes_found[shard['file']]} bytes "
-                                f"but the manifest says {shard['tokens']} tokens ({expected} "
-                                "bytes); re-upload the store")
+                raise DataError(
+                    f"truncated shard {file}: {sizes_found[shard['file']]} bytes "
+                    f"but the manifest says {shard['tokens']} tokens ({expected} "
+                    "bytes); re-upload the store"
+                )
             if self.verified == "checksums" and remote.object_blake2b(file) != shard["blake2b"]:
-                raise DataError(f"corrupt shard {file}: checksum mismatch with the manifest; "
-                                "re-upload the store")
+                raise DataError(
+                    f"corrupt shard {file}: checksum mismatch with the manifest; "
+                    "re-upload the store"
+                )
             if shard["tokens"]:
-                self.maps.append(remote.RemoteShard(self.cache, file, shard["blake2b"],
-                                                    shard["tokens"], self.dtype))
+                self.maps.append(
+                    remote.RemoteShard(
+                        self.cache, file, shard["blake2b"], shard["tokens"], self.dtype
+                    )
+                )
                 sizes.append(int(shard["tokens"]))
-        self.tokenizer_file = remote.cached_tokenizer(f"{url}/{TOKENIZER_FILE}",
-                                                      self.tokenizer_sha256, cache_dir)
+        self.tokenizer_file = remote.cached_tokenizer(
+            f"{url}/{TOKENIZER_FILE}", self.tokenizer_sha256, cache_dir
+        )
         self.sizes = np.array(sizes, dtype=np.int64)
         self.offsets = np.concatenate([[0], np.cumsum(self.sizes)]).astype(np.int64)
         self.total_tokens = int(self.offsets[-1])
@@ -179,8 +213,11 @@ class Store:
 
     def _fingerprint(self) -> str:
         """Identity of the token stream: same fingerprint, same tokens in the same order."""
-        key = {"tokenizer": self.tokenizer_sha256, "dtype": self.manifest["dtype"],
-               "shards": [(s["tokens"], s["blake2b"]) for s in self.manifest["shards"]]}
+        key = {
+            "tokenizer": self.tokenizer_sha256,
+            "dtype": self.manifest["dtype"],
+            "shards": [(s["tokens"], s["blake2b"]) for s in self.manifest["shards"]],
+        }
         return hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]
 
     def read(self, starts: np.ndarray, length: int) -> np.ndarray:
@@ -189,14 +226,22 @@ class Store:
 
     def describe(self) -> str:
         src = self.manifest.get("source", {}).get("dataset", "?")
-        return (f"token store {self.path} ({src}, {self.total_tokens:,} tokens, "
-                f"{len(self.maps)} shards, {self.manifest['dtype']}, {self.verified} verified"
-                + (f"; read through a {self.cache.max_bytes / (1 << 30):g} GiB block cache in "
-                   f"{self.cache.root}" if self.cache else "") + ")")
+        return (
+            f"token store {self.path} ({src}, {self.total_tokens:,} tokens, "
+            f"{len(self.maps)} shards, {self.manifest['dtype']}, {self.verified} verified"
+            + (
+                f"; read through a {self.cache.max_bytes / (1 << 30):g} GiB block cache in "
+                f"{self.cache.root}"
+                if self.cache
+                else ""
+            )
+            + ")"
+        )
 
 
-def read_rows(stores: list[Store], which: np.ndarray, starts: np.ndarray,
-              length: int) -> np.ndarray:
+def read_rows(
+    stores: list[Store], which: np.ndarray, starts: np.ndarray, length: int
+) -> np.ndarray:
     """Row r: `length` tokens of stores[which[r]] from token starts[r], as int64 (a window
     may span shards). One loop over the rows, whatever the number of stores."""
     out = np.empty((len(starts), length), dtype=np.int64)
@@ -206,11 +251,11 @@ def read_rows(stores: list[Store], which: np.ndarray, starts: np.ndarray,
         i = bisect.bisect_right(offsets, start) - 1
         local = start - offsets[i]
         if local + length <= sizes[i]:  # the common case: inside one shard
-            out[row] = store.maps[i][local:local + length]
+            out[row] = store.maps[i][local : local + length]
             continue
         filled = 0
         while filled < length:
             take = min(length - filled, sizes[i] - local)
-            out[row, filled:filled + take] = store.maps[i][local:local + take]
+            out[row, filled : filled + take] = store.maps[i][local : local + take]
             filled, i, local = filled + take, i + 1, 0
     return out

@@ -26,9 +26,20 @@ _DOCS_PER_ENCODE, _CHARS_PER_ENCODE = 64, 1 << 16  # small reads: fast start, li
 class StreamingLoader:
     kind = "streaming"
 
-    def __init__(self, cfg: DataConfig, tokenizer: Tokenizer, hf_split: str, *, seq_len: int,
-                 local_batch_size: int, global_batch_size: int, dp_rank: int, dp_size: int,
-                 seed: int, predict_document_start: bool = True):
+    def __init__(
+        self,
+        cfg: DataConfig,
+        tokenizer: Tokenizer,
+        hf_split: str,
+        *,
+        seq_len: int,
+        local_batch_size: int,
+        global_batch_size: int,
+        dp_rank: int,
+        dp_size: int,
+        seed: int,
+        predict_document_start: bool = True,
+    ):
         assert global_batch_size % (local_batch_size * dp_size) == 0
         self.global_batch_size, self.per_rank = global_batch_size, global_batch_size // dp_size
         self.accum_steps = self.per_rank // local_batch_size
@@ -38,16 +49,23 @@ class StreamingLoader:
         self.vocab_size, self.tokenizer_path = tokenizer.vocab_size, tokenizer.path
         self.source = ", ".join(cfg.data_files) or cfg.dataset
         self.fingerprint = f"{cfg.dataset}:{hf_split}:{','.join(cfg.data_files)}:{tokenizer.sha256}"
-        self.delimiters = delimiters_of(tokenizer.bos_id, tokenizer.eos_id, cfg.add_bos,
-                                        cfg.add_eos)
-        self.no_documents = "" if self.delimiters else (
-            f"streamed {self.source} is framed by neither BOS nor EOS (data.add_bos = "
-            f"{cfg.add_bos}, data.add_eos = {cfg.add_eos}, tokenizer bos {tokenizer.bos_id}, "
-            f"eos {tokenizer.eos_id})")
+        self.delimiters = delimiters_of(
+            tokenizer.bos_id, tokenizer.eos_id, cfg.add_bos, cfg.add_eos
+        )
+        self.no_documents = (
+            ""
+            if self.delimiters
+            else (
+                f"streamed {self.source} is framed by neither BOS nor EOS (data.add_bos = "
+                f"{cfg.add_bos}, data.add_eos = {cfg.add_eos}, tokenizer bos {tokenizer.bos_id}, "
+                f"eos {tokenizer.eos_id})"
+            )
+        )
         self.predict_document_start = predict_document_start
         ds = open_hf_stream(cfg, hf_split)
         if dp_size > 1:
             from datasets.distributed import split_dataset_by_node
+
             ds = split_dataset_by_node(ds, rank=dp_rank, world_size=dp_size)
         self.ds = ds
         self._restart(epoch=0, hf_state=None, buffer="", samples=0)
@@ -77,9 +95,11 @@ class StreamingLoader:
                     break
             if not texts:  # this rank's part of the dataset is exhausted: next epoch
                 if self.epoch_tokens == 0:
-                    raise DataError(f"empty corpus: {self.source} (split {self.hf_split!r}) "
-                                    f"has no text in column {self.cfg.text_field!r} for dp rank "
-                                    f"{self.dp_rank} of {self.dp_size}")
+                    raise DataError(
+                        f"empty corpus: {self.source} (split {self.hf_split!r}) "
+                        f"has no text in column {self.cfg.text_field!r} for dp rank "
+                        f"{self.dp_rank} of {self.dp_size}"
+                    )
                 self._restart(self.epoch + 1, None, "", self.samples)
                 continue
             for ids in self.tok.encode_docs(texts, self.cfg.add_bos, self.cfg.add_eos):
@@ -105,29 +125,45 @@ class StreamingLoader:
         key is unique per rank so DCP does not deduplicate it away). The packed tokens not yet
         consumed are one base64 string rather than a list that DCP would flatten per item."""
         buffer = base64.b64encode(self.buffer.astype("<i8").tobytes()).decode("ascii")
-        mine = {"hf_state": copy.deepcopy(self.ds.state_dict()), "epoch": self.epoch,
-                "samples": self.samples, "buffer": buffer}
-        return {"kind": self.kind, "dp_size": self.dp_size, "fingerprint": self.fingerprint,
-                "seq_len": self.seq_len, f"dp_rank_{self.dp_rank}": mine}
+        mine = {
+            "hf_state": copy.deepcopy(self.ds.state_dict()),
+            "epoch": self.epoch,
+            "samples": self.samples,
+            "buffer": buffer,
+        }
+        return {
+            "kind": self.kind,
+            "dp_size": self.dp_size,
+            "fingerprint": self.fingerprint,
+            "seq_len": self.seq_len,
+            f"dp_rank_{self.dp_rank}": mine,
+        }
 
     def load_state_dict(self, sd: dict) -> None:
         if not isinstance(sd, dict) or sd.get("kind") != self.kind:
             got = sd.get("kind") if isinstance(sd, dict) else type(sd).__name__
-            raise DataError(f"checkpoint data state is for a {got!r} loader but {self.source} "
-                            "is streamed; resume with the data config it was saved with")
+            raise DataError(
+                f"checkpoint data state is for a {got!r} loader but {self.source} "
+                "is streamed; resume with the data config it was saved with"
+            )
         if sd.get("dp_size") != self.dp_size:
             raise DataError(
                 f"checkpoint data state of streamed {self.source} was saved on dp size "
                 f"{sd.get('dp_size')} and cannot resume on dp size {self.dp_size} (streaming "
                 "keeps per-rank positions); prepare a store with python -m trainer.data.prepare"
-                " and set data.store_path to resume on any number of GPUs")
+                " and set data.store_path to resume on any number of GPUs"
+            )
         if sd.get("fingerprint") != self.fingerprint or sd.get("seq_len") != self.seq_len:
-            raise DataError(f"checkpoint data state is for another dataset, tokenizer or "
-                            f"seq_len than {self.source} with {self.tokenizer_path}")
+            raise DataError(
+                f"checkpoint data state is for another dataset, tokenizer or "
+                f"seq_len than {self.source} with {self.tokenizer_path}"
+            )
         mine = sd.get(f"dp_rank_{self.dp_rank}")
         if not isinstance(mine, dict):
-            raise DataError(f"checkpoint data state has no entry dp_rank_{self.dp_rank} for "
-                            f"this rank (streamed {self.source})")
+            raise DataError(
+                f"checkpoint data state has no entry dp_rank_{self.dp_rank} for "
+                f"this rank (streamed {self.source})"
+            )
         self._restart(mine["epoch"], mine["hf_state"], mine["buffer"], mine["samples"])
 
     def metrics(self) -> dict[str, float]:
@@ -137,6 +173,8 @@ class StreamingLoader:
         return []
 
     def describe(self) -> str:
-        return (f"streaming {self.source} (split {self.hf_split!r}, tokenized on the fly, "
-                f"per-rank resume only); tokenizer {self.tokenizer_path} (vocab "
-                f"{self.vocab_size}); dp rank {self.dp_rank}/{self.dp_size}")
+        return (
+            f"streaming {self.source} (split {self.hf_split!r}, tokenized on the fly, "
+            f"per-rank resume only); tokenizer {self.tokenizer_path} (vocab "
+            f"{self.vocab_size}); dp rank {self.dp_rank}/{self.dp_size}"
+        )

@@ -23,8 +23,10 @@ _VALIDATION_STREAM = 0xE7A1
 
 class SyntheticLoader(GlobalOrderLoader):
     kind = "synthetic"
-    no_documents = ("data.dataset = 'synthetic' has no documents (each sample is one repeated "
-                    "pattern); use a token store, stdlib or a blend")
+    no_documents = (
+        "data.dataset = 'synthetic' has no documents (each sample is one repeated "
+        "pattern); use a token store, stdlib or a blend"
+    )
 
     def __init__(self, *, vocab_size: int, split: str = "train", **kw):
         super().__init__(**kw)
@@ -53,6 +55,8 @@ class SyntheticLoader(GlobalOrderLoader):
         return self.active[np.tile(pattern, reps)[: self.seq_len + 1]]
 
     def describe(self) -> str:
-        return (f"synthetic tokens: vocab {self.vocab_size}, {len(self.active)} active, "
-                f"repeated Markov patterns; seq_len {self.seq_len}, dp rank "
-                f"{self.dp_rank}/{self.dp_size}")
+        return (
+            f"synthetic tokens: vocab {self.vocab_size}, {len(self.active)} active, "
+            f"repeated Markov patterns; seq_len {self.seq_len}, dp rank "
+            f"{self.dp_rank}/{self.dp_size}"
+        )

@@ -54,8 +54,9 @@ class Tokenizer:
             self._sha256 = file_sha256(self.path)
         return self._sha256
 
-    def encode_docs(self, texts: list[str], add_bos: bool = True, add_eos: bool = True,
-                    num_threads: int = 1) -> list[list[int]]:
+    def encode_docs(
+        self, texts: list[str], add_bos: bool = True, add_eos: bool = True, num_threads: int = 1
+    ) -> list[list[int]]:
         """Token ids of each document, framed by BOS/EOS when the tokenizer has them."""
         ids = self.sp.encode(texts, num_threads=num_threads)
         head = [self.bos_id] if add_bos and self.bos_id >= 0 else []
@@ -130,20 +131,23 @@ class HFTokenizer:
 
     sha256 = Tokenizer.sha256
 
-    def encode_docs(self, texts: list[str], add_bos: bool = True, add_eos: bool = True,
-                    num_threads: int = 1) -> list[list[int]]:
+    def encode_docs(
+        self, texts: list[str], add_bos: bool = True, add_eos: bool = True, num_threads: int = 1
+    ) -> list[list[int]]:
         encs = self.tok.encode_batch(texts, add_special_tokens=False)
         head = [self.bos_id] if add_bos and self.bos_id >= 0 else []
         tail = [self.eos_id] if add_eos and self.eos_id >= 0 else []
         return [head + e.ids + tail for e in encs]
 
     def decode(self, ids: list[int]) -> str:
-        return self.tok.decode([i for i in ids if i not in (self.bos_id, self.eos_id)],
-                               skip_special_tokens=False)
+        return self.tok.decode(
+            [i for i in ids if i not in (self.bos_id, self.eos_id)], skip_special_tokens=False
+        )
 
 
-def _sentences(docs: Iterable[str], max_chars: int,
-               on_doc: Callable[[int, int], None] | None) -> Iterator[str]:
+def _sentences(
+    docs: Iterable[str], max_chars: int, on_doc: Callable[[int, int], None] | None
+) -> Iterator[str]:
     """Non-blank lines of the documents (SentencePiece trains on lines), up to max_chars."""
     n_docs = n_chars = 0
     for doc in docs:
@@ -158,9 +162,14 @@ def _sentences(docs: Iterable[str], max_chars: int,
             return
 
 
-def train_bpe(docs: Iterable[str], vocab_size: int, out_path: str | Path,
-              max_chars: int = 20_000_000, num_threads: int = 2,
-              on_doc: Callable[[int, int], None] | None = None) -> str:
+def train_bpe(
+    docs: Iterable[str],
+    vocab_size: int,
+    out_path: str | Path,
+    max_chars: int = 20_000_000,
+    num_threads: int = 2,
+    on_doc: Callable[[int, int], None] | None = None,
+) -> str:
     """Train a byte-fallback BPE model on the documents and write it atomically to out_path.
 
     Training is deterministic for a given input (fixed seed, input not subsampled), so ranks or
@@ -168,8 +177,10 @@ def train_bpe(docs: Iterable[str], vocab_size: int, out_path: str | Path,
     import sentencepiece as spm
 
     if vocab_size < MIN_TRAIN_VOCAB:
-        raise ConfigError(f"data.vocab_size = {vocab_size} is too small to train a "
-                          f"byte-fallback BPE tokenizer; use >= {MIN_TRAIN_VOCAB}")
+        raise ConfigError(
+            f"data.vocab_size = {vocab_size} is too small to train a "
+            f"byte-fallback BPE tokenizer; use >= {MIN_TRAIN_VOCAB}"
+        )
     counted = {"chars": 0}
 
     def count(n_docs: int, n_chars: int) -> None:
@@ -181,13 +192,27 @@ def train_bpe(docs: Iterable[str], vocab_size: int, out_path: str | Path,
     spm.set_random_generator_seed(1234)
     try:
         spm.SentencePieceTrainer.train(
-            sentence_iterator=_sentences(docs, max_chars, count), model_writer=buf,
-            model_type="bpe", vocab_size=vocab_size, byte_fallback=True,
-            normalization_rule_name="identity", remove_extra_whitespaces=False,
-            add_dummy_prefix=False, split_digits=True, allow_whitespace_only_pieces=True,
-            user_defined_symbols=["\n"], unk_id=0, bos_id=1, eos_id=2, pad_id=3,
-            character_coverage=0.9995, num_threads=num_threads, minloglevel=2,
-            max_sentence_length=1 << 16, train_extremely_large_corpus=False)
+            sentence_iterator=_sentences(docs, max_chars, count),
+            model_writer=buf,
+            model_type="bpe",
+            vocab_size=vocab_size,
+            byte_fallback=True,
+            normalization_rule_name="identity",
+            remove_extra_whitespaces=False,
+            add_dummy_prefix=False,
+            split_digits=True,
+            allow_whitespace_only_pieces=True,
+            user_defined_symbols=["\n"],
+            unk_id=0,
+            bos_id=1,
+            eos_id=2,
+            pad_id=3,
+            character_coverage=0.9995,
+            num_threads=num_threads,
+            minloglevel=2,
+            max_sentence_length=1 << 16,
+            train_extremely_large_corpus=False,
+        )
     except RuntimeError as e:
         if counted["chars"] == 0:
             raise DataError(f"empty corpus: no text to train a tokenizer for {out_path}") from None

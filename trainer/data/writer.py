@@ -30,8 +30,16 @@ from trainer.data.config import DataConfig
 from trainer.data.lock import file_lock
 from trainer.data.progress import Progress, rate
 from trainer.data.sources import documents, source_record
-from trainer.data.store import (FORMAT, MANIFEST, PLAN, TOKENIZER_FILE, VERSION, file_blake2b,
-                                read_manifest, token_dtype)
+from trainer.data.store import (
+    FORMAT,
+    MANIFEST,
+    PLAN,
+    TOKENIZER_FILE,
+    VERSION,
+    file_blake2b,
+    read_manifest,
+    token_dtype,
+)
 from trainer.data.tokenizer import HFTokenizer, Tokenizer, load_tokenizer
 from trainer.errors import DataError
 
@@ -47,21 +55,36 @@ def write_json_atomic(path: Path, obj: dict) -> None:
 
 def _plan(cfg: DataConfig, tok: Tokenizer | HFTokenizer, workers: int, shard_tokens: int) -> dict:
     """Everything that decides the store's content; a store is resumed only if this matches."""
-    return {"format": FORMAT, "version": VERSION, "source": source_record(cfg),
-            "tokenizer": {"sha256": tok.sha256, "vocab_size": tok.vocab_size,
-                          "bos_id": tok.bos_id, "eos_id": tok.eos_id, "pad_id": tok.pad_id,
-                          "original_path": os.path.abspath(tok.path)},
-            "eos_handling": {"add_bos": cfg.add_bos, "add_eos": cfg.add_eos,
-                             "note": "each document is framed by BOS/EOS; documents are "
-                                     "concatenated, windows may span documents"},
-            "dtype": token_dtype(tok.vocab_size), "workers": workers,
-            "shard_tokens": shard_tokens}
+    return {
+        "format": FORMAT,
+        "version": VERSION,
+        "source": source_record(cfg),
+        "tokenizer": {
+            "sha256": tok.sha256,
+            "vocab_size": tok.vocab_size,
+            "bos_id": tok.bos_id,
+            "eos_id": tok.eos_id,
+            "pad_id": tok.pad_id,
+            "original_path": os.path.abspath(tok.path),
+        },
+        "eos_handling": {
+            "add_bos": cfg.add_bos,
+            "add_eos": cfg.add_eos,
+            "note": "each document is framed by BOS/EOS; documents are "
+            "concatenated, windows may span documents",
+        },
+        "dtype": token_dtype(tok.vocab_size),
+        "workers": workers,
+        "shard_tokens": shard_tokens,
+    }
 
 
 def _same_content(a: dict, b: dict) -> bool:
     keys = ("format", "version", "source", "eos_handling", "dtype", "workers", "shard_tokens")
-    return (all(a.get(k) == b.get(k) for k in keys)
-            and a.get("tokenizer", {}).get("sha256") == b["tokenizer"]["sha256"])
+    return (
+        all(a.get(k) == b.get(k) for k in keys)
+        and a.get("tokenizer", {}).get("sha256") == b["tokenizer"]["sha256"]
+    )
 
 
 # -- one worker ------------------------------------------------------------------------------
@@ -78,8 +101,11 @@ def _load_journal(out: Path, w: int) -> dict:
             break
         kept.append(s)
     # documents without text so far; after the last intact shard they are read again
-    journal["skipped"] = journal.get("skipped", 0) if journal["done"] else (
-        kept[-1].get("skipped_end", 0) if kept else 0)
+    journal["skipped"] = (
+        journal.get("skipped", 0)
+        if journal["done"]
+        else (kept[-1].get("skipped_end", 0) if kept else 0)
+    )
     journal["shards"] = kept
     journal["docs_end"] = kept[-1]["docs_end"] if kept else 0
     return journal
@@ -107,9 +133,16 @@ def _work(job: dict, report: Callable[[int, int], None]) -> None:
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, out / name)
-        journal["shards"].append({"file": name, "tokens": pending_tokens, "docs": pending_docs,
-                                  "docs_end": docs_end, "skipped_end": journal["skipped"],
-                                  "blake2b": file_blake2b(out / name)})
+        journal["shards"].append(
+            {
+                "file": name,
+                "tokens": pending_tokens,
+                "docs": pending_docs,
+                "docs_end": docs_end,
+                "skipped_end": journal["skipped"],
+                "blake2b": file_blake2b(out / name),
+            }
+        )
         write_json_atomic(out / "progress" / f"worker_{w:03d}.json", journal)
         pending, pending_tokens, pending_docs = [], 0, 0
 
@@ -172,11 +205,15 @@ def _run_workers(jobs: list[dict], on_progress: Callable[[int, int], None]) -> N
         _work(jobs[0], on_progress)
         return
     root = str(Path(__file__).resolve().parents[2])
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(
-        p for p in (root, os.environ.get("PYTHONPATH", "")) if p)}
+    env = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH", "")) if p),
+    }
     cmd = [sys.executable, "-c", "from trainer.data.writer import worker_process_main as m; m()"]
-    procs = [subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
-                              env=env) for _ in jobs]
+    procs = [
+        subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env)
+        for _ in jobs
+    ]
     lines: queue_mod.Queue = queue_mod.Queue()
     for w, (p, job) in enumerate(zip(procs, jobs)):
         p.stdin.write(json.dumps(job))
@@ -224,8 +261,10 @@ def _start_or_resume(out: Path, plan: dict, overwrite: bool) -> str:
         if _same_content(manifest, plan):
             return "reuse"
         if not overwrite:
-            raise DataError(f"{out} already holds a finished store of another source or "
-                            "tokenizer; choose another --store_path or pass --overwrite")
+            raise DataError(
+                f"{out} already holds a finished store of another source or "
+                "tokenizer; choose another --store_path or pass --overwrite"
+            )
     elif (out / PLAN).is_file():
         if _same_content(json.loads((out / PLAN).read_text()), plan):
             return "resume"
@@ -236,10 +275,16 @@ def _start_or_resume(out: Path, plan: dict, overwrite: bool) -> str:
     return "new"
 
 
-def prepare_store(cfg: DataConfig, tokenizer_path: str, store_path: str, workers: int = 2,
-                  shard_tokens: int = DEFAULT_SHARD_TOKENS, overwrite: bool = False,
-                  show_progress: bool = True,
-                  on_progress: Callable[[int, int], None] | None = None) -> dict:
+def prepare_store(
+    cfg: DataConfig,
+    tokenizer_path: str,
+    store_path: str,
+    workers: int = 2,
+    shard_tokens: int = DEFAULT_SHARD_TOKENS,
+    overwrite: bool = False,
+    show_progress: bool = True,
+    on_progress: Callable[[int, int], None] | None = None,
+) -> dict:
     """Prepare (or reuse, or resume) the store at store_path; returns its manifest.
     A lock next to the store makes concurrent prepares of one path wait for each other."""
     out = Path(os.path.expanduser(store_path))
@@ -251,8 +296,10 @@ def prepare_store(cfg: DataConfig, tokenizer_path: str, store_path: str, workers
     def report(docs: int, tokens: int) -> None:
         counts["docs"] += docs
         counts["tokens"] += tokens
-        progress.update(f"{counts['docs']:,} docs, {counts['tokens'] / 1e6:.1f}M tokens, "
-                        f"{rate(counts['tokens'], progress.elapsed())} tok/s ({workers} workers)")
+        progress.update(
+            f"{counts['docs']:,} docs, {counts['tokens'] / 1e6:.1f}M tokens, "
+            f"{rate(counts['tokens'], progress.elapsed())} tok/s ({workers} workers)"
+        )
         if on_progress:
             on_progress(docs, tokens)
 
@@ -267,16 +314,27 @@ def prepare_store(cfg: DataConfig, tokenizer_path: str, store_path: str, workers
             shutil.copyfile(tok.path, out / f".{TOKENIZER_FILE}.tmp")
             os.replace(out / f".{TOKENIZER_FILE}.tmp", out / TOKENIZER_FILE)
             write_json_atomic(out / PLAN, plan)
-        jobs = [{"cfg": asdict(cfg), "out": str(out), "w": w, "n": workers,
-                 "dtype": plan["dtype"], "shard_tokens": shard_tokens} for w in range(workers)]
+        jobs = [
+            {
+                "cfg": asdict(cfg),
+                "out": str(out),
+                "w": w,
+                "n": workers,
+                "dtype": plan["dtype"],
+                "shard_tokens": shard_tokens,
+            }
+            for w in range(workers)
+        ]
         _run_workers(jobs, report)
         manifest = _finish(out, plan, workers)
     skipped = manifest.get("skipped_docs", 0)
-    progress.done(f"{manifest['total_docs']:,} docs"
-                  + (f" ({skipped:,} more without text, skipped)" if skipped else "")
-                  + f", {manifest['total_tokens']:,} tokens "
-                  f"({rate(counts['tokens'], progress.elapsed())} tok/s this run)"
-                  + (" (resumed)" if state == "resume" else ""))
+    progress.done(
+        f"{manifest['total_docs']:,} docs"
+        + (f" ({skipped:,} more without text, skipped)" if skipped else "")
+        + f", {manifest['total_tokens']:,} tokens "
+        f"({rate(counts['tokens'], progress.elapsed())} tok/s this run)"
+        + (" (resumed)" if state == "resume" else "")
+    )
     return manifest
 
 
@@ -286,16 +344,23 @@ def _finish(out: Path, plan: dict, workers: int) -> dict:
     for w in range(workers):
         journal = _load_journal(out, w)
         assert journal["done"], f"worker {w} did not finish"
-        shards += [{k: s[k] for k in ("file", "tokens", "docs", "blake2b")}
-                   for s in journal["shards"]]
+        shards += [
+            {k: s[k] for k in ("file", "tokens", "docs", "blake2b")} for s in journal["shards"]
+        ]
         skipped += journal["skipped"]
     total = sum(s["tokens"] for s in shards)
     if total == 0:
-        raise DataError(f"empty corpus: {_source_name(plan['source'])} produced no tokens "
-                        f"(store {out})")
-    manifest = {**plan, "shards": shards, "total_tokens": total,
-                "total_docs": sum(s["docs"] for s in shards), "skipped_docs": skipped,
-                "created": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
+        raise DataError(
+            f"empty corpus: {_source_name(plan['source'])} produced no tokens (store {out})"
+        )
+    manifest = {
+        **plan,
+        "shards": shards,
+        "total_tokens": total,
+        "total_docs": sum(s["docs"] for s in shards),
+        "skipped_docs": skipped,
+        "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+    }
     write_json_atomic(out / MANIFEST, manifest)
     shutil.rmtree(out / "progress", ignore_errors=True)
     (out / PLAN).unlink(missing_ok=True)

@@ -32,8 +32,9 @@ class Request:
     n_cont: int
 
 
-def encode_pair(encode, context: str, continuation: str, *, prefix: list[int],
-                prefix_token: int) -> tuple[list[int], list[int]]:
+def encode_pair(
+    encode, context: str, continuation: str, *, prefix: list[int], prefix_token: int
+) -> tuple[list[int], list[int]]:
     """(context tokens, continuation tokens) as lm-eval's loglikelihood builds them.
     `encode(list[str]) -> list[list[int]]` adds no special tokens; `prefix` is what the
     tokenizer would add in front (e.g. [BOS]), `prefix_token` the one an empty context gets."""
@@ -47,12 +48,12 @@ def encode_pair(encode, context: str, continuation: str, *, prefix: list[int],
         context, continuation = context[:-n_spaces], context[-n_spaces:] + continuation
     whole, ctx = encode([context + continuation, context])
     whole, ctx = prefix + whole, prefix + ctx
-    return ctx, whole[len(ctx):]
+    return ctx, whole[len(ctx) :]
 
 
 def make_request(ctx: list[int], cont: list[int], seq_len: int) -> Request:
     """Left-truncate context + continuation to seq_len + 1 tokens (the model sees seq_len)."""
-    tokens = (ctx + cont)[-(seq_len + 1):]
+    tokens = (ctx + cont)[-(seq_len + 1) :]
     return Request(tuple(tokens), min(len(cont), len(tokens) - 1))
 
 
@@ -68,14 +69,20 @@ def build_requests(task, tokenizer, seq_len: int, add_bos: bool) -> list[Request
     out = []
     for ex in task.examples:
         for choice in ex.choices:
-            ctx, cont = encode_pair(encode, ex.context, task.target_delimiter + choice,
-                                    prefix=prefix, prefix_token=prefix_token)
+            ctx, cont = encode_pair(
+                encode,
+                ex.context,
+                task.target_delimiter + choice,
+                prefix=prefix,
+                prefix_token=prefix_token,
+            )
             out.append(make_request(ctx, cont, seq_len))
     return out
 
 
-def forward_one_document(model, inputs: torch.Tensor, labels: torch.Tensor,
-                         loss_fn, context=None) -> torch.Tensor:
+def forward_one_document(
+    model, inputs: torch.Tensor, labels: torch.Tensor, loss_fn, context=None
+) -> torch.Tensor:
     """The summed loss of each row (`RowLoss`), rows that are each one document (a request,
     or a padding pass): a model with block_causal attention or document positions is told
     so (document 0 everywhere). `context`: context parallelism's split (trainer/parallel/
@@ -85,8 +92,7 @@ def forward_one_document(model, inputs: torch.Tensor, labels: torch.Tensor,
     if context is not None:
         import torch.distributed as dist
 
-        rows, _ = context.for_width(inputs.shape[1]).run(model, inputs, labels, row_loss,
-                                                         doc_ids)
+        rows, _ = context.for_width(inputs.shape[1]).run(model, inputs, labels, row_loss, doc_ids)
         dist.all_reduce(rows, group=context.group)
         return rows
     if doc_ids is not None:
@@ -111,12 +117,14 @@ def fixed_shapes(model, context=None) -> bool:
     if context is not None:
         return context.kernel == "flex"
     args = getattr(model, "args", None)
-    return getattr(args, "attn_implementation", None) == "flex" and \
-        getattr(model, "uses_documents", False)
+    return getattr(args, "attn_implementation", None) == "flex" and getattr(
+        model, "uses_documents", False
+    )
 
 
-def eval_shape(model, rows: int, width: int, batch: int | None,
-               multiple: int | None = None, context=None) -> tuple[int, int]:
+def eval_shape(
+    model, rows: int, width: int, batch: int | None, multiple: int | None = None, context=None
+) -> tuple[int, int]:
     """(rows, width) of an eval forward: as given (the width rounded up to `multiple`, default
     `width_multiple`), or for `fixed_shapes` models the eval batch
     `batch` and the width rounded up to a power of two of at least 128 (at most the model's
@@ -131,8 +139,15 @@ def eval_shape(model, rows: int, width: int, batch: int | None,
 
 
 @torch.no_grad()
-def score_batch(model, requests: list[Request], device, loss_fn,
-                pad_id: int = 0, batch: int | None = None, context=None) -> torch.Tensor:
+def score_batch(
+    model,
+    requests: list[Request],
+    device,
+    loss_fn,
+    pad_id: int = 0,
+    batch: int | None = None,
+    context=None,
+) -> torch.Tensor:
     """Summed continuation log-likelihood of each request, float64 [len(requests)]: minus the
     cross-entropy of its continuation's tokens, through the chunked head (`loss_fn`,
     trainer.models.loss.scoring_loss: one chunk of logits at a time). The batch is
@@ -150,22 +165,23 @@ def score_batch(model, requests: list[Request], device, loss_fn,
         n = len(r.tokens) - 1
         inputs[i, :n] = torch.tensor(r.tokens[:-1])
         targets[i, :n] = torch.tensor(r.tokens[1:])
-        mask[i, n - r.n_cont:n] = True
+        mask[i, n - r.n_cont : n] = True
     labels = torch.where(mask, targets, IGNORE_INDEX)  # only the continuation is scored
-    cross_entropy = forward_one_document(model, inputs.to(device), labels.to(device), loss_fn,
-                                         context)
-    return -cross_entropy[:len(requests)].double()
+    cross_entropy = forward_one_document(
+        model, inputs.to(device), labels.to(device), loss_fn, context
+    )
+    return -cross_entropy[: len(requests)].double()
 
 
-def padding_pass(model, device, loss_fn, pad_id: int = 0, batch: int | None = None,
-                 context=None) -> None:
+def padding_pass(
+    model, device, loss_fn, pad_id: int = 0, batch: int | None = None, context=None
+) -> None:
     """A forward that scores nothing: ranks with fewer batches run it so that every rank
     makes the same collectives (FSDP's all-gathers)."""
     shape = eval_shape(model, 1, 1, batch, width_multiple(model, context), context)
     inputs = torch.full(shape, pad_id, dtype=torch.long, device=device)
     with torch.no_grad():
-        forward_one_document(model, inputs, torch.full_like(inputs, IGNORE_INDEX), loss_fn,
-                             context)
+        forward_one_document(model, inputs, torch.full_like(inputs, IGNORE_INDEX), loss_fn, context)
 
 
 def choice_metrics(lls: np.ndarray, examples) -> dict[str, float]:
@@ -174,7 +190,7 @@ def choice_metrics(lls: np.ndarray, examples) -> dict[str, float]:
     hits = np.zeros(2)
     i = 0
     for ex in examples:
-        ll = np.asarray(lls[i:i + len(ex.choices)], dtype=np.float64)
+        ll = np.asarray(lls[i : i + len(ex.choices)], dtype=np.float64)
         i += len(ex.choices)
         lengths = np.array([float(len(c)) for c in ex.choices])
         hits += [np.argmax(ll) == ex.gold, np.argmax(ll / lengths) == ex.gold]

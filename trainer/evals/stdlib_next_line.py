@@ -39,8 +39,12 @@ LEXEME = re.compile(r"\w+|[^\w\s]")
 
 def _candidate(line: str) -> bool:
     s = line.strip()
-    return (MIN_CHARS <= len(s) <= MAX_CHARS and s.isascii() and not s.startswith(("#", '"', "'"))
-            and not s.endswith(("\\", '"""', "'''")))
+    return (
+        MIN_CHARS <= len(s) <= MAX_CHARS
+        and s.isascii()
+        and not s.startswith(("#", '"', "'"))
+        and not s.endswith(("\\", '"""', "'''"))
+    )
 
 
 def _functions(source: str) -> list[tuple[int, int]]:
@@ -49,8 +53,11 @@ def _functions(source: str) -> list[tuple[int, int]]:
         tree = ast.parse(source)
     except (SyntaxError, ValueError):
         return []
-    return [(n.lineno - 1, n.end_lineno - 1) for n in ast.walk(tree)
-            if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))]
+    return [
+        (n.lineno - 1, n.end_lineno - 1)
+        for n in ast.walk(tree)
+        if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))
+    ]
 
 
 def _split(line: str) -> tuple[str, str]:
@@ -71,7 +78,7 @@ def _file_examples(lines: list[str], rng: random.Random) -> tuple[list, list]:
         if not targets:
             continue
         i = rng.choice(targets)
-        ctx = lines[max(first, i - CONTEXT_LINES):i]
+        ctx = lines[max(first, i - CONTEXT_LINES) : i]
         pairs.append(("\n".join(ctx) + "\n", lines[i]))
     return pairs, [_split(lines[i])[1] for i in sorted(body)]
 

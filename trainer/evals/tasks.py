@@ -55,26 +55,36 @@ def parse_example(obj, where: str, fields=("context", "choices", "gold")) -> Exa
     keys (a HF task's field mapping)."""
     ctx_key, choices_key, gold_key = fields
     if not isinstance(obj, dict):
-        raise DataError(f"{where}: expected a JSON object with keys {ctx_key!r}, "
-                        f"{choices_key!r}, {gold_key!r}, got {type(obj).__name__}")
+        raise DataError(
+            f"{where}: expected a JSON object with keys {ctx_key!r}, "
+            f"{choices_key!r}, {gold_key!r}, got {type(obj).__name__}"
+        )
     missing = [k for k in fields if k not in obj]
     if missing:
-        raise DataError(f"{where}: missing key {missing[0]!r} (keys are: "
-                        f"{', '.join(sorted(map(str, obj)))})")
+        raise DataError(
+            f"{where}: missing key {missing[0]!r} (keys are: {', '.join(sorted(map(str, obj)))})"
+        )
     context, choices, gold = obj[ctx_key], obj[choices_key], obj[gold_key]
     if not isinstance(context, str):
         raise DataError(f"{where}: {ctx_key!r} must be a string, got {type(context).__name__}")
-    if not isinstance(choices, list) or len(choices) < 2 or \
-            not all(isinstance(c, str) and c for c in choices):
-        raise DataError(f"{where}: {choices_key!r} must be a list of at least 2 non-empty "
-                        f"strings, got {_short(choices)}")
+    if (
+        not isinstance(choices, list)
+        or len(choices) < 2
+        or not all(isinstance(c, str) and c for c in choices)
+    ):
+        raise DataError(
+            f"{where}: {choices_key!r} must be a list of at least 2 non-empty "
+            f"strings, got {_short(choices)}"
+        )
     if isinstance(gold, str) and gold.strip().isdigit():  # e.g. HellaSwag's label "3"
         gold = int(gold)
     if isinstance(gold, bool) or not isinstance(gold, int):
         raise DataError(f"{where}: {gold_key!r} must be an integer index, got {_short(gold)}")
     if not 0 <= gold < len(choices):
-        raise DataError(f"{where}: gold index {gold} is out of range for {len(choices)} "
-                        f"choices (0..{len(choices) - 1})")
+        raise DataError(
+            f"{where}: gold index {gold} is out of range for {len(choices)} "
+            f"choices (0..{len(choices) - 1})"
+        )
     return Example(context, tuple(choices), gold)
 
 

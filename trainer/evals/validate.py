@@ -44,8 +44,19 @@ IGNORE_INDEX = -100
 
 
 class Validator:
-    def __init__(self, cfg, *, train_loader, dp_rank: int, dp_size: int, dp_group,
-                 device: torch.device, loss_fn, log=print, context=None):
+    def __init__(
+        self,
+        cfg,
+        *,
+        train_loader,
+        dp_rank: int,
+        dp_size: int,
+        dp_group,
+        device: torch.device,
+        loss_fn,
+        log=print,
+        context=None,
+    ):
         """`loss_fn`: the chunked head's loss (trainer.models.loss.scoring_loss); `context`:
         context parallelism's split (trainer/parallel/context_parallel.py `ContextSplit`):
         each cp rank scores its share of every sequence, and the sums add over cp too."""
@@ -58,8 +69,9 @@ class Validator:
         self.passes = -(-self.n_samples // (self.batch * dp_size))
         # One set of N samples per source: {'': loader} for one source, {name: loader} for a
         # blend (each source's held-out tail; logged apart and token-weighted together).
-        self.sets = validation_loaders(cfg, train_loader, batch=self.batch, dp_rank=dp_rank,
-                                       dp_size=dp_size)
+        self.sets = validation_loaders(
+            cfg, train_loader, batch=self.batch, dp_rank=dp_rank, dp_size=dp_size
+        )
         for name, loader in self.sets.items():
             n_windows = getattr(loader, "n_windows", 0)
             if n_windows and self.n_samples > n_windows:
@@ -69,7 +81,8 @@ class Validator:
                     f"{cfg.training.seq_len + 1} tokens, fewer than the {self.n_samples:,} "
                     f"samples asked for (validation.steps {v.steps} x global_batch_size {gbs}); "
                     "lower validation.steps or validation.global_batch_size, or raise "
-                    "data.val_fraction")
+                    "data.val_fraction"
+                )
         self._cached = {}
         for name, loader in self.sets.items():
             if not hasattr(loader, "samples"):  # streamed: read once, reuse every time
@@ -80,9 +93,11 @@ class Validator:
         if len(self.sets) > 1 or "" not in self.sets:
             what += f" of each source ({', '.join(self.sets)})"
         split = "; each cp rank scores its share of every sequence" if self.context else ""
-        return (f"validation: {what} every {self.freq} steps and at the last step "
-                f"({self.passes} forward passes of {self.batch} per rank"
-                f"{' per source' if len(self.sets) > 1 else ''}{split})")
+        return (
+            f"validation: {what} every {self.freq} steps and at the last step "
+            f"({self.passes} forward passes of {self.batch} per rank"
+            f"{' per source' if len(self.sets) > 1 else ''}{split})"
+        )
 
     def due(self, step: int, last: bool) -> bool:
         return step % self.freq == 0 or last
@@ -113,8 +128,7 @@ class Validator:
                     inputs, labels = self._pass(name, p)
                     labels, inputs = labels.to(self.device), inputs.to(self.device)
                     # as in training: the document ids drive block_causal masks and positions
-                    doc_ids = self.sets[name].document_ids(inputs) \
-                        if model.uses_documents else None
+                    doc_ids = self.sets[name].document_ids(inputs) if model.uses_documents else None
                     # the summed loss through the chunked head: no [tokens, vocab] logits
                     loss_sum, labels = self._score(model, inputs, labels, doc_ids)
                     sums[i, 0] += loss_sum.double()
@@ -140,8 +154,10 @@ class Validator:
 
 def _loss_and_perplexity(prefix: str, sums: torch.Tensor) -> dict[str, float]:
     loss = (sums[0] / sums[1]).item()
-    return {f"{prefix}/loss": loss, f"{prefix}/perplexity": math.exp(loss) if loss < 700
-            else math.inf}
+    return {
+        f"{prefix}/loss": loss,
+        f"{prefix}/perplexity": math.exp(loss) if loss < 700 else math.inf,
+    }
 
 
 def validation_loaders(cfg, train_loader, *, batch: int, dp_rank: int, dp_size: int) -> dict:
@@ -151,24 +167,42 @@ def validation_loaders(cfg, train_loader, *, batch: int, dp_rank: int, dp_size: 
     from trainer.data.loader import StoreLoader
     from trainer.data.mix_loader import MixLoader
 
-    kw = dict(seq_len=cfg.training.seq_len, local_batch_size=batch,
-              global_batch_size=batch * dp_size, dp_rank=dp_rank, dp_size=dp_size,
-              seed=cfg.job.seed)
+    kw = dict(
+        seq_len=cfg.training.seq_len,
+        local_batch_size=batch,
+        global_batch_size=batch * dp_size,
+        dp_rank=dp_rank,
+        dp_size=dp_size,
+        seed=cfg.job.seed,
+    )
     docs = {"predict_document_start": cfg.data.predict_document_start}  # labels as in training
     if isinstance(train_loader, MixLoader):
         stores = {name: src.store for name, src in train_loader.sources.items()}
         return mix_sources(cfg.data, stores, split="validation", **kw, **docs)
     if isinstance(train_loader, StoreLoader):
-        return {"": StoreLoader(train_loader.store, split="validation",
-                                val_fraction=cfg.data.val_fraction, shuffle=cfg.data.shuffle,
-                                tokenizer_path=train_loader.tokenizer_path, **kw, **docs)}
+        return {
+            "": StoreLoader(
+                train_loader.store,
+                split="validation",
+                val_fraction=cfg.data.val_fraction,
+                shuffle=cfg.data.shuffle,
+                tokenizer_path=train_loader.tokenizer_path,
+                **kw,
+                **docs,
+            )
+        }
     return {"": build_dataloader(cfg.data, split="validation", **kw)}
 
 
 def log_validation(step: int, values: dict[str, float], seconds: float, metrics, log) -> None:
     metrics.log_scalars(step, values)
-    per_source = [f"{tag.split('/')[1]} {value:.4f}" for tag, value in values.items()
-                  if tag.count("/") == 2 and tag.endswith("/loss")]
-    log(f"validation: step {step:>5}  loss {values['validation_metrics/loss']:8.4f}  "
+    per_source = [
+        f"{tag.split('/')[1]} {value:.4f}"
+        for tag, value in values.items()
+        if tag.count("/") == 2 and tag.endswith("/loss")
+    ]
+    log(
+        f"validation: step {step:>5}  loss {values['validation_metrics/loss']:8.4f}  "
         f"perplexity {values['validation_metrics/perplexity']:10.3f}  ({seconds:.2f}s)"
-        + (f"  per source: {', '.join(per_source)}" if per_source else ""))
+        + (f"  per source: {', '.join(per_source)}" if per_source else "")
+    )

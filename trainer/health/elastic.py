@@ -79,8 +79,10 @@ def rendezvous_failure(err: Exception, args) -> str:
 
     where = f"--rdzv_endpoint {args.rdzv_endpoint}, --rdzv_id {args.rdzv_id}"
     if isinstance(err, RendezvousTimeoutError):
-        return (f"error: the rendezvous timed out ({where}): too few nodes for --nnodes "
-                f"{args.nnodes} joined within its join_timeout (--rdzv-conf "
-                "join_timeout=SECONDS, default 600): start every node with the same endpoint "
-                "and id, and check that each can reach the endpoint")
+        return (
+            f"error: the rendezvous timed out ({where}): too few nodes for --nnodes "
+            f"{args.nnodes} joined within its join_timeout (--rdzv-conf "
+            "join_timeout=SECONDS, default 600): start every node with the same endpoint "
+            "and id, and check that each can reach the endpoint"
+        )
     return f"error: the rendezvous failed ({where}): {type(err).__name__}: {err}"

@@ -55,7 +55,9 @@ COLLECTIVE_TIMEOUT_ENV = "TRAINER_TEST_COLLECTIVE_TIMEOUT"
 class Faults:
     """The faults asked of this rank; empty (no-ops) unless a variable names it."""
 
-    stops: list[tuple[int, int, int | None]] = field(default_factory=list)  # (signal, step, attempt)
+    stops: list[tuple[int, int, int | None]] = field(
+        default_factory=list
+    )  # (signal, step, attempt)
     nan_steps: frozenset[int] = frozenset()
     spike_steps: frozenset[int] = frozenset()
     spike_factor: float = 1.0
@@ -75,15 +77,23 @@ class Faults:
         for spec in filter(None, env.get(FAULT_ENV, "").split(",")):
             kind, r, at, *when = spec.split(":")
             if r == rank:
-                f.stops.append((signal.SIGSTOP if kind == "hang" else signal.SIGKILL, int(at),
-                                int(when[0]) if when else None))
+                f.stops.append(
+                    (
+                        signal.SIGSTOP if kind == "hang" else signal.SIGKILL,
+                        int(at),
+                        int(when[0]) if when else None,
+                    )
+                )
         r, _, steps = env.get(NAN_ENV, "").partition(":")
         if steps and r == rank:
             f.nan_steps = frozenset(int(s) for s in steps.split(","))
         if env.get(SPIKE_ENV):
             r, steps, factor = env[SPIKE_ENV].split(":")
             if r == rank:
-                f.spike_steps, f.spike_factor = frozenset(int(s) for s in steps.split(",")), float(factor)
+                f.spike_steps, f.spike_factor = (
+                    frozenset(int(s) for s in steps.split(",")),
+                    float(factor),
+                )
         spec = env.get(OOM_ENV, "").split(":")
         if len(spec) >= 2:
             f.device_gib = float(spec[2]) if len(spec) > 2 else 0.0
@@ -111,8 +121,12 @@ class Faults:
             if at == step and (when is None or when == restart):
                 os.kill(os.getpid(), signum)
         consumed = getattr(loader, "consumed", None)
-        self._spike_now = self.spike_factor if consumed is not None and any(
-            consumed == (s - 1) * loader.global_batch_size for s in self.spike_steps) else 1.0
+        self._spike_now = (
+            self.spike_factor
+            if consumed is not None
+            and any(consumed == (s - 1) * loader.global_batch_size for s in self.spike_steps)
+            else 1.0
+        )
 
     def first_forward(self, step: int) -> None:
         """After the forward of the step's first microbatch: an out-of-memory error if asked."""

@@ -43,6 +43,7 @@ import torch
 from trainer.checkpoint.states import TrainState
 from trainer.errors import TrainingError
 
+
 def flag_nonfinite_loss(model: torch.nn.Module, loss: torch.Tensor) -> None:
     """Add 0 * loss to one local gradient element: +0 when the loss is finite, NaN when not.
     No host sync; the NaN reaches every rank through the gradient norm's all-reduce."""
@@ -67,12 +68,13 @@ class Spike:
     checkpoint: int | None = None  # on_spike = rollback: this run's newest checkpoint
 
     def describe(self, threshold: float) -> str:
-        return (f"{self.loss:.4f} > mean {self.mean:.4f} + {threshold:g} x std {self.std:.4f} "
-                f"of the previous {self.window} steps")
+        return (
+            f"{self.loss:.4f} > mean {self.mean:.4f} + {threshold:g} x std {self.std:.4f} "
+            f"of the previous {self.window} steps"
+        )
 
 
-def spike_action(on_spike: str, rollbacks: int, max_rollbacks: int,
-                 checkpoint: int | None) -> str:
+def spike_action(on_spike: str, rollbacks: int, max_rollbacks: int, checkpoint: int | None) -> str:
     """What a spike does: `on_spike`; but a rollback beyond `max_rollbacks` stops the run, and
     one with no checkpoint to go back to skips the step instead."""
     if on_spike != "rollback":
@@ -107,8 +109,11 @@ class LossGuard:
 
     def detect(self, step: int, loss: float) -> Spike | None:
         """A spike when the window is full and `loss` is above its mean + threshold x std."""
-        if not self.window.maxlen or len(self.window) < self.window.maxlen \
-                or not math.isfinite(loss):
+        if (
+            not self.window.maxlen
+            or len(self.window) < self.window.maxlen
+            or not math.isfinite(loss)
+        ):
             return None
         mean = sum(self.window) / len(self.window)
         std = math.sqrt(sum((x - mean) ** 2 for x in self.window) / len(self.window))
@@ -130,12 +135,15 @@ class LossGuard:
         spike = self.detect(step, loss)
         if spike is not None:
             self._count(spike)
-            self.log(f"loss spike at step {step}: {spike.describe(self.threshold)} "
-                     f"({self.spikes} so far)")
+            self.log(
+                f"loss spike at step {step}: {spike.describe(self.threshold)} "
+                f"({self.spikes} so far)"
+            )
         self.record(loss)
 
-    def before_update(self, step: int, loss: float,
-                      newest_checkpoint: Callable[[], int | None]) -> Spike | None:
+    def before_update(
+        self, step: int, loss: float, newest_checkpoint: Callable[[], int | None]
+    ) -> Spike | None:
         """on_spike != "log", before the optimizer step, on the global mean loss (so every
         rank decides alike): None to step (the loss joins the window), else the spike with
         its action. `newest_checkpoint()` is asked only when a rollback is in question."""
@@ -145,31 +153,40 @@ class LossGuard:
             return None
         self._count(spike)
         checkpoint = newest_checkpoint() if self.on_spike == "rollback" else None
-        action = spike_action(self.on_spike, len(self.state.rollback_steps), self.max_rollbacks,
-                              checkpoint)
+        action = spike_action(
+            self.on_spike, len(self.state.rollback_steps), self.max_rollbacks, checkpoint
+        )
         return dataclasses.replace(spike, action=action, checkpoint=checkpoint)
 
-    def skipped_step(self, step: int, avg_loss: float, grad_norm: float,
-                     last_checkpoint: str) -> None:
+    def skipped_step(
+        self, step: int, avg_loss: float, grad_norm: float, last_checkpoint: str
+    ) -> None:
         """Record a skipped non-finite step; raise TrainingError once the streak exceeds the
         limit."""
         self._skip(step, "loss" if not math.isfinite(avg_loss) else "grad norm")
-        self.log(f"step {step}: skipped the optimizer step (loss {avg_loss}, grad_norm "
-                 f"{grad_norm}); {len(self.streak)} in a row, at most "
-                 f"{self.max_skipped} allowed (training.max_skipped_steps); no checkpoint is saved "
-                 "at a skipped step")
+        self.log(
+            f"step {step}: skipped the optimizer step (loss {avg_loss}, grad_norm "
+            f"{grad_norm}); {len(self.streak)} in a row, at most "
+            f"{self.max_skipped} allowed (training.max_skipped_steps); no checkpoint is saved "
+            "at a skipped step"
+        )
         self._check_streak(last_checkpoint)
 
     def skipped_spike(self, spike: Spike, last_checkpoint: str) -> None:
         """A spike whose optimizer step was skipped: one line; the streak as for a non-finite
         step (its loss stays out of the window)."""
         self._skip(spike.step, "spike")
-        what = ("no checkpoint to roll back to yet: skipped its optimizer step instead"
-                if self.on_spike == "rollback" else "skipped its optimizer step")
-        self.log(f"loss spike at step {spike.step}: {spike.describe(self.threshold)} "
-                 f"({self.spikes} so far); {what} (training.on_spike = {self.on_spike!r}); "
-                 f"{len(self.streak)} in a row, at most {self.max_skipped} allowed "
-                 "(training.max_skipped_steps); no checkpoint is saved at a skipped step")
+        what = (
+            "no checkpoint to roll back to yet: skipped its optimizer step instead"
+            if self.on_spike == "rollback"
+            else "skipped its optimizer step"
+        )
+        self.log(
+            f"loss spike at step {spike.step}: {spike.describe(self.threshold)} "
+            f"({self.spikes} so far); {what} (training.on_spike = {self.on_spike!r}); "
+            f"{len(self.streak)} in a row, at most {self.max_skipped} allowed "
+            "(training.max_skipped_steps); no checkpoint is saved at a skipped step"
+        )
         self._check_streak(last_checkpoint)
 
     def rolled_back(self, spike: Spike) -> None:
@@ -177,19 +194,23 @@ class LossGuard:
         state: one line, the count, and the window the checkpoint had."""
         n = len(self.state.rollback_steps)
         self.metrics.log_scalars(spike.step, {"loss_metrics/rollbacks": n})
-        self.log(f"loss spike at step {spike.step}: {spike.describe(self.threshold)} "
-                 f"({self.spikes} so far); rolled back to checkpoint step-{spike.checkpoint} "
-                 f"(rollback {n}, at most {self.max_rollbacks}: training.max_rollbacks); step "
-                 f"{spike.step} will pass over one global batch, the one it spiked on")
+        self.log(
+            f"loss spike at step {spike.step}: {spike.describe(self.threshold)} "
+            f"({self.spikes} so far); rolled back to checkpoint step-{spike.checkpoint} "
+            f"(rollback {n}, at most {self.max_rollbacks}: training.max_rollbacks); step "
+            f"{spike.step} will pass over one global batch, the one it spiked on"
+        )
         self.restore()
 
     def rollbacks_exhausted(self, spike: Spike) -> TrainingError:
         n = len(self.state.rollback_steps)
         last = "none" if spike.checkpoint is None else f"step-{spike.checkpoint}"
-        return TrainingError(f"loss spike at step {spike.step}: {spike.describe(self.threshold)},"
-                             f" after {n} rollback{'' if n == 1 else 's'} (at most "
-                             f"{self.max_rollbacks}: training.max_rollbacks); last checkpoint "
-                             f"{last}")
+        return TrainingError(
+            f"loss spike at step {spike.step}: {spike.describe(self.threshold)},"
+            f" after {n} rollback{'' if n == 1 else 's'} (at most "
+            f"{self.max_rollbacks}: training.max_rollbacks); last checkpoint "
+            f"{last}"
+        )
 
     def _skip(self, step: int, why: str) -> None:
         self.streak.append((step, why))
@@ -200,11 +221,17 @@ class LossGuard:
         if len(self.streak) <= self.max_skipped:
             return
         whys = {why for _, why in self.streak}
-        what = ("non-finite loss" if "loss" in whys else
-                "non-finite grad norm" if "grad norm" in whys else "")
+        what = (
+            "non-finite loss"
+            if "loss" in whys
+            else "non-finite grad norm"
+            if "grad norm" in whys
+            else ""
+        )
         if "spike" in whys:
-            spikes = "a loss spike" if [w for _, w in self.streak].count("spike") == 1 \
-                else "loss spikes"
+            spikes = (
+                "a loss spike" if [w for _, w in self.streak].count("spike") == 1 else "loss spikes"
+            )
             what = f"{what} and {spikes}" if what else spikes
         first, last = self.streak[0][0], self.streak[-1][0]
         steps = f"step {first}" if first == last else f"steps {first}-{last}"

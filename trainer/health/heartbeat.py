@@ -58,14 +58,25 @@ PHASES = {
     "validation": "validation",
     "eval": "evals",
 }
-_state = {"step": 0, "phase": "setup", "seq": 0, "timeout": 0.0, "beat_s": 1.0,
-          "moved": time.monotonic(), "watch_s": 0.0}
+_state = {
+    "step": 0,
+    "phase": "setup",
+    "seq": 0,
+    "timeout": 0.0,
+    "beat_s": 1.0,
+    "moved": time.monotonic(),
+    "watch_s": 0.0,
+}
 # The phases the watch covers: a step's compute and collectives. Setup, saves, validation and
 # evals may legitimately run longer than the training timeout without a collective waiting.
 WATCHED = ("step_start", "forward", "backward", "tp_grads", "clip", "step_end", "log")
 # A peer that died: the collective fails at once, with one of these messages.
-PEER_LOST = ("Connection closed by peer", "Connection reset by peer", "Broken pipe",
-             "communicator was aborted")
+PEER_LOST = (
+    "Connection closed by peer",
+    "Connection reset by peer",
+    "Broken pipe",
+    "communicator was aborted",
+)
 PEER_LOST_GRACE_S = 2.0  # the launcher names the rank that ended first: let it see the dead one
 
 
@@ -117,8 +128,14 @@ class Heartbeat:
 
     def _beat(self) -> None:
         self.beats += 1
-        entry = {"beat": self.beats, "host": socket.gethostname(), "pid": os.getpid(),
-                 "step": _state["step"], "phase": _state["phase"], "seq": _state["seq"]}
+        entry = {
+            "beat": self.beats,
+            "host": socket.gethostname(),
+            "pid": os.getpid(),
+            "step": _state["step"],
+            "phase": _state["phase"],
+            "seq": _state["seq"],
+        }
         self.store.set(_key(self.rank), json.dumps(entry))
 
     def _run(self) -> None:
@@ -142,8 +159,11 @@ class Heartbeat:
         """Look at the peers once this rank is stuck (every STALE_BEATS beats, so the store is
         read only then); report a hang that a peer's heartbeat confirms."""
         now, limit = time.monotonic(), _state["watch_s"]
-        stuck = limit > 0 and _state["phase"] in WATCHED and \
-            now - _state["moved"] > limit + STALE_BEATS * self.seconds
+        stuck = (
+            limit > 0
+            and _state["phase"] in WATCHED
+            and now - _state["moved"] > limit + STALE_BEATS * self.seconds
+        )
         if not stuck:
             return None
         if seen is not None and now - seen[1] < STALE_BEATS * self.seconds:
@@ -206,29 +226,40 @@ def missing_ranks(seconds: float) -> tuple[list[int], list[int], dict]:
 def judge(first: dict, last: dict, me: int) -> tuple[list[int], list[int]]:
     """(ranks whose heartbeat did not move between two reads, ranks that beat but whose loop
     is behind this rank's)."""
-    stopped = [r for r in last if r != me and
-               (last[r] is None or first[r] is None or last[r]["beat"] == first[r]["beat"])]
-    behind = [r for r in last if r != me and r not in stopped
-              and last[r]["seq"] < _state["seq"]]
+    stopped = [
+        r
+        for r in last
+        if r != me and (last[r] is None or first[r] is None or last[r]["beat"] == first[r]["beat"])
+    ]
+    behind = [r for r in last if r != me and r not in stopped and last[r]["seq"] < _state["seq"]]
     return stopped, behind
 
 
 def report_line(stopped: list[int], behind: list[int], entries: dict) -> str:
     """The one line: who, at which step and phase, and the timeout that fired."""
-    where = (f"at step {_state['step']} ({PHASES.get(_state['phase'], _state['phase'])}; "
-             f"no answer for {_state['timeout']:g} s)")
+    where = (
+        f"at step {_state['step']} ({PHASES.get(_state['phase'], _state['phase'])}; "
+        f"no answer for {_state['timeout']:g} s)"
+    )
     parts = []
     for ranks, what in ((stopped, "stopped responding"), (behind, "did not arrive")):
         if ranks:
             who = ", ".join(str(r) for r in ranks)
             parts.append(f"rank{'s' if len(ranks) > 1 else ''} {who} {what} {where}")
     if not parts:
-        return (f"training error: a collective timed out {where}; every rank's heartbeat "
-                "is current (a slow collective? raise comm.train_timeout_seconds)")
+        return (
+            f"training error: a collective timed out {where}; every rank's heartbeat "
+            "is current (a slow collective? raise comm.train_timeout_seconds)"
+        )
     first = entries.get((stopped or behind)[0])
-    last = "" if not first else (
-        f"; its last heartbeat said step {first['step']}, {first['phase']}; host "
-        f"{first['host']}, pid {first['pid']}")
+    last = (
+        ""
+        if not first
+        else (
+            f"; its last heartbeat said step {first['step']}, {first['phase']}; host "
+            f"{first['host']}, pid {first['pid']}"
+        )
+    )
     return f"training error: {'; '.join(parts)}{last}"
 
 
@@ -258,8 +289,13 @@ def collective_failure(exc: BaseException) -> int | None:
         return HANG_EXIT_CODE
     if any(text in str(exc) for text in PEER_LOST):
         if claim_report("lost"):  # the launcher names the rank that ended
-            record_failure("lost", [], _state["step"], f"training error: a rank ended at step "
-                           f"{_state['step']} ({PHASES.get(_state['phase'], _state['phase'])})")
+            record_failure(
+                "lost",
+                [],
+                _state["step"],
+                f"training error: a rank ended at step "
+                f"{_state['step']} ({PHASES.get(_state['phase'], _state['phase'])})",
+            )
         time.sleep(PEER_LOST_GRACE_S)
         return 1
     return None
@@ -269,9 +305,13 @@ def record_crash(exc: BaseException) -> None:
     """Any other error (its traceback is printed): recorded for the restart guard."""
     if dist.is_initialized():
         text = f"{type(exc).__name__}: {exc}".splitlines()[0][:300]
-        record_failure("error", [dist.get_rank()], _state["step"],
-                       f"training error: rank {dist.get_rank()} failed at step {_state['step']} "
-                       f"({PHASES.get(_state['phase'], _state['phase'])}): {text}")
+        record_failure(
+            "error",
+            [dist.get_rank()],
+            _state["step"],
+            f"training error: rank {dist.get_rank()} failed at step {_state['step']} "
+            f"({PHASES.get(_state['phase'], _state['phase'])}): {text}",
+        )
 
 
 def current() -> dict:

@@ -38,14 +38,17 @@ def out_of_memory(cfg, step: int, device: torch.device) -> OutOfMemory:
     rank = dist.get_rank() if dist.is_initialized() else 0
     if device.type == "cuda":
         total = torch.cuda.get_device_properties(device).total_memory / GIB
-        peak = (f"peak {torch.cuda.max_memory_allocated(device) / GIB:.1f} GiB allocated, "
-                f"{torch.cuda.max_memory_reserved(device) / GIB:.1f} GiB reserved of "
-                f"{total:.1f} GiB")
+        peak = (
+            f"peak {torch.cuda.max_memory_allocated(device) / GIB:.1f} GiB allocated, "
+            f"{torch.cuda.max_memory_reserved(device) / GIB:.1f} GiB reserved of "
+            f"{total:.1f} GiB"
+        )
     else:
         total = faults.armed().device_gib  # an injected OOM's stand-in (health/faults.py)
         peak = f"no peak on {device.type}; a {total:g} GiB device assumed"
-    return OutOfMemory(f"CUDA out of memory at step {step} on rank {rank} ({peak}); "
-                       f"{plan_advice(cfg, total)}")
+    return OutOfMemory(
+        f"CUDA out of memory at step {step} on rank {rank} ({peak}); {plan_advice(cfg, total)}"
+    )
 
 
 def plan_advice(cfg, mem_gib: float) -> str:
@@ -58,8 +61,10 @@ def plan_advice(cfg, mem_gib: float) -> str:
     # plans the model that ran out of memory.
     saved = os.path.join(cfg.job.dump_folder, "config.toml")
     config = saved if os.path.isfile(saved) else (cfg.job.config_file or "...")
-    cmd = (f"python -m trainer.plan --config {shlex.quote(config)} "
-           f"--ngpu {world // nnodes} --nnodes {nnodes} --gpu-mem-gib {mem_gib:g}")
+    cmd = (
+        f"python -m trainer.plan --config {shlex.quote(config)} "
+        f"--ngpu {world // nnodes} --nnodes {nnodes} --gpu-mem-gib {mem_gib:g}"
+    )
     if not mem_gib:
         return f"see {cmd}"
     best = largest_local_batch(cfg, world, mem_gib)
@@ -67,10 +72,11 @@ def plan_advice(cfg, mem_gib: float) -> str:
     if best == 0:
         return f"the memory plan fits no local_batch_size on this device; see {cmd}"
     if best >= now:
-        return (f"the memory plan expects local_batch_size {now} to fit (by "
-                f"{cmd}); try activation_checkpoint.mode = 'selective' or 'full'")
-    return (f"the memory plan fits local_batch_size <= {best} here (now {now}); "
-            f"see {cmd}")
+        return (
+            f"the memory plan expects local_batch_size {now} to fit (by "
+            f"{cmd}); try activation_checkpoint.mode = 'selective' or 'full'"
+        )
+    return f"the memory plan fits local_batch_size <= {best} here (now {now}); see {cmd}"
 
 
 def claim_report() -> bool:

@@ -34,7 +34,10 @@ class StopSignals:
                 signal.raise_signal(signum)
         for name in STOP_SIGNALS:  # the early recorder's other signals: default again
             if name not in names and signal.getsignal(getattr(signal, name)) not in (
-                    signal.SIG_DFL, signal.SIG_IGN, signal.default_int_handler):
+                signal.SIG_DFL,
+                signal.SIG_IGN,
+                signal.default_int_handler,
+            ):
                 signal.signal(getattr(signal, name), signal.SIG_DFL)
 
     def _handler(self, signum, frame) -> None:

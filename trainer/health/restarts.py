@@ -42,13 +42,15 @@ def attempt_store(timeout):
         return None
     import torch.distributed as dist
 
-    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]),
-                          is_master=False, timeout=timeout)
+    store = dist.TCPStore(
+        os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False, timeout=timeout
+    )
     # trainer.launch passes the rendezvous round, the same on every node of an elastic job;
     # torchrun alone (one node), the restart count
     rnd = os.environ.get("TRAINER_RDZV_ROUND")
-    return dist.PrefixStore(f"trainer/round_{rnd}" if rnd else f"trainer/attempt_{attempt()}",
-                            store)
+    return dist.PrefixStore(
+        f"trainer/round_{rnd}" if rnd else f"trainer/attempt_{attempt()}", store
+    )
 
 
 def launch_id() -> str:
@@ -65,8 +67,14 @@ def record_failure(kind: str, ranks: list[int], step: int, line: str) -> None:
     path = _path()
     if path is None:
         return
-    entry = {"launch": launch_id(), "attempt": attempt(), "kind": kind, "ranks": ranks,
-             "step": step, "line": line}
+    entry = {
+        "launch": launch_id(),
+        "attempt": attempt(),
+        "kind": kind,
+        "ranks": ranks,
+        "step": step,
+        "line": line,
+    }
     try:
         with open(path, "a") as fh:
             fh.write(json.dumps(entry) + "\n")
@@ -95,9 +103,11 @@ def check_restart(dump_folder: str, max_same: int) -> None:
     if max_same and all(chain) and len({(e["kind"], e["step"]) for e in chain}) == 1:
         last = chain[0]
         line = last["line"].removeprefix("training error: ")
-        raise RepeatedFailure(f"the same failure at step {last['step']} {max_same} times in "
-                              f"a row, not restarting (health.max_same_failures = "
-                              f"{max_same}): {line}")
+        raise RepeatedFailure(
+            f"the same failure at step {last['step']} {max_same} times in "
+            f"a row, not restarting (health.max_same_failures = "
+            f"{max_same}): {line}"
+        )
 
 
 def note_restart(metrics, step: int, log) -> None:
@@ -107,6 +117,5 @@ def note_restart(metrics, step: int, log) -> None:
     limit = os.environ.get("TORCHELASTIC_MAX_RESTARTS", "?")
     last = _config["last"]
     after = f" after: {last['line'].removeprefix('training error: ')}" if last else ""
-    log(f"restart {attempt()} of at most {limit} (MAX_RESTARTS){after}; resuming at step "
-        f"{step}")
+    log(f"restart {attempt()} of at most {limit} (MAX_RESTARTS){after}; resuming at step {step}")
     metrics.log_scalars(step, {"fault/restarts": attempt()})

@@ -20,17 +20,28 @@ def check_data_skips(training, loader) -> None:
     """Passing over global batches (rollbacks, skip_data_steps) needs a global sample order."""
     if hasattr(loader, "skip_global_batch"):
         return
-    for key, used in (("training.on_spike = 'rollback'", training.on_spike == "rollback"),
-                      ("training.skip_data_steps", bool(training.skip_data_steps))):
+    for key, used in (
+        ("training.on_spike = 'rollback'", training.on_spike == "rollback"),
+        ("training.skip_data_steps", bool(training.skip_data_steps)),
+    ):
         if used:
-            raise DataError(f"{key} passes over global batches, which needs a data source with "
-                            "a global order (a token store, stdlib, synthetic or a blend); a "
-                            "streamed dataset has none: prepare a store (python -m "
-                            "trainer.data.prepare), or use training.on_spike = 'skip'")
+            raise DataError(
+                f"{key} passes over global batches, which needs a data source with "
+                "a global order (a token store, stdlib, synthetic or a blend); a "
+                "streamed dataset has none: prepare a store (python -m "
+                "trainer.data.prepare), or use training.on_spike = 'skip'"
+            )
 
 
-def skipped_step(guard: LossGuard, checkpointer: Checkpointer, step: int, loss_share, rank_loss,
-                 grad_norm, dp_group) -> None:
+def skipped_step(
+    guard: LossGuard,
+    checkpointer: Checkpointer,
+    step: int,
+    loss_share,
+    rank_loss,
+    grad_norm,
+    dp_group,
+) -> None:
     """Every rank alike (the decision came from the reduced grad norm): log the skip; when
     there were too many in a row, commit any save in flight and stop with TrainingError."""
     avg, _ = reduce_loss(loss_share, rank_loss, dp_group)
@@ -68,8 +79,13 @@ def spike_check(guard: LossGuard, checkpointer: Checkpointer, device, dp_size: i
     return check
 
 
-def act_on_spike(spike: Spike, guard: LossGuard, checkpointer: Checkpointer, state: TrainState,
-                 metrics: MetricsProcessor) -> bool:
+def act_on_spike(
+    spike: Spike,
+    guard: LossGuard,
+    checkpointer: Checkpointer,
+    state: TrainState,
+    metrics: MetricsProcessor,
+) -> bool:
     """Every rank alike: skip the step (a line; too many in a row stop the run), roll back
     (True: the loop goes on from the checkpoint's step), or stop with TrainingError."""
     if spike.action == "rollback":
@@ -85,8 +101,13 @@ def act_on_spike(spike: Spike, guard: LossGuard, checkpointer: Checkpointer, sta
     return False
 
 
-def roll_back(spike: Spike, guard: LossGuard, checkpointer: Checkpointer, state: TrainState,
-              metrics: MetricsProcessor) -> None:
+def roll_back(
+    spike: Spike,
+    guard: LossGuard,
+    checkpointer: Checkpointer,
+    state: TrainState,
+    metrics: MetricsProcessor,
+) -> None:
     """Reload this run's newest checkpoint (model, optimizer, lr schedule, data position, RNG,
     train state with its spike window), record that step `spike.step` passes over one global
     batch, and commit the record at once by saving the same step again (replacing it): a crash
@@ -108,15 +129,24 @@ def pass_over(loader, step: int, skip_data_steps: list[int], rollback_steps: lis
     first = loader.consumed
     for _ in range(n):
         loader.skip_global_batch()
-    why = " and ".join(what for what, hit in (
-        ("training.skip_data_steps", step in skip_data_steps),
-        ("a rollback from a spike at this step", step in rollback_steps)) if hit)
-    log0(f"step {step}: passed over {n} global batch{'es' if n > 1 else ''}, samples "
-         f"{first}-{loader.consumed - 1} ({why})")
+    why = " and ".join(
+        what
+        for what, hit in (
+            ("training.skip_data_steps", step in skip_data_steps),
+            ("a rollback from a spike at this step", step in rollback_steps),
+        )
+        if hit
+    )
+    log0(
+        f"step {step}: passed over {n} global batch{'es' if n > 1 else ''}, samples "
+        f"{first}-{loader.consumed - 1} ({why})"
+    )
 
 
 def note_past_skips(skip_data_steps: list[int], resumed_at: int) -> None:
     past = sorted({s for s in skip_data_steps if s <= resumed_at})
     if past:
-        log0(f"training.skip_data_steps: step(s) {', '.join(map(str, past))} are not after "
-             f"the resumed step {resumed_at}: nothing is passed over there now")
+        log0(
+            f"training.skip_data_steps: step(s) {', '.join(map(str, past))} are not after "
+            f"the resumed step {resumed_at}: nothing is passed over there now"
+        )

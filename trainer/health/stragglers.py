@@ -24,7 +24,6 @@ import statistics
 import time
 
 
-
 def medians_of_others(times: list[float]) -> list[float]:
     """For each rank, the median of every other rank's time, from one sort: O(W log W) for W
     ranks (a median per rank over a copy of the others would be O(W^2 log W): ~0.3 s a step at
@@ -76,16 +75,20 @@ class StragglerWatch:
         """Every rank's step time (summed slots): the scalars, and the one-line report."""
         median = statistics.median(times)
         slowest = max(range(len(times)), key=lambda r: times[r])
-        self.scalars = {"timing/step_time_max": times[slowest],
-                        "timing/slowest_rank": float(slowest),
-                        "timing/step_time_median": median,
-                        "timing/step_time_spread": times[slowest] / max(median, 1e-9)}
+        self.scalars = {
+            "timing/step_time_max": times[slowest],
+            "timing/slowest_rank": float(slowest),
+            "timing/step_time_median": median,
+            "timing/step_time_spread": times[slowest] / max(median, 1e-9),
+        }
         others_median = medians_of_others(times)
         for r, t in enumerate(times):
             others = others_median[r]
             self.slow_for[r] = self.slow_for[r] + 1 if t > self.factor * others else 0
             if self.steps and self.slow_for[r] == self.steps:
-                self.log(f"straggler: rank {r} slower than the other ranks' median by more "
-                         f"than {self.factor:g}x for {self.steps} steps in a row (step {step}: "
-                         f"{t:.3f}s against {others:.3f}s)")
+                self.log(
+                    f"straggler: rank {r} slower than the other ranks' median by more "
+                    f"than {self.factor:g}x for {self.steps} steps in a row (step {step}: "
+                    f"{t:.3f}s against {others:.3f}s)"
+                )
         return self.scalars

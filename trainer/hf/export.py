@@ -35,8 +35,16 @@ def run_tokenizer_path(data) -> str | None:
     return str(stdlib_cache_dir(data) / f"tokenizer-bpe{data.vocab_size}.model")
 
 
-def write_hf_folder(out_dir: str, args, fetch, cfg, *, dtype: str,
-                    max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES, log=print) -> None:
+def write_hf_folder(
+    out_dir: str,
+    args,
+    fetch,
+    cfg,
+    *,
+    dtype: str,
+    max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES,
+    log=print,
+) -> None:
     """`fetch(names)` gives our full tensors by parameter name (see weights.write_weights);
     `cfg` is the run's JobConfig (for the tokenizer and the sequence length). An s3:// or
     gs:// `out_dir` is written to a local temporary folder, then uploaded (trainer/hf/remote.py)."""
@@ -46,8 +54,15 @@ def write_hf_folder(out_dir: str, args, fetch, cfg, *, dtype: str,
         import tempfile
 
         with tempfile.TemporaryDirectory(prefix="hf-export-") as tmp:
-            write_hf_folder(tmp, args, fetch, cfg, dtype=dtype, max_shard_bytes=max_shard_bytes,
-                            log=lambda line: log(line.replace(tmp, out_dir)))
+            write_hf_folder(
+                tmp,
+                args,
+                fetch,
+                cfg,
+                dtype=dtype,
+                max_shard_bytes=max_shard_bytes,
+                log=lambda line: log(line.replace(tmp, out_dir)),
+            )
             storage.upload_folder(tmp, out_dir)
         return
     os.makedirs(out_dir, exist_ok=True)
@@ -55,11 +70,16 @@ def write_hf_folder(out_dir: str, args, fetch, cfg, *, dtype: str,
         from trainer.hf.qwen3_next import release_config as config_of
         from trainer.hf.qwen3_next_io import write_release
 
-        files = write_release(out_dir, args, fetch, dtype=dtype,
-                              max_shard_bytes=max_shard_bytes, log=log)
+        files = write_release(
+            out_dir, args, fetch, dtype=dtype, max_shard_bytes=max_shard_bytes, log=log
+        )
     else:
-        config_of, files = hf_config, _write_llama_like(out_dir, args, fetch, dtype=dtype,
-                                                         max_shard_bytes=max_shard_bytes, log=log)
+        config_of, files = (
+            hf_config,
+            _write_llama_like(
+                out_dir, args, fetch, dtype=dtype, max_shard_bytes=max_shard_bytes, log=log
+            ),
+        )
     ids = {}
     tok_path = run_tokenizer_path(cfg.data)
     if tok_path is None:
@@ -69,16 +89,21 @@ def write_hf_folder(out_dir: str, args, fetch, cfg, *, dtype: str,
     else:
         ids = export_tokenizer(tok_path, out_dir, model_max_length=cfg.training.seq_len)
     bos, eos = ids.get("bos_token"), ids.get("eos_token")
-    write_json(os.path.join(out_dir, "config.json"),
-               config_of(args, dtype=dtype, bos_id=bos, eos_id=eos))
-    write_json(os.path.join(out_dir, "generation_config.json"),
-               {"bos_token_id": bos, "eos_token_id": eos})
-    log(f"wrote {', '.join(files)} ({dtype}, unquantized: no quantization_config) and "
-        f"config.json to {out_dir}")
+    write_json(
+        os.path.join(out_dir, "config.json"), config_of(args, dtype=dtype, bos_id=bos, eos_id=eos)
+    )
+    write_json(
+        os.path.join(out_dir, "generation_config.json"), {"bos_token_id": bos, "eos_token_id": eos}
+    )
+    log(
+        f"wrote {', '.join(files)} ({dtype}, unquantized: no quantization_config) and "
+        f"config.json to {out_dir}"
+    )
 
 
-def _write_llama_like(out_dir: str, args, fetch, *, dtype: str, max_shard_bytes: int,
-                      log) -> list[str]:
+def _write_llama_like(
+    out_dir: str, args, fetch, *, dtype: str, max_shard_bytes: int, log
+) -> list[str]:
     """LlamaForCausalLM, Qwen3MoeForCausalLM or DeepseekV3ForCausalLM's tensors."""
     buffers = list(buffer_shapes(args))
     note = routing_bias_note(fetch(buffers)) if buffers and args.mla is None else None
@@ -86,8 +111,11 @@ def _write_llama_like(out_dir: str, args, fetch, *, dtype: str, max_shard_bytes:
         log(note)
     if args.mtp_layers and args.mla is not None:
         first = args.n_layers
-        log(f"multi-token prediction: module(s) 0..{args.mtp_layers - 1} exported as layer(s) "
+        log(
+            f"multi-token prediction: module(s) 0..{args.mtp_layers - 1} exported as layer(s) "
             f"{first}..{first + args.mtp_layers - 1} under the release's names "
-            f"(num_nextn_predict_layers = {args.mtp_layers}; transformers skips them)")
-    return write_weights(out_dir, args, export_shapes(args), fetch, dtype=dtype,
-                         max_shard_bytes=max_shard_bytes)
+            f"(num_nextn_predict_layers = {args.mtp_layers}; transformers skips them)"
+        )
+    return write_weights(
+        out_dir, args, export_shapes(args), fetch, dtype=dtype, max_shard_bytes=max_shard_bytes
+    )

@@ -20,8 +20,13 @@ import torch.distributed as dist
 
 from trainer.errors import ConfigError
 from trainer.hf import deepseek
-from trainer.hf.mapping import (check_hf_config, export_shapes, from_hf_keys, hf_keys,
-                                stacked_experts)
+from trainer.hf.mapping import (
+    check_hf_config,
+    export_shapes,
+    from_hf_keys,
+    hf_keys,
+    stacked_experts,
+)
 from trainer.hf.weights import HFFolder
 
 
@@ -64,17 +69,23 @@ def load_hf(model, folder: str, *, flavor: str, log=print) -> None:
         return
     check_hf_config(hf.config, args, folder, flavor)
     if hf.block is not None:
-        log(f"{folder} holds fp8 weights in {hf.block[0]} x {hf.block[1]} blocks "
-            "(quantization_config): each is dequantized to float32 as it is read")
-    if os.path.isfile(os.path.join(folder, deepseek.TIKTOKEN)) and \
-            not os.path.isfile(os.path.join(folder, "tokenizer.json")):
+        log(
+            f"{folder} holds fp8 weights in {hf.block[0]} x {hf.block[1]} blocks "
+            "(quantization_config): each is dequantized to float32 as it is read"
+        )
+    if os.path.isfile(os.path.join(folder, deepseek.TIKTOKEN)) and not os.path.isfile(
+        os.path.join(folder, "tokenizer.json")
+    ):
         log(deepseek.TIKTOKEN_NOTE.format(folder=folder))
     depths = deepseek.mtp_depths(hf.has, args) if args.mla is not None else 0
     note = deepseek.mtp_import_note(hf.has, args, depths) if args.mla is not None else None
     if note:
         log(note)
-    shapes = {n: s for n, s in export_shapes(args).items()
-              if deepseek.mtp_depth(n) is None or deepseek.mtp_depth(n) < depths}
+    shapes = {
+        n: s
+        for n, s in export_shapes(args).items()
+        if deepseek.mtp_depth(n) is None or deepseek.mtp_depth(n) < depths
+    }
     tensors = {**dict(model.named_parameters()), **dict(model.named_buffers())}
     params = {n: t for n, t in tensors.items() if n in shapes}
     for name, shape in shapes.items():  # every shape first: one error, no half-load
@@ -87,7 +98,8 @@ def load_hf(model, folder: str, *, flavor: str, log=print) -> None:
                     f"{folder} does not fit model.flavor = {flavor!r}: {key} has shape "
                     f"{list(theirs) if theirs else 'none (missing)'} there and {list(want)} "
                     f"here ({name}); choose the flavor and model.vocab_size the checkpoint was "
-                    "made with")
+                    "made with"
+                )
     for name, param in params.items():
         load_param(param, name, hf, args)
     if depths and (not dist.is_initialized() or dist.get_rank() == 0):
@@ -127,8 +139,9 @@ def local_region(param: torch.Tensor) -> tuple[slice, ...] | None:
         return None
     from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
-    shape, offset = compute_local_shape_and_global_offset(param.shape, param.device_mesh,
-                                                          param.placements)
+    shape, offset = compute_local_shape_and_global_offset(
+        param.shape, param.device_mesh, param.placements
+    )
     return tuple(slice(o, o + n) for o, n in zip(offset, shape))
 
 
@@ -140,8 +153,9 @@ def copy_full(param: torch.Tensor, full: torch.Tensor) -> None:
     local = param.to_local() if isinstance(param, DTensor) else param
     full = full.to(device=local.device, dtype=local.dtype)
     if isinstance(param, DTensor):  # each rank cuts its own shard: no communication
-        full = distribute_tensor(full, param.device_mesh, param.placements,
-                                 src_data_rank=None).to_local()
+        full = distribute_tensor(
+            full, param.device_mesh, param.placements, src_data_rank=None
+        ).to_local()
     local.copy_(full)
 
 
@@ -152,9 +166,11 @@ def load_dcp_model(model, path: str, allow_pickle: bool = False) -> None:
     from trainer.checkpoint import safe_load, storage
 
     if not storage.exists(storage.join(path, ".metadata")):
-        raise ConfigError(f"checkpoint.initial_load_path = {path!r} is not a DCP checkpoint "
-                          "(no .metadata); set checkpoint.initial_load_in_hf = true for a "
-                          "Hugging Face folder")
+        raise ConfigError(
+            f"checkpoint.initial_load_path = {path!r} is not a DCP checkpoint "
+            "(no .metadata); set checkpoint.initial_load_in_hf = true for a "
+            "Hugging Face folder"
+        )
     sd = {"model": get_model_state_dict(model)}
     safe_load.load({"model_optim": sd}, path, allow_pickle=allow_pickle)
     set_model_state_dict(model, sd["model"])
@@ -174,15 +190,22 @@ def save_last_hf(model, cfg, *, log=print) -> None:
     if getattr(model, "pp_group", None) is not None:
         full = _gather_stages(model)
     else:
-        full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True,
-                                                                    cpu_offload=True))
+        full = get_model_state_dict(
+            model, options=StateDictOptions(full_state_dict=True, cpu_offload=True)
+        )
     out = os.path.join(cfg.job.dump_folder, "hf")
     from trainer.checkpoint import storage
 
     remote = storage.is_url(cfg.checkpoint.folder)  # and a copy beside the checkpoints
     if dist.get_rank() == 0:
-        write_hf_folder(out, model.args, lambda names: {n: full.pop(n) for n in names}, cfg,
-                        dtype="float32", log=log)
+        write_hf_folder(
+            out,
+            model.args,
+            lambda names: {n: full.pop(n) for n in names},
+            cfg,
+            dtype="float32",
+            log=log,
+        )
         if remote:
             storage.upload_folder(out, storage.join(cfg.checkpoint.folder, "hf"))
     dist.barrier()
@@ -200,8 +223,10 @@ def _gather_stages(model) -> dict:
     from trainer.hf.mapping import buffer_shapes
 
     buffers = set(buffer_shapes(model.args))  # MoE balancing biases: the export reads them
-    tensors = [*model.named_parameters(),
-               *((n, b) for n, b in model.named_buffers() if n in buffers)]
+    tensors = [
+        *model.named_parameters(),
+        *((n, b) for n, b in model.named_buffers() if n in buffers),
+    ]
     for name, param in tensors:
         tensor = param.full_tensor() if hasattr(param, "full_tensor") else param
         if mine:

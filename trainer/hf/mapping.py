@@ -34,8 +34,11 @@ _LAYER = {
 # Our stacked [E, ...] experts <-> Hugging Face's one tensor per expert (the hub's layout)
 _EXPERTS = {"w1": "gate_proj", "w3": "up_proj", "w2": "down_proj"}
 _EXPERTS_RE = re.compile(r"^layers\.(\d+)\.feed_forward\.experts\.(w[123])$")
-_TOP = {"tok_embeddings.weight": "model.embed_tokens.weight", "norm.weight": "model.norm.weight",
-        "output.weight": "lm_head.weight"}
+_TOP = {
+    "tok_embeddings.weight": "model.embed_tokens.weight",
+    "norm.weight": "model.norm.weight",
+    "output.weight": "lm_head.weight",
+}
 _LAYER_RE = re.compile(r"^layers\.(\d+)\.(.+)$")
 
 
@@ -62,14 +65,24 @@ def hf_tensors(name: str, tensor: torch.Tensor, args: ModelArgs) -> dict[str, to
         key = hf_name(name, args)
         out = {key: to_hf(name, tensor, args)}
         if args.mla is not None:  # the release's MTP layers repeat the embedding and head
-            names = [key] + (["lm_head.weight"] if key == "model.embed_tokens.weight"
-                             and args.tie_word_embeddings else [])
-            out.update({c: out[key].clone() for n in names  # safetensors stores no aliases
-                        for c in deepseek.mtp_copies(n, args)})
+            names = [key] + (
+                ["lm_head.weight"]
+                if key == "model.embed_tokens.weight" and args.tie_word_embeddings
+                else []
+            )
+            out.update(
+                {
+                    c: out[key].clone()
+                    for n in names  # safetensors stores no aliases
+                    for c in deepseek.mtp_copies(n, args)
+                }
+            )
         return out
     layer, w = m.groups()
-    return {f"model.layers.{layer}.mlp.experts.{e}.{_EXPERTS[w]}.weight": tensor[e]
-            for e in range(tensor.shape[0])}
+    return {
+        f"model.layers.{layer}.mlp.experts.{e}.{_EXPERTS[w]}.weight": tensor[e]
+        for e in range(tensor.shape[0])
+    }
 
 
 def stacked_experts(name: str) -> bool:
@@ -83,8 +96,10 @@ def hf_keys(name: str, args: ModelArgs) -> list[str]:
     if m is None:
         return [hf_name(name, args)]
     layer, w = m.groups()
-    return [f"model.layers.{layer}.mlp.experts.{e}.{_EXPERTS[w]}.weight"
-            for e in range(args.moe.n_experts)]
+    return [
+        f"model.layers.{layer}.mlp.experts.{e}.{_EXPERTS[w]}.weight"
+        for e in range(args.moe.n_experts)
+    ]
 
 
 def from_hf_keys(name: str, tensors: list[torch.Tensor], args: ModelArgs) -> torch.Tensor:
@@ -154,25 +169,35 @@ def param_shapes(args: ModelArgs) -> dict[str, tuple[int, ...]]:
 def _block_shapes(i: int, args: ModelArgs) -> list[tuple[str, tuple[int, ...]]]:
     """(name under the block, shape) of block i's parameters."""
     q, kv, h = args.n_heads * args.head_dim, args.n_kv_heads * args.head_dim, args.hidden_dim
-    attn = [("attention_norm.weight", (args.dim,))] + (deepseek.mla_shapes(args) if args.mla else [
+    attn = [("attention_norm.weight", (args.dim,))] + (
+        deepseek.mla_shapes(args)
+        if args.mla
+        else [
             ("attention.wq.weight", (q, args.dim)),
             ("attention.wk.weight", (kv, args.dim)),
             ("attention.wv.weight", (kv, args.dim)),
-            ("attention.wo.weight", (args.dim, q))])
+            ("attention.wo.weight", (args.dim, q)),
+        ]
+    )
     if args.qk_norm:
-        attn += [("attention.q_norm.weight", (args.head_dim,)),
-                 ("attention.k_norm.weight", (args.head_dim,))]
+        attn += [
+            ("attention.q_norm.weight", (args.head_dim,)),
+            ("attention.k_norm.weight", (args.head_dim,)),
+        ]
     if args.is_moe_layer(i):
         e, eh = args.moe.n_experts, args.moe.hidden_dim
-        ffn = [("feed_forward.router.gate.weight", (e, args.dim)),
-               ("feed_forward.experts.w1", (e, eh, args.dim)),
-               ("feed_forward.experts.w2", (e, args.dim, eh)),
-               ("feed_forward.experts.w3", (e, eh, args.dim))] + \
-            deepseek.shared_expert_shapes(args)
+        ffn = [
+            ("feed_forward.router.gate.weight", (e, args.dim)),
+            ("feed_forward.experts.w1", (e, eh, args.dim)),
+            ("feed_forward.experts.w2", (e, args.dim, eh)),
+            ("feed_forward.experts.w3", (e, eh, args.dim)),
+        ] + deepseek.shared_expert_shapes(args)
     else:
-        ffn = [("feed_forward.w1.weight", (h, args.dim)),
-               ("feed_forward.w2.weight", (args.dim, h)),
-               ("feed_forward.w3.weight", (h, args.dim))]
+        ffn = [
+            ("feed_forward.w1.weight", (h, args.dim)),
+            ("feed_forward.w2.weight", (args.dim, h)),
+            ("feed_forward.w3.weight", (h, args.dim)),
+        ]
     return attn + [("ffn_norm.weight", (args.dim,))] + ffn
 
 
@@ -181,10 +206,18 @@ def buffer_shapes(args: ModelArgs) -> dict[str, tuple[int, ...]]:
     balancing bias, which Qwen3MoeForCausalLM has no place for (see `routing_bias_note`)."""
     bias = "feed_forward.router.expert_bias"
     mtp = args.mtp_layers if args.mla is not None else 0
-    return {**{f"layers.{i}.{bias}": (args.moe.n_experts,)
-               for i in range(args.n_layers) if args.is_moe_layer(i)},
-            **{f"mtp.{k}.block.{bias}": (args.moe.n_experts,) for k in range(mtp)
-               if args.is_moe_layer(deepseek.mtp_layer(args, k))}}
+    return {
+        **{
+            f"layers.{i}.{bias}": (args.moe.n_experts,)
+            for i in range(args.n_layers)
+            if args.is_moe_layer(i)
+        },
+        **{
+            f"mtp.{k}.block.{bias}": (args.moe.n_experts,)
+            for k in range(mtp)
+            if args.is_moe_layer(deepseek.mtp_layer(args, k))
+        },
+    }
 
 
 def export_shapes(args: ModelArgs) -> dict[str, tuple[int, ...]]:
@@ -193,34 +226,50 @@ def export_shapes(args: ModelArgs) -> dict[str, tuple[int, ...]]:
     return {**param_shapes(args), **(buffer_shapes(args) if args.mla is not None else {})}
 
 
-def routing_bias_note(biases: dict[str, torch.Tensor],
-                      architecture: str = "Qwen3MoeForCausalLM") -> str | None:
+def routing_bias_note(
+    biases: dict[str, torch.Tensor], architecture: str = "Qwen3MoeForCausalLM"
+) -> str | None:
     """A warning line when a MoE model to export has a non-zero balancing bias: the exported
     model routes by its scores alone, so its choices of experts can differ from training's."""
     largest = max((float(t.abs().max()) for t in biases.values()), default=0.0)
     if largest == 0.0:
         return None
-    return (f"warning: the experts' balancing bias (moe.load_balance_coeff; largest |bias| "
-            f"{largest:.3g}) is not part of {architecture} and is left out: the exported "
-            "model chooses experts by the router's scores alone, which can differ from the "
-            "trained model's choices; train with moe.load_balance_coeff = 0 for an exact export")
+    return (
+        f"warning: the experts' balancing bias (moe.load_balance_coeff; largest |bias| "
+        f"{largest:.3g}) is not part of {architecture} and is left out: the exported "
+        "model chooses experts by the router's scores alone, which can differ from the "
+        "trained model's choices; train with moe.load_balance_coeff = 0 for an exact export"
+    )
 
 
 def hf_config(args: ModelArgs, *, dtype: str, bos_id: int | None, eos_id: int | None) -> dict:
     """config.json of a LlamaForCausalLM with these args (the legacy `rope_scaling` key, which
     transformers 4.x, 5.x and vLLM all read)."""
     cfg = {
-        "architectures": ["LlamaForCausalLM"], "model_type": "llama",
-        "hidden_size": args.dim, "intermediate_size": args.hidden_dim,
-        "num_hidden_layers": args.n_layers, "num_attention_heads": args.n_heads,
-        "num_key_value_heads": args.n_kv_heads, "head_dim": args.head_dim,
-        "vocab_size": args.vocab_size, "rms_norm_eps": args.norm_eps,
-        "rope_theta": args.rope_theta, "rope_scaling": None,
+        "architectures": ["LlamaForCausalLM"],
+        "model_type": "llama",
+        "hidden_size": args.dim,
+        "intermediate_size": args.hidden_dim,
+        "num_hidden_layers": args.n_layers,
+        "num_attention_heads": args.n_heads,
+        "num_key_value_heads": args.n_kv_heads,
+        "head_dim": args.head_dim,
+        "vocab_size": args.vocab_size,
+        "rms_norm_eps": args.norm_eps,
+        "rope_theta": args.rope_theta,
+        "rope_scaling": None,
         "max_position_embeddings": args.max_seq_len,
-        "tie_word_embeddings": args.tie_word_embeddings, "hidden_act": "silu",
-        "attention_bias": False, "mlp_bias": False, "attention_dropout": 0.0,
-        "initializer_range": 0.02, "pretraining_tp": 1, "use_cache": True,
-        "bos_token_id": bos_id, "eos_token_id": eos_id, "torch_dtype": dtype,
+        "tie_word_embeddings": args.tie_word_embeddings,
+        "hidden_act": "silu",
+        "attention_bias": False,
+        "mlp_bias": False,
+        "attention_dropout": 0.0,
+        "initializer_range": 0.02,
+        "pretraining_tp": 1,
+        "use_cache": True,
+        "bos_token_id": bos_id,
+        "eos_token_id": eos_id,
+        "torch_dtype": dtype,
     }
     if args.mla is not None:
         cfg.update(deepseek.deepseek_config(args))
@@ -228,22 +277,30 @@ def hf_config(args: ModelArgs, *, dtype: str, bos_id: int | None, eos_id: int | 
         cfg.update(moe_config(args))
     s = args.rope_scaling
     if isinstance(s, YarnScaling):
-        cfg["rope_scaling"] = {"type": "yarn", "rope_type": "yarn", "factor": s.factor,
-                               "original_max_position_embeddings":
-                                   s.original_max_position_embeddings,
-                               "beta_fast": s.beta_fast, "beta_slow": s.beta_slow,
-                               "mscale": s.mscale, "mscale_all_dim": s.mscale_all_dim,
-                               "truncate": s.truncate}
+        cfg["rope_scaling"] = {
+            "type": "yarn",
+            "rope_type": "yarn",
+            "factor": s.factor,
+            "original_max_position_embeddings": s.original_max_position_embeddings,
+            "beta_fast": s.beta_fast,
+            "beta_slow": s.beta_slow,
+            "mscale": s.mscale,
+            "mscale_all_dim": s.mscale_all_dim,
+            "truncate": s.truncate,
+        }
         # exactly original x factor: transformers 4.x takes the factor from this ratio
         cfg["max_position_embeddings"] = round(s.original_max_position_embeddings * s.factor)
     elif s is not None:
-        cfg["rope_scaling"] = {"rope_type": "llama3", "factor": s.factor,
-                               "low_freq_factor": s.low_freq_factor,
-                               "high_freq_factor": s.high_freq_factor,
-                               "original_max_position_embeddings":
-                                   s.original_max_position_embeddings}
-        cfg["max_position_embeddings"] = max(args.max_seq_len,
-                                             s.original_max_position_embeddings * 16)
+        cfg["rope_scaling"] = {
+            "rope_type": "llama3",
+            "factor": s.factor,
+            "low_freq_factor": s.low_freq_factor,
+            "high_freq_factor": s.high_freq_factor,
+            "original_max_position_embeddings": s.original_max_position_embeddings,
+        }
+        cfg["max_position_embeddings"] = max(
+            args.max_seq_len, s.original_max_position_embeddings * 16
+        )
     return cfg
 
 
@@ -256,13 +313,20 @@ def moe_config(args: ModelArgs) -> dict:
     m = args.moe
     if not m.hf_exportable:
         raise ConfigError(NO_HF_MOE)
-    return {"architectures": ["Qwen3MoeForCausalLM"], "model_type": "qwen3_moe",
-            "num_experts": m.n_experts, "num_experts_per_tok": m.top_k,
-            "moe_intermediate_size": m.hidden_dim, "decoder_sparse_step": m.sparse_step,
-            "mlp_only_layers": list(range(m.first_dense_layers)),
-            "norm_topk_prob": m.norm_topk_prob, "output_router_logits": False,
-            "router_aux_loss_coef": m.aux_loss_weight, "sliding_window": None,
-            "use_sliding_window": False}
+    return {
+        "architectures": ["Qwen3MoeForCausalLM"],
+        "model_type": "qwen3_moe",
+        "num_experts": m.n_experts,
+        "num_experts_per_tok": m.top_k,
+        "moe_intermediate_size": m.hidden_dim,
+        "decoder_sparse_step": m.sparse_step,
+        "mlp_only_layers": list(range(m.first_dense_layers)),
+        "norm_topk_prob": m.norm_topk_prob,
+        "output_router_logits": False,
+        "router_aux_loss_coef": m.aux_loss_weight,
+        "sliding_window": None,
+        "use_sliding_window": False,
+    }
 
 
 def architecture(args: ModelArgs) -> str:
@@ -280,10 +344,11 @@ def export_problem(args: ModelArgs) -> str | None:
     if args.mtp_layers and args.mla is None:
         return args.mtp_export_problem()
     if args.mla is not None:
-        if args.moe is not None and (args.moe.score_func != "sigmoid"
-                                     or args.moe.sparse_step != 1):
-            return ("MLA with a softmax router or sparse_step > 1: DeepseekV3ForCausalLM "
-                    "routes by sigmoid scores in every block after the first dense ones")
+        if args.moe is not None and (args.moe.score_func != "sigmoid" or args.moe.sparse_step != 1):
+            return (
+                "MLA with a softmax router or sparse_step > 1: DeepseekV3ForCausalLM "
+                "routes by sigmoid scores in every block after the first dense ones"
+            )
         return None
     if args.moe is not None and not args.moe.hf_exportable:
         return NO_HF_MOE
@@ -293,14 +358,15 @@ def export_problem(args: ModelArgs) -> str | None:
 def check_hf_config(cfg: dict, args: ModelArgs, folder: str, flavor: str) -> None:
     """Settings that change the model without changing a tensor shape must agree too."""
     kind = cfg.get("model_type", "llama")
-    if kind in deepseek.MODEL_TYPES and "DeepseekV3ForCausalLM" in cfg.get("architectures",
-                                                                              []):
+    if kind in deepseek.MODEL_TYPES and "DeepseekV3ForCausalLM" in cfg.get("architectures", []):
         kind = "deepseek_v3"  # Kimi K2: DeepSeek-V3's architecture under its own model_type
     if kind != architecture(args):
         classes = ", ".join(cfg.get("architectures", []))
-        raise ConfigError(f"{folder} holds a {kind!r} model ({classes}), but model.flavor "
-                          f"{flavor!r} is {architecture(args)!r}; choose a flavor of that "
-                          "architecture")
+        raise ConfigError(
+            f"{folder} holds a {kind!r} model ({classes}), but model.flavor "
+            f"{flavor!r} is {architecture(args)!r}; choose a flavor of that "
+            "architecture"
+        )
     scaling = cfg.get("rope_scaling") or cfg.get("rope_parameters") or {}
     theirs = {  # the defaults of transformers' LlamaConfig, Qwen3MoeConfig, DeepseekV3Config
         "tie_word_embeddings": bool(cfg.get("tie_word_embeddings", False)),
@@ -310,8 +376,10 @@ def check_hf_config(cfg: dict, args: ModelArgs, folder: str, flavor: str) -> Non
         "hidden_act": cfg.get("hidden_act", "silu"),
     }
     ours = {
-        "tie_word_embeddings": args.tie_word_embeddings, "rope_theta": float(args.rope_theta),
-        "rms_norm_eps": float(args.norm_eps), "hidden_act": "silu",
+        "tie_word_embeddings": args.tie_word_embeddings,
+        "rope_theta": float(args.rope_theta),
+        "rms_norm_eps": float(args.norm_eps),
+        "hidden_act": "silu",
         "rope_scaling": _our_scaling(args.rope_scaling),
     }
     if args.mla is None and "num_hidden_layers" in cfg:  # DeepSeek's: deepseek.compare
@@ -327,17 +395,24 @@ def check_hf_config(cfg: dict, args: ModelArgs, folder: str, flavor: str) -> Non
     elif args.moe is not None:
         theirs["num_experts_per_tok"] = int(cfg.get("num_experts_per_tok", 8))
         theirs["norm_topk_prob"] = bool(cfg.get("norm_topk_prob", False))
-        ours["num_experts_per_tok"], ours["norm_topk_prob"] = args.moe.top_k, \
-            args.moe.norm_topk_prob
+        ours["num_experts_per_tok"], ours["norm_topk_prob"] = (
+            args.moe.top_k,
+            args.moe.norm_topk_prob,
+        )
     for key, value in theirs.items():
         if value != ours[key]:
-            raise ConfigError(f"{folder}/config.json does not fit model.flavor = {flavor!r}: "
-                              f"{key} is {value} there and {ours[key]} here; choose the flavor "
-                              "the checkpoint was made with"
-                              + (" (and model.rope_scaling = 'flavor')"
-                                 if key == "rope_scaling" and value and ours[key] is None
-                                 else " (and model.n_layers = 0: all of its blocks)"
-                                 if key == "num_hidden_layers" else ""))
+            raise ConfigError(
+                f"{folder}/config.json does not fit model.flavor = {flavor!r}: "
+                f"{key} is {value} there and {ours[key]} here; choose the flavor "
+                "the checkpoint was made with"
+                + (
+                    " (and model.rope_scaling = 'flavor')"
+                    if key == "rope_scaling" and value and ours[key] is None
+                    else " (and model.n_layers = 0: all of its blocks)"
+                    if key == "num_hidden_layers"
+                    else ""
+                )
+            )
 
 
 def _scaling_tuple(s: dict, cfg: dict):
@@ -346,24 +421,48 @@ def _scaling_tuple(s: dict, cfg: dict):
     if kind == "default":
         return None
     if kind == "yarn":
-        original = int(s.get("original_max_position_embeddings")
-                       or cfg.get("max_position_embeddings", 0))
-        return ("yarn", float(s.get("factor") or deepseek.yarn_ratio(s, cfg) or 0.0), original,
-                float(s.get("beta_fast") or 32.0), float(s.get("beta_slow") or 1.0),
-                float(s.get("mscale") or 0.0), float(s.get("mscale_all_dim") or 0.0),
-                bool(s.get("truncate", True)))
+        original = int(
+            s.get("original_max_position_embeddings") or cfg.get("max_position_embeddings", 0)
+        )
+        return (
+            "yarn",
+            float(s.get("factor") or deepseek.yarn_ratio(s, cfg) or 0.0),
+            original,
+            float(s.get("beta_fast") or 32.0),
+            float(s.get("beta_slow") or 1.0),
+            float(s.get("mscale") or 0.0),
+            float(s.get("mscale_all_dim") or 0.0),
+            bool(s.get("truncate", True)),
+        )
     if kind != "llama3":
         return (kind,)
-    return ("llama3", float(s["factor"]), float(s["low_freq_factor"]),
-            float(s["high_freq_factor"]), int(s["original_max_position_embeddings"]))
+    return (
+        "llama3",
+        float(s["factor"]),
+        float(s["low_freq_factor"]),
+        float(s["high_freq_factor"]),
+        int(s["original_max_position_embeddings"]),
+    )
 
 
 def _our_scaling(s):
     if s is None:
         return None
     if isinstance(s, YarnScaling):
-        return ("yarn", float(s.factor), int(s.original_max_position_embeddings),
-                float(s.beta_fast), float(s.beta_slow), float(s.mscale),
-                float(s.mscale_all_dim), bool(s.truncate))
-    return ("llama3", float(s.factor), float(s.low_freq_factor), float(s.high_freq_factor),
-            int(s.original_max_position_embeddings))
+        return (
+            "yarn",
+            float(s.factor),
+            int(s.original_max_position_embeddings),
+            float(s.beta_fast),
+            float(s.beta_slow),
+            float(s.mscale),
+            float(s.mscale_all_dim),
+            bool(s.truncate),
+        )
+    return (
+        "llama3",
+        float(s.factor),
+        float(s.low_freq_factor),
+        float(s.high_freq_factor),
+        int(s.original_max_position_embeddings),
+    )

@@ -29,33 +29,43 @@ def quant_block(config: dict, folder: str) -> tuple[int, int] | None:
         return None
     method = q.get("quant_method")
     if method != "fp8":
-        raise ConfigError(f"{folder}/config.json: quantization_config.quant_method = "
-                          f"{method!r} cannot be loaded for training here (only DeepSeek's "
-                          "block-scaled 'fp8' is dequantized); give an unquantized (bf16/fp32) "
-                          "or fp8 folder")
+        raise ConfigError(
+            f"{folder}/config.json: quantization_config.quant_method = "
+            f"{method!r} cannot be loaded for training here (only DeepSeek's "
+            "block-scaled 'fp8' is dequantized); give an unquantized (bf16/fp32) "
+            "or fp8 folder"
+        )
     block = q.get("weight_block_size")
-    if not (isinstance(block, list) and len(block) == 2 and all(
-            isinstance(b, int) and b > 0 for b in block)):
-        raise ConfigError(f"{folder}/config.json: quantization_config.weight_block_size = "
-                          f"{block!r}; the fp8 folders this trainer dequantizes give two "
-                          "positive block sizes, e.g. [128, 128]")
+    if not (
+        isinstance(block, list)
+        and len(block) == 2
+        and all(isinstance(b, int) and b > 0 for b in block)
+    ):
+        raise ConfigError(
+            f"{folder}/config.json: quantization_config.weight_block_size = "
+            f"{block!r}; the fp8 folders this trainer dequantizes give two "
+            "positive block sizes, e.g. [128, 128]"
+        )
     return block[0], block[1]
 
 
 @torch.no_grad()
-def dequantize(weight: torch.Tensor, scale_inv: torch.Tensor,
-               block: tuple[int, int]) -> torch.Tensor:
+def dequantize(
+    weight: torch.Tensor, scale_inv: torch.Tensor, block: tuple[int, int]
+) -> torch.Tensor:
     """float32 weight = fp8 value x the scale of its block: converted once, then each row of
     blocks scaled in place (the memory of the result and one row of scales per block row)."""
     rows, cols = weight.shape
     br, bc = block
     want = (-(-rows // br), -(-cols // bc))
     if tuple(scale_inv.shape) != want:
-        raise ValueError(f"scale of shape {list(scale_inv.shape)} for a {rows} x {cols} weight "
-                         f"in {br} x {bc} blocks (expected {list(want)})")
+        raise ValueError(
+            f"scale of shape {list(scale_inv.shape)} for a {rows} x {cols} weight "
+            f"in {br} x {bc} blocks (expected {list(want)})"
+        )
     out = weight.to(torch.float32)
     # each row of blocks times its scales spread over the columns (the last block partial)
     scale = scale_inv.float().repeat_interleave(bc, dim=1)[:, :cols]
     for i in range(want[0]):
-        out[i * br:(i + 1) * br].mul_(scale[i])
+        out[i * br : (i + 1) * br].mul_(scale[i])
     return out

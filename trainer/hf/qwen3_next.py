@@ -52,13 +52,19 @@ LAYER = {
     "feed_forward.shared_expert.w3.weight": "mlp.shared_expert.up_proj.weight",
     "feed_forward.shared_expert_gate.weight": "mlp.shared_expert_gate.weight",
 }
-TOP = {"tok_embeddings.weight": "model.embed_tokens.weight", "norm.weight": "model.norm.weight",
-       "output.weight": "lm_head.weight"}
+TOP = {
+    "tok_embeddings.weight": "model.embed_tokens.weight",
+    "norm.weight": "model.norm.weight",
+    "output.weight": "lm_head.weight",
+}
 # The MTP module's own tensors: ours (under `mtp.0.`) -> the release's; its block `mtp.0.block.`
 # is the release's `mtp.layers.0.`, mapped as a layer's
-MTP_OWN = {"embed_norm.weight": "mtp.pre_fc_norm_embedding.weight",
-           "hidden_norm.weight": "mtp.pre_fc_norm_hidden.weight", "proj.weight": "mtp.fc.weight",
-           "norm.weight": "mtp.norm.weight"}
+MTP_OWN = {
+    "embed_norm.weight": "mtp.pre_fc_norm_embedding.weight",
+    "hidden_norm.weight": "mtp.pre_fc_norm_hidden.weight",
+    "proj.weight": "mtp.fc.weight",
+    "norm.weight": "mtp.norm.weight",
+}
 MTP_BLOCK = ("mtp.0.block.", "mtp.layers.0.")  # ours, the release's
 _DELTA = ("wq", "wk", "wv", "wz", "wb", "wa")
 _CONV = ("conv_q", "conv_k", "conv_v")
@@ -71,35 +77,57 @@ def args_from_config(cfg: dict, **overrides) -> ModelArgs:
     cfg = cfg.get("text_config", cfg)
     kind = cfg.get("model_type")
     if kind not in ARCHITECTURES:
-        raise ConfigError(f"config.json model_type {kind!r}: expected one of "
-                          f"{', '.join(ARCHITECTURES)}")
-    rope = cfg.get("rope_parameters") or {"rope_theta": cfg.get("rope_theta", 10000.0),
-                                         "partial_rotary_factor":
-                                             cfg.get("partial_rotary_factor", 0.25)}
+        raise ConfigError(
+            f"config.json model_type {kind!r}: expected one of {', '.join(ARCHITECTURES)}"
+        )
+    rope = cfg.get("rope_parameters") or {
+        "rope_theta": cfg.get("rope_theta", 10000.0),
+        "partial_rotary_factor": cfg.get("partial_rotary_factor", 0.25),
+    }
     if rope.get("rope_type", "default") != "default" or cfg.get("mlp_only_layers"):
-        raise ConfigError(f"config.json rope_type {rope.get('rope_type')!r} / mlp_only_layers "
-                          f"{cfg.get('mlp_only_layers')}: only default RoPE and no dense-only "
-                          "layers are supported")
+        raise ConfigError(
+            f"config.json rope_type {rope.get('rope_type')!r} / mlp_only_layers "
+            f"{cfg.get('mlp_only_layers')}: only default RoPE and no dense-only "
+            "layers are supported"
+        )
     hybrid = HybridArgs(
         layer_types=tuple(cfg["layer_types"]),
         full_attention_interval=cfg.get("full_attention_interval", 4),
         partial_rotary_factor=rope.get("partial_rotary_factor", 0.25),
-        linear_k_heads=cfg["linear_num_key_heads"], linear_v_heads=cfg["linear_num_value_heads"],
+        linear_k_heads=cfg["linear_num_key_heads"],
+        linear_v_heads=cfg["linear_num_value_heads"],
         linear_k_head_dim=cfg["linear_key_head_dim"],
-        linear_v_head_dim=cfg["linear_value_head_dim"], conv_kernel=cfg["linear_conv_kernel_dim"],
-        shared_expert_hidden=cfg.get("shared_expert_intermediate_size", 0))
-    moe = MoEArgs(n_experts=cfg["num_experts"], top_k=cfg["num_experts_per_tok"],
-                  hidden_dim=cfg["moe_intermediate_size"],
-                  norm_topk_prob=cfg.get("norm_topk_prob", True),
-                  sparse_step=cfg.get("decoder_sparse_step", 1)) if cfg.get("num_experts") else None
-    fields = dict(dim=cfg["hidden_size"], n_layers=cfg["num_hidden_layers"],
-                  n_heads=cfg["num_attention_heads"], n_kv_heads=cfg["num_key_value_heads"],
-                  vocab_size=cfg["vocab_size"], norm_eps=cfg["rms_norm_eps"],
-                  rope_theta=rope["rope_theta"], max_seq_len=cfg["max_position_embeddings"],
-                  tie_word_embeddings=cfg.get("tie_word_embeddings", False),
-                  explicit_head_dim=cfg.get("head_dim") or 0,
-                  explicit_hidden_dim=cfg.get("intermediate_size") or 0, qk_norm=True,
-                  moe=moe, hybrid=hybrid)
+        linear_v_head_dim=cfg["linear_value_head_dim"],
+        conv_kernel=cfg["linear_conv_kernel_dim"],
+        shared_expert_hidden=cfg.get("shared_expert_intermediate_size", 0),
+    )
+    moe = (
+        MoEArgs(
+            n_experts=cfg["num_experts"],
+            top_k=cfg["num_experts_per_tok"],
+            hidden_dim=cfg["moe_intermediate_size"],
+            norm_topk_prob=cfg.get("norm_topk_prob", True),
+            sparse_step=cfg.get("decoder_sparse_step", 1),
+        )
+        if cfg.get("num_experts")
+        else None
+    )
+    fields = dict(
+        dim=cfg["hidden_size"],
+        n_layers=cfg["num_hidden_layers"],
+        n_heads=cfg["num_attention_heads"],
+        n_kv_heads=cfg["num_key_value_heads"],
+        vocab_size=cfg["vocab_size"],
+        norm_eps=cfg["rms_norm_eps"],
+        rope_theta=rope["rope_theta"],
+        max_seq_len=cfg["max_position_embeddings"],
+        tie_word_embeddings=cfg.get("tie_word_embeddings", False),
+        explicit_head_dim=cfg.get("head_dim") or 0,
+        explicit_hidden_dim=cfg.get("intermediate_size") or 0,
+        qk_norm=True,
+        moe=moe,
+        hybrid=hybrid,
+    )
     return ModelArgs(**{**fields, **overrides})
 
 
@@ -140,11 +168,19 @@ def _layer_from_release(hf, pre: str, out: str, block: int, args: ModelArgs) -> 
     """Ours (under `out`) of block `block`, from the release's layer under `pre`."""
     ours = {out + name: hf[pre + key] for name, key in LAYER.items() if pre + key in hf}
     if args.hybrid_layer_type(block) != FULL:
-        ours.update({out + "linear_attention." + n: t
-                     for n, t in _delta_from_release(hf, pre + "linear_attn.", args).items()})
+        ours.update(
+            {
+                out + "linear_attention." + n: t
+                for n, t in _delta_from_release(hf, pre + "linear_attn.", args).items()
+            }
+        )
     if args.is_moe_layer(block):
-        ours.update({out + "feed_forward.experts." + w: t
-                     for w, t in _experts_from_release(hf, pre + "mlp.experts.", args).items()})
+        ours.update(
+            {
+                out + "feed_forward.experts." + w: t
+                for w, t in _experts_from_release(hf, pre + "mlp.experts.", args).items()
+            }
+        )
         # the releases route by the scores alone: our balancing bias at zero
         ours[out + "feed_forward.router.expert_bias"] = torch.zeros(args.moe.n_experts)
     return ours
@@ -191,17 +227,20 @@ def _experts_from_release(hf, pre: str, args: ModelArgs) -> dict[str, torch.Tens
         w1, w3 = hf[pre + "gate_up_proj"].chunk(2, dim=1)
         return {"w1": w1.contiguous(), "w3": w3.contiguous(), "w2": hf[pre + "down_proj"]}
     e = range(args.moe.n_experts)
-    return {w: torch.stack([hf[f"{pre}{j}.{proj}.weight"] for j in e])
-            for w, proj in _EXPERTS.items()}
+    return {
+        w: torch.stack([hf[f"{pre}{j}.{proj}.weight"] for j in e]) for w, proj in _EXPERTS.items()
+    }
 
 
-def to_release(ours: dict[str, torch.Tensor], args: ModelArgs,
-               family: str = "qwen3_next") -> dict[str, torch.Tensor]:
+def to_release(
+    ours: dict[str, torch.Tensor], args: ModelArgs, family: str = "qwen3_next"
+) -> dict[str, torch.Tensor]:
     """Our full state dict -> the release's tensors (`family`: qwen3_next or
     qwen3_5_moe_text), experts one tensor each (what save_pretrained writes)."""
     if family not in ARCHITECTURES:
-        raise ConfigError(f"Hugging Face family {family!r}: expected one of "
-                          f"{', '.join(ARCHITECTURES)}")
+        raise ConfigError(
+            f"Hugging Face family {family!r}: expected one of {', '.join(ARCHITECTURES)}"
+        )
     hf = {TOP[n]: t for n, t in ours.items() if n in TOP}
     for i in range(args.n_layers):
         hf.update(_layer_to_release(ours, f"layers.{i}.", f"model.layers.{i}.", i, args, family))
@@ -216,17 +255,22 @@ def _layer_to_release(ours, mine: str, pre: str, block: int, args: ModelArgs, fa
     hf = {pre + key: ours[mine + n] for n, key in LAYER.items() if mine + n in ours}
     bias = ours.get(mine + "feed_forward.router.expert_bias")
     if bias is not None and bias.any():
-        raise ConfigError("moe.load_balance_coeff: the experts' balancing bias is not zero, "
-                          f"and {ARCHITECTURES[family]} has no place for it ({mine[:-1]})")
+        raise ConfigError(
+            "moe.load_balance_coeff: the experts' balancing bias is not zero, "
+            f"and {ARCHITECTURES[family]} has no place for it ({mine[:-1]})"
+        )
     if args.hybrid_layer_type(block) != FULL:
-        la = {n: ours[f"{mine}linear_attention.{n}"] for n in
-              [f"{x}.weight" for x in _DELTA] + list(_CONV)}
+        la = {
+            n: ours[f"{mine}linear_attention.{n}"]
+            for n in [f"{x}.weight" for x in _DELTA] + list(_CONV)
+        }
         hf.update(_delta_to_release(la, pre + "linear_attn.", args, family))
     if args.is_moe_layer(block):
         for w, proj in _EXPERTS.items():
             stacked = ours[f"{mine}feed_forward.experts.{w}"]
-            hf.update({f"{pre}mlp.experts.{e}.{proj}.weight": stacked[e]
-                       for e in range(stacked.shape[0])})
+            hf.update(
+                {f"{pre}mlp.experts.{e}.{proj}.weight": stacked[e] for e in range(stacked.shape[0])}
+            )
     return hf
 
 
@@ -234,15 +278,22 @@ def _delta_to_release(la, pre: str, args: ModelArgs, family: str):
     q, k, v, z, b, a = (la[f"{x}.weight"] for x in _DELTA)
     conv = torch.cat([la[c] for c in _CONV]).unsqueeze(1)
     if family == "qwen3_5_moe_text":
-        return {pre + "in_proj_qkv.weight": torch.cat((q, k, v)), pre + "in_proj_z.weight": z,
-                pre + "in_proj_b.weight": b, pre + "in_proj_a.weight": a,
-                pre + "conv1d.weight": conv}
+        return {
+            pre + "in_proj_qkv.weight": torch.cat((q, k, v)),
+            pre + "in_proj_z.weight": z,
+            pre + "in_proj_b.weight": b,
+            pre + "in_proj_a.weight": a,
+            pre + "conv1d.weight": conv,
+        }
     nk, _, _ = _groups(args)
     dim = args.dim
     qkvz = torch.cat([t.reshape(nk, -1, dim) for t in (q, k, v, z)], dim=1).reshape(-1, dim)
     ba = torch.cat([t.reshape(nk, -1, dim) for t in (b, a)], dim=1).reshape(-1, dim)
-    return {pre + "in_proj_qkvz.weight": qkvz, pre + "in_proj_ba.weight": ba,
-            pre + "conv1d.weight": conv}
+    return {
+        pre + "in_proj_qkvz.weight": qkvz,
+        pre + "in_proj_ba.weight": ba,
+        pre + "conv1d.weight": conv,
+    }
 
 
 def hybrid_shapes(args: ModelArgs, buffers: bool = False) -> dict[str, tuple[int, ...]]:
@@ -261,11 +312,17 @@ def export_problem(args: ModelArgs) -> str | None:
     if args.mtp_export_problem():
         return args.mtp_export_problem()
     m = args.moe
-    if m is None or not args.hybrid.shared_expert_hidden or not m.hf_exportable \
-            or m.first_dense_layers:
-        return ("this hybrid flavor has no Hugging Face class: Qwen3NextForCausalLM needs MoE "
-                "layers with a softmax router and a gated shared expert (dense layers only by "
-                "decoder_sparse_step)")
+    if (
+        m is None
+        or not args.hybrid.shared_expert_hidden
+        or not m.hf_exportable
+        or m.first_dense_layers
+    ):
+        return (
+            "this hybrid flavor has no Hugging Face class: Qwen3NextForCausalLM needs MoE "
+            "layers with a softmax router and a gated shared expert (dense layers only by "
+            "decoder_sparse_step)"
+        )
     return None
 
 
@@ -273,46 +330,76 @@ def release_config(args: ModelArgs, *, dtype: str, bos_id, eos_id) -> dict:
     """config.json of a Qwen3NextForCausalLM holding this model."""
     h, m = args.hybrid, args.moe
     return {
-        "architectures": ["Qwen3NextForCausalLM"], "model_type": "qwen3_next",
-        "hidden_size": args.dim, "intermediate_size": args.hidden_dim,
-        "num_hidden_layers": args.n_layers, "num_attention_heads": args.n_heads,
-        "num_key_value_heads": args.n_kv_heads, "head_dim": args.head_dim,
-        "vocab_size": args.vocab_size, "rms_norm_eps": args.norm_eps,
-        "rope_parameters": {"rope_type": "default", "rope_theta": args.rope_theta,
-                            "partial_rotary_factor": h.partial_rotary_factor},
+        "architectures": ["Qwen3NextForCausalLM"],
+        "model_type": "qwen3_next",
+        "hidden_size": args.dim,
+        "intermediate_size": args.hidden_dim,
+        "num_hidden_layers": args.n_layers,
+        "num_attention_heads": args.n_heads,
+        "num_key_value_heads": args.n_kv_heads,
+        "head_dim": args.head_dim,
+        "vocab_size": args.vocab_size,
+        "rms_norm_eps": args.norm_eps,
+        "rope_parameters": {
+            "rope_type": "default",
+            "rope_theta": args.rope_theta,
+            "partial_rotary_factor": h.partial_rotary_factor,
+        },
         "max_position_embeddings": args.max_seq_len,
-        "tie_word_embeddings": args.tie_word_embeddings, "hidden_act": "silu",
-        "attention_bias": False, "attention_dropout": 0.0, "initializer_range": 0.02,
+        "tie_word_embeddings": args.tie_word_embeddings,
+        "hidden_act": "silu",
+        "attention_bias": False,
+        "attention_dropout": 0.0,
+        "initializer_range": 0.02,
         "layer_types": [h.layer_type(i) for i in range(args.n_layers)],
         "full_attention_interval": h.full_attention_interval,
-        "linear_num_key_heads": h.linear_k_heads, "linear_num_value_heads": h.linear_v_heads,
+        "linear_num_key_heads": h.linear_k_heads,
+        "linear_num_value_heads": h.linear_v_heads,
         "linear_key_head_dim": h.linear_k_head_dim,
-        "linear_value_head_dim": h.linear_v_head_dim, "linear_conv_kernel_dim": h.conv_kernel,
-        "num_experts": m.n_experts, "num_experts_per_tok": m.top_k,
-        "moe_intermediate_size": m.hidden_dim, "shared_expert_intermediate_size":
-            h.shared_expert_hidden, "decoder_sparse_step": m.sparse_step, "mlp_only_layers": [],
-        "norm_topk_prob": m.norm_topk_prob, "output_router_logits": False,
-        "router_aux_loss_coef": m.aux_loss_weight, "use_cache": True,
+        "linear_value_head_dim": h.linear_v_head_dim,
+        "linear_conv_kernel_dim": h.conv_kernel,
+        "num_experts": m.n_experts,
+        "num_experts_per_tok": m.top_k,
+        "moe_intermediate_size": m.hidden_dim,
+        "shared_expert_intermediate_size": h.shared_expert_hidden,
+        "decoder_sparse_step": m.sparse_step,
+        "mlp_only_layers": [],
+        "norm_topk_prob": m.norm_topk_prob,
+        "output_router_logits": False,
+        "router_aux_loss_coef": m.aux_loss_weight,
+        "use_cache": True,
         "num_nextn_predict_layers": args.mtp_layers,
-        "bos_token_id": bos_id, "eos_token_id": eos_id, "torch_dtype": dtype,
+        "bos_token_id": bos_id,
+        "eos_token_id": eos_id,
+        "torch_dtype": dtype,
     }
 
 
 def _shape_of(args: ModelArgs) -> dict:
     """What a release's config.json fixes about the computation (no sequence length)."""
     m, h = args.moe, args.hybrid
-    return {"hidden_size": args.dim, "num_hidden_layers": args.n_layers,
-            "num_attention_heads": args.n_heads, "num_key_value_heads": args.n_kv_heads,
-            "head_dim": args.head_dim, "rms_norm_eps": float(args.norm_eps),
-            "rope_theta": float(args.rope_theta), "tie_word_embeddings": args.tie_word_embeddings,
-            "layer_types": [h.layer_type(i) for i in range(args.n_layers)],
-            "partial_rotary_factor": h.partial_rotary_factor,
-            "linear heads (k, v, d_k, d_v, conv)": (h.linear_k_heads, h.linear_v_heads,
-                                                    h.linear_k_head_dim, h.linear_v_head_dim,
-                                                    h.conv_kernel),
-            "shared_expert_intermediate_size": h.shared_expert_hidden,
-            "experts (n, top-k, width, norm_topk_prob, sparse_step)":
-                m and (m.n_experts, m.top_k, m.hidden_dim, m.norm_topk_prob, m.sparse_step)}
+    return {
+        "hidden_size": args.dim,
+        "num_hidden_layers": args.n_layers,
+        "num_attention_heads": args.n_heads,
+        "num_key_value_heads": args.n_kv_heads,
+        "head_dim": args.head_dim,
+        "rms_norm_eps": float(args.norm_eps),
+        "rope_theta": float(args.rope_theta),
+        "tie_word_embeddings": args.tie_word_embeddings,
+        "layer_types": [h.layer_type(i) for i in range(args.n_layers)],
+        "partial_rotary_factor": h.partial_rotary_factor,
+        "linear heads (k, v, d_k, d_v, conv)": (
+            h.linear_k_heads,
+            h.linear_v_heads,
+            h.linear_k_head_dim,
+            h.linear_v_head_dim,
+            h.conv_kernel,
+        ),
+        "shared_expert_intermediate_size": h.shared_expert_hidden,
+        "experts (n, top-k, width, norm_topk_prob, sparse_step)": m
+        and (m.n_experts, m.top_k, m.hidden_dim, m.norm_topk_prob, m.sparse_step),
+    }
 
 
 def check_release_config(cfg: dict, args: ModelArgs, folder: str, flavor: str) -> None:
@@ -321,6 +408,8 @@ def check_release_config(cfg: dict, args: ModelArgs, folder: str, flavor: str) -
     theirs, ours = _shape_of(args_from_config(cfg)), _shape_of(args)
     for key, value in theirs.items():
         if value != ours[key]:
-            raise ConfigError(f"{folder}/config.json does not fit model.flavor = {flavor!r}: "
-                              f"{key} is {value} there and {ours[key]} here; choose the flavor "
-                              "the checkpoint was made with")
+            raise ConfigError(
+                f"{folder}/config.json does not fit model.flavor = {flavor!r}: "
+                f"{key} is {value} there and {ours[key]} here; choose the flavor "
+                "the checkpoint was made with"
+            )

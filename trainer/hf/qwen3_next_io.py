@@ -49,15 +49,19 @@ def release_into(model, hf, folder: str, flavor: str, log=print):
             if name not in wanted:
                 continue
             if tuple(full.shape) != tuple(tensors[name].shape):
-                raise ConfigError(f"{folder} does not fit model.flavor = {flavor!r}: {name} "
-                                  f"has shape {list(full.shape)} there and "
-                                  f"{list(tensors[name].shape)} here; choose the flavor and "
-                                  "model.vocab_size the checkpoint was made with")
+                raise ConfigError(
+                    f"{folder} does not fit model.flavor = {flavor!r}: {name} "
+                    f"has shape {list(full.shape)} there and "
+                    f"{list(tensors[name].shape)} here; choose the flavor and "
+                    "model.vocab_size the checkpoint was made with"
+                )
             yield tensors[name], full
             wanted.discard(name)
     if wanted:
-        raise ConfigError(f"{folder} lacks {len(wanted)} of this model's tensors (e.g. "
-                          f"{sorted(wanted)[0]}); is it a {flavor} checkpoint?")
+        raise ConfigError(
+            f"{folder} lacks {len(wanted)} of this model's tensors (e.g. "
+            f"{sorted(wanted)[0]}); is it a {flavor} checkpoint?"
+        )
 
 
 def mtp_note(has_mtp: bool, depths: int) -> str | None:
@@ -65,14 +69,17 @@ def mtp_note(has_mtp: bool, depths: int) -> str | None:
     if has_mtp and not depths:
         return "its MTP module (mtp.*) is not loaded (model.mtp_layers = 0)"
     if depths:
-        return ("multi-token prediction (model.mtp_layers = 1): module 0 "
-                + ("from the release's mtp.*" if has_mtp else
-                   "starts from its seeded init (the folder has no mtp.* tensors)"))
+        return "multi-token prediction (model.mtp_layers = 1): module 0 " + (
+            "from the release's mtp.*"
+            if has_mtp
+            else "starts from its seeded init (the folder has no mtp.* tensors)"
+        )
     return None
 
 
-def write_release(out_dir: str, args, fetch, *, dtype: str, max_shard_bytes: int,
-                  log=print) -> list[str]:
+def write_release(
+    out_dir: str, args, fetch, *, dtype: str, max_shard_bytes: int, log=print
+) -> list[str]:
     """Write the release's tensors (Qwen3NextForCausalLM's names and fused projections) from
     `fetch(names)` (our full tensors), in safetensors files of at most max_shard_bytes. A
     non-zero balancing bias has no place there: said, and left out."""
@@ -89,22 +96,36 @@ def write_release(out_dir: str, args, fetch, *, dtype: str, max_shard_bytes: int
     if note:
         log(note)
     if args.mtp_layers:
-        log("multi-token prediction: module 0 exported under the release's names (mtp.fc, "
+        log(
+            "multi-token prediction: module 0 exported under the release's names (mtp.fc, "
             "mtp.pre_fc_norm_*, mtp.layers.0, mtp.norm; num_nextn_predict_layers = 1; "
-            "transformers skips them)")
+            "transformers skips them)"
+        )
     target = DTYPES[dtype]
-    release = {k: t.to(target, copy=True).contiguous() for k, t in  # no shared storage
-               qwen3_next.to_release(ours, args, "qwen3_next").items()}
-    shards = plan_shards({k: t.numel() for k, t in release.items()}, target.itemsize,
-                         max_shard_bytes)
-    files = [SINGLE] if len(shards) == 1 else [
-        f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))]
+    release = {
+        k: t.to(target, copy=True).contiguous()
+        for k, t in qwen3_next.to_release(ours, args, "qwen3_next").items()  # no shared storage
+    }
+    shards = plan_shards(
+        {k: t.numel() for k, t in release.items()}, target.itemsize, max_shard_bytes
+    )
+    files = (
+        [SINGLE]
+        if len(shards) == 1
+        else [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))]
+    )
     for names, fname in zip(shards, files):
-        save_file({k: release[k] for k in names}, os.path.join(out_dir, fname),
-                  metadata={"format": "pt"})
+        save_file(
+            {k: release[k] for k in names}, os.path.join(out_dir, fname), metadata={"format": "pt"}
+        )
     if len(files) > 1:
-        write_json(os.path.join(out_dir, INDEX), {
-            "metadata": {"total_size": sum(t.numel() * target.itemsize
-                                           for t in release.values())},
-            "weight_map": {k: f for names, f in zip(shards, files) for k in names}})
+        write_json(
+            os.path.join(out_dir, INDEX),
+            {
+                "metadata": {
+                    "total_size": sum(t.numel() * target.itemsize for t in release.values())
+                },
+                "weight_map": {k: f for names, f in zip(shards, files) for k in names},
+            },
+        )
     return files

@@ -21,9 +21,18 @@ import torch
 
 from trainer.checkpoint import storage
 
-DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16,
-          "BF16": torch.bfloat16, "I64": torch.int64, "I32": torch.int32, "I16": torch.int16,
-          "I8": torch.int8, "U8": torch.uint8, "BOOL": torch.bool}
+DTYPES = {
+    "F64": torch.float64,
+    "F32": torch.float32,
+    "F16": torch.float16,
+    "BF16": torch.bfloat16,
+    "I64": torch.int64,
+    "I32": torch.int32,
+    "I16": torch.int16,
+    "I8": torch.int8,
+    "U8": torch.uint8,
+    "BOOL": torch.bool,
+}
 for _name, _attr in (("F8_E4M3", "float8_e4m3fn"), ("F8_E5M2", "float8_e5m2")):
     if hasattr(torch, _attr):
         DTYPES[_name] = getattr(torch, _attr)
@@ -62,7 +71,8 @@ class RemoteSafetensors:
         if end == start:
             return torch.empty(entry["shape"], dtype=DTYPES[entry["dtype"]])
         return torch.frombuffer(bytearray(data), dtype=DTYPES[entry["dtype"]]).reshape(
-            entry["shape"])
+            entry["shape"]
+        )
 
 
 def read_json(path: str) -> dict | None:

@@ -39,31 +39,49 @@ def sentencepiece_to_hf(model_path: str):
     merges = []
     # Highest score first; among merges into the same piece, the order is immaterial except
     # for ties, which both libraries break leftmost-first.
-    for piece in sorted((p for p in proto.pieces if p.type == normal and len(p.piece) > 1),
-                        key=lambda p: -p.score):
+    for piece in sorted(
+        (p for p in proto.pieces if p.type == normal and len(p.piece) > 1), key=lambda p: -p.score
+    ):
         for cut in range(1, len(piece.piece)):
             left, right = piece.piece[:cut], piece.piece[cut:]
             if left in vocab and right in vocab:
                 merges.append((left, right))
     unk = proto.pieces[sp.unk_id()].piece
-    tok = Tokenizer(models.BPE(vocab=vocab, merges=merges, unk_token=unk, fuse_unk=True,
-                               byte_fallback=proto.trainer_spec.byte_fallback))
+    tok = Tokenizer(
+        models.BPE(
+            vocab=vocab,
+            merges=merges,
+            unk_token=unk,
+            fuse_unk=True,
+            byte_fallback=proto.trainer_spec.byte_fallback,
+        )
+    )
     tok.normalizer = normalizers.Replace(" ", SPACE)
-    tok.pre_tokenizer = pre_tokenizers.Split(Regex(f"{SPACE}*[^{SPACE}]+|{SPACE}+"),
-                                             behavior="isolated")
-    tok.decoder = decoders.Sequence([decoders.Replace(SPACE, " "), decoders.ByteFallback(),
-                                     decoders.Fuse()])
-    specials = [p.piece for p in proto.pieces
-                if p.type in (pb.ModelProto.SentencePiece.CONTROL, pb.ModelProto.SentencePiece.UNKNOWN)]
+    tok.pre_tokenizer = pre_tokenizers.Split(
+        Regex(f"{SPACE}*[^{SPACE}]+|{SPACE}+"), behavior="isolated"
+    )
+    tok.decoder = decoders.Sequence(
+        [decoders.Replace(SPACE, " "), decoders.ByteFallback(), decoders.Fuse()]
+    )
+    specials = [
+        p.piece
+        for p in proto.pieces
+        if p.type in (pb.ModelProto.SentencePiece.CONTROL, pb.ModelProto.SentencePiece.UNKNOWN)
+    ]
     tok.add_special_tokens([AddedToken(s, special=True, normalized=False) for s in specials])
     user = [p.piece for p in proto.pieces if p.type == pb.ModelProto.SentencePiece.USER_DEFINED]
     tok.add_tokens([AddedToken(s, special=False, normalized=False) for s in user])
     bos = proto.pieces[sp.bos_id()].piece if sp.bos_id() >= 0 else None
     if bos is not None:
         tok.post_processor = processors.TemplateProcessing(
-            single=f"{bos} $A", pair=f"{bos} $A {bos} $B", special_tokens=[(bos, sp.bos_id())])
-    names = {"bos_token": sp.bos_id(), "eos_token": sp.eos_id(), "unk_token": sp.unk_id(),
-             "pad_token": sp.pad_id()}
+            single=f"{bos} $A", pair=f"{bos} $A {bos} $B", special_tokens=[(bos, sp.bos_id())]
+        )
+    names = {
+        "bos_token": sp.bos_id(),
+        "eos_token": sp.eos_id(),
+        "unk_token": sp.unk_id(),
+        "pad_token": sp.pad_id(),
+    }
     special = {k: proto.pieces[i].piece for k, i in names.items() if i >= 0}
     return tok, special
 
@@ -81,9 +99,14 @@ def export_tokenizer(tokenizer_path: str, out_dir: str, *, model_max_length: int
     else:
         tok, special = sentencepiece_to_hf(tokenizer_path)
         tok.save(os.path.join(out_dir, "tokenizer.json"))
-    config = {"tokenizer_class": "PreTrainedTokenizerFast", "model_max_length": model_max_length,
-              "add_bos_token": "bos_token" in special, "add_eos_token": False,
-              "clean_up_tokenization_spaces": False, **special}
+    config = {
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        "model_max_length": model_max_length,
+        "add_bos_token": "bos_token" in special,
+        "add_eos_token": False,
+        "clean_up_tokenization_spaces": False,
+        **special,
+    }
     with open(os.path.join(out_dir, "tokenizer_config.json"), "w") as fh:
         json.dump(config, fh, indent=2)
         fh.write("\n")

@@ -20,8 +20,7 @@ SINGLE, INDEX = "model.safetensors", "model.safetensors.index.json"
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 
-def plan_shards(numels: dict[str, int], itemsize: int,
-                max_shard_bytes: int) -> list[list[str]]:
+def plan_shards(numels: dict[str, int], itemsize: int, max_shard_bytes: int) -> list[list[str]]:
     """Consecutive parameter names grouped into shards of at most max_shard_bytes (a tensor
     larger than the limit gets a shard of its own); `numels`: the elements each name writes."""
     shards, current, size = [], [], 0
@@ -37,21 +36,33 @@ def plan_shards(numels: dict[str, int], itemsize: int,
     return shards
 
 
-def write_weights(out_dir: str, args: ModelArgs, shapes: dict[str, tuple[int, ...]],
-                  fetch: Callable[[list[str]], dict[str, torch.Tensor]], *, dtype: str,
-                  max_shard_bytes: int) -> list[str]:
+def write_weights(
+    out_dir: str,
+    args: ModelArgs,
+    shapes: dict[str, tuple[int, ...]],
+    fetch: Callable[[list[str]], dict[str, torch.Tensor]],
+    *,
+    dtype: str,
+    max_shard_bytes: int,
+) -> list[str]:
     """Write `model.safetensors`, or numbered shards and their index when the weights exceed
     max_shard_bytes. `fetch(names)` returns our full tensors for those parameter names; they
     are converted (names, q/k layout, dtype) one by one. Returns the files written."""
     from safetensors.torch import save_file
 
     target = DTYPES[dtype]
-    numels = {n: int(torch.Size(s).numel()) * (1 + len(mtp_copies(hf_name(n), args)))
-              if n in ("tok_embeddings.weight", "output.weight") else int(torch.Size(s).numel())
-              for n, s in shapes.items()}  # the MTP layers' copies of the embedding and head
+    numels = {
+        n: int(torch.Size(s).numel()) * (1 + len(mtp_copies(hf_name(n), args)))
+        if n in ("tok_embeddings.weight", "output.weight")
+        else int(torch.Size(s).numel())
+        for n, s in shapes.items()
+    }  # the MTP layers' copies of the embedding and head
     shards = plan_shards(numels, target.itemsize, max_shard_bytes)
-    files = [SINGLE] if len(shards) == 1 else [
-        f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))]
+    files = (
+        [SINGLE]
+        if len(shards) == 1
+        else [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))]
+    )
     weight_map, total = {}, 0
     for names, fname in zip(shards, files):
         tensors = fetch(names)
@@ -64,8 +75,10 @@ def write_weights(out_dir: str, args: ModelArgs, shapes: dict[str, tuple[int, ..
         save_file(out, os.path.join(out_dir, fname), metadata={"format": "pt"})
         del out
     if len(files) > 1:
-        write_json(os.path.join(out_dir, INDEX),
-                   {"metadata": {"total_size": total}, "weight_map": weight_map})
+        write_json(
+            os.path.join(out_dir, INDEX),
+            {"metadata": {"total_size": total}, "weight_map": weight_map},
+        )
     return files
 
 
@@ -86,16 +99,20 @@ class HFFolder:
 
         self.config = read_json(storage.join(folder, "config.json"))  # a URL: read remotely
         if self.config is None:
-            raise ConfigError(f"checkpoint.initial_load_path = {folder!r} is not a Hugging Face "
-                              "model folder (no config.json)")
+            raise ConfigError(
+                f"checkpoint.initial_load_path = {folder!r} is not a Hugging Face "
+                "model folder (no config.json)"
+            )
         index = read_json(storage.join(folder, INDEX))
         if index is not None:
             self.weight_map = index["weight_map"]
         elif storage.exists(storage.join(folder, SINGLE)):
             self.weight_map = {k: SINGLE for k in self._keys(SINGLE)}
         else:
-            raise ConfigError(f"checkpoint.initial_load_path = {folder!r} has no {SINGLE} or "
-                              f"{INDEX} (only safetensors weights are read)")
+            raise ConfigError(
+                f"checkpoint.initial_load_path = {folder!r} has no {SINGLE} or "
+                f"{INDEX} (only safetensors weights are read)"
+            )
         self.block = quant_block(self.config, folder)  # fp8 blocks, or None
 
     def _file(self, fname: str):
@@ -120,21 +137,24 @@ class HFFolder:
         scale = key + SCALE_SUFFIX
         if scale in self.weight_map:
             if self.block is None:
-                raise ConfigError(f"{self.folder}: {key} has a {scale} but config.json no "
-                                  "quantization_config with its weight_block_size")
+                raise ConfigError(
+                    f"{self.folder}: {key} has a {scale} but config.json no "
+                    "quantization_config with its weight_block_size"
+                )
             try:
                 return dequantize(t, self._read(scale), self.block)
             except ValueError as e:
                 raise ConfigError(f"{self.folder}: {key}: {e}") from None
         if t.dtype in FP8:
-            raise ConfigError(f"{self.folder}: {key} is {t.dtype} without a {scale}: no scale "
-                              "to dequantize it with")
+            raise ConfigError(
+                f"{self.folder}: {key} is {t.dtype} without a {scale}: no scale "
+                "to dequantize it with"
+            )
         return t
 
     def _read(self, key: str) -> torch.Tensor:
         fname = self.weight_map[key]
-        return _guarded(_join(self.folder, fname),
-                        lambda _: self._file(fname).get_tensor(key))
+        return _guarded(_join(self.folder, fname), lambda _: self._file(fname).get_tensor(key))
 
 
 def _join(folder: str, name: str) -> str:
@@ -162,5 +182,7 @@ def _guarded(path: str, read):
     except FileNotFoundError:
         raise ConfigError(f"{path} is missing (named by the folder's {INDEX})") from None
     except (SafetensorError, OSError) as e:
-        raise ConfigError(f"{path} cannot be read as safetensors, truncated or damaged "
-                          f"({e}); copy or export it again") from None
+        raise ConfigError(
+            f"{path} cannot be read as safetensors, truncated or damaged "
+            f"({e}); copy or export it again"
+        ) from None

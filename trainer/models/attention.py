@@ -50,21 +50,28 @@ def resolve_implementation(mask_type: str, implementation: str, device_type: str
     if implementation == "auto":
         return "flex" if device_type == "cuda" else "per_document"
     if implementation == "flex" and device_type != "cuda":
-        raise ConfigError(f"model.attn_implementation = 'flex' needs CUDA, but this run computes "
-                          f"on {device_type}: FlexAttention has no backward on the CPU; use "
-                          "'auto', 'per_document' or 'sdpa'")
+        raise ConfigError(
+            f"model.attn_implementation = 'flex' needs CUDA, but this run computes "
+            f"on {device_type}: FlexAttention has no backward on the CPU; use "
+            "'auto', 'per_document' or 'sdpa'"
+        )
     return implementation
 
 
 def attention_args(model_cfg, device_type: str) -> dict:
     """The ModelArgs fields of a `[model]` config on this device (model_args(**...)): the
     depth, the attention's, the RoPE scaling's and the multi-token prediction's."""
-    return {"n_layers": model_cfg.n_layers, "attn_mask_type": model_cfg.attn_mask_type,
-            "positions": model_cfg.positions,
-            "mtp_layers": model_cfg.mtp_layers, "mtp_loss_weight": model_cfg.mtp_loss_weight,
-            "attn_implementation": resolve_implementation(
-                model_cfg.attn_mask_type, model_cfg.attn_implementation, device_type),
-            **rope_args(model_cfg)}
+    return {
+        "n_layers": model_cfg.n_layers,
+        "attn_mask_type": model_cfg.attn_mask_type,
+        "positions": model_cfg.positions,
+        "mtp_layers": model_cfg.mtp_layers,
+        "mtp_loss_weight": model_cfg.mtp_loss_weight,
+        "attn_implementation": resolve_implementation(
+            model_cfg.attn_mask_type, model_cfg.attn_implementation, device_type
+        ),
+        **rope_args(model_cfg),
+    }
 
 
 def rope_args(model_cfg) -> dict:
@@ -75,21 +82,31 @@ def rope_args(model_cfg) -> dict:
 def describe(args) -> str:
     """One line of the startup summary: MLA's shape, mask, kernel, positions."""
     m = getattr(args, "mla", None)
-    mla = "" if m is None else (
-        f"multi-head latent attention (q_lora_rank {m.q_lora_rank}, kv_lora_rank "
-        f"{m.kv_lora_rank}; query/key heads {m.qk_nope_head_dim} + {m.qk_rope_head_dim} "
-        f"rotated, value heads {m.v_head_dim}), ")
+    mla = (
+        ""
+        if m is None
+        else (
+            f"multi-head latent attention (q_lora_rank {m.q_lora_rank}, kv_lora_rank "
+            f"{m.kv_lora_rank}; query/key heads {m.qk_nope_head_dim} + {m.qk_rope_head_dim} "
+            f"rotated, value heads {m.v_head_dim}), "
+        )
+    )
     if args.attn_mask_type == "causal":
-        return (f"attention: {mla}causal over the whole window (SDPA is_causal); RoPE "
-                "positions: sequence")
-    kernel = {"flex": "FlexAttention (compiled), one BlockMask per microbatch shared by all "
-                      "layers",
-              "sdpa": "SDPA with one additive [batch, 1, seq, seq] mask per microbatch shared "
-                      "by all layers",
-              "per_document": "one causal SDPA call per document (split by the microbatch's "
-                              "document ids)"}[args.attn_implementation]
-    return (f"attention: {mla}block_causal (a token sees earlier tokens of its own document only); "
-            f"{kernel}; RoPE positions: {args.positions}")
+        return (
+            f"attention: {mla}causal over the whole window (SDPA is_causal); RoPE "
+            "positions: sequence"
+        )
+    kernel = {
+        "flex": "FlexAttention (compiled), one BlockMask per microbatch shared by all layers",
+        "sdpa": "SDPA with one additive [batch, 1, seq, seq] mask per microbatch shared "
+        "by all layers",
+        "per_document": "one causal SDPA call per document (split by the microbatch's "
+        "document ids)",
+    }[args.attn_implementation]
+    return (
+        f"attention: {mla}block_causal (a token sees earlier tokens of its own document only); "
+        f"{kernel}; RoPE positions: {args.positions}"
+    )
 
 
 def document_positions(doc_ids: torch.Tensor) -> torch.Tensor:
@@ -114,8 +131,14 @@ def build_mask(doc_ids: torch.Tensor, implementation: str, dtype: torch.dtype):
     return mask.masked_fill_(~allowed, float("-inf")).unsqueeze(1)
 
 
-def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask=None,
-           gathered: bool = False, logit_max: torch.Tensor | None = None) -> torch.Tensor:
+def attend(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    mask=None,
+    gathered: bool = False,
+    logit_max: torch.Tensor | None = None,
+) -> torch.Tensor:
     """Attention of q [b, s, n_heads, d] over k, v [b, s, n_kv_heads, d or d_v]: [b, n_heads,
     s, d_v].
     `mask` None: causal; a BlockMask: FlexAttention; a float tensor: SDPA's additive mask; an
@@ -155,8 +178,12 @@ def _kernel_maxima(mask, q: torch.Tensor) -> bool:
     """Whether the kernel of this mask returns the logit maxima itself: FlexAttention on
     CUDA (the CPU's raises 'Returning max scores is not supported on CPU'), where torch has
     `AuxRequest` (else the chunked reduction, from the BlockMask's mask_mod)."""
-    return mask is not None and not isinstance(mask, torch.Tensor) and \
-        q.device.type == "cuda" and _aux_request() is not None
+    return (
+        mask is not None
+        and not isinstance(mask, torch.Tensor)
+        and q.device.type == "cuda"
+        and _aux_request() is not None
+    )
 
 
 @functools.cache
@@ -173,8 +200,9 @@ def flex(q, k, v, block_mask, gqa: bool, logit_max: torch.Tensor | None = None):
     own per-row maxima (AuxRequest) raise it."""
     if logit_max is None or q.device.type != "cuda" or _aux_request() is None:
         return _compiled_flex()(q, k, v, block_mask=block_mask, enable_gqa=gqa)
-    out, aux = _compiled_flex()(q, k, v, block_mask=block_mask, enable_gqa=gqa,
-                                return_aux=_aux_request()(max_scores=True))
+    out, aux = _compiled_flex()(
+        q, k, v, block_mask=block_mask, enable_gqa=gqa, return_aux=_aux_request()(max_scores=True)
+    )
     logits.record(logit_max, aux.max_scores.amax(dim=(0, 2)))
     return out
 
@@ -186,10 +214,16 @@ def _per_document(q, k, v, doc_ids: torch.Tensor, gqa: bool) -> torch.Tensor:
     rows = []
     for b, ids in enumerate(doc_ids):
         lengths = torch.unique_consecutive(ids, return_counts=True)[1].tolist()
-        pieces = zip(*(t[b:b + 1].split(lengths, dim=2) for t in (q, k, v)))
-        rows.append(torch.cat([F.scaled_dot_product_attention(*qkv, is_causal=True,
-                                                              enable_gqa=gqa)
-                               for qkv in pieces], dim=2))
+        pieces = zip(*(t[b : b + 1].split(lengths, dim=2) for t in (q, k, v)))
+        rows.append(
+            torch.cat(
+                [
+                    F.scaled_dot_product_attention(*qkv, is_causal=True, enable_gqa=gqa)
+                    for qkv in pieces
+                ],
+                dim=2,
+            )
+        )
     return torch.cat(rows)
 
 
@@ -240,5 +274,4 @@ def _flex_block_mask(doc_ids: torch.Tensor):
     def block_causal(b, h, q_idx, kv_idx):
         return (doc_ids[b, q_idx] == doc_ids[b, kv_idx]) & (q_idx >= kv_idx)
 
-    return _compiled_create_block_mask()(block_causal, batch, None, seq, seq,
-                                         device=doc_ids.device)
+    return _compiled_create_block_mask()(block_causal, batch, None, seq, seq, device=doc_ids.device)

@@ -53,17 +53,29 @@ def _heads_first(q, k, v, g, beta, use_qk_l2norm: bool):
     return q * q.shape[-1] ** -0.5, k, v, g, beta
 
 
-def recurrent_gated_delta_rule(q, k, v, g, beta, *, initial_state=None,
-                               output_final_state: bool = False, doc_ids=None,
-                               use_qk_l2norm: bool = False):
+def recurrent_gated_delta_rule(
+    q,
+    k,
+    v,
+    g,
+    beta,
+    *,
+    initial_state=None,
+    output_final_state: bool = False,
+    doc_ids=None,
+    use_qk_l2norm: bool = False,
+):
     """The token-by-token recurrence (the reference). q, k [b, s, h_k, d_k], v [b, s, h_v, d_v],
     g (log decay, <= 0) and beta [b, s, h_v] -> (o [b, s, h_v, d_v] in q's dtype, the final
     state [b, h_v, d_k, d_v] fp32 or None)."""
     dtype = q.dtype
     q, k, v, g, beta = _heads_first(q, k, v, g, beta, use_qk_l2norm)
     b, h, s, dk = k.shape
-    state = (torch.zeros(b, h, dk, v.shape[-1], device=v.device) if initial_state is None
-             else initial_state.float())
+    state = (
+        torch.zeros(b, h, dk, v.shape[-1], device=v.device)
+        if initial_state is None
+        else initial_state.float()
+    )
     out = []
     for t in range(s):
         if doc_ids is not None and t > 0:  # a new document: its state starts from zero
@@ -88,9 +100,19 @@ def _document_masks(doc_ids: torch.Tensor, n: int, c: int):
     return same, d == entering, d == d[..., -1:]
 
 
-def chunk_gated_delta_rule(q, k, v, g, beta, *, initial_state=None,
-                           output_final_state: bool = False, doc_ids=None,
-                           use_qk_l2norm: bool = False, chunk_size: int = 64):
+def chunk_gated_delta_rule(
+    q,
+    k,
+    v,
+    g,
+    beta,
+    *,
+    initial_state=None,
+    output_final_state: bool = False,
+    doc_ids=None,
+    use_qk_l2norm: bool = False,
+    chunk_size: int = 64,
+):
     """The chunked form (in torch), the same contract as `recurrent_gated_delta_rule`.
 
     Per chunk of c tokens with in-chunk cumulative log decays G: the corrections solve
@@ -123,15 +145,18 @@ def chunk_gated_delta_rule(q, k, v, g, beta, *, initial_state=None,
     decay = (cum[..., :, None] - cum[..., None, :]).masked_fill(~keep, float("-inf")).exp()
     k_beta = k * beta[..., None]
     system = (k_beta @ k.transpose(-1, -2)) * decay  # its diagonal is not read (unitriangular)
-    u = torch.linalg.solve_triangular(system, v * beta[..., None], upper=False,
-                                      unitriangular=True)
-    w = torch.linalg.solve_triangular(system, k_beta * start[..., None], upper=False,
-                                      unitriangular=True)
+    u = torch.linalg.solve_triangular(system, v * beta[..., None], upper=False, unitriangular=True)
+    w = torch.linalg.solve_triangular(
+        system, k_beta * start[..., None], upper=False, unitriangular=True
+    )
     inner = (q @ k.transpose(-1, -2)) * decay
     q_start, k_end = q * start[..., None], k * end[..., None]
     chunk_decay = start[..., -1]  # exp(G_c), zero where the chunk holds a boundary
-    state = (torch.zeros(b, h, dk, v.shape[-1], device=v.device) if initial_state is None
-             else initial_state.float())
+    state = (
+        torch.zeros(b, h, dk, v.shape[-1], device=v.device)
+        if initial_state is None
+        else initial_state.float()
+    )
     out = []
     for i in range(n):
         v_new = u[:, :, i] - w[:, :, i] @ state
@@ -160,20 +185,40 @@ def kernel_name(device_type: str) -> str:
     return "torch chunked gated delta rule (chunk 64)"
 
 
-def gated_delta_rule(q, k, v, g, beta, *, initial_state=None, output_final_state=False,
-                     doc_ids=None, use_qk_l2norm=True):
+def gated_delta_rule(
+    q,
+    k,
+    v,
+    g,
+    beta,
+    *,
+    initial_state=None,
+    output_final_state=False,
+    doc_ids=None,
+    use_qk_l2norm=True,
+):
     """The chunked gated delta rule on the fastest path here: fla's Triton kernel on CUDA when
     installed, else `chunk_gated_delta_rule` (the same contract)."""
     if q.is_cuda and _fla() is not None:
-        return _fla_gated_delta_rule(q, k, v, g, beta, initial_state, output_final_state,
-                                     doc_ids, use_qk_l2norm)
-    return chunk_gated_delta_rule(q, k, v, g, beta, initial_state=initial_state,
-                                  output_final_state=output_final_state, doc_ids=doc_ids,
-                                  use_qk_l2norm=use_qk_l2norm)
+        return _fla_gated_delta_rule(
+            q, k, v, g, beta, initial_state, output_final_state, doc_ids, use_qk_l2norm
+        )
+    return chunk_gated_delta_rule(
+        q,
+        k,
+        v,
+        g,
+        beta,
+        initial_state=initial_state,
+        output_final_state=output_final_state,
+        doc_ids=doc_ids,
+        use_qk_l2norm=use_qk_l2norm,
+    )
 
 
-def _fla_gated_delta_rule(q, k, v, g, beta, initial_state, output_final_state, doc_ids,
-                          use_qk_l2norm):
+def _fla_gated_delta_rule(
+    q, k, v, g, beta, initial_state, output_final_state, doc_ids, use_qk_l2norm
+):
     """fla-core's kernel (>= 0.6: grouped values in the kernel). Untested here: no GPU or
     Triton on the development machine; written against fla-core 0.6.0's signature
     (q, k, v, g, beta, scale=None -> d_k^-0.5, initial_state [N, h_v, d_k, d_v],
@@ -183,8 +228,16 @@ def _fla_gated_delta_rule(q, k, v, g, beta, initial_state, output_final_state, d
     document and its final state is its last document's (one host sync for the boundaries)."""
     fla = _fla()
     if doc_ids is None:
-        return fla(q, k, v, g.float(), beta, initial_state=initial_state,
-                   output_final_state=output_final_state, use_qk_l2norm_in_kernel=use_qk_l2norm)
+        return fla(
+            q,
+            k,
+            v,
+            g.float(),
+            beta,
+            initial_state=initial_state,
+            output_final_state=output_final_state,
+            use_qk_l2norm_in_kernel=use_qk_l2norm,
+        )
     b, s = doc_ids.shape
     starts = torch.ones_like(doc_ids, dtype=torch.bool)
     starts[:, 1:] = doc_ids[:, 1:] != doc_ids[:, :-1]
@@ -196,8 +249,13 @@ def _fla_gated_delta_rule(q, k, v, g, beta, initial_state, output_final_state, d
         init = initial_state.new_zeros(first.numel(), *initial_state.shape[1:])
         init[row_first] = initial_state
     flat = [x.flatten(0, 1).unsqueeze(0) for x in (q, k, v, g.float(), beta)]
-    o, state = fla(*flat, initial_state=init, output_final_state=output_final_state,
-                   use_qk_l2norm_in_kernel=use_qk_l2norm, cu_seqlens=cu_seqlens)
+    o, state = fla(
+        *flat,
+        initial_state=init,
+        output_final_state=output_final_state,
+        use_qk_l2norm_in_kernel=use_qk_l2norm,
+        cu_seqlens=cu_seqlens,
+    )
     row_last = torch.cat((row_first[1:], row_first.new_tensor([first.numel()]))) - 1
     return o.view(b, s, *o.shape[2:]), (state[row_last] if output_final_state else None)
 
@@ -215,8 +273,8 @@ def short_conv(x: torch.Tensor, weight: torch.Tensor, doc_ids=None, prefix=None)
         docs = torch.cat((doc_ids[:, :1].expand(-1, taps - 1), doc_ids), dim=1)
     y = x * weight[:, -1]
     for j in range(1, taps):
-        tap = full[:, taps - 1 - j: taps - 1 - j + s] * weight[:, -1 - j]
+        tap = full[:, taps - 1 - j : taps - 1 - j + s] * weight[:, -1 - j]
         if doc_ids is not None:
-            tap = tap * (docs[:, taps - 1 - j: taps - 1 - j + s] == doc_ids)[..., None]
+            tap = tap * (docs[:, taps - 1 - j : taps - 1 - j + s] == doc_ids)[..., None]
         y = y + tap
-    return y, full[:, -(taps - 1):] if taps > 1 else full[:, :0]
+    return y, full[:, -(taps - 1) :] if taps > 1 else full[:, :0]

@@ -48,8 +48,9 @@ from trainer.models.llama import ModelArgs
 def matmul_params(args: ModelArgs) -> int:
     """Weights used in a matmul for every token: all block Linears plus the output head; in a
     MoE block the router and the experts a token goes through (top_k + shared), not all E."""
-    return sum(block_matmul_params(args, i) for i in range(_blocks(args))) + \
-        head_matmul_params(args)
+    return sum(block_matmul_params(args, i) for i in range(_blocks(args))) + head_matmul_params(
+        args
+    )
 
 
 def _blocks(args: ModelArgs) -> int:
@@ -68,8 +69,11 @@ def block_matmul_params(args: ModelArgs, i: int) -> int:
             mixer = d * (2 * h.keys + 3 * h.values + 2 * h.linear_v_heads)
         else:
             mixer = d * args.head_dim * (3 * args.n_heads + 2 * args.n_kv_heads)
-        ffn = (args.moe.active_ffn(d) + h.shared_params(d) if args.is_moe_layer(i)
-               else 3 * d * args.hidden_dim)
+        ffn = (
+            args.moe.active_ffn(d) + h.shared_params(d)
+            if args.is_moe_layer(i)
+            else 3 * d * args.hidden_dim
+        )
         return mixer + ffn
     q_dim = args.n_heads * args.head_dim
     kv_dim = args.n_kv_heads * args.head_dim
@@ -87,8 +91,9 @@ def head_matmul_params(args: ModelArgs) -> int:
     return args.dim * args.vocab_size + mtp
 
 
-def block_attention_flops(args: ModelArgs, i: int, seq_len: int,
-                          causal_half: bool = False) -> float:
+def block_attention_flops(
+    args: ModelArgs, i: int, seq_len: int, causal_half: bool = False
+) -> float:
     """Block `i`'s score and value products per token, forward + backward (see the module
     docstring); a Gated DeltaNet layer's chunked recurrence instead (`deltanet_flops`, which
     no causal halving applies to)."""
@@ -102,8 +107,7 @@ def block_attention_flops(args: ModelArgs, i: int, seq_len: int,
 
 def attention_flops_per_token(args: ModelArgs, seq_len: int, causal_half: bool = False) -> float:
     """Score and value products, forward + backward, per token, over every block."""
-    return sum(block_attention_flops(args, i, seq_len, causal_half)
-               for i in range(_blocks(args)))
+    return sum(block_attention_flops(args, i, seq_len, causal_half) for i in range(_blocks(args)))
 
 
 def deltanet_flops(h, chunk: int = 64) -> float:
@@ -127,19 +131,21 @@ def unit_flops(args: ModelArgs, seq_len: int) -> list[float]:
     embedding is a lookup (0 FLOPs; its memory is the stages' concern, not its work); the
     head is its matmul with the MTP modules that sit beside it (their blocks, projections
     and heads); the loss is elementwise work that model FLOPs do not count."""
+
     def block(i: int) -> float:
         return 6.0 * block_matmul_params(args, i) + block_attention_flops(args, i, seq_len)
 
     mtp = sum(block(i) for i in range(args.n_layers, _blocks(args)))
-    return [0.0, *(block(i) for i in range(args.n_layers)),
-            6.0 * head_matmul_params(args) + mtp]
+    return [0.0, *(block(i) for i in range(args.n_layers)), 6.0 * head_matmul_params(args) + mtp]
 
 
 def layer_kind(args: ModelArgs, i: int) -> tuple:
     """What makes block `i` differ in shape from another: MoE or dense FFN, and the hybrid's
     linear (Gated DeltaNet) or full attention. Blocks of one kind do the same work."""
-    return (args.is_moe_layer(i), args.hybrid_layer_type(i) if args.hybrid is not None
-            else "attention")
+    return (
+        args.is_moe_layer(i),
+        args.hybrid_layer_type(i) if args.hybrid is not None else "attention",
+    )
 
 
 def tokens_per_device(dp_rank_tokens_per_s: float, tp: int = 1) -> float:
@@ -205,12 +211,18 @@ def resolve_peak(configured_tflops: float, device: torch.device) -> Peak:
         where = "CPU has no device table" if device.type == "cpu" else "overrides the device table"
         return Peak(configured_tflops, f"the config ([metrics] peak_tflops; {where})")
     if device.type != "cuda":
-        return Peak(None, f"none configured: MFU not reported (no peak table for {device.type}; "
-                          "set [metrics] peak_tflops)")
+        return Peak(
+            None,
+            f"none configured: MFU not reported (no peak table for {device.type}; "
+            "set [metrics] peak_tflops)",
+        )
     name = torch.cuda.get_device_name(device)
     hit = table_peak_tflops(name)
     if hit is None:
-        return Peak(None, f"none configured: MFU not reported ({name!r} is not in the peak "
-                          "table; set [metrics] peak_tflops)")
+        return Peak(
+            None,
+            f"none configured: MFU not reported ({name!r} is not in the peak "
+            "table; set [metrics] peak_tflops)",
+        )
     tflops, row = hit
     return Peak(tflops, f"the device table ({row}, dense bf16 datasheet figure; device {name!r})")

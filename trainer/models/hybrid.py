@@ -40,8 +40,12 @@ class HybridArgs:
         """One Gated DeltaNet layer: wq, wk, wv, wz, wb, wa, wo, the convolutions, A_log,
         dt_bias and the gated norm."""
         k, v, nv = self.keys, self.values, self.linear_v_heads
-        return dim * (2 * k + 3 * v + 2 * nv) + (2 * k + v) * self.conv_kernel + 2 * nv + \
-            self.linear_v_head_dim
+        return (
+            dim * (2 * k + 3 * v + 2 * nv)
+            + (2 * k + v) * self.conv_kernel
+            + 2 * nv
+            + self.linear_v_head_dim
+        )
 
     def full_params(self, dim: int, n_heads: int, n_kv_heads: int, head_dim: int) -> int:
         """One gated attention layer: wq (queries and gates), wk, wv, wo, the q/k norms."""

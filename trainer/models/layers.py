@@ -52,7 +52,7 @@ def yarn_frequencies(inv_freq: torch.Tensor, theta: float, s) -> torch.Tensor:
     low, high = max(low, 0), min(high, dim - 1)
     if low == high:
         high += 0.001
-    ramp = ((torch.arange(dim // 2, device=inv_freq.device).float() - low) / (high - low))
+    ramp = (torch.arange(dim // 2, device=inv_freq.device).float() - low) / (high - low)
     keep = 1 - ramp.clamp(0, 1)  # 1: extrapolate (the original frequency), 0: interpolate
     return inv_freq / s.factor * (1 - keep) + inv_freq * keep
 
@@ -64,7 +64,8 @@ def scale_frequencies(inv_freq: torch.Tensor, s) -> torch.Tensor:
     low_freq_wavelen = s.original_max_position_embeddings / s.low_freq_factor
     high_freq_wavelen = s.original_max_position_embeddings / s.high_freq_factor
     smooth = (s.original_max_position_embeddings / wavelen - s.low_freq_factor) / (
-        s.high_freq_factor - s.low_freq_factor)
+        s.high_freq_factor - s.low_freq_factor
+    )
     blended = (1 - smooth) * inv_freq / s.factor + smooth * inv_freq
     scaled = torch.where(wavelen > low_freq_wavelen, inv_freq / s.factor, inv_freq)
     between = (wavelen >= high_freq_wavelen) & (wavelen <= low_freq_wavelen)

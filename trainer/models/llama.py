@@ -74,8 +74,11 @@ class TransformerBlock(nn.Module):
         self.attention_norm = RMSNorm(args.dim, args.norm_eps)
         self.attention = MLA(args) if args.mla is not None else Attention(args)
         self.ffn_norm = RMSNorm(args.dim, args.norm_eps)
-        self.feed_forward = (MoE(args.dim, args.moe, layer_id) if args.is_moe_layer(layer_id)
-                             else FeedForward(args.dim, args.hidden_dim))
+        self.feed_forward = (
+            MoE(args.dim, args.moe, layer_id)
+            if args.is_moe_layer(layer_id)
+            else FeedForward(args.dim, args.hidden_dim)
+        )
 
     def forward(self, x, cos, sin, mask=None):
         h = x + self.attention(self.attention_norm(x), cos, sin, mask)
@@ -108,15 +111,27 @@ class Transformer(nn.Module):
         super().__init__()
         self.args = args
         self.tok_embeddings = nn.Embedding(args.vocab_size, args.dim)
-        self.layers = nn.ModuleDict({str(i): TransformerBlock(i, args) for i in range(args.n_layers)})
+        self.layers = nn.ModuleDict(
+            {str(i): TransformerBlock(i, args) for i in range(args.n_layers)}
+        )
         self.norm = RMSNorm(args.dim, args.norm_eps)
         # Tied: no parameter of its own; the head multiplies by tok_embeddings.weight.
-        self.output = (None if args.tie_word_embeddings
-                       else Head(args.dim, args.vocab_size, bias=False))
+        self.output = (
+            None if args.tie_word_embeddings else Head(args.dim, args.vocab_size, bias=False)
+        )
         # Multi-token prediction (trainer/models/mtp.py): depth k's block is layer n_layers + k
-        self.mtp = nn.ModuleDict({str(k): MTPModule(args.dim, args.norm_eps,
-                                                    TransformerBlock(args.n_layers + k, args))
-                                  for k in range(args.mtp_layers)}) if args.mtp_layers else None
+        self.mtp = (
+            nn.ModuleDict(
+                {
+                    str(k): MTPModule(
+                        args.dim, args.norm_eps, TransformerBlock(args.n_layers + k, args)
+                    )
+                    for k in range(args.mtp_layers)
+                }
+            )
+            if args.mtp_layers
+            else None
+        )
         # The MTP loss's weight: args.mtp_loss_weight, or the step's (TrainStep sets it per step
         # under model.mtp_loss_weight_until_step)
         self.mtp_loss_weight = args.mtp_loss_weight
@@ -125,10 +140,17 @@ class Transformer(nn.Module):
         self.register_buffer("rope_cos", torch.empty(table), persistent=False)
         self.register_buffer("rope_sin", torch.empty(table), persistent=False)
 
-    def forward(self, tokens: torch.Tensor, labels: torch.Tensor | None = None,
-                loss_fn=None, *, doc_ids: torch.Tensor | None = None,
-                positions: torch.Tensor | None = None, attention=None,
-                future: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(
+        self,
+        tokens: torch.Tensor,
+        labels: torch.Tensor | None = None,
+        loss_fn=None,
+        *,
+        doc_ids: torch.Tensor | None = None,
+        positions: torch.Tensor | None = None,
+        attention=None,
+        future: torch.Tensor | None = None,
+    ) -> torch.Tensor:
         """Logits [batch, seq, vocab]; or, with labels and a trainer.models.loss function, the
         summed token loss (fp32 scalar), computed without returning the logits.
 
@@ -154,8 +176,13 @@ class Transformer(nn.Module):
     def trains_mtp(self, labels, loss_fn) -> bool:
         """Whether a forward adds the MTP loss: a training forward with labels and the
         training loss (validation, evals and generation use the main model alone)."""
-        return (self.args.mtp_layers > 0 and labels is not None and self.training
-                and torch.is_grad_enabled() and hasattr(loss_fn, "for_mtp"))
+        return (
+            self.args.mtp_layers > 0
+            and labels is not None
+            and self.training
+            and torch.is_grad_enabled()
+            and hasattr(loss_fn, "for_mtp")
+        )
 
     def head(self, h: torch.Tensor, labels=None, loss_fn=None) -> torch.Tensor:
         if self.output is not None:
@@ -163,16 +190,18 @@ class Transformer(nn.Module):
         # Tied: the embedding is in the root's FSDP group, unsharded until the root's forward ends.
         return project(h, self.tok_embeddings.weight, labels, loss_fn)
 
-    def mtp_loss(self, h, labels, loss_fn, attention_inputs, future=None,
-                 embeddings=None) -> torch.Tensor:
+    def mtp_loss(
+        self, h, labels, loss_fn, attention_inputs, future=None, embeddings=None
+    ) -> torch.Tensor:
         """The MTP loss weight x the mean over depths of their summed token losses (the MTP
         modules after the main model's last hidden state `h`; trainer/models/mtp.py).
         `future` [depth, b, s]: the targets past `labels` (default: `labels` shifted; context
         parallelism passes them, cut from the whole sequence). `embeddings`: each depth's
         input token embeddings, when the embedding is elsewhere (the first pipeline stage's)."""
         a = self.args
-        streams = mtp_streams(labels, future_labels(labels, a.mtp_layers)
-                              if future is None else future)
+        streams = mtp_streams(
+            labels, future_labels(labels, a.mtp_layers) if future is None else future
+        )
         if embeddings is None:
             embeddings = [self.tok_embeddings(tokens) for tokens, _ in streams]
         total = torch.zeros((), dtype=torch.float32, device=h.device)
@@ -196,8 +225,10 @@ class Transformer(nn.Module):
         """(cos, sin, mask) for every layer of one forward: built once per microbatch."""
         a = self.args
         if doc_ids is None and self.uses_documents:
-            raise ValueError(f"attn_mask_type {a.attn_mask_type!r} with positions "
-                             f"{a.positions!r} needs doc_ids (the loader's document_ids)")
+            raise ValueError(
+                f"attn_mask_type {a.attn_mask_type!r} with positions "
+                f"{a.positions!r} needs doc_ids (the loader's document_ids)"
+            )
         if positions is None and a.positions == "document":
             positions = document_positions(doc_ids)
         if positions is None:
@@ -214,8 +245,13 @@ class Transformer(nn.Module):
     def init_rope(self) -> None:
         """Compute the RoPE tables (non-persistent buffers: needed after `to_empty`)."""
         a = self.args
-        cos, sin = rope_tables(a.rope_dim, a.max_seq_len, a.rope_theta, device=self.rope_cos.device,
-                               scaling=a.rope_scaling)
+        cos, sin = rope_tables(
+            a.rope_dim,
+            a.max_seq_len,
+            a.rope_theta,
+            device=self.rope_cos.device,
+            scaling=a.rope_scaling,
+        )
         self.rope_cos.copy_(cos)
         self.rope_sin.copy_(sin)
 
@@ -239,7 +275,7 @@ def _init_std(name: str, args: ModelArgs) -> float | None:
     if name.startswith("tok_embeddings"):  # tied, it is also the head: small, as HF inits it
         return 0.02 if args.tie_word_embeddings else 1.0
     if name.startswith("output"):
-        return args.dim ** -0.5
+        return args.dim**-0.5
     if name.endswith(("wo.weight", "w2.weight", "w3.weight", "experts.w2", "experts.w3")):
         # depth-scaled residual outputs (an MTP block: after the last layer)
         layer_id = int(name.split(".")[1]) + (args.n_layers if name.startswith("mtp.") else 0)
@@ -255,6 +291,7 @@ def trunc_normal(t: torch.Tensor, std: float, gen: torch.Generator) -> torch.Ten
     and its algorithm differs between torch versions; this one is a single pass whose values
     do not depend on torch's choice.
     """
+
     def cdf(x: float) -> float:  # the standard normal's, computed as torch <= 2.11 did
         return (1.0 + math.erf(x / math.sqrt(2.0))) / 2.0
 
@@ -279,8 +316,9 @@ def _fill(param: torch.Tensor, name: str, seed: int, std: float | None) -> None:
         gen.manual_seed(seed * 1_000_003 + zlib.crc32(name.encode()))
         trunc_normal(full, std, gen)
     if is_dt:
-        full = distribute_tensor(full, param.device_mesh, param.placements,
-                                 src_data_rank=None).to_local()
+        full = distribute_tensor(
+            full, param.device_mesh, param.placements, src_data_rank=None
+        ).to_local()
     local.copy_(full)
 
 

@@ -28,8 +28,7 @@ def record(buffer: torch.Tensor, maxima: torch.Tensor) -> None:
 
 
 @torch.no_grad()
-def max_logits(q: torch.Tensor, k: torch.Tensor, allowed=None,
-               causal: bool = True) -> torch.Tensor:
+def max_logits(q: torch.Tensor, k: torch.Tensor, allowed=None, causal: bool = True) -> torch.Tensor:
     """[heads] fp32: each query head's largest logit over `q` [b, s, heads, d] and `k`
     [b, S, kv_heads, d] (kv heads serve heads / kv_heads query heads each, GQA).
 
@@ -49,11 +48,15 @@ def max_logits(q: torch.Tensor, k: torch.Tensor, allowed=None,
     for start in range(0, s, CHUNK):
         rows = torch.arange(start, min(start + CHUNK, s), device=q.device)
         seen = min(start + len(rows) + keys - s, keys) if causal else keys
-        scores = torch.matmul(q[:, start:start + len(rows)].transpose(1, 2).float(),
-                              kt[..., :seen])
+        scores = torch.matmul(
+            q[:, start : start + len(rows)].transpose(1, 2).float(), kt[..., :seen]
+        )
         scores.mul_(scale)  # [b, heads, rows, seen]
-        mask = (cols[None, :seen] <= (rows + keys - s)[:, None]) if allowed is None \
+        mask = (
+            (cols[None, :seen] <= (rows + keys - s)[:, None])
+            if allowed is None
             else allowed(rows)[..., :seen]
+        )
         scores.masked_fill_(~mask, float("-inf"))
         out = torch.maximum(out, scores.amax(dim=(0, 2, 3)))
     return out
@@ -62,10 +65,12 @@ def max_logits(q: torch.Tensor, k: torch.Tensor, allowed=None,
 def causal_documents(doc_ids: torch.Tensor):
     """`allowed` of block-causal attention over documents `doc_ids` [b, S] (queries and
     keys the same positions)."""
+
     def allowed(rows):
         cols = torch.arange(doc_ids.shape[1], device=doc_ids.device)
         same = doc_ids[:, rows, None] == doc_ids[:, None, :]
         return (same & (cols[None, None, :] <= rows[None, :, None])).unsqueeze(1)
+
     return allowed
 
 
@@ -82,11 +87,13 @@ def boolean(mask: torch.Tensor):
 def block_mask(mask) -> callable:
     """`allowed` of a FlexAttention BlockMask, from its mask_mod evaluated on index grids
     (this trainer's mask_mods are elementwise tensor expressions, which broadcast)."""
+
     def allowed(rows):
         b = torch.arange(mask.shape[0], device=rows.device)[:, None, None, None]
         cols = torch.arange(mask.shape[-1], device=rows.device)[None, None, None, :]
         zero = torch.zeros((), dtype=torch.long, device=rows.device)
         return mask.mask_mod(b, zero, rows[None, None, :, None], cols)
+
     return allowed
 
 

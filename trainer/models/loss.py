@@ -42,9 +42,13 @@ from trainer.parallel.loss_parallel import vocab_parallel_chunk
 IGNORE_INDEX = -100
 
 
-def eager_loss_and_z(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor,
-                     z_loss_weight: float = 0.0, split_backward: bool = False
-                     ) -> tuple[torch.Tensor, torch.Tensor | None]:
+def eager_loss_and_z(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    labels: torch.Tensor,
+    z_loss_weight: float = 0.0,
+    split_backward: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
     """(summed token cross-entropy + z_loss_weight * z, z) through full fp32 logits, where
     z = the sum of logsumexp(logits)^2 over the non-ignored tokens (None when the weight is 0).
     Autograd's own backward runs twice when asked (`split_backward` changes nothing)."""
@@ -63,8 +67,13 @@ def eager_loss(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor)
     return eager_loss_and_z(hidden, weight, labels)[0]
 
 
-def chunk_loss_and_grad(h: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor,
-                        want_grad: bool, z_loss_weight: float = 0.0):
+def chunk_loss_and_grad(
+    h: torch.Tensor,
+    weight: torch.Tensor,
+    labels: torch.Tensor,
+    want_grad: bool,
+    z_loss_weight: float = 0.0,
+):
     """One chunk: (summed fp32 cross-entropy, summed lse^2 or None when z_loss_weight is 0,
     d (cross-entropy + z_loss_weight * lse^2) / d logits in the compute dtype, or None)."""
     logits = F.linear(h, weight).float()
@@ -132,8 +141,16 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
     is None when z_loss_weight is 0."""
 
     @staticmethod
-    def forward(ctx, hidden, weight, labels, chunk_size: int, chunk_fn, z_loss_weight: float,
-                split_backward: bool = False):
+    def forward(
+        ctx,
+        hidden,
+        weight,
+        labels,
+        chunk_size: int,
+        chunk_fn,
+        z_loss_weight: float,
+        split_backward: bool = False,
+    ):
         h, y = hidden.reshape(-1, hidden.shape[-1]), labels.reshape(-1)
         grad_h = torch.empty_like(h)
         grad_w = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device)
@@ -141,12 +158,12 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
         loss = torch.zeros((), dtype=torch.float32, device=h.device)
         z_sum = torch.zeros_like(loss) if z_loss_weight else None
         for start in range(0, h.shape[0], chunk_size):
-            hc = h[start:start + chunk_size]
-            chunk, z, g = chunk_fn(hc, weight, y[start:start + chunk_size], True, z_loss_weight)
+            hc = h[start : start + chunk_size]
+            chunk, z, g = chunk_fn(hc, weight, y[start : start + chunk_size], True, z_loss_weight)
             loss += chunk
             if z is not None:
                 z_sum += z
-            torch.mm(g, weight, out=grad_h[start:start + chunk_size])
+            torch.mm(g, weight, out=grad_h[start : start + chunk_size])
             add_product(grad_w, g.t(), hc)
             del g
         if z_sum is not None:
@@ -161,39 +178,63 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
         grad_h, grad_w = ctx.grads
         rest = (None,) * 5
         if ctx.split_backward:  # called again for the weights (zero-bubble pipelines): keep them
-            return (grad_h * grad_loss.to(grad_h.dtype),
-                    (grad_w * grad_loss).to(ctx.weight_dtype), *rest)
+            return (
+                grad_h * grad_loss.to(grad_h.dtype),
+                (grad_w * grad_loss).to(ctx.weight_dtype),
+                *rest,
+            )
         del ctx.grads
-        return (grad_h.mul_(grad_loss.to(grad_h.dtype)),
-                grad_w.mul_(grad_loss).to(ctx.weight_dtype), *rest)
+        return (
+            grad_h.mul_(grad_loss.to(grad_h.dtype)),
+            grad_w.mul_(grad_loss).to(ctx.weight_dtype),
+            *rest,
+        )
 
 
-def chunked_loss_and_z(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, *,
-                       chunk_size: int, chunk_fn=chunk_loss_and_grad, z_loss_weight: float = 0.0,
-                       split_backward: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+def chunked_loss_and_z(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    labels: torch.Tensor,
+    *,
+    chunk_size: int,
+    chunk_fn=chunk_loss_and_grad,
+    z_loss_weight: float = 0.0,
+    split_backward: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
     """eager_loss_and_z's results, `chunk_size` tokens at a time (see the module docstring).
     `split_backward`: the backward may run twice, for the input and then for the weight
     gradient (zero-bubble pipeline schedules): the gradients are kept until the graph goes."""
     if torch.is_grad_enabled() and (hidden.requires_grad or weight.requires_grad):
-        return _ChunkedLinearCrossEntropy.apply(hidden, weight, labels, chunk_size, chunk_fn,
-                                                z_loss_weight, split_backward)
+        return _ChunkedLinearCrossEntropy.apply(
+            hidden, weight, labels, chunk_size, chunk_fn, z_loss_weight, split_backward
+        )
     h, y = hidden.reshape(-1, hidden.shape[-1]), labels.reshape(-1)
     loss = torch.zeros((), dtype=torch.float32, device=h.device)
     z_sum = torch.zeros_like(loss) if z_loss_weight else None
     for start in range(0, h.shape[0], chunk_size):
-        chunk, z, _ = chunk_fn(h[start:start + chunk_size], weight, y[start:start + chunk_size],
-                               False, z_loss_weight)
+        chunk, z, _ = chunk_fn(
+            h[start : start + chunk_size],
+            weight,
+            y[start : start + chunk_size],
+            False,
+            z_loss_weight,
+        )
         loss += chunk
         if z is not None:
             z_sum += z
     return (loss, None) if z_sum is None else (loss + z_loss_weight * z_sum, z_sum)
 
 
-def chunked_loss(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, *,
-                 chunk_size: int, chunk_fn=chunk_loss_and_grad) -> torch.Tensor:
+def chunked_loss(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    labels: torch.Tensor,
+    *,
+    chunk_size: int,
+    chunk_fn=chunk_loss_and_grad,
+) -> torch.Tensor:
     """Summed token cross-entropy, `chunk_size` tokens at a time (see the module docstring)."""
-    return chunked_loss_and_z(hidden, weight, labels, chunk_size=chunk_size,
-                              chunk_fn=chunk_fn)[0]
+    return chunked_loss_and_z(hidden, weight, labels, chunk_size=chunk_size, chunk_fn=chunk_fn)[0]
 
 
 class Loss:
@@ -208,10 +249,16 @@ class Loss:
         self._mtp: torch.Tensor | None = None  # the MTP heads' summed loss (MTPLoss)
         self.split_backward = False  # a zero-bubble pipeline schedule sets it
 
-    def __call__(self, hidden: torch.Tensor, weight: torch.Tensor,
-                 labels: torch.Tensor) -> torch.Tensor:
-        loss, z = self.fn(hidden, weight, labels, z_loss_weight=self.z_loss_weight,
-                          **({"split_backward": True} if self.split_backward else {}))
+    def __call__(
+        self, hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor
+    ) -> torch.Tensor:
+        loss, z = self.fn(
+            hidden,
+            weight,
+            labels,
+            z_loss_weight=self.z_loss_weight,
+            **({"split_backward": True} if self.split_backward else {}),
+        )
         if z is not None:
             term = self.z_loss_weight * z.detach()
             self._z_loss = term if self._z_loss is None else self._z_loss + term
@@ -240,8 +287,9 @@ class MTPLoss:
     def __init__(self, loss: Loss):
         self.loss, self.vocab_parallel = loss, loss.vocab_parallel
 
-    def __call__(self, hidden: torch.Tensor, weight: torch.Tensor,
-                 labels: torch.Tensor) -> torch.Tensor:
+    def __call__(
+        self, hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor
+    ) -> torch.Tensor:
         kw = {"split_backward": True} if self.loss.split_backward else {}
         value, _ = self.loss.fn(hidden, weight, labels, z_loss_weight=0.0, **kw)
         seen = self.loss._mtp
@@ -258,10 +306,15 @@ class RowLoss:
     def __init__(self, loss: Loss):
         self.loss, self.vocab_parallel = loss, loss.vocab_parallel
 
-    def __call__(self, hidden: torch.Tensor, weight: torch.Tensor,
-                 labels: torch.Tensor) -> torch.Tensor:
-        return torch.stack([self.loss(hidden[i:i + 1], weight, labels[i:i + 1])
-                            for i in range(hidden.shape[0])])
+    def __call__(
+        self, hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor
+    ) -> torch.Tensor:
+        return torch.stack(
+            [
+                self.loss(hidden[i : i + 1], weight, labels[i : i + 1])
+                for i in range(hidden.shape[0])
+            ]
+        )
 
 
 def scoring_loss(chunk_size: int, vocab_parallel_group=None) -> Loss:
@@ -270,8 +323,14 @@ def scoring_loss(chunk_size: int, vocab_parallel_group=None) -> Loss:
     return build_loss("chunked", chunk_size, vocab_parallel_group=vocab_parallel_group)
 
 
-def build_loss(kind: str, chunk_size: int, *, z_loss_weight: float = 0.0,
-               compile_chunks: bool = False, vocab_parallel_group=None) -> Loss:
+def build_loss(
+    kind: str,
+    chunk_size: int,
+    *,
+    z_loss_weight: float = 0.0,
+    compile_chunks: bool = False,
+    vocab_parallel_group=None,
+) -> Loss:
     """The loss `[training] loss` names, with `training.z_loss_weight`. `compile_chunks`
     compiles the chunk's elementwise work (upcast, logsumexp, softmax, one-hot) into fused
     kernels: for `[compile] enable`.
@@ -283,12 +342,17 @@ def build_loss(kind: str, chunk_size: int, *, z_loss_weight: float = 0.0,
     if vocab_parallel_group is not None:
         chunk_fn = functools.partial(vocab_parallel_chunk, group=vocab_parallel_group)
         size = chunk_size if kind == "chunked" else sys.maxsize
-        return Loss(functools.partial(chunked_loss_and_z, chunk_size=size, chunk_fn=chunk_fn),
-                    z_loss_weight, vocab_parallel=True)
+        return Loss(
+            functools.partial(chunked_loss_and_z, chunk_size=size, chunk_fn=chunk_fn),
+            z_loss_weight,
+            vocab_parallel=True,
+        )
     if kind == "eager":
         return Loss(eager_loss_and_z, z_loss_weight)
     if kind != "chunked":
         raise ValueError(f"unknown loss {kind!r}")
     chunk_fn = torch.compile(chunk_loss_and_grad) if compile_chunks else chunk_loss_and_grad
-    return Loss(functools.partial(chunked_loss_and_z, chunk_size=chunk_size, chunk_fn=chunk_fn),
-                z_loss_weight)
+    return Loss(
+        functools.partial(chunked_loss_and_z, chunk_size=chunk_size, chunk_fn=chunk_fn),
+        z_loss_weight,
+    )

@@ -57,8 +57,7 @@ class MLA(nn.Module):
             self.wq = nn.Linear(args.dim, args.n_heads * self.head_dim, bias=False)
         self.wkv_a = nn.Linear(args.dim, m.kv_lora_rank + self.rope, bias=False)
         self.kv_a_norm = RMSNorm(m.kv_lora_rank, LATENT_NORM_EPS)
-        self.wkv_b = nn.Linear(m.kv_lora_rank, args.n_heads * (self.nope + self.v_dim),
-                               bias=False)
+        self.wkv_b = nn.Linear(m.kv_lora_rank, args.n_heads * (self.nope + self.v_dim), bias=False)
         self.wo = nn.Linear(args.n_heads * self.v_dim, args.dim, bias=False)
         # Identity; under TP the RoPE key's gradient summed over the tp ranks (see above)
         self.shared_key = _identity

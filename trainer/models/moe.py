@@ -43,7 +43,8 @@ def expert_counts(slots: torch.Tensor, n_experts: int) -> torch.Tensor:
     reads the largest index back to the host (a sync per MoE layer) and fake tensors (the
     traced dry run) cannot run it. Integer adds: exact and deterministic on every device."""
     return torch.zeros(n_experts, dtype=torch.int64, device=slots.device).index_add_(
-        0, slots, torch.ones_like(slots))
+        0, slots, torch.ones_like(slots)
+    )
 
 
 class Router(nn.Module):
@@ -98,8 +99,9 @@ class GroupedExperts(nn.Module):
             w1, w2, w3 = w1.to_local(), w2.to_local(), w3.to_local()
         if self.grouped:
             offs = counts.cumsum(0).to(torch.int32)
-            h = F.silu(torch._grouped_mm(x, w1.transpose(-2, -1), offs=offs)) * \
-                torch._grouped_mm(x, w3.transpose(-2, -1), offs=offs)
+            h = F.silu(torch._grouped_mm(x, w1.transpose(-2, -1), offs=offs)) * torch._grouped_mm(
+                x, w3.transpose(-2, -1), offs=offs
+            )
             return torch._grouped_mm(h, w2.transpose(-2, -1), offs=offs)
         return expert_loop(x, counts, w1, w2, w3)
 
@@ -138,8 +140,11 @@ class MoE(nn.Module):
         self.moe, self.layer_id = moe, layer_id  # its block's (an MTP block's: n_layers + k)
         self.router = Router(dim, moe)
         self.experts = GroupedExperts(dim, moe.hidden_dim, moe.n_experts)
-        self.shared_experts = (FeedForward(dim, moe.hidden_dim * moe.n_shared_experts)
-                               if moe.n_shared_experts else None)
+        self.shared_experts = (
+            FeedForward(dim, moe.hidden_dim * moe.n_shared_experts)
+            if moe.n_shared_experts
+            else None
+        )
         self.register_buffer("tokens_per_expert", torch.zeros(moe.n_experts), persistent=False)
         self.register_buffer("dropped", torch.zeros(()), persistent=False)
         self.register_buffer("routed", torch.zeros(()), persistent=False)
@@ -181,8 +186,9 @@ class MoE(nn.Module):
             # while the dispatch is in flight. Every saved-for-backward tensor of this layer
             # precedes the combine, so activation checkpointing's recompute (which stops at
             # the last one) never repeats it.
-            y, shared = self.dispatcher(flat, weights, chosen, keep, self.experts,
-                                        side=self.shared_experts)
+            y, shared = self.dispatcher(
+                flat, weights, chosen, keep, self.experts, side=self.shared_experts
+            )
             y = y if shared is None else y + shared
         else:
             y = self._local(flat, weights, slots, counts, keep)
@@ -220,11 +226,16 @@ class MoE(nn.Module):
         if m.aux_loss_weight:
             counts = expert_counts(chosen.reshape(-1), m.n_experts).float()
             frac = _summed(counts.detach(), group) / (tokens * m.top_k)
-            terms.append(m.aux_loss_weight * m.n_experts *
-                         (frac * _summed(probs.sum(0), group) / tokens).sum())
+            terms.append(
+                m.aux_loss_weight
+                * m.n_experts
+                * (frac * _summed(probs.sum(0), group) / tokens).sum()
+            )
         if m.seq_aux_loss_weight:
-            terms.append(m.seq_aux_loss_weight *
-                         sequence_balance_loss(probs, chosen, batch, m.n_experts, group))
+            terms.append(
+                m.seq_aux_loss_weight
+                * sequence_balance_loss(probs, chosen, batch, m.n_experts, group)
+            )
         if m.router_z_loss_weight:
             z = _summed(logits.logsumexp(-1).square().sum(), group)
             terms.append(m.router_z_loss_weight * z / tokens)
@@ -238,15 +249,19 @@ class MoE(nn.Module):
 
     def take_stats(self) -> dict[str, torch.Tensor]:
         """This step's loads, drops and routed pairs since the last take (then zeroed)."""
-        stats = {"tokens_per_expert": self.tokens_per_expert.clone(),
-                 "dropped": self.dropped.clone(), "routed": self.routed.clone()}
+        stats = {
+            "tokens_per_expert": self.tokens_per_expert.clone(),
+            "dropped": self.dropped.clone(),
+            "routed": self.routed.clone(),
+        }
         for buf in (self.tokens_per_expert, self.dropped, self.routed):
             buf.zero_()
         return stats
 
 
-def sequence_balance_loss(scores: torch.Tensor, chosen: torch.Tensor, batch: int,
-                          n_experts: int, group=None) -> torch.Tensor:
+def sequence_balance_loss(
+    scores: torch.Tensor, chosen: torch.Tensor, batch: int, n_experts: int, group=None
+) -> torch.Tensor:
     """DeepSeek-V3's complementary sequence-wise balance loss without its alpha (report, eq.
     17-20): per sequence of T tokens, s'_{i,t} = s_{i,t} / sum_j s_{j,t}, P_i = mean_t
     s'_{i,t}, f_i = E / (K T) x the tokens whose top K holds i; sum_i f_i P_i, averaged over
@@ -343,9 +358,14 @@ def take_aux_loss(model: nn.Module) -> torch.Tensor | None:
 
 
 @torch.no_grad()
-def balance_experts(model: nn.Module, n_layers: int, coeff: float, device,
-                    moe_ids: list[int] | None = None,
-                    stepped: bool | torch.Tensor = True) -> dict[str, torch.Tensor]:
+def balance_experts(
+    model: nn.Module,
+    n_layers: int,
+    coeff: float,
+    device,
+    moe_ids: list[int] | None = None,
+    stepped: bool | torch.Tensor = True,
+) -> dict[str, torch.Tensor]:
     """After an optimizer step: every rank's expert loads of the step summed (one all-reduce
     over the world of a [layers, experts + 2] tensor: a pipeline stage fills only its rows),
     the balancing bias updated (coeff > 0) if the optimizer stepped (`stepped`, a bool or a
@@ -370,8 +390,9 @@ def balance_experts(model: nn.Module, n_layers: int, coeff: float, device,
     if dist.is_initialized():
         dist.all_reduce(table)
     if coeff and stepped is not False:
-        update_expert_bias(list(layers.values()), [table[i, :n_experts] for i in layers], coeff,
-                           stepped)
+        update_expert_bias(
+            list(layers.values()), [table[i, :n_experts] for i in layers], coeff, stepped
+        )
     rows = table[_row_index(tuple(id_list), device)]
     loads, routed = rows[:, :n_experts], rows[:, n_experts + 1].clamp_min(1)
     mean = loads.mean(1)
@@ -397,8 +418,9 @@ def _row_index(ids: tuple[int, ...], device) -> torch.Tensor:
 
 
 @torch.no_grad()
-def update_expert_bias(moes: list[MoE], loads: list[torch.Tensor], coeff: float,
-                       stepped: bool | torch.Tensor = True) -> None:
+def update_expert_bias(
+    moes: list[MoE], loads: list[torch.Tensor], coeff: float, stepped: bool | torch.Tensor = True
+) -> None:
     """Aux-loss-free balancing after an optimizer step: each expert's bias moves by coeff
     toward balance, sign(mean load - load), from the step's loads summed over every rank.
     `stepped` as a device flag: no move where it is false (decided on the device, no sync)."""

@@ -59,19 +59,20 @@ class MTPModule(nn.Module):
         return self.block(x, cos, sin, mask)
 
 
-def future_labels(labels: torch.Tensor, depth: int,
-                  documents: torch.Tensor | None = None) -> torch.Tensor:
+def future_labels(
+    labels: torch.Tensor, depth: int, documents: torch.Tensor | None = None
+) -> torch.Tensor:
     """[depth, b, s]: labels shifted left by 1..depth along the sequence, IGNORE_INDEX past
     the end: row j - 1 holds, at position i, the token i + j + 1 (MTP depth j's target).
     `documents` [b, s + 1]: the document of each of the window's tokens (inputs, then the
     last label); a target in another document than position i's is IGNORE_INDEX."""
-    out = torch.full((depth, *labels.shape), IGNORE_INDEX, dtype=labels.dtype,
-                     device=labels.device)
+    out = torch.full((depth, *labels.shape), IGNORE_INDEX, dtype=labels.dtype, device=labels.device)
     for j in range(1, depth + 1):
         target = labels[:, j:]
         if documents is not None:  # token i + j + 1 against token i
-            target = target.masked_fill(documents[:, j + 1:] != documents[:, :-j - 1],
-                                        IGNORE_INDEX)
+            target = target.masked_fill(
+                documents[:, j + 1 :] != documents[:, : -j - 1], IGNORE_INDEX
+            )
         out[j - 1, :, :-j] = target
     return out
 
@@ -83,7 +84,8 @@ def mtp_streams(labels: torch.Tensor, future: torch.Tensor):
     streams, inputs = [], labels
     for k in range(future.shape[0]):
         unknown = inputs == IGNORE_INDEX
-        streams.append((torch.where(unknown, 0, inputs),
-                        torch.where(unknown, IGNORE_INDEX, future[k])))
+        streams.append(
+            (torch.where(unknown, 0, inputs), torch.where(unknown, IGNORE_INDEX, future[k]))
+        )
         inputs = future[k]
     return streams

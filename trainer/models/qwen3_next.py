@@ -40,6 +40,7 @@ from trainer.models.llama import Head, Transformer, _init_std, trunc_normal
 from trainer.models.moe import FeedForward, MoE
 from trainer.models.mtp import MTPModule
 
+
 class ZeroCentredRMSNorm(RMSNorm):
     """RMSNorm whose weight w scales by 1 + w (in fp32, then cast: transformers' order)."""
 
@@ -63,7 +64,7 @@ def rope_halves(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.
     rotate_half); the rest pass. cos/sin [s, r/2] or [b, s, r/2]."""
     half = cos.shape[-1]
     xf = x.float()
-    x1, x2, rest = xf[..., :half], xf[..., half:2 * half], xf[..., 2 * half:]
+    x1, x2, rest = xf[..., :half], xf[..., half : 2 * half], xf[..., 2 * half :]
     cos, sin = cos.unsqueeze(-2), sin.unsqueeze(-2)
     return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin, rest), dim=-1).type_as(x)
 
@@ -116,8 +117,9 @@ class GatedDeltaNet(nn.Module):
         self.norm = GatedRMSNorm(h.linear_v_head_dim, args.norm_eps)
         self.wo = nn.Linear(values, d, bias=False)
 
-    def forward(self, x: torch.Tensor, doc_ids: torch.Tensor | None = None, *,
-                split=None) -> torch.Tensor:
+    def forward(
+        self, x: torch.Tensor, doc_ids: torch.Tensor | None = None, *, split=None
+    ) -> torch.Tensor:
         """`split`: context parallelism's attention (x: this rank's pieces; `SplitDeltaNet`).
         Through this forward either way, so that tensor parallelism's input hook (the
         sequence shards gathered: trainer/parallel/tp.py) applies under TP x CP too."""
@@ -134,8 +136,9 @@ class GatedDeltaNet(nn.Module):
         if state is not None:
             prefixes, recurrent = state
         streams, tails = [], []
-        for proj, weight, prefix in zip((self.wq, self.wk, self.wv),
-                                        (self.conv_q, self.conv_k, self.conv_v), prefixes):
+        for proj, weight, prefix in zip(
+            (self.wq, self.wk, self.wv), (self.conv_q, self.conv_k, self.conv_v), prefixes
+        ):
             y, tail = short_conv(proj(x), _local(weight), doc_ids, prefix)
             streams.append(F.silu(y))
             tails.append(tail)
@@ -145,8 +148,16 @@ class GatedDeltaNet(nn.Module):
         beta = self.wb(x).sigmoid()
         a_log, dt_bias = _local(self.A_log), _local(self.dt_bias)
         g = -a_log.float().exp() * F.softplus(self.wa(x).float() + dt_bias)
-        o, last = gated_delta_rule(q, k, v, g, beta, initial_state=recurrent,
-                                   output_final_state=state is not None, doc_ids=doc_ids)
+        o, last = gated_delta_rule(
+            q,
+            k,
+            v,
+            g,
+            beta,
+            initial_state=recurrent,
+            output_final_state=state is not None,
+            doc_ids=doc_ids,
+        )
         z = self.wz(x).view(b, s, -1, self.v_head_dim)
         out = self.wo(self.norm(o, z).reshape(b, s, -1))
         return out, (tuple(tails), last)
@@ -171,15 +182,24 @@ class SplitDeltaNet:
         layer, (b, n, dim) = self.layer, x.shape
         size, taps = n // 2, layer.conv_q.shape[-1]
         chunks = sum(self.split.own_chunks()) + 1  # r + (2cp - 1 - r) + 1
-        docs = doc_ids if doc_ids is not None else torch.zeros(  # causal: one document
-            b, chunks * size, dtype=torch.long, device=x.device)
+        docs = (
+            doc_ids
+            if doc_ids is not None
+            else torch.zeros(  # causal: one document
+                b, chunks * size, dtype=torch.long, device=x.device
+            )
+        )
         pieces = x.view(b, 2, size, dim)
-        before = self.split.gather_chunks(pieces[:, :, size - (taps - 1):])
-        inputs = [self.inputs(pieces[:, p], c, before, docs, size)
-                  for p, c in enumerate(self.split.own_chunks())]
+        before = self.split.gather_chunks(pieces[:, :, size - (taps - 1) :])
+        inputs = [
+            self.inputs(pieces[:, p], c, before, docs, size)
+            for p, c in enumerate(self.split.own_chunks())
+        ]
         entering = self.entering(inputs, docs, size)
-        outs = [gated_delta_rule(*streams, initial_state=entering[p], doc_ids=piece_docs)[0]
-                for p, (streams, piece_docs) in enumerate(inputs)]
+        outs = [
+            gated_delta_rule(*streams, initial_state=entering[p], doc_ids=piece_docs)[0]
+            for p, (streams, piece_docs) in enumerate(inputs)
+        ]
         z = layer.wz(x).view(b, n, -1, layer.v_head_dim)
         return layer.wo(layer.norm(torch.cat(outs, dim=1), z).reshape(b, n, -1))
 
@@ -189,21 +209,26 @@ class SplitDeltaNet:
         layer, taps = self.layer, self.layer.conv_q.shape[-1]
         lo = chunk * size
         if chunk:
-            prefix, prefix_docs = before[:, chunk - 1], docs[:, lo - (taps - 1):lo]
+            prefix, prefix_docs = before[:, chunk - 1], docs[:, lo - (taps - 1) : lo]
         else:
             prefix, prefix_docs = torch.zeros_like(before[:, 0]), docs[:, :1].expand(-1, taps - 1)
         ext = torch.cat((prefix, x), dim=1)
-        ext_docs = torch.cat((prefix_docs, docs[:, lo:lo + size]), dim=1)
+        ext_docs = torch.cat((prefix_docs, docs[:, lo : lo + size]), dim=1)
         b = x.shape[0]
-        streams = [F.silu(short_conv(proj(ext), _local(w), ext_docs)[0][:, taps - 1:])
-                   for proj, w in ((layer.wq, layer.conv_q), (layer.wk, layer.conv_k),
-                                   (layer.wv, layer.conv_v))]
+        streams = [
+            F.silu(short_conv(proj(ext), _local(w), ext_docs)[0][:, taps - 1 :])
+            for proj, w in (
+                (layer.wq, layer.conv_q),
+                (layer.wk, layer.conv_k),
+                (layer.wv, layer.conv_v),
+            )
+        ]
         q = streams[0].view(b, size, -1, layer.k_head_dim)
         k = streams[1].view(b, size, -1, layer.k_head_dim)
         v = streams[2].view(b, size, -1, layer.v_head_dim)
         a_log, dt_bias = _local(layer.A_log), _local(layer.dt_bias)
         g = -a_log.float().exp() * F.softplus(layer.wa(x).float() + dt_bias)
-        return (q, k, v, g, layer.wb(x).sigmoid()), docs[:, lo:lo + size]
+        return (q, k, v, g, layer.wb(x).sigmoid()), docs[:, lo : lo + size]
 
     def entering(self, inputs, docs, size) -> list[torch.Tensor]:
         """The state entering each of this rank's pieces."""
@@ -214,8 +239,18 @@ class SplitDeltaNet:
             eye = torch.eye(dk, device=v.device).expand(b, hv, dk, dk)
             start = torch.cat((eye.new_zeros(b, hv, dk, dv), eye), dim=-1)
             wide = torch.cat((v, v.new_zeros(*v.shape[:-1], dk)), dim=-1)
-            ends.append(gated_delta_rule(q, k, wide, g, beta, initial_state=start,
-                                         output_final_state=True, doc_ids=piece_docs)[1])
+            ends.append(
+                gated_delta_rule(
+                    q,
+                    k,
+                    wide,
+                    g,
+                    beta,
+                    initial_state=start,
+                    output_final_state=True,
+                    doc_ids=piece_docs,
+                )[1]
+            )
         every = self.split.gather_chunks(torch.stack(ends, dim=1))  # [b, 2cp, hv, dk, dv + dk]
         mine = self.split.own_chunks()
         state, out = torch.zeros_like(every[:, 0, ..., :dv]), {}
@@ -294,21 +329,41 @@ class Qwen3Next(Transformer):
         self.tok_embeddings = nn.Embedding(args.vocab_size, args.dim)
         self.layers = nn.ModuleDict({str(i): HybridBlock(i, args) for i in range(args.n_layers)})
         self.norm = ZeroCentredRMSNorm(args.dim, args.norm_eps)
-        self.output = (None if args.tie_word_embeddings
-                       else Head(args.dim, args.vocab_size, bias=False))
+        self.output = (
+            None if args.tie_word_embeddings else Head(args.dim, args.vocab_size, bias=False)
+        )
         # Multi-token prediction: Transformer's loss (mtp_loss), the release's module shape
-        self.mtp = nn.ModuleDict({
-            str(k): MTPModule(args.dim, args.norm_eps, HybridBlock(args.n_layers + k, args),
-                              norm=ZeroCentredRMSNorm)
-            for k in range(args.mtp_layers)}) if args.mtp_layers else None
+        self.mtp = (
+            nn.ModuleDict(
+                {
+                    str(k): MTPModule(
+                        args.dim,
+                        args.norm_eps,
+                        HybridBlock(args.n_layers + k, args),
+                        norm=ZeroCentredRMSNorm,
+                    )
+                    for k in range(args.mtp_layers)
+                }
+            )
+            if args.mtp_layers
+            else None
+        )
         self.mtp_loss_weight = args.mtp_loss_weight  # TrainStep sets it per step if scheduled
         table = (args.max_seq_len, args.rope_dim // 2)
         self.register_buffer("rope_cos", torch.empty(table), persistent=False)
         self.register_buffer("rope_sin", torch.empty(table), persistent=False)
 
-    def forward(self, tokens: torch.Tensor, labels: torch.Tensor | None = None, loss_fn=None, *,
-                doc_ids: torch.Tensor | None = None, positions: torch.Tensor | None = None,
-                attention=None, future=None) -> torch.Tensor:
+    def forward(
+        self,
+        tokens: torch.Tensor,
+        labels: torch.Tensor | None = None,
+        loss_fn=None,
+        *,
+        doc_ids: torch.Tensor | None = None,
+        positions: torch.Tensor | None = None,
+        attention=None,
+        future=None,
+    ) -> torch.Tensor:
         """Logits, or with labels and a loss the summed token loss (Transformer.forward's
         contract, the MTP loss added in training; under context parallelism `attention` is
         its attention and `doc_ids` the whole samples' documents)."""
@@ -342,8 +397,9 @@ class Qwen3Next(Transformer):
             elif name.endswith("norm.weight"):
                 _fill(param, name, seed, lambda t, gen: t.zero_())
             elif name.endswith("A_log"):
-                _fill(param, name, seed,
-                      lambda t, gen: t.uniform_(0.01, 16.0, generator=gen).log_())
+                _fill(
+                    param, name, seed, lambda t, gen: t.uniform_(0.01, 16.0, generator=gen).log_()
+                )
             else:
                 std = (3 * k) ** -0.5 if ".conv_" in name else _init_std(name, self.args)
                 _fill(param, name, seed, lambda t, gen, std=std: trunc_normal(t, std, gen))
@@ -365,6 +421,7 @@ def _fill(param: torch.Tensor, name: str, seed: int, draw) -> None:
     gen.manual_seed(seed * 1_000_003 + zlib.crc32(name.encode()))
     draw(full, gen)
     if is_dt:
-        full = distribute_tensor(full, param.device_mesh, param.placements,
-                                 src_data_rank=None).to_local()
+        full = distribute_tensor(
+            full, param.device_mesh, param.placements, src_data_rank=None
+        ).to_local()
     (param.to_local() if is_dt else param).copy_(full)

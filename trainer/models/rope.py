@@ -51,8 +51,7 @@ class YarnScaling:
     def rope_gain(self) -> float:
         """The factor on cos and sin (transformers' `attention_scaling`)."""
         if self.mscale and self.mscale_all_dim:
-            return self.gain(self.factor, self.mscale) / self.gain(self.factor,
-                                                                   self.mscale_all_dim)
+            return self.gain(self.factor, self.mscale) / self.gain(self.factor, self.mscale_all_dim)
         return self.gain(self.factor, 1.0)
 
 

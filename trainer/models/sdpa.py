@@ -28,15 +28,24 @@ from trainer.errors import ConfigError
 NAMES = ("cudnn", "flash", "efficient", "math")
 HOPPER_ORDER = ("cudnn", "flash", "efficient", "math")
 CPU_NAMES = ("flash", "math")  # the CPU's SDPA has these two
-_LABELS = {"flex": "FlexAttention (not SDPA)", "cudnn": "cuDNN attention", "flash": "flash attention",
-           "efficient": "memory-efficient attention", "math": "math (unfused)"}
+_LABELS = {
+    "flex": "FlexAttention (not SDPA)",
+    "cudnn": "cuDNN attention",
+    "flash": "flash attention",
+    "efficient": "memory-efficient attention",
+    "math": "math (unfused)",
+}
 
 
 def _backend(name: str):
     from torch.nn.attention import SDPBackend
 
-    return {"cudnn": SDPBackend.CUDNN_ATTENTION, "flash": SDPBackend.FLASH_ATTENTION,
-            "efficient": SDPBackend.EFFICIENT_ATTENTION, "math": SDPBackend.MATH}[name]
+    return {
+        "cudnn": SDPBackend.CUDNN_ATTENTION,
+        "flash": SDPBackend.FLASH_ATTENTION,
+        "efficient": SDPBackend.EFFICIENT_ATTENTION,
+        "math": SDPBackend.MATH,
+    }[name]
 
 
 def parse(spec: str) -> tuple[str, ...] | None:
@@ -47,12 +56,16 @@ def parse(spec: str) -> tuple[str, ...] | None:
     names = tuple(n.strip() for n in spec.split(","))
     bad = [n for n in names if n not in NAMES]
     if bad or not names:
-        raise ConfigError(f"model.sdpa_backends = {spec!r}: {', '.join(map(repr, bad))} is not "
-                          f"a backend; use 'auto' or a comma-separated order of "
-                          f"{', '.join(NAMES)} (e.g. 'cudnn,flash,efficient,math')")
+        raise ConfigError(
+            f"model.sdpa_backends = {spec!r}: {', '.join(map(repr, bad))} is not "
+            f"a backend; use 'auto' or a comma-separated order of "
+            f"{', '.join(NAMES)} (e.g. 'cudnn,flash,efficient,math')"
+        )
     if len(set(names)) != len(names):
-        raise ConfigError(f"model.sdpa_backends = {spec!r} names a backend twice; list each "
-                          "once, in the order to try")
+        raise ConfigError(
+            f"model.sdpa_backends = {spec!r} names a backend twice; list each "
+            "once, in the order to try"
+        )
     return names
 
 
@@ -64,8 +77,10 @@ def resolve(spec: str, device: torch.device) -> tuple[str, ...] | None:
             return HOPPER_ORDER
         return None
     if device.type != "cuda" and not set(names) & set(CPU_NAMES):
-        raise ConfigError(f"model.sdpa_backends = {spec!r} has no backend the CPU runs (it has "
-                          f"{' and '.join(CPU_NAMES)}); add one, or use 'auto'")
+        raise ConfigError(
+            f"model.sdpa_backends = {spec!r} has no backend the CPU runs (it has "
+            f"{' and '.join(CPU_NAMES)}); add one, or use 'auto'"
+        )
     return names
 
 
@@ -75,14 +90,17 @@ def apply(spec: str, device: torch.device) -> tuple[str, ...] | None:
     order = resolve(spec, device)
     if order is None:
         return None
-    enable = {"cudnn": torch.backends.cuda.enable_cudnn_sdp,
-              "flash": torch.backends.cuda.enable_flash_sdp,
-              "efficient": torch.backends.cuda.enable_mem_efficient_sdp,
-              "math": torch.backends.cuda.enable_math_sdp}
+    enable = {
+        "cudnn": torch.backends.cuda.enable_cudnn_sdp,
+        "flash": torch.backends.cuda.enable_flash_sdp,
+        "efficient": torch.backends.cuda.enable_mem_efficient_sdp,
+        "math": torch.backends.cuda.enable_math_sdp,
+    }
     for name, switch in enable.items():
         switch(name in order)
-    rest = [b for b in torch._C._get_sdp_priority_order()
-            if b not in {int(_backend(n)) for n in order}]
+    rest = [
+        b for b in torch._C._get_sdp_priority_order() if b not in {int(_backend(n)) for n in order}
+    ]
     torch._C._set_sdp_priority_order([int(_backend(n)) for n in order] + rest)
     _tag_compile_cache(order)
     return order
@@ -116,19 +134,36 @@ def chosen(args, device: torch.device, dtype: torch.dtype, seq_len: int) -> str:
     q = torch.zeros(1, args.n_heads, s, args.head_dim, device=device, dtype=dtype)
     kv = torch.zeros(1, args.n_kv_heads, s, args.head_dim, device=device, dtype=dtype)
     # MLA's narrower values: as trainer/models/attention.py pads them on the CPU
-    v = torch.zeros(1, args.n_kv_heads, s, args.head_dim if device.type == "cpu"
-                    else args.v_head_dim, device=device, dtype=dtype)
-    mask = (torch.zeros(1, 1, s, s, device=device, dtype=dtype)
-            if masked and args.attn_implementation == "sdpa" else None)
-    picked = SDPBackend(torch._fused_sdp_choice(q, kv, v, attn_mask=mask, is_causal=mask is None,
-                                                enable_gqa=args.n_heads != args.n_kv_heads))
+    v = torch.zeros(
+        1,
+        args.n_kv_heads,
+        s,
+        args.head_dim if device.type == "cpu" else args.v_head_dim,
+        device=device,
+        dtype=dtype,
+    )
+    mask = (
+        torch.zeros(1, 1, s, s, device=device, dtype=dtype)
+        if masked and args.attn_implementation == "sdpa"
+        else None
+    )
+    picked = SDPBackend(
+        torch._fused_sdp_choice(
+            q,
+            kv,
+            v,
+            attn_mask=mask,
+            is_causal=mask is None,
+            enable_gqa=args.n_heads != args.n_kv_heads,
+        )
+    )
     names = {int(_backend(n)): n for n in NAMES}
     return names.get(int(picked), picked.name.lower())
 
 
 def describe(spec: str, order, kernel: str) -> str:
     """One line of the startup summary: the kernel that runs and the order it came from."""
-    how = (f"order {' > '.join(order)}" if order else "torch's own order")
+    how = f"order {' > '.join(order)}" if order else "torch's own order"
     how += " (auto: measured fastest first on this GPU)" if order and spec == "auto" else ""
     return f"SDPA kernel: {_LABELS.get(kernel, kernel)} ({how}; model.sdpa_backends = {spec!r})"
 

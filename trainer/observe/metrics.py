@@ -117,8 +117,9 @@ class Colors:
 def format_line(step: int, m: dict[str, float], c: Colors) -> str:
     """One console line with the figures of the TensorBoard tags (`m`, keyed by tag)."""
     if "memory/max_reserved(GiB)" in m:
-        memory = (f"memory: {m['memory/max_reserved(GiB)']:5.2f}GiB"
-                  f"({m['memory/max_reserved(%)']:.1f}%)")
+        memory = (
+            f"memory: {m['memory/max_reserved(GiB)']:5.2f}GiB({m['memory/max_reserved(%)']:.1f}%)"
+        )
     else:
         memory = f"rss: {m['memory/max_rss(GiB)']:5.2f}GiB"
     parts = [
@@ -136,8 +137,10 @@ def format_line(step: int, m: dict[str, float], c: Colors) -> str:
     ]
     if "mfu(%)" in m:
         parts.append(f"{c.magenta}mfu: {_num(m['mfu(%)'])}%")
-    parts.append(f"{c.reset}time: {m['time_metrics/end_to_end(s)']:.3f}s/step "
-                 f"(data {m['time_metrics/data_loading(%)']:.1f}%){c.reset}")
+    parts.append(
+        f"{c.reset}time: {m['time_metrics/end_to_end(s)']:.3f}s/step "
+        f"(data {m['time_metrics/data_loading(%)']:.1f}%){c.reset}"
+    )
     return "  ".join(parts)
 
 
@@ -223,7 +226,9 @@ def open_sinks(cfg, derived: dict) -> list:
     folder behind."""
     wandb = []
     if cfg.metrics.enable_wandb:
-        from trainer.observe.wandb_logger import WandbLogger  # rank 0 only: other ranks never import it
+        from trainer.observe.wandb_logger import (
+            WandbLogger,
+        )  # rank 0 only: other ranks never import it
 
         wandb.append(WandbLogger(cfg, derived))
     tensorboard = [TensorBoardSink(cfg, derived)] if cfg.metrics.enable_tensorboard else []
@@ -243,18 +248,33 @@ class MetricsProcessor:
     """Times steps, counts tokens, and on log steps writes TensorBoard and W&B and prints
     (rank 0). A context manager: leaving it closes the sinks with the exception's exit code."""
 
-    def __init__(self, cfg, *, model_args: ModelArgs, seq_len: int, device: torch.device,
-                 rank: int, parallel_desc: str, accumulation_steps: int, num_params: int,
-                 precision: Precision | None = None, model_parallel: int = 1):
+    def __init__(
+        self,
+        cfg,
+        *,
+        model_args: ModelArgs,
+        seq_len: int,
+        device: torch.device,
+        rank: int,
+        parallel_desc: str,
+        accumulation_steps: int,
+        num_params: int,
+        precision: Precision | None = None,
+        model_parallel: int = 1,
+    ):
         """`model_parallel`: devices that compute one dp rank's tokens together (the tp
         degree): throughput, TFLOPS and MFU are per device, so a rank counts 1/tp of them."""
         self.cfg, self.model_args, self.seq_len = cfg, model_args, seq_len
         self.model_parallel = model_parallel
         self.device, self.rank = device, rank
         self.precision = precision or resolve_compute_dtype(
-            cfg.training.mixed_precision_param, cfg.training.mixed_precision_reduce, device)
+            cfg.training.mixed_precision_param, cfg.training.mixed_precision_reduce, device
+        )
         self.parallel_desc, self.accumulation_steps, self.num_params = (
-            parallel_desc, accumulation_steps, num_params)
+            parallel_desc,
+            accumulation_steps,
+            num_params,
+        )
         self.flops_per_token = flops_per_token(model_args, seq_len)
         self.peak = resolve_peak(cfg.metrics.peak_tflops, device)
         self.colors = Colors(use_color(cfg.metrics.disable_color))
@@ -278,8 +298,11 @@ class MetricsProcessor:
             return
         a, c = self.model_args, self.colors
         attn_half = attention_flops_per_token(a, self.seq_len, causal_half=True)
-        peak = (f"MFU peak: {self.peak.tflops:g} TFLOPS bf16 per device, from {self.peak.source}"
-                if self.peak.tflops else f"MFU peak: {self.peak.source}")
+        peak = (
+            f"MFU peak: {self.peak.tflops:g} TFLOPS bf16 per device, from {self.peak.source}"
+            if self.peak.tflops
+            else f"MFU peak: {self.peak.source}"
+        )
         lines = [
             f"model: {_human(self.num_params)} params ({_human(a.num_params(embeddings=False))} "
             f"non-embedding), {a.n_layers} layers, dim {a.dim}, {a.n_heads} heads "
@@ -287,8 +310,13 @@ class MetricsProcessor:
             f"FLOPs/token: {self.flops_per_token:.4g} fwd+bwd at seq_len {self.seq_len} "
             f"(6*N_matmul + 12*L*H*hd*S; causal attention counted in full, "
             f"{self.flops_per_token - attn_half:.4g} if halved"
-            + ("; block_causal counted as causal over the whole window, though its kernels "
-               "skip other documents" if a.attn_mask_type == "block_causal" else "") + ")",
+            + (
+                "; block_causal counted as causal over the whole window, though its kernels "
+                "skip other documents"
+                if a.attn_mask_type == "block_causal"
+                else ""
+            )
+            + ")",
             describe_attention(a),
             f"mesh: {self.parallel_desc}; gradient accumulation steps: {self.accumulation_steps}",
             f"device: {self.device.type} ({'nccl' if self.device.type == 'cuda' else 'gloo'}"
@@ -297,8 +325,9 @@ class MetricsProcessor:
             peak,
         ]
         if self.peak.tflops and self.precision.param != "bfloat16":
-            lines.append(f"note: MFU is against the bf16 peak; this run computes in "
-                         f"{self.precision.param}")
+            lines.append(
+                f"note: MFU is against the bf16 peak; this run computes in {self.precision.param}"
+            )
         for line in lines:
             _write_line(f"{c.cyan}{line}{c.reset}")
 
@@ -335,10 +364,19 @@ class MetricsProcessor:
         each of its `model_parallel` devices does 1/model_parallel of their work."""
         self._tokens += int(n) / self.model_parallel
 
-    def log(self, step: int, *, global_avg_loss: float, global_max_loss: float,
-            grad_norm: float, lr: float, tokens_seen: int,
-            local_loss: float | None = None, z_loss: float | None = None,
-            mtp_loss: float | None = None) -> dict[str, float]:
+    def log(
+        self,
+        step: int,
+        *,
+        global_avg_loss: float,
+        global_max_loss: float,
+        grad_norm: float,
+        lr: float,
+        tokens_seen: int,
+        local_loss: float | None = None,
+        z_loss: float | None = None,
+        mtp_loss: float | None = None,
+    ) -> dict[str, float]:
         """Close the interval; rank 0 writes its sinks (TensorBoard flushed, W&B) and prints
         one line.
 

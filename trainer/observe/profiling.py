@@ -59,8 +59,12 @@ class StepProfiler:
             activities = [ProfilerActivity.CPU]
             if torch.cuda.is_available():
                 activities.append(ProfilerActivity.CUDA)
-            self._profiler = profile(activities=activities, schedule=self._schedule,
-                                     on_trace_ready=self._save_trace, record_shapes=True)
+            self._profiler = profile(
+                activities=activities,
+                schedule=self._schedule,
+                on_trace_ready=self._save_trace,
+                record_shapes=True,
+            )
             self._profiler.__enter__()
         if self.snapshot:
             torch.cuda.memory._record_memory_history(max_entries=MEMORY_HISTORY_ENTRIES)
@@ -75,8 +79,7 @@ class StepProfiler:
         if self.snapshot:
             # The loop turns torch.OutOfMemoryError into its one-line OutOfMemory (exit 5)
             # before it gets here: either means the run died of an OOM.
-            if exc_type is not None and issubclass(exc_type, (torch.OutOfMemoryError,
-                                                              OutOfMemory)):
+            if exc_type is not None and issubclass(exc_type, (torch.OutOfMemoryError, OutOfMemory)):
                 self._dump_snapshot(f"iteration_{self.step_num + 1}_exit")
             torch.cuda.memory._record_memory_history(enabled=None)
 
@@ -105,8 +108,10 @@ class StepProfiler:
         os.makedirs(folder, exist_ok=True)
         t0 = time.perf_counter()
         prof.export_chrome_trace(os.path.join(folder, f"rank{self.rank}_trace.json"))
-        self._say(f"profiling: trace of step {self.step_num} saved to {folder} "
-                  f"in {time.perf_counter() - t0:.2f}s")
+        self._say(
+            f"profiling: trace of step {self.step_num} saved to {folder} "
+            f"in {time.perf_counter() - t0:.2f}s"
+        )
 
     def _dump_snapshot(self, name: str) -> None:
         folder = os.path.join(self.snapshot_dir, name)

@@ -49,17 +49,21 @@ def check_config(metrics) -> None:
     """Torch-free, at the config check: a valid project name, and wandb installed if enabled."""
     check_project(metrics.wandb_project)
     if metrics.enable_wandb and importlib.util.find_spec("wandb") is None:
-        raise ConfigError("metrics.enable_wandb = true needs the wandb package, which is not "
-                          f"installed: {INSTALL_HINT} (or pip install wandb)")
+        raise ConfigError(
+            "metrics.enable_wandb = true needs the wandb package, which is not "
+            f"installed: {INSTALL_HINT} (or pip install wandb)"
+        )
 
 
 def check_project(name: str) -> None:
     bad = sorted(set(name) & set(PROJECT_FORBIDDEN))
     if bad or len(name) > PROJECT_MAX_LEN:
-        why = (f"it has {' '.join(bad)}" if bad else f"it has {len(name)} characters")
-        raise ConfigError(f"metrics.wandb_project = {name!r} is not a valid W&B project name "
-                          f"({why}); use at most {PROJECT_MAX_LEN} characters, none of "
-                          f"{' '.join(PROJECT_FORBIDDEN)}")
+        why = f"it has {' '.join(bad)}" if bad else f"it has {len(name)} characters"
+        raise ConfigError(
+            f"metrics.wandb_project = {name!r} is not a valid W&B project name "
+            f"({why}); use at most {PROJECT_MAX_LEN} characters, none of "
+            f"{' '.join(PROJECT_FORBIDDEN)}"
+        )
 
 
 # --------------------------------------------------------------------------- run identity
@@ -131,22 +135,26 @@ class WandbLogger:
         wandb = _import_wandb()
         rid, self.continued = run_id(cfg.job.dump_folder)
         try:
-            self.run = wandb.init(**init_kwargs(cfg, rid), config=run_config(cfg, derived),
-                                  allow_val_change=True)  # a resume may change the config
+            self.run = wandb.init(
+                **init_kwargs(cfg, rid), config=run_config(cfg, derived), allow_val_change=True
+            )  # a resume may change the config
             self.run.define_metric(STEP_METRIC)
             self.run.define_metric("*", step_metric=STEP_METRIC)
         except Exception as e:  # rank 0 alone: a user error, so every rank stops (train.py)
-            raise ConfigError(f"metrics.enable_wandb = true, but wandb.init failed: "
-                              f"{type(e).__name__}: {e} (to log without a server: "
-                              "WANDB_MODE=offline)") from None
+            raise ConfigError(
+                f"metrics.enable_wandb = true, but wandb.init failed: "
+                f"{type(e).__name__}: {e} (to log without a server: "
+                "WANDB_MODE=offline)"
+            ) from None
         save_run_id(cfg.job.dump_folder, rid)  # only an id that wandb accepted
 
     def describe(self) -> str:
-        how = ("continues this dump folder's run" if self.continued
-               else "first in this dump folder")
+        how = "continues this dump folder's run" if self.continued else "first in this dump folder"
         settings = self.run.settings
-        return (f"wandb: {settings.mode} run {self.run.name!r}, id {self.run.id} ({how}), "
-                f"project {self.run.project}; local files {settings.sync_dir}")
+        return (
+            f"wandb: {settings.mode} run {self.run.name!r}, id {self.run.id} ({how}), "
+            f"project {self.run.project}; local files {settings.sync_dir}"
+        )
 
     def write(self, step: int, values: dict[str, float]) -> None:
         """One history row: the values and the trainer's step as the `step` metric."""
@@ -171,6 +179,7 @@ def _import_wandb():
     try:
         import wandb
     except ImportError as e:  # installed but broken (the config check saw the package)
-        raise ConfigError(f"metrics.enable_wandb = true, but wandb cannot be imported ({e}): "
-                          f"{INSTALL_HINT}") from None
+        raise ConfigError(
+            f"metrics.enable_wandb = true, but wandb cannot be imported ({e}): {INSTALL_HINT}"
+        ) from None
     return wandb

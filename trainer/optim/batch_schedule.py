@@ -26,18 +26,23 @@ def check_ramp(training, per_pass: int, target: int) -> None:
     start = training.rampup_batch_start
     if start == 0:
         if training.rampup_steps or training.rampup_tokens:
-            raise ConfigError("training.rampup_steps / rampup_tokens set without "
-                              "training.rampup_batch_start; set the ramp's first global batch")
+            raise ConfigError(
+                "training.rampup_steps / rampup_tokens set without "
+                "training.rampup_batch_start; set the ramp's first global batch"
+            )
         return
     if bool(training.rampup_steps) == bool(training.rampup_tokens):
-        raise ConfigError("training.rampup_batch_start needs exactly one of "
-                          "training.rampup_steps or training.rampup_tokens (> 0)")
+        raise ConfigError(
+            "training.rampup_batch_start needs exactly one of "
+            "training.rampup_steps or training.rampup_tokens (> 0)"
+        )
     if start % per_pass or start > target:
         raise ConfigError(
             f"training.rampup_batch_start = {start} must be a multiple of local_batch_size x "
             f"dp size = {per_pass} and at most global_batch_size = {target}; valid: "
             f"{', '.join(str(b) for b in range(per_pass, target + 1, per_pass)[:8])}"
-            f"{', ...' if target // per_pass > 8 else ''}")
+            f"{', ...' if target // per_pass > 8 else ''}"
+        )
 
 
 def batch_at(training, step: int, consumed_samples: int, per_pass: int, target: int) -> int:
@@ -59,14 +64,20 @@ def next_batch(cfg, loader, step: int) -> int:
     training = cfg.training
     if training.rampup_batch_start:
         per_pass = training.local_batch_size * loader.dp_size
-        loader.set_global_batch_size(batch_at(training, step, loader.consumed, per_pass,
-                                              loader.target_global_batch_size))
+        loader.set_global_batch_size(
+            batch_at(training, step, loader.consumed, per_pass, loader.target_global_batch_size)
+        )
     return loader.accum_steps
 
 
 def describe_ramp(training, loader) -> str:
-    over = (f"{training.rampup_steps} steps" if training.rampup_steps
-            else f"{training.rampup_tokens:,} tokens")
-    return (f"batch ramp: global batch {training.rampup_batch_start} -> "
-            f"{loader.target_global_batch_size} sequences over {over}, in steps of "
-            f"{training.local_batch_size * loader.dp_size} (trainer/optim/batch_schedule.py)")
+    over = (
+        f"{training.rampup_steps} steps"
+        if training.rampup_steps
+        else f"{training.rampup_tokens:,} tokens"
+    )
+    return (
+        f"batch ramp: global batch {training.rampup_batch_start} -> "
+        f"{loader.target_global_batch_size} sequences over {over}, in steps of "
+        f"{training.local_batch_size * loader.dp_size} (trainer/optim/batch_schedule.py)"
+    )

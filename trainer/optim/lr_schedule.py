@@ -57,8 +57,15 @@ def decay_steps(cfg, total_steps: int) -> int:
     return max(0, total_steps - cfg.warmup_steps - 1)
 
 
-def lr_factor(step: int, *, warmup_steps: int, decay_steps: int, total_steps: int,
-              decay_type: str, min_lr_factor: float) -> float:
+def lr_factor(
+    step: int,
+    *,
+    warmup_steps: int,
+    decay_steps: int,
+    total_steps: int,
+    decay_type: str,
+    min_lr_factor: float,
+) -> float:
     """Multiplier of the peak lr for the 1-based `step` (the module docstring's factor(s))."""
     if step <= warmup_steps:
         return step / (warmup_steps + 1)

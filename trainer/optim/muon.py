@@ -34,23 +34,38 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
-from trainer.optim.muon_dist import (Layout, orthogonalize_bucket, process_groups,
-                                     receive_results, send_pieces, spec_of)
+from trainer.optim.muon_dist import (
+    Layout,
+    orthogonalize_bucket,
+    process_groups,
+    receive_results,
+    send_pieces,
+    spec_of,
+)
 from trainer.optim.muon_layout import BUCKET_BYTES, MeshPlan, buckets
 from trainer.optim.newton_schulz import NS_COEFFICIENTS, NS_EPS, orthogonalize
 
 LR_ADJUST = ("match_rms_adamw", "original", "none")
 NS_DTYPES = ("bfloat16", "float32")
-__all__ = ["BUCKET_BYTES", "NS_COEFFICIENTS", "NS_EPS", "Muon", "build_muon", "newton_schulz",
-           "orthogonalize", "takes_muon"]
+__all__ = [
+    "BUCKET_BYTES",
+    "NS_COEFFICIENTS",
+    "NS_EPS",
+    "Muon",
+    "build_muon",
+    "newton_schulz",
+    "orthogonalize",
+    "takes_muon",
+]
 
 
 def takes_muon(name: str, param) -> bool:
     """A matrix of a block (attention, FFN, router, shared and routed experts) or of an MTP
     module (its projection and its block); `param` a tensor or a shape."""
     ndim = len(param.shape if hasattr(param, "shape") else param)
-    inside = ".layers." in f".{name}" or (name.startswith("mtp.") and (
-        ".block." in name or ".proj." in name))
+    inside = ".layers." in f".{name}" or (
+        name.startswith("mtp.") and (".block." in name or ".proj." in name)
+    )
     return inside and ndim >= 2
 
 
@@ -75,17 +90,35 @@ class Muon(torch.optim.Optimizer):
     stepped by a `torch.optim.AdamW` that shares this optimizer's groups and state. `names`:
     the matrices' names (for the layout check's message)."""
 
-    def __init__(self, muon_params, adamw: torch.optim.AdamW | None, *, lr: float,
-                 weight_decay: float, momentum: float, nesterov: bool, ns_steps: int,
-                 lr_adjust: str, ns_dtype: str, names: list[str] | None = None):
+    def __init__(
+        self,
+        muon_params,
+        adamw: torch.optim.AdamW | None,
+        *,
+        lr: float,
+        weight_decay: float,
+        momentum: float,
+        nesterov: bool,
+        ns_steps: int,
+        lr_adjust: str,
+        ns_dtype: str,
+        names: list[str] | None = None,
+    ):
         muon_params = list(muon_params)
         groups = [{"params": muon_params, "use_muon": True, "lr": lr}]
         for g in adamw.param_groups if adamw else []:  # the same dicts: the lr reaches AdamW
             g["use_muon"] = False
             groups.append(g)
-        defaults = dict(lr=lr, weight_decay=weight_decay, momentum=momentum, nesterov=nesterov,
-                        ns_steps=ns_steps, lr_adjust=lr_adjust, ns_dtype=ns_dtype,
-                        fused=bool(adamw is None or adamw.defaults.get("fused")))
+        defaults = dict(
+            lr=lr,
+            weight_decay=weight_decay,
+            momentum=momentum,
+            nesterov=nesterov,
+            ns_steps=ns_steps,
+            lr_adjust=lr_adjust,
+            ns_dtype=ns_dtype,
+            fused=bool(adamw is None or adamw.defaults.get("fused")),
+        )
         super().__init__(groups, defaults)
         self._adamw = adamw
         names = names or [f"matrix {i}" for i in range(len(muon_params))]
@@ -99,8 +132,10 @@ class Muon(torch.optim.Optimizer):
 
     def ns_flops(self) -> float:
         """This rank's Newton-Schulz FLOPs per step under the owners assigned so far."""
-        return sum(plan.load[ranks.index(dist.get_rank()) if len(ranks) > 1 else 0]
-                   for (ranks, _), plan in self._plans.items())
+        return sum(
+            plan.load[ranks.index(dist.get_rank()) if len(ranks) > 1 else 0]
+            for (ranks, _), plan in self._plans.items()
+        )
 
     @torch.no_grad()
     def step(self, closure=None):
@@ -131,8 +166,7 @@ class Muon(torch.optim.Optimizer):
                     state["momentum_buffer"] = torch.zeros_like(p)
                 buf, grad = _local(state["momentum_buffer"]), _local(p.grad)
                 new_buf = buf.lerp(grad, 1 - group["momentum"])
-                out.append(grad.lerp(new_buf, group["momentum"]) if group["nesterov"]
-                           else new_buf)
+                out.append(grad.lerp(new_buf, group["momentum"]) if group["nesterov"] else new_buf)
                 _commit(buf, new_buf, found_inf)
             return out
 
@@ -167,8 +201,11 @@ class Muon(torch.optim.Optimizer):
         for i, p in enumerate(params):
             spec, ranks = spec_of(p)
             by_mesh.setdefault((ranks, spec.sizes), []).append(i)
-        return [[members[j] for j in b] for key, members in by_mesh.items()
-                for b in buckets([params[i].numel() for i in members], len(key[0]))]
+        return [
+            [members[j] for j in b]
+            for key, members in by_mesh.items()
+            for b in buckets([params[i].numel() for i in members], len(key[0]))
+        ]
 
     def _layout(self, params, idx: list[int], steps: int) -> Layout:
         """The bucket's layout: its owners from its mesh's plan, loads carried over."""
@@ -180,8 +217,7 @@ class Muon(torch.optim.Optimizer):
                 self._plans[mesh] = MeshPlan(specs[0].sizes, steps)
             me = ranks[0].index(dist.get_rank()) if len(ranks[0]) > 1 else 0
             assigned = self._plans[mesh].assign(list(specs), me)
-            self._layouts[key] = Layout([params[i] for i in idx], assigned, ranks[0],
-                                        self._groups)
+            self._layouts[key] = Layout([params[i] for i in idx], assigned, ranks[0], self._groups)
         return self._layouts[key]
 
 
@@ -213,7 +249,15 @@ def build_muon(model: torch.nn.Module, cfg, adamw_cls, **adamw_kwargs) -> Muon:
             rest.append(p)
     adamw = adamw_cls(rest, **adamw_kwargs) if rest else None  # a stage of blocks only
     lr = muon_peak_lr(cfg)
-    return Muon(muon, adamw, lr=lr, weight_decay=cfg.weight_decay,
-                momentum=cfg.muon_momentum, nesterov=cfg.muon_nesterov,
-                ns_steps=cfg.muon_ns_steps, lr_adjust=cfg.muon_lr_adjust,
-                ns_dtype=cfg.muon_ns_dtype, names=names)
+    return Muon(
+        muon,
+        adamw,
+        lr=lr,
+        weight_decay=cfg.weight_decay,
+        momentum=cfg.muon_momentum,
+        nesterov=cfg.muon_nesterov,
+        ns_steps=cfg.muon_ns_steps,
+        lr_adjust=cfg.muon_lr_adjust,
+        ns_dtype=cfg.muon_ns_dtype,
+        names=names,
+    )

@@ -43,8 +43,10 @@ def spec_of(p) -> tuple[Spec, tuple[int, ...]]:
     """(the assignment's view of parameter `p`, its mesh's global ranks); a plain tensor is
     on a mesh of one rank."""
     if hasattr(p, "device_mesh"):
-        return (Spec(tuple(p.shape), tuple(p.placements), tuple(p.device_mesh.shape)),
-                mesh_ranks(p.device_mesh))
+        return (
+            Spec(tuple(p.shape), tuple(p.placements), tuple(p.device_mesh.shape)),
+            mesh_ranks(p.device_mesh),
+        )
     return Spec(tuple(p.shape), (), ()), (dist.get_rank() if dist.is_initialized() else 0,)
 
 
@@ -58,9 +60,11 @@ def layout_error(name: str, p) -> str | None:
     got = tuple(p.to_local().shape)
     if want == got:
         return None
-    return (f"Muon cannot orthogonalize {name} on rank {dist.get_rank()}: its local shard is "
-            f"{got}, not the block {want} its placements {tuple(p.placements)} imply; train it "
-            "with optimizer.name = 'AdamW', or use a layout Muon reads (FSDP/HSDP, TP, EP)")
+    return (
+        f"Muon cannot orthogonalize {name} on rank {dist.get_rank()}: its local shard is "
+        f"{got}, not the block {want} its placements {tuple(p.placements)} imply; train it "
+        "with optimizer.name = 'AdamW', or use a layout Muon reads (FSDP/HSDP, TP, EP)"
+    )
 
 
 def process_groups(named_params) -> dict[tuple[int, ...], object]:
@@ -87,8 +91,12 @@ def process_groups(named_params) -> dict[tuple[int, ...], object]:
     for _, errs in seen:
         if errs:
             raise ConfigError(errs[0])
-    return {key: group for key in sorted({k for keys, _ in seen for k in keys})
-            for group in [dist.new_group(list(key))] if key in mine}
+    return {
+        key: group
+        for key in sorted({k for keys, _ in seen for k in keys})
+        for group in [dist.new_group(list(key))]
+        if key in mine
+    }
 
 
 class Layout:
@@ -100,8 +108,10 @@ class Layout:
         self.me = ranks.index(dist.get_rank()) if len(ranks) > 1 else 0
         spec = [spec_of(p)[0] for p in params]
         self.shapes = [s.shape[-2:] for s in spec]
-        self.blocks = [{i: block(s.shape, s.placements, s.sizes, coords(i, s.sizes))[-2:]
-                        for i in a.group} for s, a in zip(spec, assigned)]
+        self.blocks = [
+            {i: block(s.shape, s.placements, s.sizes, coords(i, s.sizes))[-2:] for i in a.group}
+            for s, a in zip(spec, assigned)
+        ]
         self.local = [m for m, a in enumerate(assigned) if not a.group]
         by_group: dict = {}
         for m, a in enumerate(assigned):
@@ -130,12 +140,21 @@ class Layout:
 def _launch(send: list[list[torch.Tensor]], recv_sizes: list[int], dtype, device, group):
     """An asynchronous all_to_all_single: `send[k]` (pieces, concatenated) to the group's rank
     k; returns (its work, the flat output, the sizes received from each rank)."""
-    pieces = [torch.cat([t.reshape(-1).to(dtype) for t in s]) if s else
-              torch.empty(0, dtype=dtype, device=device) for s in send]
+    pieces = [
+        torch.cat([t.reshape(-1).to(dtype) for t in s])
+        if s
+        else torch.empty(0, dtype=dtype, device=device)
+        for s in send
+    ]
     out = torch.empty(sum(recv_sizes), dtype=dtype, device=device)
-    work = dist.all_to_all_single(out, torch.cat(pieces), output_split_sizes=recv_sizes,
-                                  input_split_sizes=[p.numel() for p in pieces], group=group,
-                                  async_op=True)
+    work = dist.all_to_all_single(
+        out,
+        torch.cat(pieces),
+        output_split_sizes=recv_sizes,
+        input_split_sizes=[p.numel() for p in pieces],
+        group=group,
+        async_op=True,
+    )
     return work, out, recv_sizes
 
 
@@ -146,15 +165,17 @@ def send_pieces(layout: Layout, updates: list[torch.Tensor]) -> list:
     device = updates[0].device
     for order, group, items in lay.exchanges:
         owner = {(m, u): lay.assigned[m].owner[u] for m, u in items}
-        send = [[lay.mine(m, u, updates[m]) for m, u in items if owner[m, u] == dest]
-                for dest in order]
+        send = [
+            [lay.mine(m, u, updates[m]) for m, u in items if owner[m, u] == dest] for dest in order
+        ]
         recv = [sum(lay.numel(m, src) for m, u in items if owner[m, u] == me) for src in order]
         out.append(_launch(send, recv, torch.float32, device, group))
     return out
 
 
-def orthogonalize_bucket(layout: Layout, updates, inflight, steps: int,
-                         dtype: torch.dtype) -> tuple[list, dict]:
+def orthogonalize_bucket(
+    layout: Layout, updates, inflight, steps: int, dtype: torch.dtype
+) -> tuple[list, dict]:
     """Wait for the bucket's pieces, orthogonalize the owned and the local units (Newton-Schulz
     of `steps` in `dtype`, same shapes batched), and start the results' way back. Returns (the
     works in flight, {param: its local result} for the units held whole here)."""
@@ -164,21 +185,26 @@ def orthogonalize_bucket(layout: Layout, updates, inflight, steps: int,
         work.wait()
         received = list(flat.split(sizes))
         owned = [(m, u) for m, u in items if lay.assigned[m].owner[u] == me]
-        full = {mu: torch.empty(lay.shapes[mu[0]], dtype=torch.float32, device=flat.device)
-                for mu in owned}
+        full = {
+            mu: torch.empty(lay.shapes[mu[0]], dtype=torch.float32, device=flat.device)
+            for mu in owned
+        }
         for k, src in enumerate(order):
             offset = 0
             for mu in owned:
                 n = lay.numel(mu[0], src)
                 rows, cols = lay.piece(mu[0], src)
-                full[mu][rows, cols] = received[k][offset:offset + n].view(
-                    rows.stop - rows.start, cols.stop - cols.start)
+                full[mu][rows, cols] = received[k][offset : offset + n].view(
+                    rows.stop - rows.start, cols.stop - cols.start
+                )
                 offset += n
         done = dict(zip(owned, batched([full[mu] for mu in owned], steps, dtype)))
         del full, received
         send = [[done[mu][lay.piece(mu[0], dest)] for mu in owned] for dest in order]
-        recv = [sum(lay.numel(m, me) for m, u in items if lay.assigned[m].owner[u] == src)
-                for src in order]
+        recv = [
+            sum(lay.numel(m, me) for m, u in items if lay.assigned[m].owner[u] == src)
+            for src in order
+        ]
         back.append(_launch(send, recv, dtype, flat.device, group))
     return back, dict(zip(lay.local, local))
 
@@ -190,15 +216,16 @@ def receive_results(layout: Layout, back) -> dict[int, torch.Tensor]:
         work.wait()
         received = list(flat.split(sizes))
         for m in {m for m, _ in items}:
-            out[m] = torch.empty(layout.params[m].to_local().shape, dtype=flat.dtype,
-                                 device=flat.device)
+            out[m] = torch.empty(
+                layout.params[m].to_local().shape, dtype=flat.dtype, device=flat.device
+            )
         for k, src in enumerate(order):
             offset = 0
             for m, u in items:
                 if lay.assigned[m].owner[u] == src:
                     n = lay.numel(m, me)
                     target = lay.mine(m, u, out[m])
-                    target.copy_(received[k][offset:offset + n].view(target.shape))
+                    target.copy_(received[k][offset : offset + n].view(target.shape))
                     offset += n
     return out
 

@@ -43,8 +43,11 @@ def block(shape, placements, sizes, coord) -> tuple[slice, ...]:
     `_StridedShard` (FSDP's shard of a TP or EP shard) innermost."""
     ranges = [(0, n) for n in shape]
     for tdim in range(len(shape)):
-        plain = [d for d, p in enumerate(placements)
-                 if isinstance(p, Shard) and not _strided(p) and p.dim == tdim]
+        plain = [
+            d
+            for d, p in enumerate(placements)
+            if isinstance(p, Shard) and not _strided(p) and p.dim == tdim
+        ]
         inner = [d for d, p in enumerate(placements) if _strided(p) and p.dim == tdim]
         for d in plain + inner:
             lo, hi = ranges[tdim]
@@ -67,7 +70,7 @@ def ns_flops(shape, steps: int) -> float:
     """Newton-Schulz FLOPs of a parameter (each matrix of a stack): per iteration 2 m^2 n
     for the Gram matrix, 2 m^3 for its square, 2 m^2 n for the product (m <= n)."""
     m, n = sorted(shape[-2:])
-    return math.prod(shape[:-2]) * steps * (4 * m * m * n + 2 * m ** 3)
+    return math.prod(shape[:-2]) * steps * (4 * m * m * n + 2 * m**3)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -82,8 +85,11 @@ class Spec:
     @property
     def gather_dims(self) -> tuple[int, ...]:
         nd = len(self.shape)
-        return tuple(d for d, p in enumerate(self.placements) if self.sizes[d] > 1
-                     and (isinstance(p, Shard) or _strided(p)) and p.dim >= nd - 2)
+        return tuple(
+            d
+            for d, p in enumerate(self.placements)
+            if self.sizes[d] > 1 and (isinstance(p, Shard) or _strided(p)) and p.dim >= nd - 2
+        )
 
     @property
     def unit_flops(self) -> float:
@@ -116,9 +122,11 @@ def gather_group(spec: Spec, me: int) -> tuple[int, ...]:
     if not dims:
         return ()
     mine = coords(me, spec.sizes)
-    return tuple(i for i in range(math.prod(spec.sizes))
-                 if all(c == mine[d] for d, c in enumerate(coords(i, spec.sizes))
-                        if d not in dims))
+    return tuple(
+        i
+        for i in range(math.prod(spec.sizes))
+        if all(c == mine[d] for d, c in enumerate(coords(i, spec.sizes)) if d not in dims)
+    )
 
 
 class MeshPlan:

@@ -57,9 +57,15 @@ class _OnLocalShards:
     def _init_group(self, group, *lists):
         has_complex = super()._init_group(group, *lists)
         params, grads = lists[0], lists[1]
-        if all(not isinstance(p, DTensor) or (isinstance(g, DTensor) and
-               g.placements == p.placements and g.device_mesh == p.device_mesh)
-               for p, g in zip(params, grads)):
+        if all(
+            not isinstance(p, DTensor)
+            or (
+                isinstance(g, DTensor)
+                and g.placements == p.placements
+                and g.device_mesh == p.device_mesh
+            )
+            for p, g in zip(params, grads)
+        ):
             for tensors in lists:
                 if isinstance(tensors, list):
                     tensors[:] = [t.to_local() if isinstance(t, DTensor) else t for t in tensors]
@@ -78,8 +84,14 @@ def build_optimizer(model: torch.nn.Module, cfg) -> torch.optim.Optimizer:
     """AdamW/Adam over the (sharded) parameters, or Muon for the blocks' matrices with AdamW
     for the rest (trainer/optim/muon.py), from the `[optimizer]` section."""
     impl = implementation(cfg.implementation)
-    kwargs = dict(lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps,
-                  weight_decay=cfg.weight_decay, foreach=impl == "foreach", fused=impl == "fused")
+    kwargs = dict(
+        lr=cfg.lr,
+        betas=(cfg.beta1, cfg.beta2),
+        eps=cfg.eps,
+        weight_decay=cfg.weight_decay,
+        foreach=impl == "foreach",
+        fused=impl == "fused",
+    )
     if cfg.name == "Muon":
         return build_muon(model, cfg, AdamW, **kwargs)
     cls = AdamW if cfg.name == "AdamW" else Adam
@@ -117,8 +129,9 @@ class LRSchedule(LambdaLR):
     def load_state_dict(self, state_dict: dict) -> None:
         self.last_epoch = int(state_dict["last_epoch"])
         self._step_count = int(state_dict["_step_count"])
-        self._last_lr = [base * fn(self.last_epoch)
-                         for base, fn in zip(self.base_lrs, self.lr_lambdas)]
+        self._last_lr = [
+            base * fn(self.last_epoch) for base, fn in zip(self.base_lrs, self.lr_lambdas)
+        ]
         for group, base, lr in zip(self.optimizer.param_groups, self.base_lrs, self._last_lr):
             group["initial_lr"], group["lr"] = base, lr
         saved = [float(x) for x in state_dict.get("_last_lr") or self._last_lr]
@@ -146,13 +159,18 @@ class LRSchedule(LambdaLR):
         changed = [k for k in now if not math.isclose(was[k], now[k], rel_tol=1e-9)]
         if not changed:
             return None
-        what = " and ".join(f"lr {now[k]:.6g}" if k == "lr" else
-                            f"Muon's matrices (optimizer.muon_lr) at lr {now[k]:.6g}"
-                            for k in changed)
+        what = " and ".join(
+            f"lr {now[k]:.6g}"
+            if k == "lr"
+            else f"Muon's matrices (optimizer.muon_lr) at lr {now[k]:.6g}"
+            for k in changed
+        )
         keys = "optimizer.lr, muon_lr" if "muon" in now else "optimizer.lr"
-        return (f"lr schedule changed at the resume: step {step} trains at {what} (this run's "
-                f"{keys}, [lr_scheduler] and training.steps); the checkpoint's run would have "
-                f"used {' and '.join(f'{was[k]:.6g}' for k in changed)}")
+        return (
+            f"lr schedule changed at the resume: step {step} trains at {what} (this run's "
+            f"{keys}, [lr_scheduler] and training.steps); the checkpoint's run would have "
+            f"used {' and '.join(f'{was[k]:.6g}' for k in changed)}"
+        )
 
 
 def lr_peaks(cfg) -> dict[str, float]:
@@ -168,21 +186,29 @@ def group_lrs(optimizer: torch.optim.Optimizer) -> tuple[float, float | None]:
     step about to be taken. A pipeline stage of blocks alone under Muon has no optimizer.lr
     group: its first lr stands in (rank 0, which logs, holds the embedding)."""
     muon = next((g["lr"] for g in optimizer.param_groups if g.get("use_muon")), None)
-    rest = next((g["lr"] for g in optimizer.param_groups if not g.get("use_muon")),
-                optimizer.param_groups[0]["lr"])
+    rest = next(
+        (g["lr"] for g in optimizer.param_groups if not g.get("use_muon")),
+        optimizer.param_groups[0]["lr"],
+    )
     return float(rest), None if muon is None else float(muon)
 
 
-def build_lr_scheduler(optimizer: torch.optim.Optimizer, cfg, total_steps: int,
-                       peaks: dict[str, float] | None = None) -> LRSchedule:
+def build_lr_scheduler(
+    optimizer: torch.optim.Optimizer, cfg, total_steps: int, peaks: dict[str, float] | None = None
+) -> LRSchedule:
     """The lr schedule of trainer/optim/lr_schedule.py (`cfg` is `[lr_scheduler]`; `peaks`:
     lr_peaks of the run's `[optimizer]`, what its checkpoints and resume line name)."""
     k = decay_steps(cfg, total_steps)
 
     def fn(done: int) -> float:  # LambdaLR passes the steps done; it sets the lr of the next
-        return lr_factor(done + 1, warmup_steps=cfg.warmup_steps, decay_steps=k,
-                         total_steps=total_steps, decay_type=cfg.decay_type,
-                         min_lr_factor=cfg.min_lr_factor)
+        return lr_factor(
+            done + 1,
+            warmup_steps=cfg.warmup_steps,
+            decay_steps=k,
+            total_steps=total_steps,
+            decay_type=cfg.decay_type,
+            min_lr_factor=cfg.min_lr_factor,
+        )
 
     schedule = LRSchedule(optimizer, fn)
     schedule.peaks = peaks

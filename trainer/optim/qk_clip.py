@@ -72,7 +72,7 @@ class QKClip:
         table = torch.full((self.rows, self.heads), float("-inf"), device=self.device)
         for row, module, first in self.layers:
             buf = module.logit_max
-            table[row, first:first + buf.numel()] = buf
+            table[row, first : first + buf.numel()] = buf
             buf.fill_(float("-inf"))
         if dist.is_initialized() and dist.get_world_size() > 1:
             dist.all_reduce(table, op=dist.ReduceOp.MAX)
@@ -117,10 +117,17 @@ def scale_heads(module, gamma: torch.Tensor) -> None:
     not clipped), as the module docstring says."""
     root = gamma.sqrt()
     if hasattr(module, "wkv_b"):  # MLA
-        q_rows = torch.cat([root.unsqueeze(1).expand(-1, module.nope),
-                            gamma.unsqueeze(1).expand(-1, module.rope)], 1)  # [heads, qk]
-        kv_rows = torch.cat([root.unsqueeze(1).expand(-1, module.nope),
-                             torch.ones_like(root).unsqueeze(1).expand(-1, module.v_dim)], 1)
+        q_rows = torch.cat(
+            [root.unsqueeze(1).expand(-1, module.nope), gamma.unsqueeze(1).expand(-1, module.rope)],
+            1,
+        )  # [heads, qk]
+        kv_rows = torch.cat(
+            [
+                root.unsqueeze(1).expand(-1, module.nope),
+                torch.ones_like(root).unsqueeze(1).expand(-1, module.v_dim),
+            ],
+            1,
+        )
         _scale_rows(_query(module), q_rows.reshape(-1))
         _scale_rows(module.wkv_b.weight, kv_rows.reshape(-1))
         return
@@ -139,8 +146,9 @@ def _scale_rows(param: torch.Tensor, rows: torch.Tensor) -> None:
     if hasattr(param, "to_local"):
         from torch.distributed.tensor import distribute_tensor
 
-        full = distribute_tensor(full, param.device_mesh, param.placements,
-                                 src_data_rank=None).to_local()
+        full = distribute_tensor(
+            full, param.device_mesh, param.placements, src_data_rank=None
+        ).to_local()
     local = _local(param)
     local.mul_(full.to(device=local.device, dtype=local.dtype))
 
@@ -149,6 +157,8 @@ def build_qk_clip(model: torch.nn.Module, cfg, log=print) -> QKClip | None:
     """The clip of `[optimizer] muon_qk_clip` (None when 0), said in one startup line."""
     if not cfg.muon_qk_clip:
         return None
-    log(f"QK-clip: after each step, the query/key weights of every attention head whose "
-        f"largest logit passed {cfg.muon_qk_clip:g} are scaled back to it (qk_clip/*)")
+    log(
+        f"QK-clip: after each step, the query/key weights of every attention head whose "
+        f"largest logit passed {cfg.muon_qk_clip:g} are scaled back to it (qk_clip/*)"
+    )
     return QKClip(model, model.args, cfg.muon_qk_clip)

@@ -28,8 +28,11 @@ def _copies(grad: torch.Tensor, stage_world: int) -> int:
     if not isinstance(grad, DTensor):
         return dist.get_world_size() if dist.is_initialized() else 1
     mesh = grad.device_mesh
-    return stage_world // mesh.size() * math.prod(
-        size for size, p in zip(mesh.shape, grad.placements) if p.is_replicate())
+    return (
+        stage_world
+        // mesh.size()
+        * math.prod(size for size, p in zip(mesh.shape, grad.placements) if p.is_replicate())
+    )
 
 
 def global_grad_norm(params, pp: int = 1) -> torch.Tensor:
@@ -61,7 +64,10 @@ def clip_grad_norm_(params, max_norm: float, pp: int = 1) -> torch.Tensor:
     norm = global_grad_norm(params, pp)
     if math.isfinite(max_norm):
         coef = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
-        locals_ = [p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad
-                   for p in params if p.grad is not None]
+        locals_ = [
+            p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad
+            for p in params
+            if p.grad is not None
+        ]
         torch._foreach_mul_(locals_, coef.to(locals_[0].device) if locals_ else coef)
     return norm

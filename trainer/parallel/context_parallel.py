@@ -39,8 +39,12 @@ import torch.nn.functional as F
 from trainer.distributed import log0, to_device
 from trainer.health import faults, heartbeat
 from trainer.models import logits
-from trainer.models.attention import (_aux_request, _compiled_create_block_mask,
-                                      document_positions, flex)
+from trainer.models.attention import (
+    _aux_request,
+    _compiled_create_block_mask,
+    document_positions,
+    flex,
+)
 from trainer.models.loss import Loss
 from trainer.models.moe import set_aux_scale, take_aux_loss
 from trainer.parallel.fsdp import set_gradient_sync
@@ -53,8 +57,12 @@ from trainer.models.mtp import future_labels
 def head_tail_index(seq_len: int, cp: int, rank: int) -> torch.Tensor:
     """The global positions rank `rank` of `cp` keeps: chunks rank and 2cp-1-rank of 2cp."""
     chunk = seq_len // (2 * cp)
-    return torch.cat([torch.arange(rank * chunk, (rank + 1) * chunk),
-                      torch.arange((2 * cp - 1 - rank) * chunk, (2 * cp - rank) * chunk)])
+    return torch.cat(
+        [
+            torch.arange(rank * chunk, (rank + 1) * chunk),
+            torch.arange((2 * cp - 1 - rank) * chunk, (2 * cp - rank) * chunk),
+        ]
+    )
 
 
 def contiguous_index(seq_len: int, cp: int, rank: int) -> torch.Tensor:
@@ -75,16 +83,24 @@ def kernel(device_type: str, implementation: str) -> str:
 
 
 def describe_kernel(name: str) -> str:
-    return {"flex": "FlexAttention with one block mask per microbatch",
-            "sdpa": "SDPA with one [local, global] mask per microbatch"}[name]
+    return {
+        "flex": "FlexAttention with one block mask per microbatch",
+        "sdpa": "SDPA with one [local, global] mask per microbatch",
+    }[name]
 
 
 class ContextAttention:
     """One microbatch's attention on one cp rank, passed to every layer in place of a mask
     (trainer/models/attention.py `attend` calls `attend` here)."""
 
-    def __init__(self, group, index: torch.Tensor, natural: torch.Tensor,
-                 doc_ids: torch.Tensor | None, implementation: str):
+    def __init__(
+        self,
+        group,
+        index: torch.Tensor,
+        natural: torch.Tensor,
+        doc_ids: torch.Tensor | None,
+        implementation: str,
+    ):
         self.group, self.natural, self.implementation = group, natural, implementation
         seq, batch = natural.numel(), 1 if doc_ids is None else doc_ids.shape[0]
         with torch.no_grad():
@@ -104,18 +120,28 @@ class ContextAttention:
     # Eager under torch.compile (a graph break per layer); not recursive, so the compiled
     # FlexAttention it calls stays compiled.
     @torch.compiler.disable(recursive=False)
-    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-               gathered: bool = False, logit_max: torch.Tensor | None = None) -> torch.Tensor:
+    def attend(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        gathered: bool = False,
+        logit_max: torch.Tensor | None = None,
+    ) -> torch.Tensor:
         """q [b, local, h, d] over the whole sequence's k, v: [b, h, local, d]. `gathered`:
         k and v are already the whole sequence's (MLA expands them from gathered latents).
         `logit_max` (QK-clip): raised to each head's largest logit of this rank's queries."""
         if not gathered:
             k, v = self.gather(k), self.gather(v)
         gqa = q.shape[2] != k.shape[2]
-        if logit_max is not None and not (self.implementation == "flex" and q.is_cuda
-                                          and _aux_request() is not None):
-            allowed = logits.block_mask(self.mask) if self.implementation == "flex" \
+        if logit_max is not None and not (
+            self.implementation == "flex" and q.is_cuda and _aux_request() is not None
+        ):
+            allowed = (
+                logits.block_mask(self.mask)
+                if self.implementation == "flex"
                 else logits.boolean(self.mask)
+            )
             # this rank's queries are head-tail chunks, not in sequence order: every key
             logits.record(logit_max, logits.max_logits(q, k, allowed, causal=False))
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
@@ -132,7 +158,6 @@ class ContextAttention:
         backward reduce-scatters the gradient in fp32."""
         full = GatherSequence.apply(t.transpose(0, 1).contiguous(), self.group)
         return full.index_select(0, self.natural).transpose(0, 1)
-
 
     def own_chunks(self) -> tuple[int, int]:
         """The sequence's 2cp chunks this rank holds: (head, tail) = (r, 2cp - 1 - r)."""
@@ -177,6 +202,7 @@ class GatherSequence(torch.autograd.Function):
 def mask_mod(index: torch.Tensor, doc_ids: torch.Tensor | None):
     """FlexAttention's mask_mod for a rank's queries (global positions `index`) over the whole
     sequence in order: key <= query, and under block_causal the same document."""
+
     def causal(b, h, q_idx, kv_idx):
         return kv_idx <= index[q_idx]
 
@@ -189,8 +215,9 @@ def mask_mod(index: torch.Tensor, doc_ids: torch.Tensor | None):
 
 def _block_mask(index: torch.Tensor, doc_ids: torch.Tensor | None, batch: int, seq: int):
     rows = None if doc_ids is None else batch
-    return _compiled_create_block_mask()(mask_mod(index, doc_ids), rows, None, index.numel(),
-                                         seq, device=index.device)
+    return _compiled_create_block_mask()(
+        mask_mod(index, doc_ids), rows, None, index.numel(), seq, device=index.device
+    )
 
 
 class ContextSplit:
@@ -217,23 +244,36 @@ class ContextSplit:
         return self._widths[width]
 
     def describe(self) -> str:
-        return (f"context parallel: cp {self.cp}, each sequence cut into {2 * self.cp} chunks "
-                f"(head-tail); attention: {describe_kernel(self.kernel)}, by global position"
-                f"{' and document' if self.block_causal else ''}, K/V all-gathered per layer")
+        return (
+            f"context parallel: cp {self.cp}, each sequence cut into {2 * self.cp} chunks "
+            f"(head-tail); attention: {describe_kernel(self.kernel)}, by global position"
+            f"{' and document' if self.block_causal else ''}, K/V all-gathered per layer"
+        )
 
     def split(self, inputs: torch.Tensor, labels: torch.Tensor, doc_ids):
         """This rank's tokens, labels and RoPE positions [b, local] of whole samples."""
-        positions = document_positions(doc_ids)[:, self.index] if self.document_positions \
+        positions = (
+            document_positions(doc_ids)[:, self.index]
+            if self.document_positions
             else self.index.expand(inputs.shape[0], -1)
+        )
         return inputs[:, self.index], labels[:, self.index], positions
 
-    def run(self, model, inputs: torch.Tensor, labels: torch.Tensor, loss_fn, doc_ids=None,
-            **kwargs) -> tuple[torch.Tensor, torch.Tensor]:
+    def run(
+        self, model, inputs: torch.Tensor, labels: torch.Tensor, loss_fn, doc_ids=None, **kwargs
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """`model`'s forward on this rank's share of the whole samples `inputs` (training,
         validation and evals alike): (its result, the share's labels)."""
         local, local_labels, positions = self.split(inputs, labels, doc_ids)
-        out = model(local, labels=local_labels, loss_fn=loss_fn, positions=positions,
-                    doc_ids=doc_ids, attention=self.attention(doc_ids), **kwargs)
+        out = model(
+            local,
+            labels=local_labels,
+            loss_fn=loss_fn,
+            positions=positions,
+            doc_ids=doc_ids,
+            attention=self.attention(doc_ids),
+            **kwargs,
+        )
         return out, local_labels
 
     def future(self, labels: torch.Tensor, depth: int, documents=None) -> torch.Tensor:
@@ -244,17 +284,32 @@ class ContextSplit:
 
     def attention(self, doc_ids) -> ContextAttention:
         """A microbatch's attention; `doc_ids` [b, seq] of the whole samples (block_causal)."""
-        return ContextAttention(self.group, self.index, self.natural,
-                                doc_ids if self.block_causal else None, self.kernel)
+        return ContextAttention(
+            self.group,
+            self.index,
+            self.natural,
+            doc_ids if self.block_causal else None,
+            self.kernel,
+        )
 
 
 class ContextParallelLoop:
     """The step's forward and backward under CP (the seam of trainer/parallel/microbatches.py):
     per microbatch, split the sequence, attend through `ContextAttention`, and scale as above."""
 
-    def __init__(self, model: torch.nn.Module, loss_fn: Loss, *, sync_mode: str, dp_size: int,
-                 cp_mesh, seq_len: int, device: torch.device, model_cfg,
-                 documents=None):
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        loss_fn: Loss,
+        *,
+        sync_mode: str,
+        dp_size: int,
+        cp_mesh,
+        seq_len: int,
+        device: torch.device,
+        model_cfg,
+        documents=None,
+    ):
         self.model, self.loss_fn, self.sync_mode = model, loss_fn, sync_mode
         self.dp_size, self.device, self.documents = dp_size, device, documents
         self.split = ContextSplit(cp_mesh, seq_len, device, model_cfg)
@@ -271,8 +326,9 @@ class ContextParallelLoop:
             heartbeat.phase("forward", step)
             depth = self.model.args.mtp_layers  # MTP targets: cut from the whole sequence
             future = self.split.future(labels, depth, window) if depth else None
-            loss, _ = self.split.run(self.model, inputs, labels, self.loss_fn, doc_ids,
-                                     future=future)
+            loss, _ = self.split.run(
+                self.model, inputs, labels, self.loss_fn, doc_ids, future=future
+            )
             loss = loss / global_tokens
             if i == 0:
                 faults.armed().first_forward(step)  # a testing hook; nothing unless asked

@@ -39,7 +39,9 @@ class ParallelDims:
     tp: int = 1
     cp: int = 1
     pp: int = 1
-    ep: int = 1  # expert parallelism: ranks of dp_shard (x tp) (trainer/parallel/expert_parallel.py)
+    ep: int = (
+        1  # expert parallelism: ranks of dp_shard (x tp) (trainer/parallel/expert_parallel.py)
+    )
     loss_parallel: bool = True  # with tp > 1: the loss over vocab-sharded logits
     world_mesh: object = field(default=None, repr=False)
     dp_mesh: object = field(default=None, repr=False)
@@ -49,13 +51,16 @@ class ParallelDims:
 
     @classmethod
     def from_config(cls, parallelism, world_size: int) -> "ParallelDims":
-        return cls(parallelism.data_parallel_replicate_degree,
-                   parallelism.data_parallel_shard_degree, world_size,
-                   tp=parallelism.tensor_parallel_degree,
-                   cp=parallelism.context_parallel_degree,
-                   pp=parallelism.pipeline_parallel_degree,
-                   ep=parallelism.expert_parallel_degree,
-                   loss_parallel=not parallelism.disable_loss_parallel)
+        return cls(
+            parallelism.data_parallel_replicate_degree,
+            parallelism.data_parallel_shard_degree,
+            world_size,
+            tp=parallelism.tensor_parallel_degree,
+            cp=parallelism.context_parallel_degree,
+            pp=parallelism.pipeline_parallel_degree,
+            ep=parallelism.expert_parallel_degree,
+            loss_parallel=not parallelism.disable_loss_parallel,
+        )
 
     def _validate(self) -> None:
         r, s, tp, cp, ws = self.dp_replicate, self.dp_shard, self.tp, self.cp, self.world_size
@@ -63,44 +68,60 @@ class ParallelDims:
             raise ConfigError(f"world size must be >= 1, got {ws}")
         if self.pp < 1 or ws % self.pp:
             divisors = [d for d in range(1, ws + 1) if ws % d == 0]
-            raise ConfigError(f"{PP_KEY} = {self.pp} does not divide world size {ws}; valid: "
-                              f"{', '.join(map(str, divisors))}")
+            raise ConfigError(
+                f"{PP_KEY} = {self.pp} does not divide world size {ws}; valid: "
+                f"{', '.join(map(str, divisors))}"
+            )
         ws //= self.pp  # what follows shares one pipeline stage's ranks
-        wl = (f"world size {self.world_size} / pp {self.pp} = {ws}" if self.pp > 1
-              else f"world size {ws}")
+        wl = (
+            f"world size {self.world_size} / pp {self.pp} = {ws}"
+            if self.pp > 1
+            else f"world size {ws}"
+        )
         if tp < 1 or ws % tp:
             divisors = [d for d in range(1, ws + 1) if ws % d == 0]
-            raise ConfigError(f"{TP_KEY} = {tp} does not divide {wl}; valid: "
-                              f"{', '.join(map(str, divisors))}")
+            raise ConfigError(
+                f"{TP_KEY} = {tp} does not divide {wl}; valid: {', '.join(map(str, divisors))}"
+            )
         if cp < 1 or (ws // tp) % cp:
             divisors = [d for d in range(1, ws // tp + 1) if (ws // tp) % d == 0]
-            raise ConfigError(f"{CP_KEY} = {cp} does not divide {wl}"
-                              + (f" / {TP_KEY} = {tp}" if tp > 1 else "")
-                              + f"; valid: {', '.join(map(str, divisors))}")
+            raise ConfigError(
+                f"{CP_KEY} = {cp} does not divide {wl}"
+                + (f" / {TP_KEY} = {tp}" if tp > 1 else "")
+                + f"; valid: {', '.join(map(str, divisors))}"
+            )
         inner = " x ".join(f"{k} = {v}" for k, v in ((CP_KEY, cp), (TP_KEY, tp)) if v > 1)
         both = f"{REPLICATE_KEY} = {r} and {SHARD_KEY} = {s}" + (f" (x {inner})" if inner else "")
         dp_world = ws // (tp * cp)
         short = " x ".join(f"{k} {v}" for k, v in (("cp", cp), ("tp", tp)) if v > 1)
         where = wl + (f", {dp_world} dp ranks of {short}" if short else "")
         if r < 1:
-            raise ConfigError(f"{REPLICATE_KEY} = {r} is out of range; it must be >= 1 "
-                              f"(with {SHARD_KEY} = {s}, {where})")
+            raise ConfigError(
+                f"{REPLICATE_KEY} = {r} is out of range; it must be >= 1 "
+                f"(with {SHARD_KEY} = {s}, {where})"
+            )
         if s == -1:
             if dp_world % r:
                 names = [n for n, v in (("cp", cp), ("tp", tp)) if v > 1]
                 per = f" / {names[0]}" if len(names) == 1 else " / (cp x tp)" if names else ""
-                raise ConfigError(f"{both} do not fit {where}: the replicate degree must "
-                                  f"divide the world size{per} (valid: a divisor of {dp_world})")
+                raise ConfigError(
+                    f"{both} do not fit {where}: the replicate degree must "
+                    f"divide the world size{per} (valid: a divisor of {dp_world})"
+                )
             self.dp_shard = s = dp_world // r
         elif s < 1:
-            raise ConfigError(f"{SHARD_KEY} = {s} is out of range; it must be >= 1, or -1 for "
-                              f"world size / replicate degree (with {REPLICATE_KEY} = {r}, "
-                              f"{where})")
+            raise ConfigError(
+                f"{SHARD_KEY} = {s} is out of range; it must be >= 1, or -1 for "
+                f"world size / replicate degree (with {REPLICATE_KEY} = {r}, "
+                f"{where})"
+            )
         if r * s * cp * tp != ws:
             per = f" / {PP_KEY} = {self.pp}" if self.pp > 1 else ""
-            raise ConfigError(f"{both} multiply to {r * s * cp * tp}, but the world size{per} "
-                              f"is {ws}; their product must equal it (e.g. set {SHARD_KEY} "
-                              "= -1)")
+            raise ConfigError(
+                f"{both} multiply to {r * s * cp * tp}, but the world size{per} "
+                f"is {ws}; their product must equal it (e.g. set {SHARD_KEY} "
+                "= -1)"
+            )
         self._validate_ep(s, where, r)
 
     def _validate_ep(self, s: int, where: str, r: int) -> None:
@@ -111,18 +132,22 @@ class ParallelDims:
         if tp == 1 or ep <= 1:
             if ep < 1 or s % ep:
                 divisors = [d for d in range(1, s + 1) if s % d == 0]
-                raise ConfigError(f"{EP_KEY} = {ep} does not divide dp_shard = {s} ({where}, "
-                                  f"{REPLICATE_KEY} = {r}): the expert-parallel ranks are "
-                                  f"borrowed from dp_shard; valid: "
-                                  f"{', '.join(map(str, divisors))}")
+                raise ConfigError(
+                    f"{EP_KEY} = {ep} does not divide dp_shard = {s} ({where}, "
+                    f"{REPLICATE_KEY} = {r}): the expert-parallel ranks are "
+                    f"borrowed from dp_shard; valid: "
+                    f"{', '.join(map(str, divisors))}"
+                )
             return
         if ep % tp or s % (ep // tp):
             valid = [1] + [tp * d for d in range(1, s + 1) if s % d == 0]
-            raise ConfigError(f"{EP_KEY} = {ep} is not {TP_KEY} = {tp} x a divisor of dp_shard "
-                              f"= {s} ({where}, {REPLICATE_KEY} = {r}): under tensor "
-                              f"parallelism the expert-parallel group takes in the tp ranks "
-                              f"and borrows ep / tp ranks from dp_shard; valid: "
-                              f"{', '.join(map(str, valid))}")
+            raise ConfigError(
+                f"{EP_KEY} = {ep} is not {TP_KEY} = {tp} x a divisor of dp_shard "
+                f"= {s} ({where}, {REPLICATE_KEY} = {r}): under tensor "
+                f"parallelism the expert-parallel group takes in the tp ranks "
+                f"and borrows ep / tp ranks from dp_shard; valid: "
+                f"{', '.join(map(str, valid))}"
+            )
 
     @property
     def ep_dp(self) -> int:
@@ -178,15 +203,18 @@ class ParallelDims:
         if self.ep_enabled:  # dp_shard = efsdp x ep: built split, then flattened
             return self._build_ep_mesh(device_type)
         self.world_mesh = init_device_mesh(
-            device_type, (self.pp, self.dp_replicate, self.dp_shard, self.cp, self.tp),
-            mesh_dim_names=("pp", "dp_replicate", "dp_shard", "cp", "tp"))
+            device_type,
+            (self.pp, self.dp_replicate, self.dp_shard, self.cp, self.tp),
+            mesh_dim_names=("pp", "dp_replicate", "dp_shard", "cp", "tp"),
+        )
         # No public flatten API yet; `_flatten` is stable since torch 2.4. Keep the returned
         # objects: slicing mesh["dp"] from the root afterwards is deprecated.
         self.dp_mesh = self.world_mesh["dp_replicate", "dp_shard"]._flatten(mesh_dim_name="dp")
         self._shard_mesh = self.world_mesh["dp_shard"]
         if self.cp_enabled:
             self._shard_mesh = self.world_mesh["dp_shard", "cp"]._flatten(
-                mesh_dim_name="dp_shard_cp")
+                mesh_dim_name="dp_shard_cp"
+            )
         self._flatten_cp_tp()
         return self.world_mesh
 
@@ -208,19 +236,22 @@ class ParallelDims:
         self.world_mesh = init_device_mesh(
             device_type,
             (self.pp, self.dp_replicate, self.efsdp, self.ep_dp, self.cp, self.tp),
-            mesh_dim_names=("pp", "dp_replicate", "efsdp", part, "cp", "tp"))
-        self.dp_mesh = self.world_mesh["dp_replicate", "efsdp", part]._flatten(
-            mesh_dim_name="dp")
+            mesh_dim_names=("pp", "dp_replicate", "efsdp", part, "cp", "tp"),
+        )
+        self.dp_mesh = self.world_mesh["dp_replicate", "efsdp", part]._flatten(mesh_dim_name="dp")
         self._shard_mesh = self.world_mesh["efsdp", part]._flatten(mesh_dim_name="dp_shard")
         self._expert_mesh = self.world_mesh["efsdp"]
         if self.cp_enabled:  # FSDP over the cp ranks too: the dense over dp_shard x cp, the
             # experts (each cp rank routes its own sequence shard) over efsdp x cp
             self._shard_mesh = self.world_mesh["efsdp", part, "cp"]._flatten(
-                mesh_dim_name="dp_shard_cp")
-            self._expert_mesh = self.world_mesh["efsdp", "cp"]._flatten(
-                mesh_dim_name="efsdp_cp")
-        self._ep_mesh = (self.world_mesh["ep"] if self.tp == 1 else
-                         self.world_mesh["ep_dp", "tp"]._flatten(mesh_dim_name="ep"))
+                mesh_dim_name="dp_shard_cp"
+            )
+            self._expert_mesh = self.world_mesh["efsdp", "cp"]._flatten(mesh_dim_name="efsdp_cp")
+        self._ep_mesh = (
+            self.world_mesh["ep"]
+            if self.tp == 1
+            else self.world_mesh["ep_dp", "tp"]._flatten(mesh_dim_name="ep")
+        )
         self._flatten_cp_tp()
         return self.world_mesh
 
@@ -273,8 +304,7 @@ class ParallelDims:
 
         with warnings.catch_warnings():
             warnings.filterwarnings("ignore", message="Slicing a flattened dim from root mesh")
-            return self.world_mesh["dp_replicate", "dp_shard_cp" if self.cp_enabled
-                                   else "dp_shard"]
+            return self.world_mesh["dp_replicate", "dp_shard_cp" if self.cp_enabled else "dp_shard"]
 
     @property
     def pp_mesh(self):
@@ -299,18 +329,30 @@ class ParallelDims:
             kind = "replicate"
         elif self.dp_size * self.cp == 1 and (self.tp_enabled or self.pp_enabled):
             kind = "no data parallelism"
-        cp = (f" x CP {self.cp} (head-tail split, K/V all-gathered, params sharded over "
-              f"dp_shard x cp)" if self.cp_enabled else "")
-        tp = (f" x TP {self.tp} (sequence parallel, loss "
-              f"{'parallel' if self.loss_parallel else 'gathered'})" if self.tp_enabled else "")
+        cp = (
+            f" x CP {self.cp} (head-tail split, K/V all-gathered, params sharded over "
+            f"dp_shard x cp)"
+            if self.cp_enabled
+            else ""
+        )
+        tp = (
+            f" x TP {self.tp} (sequence parallel, loss "
+            f"{'parallel' if self.loss_parallel else 'gathered'})"
+            if self.tp_enabled
+            else ""
+        )
         pp = f"PP {self.pp} (pipeline stages, p2p) x " if self.pp_enabled else ""
-        over = (f"{self.ep_dp} dp_shard x {self.tp} tp ranks" if self.ep_tp > 1
-                else "dp_shard ranks")
-        ep = (f" x EP {self.ep} (experts split over ep = {over}, 1/{self.ep} each, sharded "
-              f"over efsdp={self.efsdp}{' x cp' if self.cp_enabled else ''}; all-to-all)"
-              if self.ep_enabled else "")
-        return (f"{pp}{kind} mesh (dp_replicate={self.dp_replicate}, dp_shard={self.dp_shard})"
-                f"{ep}{cp}{tp}, dp={self.dp_size}, world={self.world_size}")
+        over = f"{self.ep_dp} dp_shard x {self.tp} tp ranks" if self.ep_tp > 1 else "dp_shard ranks"
+        ep = (
+            f" x EP {self.ep} (experts split over ep = {over}, 1/{self.ep} each, sharded "
+            f"over efsdp={self.efsdp}{' x cp' if self.cp_enabled else ''}; all-to-all)"
+            if self.ep_enabled
+            else ""
+        )
+        return (
+            f"{pp}{kind} mesh (dp_replicate={self.dp_replicate}, dp_shard={self.dp_shard})"
+            f"{ep}{cp}{tp}, dp={self.dp_size}, world={self.world_size}"
+        )
 
 
 def check_tp_shapes(args, tp: int, flavor: str, vocab_source: str | None) -> None:
@@ -320,9 +362,11 @@ def check_tp_shapes(args, tp: int, flavor: str, vocab_source: str | None) -> Non
     from, for the message; None = the vocab is not known yet (checked again at startup)."""
     if tp == 1:
         return
-    dims = {f"model.flavor {flavor!r} n_heads": args.n_heads,
-            f"model.flavor {flavor!r} n_kv_heads": args.n_kv_heads,
-            f"model.flavor {flavor!r} FFN width": args.hidden_dim}
+    dims = {
+        f"model.flavor {flavor!r} n_heads": args.n_heads,
+        f"model.flavor {flavor!r} n_kv_heads": args.n_kv_heads,
+        f"model.flavor {flavor!r} FFN width": args.hidden_dim,
+    }
     hybrid = getattr(args, "hybrid", None)
     if hybrid is not None:  # the Gated DeltaNet's heads (trainer/models/qwen3_next.py)
         dims[f"model.flavor {flavor!r} linear_k_heads"] = hybrid.linear_k_heads
@@ -332,8 +376,10 @@ def check_tp_shapes(args, tp: int, flavor: str, vocab_source: str | None) -> Non
     for what, value in dims.items():
         if value % tp:
             valid = [d for d in range(1, 65) if all(v % d == 0 for v in dims.values())]
-            raise ConfigError(f"{TP_KEY} = {tp} does not divide {what} = {value}; valid tp "
-                              f"degrees for this model: {', '.join(map(str, valid))}")
+            raise ConfigError(
+                f"{TP_KEY} = {tp} does not divide {what} = {value}; valid tp "
+                f"degrees for this model: {', '.join(map(str, valid))}"
+            )
 
 
 def check_async_tp(parallelism, compile_enabled: bool, device_type: str) -> None:
@@ -344,19 +390,24 @@ def check_async_tp(parallelism, compile_enabled: bool, device_type: str) -> None
     if parallelism.tensor_parallel_degree == 1:
         raise ConfigError(f"{key} needs {TP_KEY} > 1 (it overlaps TP communication)")
     if device_type != "cuda":
-        raise ConfigError(f"{key} needs CUDA, but this run computes on {device_type}: async "
-                          "TP uses symmetric GPU memory; turn it off")
+        raise ConfigError(
+            f"{key} needs CUDA, but this run computes on {device_type}: async "
+            "TP uses symmetric GPU memory; turn it off"
+        )
     if not compile_enabled:
-        raise ConfigError(f"{key} needs compile.enable = true: async TP is a torch.compile "
-                          "(Inductor) pass")
+        raise ConfigError(
+            f"{key} needs compile.enable = true: async TP is a torch.compile (Inductor) pass"
+        )
 
 
 def describe_vocab(model_cfg, tokenizer_vocab: int) -> str:
     """Where the model's vocab comes from, for check_tp_shapes' message."""
     if model_cfg.vocab_size:
         return "model.vocab_size"
-    return (f"the tokenizer's {tokenizer_vocab} padded to model.vocab_size_multiple_of = "
-            f"{model_cfg.vocab_size_multiple_of}; a multiple of the tp degree would do")
+    return (
+        f"the tokenizer's {tokenizer_vocab} padded to model.vocab_size_multiple_of = "
+        f"{model_cfg.vocab_size_multiple_of}; a multiple of the tp degree would do"
+    )
 
 
 def check_context_parallel(cfg, pd: ParallelDims) -> None:
@@ -368,12 +419,16 @@ def check_context_parallel(cfg, pd: ParallelDims) -> None:
     seq, unit = cfg.training.seq_len, 2 * pd.cp * pd.tp
     if seq % unit:
         pieces = f" x {TP_KEY} = {pd.tp} (sequence parallel)" if pd.tp_enabled else ""
-        raise ConfigError(f"training.seq_len = {seq} does not cut into 2 x {CP_KEY} = "
-                          f"{2 * pd.cp} head-tail chunks{pieces}: it must be a multiple of "
-                          f"{unit} (e.g. {seq - seq % unit or unit})")
+        raise ConfigError(
+            f"training.seq_len = {seq} does not cut into 2 x {CP_KEY} = "
+            f"{2 * pd.cp} head-tail chunks{pieces}: it must be a multiple of "
+            f"{unit} (e.g. {seq - seq % unit or unit})"
+        )
     model = cfg.model
     if model.attn_mask_type == "block_causal" and model.attn_implementation == "per_document":
-        raise ConfigError(f"model.attn_implementation = 'per_document' cannot run under {CP_KEY} "
-                          f"= {pd.cp}: each rank holds pieces of documents whose other tokens "
-                          "sit on other ranks; use 'auto' (CP's document mask: SDPA on the "
-                          "CPU, FlexAttention on CUDA), 'sdpa' or 'flex'")
+        raise ConfigError(
+            f"model.attn_implementation = 'per_document' cannot run under {CP_KEY} "
+            f"= {pd.cp}: each rank holds pieces of documents whose other tokens "
+            "sit on other ranks; use 'auto' (CP's document mask: SDPA on the "
+            "CPU, FlexAttention on CUDA), 'sdpa' or 'flex'"
+        )

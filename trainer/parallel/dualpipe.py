@@ -43,8 +43,11 @@ def supported(schedule) -> bool:
     """Whether this torch lets a function run the schedule's OVERLAP_F_B actions."""
     from torch.distributed.pipelining import schedules
 
-    return hasattr(schedule, "register_custom_function") and hasattr(
-        schedules, "_ComputationType") and hasattr(schedules._ComputationType, "OVERLAP_F_B")
+    return (
+        hasattr(schedule, "register_custom_function")
+        and hasattr(schedules, "_ComputationType")
+        and hasattr(schedules._ComputationType, "OVERLAP_F_B")
+    )
 
 
 def plan_overlap(cfg, schedule, device_type: str = "cpu") -> tuple[bool, str]:
@@ -57,25 +60,40 @@ def plan_overlap(cfg, schedule, device_type: str = "cpu") -> tuple[bool, str]:
         # a rank's stream can wait on one lane's collective while its peer's waits on the
         # other's: a cycle (torchtitan orders the two threads' launches with barrier hooks;
         # none here yet). Correct, serial, and said.
-        return False, ("pipeline: DualPipeV's overlapped actions run forward then backward on "
-                       "CUDA (the two threads' kernel launches are not yet ordered across "
-                       "ranks; overlap runs on gloo)")
+        return False, (
+            "pipeline: DualPipeV's overlapped actions run forward then backward on "
+            "CUDA (the two threads' kernel launches are not yet ordered across "
+            "ranks; overlap runs on gloo)"
+        )
     if not supported(schedule):
-        return False, (f"pipeline: DualPipeV's overlapped actions run forward then backward "
-                       f"(torch {torch.__version__} cannot register an OVERLAP_F_B function)")
+        return False, (
+            f"pipeline: DualPipeV's overlapped actions run forward then backward "
+            f"(torch {torch.__version__} cannot register an OVERLAP_F_B function)"
+        )
     if not getattr(par, "pipeline_parallel_overlap", True):
-        return False, ("pipeline: DualPipeV's overlapped actions run forward then backward "
-                       "(parallelism.pipeline_parallel_overlap = false)")
-    unlaned = [f"{name} {degree}" for name, degree in
-               (("tp", par.tensor_parallel_degree), ("cp", par.context_parallel_degree))
-               if degree > 1]
+        return False, (
+            "pipeline: DualPipeV's overlapped actions run forward then backward "
+            "(parallelism.pipeline_parallel_overlap = false)"
+        )
+    unlaned = [
+        f"{name} {degree}"
+        for name, degree in (
+            ("tp", par.tensor_parallel_degree),
+            ("cp", par.context_parallel_degree),
+        )
+        if degree > 1
+    ]
     if unlaned:
-        return False, ("pipeline: DualPipeV's overlapped actions run forward then backward: "
-                       f"the stages' collectives under {', '.join(unlaned)} have no "
-                       "backward lane")
-    what = (f"the ep all-to-alls of one microbatch's backward (on twin groups) behind another's "
-            f"forward" if par.expert_parallel_degree > 1 else
-            "one microbatch's backward beside another's forward")
+        return False, (
+            "pipeline: DualPipeV's overlapped actions run forward then backward: "
+            f"the stages' collectives under {', '.join(unlaned)} have no "
+            "backward lane"
+        )
+    what = (
+        f"the ep all-to-alls of one microbatch's backward (on twin groups) behind another's forward"
+        if par.expert_parallel_degree > 1
+        else "one microbatch's backward beside another's forward"
+    )
     return True, f"pipeline: DualPipeV overlaps {what} (two threads per rank)"
 
 
@@ -131,8 +149,7 @@ def overlap_f_b(action, ctx) -> None:
         except BaseException as e:  # re-raised on the calling thread
             failed.append(e)
 
-    thread = threading.Thread(target=backward_lane, name=f"dualpipe-backward-{bwd}",
-                              daemon=True)
+    thread = threading.Thread(target=backward_lane, name=f"dualpipe-backward-{bwd}", daemon=True)
     thread.start()
     try:
         with lanes.lane(lanes.FORWARD), record_function(f"dualpipe F{fwd}"):
@@ -148,8 +165,9 @@ def _forward(schedule, stages: dict, action, ctx) -> None:
     The last stage's output is not kept for merging: PipelineLoop steps with
     return_outputs=False (the loss is the output)."""
     stage, mb = stages[action.stage_index], action.microbatch_index
-    output = stage.forward_one_chunk(mb, ctx.arg_mbs[mb], ctx.kwarg_mbs[mb],
-                                     save_forward_output=False)
+    output = stage.forward_one_chunk(
+        mb, ctx.arg_mbs[mb], ctx.kwarg_mbs[mb], save_forward_output=False
+    )
     schedule._maybe_compute_loss(stage, output, ctx.target_mbs, mb)
     if action.stage_index + 1 in stages:  # the V's turn: the next stage is this rank's
         stages[action.stage_index + 1].set_local_fwd_input(output, mb)

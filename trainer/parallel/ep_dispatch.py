@@ -72,8 +72,9 @@ class Flight:
 
 
 def _all_to_all(out, inp, route: Route, async_op: bool = False):
-    return dist.all_to_all_single(out, inp, route.recv, route.send,
-                                  group=lane_group(route.group), async_op=async_op)
+    return dist.all_to_all_single(
+        out, inp, route.recv, route.send, group=lane_group(route.group), async_op=async_op
+    )
 
 
 class _Exchange(torch.autograd.Function):
@@ -162,8 +163,11 @@ class Dispatcher:
         `per_source` [sources, local] counts them) -> their experts' weighted outputs in the
         same order."""
         local = self.local
-        expert_of_row = torch.arange(local, device=mine.device).repeat(per_source.shape[0]) \
+        expert_of_row = (
+            torch.arange(local, device=mine.device)
+            .repeat(per_source.shape[0])
             .repeat_interleave(per_source.reshape(-1), output_size=mine.shape[0])
+        )
         order = expert_of_row.argsort(stable=True)
         x = mine[order]
         rows = x[:, :-1]  # copied: the grouped GEMM wants 16-byte strides (an empty view not)
@@ -200,23 +204,28 @@ def node_layout(group, n_experts: int, n_group: int) -> tuple[int, str]:
     nodes = [r // per for r in ranks]
     n = len(set(nodes))
     if n_group != n:
-        return n, (f"moe.n_group = {n_group}, but the ep group's {len(ranks)} ranks span {n} "
-                   f"node(s) of {per} rank(s): node-limited dispatch needs one expert group "
-                   "per node")
+        return n, (
+            f"moe.n_group = {n_group}, but the ep group's {len(ranks)} ranks span {n} "
+            f"node(s) of {per} rank(s): node-limited dispatch needs one expert group "
+            "per node"
+        )
     width = len(ranks) // n_group
     for g in range(n_group):
-        if len(set(nodes[g * width:(g + 1) * width])) != 1:
-            return n, (f"expert group {g} (ep ranks {g * width}..{(g + 1) * width - 1}, global "
-                       f"{ranks[g * width:(g + 1) * width]}) spans several nodes: the ep group's "
-                       "ranks are not node-major")
+        if len(set(nodes[g * width : (g + 1) * width])) != 1:
+            return n, (
+                f"expert group {g} (ep ranks {g * width}..{(g + 1) * width - 1}, global "
+                f"{ranks[g * width : (g + 1) * width]}) spans several nodes: the ep group's "
+                "ranks are not node-major"
+            )
     return n, ""
 
 
 class NodeDispatch(Dispatcher):
     """Node-limited two-stage dispatch and combine (see the module docstring)."""
 
-    def __init__(self, group, n_experts: int, n_nodes: int, topk_group: int, top_k: int,
-                 save: bool):
+    def __init__(
+        self, group, n_experts: int, n_nodes: int, topk_group: int, top_k: int, save: bool
+    ):
         super().__init__(group, n_experts, save)
         self.top_k = top_k
         self.n_nodes, self.per_node = n_nodes, self.ep // n_nodes
@@ -225,8 +234,10 @@ class NodeDispatch(Dispatcher):
         self.node, self.lane = divmod(me, self.per_node)
 
     def describe(self) -> str:
-        return (f"node-limited: {self.n_nodes} nodes x {self.per_node} ep ranks, expert group g "
-                f"= node g's {self.group_size} experts; a token crosses to each chosen node once")
+        return (
+            f"node-limited: {self.n_nodes} nodes x {self.per_node} ep ranks, expert group g "
+            f"= node g's {self.group_size} experts; a token crosses to each chosen node once"
+        )
 
     @torch.compiler.disable
     def __call__(self, flat, weights, chosen, keep, experts, side=None):
@@ -234,15 +245,20 @@ class NodeDispatch(Dispatcher):
         t, k = chosen.shape
         valid = torch.ones_like(chosen, dtype=torch.bool) if keep is None else keep.view(t, k)
         node = chosen // g
-        present = torch.zeros(t, n, dtype=torch.int64, device=flat.device).scatter_add_(
-            1, node, valid.long()) > 0  # [T, N]: the (token, node) pairs
+        present = (
+            torch.zeros(t, n, dtype=torch.int64, device=flat.device).scatter_add_(
+                1, node, valid.long()
+            )
+            > 0
+        )  # [T, N]: the (token, node) pairs
         slot = torch.arange(n * t, device=flat.device)
         order = torch.where(present.t().reshape(-1), slot, n * t).argsort()  # by node, token
-        loads = expert_counts((chosen + valid.logical_not() * chosen.new_tensor(
-            n * g)).reshape(-1), 2 * n * g)[:n * g]
+        loads = expert_counts(
+            (chosen + valid.logical_not() * chosen.new_tensor(n * g)).reshape(-1), 2 * n * g
+        )[: n * g]
         table = self.count_table(loads, present.sum(0))
         received, (send1, recv1, send2, recv2) = self.exchange_counts(table, t)
-        pick = order[:sum(send1)]
+        pick = order[: sum(send1)]
         to, tok = pick.div(t, rounding_mode="floor"), pick % t
         mask = (node[tok] == to[:, None]) & valid[tok]  # [pairs, k]: choices on that node
         ids = torch.where(mask, chosen[tok] - to[:, None] * g, -1).to(torch.int32)
@@ -258,7 +274,7 @@ class NodeDispatch(Dispatcher):
         # This rank forwards its received pairs' choices to their owners on its node, sorted
         # by (owner, expert): the owner's rows come grouped by expert from each forwarder.
         ids_flat = ids1.reshape(-1).long()
-        order2 = torch.where(ids_flat >= 0, ids_flat, g).argsort(stable=True)[:sum(send2)]
+        order2 = torch.where(ids_flat >= 0, ids_flat, g).argsort(stable=True)[: sum(send2)]
         row = order2.div(k, rounding_mode="floor")
         dim = flat.shape[1]
         x2 = torch.cat([x1[row, :dim], x1[:, dim:].reshape(-1)[order2, None]], 1)
@@ -283,7 +299,7 @@ class NodeDispatch(Dispatcher):
         table[:, :local] = loads.view(self.ep, local)
         peers = torch.arange(n, device=loads.device) * per + self.lane
         table[peers, local] = pairs
-        table[peers, local + 1:] = loads.view(n, per, local).sum(-1)
+        table[peers, local + 1 :] = loads.view(n, per, local).sum(-1)
         return table
 
     def sizes(self, table: torch.Tensor, received: torch.Tensor) -> torch.Tensor:
@@ -292,7 +308,7 @@ class NodeDispatch(Dispatcher):
         out = table.new_zeros(4, self.ep)
         out[0], out[1] = table[:, local], received[:, local]
         mine = slice(self.node * per, (self.node + 1) * per)
-        out[2, mine] = received[:, local + 1:].sum(0)
+        out[2, mine] = received[:, local + 1 :].sum(0)
         out[3, mine] = received[:, :local].view(n, per, local).sum((0, 2))
         return out
 

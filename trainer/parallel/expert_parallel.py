@@ -38,8 +38,14 @@ from torch.distributed.tensor import Shard, distribute_tensor
 
 from trainer.errors import ConfigError
 from trainer.models.moe import MoE, capacity, expert_counts, moe_layers
-from trainer.parallel.ep_dispatch import (Dispatcher, NodeDispatch, Route, exchange,
-                                          node_layout, scatter_sum)
+from trainer.parallel.ep_dispatch import (
+    Dispatcher,
+    NodeDispatch,
+    Route,
+    exchange,
+    node_layout,
+    scatter_sum,
+)
 
 
 class AllToAllDispatch(Dispatcher):
@@ -61,7 +67,7 @@ class AllToAllDispatch(Dispatcher):
         # the kept pairs' static bound (what the traced dry run's perfect balance sends)
         bound = t * k if keep is None else min(t * k, n_experts * capacity(self.moe, t))
         received, (send, recv) = self.exchange_counts(counts, bound)
-        pair = order[:sum(send)]
+        pair = order[: sum(send)]
         token = pair.div(k, rounding_mode="floor")
         rows = torch.cat([flat[token], weights.reshape(-1)[pair, None].to(flat.dtype)], 1)
         route = Route(self.group, send, recv)
@@ -93,14 +99,17 @@ def choose_dispatcher(group, moe) -> Dispatcher:
     if moe.dispatch == "node" and why:
         raise ConfigError(f"moe.dispatch = 'node': {why}")
     if moe.capacity_factor > 0 and moe.dispatch == "node":
-        raise ConfigError("moe.dispatch = 'node' is dropless: set moe.capacity_factor = 0 or "
-                          "moe.dispatch = 'flat'")
+        raise ConfigError(
+            "moe.dispatch = 'node' is dropless: set moe.capacity_factor = 0 or "
+            "moe.dispatch = 'flat'"
+        )
     # Only the node-limited dispatch keeps its inter-node rows for the recompute (topk_group
     # rows per token); the flat dispatch's top_k rows per token would cost too much memory
     # (Kimi K2 on 512 H100s: +52 GiB per rank, DOES NOT FIT), so it sends them again.
     save = moe.save_dispatch and nodes > 1
-    if moe.dispatch == "node" or (moe.dispatch == "auto" and nodes > 1 and not why
-                                  and moe.capacity_factor == 0):
+    if moe.dispatch == "node" or (
+        moe.dispatch == "auto" and nodes > 1 and not why and moe.capacity_factor == 0
+    ):
         return NodeDispatch(group, moe.n_experts, nodes, moe.topk_group, moe.top_k, save)
     flat = AllToAllDispatch(group, moe.n_experts, False)
     flat.moe = moe  # the capacity's bound on the trace
@@ -117,17 +126,24 @@ def apply_ep(model: nn.Module, ep_mesh) -> None:
     for moe in moe_layers(model).values():
         experts = moe.experts
         for name, param in list(experts.named_parameters(recurse=False)):
-            experts.register_parameter(name, nn.Parameter(distribute_tensor(
-                param, ep_mesh, [Shard(0)], src_data_rank=None)))
+            experts.register_parameter(
+                name,
+                nn.Parameter(distribute_tensor(param, ep_mesh, [Shard(0)], src_data_rank=None)),
+            )
         moe.dispatcher = choose_dispatcher(group, moe.moe)
         if not said:  # the startup line (stderr in the plan: its stdout may be JSON)
-            line = (f"expert parallel {ep_mesh.size()}, dispatch {moe.moe.dispatch}: "
-                    f"{moe.dispatcher.describe()}")
+            line = (
+                f"expert parallel {ep_mesh.size()}, dispatch {moe.moe.dispatch}: "
+                f"{moe.dispatcher.describe()}"
+            )
             log0(line) if "RANK" in os.environ else print(line, file=sys.stderr)
             said = True
 
 
 def expert_modules(model: nn.Module) -> list[nn.Module]:
     """The experts (GroupedExperts) of every MoE block of `model` that ep has placed."""
-    return [m.experts for m in moe_layers(model).values()
-            if isinstance(m, MoE) and m.dispatcher is not None]
+    return [
+        m.experts
+        for m in moe_layers(model).values()
+        if isinstance(m, MoE) and m.dispatcher is not None
+    ]

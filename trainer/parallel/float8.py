@@ -25,37 +25,58 @@ INSTALL_HINT = 'pip install -e ".[float8]"'
 class Float8:
     """float8 training of the blocks' linear layers on CUDA (docs/performance.md)."""
 
-    enable: bool = opt(False, "Train the blocks' linear layers in float8 (torchao Float8Linear; "
-                       "CUDA sm >= 89, torchao)")
-    recipe: str = opt("tensorwise", "Scaling: tensorwise (one scale per tensor) or rowwise",
-                      choices=("tensorwise", "rowwise"))
+    enable: bool = opt(
+        False,
+        "Train the blocks' linear layers in float8 (torchao Float8Linear; CUDA sm >= 89, torchao)",
+    )
+    recipe: str = opt(
+        "tensorwise",
+        "Scaling: tensorwise (one scale per tensor) or rowwise",
+        choices=("tensorwise", "rowwise"),
+    )
     enable_fsdp_float8_all_gather: bool = opt(
-        True, "tensorwise: all-gather the FSDP-sharded weights in float8 (half the bytes)")
-    filter_fqns: list[str] = opt(["output"], "Linear layers whose name contains one of these "
-                                 "stay in bf16 (the output head by default)")
-    moe: bool = opt(False, "MoE experts' grouped GEMMs in rowwise float8 (torch._scaled_grouped_mm, "
-                    "CUDA sm >= 90; trainer/parallel/float8_moe.py); independent of enable")
-    moe_emulate: bool = opt(False, "With moe: quantize as float8 but multiply dequantized values "
-                            "in fp32 (any device: tests of the numerics, no speed)")
+        True, "tensorwise: all-gather the FSDP-sharded weights in float8 (half the bytes)"
+    )
+    filter_fqns: list[str] = opt(
+        ["output"],
+        "Linear layers whose name contains one of these stay in bf16 (the output head by default)",
+    )
+    moe: bool = opt(
+        False,
+        "MoE experts' grouped GEMMs in rowwise float8 (torch._scaled_grouped_mm, "
+        "CUDA sm >= 90; trainer/parallel/float8_moe.py); independent of enable",
+    )
+    moe_emulate: bool = opt(
+        False,
+        "With moe: quantize as float8 but multiply dequantized values "
+        "in fp32 (any device: tests of the numerics, no speed)",
+    )
 
 
 def check_config(f8: Float8, device: str) -> None:
     """Torch-free checks: not on the CPU, and torchao importable."""
     if f8.moe_emulate and not f8.moe:
-        raise ConfigError("float8.moe_emulate = true emulates float8.moe, which is off; set "
-                          "float8.moe = true too, or turn moe_emulate off")
+        raise ConfigError(
+            "float8.moe_emulate = true emulates float8.moe, which is off; set "
+            "float8.moe = true too, or turn moe_emulate off"
+        )
     if f8.moe and not f8.moe_emulate and device == "cpu":
-        raise ConfigError("float8.moe = true needs a CUDA GPU with compute capability >= 9.0 "
-                          "(H100, H200, B200); training.device is 'cpu' (float8.moe_emulate = "
-                          "true checks the numerics on any device, without the speed)")
+        raise ConfigError(
+            "float8.moe = true needs a CUDA GPU with compute capability >= 9.0 "
+            "(H100, H200, B200); training.device is 'cpu' (float8.moe_emulate = "
+            "true checks the numerics on any device, without the speed)"
+        )
     if not f8.enable:
         return
     if device == "cpu":
-        raise ConfigError("float8.enable = true needs a CUDA GPU with compute capability >= 8.9 "
-                          "(H100, H200, L40S, B200); training.device is 'cpu'")
+        raise ConfigError(
+            "float8.enable = true needs a CUDA GPU with compute capability >= 8.9 "
+            "(H100, H200, L40S, B200); training.device is 'cpu'"
+        )
     if importlib.util.find_spec("torchao") is None:
-        raise ConfigError(f"float8.enable = true needs torchao, which is not installed: "
-                          f"{INSTALL_HINT}")
+        raise ConfigError(
+            f"float8.enable = true needs torchao, which is not installed: {INSTALL_HINT}"
+        )
 
 
 def check_device(f8: Float8, device) -> None:
@@ -67,12 +88,16 @@ def check_device(f8: Float8, device) -> None:
     if not f8.enable:
         return
     if device.type != "cuda":
-        raise ConfigError(f"float8.enable = true needs a CUDA GPU with compute capability >= "
-                          f"8.9; this run is on {device.type}")
+        raise ConfigError(
+            f"float8.enable = true needs a CUDA GPU with compute capability >= "
+            f"8.9; this run is on {device.type}"
+        )
     major, minor = torch.cuda.get_device_capability(device)
     if (major, minor) < (8, 9):
-        raise ConfigError(f"float8.enable = true needs compute capability >= 8.9; "
-                          f"{torch.cuda.get_device_name(device)} has {major}.{minor}")
+        raise ConfigError(
+            f"float8.enable = true needs compute capability >= 8.9; "
+            f"{torch.cuda.get_device_name(device)} has {major}.{minor}"
+        )
 
 
 def check_grouped_device(device) -> None:
@@ -80,15 +105,21 @@ def check_grouped_device(device) -> None:
     import torch
 
     if device.type != "cuda":
-        raise ConfigError(f"float8.moe = true needs a CUDA GPU with compute capability >= 9.0; "
-                          f"this run is on {device.type}")
+        raise ConfigError(
+            f"float8.moe = true needs a CUDA GPU with compute capability >= 9.0; "
+            f"this run is on {device.type}"
+        )
     if not hasattr(torch, "_scaled_grouped_mm"):
-        raise ConfigError(f"float8.moe = true needs torch._scaled_grouped_mm, which torch "
-                          f"{torch.__version__} lacks (torch >= 2.8)")
+        raise ConfigError(
+            f"float8.moe = true needs torch._scaled_grouped_mm, which torch "
+            f"{torch.__version__} lacks (torch >= 2.8)"
+        )
     major, minor = torch.cuda.get_device_capability(device)
     if major < 9:
-        raise ConfigError(f"float8.moe = true needs compute capability >= 9.0; "
-                          f"{torch.cuda.get_device_name(device)} has {major}.{minor}")
+        raise ConfigError(
+            f"float8.moe = true needs compute capability >= 9.0; "
+            f"{torch.cuda.get_device_name(device)} has {major}.{minor}"
+        )
 
 
 def apply_float8(model, f8: Float8) -> None:
@@ -97,16 +128,17 @@ def apply_float8(model, f8: Float8) -> None:
     from torchao.float8 import Float8LinearConfig, convert_to_float8_training
 
     if f8.recipe == "tensorwise":
-        config = Float8LinearConfig(
-            enable_fsdp_float8_all_gather=f8.enable_fsdp_float8_all_gather)
+        config = Float8LinearConfig(enable_fsdp_float8_all_gather=f8.enable_fsdp_float8_all_gather)
     else:
         config = Float8LinearConfig.from_recipe_name(f8.recipe)
     # MoE routers stay in bf16, as in torchtitan: few outputs (E experts, 8 in debugmodel-moe,
     # below float8 GEMMs' multiple of 16) and the top-k choice is sensitive to their precision.
     skip = (*f8.filter_fqns, "router.gate")
     convert_to_float8_training(
-        model, config=config,
-        module_filter_fn=lambda mod, fqn: not any(name in fqn for name in skip))
+        model,
+        config=config,
+        module_filter_fn=lambda mod, fqn: not any(name in fqn for name in skip),
+    )
 
 
 def after_optimizer_step(model, f8: Float8) -> None:

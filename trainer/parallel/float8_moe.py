@@ -45,8 +45,9 @@ def scaled_grouped_mm(a, a_scale, b_q, b_scale, offs, out_dtype, emulate: bool):
         a_f = a.float() * a_scale[:, None]
         b_f = b_q.float() * b_scale[:, None, :]
         return torch._grouped_mm(a_f, b_f, offs=offs).to(out_dtype)
-    return torch._scaled_grouped_mm(a, b_q, a_scale, b_scale, offs=offs, out_dtype=out_dtype,
-                                    use_fast_accum=True)
+    return torch._scaled_grouped_mm(
+        a, b_q, a_scale, b_scale, offs=offs, out_dtype=out_dtype, use_fast_accum=True
+    )
 
 
 class _Float8GroupedLinear(torch.autograd.Function):
@@ -81,8 +82,9 @@ def padded_layout(counts: torch.Tensor, rows: int):
     padded = (ext + ALIGN - 1) // ALIGN * ALIGN
     pstart = padded.cumsum(0) - padded
     start = ext.cumsum(0) - ext
-    group = torch.repeat_interleave(torch.arange(e + 1, device=counts.device), ext,
-                                    output_size=rows)
+    group = torch.repeat_interleave(
+        torch.arange(e + 1, device=counts.device), ext, output_size=rows
+    )
     dest = pstart[group] + torch.arange(rows, device=counts.device) - start[group]
     offs = padded[:e].cumsum(0).to(torch.int32)
     return dest, offs, rows + ALIGN * (e + 1)
@@ -112,6 +114,8 @@ def apply_float8_experts(model, emulate: bool) -> int:
     for moe in layers.values():
         moe.experts.__class__ = Float8GroupedExperts
         moe.experts.emulate = emulate
-    log0(f"float8 experts: {len(layers)} MoE layers as rowwise float8 grouped GEMMs (forward and "
-         f"input gradients; weight gradients exact){', emulated in fp32' if emulate else ''}")
+    log0(
+        f"float8 experts: {len(layers)} MoE layers as rowwise float8 grouped GEMMs (forward and "
+        f"input gradients; weight gradients exact){', emulated in fp32' if emulate else ''}"
+    )
     return len(layers)

@@ -28,9 +28,16 @@ def reshard_policy(policy: str) -> tuple[bool | int, bool]:
     return fixed[policy] if policy in fixed else (int(policy), False)
 
 
-def apply_fsdp(model: torch.nn.Module, mesh, *, param_dtype: str, reduce_dtype: str,
-               reshard_after_forward: str, offload: OffloadPolicy | None = None,
-               experts=None) -> None:
+def apply_fsdp(
+    model: torch.nn.Module,
+    mesh,
+    *,
+    param_dtype: str,
+    reduce_dtype: str,
+    reshard_after_forward: str,
+    offload: OffloadPolicy | None = None,
+    experts=None,
+) -> None:
     """FSDP over a 1-D `dp_shard` mesh, or HSDP over the 2-D `(dp_replicate, dp_shard)` mesh,
     of a Transformer or a pipeline stage (the same attribute names, either end None).
     `offload`: e.g. CPUOffloadPolicy (sharded params, grads and optimizer state in host
@@ -40,8 +47,9 @@ def apply_fsdp(model: torch.nn.Module, mesh, *, param_dtype: str, reduce_dtype: 
     the sum over every ep rank's tokens, the tp ranks' among them: ParallelDims.
     expert_grad_divisor), all-gathered with their block (explicit forward prefetch)."""
     mp = MixedPrecisionPolicy(param_dtype=DTYPE[param_dtype], reduce_dtype=DTYPE[reduce_dtype])
-    shard = functools.partial(fully_shard, mesh=mesh, mp_policy=mp,
-                              offload_policy=offload or OffloadPolicy())
+    shard = functools.partial(
+        fully_shard, mesh=mesh, mp_policy=mp, offload_policy=offload or OffloadPolicy()
+    )
     blocks, head = reshard_policy(reshard_after_forward)
     mtp = list((getattr(model, "mtp", None) or {}).values())  # multi-token prediction
     for block in [*model.layers.values(), *(m.block for m in mtp)]:
@@ -49,8 +57,12 @@ def apply_fsdp(model: torch.nn.Module, mesh, *, param_dtype: str, reduce_dtype: 
         if experts is not None and grouped is not None:
             # The innermost dim's size (efsdp, or efsdp x cp); size(-1) fails on torch 2.11.
             efsdp = experts[0].size(experts[0].ndim - 1)
-            shard(grouped, mesh=experts[0], reshard_after_forward=bool(blocks),
-                  shard_placement_fn=functools.partial(expert_placement, shards=efsdp))
+            shard(
+                grouped,
+                mesh=experts[0],
+                reshard_after_forward=bool(blocks),
+                shard_placement_fn=functools.partial(expert_placement, shards=efsdp),
+            )
             grouped.set_gradient_divide_factor(float(experts[1]))
             if experts[0].device_type == "cpu" and efsdp > 1:
                 # gloo has no PREMUL_SUM: sum, then divide. (Not with one efsdp rank: FSDP

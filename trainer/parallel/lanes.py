@@ -72,8 +72,9 @@ def make_twins(groups) -> int:
         if g is not None and g not in _TWINS:
             mine.setdefault(tuple(dist.get_process_group_ranks(g)), []).append(g)
     gathered: list = [None] * dist.get_world_size()
-    dist.all_gather_object(gathered, [(ranks, str(dist.get_backend(gs[0])))
-                                      for ranks, gs in mine.items()])
+    dist.all_gather_object(
+        gathered, [(ranks, str(dist.get_backend(gs[0]))) for ranks, gs in mine.items()]
+    )
     for ranks, backend in sorted({entry for each in gathered for entry in each}):
         twin = dist.new_group(list(ranks), backend=backend)
         for g in mine.get(ranks, ()):

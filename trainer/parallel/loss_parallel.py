@@ -44,8 +44,15 @@ def vocab_parallel_project(h, weight: DTensor, labels=None, loss_fn=None) -> tor
     return loss_fn(h.to_local(), weight.full_tensor(), labels)
 
 
-def vocab_parallel_chunk(h: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor,
-                         want_grad: bool, z_loss_weight: float = 0.0, *, group):
+def vocab_parallel_chunk(
+    h: torch.Tensor,
+    weight: torch.Tensor,
+    labels: torch.Tensor,
+    want_grad: bool,
+    z_loss_weight: float = 0.0,
+    *,
+    group,
+):
     """trainer.models.loss.chunk_loss_and_grad for a weight shard of vocab / tp rows (this rank's
     rows are [rank * n, (rank + 1) * n) of the vocab): the same (loss, z, grad) contract, with
     grad holding only this rank's columns. Every tp rank returns the same loss and z."""

@@ -38,8 +38,16 @@ class MicrobatchLoop:
     and any number of microbatches.
     """
 
-    def __init__(self, model: torch.nn.Module, loss_fn: Loss, *, sync_mode: str, dp_size: int,
-                 device: torch.device, documents: MicrobatchDocuments | None = None):
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        loss_fn: Loss,
+        *,
+        sync_mode: str,
+        dp_size: int,
+        device: torch.device,
+        documents: MicrobatchDocuments | None = None,
+    ):
         self.model, self.loss_fn, self.sync_mode = model, loss_fn, sync_mode
         self.dp_size, self.device = dp_size, device
         self.documents = documents  # (inputs, labels) -> document ids, with documents
@@ -55,10 +63,14 @@ class MicrobatchLoop:
             # The model's head computes the summed token loss (trainer/models/loss.py): no
             # logits here. Document ids let the model mask and position per document, and
             # keep the MTP targets in their documents.
-            future = None if window is None else \
-                future_labels(labels, self.model.args.mtp_layers, window)
-            loss = self.model(inputs, labels=labels, loss_fn=self.loss_fn, doc_ids=doc_ids,
-                              future=future)
+            future = (
+                None
+                if window is None
+                else future_labels(labels, self.model.args.mtp_layers, window)
+            )
+            loss = self.model(
+                inputs, labels=labels, loss_fn=self.loss_fn, doc_ids=doc_ids, future=future
+            )
             loss = loss / global_tokens
             if i == 0:
                 faults.armed().first_forward(step)  # a testing hook; nothing unless asked
@@ -72,25 +84,42 @@ class MicrobatchLoop:
             loss_sum += loss.detach()
         sum_partial_grads(self.model)  # tp ranks' shares of the MoE gradients (tp.py)
         mtp = self.loss_fn.take_mtp_loss()
-        return Losses(loss_sum, self.loss_fn.take_z_loss(), aux,
-                      None if mtp is None else mtp / global_tokens)
+        return Losses(
+            loss_sum, self.loss_fn.take_z_loss(), aux, None if mtp is None else mtp / global_tokens
+        )
 
 
-def build_forward_backward(model: torch.nn.Module, loss_fn: Loss, cfg, *, parallel_dims,
-                           device: torch.device, loader=None) -> ForwardBackward:
+def build_forward_backward(
+    model: torch.nn.Module, loss_fn: Loss, cfg, *, parallel_dims, device: torch.device, loader=None
+) -> ForwardBackward:
     """The seam for `cfg`'s parallelism: a pipeline schedule with pp > 1 (trainer/parallel/
     pipeline.py), context parallelism's loop with cp > 1 (context_parallel.py), else the
     microbatch loop."""
-    common = dict(sync_mode=cfg.training.gradient_accumulation_sync,
-                  dp_size=parallel_dims.dp_size, device=device,
-                  documents=microbatch_documents(model, loader))
+    common = dict(
+        sync_mode=cfg.training.gradient_accumulation_sync,
+        dp_size=parallel_dims.dp_size,
+        device=device,
+        documents=microbatch_documents(model, loader),
+    )
     if parallel_dims.pp_enabled:
-        return PipelineLoop(model, loss_fn, cfg, dp_size=parallel_dims.dp_size, device=device,
-                            documents=common["documents"],
-                            cp_mesh=parallel_dims.cp_mesh if parallel_dims.cp_enabled else None)
+        return PipelineLoop(
+            model,
+            loss_fn,
+            cfg,
+            dp_size=parallel_dims.dp_size,
+            device=device,
+            documents=common["documents"],
+            cp_mesh=parallel_dims.cp_mesh if parallel_dims.cp_enabled else None,
+        )
     if parallel_dims.cp_enabled:
-        return ContextParallelLoop(model, loss_fn, cp_mesh=parallel_dims.cp_mesh,
-                                   seq_len=cfg.training.seq_len, model_cfg=cfg.model, **common)
+        return ContextParallelLoop(
+            model,
+            loss_fn,
+            cp_mesh=parallel_dims.cp_mesh,
+            seq_len=cfg.training.seq_len,
+            model_cfg=cfg.model,
+            **common,
+        )
     return MicrobatchLoop(model, loss_fn, **common)
 
 
@@ -103,11 +132,13 @@ def microbatch_documents(model: torch.nn.Module, loader) -> MicrobatchDocuments 
         return None
     keeps_apart = getattr(model, "uses_documents", False)
     mtp = model.args.mtp_layers > 0 and (
-        keeps_apart or not getattr(loader, "predict_document_start", True))
+        keeps_apart or not getattr(loader, "predict_document_start", True)
+    )
     if not (keeps_apart or mtp):
         return None
-    return MicrobatchDocuments(loader.document_ids, getattr(loader, "delimiters", None),
-                               model=keeps_apart, mtp=mtp)
+    return MicrobatchDocuments(
+        loader.document_ids, getattr(loader, "delimiters", None), model=keeps_apart, mtp=mtp
+    )
 
 
 def forward_only_split(cfg, *, parallel_dims, device: torch.device):

@@ -24,8 +24,11 @@ import functools
 
 import torch
 from torch.distributed.fsdp import CPUOffloadPolicy
-from torch.utils.checkpoint import (CheckpointPolicy, checkpoint,
-                                    create_selective_checkpoint_contexts)
+from torch.utils.checkpoint import (
+    CheckpointPolicy,
+    checkpoint,
+    create_selective_checkpoint_contexts,
+)
 
 from trainer.parallel.expert_parallel import apply_ep
 from trainer.parallel.float8 import apply_float8
@@ -71,9 +74,11 @@ _ALL_GATHER = torch.ops._c10d_functional.all_gather_into_tensor.default
 # group of their own inside the checkpointed block, and their hooks open a different number of
 # ranges in the forward and in the recompute, which selective checkpointing's op count would
 # take for a changed computation; it ignores them, as it does detach.
-_IGNORED = [torch.ops.profiler._record_function_enter_new.default,
-            torch.ops.profiler._record_function_exit._RecordFunction,
-            torch.ops.profiler._record_function_exit.default]
+_IGNORED = [
+    torch.ops.profiler._record_function_enter_new.default,
+    torch.ops.profiler._record_function_exit._RecordFunction,
+    torch.ops.profiler._record_function_exit.default,
+]
 if hasattr(torch.utils.checkpoint, "SAC_IGNORED_OPS"):
     torch.utils.checkpoint.SAC_IGNORED_OPS.update(_IGNORED)
 
@@ -137,8 +142,9 @@ def apply_compile(model: Transformer, mode: str = "default") -> None:
         block.forward = torch.compile(block.forward, mode=None if mode == "default" else mode)
 
 
-def parallelize(model: Transformer, parallel_dims, cfg, *, device: torch.device,
-                param_dtype: str) -> Transformer:
+def parallelize(
+    model: Transformer, parallel_dims, cfg, *, device: torch.device, param_dtype: str
+) -> Transformer:
     """AC, compile and shard `model` (built on meta) per `cfg` (a JobConfig), then materialise
     and initialise it. `param_dtype` is the resolved compute dtype (trainer.device)."""
     shard_model(model, parallel_dims, cfg, device=device, param_dtype=param_dtype)
@@ -147,8 +153,9 @@ def parallelize(model: Transformer, parallel_dims, cfg, *, device: torch.device,
     return model
 
 
-def shard_model(model: Transformer, parallel_dims, cfg, *, device: torch.device,
-                param_dtype: str) -> Transformer:
+def shard_model(
+    model: Transformer, parallel_dims, cfg, *, device: torch.device, param_dtype: str
+) -> Transformer:
     """float8, TP, AC, compile and FSDP on the meta device: nothing is allocated yet. The traced
     dry run (trainer/plan/trace.py) calls this outside its fake-tensor mode (the meshes' own
     bookkeeping needs real tensors), then `materialize` inside it."""
@@ -162,9 +169,12 @@ def shard_model(model: Transformer, parallel_dims, cfg, *, device: torch.device,
     if parallel_dims.ep_enabled:  # the experts split over ep, before FSDP wraps them
         apply_ep(model, parallel_dims.ep_mesh)
     if parallel_dims.tp_enabled:
-        apply_tp(model, parallel_dims.tp_mesh,
-                 float8_tensorwise=cfg.float8.enable and cfg.float8.recipe == "tensorwise",
-                 async_tp=cfg.parallelism.enable_async_tensor_parallel)
+        apply_tp(
+            model,
+            parallel_dims.tp_mesh,
+            float8_tensorwise=cfg.float8.enable and cfg.float8.recipe == "tensorwise",
+            async_tp=cfg.parallelism.enable_async_tensor_parallel,
+        )
     if parallel_dims.cp_enabled:  # each cp rank routes its own sequence shard
         for moe in moe_layers(model).values():
             moe.token_group = parallel_dims.token_group  # the aux losses' statistics
@@ -181,16 +191,21 @@ def shard_model(model: Transformer, parallel_dims, cfg, *, device: torch.device,
         reshard = "never"
     # Under pp each stage is an FSDP root: the schedule drives its gradient sync.
     for root in model.pipeline_stages if parallel_dims.pp_enabled else [model]:
-        apply_fsdp(root, parallel_dims.fsdp_mesh,
-                   param_dtype=param_dtype,
-                   reduce_dtype=cfg.training.mixed_precision_reduce,
-                   reshard_after_forward=reshard,
-                   # Pinned host memory (fast, overlapped copies) exists only with CUDA; a CPU
-                   # run rejects offload (trainer.config.job), tests use it unpinned on CPU.
-                   offload=(CPUOffloadPolicy(pin_memory=device.type == "cuda") if offload
-                            else None),
-                   experts=((parallel_dims.expert_fsdp_mesh, parallel_dims.expert_grad_divisor)
-                            if parallel_dims.ep_enabled else None))
+        apply_fsdp(
+            root,
+            parallel_dims.fsdp_mesh,
+            param_dtype=param_dtype,
+            reduce_dtype=cfg.training.mixed_precision_reduce,
+            reshard_after_forward=reshard,
+            # Pinned host memory (fast, overlapped copies) exists only with CUDA; a CPU
+            # run rejects offload (trainer.config.job), tests use it unpinned on CPU.
+            offload=(CPUOffloadPolicy(pin_memory=device.type == "cuda") if offload else None),
+            experts=(
+                (parallel_dims.expert_fsdp_mesh, parallel_dims.expert_grad_divisor)
+                if parallel_dims.ep_enabled
+                else None
+            ),
+        )
     return model
 
 

@@ -39,13 +39,21 @@ from trainer.parallel.context_parallel import ContextSplit
 from trainer.parallel.fsdp import fsdp_param_groups
 from trainer.parallel.seam import Losses
 from trainer.parallel.tp import sum_partial_grads
-from trainer.parallel.pp_layout import (StageSpec, bubble_fraction, check_microbatches,
-                                        check_pipeline, describe_split, rank_stages,
-                                        schedule as find_schedule, stage_rank)
+from trainer.parallel.pp_layout import (
+    StageSpec,
+    bubble_fraction,
+    check_microbatches,
+    check_pipeline,
+    describe_split,
+    rank_stages,
+    schedule as find_schedule,
+    stage_rank,
+)
 
 
 try:  # torch >= 2.12: two stages on one rank pass activations without p2p (V schedules)
     from torch.distributed.pipelining._utils import InferenceMode  # noqa: F401
+
     _SAME_RANK_STAGES = True
 except ImportError:
     _SAME_RANK_STAGES = False
@@ -70,10 +78,16 @@ class StageModule(nn.Module):
         self.loss_fn = None  # the training loss (PipelineLoop sets it)
         self.cp = None  # under PP x CP, the ContextSplit (PipelineLoop sets it)
 
-    def forward(self, x: torch.Tensor, labels: torch.Tensor | None = None,
-                doc_ids: torch.Tensor | None = None, loss_fn=None,
-                positions: torch.Tensor | None = None,
-                future: torch.Tensor | None = None, attention=None) -> torch.Tensor:
+    def forward(
+        self,
+        x: torch.Tensor,
+        labels: torch.Tensor | None = None,
+        doc_ids: torch.Tensor | None = None,
+        loss_fn=None,
+        positions: torch.Tensor | None = None,
+        future: torch.Tensor | None = None,
+        attention=None,
+    ) -> torch.Tensor:
         """Tokens (first stage) or the previous stage's activations -> activations, or (last
         stage) the summed token loss with labels, the logits without. Under PP x CP a
         training step passes this rank's `positions` [b, local] and the whole samples'
@@ -94,9 +108,13 @@ class StageModule(nn.Module):
         if first:
             h = self.tok_embeddings(x)
             if mtp:
-                extra = [self.tok_embeddings(tokens) for tokens, _ in
-                         mtp_streams(labels, future_labels(labels, root.args.mtp_layers)
-                                     if future is None else future)]
+                extra = [
+                    self.tok_embeddings(tokens)
+                    for tokens, _ in mtp_streams(
+                        labels,
+                        future_labels(labels, root.args.mtp_layers) if future is None else future,
+                    )
+                ]
         else:
             h, *extra = x.chunk(1 + root.args.mtp_layers, dim=-1) if mtp else (x,)
         if positions is not None and (self.cp is not None or attention is not None):
@@ -135,8 +153,16 @@ class PipelinedModel(Transformer):
             whole = self.family(self.args)
         return [(name, tuple(p.shape)) for name, p in whole.named_parameters()]
 
-    def forward(self, tokens: torch.Tensor, labels: torch.Tensor | None = None, loss_fn=None,
-                *, doc_ids: torch.Tensor | None = None, positions=None, attention=None):
+    def forward(
+        self,
+        tokens: torch.Tensor,
+        labels: torch.Tensor | None = None,
+        loss_fn=None,
+        *,
+        doc_ids: torch.Tensor | None = None,
+        positions=None,
+        attention=None,
+    ):
         """`positions` and `attention`: context parallelism's, for this rank's share of every
         sequence (validation and evals under PP x CP): every stage attends through it."""
         if (positions is None) != (attention is None):
@@ -149,8 +175,14 @@ class PipelinedModel(Transformer):
                 continue
             if s > 0 and self.stage_ranks[s - 1] != me:
                 h = _recv(dist.get_global_rank(group, self.stage_ranks[s - 1]), group)
-            h = mine[s](h, labels=labels, doc_ids=doc_ids, loss_fn=loss_fn,
-                        positions=positions, attention=attention)
+            h = mine[s](
+                h,
+                labels=labels,
+                doc_ids=doc_ids,
+                loss_fn=loss_fn,
+                positions=positions,
+                attention=attention,
+            )
             if s + 1 < len(self.stage_ranks) and self.stage_ranks[s + 1] != me:
                 _send(h, dist.get_global_rank(group, self.stage_ranks[s + 1]), group)
             out = h if s == len(self.stage_ranks) - 1 else None
@@ -197,8 +229,11 @@ _DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.float64, torch.in
 
 
 def _header(t: torch.Tensor) -> torch.Tensor:
-    return torch.tensor([_DTYPES.index(t.dtype), t.dim(), *t.shape, *[0] * (6 - t.dim())],
-                        dtype=torch.int64, device=t.device)
+    return torch.tensor(
+        [_DTYPES.index(t.dtype), t.dim(), *t.shape, *[0] * (6 - t.dim())],
+        dtype=torch.int64,
+        device=t.device,
+    )
 
 
 def _from_header(header: torch.Tensor, device) -> torch.Tensor:
@@ -223,8 +258,11 @@ def _recv(src: int, group) -> torch.Tensor:
 
 def _broadcast(t: torch.Tensor | None, src: int, group) -> torch.Tensor:
     device = _device(group)
-    header = _header(t.contiguous()) if t is not None else torch.empty(
-        8, dtype=torch.int64, device=device)
+    header = (
+        _header(t.contiguous())
+        if t is not None
+        else torch.empty(8, dtype=torch.int64, device=device)
+    )
     dist.broadcast(header, src, group=group)
     out = t.contiguous() if t is not None else _from_header(header, device)
     dist.broadcast(out, src, group=group)
@@ -242,9 +280,14 @@ def split_model(model: Transformer, cfg, pp_mesh) -> list[StageModule]:
     """Prune the meta `model` to this pp rank's stages (in place; its class becomes
     PipelinedModel) and return their StageModules."""
     par = cfg.parallelism
-    specs = check_pipeline(par, cfg.training, model.args.n_layers,
-                           model.args.tie_word_embeddings, cfg.model.flavor,
-                           unit_flops(model.args, cfg.training.seq_len))
+    specs = check_pipeline(
+        par,
+        cfg.training,
+        model.args.n_layers,
+        model.args.tie_word_embeddings,
+        cfg.model.flavor,
+        unit_flops(model.args, cfg.training.seq_len),
+    )
     sched, pp = find_schedule(par.pipeline_parallel_schedule), par.pipeline_parallel_degree
     me = pp_mesh.get_local_rank()
     mine = [specs[s] for s in rank_stages(me, pp, len(specs), sched.style)]
@@ -256,8 +299,11 @@ def split_model(model: Transformer, cfg, pp_mesh) -> list[StageModule]:
     if not any(spec.head for spec in mine):
         model.norm = model.output = model.mtp = None
     family = type(model)  # Qwen3Next keeps its own init and documents under the pipeline
-    model.__class__ = PipelinedModel if family is Transformer else type(
-        f"Pipelined{family.__name__}", (PipelinedModel, family), {"family": family})
+    model.__class__ = (
+        PipelinedModel
+        if family is Transformer
+        else type(f"Pipelined{family.__name__}", (PipelinedModel, family), {"family": family})
+    )
     model.pp_group = pp_mesh.get_group()
     model.stage_ranks = [stage_rank(s, pp, sched.style) for s in range(len(specs))]
     model.pipeline_stages = [StageModule(model, spec) for spec in mine]
@@ -271,38 +317,55 @@ def describe(cfg, n_microbatches: int, args=None) -> str:
     pp, sched = par.pipeline_parallel_degree, find_schedule(par.pipeline_parallel_schedule)
     args = args or model_args(cfg.model.flavor, n_layers=cfg.model.n_layers)
     weights = unit_flops(args, cfg.training.seq_len)
-    specs = check_pipeline(par, cfg.training, args.n_layers, args.tie_word_embeddings,
-                           cfg.model.flavor, weights)
+    specs = check_pipeline(
+        par, cfg.training, args.n_layers, args.tie_word_embeddings, cfg.model.flavor, weights
+    )
     per_rank = len(specs) // pp
     where = "; ".join(
-        f"rank {r}: " + " + ".join(f"stage {s} ({specs[s].describe()})"
-                                   for s in rank_stages(r, pp, len(specs), sched.style))
-        for r in range(pp))
+        f"rank {r}: "
+        + " + ".join(
+            f"stage {s} ({specs[s].describe()})"
+            for s in rank_stages(r, pp, len(specs), sched.style)
+        )
+        for r in range(pp)
+    )
     bubble = bubble_fraction(sched, pp, n_microbatches, per_rank)
-    return (f"pipeline: {sched.name}, {len(specs)} stages over pp {pp}, {n_microbatches} "
-            f"microbatches of {par.pipeline_parallel_microbatch_size} per schedule step "
-            f"(ideal bubble {bubble:.1%}); {where}; "
-            + describe_split(specs, weights, "balanced by model FLOPs" if not (
-                par.pipeline_parallel_split_points or par.pipeline_parallel_layers_per_stage)
-                else "as configured"))
+    return (
+        f"pipeline: {sched.name}, {len(specs)} stages over pp {pp}, {n_microbatches} "
+        f"microbatches of {par.pipeline_parallel_microbatch_size} per schedule step "
+        f"(ideal bubble {bubble:.1%}); {where}; "
+        + describe_split(
+            specs,
+            weights,
+            "balanced by model FLOPs"
+            if not (par.pipeline_parallel_split_points or par.pipeline_parallel_layers_per_stage)
+            else "as configured",
+        )
+    )
 
 
 def check_torch(sched, cfg, pp_group) -> None:
     """What this torch's pipelining cannot do (V schedules over gloo before 2.12, the
     chunked loss under a split backward before 2.13), as config errors."""
-    if sched.style == "v" and not _SAME_RANK_STAGES and \
-            dist.get_backend(pp_group) == "gloo":
-        raise ConfigError(f"parallelism.pipeline_parallel_schedule = {sched.name!r} on CPU "
-                          f"ranks (gloo) needs torch >= 2.12: torch {torch.__version__}'s "
-                          "V schedules send a stage's activations to its own rank, which "
-                          "gloo cannot; use Interleaved1F1B or 1F1B here")
-    if sched.split_backward and not _SPLIT_BACKWARD_THROUGH_FUNCTIONS and \
-            cfg.training.loss == "chunked":
-        raise ConfigError(f"parallelism.pipeline_parallel_schedule = {sched.name!r} with "
-                          f"training.loss = 'chunked' needs torch >= 2.13: torch "
-                          f"{torch.__version__}'s split backward cannot walk the chunked "
-                          "loss's autograd function; set training.loss = 'eager' (the same "
-                          "loss, with the logits held) or choose 1F1B / Interleaved1F1B")
+    if sched.style == "v" and not _SAME_RANK_STAGES and dist.get_backend(pp_group) == "gloo":
+        raise ConfigError(
+            f"parallelism.pipeline_parallel_schedule = {sched.name!r} on CPU "
+            f"ranks (gloo) needs torch >= 2.12: torch {torch.__version__}'s "
+            "V schedules send a stage's activations to its own rank, which "
+            "gloo cannot; use Interleaved1F1B or 1F1B here"
+        )
+    if (
+        sched.split_backward
+        and not _SPLIT_BACKWARD_THROUGH_FUNCTIONS
+        and cfg.training.loss == "chunked"
+    ):
+        raise ConfigError(
+            f"parallelism.pipeline_parallel_schedule = {sched.name!r} with "
+            f"training.loss = 'chunked' needs torch >= 2.13: torch "
+            f"{torch.__version__}'s split backward cannot walk the chunked "
+            "loss's autograd function; set training.loss = 'eager' (the same "
+            "loss, with the logits held) or choose 1F1B / Interleaved1F1B"
+        )
 
 
 def overlap_dualpipe(schedule, model: PipelinedModel, cfg, device_type: str) -> str:
@@ -321,32 +384,55 @@ def overlap_dualpipe(schedule, model: PipelinedModel, cfg, device_type: str) -> 
 class PipelineLoop:
     """The step's forward and backward through a pipeline schedule (see the module docstring)."""
 
-    def __init__(self, model: PipelinedModel, loss_fn, cfg, *, dp_size: int,
-                 device: torch.device, documents=None, cp_mesh=None):
+    def __init__(
+        self,
+        model: PipelinedModel,
+        loss_fn,
+        cfg,
+        *,
+        dp_size: int,
+        device: torch.device,
+        documents=None,
+        cp_mesh=None,
+    ):
         from torch.distributed.pipelining import PipelineStage
-        from torch.distributed.pipelining.schedules import (PipelineScheduleSingle,
-                                                            get_schedule_class)
+        from torch.distributed.pipelining.schedules import (
+            PipelineScheduleSingle,
+            get_schedule_class,
+        )
 
         par = cfg.parallelism
         sched = find_schedule(par.pipeline_parallel_schedule)
         n_stages = len(model.stage_ranks)
-        self.n_microbatches = check_microbatches(par, cfg.training, sched, n_stages,
-                                                 par.pipeline_parallel_degree)
+        self.n_microbatches = check_microbatches(
+            par, cfg.training, sched, n_stages, par.pipeline_parallel_degree
+        )
         self.model, self.loss_fn, self.device = model, loss_fn, device
         self.dp_size, self.documents = dp_size, documents
         self.pp_group = model.pp_group
         self.scale = None  # dp / the step's global token count
         # PP x CP: each stage attends over its cp rank's share of the sequence
-        self.cp = ContextSplit(cp_mesh, cfg.training.seq_len, device, cfg.model) \
-            if cp_mesh is not None else None
+        self.cp = (
+            ContextSplit(cp_mesh, cfg.training.seq_len, device, cfg.model)
+            if cp_mesh is not None
+            else None
+        )
         for stage in model.pipeline_stages:
             stage.loss_fn, stage.cp = loss_fn, self.cp
         # Zero-bubble schedules run each backward twice: input gradients, later the weights'.
         loss_fn.split_backward = sched.split_backward
         check_torch(sched, cfg, self.pp_group)
-        stages = [PipelineStage(m, m.spec.index, n_stages, device, group=self.pp_group,
-                                **self._shapes(m, cfg, device))
-                  for m in model.pipeline_stages]
+        stages = [
+            PipelineStage(
+                m,
+                m.spec.index,
+                n_stages,
+                device,
+                group=self.pp_group,
+                **self._shapes(m, cfg, device),
+            )
+            for m in model.pipeline_stages
+        ]
         # With accumulation, reduce-scatter once per optimizer step (sync 'last'), not once per
         # schedule step: the stages' own reduction waits for the step's last microbatch.
         self.reduce_now, self.sync_mode = True, cfg.training.gradient_accumulation_sync
@@ -354,10 +440,17 @@ class PipelineLoop:
             _defer_reduction(stage, self)
         cls = get_schedule_class(sched.name)
         single = issubclass(cls, PipelineScheduleSingle)
-        self.schedule = cls(stages[0] if single else stages, self.n_microbatches,
-                            loss_fn=self._scaled, scale_grads=False)
-        overlap = (overlap_dualpipe(self.schedule, model, cfg, device.type)
-                   if sched.name == "DualPipeV" else None)
+        self.schedule = cls(
+            stages[0] if single else stages,
+            self.n_microbatches,
+            loss_fn=self._scaled,
+            scale_grads=False,
+        )
+        overlap = (
+            overlap_dualpipe(self.schedule, model, cfg, device.type)
+            if sched.name == "DualPipeV"
+            else None
+        )
         self.first = any(m.spec.embedding for m in model.pipeline_stages)
         self.z_loss = bool(getattr(loss_fn, "z_loss_weight", 0.0))
         self.mtp_layers = model.args.mtp_layers
@@ -374,18 +467,35 @@ class PipelineLoop:
         model, mbs = self.model, cfg.parallelism.pipeline_parallel_microbatch_size
         seq = cfg.training.seq_len // (self.cp.cp if self.cp else 1)
         width = model.args.dim * (1 + model.args.mtp_layers)  # + MTP's input embeddings
-        act = torch.empty(mbs, seq // model.sequence_multiple, width,
-                          dtype=model.activation_dtype, device=device, requires_grad=True)
-        return {"input_args": (torch.empty(mbs, seq, dtype=torch.long, device=device)
-                               if stage.spec.embedding else act),
-                "output_args": (torch.empty((), dtype=torch.float32, device=device)
-                                if stage.spec.head else act)}
+        act = torch.empty(
+            mbs,
+            seq // model.sequence_multiple,
+            width,
+            dtype=model.activation_dtype,
+            device=device,
+            requires_grad=True,
+        )
+        return {
+            "input_args": (
+                torch.empty(mbs, seq, dtype=torch.long, device=device)
+                if stage.spec.embedding
+                else act
+            ),
+            "output_args": (
+                torch.empty((), dtype=torch.float32, device=device) if stage.spec.head else act
+            ),
+        }
 
     def schedule_step(self, inputs, labels, losses: list, kwargs: dict) -> None:
         """One schedule step over the microbatch (the traced dry run drives the stages itself:
         trainer/plan/stages.py)."""
-        self.schedule.step(*((inputs,) if self.first else ()), target=labels, losses=losses,
-                           return_outputs=False, **kwargs)
+        self.schedule.step(
+            *((inputs,) if self.first else ()),
+            target=labels,
+            losses=losses,
+            return_outputs=False,
+            **kwargs,
+        )
 
     def _scaled(self, output: torch.Tensor, target) -> torch.Tensor:
         """The schedule's loss: the last stage's summed token loss times dp / global tokens
@@ -402,14 +512,18 @@ class PipelineLoop:
             doc_ids, window = self.documents(inputs, labels) if self.documents else (None, None)
             kwargs, whole_labels = {"labels": labels}, labels
             if self.cp is not None:  # this cp rank's tokens; the whole samples' documents
-                inputs, kwargs["labels"], kwargs["positions"] = self.cp.split(inputs, labels,
-                                                                              doc_ids)
+                inputs, kwargs["labels"], kwargs["positions"] = self.cp.split(
+                    inputs, labels, doc_ids
+                )
                 labels = kwargs["labels"]
             if doc_ids is not None:
                 kwargs["doc_ids"] = doc_ids
             if self.mtp_layers:  # MTP targets [b, depth, s] (from the whole sequence under cp)
-                future = self.cp.future(whole_labels, self.mtp_layers, window) if self.cp \
+                future = (
+                    self.cp.future(whole_labels, self.mtp_layers, window)
+                    if self.cp
                     else future_labels(labels, self.mtp_layers, window)
+                )
                 kwargs["future"] = future.transpose(0, 1).contiguous()
             heartbeat.phase("pipeline", step)
             losses: list[torch.Tensor] = []
@@ -429,5 +543,9 @@ class PipelineLoop:
         dist.all_reduce(both, group=self.pp_group)
         if self.cp is not None:
             dist.all_reduce(both, group=self.cp.group)
-        return Losses(both[0], both[1] if self.z_loss else None, None,
-                      both[2] / global_tokens if self.mtp_layers else None)
+        return Losses(
+            both[0],
+            both[1] if self.z_loss else None,
+            None,
+            both[2] / global_tokens if self.mtp_layers else None,
+        )

@@ -20,7 +20,11 @@ class Losses(NamedTuple):
 
 
 class ForwardBackward(Protocol):
-    def __call__(self, batches: list[tuple[torch.Tensor, torch.Tensor]],
-                 global_tokens: torch.Tensor, step: int) -> Losses:
+    def __call__(
+        self,
+        batches: list[tuple[torch.Tensor, torch.Tensor]],
+        global_tokens: torch.Tensor,
+        step: int,
+    ) -> Losses:
         """Run forward and backward over this rank's microbatches `(inputs, labels)` of one step;
         gradients accumulate in the model's parameters, ready for the optimizer."""

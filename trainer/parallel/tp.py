@@ -33,22 +33,30 @@ import logging
 import torch
 from torch import nn
 from torch.distributed.tensor import Replicate, Shard, distribute_module, distribute_tensor
-from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleInput,
-                                               RowwiseParallel,
-                                               SequenceParallel, parallelize_module)
+from torch.distributed.tensor.parallel import (
+    ColwiseParallel,
+    PrepareModuleInput,
+    RowwiseParallel,
+    SequenceParallel,
+    parallelize_module,
+)
 
 from trainer.health import heartbeat
 from trainer.models.llama import Transformer
 
 
-def apply_tp(model: Transformer, tp_mesh, *, float8_tensorwise: bool = False,
-             async_tp: bool = False) -> None:
+def apply_tp(
+    model: Transformer, tp_mesh, *, float8_tensorwise: bool = False, async_tp: bool = False
+) -> None:
     """Shard `model` (on meta, before AC, compile and FSDP) over the 1-D `tp_mesh`."""
     # A pipeline stage's pruned model (trainer/parallel/pipeline.py) may lack either end.
-    ends = {"tok_embeddings": RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1)),
-            "norm": SequenceParallel()}
-    parallelize_module(model, tp_mesh, {k: v for k, v in ends.items()
-                                        if getattr(model, k) is not None})
+    ends = {
+        "tok_embeddings": RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1)),
+        "norm": SequenceParallel(),
+    }
+    parallelize_module(
+        model, tp_mesh, {k: v for k, v in ends.items() if getattr(model, k) is not None}
+    )
     # The embedding's output is its sequence shard as a view (DTensor.to_local). FSDP hooks
     # its backward on that output; a compiled first block replays the view, which drops the
     # hook (the embedding's gradient came out wrong under compile). A copy, [b, s/tp, dim],
@@ -65,33 +73,47 @@ def apply_tp(model: Transformer, tp_mesh, *, float8_tensorwise: bool = False,
     for module in (model.mtp or {}).values():  # MTP: its input norms and projection
         _shard_mtp(module, tp_mesh)
     for block in model.blocks():
-        ffn = ({"feed_forward": _moe_style(block.feed_forward, tp_mesh, model)}
-               if hasattr(block.feed_forward, "router") else {
-            "feed_forward": prepare_input(input_layouts=(Shard(1),),
-                                          desired_input_layouts=(Replicate(),)),
-            "feed_forward.w1": colwise(),
-            "feed_forward.w2": rowwise(output_layouts=Shard(1)),
-            "feed_forward.w3": colwise(),
-        })
+        ffn = (
+            {"feed_forward": _moe_style(block.feed_forward, tp_mesh, model)}
+            if hasattr(block.feed_forward, "router")
+            else {
+                "feed_forward": prepare_input(
+                    input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)
+                ),
+                "feed_forward.w1": colwise(),
+                "feed_forward.w2": rowwise(output_layouts=Shard(1)),
+                "feed_forward.w3": colwise(),
+            }
+        )
         mixer = "linear_attention" if hasattr(block, "linear_attention") else "attention"
-        attention = (_deltanet_styles(block.linear_attention, tp_mesh, model, colwise,
-                                      prepare_input) if mixer == "linear_attention"
-                     else _mla_styles(block.attention, tp_mesh, colwise, prepare_input)
-                     if hasattr(block.attention, "wkv_a") else {
-            # (x, cos, sin, mask): only x is sharded; the RoPE tables and mask are per rank
-            "attention": prepare_input(input_layouts=(Shard(1), None, None, None),
-                                       desired_input_layouts=(Replicate(), None, None, None)),
-            "attention.wq": colwise(),
-            "attention.wk": colwise(),
-            "attention.wv": colwise(),
-            **_qk_norm_styles(block)})
-        parallelize_module(block, tp_mesh, {
-            "attention_norm": SequenceParallel(),
-            **attention,
-            f"{mixer}.wo": rowwise(output_layouts=Shard(1)),
-            "ffn_norm": SequenceParallel(),
-            **ffn,
-        })
+        attention = (
+            _deltanet_styles(block.linear_attention, tp_mesh, model, colwise, prepare_input)
+            if mixer == "linear_attention"
+            else _mla_styles(block.attention, tp_mesh, colwise, prepare_input)
+            if hasattr(block.attention, "wkv_a")
+            else {
+                # (x, cos, sin, mask): only x is sharded; the RoPE tables and mask are per rank
+                "attention": prepare_input(
+                    input_layouts=(Shard(1), None, None, None),
+                    desired_input_layouts=(Replicate(), None, None, None),
+                ),
+                "attention.wq": colwise(),
+                "attention.wk": colwise(),
+                "attention.wv": colwise(),
+                **_qk_norm_styles(block),
+            }
+        )
+        parallelize_module(
+            block,
+            tp_mesh,
+            {
+                "attention_norm": SequenceParallel(),
+                **attention,
+                f"{mixer}.wo": rowwise(output_layouts=Shard(1)),
+                "ffn_norm": SequenceParallel(),
+                **ffn,
+            },
+        )
     if async_tp:
         _enable_async_tp(tp_mesh)
 
@@ -103,10 +125,14 @@ def _mla_styles(attention, tp_mesh, colwise, prepare_input) -> dict:
     gradients come out whole on every rank: the colwise up projections all-reduce their
     input's gradient, and the shared RoPE key's gradient is summed over tp here."""
     attention.shared_key = functools.partial(_sum_grad_over, group=tp_mesh.get_group())
-    styles = {"attention": prepare_input(input_layouts=(Shard(1), None, None, None),
-                                         desired_input_layouts=(Replicate(), None, None, None),
-                                         use_local_output=True),
-              "attention.wkv_b": colwise()}
+    styles = {
+        "attention": prepare_input(
+            input_layouts=(Shard(1), None, None, None),
+            desired_input_layouts=(Replicate(), None, None, None),
+            use_local_output=True,
+        ),
+        "attention.wkv_b": colwise(),
+    }
     styles["attention.wq" if attention.wq is not None else "attention.wq_b"] = colwise()
     return styles
 
@@ -121,24 +147,37 @@ def _deltanet_styles(layer, tp_mesh, model, colwise, prepare_input) -> dict:
     share, summed over tp once a step with the MoE's (`sum_partial_grads`)."""
     from trainer.errors import ConfigError
 
-    heads = {"linear_k_heads": layer.wq.out_features // layer.k_head_dim,
-             "linear_v_heads": layer.wb.out_features}
+    heads = {
+        "linear_k_heads": layer.wq.out_features // layer.k_head_dim,
+        "linear_v_heads": layer.wb.out_features,
+    }
     for what, n in heads.items():
         if n % tp_mesh.size():
-            raise ConfigError(f"parallelism.tensor_parallel_degree = {tp_mesh.size()} does not "
-                              f"divide the Gated DeltaNet's {what} = {n}")
+            raise ConfigError(
+                f"parallelism.tensor_parallel_degree = {tp_mesh.size()} does not "
+                f"divide the Gated DeltaNet's {what} = {n}"
+            )
     for name in ("conv_q", "conv_k", "conv_v", "A_log", "dt_bias"):
         param = getattr(layer, name)
-        layer.register_parameter(name, nn.Parameter(distribute_tensor(param, tp_mesh, [Shard(0)]),
-                                                    requires_grad=param.requires_grad))
+        layer.register_parameter(
+            name,
+            nn.Parameter(
+                distribute_tensor(param, tp_mesh, [Shard(0)]), requires_grad=param.requires_grad
+            ),
+        )
     partial = model.__dict__.setdefault("_tp_partial", [tp_mesh.get_group(), []])
     partial[1].append(layer.norm)
     # (x, doc_ids): x gathered to the whole sequence; the documents are every rank's
-    styles = {"linear_attention": prepare_input(input_layouts=(Shard(1), None),
-                                                desired_input_layouts=(Replicate(), None),
-                                                use_local_output=True)}
-    styles.update({f"linear_attention.{w}": colwise() for w in ("wq", "wk", "wv", "wz", "wb",
-                                                                "wa")})
+    styles = {
+        "linear_attention": prepare_input(
+            input_layouts=(Shard(1), None),
+            desired_input_layouts=(Replicate(), None),
+            use_local_output=True,
+        )
+    }
+    styles.update(
+        {f"linear_attention.{w}": colwise() for w in ("wq", "wk", "wv", "wz", "wb", "wa")}
+    )
     return styles
 
 
@@ -168,8 +207,11 @@ def _shard_mtp(module, tp_mesh) -> None:
     sequence-sharded DTensor, as the final norm does."""
     local = SequenceParallel(use_local_output=True)
     rows = SequenceParallel(sequence_dim=0, use_local_output=True)  # proj sees [b * s, 2 dim]
-    parallelize_module(module, tp_mesh, {"embed_norm": local, "hidden_norm": local,
-                                         "proj": rows, "norm": SequenceParallel()})
+    parallelize_module(
+        module,
+        tp_mesh,
+        {"embed_norm": local, "hidden_norm": local, "proj": rows, "norm": SequenceParallel()},
+    )
 
 
 def _qk_norm_styles(block) -> dict:
@@ -197,10 +239,14 @@ def _moe_style(moe, tp_mesh, model):
     # The modules: FSDP replaces their parameters afterwards. Under ep the experts are split
     # over ep x tp (trainer/parallel/dims.py), not replicated over tp: the all-to-all's
     # backward already brings them every tp rank's tokens' share, nothing to sum.
-    partial[1].extend([moe] if moe.dispatcher is None else
-                      [m for m in (moe.router, moe.shared_experts) if m is not None])
-    return PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Shard(1),),
-                              use_local_output=True)
+    partial[1].extend(
+        [moe]
+        if moe.dispatcher is None
+        else [m for m in (moe.router, moe.shared_experts) if m is not None]
+    )
+    return PrepareModuleInput(
+        input_layouts=(Shard(1),), desired_input_layouts=(Shard(1),), use_local_output=True
+    )
 
 
 BUCKET_BYTES = 64 * 2**20  # the flat buffer of one all-reduce of small gradients
@@ -216,14 +262,20 @@ def sum_partial_grads(model) -> None:
     if modules:
         heartbeat.phase("tp_grads")
     bucket: list[torch.Tensor] = []
-    for g in (p.grad.to_local() if hasattr(p.grad, "to_local") else p.grad
-              for m in modules for p in m.parameters() if p.grad is not None):
+    for g in (
+        p.grad.to_local() if hasattr(p.grad, "to_local") else p.grad
+        for m in modules
+        for p in m.parameters()
+        if p.grad is not None
+    ):
         nbytes = g.numel() * g.element_size()
         if nbytes >= BUCKET_BYTES and g.is_contiguous():
             torch.distributed.all_reduce(g, group=group)
             continue
-        if bucket and (bucket[0].dtype != g.dtype or sum(
-                b.numel() * b.element_size() for b in bucket) + nbytes > BUCKET_BYTES):
+        if bucket and (
+            bucket[0].dtype != g.dtype
+            or sum(b.numel() * b.element_size() for b in bucket) + nbytes > BUCKET_BYTES
+        ):
             _all_reduce_flat(bucket, group)
             bucket = []
         bucket.append(g)
@@ -244,8 +296,9 @@ def _shard_head(head: nn.Linear, tp_mesh) -> None:
 
     def partition(name, module, mesh):
         for pname, param in list(module.named_parameters(recurse=False)):
-            sharded = nn.Parameter(distribute_tensor(param, mesh, [Shard(0)]),
-                                   requires_grad=param.requires_grad)
+            sharded = nn.Parameter(
+                distribute_tensor(param, mesh, [Shard(0)]), requires_grad=param.requires_grad
+            )
             module.register_parameter(pname, sharded)
 
     distribute_module(head, tp_mesh, partition)
@@ -255,9 +308,12 @@ def _styles(float8_tensorwise: bool):
     """(colwise, rowwise, prepare-input) styles: torchao's float8 ones for tensorwise float8."""
     if not float8_tensorwise:
         return ColwiseParallel, RowwiseParallel, PrepareModuleInput
-    from torchao.float8.float8_tensor_parallel import (Float8ColwiseParallel,
-                                                       Float8RowwiseParallel,
-                                                       PrepareFloat8ModuleInput)
+    from torchao.float8.float8_tensor_parallel import (
+        Float8ColwiseParallel,
+        Float8RowwiseParallel,
+        PrepareFloat8ModuleInput,
+    )
+
     return Float8ColwiseParallel, Float8RowwiseParallel, PrepareFloat8ModuleInput
 
 

@@ -19,8 +19,9 @@ FP32 = 4
 # --------------------------------------------------------------------------- activations
 
 
-def block_split(a: ModelArgs, p: int, tp: int = 1, moe: bool = False,
-                ep: int = 1) -> tuple[int, int]:
+def block_split(
+    a: ModelArgs, p: int, tp: int = 1, moe: bool = False, ep: int = 1
+) -> tuple[int, int]:
     """Bytes one block saves for backward, no AC (eager trainer.models.llama), as (per token of this
     rank's sequence shard, per token of the whole microbatch); their sum per token is the
     block's figure without TP.
@@ -45,8 +46,9 @@ def block_split(a: ModelArgs, p: int, tp: int = 1, moe: bool = False,
     if a.mla is not None:
         attn = mla_saved(a, p, tp, kernel)
     if moe:  # the MoE feed-forward runs on this rank's sequence shard (trainer/parallel/tp.py)
-        return 2 * (4 + p) * a.dim + moe_ffn_bytes(a, p, ep), \
-            2 * p * a.dim + attn + FP32 * a.n_heads // tp
+        return 2 * (4 + p) * a.dim + moe_ffn_bytes(
+            a, p, ep
+        ), 2 * p * a.dim + attn + FP32 * a.n_heads // tp
     inner = 2 * p * a.dim + attn + FP32 * a.n_heads // tp + 4 * p * a.hidden_dim // tp
     return 2 * (4 + p) * a.dim, inner
 
@@ -67,8 +69,9 @@ def block_saved(a: ModelArgs, p: int) -> int:
     return sum(block_split(a, p))
 
 
-def op_sac_split(a: ModelArgs, p: int, tp: int = 1, every_other: bool = False,
-                 moe: bool = False, ep: int = 1) -> tuple[int, int]:
+def op_sac_split(
+    a: ModelArgs, p: int, tp: int = 1, every_other: bool = False, moe: bool = False, ep: int = 1
+) -> tuple[int, int]:
     """Per token under op-level selective AC (trainer.parallel.parallelize keeps every mm, SDPA
     and TP reduce-scatter output): the block input, the outputs of wq, wk, wv, wo, w1, w3, w2
     (`every_other`: of wq, wv, w1 and w2 only) and SDPA's output and logsumexp. Everything else
@@ -81,8 +84,12 @@ def op_sac_split(a: ModelArgs, p: int, tp: int = 1, every_other: bool = False,
     mm_out = q + kv + h + a.dim if every_other else q + 2 * kv + a.dim + 2 * h + a.dim
     if a.mla is not None:  # wq_a, wq_b (or wq), wkv_a, wkv_b instead of wq, wk, wv
         m = a.mla
-        mla_mm = m.q_lora_rank + m.kv_lora_rank + m.qk_rope_head_dim + \
-            a.n_heads * (m.qk_head_dim + m.qk_nope_head_dim + m.v_head_dim) // tp
+        mla_mm = (
+            m.q_lora_rank
+            + m.kv_lora_rank
+            + m.qk_rope_head_dim
+            + a.n_heads * (m.qk_head_dim + m.qk_nope_head_dim + m.v_head_dim) // tp
+        )
         mm_out += (mla_mm // 2 if every_other else mla_mm) - (q + kv if every_other else q + 2 * kv)
         q = a.n_heads * m.v_head_dim // tp  # SDPA's output
     shard = p * a.dim * (3 if tp > 1 else 1)
@@ -90,9 +97,12 @@ def op_sac_split(a: ModelArgs, p: int, tp: int = 1, every_other: bool = False,
     if moe:  # the experts' grouped GEMMs, the router's matmul and the all-to-alls are kept
         m = a.moe
         mm_out -= h + (0 if every_other else h + a.dim)
-        extra = p * m.top_k * (2 * m.hidden_dim + a.dim) + FP32 * m.n_experts + \
-            (2 * p * m.top_k * a.dim if ep > 1 else 0) + \
-            p * m.n_shared_experts * (2 * m.hidden_dim + a.dim)
+        extra = (
+            p * m.top_k * (2 * m.hidden_dim + a.dim)
+            + FP32 * m.n_experts
+            + (2 * p * m.top_k * a.dim if ep > 1 else 0)
+            + p * m.n_shared_experts * (2 * m.hidden_dim + a.dim)
+        )
     # a MoE feed-forward's kept outputs are its sequence shard's (trainer/parallel/tp.py)
     return shard + extra, p * mm_out + p * q + FP32 * a.n_heads // tp
 
@@ -122,8 +132,15 @@ def checkpointed_blocks(cfg: JobConfig, n_layers: int) -> int:
     return 0
 
 
-def blocks_activations(cfg: JobConfig, a: ModelArgs, p: int, tokens: int,
-                       mode: str | None = None, tp: int = 1, ep: int = 1) -> int:
+def blocks_activations(
+    cfg: JobConfig,
+    a: ModelArgs,
+    p: int,
+    tokens: int,
+    mode: str | None = None,
+    tp: int = 1,
+    ep: int = 1,
+) -> int:
     """Saved activations of all blocks for one microbatch under an AC mode (default: config's).
     A checkpointed block keeps only its input (p * dim per token; 1/tp of the sequence under
     TP). With document positions and p < 4, FSDP casts the per-token fp32 cos/sin to the
@@ -133,8 +150,17 @@ def blocks_activations(cfg: JobConfig, a: ModelArgs, p: int, tokens: int,
     if a.hybrid is not None:  # Qwen3-Next / Qwen3.5's blocks: trainer/plan/hybrid.py
         ac = cfg.activation_checkpoint
         return hybrid.blocks_activations(
-            a, p, tokens, mode, ac.selective_ac_option, ac.selective_op_matmuls == "every_other",
-            tp, ep, a.attn_mask_type == "block_causal", min(cfg.training.seq_len, tokens))
+            a,
+            p,
+            tokens,
+            mode,
+            ac.selective_ac_option,
+            ac.selective_op_matmuls == "every_other",
+            tp,
+            ep,
+            a.attn_mask_type == "block_causal",
+            min(cfg.training.seq_len, tokens),
+        )
     rope = a.n_layers * p * a.head_dim * tokens if a.positions == "document" and p < FP32 else 0
     n_moe = min(moe_layers(a), a.n_layers)  # (a pipeline stage's n_layers may be fewer)
     ckpt_input = p * a.dim * sp_tokens(tokens, tp)
@@ -152,8 +178,10 @@ def blocks_activations(cfg: JobConfig, a: ModelArgs, p: int, tokens: int,
         return a.n_layers * ckpt_input + rope
     if cfg.activation_checkpoint.selective_ac_option == "op":
         every_other = cfg.activation_checkpoint.selective_op_matmuls == "every_other"
-        return int(a.n_layers * per_block(
-            lambda moe: op_sac_split(a, p, tp, every_other, moe, ep))) + rope
+        return (
+            int(a.n_layers * per_block(lambda moe: op_sac_split(a, p, tp, every_other, moe, ep)))
+            + rope
+        )
     ckpt = checkpointed_blocks(cfg, a.n_layers)
     return int(ckpt * ckpt_input + (a.n_layers - ckpt) * full) + rope
 
@@ -169,8 +197,9 @@ def head_activations(a: ModelArgs, p: int, tokens: int, tp: int = 1) -> int:
     return split_bytes(((4 + p) * a.dim, p * a.dim), tokens, tp)
 
 
-def loss_region(cfg: JobConfig, a: ModelArgs, p: int, tokens: int, tp: int = 1,
-                loss_parallel: bool = True) -> dict[str, int]:
+def loss_region(
+    cfg: JobConfig, a: ModelArgs, p: int, tokens: int, tp: int = 1, loss_parallel: bool = True
+) -> dict[str, int]:
     """What the loss (trainer/models/loss.py) holds for one microbatch: `at_loss`, at its widest;
     `at_head`, in the head's backward; `after`, through the rest of the backward.
 
@@ -193,18 +222,21 @@ def loss_region(cfg: JobConfig, a: ModelArgs, p: int, tokens: int, tp: int = 1,
     gathered_w = p * a.vocab_size * a.dim if tp > 1 and not loss_parallel else 0
     if cfg.training.loss == "eager":
         held = p * v * tokens
-        return {"at_loss": held + 3 * FP32 * v * tokens + gathered_w,
-                "at_head": 2 * held + gathered_w, "after": held}
+        return {
+            "at_loss": held + 3 * FP32 * v * tokens + gathered_w,
+            "at_head": 2 * held + gathered_w,
+            "after": held,
+        }
     c = min(cfg.training.loss_chunk_size, tokens)
     grads = p * tokens * a.dim + FP32 * v * a.dim
     cast = p * v * a.dim if p < FP32 else 0
     chunk = max((FP32 + p) * c * v, p * c * v + cast) if p < FP32 else FP32 * c * v
-    return {"at_loss": grads + chunk + gathered_w, "at_head": grads + cast + gathered_w,
-            "after": 0}
+    return {"at_loss": grads + chunk + gathered_w, "at_head": grads + cast + gathered_w, "after": 0}
 
 
-def cp_attention_bytes(a: ModelArgs, cfg: JobConfig, p: int, batch: int, seq: int, cp: int,
-                       tp: int = 1) -> tuple[int, int]:
+def cp_attention_bytes(
+    a: ModelArgs, cfg: JobConfig, p: int, batch: int, seq: int, cp: int, tp: int = 1
+) -> tuple[int, int]:
     """Context parallelism's attention inputs for one microbatch on one cp rank, as
     (once per microbatch, per layer saved): the mask over [seq / cp queries, seq keys]
     (FlexAttention's block tables, ~16 bytes per 128 x 128 tile, as the plan assumes CUDA)
@@ -217,16 +249,25 @@ def cp_attention_bytes(a: ModelArgs, cfg: JobConfig, p: int, batch: int, seq: in
     kv = 2 * p * batch * seq * max(a.n_kv_heads // tp, 1) * a.head_dim
     if a.mla is not None:  # the gathered latents, and the whole sequence's K/V from them
         m = a.mla
-        kv = p * batch * seq * (m.kv_lora_rank + m.qk_rope_head_dim +
-                                a.n_heads // tp * (m.qk_head_dim + m.qk_nope_head_dim + m.v_head_dim))
+        kv = (
+            p
+            * batch
+            * seq
+            * (
+                m.kv_lora_rank
+                + m.qk_rope_head_dim
+                + a.n_heads // tp * (m.qk_head_dim + m.qk_nope_head_dim + m.v_head_dim)
+            )
+        )
     return once, kv
 
 
 def cp_saved_layers(cfg: JobConfig, n_layers: int) -> int:
     """Layers whose gathered K/V stay saved until backward under the configured AC mode."""
     mode = cfg.activation_checkpoint.mode
-    if mode == "none" or (mode == "selective"
-                          and cfg.activation_checkpoint.selective_ac_option == "op"):
+    if mode == "none" or (
+        mode == "selective" and cfg.activation_checkpoint.selective_ac_option == "op"
+    ):
         return n_layers
     if mode == "full":
         return 0

@@ -62,8 +62,15 @@ from trainer.config.job import JobConfig
 from trainer.plan.moe import all_to_all_volume, gathered, moe_layers
 from trainer.plan.muon import muon_volume, ns_loads
 from trainer.plan.pipeline import p2p_bytes, rank_groups
-from trainer.plan.memory import BYTES, FP32, fsdp_groups, gathered_numel, plan_args, resolve_vocab, \
-    shard_numel
+from trainer.plan.memory import (
+    BYTES,
+    FP32,
+    fsdp_groups,
+    gathered_numel,
+    plan_args,
+    resolve_vocab,
+    shard_numel,
+)
 
 
 def _stages_defer() -> bool:
@@ -114,8 +121,11 @@ def tp_volume(cfg: JobConfig, a, pd, accum: int) -> float:
     summed = 0
     if n_moe:
         m = a.moe
-        summed = a.dim * m.n_experts + 3 * a.dim * m.hidden_dim * m.n_shared_experts \
-            if pd.ep > 1 else m.total_ffn(a.dim)
+        summed = (
+            a.dim * m.n_experts + 3 * a.dim * m.hidden_dim * m.n_shared_experts
+            if pd.ep > 1
+            else m.total_ffn(a.dim)
+        )
     moe_grads = 2 * f * FP32 * n_moe * summed / pd.dp_shard
     return accum * (activations + loss + norms) + moe_grads
 
@@ -127,22 +137,29 @@ def dp_shard_volume(cfg: JobConfig, groups, pd, accum: int) -> float:
     # experts (under ep): a tp rank's part (`fsdp_groups`), 1/ep_dp of it gathered over
     # efsdp (x cp) = n / ep_dp ranks
     e = pd.ep_dp
-    g = {k: gathered(k, gathered_numel(v, n), e) * (ring(n // e) / ring(n)
-                                                    if e > 1 and k.endswith(".experts")
-                                                    else 1.0) for k, v in groups.items()}
+    g = {
+        k: gathered(k, gathered_numel(v, n), e)
+        * (ring(n // e) / ring(n) if e > 1 and k.endswith(".experts") else 1.0)
+        for k, v in groups.items()
+    }
     total, head = sum(g.values()), g.get("head", 0)  # a pipeline stage may lack the head
     policy = str(cfg.parallelism.fsdp_reshard_after_forward)
     if pd.pp_enabled and policy == "default":  # trainer/parallel/parallelize.py
         policy = "never"
-    regather = {"default": ring(n) * (total - head), "always": ring(n) * total,
-                "never": 0.0}.get(policy)
+    regather = {"default": ring(n) * (total - head), "always": ring(n) * total, "never": 0.0}.get(
+        policy
+    )
     if regather is None:  # an integer N: backward gathers over groups of N ranks
         regather = ring(int(policy)) * (total - head)
     gathers = accum * p * (ring(n) * total + regather)
     # a pipeline schedule's stages reduce at the step's last schedule step (a torch without
     # the stages' perform_reduce_grad: at the end of each; trainer/parallel/pipeline.py)
-    syncs = 1 if cfg.training.gradient_accumulation_sync == "last" and (
-        not pd.pp_enabled or _stages_defer()) else accum
+    syncs = (
+        1
+        if cfg.training.gradient_accumulation_sync == "last"
+        and (not pd.pp_enabled or _stages_defer())
+        else accum
+    )
     return gathers + syncs * r * ring(n) * total
 
 
@@ -184,18 +201,29 @@ def comm_volume(cfg: JobConfig, world_size: int) -> dict[str, float]:
         p = BYTES[cfg.training.mixed_precision_param]
         ranks = range(pd.pp)
         pp_sends = max(p2p_bytes(cfg, p, rank, accum) for rank in ranks)
-        busiest = max(ranks, key=lambda rank: sum(
-            math.prod(s) for v in rank_groups(groups, cfg, rank).values() for s in v))
+        busiest = max(
+            ranks,
+            key=lambda rank: sum(
+                math.prod(s) for v in rank_groups(groups, cfg, rank).values() for s in v
+            ),
+        )
         groups, full = rank_groups(groups, cfg, busiest), rank_groups(full, cfg, busiest)
     muon = {}
     if cfg.optimizer.name == "Muon":  # the optimizer's own owners (trainer/plan/muon.py)
         loads = ns_loads(cfg, pd, a)
-        muon = {"comm_optimizer": max(muon_volume(cfg, pd, a, r) for r in range(pd.pp)),
-                "muon_ns_flops": max(loads), "muon_ns_flops_mean": sum(loads) / len(loads)}
+        muon = {
+            "comm_optimizer": max(muon_volume(cfg, pd, a, r) for r in range(pd.pp)),
+            "muon_ns_flops": max(loads),
+            "muon_ns_flops_mean": sum(loads) / len(loads),
+        }
     # tp and cp: a pp rank runs ~1/pp of the layers on the same tokens
-    return {"comm_tp": tp_volume(cfg, a, pd, accum) / pd.pp,
-            "comm_cp": cp_volume(cfg, a, pd, accum) / pd.pp,
-            "comm_dp_shard": dp_shard_volume(cfg, groups, pd, accum),
-            "comm_dp_replicate": dp_replicate_volume(cfg, groups, pd, accum),
-            "comm_pp": pp_sends, "comm_ep": all_to_all_volume(cfg, a, pd, accum),
-            **muon, "comm_microbatches": accum}
+    return {
+        "comm_tp": tp_volume(cfg, a, pd, accum) / pd.pp,
+        "comm_cp": cp_volume(cfg, a, pd, accum) / pd.pp,
+        "comm_dp_shard": dp_shard_volume(cfg, groups, pd, accum),
+        "comm_dp_replicate": dp_replicate_volume(cfg, groups, pd, accum),
+        "comm_pp": pp_sends,
+        "comm_ep": all_to_all_volume(cfg, a, pd, accum),
+        **muon,
+        "comm_microbatches": accum,
+    }

@@ -36,8 +36,10 @@ class Allocation:
     category: str = ""  # set by `MemoryTrace.book_as`; else from the phase (summarize)
 
     def describe(self) -> str:
-        return (f"{self.nbytes / GIB:.3f} GiB {self.dtype} {list(self.shape)} from {self.op} "
-                f"({self.phase})")
+        return (
+            f"{self.nbytes / GIB:.3f} GiB {self.dtype} {list(self.shape)} from {self.op} "
+            f"({self.phase})"
+        )
 
 
 class MemoryTrace(FakeTensorMode):
@@ -69,7 +71,7 @@ class MemoryTrace(FakeTensorMode):
         finally:
             self.depth -= 1
         if self.depth == 0 and not self.paused:
-            for t in (out if isinstance(out, (tuple, list)) else (out,)):
+            for t in out if isinstance(out, (tuple, list)) else (out,):
                 if isinstance(t, torch.Tensor):
                     self._note(t, func)
         return out
@@ -79,8 +81,13 @@ class MemoryTrace(FakeTensorMode):
         key = storage._cdata
         if key in self.live:
             return
-        a = Allocation(storage.nbytes(), str(func).removeprefix("aten."), tuple(t.shape),
-                       str(t.dtype).removeprefix("torch."), heartbeat._state["phase"])
+        a = Allocation(
+            storage.nbytes(),
+            str(func).removeprefix("aten."),
+            tuple(t.shape),
+            str(t.dtype).removeprefix("torch."),
+            heartbeat._state["phase"],
+        )
         self.live[key] = a
         if self.all is not None:
             self.all.append(a)
@@ -150,6 +157,7 @@ def tracking(trace: MemoryTrace):
             out = original(storage, size)
             trace.resized(storage, size)
             return out
+
         return resize_
 
     def paused(original):
@@ -159,10 +167,13 @@ def tracking(trace: MemoryTrace):
                 return original(*args, **kwargs)
             finally:
                 trace.paused -= 1
+
         return run
 
-    with patched(torch.UntypedStorage, "resize_", resize), \
-            patched(ShardingPropagator, "_propagate_tensor_meta_non_cached", paused):
+    with (
+        patched(torch.UntypedStorage, "resize_", resize),
+        patched(ShardingPropagator, "_propagate_tensor_meta_non_cached", paused),
+    ):
         yield
 
 
@@ -199,21 +210,31 @@ class TraceResult:
     stands_for: list = field(default_factory=list)  # under pp: the ranks of this one's shape
 
 
-def summarize(trace: MemoryTrace, resident: set[int], grads: set[int], states: set[int],
-              state_bytes: int = 0) -> TraceResult:
+def summarize(
+    trace: MemoryTrace, resident: set[int], grads: set[int], states: set[int], state_bytes: int = 0
+) -> TraceResult:
     """The steady-state peak and its categories, from the trace's snapshots; `state_bytes`:
     the optimizer's states, resident from the first step on."""
-    candidates = {"forward/backward": (trace.peaks.get("step", 0) + state_bytes, "step"),
-                  "optimizer step": (trace.peaks.get("optimizer", 0), "optimizer")}
+    candidates = {
+        "forward/backward": (trace.peaks.get("step", 0) + state_bytes, "step"),
+        "optimizer step": (trace.peaks.get("optimizer", 0), "optimizer"),
+    }
     phase = max(candidates, key=lambda k: candidates[k][0])
     peak, group = candidates[phase]
     cats = dict.fromkeys(CATEGORIES, 0)
     ops: dict[str, int] = {}
     for a in trace.snapshots.get(group, []):
         cat = a.category or (
-            "parameters" if id(a) in resident else "gradients" if id(a) in grads else
-            "optimizer_state" if id(a) in states else
-            "activations" if a.phase == "forward" else "temporaries")
+            "parameters"
+            if id(a) in resident
+            else "gradients"
+            if id(a) in grads
+            else "optimizer_state"
+            if id(a) in states
+            else "activations"
+            if a.phase == "forward"
+            else "temporaries"
+        )
         cats[cat] += a.nbytes
         if cat == "temporaries":
             ops[a.op] = ops.get(a.op, 0) + a.nbytes

@@ -43,9 +43,11 @@ def host_memory(cfg, b: dict[str, int], shard_bytes: list[int]) -> dict[str, int
         "host_gradients": sum(pinned(n) for n in shard_bytes) if offload else 0,
         "host_optimizer_state": b["optimizer_state"] if offload else 0,
         "host_optimizer_step_temp": b["optimizer_step_temp"] if offload else 0,
-        "host_checkpoint_staging": (b["parameters"] + b["optimizer_state"]
-                                    if cfg.checkpoint.enable
-                                    and cfg.checkpoint.async_mode == "async" else 0),
+        "host_checkpoint_staging": (
+            b["parameters"] + b["optimizer_state"]
+            if cfg.checkpoint.enable and cfg.checkpoint.async_mode == "async"
+            else 0
+        ),
         "host_process": int(HOST_PROCESS_GIB * GIB),
     }
     h["host_total"] = sum(h.values())
@@ -87,7 +89,8 @@ def host_ram_gib(override: float = 0.0) -> tuple[float, str]:
             for line in fh:
                 if line.startswith("MemTotal:"):
                     return int(line.split()[1]) * 1024 / GIB, (
-                        "this machine's /proc/meminfo; pass --host-gib for the training node's")
+                        "this machine's /proc/meminfo; pass --host-gib for the training node's"
+                    )
     except OSError:
         pass
     return float(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")) / GIB, "sysconf"
@@ -105,12 +108,15 @@ HOST_ROWS = [
 ]
 
 
-def host_report(h: dict[str, int], ranks_per_node: int, ram_gib: float,
-                source: str) -> tuple[list[str], bool]:
+def host_report(
+    h: dict[str, int], ranks_per_node: int, ram_gib: float, source: str
+) -> tuple[list[str], bool]:
     """The node's host-memory line and whether it fits."""
     need = ranks_per_node * h["host_total"] / GIB
     fits = need <= ram_gib
-    line = (f"host: {h['host_total'] / GIB:.2f} GiB per rank x {ranks_per_node} rank(s) per node "
-            f"= {need:.2f} GiB of {ram_gib:.1f} GiB RAM ({source}): "
-            f"{'fits' if fits else 'DOES NOT FIT'}")
+    line = (
+        f"host: {h['host_total'] / GIB:.2f} GiB per rank x {ranks_per_node} rank(s) per node "
+        f"= {need:.2f} GiB of {ram_gib:.1f} GiB RAM ({source}): "
+        f"{'fits' if fits else 'DOES NOT FIT'}"
+    )
     return [line], fits

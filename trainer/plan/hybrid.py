@@ -53,16 +53,18 @@ def norm_bytes(dim: int) -> int:
     return 2 * FP32 * dim + FP32
 
 
-def deltanet_bytes(a: ModelArgs, p: int, tokens: int, tp: int = 1,
-                   documents: bool = False) -> float:
+def deltanet_bytes(
+    a: ModelArgs, p: int, tokens: int, tp: int = 1, documents: bool = False
+) -> float:
     """Per token, what one Gated DeltaNet layer's mixer saves (see the module docstring) for a
     sequence of `tokens` (this rank's: the chunks n = tokens / 64)."""
     h = a.hybrid
     keys, values, heads = h.keys // tp, h.values // tp, h.linear_v_heads // tp
     dk, dv, c = h.linear_k_head_dim, h.linear_v_head_dim, CHUNK
     chunks = max(-(-tokens // c), 1)
-    kernel = FP32 * heads * (12 * dk + 6 * dv + 5 * c + dk * dv / c + 8) \
-        - FP32 * heads * dk / chunks
+    kernel = (
+        FP32 * heads * (12 * dk + 6 * dv + 5 * c + dk * dv / c + 8) - FP32 * heads * dk / chunks
+    )
     eager = p * a.dim + 6 * p * keys + 6 * p * values + p * heads
     docs = c + 2 * FP32 * heads + 3 * (h.conv_kernel - 1) + 2 if documents else 0
     return eager + kernel + docs
@@ -85,23 +87,26 @@ def ffn_bytes(a: ModelArgs, p: int, moe: bool, tp: int = 1, ep: int = 1) -> int:
     return p * a.dim + moe_ffn_bytes(a, p, ep) + shared
 
 
-def block_split(a: ModelArgs, layer: int, p: int, tokens: int, tp: int = 1, ep: int = 1,
-                documents: bool = False) -> tuple[float, float]:
+def block_split(
+    a: ModelArgs, layer: int, p: int, tokens: int, tp: int = 1, ep: int = 1, documents: bool = False
+) -> tuple[float, float]:
     """Block `layer`'s saved bytes per token, no AC, as (per token of this rank's sequence
     shard, per token of the whole microbatch), like trainer.plan.activations.block_split:
     the norms and a MoE feed-forward on the sequence shard, the mixer (and a dense SwiGLU)
     on the whole sequence with 1/tp of the heads."""
     moe = a.is_moe_layer(layer)
     linear = a.hybrid.layer_type(layer) != "full_attention"
-    mixer = deltanet_bytes(a, p, tokens, tp, documents) if linear \
-        else gated_attention_bytes(a, p, tp)
+    mixer = (
+        deltanet_bytes(a, p, tokens, tp, documents) if linear else gated_attention_bytes(a, p, tp)
+    )
     ffn = ffn_bytes(a, p, moe, tp, ep)
     shard = 2 * norm_bytes(a.dim) + (ffn if moe else 0)
     return shard, mixer + (0 if moe else ffn)
 
 
-def op_sac_split(a: ModelArgs, layer: int, p: int, tp: int = 1, ep: int = 1,
-                 every_other: bool = False) -> tuple[float, float]:
+def op_sac_split(
+    a: ModelArgs, layer: int, p: int, tp: int = 1, ep: int = 1, every_other: bool = False
+) -> tuple[float, float]:
     """Per token under op-level selective AC (trainer/parallel/parallelize.py keeps every mm,
     SDPA and grouped-mm output; the delta rule's bmm and solves are recomputed): the block
     input, the projections' outputs (Gated DeltaNet: wq, wk, wv, wz, wa, wb, wo; gated
@@ -120,8 +125,11 @@ def op_sac_split(a: ModelArgs, layer: int, p: int, tp: int = 1, ep: int = 1,
     moe = a.is_moe_layer(layer)
     if moe:
         m = a.moe
-        routed = p * m.top_k * (2 * m.hidden_dim + a.dim) + FP32 * m.n_experts + \
-            (2 * p * m.top_k * a.dim if ep > 1 else 0)
+        routed = (
+            p * m.top_k * (2 * m.hidden_dim + a.dim)
+            + FP32 * m.n_experts
+            + (2 * p * m.top_k * a.dim if ep > 1 else 0)
+        )
         ffn = routed + p * (3 * h.shared_expert_hidden + a.dim + 1)
     else:
         ffn = p * (2 * a.hidden_dim // tp + a.dim)
@@ -129,9 +137,18 @@ def op_sac_split(a: ModelArgs, layer: int, p: int, tp: int = 1, ep: int = 1,
     return shard, p * mm + sdpa + (0 if moe else ffn)
 
 
-def blocks_activations(a: ModelArgs, p: int, tokens: int, mode: str, option: str,
-                       every_other: bool, tp: int = 1, ep: int = 1,
-                       documents: bool = False, seq: int | None = None) -> int:
+def blocks_activations(
+    a: ModelArgs,
+    p: int,
+    tokens: int,
+    mode: str,
+    option: str,
+    every_other: bool,
+    tp: int = 1,
+    ep: int = 1,
+    documents: bool = False,
+    seq: int | None = None,
+) -> int:
     """Saved activations of all hybrid blocks for one microbatch of `tokens` (whole sequence;
     1/tp of it per rank for the shard terms) under AC `mode` ("none", "full", "selective"
     with `option` "op" or k: blocks with index % k == 0 checkpointed). A checkpointed block
@@ -152,9 +169,22 @@ def blocks_activations(a: ModelArgs, p: int, tokens: int, mode: str, option: str
     return int(total)
 
 
-def largest_block(a: ModelArgs, p: int, tokens: int, tp: int = 1, ep: int = 1,
-                  documents: bool = False, seq: int | None = None) -> int:
+def largest_block(
+    a: ModelArgs,
+    p: int,
+    tokens: int,
+    tp: int = 1,
+    ep: int = 1,
+    documents: bool = False,
+    seq: int | None = None,
+) -> int:
     """Bytes of the largest block's saved activations (the one recomputed under AC)."""
     shard_tokens = -(-tokens // tp)
-    return int(max(sh * shard_tokens + wh * tokens for sh, wh in (
-        block_split(a, i, p, seq or tokens, tp, ep, documents) for i in range(a.n_layers))))
+    return int(
+        max(
+            sh * shard_tokens + wh * tokens
+            for sh, wh in (
+                block_split(a, i, p, seq or tokens, tp, ep, documents) for i in range(a.n_layers)
+            )
+        )
+    )

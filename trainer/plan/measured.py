@@ -20,8 +20,9 @@ from trainer.plan.memory import GIB, device_need, largest_local_batch, memory_pl
 
 
 def _with_batch(cfg: JobConfig, batch: int) -> JobConfig:
-    return dataclasses.replace(cfg, training=dataclasses.replace(cfg.training,
-                                                                 local_batch_size=batch))
+    return dataclasses.replace(
+        cfg, training=dataclasses.replace(cfg.training, local_batch_size=batch)
+    )
 
 
 def split(cfg: JobConfig, world_size: int) -> tuple[float, float]:
@@ -33,8 +34,7 @@ def split(cfg: JobConfig, world_size: int) -> tuple[float, float]:
     return at_b - per_sample * b, float(per_sample)
 
 
-def measured_fit(cfg: JobConfig, world_size: int, peak_bytes: int,
-                 device_gib: float) -> dict:
+def measured_fit(cfg: JobConfig, world_size: int, peak_bytes: int, device_gib: float) -> dict:
     """What the measured `peak_bytes` at the run's local batch says: the kept share of the
     plan's batch-dependent bytes, the largest local batch that fits `device_gib`, its
     predicted peak, and the plan's own largest."""
@@ -45,19 +45,27 @@ def measured_fit(cfg: JobConfig, world_size: int, peak_bytes: int,
     def predicted(total: int) -> int:  # a plan's total, with its batch part scaled
         return int(fixed + share * (total - fixed))
 
-    best = largest_local_batch(cfg, world_size, device_gib,
-                               need=lambda total: device_need(predicted(total)))
+    best = largest_local_batch(
+        cfg, world_size, device_gib, need=lambda total: device_need(predicted(total))
+    )
     peak_best = predicted(memory_plan(_with_batch(cfg, best), world_size)["total"]) if best else 0
-    return {"share": share, "largest": best, "predicted_peak": peak_best,
-            "plan_largest": largest_local_batch(cfg, world_size, device_gib),
-            "plan_peak": memory_plan(cfg, world_size)["total"], "fixed": fixed}
+    return {
+        "share": share,
+        "largest": best,
+        "predicted_peak": peak_best,
+        "plan_largest": largest_local_batch(cfg, world_size, device_gib),
+        "plan_peak": memory_plan(cfg, world_size)["total"],
+        "fixed": fixed,
+    }
 
 
 def describe(cfg: JobConfig, step: int, peak_bytes: int, device_gib: float, fit: dict) -> str:
     """One line for the log."""
     b = cfg.training.local_batch_size
-    return (f"memory: step {step} peaked at {peak_bytes / GIB:.1f} GiB at local_batch_size {b} "
-            f"(the plan, eager: {fit['plan_peak'] / GIB:.1f} GiB; this run keeps "
-            f"{100 * fit['share']:.0f}% of the plan's activations); by this measure the largest "
-            f"local_batch_size that fits {device_gib:.0f} GiB is {fit['largest']} (peak "
-            f"~{fit['predicted_peak'] / GIB:.1f} GiB; the plan alone: {fit['plan_largest']})")
+    return (
+        f"memory: step {step} peaked at {peak_bytes / GIB:.1f} GiB at local_batch_size {b} "
+        f"(the plan, eager: {fit['plan_peak'] / GIB:.1f} GiB; this run keeps "
+        f"{100 * fit['share']:.0f}% of the plan's activations); by this measure the largest "
+        f"local_batch_size that fits {device_gib:.0f} GiB is {fit['largest']} (peak "
+        f"~{fit['predicted_peak'] / GIB:.1f} GiB; the plan alone: {fit['plan_largest']})"
+    )

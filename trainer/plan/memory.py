@@ -53,15 +53,31 @@ from trainer.errors import ConfigError
 from trainer.models.flops import flops_per_token
 from trainer.models.build import build_model
 from trainer.models.llama import ModelArgs
-from trainer.plan.activations import (block_saved, block_saved_op_sac, block_split,  # noqa: F401
-                                     blocks_activations, checkpointed_blocks,
-                                     cp_attention_bytes, cp_saved_layers,
-                                     head_activations, head_saved, loss_region, op_sac_split,
-                                     sp_tokens, split_bytes)
+from trainer.plan.activations import (
+    block_saved,
+    block_saved_op_sac,
+    block_split,  # noqa: F401
+    blocks_activations,
+    checkpointed_blocks,
+    cp_attention_bytes,
+    cp_saved_layers,
+    head_activations,
+    head_saved,
+    loss_region,
+    op_sac_split,
+    sp_tokens,
+    split_bytes,
+)
 from trainer.plan.hybrid import largest_block
 from trainer.plan.host import CPU_PROCESS_GIB, host_memory, offload_staging
-from trainer.plan.moe import (gathered, group_key, moe_layers, per_block, saved_dispatch_bytes,
-                              tp_splits)
+from trainer.plan.moe import (
+    gathered,
+    group_key,
+    moe_layers,
+    per_block,
+    saved_dispatch_bytes,
+    tp_splits,
+)
 from trainer.plan.pipeline import in_flight, rank_groups
 from trainer.plan.planned import plan_args, resolve_vocab  # noqa: F401 (imported from here)
 from trainer.optim.muon import BUCKET_BYTES as muon_bucket_bytes, takes_muon
@@ -74,7 +90,9 @@ FP32, INT64 = 4, 8
 
 @dataclass(frozen=True)
 class Gpu:
-    name: str  # as torch.cuda.get_device_name() reports it: looked up in trainer.models.flops' table
+    name: (
+        str  # as torch.cuda.get_device_name() reports it: looked up in trainer.models.flops' table
+    )
     memory_gib: float  # total memory as nvidia-smi reports it (approximate; --gpu-mem-gib)
 
 
@@ -120,8 +138,9 @@ def muon_matrix(key: str, shape) -> bool:
     return takes_muon(key + ".w", shape) or (key.startswith("mtp.") and len(shape) >= 2)
 
 
-def fsdp_groups(args: ModelArgs, tp: int = 1, ep: int = 1,
-                shard: int = 1) -> dict[str, list[tuple[int, ...]]]:
+def fsdp_groups(
+    args: ModelArgs, tp: int = 1, ep: int = 1, shard: int = 1
+) -> dict[str, list[tuple[int, ...]]]:
     """Parameter shapes per FSDP group, as trainer.parallel.parallelize.apply_fsdp forms the groups:
     one per block, the embedding, and the final norm + output head. Built on meta: free.
     With tp > 1 each shape is one tp rank's part (`tp_local_shape`): FSDP shards that part
@@ -138,7 +157,8 @@ def fsdp_groups(args: ModelArgs, tp: int = 1, ep: int = 1,
         if key.endswith(".experts") and ep > 1:
             shape = expert_shape((shape[0] // tp, *shape[1:]), ep_dp, shard // ep_dp)
         groups.setdefault(key, []).append(
-            tp_local_shape(name, shape, tp) if tp_splits(name, args) else shape)
+            tp_local_shape(name, shape, tp) if tp_splits(name, args) else shape
+        )
     return groups
 
 
@@ -193,8 +213,12 @@ def memory_plan(cfg: JobConfig, world_size: int, pp_rank: int | None = None) -> 
     vocab, _ = resolve_vocab(cfg)
     a = plan_args(cfg, vocab)
     # Under CP, FSDP shards over dp_shard x cp and a rank holds 1/cp of each sequence.
-    groups, shard, tp, cp = fsdp_groups(a, pd.tp, pd.ep, pd.dp_shard * pd.cp), pd.dp_shard * pd.cp, \
-        pd.tp, pd.cp
+    groups, shard, tp, cp = (
+        fsdp_groups(a, pd.tp, pd.ep, pd.dp_shard * pd.cp),
+        pd.dp_shard * pd.cp,
+        pd.tp,
+        pd.cp,
+    )
     p, r = BYTES[cfg.training.mixed_precision_param], BYTES[cfg.training.mixed_precision_reduce]
     batch, seq = cfg.training.local_batch_size, cfg.training.seq_len
     held, blocks_a, head = 1.0, a, True
@@ -209,83 +233,116 @@ def memory_plan(cfg: JobConfig, world_size: int, pp_rank: int | None = None) -> 
     b["gradients"] = b["parameters"]
     b["optimizer_state"] = optimizer_state_bytes(cfg, groups, shard)
     documents = a.attn_mask_type != "causal" or a.positions != "sequence"
-    b["buffers_and_inputs"] = (2 * FP32 * a.max_seq_len * (a.head_dim // 2)  # + document ids
-                               + (2 + documents) * INT64 * cfg.training.local_batch_size * seq)
+    b["buffers_and_inputs"] = (
+        2 * FP32 * a.max_seq_len * (a.head_dim // 2)  # + document ids
+        + (2 + documents) * INT64 * cfg.training.local_batch_size * seq
+    )
 
     head_act = head_activations(a, p, tokens, tp) if head else 0
     # the block-causal mask and per-document RoPE tables, once per microbatch (all layers)
     # (under CP: its own mask over [seq / cp, seq], and each layer's gathered K/V, `cp_kv`)
-    b["attention_inputs"], kv = (attention_bytes(a, batch, seq, p), 0) if cp == 1 else \
-        cp_attention_bytes(a, cfg, p, batch, seq, cp, tp)
+    b["attention_inputs"], kv = (
+        (attention_bytes(a, batch, seq, p), 0)
+        if cp == 1
+        else cp_attention_bytes(a, cfg, p, batch, seq, cp, tp)
+    )
     b["cp_kv"] = kv * cp_saved_layers(cfg, a.n_layers)
     b["attention_inputs"] = int(held * b["attention_inputs"])
     act = head_act + b["attention_inputs"]
-    b["activations_no_ac"] = int(held * blocks_activations(cfg, blocks_a, p, tokens, "none", tp,
-                                                    pd.ep)
-                                 ) + act + kv * a.n_layers
-    b["activations_full_ac"] = int(held * blocks_activations(cfg, blocks_a, p, tokens, "full",
-                                                             tp, pd.ep)) + act
-    b["activations"] = int(held * blocks_activations(cfg, blocks_a, p, tokens, tp=tp,
-                                                       ep=pd.ep)) + act \
-        + b["cp_kv"]
+    b["activations_no_ac"] = (
+        int(held * blocks_activations(cfg, blocks_a, p, tokens, "none", tp, pd.ep))
+        + act
+        + kv * a.n_layers
+    )
+    b["activations_full_ac"] = (
+        int(held * blocks_activations(cfg, blocks_a, p, tokens, "full", tp, pd.ep)) + act
+    )
+    b["activations"] = (
+        int(held * blocks_activations(cfg, blocks_a, p, tokens, tp=tp, ep=pd.ep)) + act + b["cp_kv"]
+    )
     # under AC, the dispatched rows the recompute reuses where ep spans nodes (plan/moe.py)
     b["activations"] += int(held * saved_dispatch_bytes(cfg, blocks_a, pd.ep, p, tokens // tp))
     recompute = cfg.activation_checkpoint.mode != "none" and blocks_a.n_layers > 0
-    one = largest_block(a, p, tokens, tp, pd.ep, a.attn_mask_type == "block_causal",
-                        min(seq, tokens)) if a.hybrid is not None else split_bytes(
-        block_split(a, p, tp, moe=moe_layers(a) > 0, ep=pd.ep), tokens, tp)
+    one = (
+        largest_block(a, p, tokens, tp, pd.ep, a.attn_mask_type == "block_causal", min(seq, tokens))
+        if a.hybrid is not None
+        else split_bytes(block_split(a, p, tp, moe=moe_layers(a) > 0, ep=pd.ep), tokens, tp)
+    )
     b["ac_recompute"] = one + kv if recompute else 0
     # TP in a block's backward: the whole-sequence gradient of a colwise matmul's input and a
     # rowwise matmul's partial sum, [tokens, dim] each, live around their collectives.
     b["tp_buffers"] = 2 * p * tokens * a.dim if tp > 1 else 0
-    loss = loss_region(cfg, a, p, tokens, tp, pd.loss_parallel) if head else dict.fromkeys(
-        ("at_loss", "after", "at_head"), 0)
+    loss = (
+        loss_region(cfg, a, p, tokens, tp, pd.loss_parallel)
+        if head
+        else dict.fromkeys(("at_loss", "after", "at_head"), 0)
+    )
     b["logits_loss"], held_logits = loss["at_loss"], loss["after"]
     b.update(fsdp_buffers(cfg, groups, shard, p, r, pipeline=pd.pp_enabled, ep=pd.ep_dp))
     # A pipeline schedule reduces the gradients at its last microbatch (sync 'last' within it)
     sync_last = cfg.training.gradient_accumulation_sync == "last" or pd.pp_enabled
     several = accum > 1 or (pd.pp_enabled and cfg.training.local_batch_size > batch)
-    b["grad_accumulation"] = r * sum(gathered(k, gathered_numel(v, shard), pd.ep_dp)
-                                     for k, v in groups.items()) if several and sync_last else 0
+    b["grad_accumulation"] = (
+        r * sum(gathered(k, gathered_numel(v, shard), pd.ep_dp) for k, v in groups.items())
+        if several and sync_last
+        else 0
+    )
     impl = implementation(cfg.optimizer.implementation)
     largest = max(FP32 * shard_numel(s, shard) for s in shapes)
     b["optimizer_step_temp"] = {"foreach": b["parameters"], "for-loop": 2 * largest}.get(impl, 0)
     if cfg.optimizer.name == "Muon":  # ~6 x a rank's share of a bucket (trainer/optim/
         # muon.py): bucket k + 1's updates, send and receive buffers in flight; bucket k's
         # whole fp32 matrices, their Newton-Schulz and the results on their way back
-        b["optimizer_step_temp"] += 6 * min(muon_bucket_bytes, FP32 * sum(
-            shard_numel(s, shard) for k, g in groups.items() for s in g
-            if muon_matrix(k, s)))
+        b["optimizer_step_temp"] += 6 * min(
+            muon_bucket_bytes,
+            FP32
+            * sum(shard_numel(s, shard) for k, g in groups.items() for s in g if muon_matrix(k, s)),
+        )
     # With fsdp_offload the sharded state (params, grads, optimizer) is in host memory
     # (trainer/plan/host.py); the device holds the staging copies of `offload_staging`.
     on_device = 0 if cfg.parallelism.fsdp_offload == "cpu" else 1
     b["offload_staging"] = (1 - on_device) * offload_staging(
-        {k: sum(shard_numel(s, shard) for s in g) for k, g in groups.items()}, p, r)
+        {k: sum(shard_numel(s, shard) for s in g) for k, g in groups.items()}, p, r
+    )
 
-    resident = (on_device * (b["parameters"] + b["optimizer_state"]) + b["buffers_and_inputs"]
-                + b["offload_staging"])
+    resident = (
+        on_device * (b["parameters"] + b["optimizer_state"])
+        + b["buffers_and_inputs"]
+        + b["offload_staging"]
+    )
     # With sync every microbatch, the sharded gradients of the earlier microbatches are held
     # through the later ones (FSDP adds to them): from the second microbatch on, all of them.
     grads_held = on_device * b["gradients"] if accum > 1 and not sync_last else 0
     in_backward = resident + b["grad_accumulation"] + grads_held
     blocks_act = b["activations"] - head_act
     b["peak_loss"] = in_backward + b["activations"] + b["logits_loss"] + b["fsdp_loss"]
-    b["peak_head_backward"] = (in_backward + b["activations"] + loss["at_head"]
-                               + b["fsdp_head"] + b["tp_buffers"] // 2)
-    b["peak_block_backward"] = (in_backward + blocks_act + b["ac_recompute"] + held_logits
-                                + b["fsdp_block"] + b["tp_buffers"])
+    b["peak_head_backward"] = (
+        in_backward + b["activations"] + loss["at_head"] + b["fsdp_head"] + b["tp_buffers"] // 2
+    )
+    b["peak_block_backward"] = (
+        in_backward
+        + blocks_act
+        + b["ac_recompute"]
+        + held_logits
+        + b["fsdp_block"]
+        + b["tp_buffers"]
+    )
     emb_grad = FP32 * sum(shard_numel(s, shard) for s in groups.get("embedding", []))
-    b["peak_end_of_backward"] = (in_backward + (0 if grads_held else on_device)
-                                 * (b["gradients"] - emb_grad)
-                                 + held_logits + b["fsdp_embedding"])
+    b["peak_end_of_backward"] = (
+        in_backward
+        + (0 if grads_held else on_device) * (b["gradients"] - emb_grad)
+        + held_logits
+        + b["fsdp_embedding"]
+    )
     b["peak_optimizer_step"] = resident + on_device * (b["gradients"] + b["optimizer_step_temp"])
     b["total"] = max(v for k, v in b.items() if k.startswith("peak_"))
     b.update(host_memory(cfg, b, [FP32 * shard_numel(s, shard) for s in shapes]))
     return b
 
 
-def fsdp_buffers(cfg: JobConfig, groups, shard: int, p: int, r: int,
-                 pipeline: bool = False, ep: int = 1) -> dict[str, int]:
+def fsdp_buffers(
+    cfg: JobConfig, groups, shard: int, p: int, r: int, pipeline: bool = False, ep: int = 1
+) -> dict[str, int]:
     """Unsharded parameters, gradients and reduce-scatter buffers live in each backward phase.
 
     A group being backpropagated holds its all-gathered params (p bytes, padded), its unsharded
@@ -327,16 +384,22 @@ def accumulation_sync_note(cfg: JobConfig, world_size: int, mem_gib: float) -> s
     if accum == 1 or cfg.training.gradient_accumulation_sync != "last":
         return None
     last = memory_plan(cfg, world_size)
-    every = memory_plan(dataclasses.replace(cfg, training=dataclasses.replace(
-        cfg.training, gradient_accumulation_sync="every")), world_size)
+    every = memory_plan(
+        dataclasses.replace(
+            cfg, training=dataclasses.replace(cfg.training, gradient_accumulation_sync="every")
+        ),
+        world_size,
+    )
     have = mem_gib * GIB
     if device_need(last["total"]) <= have or device_need(every["total"]) > have:
         return None
-    return (f"warning: training.gradient_accumulation_sync = 'last' holds "
-            f"{last['grad_accumulation'] / GIB:.1f} GiB of unsharded gradients across "
-            f"{accum} microbatches: the plan needs {device_need(last['total']) / GIB:.1f} GiB of "
-            f"the GPU's {mem_gib:.1f} GiB; 'every' needs {device_need(every['total']) / GIB:.1f} "
-            f"GiB (python -m trainer.plan shows both)")
+    return (
+        f"warning: training.gradient_accumulation_sync = 'last' holds "
+        f"{last['grad_accumulation'] / GIB:.1f} GiB of unsharded gradients across "
+        f"{accum} microbatches: the plan needs {device_need(last['total']) / GIB:.1f} GiB of "
+        f"the GPU's {mem_gib:.1f} GiB; 'every' needs {device_need(every['total']) / GIB:.1f} "
+        f"GiB (python -m trainer.plan shows both)"
+    )
 
 
 def optimizer_state_bytes(cfg: JobConfig, groups, shard: int) -> int:
@@ -361,32 +424,38 @@ def cpu_need(total: int, ranks_per_node: int) -> int:
     return ranks_per_node * int(total + CPU_PROCESS_GIB * GIB)
 
 
-def check_cpu_ram(cfg: JobConfig, world_size: int, ranks_per_node: int,
-                  ram_gib: float) -> None:
+def check_cpu_ram(cfg: JobConfig, world_size: int, ranks_per_node: int, ram_gib: float) -> None:
     """Refuse, before launch, a CPU run whose memory plan cannot fit the node's RAM (it would
     allocate until the OS kills it), naming the largest local batch that fits."""
     need = cpu_need(memory_plan(cfg, world_size)["total"], ranks_per_node)
     if need <= ram_gib * GIB:
         return
-    best = largest_local_batch(cfg, world_size, ram_gib,
-                               need=lambda total: cpu_need(total, ranks_per_node))
-    fits = (f"at most training.local_batch_size = {best} could fit" if best else
-            "no training.local_batch_size fits; use a smaller model.flavor or seq_len")
+    best = largest_local_batch(
+        cfg, world_size, ram_gib, need=lambda total: cpu_need(total, ranks_per_node)
+    )
+    fits = (
+        f"at most training.local_batch_size = {best} could fit"
+        if best
+        else "no training.local_batch_size fits; use a smaller model.flavor or seq_len"
+    )
     raise ConfigError(
         f"training.local_batch_size = {cfg.training.local_batch_size} cannot fit this machine's "
         f"memory: the plan needs {need / GIB:.1f} GiB for {ranks_per_node} CPU ranks, the "
-        f"machine has {ram_gib:.1f} GiB; {fits} (python -m trainer.plan shows the plan)")
+        f"machine has {ram_gib:.1f} GiB; {fits} (python -m trainer.plan shows the plan)"
+    )
 
 
-def largest_local_batch(cfg: JobConfig, world_size: int, mem_gib: float,
-                        limit: int = 1024, need=device_need) -> int:
+def largest_local_batch(
+    cfg: JobConfig, world_size: int, mem_gib: float, limit: int = 1024, need=device_need
+) -> int:
     """The largest `training.local_batch_size` whose plan fits `mem_gib` (0 if none does),
     with `need(plan total)` the bytes it takes (default: a GPU's, device_need). With a fixed
     `global_batch_size`, only local batches that divide it are candidates."""
 
     def fits(batch: int) -> bool | None:  # None: not a valid local batch for this config
-        trial = dataclasses.replace(cfg, training=dataclasses.replace(
-            cfg.training, local_batch_size=batch))
+        trial = dataclasses.replace(
+            cfg, training=dataclasses.replace(cfg.training, local_batch_size=batch)
+        )
         try:
             return need(memory_plan(trial, world_size)["total"]) <= mem_gib * GIB
         except ConfigError:
@@ -409,4 +478,3 @@ def throughput(cfg: JobConfig, peak_tflops: float, mfu: float) -> tuple[float, f
     a = plan_args(cfg, vocab)
     fpt = flops_per_token(a, cfg.training.seq_len)
     return fpt, mfu * peak_tflops * 1e12 / fpt
-

@@ -80,8 +80,9 @@ def per_block(g: dict[str, int]) -> dict[str, int]:
 def moe_ffn_bytes(a: ModelArgs, p: int, ep: int) -> int:
     """Bytes a MoE block's feed-forward saves per token (see the module docstring)."""
     m = a.moe
-    routed = m.top_k * (p * a.dim + 4 * p * m.hidden_dim + 2 * p * a.dim
-                        + (2 * p * a.dim if ep > 1 else 0))
+    routed = m.top_k * (
+        p * a.dim + 4 * p * m.hidden_dim + 2 * p * a.dim + (2 * p * a.dim if ep > 1 else 0)
+    )
     shared = 4 * p * m.hidden_dim * m.n_shared_experts + (p * a.dim if m.n_shared_experts else 0)
     return 2 * FP32 * m.n_experts + routed + shared
 
@@ -94,7 +95,10 @@ def all_to_all_volume(cfg, a: ModelArgs, pd, accum: int) -> float:
     """Bytes per rank per step over ep (see the module docstring)."""
     if pd.ep == 1 or a.moe is None:
         return 0.0
-    p, t = FP32 if cfg.training.mixed_precision_param == "float32" else 2, cfg.training  # auto: bf16 on GPUs
+    p, t = (
+        FP32 if cfg.training.mixed_precision_param == "float32" else 2,
+        cfg.training,
+    )  # auto: bf16 on GPUs
     tokens = t.local_batch_size * t.seq_len // (pd.tp * pd.cp)  # this rank's sequence shard
     one_way = a.moe.top_k * tokens * a.dim * p * (pd.ep - 1) / pd.ep
     return accum * moe_layers(a) * 2 * one_way * (2 + recompute_share(cfg, a, pd)) / pd.pp
@@ -131,14 +135,21 @@ def saved_dispatch_bytes(cfg, a: ModelArgs, ep: int, p: int, tokens: int) -> int
     m, ac = a.moe, cfg.activation_checkpoint
     per = int(os.environ.get("LOCAL_WORLD_SIZE") or 0)
     nodes = math.ceil(ep / per) if per else 1
-    if m is None or ep == 1 or nodes == 1 or not m.save_dispatch or ac.mode == "none" \
-            or (ac.mode == "selective" and ac.selective_ac_option == "op"):
+    if (
+        m is None
+        or ep == 1
+        or nodes == 1
+        or not m.save_dispatch
+        or ac.mode == "none"
+        or (ac.mode == "selective" and ac.selective_ac_option == "op")
+    ):
         return 0
     layers = moe_layers(a)
     if ac.mode == "selective":  # every k-th block is checkpointed
         layers = math.ceil(layers / int(ac.selective_ac_option))
-    node = m.dispatch == "node" or (m.dispatch == "auto" and m.n_group == nodes
-                                    and m.capacity_factor == 0)
+    node = m.dispatch == "node" or (
+        m.dispatch == "auto" and m.n_group == nodes and m.capacity_factor == 0
+    )
     if not node:  # the flat dispatch sends its rows again (trainer/parallel/expert_parallel.py)
         return 0
     return layers * tokens * m.topk_group * ((a.dim + m.top_k) * p + 4 * m.top_k)

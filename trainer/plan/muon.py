@@ -31,15 +31,17 @@ def _stage_params(cfg, a, pp_rank: int) -> list[tuple[str, tuple[int, ...]]]:
     from trainer.models.build import build_model
     from trainer.plan.pipeline import rank_units
 
-    embedding, layers, head = rank_units(cfg, pp_rank) if \
-        cfg.parallelism.pipeline_parallel_degree > 1 else (True, list(range(a.n_layers)), True)
+    embedding, layers, head = (
+        rank_units(cfg, pp_rank)
+        if cfg.parallelism.pipeline_parallel_degree > 1
+        else (True, list(range(a.n_layers)), True)
+    )
     out = []
     for name, p in build_model(a).named_parameters():
         if not takes_muon(name, p):
             continue
         i = block_id(name, a)
-        if (i is not None and i < a.n_layers and i in layers) or (
-                name.startswith("mtp.") and head):
+        if (i is not None and i < a.n_layers and i in layers) or (name.startswith("mtp.") and head):
             out.append((name, tuple(p.shape)))
     return out
 
@@ -59,24 +61,43 @@ def stage_meshes(cfg, pd, a, pp_rank: int) -> list[tuple[tuple, list[int], list[
     def add(key, sizes, ranks, spec):
         meshes.setdefault(key, (sizes, ranks, []))[2].append(spec)
 
-    dp_ranks = [[rank(r, s, c, t) for r in range(R) for s in range(S) for c in range(CP)]
-                for t in range(TP)]
+    dp_ranks = [
+        [rank(r, s, c, t) for r in range(R) for s in range(S) for c in range(CP)] for t in range(TP)
+    ]
     for name, shape in _stage_params(cfg, a, pp_rank):
         expert = len(shape) == 3
         if expert and ep > 1:
             local = shape[0] // ep
             dim = 0 if local % (F * CP) == 0 or shape[1] % (F * CP) else 1
-            ranks = [rank(r, f * EPD + e, c, t) for r in range(R) for f in range(F)
-                     for c in range(CP) for e in range(EPD) for t in range(TP)]
-            add("experts", (R, F * CP, ep), ranks,
-                Spec(shape, (Replicate(), Shard(dim), Shard(0)), (R, F * CP, ep)))
+            ranks = [
+                rank(r, f * EPD + e, c, t)
+                for r in range(R)
+                for f in range(F)
+                for c in range(CP)
+                for e in range(EPD)
+                for t in range(TP)
+            ]
+            add(
+                "experts",
+                (R, F * CP, ep),
+                ranks,
+                Spec(shape, (Replicate(), Shard(dim), Shard(0)), (R, F * CP, ep)),
+            )
         elif TP > 1 and not expert and tp_splits(name, a):
-            add("tp", (R, S * CP, TP), list(range(R * S * CP * TP)),
-                Spec(shape, (Replicate(), Shard(0), Shard(1)), (R, S * CP, TP)))
+            add(
+                "tp",
+                (R, S * CP, TP),
+                list(range(R * S * CP * TP)),
+                Spec(shape, (Replicate(), Shard(0), Shard(1)), (R, S * CP, TP)),
+            )
         else:
             for t in range(TP):
-                add(("dp", t), (R, S * CP), dp_ranks[t],
-                    Spec(shape, (Replicate(), Shard(0)), (R, S * CP)))
+                add(
+                    ("dp", t),
+                    (R, S * CP),
+                    dp_ranks[t],
+                    Spec(shape, (Replicate(), Shard(0)), (R, S * CP)),
+                )
     return list(meshes.values())
 
 

@@ -11,9 +11,15 @@ these and reports the largest.
 
 from __future__ import annotations
 
-from trainer.parallel.pp_layout import (bubble_fraction, check_microbatches, check_pipeline,
-                                        describe_split, rank_stages, schedule as find_schedule,
-                                        stage_work)
+from trainer.parallel.pp_layout import (
+    bubble_fraction,
+    check_microbatches,
+    check_pipeline,
+    describe_split,
+    rank_stages,
+    schedule as find_schedule,
+    stage_work,
+)
 
 
 def layout(cfg) -> tuple[object, list, int]:
@@ -22,8 +28,9 @@ def layout(cfg) -> tuple[object, list, int]:
     par = cfg.parallelism
     sched = find_schedule(par.pipeline_parallel_schedule)
     args, weights = unit_weights(cfg)
-    specs = check_pipeline(par, cfg.training, args.n_layers, args.tie_word_embeddings,
-                           cfg.model.flavor, weights)
+    specs = check_pipeline(
+        par, cfg.training, args.n_layers, args.tie_word_embeddings, cfg.model.flavor, weights
+    )
     m = check_microbatches(par, cfg.training, sched, len(specs), par.pipeline_parallel_degree)
     return sched, specs, m
 
@@ -45,8 +52,9 @@ def rank_work(cfg) -> list[float]:
     pp = cfg.parallelism.pipeline_parallel_degree
     weights = unit_weights(cfg)[1]
     work = stage_work(specs, weights)
-    per_rank = [sum(work[s] for s in rank_stages(r, pp, len(specs), sched.style))
-                for r in range(pp)]
+    per_rank = [
+        sum(work[s] for s in rank_stages(r, pp, len(specs), sched.style)) for r in range(pp)
+    ]
     return [w * pp / sum(weights) for w in per_rank]
 
 
@@ -59,8 +67,10 @@ def rank_shape(cfg, rank: int) -> tuple:
     sched, specs, _ = layout(cfg)
     args = unit_weights(cfg)[0]
     pp = cfg.parallelism.pipeline_parallel_degree
-    return tuple((specs[s].embedding, tuple(layer_kind(args, i) for i in specs[s].layers),
-                  specs[s].head) for s in rank_stages(rank, pp, len(specs), sched.style))
+    return tuple(
+        (specs[s].embedding, tuple(layer_kind(args, i) for i in specs[s].layers), specs[s].head)
+        for s in rank_stages(rank, pp, len(specs), sched.style)
+    )
 
 
 def rank_units(cfg, rank: int) -> tuple[bool, list[int], bool]:
@@ -68,15 +78,21 @@ def rank_units(cfg, rank: int) -> tuple[bool, list[int], bool]:
     sched, specs, _ = layout(cfg)
     pp = cfg.parallelism.pipeline_parallel_degree
     mine = [specs[s] for s in rank_stages(rank, pp, len(specs), sched.style)]
-    return (any(s.embedding for s in mine), [i for s in mine for i in s.layers],
-            any(s.head for s in mine))
+    return (
+        any(s.embedding for s in mine),
+        [i for s in mine for i in s.layers],
+        any(s.head for s in mine),
+    )
 
 
 def rank_groups(groups: dict, cfg, rank: int) -> dict:
     """The FSDP groups (trainer/plan/memory.py `fsdp_groups`) that pp rank `rank` holds."""
     embedding, layers, head = rank_units(cfg, rank)
-    keep = {f"layers.{i}" for i in layers} | ({"embedding"} if embedding else set()) | (
-        {"head"} if head else set())
+    keep = (
+        {f"layers.{i}" for i in layers}
+        | ({"embedding"} if embedding else set())
+        | ({"head"} if head else set())
+    )
     return {k: v for k, v in groups.items() if k.removesuffix(".experts") in keep}
 
 
@@ -107,11 +123,16 @@ def p2p_bytes(cfg, p: int, rank: int, accum: int) -> int:
     sched, specs, m = layout(cfg)
     par, pp = cfg.parallelism, cfg.parallelism.pipeline_parallel_degree
     owner = {s: r for r in range(pp) for s in rank_stages(r, pp, len(specs), sched.style)}
-    sends = sum((s + 1 < len(specs) and owner[s + 1] != rank) + (s > 0 and owner[s - 1] != rank)
-                for s in rank_stages(rank, pp, len(specs), sched.style))
+    sends = sum(
+        (s + 1 < len(specs) and owner[s + 1] != rank) + (s > 0 and owner[s - 1] != rank)
+        for s in rank_stages(rank, pp, len(specs), sched.style)
+    )
     dim = model_args(cfg.model.flavor).dim
-    tokens = par.pipeline_parallel_microbatch_size * cfg.training.seq_len // (
-        par.context_parallel_degree * par.tensor_parallel_degree)
+    tokens = (
+        par.pipeline_parallel_microbatch_size
+        * cfg.training.seq_len
+        // (par.context_parallel_degree * par.tensor_parallel_degree)
+    )
     return sends * m * accum * p * tokens * dim
 
 
@@ -122,20 +143,26 @@ def summary(cfg, rank_totals: list[int], gib: int) -> list[str]:
     bubble = bubble_fraction(sched, pp, m, len(specs) // pp)
     peaks = ", ".join(f"{t / gib:.2f}" for t in rank_totals)
     work = ", ".join(f"{w:.3f}" for w in rank_work(cfg))
-    return [f"pipeline: {sched.name}, {len(specs)} stages over pp {pp}, {m} microbatch(es) per "
-            f"schedule step; ideal bubble {bubble:.1%} of the step ({sched.cost})",
-            f"    {split_line(cfg, specs)}",
-            f"    model FLOPs per pp rank, of an even share: {work}",
-            f"    peak per pp rank (GiB): {peaks}; the table is rank "
-            f"{max(range(pp), key=rank_totals.__getitem__)}'s"]
+    return [
+        f"pipeline: {sched.name}, {len(specs)} stages over pp {pp}, {m} microbatch(es) per "
+        f"schedule step; ideal bubble {bubble:.1%} of the step ({sched.cost})",
+        f"    {split_line(cfg, specs)}",
+        f"    model FLOPs per pp rank, of an even share: {work}",
+        f"    peak per pp rank (GiB): {peaks}; the table is rank "
+        f"{max(range(pp), key=rank_totals.__getitem__)}'s",
+    ]
 
 
 def split_line(cfg, specs) -> str:
     """How the stages were cut (trainer/parallel/pp_layout.py `describe_split`)."""
     par = cfg.parallelism
-    how = (f"at {', '.join(par.pipeline_parallel_split_points)} "
-           "(parallelism.pipeline_parallel_split_points)" if par.pipeline_parallel_split_points
-           else f"every {par.pipeline_parallel_layers_per_stage} units "
-           "(parallelism.pipeline_parallel_layers_per_stage)"
-           if par.pipeline_parallel_layers_per_stage else "balanced by model FLOPs")
+    how = (
+        f"at {', '.join(par.pipeline_parallel_split_points)} "
+        "(parallelism.pipeline_parallel_split_points)"
+        if par.pipeline_parallel_split_points
+        else f"every {par.pipeline_parallel_layers_per_stage} units "
+        "(parallelism.pipeline_parallel_layers_per_stage)"
+        if par.pipeline_parallel_layers_per_stage
+        else "balanced by model FLOPs"
+    )
     return describe_split(specs, unit_weights(cfg)[1], how)

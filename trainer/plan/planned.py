@@ -22,13 +22,19 @@ def resolve_vocab(cfg: JobConfig) -> tuple[int, str]:
     if cfg.data.dataset in ("stdlib", "synthetic"):
         mult = cfg.model.vocab_size_multiple_of
         return -(-cfg.data.vocab_size // mult) * mult, (
-            f"[data] vocab_size of the {cfg.data.dataset} tokenizer, padded to a multiple of "
-            f"{mult}")
+            f"[data] vocab_size of the {cfg.data.dataset} tokenizer, padded to a multiple of {mult}"
+        )
     return FLAVORS[cfg.model.flavor].vocab_size, (
-        f"the {cfg.model.flavor} flavor's (the tokenizer is not loaded; set [model] vocab_size)")
+        f"the {cfg.model.flavor} flavor's (the tokenizer is not loaded; set [model] vocab_size)"
+    )
 
 
 def plan_args(cfg: JobConfig, vocab: int) -> ModelArgs:
     """The model a run of `cfg` builds on a GPU (attention resolved for CUDA)."""
-    return model_args(cfg.model.flavor, vocab_size=vocab, max_seq_len=cfg.training.seq_len,
-                      moe_config=cfg.moe, **attention_args(cfg.model, "cuda"))
+    return model_args(
+        cfg.model.flavor,
+        vocab_size=vocab,
+        max_seq_len=cfg.training.seq_len,
+        moe_config=cfg.moe,
+        **attention_args(cfg.model, "cuda"),
+    )

@@ -34,8 +34,9 @@ def fits_host_ram(cfg, world_size: int, ranks: int | None) -> None:
     """CPU ranks keep everything in host memory: refuse a plan beyond this node's RAM."""
     if ranks is None:
         return
-    on_cpu = cfg.training.device == "cpu" or (cfg.training.device == "auto"
-                                              and visible_gpus()[0] == 0)
+    on_cpu = cfg.training.device == "cpu" or (
+        cfg.training.device == "auto" and visible_gpus()[0] == 0
+    )
     if on_cpu:
         check_cpu_ram(cfg, world_size, ranks, usable_ram_gib())
 

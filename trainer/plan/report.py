@@ -14,10 +14,20 @@ from trainer.config.job import JobConfig, load_config
 from trainer.errors import ConfigError, UserError
 from trainer.models.flops import table_peak_tflops
 from trainer.optim.optimizer import implementation
-from trainer.plan.memory import (CONTEXT_GIB, FRAGMENTATION, GIB, GPUS, Gpu,
-                                 accumulation_sync_note, device_need,
-                          largest_local_batch, memory_plan, plan_args, resolve_vocab,
-                          throughput)
+from trainer.plan.memory import (
+    CONTEXT_GIB,
+    FRAGMENTATION,
+    GIB,
+    GPUS,
+    Gpu,
+    accumulation_sync_note,
+    device_need,
+    largest_local_batch,
+    memory_plan,
+    plan_args,
+    resolve_vocab,
+    throughput,
+)
 from trainer.plan.comm import comm_volume
 from trainer.plan.host import HOST_ROWS, host_ram_gib, host_report
 from trainer.plan.pipeline import summary as pipeline_summary
@@ -66,29 +76,44 @@ def describe(cfg: JobConfig, world_size: int, ngpu: int, nnodes: int) -> list[st
         f"model: {cfg.model.flavor}, {a.num_params() / 1e9:.3f}B params, vocab {vocab} "
         f"(from {source})",
         f"mesh: {pd.describe()} = {ngpu} GPU(s) x {nnodes} node(s); parameters sharded over "
-        + (f"{pd.dp_shard * pd.cp} rank(s)" if pd.tp == 1 else
-           f"tp {pd.tp} x dp_shard {pd.dp_shard * pd.cp} = {pd.tp * pd.dp_shard * pd.cp} ranks "
-           f"(norms over {pd.dp_shard * pd.cp})"),
+        + (
+            f"{pd.dp_shard * pd.cp} rank(s)"
+            if pd.tp == 1
+            else f"tp {pd.tp} x dp_shard {pd.dp_shard * pd.cp} = {pd.tp * pd.dp_shard * pd.cp} ranks "
+            f"(norms over {pd.dp_shard * pd.cp})"
+        ),
         f"microbatch: {t.local_batch_size} x {t.seq_len} tokens, {accum} microbatch(es) per step "
         f"(sync '{t.gradient_accumulation_sync}')",
     ]
 
 
-def report(cfg: JobConfig, b: dict[str, int], accum: int, gpu: Gpu, mem_gib: float,
-           mfu: float, host: tuple[int, float, str] = (1, math.inf, "unlimited")) -> list[str]:
+def report(
+    cfg: JobConfig,
+    b: dict[str, int],
+    accum: int,
+    gpu: Gpu,
+    mem_gib: float,
+    mfu: float,
+    host: tuple[int, float, str] = (1, math.inf, "unlimited"),
+) -> list[str]:
     """The breakdown table, the verdict and the throughput at the assumed MFU. `host`:
     (ranks per node, GiB of host RAM per node, where that figure comes from)."""
     t, ac = cfg.training, cfg.activation_checkpoint
     unit, scale = ("GiB", GIB) if b["total"] >= GIB else ("MiB", 2**20)
-    fill = {"ac": ac.mode + (f" {ac.selective_ac_option}" if ac.mode == "selective" else ""),
-            "loss": (f"eager, fp32 [{t.local_batch_size}, {t.seq_len}, vocab]"
-                     if t.loss == "eager" else f"chunked, {t.loss_chunk_size} tokens at a time"),
-            "mp": f"{t.mixed_precision_param.replace('auto', 'bfloat16 (auto)')} params, "
-                  f"{t.mixed_precision_reduce} reduce",
-            "reshard": cfg.parallelism.fsdp_reshard_after_forward,
-            "impl": implementation(cfg.optimizer.implementation),
-            "offload": f"fsdp_offload {cfg.parallelism.fsdp_offload}",
-            "attn": f"{cfg.model.attn_mask_type}, {cfg.model.positions}"}
+    fill = {
+        "ac": ac.mode + (f" {ac.selective_ac_option}" if ac.mode == "selective" else ""),
+        "loss": (
+            f"eager, fp32 [{t.local_batch_size}, {t.seq_len}, vocab]"
+            if t.loss == "eager"
+            else f"chunked, {t.loss_chunk_size} tokens at a time"
+        ),
+        "mp": f"{t.mixed_precision_param.replace('auto', 'bfloat16 (auto)')} params, "
+        f"{t.mixed_precision_reduce} reduce",
+        "reshard": cfg.parallelism.fsdp_reshard_after_forward,
+        "impl": implementation(cfg.optimizer.implementation),
+        "offload": f"fsdp_offload {cfg.parallelism.fsdp_offload}",
+        "attn": f"{cfg.model.attn_mask_type}, {cfg.model.positions}",
+    }
     lines = []
     for key, label in ROWS + HOST_ROWS:
         label = label.format(**fill)
@@ -117,22 +142,29 @@ def comm_report(b: dict) -> list[str]:
     if "comm_tp" not in b:
         return []
     m = b["comm_microbatches"]
-    return [f"communication per optimizer step, bytes each rank sends ({m} microbatch(es); "
-            "formulas: trainer/plan/comm.py)",
-            f"    {'tp (sequence-parallel activations, loss, norms)':<50} "
-            f"{b['comm_tp'] / GIB:10.3f} GiB",
-            f"    {'cp (K/V all-gathers + gradient reduce-scatters)':<50} "
-            f"{b.get('comm_cp', 0.0) / GIB:10.3f} GiB",
-            f"    {'dp_shard (x cp: FSDP all-gathers + reduce-scatters)':<50} "
-            f"{b['comm_dp_shard'] / GIB:10.3f} GiB",
-            f"    {'dp_replicate (HSDP all-reduce)':<50} {b['comm_dp_replicate'] / GIB:10.3f} GiB",
-            f"    {'pp (stage activations and their gradients, p2p)':<50} "
-            f"{b.get('comm_pp', 0.0) / GIB:10.3f} GiB",
-            f"    {'ep (routed tokens, all-to-all)':<50} {b.get('comm_ep', 0.0) / GIB:10.3f} GiB"] + (
-            [f"    {'optimizer (Muon: updates to owners, results back)':<50} "
-             f"{b['comm_optimizer'] / GIB:10.3f} GiB; Newton-Schulz "
-             f"{b['muon_ns_flops'] / 1e12:.2f} TFLOPs on the busiest rank (mean "
-             f"{b['muon_ns_flops_mean'] / 1e12:.2f})"] if "muon_ns_flops" in b else [])
+    return [
+        f"communication per optimizer step, bytes each rank sends ({m} microbatch(es); "
+        "formulas: trainer/plan/comm.py)",
+        f"    {'tp (sequence-parallel activations, loss, norms)':<50} "
+        f"{b['comm_tp'] / GIB:10.3f} GiB",
+        f"    {'cp (K/V all-gathers + gradient reduce-scatters)':<50} "
+        f"{b.get('comm_cp', 0.0) / GIB:10.3f} GiB",
+        f"    {'dp_shard (x cp: FSDP all-gathers + reduce-scatters)':<50} "
+        f"{b['comm_dp_shard'] / GIB:10.3f} GiB",
+        f"    {'dp_replicate (HSDP all-reduce)':<50} {b['comm_dp_replicate'] / GIB:10.3f} GiB",
+        f"    {'pp (stage activations and their gradients, p2p)':<50} "
+        f"{b.get('comm_pp', 0.0) / GIB:10.3f} GiB",
+        f"    {'ep (routed tokens, all-to-all)':<50} {b.get('comm_ep', 0.0) / GIB:10.3f} GiB",
+    ] + (
+        [
+            f"    {'optimizer (Muon: updates to owners, results back)':<50} "
+            f"{b['comm_optimizer'] / GIB:10.3f} GiB; Newton-Schulz "
+            f"{b['muon_ns_flops'] / 1e12:.2f} TFLOPs on the busiest rank (mean "
+            f"{b['muon_ns_flops_mean'] / 1e12:.2f})"
+        ]
+        if "muon_ns_flops" in b
+        else []
+    )
 
 
 def throughput_report(cfg: JobConfig, gpu: Gpu, mfu: float, accum: int) -> list[str]:
@@ -145,40 +177,59 @@ def throughput_report(cfg: JobConfig, gpu: Gpu, mfu: float, accum: int) -> list[
     fpt, tps = throughput(cfg, peak[0], mfu)
     # a dp rank's tokens go through its tp x pp devices (the pipeline's bubble is idle time
     # inside the assumed MFU)
-    step_s = t.local_batch_size * t.seq_len * accum / (
-        tps * tp * cfg.parallelism.pipeline_parallel_degree)
+    step_s = (
+        t.local_batch_size
+        * t.seq_len
+        * accum
+        / (tps * tp * cfg.parallelism.pipeline_parallel_degree)
+    )
     per_dp = f", {tps * tp:,.0f} per dp rank of {tp} devices" if tp > 1 else ""
-    return [f"throughput at {mfu:.0%} MFU of {peak[0]:g} TFLOPS bf16 ({peak[1]}): "
-            f"{tps:,.0f} tokens/s per device{per_dp} ({fpt:.4g} FLOPs/token; "
-            f"{step_s:.3g} s per optimizer step)"]
+    return [
+        f"throughput at {mfu:.0%} MFU of {peak[0]:g} TFLOPS bf16 ({peak[1]}): "
+        f"{tps:,.0f} tokens/s per device{per_dp} ({fpt:.4g} FLOPs/token; "
+        f"{step_s:.3g} s per optimizer step)"
+    ]
 
 
 class _Parser(argparse.ArgumentParser):
     def error(self, message: str):  # one line, as every other user error (not the usage)
-        print(f"config error: python -m trainer.plan: {message} (--help lists the flags)",
-              file=sys.stderr, flush=True)
+        print(
+            f"config error: python -m trainer.plan: {message} (--help lists the flags)",
+            file=sys.stderr,
+            flush=True,
+        )
         raise SystemExit(2)
 
 
 def parse_args(argv: list[str]):
     """Our flags; every other argument is a config override (`--section.key value`)."""
-    ap = _Parser(prog="python -m trainer.plan", allow_abbrev=False,
-                 description="Per-device memory plan and a fits/does-not-fit verdict; other "
-                             "arguments are config overrides.")
+    ap = _Parser(
+        prog="python -m trainer.plan",
+        allow_abbrev=False,
+        description="Per-device memory plan and a fits/does-not-fit verdict; other "
+        "arguments are config overrides.",
+    )
     ap.add_argument("--config", required=True, help="TOML config file")
     ap.add_argument("--ngpu", type=int, required=True, help="GPUs per node")
     ap.add_argument("--nnodes", type=int, default=1, help="nodes (world = ngpu * nnodes)")
     ap.add_argument("--gpu", default="h100", choices=sorted(GPUS), help="GPU model")
     ap.add_argument("--gpu-mem-gib", type=float, help="override the GPU's memory (GiB)")
     ap.add_argument("--mfu", type=float, default=0.40, help="assumed MFU for tokens/s")
-    ap.add_argument("--host-gib", type=float,
-                    help="host RAM per node (default: this machine's MemTotal)")
-    ap.add_argument("--json", action="store_true",
-                    help="print the whole report (the plan, and the trace with --trace) as one "
-                         "JSON object on stdout instead of the text, for scripts and sweeps")
-    ap.add_argument("--trace", action="store_true",
-                    help="also run one real training step at these shapes on fake tensors "
-                         "(trainer/plan/trace.py) and print its peak beside the plan's")
+    ap.add_argument(
+        "--host-gib", type=float, help="host RAM per node (default: this machine's MemTotal)"
+    )
+    ap.add_argument(
+        "--json",
+        action="store_true",
+        help="print the whole report (the plan, and the trace with --trace) as one "
+        "JSON object on stdout instead of the text, for scripts and sweeps",
+    )
+    ap.add_argument(
+        "--trace",
+        action="store_true",
+        help="also run one real training step at these shapes on fake tensors "
+        "(trainer/plan/trace.py) and print its peak beside the plan's",
+    )
     return ap.parse_known_args(argv)
 
 
@@ -228,12 +279,16 @@ def _run(args, overrides: list[str]) -> tuple[int, str | None]:
     try:
         if args.ngpu < 1 or args.nnodes < 1:
             raise ConfigError(f"--ngpu ({args.ngpu}) and --nnodes ({args.nnodes}) must be >= 1")
-        for flag, value in (("--gpu-mem-gib", args.gpu_mem_gib), ("--host-gib", args.host_gib),
-                            ("--mfu", args.mfu)):
+        for flag, value in (
+            ("--gpu-mem-gib", args.gpu_mem_gib),
+            ("--host-gib", args.host_gib),
+            ("--mfu", args.mfu),
+        ):
             if value is not None and not (0 < value and (flag != "--mfu" or value <= 1)):
-                raise ConfigError(f"{flag} = {value:g} is out of range: it must be > 0"
-                                  + (" and <= 1 (a fraction of the peak)" if flag == "--mfu"
-                                     else " (GiB)"))
+                raise ConfigError(
+                    f"{flag} = {value:g} is out of range: it must be > 0"
+                    + (" and <= 1 (a fraction of the peak)" if flag == "--mfu" else " (GiB)")
+                )
         cfg = load_config(["--job.config_file", args.config, *overrides])
         world = args.ngpu * args.nnodes
         os.environ["LOCAL_WORLD_SIZE"] = str(args.ngpu)  # a node's ranks, as torchrun says
@@ -250,10 +305,21 @@ def _run(args, overrides: list[str]) -> tuple[int, str | None]:
     fixed = cfg.training.global_batch_size != -1
     if args.json:
         return 0, report_json(cfg, world, b, accum, gpu, mem_gib, best, args.trace)
-    print("\n".join(header + report(cfg, b, accum, gpu, mem_gib, args.mfu, host) + [
-        f"largest local_batch_size that fits: {best}"
-        + (f" (of those dividing global_batch_size {cfg.training.global_batch_size})"
-           if fixed else "")]), flush=True)
+    print(
+        "\n".join(
+            header
+            + report(cfg, b, accum, gpu, mem_gib, args.mfu, host)
+            + [
+                f"largest local_batch_size that fits: {best}"
+                + (
+                    f" (of those dividing global_batch_size {cfg.training.global_batch_size})"
+                    if fixed
+                    else ""
+                )
+            ]
+        ),
+        flush=True,
+    )
     note = accumulation_sync_note(cfg, world, mem_gib)
     if note:
         print(note)
@@ -264,40 +330,57 @@ def _run(args, overrides: list[str]) -> tuple[int, str | None]:
     return 0, None
 
 
-def report_json(cfg, world: int, b: dict, accum: int, gpu, mem_gib: float, best: int,
-                trace: bool) -> str:
+def report_json(
+    cfg, world: int, b: dict, accum: int, gpu, mem_gib: float, best: int, trace: bool
+) -> str:
     """`--json`: the plan (and trace) as one JSON object (`trace.work`: the busiest traced
     rank's work against its share and the measured factors, trainer/plan/work.py)."""
     import json
 
     dims = ("tp", "cp", "dp_shard", "dp_replicate", "ep", "pp", "optimizer")
-    out = {"world_size": world, "accumulation": accum, "gpu": gpu.name, "memory_gib": mem_gib,
-           "largest_local_batch": best,
-           "plan": {"peak_gib": b["total"] / GIB, "fits": device_need(b["total"]) <= mem_gib * GIB,
-                    "comm_bytes": {d: b.get(f"comm_{d}", 0.0) for d in dims}, "bytes": b,
-                    # Muon: Newton-Schulz FLOPs per step from the optimizer's owners
-                    "muon_ns_flops": {"busiest_rank": b["muon_ns_flops"],
-                                      "mean": b["muon_ns_flops_mean"]}
-                    if "muon_ns_flops" in b else None},
-           "trace": None, "ideal_flops_per_rank": None}
+    out = {
+        "world_size": world,
+        "accumulation": accum,
+        "gpu": gpu.name,
+        "memory_gib": mem_gib,
+        "largest_local_batch": best,
+        "plan": {
+            "peak_gib": b["total"] / GIB,
+            "fits": device_need(b["total"]) <= mem_gib * GIB,
+            "comm_bytes": {d: b.get(f"comm_{d}", 0.0) for d in dims},
+            "bytes": b,
+            # Muon: Newton-Schulz FLOPs per step from the optimizer's owners
+            "muon_ns_flops": {"busiest_rank": b["muon_ns_flops"], "mean": b["muon_ns_flops_mean"]}
+            if "muon_ns_flops" in b
+            else None,
+        },
+        "trace": None,
+        "ideal_flops_per_rank": None,
+    }
     if trace:
         from trainer.plan.trace import trace_lines
 
         traced: dict = {}
         lines = trace_lines(cfg, world, b, mem_gib, device_need, traced)
         if traced:
-            out["trace"] = {"peak_gib": traced["peak_bytes"] / GIB,
-                            "pp_ranks": traced["pp_ranks"],
-                            "flops_per_rank": traced["flops"], "largest": traced["largest"],
-                            "categories": traced["categories"], "seconds": traced["seconds"],
-                            "comm_bytes": traced["comm_bytes"],
-                            # GiB per rank per step to other nodes, by dimension (traffic.py)
-                            "internode_bytes": {k.removesuffix("@internode"): v / GIB for k, v
-                                                in traced["comm_bytes"].items()
-                                                if k.endswith("@internode")},
-                            "muon_ns_flops": traced["muon_ns_flops"],  # this rank's, traced
-                            "work": traced["work"],
-                            "lines": lines}
+            out["trace"] = {
+                "peak_gib": traced["peak_bytes"] / GIB,
+                "pp_ranks": traced["pp_ranks"],
+                "flops_per_rank": traced["flops"],
+                "largest": traced["largest"],
+                "categories": traced["categories"],
+                "seconds": traced["seconds"],
+                "comm_bytes": traced["comm_bytes"],
+                # GiB per rank per step to other nodes, by dimension (traffic.py)
+                "internode_bytes": {
+                    k.removesuffix("@internode"): v / GIB
+                    for k, v in traced["comm_bytes"].items()
+                    if k.endswith("@internode")
+                },
+                "muon_ns_flops": traced["muon_ns_flops"],  # this rank's, traced
+                "work": traced["work"],
+                "lines": lines,
+            }
             out["ideal_flops_per_rank"] = traced["ideal_flops"]
         else:
             out["trace"] = {"lines": lines}

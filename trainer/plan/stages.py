@@ -53,8 +53,7 @@ def traced_ranks(cfg, world_size: int) -> dict[int, list[int]]:
     shapes: dict[tuple, list[int]] = {}
     for r in range(pp):
         shapes.setdefault(rank_shape(cfg, r), []).append(r)
-    return dict(sorted((max(ranks, key=totals.__getitem__), ranks)
-                       for ranks in shapes.values()))
+    return dict(sorted((max(ranks, key=totals.__getitem__), ranks) for ranks in shapes.values()))
 
 
 class StageDriver:
@@ -74,13 +73,16 @@ class StageDriver:
     def __call__(self, inputs, labels, losses: list, kwargs: dict) -> None:
         args = (inputs,) if self.loop.first else ()
         chunks_args, chunks_kwargs = split_args_kwargs_into_chunks(
-            args, kwargs, self.loop.n_microbatches)
+            args, kwargs, self.loop.n_microbatches
+        )
         mb_args = chunks_args[0]
         mb_kwargs = chunks_kwargs[0]
-        for stage in self.stages[:self.warm]:  # the steady state's accumulating gradients
+        for stage in self.stages[: self.warm]:  # the steady state's accumulating gradients
             self._backward(*self._forward(stage, mb_args, mb_kwargs, losses), sync=False)
-        running = [self._forward(self.stages[j % len(self.stages)], mb_args, mb_kwargs, losses)
-                   for j in range(self.held)]
+        running = [
+            self._forward(self.stages[j % len(self.stages)], mb_args, mb_kwargs, losses)
+            for j in range(self.held)
+        ]
         for item in running:
             self._backward(*item, sync=False)
         for stage in self.stages:  # the schedule step's end: torch's perform_reduce_grad
@@ -105,8 +107,11 @@ class StageDriver:
 
     def _backward(self, stage, x, out, sync: bool) -> None:
         heartbeat.phase("backward")
-        for name in ("set_requires_gradient_sync", "set_reshard_after_backward",
-                     "set_is_last_backward"):
+        for name in (
+            "set_requires_gradient_sync",
+            "set_reshard_after_backward",
+            "set_is_last_backward",
+        ):
             if hasattr(stage, name):
                 getattr(stage, name)(sync)
         if stage.spec.head:
@@ -139,5 +144,9 @@ class StageDriver:
     def ideal_tokens(self) -> float:
         """The tokens whose model FLOPs the traced stage-microbatches stand for."""
         par = self.cfg.parallelism
-        return par.pipeline_parallel_microbatch_size * self.cfg.training.seq_len * \
-            self.traced / len(self.stages)
+        return (
+            par.pipeline_parallel_microbatch_size
+            * self.cfg.training.seq_len
+            * self.traced
+            / len(self.stages)
+        )

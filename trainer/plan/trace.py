@@ -36,8 +36,16 @@ from torch._subclasses.fake_tensor import DataDependentOutputException, unset_fa
 from trainer.config.job import JobConfig
 from trainer.health import heartbeat
 from trainer.models.moe import GROUPED_MM, balance_experts
-from trainer.plan.fake import (CATEGORIES, GIB, Allocation, MemoryTrace,  # noqa: F401
-                               TraceResult, fake_world, summarize, tracking)
+from trainer.plan.fake import (
+    CATEGORIES,
+    GIB,
+    Allocation,
+    MemoryTrace,  # noqa: F401
+    TraceResult,
+    fake_world,
+    summarize,
+    tracking,
+)
 from trainer.plan.stages import StageDriver, traced_ranks
 from trainer.plan.traffic import Traffic, traffic_lines
 from trainer.plan.work import counting, ideal_flops, measure_factors, ranks_text, work_lines
@@ -120,8 +128,11 @@ def build_traced(cfg: JobConfig, world_size: int, trace: MemoryTrace):
     pd, accum = cfg.resolve(world_size)
     pd.build_mesh("cpu")  # fake tensors carry the shapes; the device's kernels do not matter
     args = plan_args(cfg, resolve_vocab(cfg)[0])
-    param = "bfloat16" if cfg.training.mixed_precision_param == "auto" else \
-        cfg.training.mixed_precision_param
+    param = (
+        "bfloat16"
+        if cfg.training.mixed_precision_param == "auto"
+        else cfg.training.mixed_precision_param
+    )
     device = torch.device("cpu")
     model = shard_model(build_model(args), pd, cfg, device=device, param_dtype=param)
     with trace:
@@ -133,14 +144,20 @@ def build_traced(cfg: JobConfig, world_size: int, trace: MemoryTrace):
 def traced_config(cfg: JobConfig) -> JobConfig:
     """The config as traced: compile off (traced eagerly), the GPU's fused AdamW."""
     return dataclasses.replace(
-        cfg, compile=dataclasses.replace(cfg.compile, enable=False),
-        optimizer=dataclasses.replace(cfg.optimizer, implementation="fused"
-                                      if cfg.optimizer.implementation == "auto"
-                                      else cfg.optimizer.implementation))
+        cfg,
+        compile=dataclasses.replace(cfg.compile, enable=False),
+        optimizer=dataclasses.replace(
+            cfg.optimizer,
+            implementation="fused"
+            if cfg.optimizer.implementation == "auto"
+            else cfg.optimizer.implementation,
+        ),
+    )
 
 
-def trace_step(cfg: JobConfig, world_size: int, keep_all: bool = False,
-               pp_rank: int = 0) -> TraceResult:
+def trace_step(
+    cfg: JobConfig, world_size: int, keep_all: bool = False, pp_rank: int = 0
+) -> TraceResult:
     """One real TrainStep of `cfg` on rank 0 of `world_size` fake ranks (`keep_all`: with
     every allocation in `allocations`); under pp, on the first rank of pp rank `pp_rank`,
     its stages driven by trainer/plan/stages.py."""
@@ -159,26 +176,50 @@ def trace_step(cfg: JobConfig, world_size: int, keep_all: bool = False,
         for group in getattr(optimizer, "process_groups", list)():  # Muon's gathers
             trace.traffic.names[group.group_name] = "optimizer"
         loader = FakeLoader(cfg, args.vocab_size, accum)
-        loss_fn = build_loss(cfg.training.loss, cfg.training.loss_chunk_size,
-                             z_loss_weight=cfg.training.z_loss_weight,
-                             vocab_parallel_group=pd.loss_parallel_group)
+        loss_fn = build_loss(
+            cfg.training.loss,
+            cfg.training.loss_chunk_size,
+            z_loss_weight=cfg.training.z_loss_weight,
+            vocab_parallel_group=pd.loss_parallel_group,
+        )
         device = torch.device("cpu")
-        step = TrainStep(model, optimizer, build_lr_scheduler(optimizer, cfg.lr_scheduler,
-                                                              cfg.training.steps), loader,
-                         forward_backward=build_forward_backward(
-                             model, loss_fn, cfg, device=device, parallel_dims=pd,
-                             loader=loader),
-                         metrics=_Metrics(), dp_group=pd.dp_mesh.get_group(), device=device,
-                         max_norm=cfg.training.max_norm, pp=pd.pp,
-                         balance=functools.partial(  # MoE: the loads' all-reduce, the bias
-                             balance_experts, n_layers=args.n_blocks, device=device,
-                             coeff=cfg.moe.load_balance_coeff, moe_ids=args.moe_layer_ids))
+        step = TrainStep(
+            model,
+            optimizer,
+            build_lr_scheduler(optimizer, cfg.lr_scheduler, cfg.training.steps),
+            loader,
+            forward_backward=build_forward_backward(
+                model, loss_fn, cfg, device=device, parallel_dims=pd, loader=loader
+            ),
+            metrics=_Metrics(),
+            dp_group=pd.dp_mesh.get_group(),
+            device=device,
+            max_norm=cfg.training.max_norm,
+            pp=pd.pp,
+            balance=functools.partial(  # MoE: the loads' all-reduce, the bias
+                balance_experts,
+                n_layers=args.n_blocks,
+                device=device,
+                coeff=cfg.moe.load_balance_coeff,
+                moe_ids=args.moe_layer_ids,
+            ),
+        )
         grads: list[Allocation] = []
-        optimizer.register_step_pre_hook(lambda *_: grads.extend(
-            a for p in model.parameters() if p.grad is not None
-            for a in [trace.storage_of(p.grad)] if a is not None))
-        resident = {id(a) for p in [*model.parameters(), *model.buffers()]
-                    for a in [trace.storage_of(p)] if a is not None}
+        optimizer.register_step_pre_hook(
+            lambda *_: grads.extend(
+                a
+                for p in model.parameters()
+                if p.grad is not None
+                for a in [trace.storage_of(p.grad)]
+                if a is not None
+            )
+        )
+        resident = {
+            id(a)
+            for p in [*model.parameters(), *model.buffers()]
+            for a in [trace.storage_of(p)]
+            if a is not None
+        }
         driver = None
         if pd.pp_enabled:  # the rank's stages, without the schedule
             driver = StageDriver(step.forward_backward, cfg, pp_rank, trace.traffic)
@@ -187,19 +228,37 @@ def trace_step(cfg: JobConfig, world_size: int, keep_all: bool = False,
             micro = 1 if driver else earlier_microbatches(cfg, model, accum)
             with counting() as flops:  # this rank's work (trainer/plan/work.py)
                 step(1, micro)
-        states = [trace.storage_of(t) for s in optimizer.state.values() for t in s.values()
-                  if isinstance(t, torch.Tensor)]
+        states = [
+            trace.storage_of(t)
+            for s in optimizer.state.values()
+            for t in s.values()
+            if isinstance(t, torch.Tensor)
+        ]
         states = [a for a in states if a is not None]
-        result = summarize(trace, resident, {id(a) for a in grads}, {id(a) for a in states},
-                           sum(a.nbytes for a in {id(a): a for a in states}.values()))
+        result = summarize(
+            trace,
+            resident,
+            {id(a) for a in grads},
+            {id(a) for a in states},
+            sum(a.nbytes for a in {id(a): a for a in states}.values()),
+        )
         result.allocations = trace.all or []
         result.flops = float(flops.get_total_flops())
-        result.ideal_flops = ideal_flops(cfg, args, world_size, pd.dp_size,
-                                         driver.ideal_tokens() if driver else None, micro)
+        result.ideal_flops = ideal_flops(
+            cfg, args, world_size, pd.dp_size, driver.ideal_tokens() if driver else None, micro
+        )
         result.pp, result.pp_rank = pd.pp, pp_rank
-        result.comm_bytes = driver.per_step(accum) if driver else trace.traffic.per_step(
-            accum, micro, once=("dp_replicate",) if cfg.training.gradient_accumulation_sync
-            == "hsdp_reduce_scatter" else ())
+        result.comm_bytes = (
+            driver.per_step(accum)
+            if driver
+            else trace.traffic.per_step(
+                accum,
+                micro,
+                once=("dp_replicate",)
+                if cfg.training.gradient_accumulation_sync == "hsdp_reduce_scatter"
+                else (),
+            )
+        )
         result.comm_unknown = trace.traffic.unknown
         result.muon_ns_flops = getattr(optimizer, "ns_flops", lambda: None)()
         trace.traffic = None
@@ -237,14 +296,22 @@ def trace_scoring(cfg: JobConfig, world_size: int, kind: str) -> TraceResult:
     with fake_world(world_size), tracking(trace):
         model, _, pd, _, args = build_traced(cfg, world_size, trace)
         loss_fn = scoring_loss(cfg.training.loss_chunk_size, pd.loss_parallel_group)
-        resident = {id(a) for p in [*model.parameters(), *model.buffers()]
-                    for a in [trace.storage_of(p)] if a is not None}
+        resident = {
+            id(a)
+            for p in [*model.parameters(), *model.buffers()]
+            for a in [trace.storage_of(p)]
+            if a is not None
+        }
         b = cfg.validation.local_batch_size if kind == "validation" else cfg.eval.local_batch_size
-        loader = FakeLoader(dataclasses.replace(cfg, training=dataclasses.replace(
-            cfg.training, local_batch_size=b)), args.vocab_size, 1)
+        loader = FakeLoader(
+            dataclasses.replace(
+                cfg, training=dataclasses.replace(cfg.training, local_batch_size=b)
+            ),
+            args.vocab_size,
+            1,
+        )
         inputs, labels = loader.next_microbatch()
-        requests = [Request(tuple(t), n_cont=8) for t in inputs.tolist()] \
-            if kind == "eval" else []
+        requests = [Request(tuple(t), n_cont=8) for t in inputs.tolist()] if kind == "eval" else []
         model.eval()
         heartbeat.phase("validation" if kind == "validation" else "eval")
         with trace, torch.no_grad():
@@ -266,12 +333,16 @@ def untraceable(cfg: JobConfig) -> str | None:
 
     args = plan_args(cfg, resolve_vocab(cfg)[0])
     if args.moe is not None and not GROUPED_MM:
-        return ("this torch has no grouped GEMM (torch._grouped_mm): the experts' per-expert "
-                "loop splits its rows by the data; the analytic plan above counts them")
+        return (
+            "this torch has no grouped GEMM (torch._grouped_mm): the experts' per-expert "
+            "loop splits its rows by the data; the analytic plan above counts them"
+        )
     if args.attn_implementation == "flex":
-        return ("block_causal attention runs FlexAttention on GPUs, which only compiles for "
-                "CUDA; the analytic plan above counts its block mask (trace the same shapes "
-                "with --model.attn_mask_type causal for the rest)")
+        return (
+            "block_causal attention runs FlexAttention on GPUs, which only compiles for "
+            "CUDA; the analytic plan above counts its block mask (trace the same shapes "
+            "with --model.attn_mask_type causal for the rest)"
+        )
     return None
 
 
@@ -283,10 +354,12 @@ def trace_ranks(cfg: JobConfig, world_size: int) -> list[TraceResult]:
     import os
 
     ranks = traced_ranks(cfg, world_size)
-    with multiprocessing.get_context("fork").Pool(min(len(ranks), os.cpu_count() or 1),
-                                                  maxtasksperchild=1) as pool:
-        results = pool.starmap(trace_step, [(cfg, world_size, False, k) for k in ranks],
-                               chunksize=1)
+    with multiprocessing.get_context("fork").Pool(
+        min(len(ranks), os.cpu_count() or 1), maxtasksperchild=1
+    ) as pool:
+        results = pool.starmap(
+            trace_step, [(cfg, world_size, False, k) for k in ranks], chunksize=1
+        )
     for r in results:  # the ranks of its shape it stands for
         r.stands_for = ranks[r.pp_rank]
     return results
@@ -301,8 +374,14 @@ def trainer_frame(e: BaseException) -> str:
     return where
 
 
-def trace_lines(cfg: JobConfig, world_size: int, plan: dict[str, int], mem_gib: float,
-                need, record: dict | None = None) -> list[str]:
+def trace_lines(
+    cfg: JobConfig,
+    world_size: int,
+    plan: dict[str, int],
+    mem_gib: float,
+    need,
+    record: dict | None = None,
+) -> list[str]:
     """The printed trace beside the analytic plan (`plan`: trainer.plan.memory.memory_plan);
     `need(peak)`: the device bytes a peak takes with the plan's reserve. `record`: a dict to
     fill with the trace's figures (`--json`)."""
@@ -314,72 +393,120 @@ def trace_lines(cfg: JobConfig, world_size: int, plan: dict[str, int], mem_gib: 
     try:
         results = trace_ranks(cfg, world_size) if pp > 1 else [trace_step(cfg, world_size)]
     except DataDependentOutputException as e:
-        return [f"traced dry run stopped: the step reads a device value on the host (a host "
-                f"sync, {e.func}) at {trainer_frame(e)}: a bug to report"]
+        return [
+            f"traced dry run stopped: the step reads a device value on the host (a host "
+            f"sync, {e.func}) at {trainer_frame(e)}: a bug to report"
+        ]
     r = max(results, key=lambda x: x.peak)
     if pp > 1:  # the table compares the largest traced rank with the plan of that rank
         from trainer.plan.memory import memory_plan
+
         plan = {**plan, **memory_plan(cfg, world_size, r.pp_rank)}
     sync = cfg.training.gradient_accumulation_sync
-    how = ("1 microbatch" if accum == 1 else
-           f"1 of {accum} microbatches, after the earlier ones' sharded gradients (sync "
-           f"'{sync}')" if sync != "last" else
-           f"2 of {accum} microbatches (one keeping its unsharded gradients, one reducing)")
+    how = (
+        "1 microbatch"
+        if accum == 1
+        else f"1 of {accum} microbatches, after the earlier ones' sharded gradients (sync '{sync}')"
+        if sync != "last"
+        else f"2 of {accum} microbatches (one keeping its unsharded gradients, one reducing)"
+    )
     who = "rank 0"
     if pp > 1:
         how = "its stages' in-flight microbatches, trainer/plan/stages.py"
-        shared = [f"{x.pp_rank} for {ranks_text(x.stands_for).removeprefix('ranks ')}"
-                  for x in results if len(x.stands_for) > 1]
-        who = (f"pp ranks {', '.join(str(x.pp_rank) for x in results)}"
-               + (f" (one per shape: {'; '.join(shared)})" if shared else "")
-               + f" (the table: pp rank {r.pp_rank}, the largest)")
-    lines = [f"traced dry run: one training step of {who} of {world_size} on fake tensors "
-             f"({how}; {sum(x.seconds for x in results):.1f} s)",
-             f"    {'':<34}{'traced':>12}{'plan':>12}"]
+        shared = [
+            f"{x.pp_rank} for {ranks_text(x.stands_for).removeprefix('ranks ')}"
+            for x in results
+            if len(x.stands_for) > 1
+        ]
+        who = (
+            f"pp ranks {', '.join(str(x.pp_rank) for x in results)}"
+            + (f" (one per shape: {'; '.join(shared)})" if shared else "")
+            + f" (the table: pp rank {r.pp_rank}, the largest)"
+        )
+    lines = [
+        f"traced dry run: one training step of {who} of {world_size} on fake tensors "
+        f"({how}; {sum(x.seconds for x in results):.1f} s)",
+        f"    {'':<34}{'traced':>12}{'plan':>12}",
+    ]
     for key in CATEGORIES:
         theirs = f"{plan[key] / GIB:9.3f} GiB" if key in plan else f"{'-':>13}"
         lines.append(f"    {key.replace('_', ' '):<34}{r.categories[key] / GIB:9.3f} GiB{theirs}")
     diff = plan["total"] / r.peak - 1
-    lines += [f"    {'peak (at the ' + r.phase + ')':<34}{r.peak / GIB:9.3f} GiB"
-              f"{plan['total'] / GIB:9.3f} GiB  (plan {diff:+.1%})"]
+    lines += [
+        f"    {'peak (at the ' + r.phase + ')':<34}{r.peak / GIB:9.3f} GiB"
+        f"{plan['total'] / GIB:9.3f} GiB  (plan {diff:+.1%})"
+    ]
     if pp > 1:
-        lines.append("  peak per traced pp rank (traced / plan): " + ", ".join(
-            f"rank {x.pp_rank} {x.peak / GIB:.2f} / "
-            f"{plan.get('pp_rank_totals', [0] * pp)[x.pp_rank] / GIB:.2f} GiB" for x in results))
+        lines.append(
+            "  peak per traced pp rank (traced / plan): "
+            + ", ".join(
+                f"rank {x.pp_rank} {x.peak / GIB:.2f} / "
+                f"{plan.get('pp_rank_totals', [0] * pp)[x.pp_rank] / GIB:.2f} GiB"
+                for x in results
+            )
+        )
     if r.largest is not None:
         lines.append(f"  largest tensor: {r.largest.describe()}")
     if r.top_ops:
-        lines.append("  largest temporaries at the peak, by op: " + ", ".join(
-            f"{op.removesuffix('.default')} {n / GIB:.2f} GiB" for op, n in r.top_ops))
+        lines.append(
+            "  largest temporaries at the peak, by op: "
+            + ", ".join(f"{op.removesuffix('.default')} {n / GIB:.2f} GiB" for op, n in r.top_ops)
+        )
     busiest = max(results, key=lambda x: x.flops / max(x.ideal_flops, 1.0))
     work: dict = {}
-    lines += work_lines(cfg, [(x.pp_rank, x.flops, x.ideal_flops, x.stands_for or [x.pp_rank])
-                              for x in results], pp, work)
+    lines += work_lines(
+        cfg,
+        [(x.pp_rank, x.flops, x.ideal_flops, x.stands_for or [x.pp_rank]) for x in results],
+        pp,
+        work,
+    )
     dims = {d for x in results for d in x.comm_bytes}
     sends = {d: max(x.comm_bytes.get(d, 0.0) for x in results) for d in dims}
-    lines += traffic_lines(sends, {k.removeprefix("comm_"): v for k, v in plan.items()
-                                   if k.startswith("comm_")},
-                           "the busiest traced pp rank" if pp > 1 else "rank 0")
+    lines += traffic_lines(
+        sends,
+        {k.removeprefix("comm_"): v for k, v in plan.items() if k.startswith("comm_")},
+        "the busiest traced pp rank" if pp > 1 else "rank 0",
+    )
     if record is not None:
-        record.update(peak_bytes=r.peak, phase=r.phase, categories=r.categories,
-                      comm_bytes=sends, largest=r.largest.describe() if r.largest else None,
-                      flops=busiest.flops, ideal_flops=busiest.ideal_flops,
-                      seconds=round(sum(x.seconds for x in results), 1),
-                      muon_ns_flops=r.muon_ns_flops, work=work,
-                      pp_ranks=[{"pp_rank": x.pp_rank, "peak_gib": x.peak / GIB,
-                                 "flops": x.flops, "ideal_flops": x.ideal_flops,
-                                 "stands_for": x.stands_for,
-                                 "comm_bytes": x.comm_bytes} for x in results] if pp > 1 else None)
+        record.update(
+            peak_bytes=r.peak,
+            phase=r.phase,
+            categories=r.categories,
+            comm_bytes=sends,
+            largest=r.largest.describe() if r.largest else None,
+            flops=busiest.flops,
+            ideal_flops=busiest.ideal_flops,
+            seconds=round(sum(x.seconds for x in results), 1),
+            muon_ns_flops=r.muon_ns_flops,
+            work=work,
+            pp_ranks=[
+                {
+                    "pp_rank": x.pp_rank,
+                    "peak_gib": x.peak / GIB,
+                    "flops": x.flops,
+                    "ideal_flops": x.ideal_flops,
+                    "stands_for": x.stands_for,
+                    "comm_bytes": x.comm_bytes,
+                }
+                for x in results
+            ]
+            if pp > 1
+            else None,
+        )
     states = r.categories["optimizer_state"]
     for kind, on in (("validation", cfg.validation.enable), ("eval", cfg.eval.enable)):
         if on and pp > 1:
-            lines.append(f"  {kind} forward: not traced under pp (the stages' forward passes "
-                         "its activations point to point)")
+            lines.append(
+                f"  {kind} forward: not traced under pp (the stages' forward passes "
+                "its activations point to point)"
+            )
         elif on:
             v = trace_scoring(cfg, world_size, kind)
-            lines.append(f"  {kind} forward: {v.peak / GIB:.3f} GiB + the optimizer states "
-                         f"{states / GIB:.3f} GiB = {(v.peak + states) / GIB:.3f} GiB "
-                         f"(training's peak {r.peak / GIB:.3f} GiB)")
+            lines.append(
+                f"  {kind} forward: {v.peak / GIB:.3f} GiB + the optimizer states "
+                f"{states / GIB:.3f} GiB = {(v.peak + states) / GIB:.3f} GiB "
+                f"(training's peak {r.peak / GIB:.3f} GiB)"
+            )
     fits = need(r.peak) <= mem_gib * GIB
     lines += [
         f"  agreement: the plan is {'within' if abs(diff) <= 0.10 else 'NOT within'} 10% of "
@@ -387,5 +514,6 @@ def trace_lines(cfg: JobConfig, world_size: int, plan: dict[str, int], mem_gib: 
         "  not traced: torch.compile (traced eagerly; compiled blocks usually hold less), the "
         "CUDA context, NCCL buffers and fragmentation (the plan's reserve)",
         f"trace verdict: {'FITS' if fits else 'DOES NOT FIT'}: {need(r.peak) / GIB:.2f} GiB "
-        f"with the reserve, of {mem_gib:.1f} GiB"]
+        f"with the reserve, of {mem_gib:.1f} GiB",
+    ]
     return lines

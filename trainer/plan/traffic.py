@@ -34,26 +34,44 @@ DIMS = ("tp", "cp", "dp_shard", "dp_replicate", "ep", "pp")
 # the mesh dimensions' and flattened meshes' names, as the plan groups them (FSDP shards over
 # dp_shard (x cp), experts over efsdp: both the plan's dp_shard; `dp` carries the loss's and
 # the token count's scalars)
-LABELS = {"dp_shard_cp": "dp_shard", "efsdp": "dp_shard", "efsdp_cp": "dp_shard",
-          "dp": "dp_shard", "cp_tp": "cp"}
+LABELS = {
+    "dp_shard_cp": "dp_shard",
+    "efsdp": "dp_shard",
+    "efsdp_cp": "dp_shard",
+    "dp": "dp_shard",
+    "cp_tp": "cp",
+}
 MIB = 2**20
 INTERNODE = "@internode"  # a dimension's label + this: its bytes to ranks on other nodes
 STEP_PHASES = ("tp_grads", "clip", "optimizer")  # once per step, after the microbatches
 
 # op name -> (kind, the argument holding what this rank sends)
 OPS = {
-    "all_gather_into_tensor": ("gather", 0), "all_gather_into_tensor_out": ("gather", 0),
-    "all_gather_into_tensor_coalesced": ("gather", 0), "_allgather_base_": ("gather", 1),
-    "allgather_": ("gather", 1), "allgather_coalesced_": ("gather", 1),
+    "all_gather_into_tensor": ("gather", 0),
+    "all_gather_into_tensor_out": ("gather", 0),
+    "all_gather_into_tensor_coalesced": ("gather", 0),
+    "_allgather_base_": ("gather", 1),
+    "allgather_": ("gather", 1),
+    "allgather_coalesced_": ("gather", 1),
     "allgather_into_tensor_coalesced_": ("gather", 1),
-    "reduce_scatter_tensor": ("scatter", 0), "reduce_scatter_tensor_out": ("scatter", 0),
-    "reduce_scatter_tensor_coalesced": ("scatter", 0), "_reduce_scatter_base_": ("scatter", 1),
-    "reduce_scatter_": ("scatter", 1), "reduce_scatter_tensor_coalesced_": ("scatter", 1),
-    "all_reduce": ("reduce", 0), "all_reduce_": ("reduce", 0),
-    "all_reduce_coalesced": ("reduce", 0), "all_reduce_coalesced_": ("reduce", 0),
-    "allreduce_": ("reduce", 0), "allreduce_coalesced_": ("reduce", 0),
-    "all_to_all_single": ("a2a", 0), "alltoall_base_": ("a2a", 1), "alltoall_": ("a2a", 1),
-    "send": ("send", 0), "isend": ("send", 0), "broadcast_": ("broadcast", 0),
+    "reduce_scatter_tensor": ("scatter", 0),
+    "reduce_scatter_tensor_out": ("scatter", 0),
+    "reduce_scatter_tensor_coalesced": ("scatter", 0),
+    "_reduce_scatter_base_": ("scatter", 1),
+    "reduce_scatter_": ("scatter", 1),
+    "reduce_scatter_tensor_coalesced_": ("scatter", 1),
+    "all_reduce": ("reduce", 0),
+    "all_reduce_": ("reduce", 0),
+    "all_reduce_coalesced": ("reduce", 0),
+    "all_reduce_coalesced_": ("reduce", 0),
+    "allreduce_": ("reduce", 0),
+    "allreduce_coalesced_": ("reduce", 0),
+    "all_to_all_single": ("a2a", 0),
+    "alltoall_base_": ("a2a", 1),
+    "alltoall_": ("a2a", 1),
+    "send": ("send", 0),
+    "isend": ("send", 0),
+    "broadcast_": ("broadcast", 0),
     "broadcast": ("broadcast", 0),
 }
 
@@ -75,6 +93,7 @@ def _group(args):
         if isinstance(a, str) and not a.startswith(("sum", "avg", "max", "min", "product")):
             try:
                 from torch.distributed.distributed_c10d import _resolve_process_group
+
                 return _resolve_process_group(a)
             except (KeyError, ValueError, RuntimeError):
                 continue
@@ -171,8 +190,15 @@ class Traffic:
     def record(self, func, args) -> None:
         name = func._schema.name.split("::")[-1]
         if name not in OPS:
-            if name not in ("wait_tensor", "barrier", "recv_", "irecv", "_wrap_tensor_autograd",
-                            "check_for_nan", "monitored_barrier_"):
+            if name not in (
+                "wait_tensor",
+                "barrier",
+                "recv_",
+                "irecv",
+                "_wrap_tensor_autograd",
+                "check_for_nan",
+                "monitored_barrier_",
+            ):
                 self.unknown[name] = self.unknown.get(name, 0) + 1
             return
         group = _group(args)
@@ -199,8 +225,11 @@ class Traffic:
         out = dict.fromkeys(DIMS, 0.0)
         for seg, books in self.bytes.items():
             for (label, _), b in books.items():
-                w = 1 if seg == "step" or label.removesuffix(INTERNODE) in once else \
-                    (accum if traced == 1 else accum - 1 if seg == 1 else 1)
+                w = (
+                    1
+                    if seg == "step" or label.removesuffix(INTERNODE) in once
+                    else (accum if traced == 1 else accum - 1 if seg == 1 else 1)
+                )
                 out[label] = out.get(label, 0.0) + w * b
         return out
 
@@ -211,10 +240,13 @@ def group_labels(pd) -> dict[str, str]:
     mesh = pd.world_mesh
     for dim in mesh.mesh_dim_names:
         names[mesh[dim].get_group().group_name] = LABELS.get(dim, dim)
-    for flat, dim in ((pd.dp_mesh, "dp"), (pd._shard_mesh, "dp_shard"),
-                      (getattr(pd, "_expert_mesh", None), "efsdp_cp"),
-                      (getattr(pd, "_ep_mesh", None), "ep"),  # ep_dp x tp flattened
-                      (getattr(pd, "_cp_tp", None), "cp_tp")):
+    for flat, dim in (
+        (pd.dp_mesh, "dp"),
+        (pd._shard_mesh, "dp_shard"),
+        (getattr(pd, "_expert_mesh", None), "efsdp_cp"),
+        (getattr(pd, "_ep_mesh", None), "ep"),  # ep_dp x tp flattened
+        (getattr(pd, "_cp_tp", None), "cp_tp"),
+    ):
         if flat is not None:
             names.setdefault(flat.get_group().group_name, LABELS.get(dim, dim))
     names.setdefault(dist.group.WORLD.group_name, "world")
@@ -225,19 +257,24 @@ def size(b: float) -> str:
     return f"{b / 2**30:.3f} GiB" if b >= 2**30 else f"{b / MIB:.2f} MiB"
 
 
-def traffic_lines(traced: dict[str, float], plan: dict[str, float],
-                  who: str = "rank 0") -> list[str]:
+def traffic_lines(
+    traced: dict[str, float], plan: dict[str, float], who: str = "rank 0"
+) -> list[str]:
     """The trace's bytes per step beside the plan's, and a warning per dimension where the
     rank sends more than the plan says."""
     dims = [d for d in (*DIMS, "optimizer", "world", "other") if traced.get(d) or plan.get(d)]
     if not dims:
         return [f"  traffic: {who} sends nothing (one rank)"]
-    lines = [f"  traffic per optimizer step, {who} sends (traced / plan): " + ", ".join(
-        f"{d} {size(traced.get(d, 0.0))} / {size(plan.get(d, 0.0))}" for d in dims)]
+    lines = [
+        f"  traffic per optimizer step, {who} sends (traced / plan): "
+        + ", ".join(f"{d} {size(traced.get(d, 0.0))} / {size(plan.get(d, 0.0))}" for d in dims)
+    ]
     for d in dims:
         t, p = traced.get(d, 0.0), plan.get(d, 0.0)
         if t > 1.15 * p and t - p > MIB:
-            lines.append(f"  warning: {who} sends {size(t)} over {d} per step, "
-                         f"{t / max(p, 1.0):.2f}x the plan's {size(p)}: traffic the "
-                         "layout repeats or the plan misses (trainer/plan/traffic.py)")
+            lines.append(
+                f"  warning: {who} sends {size(t)} over {d} per step, "
+                f"{t / max(p, 1.0):.2f}x the plan's {size(p)}: traffic the "
+                "layout repeats or the plan misses (trainer/plan/traffic.py)"
+            )
     return lines

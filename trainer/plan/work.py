@@ -45,27 +45,36 @@ def _register_formulas() -> None:
     global _REGISTERED
     if _REGISTERED:
         return
-    from torch.utils.flop_counter import (flop_registry, register_flop_formula,
-                                          sdpa_backward_flop_count, sdpa_flop_count)
+    from torch.utils.flop_counter import (
+        flop_registry,
+        register_flop_formula,
+        sdpa_backward_flop_count,
+        sdpa_flop_count,
+    )
 
     aten = torch.ops.aten
     if hasattr(aten, "_scaled_dot_product_flash_attention_for_cpu"):
+
         @register_flop_formula(aten._scaled_dot_product_flash_attention_for_cpu)
         def _cpu_flash(query, key, value, *args, out_shape=None, **kwargs) -> int:
             return sdpa_flop_count(query, _heads_of(query, key), _heads_of(query, value))
 
         @register_flop_formula(aten._scaled_dot_product_flash_attention_for_cpu_backward)
-        def _cpu_flash_backward(grad_out, query, key, value, *args, out_shape=None,
-                                **kwargs) -> int:
-            return sdpa_backward_flop_count(grad_out, query, _heads_of(query, key),
-                                            _heads_of(query, value))
+        def _cpu_flash_backward(
+            grad_out, query, key, value, *args, out_shape=None, **kwargs
+        ) -> int:
+            return sdpa_backward_flop_count(
+                grad_out, query, _heads_of(query, key), _heads_of(query, value)
+            )
 
     if aten.addmm_ not in flop_registry:  # the chunked loss accumulates the head's gradient
+
         @register_flop_formula(aten.addmm_)
         def _addmm_inplace(self_shape, a, b, *args, out_shape=None, **kwargs) -> int:
             return 2 * a[0] * a[1] * b[1]
 
     if hasattr(aten, "_grouped_mm"):
+
         @register_flop_formula(aten._grouped_mm)
         def _grouped(a, b, *args, out_shape=None, **kwargs) -> int:
             if len(out_shape) == 3:  # a weight gradient: [K, N] x [N, M] cut into groups
@@ -154,15 +163,23 @@ def measure_factors(cfg) -> Factors:
     for i in range(args.n_layers):
         first.setdefault(layer_kind(args, i), i)
     rest = count_block(cfg, args, None, "none")
-    blocks = {kind: (count_block(cfg, args, i, "none") - rest,
-                     count_block(cfg, args, i, ac.mode) - rest if ac.mode != "none" else None,
-                     model[1 + i]) for kind, i in first.items()}
+    blocks = {
+        kind: (
+            count_block(cfg, args, i, "none") - rest,
+            count_block(cfg, args, i, ac.mode) - rest if ac.mode != "none" else None,
+            model[1 + i],
+        )
+        for kind, i in first.items()
+    }
     plain = rest + sum(blocks[layer_kind(args, i)][0] for i in range(args.n_layers))
     wrapped = rest
     for i in range(args.n_layers):
         bare, ac_count, _ = blocks[layer_kind(args, i)]
-        every = int(ac.selective_ac_option) if ac.mode == "selective" and \
-            ac.selective_ac_option != "op" else 1
+        every = (
+            int(ac.selective_ac_option)
+            if ac.mode == "selective" and ac.selective_ac_option != "op"
+            else 1
+        )
         wrapped += bare if ac_count is None or i % every else ac_count
     head_model = model[0] + model[-1] - _mtp_flops(args, t.seq_len)
     out = Factors(plain / (head_model + sum(model[1:-1])), wrapped / plain, blocks)
@@ -176,8 +193,7 @@ def _mtp_flops(args, seq_len: int) -> float:
 
     from trainer.models.flops import unit_flops
 
-    return unit_flops(args, seq_len)[-1] - unit_flops(dc.replace(args, mtp_layers=0),
-                                                      seq_len)[-1]
+    return unit_flops(args, seq_len)[-1] - unit_flops(dc.replace(args, mtp_layers=0), seq_len)[-1]
 
 
 def count_block(cfg, args, layer: int | None, ac_mode: str) -> float:
@@ -196,8 +212,11 @@ def count_block(cfg, args, layer: int | None, ac_mode: str) -> float:
 
     t, ac = cfg.training, cfg.activation_checkpoint
     small = dc.replace(args, mtp_layers=0, n_layers=(layer or 0) + 1)
-    if args.hybrid is not None or layer is not None and \
-            layer_kind(small, layer) != layer_kind(args, layer):
+    if (
+        args.hybrid is not None
+        or layer is not None
+        and layer_kind(small, layer) != layer_kind(args, layer)
+    ):
         small = dc.replace(args, mtp_layers=0)  # the layer's kind needs the whole model
     model = build_model(small)
     for key in [k for k in model.layers if int(k) != layer]:
@@ -220,8 +239,9 @@ def expected_ratio(cfg) -> float:
     return measure_factors(cfg).expected
 
 
-def ideal_flops(cfg, args, world: int, dp: int, tokens: float | None,
-                microbatches: int = 1) -> float:
+def ideal_flops(
+    cfg, args, world: int, dp: int, tokens: float | None, microbatches: int = 1
+) -> float:
     """A rank's even share of the model FLOPs of `tokens` of its dp rank (None: those of
     `microbatches` microbatches)."""
     from trainer.models.flops import flops_per_token
@@ -238,33 +258,50 @@ def work_lines(cfg, ranks: list[tuple], pp: int, record: dict | None = None) -> 
     warning where the busiest does more than that. `record`: filled for `--json`."""
     f = measure_factors(cfg)
     expected = f.expected
-    ratios = [(k, flops / max(ideal, 1.0), flops, ideal, list(rest[0]) if rest else [k])
-              for k, flops, ideal, *rest in ranks]
+    ratios = [
+        (k, flops / max(ideal, 1.0), flops, ideal, list(rest[0]) if rest else [k])
+        for k, flops, ideal, *rest in ranks
+    ]
     k, ratio, flops, ideal, _ = max(ratios, key=lambda x: x[1])
     who = f"pp rank {k}'s first rank" if pp > 1 else "rank 0"
-    lines = [f"  work: {who} computes {flops / 1e12:.3f} TFLOP (matmuls and attention) "
-             f"against an even share of {ideal / 1e12:.3f}: {ratio:.3f}x; expected "
-             f"{expected:.3f}x, measured on the model's blocks (kernels {f.kernel:.3f}x: the "
-             f"attention backward recomputes the scores; AC's recompute {f.recompute:.3f}x): "
-             f"{ratio / expected:.3f}x of an even share of the work executed"]
+    lines = [
+        f"  work: {who} computes {flops / 1e12:.3f} TFLOP (matmuls and attention) "
+        f"against an even share of {ideal / 1e12:.3f}: {ratio:.3f}x; expected "
+        f"{expected:.3f}x, measured on the model's blocks (kernels {f.kernel:.3f}x: the "
+        f"attention backward recomputes the scores; AC's recompute {f.recompute:.3f}x): "
+        f"{ratio / expected:.3f}x of an even share of the work executed"
+    ]
     if pp > 1:
         from trainer.plan.pipeline import rank_work
 
         split = rank_work(cfg)
-        lines.append("    per traced pp rank, x its share (the split's model FLOPs): " + ", ".join(
-            f"{ranks_text(of)} {x:.3f}x ({split[r]:.3f})" for r, x, _, _, of in ratios))
+        lines.append(
+            "    per traced pp rank, x its share (the split's model FLOPs): "
+            + ", ".join(f"{ranks_text(of)} {x:.3f}x ({split[r]:.3f})" for r, x, _, _, of in ratios)
+        )
     if ratio > 1.10 * expected:
-        why = ("its stages hold more of the model than an even split (whole layers: "
-               "parallelism.pipeline_parallel_split_points can move them)" if pp > 1 else
-               "some of it is repeated on other ranks")
-        lines.append(f"  warning: {who} does {ratio / expected:.2f}x its share of the model's "
-                     f"work: {why} (trainer/plan/work.py)")
+        why = (
+            "its stages hold more of the model than an even split (whole layers: "
+            "parallelism.pipeline_parallel_split_points can move them)"
+            if pp > 1
+            else "some of it is repeated on other ranks"
+        )
+        lines.append(
+            f"  warning: {who} does {ratio / expected:.2f}x its share of the model's "
+            f"work: {why} (trainer/plan/work.py)"
+        )
     if record is not None:
-        record.update(busiest_pp_rank=k, flops=flops, ideal_flops=ideal, ratio=ratio,
-                      expected=expected, kernel_factor=f.kernel, recompute_factor=f.recompute,
-                      vs_expected=ratio / expected,
-                      per_rank=[{"pp_rank": r, "ratio": x, "stands_for": of}
-                                for r, x, _, _, of in ratios])
+        record.update(
+            busiest_pp_rank=k,
+            flops=flops,
+            ideal_flops=ideal,
+            ratio=ratio,
+            expected=expected,
+            kernel_factor=f.kernel,
+            recompute_factor=f.recompute,
+            vs_expected=ratio / expected,
+            per_rank=[{"pp_rank": r, "ratio": x, "stands_for": of} for r, x, _, _, of in ratios],
+        )
     return lines
 
 
