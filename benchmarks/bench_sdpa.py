@@ -25,7 +25,7 @@ import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from trainer.models.args import model_args
+from trainer.models.flavors import model_args
 
 BACKENDS = {
     "cudnn": SDPBackend.CUDNN_ATTENTION,

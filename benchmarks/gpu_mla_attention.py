@@ -37,7 +37,7 @@ try:
 except ImportError:  # imported as benchmarks.gpu_mla_attention
     pass
 from trainer.models import sdpa
-from trainer.models.args import model_args
+from trainer.models.flavors import model_args
 from trainer.models.attention import attend, build_mask
 from trainer.models.layers import rope_tables
 from trainer.models.mla import MLA

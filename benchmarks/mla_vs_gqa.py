@@ -19,7 +19,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from trainer.models.args import FLAVORS  # noqa: E402
+from trainer.models.flavors import FLAVORS  # noqa: E402
 from trainer.plan.activations import block_split  # noqa: E402
 
 P = 2  # bf16

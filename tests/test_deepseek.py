@@ -22,7 +22,9 @@ import torch
 
 from tests.helpers import REPO, fork_python, losses, run_train, scalars, stopped_after_save
 from trainer.errors import ConfigError
-from trainer.models.args import FLAVORS, MoEArgs, YarnScaling
+from trainer.models.flavors import FLAVORS
+from trainer.models.args import MoEArgs
+from trainer.models.rope import YarnScaling
 from trainer.models.llama import build_model, model_args
 from trainer.models.moe import choose
 
@@ -467,7 +469,7 @@ def test_the_released_yarn_is_the_flavors_and_none_drops_it():
     """deepseek-v3-671b and kimi-k2 carry YaRN as released (so their folders load exactly);
     model.rope_scaling = 'none' trains plain RoPE (DeepSeek pretrained at 4K without it)."""
     from trainer.config.job import load_config
-    from trainer.models.args import DEEPSEEK_V3_YARN, KIMI_K2_YARN
+    from trainer.models.rope import DEEPSEEK_V3_YARN, KIMI_K2_YARN
     from trainer.models.attention import attention_args
 
     base = ["--job.config_file", str(REPO / "configs" / "kimi_k2.toml")]  # pretrains: none

@@ -169,6 +169,7 @@ LAYER_1 = (
     "trainer.parallel.float8",
     "trainer.parallel.pp_layout",
     "trainer.models.args",
+    "trainer.models.flavors",
     "trainer.models.hybrid",
     "trainer.models.rope",
     "trainer.models.sdpa",

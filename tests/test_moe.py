@@ -18,7 +18,8 @@ import torch
 
 from tests.helpers import REPO, SYNTHETIC, scalars
 from trainer.config.job import load_config
-from trainer.models.args import FLAVORS, MoEArgs
+from trainer.models.flavors import FLAVORS
+from trainer.models.args import MoEArgs
 from trainer.models.moe import MoE, capacity, update_expert_bias
 
 DIM = 32

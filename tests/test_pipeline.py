@@ -334,7 +334,7 @@ def test_the_default_split_balances_the_units_work():
         )
     ] == [(0,), (1, 2, 3), (4, 5)]
     # the 70B's head weighs 1.06 layers: 80 layers over 4 stages as evenly as they go
-    from trainer.models.args import model_args
+    from trainer.models.flavors import model_args
     from trainer.models.flops import unit_flops
 
     seventy = unit_flops(model_args("70B", vocab_size=128256), 8192)

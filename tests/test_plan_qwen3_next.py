@@ -9,7 +9,7 @@ import torch
 
 from tests.helpers import REPO
 from trainer.config.job import load_config
-from trainer.models.args import FLAVORS
+from trainer.models.flavors import FLAVORS
 from trainer.models.build import build_model
 from trainer.plan import hybrid
 from trainer.plan.memory import memory_plan

@@ -394,7 +394,7 @@ def test_packed_documents_give_their_documents_mtp_loss():
 
     from tests.test_mtp_documents import EOS, documents_by_hand, mtp_sum, windows
     from trainer.data.documents import Delimiters, document_ids, split_window
-    from trainer.models.args import model_args
+    from trainer.models.flavors import model_args
     from trainer.models.build import build_model
     from trainer.models.loss import build_loss
     from trainer.models.mtp import IGNORE_INDEX, future_labels

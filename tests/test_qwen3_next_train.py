@@ -20,7 +20,7 @@ import torch
 from tests.helpers import REPO, run_train, scalars, stopped_after_save
 from tests.test_data_fixtures import stdlib_texts, tokenizer_path  # noqa: F401
 from tests.test_doc_mask_e2e import short_docs_store  # noqa: F401
-from trainer.models.args import model_args
+from trainer.models.flavors import model_args
 from trainer.models.build import build_model
 
 CONFIG = str(REPO / "configs" / "debug_qwen3_next.toml")

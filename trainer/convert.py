@@ -89,7 +89,7 @@ def to_hf(
 ) -> None:
     from trainer.hf.export import write_hf_folder
     from trainer.hf.mapping import buffer_shapes, export_problem, param_shapes
-    from trainer.models.args import model_args
+    from trainer.models.flavors import model_args
     from trainer.models.attention import rope_args
 
     saved = saved_shapes(checkpoint_dir, allow_pickle)

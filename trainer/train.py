@@ -56,7 +56,7 @@ from trainer.health.spikes import check_data_skips, spike_check
 from trainer.hf.load import load_initial, save_last_hf
 from trainer.loop import Loop
 from trainer.models.attention import attention_args
-from trainer.models.args import model_args
+from trainer.models.flavors import model_args
 from trainer.models.build import build_model
 from trainer.models.deltanet import kernel_name as deltanet_kernel
 from trainer.models.loss import build_loss, scoring_loss

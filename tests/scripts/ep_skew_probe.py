@@ -20,7 +20,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 
-from trainer.models.args import FLAVORS
+from trainer.models.flavors import FLAVORS
 from trainer.models.moe import MoE
 from trainer.parallel.expert_parallel import apply_ep
 

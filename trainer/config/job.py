@@ -41,7 +41,7 @@ from trainer.data.config import DataConfig
 from trainer.errors import ConfigError
 from trainer.evals.config import Eval
 from trainer.parallel.float8 import Float8, check_config as check_float8
-from trainer.models.args import model_args
+from trainer.models.flavors import model_args
 from trainer.parallel.dims import (
     EP_KEY,
     TP_KEY,
@@ -218,7 +218,7 @@ def accumulation_steps(training: Training, dp_size: int) -> int:
 
 def check_moe(cfg: JobConfig) -> None:
     """[moe] keys need a MoE flavor; what MoE does not compose with yet is refused by name."""
-    from trainer.models.args import FLAVORS
+    from trainer.models.flavors import FLAVORS
 
     par = cfg.parallelism
     set_keys = [

@@ -14,7 +14,8 @@ import torch
 
 from trainer.errors import ConfigError
 from trainer.hf import deepseek
-from trainer.models.args import ModelArgs, MoEArgs, YarnScaling
+from trainer.models.args import ModelArgs, MoEArgs
+from trainer.models.rope import YarnScaling
 
 _LAYER = {
     "attention.wq.weight": "self_attn.q_proj.weight",

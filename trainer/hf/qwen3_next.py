@@ -27,7 +27,8 @@ from collections.abc import Mapping
 import torch
 
 from trainer.errors import ConfigError
-from trainer.models.args import FULL, HybridArgs, ModelArgs, MoEArgs
+from trainer.models.hybrid import FULL, HybridArgs
+from trainer.models.args import ModelArgs, MoEArgs
 
 # ours (under `layers.{i}.`) -> the release's (under `model.layers.{i}.`)
 LAYER = {

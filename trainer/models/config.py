@@ -98,7 +98,7 @@ class Model:
     )
 
     def validate(self) -> None:
-        from trainer.models.args import FLAVORS
+        from trainer.models.flavors import FLAVORS
         from trainer.models.sdpa import parse
 
         parse(self.sdpa_backends)

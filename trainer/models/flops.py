@@ -41,7 +41,7 @@ from dataclasses import dataclass
 
 import torch
 
-from trainer.models.args import LINEAR
+from trainer.models.hybrid import LINEAR
 from trainer.models.llama import ModelArgs
 
 

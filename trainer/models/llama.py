@@ -29,7 +29,8 @@ from torch.distributed.tensor import DTensor
 
 from trainer.models.attention import attend, build_mask, document_positions
 from trainer.models.layers import RMSNorm, apply_rope, rope_tables, scale_frequencies  # noqa: F401
-from trainer.models.args import FLAVORS, ModelArgs, model_args  # noqa: F401  (re-exported)
+from trainer.models.flavors import FLAVORS, model_args  # noqa: F401  (re-exported)
+from trainer.models.args import ModelArgs  # noqa: F401  (re-exported)
 from trainer.models.mla import MLA
 from trainer.models.moe import FeedForward, MoE  # noqa: F401  (FeedForward re-exported)
 from trainer.models.mtp import MTPModule, future_labels, mtp_streams

@@ -32,7 +32,8 @@ import torch.nn.functional as F
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from trainer.models.args import FULL, LINEAR, HybridArgs, ModelArgs  # noqa: F401
+from trainer.models.hybrid import FULL, HybridArgs, LINEAR  # noqa: F401
+from trainer.models.args import ModelArgs  # noqa: F401
 from trainer.models.attention import attend
 from trainer.models.deltanet import gated_delta_rule, short_conv
 from trainer.models.layers import RMSNorm

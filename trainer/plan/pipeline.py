@@ -118,7 +118,7 @@ def p2p_bytes(cfg, p: int, rank: int, accum: int) -> int:
     """Bytes pp rank `rank` sends per optimizer step: each microbatch's activations forward
     across each stage boundary it owns the sending side of, and their gradients backward
     ([microbatch size, seq / (cp x tp), dim] in the compute dtype, p bytes each)."""
-    from trainer.models.args import model_args
+    from trainer.models.flavors import model_args
 
     sched, specs, m = layout(cfg)
     par, pp = cfg.parallelism, cfg.parallelism.pipeline_parallel_degree

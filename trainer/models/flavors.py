@@ -1,0 +1,400 @@
+"""The named model flavors (`model.flavor`) and `model_args`, which fits one to a run: its
+vocab, sequence length, number of blocks, attention fields and [moe] knobs. Without torch, like
+args.py: a config is checked before any process starts."""
+
+from __future__ import annotations
+
+import dataclasses
+
+from trainer.models.args import MLAArgs, ModelArgs, MoEArgs
+from trainer.models.hybrid import HybridArgs
+from trainer.models.rope import (
+    DEEPSEEK_V3_YARN,
+    KIMI_K2_YARN,
+    LLAMA3_ROPE_SCALING,
+    LLAMA31_ROPE_SCALING,
+)
+
+FLAVORS: dict[str, ModelArgs] = {
+    "debugmodel": ModelArgs(
+        dim=256, n_layers=6, n_heads=8, n_kv_heads=4, vocab_size=8192, multiple_of=64
+    ),
+    # A 2-layer, dim-64 slice for smoke runs and the end-to-end tests: every code path of the
+    # debug model (GQA, FSDP per block, DCP) at a fraction of its startup and step time.
+    "debugmodel-tiny": ModelArgs(
+        dim=64, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=8192, multiple_of=32
+    ),
+    # The debug model's depth and heads (8 query, 4 KV: GQA) at dim 64: the layout tests' model
+    # (PP splits its 6 layers, TP 4 divides its KV heads) at a fraction of the weights to init,
+    # gather, reduce and save.
+    "debugmodel-narrow": ModelArgs(
+        dim=64, n_layers=6, n_heads=8, n_kv_heads=4, vocab_size=8192, multiple_of=32
+    ),
+    # Mixtures of experts at about the debug model's active size: 4 blocks, the first dense,
+    # 8 experts of width 352, top 2 (2 x 352 = the dense width 704). Qwen3-MoE's layout
+    # (softmax router, q/k norms, no shared expert: exports to Qwen3MoeForCausalLM), and
+    # DeepSeek's (sigmoid scores, one shared expert).
+    "debugmodel-moe": ModelArgs(
+        dim=256,
+        n_layers=4,
+        n_heads=8,
+        n_kv_heads=4,
+        vocab_size=8192,
+        multiple_of=64,
+        qk_norm=True,
+        norm_eps=1e-6,
+        moe=MoEArgs(n_experts=8, top_k=2, hidden_dim=352, first_dense_layers=1),
+    ),
+    # debugmodel-moe at dim 64 (the MoE layout tests' model): the same layout, experts of width 96
+    # (2 x 96 = the dense width 192).
+    "debugmodel-moe-narrow": ModelArgs(
+        dim=64,
+        n_layers=4,
+        n_heads=8,
+        n_kv_heads=4,
+        vocab_size=8192,
+        multiple_of=32,
+        qk_norm=True,
+        norm_eps=1e-6,
+        moe=MoEArgs(n_experts=8, top_k=2, hidden_dim=96, first_dense_layers=1),
+    ),
+    "debugmodel-moe-shared": ModelArgs(
+        dim=256,
+        n_layers=4,
+        n_heads=8,
+        n_kv_heads=4,
+        vocab_size=8192,
+        multiple_of=64,
+        moe=MoEArgs(
+            n_experts=8,
+            top_k=2,
+            hidden_dim=352,
+            n_shared_experts=1,
+            score_func="sigmoid",
+            first_dense_layers=1,
+            route_scale=1.0,
+        ),
+    ),
+    # Qwen3-30B-A3B as released: 48 MoE blocks of 128 experts (width 768), top 8, 3.3B active.
+    "qwen3-30b-a3b": ModelArgs(
+        dim=2048,
+        n_layers=48,
+        n_heads=32,
+        n_kv_heads=4,
+        explicit_head_dim=128,
+        vocab_size=151936,
+        multiple_of=256,
+        ffn_dim_multiplier=2.25,
+        norm_eps=1e-6,
+        rope_theta=1e6,
+        qk_norm=True,
+        moe=MoEArgs(n_experts=128, top_k=8, hidden_dim=768),
+    ),
+    # DeepSeek-V3's architecture (MLA, group-limited sigmoid routing with a shared expert,
+    # the first blocks dense) at a CPU size: 4 blocks (the first dense), 8 experts of width
+    # 96 in 2 groups (top 2 of 1 group), small latent ranks. With model.mtp_layers = 1 it is
+    # configs/debug_dsv3.toml.
+    "debugmodel-dsv3": ModelArgs(
+        dim=64,
+        n_layers=4,
+        n_heads=4,
+        n_kv_heads=4,
+        vocab_size=8192,
+        norm_eps=1e-6,
+        rope_theta=10000.0,
+        explicit_hidden_dim=192,
+        mla=MLAArgs(
+            q_lora_rank=32, kv_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16
+        ),
+        moe=MoEArgs(
+            n_experts=8,
+            top_k=2,
+            hidden_dim=96,
+            n_shared_experts=1,
+            score_func="sigmoid",
+            first_dense_layers=1,
+            route_scale=2.5,
+            n_group=2,
+            topk_group=1,
+        ),
+    ),
+    # Moonlight-16B-A3B's shape (DeepSeek-V3 architecture, no query latent): 27 blocks, 64
+    # experts + 2 shared, top 6, 16B total, 3B active.
+    "deepseek-v3-16b": ModelArgs(
+        dim=2048,
+        n_layers=27,
+        n_heads=16,
+        n_kv_heads=16,
+        vocab_size=163840,
+        norm_eps=1e-5,
+        rope_theta=50000.0,
+        explicit_hidden_dim=11264,
+        mla=MLAArgs(
+            q_lora_rank=0,
+            kv_lora_rank=512,
+            qk_nope_head_dim=128,
+            qk_rope_head_dim=64,
+            v_head_dim=128,
+        ),
+        moe=MoEArgs(
+            n_experts=64,
+            top_k=6,
+            hidden_dim=1408,
+            n_shared_experts=2,
+            score_func="sigmoid",
+            first_dense_layers=1,
+            route_scale=2.446,
+        ),
+    ),
+    # DeepSeek-V3 (671B, 37B active): 61 blocks (the first 3 dense), 256 experts in 8 groups
+    # (top 8 of 4 groups) + 1 shared, MLA with q_lora_rank 1536, kv_lora_rank 512; YaRN RoPE
+    # as released (factor 40 over 4,096 positions), so the released weights load exactly.
+    "deepseek-v3-671b": ModelArgs(
+        dim=7168,
+        n_layers=61,
+        n_heads=128,
+        n_kv_heads=128,
+        vocab_size=129280,
+        norm_eps=1e-6,
+        rope_theta=10000.0,
+        explicit_hidden_dim=18432,
+        rope_scaling=DEEPSEEK_V3_YARN,
+        mla=MLAArgs(
+            q_lora_rank=1536,
+            kv_lora_rank=512,
+            qk_nope_head_dim=128,
+            qk_rope_head_dim=64,
+            v_head_dim=128,
+        ),
+        moe=MoEArgs(
+            n_experts=256,
+            top_k=8,
+            hidden_dim=2048,
+            n_shared_experts=1,
+            score_func="sigmoid",
+            first_dense_layers=3,
+            route_scale=2.5,
+            n_group=8,
+            topk_group=4,
+        ),
+    ),
+    # Kimi K2 (1.04T, 32B active): DeepSeek-V3's blocks with 384 experts, 64 heads, the first
+    # block dense, no expert groups; YaRN RoPE as released (factor 32).
+    "kimi-k2": ModelArgs(
+        dim=7168,
+        n_layers=61,
+        n_heads=64,
+        n_kv_heads=64,
+        vocab_size=163840,
+        norm_eps=1e-6,
+        rope_theta=50000.0,
+        explicit_hidden_dim=18432,
+        rope_scaling=KIMI_K2_YARN,
+        mla=MLAArgs(
+            q_lora_rank=1536,
+            kv_lora_rank=512,
+            qk_nope_head_dim=128,
+            qk_rope_head_dim=64,
+            v_head_dim=128,
+        ),
+        moe=MoEArgs(
+            n_experts=384,
+            top_k=8,
+            hidden_dim=2048,
+            n_shared_experts=1,
+            score_func="sigmoid",
+            first_dense_layers=1,
+            route_scale=2.827,
+        ),
+    ),
+    # Qwen3-Next's hybrid (trainer/models/qwen3_next.py, docs/qwen3_next.md) at a CPU size:
+    # Gated DeltaNet, gated attention, DeltaNet, gated attention; every layer MoE (8 experts
+    # of width 96, top 2) with a gated shared expert. configs/debug_qwen3_next.toml.
+    "debugmodel-qwen3-next": ModelArgs(
+        dim=64,
+        n_layers=4,
+        n_heads=4,
+        n_kv_heads=2,
+        explicit_head_dim=16,
+        vocab_size=8192,
+        norm_eps=1e-6,
+        qk_norm=True,
+        explicit_hidden_dim=192,
+        moe=MoEArgs(n_experts=8, top_k=2, hidden_dim=96),
+        hybrid=HybridArgs(
+            full_attention_interval=2,
+            linear_k_heads=2,
+            linear_v_heads=4,
+            linear_k_head_dim=16,
+            linear_v_head_dim=16,
+            shared_expert_hidden=96,
+        ),
+    ),
+    # Qwen3-Next-80B-A3B's and Qwen3.5-35B-A3B's shapes: transformers 5.24's Qwen3NextConfig /
+    # Qwen3_5MoeTextConfig defaults (the releases' shapes); RoPE theta 1e7 as their config.json
+    # (transformers' default: 1e4). 48 (40) layers, 3 DeltaNet to 1 gated attention; 512 (256)
+    # experts of width 512, top 10 (8), plus the gated shared expert. The dense width (5,120 in
+    # the 80B's config.json) is unused: every layer is MoE.
+    "qwen3-next-80b-a3b": ModelArgs(
+        dim=2048,
+        n_layers=48,
+        n_heads=16,
+        n_kv_heads=2,
+        explicit_head_dim=256,
+        vocab_size=151936,
+        norm_eps=1e-6,
+        rope_theta=1e7,
+        qk_norm=True,
+        explicit_hidden_dim=5120,
+        moe=MoEArgs(n_experts=512, top_k=10, hidden_dim=512),
+        hybrid=HybridArgs(shared_expert_hidden=512),
+    ),
+    "qwen3.5-35b-a3b": ModelArgs(
+        dim=2048,
+        n_layers=40,
+        n_heads=16,
+        n_kv_heads=2,
+        explicit_head_dim=256,
+        vocab_size=248320,
+        norm_eps=1e-6,
+        rope_theta=1e7,
+        qk_norm=True,
+        explicit_hidden_dim=512,
+        moe=MoEArgs(n_experts=256, top_k=8, hidden_dim=512),
+        hybrid=HybridArgs(shared_expert_hidden=512),
+    ),
+    # The debug shape with Llama-3.2's tied embeddings and RoPE scaling (tests, smoke runs).
+    "debugmodel-3.2": ModelArgs(
+        dim=256,
+        n_layers=6,
+        n_heads=8,
+        n_kv_heads=4,
+        vocab_size=8192,
+        multiple_of=64,
+        rope_scaling=LLAMA3_ROPE_SCALING,
+        tie_word_embeddings=True,
+    ),
+    # Llama-3.2-1B and -3B as released (tied embeddings, llama3 RoPE scaling): they load the
+    # public Hugging Face weights (checkpoint.initial_load_path).
+    "llama3.2-1B": ModelArgs(
+        dim=2048,
+        n_layers=16,
+        n_heads=32,
+        n_kv_heads=8,
+        vocab_size=128256,
+        multiple_of=256,
+        ffn_dim_multiplier=1.5,
+        rope_scaling=LLAMA3_ROPE_SCALING,
+        tie_word_embeddings=True,
+    ),
+    "llama3.2-3B": ModelArgs(
+        dim=3072,
+        n_layers=28,
+        n_heads=24,
+        n_kv_heads=8,
+        vocab_size=128256,
+        multiple_of=256,
+        ffn_dim_multiplier=1.0,
+        rope_scaling=LLAMA3_ROPE_SCALING,
+        tie_word_embeddings=True,
+    ),
+    # The Llama-3.2-1B shape with an untied output head and no RoPE scaling, Llama-3.1-8B and
+    # -70B and -405B (without RoPE scaling: pretraining at <= 8k context does not need it).
+    "1B": ModelArgs(
+        dim=2048,
+        n_layers=16,
+        n_heads=32,
+        n_kv_heads=8,
+        vocab_size=128256,
+        multiple_of=256,
+        ffn_dim_multiplier=1.5,
+    ),
+    "8B": ModelArgs(
+        dim=4096,
+        n_layers=32,
+        n_heads=32,
+        n_kv_heads=8,
+        vocab_size=128256,
+        multiple_of=1024,
+        ffn_dim_multiplier=1.3,
+    ),
+    "70B": ModelArgs(
+        dim=8192,
+        n_layers=80,
+        n_heads=64,
+        n_kv_heads=8,
+        vocab_size=128256,
+        multiple_of=4096,
+        ffn_dim_multiplier=1.3,
+    ),
+    # Llama-3.1 8B and 70B as released, with their RoPE scaling: long-context stages (128k)
+    "llama3.1-8B": ModelArgs(
+        dim=4096,
+        n_layers=32,
+        n_heads=32,
+        n_kv_heads=8,
+        vocab_size=128256,
+        multiple_of=1024,
+        ffn_dim_multiplier=1.3,
+        rope_scaling=LLAMA31_ROPE_SCALING,
+    ),
+    "llama3.1-70B": ModelArgs(
+        dim=8192,
+        n_layers=80,
+        n_heads=64,
+        n_kv_heads=8,
+        vocab_size=128256,
+        multiple_of=4096,
+        ffn_dim_multiplier=1.3,
+        rope_scaling=LLAMA31_ROPE_SCALING,
+    ),
+    "405B": ModelArgs(
+        dim=16384,
+        n_layers=126,
+        n_heads=128,
+        n_kv_heads=8,
+        vocab_size=128256,
+        multiple_of=4096,
+        ffn_dim_multiplier=1.2,
+    ),
+}
+
+
+def model_args(
+    flavor: str,
+    *,
+    vocab_size: int | None = None,
+    max_seq_len: int | None = None,
+    n_layers: int = 0,
+    moe_config=None,
+    **attention,
+):
+    """The flavor's args with the run's vocab and length, its first `n_layers` blocks (0: all;
+    model.n_layers), the attention fields of trainer.models.attention.attention_args (default:
+    causal, sequence positions) and, for a MoE flavor, the [moe] section's training knobs
+    (`moe_config`)."""
+    args = FLAVORS[flavor]
+    changes = {
+        k: v
+        for k, v in (
+            ("vocab_size", vocab_size),
+            ("max_seq_len", max_seq_len),
+            ("n_layers", n_layers),
+        )
+        if v
+    }
+    if moe_config is not None and args.moe is not None:
+        changes["moe"] = dataclasses.replace(
+            args.moe,
+            capacity_factor=moe_config.capacity_factor,
+            aux_loss_weight=moe_config.aux_loss_weight,
+            seq_aux_loss_weight=moe_config.seq_aux_loss_weight,
+            router_z_loss_weight=moe_config.router_z_loss_weight,
+            n_experts=moe_config.num_experts or args.moe.n_experts,
+            top_k=moe_config.top_k or args.moe.top_k,
+            n_group=moe_config.n_group or args.moe.n_group,
+            topk_group=moe_config.topk_group or args.moe.topk_group,
+            dispatch=moe_config.dispatch,
+            save_dispatch=moe_config.save_dispatch,
+        )
+    return dataclasses.replace(args, **changes, **attention)
