@@ -267,7 +267,12 @@ class Checkpointer:
         # (one line). It loads leniently because a streamed source keeps per-rank state, whose
         # keys differ on another dp size; the loader explains that case too.
         # Nothing loaded runs code from the folder (trainer/checkpoint/safe_load.py).
-        load = functools.partial(safe_load.load, path=path, allow_pickle=self.cfg.allow_pickle)
+        load = functools.partial(
+            safe_load.load,
+            path=path,
+            allow_pickle=self.cfg.allow_pickle,
+            threads=self.cfg.store_threads,
+        )
         load({"dataloader": data}, partial=True)
         model_optim.flat = "model_optim.optimizer.param_groups.0.lr" not in saved  # older
         fresh = model_optim.model_only = optimizer_switched(
@@ -345,7 +350,7 @@ class Checkpointer:
         self.folder.writing(step, target[0])
         partial = target[0]
         states = {**self.states, **integrity.marker()}
-        writer = integrity.storage_writer(partial, step, dist.get_rank())
+        writer = integrity.storage_writer(partial, step, dist.get_rank(), self.cfg.store_threads)
         if self.async_group is None:
             error = None
             try:

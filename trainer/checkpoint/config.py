@@ -69,6 +69,13 @@ class Checkpoint:
     store_timeout_seconds: float = opt(
         60.0, "s3:// requests unanswered this long: retried", min=0.1
     )
+    store_threads: int = opt(
+        8,
+        "s3:// and gs:// saves: files per rank written at once (each rank's share split in "
+        "as many), and loads: files read at once",
+        min=1,
+        max=64,
+    )
     store_lease: str = opt(
         "required",
         "An s3:// folder's lease needs a store that honours "

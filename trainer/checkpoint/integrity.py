@@ -134,11 +134,12 @@ def write_manifest(folder: str, step: int, fingerprint: str, files: dict[str, di
     storage.write_durably(storage.join(folder, MANIFEST), json.dumps(manifest, indent=1))
 
 
-def storage_writer(path: str, step: int, rank: int):
-    """DCP's writer for a folder or URL, hashing what it writes (HashingFileSystem); or (an
-    injected fault, health/faults.py) one that fails like a broken disk."""
+def storage_writer(path: str, step: int, rank: int, threads: int = 1):
+    """DCP's writer for a folder or URL (its rank's share in `threads` files written at once),
+    hashing what it writes (HashingFileSystem); or (an injected fault, health/faults.py) one
+    that fails like a broken disk."""
     if storage.is_url(path):
-        writer = storage.dcp_writer(path, _hashing_fsspec_class())
+        writer = storage.dcp_writer(path, _hashing_fsspec_class(), threads)
     else:
         writer = storage.dcp_writer(path, HashingFileSystem)
     err = faults.armed().save_fails(step)

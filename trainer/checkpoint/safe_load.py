@@ -14,12 +14,15 @@ this list lacks. Only for checkpoints you wrote yourself: a pickle can run any c
 
 from __future__ import annotations
 
+import dataclasses
 import io
 import os
 import pickle
+from concurrent.futures import ThreadPoolExecutor
 
 import torch
 import torch.distributed.checkpoint as dcp
+from torch.futures import Future
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
 
@@ -132,16 +135,45 @@ class SafeReader(_SafeMetadata, dcp.FileSystemReader):
         self.allow_pickle = allow_pickle
 
 
-def reader(path: str, allow_pickle: bool = False):
-    """A SafeReader for a folder, or its fsspec twin for an s3:// or gs:// URL."""
+class _FilesAtOnce:
+    """A DCP reader that reads up to `threads` of the plan's files at once, one stream each
+    (DCP reads them one after another): on an object store each file is a stream of ranged
+    GETs, and a rank's share of a step is several files (checkpoint.store_threads)."""
+
+    threads = 1
+
+    def read_data(self, plan, planner):
+        by_file: dict[str, list] = {}
+        for item in plan.items:
+            name = self.storage_data[item.storage_index].relative_path
+            by_file.setdefault(name, []).append(item)
+        if self.threads <= 1 or len(by_file) <= 1:
+            return super().read_data(plan, planner)
+
+        def read(items) -> None:
+            super(_FilesAtOnce, self).read_data(
+                dataclasses.replace(plan, items=items), planner
+            ).wait()
+
+        with ThreadPoolExecutor(min(self.threads, len(by_file)), "dcp-read") as pool:
+            for done in [pool.submit(read, items) for items in by_file.values()]:
+                done.result()  # the first error, raised here
+        finished: Future = Future()
+        finished.set_result(None)
+        return finished
+
+
+def reader(path: str, allow_pickle: bool = False, threads: int = 8):
+    """A SafeReader for a folder, or its fsspec twin for an s3:// or gs:// URL, which reads
+    `threads` files at once."""
     if not storage.is_url(path):
         return SafeReader(path, allow_pickle)
     from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader
 
-    safe = type("SafeFsspecReader", (_SafeMetadata, FsspecReader), {})(
+    safe = type("SafeFsspecReader", (_SafeMetadata, _FilesAtOnce, FsspecReader), {})(
         path, use_listings_cache=False
     )
-    safe.allow_pickle = allow_pickle
+    safe.allow_pickle, safe.threads = allow_pickle, int(threads)
     return safe
 
 
@@ -156,16 +188,18 @@ def load(
     allow_pickle: bool = False,
     partial: bool = False,
     no_dist: bool = False,
+    threads: int = 8,
 ) -> None:
     """`dcp.load` of `state_dict` from checkpoint folder `path`, without running its code.
-    `partial`: keys missing from the checkpoint keep their current values."""
+    `partial`: keys missing from the checkpoint keep their current values; `threads`: files
+    read at once from an object store."""
     path = os.fspath(path)
     # First on its own: dcp.load swallows a reader's error (it falls back to per-rank
     # metadata files) and would bury the refusal in its own.
     read_metadata(path, allow_pickle)
     dcp.load(
         state_dict,
-        storage_reader=reader(path, allow_pickle),
+        storage_reader=reader(path, allow_pickle, threads),
         planner=SafeLoadPlanner(allow_partial_load=partial, allow_pickle=allow_pickle, path=path),
         no_dist=no_dist,
     )

@@ -224,10 +224,11 @@ def upload_folder(local: str, url: str) -> list[str]:
 
 
 # ----------------------------------------------------------------------------- DCP
-def dcp_writer(path: str, filesystem_class):
+def dcp_writer(path: str, filesystem_class, threads: int = 1):
     """DCP's writer for `path` with `filesystem_class` (a hashing subclass of DCP's local or
-    fsspec file system) as its storage. On a store: no fsync (a closed object is durable) and
-    large files go up in parts (s3fs writes a multipart upload beyond its block size)."""
+    fsspec file system) as its storage. On a store: no fsync (a closed object is durable),
+    each rank's share split into `threads` files written at once (DCP's thread_count: s3fs
+    sends one file's parts one after another), each a multipart upload beyond s3fs's block."""
     import torch.distributed.checkpoint as dcp
 
     if not is_url(path):
@@ -236,7 +237,9 @@ def dcp_writer(path: str, filesystem_class):
         return writer
     from torch.distributed.checkpoint._fsspec_filesystem import FsspecWriter
 
-    writer = FsspecWriter(path, sync_files=False, use_listings_cache=False)
+    writer = FsspecWriter(
+        path, sync_files=False, use_listings_cache=False, thread_count=max(1, int(threads))
+    )
     writer.fs = filesystem_class()
     writer.fs.fs = filesystem(path)
     return writer
