@@ -15,9 +15,10 @@ rotating order so a shared machine's drift hits all alike:
 - block_causal + document positions (`auto`).
 Each figure is the median step time after the warm-up, and the median of the per-round ratios
 to causal, on wall time and on this process's CPU time (steadier when other jobs share the
-cores); the op table takes the fastest of 7 repetitions. With `--ops`, a second table times the attention op alone (forward + backward,
-debug-model heads) for causal SDPA, masked SDPA and per-document SDPA calls, at a few
-sequence lengths and document counts: the measurement behind the CPU path's choice.
+cores); the op table takes the fastest of 7 repetitions. With `--ops`, a second table times the
+attention op alone (forward + backward, debug-model heads) for causal SDPA, masked SDPA and
+per-document SDPA calls, at a few sequence lengths and document counts: the measurement behind the
+CPU path's choice.
 """
 
 from __future__ import annotations
@@ -26,23 +27,22 @@ import argparse
 import sys
 import time
 
-from common import REPO, append_result, spread
-
 import torch
 import torch.nn.functional as F
-
 from bench_baseline import _NoMetrics
-from trainer.models.attention import attention_args
+from common import REPO, append_result, spread
+
 from trainer.config.job import load_config
 from trainer.data import build_dataloader, padded_vocab_size
 from trainer.device import resolve_compute_dtype
-from trainer.models.loss import build_loss
+from trainer.distributed import init_distributed
+from trainer.models.attention import attention_args
 from trainer.models.build import build_model
 from trainer.models.llama import model_args
+from trainer.models.loss import build_loss
 from trainer.optim.optimizer import build_lr_scheduler, build_optimizer
-from trainer.parallel.parallelize import parallelize
-from trainer.distributed import init_distributed
 from trainer.parallel.microbatches import build_forward_backward
+from trainer.parallel.parallelize import parallelize
 from trainer.step import TrainStep
 
 BLOCK = ["--model.attn_mask_type", "block_causal"]
@@ -184,7 +184,7 @@ def _per_document(q, k, v, doc):
     out = []
     for b in range(q.shape[0]):
         counts = torch.unique_consecutive(doc[b], return_counts=True)[1].tolist()
-        parts = zip(*(t[b : b + 1].split(counts, dim=2) for t in (q, k, v)))
+        parts = zip(*(t[b : b + 1].split(counts, dim=2) for t in (q, k, v)), strict=True)
         out.append(
             torch.cat([F.scaled_dot_product_attention(*p, is_causal=True) for p in parts], dim=2)
         )
@@ -226,7 +226,7 @@ def main(argv: list[str]) -> int:
     for clock, per_variant in times.items():
         ref = per_variant["causal"]
         for name, ts in per_variant.items():
-            s, r = spread(ts), spread([t / c for t, c in zip(ts, ref)])
+            s, r = spread(ts), spread([t / c for t, c in zip(ts, ref, strict=True)])
             result.setdefault(name, {})[clock] = {"step": s, "ratio_to_causal": r}
             print(
                 f"  {clock:<4} {name:<21} median {s['median']:.4f} s/step (p10 "
@@ -262,4 +262,4 @@ if __name__ == "__main__":
     sys.stdout.flush()
     import os
 
-    os._exit(rc)  # skip interpreter teardown: gloo threads can abort it (ENGINEERING.md)
+    os._exit(rc)  # skip interpreter teardown: gloo threads can abort it (trainer/train.py)

@@ -28,20 +28,19 @@ import contextlib
 import sys
 import time
 
-from common import REPO, append_result, spread
-
 import torch
 import torch.nn.functional as F
+from common import REPO, append_result, spread
 
 from trainer.config.job import load_config
 from trainer.device import resolve_compute_dtype
+from trainer.distributed import init_distributed
 from trainer.models.build import build_model
 from trainer.models.llama import Transformer, model_args
-from trainer.optim.optimizer import build_lr_scheduler, build_optimizer
-from trainer.parallel.parallelize import parallelize
 from trainer.models.loss import build_loss
-from trainer.distributed import init_distributed
+from trainer.optim.optimizer import build_lr_scheduler, build_optimizer
 from trainer.parallel.microbatches import build_forward_backward
+from trainer.parallel.parallelize import parallelize
 from trainer.step import TrainStep
 
 
@@ -161,7 +160,7 @@ def compare(r: dict, clock: str) -> dict:
     return {
         "trainer": spread(t),
         "plain": spread(p),
-        "ratio": spread([x / y for x, y in zip(t, p)]),
+        "ratio": spread([x / y for x, y in zip(t, p, strict=True)]),
     }
 
 
@@ -224,7 +223,9 @@ def main(argv: list[str]) -> int:
         "plain": build_plain_step(cfg, args, batch),
     }
     r = run_pairs(steps, a.steps, a.warmup)
-    loss_diff = max(abs(x - y) for x, y in zip(r["trainer"]["loss"], r["plain"]["loss"]))
+    loss_diff = max(
+        abs(x - y) for x, y in zip(r["trainer"]["loss"], r["plain"]["loss"], strict=True)
+    )
     wall, cpu = compare(r, "wall"), compare(r, "cpu")
     print(
         f"model: {cfg.model.flavor}, batch {shape[0]} x {shape[1]}, {a.dtype}, "
@@ -256,4 +257,4 @@ if __name__ == "__main__":
     sys.stdout.flush()
     import os
 
-    os._exit(rc)  # skip interpreter teardown: gloo threads can abort it (ENGINEERING.md)
+    os._exit(rc)  # skip interpreter teardown: gloo threads can abort it (trainer/train.py)

@@ -101,7 +101,7 @@ def main(argv: list[str]) -> int:
     )
     print(f"  no checkpointing: median step {result['no_checkpoint_median_step_s']:.3f} s")
     for mode in ("sync", "async"):
-        per_run = [stalls(r, a, nm) for r, nm in zip(runs[mode], none_medians)]
+        per_run = [stalls(r, a, nm) for r, nm in zip(runs[mode], none_medians, strict=True)]
         med = {
             k: statistics.median(p[k] for p in per_run) for k in ("direct", "total", "median_step")
         }

@@ -21,7 +21,7 @@ import tempfile
 from common import REPO, append_result, run_train, spread, tb_scalars
 
 from trainer.config.job import load_config
-from trainer.plan.memory import GIB, memory_plan
+from trainer.plan.memory import memory_plan
 from trainer.plan.trace import trace_step
 
 MIB = 2**20

@@ -17,9 +17,8 @@ import statistics
 import tempfile
 import time
 
-from common import REPO, append_result, run_train
-
 import torch
+from common import REPO, append_result, run_train
 
 from trainer.device import cpu_native_bf16, resolve_compute_dtype
 

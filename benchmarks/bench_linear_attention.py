@@ -28,7 +28,7 @@ from trainer.models.args import ModelArgs  # noqa: E402
 from trainer.models.deltanet import kernel_name  # noqa: E402
 from trainer.models.layers import rope_tables  # noqa: E402
 from trainer.models.llama import Attention  # noqa: E402
-from trainer.models.qwen3_next import GatedDeltaNet, HybridArgs, Qwen3Next  # noqa: E402
+from trainer.models.qwen3_next import HybridArgs, Qwen3Next  # noqa: E402
 
 
 def layers(dim: int):

@@ -1,8 +1,8 @@
 """What the checkpoint manifest costs a save: DCP's plain writer against the trainer's, which
 checksums each file's bytes as it writes them (CRC-32 on a helper thread, overlapping each
-write), and against the ways before: blake2b of the bytes as written, inline (session 8), and
-the plain write, then every file read back and hashed with blake2b; side by side, interleaved
-run by run.
+write), and against the ways before: blake2b of the bytes as written, inline (the earlier
+manifest), and the plain write, then every file read back and hashed with blake2b; side by
+side, interleaved run by run.
 
     python benchmarks/bench_manifest.py [--mib 1024] [--repeats 5] [--folder /tmp]
 
@@ -38,7 +38,7 @@ from trainer.data.store import file_blake2b  # noqa: E402
 
 
 class _Blake2bStream:
-    """Session 8's way: blake2b of each write, inline on the writing thread."""
+    """The earlier manifest's way: blake2b of each write, inline on the writing thread."""
 
     def __init__(self, stream):
         self._stream, self._hash = stream, hashlib.blake2b(digest_size=16)

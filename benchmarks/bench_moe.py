@@ -32,9 +32,8 @@ import time
 
 import torch
 
-from trainer.models.flavors import FLAVORS
-from trainer.models.args import MoEArgs
 from trainer.models.build import build_model
+from trainer.models.flavors import FLAVORS
 from trainer.models.loss import build_loss
 from trainer.models.moe import GroupedExperts
 

@@ -88,7 +88,7 @@ def main() -> None:
             "steps": args.steps,
             "ngpu": args.ngpu,
             "ep": args.ep,
-            "runs": dict(zip(map(str, coeffs), runs)),
+            "runs": dict(zip(map(str, coeffs), runs, strict=True)),
         }
     )
 

@@ -149,11 +149,10 @@ def dcp_repeat(t: Table, sd: dict, tmp: str, rep: int, s3tc: bool) -> None:
         f"s3://{BUCKET}/ckpt/step-{rep}",
         f"s3://{BUCKET}/s3tc/step-{rep}",
     )
-    save = lambda path: dcp.save(
-        sd,
-        storage_writer=integrity.storage_writer(path, 0, 0),  # noqa
-        no_dist=True,
-    )
+
+    def save(path):
+        dcp.save(sd, storage_writer=integrity.storage_writer(path, 0, 0), no_dist=True)
+
     t.time("(a) save  local disk, trainer's writer", mib, save, local)
     t.time("(a) save  s3, trainer (DCP fsspec + s3fs)", mib, save, url)
     if s3tc:

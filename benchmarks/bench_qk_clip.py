@@ -19,7 +19,6 @@ import tempfile
 import time
 
 import torch
-
 from common import run_train, tb_scalars
 
 

@@ -19,10 +19,9 @@ import statistics
 import sys
 import time
 
-from common import REPO  # noqa: F401  (puts the repo on sys.path)
-
 import torch
 import torch.nn.functional as F
+from common import REPO  # noqa: F401  (puts the repo on sys.path)
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from trainer.models.flavors import model_args
@@ -90,7 +89,7 @@ def attention_rows(a, batch: int, seq: int, dtype, device, repeats: int) -> list
         else:
             errs = [
                 (x.float() - r.float()).abs().max().item() / r.float().abs().max().item()
-                for x, r in zip(got, ref)
+                for x, r in zip(got, ref, strict=True)
             ]
             diff = (
                 "vs "

@@ -1,10 +1,10 @@
-"""Test files' CPU and wall seconds at two revisions, alternated in one run (issue 62).
+"""Test files' CPU and wall seconds at two revisions, alternated in one run.
 
     python benchmarks/bench_suite_ab.py --base REV [--head REV] [--repeats 2] FILE [FILE ...]
     python benchmarks/bench_suite_ab.py --base 331f526 tests/test_faults.py tests/test_lease.py
 
 A whole suite does not resolve a change of a few percent on a shared VM: two suites an hour
-apart differ by 20% with nothing changed (benchmarks/RESULTS.md, session 30). This compares
+apart differ by 20% with nothing changed (benchmarks/RESULTS.md). This compares
 the files a change touches instead: each revision is cloned from this repository into a
 temporary folder, and `python -m pytest -q -n 0 FILES` runs in the base's clone, then the
 head's, `--repeats` times (alternating, so a slow spell of the machine falls on both). Each
@@ -65,7 +65,10 @@ def table(files: list[str], runs: dict[str, list[dict]]) -> list[dict]:
     for f in [*files, "total"]:
         row = {"file": f}
         for side in ("base", "head"):
-            per = [{**r, "total": tuple(map(sum, zip(*r.values())))}[f] for r in runs[side]]
+            per = [
+                {**r, "total": tuple(map(sum, zip(*r.values(), strict=True)))}[f]
+                for r in runs[side]
+            ]
             row[side] = (statistics.median(w for w, _ in per), statistics.median(c for _, c in per))
         row["ratio"] = row["head"][1] / row["base"][1] if row["base"][1] else float("nan")
         rows.append(row)
@@ -92,7 +95,7 @@ def main(argv: list[str] | None = None) -> None:
         for i in range(a.repeats):
             for side in ("base", "head"):
                 runs[side].append(run_files(roots[side], a.files))
-                wall, cpu = map(sum, zip(*runs[side][-1].values()))
+                wall, cpu = map(sum, zip(*runs[side][-1].values(), strict=True))
                 print(f"repeat {i + 1} {side}: {wall:.1f} s, {cpu:.1f} CPU-s", flush=True)
     rows = table(a.files, runs)
     append_result(

@@ -1,4 +1,4 @@
-"""CPU seconds per rank and step of the tests' tiny model at two vocab sizes (issue 62).
+"""CPU seconds per rank and step of the tests' tiny model at two vocab sizes.
 
     python benchmarks/bench_tiny_vocab.py [--ngpu 1 4] [--vocab 8192 1024] [--repeats 2]
 

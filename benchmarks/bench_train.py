@@ -71,11 +71,10 @@ def one_run(args) -> dict:
             "false",
         ]
         proc, wall = run_train(dump, fixed + args.overrides, ngpu=args.ngpu, config=args.config)
-        kept = lambda tag: [
-            v
-            for s, v in sorted(tb_scalars(dump, tag).items())  # noqa: E731
-            if s > args.warmup
-        ]
+
+        def kept(tag, dump=dump):
+            return [v for s, v in sorted(tb_scalars(dump, tag).items()) if s > args.warmup]
+
         run = {
             "wall_s": wall,
             "step_s": kept("time_metrics/end_to_end(s)"),

@@ -167,7 +167,7 @@ def in_loop(run_dump: str, step: int, name: str) -> dict:
         for metric in ("acc", "acc_norm"):
             tag = f"eval/{name}/{metric}"
             if tag in acc.Tags()["scalars"]:
-                out.update({metric: e.value for e in acc.Scalars(tag) if e.step == step})
+                out.update((metric, e.value) for e in acc.Scalars(tag) if e.step == step)
     return out
 
 

@@ -82,7 +82,8 @@ def main() -> None:
     if tb and tq:
         half = len(tb) // 2
         print(
-            f"tokens/s (median of the second half): {dtype[1]} {sorted(tb[half:])[len(tb[half:]) // 2]:.0f}, "
+            f"tokens/s (median of the second half): {dtype[1]} "
+            f"{sorted(tb[half:])[len(tb[half:]) // 2]:.0f}, "
             f"float8 experts {sorted(tq[half:])[len(tq[half:]) // 2]:.0f}"
         )
 

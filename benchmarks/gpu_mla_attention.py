@@ -30,15 +30,14 @@ import sys
 import time
 
 import torch
-import torch.nn.functional as F
 
 try:
     from common import REPO  # noqa: F401  (puts the repo on sys.path)
 except ImportError:  # imported as benchmarks.gpu_mla_attention
     pass
 from trainer.models import sdpa
-from trainer.models.flavors import model_args
 from trainer.models.attention import attend, build_mask
+from trainer.models.flavors import model_args
 from trainer.models.layers import rope_tables
 from trainer.models.mla import MLA
 
@@ -215,7 +214,7 @@ def main(argv) -> int:
                 failed += 1
                 print(f"{label:<28}{'FAIL':>10}  ({type(err).__name__}: {reason})", flush=True)
             continue
-        errs = [rel(a, b) for a, b in zip(got, refs[mask_type])]
+        errs = [rel(a, b) for a, b in zip(got, refs[mask_type], strict=True)]
         ok = all(e <= args.tol for e in errs)
         failed += not ok
         print(

@@ -7,7 +7,7 @@
 #   OUT=$OUT benchmarks/gpu_suite.sh hybrid  # Gated DeltaNet vs GQA layer, 4k-128k (bench_linear_attention.py)
 #   benchmarks/gpu_suite.sh 1b           # one shape; STEPS=50 WARMUP=15 to change the run
 #   VARIANTS_1B="compile float8-rowwise" benchmarks/gpu_suite.sh 1b
-#   OUT=$OUT benchmarks/gpu_suite.sh ahead   # issue 50's levers and the side-by-side, ~9 min
+#   OUT=$OUT benchmarks/gpu_suite.sh ahead   # the speed levers and the side-by-side, ~9 min
 #   OUT=$OUT benchmarks/gpu_suite.sh levers  # 1B b7: the baseline, then each unmeasured lever
 #                                            # (no resharding, Muon's step, max-autotune)
 #   benchmarks/gpu_suite.sh mla              # MLA + YaRN under every attention kernel vs fp32
@@ -118,13 +118,13 @@ run_big() {
     moe)  # MoE kernels and a Qwen3-30B-A3B layer (one process, bf16)
       "$PYTHON" benchmarks/bench_moe.py --device cuda --dtype bfloat16 --tokens 16384 \
         --layer-tokens 16384 --repeats 5 --float8 || echo "=== moe FAILED (rc $?)"
-      # float8 experts against bf16 over 50 training steps (loss within 1e-2: issue 59)
+      # float8 experts against bf16 over 50 training steps (loss within 1e-2)
       "$PYTHON" benchmarks/float8_moe_train.py --steps 50 || echo "=== moe float8 FAILED (rc $?)" ;;
     mla)  # DeepSeek-V3's MLA with YaRN under each SDPA backend and FlexAttention, against an
           # fp32 reference: outputs, gradients, QK-clip maxima and times (~1 min)
       "$PYTHON" benchmarks/gpu_mla_attention.py --heads "${MLA_HEADS:-16}" --seq 4096 \
         || echo "=== mla FAILED (rc $?)" ;;
-    hybrid)  # one Gated DeltaNet layer against one GQA layer at 4k, 32k, 128k (issue 61)
+    hybrid)  # one Gated DeltaNet layer against one GQA layer at 4k, 32k, 128k
       "$PYTHON" benchmarks/bench_linear_attention.py --device cuda --dtype bfloat16 \
         --seqs 4096 32768 131072 || echo "=== hybrid FAILED (rc $?)" ;;
     paths)  # every CUDA path once, functional (20 steps each), and the flight recorder
@@ -140,7 +140,7 @@ ahead_bench() {  # ahead_bench LABEL OVERRIDES...: a 1B run; its output also to 
     "said|losses|tokens/s|MFU|step time|max_active|FAILED|Error|error" | cut -c1-400
 }
 
-run_ahead() {  # issue 50: each lever against this trainer's baseline and torchtitan, one call
+run_ahead() {  # each lever against this trainer's baseline and torchtitan, one call
   # shellcheck disable=SC2206
   local common=($COMMON_1B) budget=${AHEAD_BUDGET:-520} b=${LOCAL_BATCH:-7} fit
   LOGS=${OUT:-/tmp}/ahead; mkdir -p "$LOGS"
@@ -165,7 +165,7 @@ run_ahead() {  # issue 50: each lever against this trainer's baseline and torcht
   grep -h '"bench": "train"' benchmarks/results.jsonl | tail -6 > "$LOGS/results.jsonl"
 }
 
-run_levers() {  # issue 50: levers built on CPU, not yet timed on a GPU, each beside the baseline
+run_levers() {  # levers built on CPU, not yet timed on a GPU, each beside the baseline
   # shellcheck disable=SC2206
   local common=($COMMON_1B) budget=${LEVERS_BUDGET:-540} b=${LOCAL_BATCH:-7}
   LOGS=${OUT:-/tmp}/levers; mkdir -p "$LOGS"
@@ -181,7 +181,7 @@ run_levers() {  # issue 50: levers built on CPU, not yet timed on a GPU, each be
   grep -h '"bench": "train"' benchmarks/results.jsonl | tail -4 > "$LOGS/results.jsonl"
 }
 
-run_suite() {  # issue 50: the suite on the GPU machine; -v names each test as it ends
+run_suite() {  # the suite on the GPU machine; -v names each test as it ends
   LOGS=${OUT:-/tmp}/suite; mkdir -p "$LOGS"
   timeout "${SUITE_BUDGET:-540}" "$PYTHON" -u -m pytest -n "${SUITE_N:-8}" -p no:cacheprovider \
     -v -rfE --durations=15 tests > "$LOGS/suite.log" 2>&1

@@ -24,6 +24,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from trainer.config.job import load_config  # noqa: E402
 from trainer.errors import ConfigError  # noqa: E402
 from trainer.models.flops import table_peak_tflops  # noqa: E402
+from trainer.plan.comm import comm_volume  # noqa: E402
 from trainer.plan.memory import (
     GIB,
     GPUS,
@@ -32,7 +33,6 @@ from trainer.plan.memory import (
     memory_plan,  # noqa: E402
     throughput,
 )
-from trainer.plan.comm import comm_volume  # noqa: E402
 
 REPO = Path(__file__).resolve().parent.parent
 MODELS = {"8B": "configs/llama3_8b.toml", "70B": "configs/llama3_70b.toml"}

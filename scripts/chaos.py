@@ -14,8 +14,8 @@ followed by a relaunch; a killed or hung rank by the job's own restart, until st
 Checked and printed at the end: every restart resumed from the newest committed checkpoint (no
 damaged checkpoint, no fallback; after a ckpt-damage, the newest intact one), the steps re-done
 per fault are at most the checkpoint interval (a damaged checkpoint costs its own steps too),
-every slow rank was named, and the final checkpoint's DCP tensors (model, optimizer, RNG, loaded on one process)
-and the TensorBoard losses of every step are bitwise those of the reference run.
+every slow rank was named, and the final checkpoint's DCP tensors (model, optimizer, RNG, loaded on
+one process) and the TensorBoard losses of every step are bitwise those of the reference run.
 Exit code 0 when all of that holds.
 
 `--layout node`, the lost node (scripts/chaos_node.py): an elastic job of two torchrun "nodes"
@@ -45,6 +45,17 @@ from dataclasses import dataclass
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from scripts import chaos_store  # noqa: E402
+from scripts.chaos_common import (
+    LAYOUTS,
+    PACE,
+    Launch,  # noqa: E402,F401
+    checkpoint_of,
+    committed,
+    ino,
+    partials,
+    train_args,
+)
 from scripts.chaos_faults import (
     CLASSIC,
     ENDING,
@@ -56,19 +67,6 @@ from scripts.chaos_faults import (
     launch_env,
     schedule,
 )
-from scripts.chaos_common import (
-    HANG_TIMEOUT,
-    LAYOUTS,
-    PACE,
-    REPO,
-    Launch,  # noqa: E402,F401
-    checkpoint_of,
-    committed,
-    ino,
-    partials,
-    train_args,
-)
-from scripts import chaos_store  # noqa: E402
 from scripts.chaos_node import node_steps, run_node_chaos  # noqa: E402
 from scripts.chaos_report import _figures, load_dcp_tensors, ok, report, table  # noqa: E402,F401
 
@@ -385,8 +383,9 @@ def main(argv: list[str] | None = None) -> int:
         p.error("--layout s3: the kind ckpt-damage damages local files; leave it out")
     verdicts, results = [], []
     for i, layout in enumerate(layouts):
-        share = lambda n: n // len(layouts) + (i < n % len(layouts))  # noqa: E731
-        faults, in_save = share(a.faults), share(a.min_during_save)
+        faults, in_save = (
+            n // len(layouts) + (i < n % len(layouts)) for n in (a.faults, a.min_during_save)
+        )
         workdir = a.workdir / layout if len(layouts) > 1 else a.workdir
         if layout == "node":
             steps = node_steps(faults, a.steps)

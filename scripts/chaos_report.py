@@ -17,9 +17,7 @@ def load_dcp_tensors(path: Path | str) -> dict:
     import torch
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-    from trainer.checkpoint import safe_load
-
-    from trainer.checkpoint import storage
+    from trainer.checkpoint import safe_load, storage
 
     if storage.is_url(path):
         storage.filesystem(str(path))  # its retries (the fault proxy is not in this path)
@@ -140,8 +138,9 @@ def report(fig: dict, interval: int) -> str:
                 f"(interval {interval}: {'all within' if fig['max_redone_ok'] else 'SOME BEYOND'}; "
                 f"at the grow-backs {fig['grow_redone']}"
                 if node
-                else f"(interval {interval}; a fault that damaged a checkpoint or made a save fail may "
-                f"redo up to two intervals: {'all within' if fig['max_redone_ok'] else 'SOME BEYOND'}"
+                else f"(interval {interval}; a fault that damaged a checkpoint or made a save "
+                "fail may redo up to two intervals: "
+                f"{'all within' if fig['max_redone_ok'] else 'SOME BEYOND'}"
             )
             + (
                 f"; beyond one interval: {', '.join(fig['redone_beyond_interval'])}"

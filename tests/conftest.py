@@ -17,8 +17,9 @@ import pytest  # noqa: E402
 
 # The suite's time budget (tests/budget.py): the run fails when one test or the whole session is
 # slower than pyproject's budget_per_test / budget_total, scaled to this machine's speed.
-# TRAINER_TEST_BUDGET=off switches it off.
-pytest_plugins = ["tests.budget"]
+# TRAINER_TEST_BUDGET=off switches it off. The shared corpus, tokenizer and store fixtures
+# (tests/data_fixtures.py) are available to every test module without an import.
+pytest_plugins = ["tests.budget", "tests.data_fixtures"]
 
 # The GPU machines have no Hugging Face `datasets`: what reads text/json/hub data through it skips
 # there (marked needs_datasets); everything else runs.
@@ -26,8 +27,8 @@ HAS_DATASETS = importlib.util.find_spec("datasets") is not None
 
 # The longest files first, so that under xdist (pyproject's addopts) they overlap the many
 # short ones instead of running alone at the end: ordered by the larger of their wall and CPU
-# seconds in a whole suite on the 2-core EPYC (.pytest_cache/trainer-durations.json, session
-# 27: test_moe.py 275 s ... test_evals_e2e.py 39 s); test_default_run.py trains 100 steps where
+# seconds in a whole suite on the 2-core EPYC (.pytest_cache/trainer-durations.json:
+# test_moe.py 275 s ... test_evals_e2e.py 39 s); test_default_run.py trains 100 steps where
 # .ci/run has not already (TRAINER_TEST_DEFAULT_RUN).
 LONGEST_FIRST = [
     "test_moe.py",

@@ -77,7 +77,7 @@ def subprocess_env(extra: dict | None = None) -> dict:
 # The launcher zygote (tests/scripts/zygote.py): run_train's CPU launches fork from one process
 # per pytest worker that imported torch and the trainer once, instead of starting Python and
 # importing anew (~3-6 CPU-s a launch). run_train.sh runs unchanged; its interpreter is the shim.
-# On for every test file (the whole suite ran green with it, session 23); TRAINER_TEST_ZYGOTE=0
+# On for every test file (the whole suite runs green with it); TRAINER_TEST_ZYGOTE=0
 # for none. Environment a launch is given that torch may read at import (TORCH_*, OMP_*, ...)
 # sends that launch through the real interpreter.
 ZYGOTE_OFF = {"0", "off", "false", "no"}

@@ -16,14 +16,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from tests.test_data_fixtures import (
-    corpus_dir,
-    json_cfg,
-    store_cfg,
+from tests.data_fixtures import (
     store_path,  # noqa: F401
-    tokenizer_path,
 )
-from trainer.models.attention import document_positions, resolve_implementation
 from trainer.data.documents import (
     IGNORE_INDEX,
     Delimiters,
@@ -32,6 +27,7 @@ from trainer.data.documents import (
     split_window,
 )
 from trainer.errors import ConfigError, DataError
+from trainer.models.attention import document_positions, resolve_implementation
 from trainer.models.llama import build_model, model_args
 from trainer.parallel.parallelize import _SAVE_OPS, apply_ac, apply_compile
 
@@ -287,7 +283,7 @@ def test_a_store_without_delimiters_is_refused(json_cfg, tmp_path):
 def test_store_loader_frames_and_masks_as_its_manifest_says(store_cfg):
     from dataclasses import replace
 
-    from tests.test_data_fixtures import build
+    from tests.data_fixtures import build
 
     kw = dict(seq_len=2048, local_batch_size=4, global_batch_size=4)  # documents are long
     loader = build(store_cfg, **kw)
@@ -319,9 +315,10 @@ def test_plan_counts_the_mask_and_document_tables(impl, positions, dtype):
     copies of document cos/sin are made by FSDP's input cast, absent here: fp32 for those."""
     from torch.distributed._tools.mem_tracker import MemTracker
 
-    from trainer.models.attention import memory_bytes
     from trainer.config.job import load_config
-    from trainer.plan.memory import blocks_activations, head_saved
+    from trainer.models.attention import memory_bytes
+    from trainer.plan.activations import head_saved
+    from trainer.plan.memory import blocks_activations
 
     args = model_args(
         "debugmodel-tiny",
@@ -377,7 +374,7 @@ def test_streamed_and_blended_sources_know_their_documents(json_cfg):
     from dataclasses import replace
     from types import SimpleNamespace
 
-    from tests.test_data_fixtures import build
+    from tests.data_fixtures import build
     from trainer.data.mix_loader import _blend_delimiters
 
     assert build(json_cfg).delimiters == Delimiters(1, 2)

@@ -12,8 +12,8 @@ import time
 import numpy as np
 import pytest
 
+from tests.data_fixtures import *  # noqa: F401,F403  (corpus, tokenizer and store fixtures)
 from tests.helpers import REPO, STDLIB, TINY, fork_python, run_train
-from tests.test_data_fixtures import *  # noqa: F401,F403  (corpus, tokenizer and store fixtures)
 
 
 def one_line(proc: subprocess.CompletedProcess) -> str:
@@ -151,7 +151,7 @@ def test_corpus_not_utf8_or_binary(tmp_path, tokenizer_path):
     runs = json.loads(proc.stdout.splitlines()[-1])
     lines = {
         case: one_line(subprocess.CompletedProcess([], r["returncode"], r["stdout"], r["stderr"]))
-        for case, r in zip(cases, runs)
+        for case, r in zip(cases, runs, strict=True)
     }
 
     def prepare(dataset: str, files: str) -> str:

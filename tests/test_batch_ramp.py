@@ -9,9 +9,9 @@ import shutil
 import pytest
 
 from tests.helpers import BASE_FP32, losses, run_train, scalars, stopped_after_save
-from trainer.optim.batch_schedule import batch_at
 from trainer.config.job import load_config
 from trainer.errors import ConfigError
+from trainer.optim.batch_schedule import batch_at
 
 RAMP = [
     "--training.local_batch_size",
@@ -92,7 +92,9 @@ def per_rank(stdout: str) -> dict[str, list[str]]:
 
 def step_batches(stdout: str) -> list[int]:
     """Samples per step across the dp ranks."""
-    return [sum(len(h.split(",")) for h in col) for col in zip(*per_rank(stdout).values())]
+    return [
+        sum(len(h.split(",")) for h in col) for col in zip(*per_rank(stdout).values(), strict=True)
+    ]
 
 
 def test_ramp_is_logged_and_resumes_on_the_same_samples(tmp_path):

@@ -64,8 +64,8 @@ def test_cli_forms_and_types():
         (
             ["--training.mixed_precision_param", "fp16"],
             None,
-            "training.mixed_precision_param = 'fp16' is not valid; choose one of 'auto', 'bfloat16', "
-            "'float32'",
+            "training.mixed_precision_param = 'fp16' is not valid; choose one of 'auto', "
+            "'bfloat16', 'float32'",
         ),
         (["--training.steps", "0"], None, "training.steps = 0 is out of range; it must be >= 1"),
         (["--model.flavor", "8b"], None, "did you mean '8B'?"),
@@ -91,14 +91,14 @@ def test_cli_forms_and_types():
         (
             ["--model.flavor", "debugmodel-narrow", "--model.n_layers", "7"],
             None,
-            "model.n_layers = 7 is above the 6 blocks of model.flavor 'debugmodel-narrow'; valid: 1 "
-            "to 6, or 0 for all of them",
+            "model.n_layers = 7 is above the 6 blocks of model.flavor 'debugmodel-narrow'; valid: "
+            "1 to 6, or 0 for all of them",
         ),
         (
             ["--model.flavor", "debugmodel-moe-narrow", "--model.n_layers", "1"],
             None,
-            "model.n_layers = 1 keeps only dense blocks of model.flavor 'debugmodel-moe-narrow', whose "
-            "first MoE block is block 1; valid: 2 to 4, or 0 for all",
+            "model.n_layers = 1 keeps only dense blocks of model.flavor 'debugmodel-moe-narrow', "
+            "whose first MoE block is block 1; valid: 2 to 4, or 0 for all",
         ),
         (["--job.dump_folder", ""], None, "job.dump_folder = '' names no folder; name one"),
         ([], '[job]\ndump_folder = "  "\n', "job.dump_folder = '  ' names no folder"),
@@ -147,7 +147,8 @@ def test_missing_config_file():
         (
             2,
             ["--training.local_batch_size", "3", "--training.global_batch_size", "8"],
-            "training.global_batch_size = 8 is not divisible by training.local_batch_size (3) * dp size (2) = 6",
+            "training.global_batch_size = 8 is not divisible by training.local_batch_size (3) * "
+            "dp size (2) = 6",
         ),
     ],
 )

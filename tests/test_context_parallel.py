@@ -3,9 +3,9 @@ debug model's heads at dim 64, two of its blocks (debugmodel-narrow, model.n_lay
 
 Through run_train.sh on 4 ranks, 5 steps of 2 sequences: CP 2 x FSDP 2, CP 4 (with full AC, 2
 microbatches and per-microbatch gradient sync) and CP 2 x TP 2 give the 1-rank losses and
-gradient norms within 1e-4, with `causal`; CP 2 x FSDP 2, CP 4 and PP 2 x CP 2 also with `block_causal`
-and document positions on short documents (several per window). A checkpoint saved at CP 2 x FSDP 2
-resumes on 1 rank and at CP 4 with the uninterrupted run's losses. Under forkrun
+gradient norms within 1e-4, with `causal`; CP 2 x FSDP 2, CP 4 and PP 2 x CP 2 also with
+`block_causal` and document positions on short documents (several per window). A checkpoint saved at
+CP 2 x FSDP 2 resumes on 1 rank and at CP 4 with the uninterrupted run's losses. Under forkrun
 (tests/scripts/cp_probe.py): the attention against one process, and the leak test (no gradient
 crosses documents, on either cp rank). The head-tail split's balance is counted, and bad
 settings are one line each.
@@ -13,8 +13,8 @@ settings are one line each.
 
 import pytest
 
+from tests.data_fixtures import stdlib_texts, tokenizer_path  # noqa: F401
 from tests.helpers import REPO, SYNTHETIC, losses, run_train, scalars, stopped_after_save, torchrun
-from tests.test_data_fixtures import stdlib_texts, tokenizer_path  # noqa: F401
 from tests.test_doc_mask_e2e import short_docs_store  # noqa: F401
 from trainer.config.job import load_config
 from trainer.errors import ConfigError
@@ -222,8 +222,8 @@ def test_head_tail_split_balances_attention_work(seq, cp):
             4,
             "config error: training.seq_len = 102 does not cut into 2 x "
             "parallelism.context_parallel_degree = 4 head-tail chunks x "
-            "parallelism.tensor_parallel_degree = 2 (sequence parallel): it must be a multiple of 8 "
-            "(e.g. 96)",
+            "parallelism.tensor_parallel_degree = 2 (sequence parallel): it must be a multiple of "
+            "8 (e.g. 96)",
         ),
         (
             [

@@ -14,9 +14,9 @@ import numpy as np
 import pytest
 import torch
 
+from tests.data_fixtures import *  # noqa: F401,F403
+from tests.data_fixtures import build, mix_cfg, row_hashes, run_global_batches
 from tests.helpers import REPO, fork_python
-from tests.test_data_fixtures import *  # noqa: F401,F403
-from tests.test_data_fixtures import build, mix_cfg, row_hashes, run_global_batches
 from trainer.config.job import load_config
 from trainer.data.blend import Blend, _floor_sum
 from trainer.data.mix_loader import MixLoader
@@ -421,7 +421,7 @@ def test_planning_ahead_changes_no_window(blend_cfg, store_cfg):
         direct.PLAN_AHEAD = 0
         for _ in range(150):
             a, b = planned.next_microbatch(), direct.next_microbatch()
-            assert all(torch.equal(x, y) for x, y in zip(a, b))
+            assert all(torch.equal(x, y) for x, y in zip(a, b, strict=True))
 
 
 def test_permute_many_equals_permute_per_element():
@@ -430,7 +430,8 @@ def test_permute_many_equals_permute_per_element():
     group, epoch = rng.integers(0, 4, 3000), rng.integers(0, 3, 3000)
     pos = np.array([rng.integers(0, n_of[g]) for g in group])
     want = [
-        permute(np.array([p]), n_of[g], seed_of[g], int(e))[0] for p, g, e in zip(pos, group, epoch)
+        permute(np.array([p]), n_of[g], seed_of[g], int(e))[0]
+        for p, g, e in zip(pos, group, epoch, strict=True)
     ]
     assert permute_many(pos, group, epoch, n_of, seed_of).tolist() == want
 

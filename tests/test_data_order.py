@@ -8,8 +8,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from tests.test_data_fixtures import *  # noqa: F401,F403
-from tests.test_data_fixtures import DataConfig, batch_hash, build, row_hashes, run_global_batches
+from tests.data_fixtures import *  # noqa: F401,F403
+from tests.data_fixtures import DataConfig, batch_hash, build, row_hashes, run_global_batches
 from trainer.data.order import permute, window_of_sample
 from trainer.errors import DataError
 
@@ -47,7 +47,7 @@ def test_union_of_ranks_is_the_global_batches(cfg, layout):
     want = reference(cfg)
     got = run_global_batches(ranks(cfg, dp, local_batch_size=2 if dp < 4 else 1), STEPS)
     seen = []
-    for step, (mine, ref) in enumerate(zip(got, want)):
+    for step, (mine, ref) in enumerate(zip(got, want, strict=True)):
         # each rank's slice is the contiguous [s*G + r*G/dp, s*G + (r+1)*G/dp) in order
         assert row_hashes(mine) == row_hashes(ref), f"step {step}"
         seen += row_hashes(mine)

@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import subprocess
 
+from tests.data_fixtures import *  # noqa: F401,F403
+from tests.data_fixtures import DataConfig, build
 from tests.helpers import fork_python
-from tests.test_data_fixtures import *  # noqa: F401,F403
-from tests.test_data_fixtures import DataConfig, build
 from trainer.data.sources import stdlib_files
 
 VOCAB = 2048  # smaller than the default to keep the test quick; same code path
@@ -73,7 +73,7 @@ def test_concurrent_first_use_builds_once(tmp_path):
         (p.communicate(timeout=300)[0], errs[r].read_text(), p.returncode)
         for r, p in enumerate(procs)
     ]
-    for out, err, rc in results:
+    for _out, err, rc in results:
         assert rc == 0, err
     stderr = "".join(err for _, err, _ in results)
     assert stderr.count("training stdlib tokenizer") == 1, stderr

@@ -11,9 +11,9 @@ from pathlib import Path
 
 import pytest
 
+from tests.data_fixtures import *  # noqa: F401,F403
+from tests.data_fixtures import build, stdlib_texts
 from tests.helpers import fork_python
-from tests.test_data_fixtures import *  # noqa: F401,F403
-from tests.test_data_fixtures import build, stdlib_texts
 from trainer.data import check_model_vocab, padded_vocab_size
 from trainer.data.prepare import prepare_store
 from trainer.data.store import Store

@@ -10,8 +10,8 @@ import numpy as np
 import pytest
 import torch
 
-from tests.test_data_fixtures import *  # noqa: F401,F403
-from tests.test_data_fixtures import build
+from tests.data_fixtures import *  # noqa: F401,F403
+from tests.data_fixtures import build
 from trainer.data.sources import hf_documents
 from trainer.data.tokenizer import Tokenizer
 from trainer.errors import DataError

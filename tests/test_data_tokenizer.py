@@ -8,9 +8,9 @@ from pathlib import Path
 
 import pytest
 
+from tests.data_fixtures import *  # noqa: F401,F403
+from tests.data_fixtures import stdlib_texts
 from tests.helpers import fork_python
-from tests.test_data_fixtures import *  # noqa: F401,F403
-from tests.test_data_fixtures import stdlib_texts
 from trainer.data.tokenizer import Tokenizer, train_bpe
 from trainer.errors import ConfigError, DataError
 

@@ -15,10 +15,11 @@ the schedules' values change at their step in TensorBoard, and the balancing bia
 import pytest
 import torch
 
+from tests.data_fixtures import tokenizer_path  # noqa: F401
 from tests.helpers import REPO, run_train, scalars
-from tests.test_data_fixtures import tokenizer_path  # noqa: F401
 from tests.test_doc_mask_e2e import short_docs_store  # noqa: F401
-from trainer.models.config import MoE as MoEConfig, Model as ModelConfig
+from trainer.models.config import Model as ModelConfig
+from trainer.models.config import MoE as MoEConfig
 from trainer.models.moe import expert_counts, sequence_balance_loss
 
 

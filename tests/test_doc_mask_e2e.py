@@ -13,8 +13,8 @@ import re
 
 import pytest
 
+from tests.data_fixtures import stdlib_texts, tokenizer_path  # noqa: F401
 from tests.helpers import BASE_FP32, losses, run_train, scalars, stopped_after_save
-from tests.test_data_fixtures import stdlib_texts, tokenizer_path  # noqa: F401
 
 DOCS = [
     "--model.attn_mask_type",

@@ -6,9 +6,10 @@ from pathlib import Path
 
 import pytest
 
-from scripts.gen_config_docs import PAGE, main as gen_config_docs
-from trainer.config.reference import keys, markdown, text
+from scripts.gen_config_docs import PAGE
+from scripts.gen_config_docs import main as gen_config_docs
 from tests.helpers import REPO
+from trainer.config.reference import keys, markdown, text
 
 PAGES = [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))]
 FENCE = re.compile(r"^(```|~~~)")

@@ -3,9 +3,8 @@ layout allows, a gloo probe that sees a backward's collectives in flight while a
 microbatch's forward computes, and real training runs that equal the same schedule without the
 overlap and one rank."""
 
-from types import SimpleNamespace
-
 import json
+from types import SimpleNamespace
 
 import pytest
 

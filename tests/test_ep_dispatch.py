@@ -78,7 +78,7 @@ def test_a_token_crosses_to_each_node_once_then_fans_out_inside_it(probed):
         peer, mate = (r + 2) % 4, r ^ 1
         rows = [c for c in info["calls"]["node"] if c["dtype"] != "torch.int64"]
         assert [c["phase"] for c in rows] == ["forward"] * 5 + ["backward"] * 4
-        for c, to in zip(rows, [peer, peer, mate, mate, peer, peer, mate, mate, peer]):
+        for c, to in zip(rows, [peer, peer, mate, mate, peer, peer, mate, mate, peer], strict=True):
             assert set(c["to"]) <= {to}, (r, rows)
         assert any(c["to"] for c in rows)
         flat = [c for c in info["calls"]["flat"] if c["dtype"] != "torch.int64"]
@@ -185,8 +185,8 @@ def test_the_dispatch_is_chosen_from_the_ep_groups_nodes(ranks, n_group, dispatc
 
 def test_the_trace_books_inter_node_bytes_and_no_replayed_dispatch(monkeypatch):
     """debugmodel-dsv3 (8 experts in 2 groups, a token to 1 group, top 2) at EP 4 x FSDP 8 on
-    nodes of 2 (the ep group: 2 nodes): the node-limited dispatch sends half the flat one's ep bytes to the other node, and
-    full AC sends what no AC sends across nodes."""
+    nodes of 2 (the ep group: 2 nodes): the node-limited dispatch sends half the flat one's ep bytes
+    to the other node, and full AC sends what no AC sends across nodes."""
     from trainer.config.job import load_config
     from trainer.plan.trace import trace_step
 

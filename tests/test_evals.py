@@ -255,8 +255,8 @@ def test_a_block_causal_model_scores_like_the_causal_one():
     """Eval requests are one document each: a model with block_causal attention and document
     positions is given one document id per row and scores what the causal model scores
     (it would refuse a forward without document ids)."""
-    from trainer.models.llama import build_model
     from trainer.models.flavors import model_args
+    from trainer.models.llama import build_model
 
     models = {}
     for mask, positions in (("causal", "sequence"), ("block_causal", "document")):

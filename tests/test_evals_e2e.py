@@ -77,7 +77,7 @@ def test_evals_logged_at_the_configured_steps_and_equal_on_1_and_2_ranks_and_und
     )
     lines = [ln for ln in two.stdout.splitlines() if ln.startswith("eval: step")]
     assert len(lines) == 2 and "stdlib_next_line acc " in lines[0] and "tiny acc " in lines[0]
-    one = run_train(tmp_path / "one", *eval_args(task_file), "--training.steps", "2", nproc=1)
+    run_train(tmp_path / "one", *eval_args(task_file), "--training.steps", "2", nproc=1)
     # CP 2 x DP 2: each cp rank scores its share of every request (widths padded to 2 x cp
     # chunks), the sums added over cp; 47 blocks over 2 dp ranks: one padding pass under CP
     cp = run_train(

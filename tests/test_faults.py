@@ -5,12 +5,11 @@ script's settings), copied where a test damages it.
 """
 
 import os
+import pickle
 import re
 import shutil
 import subprocess
 import uuid
-
-import pickle
 
 import pytest
 
@@ -207,7 +206,7 @@ def test_chaos_short(reference, tmp_path):
 
 @pytest.mark.chaos_long
 def test_chaos_long(tmp_path, request):
-    """Issue 48's long run: 200 faults spread over the six layouts and the lost node (4 CPU
+    """The long chaos run: 200 faults spread over the six layouts and the lost node (4 CPU
     ranks, async saves), every kind of each layout at least 3 times, at least 60 during saves;
     ends with the per-layout, per-kind table. About an hour on 2 cores:
     `pytest -m chaos_long -s tests/test_faults.py::test_chaos_long`."""

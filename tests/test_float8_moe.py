@@ -77,7 +77,7 @@ def test_float8_experts_are_close_to_fp32_with_padding_rows_zero():
         (y * dy).sum().backward()
         outs.append((y[:117], xx.grad[:117], m.w1.grad, m.w2.grad))
     assert f8(x, counts)[117:].abs().max() == 0
-    for got, want in zip(outs[1], outs[0]):
+    for got, want in zip(outs[1], outs[0], strict=True):
         assert 1e-3 < rel(got, want) < 0.1  # e4m3: ~6% on a SwiGLU (bf16: ~0.5%)
 
 

@@ -17,8 +17,8 @@ import pytest
 from tests.helpers import REPO, SYNTHETIC, subprocess_env, torchrun
 from trainer.config.__main__ import main as config_main
 from trainer.config.job import load_config
-from trainer.plan.memory import memory_plan
 from trainer.plan.host import pinned
+from trainer.plan.memory import memory_plan
 
 PROBE = REPO / "tests" / "scripts" / "fsdp_options_probe.py"
 RESHARD = "--parallelism.fsdp_reshard_after_forward"
@@ -80,7 +80,7 @@ def test_invalid_reshard_group_is_one_line_naming_valid_values(capsys, value, wo
     assert code == 2 and err.count("\n") == 1, err
     assert err.startswith(f"config error: parallelism.fsdp_reshard_after_forward = '{value}'")
     valid = "2, 4" if world == "4" else "no integer"
-    assert f"'default', 'always', 'never', or " in err and valid in err
+    assert "'default', 'always', 'never', or " in err and valid in err
 
 
 def test_reshard_value_types(capsys, tmp_path):

@@ -7,13 +7,10 @@ import subprocess
 import pytest
 import torch
 
-from tests.helpers import REPO, fork_python
-from tests.test_data_fixtures import (
-    corpus_dir,
-    json_cfg,
+from tests.data_fixtures import (
     store_path,  # noqa: F401
-    tokenizer_path,
 )
+from tests.helpers import REPO, fork_python
 from tests.test_validation import val_run  # noqa: F401  (a 4-step FSDP run with checkpoints)
 from trainer import generate as gen
 

@@ -1,4 +1,4 @@
-"""The scripts prepared for a lent GPU, checked here on the CPU: the device's 15 minutes must not
+"""The GPU scripts, checked here on the CPU: a short GPU allocation must not
 go to a stale config key or a check that cannot tell right from wrong (benchmarks/gpu_suite.sh,
 gpu_paths.py, gpu_mla_attention.py)."""
 

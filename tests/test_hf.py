@@ -11,8 +11,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from tests.data_fixtures import corpus_dir, json_cfg, stdlib_texts, tokenizer_path  # noqa: F401
 from tests.helpers import BASE_FP32, TINY, losses, run_train
-from tests.test_data_fixtures import corpus_dir, json_cfg, stdlib_texts, tokenizer_path  # noqa: F401
 
 transformers = pytest.importorskip("transformers")
 VOCAB = 512
@@ -107,8 +107,8 @@ def test_random_llama32_1b_exports_to_transformers(tmp_path):
     16 layers (every tensor shape of the 1B model at a quarter of its 1.2B parameters)."""
     from transformers import LlamaForCausalLM
 
-    from trainer.hf.export import write_hf_folder
     from trainer.config.job import JobConfig
+    from trainer.hf.export import write_hf_folder
     from trainer.models.llama import build_model, model_args
 
     args = dataclasses.replace(model_args("llama3.2-1B", max_seq_len=32), n_layers=2)
@@ -131,7 +131,7 @@ def test_random_llama32_1b_exports_to_transformers(tmp_path):
         dtype="bfloat16",
         log=lambda _: None,
     )
-    del sd
+    sd.clear()
     hf_model = LlamaForCausalLM.from_pretrained(tmp_path, dtype=torch.float32).eval()
     tokens = torch.randint(0, args.vocab_size, (1, 12), generator=gen)
     assert max_diff(model.eval(), hf_model, tokens) < 1e-4

@@ -9,14 +9,9 @@ from dataclasses import replace
 import pytest
 import torch
 
-from tests.test_data_fixtures import (
+from tests.data_fixtures import (
     build,
-    corpus_dir,
-    json_cfg,
     stdlib_texts,  # noqa: F401
-    store_cfg,
-    store_path,
-    tokenizer_path,
 )
 
 pytest.importorskip("tokenizers")
@@ -57,7 +52,8 @@ def test_streaming_and_prepare_with_tokenizer_json(
 
     streamed = replace(json_cfg, tokenizer_path=tokenizer_json)
     assert all(
-        torch.equal(a, b) for a, b in zip(batches(build(streamed)), batches(build(json_cfg)))
+        torch.equal(a, b)
+        for a, b in zip(batches(build(streamed)), batches(build(json_cfg)), strict=True)
     )
     out = str(tmp_path / "store")
     prepare_store(
@@ -66,5 +62,7 @@ def test_streaming_and_prepare_with_tokenizer_json(
     ours = replace(store_cfg, store_path=out, shuffle=False)
     assert all(
         torch.equal(a, b)
-        for a, b in zip(batches(build(ours)), batches(build(replace(store_cfg, shuffle=False))))
+        for a, b in zip(
+            batches(build(ours)), batches(build(replace(store_cfg, shuffle=False))), strict=True
+        )
     )

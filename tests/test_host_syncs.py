@@ -1,4 +1,4 @@
-"""Host syncs per step of a real CPU run (issue 30): on a GPU every `.item()`, `.tolist()` or
+"""Host syncs per step of a real CPU run: on a GPU every `.item()`, `.tolist()` or
 `bool(tensor)` makes the host wait for the device, so the loop may read the device once per
 step, at its step-end agreement, and never per microbatch. tests/scripts/sync_probe.py counts
 every such call of a real 2-rank `trainer.train` (the loader's own host tensors aside)."""

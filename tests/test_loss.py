@@ -2,8 +2,9 @@
 
 fp32 must agree to rounding (<= 1e-5 relative), with ignored tokens and an uneven last chunk,
 with and without the z-loss; bf16 within bf16's own rounding. Without a z-loss both give the
-results of the implementation before the z-loss existed, bit for bit. The FSDP path (loss inside the head's forward, tied and
-untied, reshard after forward) is checked on real ranks in tests/scripts/loss_probe.py.
+results of the implementation before the z-loss existed, bit for bit. The FSDP path (loss inside the
+head's forward, tied and untied, reshard after forward) is checked on real ranks in
+tests/scripts/loss_probe.py.
 """
 
 import pytest
@@ -41,7 +42,7 @@ def test_fp32_matches_eager(chunk):
     h, w, y = inputs()
     ref = loss_and_grads(eager_loss, h, w, y)
     got = loss_and_grads(build_loss("chunked", chunk), h, w, y)
-    for a, b in zip(got, ref):
+    for a, b in zip(got, ref, strict=True):
         assert a.dtype == b.dtype and a.shape == b.shape
         assert rel(a, b) <= 1e-5
     assert (got[1][0, [0, 5, 36]] == 0).all()  # ignored tokens get no gradient
@@ -77,7 +78,7 @@ def test_z_loss_chunked_matches_eager(chunk):
     )
     ref, got = loss_and_grads(eager, h, w, y), loss_and_grads(chunked, h, w, y)
     z_ref, z_got = eager.take_z_loss(), chunked.take_z_loss()
-    for a, b in zip(got, ref):
+    for a, b in zip(got, ref, strict=True):
         assert a.dtype == b.dtype and a.shape == b.shape
         assert rel(a, b) <= 1e-5
     assert rel(z_got, z_ref) <= 1e-5 and chunked.take_z_loss() is None  # taken: reset
@@ -124,7 +125,7 @@ def test_without_z_loss_results_are_unchanged_bit_for_bit(dtype):
     for chunk in (8, 37):
         loss = build_loss("chunked", chunk, z_loss_weight=0.0)
         got = loss_and_grads(loss, h, w, y)
-        for a, b in zip(got, previous_chunked(h, w, y, chunk)):
+        for a, b in zip(got, previous_chunked(h, w, y, chunk), strict=True):
             assert torch.equal(a, b)
         assert loss.take_z_loss() is None
     hh, ww = h.detach().clone().requires_grad_(), w.detach().clone().requires_grad_()
@@ -136,7 +137,7 @@ def test_without_z_loss_results_are_unchanged_bit_for_bit(dtype):
     )
     (ref * 0.37).backward()
     got = loss_and_grads(build_loss("eager", 0), h, w, y)
-    for a, b in zip(got, (ref.detach(), hh.grad, ww.grad)):
+    for a, b in zip(got, (ref.detach(), hh.grad, ww.grad), strict=True):
         assert torch.equal(a, b)
 
 

@@ -145,7 +145,7 @@ def test_raising_steps_in_the_stable_phase_changes_no_lr_used(K):
     # The default ties the slope to training.steps: every lr after warmup + 1 moves.
     short = schedule_lrs(20, warmup_steps=3)
     long = schedule_lrs(40, warmup_steps=3)
-    assert all(a != b for a, b in zip(short[4:], long[4:20]))
+    assert all(a != b for a, b in zip(short[4:], long[4:20], strict=True))
 
 
 def resumed(saved, peak: float, total_steps: int, **sched):
@@ -271,7 +271,8 @@ def test_unchanged_schedule_resumes_bit_for_bit_mid_decay():
         ),
         (
             ["--lr_scheduler.decay_type", "exp"],
-            "lr_scheduler.decay_type = 'exp' is not valid; choose one of 'linear', 'cosine', 'sqrt'",
+            "lr_scheduler.decay_type = 'exp' is not valid; choose one of 'linear', 'cosine', "
+            "'sqrt'",
         ),
     ],
 )

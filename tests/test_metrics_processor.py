@@ -16,11 +16,12 @@ from tensorboard.backend.event_processing.event_accumulator import EventAccumula
 import trainer.observe.metrics as metrics
 from trainer.config.job import JobConfig
 from trainer.models.flops import flops_per_token
-from trainer.observe.metrics import MetricsProcessor, format_line, memory_metrics, use_color
 from trainer.models.llama import model_args
+from trainer.observe.metrics import MetricsProcessor, format_line, memory_metrics, use_color
 
 ARGS = model_args("debugmodel")
 SEQ = 256
+CPU = torch.device("cpu")
 BASE_TAGS = {
     "loss_metrics/global_avg_loss",
     "loss_metrics/global_max_loss",
@@ -59,7 +60,7 @@ def clock(monkeypatch):
     return c
 
 
-def make(tmp_path, *, peak=0.0, rank=0, device=torch.device("cpu"), **metric_cfg):
+def make(tmp_path, *, peak=0.0, rank=0, device=CPU, **metric_cfg):
     cfg = JobConfig()
     cfg.job.dump_folder = str(tmp_path)
     cfg.metrics.peak_tflops = peak

@@ -11,6 +11,8 @@ import torch
 from trainer.config.job import JobConfig
 from trainer.observe.profiling import StepProfiler
 
+CPU = torch.device("cpu")
+
 
 def config(tmp_path, **profiling) -> JobConfig:
     cfg = JobConfig()
@@ -20,7 +22,7 @@ def config(tmp_path, **profiling) -> JobConfig:
     return cfg
 
 
-def train(cfg, *, start, stop, device=torch.device("cpu")):
+def train(cfg, *, start, stop, device=CPU):
     """Steps start+1..stop of a tiny matmul 'training', as the loop drives the profiler."""
     x = torch.randn(32, 32)
     with StepProfiler(cfg, rank=0, device=device, start_step=start) as prof:
@@ -98,7 +100,7 @@ def test_a_run_that_dies_of_an_oom_dumps_the_snapshot(tmp_path, monkeypatch):
             with StepProfiler(
                 config(tmp_path, enable_memory_snapshot=True),
                 rank=0,
-                device=torch.device("cpu"),
+                device=CPU,
                 start_step=0,
             ) as prof:
                 prof.snapshot = True  # as on CUDA

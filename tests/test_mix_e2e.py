@@ -11,8 +11,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.data_fixtures import mix_stores  # noqa: F401
 from tests.helpers import BASE_FP32, STDLIB, global_batches, run_train, scalars
-from tests.test_data_fixtures import mix_stores  # noqa: F401
 
 HASHES = {"TRAINER_DEBUG_DATA_HASHES": "1"}
 # 15% held out: the json source (one file, ~69 windows) keeps the 8 validation samples asked

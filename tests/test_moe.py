@@ -18,8 +18,8 @@ import torch
 
 from tests.helpers import REPO, SYNTHETIC, scalars
 from trainer.config.job import load_config
-from trainer.models.flavors import FLAVORS
 from trainer.models.args import MoEArgs
+from trainer.models.flavors import FLAVORS
 from trainer.models.moe import MoE, capacity, update_expert_bias
 
 DIM = 32
@@ -115,7 +115,7 @@ def test_capacity_drops_exactly_with_gradients(grouped):
     params = [x, *layer.experts.parameters(), layer.router.gate.weight]
     g1 = torch.autograd.grad(got.square().sum(), params)
     g2 = torch.autograd.grad(want.square().sum(), params)
-    for a, b in zip(g1, g2):
+    for a, b in zip(g1, g2, strict=True):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
 
 
@@ -651,8 +651,8 @@ def test_ep_is_dropless_under_a_skewed_router():
     [
         (
             ("--model.flavor", "debugmodel", "--moe.capacity_factor", "1.25"),
-            "moe.capacity_factor is set, but model.flavor 'debugmodel' has no experts; MoE flavors: "
-            "debugmodel-moe, debugmodel-moe-narrow, debugmodel-moe-shared, qwen3-30b-a3b",
+            "moe.capacity_factor is set, but model.flavor 'debugmodel' has no experts; MoE "
+            "flavors: debugmodel-moe, debugmodel-moe-narrow, debugmodel-moe-shared, qwen3-30b-a3b",
         ),
         (
             ("--model.flavor", "debugmodel", EP, "2"),
@@ -671,14 +671,14 @@ def test_ep_is_dropless_under_a_skewed_router():
         (
             ("--model.flavor", "debugmodel-moe", EP, "4", REPLICAS, "2"),
             "parallelism.expert_parallel_degree = 4 does not divide dp_shard = 2 (world size 4, "
-            "parallelism.data_parallel_replicate_degree = 2): the expert-parallel ranks are borrowed "
-            "from dp_shard; valid: 1, 2",
+            "parallelism.data_parallel_replicate_degree = 2): the expert-parallel ranks are "
+            "borrowed from dp_shard; valid: 1, 2",
         ),
         (
             ("--model.flavor", "debugmodel-moe-shared", "--checkpoint.last_save_in_hf", "true"),
-            "checkpoint.last_save_in_hf = true, but model.flavor 'debugmodel-moe-shared' has shared "
-            "experts, sigmoid scores or a routed scale: DeepSeek's router, whose Hugging Face "
-            "architecture (DeepseekV3ForCausalLM) also needs MLA",
+            "checkpoint.last_save_in_hf = true, but model.flavor 'debugmodel-moe-shared' has "
+            "shared experts, sigmoid scores or a routed scale: DeepSeek's router, whose Hugging "
+            "Face architecture (DeepseekV3ForCausalLM) also needs MLA",
         ),
         (
             ("--moe.load_balance_coeff", "0.01"),

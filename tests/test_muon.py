@@ -72,7 +72,7 @@ def test_one_rank_equals_torch_muon_and_adamw():
             for x in opts:
                 x.step()
                 x.zero_grad()
-    for (n, p), q in zip(model.named_parameters(), ref.parameters()):
+    for (n, p), q in zip(model.named_parameters(), ref.parameters(), strict=True):
         assert torch.equal(p, q), n
     state = opt.state_dict()["state"]
     assert sum("momentum_buffer" in s for s in state.values()) == len(muon)
@@ -265,13 +265,13 @@ def test_a_step_skipped_on_the_device_changes_nothing():
     state = copy.deepcopy(opt.state_dict()["state"])
     weights = [p.detach().clone() for p in model.parameters()]
     step_unless(opt, torch.tensor([True]))
-    assert all(torch.equal(p, w) for p, w in zip(model.parameters(), weights))
+    assert all(torch.equal(p, w) for p, w in zip(model.parameters(), weights, strict=True))
     after = opt.state_dict()["state"]
     for k, s in state.items():
         for name, v in s.items():
             assert torch.equal(after[k][name], v), (k, name)
     step_unless(opt, torch.tensor([False]))
-    assert not all(torch.equal(p, w) for p, w in zip(model.parameters(), weights))
+    assert not all(torch.equal(p, w) for p, w in zip(model.parameters(), weights, strict=True))
 
 
 def test_mtp_matrices_take_muon_and_muon_lr_follows_the_schedule():

@@ -44,13 +44,13 @@ def test_expert_slices_equal_torch_muon_on_one_rank():
     ]
     ref = torch.optim.Muon([p for s in slices for p in s], adjust_lr_fn="match_rms_adamw", **HP)
     for _ in range(3):
-        for p, s in zip(params, slices):
+        for p, s in zip(params, slices, strict=True):
             p.grad = torch.randn(p.shape, generator=gen)
             for k, q in enumerate(s):
                 q.grad = p.grad[k] if p.ndim == 3 else p.grad
         opt.step()
         ref.step()
-    for name, p, s in zip(full, params, slices):
+    for name, p, s in zip(full, params, slices, strict=True):
         assert torch.equal(p.detach(), torch.stack([q.detach() for q in s]).view(p.shape)), name
 
 

@@ -287,9 +287,8 @@ def test_store_lease_takes_over_a_stale_one_and_releases(s3):
     """In this process against the server: a stale lease is replaced with If-Match (the ETag
     judged stale), a refresh after another run's takeover finds it lost, a release deletes
     only its own."""
-    from trainer.checkpoint.store_lease import StoreLease
-
     from trainer.checkpoint.lease import LeaseHeld
+    from trainer.checkpoint.store_lease import StoreLease
 
     _, client = s3
     client.put_object(

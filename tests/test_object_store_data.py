@@ -9,7 +9,6 @@ are one line, exit 2.
 
 from __future__ import annotations
 
-import os
 import subprocess
 
 import pytest
@@ -44,7 +43,7 @@ def s3():
 @pytest.fixture(scope="module")
 def stores(s3, tmp_path_factory):
     """(local store, its size in bytes): the same source prepared on disk and to URL."""
-    from tests.test_data_fixtures import stdlib_texts
+    from tests.data_fixtures import stdlib_texts
     from trainer.data.config import DataConfig
     from trainer.data.tokenizer import train_bpe
     from trainer.data.writer import prepare_store

@@ -278,7 +278,7 @@ def test_the_resumed_momentum_is_the_configs_against_torch_muon(tmp_path):
         (muon if takes_muon(n, p) else adamw).state[p] = copy.deepcopy(state[n])
     _train(resumed, [opt2], batches[3:])
     _train(ref, [muon, adamw], batches[3:])
-    for (n, p), q in zip(resumed.named_parameters(), ref.parameters()):
+    for (n, p), q in zip(resumed.named_parameters(), ref.parameters(), strict=True):
         assert torch.equal(p, q), n
 
 
@@ -322,7 +322,7 @@ def test_settings_are_one_entry_per_parameter_and_older_checkpoints_still_load(t
         dcp.load({"model_optim": holder}, checkpoint_id=str(folder))
         assert holder.changes == [("weight_decay", "0.1", "0.05")], (grouped, holder.changes)
         assert {g["weight_decay"] for g in opt2.param_groups} == {0.05}
-        for (n, p), q in zip(model.named_parameters(), resumed.parameters()):
+        for (n, p), q in zip(model.named_parameters(), resumed.parameters(), strict=True):
             assert torch.equal(p, q), n
             for k in ("exp_avg", "exp_avg_sq", "step"):
                 assert torch.equal(opt.state[p][k], opt2.state[q][k]), (n, k)

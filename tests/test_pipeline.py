@@ -29,6 +29,8 @@ from tests.helpers import (
 from tests.test_tp import saved_digest
 from trainer.config.job import load_config
 from trainer.errors import ConfigError
+from trainer.parallel.dims import ParallelDims
+from trainer.parallel.pipeline import _SAME_RANK_STAGES, _SPLIT_BACKWARD_THROUGH_FUNCTIONS
 from trainer.parallel.pp_layout import (
     SCHEDULES,
     bubble_fraction,
@@ -37,8 +39,6 @@ from trainer.parallel.pp_layout import (
     stage_rank,
     stage_work,
 )
-from trainer.parallel.dims import ParallelDims
-from trainer.parallel.pipeline import _SAME_RANK_STAGES, _SPLIT_BACKWARD_THROUGH_FUNCTIONS
 
 # torch 2.11 (the GPU machines) cannot run V schedules over gloo (trainer/parallel/pipeline.py
 # check_torch): there the 8-stage PP 4 runs interleaved instead; torch 2.12 runs ZBV, but its
@@ -319,7 +319,7 @@ def test_the_default_split_balances_the_units_work():
     assert [len(s.layers) for s in specs] == [9, 9, 9, 5] and specs[3].head
     work = stage_work(specs, weights)
     best = min(
-        max(sum(weights[a:b]) for a, b in zip((0, *cuts), (*cuts, 34)))
+        max(sum(weights[a:b]) for a, b in zip((0, *cuts), (*cuts, 34), strict=True))
         for cuts in itertools.combinations(range(1, 34), 3)
     )
     assert max(work) == best == 9.0

@@ -20,6 +20,7 @@ from tests.helpers import REPO, probe_cases_argv, torchrun
 from trainer.config.job import load_config
 from trainer.models.llama import ModelArgs, build_model
 from trainer.parallel.parallelize import apply_ac
+from trainer.plan.activations import head_saved
 from trainer.plan.comm import comm_volume
 from trainer.plan.memory import (
     FP32,
@@ -30,7 +31,6 @@ from trainer.plan.memory import (
     blocks_activations,
     device_need,
     fsdp_groups,
-    head_saved,
     loss_region,
     memory_plan,
     plan_args,
@@ -259,7 +259,7 @@ def test_tp_shards_matmul_weights_by_tp():
     cfg = load_config(BASE_8B)
     a = plan_args(cfg, cfg.model.vocab_size)
     for key, shapes in fsdp_groups(a, 1).items():
-        for full, part in zip(shapes, fsdp_groups(a, 8)[key]):
+        for full, part in zip(shapes, fsdp_groups(a, 8)[key], strict=True):
             ratio = 1 if len(full) == 1 else 8
             assert shard_numel(full, 8) == ratio * shard_numel(part, 8), (key, full, part)
     fsdp = memory_plan(cfg, 8)["parameters"]
@@ -397,9 +397,9 @@ def test_fsdp_volume_by_hand():
 def test_70b_config_tp8_fits_and_fsdp_only():
     """configs/llama3_70b.toml on 64 H100s (TP 8 x FSDP 8, 1 x 8192 tokens per GPU) fits
     80 GiB. FSDP alone over 64 with the same tokens per GPU fits as well (the numbers say so:
-    ~47 vs ~39 GiB, with the sharded gradients held across the microbatches) but sends ~9x more over dp_shard, which crosses nodes; on 16 GPUs neither
-    FSDP alone nor TP 2 x FSDP 8 fits (16 bytes of state per parameter: 70 GB per GPU), on 32
-    TP 2 x FSDP 16 does."""
+    ~47 vs ~39 GiB, with the sharded gradients held across the microbatches) but sends ~9x more over
+    dp_shard, which crosses nodes; on 16 GPUs neither FSDP alone nor TP 2 x FSDP 8 fits (16 bytes of
+    state per parameter: 70 GB per GPU), on 32 TP 2 x FSDP 16 does."""
     cfg70 = ["--job.config_file", str(REPO / "configs" / "llama3_70b.toml")]
     h100 = GPUS["h100"].memory_gib * GIB
     tp8 = load_config(cfg70)

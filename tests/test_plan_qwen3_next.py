@@ -9,8 +9,8 @@ import torch
 
 from tests.helpers import REPO
 from trainer.config.job import load_config
-from trainer.models.flavors import FLAVORS
 from trainer.models.build import build_model
+from trainer.models.flavors import FLAVORS
 from trainer.plan import hybrid
 from trainer.plan.memory import memory_plan
 from trainer.plan.trace import trace_step

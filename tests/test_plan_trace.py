@@ -215,7 +215,9 @@ def test_a_capacity_factor_is_traced_at_its_static_rows():
         {a.shape for a in trace_step(cfg, 2, keep_all=True).allocations}
         for cfg in (load_config(moe), capped)
     ]
-    for got, rows in zip(shapes, (pairs, pairs // 2)):  # the experts' hidden activations
+    for got, rows in zip(
+        shapes, (pairs, pairs // 2), strict=True
+    ):  # the experts' hidden activations
         assert (rows, args.moe.hidden_dim) in got and (
             pairs + pairs // 2 - rows,
             args.moe.hidden_dim,
@@ -359,7 +361,7 @@ def test_the_trace_counts_what_rank_0_sends_per_mesh_dimension_as_the_plan_does(
     # a process per world: DTensor's caches outlive a destroyed fake world's groups
     with multiprocessing.get_context("fork").Pool(2, maxtasksperchild=1) as pool:
         results = pool.starmap(trace_step, [(cfg, 8) for cfg in configs], chunksize=1)
-    for (config, extra), cfg, r in zip(cases, configs, results):
+    for (_config, extra), cfg, r in zip(cases, configs, results, strict=True):
         traced, plan = r.comm_bytes, comm_volume(cfg, 8)
         for dim in ("tp", "cp", "dp_shard", "dp_replicate", "ep"):
             want = plan[f"comm_{dim}"]
@@ -381,11 +383,14 @@ def test_pipeline_configs_are_traced_stage_by_stage():
     pp = trace_ranks(load_config(base), 2)
     both = trace_ranks(load_config([*base, "--parallelism.context_parallel_degree", "2"]), 4)
     assert [r.pp_rank for r in pp] == [0, 1] == [r.pp_rank for r in both]
-    ratios = [b.categories["activations"] / a.categories["activations"] for a, b in zip(pp, both)]
+    ratios = [
+        b.categories["activations"] / a.categories["activations"]
+        for a, b in zip(pp, both, strict=True)
+    ]
     # every stage's activations halve (the head's weight gradient, which the chunked loss
     # makes in the forward, is booked as a gradient: it has the weight's size at any cp)
     assert all(0.45 <= r <= 0.55 for r in ratios), ratios
-    for alone, with_cp in zip(pp, both):
+    for alone, with_cp in zip(pp, both, strict=True):
         assert alone.comm_bytes["pp"] > 0 and with_cp.comm_bytes["cp"] > 0
     # the head's stage does more of the model's work than an even share, the embedding's less
     assert pp[0].flops < pp[0].ideal_flops and pp[1].ideal_flops < pp[1].flops
@@ -528,9 +533,11 @@ def test_muon_is_traced_with_its_gathers_booked_and_the_plans_owners():
     ]
     with multiprocessing.get_context("fork").Pool(2, maxtasksperchild=1) as pool:
         results = pool.starmap(
-            trace_step, [(cfg, w) for cfg, (_, w, _) in zip(configs, cases)], chunksize=1
+            trace_step,
+            [(cfg, w) for cfg, (_, w, _) in zip(configs, cases, strict=True)],
+            chunksize=1,
         )
-    for (_, world, extra), cfg, r in zip(cases, configs, results):
+    for (_, world, extra), cfg, r in zip(cases, configs, results, strict=True):
         plan = comm_volume(cfg, world)
         traced = r.comm_bytes
         assert not traced.get("other"), (extra, traced)  # Muon's groups are all known

@@ -87,7 +87,7 @@ def test_the_model_computes_the_same_under_math_and_flash():
         results.append((loss.item(), [p.grad.clone() for p in model.parameters()]))
     (l1, g1), (l2, g2) = results
     assert abs(l1 - l2) < 1e-5
-    assert max((x - y).abs().max().item() for x, y in zip(g1, g2)) < 1e-4
+    assert max((x - y).abs().max().item() for x, y in zip(g1, g2, strict=True)) < 1e-4
 
 
 PROBE = """

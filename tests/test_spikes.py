@@ -172,8 +172,9 @@ def test_train_state_of_an_older_checkpoint_loads_with_no_window_nor_rollbacks()
     [
         (
             ["--training.on_spike", "rollback"],
-            "config error: training.on_spike = 'rollback' needs checkpoint.enable = true (a rollback "
-            "reloads the latest checkpoint); without checkpoints use on_spike = 'skip' or 'log'",
+            "config error: training.on_spike = 'rollback' needs checkpoint.enable = true (a "
+            "rollback reloads the latest checkpoint); without checkpoints use on_spike = 'skip' or "
+            "'log'",
         ),
         (
             ["--training.on_spike", "skip", "--training.spike_window", "0"],
@@ -182,8 +183,8 @@ def test_train_state_of_an_older_checkpoint_loads_with_no_window_nor_rollbacks()
         ),
         (
             ["--training.on_spike", "restart"],
-            "config error: training.on_spike = 'restart' is not valid; choose one of 'log', 'skip', "
-            "'rollback'",
+            "config error: training.on_spike = 'restart' is not valid; choose one of 'log', "
+            "'skip', 'rollback'",
         ),
         (
             ["--training.skip_data_steps", "4,0"],

@@ -9,9 +9,9 @@ from dataclasses import replace
 
 import pytest
 
+from tests.data_fixtures import *  # noqa: F401,F403  (the corpus and tokenizer)
+from tests.data_fixtures import stdlib_texts
 from tests.helpers import BASE_FP32, STDLIB, losses, run_train
-from tests.test_data_fixtures import *  # noqa: F401,F403  (the corpus and tokenizer)
-from tests.test_data_fixtures import stdlib_texts
 
 
 @pytest.fixture(scope="module")

@@ -124,7 +124,7 @@ def test_tp_ranks_of_a_dp_rank_read_the_same_samples(runs):
     for dp_rank, hashes in lines:
         by_rank.setdefault(dp_rank, []).append(hashes)
     assert sorted(by_rank) == ["0", "1"] and all(len(v) == 10 for v in by_rank.values())
-    for dp_rank, seen in by_rank.items():
+    for seen in by_rank.values():
         # each step's batch is printed by both tp ranks of the dp rank: 5 batches, each twice
         assert len(set(seen)) == 5 and all(seen.count(batch) == 2 for batch in seen), seen
     samples = {r: {h for batch in v for h in batch.split(",")} for r, v in by_rank.items()}

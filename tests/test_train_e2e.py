@@ -8,8 +8,6 @@ import pytest
 
 from tests.helpers import BASE_FP32 as BASE
 from tests.helpers import STDLIB, global_batches, losses, run_train, stopped_after_save
-from tests.test_data_fixtures import corpus_dir, json_cfg, tokenizer_path  # noqa: F401
-
 
 # The reference runs the tests compare with, each rank printing the hashes of its samples:
 # `straight`, 2 ranks (FSDP) for 8 steps on the stdlib corpus with a checkpoint every 4 steps

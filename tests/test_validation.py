@@ -3,15 +3,11 @@ configured steps and falling, the same value on every layout, no effect on train
 
 import pytest
 
-from tests.helpers import BASE_FP32, losses, run_train, scalars
-from tests.test_data_fixtures import (
-    corpus_dir,
-    json_cfg,
+from tests.data_fixtures import (
     once,
     store_cfg,  # noqa: F401
-    store_path,
-    tokenizer_path,
 )
+from tests.helpers import BASE_FP32, losses, run_train, scalars
 
 VAL = "validation_metrics/loss"
 

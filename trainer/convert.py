@@ -2,7 +2,8 @@
 flavor: Qwen3MoeForCausalLM; a deepseek_v3 one: DeepseekV3ForCausalLM with its MTP layers):
 
     python -m trainer.convert to-hf OUTPUTS/checkpoint/step-1000 OUT_DIR [--dtype bfloat16]
-    python -m trainer.convert to-hf s3://ckpt/run1/step-1000 s3://models/run1 --config OUTPUTS/config.toml
+    python -m trainer.convert to-hf s3://ckpt/run1/step-1000 s3://models/run1 \\
+        --config OUTPUTS/config.toml
 
 Either folder may be an s3:// or gs:// URL: a checkpoint there is read by DCP's fsspec reader,
 an output there is written locally to a temporary folder and uploaded.
@@ -44,9 +45,7 @@ def read_run_config(checkpoint_dir: str, config_path: str | None):
 
 def saved_shapes(checkpoint_dir: str, allow_pickle: bool = False) -> dict[str, tuple[int, ...]]:
     """Our parameter names and shapes as saved in the DCP metadata."""
-    from trainer.checkpoint import safe_load
-
-    from trainer.checkpoint import storage
+    from trainer.checkpoint import safe_load, storage
 
     if not storage.exists(storage.join(checkpoint_dir, ".metadata")):
         raise CheckpointError(
@@ -89,8 +88,8 @@ def to_hf(
 ) -> None:
     from trainer.hf.export import write_hf_folder
     from trainer.hf.mapping import buffer_shapes, export_problem, param_shapes
-    from trainer.models.flavors import model_args
     from trainer.models.attention import rope_args
+    from trainer.models.flavors import model_args
 
     saved = saved_shapes(checkpoint_dir, allow_pickle)
     cfg = read_run_config(checkpoint_dir, config_path)

@@ -12,11 +12,10 @@ import sys
 import torch
 import torch.distributed as dist
 
-from trainer.health import restarts
 from trainer.config.job import OFFLOAD_NEEDS_CUDA
 from trainer.device import resolve_device
 from trainer.errors import ConfigError, UserError
-from trainer.health import faults
+from trainer.health import faults, restarts
 from trainer.health.heartbeat import note_timeout, watch
 
 # Debugging/testing hook: print a hash of every sample each rank trains on, per step.

@@ -109,7 +109,6 @@ def load_model(
 ):
     """An unsharded fp32 Transformer with the checkpoint's weights, in eval mode."""
     from trainer.checkpoint import safe_load
-
     from trainer.data import padded_vocab_size
     from trainer.models.attention import rope_args
     from trainer.models.build import build_model

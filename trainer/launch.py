@@ -75,11 +75,6 @@ from torch.distributed.elastic.multiprocessing.errors import ChildFailedError  #
 from torch.distributed.elastic.rendezvous.api import RendezvousError  # noqa: E402
 from torch.distributed.run import config_from_args, elastic_launch, parse_args  # noqa: E402
 
-from trainer.health.elastic import (
-    note_elastic_world,
-    rendezvous_anew_each_round,  # noqa: E402
-    rendezvous_failure,
-)
 from trainer.errors import (
     GAVE_UP_EXIT_CODE,
     HANG_EXIT_CODE,
@@ -87,6 +82,11 @@ from trainer.errors import (
     PREEMPTED_EXIT_CODE,
     TRAINING_ERROR_EXIT_CODE,
     USER_ERROR_EXIT_CODE,
+)
+from trainer.health.elastic import (
+    note_elastic_world,
+    rendezvous_anew_each_round,  # noqa: E402
+    rendezvous_failure,
 )
 
 # No restart cures these (MAX_RESTARTS): the job ends at once.
@@ -455,6 +455,7 @@ def main(argv: list[str]) -> int:
     config, cmd, cmd_args = config_from_args(args)
     if trainer_args is not None:
         import torch._dynamo  # noqa: F401  (DTensor imports it at its first use, in each rank)
+
         import trainer.train  # noqa: F401  (imported once here, inherited by every rank)
 
         # Frozen, the objects imported here stay out of every later collection: the forked

@@ -11,7 +11,8 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from trainer.checkpoint import lease, retry as store_retry
+from trainer.checkpoint import lease
+from trainer.checkpoint import retry as store_retry
 from trainer.checkpoint.checkpointer import Checkpointer
 from trainer.distributed import (
     log0,
@@ -32,7 +33,8 @@ from trainer.health.spikes import act_on_spike, note_past_skips, pass_over, skip
 from trainer.health.stragglers import StragglerWatch
 from trainer.optim.batch_schedule import next_batch
 from trainer.parallel.float8 import after_optimizer_step
-from trainer.plan.measured import describe as describe_fit, measured_fit
+from trainer.plan.measured import describe as describe_fit
+from trainer.plan.measured import measured_fit
 from trainer.step import StepResult, TrainStep
 
 AUX = "moe/aux_loss"  # MoE's weighted aux + router z-loss terms (trainer/models/moe.py)

@@ -20,8 +20,8 @@ from trainer.data import count_targets
 from trainer.distributed import DEBUG_DATA_ENV, print_sample_hashes, to_device
 from trainer.health import faults, heartbeat
 from trainer.health.guard import Spike, flag_nonfinite_loss
-from trainer.parallel.clip import clip_grad_norm_
 from trainer.optim.optimizer import group_lrs, skips_on_device, step_unless
+from trainer.parallel.clip import clip_grad_norm_
 from trainer.parallel.microbatches import ForwardBackward
 
 

@@ -5,9 +5,9 @@
 Config -> process group -> ParallelDims mesh -> Llama on meta -> FSDP2/HSDP -> optimizer ->
 data -> resume from the latest checkpoint -> for each step: microbatches with gradient
 accumulation, clip, optimizer and scheduler step, log, save. A non-finite loss skips the
-optimizer step; a loss spike is logged, skipped or rolled back (trainer/health/guard.py, `roll_back`).
-The step is trainer/step.py, the loop's duties after it trainer/loop.py; how a step's microbatches
-run forward and backward belongs to the parallelism (trainer/parallel/microbatches.py).
+optimizer step; a loss spike is logged, skipped or rolled back (trainer/health/guard.py,
+`roll_back`). The step is trainer/step.py, the loop's duties after it trainer/loop.py; how a step's
+microbatches run forward and backward belongs to the parallelism (trainer/parallel/microbatches.py).
 """
 
 from __future__ import annotations
@@ -29,7 +29,8 @@ import sys
 import torch
 import torch.distributed as dist
 
-from trainer.checkpoint import lease, retry as store_retry
+from trainer.checkpoint import lease
+from trainer.checkpoint import retry as store_retry
 from trainer.checkpoint.checkpointer import Checkpointer
 from trainer.checkpoint.states import TrainState
 from trainer.config.job import JobConfig, load_config
@@ -37,7 +38,6 @@ from trainer.data import build_dataloader, check_model_vocab, padded_vocab_size
 from trainer.data.documents import check_documents
 from trainer.device import Precision, resolve_compute_dtype
 from trainer.distributed import (
-    DEBUG_DATA_ENV,
     agree_on_user_errors,  # noqa: F401
     check_same_config,
     init_distributed,
@@ -56,9 +56,9 @@ from trainer.health.spikes import check_data_skips, spike_check
 from trainer.hf.load import load_initial, save_last_hf
 from trainer.loop import Loop
 from trainer.models.attention import attention_args
-from trainer.models.flavors import model_args
 from trainer.models.build import build_model
 from trainer.models.deltanet import kernel_name as deltanet_kernel
+from trainer.models.flavors import model_args
 from trainer.models.loss import build_loss, scoring_loss
 from trainer.models.moe import balance_experts
 from trainer.models.sdpa import setup as setup_sdpa

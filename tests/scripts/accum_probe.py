@@ -18,8 +18,8 @@ import torch.nn.functional as F
 
 from tests.helpers import run_probe_cases
 from trainer.config.job import load_config
-from trainer.device import resolve_compute_dtype
 from trainer.data import build_dataloader
+from trainer.device import resolve_compute_dtype
 from trainer.models.llama import build_model, model_args
 from trainer.optim.optimizer import build_optimizer
 from trainer.parallel.parallelize import parallelize, set_gradient_sync
@@ -113,4 +113,4 @@ def main(argv: list[str]) -> None:
 if __name__ == "__main__":  # under torchrun; tests/scripts/forkrun.py calls main() instead
     main(sys.argv[1:])
     sys.stdout.flush()
-    os._exit(0)  # skip interpreter teardown: gloo threads can abort it (ENGINEERING.md)
+    os._exit(0)  # skip interpreter teardown: gloo threads can abort it (trainer/train.py)

@@ -99,7 +99,7 @@ def main(argv):
                 net, opt, grew = run(layout(name, mesh), our_cls, impl)
                 case = f"{name} {impl} {our_cls.__name__}"
                 assert ref_grew > 0 and grew == 0, (case, ref_grew, grew)
-                for (n, p), q in zip(net.named_parameters(), ref_net.parameters()):
+                for (n, p), q in zip(net.named_parameters(), ref_net.parameters(), strict=True):
                     assert isinstance(p, DTensor), (case, n)
                     assert torch.equal(p.to_local(), q.to_local()), (case, n)
                     for key in ("exp_avg", "exp_avg_sq"):

@@ -114,7 +114,7 @@ def run(mask: str) -> None:
         f"rank {rank}: another document's embeddings got a gradient"
     )
     assert (local_grad[0, DOCS[0, index] == 1].abs().sum(-1) > 0).all()
-    for (name, p), (_, q) in zip(model.named_parameters(), ref.named_parameters()):
+    for (name, p), (_, q) in zip(model.named_parameters(), ref.named_parameters(), strict=True):
         g = p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad
         # FSDP averaged over the 2 cp ranks: the sum is twice that
         assert torch.allclose(2 * g, q.grad, atol=1e-5 * max(1.0, float(q.grad.abs().max()))), name

@@ -196,7 +196,7 @@ def main(argv=None) -> None:
     equal = (
         all(torch.equal(seq["grads"][s], over["grads"][s]) for s in seq["grads"])
         and len(seq["losses"]) == len(over["losses"])
-        and all(torch.equal(a, b) for a, b in zip(seq["losses"], over["losses"]))
+        and all(torch.equal(a, b) for a, b in zip(seq["losses"], over["losses"], strict=True))
     )
     line = "result " + json.dumps(
         {

@@ -16,7 +16,6 @@ from torch.distributed.device_mesh import init_device_mesh
 
 from trainer.models.args import MoEArgs
 from trainer.models.moe import MoE
-from trainer.parallel.ep_dispatch import NodeDispatch
 from trainer.parallel.expert_parallel import AllToAllDispatch, apply_ep
 from trainer.parallel.parallelize import _checkpoint_forward
 
@@ -36,7 +35,7 @@ def record() -> None:
             {
                 "phase": PHASE[0],
                 "dtype": str(inp.dtype),
-                "to": [r for r, n in zip(ranks, sends) if n and r != dist.get_rank()],
+                "to": [r for r, n in zip(ranks, sends, strict=True) if n and r != dist.get_rank()],
             }
         )
         if async_op and LATE[0] == dist.get_rank():

@@ -16,15 +16,18 @@ from trainer.parallel.parallelize import parallelize
 CALLS: list[tuple[str, int]] = []
 
 
+def _recorded(name: str, orig):
+    def wrapped(*args, **kwargs):
+        tensors = [t for t in list(args) + list(kwargs.values()) if isinstance(t, torch.Tensor)]
+        CALLS.append((name, min(t.numel() for t in tensors) if tensors else 0))
+        return orig(*args, **kwargs)
+
+    return wrapped
+
+
 def record() -> None:
     for name in [n for n in dir(dist) if n.startswith(("all_gather", "all_to_all"))]:
-
-        def wrapped(*args, __orig=getattr(dist, name), __name=name, **kwargs):
-            tensors = [t for t in list(args) + list(kwargs.values()) if isinstance(t, torch.Tensor)]
-            CALLS.append((__name, min(t.numel() for t in tensors) if tensors else 0))
-            return __orig(*args, **kwargs)
-
-        setattr(dist, name, wrapped)
+        setattr(dist, name, _recorded(name, getattr(dist, name)))
 
 
 def main(argv):

@@ -24,9 +24,10 @@ os.environ["CUDA_VISIBLE_DEVICES"] = (
 
 import torch  # noqa: E402,F401
 import torch._dynamo  # noqa: E402,F401  (DTensor imports it at its first use)
+from torch.distributed.launcher.api import LaunchConfig, elastic_launch  # noqa: E402
+
 import trainer.train  # noqa: E402,F401  (every trainer module a probe may use)
 from trainer.launch import FAILED_RANK_GRACE_S  # noqa: E402
-from torch.distributed.launcher.api import LaunchConfig, elastic_launch  # noqa: E402
 
 gc.freeze()  # the ranks' collections leave the imported heap alone (trainer.launch.main)
 gc.enable()

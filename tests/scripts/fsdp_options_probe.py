@@ -137,7 +137,7 @@ for offload in ("none", "cpu"):
 cfg, model, opt = built["cpu"]
 step(model, opt, batch(cfg, 2))
 values["cpu 2"] = {k: full(v) for k, v in flat_state(model, opt).items()}
-for offload, (cfg, model, opt) in built.items():
+for offload, (_cfg, model, opt) in built.items():
     dcp.save(
         ModelAndOptimizer(model, opt).state_dict(),
         checkpoint_id=os.path.join(out_dir, f"ckpt-{offload}"),
@@ -175,4 +175,4 @@ if dist.get_rank() == 0:
 dist.barrier()
 dist.destroy_process_group()
 sys.stdout.flush()
-os._exit(0)  # skip interpreter teardown: gloo threads can abort it (ENGINEERING.md)
+os._exit(0)  # skip interpreter teardown: gloo threads can abort it (trainer/train.py)

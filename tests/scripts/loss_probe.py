@@ -14,8 +14,8 @@ import torch
 import torch.distributed as dist
 
 from trainer.config.job import load_config
-from trainer.models.loss import IGNORE_INDEX, build_loss
 from trainer.models.llama import build_model, model_args
+from trainer.models.loss import IGNORE_INDEX, build_loss
 from trainer.parallel.parallelize import parallelize
 
 
@@ -45,7 +45,7 @@ def check(flavor: str) -> None:
         ref_loss, ref = grads_after(model, eager, inputs, labels)
         loss, got = grads_after(model, chunked, inputs, labels)
         assert torch.allclose(loss, ref_loss, rtol=1e-6), (loss, ref_loss)
-        for a, b in zip(got, ref):
+        for a, b in zip(got, ref, strict=True):
             assert (a - b).abs().max() <= 1e-5 * b.abs().max(), flavor
         print(f"loss probe ok {flavor} {it}", flush=True)
 
@@ -61,4 +61,4 @@ def main(argv: list[str]) -> None:
 if __name__ == "__main__":  # under torchrun; tests/scripts/forkrun.py calls main() instead
     main(sys.argv[1:])
     sys.stdout.flush()
-    os._exit(0)  # skip interpreter teardown: gloo threads can abort it (ENGINEERING.md)
+    os._exit(0)  # skip interpreter teardown: gloo threads can abort it (trainer/train.py)

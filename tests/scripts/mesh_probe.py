@@ -1,5 +1,5 @@
-"""Under torchrun: build the mesh for each [PPx]REPLICATExSHARDxCPxTP layout given and write what each
-rank sees as JSON (OUT/REPLICATExSHARDxCPxTP/rank<r>.json); one process group, one mesh per
+"""Under torchrun: build the mesh for each [PPx]REPLICATExSHARDxCPxTP layout given and write what
+each rank sees as JSON (OUT/REPLICATExSHARDxCPxTP/rank<r>.json); one process group, one mesh per
 layout."""
 
 import json

@@ -1,7 +1,8 @@
 """Under torchrun (2 ranks, TP 2): Muon's update of each attention and FFN matrix equals the
 update one process computes from the same gradient (gathered; it equals the one-process model's
-gradient within 1e-4), because Newton-Schulz ran on the whole matrix; orthogonalizing each tp shard on its own instead gives an update far from it (the
-check can fail). Prints "muon probe ok ..." when it passes."""
+gradient within 1e-4), because Newton-Schulz ran on the whole matrix; orthogonalizing each tp shard
+on its own instead gives an update far from it (the check can fail). Prints "muon probe ok ..." when
+it passes."""
 
 import dataclasses
 import sys
@@ -85,7 +86,7 @@ def one_rank() -> None:
                 x.zero_grad()
             losses.append(loss.item())
         worst = max(worst, abs(losses[0] - losses[1]))
-    for (name, p), q in zip(model.named_parameters(), ref.parameters()):
+    for (name, p), q in zip(model.named_parameters(), ref.parameters(), strict=True):
         assert (p.full_tensor() - q).abs().max().item() <= 1e-6, name
     assert worst <= 1e-6, worst
     print(

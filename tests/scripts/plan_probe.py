@@ -27,8 +27,8 @@ from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
 from tests.helpers import run_probe_cases
 from trainer.config.job import load_config
 from trainer.device import resolve_compute_dtype
-from trainer.models.loss import build_loss
 from trainer.models.llama import build_model, model_args
+from trainer.models.loss import build_loss
 from trainer.optim.optimizer import build_optimizer
 from trainer.parallel.parallelize import parallelize
 
@@ -125,4 +125,4 @@ if __name__ == "__main__":  # under torchrun; tests/scripts/forkrun.py calls mai
     main(sys.argv[1:])
     sys.stdout.flush()
     sys.stderr.flush()
-    os._exit(0)  # skip interpreter teardown: gloo threads can abort it (ENGINEERING.md)
+    os._exit(0)  # skip interpreter teardown: gloo threads can abort it (trainer/train.py)

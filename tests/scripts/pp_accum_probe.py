@@ -14,13 +14,21 @@ from torch.distributed.fsdp import FSDPModule, fully_shard
 from trainer.config.job import load_config
 from trainer.models.llama import build_model, model_args
 from trainer.models.loss import build_loss
+from trainer.parallel.fsdp import fsdp_param_groups
 from trainer.parallel.microbatches import build_forward_backward
 from trainer.parallel.parallelize import parallelize
-from trainer.parallel.fsdp import fsdp_param_groups
 
 VOCAB, SEQ, ACCUM = 256, 64, 4
 CALLS: list[str] = []
 GATHERS: list[str] = []
+
+
+def _counted(name: str, orig, calls: list):
+    def counted(*args, **kwargs):
+        calls.append(name)
+        return orig(*args, **kwargs)
+
+    return counted
 
 
 def count_collectives() -> None:
@@ -29,12 +37,7 @@ def count_collectives() -> None:
     kinds = ("reduce_scatter", "all_gather_into", "all_gather_single")
     for name in [n for n in dir(dist) if n.startswith(kinds)]:
         calls = CALLS if name.startswith("reduce") else GATHERS
-
-        def counted(*args, __orig=getattr(dist, name), __name=name, __calls=calls, **kwargs):
-            __calls.append(__name)
-            return __orig(*args, **kwargs)
-
-        setattr(dist, name, counted)
+        setattr(dist, name, _counted(name, getattr(dist, name), calls))
 
 
 def step(sync: str):

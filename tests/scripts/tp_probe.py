@@ -1,13 +1,15 @@
 """Under torchrun (2 ranks, TP 2): the loss-parallel head against the gathered one and a
 single-process reference, with a tracker of every tensor the loss creates.
 
-The seeded init gives the reference's weights bitwise. For the untied and the tied debug model (2 layers, fp32), each loss kind (chunked, eager) with
-and without a z-loss, and labels with ignored tokens: the TP model's loss equals the
-reference's (the same weights on one process) within 1e-5, and every gradient, gathered,
-within 1e-5 of its largest element; so do the logits without labels (gathered over tp) and the eval scores of odd-length requests. A TorchDispatchMode records the shape of every tensor an
-op returns during forward and backward: under loss parallel no tensor has a dimension of the
-full vocabulary; the gathered variant (disable_loss_parallel) does (the tracker sees the full
-logits chunk), so the tracker can fail. One case compiles the blocks (torch.compile on CPU). Prints "tp probe ok ..." per passing case.
+The seeded init gives the reference's weights bitwise. For the untied and the tied debug model (2
+layers, fp32), each loss kind (chunked, eager) with and without a z-loss, and labels with ignored
+tokens: the TP model's loss equals the reference's (the same weights on one process) within 1e-5,
+and every gradient, gathered, within 1e-5 of its largest element; so do the logits without labels
+(gathered over tp) and the eval scores of odd-length requests. A TorchDispatchMode records the shape
+of every tensor an op returns during forward and backward: under loss parallel no tensor has a
+dimension of the full vocabulary; the gathered variant (disable_loss_parallel) does (the tracker
+sees the full logits chunk), so the tracker can fail. One case compiles the blocks (torch.compile on
+CPU). Prints "tp probe ok ..." per passing case.
 """
 
 import dataclasses
@@ -21,8 +23,8 @@ from torch.utils._pytree import tree_leaves
 
 from trainer.config.job import load_config
 from trainer.evals.scoring import Request, score_batch
-from trainer.models.loss import IGNORE_INDEX, build_loss, scoring_loss
 from trainer.models.llama import Transformer, build_model, model_args
+from trainer.models.loss import IGNORE_INDEX, build_loss, scoring_loss
 from trainer.parallel.parallelize import parallelize
 
 VOCAB, SEQ = 1024, 32
@@ -64,7 +66,7 @@ def run(flavor: str, kind: str, z: float, loss_parallel: bool, compile: bool = F
     )
     ref = Transformer(args)
     ref.init_weights(cfg.job.seed)
-    for (name, p), (_, q) in zip(model.named_parameters(), ref.named_parameters()):
+    for (name, p), (_, q) in zip(model.named_parameters(), ref.named_parameters(), strict=True):
         assert torch.equal(p.full_tensor(), q), name  # the seeded init ignores the layout
     gen = torch.Generator().manual_seed(0)
     inputs = torch.randint(0, VOCAB, (2, SEQ), generator=gen)
@@ -78,7 +80,7 @@ def run(flavor: str, kind: str, z: float, loss_parallel: bool, compile: bool = F
     ref_loss = ref(inputs, labels=labels, loss_fn=build_loss(kind, 24, z_loss_weight=z))
     (ref_loss * 0.01).backward()
     assert abs(loss.item() - ref_loss.item()) <= 1e-5 * abs(ref_loss.item()), (loss, ref_loss)
-    for (name, p), (_, q) in zip(model.named_parameters(), ref.named_parameters()):
+    for (name, p), (_, q) in zip(model.named_parameters(), ref.named_parameters(), strict=True):
         got = p.grad.full_tensor()
         assert (got - q.grad).abs().max() <= 1e-5 * q.grad.abs().max(), (name, flavor, kind)
     with torch.no_grad():  # logits without labels (evals, validation): gathered over tp

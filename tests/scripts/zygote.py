@@ -30,7 +30,6 @@ os.environ["TORCH_CPP_LOG_LEVEL"] = "ERROR"  # the launcher's own level (trainer
 
 import torch  # noqa: E402,F401
 import torch._dynamo  # noqa: E402,F401
-import trainer.train  # noqa: E402,F401
 
 # Rank 0 imports TensorBoard's writer when it opens it (~0.2-0.3 s here: it pulls in boto3 and
 # fsspec for its own s3 support), on the path every other rank waits on at its first collective.
@@ -38,6 +37,7 @@ import torch.utils.tensorboard  # noqa: E402,F401
 from torch.distributed.run import config_from_args, elastic_launch, parse_args  # noqa: E402,F401
 
 import trainer.launch  # noqa: E402,F401  (its imports; run afresh as __main__ per launch)
+import trainer.train  # noqa: E402,F401
 
 gc.enable()
 

@@ -58,8 +58,8 @@ from trainer.checkpoint.optim_state import (
 )
 from trainer.checkpoint.states import Adapter, RNGState, TrainState
 from trainer.checkpoint.steps import StepFolder, abandoned_suffix
-from trainer.health import faults
 from trainer.errors import CheckpointError, ConfigError
+from trainer.health import faults
 
 # Marks a rank's check that met a store fault outlasting its retries (trainer/checkpoint/retry.py).
 STORE_FAILED = "store failed: "

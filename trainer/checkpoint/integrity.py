@@ -25,12 +25,12 @@ from __future__ import annotations
 import contextlib
 import errno
 import functools
-import zlib
-from concurrent.futures import ThreadPoolExecutor
 import hashlib
 import json
 import os
 import time
+import zlib
+from concurrent.futures import ThreadPoolExecutor
 
 from torch.distributed.checkpoint.filesystem import FileSystem
 

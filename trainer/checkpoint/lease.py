@@ -161,7 +161,10 @@ def why_free(holder: Holder, timeout: float, job: str | None, now: float) -> str
     if on_this_machine(holder) and not _alive(holder):
         return f"its process {holder.pid} on this host is gone"
     if now - holder.heartbeat > timeout:
-        return f"no heartbeat for {now - holder.heartbeat:.0f}s > job.lease_timeout_seconds = {timeout:g}"
+        return (
+            f"no heartbeat for {now - holder.heartbeat:.0f}s > "
+            f"job.lease_timeout_seconds = {timeout:g}"
+        )
     return None
 
 
@@ -169,7 +172,8 @@ def refusal(folder: str, holder: Holder, timeout: float) -> LeaseHeld:
     return LeaseHeld(
         f"job.dump_folder {folder} is in use by another run: {holder.describe()}; give this run "
         f"another job.dump_folder, or stop that one (a lease whose heartbeat stops for "
-        f"job.lease_timeout_seconds = {timeout:g} is taken over; {os.path.join(folder, LEASE_FILE)})"
+        f"job.lease_timeout_seconds = {timeout:g} is taken over; "
+        f"{os.path.join(folder, LEASE_FILE)})"
     )
 
 

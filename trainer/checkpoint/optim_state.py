@@ -164,7 +164,7 @@ def settings_from_config(
     optimizer.param_groups = _nonempty(groups)
     try:
         yield
-        for loaded, mine in zip(optimizer.param_groups, _nonempty(groups)):
+        for loaded, mine in zip(optimizer.param_groups, _nonempty(groups), strict=True):
             for change in _differences(loaded, mine):
                 if change not in changes:
                     changes.append(change)
@@ -186,7 +186,7 @@ def _differences(saved: dict, mine: dict) -> list[tuple[str, str, str]]:
         if key == "betas":
             out += [
                 (f"beta{i + 1}", _text(a), _text(b))
-                for i, (a, b) in enumerate(zip(saved[key], mine[key]))
+                for i, (a, b) in enumerate(zip(saved[key], mine[key], strict=True))
                 if a != b
             ]
         elif key in ("foreach", "fused"):

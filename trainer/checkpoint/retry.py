@@ -292,7 +292,7 @@ def metrics(all_ranks_sum=None) -> dict[str, float]:
     values = [float(mine[n]) for n in names]
     if all_ranks_sum is not None:
         values = all_ranks_sum(values)
-    return {f"store/{n}": float(v) for n, v in zip(names, values)}
+    return {f"store/{n}": float(v) for n, v in zip(names, values, strict=True)}
 
 
 def request_budget(retries: int, timeout: float) -> float:

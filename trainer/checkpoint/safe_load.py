@@ -22,9 +22,9 @@ from concurrent.futures import ThreadPoolExecutor
 
 import torch
 import torch.distributed.checkpoint as dcp
-from torch.futures import Future
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
+from torch.futures import Future
 
 from trainer.checkpoint import storage
 from trainer.errors import CheckpointError

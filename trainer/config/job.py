@@ -18,8 +18,8 @@ import sys
 import typing
 from dataclasses import dataclass, field
 
+from trainer.checkpoint.config import Checkpoint
 from trainer.config.base import check_field, coerce, did_you_mean, from_cli, parse_cli, toml_value
-from trainer.optim.batch_schedule import check_ramp
 from trainer.config.sections import (  # noqa: F401  (also importable from here)
     ActivationCheckpoint,
     Comm,
@@ -28,29 +28,28 @@ from trainer.config.sections import (  # noqa: F401  (also importable from here)
     Job,
     LRScheduler,
     Metrics,
-    Model,
-    MoE,
     Optimizer,
     Parallelism,
     Profiling,
     Training,
     Validation,
 )
-from trainer.checkpoint.config import Checkpoint
 from trainer.data.config import DataConfig
 from trainer.errors import ConfigError
 from trainer.evals.config import Eval
-from trainer.parallel.float8 import Float8, check_config as check_float8
+from trainer.models.config import Model, MoE
 from trainer.models.flavors import model_args
+from trainer.observe.wandb_logger import check_config as check_wandb
+from trainer.optim.batch_schedule import check_ramp
 from trainer.parallel.dims import (
     EP_KEY,
-    TP_KEY,
     ParallelDims,
     check_async_tp,
     check_context_parallel,
     check_tp_shapes,
 )
-from trainer.observe.wandb_logger import check_config as check_wandb
+from trainer.parallel.float8 import Float8
+from trainer.parallel.float8 import check_config as check_float8
 from trainer.parallel.pp_layout import check_pipeline
 
 if sys.version_info >= (3, 11):
@@ -122,7 +121,8 @@ class JobConfig:
             self.resolve(world_size)
 
     def resolve(self, world_size: int):
-        """Resolve -1 degrees and the global batch for `world_size`; returns (ParallelDims, accum)."""
+        """Resolve -1 degrees and the global batch for `world_size`; returns
+        (ParallelDims, accum)."""
         pd = ParallelDims.from_config(self.parallelism, world_size)
         self.parallelism.check_reshard(pd.dp_shard, world_size)
         check_tp_shapes(

@@ -14,14 +14,9 @@ from dataclasses import dataclass
 from trainer.config.base import check_folder, did_you_mean, opt
 from trainer.errors import STOP_SIGNALS, ConfigError
 from trainer.models.config import (
-    ATTN_IMPLEMENTATIONS,
-    ATTN_MASK_TYPES,
     POSITIONS,  # noqa: F401
-    Model,
-    MoE,
 )
 from trainer.optim.lr_schedule import DECAY_SHAPES, decay_steps
-
 
 DTYPES = ("bfloat16", "float32")
 DEVICES = ("auto", "cpu", "cuda")
@@ -469,7 +464,8 @@ class ActivationCheckpoint:
     )
     selective_ac_option: str = opt(
         "2",
-        "selective: 'op' (keep matmul/attention outputs, recompute the rest) or k (every k-th block)",
+        "selective: 'op' (keep matmul/attention outputs, recompute the rest) or k (every k-th "
+        "block)",
     )
     selective_op_matmuls: str = opt(
         "all",

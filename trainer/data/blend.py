@@ -78,7 +78,8 @@ class Blend:
         return np.searchsorted(self._upper_np, u, side="right").astype(np.int64)
 
     def _below(self, n: int, threshold: int) -> int:
-        """#{j in [0, n): u_j < threshold}, via (x mod M < T) = floor(x/M) - floor((x-T+M)/M) + 1."""
+        """#{j in [0, n): u_j < threshold}, via
+        (x mod M < T) = floor(x/M) - floor((x-T+M)/M) + 1."""
         if threshold <= 0 or n <= 0:
             return 0
         m, a, d = MODULUS, MULTIPLIER, self.offset

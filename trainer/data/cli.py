@@ -6,8 +6,9 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import sys
-import tomllib
 import typing
+
+import tomllib
 
 from trainer.config.base import check_field, coerce, from_cli
 from trainer.data.config import DataConfig, MixSource

@@ -10,8 +10,8 @@ nothing else is recorded. In a window, a new document starts
 (with both framings the two rules mark the same position, the BOS after an EOS). The document
 id of a position is the number of starts up to it, minus one: [B, S] int64, computed on the
 device from the input tokens (`document_ids`). The model turns ids into its block-causal mask
-and per-document positions (trainer/models/attention.py); the loader also uses the starts to drop the
-targets that begin a document when `data.predict_document_start = false`. Multi-token
+and per-document positions (trainer/models/attention.py); the loader also uses the starts to drop
+the targets that begin a document when `data.predict_document_start = false`. Multi-token
 prediction's targets reach one token past the inputs (the window's last label), whose document
 follows from the same rules (`window_document_ids`); `MicrobatchDocuments` computes, per
 training microbatch, only the ids that are used.

@@ -95,7 +95,7 @@ class MixLoader(GlobalOrderLoader):
         those consumed so far) are taken."""
         counts = self._base + self._counts_at(self.consumed if total is None else total)
         out = {n: self.stage["base"][n] for n in self.sources}
-        out.update(zip(self.blend.names, counts.tolist()))
+        out.update(zip(self.blend.names, counts.tolist(), strict=True))
         return out
 
     def _locate(self, indices: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -114,7 +114,7 @@ class MixLoader(GlobalOrderLoader):
             k = np.array(
                 [
                     self._base[w] + self._counts_at(i)[w]
-                    for w, i in zip(which.tolist(), indices.tolist())
+                    for w, i in zip(which.tolist(), indices.tolist(), strict=True)
                 ],
                 dtype=np.int64,
             )
@@ -151,7 +151,7 @@ class MixLoader(GlobalOrderLoader):
         """'name/epoch/window' of each global sample."""
         which, k = self._locate(np.asarray(indices, dtype=np.int64))
         ids = []
-        for s, kk in zip(which.tolist(), k.tolist()):
+        for s, kk in zip(which.tolist(), k.tolist(), strict=True):
             src = self.sources[self.blend.names[s]]
             window = int(window_of_sample(np.array([kk]), src.n_windows, src.seed, src.shuffle)[0])
             ids.append(f"{self.blend.names[s]}/{kk // src.n_windows}/{window}")

@@ -108,7 +108,7 @@ def source_configs(cfg: DataConfig) -> list[tuple[str, DataConfig]]:
                 ),
             )
         )
-    for name, one in out:
+    for _name, one in out:
         one.validate()
     return out
 

@@ -245,7 +245,7 @@ def read_rows(
     """Row r: `length` tokens of stores[which[r]] from token starts[r], as int64 (a window
     may span shards). One loop over the rows, whatever the number of stores."""
     out = np.empty((len(starts), length), dtype=np.int64)
-    for row, (s, start) in enumerate(zip(which.tolist(), starts.tolist())):
+    for row, (s, start) in enumerate(zip(which.tolist(), starts.tolist(), strict=True)):
         store = stores[s]
         offsets, sizes = store.offset_list, store.size_list
         i = bisect.bisect_right(offsets, start) - 1

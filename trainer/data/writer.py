@@ -215,7 +215,7 @@ def _run_workers(jobs: list[dict], on_progress: Callable[[int, int], None]) -> N
         for _ in jobs
     ]
     lines: queue_mod.Queue = queue_mod.Queue()
-    for w, (p, job) in enumerate(zip(procs, jobs)):
+    for w, (p, job) in enumerate(zip(procs, jobs, strict=True)):
         p.stdin.write(json.dumps(job))
         p.stdin.close()
         threading.Thread(target=_pump, args=(w, p.stdout, lines), daemon=True).start()

@@ -72,7 +72,7 @@ class Evaluator:
     def describe(self) -> str:
         tasks = ", ".join(
             f"{t.name} ({len(t.examples)} examples, {len(r)} sequences)"
-            for t, r in zip(self.tasks, self.requests)
+            for t, r in zip(self.tasks, self.requests, strict=True)
         )
         passes = sum(-(-len(b) // self.dp_size) for b in self.blocks)
         split = "; each cp rank scores its share of every request" if self.context else ""

@@ -9,7 +9,6 @@ from __future__ import annotations
 import os
 import sys
 
-
 ROUND_ENV = "TRAINER_RDZV_ROUND"
 
 
@@ -46,7 +45,7 @@ def rendezvous_anew_each_round() -> None:
 def _name_records_cheaply() -> None:
     """The rendezvous names the calling method in each of its event records with
     `inspect.stack()`, twice (every frame's source looked up): ~3 of a 2-rank CPU launch's
-    7.7 CPU-s, most at its shutdown (py-spy; issue 62). The same name,
+    7.7 CPU-s, most at its shutdown (py-spy). The same name,
     read from the frame itself."""
     import torch.distributed.elastic.rendezvous.dynamic_rendezvous as dynamic
 

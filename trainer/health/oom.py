@@ -22,7 +22,8 @@ import shlex
 import torch
 import torch.distributed as dist
 
-from trainer.errors import OUT_OF_MEMORY_EXIT_CODE as OOM_EXIT_CODE, TrainingError
+from trainer.errors import OUT_OF_MEMORY_EXIT_CODE as OOM_EXIT_CODE
+from trainer.errors import TrainingError
 from trainer.health import faults
 
 _CLAIM_KEY = "trainer/out_of_memory"

@@ -60,10 +60,10 @@ def last_checkpoint(checkpointer: Checkpointer) -> str:
 
 
 def spike_check(guard: LossGuard, checkpointer: Checkpointer, device, dp_size: int):
-    """training.on_spike != "log": the check the step (trainer/step.py) runs before the optimizer step, on the
-    token-weighted mean loss (one extra one-element all-reduce), so every rank decides alike
-    (trainer/health/guard.py). A rollback is in question only on a spike: then an async save in
-    flight, the newest checkpoint, is committed first (every rank is here together)."""
+    """training.on_spike != "log": the check the step (trainer/step.py) runs before the optimizer
+    step, on the token-weighted mean loss (one extra one-element all-reduce), so every rank decides
+    alike (trainer/health/guard.py). A rollback is in question only on a spike: then an async save
+    in flight, the newest checkpoint, is committed first (every rank is here together)."""
     state = guard.state
 
     def newest_checkpoint() -> int | None:

@@ -1,6 +1,6 @@
 """Write a Hugging Face folder (LlamaForCausalLM, Qwen3MoeForCausalLM, DeepseekV3ForCausalLM
-with its MTP layers, or Qwen3NextForCausalLM: trainer/hf/qwen3_next_io.py): unquantized weights in the chosen dtype, config.json,
-generation_config.json and the run's tokenizer."""
+with its MTP layers, or Qwen3NextForCausalLM: trainer/hf/qwen3_next_io.py): unquantized weights in
+the chosen dtype, config.json, generation_config.json and the run's tokenizer."""
 
 from __future__ import annotations
 

@@ -142,7 +142,7 @@ def local_region(param: torch.Tensor) -> tuple[slice, ...] | None:
     shape, offset = compute_local_shape_and_global_offset(
         param.shape, param.device_mesh, param.placements
     )
-    return tuple(slice(o, o + n) for o, n in zip(offset, shape))
+    return tuple(slice(o, o + n) for o, n in zip(offset, shape, strict=True))
 
 
 @torch.no_grad()

@@ -114,7 +114,7 @@ def write_release(
         if len(shards) == 1
         else [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))]
     )
-    for names, fname in zip(shards, files):
+    for names, fname in zip(shards, files, strict=True):
         save_file(
             {k: release[k] for k in names}, os.path.join(out_dir, fname), metadata={"format": "pt"}
         )
@@ -125,7 +125,7 @@ def write_release(
                 "metadata": {
                     "total_size": sum(t.numel() * target.itemsize for t in release.values())
                 },
-                "weight_map": {k: f for names, f in zip(shards, files) for k in names},
+                "weight_map": {k: f for names, f in zip(shards, files, strict=True) for k in names},
             },
         )
     return files

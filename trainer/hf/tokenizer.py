@@ -25,8 +25,16 @@ def sentencepiece_to_hf(model_path: str):
     """A `tokenizers.Tokenizer` that encodes exactly like the sentencepiece model."""
     import sentencepiece as spm
     from sentencepiece import sentencepiece_model_pb2 as pb
-    from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, normalizers
-    from tokenizers import pre_tokenizers, processors
+    from tokenizers import (
+        AddedToken,
+        Regex,
+        Tokenizer,
+        decoders,
+        models,
+        normalizers,
+        pre_tokenizers,
+        processors,
+    )
 
     proto = pb.ModelProto()
     with open(model_path, "rb") as fh:

@@ -64,7 +64,7 @@ def write_weights(
         else [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))]
     )
     weight_map, total = {}, 0
-    for names, fname in zip(shards, files):
+    for names, fname in zip(shards, files, strict=True):
         tensors = fetch(names)
         out = {}
         for name in names:

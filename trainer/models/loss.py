@@ -24,8 +24,8 @@ to each chunk's d loss / d logits. The z term is also kept apart (`Loss.take_z_l
 those of the plain cross-entropy, bit for bit.
 
 The fp32 results equal eager's to rounding (tests/test_loss.py: <= 1e-5 relative). The loss
-is computed inside the output head's forward (trainer.models.llama.Head), so FSDP's all-gather of the
-head, its reshard and the reduce-scatter of dW behave as for the plain nn.Linear: the
+is computed inside the output head's forward (trainer.models.llama.Head), so FSDP's all-gather of
+the head, its reshard and the reduce-scatter of dW behave as for the plain nn.Linear: the
 pre-backward hook fires on the loss, the post-backward hook after dh reaches the final norm.
 """
 

@@ -112,7 +112,9 @@ def expert_loop(x, counts, w1, w2, w3) -> torch.Tensor:
     [E, ...] stack for every expert (E x 3 full-size buffers: minutes per step at 128 experts)."""
     outs, sizes = [], counts.tolist()
     counted = sum(sizes)
-    for xe, a, b, c in zip(x[:counted].split(sizes), w1.unbind(0), w2.unbind(0), w3.unbind(0)):
+    for xe, a, b, c in zip(
+        x[:counted].split(sizes), w1.unbind(0), w2.unbind(0), w3.unbind(0), strict=True
+    ):
         outs.append((F.silu(xe @ a.t()) * (xe @ c.t())) @ b.t())
     if x.shape[0] > counted:  # rows past the counted ones (capacity's padding): zeros
         outs.append(x.new_zeros(x.shape[0] - counted, w2.shape[1]))
@@ -424,7 +426,7 @@ def update_expert_bias(
     """Aux-loss-free balancing after an optimizer step: each expert's bias moves by coeff
     toward balance, sign(mean load - load), from the step's loads summed over every rank.
     `stepped` as a device flag: no move where it is false (decided on the device, no sync)."""
-    for moe, load in zip(moes, loads):
+    for moe, load in zip(moes, loads, strict=True):
         move = torch.sign(load.mean() - load)
         if isinstance(stepped, torch.Tensor):
             move = move * stepped.to(move.device, move.dtype)

@@ -44,8 +44,8 @@ import time
 
 import torch
 
-from trainer.models.attention import describe as describe_attention
 from trainer.device import Precision, resolve_compute_dtype
+from trainer.models.attention import describe as describe_attention
 from trainer.models.flops import attention_flops_per_token, flops_per_token, resolve_peak
 from trainer.models.llama import ModelArgs
 
@@ -320,7 +320,8 @@ class MetricsProcessor:
             describe_attention(a),
             f"mesh: {self.parallel_desc}; gradient accumulation steps: {self.accumulation_steps}",
             f"device: {self.device.type} ({'nccl' if self.device.type == 'cuda' else 'gloo'}"
-            f"{', ' + torch.cuda.get_device_name(self.device) if self.device.type == 'cuda' else ''}"
+            f"{', ' if self.device.type == 'cuda' else ''}"
+            f"{torch.cuda.get_device_name(self.device) if self.device.type == 'cuda' else ''}"
             f"); {self.precision.describe()}",
             peak,
         ]

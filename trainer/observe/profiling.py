@@ -25,7 +25,7 @@ import time
 import warnings
 
 import torch
-from torch.profiler import ProfilerActivity, ProfilerAction, profile
+from torch.profiler import ProfilerAction, ProfilerActivity, profile
 
 from trainer.health.oom import OutOfMemory
 

@@ -59,8 +59,8 @@ def batch_at(training, step: int, consumed_samples: int, per_pass: int, target: 
 
 
 def next_batch(cfg, loader, step: int) -> int:
-    """Set the loader's global batch for `step` (a batch-size ramp, trainer/optim/batch_schedule.py);
-    returns its microbatches per rank."""
+    """Set the loader's global batch for `step` (a batch-size ramp,
+    trainer/optim/batch_schedule.py); returns its microbatches per rank."""
     training = cfg.training
     if training.rampup_batch_start:
         per_pass = training.local_batch_size * loader.dp_size

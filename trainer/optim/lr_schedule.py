@@ -11,7 +11,8 @@ f = lr_scheduler.min_lr_factor and K the number of decay steps:
       = max(0, T - W - 1)              otherwise (the default: decay over every step after W + 1)
 
     factor(s) = s / (W + 1)                                 s <= W           warmup
-              = 1                                           W < s <= T - K   stable (every s > W if K = 0)
+              = 1                                           W < s <= T - K   stable
+                                                                             (every s > W if K = 0)
               = f + (1 - f) * shape(min(1, (s - T + K) / K))  s > T - K        decay
 
     shape(p) = 1 - p (linear) | (1 + cos(pi * p)) / 2 (cosine) | 1 - sqrt(p) (sqrt)

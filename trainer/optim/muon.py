@@ -122,7 +122,9 @@ class Muon(torch.optim.Optimizer):
         super().__init__(groups, defaults)
         self._adamw = adamw
         names = names or [f"matrix {i}" for i in range(len(muon_params))]
-        self._groups = process_groups(zip(names, muon_params)) if dist.is_initialized() else {}
+        self._groups = (
+            process_groups(zip(names, muon_params, strict=True)) if dist.is_initialized() else {}
+        )
         self._plans: dict = {}  # mesh -> MeshPlan: owners, loads carried across buckets
         self._layouts: dict = {}
 
@@ -211,7 +213,7 @@ class Muon(torch.optim.Optimizer):
         """The bucket's layout: its owners from its mesh's plan, loads carried over."""
         key = tuple(id(params[i]) for i in idx)
         if key not in self._layouts:
-            specs, ranks = zip(*(spec_of(params[i]) for i in idx))
+            specs, ranks = zip(*(spec_of(params[i]) for i in idx), strict=True)
             mesh = (ranks[0], specs[0].sizes)
             if mesh not in self._plans:
                 self._plans[mesh] = MeshPlan(specs[0].sizes, steps)

@@ -110,7 +110,7 @@ class Layout:
         self.shapes = [s.shape[-2:] for s in spec]
         self.blocks = [
             {i: block(s.shape, s.placements, s.sizes, coords(i, s.sizes))[-2:] for i in a.group}
-            for s, a in zip(spec, assigned)
+            for s, a in zip(spec, assigned, strict=True)
         ]
         self.local = [m for m, a in enumerate(assigned) if not a.group]
         by_group: dict = {}
@@ -181,7 +181,7 @@ def orthogonalize_bucket(
     works in flight, {param: its local result} for the units held whole here)."""
     lay, me, back = layout, layout.me, []
     local = batched([updates[m] for m in lay.local], steps, dtype)
-    for (order, group, items), (work, flat, sizes) in zip(lay.exchanges, inflight):
+    for (order, group, items), (work, flat, sizes) in zip(lay.exchanges, inflight, strict=True):
         work.wait()
         received = list(flat.split(sizes))
         owned = [(m, u) for m, u in items if lay.assigned[m].owner[u] == me]
@@ -198,7 +198,7 @@ def orthogonalize_bucket(
                     rows.stop - rows.start, cols.stop - cols.start
                 )
                 offset += n
-        done = dict(zip(owned, batched([full[mu] for mu in owned], steps, dtype)))
+        done = dict(zip(owned, batched([full[mu] for mu in owned], steps, dtype), strict=True))
         del full, received
         send = [[done[mu][lay.piece(mu[0], dest)] for mu in owned] for dest in order]
         recv = [
@@ -206,13 +206,13 @@ def orthogonalize_bucket(
             for src in order
         ]
         back.append(_launch(send, recv, dtype, flat.device, group))
-    return back, dict(zip(lay.local, local))
+    return back, dict(zip(lay.local, local, strict=True))
 
 
 def receive_results(layout: Layout, back) -> dict[int, torch.Tensor]:
     """Wait for the results' pieces; {param: this rank's shard of its result}."""
     lay, me, out = layout, layout.me, {}
-    for (order, _, items), (work, flat, sizes) in zip(lay.exchanges, back):
+    for (order, _, items), (work, flat, sizes) in zip(lay.exchanges, back, strict=True):
         work.wait()
         received = list(flat.split(sizes))
         for m in {m for m, _ in items}:
@@ -246,6 +246,6 @@ def batched(mats: list[torch.Tensor], steps: int, dtype: torch.dtype) -> list[to
         elif full:
             counts = [math.prod(mats[k].shape[:-2]) for k in full]
             stacked = torch.cat([mats[k].reshape(-1, *shape).to(dtype) for k in full])
-            for k, r in zip(full, orthogonalize(stacked, steps, dtype).split(counts)):
+            for k, r in zip(full, orthogonalize(stacked, steps, dtype).split(counts), strict=True):
                 out[k] = r.view(mats[k].shape)
     return out

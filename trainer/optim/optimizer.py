@@ -51,8 +51,9 @@ class _OnLocalShards:
     torch's), and the update, elementwise, is the same to the bit. DTensor's own dispatch of the
     fused/foreach kernels over a list of N DTensors propagates shardings at ~N^2 cost the first
     time (160 tensors: 0.5 s fused, 2 s foreach on a CPU host; a third of a Kimi K2 trace) and
-    ~2x the host time of every step after it (benchmarks/bench_adam_local.py). A group whose gradients are not laid out as
-    their parameters (which DTensor would redistribute) is left to DTensor."""
+    ~2x the host time of every step after it (benchmarks/bench_adam_local.py). A group whose
+    gradients are not laid out as their parameters (which DTensor would redistribute) is left to
+    DTensor."""
 
     def _init_group(self, group, *lists):
         has_complex = super()._init_group(group, *lists)
@@ -64,7 +65,7 @@ class _OnLocalShards:
                 and g.placements == p.placements
                 and g.device_mesh == p.device_mesh
             )
-            for p, g in zip(params, grads)
+            for p, g in zip(params, grads, strict=True)
         ):
             for tensors in lists:
                 if isinstance(tensors, list):
@@ -130,9 +131,12 @@ class LRSchedule(LambdaLR):
         self.last_epoch = int(state_dict["last_epoch"])
         self._step_count = int(state_dict["_step_count"])
         self._last_lr = [
-            base * fn(self.last_epoch) for base, fn in zip(self.base_lrs, self.lr_lambdas)
+            base * fn(self.last_epoch)
+            for base, fn in zip(self.base_lrs, self.lr_lambdas, strict=True)
         ]
-        for group, base, lr in zip(self.optimizer.param_groups, self.base_lrs, self._last_lr):
+        for group, base, lr in zip(
+            self.optimizer.param_groups, self.base_lrs, self._last_lr, strict=True
+        ):
             group["initial_lr"], group["lr"] = base, lr
         saved = [float(x) for x in state_dict.get("_last_lr") or self._last_lr]
         # Muon's lr first in a Muon run's list, optimizer.lr's last in any run's (an older

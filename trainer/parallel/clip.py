@@ -31,7 +31,9 @@ def _copies(grad: torch.Tensor, stage_world: int) -> int:
     return (
         stage_world
         // mesh.size()
-        * math.prod(size for size, p in zip(mesh.shape, grad.placements) if p.is_replicate())
+        * math.prod(
+            size for size, p in zip(mesh.shape, grad.placements, strict=True) if p.is_replicate()
+        )
     )
 
 
@@ -49,7 +51,7 @@ def global_grad_norm(params, pp: int = 1) -> torch.Tensor:
         local = grad.to_local() if isinstance(grad, DTensor) else grad
         if local.numel():
             groups.setdefault((_copies(grad, stage_world), local.device), []).append(local)
-    for (copies, where), tensors in groups.items():
+    for (copies, _device), tensors in groups.items():
         norms = torch._foreach_norm(tensors, 2, dtype=torch.float64)
         total += (torch.stack(norms).square().sum() / copies).to(device)
     if dist.is_initialized():

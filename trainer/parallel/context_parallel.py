@@ -47,11 +47,11 @@ from trainer.models.attention import (
 )
 from trainer.models.loss import Loss
 from trainer.models.moe import set_aux_scale, take_aux_loss
+from trainer.models.mtp import future_labels
 from trainer.parallel.fsdp import set_gradient_sync
 from trainer.parallel.recompute import SAVED_GATHER_GROUPS
 from trainer.parallel.seam import Losses
 from trainer.parallel.tp import sum_partial_grads
-from trainer.models.mtp import future_labels
 
 
 def head_tail_index(seq_len: int, cp: int, rank: int) -> torch.Tensor:

@@ -90,7 +90,7 @@ def plan_overlap(cfg, schedule, device_type: str = "cpu") -> tuple[bool, str]:
             "backward lane"
         )
     what = (
-        f"the ep all-to-alls of one microbatch's backward (on twin groups) behind another's forward"
+        "the ep all-to-alls of one microbatch's backward (on twin groups) behind another's forward"
         if par.expert_parallel_degree > 1
         else "one microbatch's backward beside another's forward"
     )

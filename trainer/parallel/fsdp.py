@@ -10,8 +10,6 @@ import functools
 import torch
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 
-from trainer.models.llama import Transformer
-
 DTYPE = {"bfloat16": torch.bfloat16, "float32": torch.float32}
 
 

@@ -12,7 +12,6 @@ microbatches through a pipeline schedule. The loop does not change.
 
 from __future__ import annotations
 
-
 import torch
 
 from trainer.data.documents import MicrobatchDocuments

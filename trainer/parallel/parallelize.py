@@ -9,9 +9,9 @@ The order is fixed here, and it matters:
 1. Activation checkpointing wraps each block's forward, so recomputation covers the whole block.
 2. torch.compile compiles that (checkpointed) forward: the compiled graph includes the
    recompute policy, and FSDP's hooks stay outside the graph.
-3. `fully_shard` (trainer/parallel/fsdp.py) bottom-up (each block, then the embedding, then the final norm + output head,
-   then the root), so every group all-gathers and frees its own parameters around the
-   compiled, checkpointed block.
+3. `fully_shard` (trainer/parallel/fsdp.py) bottom-up (each block, then the embedding, then the
+   final norm + output head, then the root), so every group all-gathers and frees its own parameters
+   around the compiled, checkpointed block.
 4. `to_empty` on the device and the deterministic init. The optimizer is created afterwards,
    over the sharded (DTensor) parameters.
 Both 1 and 2 replace the block's `forward` in place rather than wrapping the module, so
@@ -30,17 +30,16 @@ from torch.utils.checkpoint import (
     create_selective_checkpoint_contexts,
 )
 
+from trainer.models.llama import Transformer
+from trainer.models.moe import moe_layers
+from trainer.parallel import recompute
 from trainer.parallel.expert_parallel import apply_ep
 from trainer.parallel.float8 import apply_float8
 from trainer.parallel.float8_moe import apply_float8_experts
-from trainer.models.llama import Transformer
-from trainer.models.moe import moe_layers
 from trainer.parallel.fsdp import DTYPE, apply_fsdp, set_gradient_sync  # noqa: F401  (re-exported)
 from trainer.parallel.pipeline import split_model
-from trainer.parallel import recompute
 from trainer.parallel.recompute import HostMemo
 from trainer.parallel.tp import apply_tp
-
 
 # Outputs worth keeping under op-level selective AC: the matmuls (float8's `_scaled_mm` too)
 # and attention, whose recomputation costs FLOPs, and TP's reduce-scatters, whose

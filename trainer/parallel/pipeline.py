@@ -32,13 +32,11 @@ from torch import nn
 from trainer.distributed import log0, to_device
 from trainer.errors import ConfigError
 from trainer.health import faults, heartbeat
-from trainer.models.llama import Transformer, model_args
 from trainer.models.flops import unit_flops
+from trainer.models.llama import Transformer, model_args
 from trainer.models.mtp import future_labels, mtp_streams
 from trainer.parallel.context_parallel import ContextSplit
 from trainer.parallel.fsdp import fsdp_param_groups
-from trainer.parallel.seam import Losses
-from trainer.parallel.tp import sum_partial_grads
 from trainer.parallel.pp_layout import (
     StageSpec,
     bubble_fraction,
@@ -46,10 +44,13 @@ from trainer.parallel.pp_layout import (
     check_pipeline,
     describe_split,
     rank_stages,
-    schedule as find_schedule,
     stage_rank,
 )
-
+from trainer.parallel.pp_layout import (
+    schedule as find_schedule,
+)
+from trainer.parallel.seam import Losses
+from trainer.parallel.tp import sum_partial_grads
 
 try:  # torch >= 2.12: two stages on one rank pass activations without p2p (V schedules)
     from torch.distributed.pipelining._utils import InferenceMode  # noqa: F401

@@ -286,7 +286,7 @@ def sum_partial_grads(model) -> None:
 def _all_reduce_flat(grads: list[torch.Tensor], group) -> None:
     flat = torch.cat([g.reshape(-1) for g in grads])
     torch.distributed.all_reduce(flat, group=group)
-    for g, part in zip(grads, flat.split([g.numel() for g in grads])):
+    for g, part in zip(grads, flat.split([g.numel() for g in grads]), strict=True):
         g.copy_(part.view_as(g))
 
 

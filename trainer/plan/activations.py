@@ -1,7 +1,7 @@
-"""Saved activations and the loss region per microbatch, for the memory plan (trainer/plan/memory.py):
-what one block, the head and the loss keep for backward, per token, without and with tensor
-parallelism (sequence parallel: norms on 1/tp of the sequence, attention and FFN on 1/tp of the
-heads and width; loss parallel: 1/tp of the vocab).
+"""Saved activations and the loss region per microbatch, for the memory plan
+(trainer/plan/memory.py): what one block, the head and the loss keep for backward, per token,
+without and with tensor parallelism (sequence parallel: norms on 1/tp of the sequence, attention and
+FFN on 1/tp of the heads and width; loss parallel: 1/tp of the vocab).
 """
 
 from __future__ import annotations

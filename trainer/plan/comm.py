@@ -33,8 +33,8 @@ compute dtype p) and f = (tp - 1) / tp:
   MLA gathers its latents instead, KV = p * local_batch * seq_len * (kv_lora_rank + rope).
   Under CP the tp and dp terms count 1/cp of the sequence per rank, and FSDP's group is
   dp_shard x cp.
-- **dp_shard** (FSDP2, each rank's tp part of the parameters, `trainer.plan.memory.fsdp_groups`; with
-  g = (dp_shard - 1) / dp_shard and G_p, G_r the padded unsharded bytes of all groups in the
+- **dp_shard** (FSDP2, each rank's tp part of the parameters, `trainer.plan.memory.fsdp_groups`;
+  with g = (dp_shard - 1) / dp_shard and G_p, G_r the padded unsharded bytes of all groups in the
   param and reduce dtypes): forward all-gathers every group, g * G_p per microbatch; backward
   re-gathers the groups resharded after forward ('default': the blocks and the embedding, the
   head stays gathered; 'always': all; 'never': none; an integer N: the blocks and the
@@ -59,9 +59,6 @@ from __future__ import annotations
 import math
 
 from trainer.config.job import JobConfig
-from trainer.plan.moe import all_to_all_volume, gathered, moe_layers
-from trainer.plan.muon import muon_volume, ns_loads
-from trainer.plan.pipeline import p2p_bytes, rank_groups
 from trainer.plan.memory import (
     BYTES,
     FP32,
@@ -71,6 +68,9 @@ from trainer.plan.memory import (
     resolve_vocab,
     shard_numel,
 )
+from trainer.plan.moe import all_to_all_volume, gathered, moe_layers
+from trainer.plan.muon import muon_volume, ns_loads
+from trainer.plan.pipeline import p2p_bytes, rank_groups
 
 
 def _stages_defer() -> bool:

@@ -20,13 +20,14 @@ The device's peak is the largest of five moments of a step; each is the resident
 - the optimizer step: every sharded gradient and the optimizer's temporaries.
 Sharded gradients are None from `zero_grad(set_to_none=True)` until each group's backward, so
 they are counted only from the end of backward on; with accumulation and gradient sync every
-microbatch, the earlier microbatches' are held through every moment of the later ones. The formulas assume the eager model in
-trainer/models/llama.py with a flash/memory-efficient SDPA or, for block_causal, compiled
-FlexAttention (no [seq, seq] score matrix; `attn_implementation = "sdpa"` adds one
-[batch, 1, seq, seq] mask per microbatch, see trainer.models.attention.memory_bytes) and the loss
-of trainer/models/loss.py; compiled blocks usually save less (Inductor fuses the elementwise ops),
-so for `[compile] enable` the plan is an upper bound in practice. Each formula's assumptions are in its function's docstring;
-tests/test_plan.py checks them against tensors measured on CPU ranks.
+microbatch, the earlier microbatches' are held through every moment of the later ones. The formulas
+assume the eager model in trainer/models/llama.py with a flash/memory-efficient SDPA or, for
+block_causal, compiled FlexAttention (no [seq, seq] score matrix; `attn_implementation = "sdpa"`
+adds one [batch, 1, seq, seq] mask per microbatch, see trainer.models.attention.memory_bytes) and
+the loss of trainer/models/loss.py; compiled blocks usually save less (Inductor fuses the
+elementwise ops), so for `[compile] enable` the plan is an upper bound in practice. Each formula's
+assumptions are in its function's docstring; tests/test_plan.py checks them against tensors measured
+on CPU ranks.
 
 With `parallelism.tensor_parallel_degree = tp > 1` (Megatron layout with sequence parallel,
 trainer/parallel/): every matmul weight, the embedding and the head are split over tp and
@@ -47,29 +48,26 @@ import functools
 import math
 from dataclasses import dataclass
 
-from trainer.models.attention import memory_bytes as attention_bytes
 from trainer.config.job import JobConfig
 from trainer.errors import ConfigError
-from trainer.models.flops import flops_per_token
+from trainer.models.attention import memory_bytes as attention_bytes
 from trainer.models.build import build_model
+from trainer.models.flops import flops_per_token
 from trainer.models.llama import ModelArgs
+from trainer.optim.muon import BUCKET_BYTES as muon_bucket_bytes
+from trainer.optim.muon import takes_muon
+from trainer.optim.optimizer import implementation
 from trainer.plan.activations import (
-    block_saved,
-    block_saved_op_sac,
     block_split,  # noqa: F401
     blocks_activations,
-    checkpointed_blocks,
     cp_attention_bytes,
     cp_saved_layers,
     head_activations,
-    head_saved,
     loss_region,
-    op_sac_split,
-    sp_tokens,
     split_bytes,
 )
-from trainer.plan.hybrid import largest_block
 from trainer.plan.host import CPU_PROCESS_GIB, host_memory, offload_staging
+from trainer.plan.hybrid import largest_block
 from trainer.plan.moe import (
     gathered,
     group_key,
@@ -80,8 +78,6 @@ from trainer.plan.moe import (
 )
 from trainer.plan.pipeline import in_flight, rank_groups
 from trainer.plan.planned import plan_args, resolve_vocab  # noqa: F401 (imported from here)
-from trainer.optim.muon import BUCKET_BYTES as muon_bucket_bytes, takes_muon
-from trainer.optim.optimizer import implementation
 
 GIB = 2**30
 BYTES = {"float32": 4, "bfloat16": 2, "auto": 2}  # the plan is for GPUs: auto = bfloat16 there
@@ -192,17 +188,18 @@ def memory_plan(cfg: JobConfig, world_size: int, pp_rank: int | None = None) -> 
 
     Resident: `parameters`, `gradients` (fp32, sharded over dp_shard; replicated over
     dp_replicate under HSDP; with tp > 1 each rank holds the dp_shard shard of its tp part, see
-    `fsdp_groups`: the matmul weights are 1/(tp x dp_shard), the norms 1/dp_shard), `optimizer_state` (AdamW's exp_avg and exp_avg_sq like the
-    parameters, plus one fp32 step scalar per tensor), `buffers_and_inputs` (the fp32 RoPE
-    tables and the int64 inputs, labels and, for block_causal, document ids). Per microbatch:
-    `activations` (the configured AC mode; `activations_no_ac` and `activations_full_ac` for
-    comparison; all include the final norm and head input, and `attention_inputs`: the
-    block-causal mask and document RoPE tables, trainer.models.attention.memory_bytes), `ac_recompute` (one block's full activations while it is recomputed),
-    `logits_loss`. Transient: `fsdp_*` (see `fsdp_buffers`), `tp_buffers` (with TP, two
-    whole-sequence [tokens, dim] tensors around a block's backward collectives), `grad_accumulation` (unsharded
-    grads kept between microbatches when sync is 'last' with accumulation: FSDP2 keeps them in
-    the reduce dtype), `optimizer_step_temp` (foreach AdamW computes sqrt(exp_avg_sq) for all
-    tensors at once: one fp32 copy of the shard; for-loop: two of the largest tensor; fused:
+    `fsdp_groups`: the matmul weights are 1/(tp x dp_shard), the norms 1/dp_shard),
+    `optimizer_state` (AdamW's exp_avg and exp_avg_sq like the parameters, plus one fp32 step scalar
+    per tensor), `buffers_and_inputs` (the fp32 RoPE tables and the int64 inputs, labels and, for
+    block_causal, document ids). Per microbatch: `activations` (the configured AC mode;
+    `activations_no_ac` and `activations_full_ac` for comparison; all include the final norm and
+    head input, and `attention_inputs`: the block-causal mask and document RoPE tables,
+    trainer.models.attention.memory_bytes), `ac_recompute` (one block's full activations while it is
+    recomputed), `logits_loss`. Transient: `fsdp_*` (see `fsdp_buffers`), `tp_buffers` (with TP, two
+    whole-sequence [tokens, dim] tensors around a block's backward collectives), `grad_accumulation`
+    (unsharded grads kept between microbatches when sync is 'last' with accumulation: FSDP2 keeps
+    them in the reduce dtype), `optimizer_step_temp` (foreach AdamW computes sqrt(exp_avg_sq) for
+    all tensors at once: one fp32 copy of the shard; for-loop: two of the largest tensor; fused:
     none). `peak_*`: the device total at each moment in the module docstring; `total` the max.
     """
     pd, accum = cfg.resolve(world_size)
@@ -353,8 +350,9 @@ def fsdp_buffers(
     backward it is there in every policy. Under 'never' every group stays unsharded from its
     forward to its backward (counted until the embedding's backward, when the blocks have
     been resharded after theirs). An integer N keeps 1/N of those params per rank over the
-    same span (FSDP2's post-forward shards over groups of N ranks). The embedding's backward also materialises its weight gradient
-    in fp32 when computing in bf16 (CPU kernels accumulate in fp32; counted to stay safe).
+    same span (FSDP2's post-forward shards over groups of N ranks). The embedding's backward also
+    materialises its weight gradient in fp32 when computing in bf16 (CPU kernels accumulate in fp32;
+    counted to stay safe).
     """
     g = per_block({k: gathered(k, gathered_numel(v, shard), ep) for k, v in groups.items()})
     block = max((n for k, n in g.items() if k.startswith("layers.")), default=0)

@@ -19,8 +19,8 @@ routed tokens' activations and expert parallelism's all-to-all.
   multiplies this term).
 - **All-to-all** (ep, per microbatch): each rank routes its own tokens (1 / (tp x cp) of the
   microbatch), and each routed copy leaves its rank with probability (ep - 1) / ep (the ep
-  group takes in the tp ranks) and comes back: 2 x top_k x tokens x dim x p x (ep - 1) / ep bytes per MoE
-  layer in forward, the same in backward, and the dispatch's half again for each forward
+  group takes in the tp ranks) and comes back: 2 x top_k x tokens x dim x p x (ep - 1) / ep bytes
+  per MoE layer in forward, the same in backward, and the dispatch's half again for each forward
   recomputed by AC (`recompute_share`: the combine is not recomputed; a kept dispatch is not
   sent again).
 """

@@ -110,7 +110,7 @@ def _assign(cfg, pd, a, pp_rank: int):
         plan, views = MeshPlan(sizes, cfg.optimizer.muon_ns_steps), []
         me = ranks.index(0) if 0 in ranks else None
         for b in buckets([math.prod(s.shape) for s in specs], len(ranks)):
-            views += zip([specs[i] for i in b], plan.assign([specs[i] for i in b], me))
+            views += zip([specs[i] for i in b], plan.assign([specs[i] for i in b], me), strict=True)
         out.append((ranks, plan, views if me is not None else []))
     return out
 

@@ -17,8 +17,10 @@ from trainer.parallel.pp_layout import (
     check_pipeline,
     describe_split,
     rank_stages,
-    schedule as find_schedule,
     stage_work,
+)
+from trainer.parallel.pp_layout import (
+    schedule as find_schedule,
 )
 
 

@@ -14,6 +14,8 @@ from trainer.config.job import JobConfig, load_config
 from trainer.errors import ConfigError, UserError
 from trainer.models.flops import table_peak_tflops
 from trainer.optim.optimizer import implementation
+from trainer.plan.comm import comm_volume
+from trainer.plan.host import HOST_ROWS, host_ram_gib, host_report
 from trainer.plan.memory import (
     CONTEXT_GIB,
     FRAGMENTATION,
@@ -28,8 +30,6 @@ from trainer.plan.memory import (
     resolve_vocab,
     throughput,
 )
-from trainer.plan.comm import comm_volume
-from trainer.plan.host import HOST_ROWS, host_ram_gib, host_report
 from trainer.plan.pipeline import summary as pipeline_summary
 
 # --------------------------------------------------------------------------- report
@@ -79,7 +79,8 @@ def describe(cfg: JobConfig, world_size: int, ngpu: int, nnodes: int) -> list[st
         + (
             f"{pd.dp_shard * pd.cp} rank(s)"
             if pd.tp == 1
-            else f"tp {pd.tp} x dp_shard {pd.dp_shard * pd.cp} = {pd.tp * pd.dp_shard * pd.cp} ranks "
+            else f"tp {pd.tp} x dp_shard {pd.dp_shard * pd.cp} = "
+            f"{pd.tp * pd.dp_shard * pd.cp} ranks "
             f"(norms over {pd.dp_shard * pd.cp})"
         ),
         f"microbatch: {t.local_batch_size} x {t.seq_len} tokens, {accum} microbatch(es) per step "

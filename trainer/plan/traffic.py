@@ -155,7 +155,7 @@ def internode_bytes(name: str, args, group, sent: float) -> float:
         sizes = list(args[splits]) if splits is not None else []
         if not sizes or sum(sizes) == 0:
             sizes = [1] * len(ranks)
-        away = sum(n for n, node in zip(sizes, nodes) if node != nodes[me])
+        away = sum(n for n, node in zip(sizes, nodes, strict=True) if node != nodes[me])
         return _nbytes(args[index]) * away / sum(sizes)
     return sent * len(set(nodes)) / len(ranks)
 

@@ -2,7 +2,7 @@
 sentencepiece model trained on it, and a real token store prepared from it. Everything lives in
 tmp dirs; `datasets` runs offline with its own HF_HOME.
 
-Test modules import it with `from tests.test_data_fixtures import *` (fixtures included)."""
+Test modules import it with `from tests.data_fixtures import *` (fixtures included)."""
 
 from __future__ import annotations
 
