@@ -22,11 +22,11 @@ import torch
 
 from tests.helpers import REPO, fork_python, losses, run_train, scalars, stopped_after_save
 from trainer.errors import ConfigError
-from trainer.models.flavors import FLAVORS
 from trainer.models.args import MoEArgs
-from trainer.models.rope import YarnScaling
+from trainer.models.flavors import FLAVORS
 from trainer.models.llama import build_model, model_args
 from trainer.models.moe import choose
+from trainer.models.rope import YarnScaling
 
 CONFIG = str(REPO / "configs" / "debug_dsv3.toml")
 
@@ -469,8 +469,8 @@ def test_the_released_yarn_is_the_flavors_and_none_drops_it():
     """deepseek-v3-671b and kimi-k2 carry YaRN as released (so their folders load exactly);
     model.rope_scaling = 'none' trains plain RoPE (DeepSeek pretrained at 4K without it)."""
     from trainer.config.job import load_config
-    from trainer.models.rope import DEEPSEEK_V3_YARN, KIMI_K2_YARN
     from trainer.models.attention import attention_args
+    from trainer.models.rope import DEEPSEEK_V3_YARN, KIMI_K2_YARN
 
     base = ["--job.config_file", str(REPO / "configs" / "kimi_k2.toml")]  # pretrains: none
     for extra, want in (([], None), (["--model.rope_scaling", "flavor"], KIMI_K2_YARN)):
@@ -494,6 +494,54 @@ def test_the_released_yarn_is_the_flavors_and_none_drops_it():
             y.mscale_all_dim,
         ) == want, flavor
     assert DEEPSEEK_V3_YARN.softmax_gain == pytest.approx((0.1 * math.log(40) + 1) ** 2)
+
+
+def test_kimi_k2_0905s_longer_yarn_is_two_keys_and_the_error_says_them(tmp_path):
+    """Kimi K2 0905 is K2's architecture with YaRN factor 64 (256K context): its folder is
+    refused under the flavor's factor 32 with the keys that fit it, and fits with them."""
+    from trainer.config.job import load_config
+    from trainer.hf.mapping import check_hf_config
+    from trainer.models.attention import attention_args
+
+    cfg = {
+        "architectures": ["DeepseekV3ForCausalLM"],
+        "model_type": "kimi_k2",
+        "rms_norm_eps": 1e-6,
+        "rope_theta": 50000.0,
+        "max_position_embeddings": 262144,
+        "first_k_dense_replace": 1,
+        "n_group": 1,
+        "topk_group": 1,
+        "routed_scaling_factor": 2.827,
+        "norm_topk_prob": True,
+        "num_experts_per_tok": 8,
+        "rope_scaling": {
+            "beta_fast": 1.0,
+            "beta_slow": 1.0,
+            "factor": 64.0,
+            "mscale": 1.0,
+            "mscale_all_dim": 1.0,
+            "original_max_position_embeddings": 4096,
+            "type": "yarn",
+        },
+    }
+    keys = (
+        "model.rope_scaling = 'yarn', model.yarn_factor = 64, "
+        "model.yarn_original_max_position_embeddings = 4096"
+    )
+    with pytest.raises(ConfigError) as e:
+        check_hf_config(cfg, FLAVORS["kimi-k2"], str(tmp_path), "kimi-k2")
+    assert keys in str(e.value), e.value
+    base = ["--job.config_file", str(REPO / "configs" / "kimi_k2.toml")]
+    yarn = ["--model.rope_scaling", "yarn", "--model.yarn_factor", "64"]
+    job = load_config([*base, *yarn])
+    args = model_args(job.model.flavor, **attention_args(job.model, "cuda"))
+    assert args.rope_scaling == dataclasses.replace(FLAVORS["kimi-k2"].rope_scaling, factor=64.0)
+    check_hf_config(cfg, args, str(tmp_path), "kimi-k2")
+    with pytest.raises(ConfigError, match="model.yarn_factor = 64.0 applies only with"):
+        load_config([*base, "--model.yarn_factor", "64"])
+    with pytest.raises(ConfigError, match="has no YaRN of its own, needs model.yarn_factor"):
+        load_config([*base, *yarn, "--model.flavor", "debugmodel-dsv3"])
 
 
 def test_mla_dims_that_do_not_add_up_are_one_line():

@@ -10,7 +10,8 @@ import torch
 
 from trainer.models import logits
 from trainer.models.attention import attend, build_mask
-from trainer.models.llama import build_model, model_args
+from trainer.models.build import build_model
+from trainer.models.flavors import model_args
 from trainer.optim.qk_clip import QKClip
 
 
@@ -152,3 +153,65 @@ def test_a_skipped_step_and_a_non_finite_maximum_clip_nothing():
     clip.step()
     for n, p in model.named_parameters():
         assert torch.equal(p, before[n]), n
+
+
+def test_a_qk_normed_layer_clips_its_norms_to_tau_and_leaves_wq_alone():
+    """Qwen3's per-head q/k RMSNorm divides out any scale of wq's rows: the clip scales the
+    norms' weights instead (the layer as one), so the same inputs give exactly tau after one
+    clip, and wq/wk never shrink however often the clip runs."""
+    model = _model("debugmodel-moe-narrow")
+    tokens = torch.randint(0, 256, (2, 16), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        hand = _hand_maxima(model, tokens)
+    tau = 0.5 * float(hand[0].max())
+    clip = QKClip(model, model.args, tau)
+    att = model.layers["0"].attention
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    for _ in range(4):
+        with torch.no_grad():
+            model(tokens)
+        clip.step()
+    for name, p in model.named_parameters():
+        if not name.endswith(("q_norm.weight", "k_norm.weight")):
+            assert torch.equal(p, before[name]), name  # wq, wk and the rest untouched
+    factor = math.sqrt(tau / float(hand[0].max()))
+    for norm in ("q_norm", "k_norm"):  # one clip of layer 0: its inputs never changed
+        got = getattr(att, norm).weight
+        torch.testing.assert_close(got, before[f"layers.0.attention.{norm}.weight"] * factor)
+    with torch.no_grad():
+        after = _hand_maxima(model, tokens)
+    assert math.isclose(float(after[0].max()), tau, rel_tol=1e-5)
+    assert bool((after <= tau * (1 + 1e-5)).all()), (after, tau)
+
+
+def test_qwen3_next_gated_attention_records_and_clips():
+    """Qwen3-Next's gated full-attention layers record their maxima and clip through their
+    zero-centred q/k norms (1 + w scaled); the DeltaNet layers have no softmax logits."""
+    model = _model("debugmodel-qwen3-next")
+    a = model.args
+    tokens = torch.randint(0, 256, (2, 16), generator=torch.Generator().manual_seed(4))
+    clip = QKClip(model, a, 1e9)
+    full = [r for r, _, _ in clip.layers]
+    assert full == [i for i in range(a.n_layers) if a.hybrid.layer_type(i) == "full_attention"]
+    with torch.no_grad():
+        model(tokens)
+    seen = clip.maxima()
+    first = full[0]
+    assert bool(torch.isfinite(seen[first]).all()), seen
+    tau = 0.5 * float(seen[first].max())
+    clip.threshold = tau
+    with torch.no_grad():
+        model(tokens)
+    stats = clip.step()
+    assert int(stats["qk_clip/heads_clipped"]) > 0
+    with torch.no_grad():  # the layers before the first full attention are DeltaNets: the
+        model(tokens)  # same inputs reach it, so its largest logit is now tau
+    assert math.isclose(float(clip.maxima()[first].max()), tau, rel_tol=1e-4)
+
+
+def test_evaluation_forwards_do_not_feed_the_clip():
+    model = _model("debugmodel-tiny")
+    clip = QKClip(model, model.args, 1e-3)
+    with torch.no_grad():
+        model.eval()(torch.randint(0, 256, (1, 8)))
+    assert not bool(torch.isfinite(clip.maxima()).any())

@@ -14,6 +14,7 @@
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 
 import pytest
 import torch
@@ -174,6 +175,63 @@ def test_logits_equal_transformers(tmp_path, family):
     assert all(torch.equal(t, model.state_dict()[k]) for k, t in imported.state_dict().items())
 
 
+def _as_released(folder) -> dict:
+    """The folder's config.json in the form of the releases' (transformers 4.57): the RoPE
+    keys at the top level, no layer_types (only full_attention_interval), and the YaRN
+    context extension of the model cards' long-context note as a legacy rope_scaling."""
+    cfg = json.loads((folder / "config.json").read_text())
+    rope = cfg.pop("rope_parameters")
+    assert cfg.pop("layer_types") == ["linear_attention", "full_attention"] * 2
+    cfg["full_attention_interval"] = 2  # (transformers 5 writes the list instead)
+    cfg["rope_theta"], cfg["partial_rotary_factor"] = (
+        rope["rope_theta"],
+        rope["partial_rotary_factor"],
+    )
+    cfg["rope_scaling"] = {
+        "rope_type": "yarn",
+        "factor": 4.0,
+        "original_max_position_embeddings": 32,
+    }
+    (folder / "config.json").write_text(json.dumps(cfg))
+    return cfg
+
+
+def test_a_release_form_config_imports_and_equals_transformers(tmp_path):
+    from safetensors.torch import load_file
+
+    from trainer.errors import ConfigError
+    from trainer.hf.qwen3_next import check_release_config
+    from trainer.models.rope import YarnScaling
+
+    torch.manual_seed(0)
+    _hf_model("qwen3_next").save_pretrained(tmp_path)
+    cfg = _as_released(tmp_path)
+    hf_model = transformers.Qwen3NextForCausalLM.from_pretrained(tmp_path, dtype=torch.float32)
+    args = args_from_config(cfg)
+    assert args.rope_scaling == YarnScaling(
+        factor=4.0, original_max_position_embeddings=32, mscale=0.0, mscale_all_dim=0.0
+    )
+    assert [args.hybrid.layer_type(i) for i in range(4)] == hf_model.config.layer_types
+    model = Qwen3Next(args)
+    model.load_state_dict(from_release(load_file(tmp_path / "model.safetensors"), args))
+    model.init_rope()
+    tokens = torch.randint(0, 128, (2, 80))  # past the 32 positions YaRN extends
+    with torch.no_grad():
+        want = hf_model.eval()(tokens).logits
+        torch.testing.assert_close(model.eval()(tokens), want, atol=1e-4, rtol=0)
+        plain = Qwen3Next(replace(args, rope_scaling=None))
+        plain.load_state_dict(model.state_dict())
+        plain.init_rope()
+        assert (plain.eval()(tokens) - want).abs().max() > 1e-2  # the YaRN counts
+    with pytest.raises(ConfigError) as e:  # a run without the YaRN keys is told them
+        check_release_config(cfg, replace(args, rope_scaling=None), str(tmp_path), "tiny")
+    assert (
+        "model.rope_scaling = 'yarn', model.yarn_factor = 4, "
+        "model.yarn_original_max_position_embeddings = 32" in str(e.value)
+    )
+    check_release_config(cfg, args, str(tmp_path), "tiny")
+
+
 # ------------------------------------------------------------------- multi-token prediction
 
 MTP_TINY = dict(TINY, intermediate_size=96)  # every layer MoE (decoder_sparse_step 1: the release)
@@ -253,7 +311,8 @@ def test_the_release_mtp_module_imports_and_exports_bit_for_bit(mtp_release):
         "mtp.0.norm.weight": "mtp.norm.weight",
         "mtp.0.block.attention.wq.weight": "mtp.layers.0.self_attn.q_proj.weight",
         "mtp.0.block.ffn_norm.weight": "mtp.layers.0.post_attention_layernorm.weight",
-        "mtp.0.block.feed_forward.shared_expert_gate.weight": "mtp.layers.0.mlp.shared_expert_gate.weight",
+        "mtp.0.block.feed_forward.shared_expert_gate.weight": "mtp.layers.0.mlp."
+        "shared_expert_gate.weight",
     }
     for name, key in pairs.items():
         assert torch.equal(ours[name], mtp[key]), name
@@ -269,8 +328,9 @@ def test_the_release_mtp_module_imports_and_exports_bit_for_bit(mtp_release):
     plain = Qwen3Next(model.args)
     plain.init_weights(0)
     before = plain.state_dict()["mtp.0.proj.weight"].clone()
-    from trainer.hf.load import load_hf
     from safetensors.torch import save_file
+
+    from trainer.hf.load import load_hf
 
     bare = folder.parent / "bare"
     bare.mkdir(exist_ok=True)
@@ -394,8 +454,8 @@ def test_packed_documents_give_their_documents_mtp_loss():
 
     from tests.test_mtp_documents import EOS, documents_by_hand, mtp_sum, windows
     from trainer.data.documents import Delimiters, document_ids, split_window
-    from trainer.models.flavors import model_args
     from trainer.models.build import build_model
+    from trainer.models.flavors import model_args
     from trainer.models.loss import build_loss
     from trainer.models.mtp import IGNORE_INDEX, future_labels
     from trainer.parallel.microbatches import microbatch_documents

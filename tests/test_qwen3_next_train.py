@@ -13,15 +13,16 @@ is one line.
 """
 
 import json
+import math
 
 import pytest
 import torch
 
+from tests.data_fixtures import stdlib_texts, tokenizer_path  # noqa: F401
 from tests.helpers import REPO, run_train, scalars, stopped_after_save
-from tests.test_data_fixtures import stdlib_texts, tokenizer_path  # noqa: F401
 from tests.test_doc_mask_e2e import short_docs_store  # noqa: F401
-from trainer.models.flavors import model_args
 from trainer.models.build import build_model
+from trainer.models.flavors import model_args
 
 CONFIG = str(REPO / "configs" / "debug_qwen3_next.toml")
 FLAVOR = "debugmodel-qwen3-next"
@@ -246,9 +247,9 @@ def test_the_export_loads_in_transformers_with_our_logits(runs):
 
 @pytest.mark.needs_datasets
 def test_the_export_imports_back_bit_for_bit(runs):
-    from trainer.hf.load import load_hf
-
     from safetensors import safe_open
+
+    from trainer.hf.load import load_hf
 
     dump = runs["ep2_fsdp2"][0]
     state = _checkpoint_state(dump)
@@ -270,3 +271,27 @@ def test_a_flavor_of_another_family_is_one_line(tmp_path):
     assert last.startswith(
         "config error: model.flavor = 'debugmodel-qwen3-next' is a qwen3_next model"
     ), last
+
+
+def test_qk_clip_holds_the_largest_logit_over_twenty_steps(tmp_path):
+    """Muon with QK-clip on the hybrid: its gated attention records the maxima and clips through
+    the zero-centred q/k norms, so after the first step's clip the largest logit stays near tau
+    (each step's update may push it a little past before the clip brings it back)."""
+    tau = 0.5
+    run_train(
+        tmp_path,
+        *("--optimizer.name", "Muon", "--optimizer.muon_qk_clip", str(tau)),
+        *("--training.steps", "20", "--metrics.log_freq", "1", "--checkpoint.enable", "false"),
+        *("--parallelism.expert_parallel_degree", "1"),
+        config=CONFIG,
+        nproc=1,
+    )
+    peak, clipped = (
+        scalars(tmp_path, "qk_clip/max_logit"),
+        scalars(tmp_path, "qk_clip/heads_clipped"),
+    )
+    assert sorted(peak) == list(range(1, 21)) and peak[1] > 2 * tau, peak
+    assert all(v <= 1.2 * tau for s, v in peak.items() if s > 1), peak
+    assert clipped[1] > 0 and sum(clipped.values()) > clipped[1], clipped
+    losses = scalars(tmp_path, "loss_metrics/global_avg_loss")
+    assert len(losses) == 20 and all(math.isfinite(v) for v in losses.values()), losses

@@ -405,15 +405,24 @@ def check_hf_config(cfg: dict, args: ModelArgs, folder: str, flavor: str) -> Non
             raise ConfigError(
                 f"{folder}/config.json does not fit model.flavor = {flavor!r}: "
                 f"{key} is {value} there and {ours[key]} here; choose the flavor "
-                "the checkpoint was made with"
-                + (
-                    " (and model.rope_scaling = 'flavor')"
-                    if key == "rope_scaling" and value and ours[key] is None
-                    else " (and model.n_layers = 0: all of its blocks)"
-                    if key == "num_hidden_layers"
-                    else ""
-                )
+                "the checkpoint was made with" + _hint(key, value, ours[key])
             )
+
+
+def _hint(key: str, theirs, ours) -> str:
+    """What else to set when `key` differs, where a [model] key can make it fit."""
+    if key == "num_hidden_layers":
+        return " (and model.n_layers = 0: all of its blocks)"
+    if key != "rope_scaling" or not theirs:
+        return ""
+    if theirs[0] == "yarn" and (ours is None or ours[0] == "yarn"):
+        return (  # the flavor's own YaRN with another factor or context (Kimi K2 0905)
+            f", or keep it and set model.rope_scaling = 'yarn', model.yarn_factor = "
+            f"{theirs[1]:g}, model.yarn_original_max_position_embeddings = {theirs[2]}"
+            if ours is not None and ours[3:] == theirs[3:]
+            else " (and model.rope_scaling = 'flavor')"
+        )
+    return " (and model.rope_scaling = 'flavor')" if ours is None else ""
 
 
 def _scaling_tuple(s: dict, cfg: dict):

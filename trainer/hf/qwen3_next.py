@@ -27,8 +27,9 @@ from collections.abc import Mapping
 import torch
 
 from trainer.errors import ConfigError
-from trainer.models.hybrid import FULL, HybridArgs
 from trainer.models.args import ModelArgs, MoEArgs
+from trainer.models.hybrid import FULL, HybridArgs
+from trainer.models.rope import YarnScaling, yarn_from_config, yarn_keys
 
 # ours (under `layers.{i}.`) -> the release's (under `model.layers.{i}.`)
 LAYER = {
@@ -73,6 +74,26 @@ _EXPERTS = {"w1": "gate_proj", "w3": "up_proj", "w2": "down_proj"}
 ARCHITECTURES = {"qwen3_next": "Qwen3NextForCausalLM", "qwen3_5_moe_text": "Qwen3_5MoeForCausalLM"}
 
 
+def _rope(cfg: dict) -> tuple[dict, YarnScaling | None]:
+    """(rope_theta and partial_rotary_factor, the YaRN if any) of a config.json: transformers
+    5's `rope_parameters`, or the releases' top-level keys with the legacy `rope_scaling` (the
+    model cards' YaRN edit adds it there)."""
+    rope = cfg.get("rope_parameters") or {
+        "rope_theta": cfg.get("rope_theta", 10000.0),
+        "partial_rotary_factor": cfg.get("partial_rotary_factor", 0.25),
+    }
+    scaling = cfg.get("rope_scaling") or rope
+    kind = scaling.get("rope_type", scaling.get("type", "default"))
+    if kind == "default":
+        return rope, None
+    if kind != "yarn" or scaling.get("attention_factor") is not None:
+        raise ConfigError(
+            f"config.json RoPE scaling {scaling}: only plain RoPE and YaRN (without an "
+            "explicit attention_factor) are supported for Qwen3-Next / Qwen3.5"
+        )
+    return rope, yarn_from_config(scaling, cfg["max_position_embeddings"])
+
+
 def args_from_config(cfg: dict, **overrides) -> ModelArgs:
     """Our args from a release's config.json (the text config of a multimodal Qwen3.5)."""
     cfg = cfg.get("text_config", cfg)
@@ -81,18 +102,15 @@ def args_from_config(cfg: dict, **overrides) -> ModelArgs:
         raise ConfigError(
             f"config.json model_type {kind!r}: expected one of {', '.join(ARCHITECTURES)}"
         )
-    rope = cfg.get("rope_parameters") or {
-        "rope_theta": cfg.get("rope_theta", 10000.0),
-        "partial_rotary_factor": cfg.get("partial_rotary_factor", 0.25),
-    }
-    if rope.get("rope_type", "default") != "default" or cfg.get("mlp_only_layers"):
+    rope, scaling = _rope(cfg)
+    if cfg.get("mlp_only_layers"):
         raise ConfigError(
-            f"config.json rope_type {rope.get('rope_type')!r} / mlp_only_layers "
-            f"{cfg.get('mlp_only_layers')}: only default RoPE and no dense-only "
-            "layers are supported"
+            f"config.json mlp_only_layers {cfg.get('mlp_only_layers')}: dense-only layers "
+            "among the MoE layers are not supported"
         )
     hybrid = HybridArgs(
-        layer_types=tuple(cfg["layer_types"]),
+        # the releases name only full_attention_interval; transformers builds the list from it
+        layer_types=tuple(cfg.get("layer_types") or ()),
         full_attention_interval=cfg.get("full_attention_interval", 4),
         partial_rotary_factor=rope.get("partial_rotary_factor", 0.25),
         linear_k_heads=cfg["linear_num_key_heads"],
@@ -121,6 +139,7 @@ def args_from_config(cfg: dict, **overrides) -> ModelArgs:
         vocab_size=cfg["vocab_size"],
         norm_eps=cfg["rms_norm_eps"],
         rope_theta=rope["rope_theta"],
+        rope_scaling=scaling,
         max_seq_len=cfg["max_position_embeddings"],
         tie_word_embeddings=cfg.get("tie_word_embeddings", False),
         explicit_head_dim=cfg.get("head_dim") or 0,
@@ -217,9 +236,9 @@ def _delta_from_release(hf, pre: str, args: ModelArgs) -> dict[str, torch.Tensor
     else:  # Qwen3.5
         mats = list(hf[pre + "in_proj_qkv.weight"].split([keys, keys, values]))
         mats += [hf[pre + f"in_proj_{x}.weight"] for x in "zba"]
-    out = {f"{n}.weight": m.contiguous() for n, m in zip(_DELTA, mats)}
+    out = {f"{n}.weight": m.contiguous() for n, m in zip(_DELTA, mats, strict=True)}
     conv = hf[pre + "conv1d.weight"].squeeze(1).split([keys, keys, values])
-    out.update({n: c.contiguous() for n, c in zip(_CONV, conv)})
+    out.update({n: c.contiguous() for n, c in zip(_CONV, conv, strict=True)})
     return out
 
 
@@ -345,6 +364,7 @@ def release_config(args: ModelArgs, *, dtype: str, bos_id, eos_id) -> dict:
             "rope_type": "default",
             "rope_theta": args.rope_theta,
             "partial_rotary_factor": h.partial_rotary_factor,
+            **_yarn_parameters(args.rope_scaling),
         },
         "max_position_embeddings": args.max_seq_len,
         "tie_word_embeddings": args.tie_word_embeddings,
@@ -376,6 +396,22 @@ def release_config(args: ModelArgs, *, dtype: str, bos_id, eos_id) -> dict:
     }
 
 
+def _yarn_parameters(s: YarnScaling | None) -> dict:
+    if s is None:
+        return {}
+    out = {
+        "rope_type": "yarn",
+        "factor": s.factor,
+        "original_max_position_embeddings": s.original_max_position_embeddings,
+        "beta_fast": s.beta_fast,
+        "beta_slow": s.beta_slow,
+        "truncate": s.truncate,
+    }
+    if s.mscale or s.mscale_all_dim:
+        out.update(mscale=s.mscale, mscale_all_dim=s.mscale_all_dim)
+    return out
+
+
 def _shape_of(args: ModelArgs) -> dict:
     """What a release's config.json fixes about the computation (no sequence length)."""
     m, h = args.moe, args.hybrid
@@ -390,6 +426,7 @@ def _shape_of(args: ModelArgs) -> dict:
         "tie_word_embeddings": args.tie_word_embeddings,
         "layer_types": [h.layer_type(i) for i in range(args.n_layers)],
         "partial_rotary_factor": h.partial_rotary_factor,
+        "rope_scaling": args.rope_scaling,
         "linear heads (k, v, d_k, d_v, conv)": (
             h.linear_k_heads,
             h.linear_v_heads,
@@ -409,6 +446,13 @@ def check_release_config(cfg: dict, args: ModelArgs, folder: str, flavor: str) -
     theirs, ours = _shape_of(args_from_config(cfg)), _shape_of(args)
     for key, value in theirs.items():
         if value != ours[key]:
+            if key == "rope_scaling":
+                raise ConfigError(
+                    f"{folder}/config.json does not fit the RoPE of this run: its RoPE is "
+                    + (f"YaRN ({yarn_keys(value)})" if value else "plain")
+                    + f", here {ours[key] or 'plain'}; set "
+                    + (yarn_keys(value) if value else "model.rope_scaling = 'none'")
+                )
             raise ConfigError(
                 f"{folder}/config.json does not fit model.flavor = {flavor!r}: "
                 f"{key} is {value} there and {ours[key]} here; choose the flavor "

@@ -75,8 +75,21 @@ def attention_args(model_cfg, device_type: str) -> dict:
 
 
 def rope_args(model_cfg) -> dict:
-    """model.rope_scaling as ModelArgs fields: 'none' drops the flavor's scaling."""
-    return {"rope_scaling": None} if model_cfg.rope_scaling == "none" else {}
+    """model.rope_scaling as ModelArgs fields: 'none' drops the flavor's scaling, 'yarn' sets
+    YaRN over it (model.yarn_factor, model.yarn_original_max_position_embeddings)."""
+    if model_cfg.rope_scaling == "none":
+        return {"rope_scaling": None}
+    if model_cfg.rope_scaling == "yarn":
+        from trainer.models.flavors import FLAVORS
+        from trainer.models.rope import yarn_over
+
+        flavor = FLAVORS[model_cfg.flavor].rope_scaling
+        return {
+            "rope_scaling": yarn_over(
+                flavor, model_cfg.yarn_factor, model_cfg.yarn_original_max_position_embeddings
+            )
+        }
+    return {}
 
 
 def describe(args) -> str:
@@ -214,7 +227,7 @@ def _per_document(q, k, v, doc_ids: torch.Tensor, gqa: bool) -> torch.Tensor:
     rows = []
     for b, ids in enumerate(doc_ids):
         lengths = torch.unique_consecutive(ids, return_counts=True)[1].tolist()
-        pieces = zip(*(t[b : b + 1].split(lengths, dim=2) for t in (q, k, v)))
+        pieces = zip(*(t[b : b + 1].split(lengths, dim=2) for t in (q, k, v)), strict=True)
         rows.append(
             torch.cat(
                 [

@@ -28,7 +28,12 @@ class Model:
     )
     flavor: str = opt(
         "debugmodel",
-        "Model size: debugmodel, debugmodel-tiny, debugmodel-narrow, debugmodel-3.2, 1B, llama3.2-1B, llama3.2-3B, 8B, 70B, 405B, llama3.1-8B, llama3.1-70B (RoPE-scaled, for long context); mixtures of experts: debugmodel-moe, debugmodel-moe-narrow, debugmodel-moe-shared, qwen3-30b-a3b; DeepSeek-V3 architecture (MLA, docs/deepseek.md): debugmodel-dsv3, deepseek-v3-16b, deepseek-v3-671b, kimi-k2; Qwen3-Next hybrid (docs/qwen3_next.md): debugmodel-qwen3-next, qwen3-next-80b-a3b, qwen3.5-35b-a3b",
+        "Model size: debugmodel, debugmodel-tiny, debugmodel-narrow, debugmodel-3.2, 1B, "
+        "llama3.2-1B, llama3.2-3B, 8B, 70B, 405B, llama3.1-8B, llama3.1-70B (RoPE-scaled, for long "
+        "context); mixtures of experts: debugmodel-moe, debugmodel-moe-narrow, "
+        "debugmodel-moe-shared, qwen3-30b-a3b; DeepSeek-V3 architecture (MLA, docs/deepseek.md): "
+        "debugmodel-dsv3, deepseek-v3-16b, deepseek-v3-671b, kimi-k2; Qwen3-Next hybrid "
+        "(docs/qwen3_next.md): debugmodel-qwen3-next, qwen3-next-80b-a3b, qwen3.5-35b-a3b",
     )
     n_layers: int = opt(
         0,
@@ -87,8 +92,21 @@ class Model:
         "RoPE frequency scaling: flavor (as the flavor is "
         "released: Llama 3.1/3.2's, DeepSeek-V3's and Kimi K2's YaRN) or "
         "none (plain RoPE, e.g. to pretrain a DeepSeek-V3 shape at 4K "
-        "from scratch as DeepSeek did)",
-        choices=("flavor", "none"),
+        "from scratch as DeepSeek did) or yarn (YaRN with the two keys below, "
+        "e.g. Kimi K2 0905's factor 64, or a Qwen3-Next model card's edit)",
+        choices=("flavor", "none", "yarn"),
+    )
+    yarn_factor: float = opt(
+        0.0,
+        "rope_scaling = 'yarn': the context extension factor (config.json's "
+        "rope_scaling.factor); 0 = the flavor's own YaRN factor",
+        min=0.0,
+    )
+    yarn_original_max_position_embeddings: int = opt(
+        0,
+        "rope_scaling = 'yarn': the context the model was trained at before the "
+        "extension (rope_scaling.original_max_position_embeddings); 0 = the flavor's",
+        min=0,
     )
     sdpa_backends: str = opt(
         "auto",
@@ -117,6 +135,7 @@ class Model:
                 f"choose a {self.name} flavor: {', '.join(same)}"
             )
         self.check_depth(FLAVORS[self.flavor])
+        self.check_yarn(FLAVORS[self.flavor])
         if self.mtp_loss_weight_until_step and not self.mtp_layers:
             raise ConfigError(
                 f"model.mtp_loss_weight_until_step = "
@@ -129,6 +148,29 @@ class Model:
                 "'block_causal': under a causal mask a token also sees earlier "
                 "documents, whose restarted positions would put them at wrong "
                 "relative distances"
+            )
+
+    def check_yarn(self, flavor) -> None:
+        """The YaRN keys go with rope_scaling = 'yarn', and name what the flavor lacks."""
+        from trainer.models.rope import YarnScaling
+
+        keys = ("yarn_factor", "yarn_original_max_position_embeddings")
+        if self.rope_scaling != "yarn":
+            for key in keys:
+                if getattr(self, key):
+                    raise ConfigError(
+                        f"model.{key} = {getattr(self, key)} applies only with "
+                        f"model.rope_scaling = 'yarn' (it is {self.rope_scaling!r}); set it"
+                    )
+            return
+        if isinstance(flavor.rope_scaling, YarnScaling):
+            return
+        if self.yarn_factor <= 1.0 or not self.yarn_original_max_position_embeddings:
+            raise ConfigError(
+                f"model.rope_scaling = 'yarn' on model.flavor {self.flavor!r}, which has no "
+                "YaRN of its own, needs model.yarn_factor > 1 and "
+                "model.yarn_original_max_position_embeddings (e.g. 4 and 262144 for "
+                "Qwen3-Next's model card; config.json's rope_scaling says them)"
             )
 
     def check_depth(self, flavor) -> None:

@@ -21,6 +21,13 @@ class RMSNorm(nn.Module):
         normed = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
         return normed.type_as(x) * self.weight
 
+    @torch.no_grad()
+    def scale_(self, factor: torch.Tensor) -> None:
+        """Multiply the output by `factor` (a 0-d tensor) from now on: the weight x factor, on
+        this rank's shard of it (QK-clip on q/k-normed attention: trainer/optim/qk_clip.py)."""
+        local = self.weight.to_local() if hasattr(self.weight, "to_local") else self.weight
+        local.mul_(factor.to(device=local.device, dtype=local.dtype))
+
 
 def rope_tables(head_dim: int, seq_len: int, theta: float, device=None, scaling=None):
     """cos/sin of the rotation angles, [seq_len, head_dim // 2], in float32."""

@@ -27,10 +27,10 @@ import torch.nn.functional as F
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from trainer.models.attention import attend, build_mask, document_positions
-from trainer.models.layers import RMSNorm, apply_rope, rope_tables, scale_frequencies  # noqa: F401
-from trainer.models.flavors import FLAVORS, model_args  # noqa: F401  (re-exported)
 from trainer.models.args import ModelArgs  # noqa: F401  (re-exported)
+from trainer.models.attention import attend, build_mask, document_positions
+from trainer.models.flavors import FLAVORS, model_args  # noqa: F401  (re-exported)
+from trainer.models.layers import RMSNorm, apply_rope, rope_tables, scale_frequencies  # noqa: F401
 from trainer.models.mla import MLA
 from trainer.models.moe import FeedForward, MoE  # noqa: F401  (FeedForward re-exported)
 from trainer.models.mtp import MTPModule, future_labels, mtp_streams
@@ -62,9 +62,11 @@ class Attention(nn.Module):
         return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v
 
     def forward(self, x, cos, sin, mask=None):
-        """`mask`: None = causal; else the microbatch's block-causal mask (trainer/models/attention.py)."""
+        """`mask`: None = causal; else the microbatch's block-causal mask
+        (trainer/models/attention.py)."""
         b, s, _ = x.shape
-        out = attend(*self.project(x, cos, sin), mask, logit_max=self.logit_max)
+        maxima = self.logit_max if self.training else None  # evaluation does not feed the clip
+        out = attend(*self.project(x, cos, sin), mask, logit_max=maxima)
         return self.wo(out.transpose(1, 2).reshape(b, s, -1))
 
 
@@ -206,7 +208,7 @@ class Transformer(nn.Module):
         if embeddings is None:
             embeddings = [self.tok_embeddings(tokens) for tokens, _ in streams]
         total = torch.zeros((), dtype=torch.float32, device=h.device)
-        for module, emb, (_, target) in zip(self.mtp.values(), embeddings, streams):
+        for module, emb, (_, target) in zip(self.mtp.values(), embeddings, streams, strict=True):
             h = module(h, emb, *attention_inputs)
             total = total + self.head(module.norm(h), target, loss_fn)
         return total * (self.mtp_loss_weight / a.mtp_layers)

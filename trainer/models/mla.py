@@ -104,7 +104,8 @@ class MLA(nn.Module):
         gathered = hasattr(mask, "attend")  # context parallelism's attention
         if gathered:
             latent = mask.gather(latent)
-        out = attend(q, *self.expand(latent), mask, gathered, self.logit_max)
+        maxima = self.logit_max if self.training else None  # evaluation does not feed the clip
+        out = attend(q, *self.expand(latent), mask, gathered, maxima)
         return self.wo(out.transpose(1, 2).reshape(b, s, -1))
 
 

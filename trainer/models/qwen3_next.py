@@ -27,15 +27,16 @@ release's `mtp.layers.0`: block n_layers + k, full attention whatever layer_type
 from __future__ import annotations
 
 import zlib
+
 import torch
 import torch.nn.functional as F
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from trainer.models.hybrid import FULL, HybridArgs, LINEAR  # noqa: F401
 from trainer.models.args import ModelArgs  # noqa: F401
 from trainer.models.attention import attend
 from trainer.models.deltanet import gated_delta_rule, short_conv
+from trainer.models.hybrid import FULL, LINEAR, HybridArgs  # noqa: F401
 from trainer.models.layers import RMSNorm
 from trainer.models.llama import Head, Transformer, _init_std, trunc_normal
 from trainer.models.moe import FeedForward, MoE
@@ -49,6 +50,13 @@ class ZeroCentredRMSNorm(RMSNorm):
         xf = x.float()
         normed = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
         return (normed * (1.0 + self.weight.float())).type_as(x)
+
+    @torch.no_grad()
+    def scale_(self, factor: torch.Tensor) -> None:
+        """Multiply the output by `factor`: 1 + w becomes factor x (1 + w)."""
+        local = self.weight.to_local() if hasattr(self.weight, "to_local") else self.weight
+        f = factor.to(device=local.device, dtype=torch.float32)
+        local.copy_((local.float() * f + (f - 1.0)).to(local.dtype))
 
 
 class GatedRMSNorm(RMSNorm):
@@ -76,12 +84,14 @@ class GatedAttention(nn.Module):
     def __init__(self, args: ModelArgs):
         super().__init__()
         d, self.head_dim = args.dim, args.head_dim
+        self.n_heads, self.n_kv_heads = args.n_heads, args.n_kv_heads
         self.wq = nn.Linear(d, args.n_heads * 2 * self.head_dim, bias=False)  # query, gate
         self.wk = nn.Linear(d, args.n_kv_heads * self.head_dim, bias=False)
         self.wv = nn.Linear(d, args.n_kv_heads * self.head_dim, bias=False)
         self.wo = nn.Linear(args.n_heads * self.head_dim, d, bias=False)
         self.q_norm = ZeroCentredRMSNorm(self.head_dim, args.norm_eps)
         self.k_norm = ZeroCentredRMSNorm(self.head_dim, args.norm_eps)
+        self.logit_max: torch.Tensor | None = None  # QK-clip's per-head maxima (optim/qk_clip.py)
 
     def forward(self, x, cos, sin, mask=None):
         b, s, _ = x.shape
@@ -89,7 +99,8 @@ class GatedAttention(nn.Module):
         q = rope_halves(self.q_norm(q), cos, sin)
         k = rope_halves(self.k_norm(self.wk(x).view(b, s, -1, self.head_dim)), cos, sin)
         v = self.wv(x).view(b, s, -1, self.head_dim)
-        out = attend(q, k, v, mask).transpose(1, 2).reshape(b, s, -1)
+        maxima = self.logit_max if self.training else None  # evaluation does not feed the clip
+        out = attend(q, k, v, mask, logit_max=maxima).transpose(1, 2).reshape(b, s, -1)
         return self.wo(out * torch.sigmoid(gate.reshape(b, s, -1)))
 
 
@@ -138,7 +149,10 @@ class GatedDeltaNet(nn.Module):
             prefixes, recurrent = state
         streams, tails = [], []
         for proj, weight, prefix in zip(
-            (self.wq, self.wk, self.wv), (self.conv_q, self.conv_k, self.conv_v), prefixes
+            (self.wq, self.wk, self.wv),
+            (self.conv_q, self.conv_k, self.conv_v),
+            prefixes,
+            strict=True,
         ):
             y, tail = short_conv(proj(x), _local(weight), doc_ids, prefix)
             streams.append(F.silu(y))

@@ -55,6 +55,48 @@ class YarnScaling:
         return self.gain(self.factor, 1.0)
 
 
+def yarn_over(flavor, factor: float = 0.0, original: int = 0) -> YarnScaling:
+    """YaRN over a flavor's RoPE (`model.rope_scaling = "yarn"`): its own YaRN with `factor`
+    and `original` (original_max_position_embeddings) put in where given (e.g. Kimi K2 0905:
+    factor 64 over K2's 32), or on a flavor without YaRN the form transformers builds from a
+    config.json that names only those two (beta_fast 32, beta_slow 1, no mscale: cos and sin
+    x 0.1 ln(factor) + 1, e.g. the YaRN edit of Qwen3-Next's and Qwen3's model cards)."""
+    base = (
+        flavor if isinstance(flavor, YarnScaling) else YarnScaling(mscale=0.0, mscale_all_dim=0.0)
+    )
+    return YarnScaling(
+        **{
+            **base.__dict__,
+            **({"factor": float(factor)} if factor else {}),
+            **({"original_max_position_embeddings": int(original)} if original else {}),
+        }
+    )
+
+
+def yarn_from_config(s: dict, max_positions: int) -> YarnScaling:
+    """A config.json's YaRN (`rope_scaling` or `rope_parameters` of rope_type "yarn") with
+    transformers' defaults for the keys it leaves out."""
+    return YarnScaling(
+        factor=float(s["factor"]),
+        original_max_position_embeddings=int(
+            s.get("original_max_position_embeddings") or max_positions
+        ),
+        beta_fast=float(s.get("beta_fast") or 32.0),
+        beta_slow=float(s.get("beta_slow") or 1.0),
+        mscale=float(s.get("mscale") or 0.0),
+        mscale_all_dim=float(s.get("mscale_all_dim") or 0.0),
+        truncate=bool(s.get("truncate", True)),
+    )
+
+
+def yarn_keys(s: YarnScaling) -> str:
+    """The [model] overrides that give a flavor this YaRN (said in config errors)."""
+    return (
+        f"model.rope_scaling = 'yarn', model.yarn_factor = {s.factor:g}, "
+        f"model.yarn_original_max_position_embeddings = {s.original_max_position_embeddings}"
+    )
+
+
 # As released: DeepSeek-V3 (and R1, V3.1) and Kimi K2 (config.json's rope_scaling).
 DEEPSEEK_V3_YARN = YarnScaling()
 KIMI_K2_YARN = YarnScaling(factor=32.0, beta_fast=1.0, beta_slow=1.0)

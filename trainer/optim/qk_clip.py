@@ -9,9 +9,15 @@ Per head h with largest logit m_h > tau, gamma_h = tau / m_h, and (Kimi K2, sect
 - standard attention with one key head per query head: the head's query and key rows each
   x sqrt(gamma_h);
 - grouped-query attention (a key head serves several query heads): the query rows x gamma_h
-  and the shared key head untouched, so no other head's logits change.
-Heads at or under tau keep their weights. A skipped step (non-finite loss, a spike) skips the
-clip too, and a non-finite maximum never scales anything.
+  and the shared key head untouched, so no other head's logits change;
+- attention with a per-head RMSNorm of q and k (Qwen3, Qwen3-Next): the norms divide out any
+  scale of the query and key rows, so the clip scales the norms' weights instead, the only
+  place a scale survives. Those weights are shared by every head of the layer, so the layer
+  clips as one: each norm's output x sqrt(gamma) with gamma = tau / (the layer's largest
+  logit), every head of the layer scaled alike (a per-head clip cannot be expressed there).
+Heads at or under tau keep their weights (on a q/k-normed layer: when all of them are). A
+skipped step (non-finite loss, a spike) skips the clip too, and a non-finite maximum never
+scales anything. Evaluation forwards (the model in eval mode) record nothing.
 
 The maxima come from the forward passes of the step (trainer/models/logits.py), every
 microbatch's: each attention layer raises a [local heads] buffer on the device. After the
@@ -116,6 +122,11 @@ def scale_heads(module, gamma: torch.Tensor) -> None:
     """Scale one attention module's query and key rows by the heads' gamma [heads] (1 where
     not clipped), as the module docstring says."""
     root = gamma.sqrt()
+    if getattr(module, "q_norm", None) is not None:  # q/k-normed (MLA has none)
+        layer = root.min()  # the layer's most clipped head sets the one factor
+        module.q_norm.scale_(layer)
+        module.k_norm.scale_(layer)
+        return
     if hasattr(module, "wkv_b"):  # MLA
         q_rows = torch.cat(
             [root.unsqueeze(1).expand(-1, module.nope), gamma.unsqueeze(1).expand(-1, module.rope)],
@@ -157,8 +168,16 @@ def build_qk_clip(model: torch.nn.Module, cfg, log=print) -> QKClip | None:
     """The clip of `[optimizer] muon_qk_clip` (None when 0), said in one startup line."""
     if not cfg.muon_qk_clip:
         return None
-    log(
-        f"QK-clip: after each step, the query/key weights of every attention head whose "
-        f"largest logit passed {cfg.muon_qk_clip:g} are scaled back to it (qk_clip/*)"
+    clip = QKClip(model, model.args, cfg.muon_qk_clip)
+    normed = any(getattr(m, "q_norm", None) is not None for _, m, _ in clip.layers)
+    where = (
+        "the q/k norm weights of every attention layer (each layer as one: its norms undo a "
+        "scale of the query/key rows)"
+        if normed
+        else "the query/key weights of every attention head"
     )
-    return QKClip(model, model.args, cfg.muon_qk_clip)
+    log(
+        f"QK-clip: after each step, {where} whose largest logit passed "
+        f"{cfg.muon_qk_clip:g} are scaled back to it (qk_clip/*)"
+    )
+    return clip
