@@ -112,6 +112,25 @@ def window_document_ids(
     return torch.cat([doc_ids, doc_ids[:, -1:] + new], dim=1)
 
 
+class WindowsOfDocuments:
+    """What a loader of document windows gives the step, from its `delimiters` (None: data
+    without documents) and `predict_document_start`: the document ids of inputs, and a
+    window's (inputs, labels). Shared by the global-order and the streaming loaders."""
+
+    delimiters: Delimiters | None = None
+    predict_document_start: bool = True
+
+    def document_ids(self, inputs: torch.Tensor) -> torch.Tensor | None:
+        """The document id of every input position ([B, S] int64, on the inputs' device), or
+        None for data without documents. The model's block-causal mask and per-document
+        positions come from these (trainer/models/attention.py)."""
+        return None if self.delimiters is None else document_ids(inputs, self.delimiters)
+
+    def _split(self, windows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(inputs, labels) of [B, seq_len+1] windows (data.predict_document_start applied)."""
+        return split_window(windows, self.delimiters, self.predict_document_start)
+
+
 class MicrobatchDocuments:
     """The document ids one training microbatch needs, each computed only where used: the
     model's [B, S] (`model`: block_causal attention, document positions) and the window's

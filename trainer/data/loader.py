@@ -16,16 +16,15 @@ import torch
 
 from trainer.data.documents import (
     Delimiters,
+    WindowsOfDocuments,
     describe_documents,
-    document_ids,
-    split_window,
     store_delimiters,
 )
 from trainer.data.order import window_of_sample
 from trainer.errors import DataError
 
 
-class GlobalOrderLoader:
+class GlobalOrderLoader(WindowsOfDocuments):
     """Base class: subclasses set `kind`, `vocab_size`, `tokenizer_path`, `fingerprint`,
     `n_windows` (0 = unbounded) and implement `_windows(indices) -> int array [n, seq_len+1]`.
     Those with documents set `delimiters` (trainer/data/documents.py), else `no_documents`
@@ -78,16 +77,6 @@ class GlobalOrderLoader:
             self._step_done(self.consumed, self.consumed + self.global_batch_size)
             self.consumed += self.global_batch_size
         return self._split(windows)
-
-    def document_ids(self, inputs: torch.Tensor) -> torch.Tensor | None:
-        """The document id of every input position ([B, S] int64, on the inputs' device), or
-        None for data without documents. The model's block-causal mask and per-document
-        positions come from these (trainer/models/attention.py)."""
-        return None if self.delimiters is None else document_ids(inputs, self.delimiters)
-
-    def _split(self, windows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """(inputs, labels) of [B, seq_len+1] windows (data.predict_document_start applied)."""
-        return split_window(windows, self.delimiters, self.predict_document_start)
 
     def set_global_batch_size(self, global_batch_size: int) -> None:
         """The global batch of the next step (a batch-size ramp): at a step boundary, on every

@@ -15,7 +15,7 @@ import numpy as np
 import torch
 
 from trainer.data.config import DataConfig
-from trainer.data.documents import delimiters_of, document_ids, split_window
+from trainer.data.documents import WindowsOfDocuments, delimiters_of
 from trainer.data.sources import examples, open_hf_stream, text_of
 from trainer.data.tokenizer import Tokenizer
 from trainer.errors import DataError
@@ -23,7 +23,7 @@ from trainer.errors import DataError
 _DOCS_PER_ENCODE, _CHARS_PER_ENCODE = 64, 1 << 16  # small reads: fast start, little waste
 
 
-class StreamingLoader:
+class StreamingLoader(WindowsOfDocuments):
     kind = "streaming"
 
     def __init__(
@@ -114,11 +114,7 @@ class StreamingLoader:
         batch = torch.from_numpy(self.buffer[:n].reshape(self.local_batch_size, -1).copy())
         self.buffer = self.buffer[n:]
         self.samples += self.local_batch_size
-        return split_window(batch, self.delimiters, self.predict_document_start)
-
-    def document_ids(self, inputs: torch.Tensor) -> torch.Tensor | None:
-        """As GlobalOrderLoader.document_ids."""
-        return None if self.delimiters is None else document_ids(inputs, self.delimiters)
+        return self._split(batch)
 
     def state_dict(self) -> dict:
         """dp_size plus this rank's own state under 'dp_rank_<r>' (plain python values; the
