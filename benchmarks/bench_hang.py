@@ -15,7 +15,8 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from scripts.chaos import Launch, load_dcp_tensors, train_args  # noqa: E402
+from scripts.chaos import Launch, train_args  # noqa: E402
+from trainer.checkpoint.safe_load import load_tensors  # noqa: E402
 
 
 def hang(dump: Path, steps: int, timeout: int, at: int, restarts: int) -> dict:
@@ -52,8 +53,8 @@ def main(argv=None) -> int:
     assert Launch(train_args(ref, a.steps, 2, 2), 2).finish() == 0
     print("no restarts:", hang(a.workdir / "stop", a.steps, a.timeout, a.at, 0))
     healed = hang(a.workdir / "heal", a.steps, a.timeout, a.at, 1)
-    x = load_dcp_tensors(ref / "checkpoint" / f"step-{a.steps}")
-    y = load_dcp_tensors(a.workdir / "heal" / "checkpoint" / f"step-{a.steps}")
+    x = load_tensors(ref / "checkpoint" / f"step-{a.steps}")
+    y = load_tensors(a.workdir / "heal" / "checkpoint" / f"step-{a.steps}")
     healed["bitwise"] = f"{sum(bool((x[k] == y[k]).all()) for k in x)}/{len(x)} tensors equal"
     print("MAX_RESTARTS=1:", healed)
     return 0

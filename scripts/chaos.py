@@ -68,7 +68,7 @@ from scripts.chaos_faults import (
     schedule,
 )
 from scripts.chaos_node import node_steps, run_node_chaos  # noqa: E402
-from scripts.chaos_report import _figures, load_dcp_tensors, ok, report, table  # noqa: E402,F401
+from scripts.chaos_report import _figures, ok, report, table  # noqa: E402,F401
 
 MAX_RESTARTS = 1000  # every launch heals its killed and hung ranks itself
 

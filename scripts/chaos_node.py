@@ -48,8 +48,9 @@ from scripts.chaos_common import (
     partials,  # noqa: E402
     train_args,
 )
-from scripts.chaos_report import load_dcp_tensors, per_kind, tb_losses  # noqa: E402
+from scripts.chaos_report import per_kind, tb_losses  # noqa: E402
 from tests.helpers import process_tree  # noqa: E402
+from trainer.checkpoint.safe_load import load_tensors  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 TOLERANCE = 1e-4  # the losses of the whole run against the uninterrupted one
@@ -464,7 +465,7 @@ def node_figures(
     folders = sorted((dump / "checkpoint").iterdir()) if (dump / "checkpoint").exists() else []
     bad = [f.name for f in folders if not re.fullmatch(r"step-\d+", f.name) or not _loads(f)]
     final = (
-        load_dcp_tensors(dump / "checkpoint" / f"step-{steps}")
+        load_tensors(dump / "checkpoint" / f"step-{steps}")
         if (dump / "checkpoint" / f"step-{steps}").exists()
         else {}
     )
@@ -512,6 +513,6 @@ def allowance(rec: NodeRecord, interval: int) -> int:
 
 def _loads(folder: Path) -> bool:
     try:
-        return bool(load_dcp_tensors(folder))
+        return bool(load_tensors(folder))
     except Exception:  # noqa: BLE001 (any failure to load is the finding)
         return False

@@ -4,33 +4,11 @@ from the final DCP checkpoints and the TensorBoard losses of both runs."""
 from __future__ import annotations
 
 import sys
-import warnings
 from pathlib import Path
 
 from scripts.chaos_faults import HEALING
 
 REPO = Path(__file__).resolve().parents[1]
-
-
-def load_dcp_tensors(path: Path | str) -> dict:
-    """Every tensor of a DCP checkpoint, loaded on this one process (no process group)."""
-    import torch
-    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
-
-    from trainer.checkpoint import safe_load, storage
-
-    if storage.is_url(path):
-        storage.filesystem(str(path))  # its retries (the fault proxy is not in this path)
-    meta = safe_load.read_metadata(str(path))
-    sd = {
-        k: torch.empty(m.size, dtype=m.properties.dtype)
-        for k, m in meta.state_dict_metadata.items()
-        if isinstance(m, TensorStorageMetadata)
-    }
-    with warnings.catch_warnings():  # "assuming the intent is to load in a single process": yes
-        warnings.simplefilter("ignore")
-        safe_load.load(sd, str(path), no_dist=True)
-    return sd
 
 
 def tb_losses(dump: Path) -> dict[int, float]:
@@ -53,7 +31,9 @@ def _figures(
     """`final`: the last checkpoint's URL when it is not in `dump` (the s3 layout)."""
     final_ref = ref / "checkpoint" / f"step-{steps}"
     final = final or dump / "checkpoint" / f"step-{steps}"
-    a, b = load_dcp_tensors(final_ref), load_dcp_tensors(final)
+    from trainer.checkpoint.safe_load import load_tensors
+
+    a, b = load_tensors(final_ref), load_tensors(final)
     differing = sorted(
         k for k in a if k not in b or not bool((a[k] == b[k]).all()) or a[k].dtype != b[k].dtype
     )

@@ -13,9 +13,10 @@ import uuid
 
 import pytest
 
-from scripts.chaos import load_dcp_tensors, ok, report, run_chaos, train_args
+from scripts.chaos import ok, report, run_chaos, train_args
 from tests.helpers import losses, run_train
 from trainer.checkpoint.integrity import LEGACY, check_share
+from trainer.checkpoint.safe_load import load_tensors
 
 STEPS, INTERVAL = 4, 2
 
@@ -38,7 +39,7 @@ def copy_of(reference, tmp_path):
 
 
 def assert_same_state(a, b):
-    ta, tb = load_dcp_tensors(a), load_dcp_tensors(b)
+    ta, tb = load_tensors(a), load_tensors(b)
     assert ta.keys() == tb.keys()
     assert [k for k in ta if not bool((ta[k] == tb[k]).all())] == []
 

@@ -9,8 +9,8 @@ import re
 
 import pytest
 
-from scripts.chaos import load_dcp_tensors
 from tests.helpers import BASE_FP32, losses, run_train, run_train_watched, scalars
+from trainer.checkpoint.safe_load import load_tensors
 
 STEPS = 6
 TIMEOUT = 5  # comm.train_timeout_seconds: what a hang costs before it is named
@@ -92,8 +92,8 @@ def test_restarts_heal_a_hang_and_a_kill_bitwise(reference, tmp_path):
     assert re.search(r"rank 1 stopped responding at step 3", proc.stderr)
     resumed = re.findall(r"resumed from \S+ \(step (\d+)\)", proc.stdout)
     assert resumed == ["2", "4"], proc.stdout
-    a = load_dcp_tensors(reference / "checkpoint" / f"step-{STEPS}")
-    b = load_dcp_tensors(tmp_path / "checkpoint" / f"step-{STEPS}")
+    a = load_tensors(reference / "checkpoint" / f"step-{STEPS}")
+    b = load_tensors(tmp_path / "checkpoint" / f"step-{STEPS}")
     assert a.keys() == b.keys() and [k for k in a if not bool((a[k] == b[k]).all())] == []
     assert losses(tmp_path) == losses(reference)
     assert scalars(tmp_path, "fault/restarts") == {2: 1.0, 4: 2.0}

@@ -451,8 +451,8 @@ def test_moe_trains_as_one_rank_with_balancing_and_aux_losses(moe_runs, name):
     losses back-propagate inside the recompute): the 1-rank
     losses, gradient norms and expert loads; the balancing bias moved (the loads are summed over
     the ranks before the update, so it moves alike)."""
-    from scripts.chaos import load_dcp_tensors
     from tests.helpers import scalars
+    from trainer.checkpoint.safe_load import load_tensors
 
     ref, got = moe_runs / "ref", moe_runs / name
     for tag in (
@@ -467,7 +467,7 @@ def test_moe_trains_as_one_rank_with_balancing_and_aux_losses(moe_runs, name):
         assert all(abs(have[s] - want[s]) <= 1e-4 * max(1.0, abs(want[s])) for s in want), tag
     assert scalars(ref, "moe/layer_1/load_imbalance")[1] > 1.0
     key = "model_optim.model.layers.2.feed_forward.router.expert_bias"
-    mine, theirs = (load_dcp_tensors(run / "checkpoint" / "step-5") for run in (got, ref))
+    mine, theirs = (load_tensors(run / "checkpoint" / "step-5") for run in (got, ref))
     assert mine[key].abs().max() > 0
     torch.testing.assert_close(mine[key], theirs[key])
     # The routers, whose gradients carry the aux losses: AdamW magnifies a mis-scaled aux
@@ -500,10 +500,10 @@ def test_a_pipeline_stage_without_moe_layers_trains_as_one_rank(moe_runs):
 def test_qk_norms_train_as_one_rank_under_tp(moe_runs):
     """Qwen3's per-head q/k norms under TP 2: their gradient sums over every head (each tp rank
     holds half the heads), so the trained weights equal one rank's, not a per-rank drift."""
-    from scripts.chaos import load_dcp_tensors
+    from trainer.checkpoint.safe_load import load_tensors
 
-    got = load_dcp_tensors(moe_runs / "tp2_ep2" / "checkpoint" / "step-5")
-    ref = load_dcp_tensors(moe_runs / "ref" / "checkpoint" / "step-5")
+    got = load_tensors(moe_runs / "tp2_ep2" / "checkpoint" / "step-5")
+    ref = load_tensors(moe_runs / "ref" / "checkpoint" / "step-5")
     keys = [k for k in ref if k.endswith(("q_norm.weight", "k_norm.weight"))]
     assert len(keys) == 6  # 3 blocks x (q, k)
     for key in keys:
@@ -514,8 +514,8 @@ def test_qk_norms_train_as_one_rank_under_tp(moe_runs):
 def test_a_step_skipped_on_a_spike_leaves_the_balancing_bias(tmp_path):
     """on_spike = "skip" at step 4 on 1 rank: between the checkpoints of steps 3 and 5 the
     bias made one move of at most coeff (step 5's), not two (it moved at the skipped step)."""
-    from scripts.chaos import load_dcp_tensors
     from tests.helpers import run_train
+    from trainer.checkpoint.safe_load import load_tensors
 
     run_train(
         tmp_path,
@@ -538,7 +538,7 @@ def test_a_step_skipped_on_a_spike_leaves_the_balancing_bias(tmp_path):
         "step-3",
         "step-5",
     ]
-    before, after = (load_dcp_tensors(tmp_path / "checkpoint" / f"step-{s}") for s in (3, 5))
+    before, after = (load_tensors(tmp_path / "checkpoint" / f"step-{s}") for s in (3, 5))
     keys = [k for k in before if k.endswith("router.expert_bias")]
     assert len(keys) == 2
     moves = [(after[k] - before[k]).abs().max().item() for k in keys]
@@ -556,10 +556,10 @@ def test_moe_resumes_bitwise_with_its_bias(moe_runs, tmp_path):
 
 def test_experts_are_saved_whole_under_ep(moe_runs):
     """Each layer's experts are one full [E, ...] tensor in the checkpoint, whatever the ep."""
-    from scripts.chaos import load_dcp_tensors
+    from trainer.checkpoint.safe_load import load_tensors
 
-    saved = load_dcp_tensors(moe_runs / "ep2_fsdp2" / "checkpoint" / "step-5")
-    ref = load_dcp_tensors(moe_runs / "ref" / "checkpoint" / "step-5")
+    saved = load_tensors(moe_runs / "ep2_fsdp2" / "checkpoint" / "step-5")
+    ref = load_tensors(moe_runs / "ref" / "checkpoint" / "step-5")
     args = FLAVORS[NARROW]
     experts, width, dim = args.moe.n_experts, args.moe.hidden_dim, args.dim  # 8, 96, 64
     for name in ("w1", "w2", "w3"):
@@ -783,10 +783,10 @@ def test_moe_under_tp_trains_every_tensor_as_one_rank(moe_runs, name):
     moment after 5 steps equals one rank's: a missing router sum, experts summed over tp
     too, or a divisor off by tp (the experts' moments 2x or 4x off; AdamW's update hides that
     from the losses) all fail here."""
-    from scripts.chaos import load_dcp_tensors
+    from trainer.checkpoint.safe_load import load_tensors
 
-    got = load_dcp_tensors(moe_runs / name / "checkpoint" / "step-5")
-    ref = load_dcp_tensors(moe_runs / "ref" / "checkpoint" / "step-5")
+    got = load_tensors(moe_runs / name / "checkpoint" / "step-5")
+    ref = load_tensors(moe_runs / "ref" / "checkpoint" / "step-5")
     keys = [k for k in ref if torch.is_floating_point(ref[k])]
     assert (
         sum(k.endswith(("experts.w1", "experts.w1.exp_avg", "experts.w1.exp_avg_sq")) for k in keys)

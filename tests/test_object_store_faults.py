@@ -25,9 +25,9 @@ import pytest
 import torch
 
 from scripts.chaos_common import checkpoint_of, committed, train_args
-from scripts.chaos_report import load_dcp_tensors
 from scripts.s3_fault_proxy import KINDS, FaultProxy, Rule
 from tests.helpers import losses, run_train, scalars
+from trainer.checkpoint.safe_load import load_tensors
 
 pytest.importorskip("s3fs", reason="s3fs is not installed (pip install -e '.[dev]')")
 pytest.importorskip("moto", reason="moto is not installed (pip install -e '.[dev]')")
@@ -183,7 +183,7 @@ def test_training_through_faults_counts_them_and_follows_on_save_error(
         k: expected(loads, k) for k in KINDS
     }
     assert committed(url) == [2, 4]  # step-6's objects were removed when it failed
-    a, b = load_dcp_tensors(reference / "checkpoint" / "step-4"), load_dcp_tensors(f"{url}/step-4")
+    a, b = load_tensors(reference / "checkpoint" / "step-4"), load_tensors(f"{url}/step-4")
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
 
     # 3: the store keeps refusing step-4's reads past the retries: the resume stops in one line

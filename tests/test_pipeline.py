@@ -16,7 +16,6 @@ import subprocess
 
 import pytest
 
-from scripts.chaos import load_dcp_tensors
 from tests.helpers import (
     REPO,
     SYNTHETIC,
@@ -27,6 +26,7 @@ from tests.helpers import (
     stopped_after_save,
 )
 from tests.test_tp import saved_digest
+from trainer.checkpoint.safe_load import load_tensors
 from trainer.config.job import load_config
 from trainer.errors import ConfigError
 from trainer.parallel.dims import ParallelDims
@@ -188,7 +188,7 @@ def test_hf_export_and_generation_read_a_pp_checkpoint(runs, tmp_path):
 
     pp_ckpt = runs["pp2_fsdp2"][0] / "checkpoint" / "step-3"
     ref_ckpt = runs["ref"][0] / "checkpoint" / "step-3"
-    pp, ref = load_dcp_tensors(pp_ckpt), load_dcp_tensors(ref_ckpt)
+    pp, ref = load_tensors(pp_ckpt), load_tensors(ref_ckpt)
     python, env = fork_python()
     model_keys = [k for k in ref if ".model." in k]
     assert sorted(k for k in pp if ".model." in k) == sorted(model_keys)
@@ -275,8 +275,8 @@ def test_a_spike_rolled_back_under_pp_ends_where_skipping_its_batch_ends(tmp_pat
     out = run_train(rolled, *ROLLBACK, env={"TRAINER_TEST_SPIKE_LOSS": "1:6:20"}).stdout
     assert re.search(r"^loss spike at step 6: .* rolled back to checkpoint step-4", out, re.M), out
     assert losses(rolled) == losses(straight)
-    got = load_dcp_tensors(rolled / "checkpoint" / "step-8")
-    ref = load_dcp_tensors(straight / "checkpoint" / "step-8")
+    got = load_tensors(rolled / "checkpoint" / "step-8")
+    ref = load_tensors(straight / "checkpoint" / "step-8")
     assert got.keys() == ref.keys() and any(k.startswith("model_optim.optimizer") for k in got)
     assert [k for k in got if not bool((got[k] == ref[k]).all())] == []
 

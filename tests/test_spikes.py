@@ -12,8 +12,8 @@ import re
 
 import pytest
 
-from scripts.chaos import load_dcp_tensors
 from tests.helpers import BASE_FP32, losses, run_train, scalars
+from trainer.checkpoint.safe_load import load_tensors
 from trainer.checkpoint.states import TrainState
 from trainer.config.job import JobConfig, load_config
 from trainer.errors import ConfigError, DataError, TrainingError
@@ -319,7 +319,7 @@ def test_rollback_ends_bitwise_where_skip_data_steps_ends_even_across_a_crash(st
     assert "loss spike" not in resumed, resumed
     assert f"step {SPIKE}: passed over 1 global batch, samples 40-47 (a rollback" in resumed
     assert losses(tmp_path) == losses(ref_dump)
-    got, ref = load_dcp_tensors(ckpt / "step-8"), load_dcp_tensors(ref_dump / "checkpoint/step-8")
+    got, ref = load_tensors(ckpt / "step-8"), load_tensors(ref_dump / "checkpoint/step-8")
     assert got.keys() == ref.keys() and any(k.startswith("model_optim.optimizer") for k in got)
     assert [k for k in got if not bool((got[k] == ref[k]).all())] == []
     assert scalars(tmp_path, "loss_metrics/rollbacks") == {SPIKE: 1.0}  # not counted again

@@ -16,9 +16,9 @@ import subprocess
 
 import pytest
 
-from scripts.chaos import load_dcp_tensors
 from tests.helpers import REPO, SYNTHETIC, fork_python, losses, run_train, scalars, torchrun
 from trainer.checkpoint.integrity import weights_digest
+from trainer.checkpoint.safe_load import load_tensors
 from trainer.config.job import load_config
 from trainer.errors import ConfigError
 
@@ -146,7 +146,7 @@ def resume(runs, tmp_path, source: str, name: str, nproc: int, *overrides: str):
 def saved_digest(step_dir) -> str:
     prefix = "model_optim.model."
     return weights_digest(
-        (k[len(prefix) :], t) for k, t in load_dcp_tensors(step_dir).items() if k.startswith(prefix)
+        (k[len(prefix) :], t) for k, t in load_tensors(step_dir).items() if k.startswith(prefix)
     )
 
 
@@ -173,7 +173,7 @@ def test_one_rank_checkpoint_resumes_under_tp(runs, tmp_path):
 def test_hf_export_and_generation_read_a_tp_checkpoint(runs, tmp_path):
     tp_ckpt = runs["tp2_fsdp2"][0] / "checkpoint" / "step-3"
     ref_ckpt = runs["ref"][0] / "checkpoint" / "step-3"
-    tp, ref = load_dcp_tensors(tp_ckpt), load_dcp_tensors(ref_ckpt)
+    tp, ref = load_tensors(tp_ckpt), load_tensors(ref_ckpt)
     python, env = fork_python()
     for key in (k for k in ref if ".model." in k):  # the full tensors, as one rank saved them
         assert (tp[key] - ref[key]).abs().max() <= 1e-5, key

@@ -203,3 +203,26 @@ def load(
         planner=SafeLoadPlanner(allow_partial_load=partial, allow_pickle=allow_pickle, path=path),
         no_dist=no_dist,
     )
+
+
+def load_tensors(path: str) -> dict[str, torch.Tensor]:
+    """Every tensor of the checkpoint folder `path` (a local folder or a store URL), whole, on
+    this one process without a process group: for reading a checkpoint offline (a comparison,
+    an export script, the tests)."""
+    import warnings
+
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    path = os.fspath(path)
+    if storage.is_url(path):
+        storage.filesystem(path)  # the store's client with its retries
+    meta = read_metadata(path)
+    tensors = {
+        k: torch.empty(m.size, dtype=m.properties.dtype)
+        for k, m in meta.state_dict_metadata.items()
+        if isinstance(m, TensorStorageMetadata)
+    }
+    with warnings.catch_warnings():  # "assuming the intent is to load in a single process"
+        warnings.simplefilter("ignore")
+        load(tensors, path, no_dist=True)
+    return tensors
