@@ -1,4 +1,4 @@
-"""The memory plan of the hybrid blocks (trainer/plan/hybrid.py): its per-token terms against
+"""The memory plan of the hybrid blocks (trainer/models/qwen3_next/plan.py): its per-token terms against
 what autograd saves for a Gated DeltaNet layer, a gated attention layer and a zero-centred
 norm at a small bf16 shape, and the debug config's plan against its traced step."""
 
@@ -11,7 +11,7 @@ from tests.helpers import REPO
 from trainer.config.job import load_config
 from trainer.models.build import build_model
 from trainer.models.flavors import FLAVORS
-from trainer.plan import hybrid
+from trainer.models.qwen3_next import plan as hybrid
 from trainer.plan.memory import memory_plan
 from trainer.plan.trace import trace_step
 

@@ -7,7 +7,7 @@
   document's own outputs (state and convolution restarted); a window split in two with the state
   passed on gives the unsplit outputs (what context parallelism will do);
 - a small Qwen3NextForCausalLM and Qwen3_5MoeForCausalLM, saved by transformers and read through
-  trainer/hf/qwen3_next.py into our model, give the same logits; our export holds the same
+  trainer/models/qwen3_next/hf.py into our model, give the same logits; our export holds the same
   tensors under the same names.
 """
 
@@ -19,9 +19,13 @@ from dataclasses import replace
 import pytest
 import torch
 
-from trainer.hf.qwen3_next import args_from_config, from_release, to_release
-from trainer.models.deltanet import chunk_gated_delta_rule, kernel_name, recurrent_gated_delta_rule
-from trainer.models.qwen3_next import GatedDeltaNet, Qwen3Next
+from trainer.models.qwen3_next.deltanet import (
+    chunk_gated_delta_rule,
+    kernel_name,
+    recurrent_gated_delta_rule,
+)
+from trainer.models.qwen3_next.hf import args_from_config, from_release, to_release
+from trainer.models.qwen3_next.model import GatedDeltaNet, Qwen3Next
 
 transformers = pytest.importorskip("transformers")
 from transformers.models.qwen3_next import modeling_qwen3_next as hf_q3n  # noqa: E402
@@ -200,7 +204,7 @@ def test_a_release_form_config_imports_and_equals_transformers(tmp_path):
     from safetensors.torch import load_file
 
     from trainer.errors import ConfigError
-    from trainer.hf.qwen3_next import check_release_config
+    from trainer.models.qwen3_next.hf import check_release_config
     from trainer.models.rope import YarnScaling
 
     torch.manual_seed(0)

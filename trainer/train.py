@@ -55,9 +55,9 @@ from trainer.health.preemption import PREEMPTED_EXIT_CODE, Preempted, StopSignal
 from trainer.health.spikes import check_data_skips, spike_check
 from trainer.hf.load import load_initial, save_last_hf
 from trainer.loop import Loop
+from trainer.models import registry
 from trainer.models.attention import attention_args
 from trainer.models.build import build_model
-from trainer.models.deltanet import kernel_name as deltanet_kernel
 from trainer.models.flavors import model_args
 from trainer.models.loss import build_loss, scoring_loss
 from trainer.models.moe import balance_experts
@@ -171,11 +171,7 @@ def train(cfg: JobConfig) -> None:
     )
     with metrics:  # its sinks closed with the run's exit code (W&B records it)
         metrics.log_startup()
-        log0(
-            sdpa_line
-            if args.hybrid is None
-            else f"{sdpa_line}; Gated DeltaNet: {deltanet_kernel(device.type)}"
-        )
+        log0(sdpa_line + registry.hooks(args).kernel_note(device.type))
         log0(f"data: {loader.describe()}")
         if cfg.training.rampup_batch_start:
             log0(describe_ramp(cfg.training, loader))

@@ -1,6 +1,6 @@
 """Write a Hugging Face folder (LlamaForCausalLM, Qwen3MoeForCausalLM, DeepseekV3ForCausalLM
-with its MTP layers, or Qwen3NextForCausalLM: trainer/hf/qwen3_next_io.py): unquantized weights in
-the chosen dtype, config.json, generation_config.json and the run's tokenizer."""
+with its MTP layers, or a family's own release format: its hooks' `hf_export`): unquantized
+weights in the chosen dtype, config.json, generation_config.json and the run's tokenizer."""
 
 from __future__ import annotations
 
@@ -9,6 +9,7 @@ import os
 from trainer.hf.mapping import buffer_shapes, export_shapes, hf_config, routing_bias_note
 from trainer.hf.tokenizer import export_tokenizer
 from trainer.hf.weights import write_json, write_weights
+from trainer.models import registry
 
 DEFAULT_MAX_SHARD_BYTES = 5 * 1024**3  # as Hugging Face's own save_pretrained
 
@@ -66,13 +67,11 @@ def write_hf_folder(
             storage.upload_folder(tmp, out_dir)
         return
     os.makedirs(out_dir, exist_ok=True)
-    if args.hybrid is not None:  # Qwen3NextForCausalLM's fused tensors
-        from trainer.hf.qwen3_next import release_config as config_of
-        from trainer.hf.qwen3_next_io import write_release
-
-        files = write_release(
-            out_dir, args, fetch, dtype=dtype, max_shard_bytes=max_shard_bytes, log=log
-        )
+    own = registry.hooks(args).hf_export(
+        out_dir, args, fetch, dtype=dtype, max_shard_bytes=max_shard_bytes, log=log
+    )
+    if own is not None:  # the family's own release format
+        config_of, files = own
     else:
         config_of, files = (
             hf_config,

@@ -28,6 +28,7 @@ from trainer.hf.mapping import (
     stacked_experts,
 )
 from trainer.hf.weights import HFFolder
+from trainer.models import registry
 
 
 def load_initial(model, cfg, *, log=print) -> bool:
@@ -61,10 +62,9 @@ def load_hf(model, folder: str, *, flavor: str, log=print) -> None:
     lacks keep their init)."""
     hf = HFFolder(folder)
     args = model.args
-    if args.hybrid is not None:  # Qwen3-Next / Qwen3.5: fused tensors, read a layer at a time
-        from trainer.hf.qwen3_next_io import release_into
-
-        for param, full in release_into(model, hf, folder, flavor, log=log):
+    own = registry.hooks(args).hf_load(model, hf, folder, flavor, log)
+    if own is not None:  # the family's own release format
+        for param, full in own:
             copy_full(param, full)
         return
     check_hf_config(hf.config, args, folder, flavor)

@@ -14,6 +14,7 @@ import torch
 
 from trainer.errors import ConfigError
 from trainer.hf import deepseek
+from trainer.models import registry
 from trainer.models.args import ModelArgs, MoEArgs
 from trainer.models.rope import YarnScaling
 
@@ -151,10 +152,9 @@ def from_hf(name: str, tensor: torch.Tensor, args: ModelArgs) -> torch.Tensor:
 def param_shapes(args: ModelArgs) -> dict[str, tuple[int, ...]]:
     """Our parameter names and shapes, in model order, without building the model (MTP
     modules where Hugging Face's architecture holds them: DeepSeek-V3's)."""
-    if args.hybrid is not None:  # Qwen3-Next: the model's own (trainer/hf/qwen3_next.py)
-        from trainer.hf.qwen3_next import hybrid_shapes
-
-        return hybrid_shapes(args)
+    own = registry.hooks(args).hf_param_shapes(args)
+    if own is not None:  # the family's own names
+        return own
     shapes = {"tok_embeddings.weight": (args.vocab_size, args.dim)}
     for i in range(args.n_layers):
         shapes.update((f"layers.{i}.{key}", shape) for key, shape in _block_shapes(i, args))
@@ -337,11 +337,13 @@ def architecture(args: ModelArgs) -> str:
 
 
 def export_problem(args: ModelArgs) -> str | None:
-    """Why no Hugging Face architecture here holds this model, or None."""
-    if args.hybrid is not None:
-        from trainer.hf.qwen3_next import export_problem as hybrid_problem
+    """Why no Hugging Face architecture here holds this model, or None (its family says)."""
+    return registry.hooks(args).hf_export_problem(args)
 
-        return hybrid_problem(args)
+
+def decoder_export_problem(args: ModelArgs) -> str | None:
+    """The plain decoder's answer: LlamaForCausalLM, Qwen3MoeForCausalLM or
+    DeepseekV3ForCausalLM, each with its conditions."""
     if args.mtp_layers and args.mla is None:
         return args.mtp_export_problem()
     if args.mla is not None:

@@ -9,9 +9,27 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Protocol
 
-from trainer.models.hybrid import FULL, LINEAR, HybridArgs
 from trainer.models.rope import RopeScaling, YarnScaling
+
+
+class HybridLayers(Protocol):
+    """A family's layers of more than one kind of mixer (`ModelArgs.hybrid`; Qwen3-Next's
+    Gated DeltaNet among gated attention: trainer/models/qwen3_next/args.py). The shared
+    shape code asks it, and never which family it is, what its layers add up to."""
+
+    family: str  # the model.name of the family whose layers these are
+
+    def block_mixer(self, args: ModelArgs, block: int) -> str: ...
+
+    def rope_dim(self, args: ModelArgs) -> int: ...
+
+    def num_params(self, args: ModelArgs, dense_total: int, attention: int) -> int: ...
+
+    def mtp_export_problem(self, args: ModelArgs) -> str | None: ...
+
+    def validate(self, args: ModelArgs) -> None: ...
 
 
 @dataclass(frozen=True)
@@ -41,11 +59,6 @@ class MoEArgs:
     # "node") and whether the AC recompute reuses the dispatched rows.
     dispatch: str = "auto"
     save_dispatch: bool = True
-
-    def hybrid_layer_type(self, block: int) -> str:
-        """The hybrid's mixer in `block`: its layer's (layer_types), and full attention in an
-        MTP block (block >= n_layers), as Qwen3-Next's release has it (mtp.layers.0.self_attn)."""
-        return FULL if block >= self.n_layers else self.hybrid.layer_type(block)
 
     def is_moe_layer(self, layer_id: int) -> bool:
         """Qwen3-MoE's rule ((i + 1) % step == 0) after the first dense layers."""
@@ -188,12 +201,14 @@ class ModelArgs:
     mtp_loss_weight: float = 0.3
     # Gated DeltaNet layers among gated attention layers (Qwen3-Next, Qwen3.5:
     # trainer/models/qwen3_next.py); None: every layer softmax attention
-    hybrid: HybridArgs | None = None
+    hybrid: HybridLayers | None = None
 
     @property
     def family(self) -> str:
         """The model.name this shape belongs to."""
-        return "qwen3_next" if self.hybrid else "deepseek_v3" if self.mla else "llama3"
+        if self.hybrid is not None:
+            return self.hybrid.family
+        return "deepseek_v3" if self.mla else "llama3"
 
     @property
     def head_dim(self) -> int:
@@ -208,10 +223,10 @@ class ModelArgs:
 
     @property
     def rope_dim(self) -> int:
-        """The channels RoPE rotates per head (MLA: only qk_rope_head_dim of them; hybrid:
-        partial_rotary_factor of them)."""
+        """The channels RoPE rotates per head (MLA: only qk_rope_head_dim of them; a hybrid:
+        its own)."""
         if self.hybrid is not None:
-            return int(self.head_dim * self.hybrid.partial_rotary_factor)
+            return self.hybrid.rope_dim(self)
         return self.mla.qk_rope_head_dim if self.mla is not None else self.head_dim
 
     def mtp_export_problem(self) -> str | None:
@@ -219,17 +234,8 @@ class ModelArgs:
         (a deepseek_v3 export writes them as the release's extra layers: trainer/hf/deepseek.py)."""
         if not self.mtp_layers or self.mla is not None:
             return None
-        if self.hybrid is not None:  # Qwen3-Next: one fc and set of norms (mtp.fc, mtp.norm)
-            return (
-                None
-                if self.mtp_layers == 1
-                else (
-                    f"model.mtp_layers = {self.mtp_layers}, but Qwen3-Next's release format holds "
-                    "one MTP module (mtp.fc, mtp.pre_fc_norm_*, mtp.norm and mtp.layers.0; "
-                    "num_nextn_predict_layers = 1), so an export or import could not hold the "
-                    "others: use model.mtp_layers = 1 to exchange this model with Hugging Face"
-                )
-            )
+        if self.hybrid is not None:
+            return self.hybrid.mtp_export_problem(self)
         hf_class = "Qwen3MoeForCausalLM" if self.moe is not None else "LlamaForCausalLM"
         return (
             f"model.mtp_layers = {self.mtp_layers}, but {hf_class} has no multi-token "
@@ -240,9 +246,8 @@ class ModelArgs:
         )
 
     def hybrid_layer_type(self, block: int) -> str:
-        """The hybrid's mixer in `block`: its layer's (layer_types), and full attention in an
-        MTP block (block >= n_layers), as Qwen3-Next's release has it (mtp.layers.0.self_attn)."""
-        return FULL if block >= self.n_layers else self.hybrid.layer_type(block)
+        """The hybrid's mixer in `block` (an MTP block's too: block >= n_layers)."""
+        return self.hybrid.block_mixer(self, block)
 
     def is_moe_layer(self, layer_id: int) -> bool:
         return self.moe is not None and self.moe.is_moe_layer(layer_id)
@@ -284,15 +289,8 @@ class ModelArgs:
                 ffn += (self.moe.active_ffn if active else self.moe.total_ffn)(self.dim)
         head = 0 if self.tie_word_embeddings else self.vocab_size * self.dim
         total = blocks * (attn + 2 * self.dim) + ffn + self.dim + head + mtp
-        h = self.hybrid
-        if h is not None:  # the mixers per layer type, and each MoE layer's shared expert
-            full = sum(self.hybrid_layer_type(i) == FULL for i in range(blocks))
-            total += (
-                full * h.full_params(self.dim, self.n_heads, self.n_kv_heads, self.head_dim)
-                - blocks * attn
-            )
-            total += (blocks - full) * h.linear_params(self.dim)
-            total += h.shared_params(self.dim) * len(self.moe_layer_ids)
+        if self.hybrid is not None:  # its mixers in place of `attn` in every block
+            total = self.hybrid.num_params(self, total, attn)
         return total + (self.vocab_size * self.dim if embeddings else 0)
 
     def validate(self) -> None:
@@ -309,7 +307,7 @@ class ModelArgs:
                 f"{self.n_kv_heads}"
             )
         if self.hybrid is not None:
-            self._validate_hybrid()
+            self.hybrid.validate(self)
         if (
             self.attn_mask_type not in ("causal", "block_causal")
             or self.positions not in ("sequence", "document")
@@ -318,26 +316,4 @@ class ModelArgs:
             raise ConfigError(
                 f"model attention: mask {self.attn_mask_type!r}, positions "
                 f"{self.positions!r}, implementation {self.attn_implementation!r}"
-            )
-
-    def _validate_hybrid(self) -> None:
-        from trainer.errors import ConfigError
-
-        h = self.hybrid
-        types = [h.layer_type(i) for i in range(self.n_layers)]
-        if set(types) - {LINEAR, FULL} or len(types) != self.n_layers:
-            raise ConfigError(
-                f"model layer_types {types}: {self.n_layers} entries, each {LINEAR!r} or {FULL!r}"
-            )
-        if h.linear_v_heads % h.linear_k_heads or self.rope_dim % 2:
-            raise ConfigError(
-                f"model linear_v_heads {h.linear_v_heads} must be a multiple of "
-                f"linear_k_heads {h.linear_k_heads}, and rope_dim {self.rope_dim} "
-                "(head_dim x partial_rotary_factor) even"
-            )
-        if h.shared_expert_hidden and self.moe is not None and self.moe.n_shared_experts:
-            raise ConfigError(
-                "model: a gated shared expert (shared_expert_hidden "
-                f"{h.shared_expert_hidden}) replaces moe.n_shared_experts "
-                f"{self.moe.n_shared_experts}; set the latter to 0"
             )

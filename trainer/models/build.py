@@ -1,17 +1,16 @@
-"""Build a model of any family on the meta device: Llama-style (GQA or MLA blocks,
-trainer/models/llama.py) or the Qwen3-Next hybrid (trainer/models/qwen3_next.py)."""
+"""Build a model of any family on the meta device, as its family builds it
+(trainer/models/registry.py)."""
 
 from __future__ import annotations
 
 import torch
 
+from trainer.models import registry
 from trainer.models.args import ModelArgs
-from trainer.models.llama import Transformer
-from trainer.models.qwen3_next import Qwen3Next
 
 
-def build_model(args: ModelArgs) -> Transformer:
+def build_model(args: ModelArgs) -> torch.nn.Module:
     """Validated, on the meta device: no memory is allocated until `to_empty` after sharding."""
     args.validate()
     with torch.device("meta"):
-        return Qwen3Next(args) if args.hybrid is not None else Transformer(args)
+        return registry.hooks(args).build(args)

@@ -8,6 +8,7 @@ from dataclasses import dataclass
 
 from trainer.config.base import did_you_mean, opt
 from trainer.errors import ConfigError
+from trainer.models import registry
 
 ATTN_MASK_TYPES = ("causal", "block_causal")
 POSITIONS = ("sequence", "document")
@@ -24,7 +25,7 @@ class Model:
         "Model family: llama3 (Llama 3, Qwen3-MoE: GQA), deepseek_v3 "
         "(MLA: DeepSeek-V3, Kimi K2, Moonlight) or qwen3_next (Gated DeltaNet "
         "hybrid: Qwen3-Next, Qwen3.5; docs/qwen3_next.md)",
-        choices=("llama3", "deepseek_v3", "qwen3_next"),
+        choices=registry.names(),
     )
     flavor: str = opt(
         "debugmodel",

@@ -41,7 +41,7 @@ from dataclasses import dataclass
 
 import torch
 
-from trainer.models.hybrid import LINEAR
+from trainer.models import registry
 from trainer.models.llama import ModelArgs
 
 
@@ -59,22 +59,13 @@ def _blocks(args: ModelArgs) -> int:
 
 
 def block_matmul_params(args: ModelArgs, i: int) -> int:
-    """Block `i`'s matmul weights per token: its attention (GQA, MLA without its two latent
-    norms, or the hybrid's Gated DeltaNet / gated attention) and its FFN (the routed experts a
-    token goes through, the router and the shared experts; a dense FFN's three matrices)."""
+    """Block `i`'s matmul weights per token: its attention (GQA, or MLA without its two latent
+    norms) and its FFN (the routed experts a token goes through, the router and the shared
+    experts; a dense FFN's three matrices); a family with blocks of its own counts them."""
+    own = registry.hooks(args).block_matmul_params(args, i)
+    if own is not None:  # a family's own block
+        return own
     d = args.dim
-    if args.hybrid is not None:
-        h = args.hybrid
-        if args.hybrid_layer_type(i) == LINEAR:  # wq, wk, wv, wz, wo; wb, wa
-            mixer = d * (2 * h.keys + 3 * h.values + 2 * h.linear_v_heads)
-        else:
-            mixer = d * args.head_dim * (3 * args.n_heads + 2 * args.n_kv_heads)
-        ffn = (
-            args.moe.active_ffn(d) + h.shared_params(d)
-            if args.is_moe_layer(i)
-            else 3 * d * args.hidden_dim
-        )
-        return mixer + ffn
     q_dim = args.n_heads * args.head_dim
     kv_dim = args.n_kv_heads * args.head_dim
     attention = d * (q_dim + 2 * kv_dim) + q_dim * d
@@ -95,10 +86,11 @@ def block_attention_flops(
     args: ModelArgs, i: int, seq_len: int, causal_half: bool = False
 ) -> float:
     """Block `i`'s score and value products per token, forward + backward (see the module
-    docstring); a Gated DeltaNet layer's chunked recurrence instead (`deltanet_flops`, which
-    no causal halving applies to)."""
-    if args.hybrid is not None and args.hybrid_layer_type(i) == LINEAR:
-        return deltanet_flops(args.hybrid)
+    docstring); a family's own mixer instead where it has one (Qwen3-Next's Gated DeltaNet:
+    its chunked recurrence)."""
+    own = registry.hooks(args).block_attention_flops(args, i, seq_len, causal_half)
+    if own is not None:  # a family's own mixer
+        return own
     # 2 products (q.k over head_dim channels, p.v over v_head_dim), 2 FLOPs per multiply-add,
     # x3 forward + backward: 12 * heads * head_dim when the two widths agree
     full = 6 * args.n_heads * (args.head_dim + args.v_head_dim) * seq_len
@@ -108,16 +100,6 @@ def block_attention_flops(
 def attention_flops_per_token(args: ModelArgs, seq_len: int, causal_half: bool = False) -> float:
     """Score and value products, forward + backward, per token, over every block."""
     return sum(block_attention_flops(args, i, seq_len, causal_half) for i in range(_blocks(args)))
-
-
-def deltanet_flops(h, chunk: int = 64) -> float:
-    """One Gated DeltaNet layer's recurrence per token, forward + backward (x3), in the chunked
-    form (trainer/models/deltanet.py): per value head, with dk / dv its key / value widths,
-    the state's readout q.S, the correction k.S and the update k^T u (2 dk dv each), and
-    within the chunk the scores q.k^T and k.k^T (2 C dk each) and their products with the
-    values (2 C dv each). The UT transform's triangular solve (~C^2 / 3 per token) is left out."""
-    dk, dv, c = h.linear_k_head_dim, h.linear_v_head_dim, chunk
-    return 3.0 * h.linear_v_heads * (6 * dk * dv + 4 * c * dk + 4 * c * dv)
 
 
 def flops_per_token(args: ModelArgs, seq_len: int) -> float:
@@ -140,12 +122,10 @@ def unit_flops(args: ModelArgs, seq_len: int) -> list[float]:
 
 
 def layer_kind(args: ModelArgs, i: int) -> tuple:
-    """What makes block `i` differ in shape from another: MoE or dense FFN, and the hybrid's
-    linear (Gated DeltaNet) or full attention. Blocks of one kind do the same work."""
-    return (
-        args.is_moe_layer(i),
-        args.hybrid_layer_type(i) if args.hybrid is not None else "attention",
-    )
+    """What makes block `i` differ in shape from another: MoE or dense FFN, and its mixer
+    (its family's kind: Qwen3-Next's Gated DeltaNet or gated attention). Blocks of one kind
+    do the same work."""
+    return (args.is_moe_layer(i), registry.hooks(args).layer_kind(args, i))
 
 
 def tokens_per_device(dp_rank_tokens_per_s: float, tp: int = 1) -> float:

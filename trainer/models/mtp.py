@@ -41,7 +41,7 @@ IGNORE_INDEX = -100
 
 class MTPModule(nn.Module):
     """One depth: two input norms, the projection, a transformer block, an output norm.
-    `norm`: the norms' class (Qwen3-Next's are zero-centred: trainer/models/qwen3_next.py)."""
+    `norm`: the norms' class (a family's own: Qwen3-Next's are zero-centred)."""
 
     def __init__(self, dim: int, eps: float, block: nn.Module, norm: type = RMSNorm):
         super().__init__()

@@ -22,6 +22,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from trainer.errors import ConfigError
+from trainer.models import registry
 
 SHARD_KEY = "parallelism.data_parallel_shard_degree"
 REPLICATE_KEY = "parallelism.data_parallel_replicate_degree"
@@ -367,10 +368,8 @@ def check_tp_shapes(args, tp: int, flavor: str, vocab_source: str | None) -> Non
         f"model.flavor {flavor!r} n_kv_heads": args.n_kv_heads,
         f"model.flavor {flavor!r} FFN width": args.hidden_dim,
     }
-    hybrid = getattr(args, "hybrid", None)
-    if hybrid is not None:  # the Gated DeltaNet's heads (trainer/models/qwen3_next.py)
-        dims[f"model.flavor {flavor!r} linear_k_heads"] = hybrid.linear_k_heads
-        dims[f"model.flavor {flavor!r} linear_v_heads"] = hybrid.linear_v_heads
+    for what, size in registry.hooks(args).tp_dims(args).items():  # the family's own
+        dims[f"model.flavor {flavor!r} {what}"] = size
     if vocab_source is not None:
         dims[f"the vocab ({vocab_source})"] = args.vocab_size
     for what, value in dims.items():

@@ -42,6 +42,7 @@ from torch.distributed.tensor.parallel import (
 )
 
 from trainer.health import heartbeat
+from trainer.models import registry
 from trainer.models.llama import Transformer
 
 
@@ -85,11 +86,12 @@ def apply_tp(
                 "feed_forward.w3": colwise(),
             }
         )
-        mixer = "linear_attention" if hasattr(block, "linear_attention") else "attention"
-        attention = (
-            _deltanet_styles(block.linear_attention, tp_mesh, model, colwise, prepare_input)
-            if mixer == "linear_attention"
-            else _mla_styles(block.attention, tp_mesh, colwise, prepare_input)
+        own = registry.hooks(model.args).tp_mixer_styles(
+            block, tp_mesh, model, colwise, prepare_input
+        )
+        mixer, attention = own or (
+            "attention",
+            _mla_styles(block.attention, tp_mesh, colwise, prepare_input)
             if hasattr(block.attention, "wkv_a")
             else {
                 # (x, cos, sin, mask): only x is sharded; the RoPE tables and mask are per rank
@@ -101,7 +103,7 @@ def apply_tp(
                 "attention.wk": colwise(),
                 "attention.wv": colwise(),
                 **_qk_norm_styles(block),
-            }
+            },
         )
         parallelize_module(
             block,
@@ -134,50 +136,6 @@ def _mla_styles(attention, tp_mesh, colwise, prepare_input) -> dict:
         "attention.wkv_b": colwise(),
     }
     styles["attention.wq" if attention.wq is not None else "attention.wq_b"] = colwise()
-    return styles
-
-
-def _deltanet_styles(layer, tp_mesh, model, colwise, prepare_input) -> dict:
-    """A Gated DeltaNet layer (trainer/models/qwen3_next.py) split by heads: its projections
-    colwise (wq, wk: key heads; wv, wz: value heads; wb, wa: a row per value head), the
-    convolutions' channels, A_log and dt_bias as Shard(0) DTensors (the forward takes their
-    local rows: each rank's heads, their channels), `wo` rowwise. The recurrence runs over
-    the whole sequence, so the layer's input is gathered as attention's is. The gated norm's
-    weight, shared by every head, stays a plain tensor; each rank's gradient holds its heads'
-    share, summed over tp once a step with the MoE's (`sum_partial_grads`)."""
-    from trainer.errors import ConfigError
-
-    heads = {
-        "linear_k_heads": layer.wq.out_features // layer.k_head_dim,
-        "linear_v_heads": layer.wb.out_features,
-    }
-    for what, n in heads.items():
-        if n % tp_mesh.size():
-            raise ConfigError(
-                f"parallelism.tensor_parallel_degree = {tp_mesh.size()} does not "
-                f"divide the Gated DeltaNet's {what} = {n}"
-            )
-    for name in ("conv_q", "conv_k", "conv_v", "A_log", "dt_bias"):
-        param = getattr(layer, name)
-        layer.register_parameter(
-            name,
-            nn.Parameter(
-                distribute_tensor(param, tp_mesh, [Shard(0)]), requires_grad=param.requires_grad
-            ),
-        )
-    partial = model.__dict__.setdefault("_tp_partial", [tp_mesh.get_group(), []])
-    partial[1].append(layer.norm)
-    # (x, doc_ids): x gathered to the whole sequence; the documents are every rank's
-    styles = {
-        "linear_attention": prepare_input(
-            input_layouts=(Shard(1), None),
-            desired_input_layouts=(Replicate(), None),
-            use_local_output=True,
-        )
-    }
-    styles.update(
-        {f"linear_attention.{w}": colwise() for w in ("wq", "wk", "wv", "wz", "wb", "wa")}
-    )
     return styles
 
 

@@ -9,8 +9,8 @@ from __future__ import annotations
 import math
 
 from trainer.config.job import JobConfig
+from trainer.models import registry
 from trainer.models.args import ModelArgs
-from trainer.plan import hybrid
 from trainer.plan.moe import moe_ffn_bytes, moe_layers
 
 FP32 = 4
@@ -147,20 +147,21 @@ def blocks_activations(
     compute dtype at every block's input, and each block keeps its copy in every AC mode
     (p * head_dim per token; whole sequence under TP)."""
     mode = mode or cfg.activation_checkpoint.mode
-    if a.hybrid is not None:  # Qwen3-Next / Qwen3.5's blocks: trainer/plan/hybrid.py
-        ac = cfg.activation_checkpoint
-        return hybrid.blocks_activations(
-            a,
-            p,
-            tokens,
-            mode,
-            ac.selective_ac_option,
-            ac.selective_op_matmuls == "every_other",
-            tp,
-            ep,
-            a.attn_mask_type == "block_causal",
-            min(cfg.training.seq_len, tokens),
-        )
+    ac = cfg.activation_checkpoint
+    own = registry.hooks(a).plan_blocks_activations(  # a family's own blocks
+        a,
+        p,
+        tokens,
+        mode=mode,
+        option=ac.selective_ac_option,
+        every_other=ac.selective_op_matmuls == "every_other",
+        tp=tp,
+        ep=ep,
+        documents=a.attn_mask_type == "block_causal",
+        seq=min(cfg.training.seq_len, tokens),
+    )
+    if own is not None:
+        return own
     rope = a.n_layers * p * a.head_dim * tokens if a.positions == "document" and p < FP32 else 0
     n_moe = min(moe_layers(a), a.n_layers)  # (a pipeline stage's n_layers may be fewer)
     ckpt_input = p * a.dim * sp_tokens(tokens, tp)

@@ -50,6 +50,7 @@ from dataclasses import dataclass
 
 from trainer.config.job import JobConfig
 from trainer.errors import ConfigError
+from trainer.models import registry
 from trainer.models.attention import memory_bytes as attention_bytes
 from trainer.models.build import build_model
 from trainer.models.flops import flops_per_token
@@ -67,7 +68,6 @@ from trainer.plan.activations import (
     split_bytes,
 )
 from trainer.plan.host import CPU_PROCESS_GIB, host_memory, offload_staging
-from trainer.plan.hybrid import largest_block
 from trainer.plan.moe import (
     gathered,
     group_key,
@@ -260,11 +260,11 @@ def memory_plan(cfg: JobConfig, world_size: int, pp_rank: int | None = None) -> 
     # under AC, the dispatched rows the recompute reuses where ep spans nodes (plan/moe.py)
     b["activations"] += int(held * saved_dispatch_bytes(cfg, blocks_a, pd.ep, p, tokens // tp))
     recompute = cfg.activation_checkpoint.mode != "none" and blocks_a.n_layers > 0
-    one = (
-        largest_block(a, p, tokens, tp, pd.ep, a.attn_mask_type == "block_causal", min(seq, tokens))
-        if a.hybrid is not None
-        else split_bytes(block_split(a, p, tp, moe=moe_layers(a) > 0, ep=pd.ep), tokens, tp)
+    one = registry.hooks(a).plan_largest_block(  # a family's own blocks
+        a, p, tokens, tp, pd.ep, a.attn_mask_type == "block_causal", min(seq, tokens)
     )
+    if one is None:
+        one = split_bytes(block_split(a, p, tp, moe=moe_layers(a) > 0, ep=pd.ep), tokens, tp)
     b["ac_recompute"] = one + kv if recompute else 0
     # TP in a block's backward: the whole-sequence gradient of a colwise matmul's input and a
     # rowwise matmul's partial sum, [tokens, dim] each, live around their collectives.

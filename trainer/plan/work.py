@@ -205,6 +205,7 @@ def count_block(cfg, args, layer: int | None, ac_mode: str) -> float:
 
     from torch._subclasses.fake_tensor import FakeTensorMode
 
+    from trainer.models import registry
     from trainer.models.build import build_model
     from trainer.models.flops import layer_kind
     from trainer.models.loss import build_loss
@@ -213,7 +214,7 @@ def count_block(cfg, args, layer: int | None, ac_mode: str) -> float:
     t, ac = cfg.training, cfg.activation_checkpoint
     small = dc.replace(args, mtp_layers=0, n_layers=(layer or 0) + 1)
     if (
-        args.hybrid is not None
+        registry.hooks(args).whole_model_for_a_layer
         or layer is not None
         and layer_kind(small, layer) != layer_kind(args, layer)
     ):

@@ -28,7 +28,7 @@ import torch
 
 from trainer.errors import ConfigError
 from trainer.models.args import ModelArgs, MoEArgs
-from trainer.models.hybrid import FULL, HybridArgs
+from trainer.models.qwen3_next.args import FULL, HybridArgs
 from trainer.models.rope import YarnScaling, yarn_from_config, yarn_keys
 
 # ours (under `layers.{i}.`) -> the release's (under `model.layers.{i}.`)
@@ -319,7 +319,7 @@ def _delta_to_release(la, pre: str, args: ModelArgs, family: str):
 def hybrid_shapes(args: ModelArgs, buffers: bool = False) -> dict[str, tuple[int, ...]]:
     """Our parameter names and shapes (with `buffers`, the persistent buffers too: the MoE
     balancing biases), from the model built on the meta device."""
-    from trainer.models.qwen3_next import Qwen3Next
+    from trainer.models.qwen3_next.model import Qwen3Next
 
     with torch.device("meta"):
         model = Qwen3Next(args)

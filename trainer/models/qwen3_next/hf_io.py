@@ -9,8 +9,8 @@ import os
 import torch
 
 from trainer.errors import ConfigError
-from trainer.hf import qwen3_next
 from trainer.hf.weights import DTYPES, INDEX, SINGLE, plan_shards, write_json
+from trainer.models.qwen3_next import hf as qwen3_next
 
 
 class _Folder:

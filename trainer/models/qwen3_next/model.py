@@ -35,12 +35,12 @@ from torch.distributed.tensor import DTensor
 
 from trainer.models.args import ModelArgs  # noqa: F401
 from trainer.models.attention import attend
-from trainer.models.deltanet import gated_delta_rule, short_conv
-from trainer.models.hybrid import FULL, LINEAR, HybridArgs  # noqa: F401
 from trainer.models.layers import RMSNorm
 from trainer.models.llama import Head, Transformer, _init_std, trunc_normal
 from trainer.models.moe import FeedForward, MoE
 from trainer.models.mtp import MTPModule
+from trainer.models.qwen3_next.args import FULL, LINEAR, HybridArgs  # noqa: F401
+from trainer.models.qwen3_next.deltanet import gated_delta_rule, short_conv
 
 
 class ZeroCentredRMSNorm(RMSNorm):
