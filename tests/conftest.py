@@ -21,6 +21,24 @@ import pytest  # noqa: E402
 # (tests/data_fixtures.py) are available to every test module without an import.
 pytest_plugins = ["tests.budget", "tests.data_fixtures"]
 
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_cmdline_main(config):
+    """The whole suite (`python -m pytest`, or the tests folder named) runs on one xdist worker
+    per core, a test file per worker at a time (module fixtures are shared within a file; a
+    launch's serial phase, the launcher importing torch, leaves a core idle that the other
+    worker uses). A file or a test named on the command line runs plainly in this process.
+    An explicit `-n` or `--dist` wins either way."""
+    if config.option.numprocesses is not None or config.option.dist != "no":
+        return
+    tests = os.path.dirname(os.path.abspath(__file__))
+    named = {os.path.abspath(str(a).split("::")[0]) for a in config.args}
+    if config.args_source == pytest.Config.ArgsSource.TESTPATHS or named == {tests}:
+        config.option.numprocesses = "auto"
+        config.option.dist = "loadfile"
+        config.option.loadscopereorder = False
+
+
 # The GPU machines have no Hugging Face `datasets`: what reads text/json/hub data through it skips
 # there (marked needs_datasets); everything else runs.
 HAS_DATASETS = importlib.util.find_spec("datasets") is not None
