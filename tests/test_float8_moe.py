@@ -102,6 +102,19 @@ def check(capsys, *argv):
             "training.device is 'cpu'",
         ),
         (
+            (
+                "--model.flavor",
+                "debugmodel-moe",
+                "--float8.moe",
+                "true",
+                "--training.device",
+                "cuda",
+                "--training.mixed_precision_param",
+                "float32",
+            ),
+            "float8.moe = true needs bf16 compute: the float8 grouped GEMM writes bfloat16 only",
+        ),
+        (
             ("--float8.moe", "true", "--float8.moe_emulate", "true"),
             "float8.moe = true is set, but model.flavor 'debugmodel' has no experts",
         ),
@@ -141,3 +154,23 @@ def test_float8_experts_train_under_ep_close_to_full_precision(tmp_path):
     assert abs(ref[1] - f8[1]) < 5e-3, (ref, f8)
     assert all(abs(ref[s] - f8[s]) < 3e-2 for s in ref), (ref, f8)
     assert any(ref[s] != f8[s] for s in ref)  # the experts really ran in float8
+
+
+@pytest.mark.parametrize(
+    "capability, ok", [((9, 0), True), ((10, 0), True), ((8, 9), False), ((12, 0), False)]
+)
+def test_float8_experts_run_on_the_capabilities_torchs_kernel_has(monkeypatch, capability, ok):
+    """torch._scaled_grouped_mm has float8 kernels for compute capability 9.x and 10.x only:
+    an L40S (8.9) or a consumer Blackwell (12.0) is told so at startup, in one line."""
+    from trainer.errors import ConfigError
+    from trainer.parallel.float8 import check_grouped_device
+
+    if not hasattr(torch, "_scaled_grouped_mm"):
+        pytest.skip("this torch has no _scaled_grouped_mm")
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda d=None: capability)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda d=None: "a GPU")
+    if ok:
+        check_grouped_device(torch.device("cuda"))
+    else:
+        with pytest.raises(ConfigError, match="needs compute capability 9.x or 10.x"):
+            check_grouped_device(torch.device("cuda"))

@@ -354,3 +354,22 @@ def test_keys_left_out_of_config_json_take_transformers_defaults(tmp_path):
     del config["n_group"]
     with pytest.raises(ConfigError, match="n_group is 8 there and 2 here"):
         check_hf_config(config, args, str(tmp_path), "debugmodel-dsv3")
+
+
+def test_power_of_two_scales_stored_as_e8m0_bytes_are_read_as_powers():
+    """A block's scale stored as its e8m0 byte (uint8 110 for 2^-17) dequantizes as the float
+    scale does, not as the number 110."""
+    from trainer.hf.quant import dequantize
+
+    torch.manual_seed(0)
+    q = (torch.randn(256, 384) * 4).to(torch.float8_e4m3fn)
+    exponents = torch.randint(100, 140, (2, 3))
+    as_float = torch.exp2(exponents.float() - 127)
+    want = dequantize(q, as_float, (128, 128))
+    assert torch.equal(dequantize(q, exponents.to(torch.uint8), (128, 128)), want)
+    if hasattr(torch, "float8_e8m0fnu"):
+        assert torch.equal(dequantize(q, as_float.to(torch.float8_e8m0fnu), (128, 128)), want)
+    with pytest.raises(ValueError, match="NaN"):
+        dequantize(q, torch.full((2, 3), 255, dtype=torch.uint8), (128, 128))
+    with pytest.raises(ValueError, match="expected floats"):
+        dequantize(q, exponents.to(torch.int32), (128, 128))

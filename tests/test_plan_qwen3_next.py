@@ -1,6 +1,6 @@
-"""The memory plan of the hybrid blocks (trainer/models/qwen3_next/plan.py): its per-token terms against
-what autograd saves for a Gated DeltaNet layer, a gated attention layer and a zero-centred
-norm at a small bf16 shape, and the debug config's plan against its traced step."""
+"""The memory plan of the hybrid blocks (trainer/models/qwen3_next/plan.py): its per-token
+terms against what autograd saves for a Gated DeltaNet layer, a gated attention layer and a
+zero-centred norm at a small bf16 shape, and the debug config's plan against its traced step."""
 
 import dataclasses
 

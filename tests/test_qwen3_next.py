@@ -515,3 +515,39 @@ def test_more_mtp_modules_than_the_release_holds_are_refused_for_hugging_face():
     ):
         with pytest.raises(ConfigError, match="holds one MTP module"):
             load_config([*base, "--model.mtp_layers", "2", *hf])
+
+
+@pytest.mark.parametrize(
+    "version, used",
+    [("0.6.0", True), ("0.7.2.dev1", True), ("0.4.2", False), ("", False)],
+)
+def test_fla_is_used_only_at_a_version_with_grouped_value_heads(monkeypatch, version, used):
+    """fla < 0.6 took one value head per key head (half of Qwen3-Next's output heads left
+    unwritten): it is not used, and the startup line says so; nor an fla of unknown version
+    (a source install without metadata); 0.6 and later are."""
+    import sys
+    import types
+
+    from trainer.models.qwen3_next import deltanet
+
+    def kernel(*a, **k):
+        return None
+
+    fla = types.ModuleType("fla")
+    if version:
+        fla.__version__ = version
+    ops = types.ModuleType("fla.ops")
+    rule = types.ModuleType("fla.ops.gated_delta_rule")
+    rule.chunk_gated_delta_rule = kernel
+    for name, module in (("fla", fla), ("fla.ops", ops), ("fla.ops.gated_delta_rule", rule)):
+        monkeypatch.setitem(sys.modules, name, module)
+    monkeypatch.setattr(deltanet, "_fla_version", lambda f: getattr(f, "__version__", None))
+    deltanet._fla_found.cache_clear()
+    try:
+        assert (deltanet._fla() is kernel) == used
+        line = deltanet.kernel_name("cuda")
+        assert line.startswith("fla chunk_gated_delta_rule" if used else "torch chunked"), line
+        if not used:
+            assert "needs fla-core >= 0.6" in line, line
+    finally:
+        deltanet._fla_found.cache_clear()

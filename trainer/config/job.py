@@ -89,7 +89,7 @@ class JobConfig:
                 obj.validate()
         if self.parallelism.fsdp_offload == "cpu" and self.training.device == "cpu":
             raise ConfigError(OFFLOAD_NEEDS_CUDA.format(where="training.device = 'cpu'"))
-        check_float8(self.float8, self.training.device)
+        check_float8(self.float8, self.training.device, self.training.mixed_precision_param)
         if self.optimizer.name == "Muon" and self.parallelism.fsdp_offload == "cpu":
             raise ConfigError(
                 "optimizer.name = 'Muon' with parallelism.fsdp_offload = 'cpu' is "

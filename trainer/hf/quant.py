@@ -6,9 +6,11 @@ The releases store each projection weight `X.weight` as float8_e4m3fn with a flo
 so in config.json: `quantization_config = {"quant_method": "fp8", "fmt": "e4m3",
 "activation_scheme": "dynamic", "weight_block_size": [128, 128]}`. The weight is each fp8
 value times the scale of its block (DeepSeek's `weight_dequant`). Norms, the embedding, the
-head, the router and its correction bias are stored unquantized. Any other `quant_method`
-(GPTQ, AWQ, compressed-tensors, ...) is refused: this trainer would read its packed integers
-as weights.
+head, the router and its correction bias are stored unquantized. A scale may also be stored
+as a power of two: an 8-bit exponent (e8m0, bias 127) in torch's float8_e8m0fnu, or as its raw
+byte in uint8 (2 ** (byte - 127)); either is read as that power, never as the byte's value.
+Any other `quant_method` (GPTQ, AWQ, compressed-tensors, ...) is refused: this trainer would
+read its packed integers as weights.
 """
 
 from __future__ import annotations
@@ -49,6 +51,18 @@ def quant_block(config: dict, folder: str) -> tuple[int, int] | None:
     return block[0], block[1]
 
 
+def scales(scale_inv: torch.Tensor) -> torch.Tensor:
+    """The float32 scales of a stored scale tensor: floating point as they are, e8m0 bytes
+    (uint8) as 2 ** (byte - 127); 255 (e8m0's NaN) or another integer type is refused."""
+    if scale_inv.dtype == torch.uint8:
+        if bool((scale_inv == 255).any()):
+            raise ValueError("an e8m0 scale is 255, the format's NaN")
+        return torch.exp2(scale_inv.to(torch.float32) - 127.0)
+    if not scale_inv.is_floating_point():
+        raise ValueError(f"scales stored as {scale_inv.dtype}: expected floats or e8m0 bytes")
+    return scale_inv.float()
+
+
 @torch.no_grad()
 def dequantize(
     weight: torch.Tensor, scale_inv: torch.Tensor, block: tuple[int, int]
@@ -65,7 +79,7 @@ def dequantize(
         )
     out = weight.to(torch.float32)
     # each row of blocks times its scales spread over the columns (the last block partial)
-    scale = scale_inv.float().repeat_interleave(bc, dim=1)[:, :cols]
+    scale = scales(scale_inv).repeat_interleave(bc, dim=1)[:, :cols]
     for i in range(want[0]):
         out[i * br : (i + 1) * br].mul_(scale[i])
     return out

@@ -44,7 +44,7 @@ class Float8:
     moe: bool = opt(
         False,
         "MoE experts' grouped GEMMs in rowwise float8 (torch._scaled_grouped_mm, "
-        "CUDA sm >= 90; trainer/parallel/float8_moe.py); independent of enable",
+        "CUDA sm 9.x or 10.x, bf16 compute; trainer/parallel/float8_moe.py); independent of enable",
     )
     moe_emulate: bool = opt(
         False,
@@ -53,8 +53,9 @@ class Float8:
     )
 
 
-def check_config(f8: Float8, device: str) -> None:
-    """Torch-free checks: not on the CPU, and torchao importable."""
+def check_config(f8: Float8, device: str, param_dtype: str = "auto") -> None:
+    """Torch-free checks: not on the CPU, bf16 compute for the float8 experts, and torchao
+    importable."""
     if f8.moe_emulate and not f8.moe:
         raise ConfigError(
             "float8.moe_emulate = true emulates float8.moe, which is off; set "
@@ -65,6 +66,11 @@ def check_config(f8: Float8, device: str) -> None:
             "float8.moe = true needs a CUDA GPU with compute capability >= 9.0 "
             "(H100, H200, B200); training.device is 'cpu' (float8.moe_emulate = "
             "true checks the numerics on any device, without the speed)"
+        )
+    if f8.moe and not f8.moe_emulate and param_dtype == "float32":
+        raise ConfigError(
+            "float8.moe = true needs bf16 compute: the float8 grouped GEMM writes bfloat16 "
+            "only; training.mixed_precision_param is 'float32' (set 'bfloat16' or 'auto')"
         )
     if not f8.enable:
         return
@@ -100,8 +106,12 @@ def check_device(f8: Float8, device) -> None:
         )
 
 
+GROUPED_MAJORS = (9, 10)  # the compute capabilities torch._scaled_grouped_mm has kernels for
+
+
 def check_grouped_device(device) -> None:
-    """float8.moe on the rank's device: torch's rowwise float8 grouped GEMM needs CUDA sm >= 90."""
+    """float8.moe on the rank's device: torch's rowwise float8 grouped GEMM needs CUDA sm 9.x
+    or 10.x."""
     import torch
 
     if device.type != "cuda":
@@ -115,9 +125,10 @@ def check_grouped_device(device) -> None:
             f"{torch.__version__} lacks (torch >= 2.8)"
         )
     major, minor = torch.cuda.get_device_capability(device)
-    if major < 9:
+    if major not in GROUPED_MAJORS:
         raise ConfigError(
-            f"float8.moe = true needs compute capability >= 9.0; "
+            f"float8.moe = true needs compute capability 9.x or 10.x (H100, H200, B200: "
+            f"torch's float8 grouped GEMM runs on those only); "
             f"{torch.cuda.get_device_name(device)} has {major}.{minor}"
         )
 

@@ -31,6 +31,7 @@ Grouped values (h_v > h_k): key head i serves value heads i r ... i r + r - 1 (r
 from __future__ import annotations
 
 import functools
+import re
 
 import torch
 import torch.nn.functional as F
@@ -166,23 +167,56 @@ def chunk_gated_delta_rule(
     return o.transpose(1, 2).to(dtype), (state if output_final_state else None)
 
 
+FLA_MIN = (0, 6)  # grouped value heads (Qwen3-Next's 32 value over 16 key heads) in the kernel
+
+
+def _fla_version(fla) -> str | None:
+    """fla's version: its __version__ (a source install too), else a distribution's."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    found = getattr(fla, "__version__", None)
+    for dist in ("fla-core", "flash-linear-attention"):
+        if found:
+            break
+        try:
+            found = version(dist)
+        except PackageNotFoundError:
+            pass
+    return found
+
+
 @functools.cache
-def _fla():
-    """flash-linear-attention's chunk_gated_delta_rule, or None where fla-core is missing."""
+def _fla_found():
+    """(flash-linear-attention's chunk_gated_delta_rule or None, what was found). An fla older
+    than FLA_MIN, or of no known version, is not used: before 0.6 its kernel took one value
+    head per key head and would leave half of Qwen3-Next's output heads unwritten."""
     try:
+        import fla
         from fla.ops.gated_delta_rule import chunk_gated_delta_rule as fla_chunk
     except ImportError:
-        return None
-    return fla_chunk
+        return None, "fla-core not installed"
+    found = _fla_version(fla)
+    parts = re.match(r"(\d+)\.(\d+)", found or "")
+    if parts is None or (int(parts[1]), int(parts[2])) < FLA_MIN:
+        return None, (
+            f"fla {found or 'of unknown version'} found, not used: its kernel needs "
+            f"fla-core >= {FLA_MIN[0]}.{FLA_MIN[1]} for grouped value heads"
+        )
+    return fla_chunk, f"fla-core {found}"
+
+
+def _fla():
+    return _fla_found()[0]
 
 
 def kernel_name(device_type: str) -> str:
     """The Gated DeltaNet kernel a run on `device_type` uses (for the startup line)."""
-    if device_type == "cuda" and _fla() is not None:
-        from importlib.metadata import version
-
-        return f"fla chunk_gated_delta_rule (fla-core {version('fla-core')})"
-    return "torch chunked gated delta rule (chunk 64)"
+    if device_type != "cuda":
+        return "torch chunked gated delta rule (chunk 64)"
+    kernel, found = _fla_found()
+    if kernel is not None:
+        return f"fla chunk_gated_delta_rule ({found})"
+    return f"torch chunked gated delta rule (chunk 64; {found})"
 
 
 def gated_delta_rule(
