@@ -36,8 +36,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from trainer.distributed import log0, to_device
-from trainer.health import faults, heartbeat
+from trainer.distributed import to_device
 from trainer.models import logits
 from trainer.models.attention import (
     _aux_request,
@@ -45,13 +44,8 @@ from trainer.models.attention import (
     document_positions,
     flex,
 )
-from trainer.models.loss import Loss
-from trainer.models.moe import set_aux_scale, take_aux_loss
 from trainer.models.mtp import future_labels
-from trainer.parallel.fsdp import set_gradient_sync
 from trainer.parallel.recompute import SAVED_GATHER_GROUPS
-from trainer.parallel.seam import Losses
-from trainer.parallel.tp import sum_partial_grads
 
 
 def head_tail_index(seq_len: int, cp: int, rank: int) -> torch.Tensor:
@@ -276,6 +270,25 @@ class ContextSplit:
         )
         return out, local_labels
 
+    # ---- as the microbatch loop's split (trainer/parallel/microbatches.py's WholeSequences)
+
+    @property
+    def share(self) -> int:
+        """The backward's extra scale: the cp ranks' shares of a sample add up to its loss,
+        and FSDP averages over dp x cp ranks."""
+        return self.cp
+
+    def forward(self, model, inputs, labels, loss_fn, doc_ids, window) -> torch.Tensor:
+        """This rank's summed token loss of its share of the microbatch (the MTP targets cut
+        from the whole sequence)."""
+        depth = model.args.mtp_layers
+        future = self.future(labels, depth, window) if depth else None
+        return self.run(model, inputs, labels, loss_fn, doc_ids, future=future)[0]
+
+    def after(self, loss_sum, z_loss, mtp):
+        """Every cp rank reports its dp rank's whole loss, as without CP."""
+        return sum_over_cp(loss_sum, z_loss, self.group, mtp)
+
     def future(self, labels: torch.Tensor, depth: int, documents=None) -> torch.Tensor:
         """The MTP modules' targets [depth, b, local] at this rank's positions, shifted on the
         whole samples (a position's next tokens may sit on another cp rank); `documents`:
@@ -291,58 +304,6 @@ class ContextSplit:
             doc_ids if self.block_causal else None,
             self.kernel,
         )
-
-
-class ContextParallelLoop:
-    """The step's forward and backward under CP (the seam of trainer/parallel/microbatches.py):
-    per microbatch, split the sequence, attend through `ContextAttention`, and scale as above."""
-
-    def __init__(
-        self,
-        model: torch.nn.Module,
-        loss_fn: Loss,
-        *,
-        sync_mode: str,
-        dp_size: int,
-        cp_mesh,
-        seq_len: int,
-        device: torch.device,
-        model_cfg,
-        documents=None,
-    ):
-        self.model, self.loss_fn, self.sync_mode = model, loss_fn, sync_mode
-        self.dp_size, self.device, self.documents = dp_size, device, documents
-        self.split = ContextSplit(cp_mesh, seq_len, device, model_cfg)
-        self.cp, self.group = self.split.cp, self.split.group
-        log0(self.split.describe())
-
-    def __call__(self, batches, global_tokens: torch.Tensor, step: int) -> Losses:
-        loss_sum, aux = torch.zeros((), device=self.device), None
-        set_aux_scale(self.model, 1.0 / len(batches))  # MoE's aux losses: microbatch means
-        for i, (inputs, labels) in enumerate(batches):
-            set_gradient_sync(self.model, self.sync_mode, is_last=i == len(batches) - 1)
-            inputs, labels = to_device(inputs, self.device), to_device(labels, self.device)
-            doc_ids, window = self.documents(inputs, labels) if self.documents else (None, None)
-            heartbeat.phase("forward", step)
-            depth = self.model.args.mtp_layers  # MTP targets: cut from the whole sequence
-            future = self.split.future(labels, depth, window) if depth else None
-            loss, _ = self.split.run(
-                self.model, inputs, labels, self.loss_fn, doc_ids, future=future
-            )
-            loss = loss / global_tokens
-            if i == 0:
-                faults.armed().first_forward(step)  # a testing hook; nothing unless asked
-            heartbeat.phase("backward")
-            extra = take_aux_loss(self.model)  # the same on every cp rank (summed statistics)
-            if extra is not None:
-                aux = extra / len(batches) if aux is None else aux + extra / len(batches)
-            (loss * self.dp_size * self.cp).backward()
-            loss_sum += loss.detach()
-        sum_partial_grads(self.model)  # tp ranks' shares of the MoE gradients (tp.py)
-        z_loss, mtp = self.loss_fn.take_z_loss(), self.loss_fn.take_mtp_loss()
-        # Every cp rank reports its dp rank's whole loss, as without CP.
-        loss_sum, z_loss, mtp = sum_over_cp(loss_sum, z_loss, self.group, mtp)
-        return Losses(loss_sum, z_loss, aux, None if mtp is None else mtp / global_tokens)
 
 
 def sum_over_cp(loss: torch.Tensor, z_loss, group, mtp=None):

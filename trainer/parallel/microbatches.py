@@ -5,9 +5,10 @@ hands them to a `ForwardBackward`, owned by the parallelism, and gets back this 
 loss; the clipping, the guard and the optimizer step after it are the same for every layout.
 
 `MicrobatchLoop`: each microbatch's forward and backward in turn with FSDP2's gradient sync set
-per `training.gradient_accumulation_sync`. `ContextParallelLoop` (context_parallel.py): the
-same with each sequence split over the cp ranks. `PipelineLoop` (pipeline.py): the step's
-microbatches through a pipeline schedule. The loop does not change.
+per `training.gradient_accumulation_sync`, each split by its split strategy: `WholeSequences`,
+or with context parallelism `ContextSplit` (context_parallel.py: each sequence split over the
+cp ranks). `PipelineLoop` (pipeline.py): the step's microbatches through a pipeline schedule.
+The loop does not change.
 """
 
 from __future__ import annotations
@@ -15,26 +16,50 @@ from __future__ import annotations
 import torch
 
 from trainer.data.documents import MicrobatchDocuments
-from trainer.distributed import to_device
+from trainer.distributed import log0, to_device
 from trainer.health import faults, heartbeat
 from trainer.models.loss import Loss
 from trainer.models.moe import set_aux_scale, take_aux_loss
 from trainer.models.mtp import future_labels
-from trainer.parallel.context_parallel import ContextParallelLoop, ContextSplit
+from trainer.parallel.context_parallel import ContextSplit
 from trainer.parallel.fsdp import set_gradient_sync
 from trainer.parallel.pipeline import PipelineLoop
 from trainer.parallel.seam import ForwardBackward, Losses  # noqa: F401  (step.py imports them here)
 from trainer.parallel.tp import sum_partial_grads
 
 
+class WholeSequences:
+    """The microbatch loop's split without context parallelism: each microbatch's whole
+    sequences on this rank. ContextSplit (context_parallel.py) is the other: this rank's share
+    of every sequence. Both give the loop the same three things."""
+
+    share = 1  # the backward's extra scale (ContextSplit: cp)
+
+    def forward(self, model, inputs, labels, loss_fn, doc_ids, window) -> torch.Tensor:
+        """This rank's summed token loss of the microbatch. The model's head computes it
+        (trainer/models/loss.py): no logits here. Document ids let the model mask and position
+        per document, and keep the MTP targets in their documents."""
+        depth = model.args.mtp_layers
+        future = None if window is None else future_labels(labels, depth, window)
+        return model(inputs, labels=labels, loss_fn=loss_fn, doc_ids=doc_ids, future=future)
+
+    def after(self, loss_sum, z_loss, mtp):
+        """The step's losses as every rank of the dp rank reports them (here: as they are)."""
+        return loss_sum, z_loss, mtp
+
+
 class MicrobatchLoop:
-    """Forward and backward of each microbatch in turn (gradient accumulation).
+    """Forward and backward of each microbatch in turn (gradient accumulation), each
+    microbatch split by `split` (WholeSequences, or context parallelism's ContextSplit).
 
     Each microbatch's loss is its summed token loss divided by the GLOBAL token count of the
     step. FSDP averages gradients over the dp ranks (dividing by the dp size: a custom divide
-    factor needs PREMUL_SUM, which gloo lacks), so the backward loss is scaled by the dp size to
-    make the reduced gradient a plain sum: the result equals one large batch on any world size
-    and any number of microbatches.
+    factor needs PREMUL_SUM, which gloo lacks), so the backward loss is scaled by the dp size
+    (and the split's share) to make the reduced gradient a plain sum: the result equals one
+    large batch on any world size and any number of microbatches.
+
+    Returns `Losses` (seam.py): this rank's loss sum / the global tokens, its z-loss term, the
+    MoE aux losses' mean over the microbatches, and the MTP loss sum / the global tokens.
     """
 
     def __init__(
@@ -46,10 +71,12 @@ class MicrobatchLoop:
         dp_size: int,
         device: torch.device,
         documents: MicrobatchDocuments | None = None,
+        split=None,
     ):
         self.model, self.loss_fn, self.sync_mode = model, loss_fn, sync_mode
         self.dp_size, self.device = dp_size, device
         self.documents = documents  # (inputs, labels) -> document ids, with documents
+        self.split = split or WholeSequences()
 
     def __call__(self, batches, global_tokens: torch.Tensor, step: int) -> Losses:
         loss_sum, aux = torch.zeros((), device=self.device), None
@@ -59,33 +86,24 @@ class MicrobatchLoop:
             inputs, labels = to_device(inputs, self.device), to_device(labels, self.device)
             doc_ids, window = self.documents(inputs, labels) if self.documents else (None, None)
             heartbeat.phase("forward", step)
-            # The model's head computes the summed token loss (trainer/models/loss.py): no
-            # logits here. Document ids let the model mask and position per document, and
-            # keep the MTP targets in their documents.
-            future = (
-                None
-                if window is None
-                else future_labels(labels, self.model.args.mtp_layers, window)
-            )
-            loss = self.model(
-                inputs, labels=labels, loss_fn=self.loss_fn, doc_ids=doc_ids, future=future
-            )
+            loss = self.split.forward(self.model, inputs, labels, self.loss_fn, doc_ids, window)
             loss = loss / global_tokens
             if i == 0:
                 faults.armed().first_forward(step)  # a testing hook; nothing unless asked
             heartbeat.phase("backward")
             # MoE's aux losses are means: FSDP's average over dp and 1 / microbatches; they
-            # back-propagate from their blocks' outputs (trainer/models/moe.py)
+            # back-propagate from their blocks' outputs (trainer/models/moe.py). Under CP they
+            # are the same on every cp rank (summed statistics).
             extra = take_aux_loss(self.model)
             if extra is not None:
                 aux = extra / len(batches) if aux is None else aux + extra / len(batches)
-            (loss * self.dp_size).backward()
+            (loss * self.dp_size * self.split.share).backward()
             loss_sum += loss.detach()
         sum_partial_grads(self.model)  # tp ranks' shares of the MoE gradients (tp.py)
-        mtp = self.loss_fn.take_mtp_loss()
-        return Losses(
-            loss_sum, self.loss_fn.take_z_loss(), aux, None if mtp is None else mtp / global_tokens
+        loss_sum, z_loss, mtp = self.split.after(
+            loss_sum, self.loss_fn.take_z_loss(), self.loss_fn.take_mtp_loss()
         )
+        return Losses(loss_sum, z_loss, aux, None if mtp is None else mtp / global_tokens)
 
 
 def build_forward_backward(
@@ -111,14 +129,9 @@ def build_forward_backward(
             cp_mesh=parallel_dims.cp_mesh if parallel_dims.cp_enabled else None,
         )
     if parallel_dims.cp_enabled:
-        return ContextParallelLoop(
-            model,
-            loss_fn,
-            cp_mesh=parallel_dims.cp_mesh,
-            seq_len=cfg.training.seq_len,
-            model_cfg=cfg.model,
-            **common,
-        )
+        split = ContextSplit(parallel_dims.cp_mesh, cfg.training.seq_len, device, cfg.model)
+        log0(split.describe())
+        return MicrobatchLoop(model, loss_fn, split=split, **common)
     return MicrobatchLoop(model, loss_fn, **common)
 
 

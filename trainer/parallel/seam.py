@@ -1,7 +1,8 @@
 """The step's seam, as types: what a parallelism's forward/backward takes and returns.
 
 trainer/parallel/microbatches.py builds one (`build_forward_backward`); each implementation
-(`MicrobatchLoop` there, `ContextParallelLoop` in context_parallel.py) returns `Losses`.
+(`MicrobatchLoop` there, with or without context parallelism's split, and `PipelineLoop` in
+pipeline.py) returns `Losses`.
 """
 
 from __future__ import annotations
