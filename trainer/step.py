@@ -10,8 +10,8 @@ from __future__ import annotations
 
 import math
 import os
-from dataclasses import dataclass
-from typing import Callable, NamedTuple
+from dataclasses import dataclass, field
+from typing import Callable, ContextManager, NamedTuple, Protocol, runtime_checkable
 
 import torch
 import torch.distributed as dist
@@ -21,8 +21,40 @@ from trainer.distributed import DEBUG_DATA_ENV, print_sample_hashes, to_device
 from trainer.health import faults, heartbeat
 from trainer.health.guard import Spike, flag_nonfinite_loss
 from trainer.optim.optimizer import group_lrs, skips_on_device, step_unless
+from trainer.optim.step_hooks import StepHook
 from trainer.parallel.clip import clip_grad_norm_
 from trainer.parallel.microbatches import ForwardBackward
+
+
+class Loader(Protocol):
+    """What the step asks of a data loader (trainer/data/: every loader)."""
+
+    def next_microbatch(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """This rank's next (inputs, labels) [local batch, seq_len]."""
+        ...
+
+
+@runtime_checkable
+class GlobalOrder(Protocol):
+    """A loader whose samples have a global order (not a stream): where each comes from."""
+
+    def sample_indices(self, step: int) -> list[int]: ...
+
+    def sample_ids(self, indices) -> list: ...
+
+
+class StepMetrics(Protocol):
+    """What the step tells the metrics (trainer/observe/metrics.py's MetricsProcessor)."""
+
+    def data_timer(self) -> ContextManager: ...
+
+    def count_tokens(self, n: int) -> None: ...
+
+
+class Scheduler(Protocol):
+    """The lr scheduler (trainer/optim/optimizer.py's LRSchedule)."""
+
+    def step(self) -> None: ...
 
 
 class StepResult(NamedTuple):
@@ -47,43 +79,35 @@ class TrainStep:
     """`train_step(step, accum)`: one optimizer step over `accum` microbatches.
 
     `stepped` is False, on every rank alike, when the loss of any rank or the grad norm was not
-    finite, or when `spike_check(rank_loss)` (training.on_spike != "log": called before the
-    optimizer step when the grad norm is finite) found a spike: the optimizer step is then
+    finite, or when a hook vetoes it (the spike check, training.on_spike != "log": asked
+    before the optimizer step when the grad norm is finite): the optimizer step is then
     skipped (trainer/health/guard.py). The z-loss is None without one, else this rank's z-loss
     term / the global token count (summed over the dp ranks: the global mean per token).
     """
 
     model: torch.nn.Module
     optimizer: torch.optim.Optimizer
-    scheduler: object
-    loader: object
+    scheduler: Scheduler
+    loader: Loader
     forward_backward: ForwardBackward
-    metrics: object  # data_timer() and count_tokens(n): trainer.observe.metrics
-    dp_group: object
+    metrics: StepMetrics
+    dp_group: dist.ProcessGroup
     device: torch.device
     max_norm: float = 0.0  # 0: no clipping (the norm is still computed)
-    spike_check: Callable | None = None
-    # after the optimizer step: the experts' balancing bias (moved only if the optimizer
-    # stepped) and load metrics ({} if dense)
-    balance: Callable | None = None
     pp: int = 1  # pipeline stages (the gradient norm counts each stage's ranks)
+    # The duties around the optimizer step, in order (trainer/optim/step_hooks.py): the spike
+    # check's veto, the MTP loss weight, the experts' balancing bias, QK-clip
+    hooks: list[StepHook] = field(default_factory=list)
     # called when this rank's own work of the step is done, before the collectives after the
     # optimizer step (the straggler watch's stop: trainer/health/stragglers.py)
     work_done: Callable | None = None
-    # The recipe's schedules, functions of the step (None: the config's constant): the MTP
-    # loss weight of the step, and the bias update speed after it (trainer/models/config.py)
-    mtp_loss_weight: Callable[[int], float] | None = None
-    balance_coeff: Callable[[int], float] | None = None
-    # after the optimizer step: QK-clip of the heads whose logits passed the threshold, and
-    # its metrics (trainer/optim/qk_clip.py; None when optimizer.muon_qk_clip = 0)
-    qk_clip: Callable | None = None
 
     def __call__(self, step: int, accum: int) -> StepResult:
         heartbeat.phase("step_start", step)
         faults.armed().step_start(step, self.loader)  # a testing hook; nothing unless asked
         batches = self.fetch(accum)
-        if self.mtp_loss_weight is not None:  # the weight the model's MTP loss uses
-            self.model.mtp_loss_weight = self.mtp_loss_weight(step)
+        for hook in self.hooks:
+            hook.before(step, self.model)
         local_tokens = sum(count_targets(labels) for _, labels in batches)  # host tensors
         global_tokens = to_device(torch.tensor(float(local_tokens)), self.device)
         dist.all_reduce(global_tokens, group=self.dp_group)
@@ -109,34 +133,24 @@ class TrainStep:
         self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
         self.metrics.count_tokens(local_tokens)
-        scalars = (
-            self.balance(self.model, stepped=stepped, **self.balance_kwargs(step))
-            if self.balance
-            else None
-        )
+        scalars = {}
+        for hook in self.hooks:
+            scalars.update(hook.after(step, self.model, stepped))
         if aux is not None:
-            scalars = {**(scalars or {}), "moe/aux_loss": aux}
-        if self.qk_clip is not None:
-            scalars = {**(scalars or {}), **self.qk_clip(stepped)}
+            scalars["moe/aux_loss"] = aux
         if lr_muon is not None:  # Muon's matrices' lr (optimizer.muon_lr x the same factor)
-            scalars = {**(scalars or {}), "lr_muon": lr_muon}
-        if self.scheduled(step):
-            scalars = {**(scalars or {}), **self.scheduled(step)}
+            scalars["lr_muon"] = lr_muon
         return StepResult(
-            rank_loss, grad_norm, lr, stepped, z_loss, spike, cross_entropy, scalars, mtp_loss
+            rank_loss,
+            grad_norm,
+            lr,
+            stepped,
+            z_loss,
+            spike,
+            cross_entropy,
+            scalars or None,
+            mtp_loss,
         )
-
-    def balance_kwargs(self, step: int) -> dict:
-        return {} if self.balance_coeff is None else {"coeff": self.balance_coeff(step)}
-
-    def scheduled(self, step: int) -> dict[str, float]:
-        """The scheduled values of the step, to log (none without a schedule)."""
-        out = {}
-        if self.mtp_loss_weight is not None:
-            out["loss_metrics/mtp_loss_weight"] = self.mtp_loss_weight(step)
-        if self.balance_coeff is not None:
-            out["moe/load_balance_coeff"] = self.balance_coeff(step)
-        return out
 
     def optimizer_step(
         self, grad_norm: torch.Tensor, cross_entropy: torch.Tensor
@@ -147,11 +161,13 @@ class TrainStep:
         loop reads at its step-end agreement, the step's one host sync; otherwise the host
         reads the norm here (one more sync)."""
         finite = torch.isfinite(grad_norm)
-        if self.spike_check is None and skips_on_device(self.optimizer):
+        vetoes = [hook for hook in self.hooks if hook.vetoes]
+        if not vetoes and skips_on_device(self.optimizer):
             step_unless(self.optimizer, ~finite)
             return finite, None
-        stepped = bool(finite)
-        spike = self.spike_check(cross_entropy) if stepped and self.spike_check else None
+        stepped, spike = bool(finite), None
+        for hook in vetoes if stepped else ():
+            spike = spike or hook.veto(cross_entropy)
         if stepped and spike is None:
             self.optimizer.step()
         return stepped and spike is None, spike
@@ -163,7 +179,7 @@ class TrainStep:
         if os.environ.get(DEBUG_DATA_ENV):
             debug_ids = (
                 self.loader.sample_ids(self.loader.sample_indices(0))
-                if hasattr(self.loader, "sample_indices")
+                if isinstance(self.loader, GlobalOrder)
                 else []
             )
         with self.metrics.data_timer():

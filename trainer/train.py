@@ -22,7 +22,6 @@ if __name__ == "__main__":
     for _name in ("SIGTERM", "SIGUSR1", "SIGINT", "SIGUSR2", "SIGHUP"):
         signal.signal(getattr(signal, _name), lambda signum, frame: EARLY_SIGNALS.append(signum))
 
-import functools  # noqa: E402
 import os  # noqa: E402
 import sys
 
@@ -60,13 +59,13 @@ from trainer.models.attention import attention_args
 from trainer.models.build import build_model
 from trainer.models.flavors import model_args
 from trainer.models.loss import build_loss, scoring_loss
-from trainer.models.moe import balance_experts
 from trainer.models.sdpa import setup as setup_sdpa
 from trainer.observe.metrics import MetricsProcessor
 from trainer.observe.profiling import StepProfiler
 from trainer.optim.batch_schedule import describe_ramp
 from trainer.optim.optimizer import build_lr_scheduler, build_optimizer, lr_peaks
 from trainer.optim.qk_clip import build_qk_clip
+from trainer.optim.step_hooks import ExpertBalance, MTPWeight, SpikeVeto
 from trainer.parallel.dims import ParallelDims, check_async_tp, check_tp_shapes, describe_vocab
 from trainer.parallel.float8 import check_device as check_float8_device
 from trainer.parallel.microbatches import build_forward_backward, forward_only_split
@@ -313,11 +312,6 @@ def build_train_step(
         compile_chunks=cfg.compile.enable and device.type == "cuda",
         vocab_parallel_group=parallel_dims.loss_parallel_group,
     )
-    check = (
-        None
-        if cfg.training.on_spike == "log"
-        else spike_check(guard, checkpointer, device, parallel_dims.dp_mesh.size())
-    )
     return TrainStep(
         model,
         optimizer,
@@ -330,37 +324,44 @@ def build_train_step(
         dp_group=parallel_dims.dp_mesh.get_group(),
         device=device,
         max_norm=cfg.training.max_norm,
-        spike_check=check,
-        balance=functools.partial(
-            balance_experts,
-            n_layers=model.args.n_blocks,
-            coeff=cfg.moe.load_balance_coeff,
-            device=device,
-            moe_ids=model.args.moe_layer_ids,
-        ),
         pp=parallel_dims.pp,
-        qk_clip=build_qk_clip(model, cfg.optimizer, log=log0),
-        **recipe_schedules(cfg),
+        hooks=step_hooks(cfg, model, device, parallel_dims, guard, checkpointer),
     )
 
 
-def recipe_schedules(cfg: JobConfig) -> dict:
-    """The schedules set (MTP loss weight, bias update speed: functions of the step, so a
-    resume continues them exactly), said in one startup line each."""
-    out, m, moe = {}, cfg.model, cfg.moe
+def step_hooks(cfg: JobConfig, model, device, parallel_dims, guard, checkpointer) -> list:
+    """The step's duties around its optimizer step, in order (trainer/optim/step_hooks.py):
+    the spike check's veto, the MTP loss weight of the step, the experts' balancing bias,
+    QK-clip. The schedules (MTP loss weight, bias update speed: functions of the step, so a
+    resume continues them exactly) are said in one startup line each."""
+    m, moe = cfg.model, cfg.moe
+    hooks = []
+    if cfg.training.on_spike != "log":
+        dp = parallel_dims.dp_mesh.size()
+        hooks.append(SpikeVeto(spike_check(guard, checkpointer, device, dp)))
     if m.mtp_loss_weight_until_step:
-        out["mtp_loss_weight"] = m.mtp_weight_at
+        hooks.append(MTPWeight(m.mtp_weight_at))
         log0(
             f"MTP loss weight {m.mtp_loss_weight} up to step {m.mtp_loss_weight_until_step}, "
             f"then {m.mtp_loss_weight_later} (loss_metrics/mtp_loss_weight)"
         )
-    if moe.load_balance_coeff_until_step:
-        out["balance_coeff"] = moe.balance_coeff_at
+    scheduled = moe.balance_coeff_at if moe.load_balance_coeff_until_step else None
+    if scheduled is not None:
         log0(
             f"expert bias update speed {moe.load_balance_coeff} up to step "
             f"{moe.load_balance_coeff_until_step}, then 0 (moe/load_balance_coeff)"
         )
-    return out
+    hooks.append(
+        ExpertBalance(
+            n_layers=model.args.n_blocks,
+            coeff=moe.load_balance_coeff,
+            device=device,
+            moe_ids=model.args.moe_layer_ids,
+            coeff_at=scheduled,
+        )
+    )
+    qk_clip = build_qk_clip(model, cfg.optimizer, log=log0)
+    return hooks + ([qk_clip] if qk_clip is not None else [])
 
 
 def main(argv: list[str]) -> int:

@@ -34,6 +34,8 @@ import re
 import torch
 import torch.distributed as dist
 
+from trainer.optim.step_hooks import StepHook
+
 
 def _layer_index(name: str, n_layers: int) -> int | None:
     """The table row of an attention module named `name` (a stage's or the whole model's)."""
@@ -54,9 +56,9 @@ def _local(t: torch.Tensor) -> torch.Tensor:
     return t.to_local() if hasattr(t, "to_local") else t
 
 
-class QKClip:
+class QKClip(StepHook):
     """The attention modules of `model` (one stage's under PP) armed to record their maxima,
-    and the clip applied after each step."""
+    and the clip applied after each step (a step hook: trainer/optim/step_hooks.py)."""
 
     def __init__(self, model: torch.nn.Module, args, threshold: float):
         self.threshold, self.heads = float(threshold), args.n_heads
@@ -83,6 +85,9 @@ class QKClip:
         if dist.is_initialized() and dist.get_world_size() > 1:
             dist.all_reduce(table, op=dist.ReduceOp.MAX)
         return table
+
+    def after(self, step: int, model, stepped) -> dict[str, torch.Tensor]:
+        return self(stepped)
 
     def __call__(self, stepped) -> dict[str, torch.Tensor]:
         """After an optimizer step that `stepped` (a bool, or the device's one-element flag

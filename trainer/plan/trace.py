@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import functools
 import time
 import traceback
 
@@ -35,7 +34,7 @@ from torch._subclasses.fake_tensor import DataDependentOutputException, unset_fa
 
 from trainer.config.job import JobConfig
 from trainer.health import heartbeat
-from trainer.models.moe import GROUPED_MM, balance_experts
+from trainer.models.moe import GROUPED_MM
 from trainer.plan.fake import (
     CATEGORIES,
     GIB,
@@ -163,6 +162,7 @@ def trace_step(
     its stages driven by trainer/plan/stages.py."""
     from trainer.models.loss import build_loss
     from trainer.optim.optimizer import build_lr_scheduler
+    from trainer.optim.step_hooks import ExpertBalance
     from trainer.parallel.microbatches import build_forward_backward
     from trainer.step import TrainStep
 
@@ -196,13 +196,14 @@ def trace_step(
             device=device,
             max_norm=cfg.training.max_norm,
             pp=pd.pp,
-            balance=functools.partial(  # MoE: the loads' all-reduce, the bias
-                balance_experts,
-                n_layers=args.n_blocks,
-                device=device,
-                coeff=cfg.moe.load_balance_coeff,
-                moe_ids=args.moe_layer_ids,
-            ),
+            hooks=[  # MoE: the loads' all-reduce, the bias
+                ExpertBalance(
+                    n_layers=args.n_blocks,
+                    device=device,
+                    coeff=cfg.moe.load_balance_coeff,
+                    moe_ids=args.moe_layer_ids,
+                )
+            ],
         )
         grads: list[Allocation] = []
         optimizer.register_step_pre_hook(
