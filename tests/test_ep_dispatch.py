@@ -213,3 +213,34 @@ def test_the_trace_books_inter_node_bytes_and_no_replayed_dispatch(monkeypatch):
     flat, node, full = (got[k]["ep@internode"] for k in ("flat", "node", "node_full_ac"))
     assert 0.45 * flat <= node <= 0.55 * flat, got
     assert full == pytest.approx(node, rel=1e-6), got
+
+
+@pytest.mark.parametrize("cp, nodes, node", [(1, 8, True), (2, 16, False)])
+def test_the_plan_books_the_dispatch_the_layout_runs_under_cp(monkeypatch, cp, nodes, node):
+    """DeepSeek-V3 671B's ep group of 64 on 128 nodes of 8: node-major over 8 nodes, its 8
+    expert groups one per node, so `auto` runs node-limited and the plan books the received
+    rows it keeps for the recompute. Context parallelism sits between ep_dp and tp in the mesh:
+    at cp 2 the group's ranks stride over 16 nodes, `auto` runs flat (node_span says why, and
+    so does the startup line), and the plan books no kept rows either."""
+    from trainer.config.job import load_config
+    from trainer.models.flavors import model_args
+    from trainer.parallel.ep_dispatch import node_fallback, node_span
+    from trainer.plan.moe import saved_dispatch_bytes
+
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "8")
+    cfg = load_config(
+        [
+            *("--job.config_file", str(REPO / "configs" / "deepseek_v3_671b.toml")),
+            *("--parallelism.context_parallel_degree", str(cp)),
+            *("--training.global_batch_size", "2048"),
+        ]
+    )
+    pd, _ = cfg.resolve(1024)
+    ranks = pd.ep_group_ranks()
+    assert len(ranks) == 64 and ranks[1] - ranks[0] == cp
+    args = model_args(cfg.model.flavor)
+    spanned, why = node_span(ranks, 8, args.moe.n_group)
+    assert spanned == nodes and (why == "") == node, why
+    assert bool(node_fallback("auto", spanned, why)) == (not node)
+    kept = saved_dispatch_bytes(cfg, args, pd, 2, 4096)
+    assert (kept > 0) == node, kept

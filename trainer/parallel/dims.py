@@ -162,6 +162,12 @@ class ParallelDims:
         replicated over tp, their gradients summed over it: trainer/parallel/tp.py)."""
         return self.tp if self.ep_enabled else 1
 
+    def ep_group_ranks(self) -> list[int]:
+        """The global ranks of the first ep group, in ep order, as build_mesh lays them out:
+        an ep rank's (ep_dp, tp) coordinates step over cp x tp and 1 ranks, so under context
+        parallelism the group's ranks are strided (cp sits between ep_dp and tp)."""
+        return [e * self.cp * self.tp + t for e in range(self.ep_dp) for t in range(self.ep_tp)]
+
     @property
     def efsdp(self) -> int:
         """The dp_shard ranks the experts shard over (x cp): dp_shard / ep_dp."""

@@ -195,12 +195,15 @@ def ranks_per_node() -> int:
 
 
 def node_layout(group, n_experts: int, n_group: int) -> tuple[int, str]:
-    """(the nodes the ep `group` spans, why node-limited dispatch cannot run or ""): it needs
-    moe.n_group = that node count and each group's experts (E / n_group, on ep / n_group
-    consecutive ep ranks) on one node. Derived from the group's global ranks; the same on every
-    rank of the group."""
-    ranks = dist.get_process_group_ranks(group)
-    per = ranks_per_node()
+    """`node_span` of the ep `group`'s global ranks: the same on every rank of the group."""
+    return node_span(dist.get_process_group_ranks(group), ranks_per_node(), n_group)
+
+
+def node_span(ranks: list[int], per: int, n_group: int) -> tuple[int, str]:
+    """(the nodes an ep group of global `ranks` spans with `per` ranks a node, why
+    node-limited dispatch cannot run there or ""): it needs moe.n_group = that node count and
+    each group's experts (E / n_group, on ep / n_group consecutive ep ranks) on one node. The
+    plan asks it of the layout's ranks (ParallelDims.ep_group_ranks), a run of its group's."""
     nodes = [r // per for r in ranks]
     n = len(set(nodes))
     if n_group != n:
@@ -218,6 +221,15 @@ def node_layout(group, n_experts: int, n_group: int) -> tuple[int, str]:
                 "ranks are not node-major"
             )
     return n, ""
+
+
+def node_fallback(dispatch: str, n_nodes: int, why: str) -> str:
+    """What the startup line adds when `auto` runs the flat dispatch over several nodes: why
+    node-limited dispatch does not run there (e.g. context parallelism strides the ep ranks
+    over twice the nodes)."""
+    if dispatch != "auto" or n_nodes <= 1 or not why:
+        return ""
+    return f"; node-limited dispatch not used: {why}"
 
 
 class NodeDispatch(Dispatcher):

@@ -43,6 +43,7 @@ from trainer.parallel.ep_dispatch import (
     NodeDispatch,
     Route,
     exchange,
+    node_fallback,
     node_layout,
     scatter_sum,
 )
@@ -132,9 +133,11 @@ def apply_ep(model: nn.Module, ep_mesh) -> None:
             )
         moe.dispatcher = choose_dispatcher(group, moe.moe)
         if not said:  # the startup line (stderr in the plan: its stdout may be JSON)
+            m = moe.moe
+            nodes, why = node_layout(group, m.n_experts, m.n_group)
             line = (
-                f"expert parallel {ep_mesh.size()}, dispatch {moe.moe.dispatch}: "
-                f"{moe.dispatcher.describe()}"
+                f"expert parallel {ep_mesh.size()}, dispatch {m.dispatch}: "
+                f"{moe.dispatcher.describe()}{node_fallback(m.dispatch, nodes, why)}"
             )
             log0(line) if "RANK" in os.environ else print(line, file=sys.stderr)
             said = True

@@ -258,7 +258,7 @@ def memory_plan(cfg: JobConfig, world_size: int, pp_rank: int | None = None) -> 
         int(held * blocks_activations(cfg, blocks_a, p, tokens, tp=tp, ep=pd.ep)) + act + b["cp_kv"]
     )
     # under AC, the dispatched rows the recompute reuses where ep spans nodes (plan/moe.py)
-    b["activations"] += int(held * saved_dispatch_bytes(cfg, blocks_a, pd.ep, p, tokens // tp))
+    b["activations"] += int(held * saved_dispatch_bytes(cfg, blocks_a, pd, p, tokens // tp))
     recompute = cfg.activation_checkpoint.mode != "none" and blocks_a.n_layers > 0
     one = registry.hooks(a).plan_largest_block(  # a family's own blocks
         a, p, tokens, tp, pd.ep, a.attn_mask_type == "block_causal", min(seq, tokens)

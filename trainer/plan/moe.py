@@ -117,12 +117,12 @@ def recompute_share(cfg, a: ModelArgs, pd) -> float:
         return 0.0
     layers = moe_layers(a)
     checkpointed = layers if ac.mode == "full" else math.ceil(layers / int(ac.selective_ac_option))
-    if saved_dispatch_bytes(cfg, a, pd.ep, 2, 1):  # any rows kept: none sent again
+    if saved_dispatch_bytes(cfg, a, pd, 2, 1):  # any rows kept: none sent again
         return 0.0
     return 0.5 * checkpointed / layers
 
 
-def saved_dispatch_bytes(cfg, a: ModelArgs, ep: int, p: int, tokens: int) -> int:
+def saved_dispatch_bytes(cfg, a: ModelArgs, pd, p: int, tokens: int) -> int:
     """Under full or block AC with `moe.save_dispatch`, where the ep group (`ep` ranks) spans
     several nodes (LOCAL_WORLD_SIZE: the plan's --ngpu): the rows the dispatch received, kept
     by each checkpointed MoE layer from its forward to its backward (trainer/parallel/
@@ -132,9 +132,12 @@ def saved_dispatch_bytes(cfg, a: ModelArgs, ep: int, p: int, tokens: int) -> int
     import math
     import os
 
-    m, ac = a.moe, cfg.activation_checkpoint
+    from trainer.parallel.ep_dispatch import node_span
+
+    m, ac, ep = a.moe, cfg.activation_checkpoint, pd.ep
     per = int(os.environ.get("LOCAL_WORLD_SIZE") or 0)
-    nodes = math.ceil(ep / per) if per else 1
+    ranks = pd.ep_group_ranks()  # strided over cp: the nodes the group really spans
+    nodes, why = node_span(ranks, per, m.n_group) if per and m is not None else (1, "")
     if (
         m is None
         or ep == 1
@@ -147,9 +150,7 @@ def saved_dispatch_bytes(cfg, a: ModelArgs, ep: int, p: int, tokens: int) -> int
     layers = moe_layers(a)
     if ac.mode == "selective":  # every k-th block is checkpointed
         layers = math.ceil(layers / int(ac.selective_ac_option))
-    node = m.dispatch == "node" or (
-        m.dispatch == "auto" and m.n_group == nodes and m.capacity_factor == 0
-    )
+    node = m.dispatch == "node" or (m.dispatch == "auto" and not why and m.capacity_factor == 0)
     if not node:  # the flat dispatch sends its rows again (trainer/parallel/expert_parallel.py)
         return 0
     return layers * tokens * m.topk_group * ((a.dim + m.top_k) * p + 4 * m.top_k)
