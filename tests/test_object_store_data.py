@@ -108,7 +108,7 @@ def runs(s3, stores, tmp_path_factory):
         base / "s3",
         URL,
         {**env, **SECRETS},
-        "--data.cache_dir",
+        "--data.block_cache_dir",
         str(base / "cache"),
         "--data.cache_max_gib",
         str(CACHE_GIB),

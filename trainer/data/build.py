@@ -82,7 +82,11 @@ def open_store(cfg: DataConfig):
 
 def store_cache(cfg: DataConfig) -> dict:
     """The block cache of stores at a URL (trainer/data/remote.py)."""
-    return {"cache_dir": cfg.cache_dir, "cache_max_gib": cfg.cache_max_gib}
+    return {
+        "cache_dir": cfg.cache_dir,
+        "cache_max_gib": cfg.cache_max_gib,
+        "block_cache_dir": cfg.block_cache_dir,
+    }
 
 
 def open_mix_stores(cfg: DataConfig) -> tuple[dict, str]:

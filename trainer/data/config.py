@@ -92,14 +92,20 @@ class DataConfig:
     cache_dir: str = opt(
         "~/.cache/trainer",
         "Where the stdlib default's tokenizer and store "
-        "live, and the block cache of stores at s3:// or gs:// URLs",
+        "live, and the tokenizers of stores at s3:// or gs:// URLs",
     )
     cache_max_gib: float = opt(
         10.0,
         "Bound of the block cache of stores at URLs (per "
-        "cache_dir, shared by the ranks of a node; least recently used "
+        "block_cache_dir, shared by the ranks of a node; least recently used "
         "blocks are evicted)",
         min=0.0,
+    )
+    block_cache_dir: str = opt(
+        "",
+        "Where the blocks of stores at s3:// or gs:// URLs are cached: a node-local "
+        "folder (each node holds its own bound); '' = the system's temporary "
+        "directory/trainer-<uid>",
     )
     val_fraction: float = opt(
         0.01,

@@ -5,15 +5,21 @@ whole: the manifest is read once, the shard sizes come from one listing, the tok
 (small) is copied into the cache, and tokens are read in fixed-size blocks of a shard, each
 fetched with one ranged GET the first time a window needs it.
 
-Blocks live in `<data.cache_dir>/remote-blocks/`, named by the shard's checksum (from the
-manifest), the block size and the block's index: content-addressed, so stores and runs that
-share a cache folder share its blocks, and a store re-uploaded with other content at the same
-URL never reads stale blocks. The folder is bounded by `data.cache_max_gib`: before a block is
-written, the least recently used blocks (by mtime, touched on every hit) are deleted until the
-new one fits; the scan and the deletes happen under a file lock, so the ranks of a node that
-share the folder keep it under the bound together. A block is written to a temporary name and
-renamed into place: a reader never sees half a block, and a block another rank evicted is
-fetched again. A few of the latest blocks are also kept in memory per process (MEMORY_BLOCKS).
+Blocks live in `<data.block_cache_dir>/remote-blocks/` (by default a node-local folder under
+the system's temporary directory, not a home folder that every node may share), named by the
+shard's checksum (from the manifest), the block size and the block's index: content-addressed,
+so stores and runs that share a cache folder share its blocks, and a store re-uploaded with
+other content at the same URL never reads stale blocks. Each block file ends with the CRC-32 of
+its bytes: a block of the wrong length or checksum (a disk fault, a file cut short) is deleted
+and fetched again, never served. The folder is bounded by `data.cache_max_gib`: the bytes it
+holds are counted in a small `.used` file, and only when a new block would pass the bound are
+the least recently used blocks (by mtime, touched on every hit) deleted, down to 90% of it, so
+the folder is scanned once per tenth of the bound written, not per block; the count and the
+deletes happen under a file lock, so the ranks of a node that share the folder keep it under
+the bound together. A block is written to a temporary name and renamed into place: a reader
+never sees half a block; the temporary files of a writer that was killed are removed when a
+cache is opened. A few of the latest blocks are also kept in memory per process
+(MEMORY_BLOCKS).
 
 Credentials and endpoints are the client libraries' own (trainer/checkpoint/storage.py).
 """
@@ -24,7 +30,10 @@ import contextlib
 import fcntl
 import hashlib
 import os
+import re
+import tempfile
 import time
+import zlib
 from collections import OrderedDict
 from pathlib import Path
 
@@ -36,6 +45,15 @@ from trainer.errors import DataError
 MAX_BLOCK = 4 << 20  # one ranged GET: large enough to amortise its latency
 MIN_BLOCK = 4 << 10  # a tiny bound (tests) still holds a few blocks
 MEMORY_BLOCKS = 16  # per process, on top of the disk bound (<= 64 MiB)
+LOW_WATER = 0.9  # an eviction frees the folder down to this share of its bound
+STALE_TMP_S = 600  # a temporary block file this old, or of a dead writer, is removed
+_TMP = re.compile(r"^\..+\.tmp-(\d+)$")
+
+
+def node_local_dir() -> str:
+    """The default block cache folder: the system's temporary directory (node-local), one per
+    user."""
+    return os.path.join(tempfile.gettempdir(), f"trainer-{os.getuid()}")
 
 
 def block_size(max_bytes: int) -> int:
@@ -57,7 +75,15 @@ class BlockCache:
             ) from None
         self.max_bytes, self.block = int(max_bytes), block_size(int(max_bytes))
         self.memory: OrderedDict[str, bytes] = OrderedDict()
-        self.stats = {"fetched_bytes": 0, "requests": 0, "disk_hits": 0, "evictions": 0}
+        self.stats = {
+            "fetched_bytes": 0,
+            "requests": 0,
+            "disk_hits": 0,
+            "evictions": 0,
+            "bad_blocks": 0,
+        }
+        with _locked(self.root / ".lock"):
+            self._remove_torn()
 
     def get(self, url: str, key: str, index: int, end: int) -> bytes:
         """Block `index` of the object at `url` (`key` names its content; `end` is the
@@ -68,16 +94,31 @@ class BlockCache:
             self.memory.move_to_end(name)
             return data
         path = self.root / name
-        try:
-            data = path.read_bytes()
-            os.utime(path)  # most recently used
-            self.stats["disk_hits"] += 1
-        except FileNotFoundError:
-            data = self._fetch(url, index * self.block, min(end, (index + 1) * self.block))
+        start, stop = index * self.block, min(end, (index + 1) * self.block)
+        data = self._read(path, stop - start)
+        if data is None:
+            data = self._fetch(url, start, stop)
             self._store(name, data)
         self.memory[name] = data
         if len(self.memory) > MEMORY_BLOCKS:
             self.memory.popitem(last=False)
+        return data
+
+    def _read(self, path: Path, length: int) -> bytes | None:
+        """The block at `path` if it is whole (its length and CRC-32), else None; a damaged
+        one is deleted (fetched again by the caller)."""
+        try:
+            raw = path.read_bytes()
+        except FileNotFoundError:
+            return None
+        data, crc = raw[:-4], raw[-4:]
+        if len(raw) != length + 4 or zlib.crc32(data).to_bytes(4, "little") != crc:
+            self.stats["bad_blocks"] += 1
+            with contextlib.suppress(FileNotFoundError):
+                os.remove(path)
+            return None
+        os.utime(path)  # most recently used
+        self.stats["disk_hits"] += 1
         return data
 
     def _fetch(self, url: str, start: int, stop: int) -> bytes:
@@ -92,35 +133,81 @@ class BlockCache:
         return data
 
     def _store(self, name: str, data: bytes) -> None:
-        """Write a block, first evicting the least recently used ones until it fits."""
-        if len(data) > self.max_bytes:
+        """Write a block (and its CRC-32), first evicting the least recently used ones if it
+        would pass the bound."""
+        size = len(data) + 4
+        if size > self.max_bytes:
             return  # a bound below one block: read through, cache nothing
         with _locked(self.root / ".lock"):
-            entries = []
-            for e in os.scandir(self.root):
-                if e.name.startswith("."):
-                    continue
-                try:
-                    st = e.stat()
-                except FileNotFoundError:
-                    continue
-                entries.append((st.st_mtime, st.st_size, e.path))
-            total = sum(size for _, size, _ in entries)
-            for _, size, path in sorted(entries):
-                if total + len(data) <= self.max_bytes:
-                    break
-                try:
-                    os.remove(path)
-                    self.stats["evictions"] += 1
-                except FileNotFoundError:
-                    pass
-                total -= size
+            used = self._used()
+            if used is None or used + size > self.max_bytes:
+                used = self._evict(int(LOW_WATER * self.max_bytes) - size)
             tmp = self.root / f".{name}.tmp-{os.getpid()}"
-            tmp.write_bytes(data)
+            tmp.write_bytes(data + zlib.crc32(data).to_bytes(4, "little"))
+            replaced = (self.root / name).stat().st_size if (self.root / name).exists() else 0
             os.replace(tmp, self.root / name)
+            self._set_used(used + size - replaced)
+
+    def _evict(self, target: int) -> int:
+        """Delete the least recently used blocks until the folder holds at most `target`
+        bytes (one scan); the bytes left."""
+        entries = []
+        for e in os.scandir(self.root):
+            if e.name.startswith("."):
+                continue
+            with contextlib.suppress(FileNotFoundError):
+                st = e.stat()
+                entries.append((st.st_mtime, st.st_size, e.path))
+        total = sum(size for _, size, _ in entries)
+        for _, size, path in sorted(entries):
+            if total <= max(target, 0):
+                break
+            with contextlib.suppress(FileNotFoundError):
+                os.remove(path)
+                self.stats["evictions"] += 1
+            total -= size
+        return total
+
+    def _used(self) -> int | None:
+        try:
+            return int((self.root / ".used").read_text())
+        except (FileNotFoundError, ValueError):
+            return None
+
+    def _set_used(self, used: int) -> None:
+        (self.root / ".used").write_text(str(max(used, 0)))
+
+    def _remove_torn(self) -> None:
+        """Temporary block files of a writer that died (or older than STALE_TMP_S) are
+        removed; the count is redone at the next write."""
+        now, removed = time.time(), False
+        for e in os.scandir(self.root):
+            m = _TMP.match(e.name)
+            if m is None:
+                continue
+            with contextlib.suppress(FileNotFoundError):
+                if not _alive(int(m[1])) or now - e.stat().st_mtime > STALE_TMP_S:
+                    os.remove(e.path)
+                    removed = True
+        if removed:
+            with contextlib.suppress(FileNotFoundError):
+                os.remove(self.root / ".used")
 
     def used_bytes(self) -> int:
+        used = self._used()
+        if used is not None:
+            return used
         return sum(e.stat().st_size for e in os.scandir(self.root) if not e.name.startswith("."))
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
 
 
 @contextlib.contextmanager

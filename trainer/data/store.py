@@ -103,11 +103,14 @@ class Store:
         *,
         cache_dir: str = "~/.cache/trainer",
         cache_max_gib: float = 10.0,
+        block_cache_dir: str = "",
         key: str = "data.store_path",
     ):
         self.cache = None  # a remote store's BlockCache
         if "://" in str(path):
-            self._open_remote(str(path).rstrip("/"), verify, cache_dir, cache_max_gib, key)
+            self._open_remote(
+                str(path).rstrip("/"), verify, cache_dir, cache_max_gib, key, block_cache_dir
+            )
             return
         self.path = Path(os.path.expanduser(str(path)))
         self.manifest = read_manifest(self.path)
@@ -159,7 +162,13 @@ class Store:
             )
 
     def _open_remote(
-        self, url: str, verify: str, cache_dir: str, cache_max_gib: float, key: str
+        self,
+        url: str,
+        verify: str,
+        cache_dir: str,
+        cache_max_gib: float,
+        key: str,
+        block_cache_dir: str,
     ) -> None:
         """A store at s3:// or gs://: the bucket probed (one config error if it cannot be
         reached), the manifest read, the sizes from one listing, the shards read on demand
@@ -176,7 +185,9 @@ class Store:
         self.tokenizer_sha256, self.vocab_size = tok["sha256"], int(tok["vocab_size"])
         self.dtype = np.dtype(self.manifest["dtype"])
         self.verified = "sizes" if verify == "auto" else verify
-        self.cache = remote.BlockCache(cache_dir, int(cache_max_gib * (1 << 30)))
+        self.cache = remote.BlockCache(
+            block_cache_dir or remote.node_local_dir(), int(cache_max_gib * (1 << 30))
+        )
         sizes_found = remote.listing(url)
         self.maps, sizes = [], []
         for shard in self.manifest["shards"]:
