@@ -244,3 +244,33 @@ def test_the_plan_books_the_dispatch_the_layout_runs_under_cp(monkeypatch, cp, n
     assert bool(node_fallback("auto", spanned, why)) == (not node)
     kept = saved_dispatch_bytes(cfg, args, pd, 2, 4096)
     assert (kept > 0) == node, kept
+
+
+def test_the_experts_keep_no_view_of_the_received_rows_for_backward():
+    """run_experts multiplies the experts' outputs by the rows' weights (the received rows'
+    last column): what autograd saves for that product is an [m, 1] tensor of its own, not a
+    view that keeps the whole received [m, dim + 1] copy alive until the backward."""
+    import types
+
+    import torch
+
+    from trainer.parallel.ep_dispatch import Dispatcher
+
+    m, dim = 64, 32
+    mine = torch.randn(m, dim + 1, requires_grad=True)
+    per_source = torch.tensor([[10, 22], [20, 12]])
+    w = torch.randn(dim, dim, requires_grad=True)
+    saved = []
+
+    def pack(t):
+        saved.append(t.untyped_storage().nbytes())
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        out = Dispatcher.run_experts(
+            types.SimpleNamespace(local=2), mine, per_source, lambda rows, n: rows @ w
+        )
+    out.sum().backward()
+    whole = m * (dim + 1) * 4
+    assert saved and max(saved) < whole, (saved, whole)
+    assert mine.grad is not None and mine.grad[:, -1].abs().sum() > 0

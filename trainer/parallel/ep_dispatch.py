@@ -172,7 +172,11 @@ class Dispatcher:
         x = mine[order]
         rows = x[:, :-1]  # copied: the grouped GEMM wants 16-byte strides (an empty view not)
         rows = rows.contiguous() if rows.shape[0] else rows.new_zeros(rows.shape)
-        out = experts(rows, per_source.sum(0)) * x[:, -1:]
+        # the weights copied out too: the product saves them for its backward, and a view
+        # would keep the whole received [m, dim + 1] copy alive until then
+        weights = x[:, -1:].clone()
+        del x
+        out = experts(rows, per_source.sum(0)) * weights
         return out[order.argsort()]
 
     def side(self, fn, x, flight: Flight):
