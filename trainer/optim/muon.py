@@ -182,13 +182,13 @@ class Muon(torch.optim.Optimizer):
 
         work = [(self._layout(params, idx, steps), idx) for idx in self._buckets(params)]
         ups = momentum(work[0][1]) if work else []
-        inflight = send_pieces(work[0][0], ups) if work else []
+        inflight = send_pieces(work[0][0], ups, dtype) if work else []
         waiting = None  # the previous bucket's results on their way back
         for k, (layout, idx) in enumerate(work):  # bucket k + 1 travels while k computes
             following, nxt = [], []
             if k + 1 < len(work):
                 nxt = momentum(work[k + 1][1])
-                following = send_pieces(work[k + 1][0], nxt)
+                following = send_pieces(work[k + 1][0], nxt, dtype)
             back, local = orthogonalize_bucket(layout, ups, inflight, steps, dtype)
             apply(idx, local)
             if waiting is not None:

@@ -5,10 +5,11 @@ and their owners come from trainer/optim/muon_layout.py. A unit held whole here 
 over ep and efsdp on dim 0, any matrix on one rank) is orthogonalized in place, no transfer. A
 unit cut over gather dims is gathered within its gather group only (the efsdp ranks of an
 expert cut on its width; the dp_shard x tp ranks of a dense matrix): one all-to-all per group
-sends every rank's pieces to the units' owners (fp32), which assemble and orthogonalize them;
-a second sends each rank its pieces of the results (in Newton-Schulz's dtype). Per step a rank
-sends ~(4 + 2) bytes per local gathered parameter and receives as much. Same-shape matrices
-are orthogonalized in one batched matmul chain (`orthogonalize`).
+sends every rank's pieces to the units' owners, which assemble and orthogonalize them; a second
+sends each rank its pieces of the results. Both travel in Newton-Schulz's dtype (the owner's
+first step is the cast to it, so a piece cast before it travels gives the same bits): per step
+a rank sends ~(2 + 2) bytes per local gathered parameter in bf16 and receives as much.
+Same-shape matrices are orthogonalized in one batched matmul chain (`orthogonalize`).
 
 The transfers are asynchronous (`all_to_all_single(async_op=True)`): bucket k + 1's pieces
 travel while bucket k is orthogonalized, and bucket k's results come back while bucket k + 1
@@ -158,9 +159,11 @@ def _launch(send: list[list[torch.Tensor]], recv_sizes: list[int], dtype, device
     return work, out, recv_sizes
 
 
-def send_pieces(layout: Layout, updates: list[torch.Tensor]) -> list:
-    """Start bucket's first transfers: every rank's pieces of each gathered unit to its owner
-    (fp32). Returns the works in flight, one per gather group."""
+def send_pieces(layout: Layout, updates: list[torch.Tensor], dtype: torch.dtype) -> list:
+    """Start bucket's first transfers: every rank's pieces of each gathered unit to its owner,
+    in Newton-Schulz's `dtype` (the owner's first step casts the unit to it, element by
+    element: bitwise the same result, and in bf16 half the bytes of fp32). Returns the works
+    in flight, one per gather group."""
     lay, me, out = layout, layout.me, []
     device = updates[0].device
     for order, group, items in lay.exchanges:
@@ -169,7 +172,7 @@ def send_pieces(layout: Layout, updates: list[torch.Tensor]) -> list:
             [lay.mine(m, u, updates[m]) for m, u in items if owner[m, u] == dest] for dest in order
         ]
         recv = [sum(lay.numel(m, src) for m, u in items if owner[m, u] == me) for src in order]
-        out.append(_launch(send, recv, torch.float32, device, group))
+        out.append(_launch(send, recv, dtype, device, group))
     return out
 
 
@@ -186,8 +189,7 @@ def orthogonalize_bucket(
         received = list(flat.split(sizes))
         owned = [(m, u) for m, u in items if lay.assigned[m].owner[u] == me]
         full = {
-            mu: torch.empty(lay.shapes[mu[0]], dtype=torch.float32, device=flat.device)
-            for mu in owned
+            mu: torch.empty(lay.shapes[mu[0]], dtype=flat.dtype, device=flat.device) for mu in owned
         }
         for k, src in enumerate(order):
             offset = 0

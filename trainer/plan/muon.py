@@ -129,8 +129,8 @@ def ns_loads(cfg, pd, a) -> list[float]:
 
 def muon_volume(cfg, pd, a, pp_rank: int = 0) -> float:
     """Bytes the first rank of pp rank `pp_rank` sends per step in Muon's all-to-alls, under
-    the optimizer's owners: for each unit gathered over n ranks, its piece (1/n, fp32) to the
-    owner, or as the owner the others' pieces of the result (muon_ns_dtype). Units held whole
+    the optimizer's owners: for each unit gathered over n ranks, its piece (1/n) to the owner,
+    or as the owner the others' pieces of the result, both in muon_ns_dtype. Units held whole
     send nothing."""
     r = 2 if cfg.optimizer.muon_ns_dtype == "bfloat16" else 4
     total = 0.0
@@ -140,5 +140,5 @@ def muon_volume(cfg, pd, a, pp_rank: int = 0) -> float:
             n = len(view.group)
             unit = math.prod(spec.shape[-2:])
             for u in view.units if n > 1 else ():
-                total += r * unit * (n - 1) / n if view.owner[u] == me else 4 * unit / n
+                total += r * unit * (n - 1) / n if view.owner[u] == me else r * unit / n
     return total
