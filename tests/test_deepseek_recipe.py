@@ -209,3 +209,39 @@ def test_the_schedules_change_at_their_step(recipe_runs):
         bias[step] = dcp_fetch(ckpt, shapes)(keys)
     assert any(v.abs().max() > 0 for v in bias[2].values())  # moved up to step 2
     assert all(torch.equal(bias[2][k], bias[4][k]) for k in bias[2])  # then not at all
+
+
+def test_the_layers_sequence_wise_loss_counts_the_plain_top_k_not_the_routed_experts():
+    """The report's eq. 18 (and Megatron's) counts each token's top K of its scores; the
+    experts it was routed to (biased, group-limited) differ, and do not enter the loss."""
+    import types
+
+    from trainer.models.args import MoEArgs
+    from trainer.models.moe import MoE
+
+    _, scores, chosen = routed(batch=3, seq_len=7, n_experts=8, k=2)
+    plain = scores.topk(2, dim=-1).indices
+    assert not torch.equal(plain.sort(-1).values, chosen.sort(-1).values)
+    layer = types.SimpleNamespace(
+        moe=MoEArgs(n_experts=8, top_k=2, seq_aux_loss_weight=1.0),
+        token_group=None,
+        aux_terms=[],
+    )
+    got = MoE._aux(layer, scores, scores.logit(), chosen, 3)
+    assert float(got) == pytest.approx(by_hand(scores.tolist(), plain.tolist(), 3), abs=1e-12)
+
+
+def test_router_logits_are_computed_in_fp32_from_bf16_inputs():
+    """As DeepSeek-V3's gate: a bf16 matmul would round every logit to bf16 first."""
+    from trainer.models.args import MoEArgs
+    from trainer.models.moe import Router
+
+    torch.manual_seed(0)
+    router = Router(256, MoEArgs(n_experts=64, top_k=4)).to(torch.bfloat16)
+    x = torch.randn(512, 256, dtype=torch.bfloat16)
+    *_, logits = router(x)
+    want = x.float() @ router.gate.weight.float().T
+    assert logits.dtype == torch.float32
+    torch.testing.assert_close(logits, want, rtol=1e-6, atol=1e-6)
+    rounded = router.gate(x).float()
+    assert (rounded - want).abs().max() > 1e-3  # what bf16 logits would have been

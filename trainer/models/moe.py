@@ -58,7 +58,9 @@ class Router(nn.Module):
     def forward(self, x: torch.Tensor):
         """x [T, dim] -> (weights [T, k] fp32, experts [T, k] int64, probabilities [T, E] fp32,
         logits [T, E] fp32)."""
-        logits = self.gate(x).float()
+        # in fp32, as the releases' own code computes them (DeepSeek-V3's gate): logits
+        # rounded to bf16 tie or swap near-equal experts (~2% of tokens route elsewhere)
+        logits = F.linear(x.float(), self.gate.weight.float())
         probs = logits.softmax(-1) if self.moe.score_func == "softmax" else logits.sigmoid()
         with torch.no_grad():
             chosen = choose(probs + self.expert_bias, self.moe)
@@ -234,9 +236,12 @@ class MoE(nn.Module):
                 * (frac * _summed(probs.sum(0), group) / tokens).sum()
             )
         if m.seq_aux_loss_weight:
+            # f_i counts each token's plain top K of its scores (the report's eq. 18, and
+            # Megatron's), not the experts it was routed to (biased, group-limited)
+            plain = probs.detach().topk(m.top_k, dim=-1).indices
             terms.append(
                 m.seq_aux_loss_weight
-                * sequence_balance_loss(probs, chosen, batch, m.n_experts, group)
+                * sequence_balance_loss(probs, plain, batch, m.n_experts, group)
             )
         if m.router_z_loss_weight:
             z = _summed(logits.logsumexp(-1).square().sum(), group)
