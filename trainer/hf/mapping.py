@@ -16,7 +16,7 @@ from trainer.errors import ConfigError
 from trainer.hf import deepseek
 from trainer.models import registry
 from trainer.models.args import ModelArgs, MoEArgs
-from trainer.models.rope import YarnScaling
+from trainer.models.rope import YarnScaling, yarn_to_config
 
 _LAYER = {
     "attention.wq.weight": "self_attn.q_proj.weight",
@@ -278,17 +278,7 @@ def hf_config(args: ModelArgs, *, dtype: str, bos_id: int | None, eos_id: int | 
         cfg.update(moe_config(args))
     s = args.rope_scaling
     if isinstance(s, YarnScaling):
-        cfg["rope_scaling"] = {
-            "type": "yarn",
-            "rope_type": "yarn",
-            "factor": s.factor,
-            "original_max_position_embeddings": s.original_max_position_embeddings,
-            "beta_fast": s.beta_fast,
-            "beta_slow": s.beta_slow,
-            "mscale": s.mscale,
-            "mscale_all_dim": s.mscale_all_dim,
-            "truncate": s.truncate,
-        }
+        cfg["rope_scaling"] = {"type": "yarn", **yarn_to_config(s)}  # (type: transformers 4)
         # exactly original x factor: transformers 4.x takes the factor from this ratio
         cfg["max_position_embeddings"] = round(s.original_max_position_embeddings * s.factor)
     elif s is not None:

@@ -89,6 +89,20 @@ def yarn_from_config(s: dict, max_positions: int) -> YarnScaling:
     )
 
 
+def yarn_to_config(s: YarnScaling) -> dict:
+    """A YaRN as config.json's rope_scaling / rope_parameters give it."""
+    return {
+        "rope_type": "yarn",
+        "factor": s.factor,
+        "original_max_position_embeddings": s.original_max_position_embeddings,
+        "beta_fast": s.beta_fast,
+        "beta_slow": s.beta_slow,
+        "mscale": s.mscale,
+        "mscale_all_dim": s.mscale_all_dim,
+        "truncate": s.truncate,
+    }
+
+
 def yarn_keys(s: YarnScaling) -> str:
     """The [model] overrides that give a flavor this YaRN (said in config errors)."""
     return (

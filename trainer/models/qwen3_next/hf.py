@@ -29,7 +29,7 @@ import torch
 from trainer.errors import ConfigError
 from trainer.models.args import ModelArgs, MoEArgs
 from trainer.models.qwen3_next.args import FULL, HybridArgs
-from trainer.models.rope import YarnScaling, yarn_from_config, yarn_keys
+from trainer.models.rope import YarnScaling, yarn_from_config, yarn_keys, yarn_to_config
 
 # ours (under `layers.{i}.`) -> the release's (under `model.layers.{i}.`)
 LAYER = {
@@ -397,19 +397,7 @@ def release_config(args: ModelArgs, *, dtype: str, bos_id, eos_id) -> dict:
 
 
 def _yarn_parameters(s: YarnScaling | None) -> dict:
-    if s is None:
-        return {}
-    out = {
-        "rope_type": "yarn",
-        "factor": s.factor,
-        "original_max_position_embeddings": s.original_max_position_embeddings,
-        "beta_fast": s.beta_fast,
-        "beta_slow": s.beta_slow,
-        "truncate": s.truncate,
-    }
-    if s.mscale or s.mscale_all_dim:
-        out.update(mscale=s.mscale, mscale_all_dim=s.mscale_all_dim)
-    return out
+    return {} if s is None else yarn_to_config(s)
 
 
 def _shape_of(args: ModelArgs) -> dict:
