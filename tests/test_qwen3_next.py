@@ -356,9 +356,9 @@ def _zc_norm(x, w, eps):
 
 def _mtp_by_hand(t, h, next_tokens, cfg):
     """Depth 1's logits [b, s, vocab] with plain torch ops from the release's tensors `t`:
-    h (the main model's last hidden state), the next tokens' embeddings -> the fc over the
-    zero-centred norms -> a gated-attention decoder layer with the gated-shared MoE -> norm
-    -> lm_head."""
+    h (the main model's last layer output after its final norm), the next tokens' embeddings
+    -> the fc over the zero-centred norms -> a gated-attention decoder layer with the
+    gated-shared MoE -> norm -> lm_head."""
     eps, p = cfg["rms_norm_eps"], "mtp.layers.0."
     b, s, d = h.shape
     nh, nkv, hd = cfg["num_attention_heads"], cfg["num_key_value_heads"], cfg["head_dim"]
@@ -443,7 +443,9 @@ def test_the_mtp_loss_equals_a_hand_computation(mtp_release):
     got = loss_fn.take_mtp_loss()
     with torch.no_grad():
         main = model.eval()(inputs, labels=labels, loss_fn=loss_fn)
-        logits = _mtp_by_hand(release, last["h"], labels, cfg)
+        # the MTP module takes the last layer's output after the final norm (vLLM's, SGLang's)
+        h = _zc_norm(last["h"], release["model.norm.weight"], cfg["rms_norm_eps"])
+        logits = _mtp_by_hand(release, h, labels, cfg)
     want = torch.nn.functional.cross_entropy(
         logits[:, :-1].flatten(0, 1), labels[:, 1:].flatten(), reduction="sum"
     )

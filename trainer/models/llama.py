@@ -171,7 +171,8 @@ class Transformer(nn.Module):
             cos, sin, mask = self.attention_inputs(tokens.shape[1], doc_ids, positions, h.dtype)
         for layer in self.layers.values():
             h = layer(h, cos, sin, mask)
-        main = self.head(self.norm(h), labels, loss_fn)
+        h = self.norm(h)  # the MTP modules take the normed state, as the releases' servers do
+        main = self.head(h, labels, loss_fn)
         if not self.trains_mtp(labels, loss_fn):
             return main
         return main + self.mtp_loss(h, labels, loss_fn.for_mtp(), (cos, sin, mask), future)

@@ -1,7 +1,9 @@
 """Multi-token prediction (DeepSeek-V3; `model.mtp_layers`, `model.mtp_loss_weight`).
 
 After the main model's last block, MTP module k (1-based) takes the hidden state h^{k-1} of
-each position i (the main model's, before its final norm, for k = 1) and the embedding of
+each position i (for k = 1 the main model's after its final norm, the state Megatron, vLLM and
+SGLang feed the released MTP weights; for k > 1 the previous module's block output) and the
+embedding of
 token i + k, the one the previous depth predicted: `proj([embed_norm(emb), hidden_norm(h)])`
 (the order of DeepSeek's released weights), then a transformer block of its own (MoE like the
 model's other sparse blocks), gives h^k; its own final norm and the model's head (shared, as

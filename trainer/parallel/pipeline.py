@@ -131,7 +131,8 @@ class StageModule(nn.Module):
             h = layer(h, cos, sin, mask, *docs)
         if self.norm is None:
             return torch.cat([h, *extra], dim=-1) if extra else h
-        main = self.output(self.norm(h), labels if fn is not None else None, fn)
+        h = self.norm(h)  # the MTP modules take the normed state (trainer/models/llama.py)
+        main = self.output(h, labels if fn is not None else None, fn)
         if not mtp:
             return main
         return main + root.mtp_loss(h, labels, fn.for_mtp(), (cos, sin, mask), future, extra)

@@ -390,7 +390,8 @@ class Qwen3Next(Transformer):
         docs = self.linear_documents(doc_ids)
         for layer in self.layers.values():
             h = layer(h, cos, sin, mask, docs)
-        main = self.head(self.norm(h), labels, loss_fn)
+        h = self.norm(h)  # the MTP module takes the normed state, as the release's servers do
+        main = self.head(h, labels, loss_fn)
         if not self.trains_mtp(labels, loss_fn):
             return main
         return main + self.mtp_loss(h, labels, loss_fn.for_mtp(), (cos, sin, mask), future)
