@@ -116,16 +116,33 @@ def git_revision() -> str:
     return rev + ("+dirty" if git("status", "--porcelain", "--untracked-files=no") else "")
 
 
+def relative(value):
+    """`value` with every path inside the repository made relative to it (a record must not
+    name the machine's checkout)."""
+    if isinstance(value, str):
+        return value.replace(str(REPO) + os.sep, "")
+    if isinstance(value, dict):
+        return {k: relative(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [relative(v) for v in value]
+    return value
+
+
 def append_result(record: dict) -> None:
-    """One JSON line per benchmark run in benchmarks/results.jsonl, with the environment."""
+    """One JSON line per benchmark run in benchmarks/results.jsonl, with the environment, if
+    the tree is a clean revision (a figure must name the code it measured); paths relative."""
     import torch
 
+    revision = git_revision()
+    if revision.endswith("+dirty"):
+        print(f"not appended to {RESULTS.relative_to(REPO)}: the tree has uncommitted changes")
+        return
     record = {
         "time": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
         "device": device_name(),
         "torch": torch.__version__,
-        "git": git_revision(),
-        **record,
+        "git": revision,
+        **relative(record),
     }
     with open(RESULTS, "a") as fh:
         fh.write(json.dumps(record, sort_keys=False) + "\n")
