@@ -28,7 +28,10 @@ def pytest_cmdline_main(config):
     per core, a test file per worker at a time (module fixtures are shared within a file; a
     launch's serial phase, the launcher importing torch, leaves a core idle that the other
     worker uses). A file or a test named on the command line runs plainly in this process.
-    An explicit `-n` or `--dist` wins either way."""
+    An explicit `-n` or `--dist` wins either way. Not in a worker itself: it runs the tests
+    it is given, and workers of its own would multiply without end."""
+    if hasattr(config, "workerinput") or os.environ.get("PYTEST_XDIST_WORKER"):
+        return
     if config.option.numprocesses is not None or config.option.dist != "no":
         return
     tests = os.path.dirname(os.path.abspath(__file__))
