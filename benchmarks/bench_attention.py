@@ -36,10 +36,10 @@ from trainer.config.job import load_config
 from trainer.data import build_dataloader, padded_vocab_size
 from trainer.device import resolve_compute_dtype
 from trainer.distributed import init_distributed
-from trainer.models.attention import attention_args
 from trainer.models.build import build_model
-from trainer.models.llama import model_args
-from trainer.models.loss import build_loss
+from trainer.models.common.attention import attention_args
+from trainer.models.common.loss import build_loss
+from trainer.models.flavors import model_args
 from trainer.optim.optimizer import build_lr_scheduler, build_optimizer
 from trainer.parallel.microbatches import build_forward_backward
 from trainer.parallel.parallelize import parallelize
@@ -144,7 +144,7 @@ def step_times(base: list[str], steps: int, warmup: int) -> tuple[dict, dict]:
 
 def op_times(reps: int = 7) -> list[dict]:
     """Attention alone, forward + backward, debug-model heads (8 x 32), batch 2."""
-    from trainer.models.attention import build_mask
+    from trainer.models.common.attention import build_mask
 
     rows = []
     for seq in (256, 2048):

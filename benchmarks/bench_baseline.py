@@ -36,8 +36,9 @@ from trainer.config.job import load_config
 from trainer.device import resolve_compute_dtype
 from trainer.distributed import init_distributed
 from trainer.models.build import build_model
-from trainer.models.llama import Transformer, model_args
-from trainer.models.loss import build_loss
+from trainer.models.common.decoder import Transformer
+from trainer.models.common.loss import build_loss
+from trainer.models.flavors import model_args
 from trainer.optim.optimizer import build_lr_scheduler, build_optimizer
 from trainer.parallel.microbatches import build_forward_backward
 from trainer.parallel.parallelize import parallelize

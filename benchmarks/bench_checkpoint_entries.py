@@ -28,7 +28,8 @@ from torch.distributed.fsdp import fully_shard
 
 from trainer.checkpoint.optim_state import ModelAndOptimizer
 from trainer.config.job import load_config
-from trainer.models.llama import Transformer, model_args
+from trainer.models.common.decoder import Transformer
+from trainer.models.flavors import model_args
 from trainer.optim.optimizer import build_optimizer
 
 

@@ -1,6 +1,6 @@
 """One Gated DeltaNet layer (trainer/models/qwen3_next/model.py) against one GQA layer
-(trainer/models/llama.py's Attention) at the same width: forward + backward, tokens/s and the
-memory each keeps for its backward, side by side.
+(trainer/models/common/decoder.py's Attention) at the same width: forward + backward, tokens/s and
+the memory each keeps for its backward, side by side.
 
     python benchmarks/bench_linear_attention.py [--seqs 1024 4096] [--dim 512] [--device cpu]
 
@@ -25,8 +25,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import torch  # noqa: E402
 
 from trainer.models.args import ModelArgs  # noqa: E402
-from trainer.models.layers import rope_tables  # noqa: E402
-from trainer.models.llama import Attention  # noqa: E402
+from trainer.models.common.decoder import Attention  # noqa: E402
+from trainer.models.common.layers import rope_tables  # noqa: E402
 from trainer.models.qwen3_next.args import HybridArgs  # noqa: E402
 from trainer.models.qwen3_next.deltanet import kernel_name  # noqa: E402
 from trainer.models.qwen3_next.model import Qwen3Next  # noqa: E402

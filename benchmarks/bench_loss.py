@@ -11,7 +11,7 @@ import time
 import torch
 from torch.distributed._tools.mem_tracker import MemTracker
 
-from trainer.models.loss import build_loss
+from trainer.models.common.loss import build_loss
 
 ap = argparse.ArgumentParser()
 ap.add_argument("--tokens", type=int, default=4096)

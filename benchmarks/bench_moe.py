@@ -33,9 +33,9 @@ import time
 import torch
 
 from trainer.models.build import build_model
+from trainer.models.common.loss import build_loss
+from trainer.models.common.moe import GroupedExperts
 from trainer.models.flavors import FLAVORS
-from trainer.models.loss import build_loss
-from trainer.models.moe import GroupedExperts
 
 
 def timed(fn, repeats: int, device: str) -> float:
@@ -126,7 +126,7 @@ def float8_case(
 
 def layer_case(tokens: int, repeats: int, device: str, dtype: torch.dtype) -> None:
     """One Qwen3-30B-A3B MoE layer, forward + backward over `tokens` tokens: time and TFLOP/s."""
-    from trainer.models.moe import MoE
+    from trainer.models.common.moe import MoE
 
     args = FLAVORS["qwen3-30b-a3b"]
     m = args.moe

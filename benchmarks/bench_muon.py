@@ -135,7 +135,8 @@ def step_cost(ngpu: int) -> list[str]:
     import torch.nn.functional as F
 
     from trainer.config.job import load_config
-    from trainer.models.llama import Transformer, model_args
+    from trainer.models.common.decoder import Transformer
+    from trainer.models.flavors import model_args
     from trainer.optim.muon import takes_muon
     from trainer.optim.optimizer import build_optimizer
 

@@ -51,8 +51,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from trainer.checkpoint import integrity, safe_load, storage  # noqa: E402
 from trainer.data import remote  # noqa: E402
 from trainer.data.store import FORMAT, MANIFEST, TOKENIZER_FILE, VERSION, Store  # noqa: E402
+from trainer.models.build import build_model  # noqa: E402
 from trainer.models.flavors import model_args  # noqa: E402
-from trainer.models.llama import build_model  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from s3_loopback import BUCKET, Server  # noqa: E402

@@ -1,5 +1,5 @@
 """What QK-clip (`optimizer.muon_qk_clip`) costs: the attention's forward + backward with and
-without the per-head maxima (trainer/models/logits.py), then a training step of the product
+without the per-head maxima (trainer/models/common/logits.py), then a training step of the product
 with and without the clip (run_train.sh, Muon, the same run otherwise), in one run.
 
     python benchmarks/bench_qk_clip.py [--seq 256,1024] [--steps 30] [--ngpu 1] \
@@ -25,7 +25,7 @@ from common import run_train, tb_scalars
 def time_attention(
     seq: int, heads: int, head_dim: int, batch: int, repeat: int, record: bool
 ) -> float:
-    from trainer.models.attention import attend
+    from trainer.models.common.attention import attend
 
     gen = torch.Generator().manual_seed(0)
     q, k, v = (

@@ -78,7 +78,7 @@ def write_task(args, out: Path) -> Path:
 def ours(args, cfg, task_path: Path) -> tuple[dict, np.ndarray]:
     """acc/acc_norm and per-request log-likelihoods with the trainer's scoring, fp32."""
     from trainer.generate import load_model, load_tokenizer
-    from trainer.models.loss import scoring_loss
+    from trainer.models.common.loss import scoring_loss
 
     tok = load_tokenizer(cfg.data)
     model = load_model(

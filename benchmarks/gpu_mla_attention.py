@@ -6,10 +6,10 @@ per-head logit maxima, and each kernel's time, one process.
     python benchmarks/gpu_mla_attention.py --heads 128 --seq 4096 --repeats 10
     python benchmarks/gpu_mla_attention.py --device cpu --heads 2 --seq 96 --dim 256
 
-q, k and v come from the trainer's own MLA layer (trainer/models/mla.py) of the
+q, k and v come from the trainer's own MLA layer (trainer/models/common/mla.py) of the
 `deepseek-v3-671b` flavor (YaRN factor 40: the queries carry its softmax gain, cos/sin its
 rope gain; queries and keys 192 wide, values 128), with --heads heads instead of 128. Each
-kernel runs the trainer's `attend` (trainer/models/attention.py) on the same bf16 tensors:
+kernel runs the trainer's `attend` (trainer/models/common/attention.py) on the same bf16 tensors:
 causal under SDPA with one backend allowed at a time (cudnn, flash, efficient, math) and under
 `model.sdpa_backends = auto`; block_causal (three documents a row) under FlexAttention, SDPA's
 additive mask and one SDPA call per document. The reference is the textbook formula in
@@ -35,11 +35,11 @@ try:
     from common import REPO  # noqa: F401  (puts the repo on sys.path)
 except ImportError:  # imported as benchmarks.gpu_mla_attention
     pass
-from trainer.models import sdpa
-from trainer.models.attention import attend, build_mask
+from trainer.models.common import sdpa
+from trainer.models.common.attention import attend, build_mask
+from trainer.models.common.layers import rope_tables
+from trainer.models.common.mla import MLA
 from trainer.models.flavors import model_args
-from trainer.models.layers import rope_tables
-from trainer.models.mla import MLA
 
 FLAVOR = "deepseek-v3-671b"
 

@@ -5,7 +5,8 @@ import torch
 import torch.nn.functional as F
 
 from tests.helpers import BASE_FP32, losses, run_train
-from trainer.models.llama import build_model, model_args
+from trainer.models.build import build_model
+from trainer.models.flavors import model_args
 from trainer.parallel.parallelize import apply_ac
 
 

@@ -27,8 +27,9 @@ from trainer.data.documents import (
     split_window,
 )
 from trainer.errors import ConfigError, DataError
-from trainer.models.attention import document_positions, resolve_implementation
-from trainer.models.llama import build_model, model_args
+from trainer.models.build import build_model
+from trainer.models.common.attention import document_positions, resolve_implementation
+from trainer.models.flavors import model_args
 from trainer.parallel.parallelize import _SAVE_OPS, apply_ac, apply_compile
 
 BOS, EOS, VOCAB, SEQ = 1, 2, 256, 48
@@ -316,7 +317,7 @@ def test_plan_counts_the_mask_and_document_tables(impl, positions, dtype):
     from torch.distributed._tools.mem_tracker import MemTracker
 
     from trainer.config.job import load_config
-    from trainer.models.attention import memory_bytes
+    from trainer.models.common.attention import memory_bytes
     from trainer.plan.activations import head_saved
     from trainer.plan.memory import blocks_activations
 

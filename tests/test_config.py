@@ -163,9 +163,9 @@ def test_n_layers_keeps_the_flavors_first_blocks_in_every_model_a_config_builds(
     """model.n_layers reaches each place a run's model is built from its config: the trained
     model (attention_args), the plan's, and the pipeline's split (refused where it has fewer
     blocks than stages)."""
-    from trainer.models.attention import attention_args
     from trainer.models.build import build_model
-    from trainer.models.llama import model_args
+    from trainer.models.common.attention import attention_args
+    from trainer.models.flavors import model_args
     from trainer.plan.planned import plan_args
 
     cfg = load_config(["--model.flavor", "debugmodel-moe-narrow", "--model.n_layers", "2"])

@@ -23,10 +23,10 @@ import torch
 from tests.helpers import REPO, fork_python, losses, run_train, scalars, stopped_after_save
 from trainer.errors import ConfigError
 from trainer.models.args import MoEArgs
-from trainer.models.flavors import FLAVORS
-from trainer.models.llama import build_model, model_args
-from trainer.models.moe import choose
-from trainer.models.rope import YarnScaling
+from trainer.models.build import build_model
+from trainer.models.common.moe import choose
+from trainer.models.common.rope import YarnScaling
+from trainer.models.flavors import FLAVORS, model_args
 
 CONFIG = str(REPO / "configs" / "debug_dsv3.toml")
 
@@ -167,7 +167,7 @@ def test_one_training_step_equals_transformers(tmp_path):
     import torch.nn.functional as F
 
     from trainer.config.job import load_config
-    from trainer.models.loss import build_loss
+    from trainer.models.common.loss import build_loss
     from trainer.optim.optimizer import build_optimizer
 
     theirs, ours = random_pair(tmp_path)
@@ -469,8 +469,8 @@ def test_the_released_yarn_is_the_flavors_and_none_drops_it():
     """deepseek-v3-671b and kimi-k2 carry YaRN as released (so their folders load exactly);
     model.rope_scaling = 'none' trains plain RoPE (DeepSeek pretrained at 4K without it)."""
     from trainer.config.job import load_config
-    from trainer.models.attention import attention_args
-    from trainer.models.rope import DEEPSEEK_V3_YARN, KIMI_K2_YARN
+    from trainer.models.common.attention import attention_args
+    from trainer.models.common.rope import DEEPSEEK_V3_YARN, KIMI_K2_YARN
 
     base = ["--job.config_file", str(REPO / "configs" / "kimi_k2.toml")]  # pretrains: none
     for extra, want in (([], None), (["--model.rope_scaling", "flavor"], KIMI_K2_YARN)):
@@ -501,7 +501,7 @@ def test_kimi_k2_0905s_longer_yarn_is_two_keys_and_the_error_says_them(tmp_path)
     refused under the flavor's factor 32 with the keys that fit it, and fits with them."""
     from trainer.config.job import load_config
     from trainer.hf.mapping import check_hf_config
-    from trainer.models.attention import attention_args
+    from trainer.models.common.attention import attention_args
 
     cfg = {
         "architectures": ["DeepseekV3ForCausalLM"],

@@ -18,9 +18,9 @@ import torch
 from tests.data_fixtures import tokenizer_path  # noqa: F401
 from tests.helpers import REPO, run_train, scalars
 from tests.test_doc_mask_e2e import short_docs_store  # noqa: F401
+from trainer.models.common.moe import expert_counts, sequence_balance_loss
 from trainer.models.config import Model as ModelConfig
 from trainer.models.config import MoE as MoEConfig
-from trainer.models.moe import expert_counts, sequence_balance_loss
 
 
 def by_hand(scores: list[list[float]], chosen: list[list[int]], batch: int) -> float:
@@ -217,7 +217,7 @@ def test_the_layers_sequence_wise_loss_counts_the_plain_top_k_not_the_routed_exp
     import types
 
     from trainer.models.args import MoEArgs
-    from trainer.models.moe import MoE
+    from trainer.models.common.moe import MoE
 
     _, scores, chosen = routed(batch=3, seq_len=7, n_experts=8, k=2)
     plain = scores.topk(2, dim=-1).indices
@@ -234,7 +234,7 @@ def test_the_layers_sequence_wise_loss_counts_the_plain_top_k_not_the_routed_exp
 def test_router_logits_are_computed_in_fp32_from_bf16_inputs():
     """As DeepSeek-V3's gate: a bf16 matmul would round every logit to bf16 first."""
     from trainer.models.args import MoEArgs
-    from trainer.models.moe import Router
+    from trainer.models.common.moe import Router
 
     torch.manual_seed(0)
     router = Router(256, MoEArgs(n_experts=64, top_k=4)).to(torch.bfloat16)

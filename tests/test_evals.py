@@ -26,7 +26,7 @@ from trainer.evals.scoring import (
     score_batch,
 )
 from trainer.evals.tasks import Example, Task, load_hf_task, read_jsonl
-from trainer.models.loss import IGNORE_INDEX, scoring_loss
+from trainer.models.common.loss import IGNORE_INDEX, scoring_loss
 
 
 def char_encode(texts):
@@ -255,8 +255,8 @@ def test_a_block_causal_model_scores_like_the_causal_one():
     """Eval requests are one document each: a model with block_causal attention and document
     positions is given one document id per row and scores what the causal model scores
     (it would refuse a forward without document ids)."""
+    from trainer.models.build import build_model
     from trainer.models.flavors import model_args
-    from trainer.models.llama import build_model
 
     models = {}
     for mask, positions in (("causal", "sequence"), ("block_causal", "document")):
@@ -304,8 +304,8 @@ def test_validation_and_evals_never_hold_a_batch_of_full_vocabulary_logits():
     """Validation's summed loss and the evals' log-likelihoods go through the chunked head:
     no tensor with the vocabulary as a dimension has more rows than one chunk (the batch's
     logits would have 4 x 48), and the values are those of the full logits."""
+    from trainer.models.build import build_model
     from trainer.models.flavors import model_args
-    from trainer.models.llama import build_model
 
     vocab, chunk = 1000, 16
     model = build_model(model_args("debugmodel-tiny", vocab_size=vocab, max_seq_len=64))
@@ -347,8 +347,8 @@ def test_context_parallel_flex_is_scored_at_fixed_shapes_in_2cp_chunks():
     import types
 
     import trainer.evals.scoring as scoring
+    from trainer.models.build import build_model
     from trainer.models.flavors import model_args
-    from trainer.models.llama import build_model
 
     model = build_model(model_args("debugmodel-tiny", vocab_size=64, max_seq_len=512))
     for kernel, want in (("flex", (4, 128)), ("sdpa", (3, 60))):
@@ -363,8 +363,8 @@ def test_a_model_compiled_per_shape_is_scored_at_a_few_fixed_shapes(monkeypatch)
     a model an eval batch is padded to the eval batch size and a power-of-two width of at least
     128 (the padding pass too), and every score stays what it was."""
     import trainer.evals.scoring as scoring
+    from trainer.models.build import build_model
     from trainer.models.flavors import model_args
-    from trainer.models.llama import build_model
 
     args = model_args(
         "debugmodel-tiny",

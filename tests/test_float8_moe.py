@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from trainer.config.__main__ import main
-from trainer.models.moe import GroupedExperts
+from trainer.models.common.moe import GroupedExperts
 from trainer.parallel.float8_moe import (
     E4M3_MAX,
     Float8GroupedExperts,

@@ -82,7 +82,8 @@ def test_kv_cache_is_exact_for_a_tied_flavor():
     """Tied flavors (no output module: the head is the embedding) decode the same with the
     KV cache as with a full forward per token."""
     from trainer.generate import generate
-    from trainer.models.llama import build_model, model_args
+    from trainer.models.build import build_model
+    from trainer.models.flavors import model_args
 
     model = build_model(model_args("debugmodel-3.2", vocab_size=512, max_seq_len=64))
     model.to_empty(device="cpu")
@@ -100,7 +101,9 @@ def test_load_model_keeps_the_flavors_rope_scaling(tmp_path):
     import torch.distributed.checkpoint as dcp
 
     from trainer.config.job import load_config
-    from trainer.models.llama import build_model, model_args, rope_tables
+    from trainer.models.build import build_model
+    from trainer.models.common.decoder import rope_tables
+    from trainer.models.flavors import model_args
 
     args = model_args("debugmodel-3.2", vocab_size=512, max_seq_len=64)
     trained = build_model(args)

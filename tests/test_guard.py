@@ -104,7 +104,7 @@ def test_spikes_are_counted_and_logged(tmp_path):
     """A falling, noisy loss has no spike; a jump far above the window's mean is one, written
     to TensorBoard (real writer) and printed."""
     from trainer.health.guard import LossGuard
-    from trainer.models.llama import model_args
+    from trainer.models.flavors import model_args
     from trainer.observe.metrics import MetricsProcessor
 
     cfg = JobConfig()

@@ -26,7 +26,8 @@ def convert(ckpt, out, *extra) -> None:
 
 
 def trainer_model(flavor: str, state: dict, seq_len: int):
-    from trainer.models.llama import build_model, model_args
+    from trainer.models.build import build_model
+    from trainer.models.flavors import model_args
 
     blocks = len({k.split(".")[1] for k in state if k.startswith("layers.")})  # model.n_layers
     model = build_model(
@@ -109,7 +110,8 @@ def test_random_llama32_1b_exports_to_transformers(tmp_path):
 
     from trainer.config.job import JobConfig
     from trainer.hf.export import write_hf_folder
-    from trainer.models.llama import build_model, model_args
+    from trainer.models.build import build_model
+    from trainer.models.flavors import model_args
 
     args = dataclasses.replace(model_args("llama3.2-1B", max_seq_len=32), n_layers=2)
     model = build_model(args)
@@ -240,7 +242,8 @@ def test_import_shape_mismatch_is_one_config_error(llama32):
     from trainer.config.job import load_config
     from trainer.errors import ConfigError
     from trainer.hf.load import load_initial
-    from trainer.models.llama import build_model, model_args
+    from trainer.models.build import build_model
+    from trainer.models.flavors import model_args
 
     folder, _ = llama32
     cfg = load_config(
@@ -267,7 +270,8 @@ def test_import_into_fewer_blocks_is_one_config_error(llama32):
     from trainer.config.job import load_config
     from trainer.errors import ConfigError
     from trainer.hf.load import load_initial
-    from trainer.models.llama import build_model, model_args
+    from trainer.models.build import build_model
+    from trainer.models.flavors import model_args
 
     folder, _ = llama32
     cfg = load_config(

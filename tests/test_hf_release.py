@@ -19,7 +19,8 @@ import pytest
 import torch
 
 from tests.helpers import REPO, run_train
-from trainer.models.llama import build_model, model_args
+from trainer.models.build import build_model
+from trainer.models.flavors import model_args
 
 CONFIG = str(REPO / "configs" / "debug_dsv3.toml")
 VOCAB, SEQ, BLOCK = 512, 64, (32, 48)

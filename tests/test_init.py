@@ -1,11 +1,11 @@
-"""The weight init's truncated normal (trainer/models/llama.py): the right distribution, the
-same values for the same seed, drawn in one pass."""
+"""The weight init's truncated normal (trainer/models/common/decoder.py): the right distribution,
+the same values for the same seed, drawn in one pass."""
 
 import math
 
 import torch
 
-from trainer.models.llama import trunc_normal
+from trainer.models.common.decoder import trunc_normal
 
 
 def draw(n: int, std: float, seed: int) -> torch.Tensor:

@@ -12,7 +12,13 @@ import torch
 import torch.nn.functional as F
 
 from tests.helpers import REPO, torchrun
-from trainer.models.loss import IGNORE_INDEX, add_product, build_loss, chunked_loss, eager_loss
+from trainer.models.common.loss import (
+    IGNORE_INDEX,
+    add_product,
+    build_loss,
+    chunked_loss,
+    eager_loss,
+)
 
 Z = 1e-2  # a z-loss weight that moves the loss by ~5% and the gradients by ~10% here
 

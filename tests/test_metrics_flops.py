@@ -20,6 +20,9 @@ import torch
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.utils.flop_counter import FlopCounterMode
 
+from trainer.models.args import ModelArgs
+from trainer.models.build import build_model
+from trainer.models.flavors import model_args
 from trainer.models.flops import (
     attention_flops_per_token,
     flops_per_token,
@@ -27,7 +30,6 @@ from trainer.models.flops import (
     resolve_peak,
     table_peak_tflops,
 )
-from trainer.models.llama import ModelArgs, build_model, model_args
 
 # (name, args, seq_len, batch): real dims of each flavor, fewer layers where the model is big.
 SHAPES = [
@@ -163,7 +165,7 @@ def test_moe_counts_the_active_experts(flavor):
     """A MoE model's FLOPs/token counts the router and the top_k (+ shared) experts a token
     goes through, not all E: FlopCounterMode on a real forward+backward through the
     per-expert loop (its matmuls are aten.mm) agrees, with no balance assumed."""
-    from trainer.models.moe import moe_layers
+    from trainer.models.common.moe import moe_layers
 
     args = dataclasses.replace(model_args(flavor), max_seq_len=64)
     model = build_model(args)

@@ -15,8 +15,8 @@ from tensorboard.backend.event_processing.event_accumulator import EventAccumula
 
 import trainer.observe.metrics as metrics
 from trainer.config.job import JobConfig
+from trainer.models.flavors import model_args
 from trainer.models.flops import flops_per_token
-from trainer.models.llama import model_args
 from trainer.observe.metrics import MetricsProcessor, format_line, memory_metrics, use_color
 
 ARGS = model_args("debugmodel")

@@ -1,4 +1,4 @@
-"""Mixture of experts (trainer/models/moe.py).
+"""Mixture of experts (trainer/models/common/moe.py).
 
 In one process: grouped GEMMs equal the per-expert loop and a token-by-token reference, a
 skewed router still computes every token (dropless) with gradients to every input, a capacity
@@ -19,8 +19,8 @@ import torch
 from tests.helpers import REPO, SYNTHETIC, scalars
 from trainer.config.job import load_config
 from trainer.models.args import MoEArgs
+from trainer.models.common.moe import MoE, capacity, update_expert_bias
 from trainer.models.flavors import FLAVORS
-from trainer.models.moe import MoE, capacity, update_expert_bias
 
 DIM = 32
 
@@ -140,7 +140,7 @@ def test_a_skipped_step_leaves_the_balancing_bias():
     """The bias moves after an optimizer step only: not when the step was skipped (a spike, a
     non-finite norm), whether the host knows it (False) or only the device (a flag tensor,
     the fused optimizer's skip), as a skipped step leaves the weights."""
-    from trainer.models.moe import balance_experts, moe_layers
+    from trainer.models.common.moe import balance_experts, moe_layers
 
     _, model = random_moe("debugmodel-moe")
     model.train()  # loads are counted in training only
@@ -185,7 +185,8 @@ def test_flavor_sizes():
 
 
 def random_moe(flavor: str, vocab: int = 512):
-    from trainer.models.llama import build_model, model_args
+    from trainer.models.build import build_model
+    from trainer.models.flavors import model_args
 
     args = model_args(flavor, vocab_size=vocab, max_seq_len=32)
     model = build_model(args)
@@ -257,7 +258,7 @@ def test_one_expert_round_trips_with_transformers(tmp_path):
     from trainer.config.job import JobConfig
     from trainer.hf.export import write_hf_folder
     from trainer.hf.load import load_hf
-    from trainer.models.llama import build_model
+    from trainer.models.build import build_model
 
     args, _ = random_moe("debugmodel-moe")
     args = dataclasses.replace(args, moe=dataclasses.replace(args.moe, n_experts=1, top_k=1))

@@ -1,4 +1,4 @@
-"""Multi-token prediction within documents (trainer/models/mtp.py, docs/deepseek.md).
+"""Multi-token prediction within documents (trainer/models/common/mtp.py, docs/deepseek.md).
 
 In one process: a packed window of several documents (EOS, BOS or both framing them; the
 window's last token starting a document in some rows; data.predict_document_start either way)
@@ -14,9 +14,10 @@ import pytest
 import torch
 
 from trainer.data.documents import Delimiters, document_ids, split_window
-from trainer.models.llama import build_model, model_args
-from trainer.models.loss import build_loss
-from trainer.models.mtp import IGNORE_INDEX, future_labels
+from trainer.models.build import build_model
+from trainer.models.common.loss import build_loss
+from trainer.models.common.mtp import IGNORE_INDEX, future_labels
+from trainer.models.flavors import model_args
 from trainer.parallel.microbatches import microbatch_documents
 
 BOS, EOS, S, DEPTH = 1, 2, 40, 2

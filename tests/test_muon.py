@@ -20,7 +20,8 @@ import torch.nn.functional as F
 from tests.helpers import REPO, SYNTHETIC, run_train, scalars, stopped_after_save, torchrun
 from trainer.config.job import load_config
 from trainer.errors import ConfigError
-from trainer.models.llama import Transformer, model_args
+from trainer.models.common.decoder import Transformer
+from trainer.models.flavors import model_args
 from trainer.optim.muon import takes_muon
 from trainer.optim.optimizer import build_optimizer
 from trainer.parallel.pipeline import _SAME_RANK_STAGES, _SPLIT_BACKWARD_THROUGH_FUNCTIONS

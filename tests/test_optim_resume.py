@@ -25,7 +25,8 @@ import torch.nn.functional as F
 from tests.helpers import BASE_FP32, SYNTHETIC, run_train, scalars
 from trainer.checkpoint.optim_state import ModelAndOptimizer, changed_line, saved_grouped
 from trainer.config.job import load_config
-from trainer.models.llama import Transformer, model_args
+from trainer.models.common.decoder import Transformer
+from trainer.models.flavors import model_args
 from trainer.optim.muon import takes_muon
 from trainer.optim.optimizer import build_optimizer
 from trainer.parallel.pipeline import _SAME_RANK_STAGES, _SPLIT_BACKWARD_THROUGH_FUNCTIONS

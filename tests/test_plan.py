@@ -18,7 +18,8 @@ import torch.nn.functional as F
 
 from tests.helpers import REPO, probe_cases_argv, torchrun
 from trainer.config.job import load_config
-from trainer.models.llama import ModelArgs, build_model
+from trainer.models.args import ModelArgs
+from trainer.models.build import build_model
 from trainer.parallel.parallelize import apply_ac
 from trainer.plan.activations import head_saved
 from trainer.plan.comm import comm_volume

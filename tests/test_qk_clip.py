@@ -1,5 +1,6 @@
 """QK-clip (optimizer.muon_qk_clip): the per-head maxima against the full score matrix, and the
-clipped weights against a hand computation (trainer/models/logits.py, trainer/optim/qk_clip.py)."""
+clipped weights against a hand computation (trainer/models/common/logits.py,
+trainer/optim/qk_clip.py)."""
 
 from __future__ import annotations
 
@@ -8,9 +9,9 @@ import math
 import pytest
 import torch
 
-from trainer.models import logits
-from trainer.models.attention import attend, build_mask
 from trainer.models.build import build_model
+from trainer.models.common import logits
+from trainer.models.common.attention import attend, build_mask
 from trainer.models.flavors import model_args
 from trainer.optim.qk_clip import QKClip
 

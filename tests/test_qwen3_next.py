@@ -204,8 +204,8 @@ def test_a_release_form_config_imports_and_equals_transformers(tmp_path):
     from safetensors.torch import load_file
 
     from trainer.errors import ConfigError
+    from trainer.models.common.rope import YarnScaling
     from trainer.models.qwen3_next.hf import check_release_config
-    from trainer.models.rope import YarnScaling
 
     torch.manual_seed(0)
     _hf_model("qwen3_next").save_pretrained(tmp_path)
@@ -428,7 +428,7 @@ def test_the_mtp_loss_equals_a_hand_computation(mtp_release):
     its weighted share of the training loss) equals the same forward by hand."""
     from safetensors.torch import load_file
 
-    from trainer.models.loss import build_loss
+    from trainer.models.common.loss import build_loss
 
     folder, _ = mtp_release
     model, _ = _mtp_model(folder)
@@ -461,9 +461,9 @@ def test_packed_documents_give_their_documents_mtp_loss():
     from tests.test_mtp_documents import EOS, documents_by_hand, mtp_sum, windows
     from trainer.data.documents import Delimiters, document_ids, split_window
     from trainer.models.build import build_model
+    from trainer.models.common.loss import build_loss
+    from trainer.models.common.mtp import IGNORE_INDEX, future_labels
     from trainer.models.flavors import model_args
-    from trainer.models.loss import build_loss
-    from trainer.models.mtp import IGNORE_INDEX, future_labels
     from trainer.parallel.microbatches import microbatch_documents
 
     depth = 2

@@ -7,8 +7,9 @@ import torch
 import torch.nn.functional as F
 
 from trainer.errors import ConfigError
-from trainer.models import sdpa
-from trainer.models.llama import Transformer, model_args
+from trainer.models.common import sdpa
+from trainer.models.common.decoder import Transformer
+from trainer.models.flavors import model_args
 
 CPU = torch.device("cpu")
 
@@ -92,7 +93,7 @@ def test_the_model_computes_the_same_under_math_and_flash():
 
 PROBE = """
 import sys, torch, torch.nn.functional as F
-from trainer.models import sdpa
+from trainer.models.common import sdpa
 sdpa.apply(sys.argv[1], torch.device("cpu"))
 g = torch.compile(lambda q: F.scaled_dot_product_attention(q, q, q, is_causal=True) * 2)
 q = torch.randn(1, 2, 16, 8)

@@ -14,7 +14,7 @@ from trainer.config.__main__ import main as config_main
 from trainer.config.job import JobConfig
 from trainer.errors import ConfigError
 from trainer.health.preemption import Preempted
-from trainer.models.llama import model_args
+from trainer.models.flavors import model_args
 from trainer.observe.metrics import MetricsProcessor
 from trainer.observe.wandb_logger import RUN_ID_FILE, init_kwargs, run_id, save_run_id
 

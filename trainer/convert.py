@@ -88,7 +88,7 @@ def to_hf(
 ) -> None:
     from trainer.hf.export import write_hf_folder
     from trainer.hf.mapping import buffer_shapes, export_problem, param_shapes
-    from trainer.models.attention import rope_args
+    from trainer.models.common.attention import rope_args
     from trainer.models.flavors import model_args
 
     saved = saved_shapes(checkpoint_dir, allow_pickle)

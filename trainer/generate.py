@@ -110,9 +110,9 @@ def load_model(
     """An unsharded fp32 Transformer with the checkpoint's weights, in eval mode."""
     from trainer.checkpoint import safe_load
     from trainer.data import padded_vocab_size
-    from trainer.models.attention import rope_args
     from trainer.models.build import build_model
-    from trainer.models.llama import model_args
+    from trainer.models.common.attention import rope_args
+    from trainer.models.flavors import model_args
 
     vocab = cfg.model.vocab_size or padded_vocab_size(token_vocab, cfg.model.vocab_size_multiple_of)
     args = model_args(

@@ -37,7 +37,7 @@ from trainer.plan.measured import describe as describe_fit
 from trainer.plan.measured import measured_fit
 from trainer.step import StepResult, TrainStep
 
-AUX = "moe/aux_loss"  # MoE's weighted aux + router z-loss terms (trainer/models/moe.py)
+AUX = "moe/aux_loss"  # MoE's weighted aux + router z-loss terms (trainer/models/common/moe.py)
 
 
 class Loop:

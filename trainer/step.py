@@ -69,7 +69,7 @@ class StepResult(NamedTuple):
     # this rank's summed cross-entropy / the global token count: summed over the dp ranks, the
     # token-weighted global mean (the logged loss), whatever each rank's token count
     loss_share: torch.Tensor | None = None
-    scalars: dict | None = None  # e.g. the experts' load imbalance (trainer/models/moe.py)
+    scalars: dict | None = None  # e.g. the experts' load imbalance (trainer/models/common/moe.py)
     # this rank's MTP loss share (mean over depths, / the global token count), or None
     mtp_loss: torch.Tensor | None = None
 
@@ -121,7 +121,7 @@ class TrainStep:
         lr, lr_muon = group_lrs(self.optimizer)  # this step's (the scheduler steps after it)
         cross_entropy = loss_sum if z_loss is None else loss_sum - z_loss
         mtp_loss = None
-        if mtp is not None:  # the MTP heads' mean loss per token (trainer/models/mtp.py)
+        if mtp is not None:  # the MTP heads' mean loss per token (trainer/models/common/mtp.py)
             mtp_loss = mtp / self.model.args.mtp_layers
             cross_entropy = cross_entropy - self.model.mtp_loss_weight * mtp_loss
         rank_loss = cross_entropy * global_tokens / max(local_tokens, 1)

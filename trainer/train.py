@@ -55,11 +55,11 @@ from trainer.health.spikes import check_data_skips, spike_check
 from trainer.hf.load import load_initial, save_last_hf
 from trainer.loop import Loop
 from trainer.models import registry
-from trainer.models.attention import attention_args
 from trainer.models.build import build_model
+from trainer.models.common.attention import attention_args
+from trainer.models.common.loss import build_loss, scoring_loss
+from trainer.models.common.sdpa import setup as setup_sdpa
 from trainer.models.flavors import model_args
-from trainer.models.loss import build_loss, scoring_loss
-from trainer.models.sdpa import setup as setup_sdpa
 from trainer.observe.metrics import MetricsProcessor
 from trainer.observe.profiling import StepProfiler
 from trainer.optim.batch_schedule import describe_ramp

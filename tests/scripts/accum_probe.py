@@ -20,7 +20,8 @@ from tests.helpers import run_probe_cases
 from trainer.config.job import load_config
 from trainer.data import build_dataloader
 from trainer.device import resolve_compute_dtype
-from trainer.models.llama import build_model, model_args
+from trainer.models.build import build_model
+from trainer.models.flavors import model_args
 from trainer.optim.optimizer import build_optimizer
 from trainer.parallel.parallelize import parallelize, set_gradient_sync
 

@@ -21,9 +21,11 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
 from trainer.config.job import load_config
-from trainer.models.attention import document_positions
-from trainer.models.llama import Transformer, build_model, model_args
-from trainer.models.loss import IGNORE_INDEX, build_loss
+from trainer.models.build import build_model
+from trainer.models.common.attention import document_positions
+from trainer.models.common.decoder import Transformer
+from trainer.models.common.loss import IGNORE_INDEX, build_loss
+from trainer.models.flavors import model_args
 from trainer.parallel.context_parallel import ContextAttention, head_tail_index
 from trainer.parallel.parallelize import parallelize
 

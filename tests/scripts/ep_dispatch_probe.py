@@ -15,7 +15,7 @@ from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 
 from trainer.models.args import MoEArgs
-from trainer.models.moe import MoE
+from trainer.models.common.moe import MoE
 from trainer.parallel.expert_parallel import AllToAllDispatch, apply_ep
 from trainer.parallel.parallelize import _checkpoint_forward
 

@@ -9,8 +9,9 @@ import torch
 import torch.distributed as dist
 
 from trainer.config.job import load_config
-from trainer.models.llama import build_model, model_args
-from trainer.models.loss import build_loss
+from trainer.models.build import build_model
+from trainer.models.common.loss import build_loss
+from trainer.models.flavors import model_args
 from trainer.parallel.parallelize import parallelize
 
 CALLS: list[tuple[str, int]] = []

@@ -20,8 +20,8 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 
+from trainer.models.common.moe import MoE
 from trainer.models.flavors import FLAVORS
-from trainer.models.moe import MoE
 from trainer.parallel.expert_parallel import apply_ep
 
 

@@ -22,7 +22,8 @@ import torch.nn.functional as F
 
 from trainer.checkpoint.checkpointer import ModelAndOptimizer
 from trainer.config.job import load_config
-from trainer.models.llama import ModelArgs, build_model
+from trainer.models.args import ModelArgs
+from trainer.models.build import build_model
 from trainer.optim.optimizer import build_optimizer
 from trainer.parallel.parallelize import parallelize
 

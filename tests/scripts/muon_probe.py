@@ -11,8 +11,10 @@ import torch
 import torch.distributed as dist
 
 from trainer.config.job import load_config
-from trainer.models.llama import Transformer, build_model, model_args
-from trainer.models.loss import build_loss
+from trainer.models.build import build_model
+from trainer.models.common.decoder import Transformer
+from trainer.models.common.loss import build_loss
+from trainer.models.flavors import model_args
 from trainer.optim.muon import orthogonalize
 from trainer.optim.optimizer import build_optimizer
 from trainer.parallel.parallelize import parallelize

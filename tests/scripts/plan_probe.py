@@ -27,8 +27,9 @@ from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
 from tests.helpers import run_probe_cases
 from trainer.config.job import load_config
 from trainer.device import resolve_compute_dtype
-from trainer.models.llama import build_model, model_args
-from trainer.models.loss import build_loss
+from trainer.models.build import build_model
+from trainer.models.common.loss import build_loss
+from trainer.models.flavors import model_args
 from trainer.optim.optimizer import build_optimizer
 from trainer.parallel.parallelize import parallelize
 

@@ -12,8 +12,9 @@ import torch.distributed as dist
 from torch.distributed.fsdp import FSDPModule, fully_shard
 
 from trainer.config.job import load_config
-from trainer.models.llama import build_model, model_args
-from trainer.models.loss import build_loss
+from trainer.models.build import build_model
+from trainer.models.common.loss import build_loss
+from trainer.models.flavors import model_args
 from trainer.parallel.fsdp import fsdp_param_groups
 from trainer.parallel.microbatches import build_forward_backward
 from trainer.parallel.parallelize import parallelize

@@ -23,8 +23,10 @@ from torch.utils._pytree import tree_leaves
 
 from trainer.config.job import load_config
 from trainer.evals.scoring import Request, score_batch
-from trainer.models.llama import Transformer, build_model, model_args
-from trainer.models.loss import IGNORE_INDEX, build_loss, scoring_loss
+from trainer.models.build import build_model
+from trainer.models.common.decoder import Transformer
+from trainer.models.common.loss import IGNORE_INDEX, build_loss, scoring_loss
+from trainer.models.flavors import model_args
 from trainer.parallel.parallelize import parallelize
 
 VOCAB, SEQ = 1024, 32

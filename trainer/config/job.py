@@ -188,7 +188,7 @@ OFFLOAD_NEEDS_CUDA = (
 
 def check_attention(model: Model, data: DataConfig, device: str) -> None:
     """Document masks need documents and, for flex, a GPU (checked again once the device of
-    'auto' is known: trainer/models/attention.py)."""
+    'auto' is known: trainer/models/common/attention.py)."""
     if model.attn_mask_type == "block_causal" and data.dataset == "synthetic" and not data.mix:
         raise ConfigError(
             "model.attn_mask_type = 'block_causal' needs documents, but "

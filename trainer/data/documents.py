@@ -7,14 +7,14 @@ nothing else is recorded. In a window, a new document starts
 
     at position 0 (the window may begin mid-document), at every BOS, and right after every EOS
 
-(with both framings the two rules mark the same position, the BOS after an EOS). The document
-id of a position is the number of starts up to it, minus one: [B, S] int64, computed on the
-device from the input tokens (`document_ids`). The model turns ids into its block-causal mask
-and per-document positions (trainer/models/attention.py); the loader also uses the starts to drop
-the targets that begin a document when `data.predict_document_start = false`. Multi-token
-prediction's targets reach one token past the inputs (the window's last label), whose document
-follows from the same rules (`window_document_ids`); `MicrobatchDocuments` computes, per
-training microbatch, only the ids that are used.
+(with both framings the two rules mark the same position, the BOS after an EOS). The document id of
+a position is the number of starts up to it, minus one: [B, S] int64, computed on the device from
+the input tokens (`document_ids`). The model turns ids into its block-causal mask and per-document
+positions (trainer/models/common/attention.py); the loader also uses the starts to drop the targets
+that begin a document when `data.predict_document_start = false`. Multi-token prediction's targets
+reach one token past the inputs (the window's last label), whose document follows from the same
+rules (`window_document_ids`); `MicrobatchDocuments` computes, per training microbatch, only the ids
+that are used.
 
 A source without any delimiter (a store prepared with add_bos = add_eos = false, a tokenizer
 without BOS/EOS ids, the synthetic source) has no documents: `Delimiters` is None there, and a
@@ -30,7 +30,7 @@ import torch
 
 from trainer.errors import DataError
 
-IGNORE_INDEX = -100  # as trainer.models.loss
+IGNORE_INDEX = -100  # as trainer.models.common.loss
 
 
 @dataclass(frozen=True)
@@ -123,7 +123,7 @@ class WindowsOfDocuments:
     def document_ids(self, inputs: torch.Tensor) -> torch.Tensor | None:
         """The document id of every input position ([B, S] int64, on the inputs' device), or
         None for data without documents. The model's block-causal mask and per-document
-        positions come from these (trainer/models/attention.py)."""
+        positions come from these (trainer/models/common/attention.py)."""
         return None if self.delimiters is None else document_ids(inputs, self.delimiters)
 
     def _split(self, windows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

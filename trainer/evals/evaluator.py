@@ -41,7 +41,7 @@ class Evaluator:
         loss_fn,
         context=None,
     ):
-        """`loss_fn`: the chunked head's loss (trainer.models.loss.scoring_loss); `context`:
+        """`loss_fn`: the chunked head's loss (trainer.models.common.loss.scoring_loss); `context`:
         context parallelism's split: each cp rank scores its share of every request."""
         from trainer.data.tokenizer import load_tokenizer
 

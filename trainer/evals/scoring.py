@@ -20,7 +20,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from trainer.models.loss import IGNORE_INDEX, RowLoss
+from trainer.models.common.loss import IGNORE_INDEX, RowLoss
 
 
 @dataclass(frozen=True)
@@ -150,7 +150,7 @@ def score_batch(
 ) -> torch.Tensor:
     """Summed continuation log-likelihood of each request, float64 [len(requests)]: minus the
     cross-entropy of its continuation's tokens, through the chunked head (`loss_fn`,
-    trainer.models.loss.scoring_loss: one chunk of logits at a time). The batch is
+    trainer.models.common.loss.scoring_loss: one chunk of logits at a time). The batch is
     right-padded to its longest input (causal attention: padding changes no real logit),
     rounded up to the model's `sequence_multiple` (sequence parallelism shards the sequence
     evenly over the tp ranks); for a model compiled per shape, to `eval_shape` (`batch`: the

@@ -57,7 +57,7 @@ class Validator:
         log=print,
         context=None,
     ):
-        """`loss_fn`: the chunked head's loss (trainer.models.loss.scoring_loss); `context`:
+        """`loss_fn`: the chunked head's loss (trainer.models.common.loss.scoring_loss); `context`:
         context parallelism's split (trainer/parallel/context_parallel.py `ContextSplit`):
         each cp rank scores its share of every sequence, and the sums add over cp too."""
         v = cfg.validation

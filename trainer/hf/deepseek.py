@@ -2,13 +2,13 @@
 DeepseekV3ForCausalLM: the names of MLA's projections, the shared experts and the router's
 score-correction bias, and config.json.
 
-The layout needs no permutation: DeepSeek released its weights with the RoPE channels in
-consecutive pairs (`rope_interleave = true`, transformers' default), the pairs
-trainer/models/layers.py rotates. A folder with `rope_interleave = false` (rotate-half
-layout) or RoPE scaled otherwise than by YaRN (what DeepSeek-V3 and Kimi K2 are released
-with: trainer/models/layers.py) is refused in one line rather than loaded into different logits.
-The balancing bias of training (`moe.load_balance_coeff`) is DeepSeek-V3's
-`e_score_correction_bias`: it is exported and imported, so routing is the same on both sides.
+The layout needs no permutation: DeepSeek released its weights with the RoPE channels in consecutive
+pairs (`rope_interleave = true`, transformers' default), the pairs trainer/models/common/layers.py
+rotates. A folder with `rope_interleave = false` (rotate-half layout) or RoPE scaled otherwise than
+by YaRN (what DeepSeek-V3 and Kimi K2 are released with: trainer/models/common/layers.py) is refused
+in one line rather than loaded into different logits. The balancing bias of training
+(`moe.load_balance_coeff`) is DeepSeek-V3's `e_score_correction_bias`: it is exported and imported,
+so routing is the same on both sides.
 
 Multi-token prediction module k (0-based) is the release's layer `num_hidden_layers + k`
 (`num_nextn_predict_layers` of them): `enorm`, `hnorm`, `eh_proj` (applied to [enorm(emb);

@@ -16,7 +16,7 @@ from trainer.errors import ConfigError
 from trainer.hf import deepseek
 from trainer.models import registry
 from trainer.models.args import ModelArgs, MoEArgs
-from trainer.models.rope import YarnScaling, yarn_to_config
+from trainer.models.common.rope import YarnScaling, yarn_to_config
 
 _LAYER = {
     "attention.wq.weight": "self_attn.q_proj.weight",

@@ -11,7 +11,7 @@ import math
 from dataclasses import dataclass
 from typing import Protocol
 
-from trainer.models.rope import RopeScaling, YarnScaling
+from trainer.models.common.rope import RopeScaling, YarnScaling
 
 
 class HybridLayers(Protocol):
@@ -34,7 +34,7 @@ class HybridLayers(Protocol):
 
 @dataclass(frozen=True)
 class MoEArgs:
-    """Mixture of experts (trainer/models/moe.py): which blocks have one, and its shape. The
+    """Mixture of experts (trainer/models/common/moe.py): which blocks have one, and its shape. The
     training knobs (capacity, loss weights) come from the config's [moe] section."""
 
     n_experts: int = 8
@@ -120,7 +120,7 @@ class MoEArgs:
 
 @dataclass(frozen=True)
 class MLAArgs:
-    """Multi-head latent attention (DeepSeek-V2/V3, trainer/models/mla.py): queries through a
+    """Multi-head latent attention (DeepSeek-V2/V3, trainer/models/common/mla.py): queries through a
     low-rank path (or one projection with q_lora_rank 0), keys and values from one compressed
     latent per token plus a RoPE key shared by every head."""
 
@@ -184,8 +184,9 @@ class ModelArgs:
     max_seq_len: int = 2048
     rope_scaling: RopeScaling | YarnScaling | None = None
     tie_word_embeddings: bool = False  # the output head reuses the token embedding
-    # How tokens attend (trainer/models/attention.py); no parameter depends on them, so a checkpoint
-    # loads under any of them. attn_implementation is resolved: sdpa, flex or per_document.
+    # How tokens attend (trainer/models/common/attention.py); no parameter depends on them, so a
+    # checkpoint loads under any of them. attn_implementation is resolved: sdpa, flex or
+    # per_document.
     attn_mask_type: str = "causal"  # or "block_causal"
     positions: str = "sequence"  # or "document"
     attn_implementation: str = "sdpa"
@@ -194,7 +195,7 @@ class ModelArgs:
     explicit_head_dim: int = 0  # 0: dim // n_heads (Qwen3 sets 128 at any dim)
     explicit_hidden_dim: int = 0  # 0: the SwiGLU width from dim (DeepSeek sets its own)
     mla: MLAArgs | None = None  # multi-head latent attention in place of GQA (DeepSeek-V3)
-    # Multi-token prediction (DeepSeek-V3, trainer/models/mtp.py): modules after the last
+    # Multi-token prediction (DeepSeek-V3, trainer/models/common/mtp.py): modules after the last
     # layer, the k-th predicting the token k + 1 further; their mean loss is added with this
     # weight (from the [model] section)
     mtp_layers: int = 0

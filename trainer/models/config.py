@@ -117,8 +117,8 @@ class Model:
     )
 
     def validate(self) -> None:
+        from trainer.models.common.sdpa import parse
         from trainer.models.flavors import FLAVORS
-        from trainer.models.sdpa import parse
 
         parse(self.sdpa_backends)
 
@@ -153,7 +153,7 @@ class Model:
 
     def check_yarn(self, flavor) -> None:
         """The YaRN keys go with rope_scaling = 'yarn', and name what the flavor lacks."""
-        from trainer.models.rope import YarnScaling
+        from trainer.models.common.rope import YarnScaling
 
         keys = ("yarn_factor", "yarn_original_max_position_embeddings")
         if self.rope_scaling != "yarn":

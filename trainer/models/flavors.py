@@ -7,13 +7,13 @@ from __future__ import annotations
 import dataclasses
 
 from trainer.models.args import MLAArgs, ModelArgs, MoEArgs
-from trainer.models.registry import package_flavors
-from trainer.models.rope import (
+from trainer.models.common.rope import (
     DEEPSEEK_V3_YARN,
     KIMI_K2_YARN,
     LLAMA3_ROPE_SCALING,
     LLAMA31_ROPE_SCALING,
 )
+from trainer.models.registry import package_flavors
 
 FLAVORS: dict[str, ModelArgs] = {
     "debugmodel": ModelArgs(
@@ -318,7 +318,8 @@ def model_args(
     **attention,
 ):
     """The flavor's args with the run's vocab and length, its first `n_layers` blocks (0: all;
-    model.n_layers), the attention fields of trainer.models.attention.attention_args (default:
+    model.n_layers), the attention fields of trainer.models.common.attention.attention_args
+    (default:
     causal, sequence positions) and, for a MoE flavor, the [moe] section's training knobs
     (`moe_config`)."""
     args = FLAVORS[flavor]

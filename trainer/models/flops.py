@@ -42,7 +42,7 @@ from dataclasses import dataclass
 import torch
 
 from trainer.models import registry
-from trainer.models.llama import ModelArgs
+from trainer.models.args import ModelArgs
 
 
 def matmul_params(args: ModelArgs) -> int:

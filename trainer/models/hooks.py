@@ -4,11 +4,11 @@ memory plan books for its blocks, how it goes to and from Hugging Face, and what
 lines say. The shared code asks `trainer.models.registry.hooks(args)` and never tests which
 family a model is.
 
-`DecoderHooks` answers for the plain decoder (trainer/models/llama.py: GQA or MLA attention,
-a dense or MoE feed-forward, optional MTP modules): the llama3 and deepseek_v3 families. A
-family package subclasses it in its own `hooks.py` (`HOOKS = TheFamilysHooks()`) and
-overrides what its model does differently. An answer of None means "as the plain decoder":
-the caller then runs the shared code for it.
+`DecoderHooks` answers for the plain decoder (trainer/models/common/decoder.py: GQA or MLA
+attention, a dense or MoE feed-forward, optional MTP modules): the llama3 and deepseek_v3 families.
+A family package subclasses it in its own `hooks.py` (`HOOKS = TheFamilysHooks()`) and overrides
+what its model does differently. An answer of None means "as the plain decoder": the caller then
+runs the shared code for it.
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ class DecoderHooks:
 
     def build(self, args):
         """The model of `args` (ModelArgs), called under the meta device."""
-        from trainer.models.llama import Transformer
+        from trainer.models.common.decoder import Transformer
 
         return Transformer(args)
 

@@ -45,9 +45,9 @@ import time
 import torch
 
 from trainer.device import Precision, resolve_compute_dtype
-from trainer.models.attention import describe as describe_attention
+from trainer.models.args import ModelArgs
+from trainer.models.common.attention import describe as describe_attention
 from trainer.models.flops import attention_flops_per_token, flops_per_token, resolve_peak
-from trainer.models.llama import ModelArgs
 
 __all__ = ["MetricsProcessor", "flops_per_token"]
 

@@ -19,7 +19,7 @@ Heads at or under tau keep their weights (on a q/k-normed layer: when all of the
 skipped step (non-finite loss, a spike) skips the clip too, and a non-finite maximum never
 scales anything. Evaluation forwards (the model in eval mode) record nothing.
 
-The maxima come from the forward passes of the step (trainer/models/logits.py), every
+The maxima come from the forward passes of the step (trainer/models/common/logits.py), every
 microbatch's: each attention layer raises a [local heads] buffer on the device. After the
 step one all-reduce (MAX) over the whole world of a [layers, heads] table (MTP modules'
 attention after the main layers) combines the data-parallel, context-parallel and

@@ -64,8 +64,8 @@ class MTPWeight(StepHook):
 
 class ExpertBalance(StepHook):
     """The experts' loads summed over the world and the balancing bias moved if the optimizer
-    stepped (trainer/models/moe.py's balance_experts), at `coeff`, or at `coeff_at(step)` when
-    the bias update speed is scheduled (moe.load_balance_coeff_until_step); a dense model's
+    stepped (trainer/models/common/moe.py's balance_experts), at `coeff`, or at `coeff_at(step)`
+    when the bias update speed is scheduled (moe.load_balance_coeff_until_step); a dense model's
     loads are empty and nothing is reduced."""
 
     def __init__(self, *, n_layers: int, coeff: float, device, moe_ids, coeff_at=None):
@@ -73,7 +73,7 @@ class ExpertBalance(StepHook):
         self.coeff_at = coeff_at
 
     def after(self, step: int, model: torch.nn.Module, stepped) -> dict:
-        from trainer.models.moe import balance_experts
+        from trainer.models.common.moe import balance_experts
 
         kwargs = self.kwargs
         if self.coeff_at is not None:

@@ -37,14 +37,14 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from trainer.distributed import to_device
-from trainer.models import logits
-from trainer.models.attention import (
+from trainer.models.common import logits
+from trainer.models.common.attention import (
     _aux_request,
     _compiled_create_block_mask,
     document_positions,
     flex,
 )
-from trainer.models.mtp import future_labels
+from trainer.models.common.mtp import future_labels
 from trainer.parallel.recompute import SAVED_GATHER_GROUPS
 
 
@@ -85,7 +85,7 @@ def describe_kernel(name: str) -> str:
 
 class ContextAttention:
     """One microbatch's attention on one cp rank, passed to every layer in place of a mask
-    (trainer/models/attention.py `attend` calls `attend` here)."""
+    (trainer/models/common/attention.py `attend` calls `attend` here)."""
 
     def __init__(
         self,

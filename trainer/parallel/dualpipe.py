@@ -99,7 +99,7 @@ def plan_overlap(cfg, schedule, device_type: str = "cpu") -> tuple[bool, str]:
 
 def stage_groups(model) -> list:
     """The process groups the stages' MoE dispatchers hold (this rank's; none without MoE)."""
-    from trainer.models.moe import moe_layers
+    from trainer.models.common.moe import moe_layers
 
     found: list = []
     for layer in moe_layers(model).values():

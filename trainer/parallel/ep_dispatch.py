@@ -41,7 +41,7 @@ import time
 import torch
 import torch.distributed as dist
 
-from trainer.models.moe import expert_counts
+from trainer.models.common.moe import expert_counts
 from trainer.parallel import recompute
 from trainer.parallel.lanes import lane_group
 

@@ -24,7 +24,7 @@ one is trainer/parallel/ep_dispatch.py's `NodeDispatch`, chosen by `moe.dispatch
 Expert gradients are the sum over every ep rank's tokens (the all-to-all's backward brings
 them), so FSDP's reduction over `efsdp` (x replicas) must divide by the whole dp size, as it does
 for the dense parameters: `gradient_divide_factor`. The balancing loads are counted before
-dispatch (trainer/models/moe.py), so `balance_experts` is the same with and without ep.
+dispatch (trainer/models/common/moe.py), so `balance_experts` is the same with and without ep.
 """
 
 from __future__ import annotations
@@ -37,7 +37,7 @@ from torch import nn
 from torch.distributed.tensor import Shard, distribute_tensor
 
 from trainer.errors import ConfigError
-from trainer.models.moe import MoE, capacity, expert_counts, moe_layers
+from trainer.models.common.moe import MoE, capacity, expert_counts, moe_layers
 from trainer.parallel.ep_dispatch import (
     Dispatcher,
     NodeDispatch,

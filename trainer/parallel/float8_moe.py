@@ -23,7 +23,7 @@ import torch
 import torch.nn.functional as F
 
 from trainer.distributed import log0
-from trainer.models.moe import GroupedExperts, moe_layers
+from trainer.models.common.moe import GroupedExperts, moe_layers
 
 E4M3 = torch.float8_e4m3fn
 E4M3_MAX = 448.0

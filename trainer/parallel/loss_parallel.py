@@ -3,15 +3,15 @@ over the `tp` mesh dimension (colwise, as Megatron's and torchtitan's head; a ti
 rowwise-sharded the same way), so each tp rank computes the logits of vocab / tp columns.
 
 Loss parallel (default): the cross-entropy is computed from those vocab-sharded logits, never
-gathering the full vocabulary. Per chunk of tokens (trainer/models/loss.py's chunked loss, whose
-structure this reuses), each rank computes its [tokens, vocab / tp] logits in fp32, and two
+gathering the full vocabulary. Per chunk of tokens (trainer/models/common/loss.py's chunked loss,
+whose structure this reuses), each rank computes its [tokens, vocab / tp] logits in fp32, and two
 all-reduces over tp finish the softmax statistics: the max of each row (MAX), then the sum of
-exp(logit - max) and the target's logit, which only the rank holding the target's column has
-(SUM). From them every rank has the same loss, and its own columns of d loss / d logits
-(softmax minus one-hot). The hidden states' gradient `d logits @ W_shard` is then a partial
-sum over tp (each rank saw vocab / tp columns): the hidden states enter as a Partial-gradient
-view of the sequence-gathered activations, so DTensor reduce-scatters that gradient back to
-the sequence shards. The weight's gradient is local to its shard.
+exp(logit - max) and the target's logit, which only the rank holding the target's column has (SUM).
+From them every rank has the same loss, and its own columns of d loss / d logits (softmax minus
+one-hot). The hidden states' gradient `d logits @ W_shard` is then a partial sum over tp (each rank
+saw vocab / tp columns): the hidden states enter as a Partial-gradient view of the sequence-gathered
+activations, so DTensor reduce-scatters that gradient back to the sequence shards. The weight's
+gradient is local to its shard.
 
 `parallelism.disable_loss_parallel` computes the plain loss on every tp rank over the gathered
 weight instead (the weight is [vocab, dim]; gathering the [tokens, vocab] logits, as
@@ -26,7 +26,8 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 
-IGNORE_INDEX = -100  # trainer.models.loss.IGNORE_INDEX (not imported: loss.py imports this module)
+# trainer.models.common.loss.IGNORE_INDEX (not imported: loss.py imports this module)
+IGNORE_INDEX = -100
 
 
 def vocab_parallel_project(h, weight: DTensor, labels=None, loss_fn=None) -> torch.Tensor:
@@ -53,9 +54,9 @@ def vocab_parallel_chunk(
     *,
     group,
 ):
-    """trainer.models.loss.chunk_loss_and_grad for a weight shard of vocab / tp rows (this rank's
-    rows are [rank * n, (rank + 1) * n) of the vocab): the same (loss, z, grad) contract, with
-    grad holding only this rank's columns. Every tp rank returns the same loss and z."""
+    """trainer.models.common.loss.chunk_loss_and_grad for a weight shard of vocab / tp rows (this
+    rank's rows are [rank * n, (rank + 1) * n) of the vocab): the same (loss, z, grad) contract,
+    with grad holding only this rank's columns. Every tp rank returns the same loss and z."""
     logits = F.linear(h, weight).float()
     n, start = weight.shape[0], dist.get_rank(group) * weight.shape[0]
     valid = labels != IGNORE_INDEX

@@ -18,9 +18,9 @@ import torch
 from trainer.data.documents import MicrobatchDocuments
 from trainer.distributed import log0, to_device
 from trainer.health import faults, heartbeat
-from trainer.models.loss import Loss
-from trainer.models.moe import set_aux_scale, take_aux_loss
-from trainer.models.mtp import future_labels
+from trainer.models.common.loss import Loss
+from trainer.models.common.moe import set_aux_scale, take_aux_loss
+from trainer.models.common.mtp import future_labels
 from trainer.parallel.context_parallel import ContextSplit
 from trainer.parallel.fsdp import set_gradient_sync
 from trainer.parallel.pipeline import PipelineLoop
@@ -37,8 +37,8 @@ class WholeSequences:
 
     def forward(self, model, inputs, labels, loss_fn, doc_ids, window) -> torch.Tensor:
         """This rank's summed token loss of the microbatch. The model's head computes it
-        (trainer/models/loss.py): no logits here. Document ids let the model mask and position
-        per document, and keep the MTP targets in their documents."""
+        (trainer/models/common/loss.py): no logits here. Document ids let the model mask and
+        position per document, and keep the MTP targets in their documents."""
         depth = model.args.mtp_layers
         future = None if window is None else future_labels(labels, depth, window)
         return model(inputs, labels=labels, loss_fn=loss_fn, doc_ids=doc_ids, future=future)
@@ -92,8 +92,8 @@ class MicrobatchLoop:
                 faults.armed().first_forward(step)  # a testing hook; nothing unless asked
             heartbeat.phase("backward")
             # MoE's aux losses are means: FSDP's average over dp and 1 / microbatches; they
-            # back-propagate from their blocks' outputs (trainer/models/moe.py). Under CP they
-            # are the same on every cp rank (summed statistics).
+            # back-propagate from their blocks' outputs (trainer/models/common/moe.py). Under CP
+            # they are the same on every cp rank (summed statistics).
             extra = take_aux_loss(self.model)
             if extra is not None:
                 aux = extra / len(batches) if aux is None else aux + extra / len(batches)
@@ -138,7 +138,7 @@ def build_forward_backward(
 def microbatch_documents(model: torch.nn.Module, loader) -> MicrobatchDocuments | None:
     """Which document ids a training microbatch needs (None: none): the model's when it keeps
     documents apart (`uses_documents`); the window's for the MTP targets when documents apply
-    to them (trainer/models/mtp.py): the model keeps documents apart, or the data masks the
+    to them (trainer/models/common/mtp.py): the model keeps documents apart, or the data masks the
     targets that start one (data.predict_document_start = false)."""
     if loader is None:
         return None

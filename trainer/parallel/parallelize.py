@@ -30,8 +30,8 @@ from torch.utils.checkpoint import (
     create_selective_checkpoint_contexts,
 )
 
-from trainer.models.llama import Transformer
-from trainer.models.moe import moe_layers
+from trainer.models.common.decoder import Transformer
+from trainer.models.common.moe import moe_layers
 from trainer.parallel import recompute
 from trainer.parallel.expert_parallel import apply_ep
 from trainer.parallel.float8 import apply_float8
@@ -44,7 +44,7 @@ from trainer.parallel.tp import apply_tp
 # Outputs worth keeping under op-level selective AC: the matmuls (float8's `_scaled_mm` too)
 # and attention, whose recomputation costs FLOPs, and TP's reduce-scatters, whose
 # recomputation would repeat a collective; everything else (norms, activations, RoPE) is cheap
-# to recompute. block_causal attention (trainer/models/attention.py) is one of these SDPA ops
+# to recompute. block_causal attention (trainer/models/common/attention.py) is one of these SDPA ops
 # (with a mask), or FlexAttention's higher-order op on CUDA, which selective checkpointing
 # sees as one op too.
 _SAVE_OPS = {
@@ -56,7 +56,7 @@ _SAVE_OPS = {
     torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default,
     torch.ops._c10d_functional.reduce_scatter_tensor.default,
 }
-if hasattr(torch.ops.aten, "_grouped_mm"):  # MoE experts (trainer/models/moe.py)
+if hasattr(torch.ops.aten, "_grouped_mm"):  # MoE experts (trainer/models/common/moe.py)
     _SAVE_OPS.add(torch.ops.aten._grouped_mm.default)
 # Expert parallelism's all-to-alls: recomputing them would repeat a collective.
 for _ns in ("_c10d_functional", "_c10d_functional_autograd"):
@@ -214,7 +214,8 @@ def materialize(model: Transformer, cfg, device: torch.device) -> None:
     With `fsdp_offload = "cpu"` the sharded parameters live on the CPU (FSDP2 requires them
     materialised there; it pins them at its lazy init) while the RoPE buffers, which no FSDP
     group manages, are moved to the compute device by hand. The init draws its random values
-    on the mesh's device either way (trainer.models.llama), so offload starts from the same weights.
+    on the mesh's device either way (trainer.models.common.decoder), so offload starts from the
+    same weights.
     """
     offload = cfg.parallelism.fsdp_offload == "cpu"
     model.to_empty(device="cpu" if offload else device)

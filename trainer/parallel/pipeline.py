@@ -32,9 +32,10 @@ from torch import nn
 from trainer.distributed import log0, to_device
 from trainer.errors import ConfigError
 from trainer.health import faults, heartbeat
+from trainer.models.common.decoder import Transformer
+from trainer.models.common.mtp import future_labels, mtp_streams
+from trainer.models.flavors import model_args
 from trainer.models.flops import unit_flops
-from trainer.models.llama import Transformer, model_args
-from trainer.models.mtp import future_labels, mtp_streams
 from trainer.parallel.context_parallel import ContextSplit
 from trainer.parallel.fsdp import fsdp_param_groups
 from trainer.parallel.pp_layout import (
@@ -131,7 +132,7 @@ class StageModule(nn.Module):
             h = layer(h, cos, sin, mask, *docs)
         if self.norm is None:
             return torch.cat([h, *extra], dim=-1) if extra else h
-        h = self.norm(h)  # the MTP modules take the normed state (trainer/models/llama.py)
+        h = self.norm(h)  # the MTP modules take the normed state (trainer/models/common/decoder.py)
         main = self.output(h, labels if fn is not None else None, fn)
         if not mtp:
             return main

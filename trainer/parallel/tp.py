@@ -43,7 +43,7 @@ from torch.distributed.tensor.parallel import (
 
 from trainer.health import heartbeat
 from trainer.models import registry
-from trainer.models.llama import Transformer
+from trainer.models.common.decoder import Transformer
 
 
 def apply_tp(
@@ -121,7 +121,7 @@ def apply_tp(
 
 
 def _mla_styles(attention, tp_mesh, colwise, prepare_input) -> dict:
-    """Multi-head latent attention (trainer/models/mla.py): the heads split (`wq` or `wq_b`,
+    """Multi-head latent attention (trainer/models/common/mla.py): the heads split (`wq` or `wq_b`,
     and `wkv_b` colwise; `wo` rowwise), the down projections and their norms replicated:
     plain parameters that every tp rank applies to the whole gathered sequence. Their
     gradients come out whole on every rank: the colwise up projections all-reduce their
@@ -184,7 +184,7 @@ def _qk_norm_styles(block) -> dict:
 
 
 def _moe_style(moe, tp_mesh, model):
-    """A MoE feed-forward (trainer/models/moe.py) is data parallel over tp: each tp rank
+    """A MoE feed-forward (trainer/models/common/moe.py) is data parallel over tp: each tp rank
     routes its own sequence shard and runs the experts (or, under ep, dispatches its tokens
     to them) on plain tensors; no rank repeats another's routing, expert GEMMs, all-to-all or
     saved activations. Its router and shared experts (and without ep its experts) are
@@ -250,7 +250,7 @@ def _all_reduce_flat(grads: list[torch.Tensor], group) -> None:
 
 def _shard_head(head: nn.Linear, tp_mesh) -> None:
     """The head's weight as a vocab-sharded (rows, Shard(0)) DTensor; its forward
-    (trainer.models.llama.project) handles the sequence-sharded input and the loss."""
+    (trainer.models.common.decoder.project) handles the sequence-sharded input and the loss."""
 
     def partition(name, module, mesh):
         for pname, param in list(module.named_parameters(recurse=False)):

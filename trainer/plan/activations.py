@@ -22,7 +22,8 @@ FP32 = 4
 def block_split(
     a: ModelArgs, p: int, tp: int = 1, moe: bool = False, ep: int = 1
 ) -> tuple[int, int]:
-    """Bytes one block saves for backward, no AC (eager trainer.models.llama), as (per token of this
+    """Bytes one block saves for backward, no AC (eager trainer.models.common.decoder), as (per
+    token of this
     rank's sequence shard, per token of the whole microbatch); their sum per token is the
     block's figure without TP.
 
@@ -54,7 +55,7 @@ def block_split(
 
 
 def mla_saved(a: ModelArgs, p: int, tp: int, kernel: str) -> int:
-    """Bytes MLA's attention saves per token, no AC (trainer/models/mla.py): the two latent
+    """Bytes MLA's attention saves per token, no AC (trainer/models/common/mla.py): the two latent
     RMSNorms' fp32 upcast and output (replicated over tp), SDPA's q, k and output, and v as
     a view of wkv_b's output (its key half with it); per_document also keeps the output's
     concatenation."""
@@ -201,8 +202,8 @@ def head_activations(a: ModelArgs, p: int, tokens: int, tp: int = 1) -> int:
 def loss_region(
     cfg: JobConfig, a: ModelArgs, p: int, tokens: int, tp: int = 1, loss_parallel: bool = True
 ) -> dict[str, int]:
-    """What the loss (trainer/models/loss.py) holds for one microbatch: `at_loss`, at its widest;
-    `at_head`, in the head's backward; `after`, through the rest of the backward.
+    """What the loss (trainer/models/common/loss.py) holds for one microbatch: `at_loss`, at its
+    widest; `at_head`, in the head's backward; `after`, through the rest of the backward.
 
     eager: the [batch, seq, vocab] logits in the compute dtype are counted as held through the
     whole backward; cross-entropy upcasts them to fp32, its log-softmax saves an fp32 output,

@@ -177,7 +177,7 @@ def cp_volume(cfg: JobConfig, a, pd, accum: int) -> float:
         return 0.0
     p, t = BYTES[cfg.training.mixed_precision_param], cfg.training
     kv = 2 * p * t.local_batch_size * t.seq_len * max(a.n_kv_heads // pd.tp, 1) * a.head_dim
-    if a.mla is not None:  # MLA gathers its latents (trainer/models/mla.py), not K and V
+    if a.mla is not None:  # MLA gathers its latents (trainer/models/common/mla.py), not K and V
         kv = p * t.local_batch_size * t.seq_len * (a.mla.kv_lora_rank + a.mla.qk_rope_head_dim)
     ac = cfg.activation_checkpoint
     if ac.mode == "full":

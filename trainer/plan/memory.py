@@ -18,13 +18,13 @@ The device's peak is the largest of five moments of a step; each is the resident
   FSDP buffers;
 - the end of backward (the embedding): the sharded gradients, the embedding's FSDP buffers;
 - the optimizer step: every sharded gradient and the optimizer's temporaries.
-Sharded gradients are None from `zero_grad(set_to_none=True)` until each group's backward, so
-they are counted only from the end of backward on; with accumulation and gradient sync every
-microbatch, the earlier microbatches' are held through every moment of the later ones. The formulas
-assume the eager model in trainer/models/llama.py with a flash/memory-efficient SDPA or, for
+Sharded gradients are None from `zero_grad(set_to_none=True)` until each group's backward, so they
+are counted only from the end of backward on; with accumulation and gradient sync every microbatch,
+the earlier microbatches' are held through every moment of the later ones. The formulas assume the
+eager model in trainer/models/common/decoder.py with a flash/memory-efficient SDPA or, for
 block_causal, compiled FlexAttention (no [seq, seq] score matrix; `attn_implementation = "sdpa"`
-adds one [batch, 1, seq, seq] mask per microbatch, see trainer.models.attention.memory_bytes) and
-the loss of trainer/models/loss.py; compiled blocks usually save less (Inductor fuses the
+adds one [batch, 1, seq, seq] mask per microbatch, see trainer.models.common.attention.memory_bytes)
+and the loss of trainer/models/common/loss.py; compiled blocks usually save less (Inductor fuses the
 elementwise ops), so for `[compile] enable` the plan is an upper bound in practice. Each formula's
 assumptions are in its function's docstring; tests/test_plan.py checks them against tensors measured
 on CPU ranks.
@@ -51,10 +51,10 @@ from dataclasses import dataclass
 from trainer.config.job import JobConfig
 from trainer.errors import ConfigError
 from trainer.models import registry
-from trainer.models.attention import memory_bytes as attention_bytes
+from trainer.models.args import ModelArgs
 from trainer.models.build import build_model
+from trainer.models.common.attention import memory_bytes as attention_bytes
 from trainer.models.flops import flops_per_token
-from trainer.models.llama import ModelArgs
 from trainer.optim.muon import BUCKET_BYTES as muon_bucket_bytes
 from trainer.optim.muon import takes_muon
 from trainer.optim.optimizer import implementation
@@ -186,21 +186,22 @@ def memory_plan(cfg: JobConfig, world_size: int, pp_rank: int | None = None) -> 
     activations of the pipeline microbatches it holds at once: trainer/plan/pipeline.py), or
     with None the pp rank of the largest total, with every rank's in `pp_rank_totals`.
 
-    Resident: `parameters`, `gradients` (fp32, sharded over dp_shard; replicated over
-    dp_replicate under HSDP; with tp > 1 each rank holds the dp_shard shard of its tp part, see
-    `fsdp_groups`: the matmul weights are 1/(tp x dp_shard), the norms 1/dp_shard),
-    `optimizer_state` (AdamW's exp_avg and exp_avg_sq like the parameters, plus one fp32 step scalar
-    per tensor), `buffers_and_inputs` (the fp32 RoPE tables and the int64 inputs, labels and, for
-    block_causal, document ids). Per microbatch: `activations` (the configured AC mode;
-    `activations_no_ac` and `activations_full_ac` for comparison; all include the final norm and
-    head input, and `attention_inputs`: the block-causal mask and document RoPE tables,
-    trainer.models.attention.memory_bytes), `ac_recompute` (one block's full activations while it is
-    recomputed), `logits_loss`. Transient: `fsdp_*` (see `fsdp_buffers`), `tp_buffers` (with TP, two
-    whole-sequence [tokens, dim] tensors around a block's backward collectives), `grad_accumulation`
-    (unsharded grads kept between microbatches when sync is 'last' with accumulation: FSDP2 keeps
-    them in the reduce dtype), `optimizer_step_temp` (foreach AdamW computes sqrt(exp_avg_sq) for
-    all tensors at once: one fp32 copy of the shard; for-loop: two of the largest tensor; fused:
-    none). `peak_*`: the device total at each moment in the module docstring; `total` the max.
+    Resident: `parameters`, `gradients` (fp32, sharded over dp_shard; replicated over dp_replicate
+    under HSDP; with tp > 1 each rank holds the dp_shard shard of its tp part, see `fsdp_groups`:
+    the matmul weights are 1/(tp x dp_shard), the norms 1/dp_shard), `optimizer_state` (AdamW's
+    exp_avg and exp_avg_sq like the parameters, plus one fp32 step scalar per tensor),
+    `buffers_and_inputs` (the fp32 RoPE tables and the int64 inputs, labels and, for block_causal,
+    document ids). Per microbatch: `activations` (the configured AC mode; `activations_no_ac` and
+    `activations_full_ac` for comparison; all include the final norm and head input, and
+    `attention_inputs`: the block-causal mask and document RoPE tables,
+    trainer.models.common.attention.memory_bytes), `ac_recompute` (one block's full activations
+    while it is recomputed), `logits_loss`. Transient: `fsdp_*` (see `fsdp_buffers`), `tp_buffers`
+    (with TP, two whole-sequence [tokens, dim] tensors around a block's backward collectives),
+    `grad_accumulation` (unsharded grads kept between microbatches when sync is 'last' with
+    accumulation: FSDP2 keeps them in the reduce dtype), `optimizer_step_temp` (foreach AdamW
+    computes sqrt(exp_avg_sq) for all tensors at once: one fp32 copy of the shard; for-loop: two of
+    the largest tensor; fused: none). `peak_*`: the device total at each moment in the module
+    docstring; `total` the max.
     """
     pd, accum = cfg.resolve(world_size)
     if pd.pp_enabled and pp_rank is None:

@@ -6,8 +6,9 @@ cuts it into stages by its units' work; both read it here (neither imports the o
 from __future__ import annotations
 
 from trainer.config.job import JobConfig
-from trainer.models.attention import attention_args
-from trainer.models.llama import FLAVORS, ModelArgs, model_args
+from trainer.models.args import ModelArgs
+from trainer.models.common.attention import attention_args
+from trainer.models.flavors import FLAVORS, model_args
 
 
 def resolve_vocab(cfg: JobConfig) -> tuple[int, str]:

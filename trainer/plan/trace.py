@@ -19,7 +19,7 @@ NCCL buffers, the allocator's fragmentation (the plan's reserve, trainer/plan/me
 `torch.compile`, which is traced eagerly (compile usually holds less).
 
 Validation and evals are traced the same way (`trace_scoring`): a forward under no_grad
-through the chunked, loss-parallel head (trainer/models/loss.py scoring_loss).
+through the chunked, loss-parallel head (trainer/models/common/loss.py scoring_loss).
 """
 
 from __future__ import annotations
@@ -34,7 +34,7 @@ from torch._subclasses.fake_tensor import DataDependentOutputException, unset_fa
 
 from trainer.config.job import JobConfig
 from trainer.health import heartbeat
-from trainer.models.moe import GROUPED_MM
+from trainer.models.common.moe import GROUPED_MM
 from trainer.plan.fake import (
     CATEGORIES,
     GIB,
@@ -160,7 +160,7 @@ def trace_step(
     """One real TrainStep of `cfg` on rank 0 of `world_size` fake ranks (`keep_all`: with
     every allocation in `allocations`); under pp, on the first rank of pp rank `pp_rank`,
     its stages driven by trainer/plan/stages.py."""
-    from trainer.models.loss import build_loss
+    from trainer.models.common.loss import build_loss
     from trainer.optim.optimizer import build_lr_scheduler
     from trainer.optim.step_hooks import ExpertBalance
     from trainer.parallel.microbatches import build_forward_backward
@@ -289,7 +289,7 @@ def trace_scoring(cfg: JobConfig, world_size: int, kind: str) -> TraceResult:
     Under context parallelism it scores whole sequences, where a run splits them over cp: an
     upper bound there."""
     from trainer.evals.scoring import Request, score_batch
-    from trainer.models.loss import scoring_loss
+    from trainer.models.common.loss import scoring_loss
 
     t0 = time.monotonic()
     cfg = traced_config(cfg)

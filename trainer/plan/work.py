@@ -207,8 +207,8 @@ def count_block(cfg, args, layer: int | None, ac_mode: str) -> float:
 
     from trainer.models import registry
     from trainer.models.build import build_model
+    from trainer.models.common.loss import build_loss
     from trainer.models.flops import layer_kind
-    from trainer.models.loss import build_loss
     from trainer.parallel.parallelize import apply_ac
 
     t, ac = cfg.training, cfg.activation_checkpoint

@@ -28,8 +28,8 @@ import torch
 
 from trainer.errors import ConfigError
 from trainer.models.args import ModelArgs, MoEArgs
+from trainer.models.common.rope import YarnScaling, yarn_from_config, yarn_keys, yarn_to_config
 from trainer.models.qwen3_next.args import FULL, HybridArgs
-from trainer.models.rope import YarnScaling, yarn_from_config, yarn_keys, yarn_to_config
 
 # ours (under `layers.{i}.`) -> the release's (under `model.layers.{i}.`)
 LAYER = {

@@ -19,7 +19,7 @@ Computes what transformers 5.24's Qwen3NextForCausalLM and Qwen3_5MoeForCausalLM
 Documents: under block_causal the full-attention layers use the window's mask, and the DeltaNet
 layers restart their state and convolution at every document (the same doc ids).
 
-MTP (`model.mtp_layers`, trainer/models/mtp.py's design and loss, as for DeepSeek-V3): module
+MTP (`model.mtp_layers`, trainer/models/common/mtp.py's design and loss, as for DeepSeek-V3): module
 k's norms are zero-centred and its block is a gated full-attention layer with the MoE (the
 release's `mtp.layers.0`: block n_layers + k, full attention whatever layer_types says).
 """
@@ -34,11 +34,11 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from trainer.models.args import ModelArgs  # noqa: F401
-from trainer.models.attention import attend
-from trainer.models.layers import RMSNorm
-from trainer.models.llama import Head, Transformer, _init_std, trunc_normal
-from trainer.models.moe import FeedForward, MoE
-from trainer.models.mtp import MTPModule
+from trainer.models.common.attention import attend
+from trainer.models.common.decoder import Head, Transformer, _init_std, trunc_normal
+from trainer.models.common.layers import RMSNorm
+from trainer.models.common.moe import FeedForward, MoE
+from trainer.models.common.mtp import MTPModule
 from trainer.models.qwen3_next.args import FULL, LINEAR, HybridArgs  # noqa: F401
 from trainer.models.qwen3_next.deltanet import gated_delta_rule, short_conv
 
@@ -285,7 +285,7 @@ def _local(param: torch.Tensor) -> torch.Tensor:
 
 
 class GatedSharedMoE(MoE):
-    """The routed experts of trainer/models/moe.py (softmax top-k, renormalised: Qwen's
+    """The routed experts of trainer/models/common/moe.py (softmax top-k, renormalised: Qwen's
     routing) plus one shared expert scaled per token by sigmoid(shared_expert_gate(x))."""
 
     def __init__(self, dim: int, args: ModelArgs, layer_id: int):

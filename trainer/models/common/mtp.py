@@ -36,7 +36,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from trainer.models.layers import RMSNorm
+from trainer.models.common.layers import RMSNorm
 
 IGNORE_INDEX = -100
 

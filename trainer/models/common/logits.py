@@ -98,7 +98,7 @@ def block_mask(mask) -> callable:
 
 
 def allowed_for(mask, seq: int):
-    """`allowed` for an attention mask as trainer.models.attention.attend takes it (None:
+    """`allowed` for an attention mask as trainer.models.common.attention.attend takes it (None:
     causal; a float tensor: additive; an integer tensor: document ids; a bool tensor; a
     BlockMask)."""
     if mask is None:

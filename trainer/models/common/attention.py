@@ -39,7 +39,7 @@ import torch
 import torch.nn.functional as F
 
 from trainer.errors import ConfigError
-from trainer.models import logits
+from trainer.models.common import logits
 
 
 def resolve_implementation(mask_type: str, implementation: str, device_type: str) -> str:
@@ -80,8 +80,8 @@ def rope_args(model_cfg) -> dict:
     if model_cfg.rope_scaling == "none":
         return {"rope_scaling": None}
     if model_cfg.rope_scaling == "yarn":
+        from trainer.models.common.rope import yarn_over
         from trainer.models.flavors import FLAVORS
-        from trainer.models.rope import yarn_over
 
         flavor = FLAVORS[model_cfg.flavor].rope_scaling
         return {
@@ -159,7 +159,7 @@ def attend(
     (context parallelism's, trainer/parallel/context_parallel.py): its own attention, over
     k and v of this rank's tokens, or of the whole sequence (`gathered`).
     `logit_max` [heads] (QK-clip): raised in place to each head's largest logit here
-    (trainer/models/logits.py)."""
+    (trainer/models/common/logits.py)."""
     width = v.shape[-1]
     if width < q.shape[-1] and q.device.type == "cpu":
         # MLA's values are narrower than its queries/keys, which only the CPU's math kernel

@@ -133,7 +133,7 @@ def chosen(args, device: torch.device, dtype: torch.dtype, seq_len: int) -> str:
     s = min(seq_len, 4096)
     q = torch.zeros(1, args.n_heads, s, args.head_dim, device=device, dtype=dtype)
     kv = torch.zeros(1, args.n_kv_heads, s, args.head_dim, device=device, dtype=dtype)
-    # MLA's narrower values: as trainer/models/attention.py pads them on the CPU
+    # MLA's narrower values: as trainer/models/common/attention.py pads them on the CPU
     v = torch.zeros(
         1,
         args.n_kv_heads,

@@ -1,6 +1,6 @@
 """RoPE frequency scaling as the released models configure it (Hugging Face `rope_scaling`):
 Llama 3.1/3.2's and YaRN (DeepSeek-V3, Kimi K2). The tables are made in
-trainer/models/layers.py; the flavors that carry them are in trainer/models/flavors.py."""
+trainer/models/common/layers.py; the flavors that carry them are in trainer/models/flavors.py."""
 
 from __future__ import annotations
 

@@ -24,7 +24,8 @@ to each chunk's d loss / d logits. The z term is also kept apart (`Loss.take_z_l
 those of the plain cross-entropy, bit for bit.
 
 The fp32 results equal eager's to rounding (tests/test_loss.py: <= 1e-5 relative). The loss
-is computed inside the output head's forward (trainer.models.llama.Head), so FSDP's all-gather of
+is computed inside the output head's forward (trainer.models.common.decoder.Head), so FSDP's
+all-gather of
 the head, its reshard and the reduce-scatter of dW behave as for the plain nn.Linear: the
 pre-backward hook fires on the loss, the post-backward hook after dh reaches the final norm.
 """
@@ -270,7 +271,7 @@ class Loss:
         return z
 
     def for_mtp(self) -> "MTPLoss":
-        """The loss of the multi-token prediction heads (trainer/models/mtp.py)."""
+        """The loss of the multi-token prediction heads (trainer/models/common/mtp.py)."""
         return MTPLoss(self)
 
     def take_mtp_loss(self) -> torch.Tensor | None:

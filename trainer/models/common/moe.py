@@ -124,7 +124,7 @@ def expert_loop(x, counts, w1, w2, w3) -> torch.Tensor:
 
 
 class FeedForward(nn.Module):
-    """SwiGLU: a dense block's FFN (trainer/models/llama.py) and the shared experts."""
+    """SwiGLU: a dense block's FFN (trainer/models/common/decoder.py) and the shared experts."""
 
     def __init__(self, dim: int, hidden_dim: int):
         super().__init__()

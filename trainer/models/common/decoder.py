@@ -5,11 +5,11 @@ RoPE rotates consecutive (interleaved) pairs of each head's channels, as Meta's 
 does; Hugging Face's Llama rotates the two halves instead, so the q/k projections are permuted
 on conversion (trainer/hf.py).
 
-Attention is causal over the window by default; with `attn_mask_type = "block_causal"` the
-forward takes the microbatch's document ids, builds one mask (and, with `positions =
-"document"`, per-document RoPE tables) before the first block, and every block uses it
-(trainer/models/attention.py). A single document (generation, the HF export) computes the same
-either way.
+Attention is causal over the window by default; with `attn_mask_type = "block_causal"` the forward
+takes the microbatch's document ids, builds one mask (and, with `positions = "document"`,
+per-document RoPE tables) before the first block, and every block uses it
+(trainer/models/common/attention.py). A single document (generation, the HF export) computes the
+same either way.
 
 The model is built on the meta device and materialised after sharding. `init_weights(seed)`
 fills every parameter as if the whole tensor were generated on one process from a generator
@@ -27,13 +27,12 @@ import torch.nn.functional as F
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from trainer.models.args import ModelArgs  # noqa: F401  (re-exported)
-from trainer.models.attention import attend, build_mask, document_positions
-from trainer.models.flavors import FLAVORS, model_args  # noqa: F401  (re-exported)
-from trainer.models.layers import RMSNorm, apply_rope, rope_tables, scale_frequencies  # noqa: F401
-from trainer.models.mla import MLA
-from trainer.models.moe import FeedForward, MoE  # noqa: F401  (FeedForward re-exported)
-from trainer.models.mtp import MTPModule, future_labels, mtp_streams
+from trainer.models.args import ModelArgs
+from trainer.models.common.attention import attend, build_mask, document_positions
+from trainer.models.common.layers import RMSNorm, apply_rope, rope_tables, scale_frequencies  # noqa: F401
+from trainer.models.common.mla import MLA
+from trainer.models.common.moe import FeedForward, MoE  # noqa: F401  (FeedForward re-exported)
+from trainer.models.common.mtp import MTPModule, future_labels, mtp_streams
 from trainer.parallel.loss_parallel import vocab_parallel_project
 
 
@@ -63,7 +62,7 @@ class Attention(nn.Module):
 
     def forward(self, x, cos, sin, mask=None):
         """`mask`: None = causal; else the microbatch's block-causal mask
-        (trainer/models/attention.py)."""
+        (trainer/models/common/attention.py)."""
         b, s, _ = x.shape
         maxima = self.logit_max if self.training else None  # evaluation does not feed the clip
         out = attend(*self.project(x, cos, sin), mask, logit_max=maxima)
@@ -89,8 +88,8 @@ class TransformerBlock(nn.Module):
 
 
 class Head(nn.Linear):
-    """The output projection. Given labels and a loss (trainer.models.loss), it returns the summed
-    token loss instead of the logits: the loss then runs inside this module's forward, where
+    """The output projection. Given labels and a loss (trainer.models.common.loss), it returns the
+    summed token loss instead of the logits: the loss then runs inside this module's forward, where
     FSDP holds its unsharded weight, so the [tokens, vocab] logits need not leave the loss."""
 
     def forward(self, h: torch.Tensor, labels: torch.Tensor | None = None, loss_fn=None):
@@ -122,7 +121,8 @@ class Transformer(nn.Module):
         self.output = (
             None if args.tie_word_embeddings else Head(args.dim, args.vocab_size, bias=False)
         )
-        # Multi-token prediction (trainer/models/mtp.py): depth k's block is layer n_layers + k
+        # Multi-token prediction (trainer/models/common/mtp.py): depth k's block is layer
+        # n_layers + k
         self.mtp = (
             nn.ModuleDict(
                 {
@@ -154,8 +154,8 @@ class Transformer(nn.Module):
         attention=None,
         future: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """Logits [batch, seq, vocab]; or, with labels and a trainer.models.loss function, the
-        summed token loss (fp32 scalar), computed without returning the logits.
+        """Logits [batch, seq, vocab]; or, with labels and a trainer.models.common.loss function,
+        the summed token loss (fp32 scalar), computed without returning the logits.
 
         `doc_ids` [batch, seq]: the document of each token (the loader's `document_ids`),
         needed by block_causal attention and document positions, ignored otherwise.
@@ -198,7 +198,7 @@ class Transformer(nn.Module):
         self, h, labels, loss_fn, attention_inputs, future=None, embeddings=None
     ) -> torch.Tensor:
         """The MTP loss weight x the mean over depths of their summed token losses (the MTP
-        modules after the main model's last hidden state `h`; trainer/models/mtp.py).
+        modules after the main model's last hidden state `h`; trainer/models/common/mtp.py).
         `future` [depth, b, s]: the targets past `labels` (default: `labels` shifted; context
         parallelism passes them, cut from the whole sequence). `embeddings`: each depth's
         input token embeddings, when the embedding is elsewhere (the first pipeline stage's)."""
@@ -324,10 +324,3 @@ def _fill(param: torch.Tensor, name: str, seed: int, std: float | None) -> None:
             full, param.device_mesh, param.placements, src_data_rank=None
         ).to_local()
     local.copy_(full)
-
-
-def build_model(args: ModelArgs) -> Transformer:
-    """Build on the meta device: no memory is allocated until `to_empty` after sharding."""
-    args.validate()
-    with torch.device("meta"):
-        return Transformer(args)

@@ -32,8 +32,8 @@ import torch
 from torch import nn
 
 from trainer.models.args import ModelArgs
-from trainer.models.attention import attend
-from trainer.models.layers import RMSNorm, apply_rope
+from trainer.models.common.attention import attend
+from trainer.models.common.layers import RMSNorm, apply_rope
 
 # The latent norms' epsilon, whatever model.norm_eps: DeepSeek's reference code and
 # transformers' DeepseekV3Attention fix q_a_layernorm's and kv_a_layernorm's at 1e-6.
@@ -94,7 +94,7 @@ class MLA(nn.Module):
         return k, v
 
     def forward(self, x, cos, sin, mask=None):
-        """As trainer.models.llama.Attention: `mask` None = causal, else the microbatch's
+        """As trainer.models.common.decoder.Attention: `mask` None = causal, else the microbatch's
         block-causal mask or context parallelism's attention. Under context parallelism the
         ranks all-gather the latents (kv_lora_rank + rope channels per token: 576 at full
         size), not every head's keys and values (128 x (192 + 128) = 40,960): each rank
