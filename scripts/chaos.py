@@ -331,7 +331,7 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--faults", type=int, default=10)
     p.add_argument("--min-during-save", type=int, default=3)
-    p.add_argument("--steps", type=int, default=24, help="node: 9 a fault + 4, at least")
+    p.add_argument("--steps", type=int, default=24, help="node: 16 a fault + 4, at least")
     p.add_argument("--interval", type=int, default=2)
     p.add_argument("--nproc", type=int, default=2)
     p.add_argument("--seed", type=int, default=0)

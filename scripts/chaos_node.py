@@ -64,8 +64,10 @@ MAX_RESTARTS = 1000  # every shrink is one restart of the survivor
 # while a new node starts. Costs no CPU.
 NODE_PACE = 0.3  # chaos_common.PACE (0.25) is chaos.py's; the survivor needs a little more
 # Steps a run needs per fault: a few at 4 ranks, and the survivor's at 2 ranks while the new
-# launcher starts (~5 s): 6-7 at NODE_PACE on 2 cores, a save every 2 steps.
-STEPS_PER_FAULT = 9
+# launcher starts and joins: ~5 s on an idle 2-core machine, 11 s seen on one busy with the
+# rest of the suite, where the survivor logs ~1 step a second (a save every 2 steps). Twice
+# the busy figure, so the run does not end at 2 ranks before the new node is in.
+STEPS_PER_FAULT = 16
 # A rendezvous store of its own, on loopback only; prints its port, then serves until SIGTERM.
 STORE = """
 import datetime, signal, socket
