@@ -35,8 +35,7 @@ from common import REPO, append_result, spread
 from trainer.config.job import load_config
 from trainer.device import resolve_compute_dtype
 from trainer.distributed import init_distributed
-from trainer.models.build import build_model
-from trainer.models.common.decoder import Transformer
+from trainer.models.build import build_model, new_model
 from trainer.models.common.loss import build_loss
 from trainer.models.flavors import model_args
 from trainer.optim.optimizer import build_lr_scheduler, build_optimizer
@@ -108,7 +107,7 @@ def build_trainer_step(cfg, args, batch):
 def build_plain_step(cfg, args, batch):
     """A single-process loop on the same model, weights, batch and optimizer."""
     with torch.device("cpu"):
-        model = Transformer(args)
+        model = new_model(args)
     model.init_weights(cfg.job.seed)
     opt = build_optimizer(model, cfg.optimizer)
     sched = build_lr_scheduler(opt, cfg.lr_scheduler, cfg.training.steps)

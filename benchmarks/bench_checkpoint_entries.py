@@ -28,7 +28,7 @@ from torch.distributed.fsdp import fully_shard
 
 from trainer.checkpoint.optim_state import ModelAndOptimizer
 from trainer.config.job import load_config
-from trainer.models.common.decoder import Transformer
+from trainer.models.build import new_model
 from trainer.models.flavors import model_args
 from trainer.optim.optimizer import build_optimizer
 
@@ -36,7 +36,7 @@ from trainer.optim.optimizer import build_optimizer
 def trained(flavor: str):
     """The flavor under FSDP over the world, AdamW's state made by one step."""
     torch.manual_seed(0)
-    model = Transformer(model_args(flavor, vocab_size=256, max_seq_len=64))
+    model = new_model(model_args(flavor, vocab_size=256, max_seq_len=64))
     model.init_weights(seed=0)
     mesh = init_device_mesh("cpu", (dist.get_world_size(),))
     for block in model.layers.values():

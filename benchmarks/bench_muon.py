@@ -135,12 +135,12 @@ def step_cost(ngpu: int) -> list[str]:
     import torch.nn.functional as F
 
     from trainer.config.job import load_config
-    from trainer.models.common.decoder import Transformer
+    from trainer.models.build import new_model
     from trainer.models.flavors import model_args
     from trainer.optim.muon import takes_muon
     from trainer.optim.optimizer import build_optimizer
 
-    model = Transformer(model_args("debugmodel", vocab_size=2048, max_seq_len=256))
+    model = new_model(model_args("debugmodel", vocab_size=2048, max_seq_len=256))
     model.init_weights(seed=0)
     t = torch.randint(0, 2048, (2, 257))
     F.cross_entropy(model(t[:, :-1]).flatten(0, 1), t[:, 1:].flatten()).backward()

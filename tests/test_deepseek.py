@@ -143,7 +143,7 @@ def test_a_transformers_model_imports_with_its_logits(tmp_path, q_lora, yarn):
     assert bias.abs().max() > 0  # the routing bias came in
 
 
-def theirs_of(name: str, tensors: dict, inter: int):
+def theirs_of(name: str, tensors: dict, args):
     """transformers' tensor (parameter or gradient) for our parameter `name`: its stacked
     experts are gate_up_proj [E, 2 I, D] (gate rows first) and down_proj [E, D, I]."""
     from trainer.hf.mapping import hf_name
@@ -154,8 +154,9 @@ def theirs_of(name: str, tensors: dict, inter: int):
         if w == "w2":
             return tensors[prefix + "down_proj"]
         gate_up = tensors[prefix + "gate_up_proj"]
+        inter = args.moe.hidden_dim
         return gate_up[:, :inter] if w == "w1" else gate_up[:, inter:]
-    return tensors[hf_name(name)]
+    return tensors[hf_name(name, args)]
 
 
 def test_one_training_step_equals_transformers(tmp_path):
@@ -182,10 +183,9 @@ def test_one_training_step_equals_transformers(tmp_path):
     assert abs(loss.item() - ref.item()) < 1e-6, (loss.item(), ref.item())
     loss.backward()
     ref.backward()
-    inter = ours.args.moe.hidden_dim
     grads = {n: p.grad for n, p in theirs.named_parameters()}
     for name, p in ours.named_parameters():
-        want = theirs_of(name, grads, inter)
+        want = theirs_of(name, grads, ours.args)
         assert (p.grad - want).abs().max() <= 1e-5 * want.abs().max() + 1e-9, name
     mine = build_optimizer(ours, cfg)
     other = torch.optim.AdamW(
@@ -200,7 +200,7 @@ def test_one_training_step_equals_transformers(tmp_path):
     mine.step(), other.step()
     params = dict(theirs.named_parameters())
     for name, p in ours.named_parameters():
-        want = theirs_of(name, params, inter)
+        want = theirs_of(name, params, ours.args)
         assert (p - want).abs().max() < 1e-3 * cfg.lr, name
         assert (p - before[name]).abs().max() > 1e-3, name  # each tensor moved (lr 1e-2)
 

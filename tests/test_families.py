@@ -13,9 +13,17 @@ from trainer.models import registry
 from trainer.models.hooks import DecoderHooks
 
 # What only a family's own modules may say: its model.name as a literal, and a test on the
-# shape it adds to ModelArgs. trainer/models/args.py hands ModelArgs.hybrid its questions
-# through the HybridLayers protocol (the one place that field is read outside its family).
+# shape it adds to ModelArgs. trainer/models/args.py hands ModelArgs.hybrid and .mla their
+# questions through the family's own types (the one place those fields are read outside
+# their families); trainer/models/common/mla.py is the MLA layer the DeepSeek family builds.
 MARKERS = {
+    "deepseek_v3": [
+        r"""["']deepseek_v3["']""",
+        r"\bmla\s+is\s+(not\s+)?None",
+        r"\bif\s+(not\s+)?[\w.]*\bmla\b",
+        r"\bmla\s+else\b",
+        r"\bDeepSeek[A-Z]\w*",
+    ],
     "qwen3_next": [
         r"""["']qwen3_next["']""",
         r"\bhybrid\s+is\s+(not\s+)?None",
@@ -24,7 +32,7 @@ MARKERS = {
         r"\bGatedDeltaNet\b",
     ],
 }
-DISPATCH = {"trainer.models.args", "trainer.models.registry"}
+DISPATCH = {"trainer.models.args", "trainer.models.registry", "trainer.models.common.mla"}
 
 
 def family_packages() -> dict[str, str]:
@@ -98,6 +106,21 @@ def test_no_module_outside_a_family_tests_for_it():
 def test_a_planted_branch_is_found(line):
     planted = {"trainer.parallel.planted": f"def f(args, a, cfg, ok):\n{line}\n    return 1\n"}
     assert family_branches(planted, "qwen3_next", "trainer.models.qwen3_next") != []
+
+
+@pytest.mark.parametrize(
+    "line",
+    [
+        "    if args.mla is not None:",
+        "    if not a.mla:",
+        "    return DeepSeekHF() if ok else None",
+        "    x = 1 if a.mla else 2",
+        "    if cfg.model.name == 'deepseek_v3':",
+    ],
+)
+def test_a_planted_deepseek_branch_is_found(line):
+    planted = {"trainer.parallel.planted": f"def f(args, a, cfg, ok):\n{line}\n    return 1\n"}
+    assert family_branches(planted, "deepseek_v3", "trainer.models.deepseek_v3") != []
 
 
 def test_a_planted_import_is_found():

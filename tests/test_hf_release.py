@@ -340,8 +340,8 @@ def test_keys_left_out_of_config_json_take_transformers_defaults(tmp_path):
     from transformers import DeepseekV3Config
 
     from trainer.errors import ConfigError
-    from trainer.hf.deepseek import HF_DEFAULTS
     from trainer.hf.mapping import check_hf_config
+    from trainer.models.deepseek_v3.hf import HF_DEFAULTS
 
     theirs = DeepseekV3Config().to_dict()
     theirs["rope_theta"] = theirs.get("rope_parameters", {}).get("rope_theta")

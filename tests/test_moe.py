@@ -677,8 +677,9 @@ def test_ep_is_dropless_under_a_skewed_router():
         ),
         (
             ("--model.flavor", "debugmodel-moe-shared", "--checkpoint.last_save_in_hf", "true"),
-            "checkpoint.last_save_in_hf = true, but model.flavor 'debugmodel-moe-shared' has "
-            "shared experts, sigmoid scores or a routed scale: DeepSeek's router, whose Hugging "
+            "checkpoint.last_save_in_hf = true, but no Hugging Face architecture holds "
+            "model.flavor 'debugmodel-moe-shared': this MoE flavor (shared experts, sigmoid "
+            "scores or a routed scale: DeepSeek's router, whose Hugging "
             "Face architecture (DeepseekV3ForCausalLM) also needs MLA",
         ),
         (

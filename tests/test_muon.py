@@ -20,7 +20,7 @@ import torch.nn.functional as F
 from tests.helpers import REPO, SYNTHETIC, run_train, scalars, stopped_after_save, torchrun
 from trainer.config.job import load_config
 from trainer.errors import ConfigError
-from trainer.models.common.decoder import Transformer
+from trainer.models.build import new_model
 from trainer.models.flavors import model_args
 from trainer.optim.muon import takes_muon
 from trainer.optim.optimizer import build_optimizer
@@ -33,7 +33,7 @@ def test_one_rank_equals_torch_muon_and_adamw():
     """10 steps, fp32 weights, Newton-Schulz in bf16 (torch's): bitwise the same weights."""
     torch.manual_seed(0)
     a = model_args("debugmodel-narrow", vocab_size=256, max_seq_len=32)
-    model = Transformer(a)
+    model = new_model(a)
     model.init_weights(seed=0)
     ref = copy.deepcopy(model)
     o = load_config(
@@ -262,7 +262,7 @@ def test_a_step_skipped_on_the_device_changes_nothing():
     from trainer.optim.optimizer import skips_on_device, step_unless
 
     torch.manual_seed(0)
-    model = Transformer(model_args("debugmodel-narrow", vocab_size=256, max_seq_len=16))
+    model = new_model(model_args("debugmodel-narrow", vocab_size=256, max_seq_len=16))
     model.init_weights(seed=0)
     opt = build_optimizer(model, load_config(["--optimizer.name", "Muon"]).optimizer)
     assert skips_on_device(opt)  # auto: fused AdamW for the rest
@@ -287,7 +287,7 @@ def test_mtp_matrices_take_muon_and_muon_lr_follows_the_schedule():
     group starts at optimizer.muon_lr and the lr schedule scales it as it scales AdamW's."""
     from trainer.optim.optimizer import build_lr_scheduler
 
-    model = Transformer(model_args("debugmodel-moe", mtp_layers=1, vocab_size=256, max_seq_len=32))
+    model = new_model(model_args("debugmodel-moe", mtp_layers=1, vocab_size=256, max_seq_len=32))
     mtp = {n: p for n, p in model.named_parameters() if n.startswith("mtp.")}
     assert {n for n, p in mtp.items() if takes_muon(n, p)} == {
         n for n, p in mtp.items() if p.ndim >= 2

@@ -25,7 +25,7 @@ import torch.nn.functional as F
 from tests.helpers import BASE_FP32, SYNTHETIC, run_train, scalars
 from trainer.checkpoint.optim_state import ModelAndOptimizer, changed_line, saved_grouped
 from trainer.config.job import load_config
-from trainer.models.common.decoder import Transformer
+from trainer.models.build import new_model
 from trainer.models.flavors import model_args
 from trainer.optim.muon import takes_muon
 from trainer.optim.optimizer import build_optimizer
@@ -219,7 +219,7 @@ def _batches(seed: int, n: int) -> list[torch.Tensor]:
 def _built(*overrides: str):
     """debugmodel-narrow at vocab 256 and the optimizer of `overrides` (for-loop kernels):
     (model, optimizer, its config)."""
-    model = Transformer(model_args("debugmodel-narrow", vocab_size=256, max_seq_len=32))
+    model = new_model(model_args("debugmodel-narrow", vocab_size=256, max_seq_len=32))
     model.init_weights(seed=0)
     cfg = load_config(["--optimizer.implementation", "for-loop", *overrides]).optimizer
     return model, build_optimizer(model, cfg), cfg

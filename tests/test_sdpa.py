@@ -7,8 +7,8 @@ import torch
 import torch.nn.functional as F
 
 from trainer.errors import ConfigError
+from trainer.models.build import new_model
 from trainer.models.common import sdpa
-from trainer.models.common.decoder import Transformer
 from trainer.models.flavors import model_args
 
 CPU = torch.device("cpu")
@@ -76,7 +76,7 @@ def test_the_model_computes_the_same_under_math_and_flash():
     agree within float32 rounding whichever CPU kernel runs."""
     torch.manual_seed(0)
     a = model_args("debugmodel", vocab_size=256, max_seq_len=64)
-    model = Transformer(a)
+    model = new_model(a)
     model.init_weights(seed=0)
     tokens = torch.randint(0, 256, (2, 64))
     results = []

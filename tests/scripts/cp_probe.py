@@ -21,9 +21,8 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
 from trainer.config.job import load_config
-from trainer.models.build import build_model
+from trainer.models.build import build_model, new_model
 from trainer.models.common.attention import document_positions
-from trainer.models.common.decoder import Transformer
 from trainer.models.common.loss import IGNORE_INDEX, build_loss
 from trainer.models.flavors import model_args
 from trainer.parallel.context_parallel import ContextAttention, head_tail_index
@@ -80,7 +79,7 @@ def run(mask: str) -> None:
     model = parallelize(
         build_model(args), pd, cfg, device=torch.device("cpu"), param_dtype="float32"
     )
-    ref = Transformer(args)
+    ref = new_model(args)
     ref.init_weights(cfg.job.seed)
     ref.init_rope()
     tokens = torch.randint(0, VOCAB, (1, SEQ), generator=torch.Generator().manual_seed(0))

@@ -11,8 +11,7 @@ import torch
 import torch.distributed as dist
 
 from trainer.config.job import load_config
-from trainer.models.build import build_model
-from trainer.models.common.decoder import Transformer
+from trainer.models.build import build_model, new_model
 from trainer.models.common.loss import build_loss
 from trainer.models.flavors import model_args
 from trainer.optim.muon import orthogonalize
@@ -39,7 +38,7 @@ def models(overrides: list[str]):
     model = parallelize(
         build_model(args), pd, cfg, device=torch.device("cpu"), param_dtype="float32"
     )
-    ref = Transformer(args)
+    ref = new_model(args)
     ref.init_weights(cfg.job.seed)
     return cfg, pd, model, ref
 

@@ -23,8 +23,7 @@ from torch.utils._pytree import tree_leaves
 
 from trainer.config.job import load_config
 from trainer.evals.scoring import Request, score_batch
-from trainer.models.build import build_model
-from trainer.models.common.decoder import Transformer
+from trainer.models.build import build_model, new_model
 from trainer.models.common.loss import IGNORE_INDEX, build_loss, scoring_loss
 from trainer.models.flavors import model_args
 from trainer.parallel.parallelize import parallelize
@@ -66,7 +65,7 @@ def run(flavor: str, kind: str, z: float, loss_parallel: bool, compile: bool = F
     model = parallelize(
         build_model(args), pd, cfg, device=torch.device("cpu"), param_dtype="float32"
     )
-    ref = Transformer(args)
+    ref = new_model(args)
     ref.init_weights(cfg.job.seed)
     for (name, p), (_, q) in zip(model.named_parameters(), ref.named_parameters(), strict=True):
         assert torch.equal(p.full_tensor(), q), name  # the seeded init ignores the layout

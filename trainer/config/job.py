@@ -37,6 +37,7 @@ from trainer.config.sections import (  # noqa: F401  (also importable from here)
 from trainer.data.config import DataConfig
 from trainer.errors import ConfigError
 from trainer.evals.config import Eval
+from trainer.models import registry
 from trainer.models.config import Model, MoE
 from trainer.models.flavors import model_args
 from trainer.observe.wandb_logger import check_config as check_wandb
@@ -255,9 +256,12 @@ def check_moe(cfg: JobConfig) -> None:
             f"{', '.join(map(str, valid))}"
         )
     hf = [k for k in ("last_save_in_hf", "initial_load_in_hf") if getattr(cfg.checkpoint, k)]
-    if hf and not flavor.hf_exportable and FLAVORS[cfg.model.flavor].mla is None:
+    args = FLAVORS[cfg.model.flavor]
+    problem = registry.hooks(args).hf_router_problem(args) if hf else None
+    if problem:
         raise ConfigError(
-            f"checkpoint.{hf[0]} = true, but model.flavor {cfg.model.flavor!r} has {flavor.NO_HF}"
+            f"checkpoint.{hf[0]} = true, but no Hugging Face architecture holds model.flavor "
+            f"{cfg.model.flavor!r}: {problem}"
         )
     model_args(cfg.model.flavor, moe_config=cfg.moe).validate()  # experts, groups
     if cfg.float8.moe and not cfg.float8.moe_emulate:  # the float8 GEMMs' 16-element alignment

@@ -2,8 +2,9 @@
 `Qwen3MoeForCausalLM` or `DeepseekV3ForCausalLM` folders (config.json, safetensors, tokenizer)
 and come back in through `checkpoint.initial_load_path`.
 
-- mapping.py: parameter names, the q/k RoPE permutation, config.json <-> ModelArgs
-- deepseek.py: DeepSeek-V3 / Kimi K2: MLA's names, the MTP layers, the config check's defaults
+- mapping.py: `DecoderHF`, the plain decoder's parameter names, the q/k RoPE permutation and
+  config.json <-> ModelArgs; a family with its own release format subclasses it in its package
+  (trainer/models/deepseek_v3/hf.py: MLA's names, the MTP layers, the config check's defaults)
 - quant.py: block-scaled fp8 folders (the DeepSeek-V3 and Kimi K2 releases) dequantized
 - weights.py: writing (sharded) safetensors, reading a HF folder tensor by tensor
 - tokenizer.py: a sentencepiece BPE model as a `tokenizer.json` (+ tokenizer_config.json)

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import os
 
-from trainer.hf.mapping import buffer_shapes, export_shapes, hf_config, routing_bias_note
+from trainer.hf.mapping import adapter, export_shapes, hf_config
 from trainer.hf.tokenizer import export_tokenizer
 from trainer.hf.weights import write_json, write_weights
 from trainer.models import registry
@@ -103,18 +103,9 @@ def write_hf_folder(
 def _write_llama_like(
     out_dir: str, args, fetch, *, dtype: str, max_shard_bytes: int, log
 ) -> list[str]:
-    """LlamaForCausalLM, Qwen3MoeForCausalLM or DeepseekV3ForCausalLM's tensors."""
-    buffers = list(buffer_shapes(args))
-    note = routing_bias_note(fetch(buffers)) if buffers and args.mla is None else None
-    if note:
-        log(note)
-    if args.mtp_layers and args.mla is not None:
-        first = args.n_layers
-        log(
-            f"multi-token prediction: module(s) 0..{args.mtp_layers - 1} exported as layer(s) "
-            f"{first}..{first + args.mtp_layers - 1} under the release's names "
-            f"(num_nextn_predict_layers = {args.mtp_layers}; transformers skips them)"
-        )
+    """The decoder's tensors under its family's release names (trainer/hf/mapping.py)."""
+    for line in adapter(args).export_notes(args, fetch):
+        log(line)
     return write_weights(
         out_dir, args, export_shapes(args), fetch, dtype=dtype, max_shard_bytes=max_shard_bytes
     )

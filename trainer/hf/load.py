@@ -19,8 +19,8 @@ import torch
 import torch.distributed as dist
 
 from trainer.errors import ConfigError
-from trainer.hf import deepseek
 from trainer.hf.mapping import (
+    adapter,
     check_hf_config,
     export_shapes,
     from_hf_keys,
@@ -73,18 +73,14 @@ def load_hf(model, folder: str, *, flavor: str, log=print) -> None:
             f"{folder} holds fp8 weights in {hf.block[0]} x {hf.block[1]} blocks "
             "(quantization_config): each is dequantized to float32 as it is read"
         )
-    if os.path.isfile(os.path.join(folder, deepseek.TIKTOKEN)) and not os.path.isfile(
-        os.path.join(folder, "tokenizer.json")
-    ):
-        log(deepseek.TIKTOKEN_NOTE.format(folder=folder))
-    depths = deepseek.mtp_depths(hf.has, args) if args.mla is not None else 0
-    note = deepseek.mtp_import_note(hf.has, args, depths) if args.mla is not None else None
-    if note:
-        log(note)
+    release = adapter(args)
+    depths, lines = release.import_notes(hf, args, folder)
+    for line in lines:
+        log(line)
     shapes = {
         n: s
         for n, s in export_shapes(args).items()
-        if deepseek.mtp_depth(n) is None or deepseek.mtp_depth(n) < depths
+        if release.mtp_depth(n) is None or release.mtp_depth(n) < depths
     }
     tensors = {**dict(model.named_parameters()), **dict(model.named_buffers())}
     params = {n: t for n, t in tensors.items() if n in shapes}
@@ -103,7 +99,7 @@ def load_hf(model, folder: str, *, flavor: str, log=print) -> None:
     for name, param in params.items():
         load_param(param, name, hf, args)
     if depths and (not dist.is_initialized() or dist.get_rank() == 0):
-        for line in deepseek.mtp_copy_warnings(hf, args, depths):
+        for line in release.load_warnings(hf, args, depths):
             log(line)
 
 

@@ -1,4 +1,5 @@
-"""Parameter names and layouts between this trainer's Llama and Hugging Face's LlamaForCausalLM.
+"""Parameter names and layouts between this trainer's decoder and Hugging Face's LlamaForCausalLM
+(Qwen3MoeForCausalLM for a MoE); a family whose release differs adapts `DecoderHF`.
 
 Names: `layers.3.attention.wq.weight` <-> `model.layers.3.self_attn.q_proj.weight`, etc.
 Layout: our RoPE rotates consecutive channel pairs (2j, 2j+1) of each head, Hugging Face's
@@ -13,10 +14,10 @@ import re
 import torch
 
 from trainer.errors import ConfigError
-from trainer.hf import deepseek
 from trainer.models import registry
-from trainer.models.args import ModelArgs, MoEArgs
+from trainer.models.args import ModelArgs
 from trainer.models.common.rope import YarnScaling, yarn_to_config
+from trainer.models.hooks import NO_HF_MOE
 
 _LAYER = {
     "attention.wq.weight": "self_attn.q_proj.weight",
@@ -31,7 +32,6 @@ _LAYER = {
     "attention.q_norm.weight": "self_attn.q_norm.weight",  # Qwen3
     "attention.k_norm.weight": "self_attn.k_norm.weight",
     "feed_forward.router.gate.weight": "mlp.gate.weight",  # Qwen3-MoE's router
-    **deepseek.MLA_LAYER,  # DeepSeek-V3: MLA, shared experts, the routing bias
 }
 # Our stacked [E, ...] experts <-> Hugging Face's one tensor per expert (the hub's layout)
 _EXPERTS = {"w1": "gate_proj", "w3": "up_proj", "w2": "down_proj"}
@@ -42,43 +42,137 @@ _TOP = {
     "output.weight": "lm_head.weight",
 }
 _LAYER_RE = re.compile(r"^layers\.(\d+)\.(.+)$")
+BIAS = "feed_forward.router.expert_bias"  # a MoE layer's balancing bias (a buffer)
 
 
-def hf_name(name: str, args: ModelArgs | None = None) -> str:
-    """Our parameter name -> the Hugging Face state-dict key (an MTP module's: with `args`,
-    as the release's layer num_hidden_layers + k)."""
+class DecoderHF:
+    """The plain decoder's Hugging Face adapter: LlamaForCausalLM, and Qwen3MoeForCausalLM for
+    a MoE. A family whose release differs subclasses it (its hooks' `hf_adapter`) and
+    overrides what differs: names, layouts, the MTP layers, config.json."""
+
+    layer_names = _LAYER
+    # whether an export writes the MoE balancing biases (Qwen3-MoE has no place for them)
+    exports_buffers = False
+
+    def release_name(self, name: str, args: ModelArgs) -> str:
+        """Our name as the release's layer would hold it (the MTP modules' differ)."""
+        return name
+
+    def copies(self, hf_key: str, args: ModelArgs) -> list[str]:
+        """Further keys under which the release repeats the tensor of `hf_key`."""
+        return []
+
+    def rope_heads(self, name: str, args: ModelArgs) -> int | None:
+        """Number of heads whose rows are permuted in this parameter, or None. Qwen3's q/k
+        norms weigh each of the head_dim features of every head alike: one "head" of head_dim
+        entries, permuted as the rows of wq and wk are (else a trained norm meets the wrong
+        features)."""
+        if name.endswith("attention.wq.weight"):
+            return args.n_heads
+        if name.endswith("attention.wk.weight"):
+            return args.n_kv_heads
+        if name.endswith(("attention.q_norm.weight", "attention.k_norm.weight")):
+            return 1
+        return None
+
+    def attention_shapes(self, args: ModelArgs) -> list[tuple[str, tuple[int, ...]]]:
+        """(name under `layers.i.`, shape) of one block's attention projections."""
+        q, kv = args.n_heads * args.head_dim, args.n_kv_heads * args.head_dim
+        return [
+            ("attention.wq.weight", (q, args.dim)),
+            ("attention.wk.weight", (kv, args.dim)),
+            ("attention.wv.weight", (kv, args.dim)),
+            ("attention.wo.weight", (args.dim, q)),
+        ]
+
+    def shared_expert_shapes(self, args: ModelArgs) -> list[tuple[str, tuple[int, ...]]]:
+        """(name under `layers.i.`, shape) of a MoE block's shared experts the release holds."""
+        return []
+
+    def mtp_modules(self, args: ModelArgs) -> int:
+        """How many MTP modules the release holds (as its layers num_hidden_layers + k)."""
+        return 0
+
+    def config(self, args: ModelArgs) -> dict:
+        """config.json's keys beyond LlamaForCausalLM's."""
+        return moe_config(args) if args.moe is not None else {}
+
+    def architecture(self, args: ModelArgs) -> str:
+        """config.json's model_type for this model."""
+        return "qwen3_moe" if args.moe is not None else "llama"
+
+    def release_kind(self, cfg: dict) -> str:
+        """The model_type a folder's config.json holds, as `architecture` names it."""
+        return cfg.get("model_type", "llama")
+
+    def check_config(self, cfg: dict, args: ModelArgs, folder: str) -> tuple[dict, dict]:
+        """(theirs, ours) for the settings beyond the shared ones that change the model
+        without changing a tensor shape; a ConfigError where the folder cannot load exactly."""
+        theirs, ours = {}, {}
+        if "num_hidden_layers" in cfg:
+            theirs["num_hidden_layers"] = int(cfg["num_hidden_layers"])
+            ours["num_hidden_layers"] = args.n_layers
+        if args.moe is not None:
+            theirs["num_experts_per_tok"] = int(cfg.get("num_experts_per_tok", 8))
+            theirs["norm_topk_prob"] = bool(cfg.get("norm_topk_prob", False))
+            ours["num_experts_per_tok"] = args.moe.top_k
+            ours["norm_topk_prob"] = args.moe.norm_topk_prob
+        return theirs, ours
+
+    def import_notes(self, hf, args: ModelArgs, folder: str) -> tuple[int, list[str]]:
+        """(how many MTP modules the folder holds, the startup lines about the import)."""
+        return 0, []
+
+    def mtp_depth(self, name: str) -> int | None:
+        """k for our parameter under MTP module k, else None."""
+        return None
+
+    def load_warnings(self, hf, args: ModelArgs, depths: int) -> list[str]:
+        """Warning lines once the folder's tensors are read."""
+        return []
+
+    def export_notes(self, args: ModelArgs, fetch) -> list[str]:
+        """The lines an export prints about what the release cannot hold (`fetch(names)`:
+        our full tensors of those names)."""
+        buffers = list(buffer_shapes(args))
+        note = routing_bias_note(fetch(buffers)) if buffers else None
+        return [note] if note else []
+
+
+def adapter(args: ModelArgs) -> DecoderHF:
+    """The Hugging Face adapter of `args`'s family."""
+    return registry.hooks(args).hf_adapter() or DecoderHF()
+
+
+def hf_name(name: str, args: ModelArgs) -> str:
+    """Our parameter name -> the Hugging Face state-dict key."""
     if name in _TOP:
         return _TOP[name]
-    if args is not None:
-        name = deepseek.mtp_release_name(name, args)
-        if name.startswith("model."):
-            return name
+    a = adapter(args)
+    name = a.release_name(name, args)
+    if name.startswith("model."):
+        return name
     m = _LAYER_RE.match(name)
-    if m is None or m.group(2) not in _LAYER:
+    if m is None or m.group(2) not in a.layer_names:
         raise KeyError(f"no Hugging Face name for parameter {name!r}")
-    return f"model.layers.{m.group(1)}.{_LAYER[m.group(2)]}"
+    return f"model.layers.{m.group(1)}.{a.layer_names[m.group(2)]}"
 
 
 def hf_tensors(name: str, tensor: torch.Tensor, args: ModelArgs) -> dict[str, torch.Tensor]:
     """Our full tensor -> its Hugging Face key(s) and tensor(s): one per expert for stacked
-    experts, else one (`hf_name`, `to_hf`)."""
-    m = _EXPERTS_RE.match(deepseek.mtp_release_name(name, args))
+    experts, else one (`hf_name`, `to_hf`) and the release's copies of it."""
+    a = adapter(args)
+    m = _EXPERTS_RE.match(a.release_name(name, args))
     if m is None:
         key = hf_name(name, args)
         out = {key: to_hf(name, tensor, args)}
-        if args.mla is not None:  # the release's MTP layers repeat the embedding and head
-            names = [key] + (
-                ["lm_head.weight"]
-                if key == "model.embed_tokens.weight" and args.tie_word_embeddings
-                else []
-            )
-            out.update(
-                {
-                    c: out[key].clone()
-                    for n in names  # safetensors stores no aliases
-                    for c in deepseek.mtp_copies(n, args)
-                }
-            )
+        names = [key] + (
+            ["lm_head.weight"]
+            if key == "model.embed_tokens.weight" and args.tie_word_embeddings
+            else []
+        )
+        # safetensors stores no aliases: each copy is its own tensor
+        out.update({c: out[key].clone() for n in names for c in a.copies(n, args)})
         return out
     layer, w = m.groups()
     return {
@@ -94,7 +188,7 @@ def stacked_experts(name: str) -> bool:
 
 def hf_keys(name: str, args: ModelArgs) -> list[str]:
     """The Hugging Face key(s) our parameter `name` is read from."""
-    m = _EXPERTS_RE.match(deepseek.mtp_release_name(name, args))
+    m = _EXPERTS_RE.match(adapter(args).release_name(name, args))
     if m is None:
         return [hf_name(name, args)]
     layer, w = m.groups()
@@ -111,29 +205,10 @@ def from_hf_keys(name: str, tensors: list[torch.Tensor], args: ModelArgs) -> tor
     return from_hf(name, tensors[0], args)
 
 
-def _heads(name: str, args: ModelArgs) -> int | None:
-    if args.mla is not None:  # DeepSeek's released layout is ours (trainer/hf/deepseek.py)
-        return None
-    return _gqa_heads(name, args)
-
-
-def _gqa_heads(name: str, args: ModelArgs) -> int | None:
-    """Number of heads whose rows are permuted in this parameter, or None. Qwen3's q/k norms
-    weigh each of the head_dim features of every head alike: one "head" of head_dim entries,
-    permuted as the rows of wq and wk are (else a trained norm meets the wrong features)."""
-    if name.endswith("attention.wq.weight"):
-        return args.n_heads
-    if name.endswith("attention.wk.weight"):
-        return args.n_kv_heads
-    if name.endswith(("attention.q_norm.weight", "attention.k_norm.weight")):
-        return 1
-    return None
-
-
 def to_hf(name: str, tensor: torch.Tensor, args: ModelArgs) -> torch.Tensor:
     """Our layout -> Hugging Face's: per head, rows (0, 2, 4, ..., 1, 3, 5, ...) (our RoPE
     rotates interleaved pairs, theirs the two halves of a head)."""
-    heads = _heads(name, args)
+    heads = adapter(args).rope_heads(name, args)
     if heads is None:
         return tensor
     d = args.head_dim
@@ -142,7 +217,7 @@ def to_hf(name: str, tensor: torch.Tensor, args: ModelArgs) -> torch.Tensor:
 
 def from_hf(name: str, tensor: torch.Tensor, args: ModelArgs) -> torch.Tensor:
     """Hugging Face's layout -> ours (the inverse of `to_hf`)."""
-    heads = _heads(name, args)
+    heads = adapter(args).rope_heads(name, args)
     if heads is None:
         return tensor
     d = args.head_dim
@@ -151,35 +226,38 @@ def from_hf(name: str, tensor: torch.Tensor, args: ModelArgs) -> torch.Tensor:
 
 def param_shapes(args: ModelArgs) -> dict[str, tuple[int, ...]]:
     """Our parameter names and shapes, in model order, without building the model (MTP
-    modules where Hugging Face's architecture holds them: DeepSeek-V3's)."""
+    modules where the family's release holds them)."""
     own = registry.hooks(args).hf_param_shapes(args)
     if own is not None:  # the family's own names
         return own
     shapes = {"tok_embeddings.weight": (args.vocab_size, args.dim)}
     for i in range(args.n_layers):
-        shapes.update((f"layers.{i}.{key}", shape) for key, shape in _block_shapes(i, args))
+        shapes.update((f"layers.{i}.{key}", shape) for key, shape in block_shapes(i, args))
     shapes["norm.weight"] = (args.dim,)
     if not args.tie_word_embeddings:
         shapes["output.weight"] = (args.vocab_size, args.dim)
-    for k in range(args.mtp_layers if args.mla is not None else 0):
-        block = _block_shapes(deepseek.mtp_layer(args, k), args)
-        shapes.update(deepseek.mtp_shapes(args, block, k))
+    for k in range(adapter(args).mtp_modules(args)):
+        shapes.update(mtp_shapes(args, block_shapes(args.n_layers + k, args), k))
     return shapes
 
 
-def _block_shapes(i: int, args: ModelArgs) -> list[tuple[str, tuple[int, ...]]]:
+def mtp_shapes(args: ModelArgs, block: list[tuple[str, tuple[int, ...]]], k: int):
+    """(name, shape) of MTP module k's parameters (trainer/models/common/mtp.py); `block`: its
+    block's, under `block.`."""
+    d = args.dim
+    return [
+        (f"mtp.{k}.embed_norm.weight", (d,)),
+        (f"mtp.{k}.hidden_norm.weight", (d,)),
+        (f"mtp.{k}.proj.weight", (d, 2 * d)),
+        *((f"mtp.{k}.block.{n}", s) for n, s in block),
+        (f"mtp.{k}.norm.weight", (d,)),
+    ]
+
+
+def block_shapes(i: int, args: ModelArgs) -> list[tuple[str, tuple[int, ...]]]:
     """(name under the block, shape) of block i's parameters."""
-    q, kv, h = args.n_heads * args.head_dim, args.n_kv_heads * args.head_dim, args.hidden_dim
-    attn = [("attention_norm.weight", (args.dim,))] + (
-        deepseek.mla_shapes(args)
-        if args.mla
-        else [
-            ("attention.wq.weight", (q, args.dim)),
-            ("attention.wk.weight", (kv, args.dim)),
-            ("attention.wv.weight", (kv, args.dim)),
-            ("attention.wo.weight", (args.dim, q)),
-        ]
-    )
+    a, h = adapter(args), args.hidden_dim
+    attn = [("attention_norm.weight", (args.dim,)), *a.attention_shapes(args)]
     if args.qk_norm:
         attn += [
             ("attention.q_norm.weight", (args.head_dim,)),
@@ -192,7 +270,7 @@ def _block_shapes(i: int, args: ModelArgs) -> list[tuple[str, tuple[int, ...]]]:
             ("feed_forward.experts.w1", (e, eh, args.dim)),
             ("feed_forward.experts.w2", (e, args.dim, eh)),
             ("feed_forward.experts.w3", (e, eh, args.dim)),
-        ] + deepseek.shared_expert_shapes(args)
+        ] + a.shared_expert_shapes(args)
     else:
         ffn = [
             ("feed_forward.w1.weight", (h, args.dim)),
@@ -205,26 +283,26 @@ def _block_shapes(i: int, args: ModelArgs) -> list[tuple[str, tuple[int, ...]]]:
 def buffer_shapes(args: ModelArgs) -> dict[str, tuple[int, ...]]:
     """The persistent buffers a checkpoint holds besides the parameters: each MoE layer's
     balancing bias, which Qwen3MoeForCausalLM has no place for (see `routing_bias_note`)."""
-    bias = "feed_forward.router.expert_bias"
-    mtp = args.mtp_layers if args.mla is not None else 0
+    mtp = adapter(args).mtp_modules(args)
     return {
         **{
-            f"layers.{i}.{bias}": (args.moe.n_experts,)
+            f"layers.{i}.{BIAS}": (args.moe.n_experts,)
             for i in range(args.n_layers)
             if args.is_moe_layer(i)
         },
         **{
-            f"mtp.{k}.block.{bias}": (args.moe.n_experts,)
+            f"mtp.{k}.block.{BIAS}": (args.moe.n_experts,)
             for k in range(mtp)
-            if args.is_moe_layer(deepseek.mtp_layer(args, k))
+            if args.is_moe_layer(args.n_layers + k)
         },
     }
 
 
 def export_shapes(args: ModelArgs) -> dict[str, tuple[int, ...]]:
-    """What a Hugging Face export writes: the parameters, and DeepSeek-V3's routing biases
-    (its `e_score_correction_bias`; Qwen3-MoE has no place for them)."""
-    return {**param_shapes(args), **(buffer_shapes(args) if args.mla is not None else {})}
+    """What a Hugging Face export writes: the parameters, and the routing biases where the
+    release holds them (DeepSeek-V3's `e_score_correction_bias`; Qwen3-MoE has no place)."""
+    keep = adapter(args).exports_buffers
+    return {**param_shapes(args), **(buffer_shapes(args) if keep else {})}
 
 
 def routing_bias_note(
@@ -244,8 +322,8 @@ def routing_bias_note(
 
 
 def hf_config(args: ModelArgs, *, dtype: str, bos_id: int | None, eos_id: int | None) -> dict:
-    """config.json of a LlamaForCausalLM with these args (the legacy `rope_scaling` key, which
-    transformers 4.x, 5.x and vLLM all read)."""
+    """config.json of a LlamaForCausalLM with these args, and what the family's release adds
+    (the legacy `rope_scaling` key, which transformers 4.x, 5.x and vLLM all read)."""
     cfg = {
         "architectures": ["LlamaForCausalLM"],
         "model_type": "llama",
@@ -272,10 +350,7 @@ def hf_config(args: ModelArgs, *, dtype: str, bos_id: int | None, eos_id: int | 
         "eos_token_id": eos_id,
         "torch_dtype": dtype,
     }
-    if args.mla is not None:
-        cfg.update(deepseek.deepseek_config(args))
-    elif args.moe is not None:
-        cfg.update(moe_config(args))
+    cfg.update(adapter(args).config(args))
     s = args.rope_scaling
     if isinstance(s, YarnScaling):
         cfg["rope_scaling"] = {"type": "yarn", **yarn_to_config(s)}  # (type: transformers 4)
@@ -293,9 +368,6 @@ def hf_config(args: ModelArgs, *, dtype: str, bos_id: int | None, eos_id: int | 
             args.max_seq_len, s.original_max_position_embeddings * 16
         )
     return cfg
-
-
-NO_HF_MOE = f"this MoE flavor ({MoEArgs.NO_HF})"
 
 
 def moe_config(args: ModelArgs) -> dict:
@@ -321,9 +393,7 @@ def moe_config(args: ModelArgs) -> dict:
 
 
 def architecture(args: ModelArgs) -> str:
-    if args.mla is not None:
-        return "deepseek_v3"
-    return "qwen3_moe" if args.moe is not None else "llama"
+    return adapter(args).architecture(args)
 
 
 def export_problem(args: ModelArgs) -> str | None:
@@ -331,28 +401,9 @@ def export_problem(args: ModelArgs) -> str | None:
     return registry.hooks(args).hf_export_problem(args)
 
 
-def decoder_export_problem(args: ModelArgs) -> str | None:
-    """The plain decoder's answer: LlamaForCausalLM, Qwen3MoeForCausalLM or
-    DeepseekV3ForCausalLM, each with its conditions."""
-    if args.mtp_layers and args.mla is None:
-        return args.mtp_export_problem()
-    if args.mla is not None:
-        if args.moe is not None and (args.moe.score_func != "sigmoid" or args.moe.sparse_step != 1):
-            return (
-                "MLA with a softmax router or sparse_step > 1: DeepseekV3ForCausalLM "
-                "routes by sigmoid scores in every block after the first dense ones"
-            )
-        return None
-    if args.moe is not None and not args.moe.hf_exportable:
-        return NO_HF_MOE
-    return None
-
-
 def check_hf_config(cfg: dict, args: ModelArgs, folder: str, flavor: str) -> None:
     """Settings that change the model without changing a tensor shape must agree too."""
-    kind = cfg.get("model_type", "llama")
-    if kind in deepseek.MODEL_TYPES and "DeepseekV3ForCausalLM" in cfg.get("architectures", []):
-        kind = "deepseek_v3"  # Kimi K2: DeepSeek-V3's architecture under its own model_type
+    kind = adapter(args).release_kind(cfg)
     if kind != architecture(args):
         classes = ", ".join(cfg.get("architectures", []))
         raise ConfigError(
@@ -375,23 +426,9 @@ def check_hf_config(cfg: dict, args: ModelArgs, folder: str, flavor: str) -> Non
         "hidden_act": "silu",
         "rope_scaling": _our_scaling(args.rope_scaling),
     }
-    if args.mla is None and "num_hidden_layers" in cfg:  # DeepSeek's: deepseek.compare
-        theirs["num_hidden_layers"] = int(cfg["num_hidden_layers"])
-        ours["num_hidden_layers"] = args.n_layers
-    if args.mla is not None:
-        why = deepseek.unsupported(cfg)
-        if why:
-            raise ConfigError(f"{folder}/config.json cannot be loaded exactly: {why}")
-        more = deepseek.compare(cfg, args)
-        theirs.update(more[0])
-        ours.update(more[1])
-    elif args.moe is not None:
-        theirs["num_experts_per_tok"] = int(cfg.get("num_experts_per_tok", 8))
-        theirs["norm_topk_prob"] = bool(cfg.get("norm_topk_prob", False))
-        ours["num_experts_per_tok"], ours["norm_topk_prob"] = (
-            args.moe.top_k,
-            args.moe.norm_topk_prob,
-        )
+    more = adapter(args).check_config(cfg, args, folder)
+    theirs.update(more[0])
+    ours.update(more[1])
     for key, value in theirs.items():
         if value != ours[key]:
             raise ConfigError(
@@ -417,6 +454,16 @@ def _hint(key: str, theirs, ours) -> str:
     return " (and model.rope_scaling = 'flavor')" if ours is None else ""
 
 
+def yarn_ratio(s: dict, cfg: dict) -> float | None:
+    """max_position_embeddings / original_max_position_embeddings, which transformers 4.x
+    takes as YaRN's factor whenever the original is given (5.x only where factor is not)."""
+    original, longest = (
+        s.get("original_max_position_embeddings"),
+        cfg.get("max_position_embeddings"),
+    )
+    return longest / original if original and longest else None
+
+
 def _scaling_tuple(s: dict, cfg: dict):
     """A config.json's RoPE scaling as a comparable tuple (transformers' defaults filled in)."""
     kind = s.get("rope_type", s.get("type", "default"))
@@ -428,7 +475,7 @@ def _scaling_tuple(s: dict, cfg: dict):
         )
         return (
             "yarn",
-            float(s.get("factor") or deepseek.yarn_ratio(s, cfg) or 0.0),
+            float(s.get("factor") or yarn_ratio(s, cfg) or 0.0),
             original,
             float(s.get("beta_fast") or 32.0),
             float(s.get("beta_slow") or 1.0),

@@ -11,8 +11,7 @@ from typing import Callable
 import torch
 
 from trainer.errors import ConfigError
-from trainer.hf.deepseek import mtp_copies
-from trainer.hf.mapping import hf_name, hf_tensors
+from trainer.hf.mapping import adapter, hf_name, hf_tensors
 from trainer.hf.quant import FP8, SCALE_SUFFIX, dequantize, quant_block
 from trainer.models.args import ModelArgs
 
@@ -51,12 +50,13 @@ def write_weights(
     from safetensors.torch import save_file
 
     target = DTYPES[dtype]
+    copies = adapter(args).copies
     numels = {
-        n: int(torch.Size(s).numel()) * (1 + len(mtp_copies(hf_name(n), args)))
+        n: int(torch.Size(s).numel()) * (1 + len(copies(hf_name(n, args), args)))
         if n in ("tok_embeddings.weight", "output.weight")
         else int(torch.Size(s).numel())
         for n, s in shapes.items()
-    }  # the MTP layers' copies of the embedding and head
+    }  # the release's copies of the embedding and head (DeepSeek-V3's MTP layers)
     shards = plan_shards(numels, target.itemsize, max_shard_bytes)
     files = (
         [SINGLE]

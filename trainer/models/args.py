@@ -232,7 +232,8 @@ class ModelArgs:
 
     def mtp_export_problem(self) -> str | None:
         """Why a Hugging Face export or import cannot hold this model's MTP modules, or None
-        (a deepseek_v3 export writes them as the release's extra layers: trainer/hf/deepseek.py)."""
+        (a deepseek_v3 export writes them as the release's extra layers:
+        trainer/models/deepseek_v3/hf.py)."""
         if not self.mtp_layers or self.mla is not None:
             return None
         if self.hybrid is not None:

@@ -14,3 +14,9 @@ def build_model(args: ModelArgs) -> torch.nn.Module:
     args.validate()
     with torch.device("meta"):
         return registry.hooks(args).build(args)
+
+
+def new_model(args: ModelArgs) -> torch.nn.Module:
+    """The family's model on the current device, weights uninitialised: what tests and tools
+    that run a model eagerly, without sharding, start from (`init_weights(seed)` next)."""
+    return registry.hooks(args).build(args)

@@ -59,8 +59,8 @@ def _blocks(args: ModelArgs) -> int:
 
 
 def block_matmul_params(args: ModelArgs, i: int) -> int:
-    """Block `i`'s matmul weights per token: its attention (GQA, or MLA without its two latent
-    norms) and its FFN (the routed experts a token goes through, the router and the shared
+    """Block `i`'s matmul weights per token: its attention (GQA; a family's own, e.g. MLA, from
+    its hooks) and its FFN (the routed experts a token goes through, the router and the shared
     experts; a dense FFN's three matrices); a family with blocks of its own counts them."""
     own = registry.hooks(args).block_matmul_params(args, i)
     if own is not None:  # a family's own block
@@ -69,9 +69,6 @@ def block_matmul_params(args: ModelArgs, i: int) -> int:
     q_dim = args.n_heads * args.head_dim
     kv_dim = args.n_kv_heads * args.head_dim
     attention = d * (q_dim + 2 * kv_dim) + q_dim * d
-    if args.mla is not None:  # MLA's projections, without its two latent norms
-        m = args.mla
-        attention = m.params(d, args.n_heads) - m.q_lora_rank - m.kv_lora_rank
     ffn = args.moe.active_ffn(d) if args.is_moe_layer(i) else 3 * d * args.hidden_dim
     return attention + ffn
 

@@ -4,14 +4,18 @@ memory plan books for its blocks, how it goes to and from Hugging Face, and what
 lines say. The shared code asks `trainer.models.registry.hooks(args)` and never tests which
 family a model is.
 
-`DecoderHooks` answers for the plain decoder (trainer/models/common/decoder.py: GQA or MLA
-attention, a dense or MoE feed-forward, optional MTP modules): the llama3 and deepseek_v3 families.
+`DecoderHooks` answers for the plain decoder (trainer/models/common/decoder.py: GQA attention,
+a dense or MoE feed-forward, optional MTP modules): the llama3 family.
 A family package subclasses it in its own `hooks.py` (`HOOKS = TheFamilysHooks()`) and overrides
 what its model does differently. An answer of None means "as the plain decoder": the caller then
 runs the shared code for it.
 """
 
 from __future__ import annotations
+
+from trainer.models.args import MoEArgs
+
+NO_HF_MOE = f"this MoE flavor ({MoEArgs.NO_HF})"
 
 
 class DecoderHooks:
@@ -24,6 +28,11 @@ class DecoderHooks:
         from trainer.models.common.decoder import Transformer
 
         return Transformer(args)
+
+    def attention_line(self, args) -> str:
+        """What the startup's attention line says of this family's attention layer before
+        its mask ("" for GQA, which needs no words)."""
+        return ""
 
     def kernel_note(self, device_type: str) -> str:
         """What the startup's attention-kernel line adds for this family's own kernels."""
@@ -68,11 +77,36 @@ class DecoderHooks:
         """Bytes of the largest block's saved activations (its AC recompute), or None."""
         return None
 
+    def plan_attention_saved(self, a, p: int, tp: int, kernel: str) -> int | None:
+        """Bytes the attention layer saves per token without AC at `p` bytes per value, or
+        None for GQA's (trainer/plan/activations.py's block_split)."""
+        return None
+
+    def plan_attention_kept(self, a, tp: int, every_other: bool) -> tuple[int, int] | None:
+        """Under op-level selective AC: (values per token the attention's matmuls output and
+        AC keeps, the width of its SDPA output), or None for GQA's."""
+        return None
+
+    def plan_cp_attention(self, a, p: int, batch: int, seq: int, tp: int) -> int | None:
+        """Bytes one layer's attention saves of the whole sequence a cp rank gathers (K and V
+        for GQA), or None for GQA's."""
+        return None
+
+    def plan_cp_gathered(self, a) -> int | None:
+        """Values per token one layer's attention all-gathers over cp, or None for GQA's K and
+        V (trainer/plan/comm.py)."""
+        return None
+
     #: The traced work of one layer needs the whole model built (its layers differ in kind
     #: in ways a cut-down model cannot keep): trainer/plan/work.py.
     whole_model_for_a_layer = False
 
     # ------------------------------------------------------------------ Hugging Face
+
+    def hf_adapter(self):
+        """This family's subclass of trainer/hf/mapping.py's `DecoderHF` (its Hugging Face
+        names, layouts and config.json), or None for the plain decoder's."""
+        return None
 
     def hf_param_shapes(self, args) -> dict | None:
         """Our parameter names and shapes as a Hugging Face folder holds them, or None for
@@ -80,10 +114,15 @@ class DecoderHooks:
         return None
 
     def hf_export_problem(self, args) -> str | None:
-        """Why no Hugging Face architecture holds this model, or None."""
-        from trainer.hf.mapping import decoder_export_problem
+        """Why no Hugging Face architecture holds this model, or None. Without torch."""
+        return args.mtp_export_problem() or self.hf_router_problem(args)
 
-        return decoder_export_problem(args)
+    def hf_router_problem(self, args) -> str | None:
+        """Why no Hugging Face architecture holds this model's router, or None (a config check
+        asks it before any process starts). Without torch."""
+        if args.moe is not None and not args.moe.hf_exportable:
+            return NO_HF_MOE
+        return None
 
     def hf_load(self, model, hf, folder: str, flavor: str, log):
         """(parameter of `model`, its full tensor from the folder) pairs, if this family reads

@@ -4,8 +4,8 @@ first asks for it, so that checking a config never imports torch.
 
 A family that is a package (trainer/models/<family>/) is registered here with one line; only
 this module imports a family package's own `__init__`, and nothing outside the package
-imports its other modules. The plain decoder families (llama3, deepseek_v3) are the contract's
-defaults (trainer/models/hooks.py's `DecoderHooks`) until they become packages themselves.
+imports its other modules. The plain decoder family (llama3: Llama 3 and the Qwen3 flavors)
+is the contract's defaults themselves (trainer/models/hooks.py's `DecoderHooks`).
 docs/architecture.md#where-new-things-go has the template a new family copies.
 """
 
@@ -14,12 +14,12 @@ from __future__ import annotations
 import importlib
 from functools import cache
 
-from trainer.models import qwen3_next
+from trainer.models import deepseek_v3, qwen3_next
 
 # The families that are packages: one line each.
-PACKAGES = (qwen3_next.FAMILY,)
+PACKAGES = (deepseek_v3.FAMILY, qwen3_next.FAMILY)
 # model.name values of the plain decoder, whose flavors are trainer/models/flavors.py's.
-DECODER_NAMES = ("llama3", "deepseek_v3")
+DECODER_NAMES = ("llama3",)
 DECODER_HOOKS = "trainer.models.hooks"
 
 

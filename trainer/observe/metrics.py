@@ -45,6 +45,7 @@ import time
 import torch
 
 from trainer.device import Precision, resolve_compute_dtype
+from trainer.models import registry
 from trainer.models.args import ModelArgs
 from trainer.models.common.attention import describe as describe_attention
 from trainer.models.flops import attention_flops_per_token, flops_per_token, resolve_peak
@@ -317,7 +318,7 @@ class MetricsProcessor:
                 else ""
             )
             + ")",
-            describe_attention(a),
+            describe_attention(a, registry.hooks(a).attention_line(a)),
             f"mesh: {self.parallel_desc}; gradient accumulation steps: {self.accumulation_steps}",
             f"device: {self.device.type} ({'nccl' if self.device.type == 'cuda' else 'gloo'}"
             f"{', ' if self.device.type == 'cuda' else ''}"

@@ -27,7 +27,6 @@ symmetric memory.
 
 from __future__ import annotations
 
-import functools
 import logging
 
 import torch
@@ -91,9 +90,7 @@ def apply_tp(
         )
         mixer, attention = own or (
             "attention",
-            _mla_styles(block.attention, tp_mesh, colwise, prepare_input)
-            if hasattr(block.attention, "wkv_a")
-            else {
+            {
                 # (x, cos, sin, mask): only x is sharded; the RoPE tables and mask are per rank
                 "attention": prepare_input(
                     input_layouts=(Shard(1), None, None, None),
@@ -120,25 +117,6 @@ def apply_tp(
         _enable_async_tp(tp_mesh)
 
 
-def _mla_styles(attention, tp_mesh, colwise, prepare_input) -> dict:
-    """Multi-head latent attention (trainer/models/common/mla.py): the heads split (`wq` or `wq_b`,
-    and `wkv_b` colwise; `wo` rowwise), the down projections and their norms replicated:
-    plain parameters that every tp rank applies to the whole gathered sequence. Their
-    gradients come out whole on every rank: the colwise up projections all-reduce their
-    input's gradient, and the shared RoPE key's gradient is summed over tp here."""
-    attention.shared_key = functools.partial(_sum_grad_over, group=tp_mesh.get_group())
-    styles = {
-        "attention": prepare_input(
-            input_layouts=(Shard(1), None, None, None),
-            desired_input_layouts=(Replicate(), None, None, None),
-            use_local_output=True,
-        ),
-        "attention.wkv_b": colwise(),
-    }
-    styles["attention.wq" if attention.wq is not None else "attention.wq_b"] = colwise()
-    return styles
-
-
 class _SumGradOver(torch.autograd.Function):
     """Identity forward; the backward all-reduces the gradient over `group` (Megatron's
     copy-to-tensor-parallel-region)."""
@@ -155,7 +133,7 @@ class _SumGradOver(torch.autograd.Function):
         return grad, None
 
 
-def _sum_grad_over(x: torch.Tensor, group) -> torch.Tensor:
+def sum_grad_over(x: torch.Tensor, group) -> torch.Tensor:
     return _SumGradOver.apply(x, group)
 
 

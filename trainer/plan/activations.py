@@ -43,26 +43,15 @@ def block_split(
     """
     q, kv = a.n_heads * a.head_dim // tp, a.n_kv_heads * a.head_dim // tp
     kernel = a.attn_implementation if a.attn_mask_type == "block_causal" else "sdpa"
-    attn = 2 * p * (q + kv) + (p * q if kernel == "per_document" else 0)
-    if a.mla is not None:
-        attn = mla_saved(a, p, tp, kernel)
+    attn = registry.hooks(a).plan_attention_saved(a, p, tp, kernel)  # a family's own
+    if attn is None:
+        attn = 2 * p * (q + kv) + (p * q if kernel == "per_document" else 0)
     if moe:  # the MoE feed-forward runs on this rank's sequence shard (trainer/parallel/tp.py)
         return 2 * (4 + p) * a.dim + moe_ffn_bytes(
             a, p, ep
         ), 2 * p * a.dim + attn + FP32 * a.n_heads // tp
     inner = 2 * p * a.dim + attn + FP32 * a.n_heads // tp + 4 * p * a.hidden_dim // tp
     return 2 * (4 + p) * a.dim, inner
-
-
-def mla_saved(a: ModelArgs, p: int, tp: int, kernel: str) -> int:
-    """Bytes MLA's attention saves per token, no AC (trainer/models/common/mla.py): the two latent
-    RMSNorms' fp32 upcast and output (replicated over tp), SDPA's q, k and output, and v as
-    a view of wkv_b's output (its key half with it); per_document also keeps the output's
-    concatenation."""
-    m, heads = a.mla, a.n_heads // tp
-    latents = (FP32 + p) * (m.q_lora_rank + m.kv_lora_rank) + p * m.qk_rope_head_dim
-    sdpa = p * heads * (2 * m.qk_head_dim + m.qk_nope_head_dim + 2 * m.v_head_dim)
-    return latents + sdpa + (p * heads * m.v_head_dim if kernel == "per_document" else 0)
 
 
 def block_saved(a: ModelArgs, p: int) -> int:
@@ -83,16 +72,10 @@ def op_sac_split(
     q, kv = a.n_heads * a.head_dim // tp, a.n_kv_heads * a.head_dim // tp
     h = a.hidden_dim // tp
     mm_out = q + kv + h + a.dim if every_other else q + 2 * kv + a.dim + 2 * h + a.dim
-    if a.mla is not None:  # wq_a, wq_b (or wq), wkv_a, wkv_b instead of wq, wk, wv
-        m = a.mla
-        mla_mm = (
-            m.q_lora_rank
-            + m.kv_lora_rank
-            + m.qk_rope_head_dim
-            + a.n_heads * (m.qk_head_dim + m.qk_nope_head_dim + m.v_head_dim) // tp
-        )
-        mm_out += (mla_mm // 2 if every_other else mla_mm) - (q + kv if every_other else q + 2 * kv)
-        q = a.n_heads * m.v_head_dim // tp  # SDPA's output
+    own = registry.hooks(a).plan_attention_kept(a, tp, every_other)
+    if own is not None:  # a family's attention matmuls in place of wq, wk, wv
+        mm_out += own[0] - (q + kv if every_other else q + 2 * kv)
+        q = own[1]  # SDPA's output
     shard = p * a.dim * (3 if tp > 1 else 1)
     extra = 0
     if moe:  # the experts' grouped GEMMs, the router's matmul and the all-to-alls are kept
@@ -248,19 +231,9 @@ def cp_attention_bytes(
     once = 16 * batch * -(-local // 128) * -(-seq // 128)
     if a.positions == "document":
         once += 4 * a.head_dim * batch * local
-    kv = 2 * p * batch * seq * max(a.n_kv_heads // tp, 1) * a.head_dim
-    if a.mla is not None:  # the gathered latents, and the whole sequence's K/V from them
-        m = a.mla
-        kv = (
-            p
-            * batch
-            * seq
-            * (
-                m.kv_lora_rank
-                + m.qk_rope_head_dim
-                + a.n_heads // tp * (m.qk_head_dim + m.qk_nope_head_dim + m.v_head_dim)
-            )
-        )
+    kv = registry.hooks(a).plan_cp_attention(a, p, batch, seq, tp)  # a family's own
+    if kv is None:
+        kv = 2 * p * batch * seq * max(a.n_kv_heads // tp, 1) * a.head_dim
     return once, kv
 
 

@@ -59,6 +59,7 @@ from __future__ import annotations
 import math
 
 from trainer.config.job import JobConfig
+from trainer.models import registry
 from trainer.plan.memory import (
     BYTES,
     FP32,
@@ -176,9 +177,10 @@ def cp_volume(cfg: JobConfig, a, pd, accum: int) -> float:
     if pd.cp == 1:
         return 0.0
     p, t = BYTES[cfg.training.mixed_precision_param], cfg.training
-    kv = 2 * p * t.local_batch_size * t.seq_len * max(a.n_kv_heads // pd.tp, 1) * a.head_dim
-    if a.mla is not None:  # MLA gathers its latents (trainer/models/common/mla.py), not K and V
-        kv = p * t.local_batch_size * t.seq_len * (a.mla.kv_lora_rank + a.mla.qk_rope_head_dim)
+    per_token = registry.hooks(a).plan_cp_gathered(a)  # a family's own, else K and V
+    if per_token is None:
+        per_token = 2 * max(a.n_kv_heads // pd.tp, 1) * a.head_dim
+    kv = p * t.local_batch_size * t.seq_len * per_token
     ac = cfg.activation_checkpoint
     if ac.mode == "full":
         replayed = a.n_layers

@@ -92,18 +92,10 @@ def rope_args(model_cfg) -> dict:
     return {}
 
 
-def describe(args) -> str:
-    """One line of the startup summary: MLA's shape, mask, kernel, positions."""
-    m = getattr(args, "mla", None)
-    mla = (
-        ""
-        if m is None
-        else (
-            f"multi-head latent attention (q_lora_rank {m.q_lora_rank}, kv_lora_rank "
-            f"{m.kv_lora_rank}; query/key heads {m.qk_nope_head_dim} + {m.qk_rope_head_dim} "
-            f"rotated, value heads {m.v_head_dim}), "
-        )
-    )
+def describe(args, layer: str = "") -> str:
+    """One line of the startup summary: the mask, kernel and positions, after `layer` (what
+    the family says of its attention layer, e.g. MLA's shape)."""
+    mla = layer
     if args.attn_mask_type == "causal":
         return (
             f"attention: {mla}causal over the whole window (SDPA is_causal); RoPE "

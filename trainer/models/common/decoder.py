@@ -30,7 +30,6 @@ from torch.distributed.tensor import DTensor
 from trainer.models.args import ModelArgs
 from trainer.models.common.attention import attend, build_mask, document_positions
 from trainer.models.common.layers import RMSNorm, apply_rope, rope_tables, scale_frequencies  # noqa: F401
-from trainer.models.common.mla import MLA
 from trainer.models.common.moe import FeedForward, MoE  # noqa: F401  (FeedForward re-exported)
 from trainer.models.common.mtp import MTPModule, future_labels, mtp_streams
 from trainer.parallel.loss_parallel import vocab_parallel_project
@@ -70,11 +69,14 @@ class Attention(nn.Module):
 
 
 class TransformerBlock(nn.Module):
-    def __init__(self, layer_id: int, args: ModelArgs):
+    """Pre-norm attention and feed-forward. `attention`: the attention layer's class, called
+    with the args (GQA `Attention`, or a family's own: DeepSeek-V3's MLA)."""
+
+    def __init__(self, layer_id: int, args: ModelArgs, attention: type[nn.Module] = Attention):
         super().__init__()
         self.layer_id = layer_id
         self.attention_norm = RMSNorm(args.dim, args.norm_eps)
-        self.attention = MLA(args) if args.mla is not None else Attention(args)
+        self.attention = attention(args)
         self.ffn_norm = RMSNorm(args.dim, args.norm_eps)
         self.feed_forward = (
             MoE(args.dim, args.moe, layer_id)
@@ -109,12 +111,12 @@ class Transformer(nn.Module):
     # sharding sets it to the tp degree: trainer/parallel/tp.py).
     sequence_multiple = 1
 
-    def __init__(self, args: ModelArgs):
+    def __init__(self, args: ModelArgs, attention: type[nn.Module] = Attention):
         super().__init__()
         self.args = args
         self.tok_embeddings = nn.Embedding(args.vocab_size, args.dim)
         self.layers = nn.ModuleDict(
-            {str(i): TransformerBlock(i, args) for i in range(args.n_layers)}
+            {str(i): TransformerBlock(i, args, attention) for i in range(args.n_layers)}
         )
         self.norm = RMSNorm(args.dim, args.norm_eps)
         # Tied: no parameter of its own; the head multiplies by tok_embeddings.weight.
@@ -127,7 +129,9 @@ class Transformer(nn.Module):
             nn.ModuleDict(
                 {
                     str(k): MTPModule(
-                        args.dim, args.norm_eps, TransformerBlock(args.n_layers + k, args)
+                        args.dim,
+                        args.norm_eps,
+                        TransformerBlock(args.n_layers + k, args, attention),
                     )
                     for k in range(args.mtp_layers)
                 }

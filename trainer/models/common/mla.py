@@ -17,7 +17,7 @@ attention.py).
 
 The rotation is the same as the Llama blocks' (consecutive channel pairs), which is the
 layout DeepSeek released its weights in (`rope_interleave = true` in Hugging Face's config):
-the Hugging Face mapping permutes nothing here (trainer/hf/deepseek.py).
+the Hugging Face mapping permutes nothing here (trainer/models/deepseek_v3/hf.py).
 
 Tensor parallelism (trainer/parallel/tp.py) splits the heads: `wq`/`wq_b`, `wkv_b` colwise and
 `wo` rowwise; the down projections and their norms (`wq_a`, `q_a_norm`, `wkv_a`,

@@ -19,8 +19,12 @@ DeepseekV3ForCausalLM does not build those layers and skips them when it loads.
 
 from __future__ import annotations
 
+import os
 import re
 
+from trainer.errors import ConfigError
+from trainer.hf.mapping import _LAYER as DECODER_LAYER
+from trainer.hf.mapping import DecoderHF, yarn_ratio
 from trainer.models.args import ModelArgs
 
 MLA_LAYER = {
@@ -78,24 +82,12 @@ def mtp_release_name(name: str, args: ModelArgs) -> str:
 
 def mtp_copies(hf_key: str, args: ModelArgs) -> list[str]:
     """The keys under which the MTP layers repeat the main model's tensor `hf_key`."""
-    depths = args.mtp_layers if args.mla is not None else 0
+    depths = args.mtp_layers
     return [
         f"model.layers.{mtp_layer(args, k)}.{copy}"
         for k in range(depths)
         for copy, main in MTP_COPIES.items()
         if main == hf_key
-    ]
-
-
-def mtp_shapes(args: ModelArgs, block: list[tuple[str, tuple[int, ...]]], k: int):
-    """(name, shape) of MTP module k's parameters; `block`: its block's, under `block.`."""
-    d = args.dim
-    return [
-        (f"mtp.{k}.embed_norm.weight", (d,)),
-        (f"mtp.{k}.hidden_norm.weight", (d,)),
-        (f"mtp.{k}.proj.weight", (d, 2 * d)),
-        *((f"mtp.{k}.block.{n}", s) for n, s in block),
-        (f"mtp.{k}.norm.weight", (d,)),
     ]
 
 
@@ -170,16 +162,6 @@ def deepseek_config(args: ModelArgs) -> dict:
         "scoring_func": "sigmoid",
         "topk_method": "noaux_tc",
     }
-
-
-def yarn_ratio(s: dict, cfg: dict) -> float | None:
-    """max_position_embeddings / original_max_position_embeddings, which transformers 4.x
-    takes as YaRN's factor whenever the original is given (5.x only where factor is not)."""
-    original, longest = (
-        s.get("original_max_position_embeddings"),
-        cfg.get("max_position_embeddings"),
-    )
-    return longest / original if original and longest else None
 
 
 def unsupported(cfg: dict) -> str | None:
@@ -355,3 +337,73 @@ def max_abs_diff(a, b, rows: int = 4096) -> float:
         ),
         default=0.0,
     )
+
+
+class DeepSeekHF(DecoderHF):
+    """DeepseekV3ForCausalLM's names, layout (no permutation) and config.json, and the MTP
+    modules as the release's extra layers."""
+
+    layer_names = {**DECODER_LAYER, **MLA_LAYER}
+    exports_buffers = True  # the routing biases: its e_score_correction_bias
+
+    def release_name(self, name: str, args: ModelArgs) -> str:
+        return mtp_release_name(name, args)
+
+    def copies(self, hf_key: str, args: ModelArgs) -> list[str]:
+        return mtp_copies(hf_key, args)
+
+    def rope_heads(self, name: str, args: ModelArgs) -> int | None:
+        return None  # released with our interleaved RoPE pairs
+
+    def attention_shapes(self, args: ModelArgs):
+        return mla_shapes(args)
+
+    def shared_expert_shapes(self, args: ModelArgs):
+        return shared_expert_shapes(args)
+
+    def mtp_modules(self, args: ModelArgs) -> int:
+        return args.mtp_layers
+
+    def config(self, args: ModelArgs) -> dict:
+        return deepseek_config(args)
+
+    def architecture(self, args: ModelArgs) -> str:
+        return "deepseek_v3"
+
+    def release_kind(self, cfg: dict) -> str:
+        kind = cfg.get("model_type", "llama")
+        if kind in MODEL_TYPES and "DeepseekV3ForCausalLM" in cfg.get("architectures", []):
+            return "deepseek_v3"  # Kimi K2: DeepSeek-V3's architecture under its own type
+        return kind
+
+    def check_config(self, cfg: dict, args: ModelArgs, folder: str) -> tuple[dict, dict]:
+        why = unsupported(cfg)
+        if why:
+            raise ConfigError(f"{folder}/config.json cannot be loaded exactly: {why}")
+        return compare(cfg, args)
+
+    def import_notes(self, hf, args: ModelArgs, folder: str) -> tuple[int, list[str]]:
+        lines = []
+        if os.path.isfile(os.path.join(folder, TIKTOKEN)) and not os.path.isfile(
+            os.path.join(folder, "tokenizer.json")
+        ):
+            lines.append(TIKTOKEN_NOTE.format(folder=folder))
+        depths = mtp_depths(hf.has, args)
+        note = mtp_import_note(hf.has, args, depths)
+        return depths, lines + ([note] if note else [])
+
+    def mtp_depth(self, name: str) -> int | None:
+        return mtp_depth(name)
+
+    def load_warnings(self, hf, args: ModelArgs, depths: int) -> list[str]:
+        return mtp_copy_warnings(hf, args, depths)
+
+    def export_notes(self, args: ModelArgs, fetch) -> list[str]:
+        if not args.mtp_layers:
+            return []
+        first = args.n_layers
+        return [
+            f"multi-token prediction: module(s) 0..{args.mtp_layers - 1} exported as layer(s) "
+            f"{first}..{first + args.mtp_layers - 1} under the release's names "
+            f"(num_nextn_predict_layers = {args.mtp_layers}; transformers skips them)"
+        ]
