@@ -17,6 +17,9 @@ from trainer.models.hooks import DecoderHooks
 # questions through the family's own types (the one place those fields are read outside
 # their families); trainer/models/common/mla.py is the MLA layer the DeepSeek family builds.
 MARKERS = {
+    # The plain decoder: the contract's defaults are its answers, so the shared code has
+    # nothing to test for (its name is also Llama 3.1's RoPE type, a literal that stays).
+    "llama3": [r"\bLlamaHooks\b"],
     "deepseek_v3": [
         r"""["']deepseek_v3["']""",
         r"\bmla\s+is\s+(not\s+)?None",

@@ -173,6 +173,7 @@ LAYER_1 = (
     "trainer.models.family",
     "trainer.models.registry",
     "trainer.models.deepseek_v3.flavors",
+    "trainer.models.llama3.flavors",
     "trainer.models.qwen3_next.args",
     "trainer.models.qwen3_next.flavors",
     "trainer.models.common.rope",

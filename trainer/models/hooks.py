@@ -5,7 +5,8 @@ lines say. The shared code asks `trainer.models.registry.hooks(args)` and never 
 family a model is.
 
 `DecoderHooks` answers for the plain decoder (trainer/models/common/decoder.py: GQA attention,
-a dense or MoE feed-forward, optional MTP modules): the llama3 family.
+a dense or MoE feed-forward, optional MTP modules), whose family (trainer/models/llama3/)
+only adds the build.
 A family package subclasses it in its own `hooks.py` (`HOOKS = TheFamilysHooks()`) and overrides
 what its model does differently. An answer of None means "as the plain decoder": the caller then
 runs the shared code for it.
@@ -24,10 +25,9 @@ class DecoderHooks:
     # ------------------------------------------------------------------ the model
 
     def build(self, args):
-        """The model of `args` (ModelArgs), called under the meta device."""
-        from trainer.models.common.decoder import Transformer
-
-        return Transformer(args)
+        """The model of `args` (ModelArgs), called under the meta device. Every family answers
+        it (the plain decoder's: trainer/models/llama3/hooks.py)."""
+        raise NotImplementedError(f"{type(self).__name__} does not build its model")
 
     def attention_line(self, args) -> str:
         """What the startup's attention line says of this family's attention layer before
@@ -133,6 +133,3 @@ class DecoderHooks:
         """(config.json's maker, the files written) if this family writes its own release
         format into `out_dir`, else None for the decoder's writer (trainer/hf/export.py)."""
         return None
-
-
-HOOKS = DecoderHooks()

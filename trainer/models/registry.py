@@ -2,10 +2,10 @@
 family contract (trainer/models/hooks.py), found by module path and imported when the run
 first asks for it, so that checking a config never imports torch.
 
-A family that is a package (trainer/models/<family>/) is registered here with one line; only
+Every family is a package (trainer/models/<family>/) registered here with one line; only
 this module imports a family package's own `__init__`, and nothing outside the package
 imports its other modules. The plain decoder family (llama3: Llama 3 and the Qwen3 flavors)
-is the contract's defaults themselves (trainer/models/hooks.py's `DecoderHooks`).
+answers the contract with its defaults (trainer/models/hooks.py's `DecoderHooks`).
 docs/architecture.md#where-new-things-go has the template a new family copies.
 """
 
@@ -14,22 +14,19 @@ from __future__ import annotations
 import importlib
 from functools import cache
 
-from trainer.models import deepseek_v3, qwen3_next
+from trainer.models import deepseek_v3, llama3, qwen3_next
 
-# The families that are packages: one line each.
-PACKAGES = (deepseek_v3.FAMILY, qwen3_next.FAMILY)
-# model.name values of the plain decoder, whose flavors are trainer/models/flavors.py's.
-DECODER_NAMES = ("llama3",)
-DECODER_HOOKS = "trainer.models.hooks"
+# Every family, one line each, in the order the docs list them.
+PACKAGES = (llama3.FAMILY, deepseek_v3.FAMILY, qwen3_next.FAMILY)
 
 
 def names() -> tuple[str, ...]:
     """Every model.name, in the order the docs list them."""
-    return (*DECODER_NAMES, *(f.name for f in PACKAGES))
+    return tuple(f.name for f in PACKAGES)
 
 
 def package_flavors() -> dict:
-    """The flavors of the families that are packages (flavors.py adds them to FLAVORS)."""
+    """Every family's flavors (trainer/models/flavors.py's FLAVORS)."""
     return {k: v for family in PACKAGES for k, v in family.flavors.items()}
 
 
@@ -43,4 +40,4 @@ def hooks(args):
     for family in PACKAGES:
         if family.name == args.family:
             return _hooks(family.hooks)
-    return _hooks(DECODER_HOOKS)
+    raise KeyError(f"no family registered as {args.family!r}")
