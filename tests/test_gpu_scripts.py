@@ -1,5 +1,5 @@
 """The GPU scripts, checked here on the CPU: a short GPU allocation must not
-go to a stale config key or a check that cannot tell right from wrong (benchmarks/gpu_suite.sh,
+go to a stale config key or a check that cannot tell right from wrong (benchmarks/gpu/gpu_suite.sh,
 gpu_paths.py, gpu_mla_attention.py)."""
 
 import re
@@ -10,7 +10,7 @@ import pytest
 from trainer.config.job import JobConfig, _lookup, load_config
 from trainer.errors import ConfigError
 
-BENCH = Path(__file__).resolve().parents[1] / "benchmarks"
+BENCH = Path(__file__).resolve().parents[1] / "benchmarks" / "gpu"
 # `--section.key value` in a shell script; a value made of shell expansions is not literal
 OVERRIDE = re.compile(r"(--[a-z_0-9]+\.[a-z_0-9]+)[ =]+\"?([^\s\"\\);]+)")
 
@@ -25,10 +25,8 @@ def valid(argv: list[str]) -> None:
 
 
 @pytest.fixture
-def bench_modules(monkeypatch):
-    monkeypatch.syspath_prepend(str(BENCH))  # the scripts import their `common`
-    import gpu_mla_attention
-    import gpu_paths
+def bench_modules():
+    from benchmarks.gpu import gpu_mla_attention, gpu_paths
 
     return gpu_paths, gpu_mla_attention
 

@@ -6,7 +6,7 @@ the step's peak are checked against torch's MemTracker / FSDPMemTracker, which c
 tensor the allocator holds (CPU peak RSS is useless for this: glibc keeps freed memory and
 the interpreter's own allocations swamp a small model's). The tracker sees tensors, so this
 checks the plan's arithmetic; the CUDA allocator's overheads (context, fragmentation: the
-plan's reserve) can only be checked on a GPU, with benchmarks/bench_train.py.
+plan's reserve) can only be checked on a GPU, with benchmarks/training/bench_train.py.
 """
 
 import json

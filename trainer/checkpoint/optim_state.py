@@ -69,7 +69,7 @@ class ModelAndOptimizer(Stateful):
     entry per parameter and setting (`param_groups.<fqn>.lr`, ...): 12 for AdamW, each a
     pickled object in the plans, the metadata and the files. On the MoE layout tests' model
     (FSDP 4) a load took twice the CPU that way, 0.70 against 0.36 s on rank 0, and a save 6%
-    more (benchmarks/bench_checkpoint_entries.py). `grouped = False`
+    more (benchmarks/checkpoint/bench_checkpoint_entries.py). `grouped = False`
     reads a checkpoint saved so; `flat = False` one saved before that, with numbered groups.
     A load keeps this run's settings (the module docstring): `changes` lists those that
     differed on this rank."""

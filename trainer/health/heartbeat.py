@@ -26,7 +26,7 @@ TORCH_NCCL_DUMP_ON_TIMEOUT=1, set by run_train.sh and the SLURM script unless al
 dumps each rank's last collectives on a timeout to TORCH_NCCL_DEBUG_INFO_TEMP_FILE<rank>
 (default /tmp/nccl_trace_rank_<rank>, on each node); read them with
 `torchfrtrace` (`python -m torch.distributed.flight_recorder.fr_trace`). On one H100 a dump
-under these settings reads back (benchmarks/gpu_flight_recorder.py); a cross-rank hang needs
+under these settings reads back (benchmarks/gpu/gpu_flight_recorder.py); a cross-rank hang needs
 two GPUs and has not been run.
 """
 

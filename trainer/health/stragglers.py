@@ -27,7 +27,7 @@ import time
 def medians_of_others(times: list[float]) -> list[float]:
     """For each rank, the median of every other rank's time, from one sort: O(W log W) for W
     ranks (a median per rank over a copy of the others would be O(W^2 log W): ~0.3 s a step at
-    1,024 ranks, benchmarks/bench_straggler.py)."""
+    1,024 ranks, benchmarks/health/bench_straggler.py)."""
     n = len(times)
     if n == 1:
         return list(times)

@@ -51,7 +51,7 @@ class _OnLocalShards:
     torch's), and the update, elementwise, is the same to the bit. DTensor's own dispatch of the
     fused/foreach kernels over a list of N DTensors propagates shardings at ~N^2 cost the first
     time (160 tensors: 0.5 s fused, 2 s foreach on a CPU host; a third of a Kimi K2 trace) and
-    ~2x the host time of every step after it (benchmarks/bench_adam_local.py). A group whose
+    ~2x the host time of every step after it (benchmarks/optim/bench_adam_local.py). A group whose
     gradients are not laid out as their parameters (which DTensor would redistribute) is left to
     DTensor."""
 

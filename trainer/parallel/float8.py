@@ -7,7 +7,7 @@ error:` line before training starts: the CPU and torchao checks in `python -m tr
 
 Measured on one H100 (torch 2.11, torchao 0.17; benchmarks/RESULTS.md): Llama 1B at 4,096,
 compiled, tensorwise 62.1k tokens/s against bf16's 55.4k (1.12x), rowwise 54.0k; both train
-the debug model with a falling loss (benchmarks/gpu_paths.py).
+the debug model with a falling loss (benchmarks/gpu/gpu_paths.py).
 """
 
 from __future__ import annotations

@@ -10,7 +10,7 @@ on those paths (and FlexAttention on a CPU, which cannot return them) the maxima
 reduction of their own: the scores recomputed without gradients, `CHUNK` queries at a time
 (one [b, heads, CHUNK, keys] fp32 block in memory), masked as the kernel masks them. That
 is one more q.k^T matmul per layer in the forward: +1/2 of the attention's forward matmul
-FLOPs, about +1/7 of its forward and backward (benchmarks/bench_qk_clip.py measures it).
+FLOPs, about +1/7 of its forward and backward (benchmarks/optim/bench_qk_clip.py measures it).
 """
 
 from __future__ import annotations
