@@ -18,7 +18,7 @@ from trainer.models.build import build_model
 from trainer.models.common.loss import build_loss
 from trainer.models.common.mtp import IGNORE_INDEX, future_labels
 from trainer.models.flavors import model_args
-from trainer.parallel.microbatches import microbatch_documents
+from trainer.parallel.forward_backward import microbatch_documents
 
 BOS, EOS, S, DEPTH = 1, 2, 40, 2
 

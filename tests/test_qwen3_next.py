@@ -464,7 +464,7 @@ def test_packed_documents_give_their_documents_mtp_loss():
     from trainer.models.common.loss import build_loss
     from trainer.models.common.mtp import IGNORE_INDEX, future_labels
     from trainer.models.flavors import model_args
-    from trainer.parallel.microbatches import microbatch_documents
+    from trainer.parallel.forward_backward import microbatch_documents
 
     depth = 2
     model = build_model(

@@ -68,7 +68,7 @@ from trainer.optim.qk_clip import build_qk_clip
 from trainer.optim.step_hooks import ExpertBalance, MTPWeight, SpikeVeto
 from trainer.parallel.dims import ParallelDims, check_async_tp, check_tp_shapes, describe_vocab
 from trainer.parallel.float8 import check_device as check_float8_device
-from trainer.parallel.microbatches import build_forward_backward, forward_only_split
+from trainer.parallel.forward_backward import build_forward_backward, forward_only_split
 from trainer.parallel.parallelize import parallelize
 from trainer.step import TrainStep
 

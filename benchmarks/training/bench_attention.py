@@ -43,7 +43,7 @@ from trainer.models.common.attention import attention_args
 from trainer.models.common.loss import build_loss
 from trainer.models.flavors import model_args
 from trainer.optim.optimizer import build_lr_scheduler, build_optimizer
-from trainer.parallel.microbatches import build_forward_backward
+from trainer.parallel.forward_backward import build_forward_backward
 from trainer.parallel.parallelize import parallelize
 from trainer.step import TrainStep
 

@@ -41,7 +41,7 @@ from trainer.models.build import build_model, new_model
 from trainer.models.common.loss import build_loss
 from trainer.models.flavors import model_args
 from trainer.optim.optimizer import build_lr_scheduler, build_optimizer
-from trainer.parallel.microbatches import build_forward_backward
+from trainer.parallel.forward_backward import build_forward_backward
 from trainer.parallel.parallelize import parallelize
 from trainer.step import TrainStep
 

@@ -15,8 +15,8 @@ from trainer.config.job import load_config
 from trainer.models.build import build_model
 from trainer.models.common.loss import build_loss
 from trainer.models.flavors import model_args
+from trainer.parallel.forward_backward import build_forward_backward
 from trainer.parallel.fsdp import fsdp_param_groups
-from trainer.parallel.microbatches import build_forward_backward
 from trainer.parallel.parallelize import parallelize
 
 VOCAB, SEQ, ACCUM = 256, 64, 4

@@ -8,24 +8,43 @@ loss; the clipping, the guard and the optimizer step after it are the same for e
 per `training.gradient_accumulation_sync`, each split by its split strategy: `WholeSequences`,
 or with context parallelism `ContextSplit` (context_parallel.py: each sequence split over the
 cp ranks). `PipelineLoop` (pipeline.py): the step's microbatches through a pipeline schedule.
-The loop does not change.
+The loop does not change. Both return `Losses`, defined here with the `ForwardBackward`
+protocol they follow; forward_backward.py picks one for a run's layout.
 """
 
 from __future__ import annotations
 
+from typing import NamedTuple, Protocol
+
 import torch
 
 from trainer.data.documents import MicrobatchDocuments
-from trainer.distributed import log0, to_device
+from trainer.distributed import to_device
 from trainer.health import faults, heartbeat
 from trainer.models.common.loss import Loss
 from trainer.models.common.moe import set_aux_scale, take_aux_loss
 from trainer.models.common.mtp import future_labels
-from trainer.parallel.context_parallel import ContextSplit
 from trainer.parallel.fsdp import set_gradient_sync
-from trainer.parallel.pipeline import PipelineLoop
-from trainer.parallel.seam import ForwardBackward, Losses  # noqa: F401  (step.py imports them here)
 from trainer.parallel.tp import sum_partial_grads
+
+
+class Losses(NamedTuple):
+    loss_sum: torch.Tensor  # this rank's summed token loss / the step's global token count
+    z_loss: torch.Tensor | None  # the z-loss term summed over this rank's tokens, or None
+    aux: torch.Tensor | None = None  # MoE aux + router z terms, mean over microbatches, or None
+    # the MTP heads' summed token loss (every depth) / the global token count, or None
+    mtp: torch.Tensor | None = None
+
+
+class ForwardBackward(Protocol):
+    def __call__(
+        self,
+        batches: list[tuple[torch.Tensor, torch.Tensor]],
+        global_tokens: torch.Tensor,
+        step: int,
+    ) -> Losses:
+        """Run forward and backward over this rank's microbatches `(inputs, labels)` of one step;
+        gradients accumulate in the model's parameters, ready for the optimizer."""
 
 
 class WholeSequences:
@@ -58,7 +77,7 @@ class MicrobatchLoop:
     (and the split's share) to make the reduced gradient a plain sum: the result equals one
     large batch on any world size and any number of microbatches.
 
-    Returns `Losses` (seam.py): this rank's loss sum / the global tokens, its z-loss term, the
+    Returns `Losses` (above): this rank's loss sum / the global tokens, its z-loss term, the
     MoE aux losses' mean over the microbatches, and the MTP loss sum / the global tokens.
     """
 
@@ -104,59 +123,3 @@ class MicrobatchLoop:
             loss_sum, self.loss_fn.take_z_loss(), self.loss_fn.take_mtp_loss()
         )
         return Losses(loss_sum, z_loss, aux, None if mtp is None else mtp / global_tokens)
-
-
-def build_forward_backward(
-    model: torch.nn.Module, loss_fn: Loss, cfg, *, parallel_dims, device: torch.device, loader=None
-) -> ForwardBackward:
-    """The seam for `cfg`'s parallelism: a pipeline schedule with pp > 1 (trainer/parallel/
-    pipeline.py), context parallelism's loop with cp > 1 (context_parallel.py), else the
-    microbatch loop."""
-    common = dict(
-        sync_mode=cfg.training.gradient_accumulation_sync,
-        dp_size=parallel_dims.dp_size,
-        device=device,
-        documents=microbatch_documents(model, loader),
-    )
-    if parallel_dims.pp_enabled:
-        return PipelineLoop(
-            model,
-            loss_fn,
-            cfg,
-            dp_size=parallel_dims.dp_size,
-            device=device,
-            documents=common["documents"],
-            cp_mesh=parallel_dims.cp_mesh if parallel_dims.cp_enabled else None,
-        )
-    if parallel_dims.cp_enabled:
-        split = ContextSplit(parallel_dims.cp_mesh, cfg.training.seq_len, device, cfg.model)
-        log0(split.describe())
-        return MicrobatchLoop(model, loss_fn, split=split, **common)
-    return MicrobatchLoop(model, loss_fn, **common)
-
-
-def microbatch_documents(model: torch.nn.Module, loader) -> MicrobatchDocuments | None:
-    """Which document ids a training microbatch needs (None: none): the model's when it keeps
-    documents apart (`uses_documents`); the window's for the MTP targets when documents apply
-    to them (trainer/models/common/mtp.py): the model keeps documents apart, or the data masks the
-    targets that start one (data.predict_document_start = false)."""
-    if loader is None:
-        return None
-    keeps_apart = getattr(model, "uses_documents", False)
-    mtp = model.args.mtp_layers > 0 and (
-        keeps_apart or not getattr(loader, "predict_document_start", True)
-    )
-    if not (keeps_apart or mtp):
-        return None
-    return MicrobatchDocuments(
-        loader.document_ids, getattr(loader, "delimiters", None), model=keeps_apart, mtp=mtp
-    )
-
-
-def forward_only_split(cfg, *, parallel_dims, device: torch.device):
-    """Context parallelism's split for forward-only passes (validation and evals: each cp
-    rank scores its share of every sequence, trainer/evals/; a pipeline's stages attend
-    through it too), or None without cp."""
-    if not parallel_dims.cp_enabled:
-        return None
-    return ContextSplit(parallel_dims.cp_mesh, cfg.training.seq_len, device, cfg.model)

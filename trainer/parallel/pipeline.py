@@ -10,13 +10,14 @@ model: a checkpoint moves between pp degrees and layouts like any other. Each st
 schedule drives FSDP's gradient sync per stage), the optimizer, clipping and checkpoints see
 the pruned model.
 
-`PipelineLoop` is the step's seam (trainer/parallel/seam.py) under pp: each of the step's
-microbatches (gradient accumulation) is one schedule step over `local_batch_size /
-pipeline_parallel_microbatch_size` pipeline microbatches. The last stage computes the summed
-token loss in its head (the chunked or loss-parallel loss, no logits); the schedule's loss
-function scales it by dp / the global token count, with `scale_grads=False`: the gradients are
-exactly those of one large batch, whatever the schedule, its microbatches and the
-accumulation. The loss is then summed over pp, so every stage logs and guards the same value.
+`PipelineLoop` is the step's seam under pp (a `ForwardBackward`: trainer/parallel/
+microbatches.py): each of the step's microbatches (gradient accumulation) is one schedule
+step over `local_batch_size / pipeline_parallel_microbatch_size` pipeline microbatches. The
+last stage computes the summed token loss in its head (the chunked or loss-parallel loss, no
+logits); the schedule's loss function scales it by dp / the global token count, with
+`scale_grads=False`: the gradients are exactly those of one large batch, whatever the
+schedule, its microbatches and the accumulation. The loss is then summed over pp, so every
+stage logs and guards the same value.
 
 `PipelinedModel.forward` runs validation, evals and any other forward-only call: the stages
 in order, the activations sent point to point, the last stage's result broadcast to every pp
@@ -38,6 +39,7 @@ from trainer.models.flavors import model_args
 from trainer.models.flops import unit_flops
 from trainer.parallel.context_parallel import ContextSplit
 from trainer.parallel.fsdp import fsdp_param_groups
+from trainer.parallel.microbatches import Losses
 from trainer.parallel.pp_layout import (
     StageSpec,
     bubble_fraction,
@@ -50,7 +52,6 @@ from trainer.parallel.pp_layout import (
 from trainer.parallel.pp_layout import (
     schedule as find_schedule,
 )
-from trainer.parallel.seam import Losses
 from trainer.parallel.tp import sum_partial_grads
 
 try:  # torch >= 2.12: two stages on one rank pass activations without p2p (V schedules)

@@ -163,7 +163,7 @@ def trace_step(
     from trainer.models.common.loss import build_loss
     from trainer.optim.optimizer import build_lr_scheduler
     from trainer.optim.step_hooks import ExpertBalance
-    from trainer.parallel.microbatches import build_forward_backward
+    from trainer.parallel.forward_backward import build_forward_backward
     from trainer.step import TrainStep
 
     t0 = time.monotonic()
