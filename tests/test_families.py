@@ -26,6 +26,7 @@ MARKERS = {
         r"\bif\s+(not\s+)?[\w.]*\bmla\b",
         r"\bmla\s+else\b",
         r"\bDeepSeek[A-Z]\w*",
+        r"""(hasattr|getattr)\([^)]*["']w(kv|q)_[ab]["']""",  # MLA's own weights, by name
     ],
     "qwen3_next": [
         r"""["']qwen3_next["']""",
@@ -119,6 +120,7 @@ def test_a_planted_branch_is_found(line):
         "    return DeepSeekHF() if ok else None",
         "    x = 1 if a.mla else 2",
         "    if cfg.model.name == 'deepseek_v3':",
+        '    if hasattr(module, "wkv_b"):',
     ],
 )
 def test_a_planted_deepseek_branch_is_found(line):

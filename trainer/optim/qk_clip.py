@@ -2,7 +2,9 @@
 attention head whose largest pre-softmax logit in the step exceeded the threshold tau has its
 query and key weights scaled so that the same inputs would give a largest logit of tau.
 
-Per head h with largest logit m_h > tau, gamma_h = tau / m_h, and (Kimi K2, section 2.1):
+Per head h with largest logit m_h > tau, gamma_h = tau / m_h, and each attention layer scales
+its own weights (its `clip_logits_(gamma)`; `query_weight()` names its query rows), as Kimi K2,
+section 2.1 says for each kind:
 - multi-head latent attention: the head's query rows and its own key rows (`wkv_b`'s key
   part, the non-shared one) each x sqrt(gamma_h), the head's rotary query rows x gamma_h; the
   rotary key, which every head shares, and the values are untouched;
@@ -68,7 +70,7 @@ class QKClip(StepHook):
             row = _layer_index(name, args.n_layers)
             if row is None:
                 continue
-            q = _query(module)
+            q = module.query_weight()
             local = args.n_heads // _tp_size(q)  # tp shards whole heads, evenly
             module.logit_max = torch.full((local,), float("-inf"), device=_local(q).device)
             self.layers.append((row, module, _tp_rank(q) * local))
@@ -106,67 +108,15 @@ class QKClip(StepHook):
             clip &= ~skip.to(device=table.device, dtype=torch.bool).reshape(())
         gamma = torch.where(clip, self.threshold / table.clamp(min=self.threshold), 1.0)
         for row, module, _ in self.layers:
-            scale_heads(module, gamma[row])
+            module.clip_logits_(gamma[row])  # every head: the weights' global rows
         seen = torch.where(torch.isfinite(table), table, torch.zeros_like(table))
         return {"qk_clip/max_logit": seen.max(), "qk_clip/heads_clipped": clip.sum().float()}
-
-
-def _query(module) -> torch.Tensor:
-    if getattr(module, "wq", None) is not None:
-        return module.wq.weight
-    return module.wq_b.weight
 
 
 def _tp_size(p) -> int:
     mesh = getattr(p, "device_mesh", None)
     names = getattr(mesh, "mesh_dim_names", None) or ()
     return mesh.size(names.index("tp")) if "tp" in names else 1
-
-
-def scale_heads(module, gamma: torch.Tensor) -> None:
-    """Scale one attention module's query and key rows by the heads' gamma [heads] (1 where
-    not clipped), as the module docstring says."""
-    root = gamma.sqrt()
-    if getattr(module, "q_norm", None) is not None:  # q/k-normed (MLA has none)
-        layer = root.min()  # the layer's most clipped head sets the one factor
-        module.q_norm.scale_(layer)
-        module.k_norm.scale_(layer)
-        return
-    if hasattr(module, "wkv_b"):  # MLA
-        q_rows = torch.cat(
-            [root.unsqueeze(1).expand(-1, module.nope), gamma.unsqueeze(1).expand(-1, module.rope)],
-            1,
-        )  # [heads, qk]
-        kv_rows = torch.cat(
-            [
-                root.unsqueeze(1).expand(-1, module.nope),
-                torch.ones_like(root).unsqueeze(1).expand(-1, module.v_dim),
-            ],
-            1,
-        )
-        _scale_rows(_query(module), q_rows.reshape(-1))
-        _scale_rows(module.wkv_b.weight, kv_rows.reshape(-1))
-        return
-    width = module.head_dim
-    if module.n_kv_heads == module.n_heads:
-        _scale_rows(module.wq.weight, root.repeat_interleave(width))
-        _scale_rows(module.wk.weight, root.repeat_interleave(width))
-    else:
-        _scale_rows(module.wq.weight, gamma.repeat_interleave(width))
-
-
-def _scale_rows(param: torch.Tensor, rows: torch.Tensor) -> None:
-    """param[r, :] *= rows[r] on this rank's shard of the (possibly sharded) parameter:
-    each rank cuts its own block of the full scale, no communication."""
-    full = rows.to(torch.float32).unsqueeze(1).expand(param.shape)
-    if hasattr(param, "to_local"):
-        from torch.distributed.tensor import distribute_tensor
-
-        full = distribute_tensor(
-            full, param.device_mesh, param.placements, src_data_rank=None
-        ).to_local()
-    local = _local(param)
-    local.mul_(full.to(device=local.device, dtype=local.dtype))
 
 
 def build_qk_clip(model: torch.nn.Module, cfg, log=print) -> QKClip | None:

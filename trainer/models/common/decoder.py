@@ -30,6 +30,7 @@ from torch.distributed.tensor import DTensor
 from trainer.models.args import ModelArgs
 from trainer.models.common.attention import attend, build_mask, document_positions
 from trainer.models.common.layers import RMSNorm, apply_rope, rope_tables, scale_frequencies  # noqa: F401
+from trainer.models.common.logits import clip_normed_, scale_rows_
 from trainer.models.common.moe import FeedForward, MoE  # noqa: F401  (FeedForward re-exported)
 from trainer.models.common.mtp import MTPModule, future_labels, mtp_streams
 from trainer.parallel.loss_parallel import vocab_parallel_project
@@ -47,6 +48,26 @@ class Attention(nn.Module):
         self.q_norm = RMSNorm(self.head_dim, args.norm_eps) if args.qk_norm else None
         self.k_norm = RMSNorm(self.head_dim, args.norm_eps) if args.qk_norm else None
         self.logit_max: torch.Tensor | None = None  # QK-clip's per-head maxima (optim/qk_clip.py)
+
+    def query_weight(self) -> torch.Tensor:
+        """The weight whose rows are the query heads (QK-clip finds this rank's heads by it)."""
+        return self.wq.weight
+
+    def clip_logits_(self, gamma: torch.Tensor) -> None:
+        """QK-clip (trainer/optim/qk_clip.py): scale the weights so that the same inputs give
+        each head's largest logit x gamma [heads] (1 where not clipped; every head, also under TP:
+        the sharded weights' global rows). With q/k norms
+        the norms take it, the layer as one; with one key head per query head the query and
+        key rows each x sqrt(gamma); under GQA (a key head serves several query heads) the
+        query rows x gamma, the shared key head untouched."""
+        if self.q_norm is not None:
+            clip_normed_(self.q_norm, self.k_norm, gamma)
+        elif self.n_kv_heads == self.n_heads:
+            root = gamma.sqrt().repeat_interleave(self.head_dim)
+            scale_rows_(self.wq.weight, root)
+            scale_rows_(self.wk.weight, root)
+        else:
+            scale_rows_(self.wq.weight, gamma.repeat_interleave(self.head_dim))
 
     def project(self, x: torch.Tensor, cos, sin):
         """(q, k, v) [b, s, heads, head_dim] after the norms and RoPE."""

@@ -22,6 +22,30 @@ import torch
 CHUNK = 512  # queries per block of recomputed scores
 
 
+def scale_rows_(param: torch.Tensor, rows: torch.Tensor) -> None:
+    """param[r, :] *= rows[r] on this rank's shard of the (possibly sharded) parameter: each
+    rank cuts its own block of the full scale, no communication. An attention layer's QK-clip
+    (`clip_logits_`) scales its query and key rows with it."""
+    full = rows.to(torch.float32).unsqueeze(1).expand(param.shape)
+    if hasattr(param, "to_local"):
+        from torch.distributed.tensor import distribute_tensor
+
+        full = distribute_tensor(
+            full, param.device_mesh, param.placements, src_data_rank=None
+        ).to_local()
+        param = param.to_local()
+    param.mul_(full.to(device=param.device, dtype=param.dtype))
+
+
+def clip_normed_(q_norm, k_norm, gamma: torch.Tensor) -> None:
+    """QK-clip of a layer with a per-head RMSNorm of q and k: the norms divide out any scale
+    of the query and key rows, so their weights (shared by every head) take it, the layer as
+    one: each x sqrt(gamma) of its most clipped head."""
+    layer = gamma.sqrt().min()
+    q_norm.scale_(layer)
+    k_norm.scale_(layer)
+
+
 def record(buffer: torch.Tensor, maxima: torch.Tensor) -> None:
     """buffer = max(buffer, maxima), in place, on the device (no host sync)."""
     buffer.copy_(torch.maximum(buffer, maxima.detach().to(buffer.dtype)))

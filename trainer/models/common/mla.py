@@ -34,6 +34,7 @@ from torch import nn
 from trainer.models.args import ModelArgs
 from trainer.models.common.attention import attend
 from trainer.models.common.layers import RMSNorm, apply_rope
+from trainer.models.common.logits import scale_rows_
 
 # The latent norms' epsilon, whatever model.norm_eps: DeepSeek's reference code and
 # transformers' DeepseekV3Attention fix q_a_layernorm's and kv_a_layernorm's at 1e-6.
@@ -64,6 +65,25 @@ class MLA(nn.Module):
         self.logit_max: torch.Tensor | None = None  # QK-clip's per-head maxima (optim/qk_clip.py)
         yarn = args.rope_scaling if hasattr(args.rope_scaling, "softmax_gain") else None
         self.softmax_gain = yarn.softmax_gain if yarn is not None else 1.0
+
+    def query_weight(self) -> torch.Tensor:
+        """The weight whose rows are the query heads (QK-clip finds this rank's heads by it)."""
+        return self.wq.weight if self.wq is not None else self.wq_b.weight
+
+    def clip_logits_(self, gamma: torch.Tensor) -> None:
+        """QK-clip (trainer/optim/qk_clip.py; Kimi K2, section 2.1): each head's query rows
+        and its own key rows (`wkv_b`'s key part, not shared) x sqrt(gamma), its rotary query
+        rows x gamma; the rotary key, which every head shares, and the values untouched.
+        `gamma`: [heads], 1 where not clipped (every head: the sharded weights' global rows)."""
+        root = gamma.sqrt().unsqueeze(1)
+        q_rows = torch.cat(
+            [root.expand(-1, self.nope), gamma.unsqueeze(1).expand(-1, self.rope)], 1
+        )
+        kv_rows = torch.cat(
+            [root.expand(-1, self.nope), torch.ones_like(root).expand(-1, self.v_dim)], 1
+        )
+        scale_rows_(self.query_weight(), q_rows.reshape(-1))
+        scale_rows_(self.wkv_b.weight, kv_rows.reshape(-1))
 
     def project(self, x: torch.Tensor, cos, sin):
         """(q [b, s, heads, qk], k [b, s, heads, qk], v [b, s, heads, v]) after RoPE; under

@@ -37,6 +37,7 @@ from trainer.models.args import ModelArgs  # noqa: F401
 from trainer.models.common.attention import attend
 from trainer.models.common.decoder import Head, Transformer, _init_std, trunc_normal
 from trainer.models.common.layers import RMSNorm
+from trainer.models.common.logits import clip_normed_
 from trainer.models.common.moe import FeedForward, MoE
 from trainer.models.common.mtp import MTPModule
 from trainer.models.qwen3_next.args import FULL, LINEAR, HybridArgs  # noqa: F401
@@ -92,6 +93,14 @@ class GatedAttention(nn.Module):
         self.q_norm = ZeroCentredRMSNorm(self.head_dim, args.norm_eps)
         self.k_norm = ZeroCentredRMSNorm(self.head_dim, args.norm_eps)
         self.logit_max: torch.Tensor | None = None  # QK-clip's per-head maxima (optim/qk_clip.py)
+
+    def query_weight(self) -> torch.Tensor:
+        """The weight whose rows are the query heads (and their gates)."""
+        return self.wq.weight
+
+    def clip_logits_(self, gamma: torch.Tensor) -> None:
+        """QK-clip: the q/k norms take it, the layer as one (trainer/models/common/logits.py)."""
+        clip_normed_(self.q_norm, self.k_norm, gamma)
 
     def forward(self, x, cos, sin, mask=None):
         b, s, _ = x.shape
