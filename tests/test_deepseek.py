@@ -545,7 +545,7 @@ def test_kimi_k2_0905s_longer_yarn_is_two_keys_and_the_error_says_them(tmp_path)
 
 
 def test_mla_dims_that_do_not_add_up_are_one_line():
-    from trainer.models.args import MLAArgs
+    from trainer.models.deepseek_v3.args import MLAArgs
 
     for bad in (
         {"qk_rope_head_dim": 7},

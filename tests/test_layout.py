@@ -172,6 +172,7 @@ LAYER_1 = (
     "trainer.models.flavors",
     "trainer.models.family",
     "trainer.models.registry",
+    "trainer.models.deepseek_v3.args",
     "trainer.models.deepseek_v3.flavors",
     "trainer.models.llama3.flavors",
     "trainer.models.qwen3_next.args",

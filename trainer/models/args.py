@@ -1,5 +1,5 @@
-"""Model shapes: `ModelArgs` and the MoE and MLA parts of it, without importing torch (the
-named flavors are in flavors.py).
+"""Model shapes: `ModelArgs` and its MoE part, and the protocols of the parts a family adds
+(MLA, hybrid layers), without importing torch (the named flavors are in flavors.py).
 
 Kept apart from model.py so that validating a config (before any process starts) and the
 memory plan stay fast.
@@ -118,56 +118,24 @@ class MoEArgs:
         )
 
 
-@dataclass(frozen=True)
-class MLAArgs:
-    """Multi-head latent attention (DeepSeek-V2/V3, trainer/models/common/mla.py): queries through a
-    low-rank path (or one projection with q_lora_rank 0), keys and values from one compressed
-    latent per token plus a RoPE key shared by every head."""
+class LatentAttention(Protocol):
+    """Multi-head latent attention's shape (`ModelArgs.mla`; DeepSeek-V3's MLAArgs:
+    trainer/models/deepseek_v3/args.py; the layer: trainer/models/common/mla.py). What the
+    shared shape code and the layer read of it."""
 
-    q_lora_rank: int = 0  # 0: a plain query projection (DeepSeek-V2-Lite, Moonlight)
-    kv_lora_rank: int = 512
-    qk_nope_head_dim: int = 128  # the query/key channels without rotation
-    qk_rope_head_dim: int = 64  # the rotated channels (the key's are shared by all heads)
-    v_head_dim: int = 128
+    family: str  # the model.name of the family whose attention this is
+    q_lora_rank: int  # 0: a plain query projection
+    kv_lora_rank: int
+    qk_nope_head_dim: int
+    qk_rope_head_dim: int
+    v_head_dim: int
 
     @property
-    def qk_head_dim(self) -> int:
-        return self.qk_nope_head_dim + self.qk_rope_head_dim
+    def qk_head_dim(self) -> int: ...
 
-    def params(self, dim: int, n_heads: int) -> int:
-        q = (
-            (
-                dim * self.q_lora_rank
-                + self.q_lora_rank
-                + self.q_lora_rank * n_heads * self.qk_head_dim
-            )
-            if self.q_lora_rank
-            else dim * n_heads * self.qk_head_dim
-        )
-        kv = (
-            dim * (self.kv_lora_rank + self.qk_rope_head_dim)
-            + self.kv_lora_rank
-            + self.kv_lora_rank * n_heads * (self.qk_nope_head_dim + self.v_head_dim)
-        )
-        return q + kv + n_heads * self.v_head_dim * dim
+    def params(self, dim: int, n_heads: int) -> int: ...
 
-    def validate(self) -> None:
-        from trainer.errors import ConfigError
-
-        dims = (
-            self.q_lora_rank,
-            self.kv_lora_rank,
-            self.qk_nope_head_dim,
-            self.qk_rope_head_dim,
-            self.v_head_dim,
-        )
-        if min(dims) < 0 or min(dims[1:]) < 1 or self.qk_rope_head_dim % 2:
-            raise ConfigError(
-                f"model MLA dims do not add up: q_lora_rank {self.q_lora_rank} "
-                f"(>= 0), kv_lora_rank {self.kv_lora_rank}, qk_nope_head_dim "
-                f"{self.qk_nope_head_dim}, v_head_dim {self.v_head_dim} (>= 1) "
-                f"and qk_rope_head_dim {self.qk_rope_head_dim} (even, >= 2)"
-            )
+    def validate(self) -> None: ...
 
 
 @dataclass(frozen=True)
@@ -194,7 +162,7 @@ class ModelArgs:
     qk_norm: bool = False  # per-head RMSNorm of q and k before RoPE (Qwen3)
     explicit_head_dim: int = 0  # 0: dim // n_heads (Qwen3 sets 128 at any dim)
     explicit_hidden_dim: int = 0  # 0: the SwiGLU width from dim (DeepSeek sets its own)
-    mla: MLAArgs | None = None  # multi-head latent attention in place of GQA (DeepSeek-V3)
+    mla: LatentAttention | None = None  # multi-head latent attention in place of GQA
     # Multi-token prediction (DeepSeek-V3, trainer/models/common/mtp.py): modules after the last
     # layer, the k-th predicting the token k + 1 further; their mean loss is added with this
     # weight (from the [model] section)
@@ -209,7 +177,7 @@ class ModelArgs:
         """The model.name this shape belongs to."""
         if self.hybrid is not None:
             return self.hybrid.family
-        return "deepseek_v3" if self.mla else "llama3"
+        return self.mla.family if self.mla is not None else "llama3"
 
     @property
     def head_dim(self) -> int:

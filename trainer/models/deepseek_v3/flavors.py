@@ -4,8 +4,9 @@ config side."""
 
 from __future__ import annotations
 
-from trainer.models.args import MLAArgs, ModelArgs, MoEArgs
+from trainer.models.args import ModelArgs, MoEArgs
 from trainer.models.common.rope import DEEPSEEK_V3_YARN, KIMI_K2_YARN
+from trainer.models.deepseek_v3.args import MLAArgs
 
 FLAVORS: dict[str, ModelArgs] = {
     # DeepSeek-V3's architecture (MLA, group-limited sigmoid routing with a shared expert,
