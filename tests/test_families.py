@@ -99,33 +99,24 @@ def test_no_module_outside_a_family_tests_for_it():
 
 
 @pytest.mark.parametrize(
-    "line",
+    "family, line",
     [
-        "    if args.hybrid is not None:",
-        "    return Qwen3Next(args) if ok else None",
-        "    if cfg.model.name == 'qwen3_next':",
-        "    if a.hybrid:",
+        ("qwen3_next", "    if args.hybrid is not None:"),
+        ("qwen3_next", "    return Qwen3Next(args) if ok else None"),
+        ("qwen3_next", "    if cfg.model.name == 'qwen3_next':"),
+        ("qwen3_next", "    if a.hybrid:"),
+        ("deepseek_v3", "    if args.mla is not None:"),
+        ("deepseek_v3", "    if not a.mla:"),
+        ("deepseek_v3", "    return DeepSeekHF() if ok else None"),
+        ("deepseek_v3", "    x = 1 if a.mla else 2"),
+        ("deepseek_v3", "    if cfg.model.name == 'deepseek_v3':"),
+        ("deepseek_v3", '    if hasattr(module, "wkv_b"):'),
     ],
 )
-def test_a_planted_branch_is_found(line):
+def test_a_planted_branch_is_found(family, line):
+    """A branch on the family planted in parallel/ is found."""
     planted = {"trainer.parallel.planted": f"def f(args, a, cfg, ok):\n{line}\n    return 1\n"}
-    assert family_branches(planted, "qwen3_next", "trainer.models.qwen3_next") != []
-
-
-@pytest.mark.parametrize(
-    "line",
-    [
-        "    if args.mla is not None:",
-        "    if not a.mla:",
-        "    return DeepSeekHF() if ok else None",
-        "    x = 1 if a.mla else 2",
-        "    if cfg.model.name == 'deepseek_v3':",
-        '    if hasattr(module, "wkv_b"):',
-    ],
-)
-def test_a_planted_deepseek_branch_is_found(line):
-    planted = {"trainer.parallel.planted": f"def f(args, a, cfg, ok):\n{line}\n    return 1\n"}
-    assert family_branches(planted, "deepseek_v3", "trainer.models.deepseek_v3") != []
+    assert family_branches(planted, family, f"trainer.models.{family}") != []
 
 
 def test_a_planted_import_is_found():
