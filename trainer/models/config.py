@@ -22,19 +22,12 @@ class Model:
 
     name: str = opt(
         "llama3",
-        "Model family: llama3 (Llama 3, Qwen3-MoE: GQA), deepseek_v3 "
-        "(MLA: DeepSeek-V3, Kimi K2, Moonlight) or qwen3_next (Gated DeltaNet "
-        "hybrid: Qwen3-Next, Qwen3.5; docs/qwen3_next.md)",
+        f"Model family: {registry.describe_names()}",
         choices=registry.names(),
     )
     flavor: str = opt(
         "debugmodel",
-        "Model size: debugmodel, debugmodel-tiny, debugmodel-narrow, debugmodel-3.2, 1B, "
-        "llama3.2-1B, llama3.2-3B, 8B, 70B, 405B, llama3.1-8B, llama3.1-70B (RoPE-scaled, for long "
-        "context); mixtures of experts: debugmodel-moe, debugmodel-moe-narrow, "
-        "debugmodel-moe-shared, qwen3-30b-a3b; DeepSeek-V3 architecture (MLA, docs/deepseek.md): "
-        "debugmodel-dsv3, deepseek-v3-16b, deepseek-v3-671b, kimi-k2; Qwen3-Next hybrid "
-        "(docs/qwen3_next.md): debugmodel-qwen3-next, qwen3-next-80b-a3b, qwen3.5-35b-a3b",
+        f"Model size, by family (docs/moe.md for the MoE ones): {registry.describe_flavors()}",
     )
     n_layers: int = opt(
         0,

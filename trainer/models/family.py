@@ -11,8 +11,10 @@ from dataclasses import dataclass
 class ModelFamily:
     """`name`: the model.name of the family; `flavors`: model.flavor -> ModelArgs; `hooks`:
     the module path of its contract implementation (a module whose `HOOKS` is a
-    trainer.models.hooks.DecoderHooks), imported when a run first asks for it."""
+    trainer.models.hooks.DecoderHooks), imported when a run first asks for it; `about`: what
+    the family is, for the [model] section's help (the releases it covers, its doc)."""
 
     name: str
     flavors: dict
     hooks: str
+    about: str = ""

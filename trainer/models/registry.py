@@ -25,6 +25,16 @@ def names() -> tuple[str, ...]:
     return tuple(f.name for f in PACKAGES)
 
 
+def describe_names() -> str:
+    """The [model] name key's help: every family and what it covers."""
+    return "; ".join(f"{f.name} ({f.about})" if f.about else f.name for f in PACKAGES)
+
+
+def describe_flavors() -> str:
+    """The [model] flavor key's help: every family's flavors."""
+    return "; ".join(f"{f.name}: {', '.join(f.flavors)}" for f in PACKAGES)
+
+
 def package_flavors() -> dict:
     """Every family's flavors (trainer/models/flavors.py's FLAVORS)."""
     return {k: v for family in PACKAGES for k, v in family.flavors.items()}

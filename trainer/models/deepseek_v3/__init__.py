@@ -12,4 +12,9 @@ trainer/models/registry.py imports this package from outside it.
 from trainer.models.deepseek_v3.flavors import FLAVORS
 from trainer.models.family import ModelFamily
 
-FAMILY = ModelFamily(name="deepseek_v3", flavors=FLAVORS, hooks="trainer.models.deepseek_v3.hooks")
+FAMILY = ModelFamily(
+    name="deepseek_v3",
+    flavors=FLAVORS,
+    hooks="trainer.models.deepseek_v3.hooks",
+    about="MLA: DeepSeek-V3, Kimi K2, Moonlight; docs/deepseek.md",
+)

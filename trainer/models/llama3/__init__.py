@@ -12,4 +12,9 @@ imports this package from outside it.
 from trainer.models.family import ModelFamily
 from trainer.models.llama3.flavors import FLAVORS
 
-FAMILY = ModelFamily(name="llama3", flavors=FLAVORS, hooks="trainer.models.llama3.hooks")
+FAMILY = ModelFamily(
+    name="llama3",
+    flavors=FLAVORS,
+    hooks="trainer.models.llama3.hooks",
+    about="Llama 3, Qwen3, Qwen3-MoE: GQA",
+)

@@ -12,4 +12,9 @@ styles. Only trainer/models/registry.py imports this package from outside it.
 from trainer.models.family import ModelFamily
 from trainer.models.qwen3_next.flavors import FLAVORS
 
-FAMILY = ModelFamily(name="qwen3_next", flavors=FLAVORS, hooks="trainer.models.qwen3_next.hooks")
+FAMILY = ModelFamily(
+    name="qwen3_next",
+    flavors=FLAVORS,
+    hooks="trainer.models.qwen3_next.hooks",
+    about="Gated DeltaNet hybrid: Qwen3-Next, Qwen3.5; docs/qwen3_next.md",
+)
