@@ -35,6 +35,12 @@ MARKERS = {
         r"\bQwen3Next\b",
         r"\bGatedDeltaNet\b",
     ],
+    "gpt_oss": [
+        r"""["']gpt_oss["']""",
+        r"\bGptOss\w*",
+        r"""(hasattr|getattr)\([^)]*["']sinks["']""",  # its attention's sinks, by name
+        r"\.sliding_window\b",  # its windows, read off the args
+    ],
 }
 DISPATCH = {"trainer.models.args", "trainer.models.registry", "trainer.models.common.mla"}
 
@@ -111,6 +117,10 @@ def test_no_module_outside_a_family_tests_for_it():
         ("deepseek_v3", "    x = 1 if a.mla else 2"),
         ("deepseek_v3", "    if cfg.model.name == 'deepseek_v3':"),
         ("deepseek_v3", '    if hasattr(module, "wkv_b"):'),
+        ("gpt_oss", "    if cfg.model.name == 'gpt_oss':"),
+        ("gpt_oss", "    return GptOssHF() if ok else None"),
+        ("gpt_oss", '    if getattr(block.attention, "sinks", None) is not None:'),
+        ("gpt_oss", "    w = a.hybrid.sliding_window"),
     ],
 )
 def test_a_planted_branch_is_found(family, line):

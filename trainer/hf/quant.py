@@ -30,12 +30,14 @@ def quant_block(config: dict, folder: str) -> tuple[int, int] | None:
     if not q:
         return None
     method = q.get("quant_method")
+    if method == "mxfp4":  # gpt-oss's experts: its family's reader dequantizes them
+        return None
     if method != "fp8":
         raise ConfigError(
             f"{folder}/config.json: quantization_config.quant_method = "
             f"{method!r} cannot be loaded for training here (only DeepSeek's "
-            "block-scaled 'fp8' is dequantized); give an unquantized (bf16/fp32) "
-            "or fp8 folder"
+            "block-scaled 'fp8' and gpt-oss's 'mxfp4' experts are dequantized); give "
+            "an unquantized (bf16/fp32), fp8 or mxfp4 folder"
         )
     block = q.get("weight_block_size")
     if not (

@@ -34,6 +34,13 @@ class DecoderHooks:
         its mask ("" for GQA, which needs no words)."""
         return ""
 
+    def attention_summary(self, args, device_type: str) -> str:
+        """The startup's attention line: the layer (`attention_line`), its mask, kernel and
+        positions. A family whose layers run kernels of their own says so here."""
+        from trainer.models.common.attention import describe
+
+        return describe(args, self.attention_line(args))
+
     def kernel_note(self, device_type: str) -> str:
         """What the startup's attention-kernel line adds for this family's own kernels."""
         return ""

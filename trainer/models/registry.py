@@ -14,10 +14,10 @@ from __future__ import annotations
 import importlib
 from functools import cache
 
-from trainer.models import deepseek_v3, llama3, qwen3_next
+from trainer.models import deepseek_v3, gpt_oss, llama3, qwen3_next
 
 # Every family, one line each, in the order the docs list them.
-PACKAGES = (llama3.FAMILY, deepseek_v3.FAMILY, qwen3_next.FAMILY)
+PACKAGES = (llama3.FAMILY, deepseek_v3.FAMILY, qwen3_next.FAMILY, gpt_oss.FAMILY)
 
 
 def names() -> tuple[str, ...]:

@@ -47,7 +47,6 @@ import torch
 from trainer.device import Precision, resolve_compute_dtype
 from trainer.models import registry
 from trainer.models.args import ModelArgs
-from trainer.models.common.attention import describe as describe_attention
 from trainer.models.flops import attention_flops_per_token, flops_per_token, resolve_peak
 
 __all__ = ["MetricsProcessor", "flops_per_token"]
@@ -318,7 +317,7 @@ class MetricsProcessor:
                 else ""
             )
             + ")",
-            describe_attention(a, registry.hooks(a).attention_line(a)),
+            registry.hooks(a).attention_summary(a, self.device.type),
             f"mesh: {self.parallel_desc}; gradient accumulation steps: {self.accumulation_steps}",
             f"device: {self.device.type} ({'nccl' if self.device.type == 'cuda' else 'gloo'}"
             f"{', ' if self.device.type == 'cuda' else ''}"
