@@ -177,6 +177,8 @@ LAYER_1 = (
     "trainer.models.llama3.flavors",
     "trainer.models.qwen3_next.args",
     "trainer.models.qwen3_next.flavors",
+    "trainer.models.gpt_oss.args",
+    "trainer.models.gpt_oss.flavors",
     "trainer.models.common.rope",
     "trainer.models.common.sdpa",
     "trainer.models.config",
