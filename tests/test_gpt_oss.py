@@ -276,3 +276,32 @@ def test_mxfp4_refuses_blocks_that_do_not_fit_their_scales():
     )
     assert torch.equal(ones, torch.full((1, 1, 32), 2.0))  # code 2 = 1.0, x 2^(128 - 127)
     assert math.isfinite(ones.sum().item())
+
+
+def test_the_120b_config_is_traced_to_fit_h100s():
+    """configs/gpt_oss_120b.toml at its world size (8 nodes of 8): rank 0's step on fake
+    tensors fits an H100 with the reserve, the plan within 10% of the trace."""
+    import subprocess
+
+    from tests.helpers import fork_python
+
+    python, env = fork_python()
+    out = subprocess.run(
+        [
+            python,
+            "-m",
+            "trainer.plan",
+            *("--config", str(REPO / "configs" / "gpt_oss_120b.toml")),
+            *("--ngpu", "8", "--nnodes", "8", "--gpu", "h100", "--host-gib", "2048"),
+            "--trace",
+            *("--model.attn_mask_type", "causal"),  # block_causal's FlexAttention needs CUDA
+        ],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    text = out.stdout
+    assert "trace verdict: FITS" in text and "agreement: the plan is within 10%" in text, text

@@ -212,3 +212,33 @@ def test_a_flavor_of_another_family_is_one_line(tmp_path):
     assert proc.returncode == 2, proc.stderr[-2000:]
     last = [ln for ln in proc.stderr.splitlines() if ln.strip()][-1]
     assert last.startswith("config error: model.flavor = 'debugmodel-gpt-oss' is a gpt_oss model")
+
+
+def test_an_mxfp4_release_loads_into_each_rank_as_into_one(tmp_path):
+    """An MXFP4 folder (tests/test_gpt_oss.py's quantizer) as checkpoint.initial_load_path:
+    on EP 2 x FSDP 2 (each rank reading and dequantizing only its experts) and on TP 2 the
+    first steps' losses are the 1-rank run's from the same folder."""
+    from tests.test_gpt_oss import _ours, _write_folder
+
+    model = _ours(vocab=1024)
+    _write_folder(tmp_path / "release", model, mxfp4=True)
+    load = (
+        *("--checkpoint.initial_load_path", str(tmp_path / "release")),
+        *("--checkpoint.initial_load_in_hf", "true", "--checkpoint.enable", "false"),
+        *("--data.dataset", "synthetic", "--data.vocab_size", "1024", "--training.steps", "2"),
+        *("--model.attn_mask_type", "causal"),
+    )
+    got = {}
+    for name, nproc, layout in [
+        ("one", 1, (EP, "1")),
+        ("ep2_fsdp2", 4, (EP, "2")),
+        ("tp2", 2, (EP, "1", TP, "2")),
+    ]:
+        env = {"OMP_NUM_THREADS": "1"} if nproc == 1 else None
+        out = run_train(
+            tmp_path / name, *COMMON, *load, *layout, nproc=nproc, config=CONFIG, env=env
+        ).stdout
+        assert "holds its experts in MXFP4" in out, out[-2000:]
+        got[name] = scalars(tmp_path / name, TAGS[0])
+    for name in ("ep2_fsdp2", "tp2"):
+        assert all(abs(got[name][s] - got["one"][s]) < 1e-4 for s in (1, 2)), got

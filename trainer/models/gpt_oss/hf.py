@@ -110,27 +110,11 @@ def to_release(ours: dict[str, torch.Tensor], args) -> dict[str, torch.Tensor]:
     return out
 
 
-def layer_from_release(get, has, i: int) -> dict[str, torch.Tensor]:
-    """Layer i's tensors under our names, from `get(key)` (the release's full tensors; its
-    experts in bf16/fp32 or MXFP4) and `has(key)`."""
-    x = f"model.layers.{i}."
-    out = {f"layers.{i}.{ours}": get(x + theirs) for ours, theirs in _LAYER.items()}
-    e = x + "mlp.experts."
-    gate_up = _expert_rows(get, has, e + "gate_up_proj")  # [E, 2 hidden, dim]
-    bias = get(e + "gate_up_proj_bias")
-    p = f"layers.{i}.feed_forward.experts."
-    out[p + "w1"], out[p + "w3"] = gate_up[:, 0::2], gate_up[:, 1::2]
-    out[p + "b1"], out[p + "b3"] = bias[:, 0::2], bias[:, 1::2]
-    out[p + "w2"] = _expert_rows(get, has, e + "down_proj")  # [E, dim, hidden]
-    out[p + "b2"] = get(e + "down_proj_bias")
-    return out
-
-
-def _expert_rows(get, has, key: str) -> torch.Tensor:
-    """The release's expert tensor `key` transposed to rows of outputs: [E, out, in]."""
+def _expert_rows(get, has, key: str, experts: slice) -> torch.Tensor:
+    """The release's expert tensor `key`, its `experts`, as rows of outputs: [e, out, in]."""
     if has(key + "_blocks"):
-        return dequantize_mxfp4(get(key + "_blocks"), get(key + "_scales"))
-    return get(key).transpose(1, 2)
+        return dequantize_mxfp4(get(key + "_blocks")[experts], get(key + "_scales")[experts])
+    return get(key)[experts].transpose(1, 2)
 
 
 def dequantize_mxfp4(blocks: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
@@ -269,41 +253,87 @@ def check_config(cfg: dict, args, folder: str, flavor: str) -> None:
 
 def release_into(model, hf, folder: str, flavor: str, log=print):
     """(our tensor, its full value) for every parameter of `model` (a DTensor shard or a
-    plain tensor; a pipeline stage's only), read from the folder `hf` (trainer/hf/weights.
-    HFFolder) a layer at a time: the caller copies each into place."""
+    plain tensor; a pipeline stage's only) but the experts, read from the folder `hf`
+    (trainer/hf/weights.HFFolder) a layer at a time: the caller copies each into place. Of
+    each layer's experts only this rank's are read (and, MXFP4, dequantized), and copied into
+    place here: a rank of EP 8 at gpt-oss-120b reads 16 of the 128 experts."""
     args = model.args
     check_config(hf.config, args, folder, flavor)
     q = (hf.config.get("quantization_config") or {}).get("quant_method")
     if q == "mxfp4":
-        log(f"{folder} holds its experts in MXFP4: each layer's are dequantized as it is read")
+        log(f"{folder} holds its experts in MXFP4: each rank dequantizes its own as it reads them")
     tensors = dict(model.named_parameters())
-    shapes = param_shapes(args)
     missing = [k for k in _keys(args) if not hf.has(k)]
     if missing:
         raise ConfigError(
             f"{folder} lacks {len(missing)} of this model's tensors (e.g. {missing[0]}); "
             f"is it a {flavor} checkpoint?"
         )
+    for top, theirs in _TOP.items():
+        if top in tensors:
+            yield _fitting(tensors, top, hf.tensor(theirs), folder, flavor)
+    for i in range(args.n_layers):
+        x = f"model.layers.{i}."
+        for ours, theirs in _LAYER.items():
+            name = f"layers.{i}.{ours}"
+            if name in tensors:
+                yield _fitting(tensors, name, hf.tensor(x + theirs), folder, flavor)
+        mine = {w: tensors.get(f"layers.{i}.feed_forward.experts.{w}") for w in _EXPERTS}
+        if all(t is not None for t in mine.values()):
+            _copy_experts(mine, hf.tensor, hf.has, i, args, folder, flavor)
 
-    def parts():
-        for top, theirs in _TOP.items():
-            if top in shapes:
-                yield {top: hf.tensor(theirs)}
-        for i in range(args.n_layers):
-            if any(n.startswith(f"layers.{i}.") for n in tensors):
-                yield layer_from_release(hf.tensor, hf.has, i)
 
-    for part in parts():
-        for name, full in part.items():
-            if name not in tensors:
-                continue
-            if tuple(full.shape) != tuple(tensors[name].shape):
-                raise ConfigError(
-                    f"{folder} does not fit model.flavor = {flavor!r}: {name} has shape "
-                    f"{list(full.shape)} there and {list(tensors[name].shape)} here; choose "
-                    "the flavor and model.vocab_size the checkpoint was made with"
-                )
-            yield tensors[name], full
+def _fitting(tensors, name: str, full: torch.Tensor, folder: str, flavor: str):
+    if tuple(full.shape) != tuple(tensors[name].shape):
+        raise ConfigError(
+            f"{folder} does not fit model.flavor = {flavor!r}: {name} has shape "
+            f"{list(full.shape)} there and {list(tensors[name].shape)} here; choose "
+            "the flavor and model.vocab_size the checkpoint was made with"
+        )
+    return tensors[name], full
+
+
+@torch.no_grad()
+def _copy_experts(mine: dict, get, has, i: int, args, folder: str, flavor: str) -> None:
+    """Layer i's experts of this rank (`mine`: w1 ... b3, plain or DTensor shards) from the
+    release, only the experts each holds read and dequantized."""
+    from trainer.hf.load import copy_full, local_region
+
+    e = f"model.layers.{i}.mlp.experts."
+    want = (args.moe.n_experts, 2 * args.moe.hidden_dim)
+    shape = get(e + "gate_up_proj_bias").shape
+    if tuple(shape) != want:
+        raise ConfigError(
+            f"{folder} does not fit model.flavor = {flavor!r}: {e}gate_up_proj_bias has "
+            f"shape {list(shape)} there and {list(want)} here"
+        )
+    regions = {w: local_region(t) for w, t in mine.items()}
+    if any(r is None for r in regions.values()):  # a strided layout: cut from the whole
+        for w, full in layer_experts(get, has, i, slice(None)).items():
+            copy_full(mine[w], full)
+        return
+    experts = regions["w1"][0]
+    pieces = layer_experts(get, has, i, experts)
+    for w, t in mine.items():
+        local = t.to_local() if hasattr(t, "to_local") else t
+        if local.numel():
+            local.copy_(pieces[w][(slice(None), *regions[w][1:])].to(local.dtype))
+
+
+def layer_experts(get, has, i: int, experts: slice) -> dict[str, torch.Tensor]:
+    """Layer i's experts `experts` under our names (w1 ... b3), from `get(key)` (the
+    release's tensors; experts in bf16/fp32 or MXFP4) and `has(key)`."""
+    e = f"model.layers.{i}.mlp.experts."
+    gate_up = _expert_rows(get, has, e + "gate_up_proj", experts)  # [e, 2 hidden, dim]
+    bias = get(e + "gate_up_proj_bias")[experts]
+    return {
+        "w1": gate_up[:, 0::2],
+        "w3": gate_up[:, 1::2],
+        "b1": bias[:, 0::2],
+        "b3": bias[:, 1::2],
+        "w2": _expert_rows(get, has, e + "down_proj", experts),  # [e, dim, hidden]
+        "b2": get(e + "down_proj_bias")[experts],
+    }
 
 
 def _keys(args) -> list[str]:
