@@ -33,6 +33,8 @@ import functools
 import torch
 import torch.distributed as dist
 
+from trainer.models.common import logits
+
 
 class SinkAttention(torch.autograd.Function):
     """CPU: o' = flash(q, k, v, mask) x sigmoid(lse - sink) (see the module docstring).
@@ -65,12 +67,17 @@ class SinkAttention(torch.autograd.Function):
 
 def attend(q, k, v, sinks, allowed):
     """Attention with sinks: q [b, s, h, d], k and v [b, S, kv_heads, d], sinks [h] (this
-    rank's heads), `allowed` a boolean mask broadcastable to [b, 1, s, S] or None (plain
-    causal, queries and keys the same positions) -> [b, h, s, d]."""
+    rank's heads); `allowed` the pairs a query sees: a FlexAttention BlockMask (CUDA), a
+    boolean mask broadcastable to [b, 1, s, S], or None (plain causal, queries and keys the
+    same positions) -> [b, h, s, d]."""
     groups = q.shape[2] // k.shape[2]
     q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
-    if q.device.type == "cuda":
-        return _flex_sinks(q, k, v, sinks, allowed, groups)
+    if allowed is not None and not isinstance(allowed, torch.Tensor):
+        out, lse = _compiled_flex()(
+            q, k, v, block_mask=allowed, enable_gqa=groups > 1, return_lse=True
+        )
+        w = torch.sigmoid(lse - sinks.float()[None, :, None])
+        return (out.float() * w[..., None]).to(out.dtype)
     if groups > 1:  # the CPU kernel takes as many key heads as query heads
         k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
     mask = None
@@ -80,15 +87,6 @@ def attend(q, k, v, sinks, allowed):
     return SinkAttention.apply(q, k, v, sinks, mask)
 
 
-def _flex_sinks(q, k, v, sinks, allowed, groups: int):
-    """CUDA: FlexAttention over the allowed pairs, its lse rescaling the output."""
-    out, lse = _compiled_flex()(
-        q, k, v, block_mask=_block_mask(allowed, q), enable_gqa=groups > 1, return_lse=True
-    )
-    w = torch.sigmoid(lse - sinks.float()[None, :, None])
-    return (out.float() * w[..., None]).to(out.dtype)
-
-
 @functools.cache
 def _compiled_flex():
     from torch.nn.attention.flex_attention import flex_attention
@@ -96,42 +94,55 @@ def _compiled_flex():
     return torch.compile(flex_attention, dynamic=False)
 
 
-def _block_mask(allowed, q):
-    """A BlockMask of the boolean mask (None: causal) over q's and the keys' positions."""
-    from torch.nn.attention.flex_attention import create_block_mask
+def block_mask(mask_mod, batch: int | None, q_len: int, kv_len: int, device):
+    """A BlockMask of `mask_mod` built by the compiled create_block_mask (tile by tile, no
+    [b, s, s] boolean)."""
+    from trainer.models.common.attention import _compiled_create_block_mask
 
-    s = q.shape[2]
+    return _compiled_create_block_mask()(mask_mod, batch, None, q_len, kv_len, device=device)
+
+
+def allowed_pairs(allowed) -> callable | None:
+    """QK-clip's `allowed(rows)` (trainer/models/common/logits.py) of a mask as `attend`
+    takes it."""
     if allowed is None:
-
-        def mask_mod(b, h, q_idx, kv_idx):
-            return kv_idx <= q_idx
-
-        return create_block_mask(mask_mod, None, None, s, s, device=q.device)
-    batch = allowed.shape[0]
-
-    def lookup(b, h, q_idx, kv_idx):
-        return allowed[b if batch > 1 else 0, 0, q_idx, kv_idx]
-
-    return create_block_mask(
-        lookup, batch if batch > 1 else None, None, s, allowed.shape[-1], device=q.device
-    )
+        return None
+    if isinstance(allowed, torch.Tensor):
+        return logits.boolean(allowed)
+    return logits.block_mask(allowed)
 
 
 class Masks:
-    """One microbatch's masks for every layer (see the module docstring): `allowed(window)`
-    is a boolean [b or 1, 1, s, s], or None for plain causal without a window."""
+    """One microbatch's masks for every layer (see the module docstring), built once per
+    window: `for_window(window)` is, on CUDA, a BlockMask; on the CPU a boolean
+    [b or 1, 1, s, s], or None for plain causal without a window."""
 
     def __init__(self, seq: int, doc_ids: torch.Tensor | None, device):
-        self.seq, self.doc_ids, self.device = seq, doc_ids, device
-        self._built: dict[int, torch.Tensor | None] = {}
+        self.seq, self.doc_ids, self.device = seq, doc_ids, torch.device(device)
+        self._built: dict[int, object] = {}
 
-    def allowed(self, window: int):
+    def for_window(self, window: int):
         if window not in self._built:
-            self._built[window] = self._build(window)
+            cuda = self.device.type == "cuda"
+            self._built[window] = self._block_mask(window) if cuda else self._boolean(window)
         return self._built[window]
 
+    def _block_mask(self, window: int):
+        docs = self.doc_ids
+
+        def mask_mod(b, h, q_idx, kv_idx):
+            ok = kv_idx <= q_idx
+            if window:
+                ok = ok & (q_idx - kv_idx < window)
+            if docs is not None:
+                ok = ok & (docs[b, q_idx] == docs[b, kv_idx])
+            return ok
+
+        batch = None if docs is None else docs.shape[0]
+        return block_mask(mask_mod, batch, self.seq, self.seq, self.device)
+
     @torch.no_grad()
-    def _build(self, window: int):
+    def _boolean(self, window: int):
         if not window and self.doc_ids is None:
             return None
         idx = torch.arange(self.seq, device=self.device)
@@ -144,20 +155,39 @@ class Masks:
         return ok.unsqueeze(1)
 
 
-def cp_allowed(cp, window: int) -> torch.Tensor:
+def cp_allowed(cp, window: int):
     """Under context parallelism (trainer/parallel/context_parallel.py's ContextAttention):
-    its boolean [b or 1, 1, local, global] mask (causal and documents, by global position),
-    narrowed to `window` from this rank's global positions (recovered from the gather's
-    order: rank r's tokens are the r-th block of the rank-major gather)."""
-    if not window:
-        return cp.mask
-    if not isinstance(cp.mask, torch.Tensor):
-        raise NotImplementedError("sliding windows under cp with FlexAttention's BlockMask")
-    seq = cp.natural.numel()
-    local = cp.mask.shape[-2]
+    its [local, global] mask (causal and documents, by global position) narrowed to `window`
+    from this rank's global positions (recovered from the gather's order: rank r's tokens
+    are the r-th block of the rank-major gather); on CUDA as a BlockMask over the narrowed
+    boolean. Built once per microbatch and window (kept on the cp attention)."""
+    built = cp.__dict__.setdefault("_windows", {})
+    if window not in built:
+        built[window] = _cp_mask(cp, window)
+    return built[window]
+
+
+@torch.no_grad()
+def _cp_mask(cp, window: int):
+    mask, device = cp.mask, cp.natural.device
+    if not isinstance(mask, torch.Tensor):  # CUDA: the BlockMask's rule, on the grid
+        if not window:
+            return mask
+        mask = logits.block_mask(mask)(torch.arange(mask.shape[-2], device=device))
+    elif not window:
+        return mask
+    seq, local = cp.natural.numel(), mask.shape[-2]
     rank = dist.get_rank(cp.group)
     gathered = torch.empty_like(cp.natural)
-    gathered[cp.natural] = torch.arange(seq, device=cp.natural.device)
+    gathered[cp.natural] = torch.arange(seq, device=device)
     index = gathered[rank * local : (rank + 1) * local]  # this rank's global positions
-    keys = torch.arange(seq, device=index.device)
-    return cp.mask & (index[:, None] - keys[None, :] < window)
+    keys = torch.arange(seq, device=device)
+    narrowed = mask & (index[:, None] - keys[None, :] < window)
+    if device.type != "cuda":
+        return narrowed
+    batch = narrowed.shape[0]
+
+    def lookup(b, h, q_idx, kv_idx):
+        return narrowed[b if batch > 1 else 0, 0, q_idx, kv_idx]
+
+    return block_mask(lookup, batch if batch > 1 else None, local, seq, device)

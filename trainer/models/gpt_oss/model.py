@@ -96,9 +96,9 @@ class SinkAttention(nn.Module):
             k, v = mask.gather(k), mask.gather(v)
             allowed = kernels.cp_allowed(mask, self.window)
         else:
-            allowed = mask.allowed(self.window)
+            allowed = mask.for_window(self.window)
         if self.logit_max is not None and self.training:
-            seen = None if allowed is None else logits.boolean(allowed)
+            seen = kernels.allowed_pairs(allowed)
             logits.record(self.logit_max, logits.max_logits(q, k, seen, causal=seen is None))
         out = kernels.attend(q, k, v, _local(self.sinks), allowed)
         return self.wo(out.transpose(1, 2).reshape(b, s, -1))
