@@ -305,3 +305,31 @@ def test_the_120b_config_is_traced_to_fit_h100s():
     assert out.returncode == 0, out.stderr[-3000:]
     text = out.stdout
     assert "trace verdict: FITS" in text and "agreement: the plan is within 10%" in text, text
+
+
+def test_the_plan_books_what_a_block_saves():
+    """The memory plan's per-token bytes of a block (trainer/models/gpt_oss/plan.py) against
+    the tensors autograd saves in one full-attention block's forward (fp32, 256 tokens; the CPU
+    kernel's K/V repeated to the query heads taken out: on CUDA FlexAttention keeps them at
+    the key heads)."""
+    from trainer.models.gpt_oss.plan import block_split
+
+    model = _ours(seq=256)
+    a = model.args
+    params = {t.data_ptr() for t in [*model.parameters(), *model.buffers()]}
+    tokens = 256
+    x = torch.randn(1, tokens, a.dim, requires_grad=True)
+    cos, sin, masks = model.attention_inputs(tokens, None, None, x.dtype)
+    saved = {}
+
+    def pack(t):
+        if t.data_ptr() not in params and t.numel() >= tokens:  # per-token tensors
+            saved[(t.data_ptr(), t.dtype)] = t.numel() * t.element_size()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        model.layers["1"](x, cos, sin, masks)
+    q, kv = a.n_heads * a.head_dim, a.n_kv_heads * a.head_dim
+    measured = sum(saved.values()) / tokens - 2 * (q - kv) * 4
+    planned = sum(block_split(a, 4, 1, 1))
+    assert abs(planned / measured - 1) < 0.04, (planned, measured)

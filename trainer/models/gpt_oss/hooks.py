@@ -76,6 +76,18 @@ class GptOssHooks(DecoderHooks):
             "attention.wv": colwise(),
         }
 
+    # ------------------------------------------------------------------ the memory plan
+
+    def plan_blocks_activations(self, a, p, tokens, **how):
+        from trainer.models.gpt_oss.plan import blocks_activations
+
+        return blocks_activations(a, p, tokens, **how)
+
+    def plan_largest_block(self, a, p, tokens, tp, ep, documents, seq):
+        from trainer.models.gpt_oss.plan import largest_block
+
+        return largest_block(a, p, tokens, tp, ep, documents, seq)
+
     # ------------------------------------------------------------------ Hugging Face
 
     def hf_param_shapes(self, args) -> dict:

@@ -137,9 +137,7 @@ class BiasedExperts(nn.Module):
         self.grouped = GROUPED_MM
 
     def activation(self, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
-        gate = gate.clamp(max=self.limit)
-        up = up.clamp(min=-self.limit, max=self.limit)
-        return (up + 1) * gate * torch.sigmoid(gate * self.alpha)
+        return ClampedSwiGLU.apply(gate, up, self.alpha, self.limit)
 
     def forward(self, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
         w1, w2, w3, b1, b2, b3 = (
@@ -163,6 +161,45 @@ class BiasedExperts(nn.Module):
 
         h = self.activation(mm(x, w1) + b1[expert], mm(x, w3) + b3[expert])
         return mm(h, w2) + b2[expert]
+
+
+class ClampedSwiGLU(torch.autograd.Function):
+    """(clamp(up, -limit, limit) + 1) x g x sigmoid(alpha g), g = clamp(gate, max=limit),
+    saving only its two inputs and recomputing the rest in backward: two hidden-wide tensors
+    a routed row instead of the seven autograd would keep (the clamps' inputs and outputs,
+    the sigmoid, the gated product, up + 1). The backward runs in fp32 (or wider) over
+    blocks of CHUNK values, so its temporaries stay small."""
+
+    CHUNK = 2**24  # values per block of the backward (64 MiB of fp32 per temporary)
+
+    @staticmethod
+    def forward(ctx, gate, up, alpha: float, limit: float):
+        ctx.save_for_backward(gate, up)
+        ctx.alpha, ctx.limit = alpha, limit
+        g = gate.clamp(max=limit)
+        return (up.clamp(min=-limit, max=limit) + 1) * g * torch.sigmoid(g * alpha)
+
+    @staticmethod
+    def backward(ctx, grad):
+        gate, up = ctx.saved_tensors
+        d_gate, d_up = torch.empty_like(gate), torch.empty_like(up)
+        rows = max(1, ClampedSwiGLU.CHUNK // max(gate.shape[-1], 1))
+        for start in range(0, gate.shape[0], rows):
+            part = slice(start, start + rows)
+            d_gate[part], d_up[part] = _swiglu_grads(
+                gate[part], up[part], grad[part], ctx.alpha, ctx.limit
+            )
+        return d_gate, d_up, None, None
+
+
+def _swiglu_grads(gate, up, grad, alpha: float, limit: float):
+    """The clamped SwiGLU's input gradients of one block of rows."""
+    wide = torch.promote_types(gate.dtype, torch.float32)
+    g, u, dy = gate.to(wide).clamp(max=limit), up.to(wide), grad.to(wide)
+    s = torch.sigmoid(g * alpha)
+    d_up = dy * g * s * ((u >= -limit) & (u <= limit))
+    d_gate = dy * (u.clamp(min=-limit, max=limit) + 1) * s * (1 + alpha * g * (1 - s))
+    return (d_gate * (gate <= limit)).to(gate.dtype), d_up.to(up.dtype)
 
 
 def _per_expert(x: torch.Tensor, w: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
