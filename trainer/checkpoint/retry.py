@@ -137,6 +137,7 @@ def _classify_error(e: BaseException) -> str | None:
 def _reset_while_sending(e: BaseException) -> bool:
     """An EndpointConnectionError whose cause is a connection that was open and then lost
     (aiohttp's ClientOSError writing the body, a reset or broken pipe), not one never made."""
+    import errno
     import socket
 
     cause = (getattr(e, "kwargs", None) or {}).get("error") or e.__context__
@@ -148,9 +149,14 @@ def _reset_while_sending(e: BaseException) -> bool:
         cause, (ClientConnectorError, ConnectionRefusedError, socket.gaierror)
     ):
         return False
-    return isinstance(
-        cause, (ConnectionResetError, BrokenPipeError)
-    ) or "write request body" in str(cause)
+    # aiohttp 3.14 reports a broken pipe while writing the body as a ClientOSError (an
+    # OSError with errno EPIPE, not a BrokenPipeError), earlier ones with "write request body"
+    lost = (errno.ECONNRESET, errno.EPIPE, errno.ECONNABORTED)
+    return (
+        isinstance(cause, (ConnectionResetError, BrokenPipeError))
+        or getattr(cause, "errno", None) in lost
+        or "write request body" in str(cause)
+    )
 
 
 def backoff(attempt: int) -> float:
